@@ -1,0 +1,4 @@
+"""Recording: a dispatch mode that writes every aten op of a block into a trace directory."""
+from replaydiff.record.recorder import RecordOptions, Recorder, record
+
+__all__ = ["RecordOptions", "Recorder", "record"]

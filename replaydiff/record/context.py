@@ -1,0 +1,95 @@
+"""Where an op happens: phase, module path, source line, and the forward op a backward op belongs to.
+
+All of it is read from state torch already keeps (the current autograd node, ModuleTracker, the optimizer step hooks,
+the Python stack) so that tracking costs a few attribute reads per op.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from types import FrameType
+
+import torch
+from torch.utils.module_tracker import ModuleTracker
+
+import replaydiff
+
+FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
+
+_SKIP_PREFIXES = tuple(
+    os.path.dirname(m.__file__) + os.sep for m in (torch, replaydiff)  # type: ignore[arg-type]
+) + ("<frozen ", os.path.dirname(os.__file__) + os.sep + "contextlib.py")
+
+
+class OpContext:
+    """Tracks phase and module; owned by one recording, installed on enter and removed on exit."""
+
+    def __init__(self, source_lines: bool) -> None:
+        self.source_lines = source_lines
+        self.in_optimizer = 0
+        self._tracker = ModuleTracker()
+        self._handles: list = []
+        self._seq_to_forward: dict[int, int] = {}
+        self._cwd = os.getcwd() + os.sep
+
+    def install(self) -> None:
+        self._tracker.__enter__()
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self._handles = [
+            register_optimizer_step_pre_hook(self._opt_pre),
+            register_optimizer_step_post_hook(self._opt_post),
+        ]
+
+    def uninstall(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._tracker.__exit__(None, None, None)
+
+    def _opt_pre(self, *args: object) -> None:
+        self.in_optimizer += 1
+
+    def _opt_post(self, *args: object) -> None:
+        self.in_optimizer = max(0, self.in_optimizer - 1)
+
+    def phase(self) -> tuple[str, int | None]:
+        """The phase and, for a backward op, the autograd sequence number of the node it runs in."""
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            return BACKWARD, node._sequence_nr()
+        if self.in_optimizer:
+            return OPTIMIZER, None
+        return FORWARD, None
+
+    def note_forward(self, index: int) -> None:
+        """Remember the first forward op seen after each autograd node was made: the op that made it."""
+        if torch.is_grad_enabled():
+            seq = torch._C._autograd._get_sequence_nr() - 1
+            self._seq_to_forward.setdefault(seq, index)
+
+    def forward_of(self, seq: int | None) -> int | None:
+        return None if seq is None else self._seq_to_forward.get(seq)
+
+    def module(self) -> str | None:
+        parents = self._tracker.parents
+        if len(parents) <= 1:
+            return None
+        best = None
+        for p in parents:  # the innermost module has the longest dotted path
+            if p != "Global" and (best is None or (p.count("."), len(p)) > (best.count("."), len(best))):
+                best = p
+        return best
+
+    def source(self) -> str | None:
+        if not self.source_lines:
+            return None
+        f: FrameType | None = sys._getframe(2)
+        while f is not None and f.f_code.co_filename.startswith(_SKIP_PREFIXES):
+            f = f.f_back
+        if f is None:
+            return None
+        name = f.f_code.co_filename
+        if name.startswith(self._cwd):
+            name = name[len(self._cwd):]
+        return f"{name}:{f.f_lineno}"

@@ -1,0 +1,67 @@
+"""The environment snapshot stored in every trace: what decides which kernels ran.
+
+Versions, devices, numerics flags and the variables that change NCCL, cuBLAS and torch behaviour. Thread count is here
+too: on CPU, LayerNorm and convolution backward reduce in a different order with 2 threads than with 1.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+from typing import Any
+
+import torch
+
+_ENV_PREFIXES = ("NCCL_", "TORCH_", "OMP_", "MKL_", "CUDA_", "CUBLAS_", "CUDNN_", "PYTORCH_")
+
+
+def _safe(fn, default: Any = None) -> Any:
+    try:
+        return fn()
+    except Exception:
+        return default
+
+
+def environment_snapshot(rank: int, world_size: int) -> dict[str, Any]:
+    cuda = torch.cuda.is_available()
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "rank": rank,
+        "world_size": world_size,
+        "cuda": torch.version.cuda,
+        "cudnn": _safe(torch.backends.cudnn.version),
+        "nccl": _safe(lambda: ".".join(map(str, torch.cuda.nccl.version())) if cuda else None),
+        "num_threads": torch.get_num_threads(),
+        "num_interop_threads": _safe(torch.get_num_interop_threads),
+        "devices": [],
+        "driver": None,
+        "flags": {
+            "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+            "cuda.matmul.allow_bf16_reduced_precision_reduction":
+                _safe(lambda: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction),
+            "cuda.matmul.allow_fp16_reduced_precision_reduction":
+                _safe(lambda: torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction),
+            "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+            "cudnn.benchmark": torch.backends.cudnn.benchmark,
+            "cudnn.deterministic": torch.backends.cudnn.deterministic,
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        },
+        "variables": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)},
+    }
+    if cuda:
+        for i in range(torch.cuda.device_count()):
+            p = _safe(lambda i=i: torch.cuda.get_device_properties(i))
+            env["devices"].append({
+                "index": i,
+                "name": getattr(p, "name", None),
+                "capability": list(_safe(lambda i=i: torch.cuda.get_device_capability(i), ())),
+                "memory": getattr(p, "total_memory", None),
+            })
+        env["driver"] = _safe(lambda: torch._C._cuda_getDriverVersion())
+    return env

@@ -1,0 +1,255 @@
+"""The private dispatch mode that turns every aten op into an op record.
+
+For each op: inputs are described (and their bytes snapshotted once per storage version) *before* the op runs, so
+in-place and out= ops keep what they read; the op runs exactly as it would have; outputs and every argument the
+schema marks written are described *after* it. Any exception inside the bookkeeping disables recording with one
+warning and is never raised into the job; the op itself always runs unchanged.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from replaydiff.record.context import BACKWARD, FORWARD
+from replaydiff.record.encode import TENSOR_KEY, encode_value
+from replaydiff.record.stats import batch_stats
+from replaydiff.trace.writer import Snapshot
+
+if TYPE_CHECKING:
+    from replaydiff.record.recorder import Recorder
+
+log = logging.getLogger("replaydiff")
+
+_UNINITIALISED = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted"}
+_COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor"}
+_SEEDED = torch.Tag.nondeterministic_seeded
+
+
+def _written_args(func: Any, args: tuple, kwargs: dict) -> list[tuple[list, Any]]:
+    """(path, value) of each argument the op writes: schema-marked writes, and every tensor of a collective."""
+    out = []
+    collective = func.namespace in _COLLECTIVE_NAMESPACES
+    for i, a in enumerate(func._schema.arguments):
+        written = a.alias_info is not None and a.alias_info.is_write
+        if not (written or collective):
+            continue
+        if i < len(args) and not a.kwarg_only:
+            path, v = ["a", i], args[i]
+        elif a.name in kwargs:
+            path, v = ["k", a.name], kwargs[a.name]
+        else:
+            continue
+        if isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v)):
+            out.append((path, v))
+    return out
+
+
+def _tensors(v: Any):
+    if isinstance(v, torch.Tensor):
+        yield v
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            yield from _tensors(x)
+
+
+class RecordingMode(TorchDispatchMode):
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self.rec = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rec = self.rec
+        if not rec.active:
+            return func(*args, **kwargs)
+        pending = None
+        try:
+            pending = rec.before(func, types, args, kwargs)
+        except Exception as exc:
+            rec.disable(f"an op could not be recorded ({func}: {type(exc).__name__}: {exc})")
+        out = func(*args, **kwargs)
+        if pending is not None:
+            try:
+                rec.after(pending, func, args, kwargs, out)
+            except Exception as exc:
+                rec.disable(f"an op could not be recorded ({func}: {type(exc).__name__}: {exc})")
+        return out
+
+
+class OpBuilder:
+    """The per-op half of the recorder: describes tensors, snapshots storages, builds records."""
+
+    def __init__(self, rec: Recorder) -> None:
+        self.rec = rec
+        self.mode = rec.options.tensors
+        self.max_bytes = rec.options.max_tensor_bytes
+        self._stat_queue: list[tuple[dict, torch.Tensor]] = []
+        self._stats_seen: dict[tuple, list] = {}
+
+    # -- tensors ----------------------------------------------------------------------------------------------
+    def ref(self, t: torch.Tensor, store: bool) -> dict:
+        ref: dict[str, Any] = {
+            "dt": str(t.dtype).removeprefix("torch."),
+            "sh": list(t.shape),
+            "st": list(t.stride()) if t.layout == torch.strided else None,
+            "of": t.storage_offset() if t.layout == torch.strided else 0,
+            "dev": str(t.device),
+        }
+        if t.requires_grad:
+            ref["rg"] = True
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.device.type == "meta":
+            ref[TENSOR_KEY] = None
+            ref["unsupported"] = f"{type(t).__name__}/{t.layout}/{t.device.type}"
+            return ref
+        storage = t.untyped_storage()
+        entry = self.rec.storages.entry(storage)
+        ref[TENSOR_KEY] = entry.version
+        ref["sb"] = entry.nbytes
+        if entry.uninitialised:
+            ref["u"] = True
+        if not store:
+            return ref
+        if self.mode == "full" and (self.max_bytes is None or entry.nbytes <= self.max_bytes):
+            if entry.chunk is None:
+                entry.chunk = self._snapshot(storage, t.element_size(), entry.version)
+            ref["f"] = entry.chunk
+        elif self.mode != "meta":
+            key = (entry.version, ref["dt"], tuple(ref["sh"]), tuple(ref["st"]), ref["of"])
+            cached = self._stats_seen.get(key)
+            if cached is not None:
+                ref["s"] = cached
+            else:
+                self._stat_queue.append((ref, t))
+        return ref
+
+    def _snapshot(self, storage: torch.UntypedStorage, itemsize: int, version: int) -> int:
+        rec = self.rec
+        u8 = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+        if storage.device.type == "cpu":
+            snap = Snapshot(version, u8.clone(), itemsize)
+        else:
+            # Ordered after the op on the current stream, asynchronous into pinned memory: the GPU is not stalled.
+            host = torch.empty(u8.numel(), dtype=torch.uint8, pin_memory=True)
+            host.copy_(u8, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(storage.device))
+            snap = Snapshot(version, host, itemsize, event)
+        return rec.writer.add_snapshot(snap)
+
+    def flush_stats(self) -> None:
+        if not self._stat_queue:
+            return
+        stats = batch_stats([t for _, t in self._stat_queue])
+        for (ref, _), s in zip(self._stat_queue, stats):
+            ref["s"] = s
+            self._stats_seen[(ref[TENSOR_KEY], ref["dt"], tuple(ref["sh"]), tuple(ref["st"]), ref["of"])] = s
+        self._stat_queue = []
+        if len(self._stats_seen) > 100_000:
+            self._stats_seen.clear()
+
+    def encode(self, v: Any, store: bool = True) -> Any:
+        return encode_value(v, lambda t: self.ref(t, store))
+
+
+class Pending:
+    __slots__ = ("record", "written", "store")
+
+    def __init__(self, record: dict, written: list, store: bool) -> None:
+        self.record = record
+        self.written = written
+        self.store = store
+
+
+def op_matches(name: str, module: str | None, op_globs: list[str] | None, module_globs: list[str] | None) -> bool:
+    if op_globs and not any(fnmatch.fnmatchcase(name, g) for g in op_globs):
+        return False
+    if module_globs and not (module and any(fnmatch.fnmatchcase(module, g) for g in module_globs)):
+        return False
+    return True
+
+
+def record_before(rec: Recorder, b: OpBuilder, func: Any, types: Any, args: tuple, kwargs: dict) -> Pending | None:
+    index = rec.next_index
+    rec.next_index += 1
+    name = str(func)
+    ctx = rec.context
+    phase, seq = ctx.phase()
+    module = ctx.module()
+    if phase == FORWARD:
+        ctx.note_forward(index)
+    if not op_matches(name, module, rec.options.ops, rec.options.modules):
+        return None
+    record: dict[str, Any] = {"i": index, "op": name, "ph": phase}
+    if module:
+        record["mod"] = module
+    if phase == BACKWARD:
+        fwd = ctx.forward_of(seq)
+        if fwd is not None:
+            record["fwd"] = fwd
+    src = ctx.source()
+    if src:
+        record["src"] = src
+    if func.namespace in _COLLECTIVE_NAMESPACES:
+        record["coll"] = collective_info(args, kwargs)
+    if _SEEDED in func.tags:
+        record["rng"] = rec.rng_state(args, kwargs)
+    # Arguments the op writes are described as they are now, before the op.
+    record["a"] = b.encode(list(args))
+    record["k"] = {k: b.encode(v) for k, v in kwargs.items()}
+    return Pending(record, _written_args(func, args, kwargs), True)
+
+
+def record_after(rec: Recorder, b: OpBuilder, p: Pending, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    record = p.record
+    if "coll" in record:
+        out = wait_collective(func, out)
+    for _, v in p.written:
+        for t in _tensors(v):
+            e = rec.storages.entry(t.untyped_storage())
+            rec.storages.bump(e)
+    if func.overloadpacket.__name__ in _UNINITIALISED:
+        for t in _tensors(out):
+            rec.storages.entry(t.untyped_storage()).uninitialised = True
+        record["u"] = True
+        record["o"] = b.encode(out, store=False)
+    else:
+        if p.written:
+            record["w"] = [[path, b.encode(v)] for path, v in p.written]
+        record["o"] = b.encode(out)
+    b.flush_stats()
+    rec.writer.add_op(record)
+
+
+def collective_info(args: tuple, kwargs: dict) -> dict:
+    import torch.distributed as dist
+
+    info: dict[str, Any] = {}
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch._C.ScriptObject) or type(v).__name__ == "ProcessGroup":
+            try:
+                info["ranks"] = dist.get_process_group_ranks(v)
+                info["size"] = v.size()
+                info["group_rank"] = v.rank()
+            except Exception:
+                pass
+        elif isinstance(v, str) and "group" not in info:
+            info["group"] = v  # functional collectives name their group
+    if dist.is_available() and dist.is_initialized() and "size" not in info:
+        info.setdefault("size", dist.get_world_size())
+    return info
+
+
+def wait_collective(func: Any, out: Any) -> Any:
+    """Outputs of a collective exist only once its work completes: wait for it (the job would, before using them)."""
+    if func.namespace == "c10d" and isinstance(out, (tuple, list)):
+        for v in out:
+            if hasattr(v, "wait") and not isinstance(v, torch.Tensor):
+                v.wait()
+    elif func.namespace in ("_c10d_functional", "c10d_functional"):
+        for t in _tensors(out):
+            torch.ops._c10d_functional.wait_tensor(t)
+    return out

@@ -1,0 +1,102 @@
+"""Layout and framing of a trace directory.
+
+A trace is a directory holding one ``rank<N>/`` sub-directory per process. Each rank directory holds
+
+- ``manifest.rdt``: format version, environment, options; rewritten (atomically) when recording ends, with
+  ``complete: true`` and what was lost;
+- ``ops/<first-op-index>.rdt``: a chunk of op records, msgpack, written atomically once the chunk is full;
+- ``data/<chunk>.safetensors``: the storage bytes first seen in that chunk, one uint8 tensor per storage version,
+  optionally byte-shuffled and zstd-compressed, each with its CRC in the safetensors metadata.
+
+Every msgpack file is framed as ``MAGIC | flags | crc32 | length | payload`` so that a flipped or missing byte is
+caught before the payload is decoded: a damaged trace is reported, never silently misread. Nothing here ever uses
+pickle; decoding a trace runs no code.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zstandard
+
+from replaydiff.errors import TraceError
+
+FORMAT_NAME = "replaydiff.trace"
+FORMAT_VERSION = 1
+
+MANIFEST = "manifest.rdt"
+OPS_DIR = "ops"
+DATA_DIR = "data"
+FRAME_SUFFIX = ".rdt"
+
+_MAGIC = b"RDT\x01"
+_HEADER = struct.Struct("<4sBIQ")  # magic, flags, crc32 of payload, payload length
+_FLAG_ZSTD = 1
+# A single frame never legitimately decompresses beyond this; a hand-made one that claims more is refused.
+_MAX_FRAME_BYTES = 1 << 31
+
+
+def rank_dir_name(rank: int) -> str:
+    return f"rank{rank}"
+
+
+def ops_chunk_name(first_index: int) -> str:
+    return f"{first_index:09d}{FRAME_SUFFIX}"
+
+
+def data_file_name(chunk_no: int) -> str:
+    return f"{chunk_no:06d}.safetensors"
+
+
+def pack_frame(obj: Any, compress_level: int | None) -> bytes:
+    payload = msgpack.packb(obj, use_bin_type=True)
+    flags = 0
+    if compress_level is not None:
+        payload = zstandard.ZstdCompressor(level=compress_level).compress(payload)
+        flags |= _FLAG_ZSTD
+    return _HEADER.pack(_MAGIC, flags, zlib.crc32(payload), len(payload)) + payload
+
+
+def unpack_frame(data: bytes, path: Path | str) -> Any:
+    """Decode one frame, raising TraceError (naming ``path``) for anything that is not a whole, intact frame."""
+    if len(data) < _HEADER.size:
+        raise TraceError(path, f"truncated ({len(data)} bytes, not even a header)")
+    magic, flags, crc, length = _HEADER.unpack_from(data)
+    if magic != _MAGIC:
+        raise TraceError(path, "not a replaydiff trace file (bad magic bytes)")
+    payload = data[_HEADER.size:]
+    if len(payload) != length:
+        raise TraceError(path, f"truncated ({len(payload)} of {length} payload bytes)")
+    if zlib.crc32(payload) != crc:
+        raise TraceError(path, "corrupt (checksum mismatch)")
+    if flags & ~_FLAG_ZSTD:
+        raise TraceError(path, f"unknown frame flags {flags:#x}")
+    try:
+        if flags & _FLAG_ZSTD:
+            payload = zstandard.ZstdDecompressor().decompress(payload, max_output_size=_MAX_FRAME_BYTES)
+        return msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # zstd or msgpack errors: the file is damaged even though its checksum matched
+        raise TraceError(path, f"corrupt ({type(exc).__name__}: {exc})") from None
+
+
+def read_frame(path: Path) -> Any:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise TraceError(path, "missing") from None
+    except OSError as exc:
+        raise TraceError(path, f"unreadable ({exc.strerror or exc})") from None
+    return unpack_frame(data, path)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write via a temporary name and rename, so a crash leaves either the old file or the whole new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+    os.replace(tmp, path)

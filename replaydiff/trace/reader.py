@@ -1,0 +1,224 @@
+"""Reading a trace lazily: the manifest at open, one ops chunk and one storage at a time on demand.
+
+Everything read is checked (frame checksums, storage CRCs, structure), and every problem surfaces as a TraceError
+that names the file, so the CLI can print one line and exit 3. A trace whose recording never finished (a killed
+job) reads up to its last complete chunk; ``truncated_after`` says where it stops.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Iterator
+
+import safetensors
+import torch
+
+from replaydiff.errors import TraceError
+from replaydiff.record.encode import TENSOR_KEY, dtype_from_name
+from replaydiff.trace import codec
+from replaydiff.trace.format import (
+    DATA_DIR,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    FRAME_SUFFIX,
+    MANIFEST,
+    OPS_DIR,
+    data_file_name,
+    read_frame,
+)
+
+
+class RankReader:
+    """One rank's trace."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.manifest = self._read_manifest()
+        self.rank = int(self.manifest.get("rank", 0))
+        ops_dir = self.root / OPS_DIR
+        firsts = []
+        if ops_dir.is_dir():
+            for p in ops_dir.iterdir():
+                if p.suffix == FRAME_SUFFIX and p.stem.isdigit():
+                    firsts.append(int(p.stem))
+        self._firsts = sorted(firsts)
+        self._chunks: OrderedDict[int, list[dict]] = OrderedDict()
+        self._files: OrderedDict[int, Any] = OrderedDict()
+        self._storages: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.complete = bool(self.manifest.get("complete"))
+
+    # -- manifest ---------------------------------------------------------------------------------------------
+    def _read_manifest(self) -> dict:
+        path = self.root / MANIFEST
+        m = read_frame(path)
+        if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
+            raise TraceError(path, "not a replaydiff trace manifest")
+        version = m.get("version")
+        if not isinstance(version, int):
+            raise TraceError(path, "manifest has no format version")
+        if version > FORMAT_VERSION:
+            raise TraceError(path, f"trace format version {version} is newer than this replaydiff understands "
+                                   f"({FORMAT_VERSION}); upgrade replaydiff to read it")
+        return m
+
+    @property
+    def environment(self) -> dict:
+        env = self.manifest.get("environment")
+        return env if isinstance(env, dict) else {}
+
+    @property
+    def lost(self) -> list[str]:
+        return list(self.manifest.get("lost") or [])
+
+    # -- ops --------------------------------------------------------------------------------------------------
+    def _chunk(self, first: int) -> list[dict]:
+        ops = self._chunks.get(first)
+        if ops is not None:
+            self._chunks.move_to_end(first)
+            return ops
+        path = self.root / OPS_DIR / f"{first:09d}{FRAME_SUFFIX}"
+        frame = read_frame(path)
+        try:
+            ops = frame["ops"]
+            if frame["first"] != first or not isinstance(ops, list) or not ops:
+                raise ValueError("chunk does not match its name")
+            prev = first - 1
+            for op in ops:
+                if not isinstance(op, dict) or not isinstance(op["i"], int) or op["i"] <= prev:
+                    raise ValueError("op numbers out of order")
+                if not isinstance(op["op"], str):
+                    raise ValueError("op without a name")
+                prev = op["i"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TraceError(path, f"malformed ops chunk ({exc})") from None
+        self._chunks[first] = ops
+        if len(self._chunks) > 4:
+            self._chunks.popitem(last=False)
+        return ops
+
+    def __iter__(self) -> Iterator[dict]:
+        for first in self._firsts:
+            yield from self._chunk(first)
+
+    def op(self, index: int) -> dict:
+        k = bisect.bisect_right(self._firsts, index) - 1
+        if k >= 0:
+            for op in self._chunk(self._firsts[k]):
+                if op["i"] == index:
+                    return op
+        raise KeyError(index)
+
+    @property
+    def last_index(self) -> int | None:
+        if not self._firsts:
+            return None
+        return self._chunk(self._firsts[-1])[-1]["i"]
+
+    @property
+    def truncated_after(self) -> int | None:
+        """For a trace whose recording never finished: the last op that reads back (-1 if none)."""
+        if self.complete:
+            return None
+        last = self.last_index
+        return -1 if last is None else last
+
+    # -- storages ---------------------------------------------------------------------------------------------
+    def _file(self, chunk: int) -> Any:
+        f = self._files.get(chunk)
+        if f is None:
+            path = self.root / DATA_DIR / data_file_name(chunk)
+            if not path.is_file():
+                raise TraceError(path, "missing")
+            try:
+                f = safetensors.safe_open(str(path), framework="pt")
+                f.metadata()
+            except Exception as exc:
+                raise TraceError(path, f"corrupt ({exc})") from None
+            self._files[chunk] = f
+            if len(self._files) > 8:
+                self._files.popitem(last=False)
+        return f
+
+    def storage_bytes(self, version: int, chunk: int, nbytes: int) -> torch.Tensor:
+        """The decoded bytes of one storage version as a uint8 CPU tensor (shared: do not write into it)."""
+        cached = self._storages.get(version)
+        if cached is not None:
+            self._storages.move_to_end(version)
+            return cached
+        path = self.root / DATA_DIR / data_file_name(chunk)
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        f = self._file(chunk)
+        key = str(version)
+        try:
+            meta = (f.metadata() or {}).get(key)
+            if meta is None:
+                raise ValueError(f"storage {key} is not in this file")
+            codec_name, n, crc = meta.split(";")
+            if int(n) != nbytes:
+                raise ValueError(f"storage {key} holds {n} bytes, the op expects {nbytes}")
+            raw = f.get_tensor(key)
+            if raw.dtype != torch.uint8 or raw.dim() != 1:
+                raise ValueError(f"storage {key} is not a byte tensor")
+            data = codec.decode(raw, codec_name, int(n), int(crc), f"storage {key}")
+        except TraceError:
+            raise
+        except Exception as exc:
+            raise TraceError(path, f"corrupt ({exc})") from None
+        self._storages[version] = data
+        total = sum(t.numel() for t in self._storages.values())
+        while total > (256 << 20) and len(self._storages) > 1:
+            _, old = self._storages.popitem(last=False)
+            total -= old.numel()
+        return data
+
+    def has_data(self, ref: dict) -> bool:
+        return isinstance(ref, dict) and ref.get(TENSOR_KEY) is not None and ("f" in ref or ref.get("sb") == 0)
+
+    def tensor(self, ref: dict) -> torch.Tensor:
+        """The recorded tensor of a reference, on CPU, in its recorded dtype (a fresh copy)."""
+        dtype = dtype_from_name(ref["dt"])
+        data = self.storage_bytes(int(ref[TENSOR_KEY]), int(ref.get("f", -1)), int(ref.get("sb", 0)))
+        return rebuild(data, dtype, ref, self.root)
+
+
+def rebuild(data: torch.Tensor, dtype: torch.dtype, ref: dict, where: Path | str) -> torch.Tensor:
+    """A tensor with the reference's size, stride and offset over (a copy of) a storage's bytes."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    try:
+        n = data.numel() - data.numel() % itemsize
+        base = data[:n].clone().view(dtype)
+        return base.as_strided(ref["sh"], ref["st"], ref["of"])
+    except Exception as exc:
+        raise TraceError(where, f"a tensor does not fit its storage ({exc})") from None
+
+
+class TraceReader:
+    """A whole trace: every rank found under the directory."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            raise TraceError(self.path, "no such trace directory")
+        if (self.path / MANIFEST).exists():
+            dirs = [self.path]
+        else:
+            dirs = sorted((p for p in self.path.iterdir() if p.is_dir() and p.name.startswith("rank")
+                           and p.name[4:].isdigit()), key=lambda p: int(p.name[4:]))
+        if not dirs:
+            raise TraceError(self.path, "not a trace directory (no rank*/manifest.rdt inside)")
+        self.ranks: dict[int, RankReader] = {}
+        for d in dirs:
+            r = RankReader(d)
+            self.ranks[r.rank] = r
+
+    def rank(self, rank: int) -> RankReader:
+        try:
+            return self.ranks[rank]
+        except KeyError:
+            raise TraceError(self.path, f"the trace holds no rank {rank}") from None
+
+
+def open_trace(path: str | Path) -> TraceReader:
+    return TraceReader(Path(path))

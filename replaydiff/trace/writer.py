@@ -1,0 +1,174 @@
+"""Writing one rank's trace as it goes, on a background thread, never raising into the caller.
+
+The recording thread hands over full chunks (op records plus the storage snapshots first seen in them); the writer
+thread waits for any device-to-host copies, encodes, and writes the data file and then the ops file, each atomically.
+A chunk's ops file therefore never exists without its data, and a process killed mid-step leaves a readable prefix.
+The queue is bounded, so memory stays bounded: a slow disk slows the job rather than filling host memory.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import queue
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import safetensors
+import torch
+
+from replaydiff.trace import codec
+from replaydiff.trace.format import (
+    DATA_DIR,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST,
+    OPS_DIR,
+    data_file_name,
+    ops_chunk_name,
+    pack_frame,
+    write_atomic,
+)
+
+log = logging.getLogger("replaydiff")
+
+
+@dataclass
+class Snapshot:
+    """A copy of one storage version's bytes, possibly still in flight from a device."""
+
+    version: int
+    data: torch.Tensor  # uint8, CPU (pinned when copied from a GPU)
+    itemsize: int
+    event: Any = None  # torch.cuda.Event to wait on before reading ``data``
+
+
+@dataclass
+class _Chunk:
+    number: int
+    ops: list[dict] = field(default_factory=list)
+    snapshots: list[Snapshot] = field(default_factory=list)
+    pending_bytes: int = 0
+
+
+class RankWriter:
+    def __init__(self, root: Path, manifest: dict, compress_level: int | None, shuffle: bool = True,
+                 chunk_ops: int = 256, chunk_bytes: int = 64 << 20) -> None:
+        self.root = root
+        self.compress_level = compress_level
+        self.shuffle = shuffle
+        self.chunk_ops = chunk_ops
+        self.chunk_bytes = chunk_bytes
+        self.lost: list[str] = []
+        self.failed = False
+        self.bytes_written = 0
+        self.ops_written = 0
+        self.last_op_written: int | None = None
+        self._manifest = dict(manifest, format=FORMAT_NAME, version=FORMAT_VERSION, complete=False)
+        (root / OPS_DIR).mkdir(parents=True, exist_ok=True)
+        (root / DATA_DIR).mkdir(parents=True, exist_ok=True)
+        self._write_manifest()
+        self._chunk = _Chunk(0)
+        self._queue: queue.Queue = queue.Queue(maxsize=2)
+        self._thread = threading.Thread(target=self._run, name="replaydiff-writer", daemon=True)
+        self._thread.start()
+
+    # -- recording thread -------------------------------------------------------------------------------------
+    @property
+    def chunk_number(self) -> int:
+        return self._chunk.number
+
+    def add_snapshot(self, snap: Snapshot) -> int:
+        self._chunk.snapshots.append(snap)
+        self._chunk.pending_bytes += snap.data.numel()
+        return self._chunk.number
+
+    def add_op(self, record: dict) -> None:
+        self._chunk.ops.append(record)
+        if len(self._chunk.ops) >= self.chunk_ops or self._chunk.pending_bytes >= self.chunk_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        chunk = self._chunk
+        if not chunk.ops and not chunk.snapshots:
+            return
+        self._chunk = _Chunk(chunk.number + 1)
+        if not self.failed:
+            self._queue.put(chunk)
+
+    def close(self, extra: dict) -> None:
+        self.flush()
+        self._queue.put(None)
+        self._thread.join()
+        self._manifest.update(extra)
+        self._manifest.update(complete=True, lost=self.lost, ops_written=self.ops_written,
+                              last_op=self.last_op_written, data_bytes=self.bytes_written)
+        try:
+            self._write_manifest()
+        except Exception as exc:
+            self._fail(f"the final manifest could not be written ({exc}); the trace will read as truncated")
+
+    def note_lost(self, what: str) -> None:
+        if len(self.lost) < 100:
+            self.lost.append(what)
+
+    # -- writer thread ----------------------------------------------------------------------------------------
+    def _write_manifest(self) -> None:
+        self._manifest["written_at"] = time.time()
+        write_atomic(self.root / MANIFEST, pack_frame(self._manifest, None))
+
+    def _fail(self, why: str) -> None:
+        if not self.failed:
+            warnings.warn(f"replaydiff: recording degraded: {why}", RuntimeWarning, stacklevel=2)
+        self.failed = True
+        self.note_lost(why)
+
+    def _run(self) -> None:
+        while True:
+            chunk = self._queue.get()
+            if chunk is None:
+                return
+            if self.failed:
+                continue
+            try:
+                self._write_chunk(chunk)
+            except Exception as exc:  # disk full, permissions, anything: recording stops, training goes on
+                first = chunk.ops[0]["i"] if chunk.ops else "?"
+                self._fail(f"writing chunk {chunk.number} failed ({type(exc).__name__}: {exc}); "
+                           f"ops from #{first} on were not written")
+
+    def _write_chunk(self, chunk: _Chunk) -> None:
+        specs: dict[str, Any] = {}
+        metadata: dict[str, str] = {}
+        keep_alive: list[Any] = []
+        for snap in chunk.snapshots:
+            if snap.event is not None:
+                snap.event.synchronize()
+            blob = codec.encode(snap.data, snap.itemsize, self.compress_level, self.shuffle)
+            if blob.nbytes == 0:
+                continue
+            data = blob.data
+            if isinstance(data, memoryview):
+                data = bytes(data)
+            keep_alive.append(data)
+            ptr = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
+            key = str(snap.version)
+            specs[key] = safetensors.TensorSpec(dtype="uint8", shape=[len(data)], data_ptr=ptr, data_len=len(data))
+            metadata[key] = f"{blob.codec};{blob.nbytes};{blob.crc}"
+        if specs:
+            path = self.root / DATA_DIR / data_file_name(chunk.number)
+            tmp = path.with_name(path.name + ".tmp")
+            safetensors.serialize_file(specs, str(tmp), metadata=metadata)
+            tmp.replace(path)
+            self.bytes_written += path.stat().st_size
+        del keep_alive
+        if chunk.ops:
+            frame = pack_frame({"chunk": chunk.number, "first": chunk.ops[0]["i"], "ops": chunk.ops},
+                               self.compress_level)
+            write_atomic(self.root / OPS_DIR / ops_chunk_name(chunk.ops[0]["i"]), frame)
+            self.bytes_written += len(frame)
+            self.ops_written += len(chunk.ops)
+            self.last_op_written = chunk.ops[-1]["i"]
