@@ -48,10 +48,11 @@ def _torch_attr(name: Any, kind: type) -> Any:
     return obj
 
 
-def decode_value(v: Any, tensor: Callable[[dict], Any]) -> Any:
-    """Inverse of encode_value; ``tensor`` builds a tensor from a reference dict. Raises ValueError on junk."""
+def decode_value(v: Any, tensor: Callable[[dict], Any], marker: Callable[[str, Any], Any] | None = None) -> Any:
+    """Inverse of encode_value; ``tensor`` builds a tensor from a reference dict, ``marker`` handles the markers
+    that cannot be rebuilt from the trace alone (generators, objects). Raises ValueError on junk."""
     if isinstance(v, list):
-        return [decode_value(x, tensor) for x in v]
+        return [decode_value(x, tensor, marker) for x in v]
     if not isinstance(v, dict):
         return v
     if TENSOR_KEY in v:
@@ -72,6 +73,8 @@ def decode_value(v: Any, tensor: Callable[[dict], Any]) -> Any:
     if key == "bigint":
         return int(str(val))
     if key in ("generator", "symbolic", "object"):
+        if marker is not None:
+            return marker(key, val)
         raise ValueError(f"an argument of kind {key!r} cannot be rebuilt for replay")
     raise ValueError(f"unknown marker {key!r}")
 

@@ -1,0 +1,86 @@
+"""When is a difference a divergence? Per recorded dtype limits on the normalised metrics.
+
+Calibrated on healthy ops (../shared/BRIEF.md): fp32 replayed in fp64 reaches max_abs/(eps*absmax) of 6 at most
+(p99 5.7) and rel_l2/eps of 3.1, so fp32 flags above 16 or 8; bf16 reaches 0.49 and 0.24, so it flags above 1.0 or
+0.5 (fp16 follows bf16: its error too is one rounding of an fp32-accumulated value). Reductions over K elements grow
+like sqrt(K) and the calibration went up to K=256, so limits scale by sqrt(K/256) beyond that. NaN/Inf in one and not
+the other always diverges; integers and bools must be exact; ``exact`` (same precision on the recording backend)
+makes every difference divergent.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+DEFAULT_LIMITS: dict[str, tuple[float, float]] = {
+    "float64": (16.0, 8.0),
+    "float32": (16.0, 8.0),
+    "complex64": (16.0, 8.0),
+    "complex128": (16.0, 8.0),
+    "bfloat16": (1.0, 0.5),
+    "float16": (1.0, 0.5),
+}
+_FALLBACK = (1.0, 0.5)  # float8 and other narrow types: one rounding
+CALIBRATED_K = 256
+_MATMUL_LIKE = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_addmm_activation", "addbmm", "mv", "addmv"}
+
+
+def reduction_length(op_packet: str, input_shapes: list[list[int]], out_numel: int) -> int:
+    """How many terms the longest sum behind one output element may have (used to scale the limits)."""
+    k = 1
+    if op_packet in _MATMUL_LIKE:
+        mats = [s for s in input_shapes if len(s) >= 2]
+        if mats:
+            k = max(k, mats[0][-1])
+    elif op_packet in ("convolution", "_convolution", "conv2d", "conv1d", "conv3d") and len(input_shapes) >= 2:
+        w = input_shapes[1]
+        k = max(k, math.prod(w[1:]) if len(w) > 1 else 1)
+    largest = max((math.prod(s) for s in input_shapes), default=1)
+    if out_numel > 0:
+        k = max(k, largest // out_numel)
+    return k
+
+
+@dataclass
+class Tolerances:
+    limits: dict[str, tuple[float, float]] = field(default_factory=lambda: dict(DEFAULT_LIMITS))
+    scale_reductions: bool = True
+
+    def limit_for(self, dtype: torch.dtype | str, k: int) -> tuple[float, float]:
+        name = str(dtype).removeprefix("torch.")
+        lim = self.limits.get(name, _FALLBACK)
+        s = math.sqrt(k / CALIBRATED_K) if (self.scale_reductions and k > CALIBRATED_K) else 1.0
+        return lim[0] * s, lim[1] * s
+
+    def diverges(self, metrics: dict, dtype: torch.dtype | str, k: int) -> tuple[bool, str | None]:
+        """(divergent?, why) for one tensor's metrics."""
+        if "shape_mismatch" in metrics:
+            return True, "shape mismatch"
+        if "mismatches" in metrics:
+            n = metrics["mismatches"]
+            return (n > 0), (f"{n} elements differ" if n else None)
+        if metrics["nonfinite_mismatch"]:
+            return True, "NaN/Inf where the reference has none (or the reverse)"
+        lmax, lrel = self.limit_for(dtype, k)
+        metrics["limit_max"], metrics["limit_rel"] = lmax, lrel
+        if metrics["norm_max"] > lmax:
+            return True, f"max_abs/(eps*absmax) {metrics['norm_max']:.3g} > {lmax:.3g}"
+        if metrics["norm_rel"] > lrel:
+            return True, f"rel_l2/eps {metrics['norm_rel']:.3g} > {lrel:.3g}"
+        return False, None
+
+    @classmethod
+    def parse_overrides(cls, items: list[str] | None, scale_reductions: bool = True) -> "Tolerances":
+        """``DTYPE=MAX[,REL]`` items, e.g. ``float32=32,16``."""
+        tol = cls(scale_reductions=scale_reductions)
+        for item in items or []:
+            name, _, vals = item.partition("=")
+            parts = vals.split(",")
+            if not name or not vals or len(parts) > 2:
+                raise ValueError(f"tolerance {item!r} is not DTYPE=MAX[,REL]")
+            mx = float(parts[0])
+            rel = float(parts[1]) if len(parts) == 2 else mx / 2
+            tol.limits[name.removeprefix("torch.")] = (mx, rel)
+        return tol

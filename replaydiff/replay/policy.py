@@ -1,0 +1,79 @@
+"""Replay options and the reference numerics: which dtype each recorded dtype runs at, and the reference settings.
+
+The reference is meant to be boring: deterministic algorithms on, TF32 off for matmul and cuDNN, cudnn.benchmark off,
+float32 matmul precision "highest". The caller's settings are put back afterwards.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from replaydiff.compare.tolerance import Tolerances
+
+PRECISIONS = ("fp64", "fp32", "same")
+
+_UPCAST = {
+    "fp64": {torch.float16: torch.float64, torch.bfloat16: torch.float64, torch.float32: torch.float64,
+             torch.complex32: torch.complex128, torch.complex64: torch.complex128},
+    "fp32": {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.complex32: torch.complex64},
+    "same": {},
+}
+
+
+@dataclass
+class ReplayOptions:
+    device: str = "cpu"
+    precision: str = "fp64"
+    repeat: int = 1
+    ops: list[str] | None = None  # op-name globs to replay; the rest are skipped
+    first: int | None = None
+    last: int | None = None
+    ranks: list[int] | None = None
+    tolerances: Tolerances = field(default_factory=Tolerances)
+
+    def target_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return _UPCAST[self.precision].get(dtype, dtype)
+
+    def as_dict(self) -> dict:
+        return {"device": self.device, "precision": self.precision, "repeat": self.repeat, "ops": self.ops,
+                "from": self.first, "to": self.last, "ranks": self.ranks,
+                "tolerances": {k: list(v) for k, v in self.tolerances.limits.items()},
+                "scale_reductions": self.tolerances.scale_reductions}
+
+
+@contextmanager
+def reference_settings(num_threads: int | None = None) -> Iterator[None]:
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+        torch.get_float32_matmul_precision(),
+        torch.get_num_threads(),
+    )
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    try:
+        # warn_only: an op with no deterministic kernel is still replayed (and --repeat will tell if it wobbles)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+        torch.set_float32_matmul_precision("highest")
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cuda.matmul.allow_tf32 = saved[2]
+        torch.backends.cudnn.allow_tf32 = saved[3]
+        torch.backends.cudnn.benchmark = saved[4]
+        torch.backends.cudnn.deterministic = saved[5]
+        torch.set_float32_matmul_precision(saved[6])
+        torch.set_num_threads(saved[7])
