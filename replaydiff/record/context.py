@@ -16,9 +16,14 @@ import replaydiff
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 
-_SKIP_PREFIXES = tuple(
-    os.path.dirname(m.__file__) + os.sep for m in (torch, replaydiff)  # type: ignore[arg-type]
-) + ("<frozen ", os.path.dirname(os.__file__) + os.sep + "contextlib.py")
+_PKG = os.path.dirname(replaydiff.__file__) + os.sep  # type: ignore[arg-type]
+# Frames to look past for the user's source line: torch, replaydiff's own instrumentation, the stdlib's plumbing.
+# replaydiff's built-in models and the demo are user code as far as a trace is concerned.
+_SKIP_PREFIXES = (
+    os.path.dirname(torch.__file__) + os.sep,
+    _PKG + "record" + os.sep, _PKG + "trace" + os.sep, _PKG + "faults.py",
+    "<frozen ", os.path.dirname(os.__file__) + os.sep + "contextlib.py",
+)
 
 
 class OpContext:

@@ -12,7 +12,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from replaydiff.record.context import BACKWARD, FORWARD
 from replaydiff.record.encode import TENSOR_KEY, encode_value
@@ -128,6 +128,12 @@ class OpBuilder:
 
     def _snapshot(self, storage: torch.UntypedStorage, itemsize: int, version: int) -> int:
         rec = self.rec
+        with _disable_current_modes():  # modes below us (a planted fault, a debug mode) never see our copies
+            snap = self._copy(storage, itemsize, version)
+        return rec.writer.add_snapshot(snap)
+
+    @staticmethod
+    def _copy(storage: torch.UntypedStorage, itemsize: int, version: int) -> Snapshot:
         u8 = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
         if storage.device.type == "cpu":
             snap = Snapshot(version, u8.clone(), itemsize)
@@ -138,12 +144,13 @@ class OpBuilder:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(storage.device))
             snap = Snapshot(version, host, itemsize, event)
-        return rec.writer.add_snapshot(snap)
+        return snap
 
     def flush_stats(self) -> None:
         if not self._stat_queue:
             return
-        stats = batch_stats([t for _, t in self._stat_queue])
+        with _disable_current_modes():
+            stats = batch_stats([t for _, t in self._stat_queue])
         for (ref, _), s in zip(self._stat_queue, stats):
             ref["s"] = s
             self._stats_seen[(ref[TENSOR_KEY], ref["dt"], tuple(ref["sh"]), tuple(ref["st"]), ref["of"])] = s

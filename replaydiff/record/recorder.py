@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from replaydiff.record.context import OpContext
 from replaydiff.record.environment import environment_snapshot
@@ -161,7 +162,9 @@ class Recorder:
         else:
             return None
         version = self.storages.new_version_id()
-        chunk = self.writer.add_snapshot(Snapshot(version, state.clone(), 1))
+        with _disable_current_modes():
+            state = state.clone()
+        chunk = self.writer.add_snapshot(Snapshot(version, state, 1))
         return {"dev": str(device), "T": version, "f": chunk, "sb": state.numel()}
 
     def disable(self, why: str) -> None:

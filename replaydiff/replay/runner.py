@@ -21,6 +21,8 @@ from replaydiff.replay.result import OpResult
 from replaydiff.trace.reader import RankReader, rebuild
 
 COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor"}
+# Markers, not computations. Other namespaces (a user's custom kernels) are replayed when the op is registered here.
+NON_COMPUTE_NAMESPACES = {"profiler", "prims_debug"}
 # Ops that only reinterpret bits or shapes: their meaning depends on the exact recorded dtype.
 _DTYPE_EXACT = {"view.dtype", "view_as_real", "view_as_complex"}
 
@@ -39,7 +41,7 @@ def resolve_op(name: str) -> Any:
         packet = getattr(getattr(torch.ops, ns), op)
         return getattr(packet, overload)
     except (AttributeError, RuntimeError):
-        raise Skip(f"op {name} is not available in this torch build") from None
+        raise Skip(f"op {name} is not registered here (load the extension that defines it)") from None
 
 
 class OpReplayer:
@@ -121,7 +123,7 @@ class OpReplayer:
         ns = name.split(".", 1)[0]
         if ns in COLLECTIVE_NAMESPACES:
             raise Skip("collective: cannot run alone (verified across ranks instead)")
-        if ns != "aten":
+        if ns in NON_COMPUTE_NAMESPACES:
             raise Skip(f"non-aten op ({ns})")
         if rec.get("u"):
             raise Skip("uninitialised output (empty*)")
@@ -257,12 +259,22 @@ class OpReplayer:
                 if not r.get("u") and self.reader.has_data(r) and _floating(r["dt"])]
         if not outs or all(bool(torch.isfinite(self.reader.tensor(r)).all()) for r in outs):
             return
-        ins = [r for r in iter_tensor_refs([rec.get("a"), list((rec.get("k") or {}).values())])
-               if _floating(r.get("dt", "")) and not r.get("u")]
+        args = [rec.get("a"), list((rec.get("k") or {}).values())]
+        if any(isinstance(x, float) and not math.isfinite(x) for x in _scalars(args)):
+            return  # a NaN/Inf passed in as a scalar (masked_fill(-inf) in attention): not an origin
+        ins = [r for r in iter_tensor_refs(args) if _floating(r.get("dt", "")) and not r.get("u")]
         for r in ins:
             if not self.reader.has_data(r) or not bool(torch.isfinite(self.reader.tensor(r)).all()):
                 return
         res.nonfinite_origin = True
+
+
+def _scalars(v: Any):
+    if isinstance(v, list):
+        for x in v:
+            yield from _scalars(x)
+    elif not isinstance(v, dict):
+        yield v
 
 
 def _floating(dt: str) -> bool:

@@ -1,0 +1,1 @@
+"""The ``replaydiff`` command line: one module per verb."""

@@ -1,0 +1,60 @@
+"""Entry point: parse the verb, run it, turn library errors into one stderr line and an exit code.
+
+Exit codes: 0 clean, 1 divergence found, 2 usage error, 3 unreadable trace, 4 environment problem.
+A traceback is shown only with ``-v``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+from replaydiff import __version__
+from replaydiff.errors import EXIT_USAGE, ReplaydiffError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse exits 2 too; keep its message on one line
+        self.print_usage(sys.stderr)
+        sys.stderr.write(f"replaydiff: error: {message}\n")
+        raise SystemExit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from replaydiff.cli import demo, record, replay, show
+
+    p = _Parser(prog="replaydiff", description="Record a PyTorch training step, replay every op in isolation, "
+                                                "and name the op that went wrong.")
+    p.add_argument("--version", action="version", version=f"replaydiff {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks for errors")
+    sub = p.add_subparsers(dest="verb", metavar="COMMAND", parser_class=_Parser)
+    for mod in (record, show, replay, demo):
+        sp = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.__doc__)
+        sp.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="show tracebacks for errors")
+        mod.prepare_parser(sp)
+        sp.set_defaults(run=mod.run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "verb", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return int(args.run(args) or 0)
+    except ReplaydiffError as exc:
+        if args.verbose:
+            traceback.print_exc()
+        sys.stderr.write(f"replaydiff: error: {exc}\n")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("replaydiff: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

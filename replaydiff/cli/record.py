@@ -1,0 +1,68 @@
+"""Record one optimizer step of an unmodified training script: replaydiff record --step 3 -o trace/ -- python train.py
+
+The child runs with replaydiff's step hook armed (also under torchrun: one rank<N>/ directory per process), its exit
+code is passed through, and the next command to type is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from replaydiff.errors import UsageError
+from replaydiff.record.recorder import TENSOR_MODES
+from replaydiff.record.step import ENV_VAR
+
+NAME = "record"
+HELP = "record the N-th optimizer step of a training command"
+
+
+def prepare_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--out", default="trace", help="trace directory to write (default: trace)")
+    p.add_argument("--step", type=int, default=1, help="which optimizer step to record, from 1 (default 1)")
+    p.add_argument("--tensors", choices=TENSOR_MODES, default="full",
+                   help="full: tensor data (default); stats: per-tensor statistics; meta: shapes and dtypes only")
+    p.add_argument("--no-compress", action="store_true", help="store raw bytes instead of zstd")
+    p.add_argument("--module", dest="modules", action="append", metavar="GLOB", help="only ops inside these modules")
+    p.add_argument("--op", dest="ops", action="append", metavar="GLOB", help="only ops whose name matches")
+    p.add_argument("--max-tensor-bytes", type=int, metavar="N", help="store statistics for storages larger than N")
+    p.add_argument("--force", action="store_true", help="replace an existing trace directory")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run, e.g. python train.py")
+
+
+def run(args: argparse.Namespace) -> int:
+    cmd = list(args.command)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise UsageError("no command to record: replaydiff record [options] -- python train.py ARGS")
+    if args.step < 1:
+        raise UsageError("--step counts from 1")
+    out = Path(args.out).resolve()
+    if out.exists() and any(out.iterdir()):
+        if not args.force:
+            raise UsageError(f"{args.out} exists and is not empty; pass --force to replace it")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env[ENV_VAR] = json.dumps({"out": str(out), "step": args.step, "tensors": args.tensors,
+                               "compress": not args.no_compress, "modules": args.modules, "ops": args.ops,
+                               "max_tensor_bytes": args.max_tensor_bytes})
+    autostart = str(Path(__file__).resolve().parent.parent / "record" / "autostart")
+    env["PYTHONPATH"] = os.pathsep.join([autostart] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    try:
+        code = subprocess.call(cmd, env=env)
+    except FileNotFoundError:
+        raise UsageError(f"command not found: {cmd[0]}") from None
+    ranks = sorted(p.name for p in out.iterdir() if p.is_dir() and p.name.startswith("rank"))
+    if ranks:
+        sys.stderr.write(f"replaydiff: recorded step {args.step} into {args.out} ({len(ranks)} rank(s)). Next:\n"
+                         f"  replaydiff show {args.out}\n  replaydiff replay {args.out}\n")
+    else:
+        sys.stderr.write(f"replaydiff: nothing was recorded into {args.out}: the command ran no optimizer step "
+                         f"{args.step} (and no module) under this Python\n")
+    return code if code >= 0 else 128 - code

@@ -1,0 +1,72 @@
+"""Replay every op of a trace alone from its recorded inputs and name the earliest divergent op.
+
+Exit code 0 when nothing diverged, 1 when something did (or was nondeterministic), 3 for an unreadable trace,
+4 when the device is missing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from replaydiff.compare.tolerance import Tolerances
+from replaydiff.errors import EXIT_DIVERGENT, EXIT_OK, UsageError
+from replaydiff.replay import ReplayOptions, replay_trace
+from replaydiff.replay.policy import PRECISIONS
+
+NAME = "replay"
+HELP = "replay each op in isolation and name the first divergent one"
+
+
+def prepare_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="trace directory written by `replaydiff record`")
+    p.add_argument("--device", default="cpu", help="reference device: cpu or cuda[:N] (default cpu)")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp64",
+                   help="fp64 (default): upcast floating data; fp32; same: recorded dtypes, bit for bit on the "
+                        "recording backend")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run each op N times; ops whose runs disagree are reported nondeterministic")
+    p.add_argument("--ops", action="append", metavar="GLOB", help="replay only ops whose name matches (repeatable)")
+    p.add_argument("--from", dest="first", type=int, metavar="N", help="first op number to replay")
+    p.add_argument("--to", dest="last", type=int, metavar="M", help="last op number to replay")
+    p.add_argument("--rank", dest="ranks", type=int, action="append", metavar="R", help="replay only this rank")
+    p.add_argument("--workers", type=int, default=1, metavar="N", help="replay with N processes (same report)")
+    p.add_argument("--tolerance", action="append", metavar="DTYPE=MAX[,REL]",
+                   help="override a dtype's limits on max_abs/(eps*absmax) and rel_l2/eps, e.g. float32=32,16")
+    p.add_argument("--no-scale-reductions", action="store_true",
+                   help="do not widen limits by sqrt(K/256) for reductions over K > 256 terms")
+    p.add_argument("--json", metavar="FILE|-", help="write the replaydiff.replay/1 JSON report ('-' for stdout)")
+
+
+def options_from_args(args: argparse.Namespace) -> ReplayOptions:
+    if args.repeat < 1:
+        raise UsageError("--repeat must be at least 1")
+    if args.workers < 1:
+        raise UsageError("--workers must be at least 1")
+    try:
+        tol = Tolerances.parse_overrides(args.tolerance, scale_reductions=not args.no_scale_reductions)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return ReplayOptions(device=args.device, precision=args.precision, repeat=args.repeat, ops=args.ops,
+                         first=args.first, last=args.last, ranks=args.ranks, tolerances=tol)
+
+
+def run(args: argparse.Namespace) -> int:
+    from replaydiff.cli.progress import progress_bar
+    from replaydiff.report import render_replay, report_to_json
+
+    opts = options_from_args(args)
+    with progress_bar("replaying") as (set_total, advance):
+        report = replay_trace(args.trace, opts, workers=args.workers, progress_total=set_total, progress=advance)
+    for w in report.warnings:
+        sys.stderr.write(f"replaydiff: warning: {w}\n")
+    if args.json:
+        text = json.dumps(report_to_json(report), indent=1)
+        if args.json == "-":
+            sys.stdout.write(text + "\n")
+        else:
+            with open(args.json, "w") as fh:
+                fh.write(text + "\n")
+    if args.json != "-":
+        render_replay(report, sys.stdout)
+    return EXIT_DIVERGENT if report.found_problem else EXIT_OK

@@ -1,0 +1,59 @@
+"""Planted faults: a dispatch mode *below* the recorder that makes one op return a slightly wrong answer.
+
+This is how the demo and the tests stand in for a buggy kernel: the recorder sees (and stores) the perturbed output,
+exactly as it would store the output of a real faulty kernel, and replay must name that op and no other.
+Enter it *before* the recorder so that it sits below it on the mode stack.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(x for x in v if isinstance(x, torch.Tensor))
+        if out:
+            break  # the first written argument is the op's result (self, or out=)
+    return out
+
+
+@dataclass
+class PlantedFault(TorchDispatchMode):
+    """Multiply the output of the ``occurrence``-th call of ``op`` (e.g. ``aten.mm.default``) by ``1 + rel``."""
+
+    op: str
+    rel: float = 1e-3
+    occurrence: int = 0
+    seen: int = field(default=0, init=False)
+    planted: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        TorchDispatchMode.__init__(self)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if str(func) != self.op:
+            return out
+        self.seen += 1
+        if self.seen - 1 != self.occurrence:
+            return out
+        targets = _written(func, args, kwargs)
+        if not targets:
+            targets = [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
+        for t in targets:
+            if t.is_floating_point() and t.numel():
+                with torch.no_grad():
+                    t.copy_((t.double() * (1.0 + self.rel)).to(t.dtype))
+        self.planted = True
+        return out

@@ -1,0 +1,27 @@
+"""Loaded at interpreter start in a child of ``replaydiff record``: arms the step recorder, then steps aside.
+
+Another ``sitecustomize`` later on sys.path (a site's own) is still run, so that adding ours changes nothing else.
+"""
+import os
+import sys
+
+if os.environ.get("REPLAYDIFF_RECORD"):
+    try:
+        from replaydiff.record.step import install
+
+        install()
+    except Exception as exc:  # never stop the user's program from starting
+        sys.stderr.write(f"replaydiff: step recording not armed: {exc}\n")
+
+_here = os.path.dirname(os.path.abspath(__file__))
+for _p in sys.path:
+    if _p and os.path.abspath(_p) != _here and os.path.isfile(os.path.join(_p, "sitecustomize.py")):
+        import importlib.util
+
+        _spec = importlib.util.spec_from_file_location("_site_sitecustomize", os.path.join(_p, "sitecustomize.py"))
+        if _spec and _spec.loader:
+            try:
+                _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+            except Exception as exc:
+                sys.stderr.write(f"replaydiff: the site's sitecustomize failed: {exc}\n")
+        break

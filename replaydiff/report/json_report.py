@@ -1,0 +1,47 @@
+"""The JSON replay report, schema ``replaydiff.replay/1`` (documented in the README).
+
+Top level: ``format``, ``trace``, ``options``, ``warnings``, ``summary`` (count per status), ``first_divergent``
+(null or an op object), ``first_nondeterministic``, ``nonfinite_origin`` and ``ops`` (one object per replayed op:
+``rank``, ``index``, ``op``, ``status``, ``module``, ``phase``, ``source``, ``forward_index``, ``metrics``,
+``reason``). Floats that are not finite are written as the strings "inf", "-inf" and "nan" so the file stays JSON.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from replaydiff.replay.result import OpResult, ReplayReport
+
+JSON_FORMAT = "replaydiff.replay/1"
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    return v
+
+
+def op_json(r: OpResult | None) -> dict | None:
+    if r is None:
+        return None
+    return _clean({"rank": r.rank, "index": r.index, "op": r.op, "status": r.status, "module": r.module,
+                   "phase": r.phase, "source": r.source, "forward_index": r.forward_index, "metrics": r.metrics,
+                   "reason": r.reason})
+
+
+def report_to_json(report: ReplayReport) -> dict:
+    return {
+        "format": JSON_FORMAT,
+        "trace": report.trace,
+        "options": _clean(report.options),
+        "warnings": list(report.warnings),
+        "summary": report.counts(),
+        "first_divergent": op_json(report.first_divergent),
+        "first_nondeterministic": op_json(report.first_nondeterministic),
+        "nonfinite_origin": op_json(report.nonfinite_origin),
+        "ops": [op_json(r) for r in report.ops],
+    }

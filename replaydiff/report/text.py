@@ -1,0 +1,61 @@
+"""The human-readable replay summary: counts, the culprit with its metrics, and where to look next."""
+from __future__ import annotations
+
+from collections import Counter
+from typing import TextIO
+
+from replaydiff.replay.result import OpResult, ReplayReport
+
+
+def op_line(r: OpResult) -> str:
+    where = "  ".join(x for x in (r.module or "", f"({r.phase})" if r.phase else "", r.source or "") if x)
+    return f"#{r.index} {r.op}  {where}".rstrip()
+
+
+def metrics_line(r: OpResult) -> str:
+    m = r.metrics or {}
+    if "norm_max" in m:
+        parts = [f"max_abs/(eps*absmax) {m['norm_max']:.3g} (limit {m.get('limit_max', float('nan')):.3g})",
+                 f"rel_l2 {m['rel_l2']:.3g}", f"max_abs {m['max_abs']:.3g}"]
+        if m.get("nonfinite_mismatch"):
+            parts.append(f"{m['nonfinite_mismatch']} NaN/Inf mismatches")
+        return "  ".join(parts)
+    return r.reason or ""
+
+
+def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> None:
+    c = report.counts()
+    opts = report.options
+    rank_note = ""
+    ranks = sorted({r.rank for r in report.ops})
+    if len(ranks) > 1:
+        rank_note = f" ({len(ranks)} ranks)"
+    out.write(f"replayed {len(report.ops)} ops of {report.trace}{rank_note} on {opts['device']} at "
+              f"{opts['precision']}: " + ", ".join(f"{n} {s}" for s, n in c.items()) + "\n")
+    skipped = Counter(r.reason for r in report.ops if r.status == "skipped")
+    for reason, n in skipped.most_common(6):
+        out.write(f"  skipped {n:>5}  {reason}\n")
+    errors = [r for r in report.ops if r.status == "error"]
+    for r in errors[:max_listed]:
+        out.write(f"  error   {op_line(r)}: {r.reason}\n")
+    first = report.first_divergent
+    if first is None:
+        out.write("no divergent op: every replayed op matches its recorded output within tolerance\n")
+    else:
+        rank = f"rank {first.rank} " if len(ranks) > 1 else ""
+        out.write(f"first divergent op {rank}{op_line(first)}\n")
+        out.write(f"  {metrics_line(first)}  - replayed alone from its recorded inputs\n")
+        if first.phase == "backward" and first.forward_index is not None:
+            out.write(f"  belongs to forward op #{first.forward_index}\n")
+        others = [r for r in report.ops if r.status == "divergent" and r is not first]
+        if others:
+            out.write(f"  {len(others)} more divergent op(s):\n")
+            for r in others[:max_listed]:
+                out.write(f"    {op_line(r)}  {metrics_line(r)}\n")
+    nd = report.first_nondeterministic
+    if nd is not None:
+        n = sum(r.status == "nondeterministic" for r in report.ops)
+        out.write(f"nondeterministic: {n} op(s), first {op_line(nd)}\n")
+    origin = report.nonfinite_origin
+    if origin is not None:
+        out.write(f"NaN/Inf origin: {op_line(origin)} (finite inputs, non-finite recorded output)\n")
