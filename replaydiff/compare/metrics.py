@@ -18,7 +18,10 @@ def _exact(rec: torch.Tensor, ref: torch.Tensor) -> dict:
     else:
         same = rec == ref
     n = int(same.numel() - int(same.sum()))
-    return {"mismatches": n}
+    out = {"mismatches": n}
+    if rec.dtype.is_floating_point or rec.is_complex():
+        out["nonfinite_recorded"] = int((~torch.isfinite(rec)).sum())
+    return out
 
 
 def tensor_metrics(rec: torch.Tensor, ref: torch.Tensor, exact: bool = False) -> dict:

@@ -26,6 +26,35 @@ _SKIP_PREFIXES = (
 )
 
 
+_active: list["OpContext"] = []  # installed contexts, told about optimizer steps by the two hooks below
+_optimizer_hooks: list = []
+
+
+def ensure_optimizer_hooks() -> None:
+    """Register replaydiff's global optimizer-step hooks, once per process; they stay registered.
+
+    torch iterates over its global optimizer hooks while calling them, so registering or removing one from inside
+    another (``replaydiff record --step N`` starts and stops recording in an optimizer step post hook) raises
+    "OrderedDict mutated during iteration" in the user's ``optimizer.step()``. Contexts come and go in ``_active``.
+    """
+    if _optimizer_hooks:
+        return
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    _optimizer_hooks.extend([register_optimizer_step_pre_hook(_opt_pre_all),
+                             register_optimizer_step_post_hook(_opt_post_all)])
+
+
+def _opt_pre_all(*args: object) -> None:
+    for ctx in list(_active):
+        ctx._opt_pre()
+
+
+def _opt_post_all(*args: object) -> None:
+    for ctx in list(_active):
+        ctx._opt_post()
+
+
 class OpContext:
     """Tracks phase and module; owned by one recording, installed on enter and removed on exit."""
 
@@ -33,24 +62,23 @@ class OpContext:
         self.source_lines = source_lines
         self.in_optimizer = 0
         self._tracker = ModuleTracker()
-        self._handles: list = []
-        self._seq_to_forward: dict[int, int] = {}
+        self._seq_to_forward: dict[int, tuple[int, str | None]] = {}  # autograd seq nr -> (forward op, module)
         self._cwd = os.getcwd() + os.sep
 
     def install(self) -> None:
         self._tracker.__enter__()
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-        self._handles = [
-            register_optimizer_step_pre_hook(self._opt_pre),
-            register_optimizer_step_post_hook(self._opt_post),
-        ]
+        ensure_optimizer_hooks()
+        if self not in _active:
+            _active.append(self)
 
     def uninstall(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        if self in _active:
+            _active.remove(self)
         self._tracker.__exit__(None, None, None)
+
+    def enter_module(self, module: torch.nn.Module, inputs: object) -> None:
+        """Enter a module whose forward pre hooks ran before ``install()`` (recording started inside its call)."""
+        self._tracker._fw_pre_hook(module, inputs)
 
     def _opt_pre(self, *args: object) -> None:
         self.in_optimizer += 1
@@ -67,14 +95,20 @@ class OpContext:
             return OPTIMIZER, None
         return FORWARD, None
 
-    def note_forward(self, index: int) -> None:
+    def note_forward(self, index: int, module: str | None = None) -> None:
         """Remember the first forward op seen after each autograd node was made: the op that made it."""
         if torch.is_grad_enabled():
             seq = torch._C._autograd._get_sequence_nr() - 1
-            self._seq_to_forward.setdefault(seq, index)
+            self._seq_to_forward.setdefault(seq, (index, module))
 
     def forward_of(self, seq: int | None) -> int | None:
-        return None if seq is None else self._seq_to_forward.get(seq)
+        found = None if seq is None else self._seq_to_forward.get(seq)
+        return None if found is None else found[0]
+
+    def forward_module(self, seq: int | None) -> str | None:
+        """The module path of the forward op that made the autograd node ``seq`` (None if unknown)."""
+        found = None if seq is None else self._seq_to_forward.get(seq)
+        return None if found is None else found[1]
 
     def module(self) -> str | None:
         parents = self._tracker.parents

@@ -186,17 +186,23 @@ def record_before(rec: Recorder, b: OpBuilder, func: Any, types: Any, args: tupl
     ctx = rec.context
     phase, seq = ctx.phase()
     module = ctx.module()
+    fwd = None
     if phase == FORWARD:
-        ctx.note_forward(index)
+        ctx.note_forward(index, module)
+    elif phase == BACKWARD:
+        fwd = ctx.forward_of(seq)
+        if fwd is not None:
+            # A backward op belongs to the module of the forward op that made its autograd node. ModuleTracker
+            # alone cannot tell sibling modules apart in backward (it never leaves a module whose inputs need
+            # no grad, e.g. two embeddings, and picks one of them at random).
+            module = ctx.forward_module(seq)
     if not op_matches(name, module, rec.options.ops, rec.options.modules):
         return None
     record: dict[str, Any] = {"i": index, "op": name, "ph": phase}
     if module:
         record["mod"] = module
-    if phase == BACKWARD:
-        fwd = ctx.forward_of(seq)
-        if fwd is not None:
-            record["fwd"] = fwd
+    if fwd is not None:
+        record["fwd"] = fwd
     src = ctx.source()
     if src:
         record["src"] = src

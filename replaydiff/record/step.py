@@ -32,6 +32,10 @@ class StepTrigger:
         self.optimizer_id: int | None = None
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
+        from replaydiff.record.context import ensure_optimizer_hooks
+
+        # Registered now, not from inside the optimizer hook that starts the recording (see ensure_optimizer_hooks).
+        ensure_optimizer_hooks()
         self._post = register_optimizer_step_post_hook(self._after_step)
         self._fwd = None
         if self.step <= 1:
@@ -47,6 +51,15 @@ class StepTrigger:
             self._fwd.remove()
             self._fwd = None
         self._start()
+        # This module's call began before the recorder's module tracker existed: enter it by hand, or every path
+        # of this call would be wrong ("Linear" instead of "Sequential.0").
+        rec = self.recorder
+        if rec is not None and rec.active:
+            try:
+                rec.context.enter_module(module, inputs)
+            except Exception as exc:
+                warnings.warn(f"replaydiff: module paths of the first call may be wrong: {exc}", RuntimeWarning,
+                              stacklevel=2)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
@@ -66,7 +79,8 @@ class StepTrigger:
         if self.done:
             return
         self.done = True
-        self._post.remove()
+        # self._post stays registered (it returns at once when done): finish() runs inside it, and removing a
+        # global optimizer hook while torch iterates over them raises in the user's optimizer.step().
         if self._fwd is not None:
             self._fwd.remove()
         if self.recorder is not None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import multiprocessing as mp
-import os
 from typing import Callable
 
 import torch
@@ -49,7 +48,9 @@ def _threads(reader: RankReader, opts: ReplayOptions, workers: int) -> int | Non
         # CPU reductions (LayerNorm, convolution backward) are only bitwise under the recorded parallelism
         n = reader.environment.get("num_threads")
         return int(n) if isinstance(n, int) and n > 0 else None
-    return max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None
+    # Replayed ops are small and independent: an intra-op thread pool costs more in wake-ups than it saves (4x
+    # slower on a busy 2-core machine), so each process replays on one thread and --workers gives parallelism.
+    return 1
 
 
 def replay_range(reader: RankReader, opts: ReplayOptions, indices: list[int], workers: int = 1,

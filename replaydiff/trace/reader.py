@@ -46,6 +46,8 @@ class RankReader:
         self._chunks: OrderedDict[int, list[dict]] = OrderedDict()
         self._files: OrderedDict[int, Any] = OrderedDict()
         self._storages: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._storage_total = 0
+        self._metadata: dict[int, dict] = {}
         self.complete = bool(self.manifest.get("complete"))
 
     # -- manifest ---------------------------------------------------------------------------------------------
@@ -132,10 +134,11 @@ class RankReader:
                 raise TraceError(path, "missing")
             try:
                 f = safetensors.safe_open(str(path), framework="pt")
-                f.metadata()
+                meta = f.metadata() or {}
             except Exception as exc:
                 raise TraceError(path, f"corrupt ({exc})") from None
             self._files[chunk] = f
+            self._metadata[chunk] = meta
             if len(self._files) > 8:
                 self._files.popitem(last=False)
         return f
@@ -152,7 +155,7 @@ class RankReader:
         f = self._file(chunk)
         key = str(version)
         try:
-            meta = (f.metadata() or {}).get(key)
+            meta = self._metadata[chunk].get(key)
             if meta is None:
                 raise ValueError(f"storage {key} is not in this file")
             codec_name, n, crc = meta.split(";")
@@ -167,28 +170,31 @@ class RankReader:
         except Exception as exc:
             raise TraceError(path, f"corrupt ({exc})") from None
         self._storages[version] = data
-        total = sum(t.numel() for t in self._storages.values())
-        while total > (256 << 20) and len(self._storages) > 1:
+        self._storage_total += data.numel()
+        while self._storage_total > (256 << 20) and len(self._storages) > 1:
             _, old = self._storages.popitem(last=False)
-            total -= old.numel()
+            self._storage_total -= old.numel()
         return data
 
     def has_data(self, ref: dict) -> bool:
         return isinstance(ref, dict) and ref.get(TENSOR_KEY) is not None and ("f" in ref or ref.get("sb") == 0)
 
-    def tensor(self, ref: dict) -> torch.Tensor:
-        """The recorded tensor of a reference, on CPU, in its recorded dtype (a fresh copy)."""
+    def tensor(self, ref: dict, copy: bool = False) -> torch.Tensor:
+        """The recorded tensor of a reference, on CPU, in its recorded dtype.
+
+        Without ``copy`` it is a view of cached bytes shared with other callers: read it, never write into it."""
         dtype = dtype_from_name(ref["dt"])
         data = self.storage_bytes(int(ref[TENSOR_KEY]), int(ref.get("f", -1)), int(ref.get("sb", 0)))
-        return rebuild(data, dtype, ref, self.root)
+        return rebuild(data, dtype, ref, self.root, copy)
 
 
-def rebuild(data: torch.Tensor, dtype: torch.dtype, ref: dict, where: Path | str) -> torch.Tensor:
-    """A tensor with the reference's size, stride and offset over (a copy of) a storage's bytes."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+def rebuild(data: torch.Tensor, dtype: torch.dtype, ref: dict, where: Path | str, copy: bool = True) -> torch.Tensor:
+    """A tensor with the reference's size, stride and offset over a storage's bytes (or a copy of them)."""
+    itemsize = dtype.itemsize
     try:
         n = data.numel() - data.numel() % itemsize
-        base = data[:n].clone().view(dtype)
+        base = data[:n]
+        base = (base.clone() if copy else base).view(dtype)
         return base.as_strided(ref["sh"], ref["st"], ref["of"])
     except Exception as exc:
         raise TraceError(where, f"a tensor does not fit its storage ({exc})") from None

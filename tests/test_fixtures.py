@@ -1,0 +1,26 @@
+"""The committed fixture trace (fixtures/regenerate.py) still reads and replays to its planted culprit."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from replaydiff.replay import ReplayOptions, replay_trace
+from replaydiff.trace import open_trace
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+def test_committed_trace_replays_to_its_planted_op() -> None:
+    expected = json.loads((FIXTURES / "mlp-fault.json").read_text())
+    report = replay_trace(str(FIXTURES / expected["trace"]), ReplayOptions())
+    divergent = [r for r in report.ops if r.status == "divergent"]
+    assert [(r.index, r.op) for r in divergent] == [(expected["planted_index"], expected["op"])]
+    assert divergent[0].phase == expected["phase"] and divergent[0].module == expected["module"]
+    assert report.counts()["error"] == 0
+
+
+def test_committed_trace_is_complete_and_small() -> None:
+    reader = open_trace(FIXTURES / "mlp-fault").rank(0)
+    assert reader.complete and reader.truncated_after is None and reader.lost == []
+    total = sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file())
+    assert total < 1 << 20
