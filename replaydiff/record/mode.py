@@ -208,7 +208,7 @@ def record_before(rec: Recorder, b: OpBuilder, func: Any, types: Any, args: tupl
         record["src"] = src
     if func.namespace in _COLLECTIVE_NAMESPACES:
         record["coll"] = collective_info(args, kwargs)
-    if _SEEDED in func.tags:
+    if _SEEDED in func.tags and b.mode == "full":  # generator state is data: only "full" traces store any
         record["rng"] = rec.rng_state(args, kwargs)
     # Arguments the op writes are described as they are now, before the op.
     record["a"] = b.encode(list(args))

@@ -136,7 +136,9 @@ class Recorder:
     # -- called by the mode -----------------------------------------------------------------------------------
     def before(self, func: Any, types: Any, args: tuple, kwargs: dict):
         if self.writer.failed:
-            self.disable("the trace writer failed")
+            # The writer has already warned and noted in the manifest what was lost: stop without a second warning.
+            self._disabled_reason = self._disabled_reason or "the trace writer failed"
+            self.active = False
             return None
         return record_before(self, self._builder, func, types, args, kwargs)
 
