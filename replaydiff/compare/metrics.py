@@ -13,6 +13,11 @@ import torch
 
 
 def _exact(rec: torch.Tensor, ref: torch.Tensor) -> dict:
+    if torch.equal(rec, ref):  # the common case, one call; NaNs make it False and take the slow path
+        out = {"mismatches": 0}
+        if rec.dtype.is_floating_point or rec.is_complex():
+            out["nonfinite_recorded"] = 0
+        return out
     if rec.dtype.is_floating_point or rec.is_complex():
         same = (rec == ref) | (torch.isnan(rec) & torch.isnan(ref))
     else:
@@ -42,6 +47,13 @@ def tensor_metrics(rec: torch.Tensor, ref: torch.Tensor, exact: bool = False) ->
         rec, ref = torch.view_as_real(rec), torch.view_as_real(ref.to(rec.dtype))
     a = rec.to(torch.float64)
     b = ref.to(torch.float64)
+    if a.numel():
+        # Fast path: when every difference is finite, both tensors are finite and no masking is needed.
+        d = a - b
+        vals = torch.stack([d.abs().max(), b.abs().max(), torch.linalg.vector_norm(d), torch.linalg.vector_norm(b),
+                            torch.linalg.vector_norm(a), (a * b).sum()]).tolist()
+        if all(map(math.isfinite, vals)):
+            return _finish(vals + [0.0, 0.0, 0.0], eps)
     fa, fb = torch.isfinite(a), torch.isfinite(b)
     both = fa & fb
     nonfinite_bad = (~both) & ~((a == b) | (torch.isnan(a) & torch.isnan(b)))
@@ -59,6 +71,10 @@ def tensor_metrics(rec: torch.Tensor, ref: torch.Tensor, exact: bool = False) ->
         (~fa).sum().to(torch.float64),
         (~fb).sum().to(torch.float64),
     ]).tolist()
+    return _finish(vals, eps)
+
+
+def _finish(vals: list[float], eps: float) -> dict:
     max_abs, absmax, l2d, l2b, l2a, dot, bad, nf_rec, nf_ref = vals
     rel_l2 = (l2d / l2b) if l2b > 0 else (0.0 if l2d == 0 else math.inf)
     norm_max = (max_abs / (eps * absmax)) if absmax > 0 else (0.0 if max_abs == 0 else math.inf)
