@@ -34,6 +34,7 @@ class PlantedFault(TorchDispatchMode):
     op: str
     rel: float = 1e-3
     occurrence: int = 0
+    rank: int | None = None  # plant only in the process of this rank (torch.distributed or $RANK)
     seen: int = field(default=0, init=False)
     planted: bool = field(default=False, init=False)
 
@@ -43,17 +44,33 @@ class PlantedFault(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if str(func) != self.op:
+        if str(func) != self.op or not self._on_this_rank():
             return out
         self.seen += 1
         if self.seen - 1 != self.occurrence:
             return out
+        if func.namespace == "c10d" and isinstance(out, (tuple, list)):
+            for w in out:  # a collective's result exists once its work completes: corrupt it after that
+                if hasattr(w, "wait") and not isinstance(w, torch.Tensor):
+                    w.wait()
         targets = _written(func, args, kwargs)
-        if not targets:
-            targets = [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
+        if not targets:  # collectives mark nothing written: their result is the first tensor (list) they return
+            first = out[0] if isinstance(out, (tuple, list)) and out else out
+            targets = [t for t in (first if isinstance(first, (tuple, list)) else [first])
+                       if isinstance(t, torch.Tensor)]
         for t in targets:
             if t.is_floating_point() and t.numel():
                 with torch.no_grad():
                     t.copy_((t.double() * (1.0 + self.rel)).to(t.dtype))
         self.planted = True
         return out
+
+    def _on_this_rank(self) -> bool:
+        if self.rank is None:
+            return True
+        import os
+
+        import torch.distributed as dist
+
+        here = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
+        return here == self.rank

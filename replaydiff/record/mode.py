@@ -43,7 +43,7 @@ def _written_args(func: Any, args: tuple, kwargs: dict) -> list[tuple[list, Any]
             path, v = ["k", a.name], kwargs[a.name]
         else:
             continue
-        if isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v)):
+        if any(True for _ in _tensors(v)):  # a tensor, or a (nested) list holding one: allgather's list of lists
             out.append((path, v))
     return out
 
@@ -207,7 +207,7 @@ def record_before(rec: Recorder, b: OpBuilder, func: Any, types: Any, args: tupl
     if src:
         record["src"] = src
     if func.namespace in _COLLECTIVE_NAMESPACES:
-        record["coll"] = collective_info(args, kwargs)
+        record["coll"] = collective_info(func, args, kwargs)
     if _SEEDED in func.tags and b.mode == "full":  # generator state is data: only "full" traces store any
         record["rng"] = rec.rng_state(args, kwargs)
     # Arguments the op writes are described as they are now, before the op.
@@ -237,22 +237,48 @@ def record_after(rec: Recorder, b: OpBuilder, p: Pending, func: Any, args: tuple
     rec.writer.add_op(record)
 
 
-def collective_info(args: tuple, kwargs: dict) -> dict:
+def _reduce_op_name(obj: Any) -> str | None:
+    try:
+        from torch.distributed import ReduceOp
+
+        code = obj.op()  # the custom class exposes only op(): RedOpType's value
+        for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"):
+            if getattr(ReduceOp, name).value == code:
+                return name.lower()
+    except Exception:
+        pass
+    return None
+
+
+def _group_info(pg: Any) -> dict:
     import torch.distributed as dist
 
+    return {"ranks": dist.get_process_group_ranks(pg), "size": pg.size(), "group_rank": pg.rank()}
+
+
+def collective_info(func: Any, args: tuple, kwargs: dict) -> dict:
+    """Group ranks and size, reduce op and root of a collective, read through its schema's argument names."""
     info: dict[str, Any] = {}
-    for v in list(args) + list(kwargs.values()):
-        if isinstance(v, torch._C.ScriptObject) or type(v).__name__ == "ProcessGroup":
-            try:
-                info["ranks"] = dist.get_process_group_ranks(v)
-                info["size"] = v.size()
-                info["group_rank"] = v.rank()
-            except Exception:
-                pass
-        elif isinstance(v, str) and "group" not in info:
-            info["group"] = v  # functional collectives name their group
-    if dist.is_available() and dist.is_initialized() and "size" not in info:
-        info.setdefault("size", dist.get_world_size())
+    for i, a in enumerate(func._schema.arguments):
+        v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        if v is None:
+            continue
+        typ = str(a.type)
+        try:
+            if "ProcessGroup" in typ:
+                info.update(_group_info(torch._C._distributed_c10d.ProcessGroup.unbox(v)))
+            elif "ReduceOp" in typ:
+                info["reduce_op"] = _reduce_op_name(v)
+            elif a.name in ("reduceOp", "reduce_op") and isinstance(v, str):
+                info["reduce_op"] = v.lower()
+            elif a.name in ("group_name", "tag") and isinstance(v, str) and "ranks" not in info:
+                from torch.distributed.distributed_c10d import _resolve_process_group
+
+                info.update(_group_info(_resolve_process_group(v)))
+            elif a.name in ("root_rank", "src", "root", "group_size", "group_src") and isinstance(v, int):
+                info[a.name] = v
+        except Exception as exc:
+            info.setdefault("problems", []).append(f"{a.name}: {type(exc).__name__}")
     return info
 
 

@@ -14,7 +14,8 @@ import torch
 from replaydiff.errors import EnvironmentProblem
 from replaydiff.replay.policy import ReplayOptions, reference_settings
 from replaydiff.replay.result import OpResult, ReplayReport
-from replaydiff.replay.runner import OpReplayer
+from replaydiff.replay.collectives import CollectiveChecker
+from replaydiff.replay.runner import COLLECTIVE_SKIP, OpReplayer
 from replaydiff.trace.reader import RankReader, TraceReader, open_trace
 
 Progress = Callable[[int], None]
@@ -98,6 +99,7 @@ def replay_trace(path: str, opts: ReplayOptions, workers: int = 1,
     if workers <= 1:
         for reader, indices in plan:
             report.ops.extend(replay_range(reader, opts, indices, 1, progress))
+        _check_collectives(trace, opts, report)
         return report
     ctx = mp.get_context("spawn")
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
@@ -112,4 +114,11 @@ def replay_trace(path: str, opts: ReplayOptions, workers: int = 1,
             if progress:
                 progress(n)
     report.ops.sort(key=lambda r: (r.rank, r.index))
+    _check_collectives(trace, opts, report)
     return report
+
+
+def _check_collectives(trace: TraceReader, opts: ReplayOptions, report: ReplayReport) -> None:
+    coll = {(r.rank, r.index): r for r in report.ops if r.status == "skipped" and r.reason == COLLECTIVE_SKIP}
+    if coll:
+        CollectiveChecker(trace, opts).check(coll)

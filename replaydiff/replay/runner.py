@@ -21,6 +21,7 @@ from replaydiff.replay.result import OpResult
 from replaydiff.trace.reader import RankReader, rebuild
 
 COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor"}
+COLLECTIVE_SKIP = "collective: cannot run alone; checked across ranks when all its ranks are in the trace"
 # Markers, not computations. Other namespaces (a user's custom kernels) are replayed when the op is registered here.
 NON_COMPUTE_NAMESPACES = {"profiler", "prims_debug"}
 # Ops that only reinterpret bits or shapes: their meaning depends on the exact recorded dtype.
@@ -29,6 +30,11 @@ _DTYPE_EXACT = {"view.dtype", "view_as_real", "view_as_complex"}
 
 class Skip(Exception):
     """This op is not replayed; the message is the reason."""
+
+
+def func_name_packet(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) >= 2 else name
 
 
 def resolve_op(name: str) -> Any:
@@ -128,7 +134,9 @@ class OpReplayer:
         name = rec["op"]
         ns = name.split(".", 1)[0]
         if ns in COLLECTIVE_NAMESPACES:
-            raise Skip("collective: cannot run alone (verified across ranks instead)")
+            if func_name_packet(name) in ("_wrap_tensor_autograd", "wait_tensor"):
+                raise Skip("collective bookkeeping: no data of its own")
+            raise Skip(COLLECTIVE_SKIP)
         if ns in NON_COMPUTE_NAMESPACES:
             raise Skip(f"non-aten op ({ns})")
         if rec.get("u"):

@@ -39,7 +39,10 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> No
     for r in errors[:max_listed]:
         out.write(f"  error   {op_line(r)}: {r.reason}\n")
     first = report.first_divergent
-    if first is None:
+    if first is None and errors:  # ops that could not be replayed were not checked: do not call them matching
+        out.write(f"no divergent op among the ops replayed, but {len(errors)} op(s) could not be replayed "
+                  f"(listed above)\n")
+    elif first is None:
         out.write("no divergent op: every replayed op matches its recorded output within tolerance\n")
     else:
         rank = f"rank {first.rank} " if len(ranks) > 1 else ""
