@@ -100,6 +100,7 @@ def replay_trace(path: str, opts: ReplayOptions, workers: int = 1,
         for reader, indices in plan:
             report.ops.extend(replay_range(reader, opts, indices, 1, progress))
         _check_collectives(trace, opts, report)
+        _link_forward_sources(trace, report)
         return report
     ctx = mp.get_context("spawn")
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
@@ -115,7 +116,18 @@ def replay_trace(path: str, opts: ReplayOptions, workers: int = 1,
                 progress(n)
     report.ops.sort(key=lambda r: (r.rank, r.index))
     _check_collectives(trace, opts, report)
+    _link_forward_sources(trace, report)
     return report
+
+
+def _link_forward_sources(trace: TraceReader, report: ReplayReport) -> None:
+    """A backward op's own source line is the backward() call; the forward op's line says which code it is."""
+    for r in report.ops:
+        if r.status in ("divergent", "nondeterministic", "error") and r.forward_index is not None:
+            try:
+                r.forward_source = trace.rank(r.rank).op(r.forward_index).get("src")
+            except Exception:  # a damaged chunk elsewhere: the hint is optional
+                pass
 
 
 def _check_collectives(trace: TraceReader, opts: ReplayOptions, report: ReplayReport) -> None:

@@ -17,6 +17,7 @@ class OpResult:
     phase: str | None = None
     source: str | None = None
     forward_index: int | None = None
+    forward_source: str | None = None  # for a backward op: the source line of the forward op it belongs to
     metrics: dict[str, Any] | None = None
     reason: str | None = None
     nonfinite_origin: bool = False

@@ -29,7 +29,8 @@ def op_json(r: OpResult | None) -> dict | None:
     if r is None:
         return None
     return _clean({"rank": r.rank, "index": r.index, "op": r.op, "status": r.status, "module": r.module,
-                   "phase": r.phase, "source": r.source, "forward_index": r.forward_index, "metrics": r.metrics,
+                   "phase": r.phase, "source": r.source, "forward_index": r.forward_index,
+                   "forward_source": r.forward_source, "metrics": r.metrics,
                    "reason": r.reason})
 
 

@@ -49,7 +49,8 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> No
         out.write(f"first divergent op {rank}{op_line(first)}\n")
         out.write(f"  {metrics_line(first)}  - replayed alone from its recorded inputs\n")
         if first.phase == "backward" and first.forward_index is not None:
-            out.write(f"  belongs to forward op #{first.forward_index}\n")
+            src = f" ({first.forward_source})" if first.forward_source else ""
+            out.write(f"  belongs to forward op #{first.forward_index}{src}\n")
         others = [r for r in report.ops if r.status == "divergent" and r is not first]
         if others:
             out.write(f"  {len(others)} more divergent op(s):\n")
