@@ -34,7 +34,9 @@ DEFAULT_ZSTD_LEVEL = 1
 class RecordOptions:
     tensors: str = "full"
     compress: int | None = DEFAULT_ZSTD_LEVEL  # zstd level, None for raw bytes
-    shuffle: bool = True
+    # Byte-shuffle before zstd: measured on the tiny transformer step it saves 1.6% of the bytes (13.61 -> 13.39 MB)
+    # for ~0.5 ms per 128 KiB each way, so it is off unless asked for.
+    shuffle: bool = False
     modules: list[str] | None = None  # module-path globs; ops outside them are numbered but not stored
     ops: list[str] | None = None  # op-name globs, e.g. "aten.mm.*"
     max_tensor_bytes: int | None = None  # larger storages get statistics instead of data
@@ -183,7 +185,7 @@ class Recorder:
 
 def record(path: str | os.PathLike, tensors: str = "full", compress: bool | int = True, *,
            modules: list[str] | str | None = None, ops: list[str] | str | None = None,
-           max_tensor_bytes: int | None = None, source_lines: bool = True, shuffle: bool = True,
+           max_tensor_bytes: int | None = None, source_lines: bool = True, shuffle: bool = False,
            chunk_ops: int = 256) -> Recorder:
     """Record every aten op run inside the ``with`` block into the trace directory ``path``.
 

@@ -198,8 +198,10 @@ class OpReplayer:
             judged.append((n, m, why if bad else None))
             if m.get("nonfinite_recorded"):
                 self._outputs_nonfinite = True
-        if self._outputs_nonfinite is None and judged and len(judged) == len(pairs):
-            self._outputs_nonfinite = False  # every output was compared and all were finite
+        if self._outputs_nonfinite is None and len(judged) == len(pairs):
+            # Every output was compared and all were finite, or all are views of inputs (whose bytes they share:
+            # a NaN there started earlier).
+            self._outputs_nonfinite = False
         if not keep_dtype and any(why and "norm_max" in m and not m["nonfinite_mismatch"] for _, m, why in judged):
             judged = self._calibrate(rec, func, pairs, judged, in_versions)
         bad_ones = [(m, why) for _, m, why in judged if why]

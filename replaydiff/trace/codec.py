@@ -14,13 +14,31 @@ import torch
 import zstandard
 
 
+_memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
+_memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_memory_view.restype = ctypes.py_object
+_PYBUF_READ = 0x100
+_PYBUF_WRITE = 0x200
+
+
 def tensor_bytes_view(u8: torch.Tensor) -> memoryview:
-    """A zero-copy memoryview of a contiguous CPU uint8 tensor (torch offers none without numpy)."""
+    """A zero-copy, read-only memoryview of a contiguous CPU uint8 tensor (torch offers none without numpy).
+
+    The tensor must outlive the view. (A ctypes array type per length would do too, but creating one costs
+    ~100 us, more than the bytes it views.)"""
     assert u8.dtype == torch.uint8 and u8.device.type == "cpu" and u8.is_contiguous()
     n = u8.numel()
     if n == 0:
         return memoryview(b"")
-    return memoryview((ctypes.c_ubyte * n).from_address(u8.data_ptr())).cast("B")
+    return _memory_view(u8.data_ptr(), n, _PYBUF_READ)
+
+
+def tensor_writable_view(u8: torch.Tensor) -> memoryview:
+    """Like tensor_bytes_view, but writable: for reading a file straight into a tensor."""
+    assert u8.dtype == torch.uint8 and u8.device.type == "cpu" and u8.is_contiguous()
+    if u8.numel() == 0:
+        return memoryview(bytearray())
+    return _memory_view(u8.data_ptr(), u8.numel(), _PYBUF_WRITE)
 
 
 def bytes_to_u8(data: bytes | bytearray) -> torch.Tensor:

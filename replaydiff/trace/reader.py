@@ -7,11 +7,13 @@ job) reads up to its last complete chunk; ``truncated_after`` says where it stop
 from __future__ import annotations
 
 import bisect
+import json
+import os
+import struct
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterator
 
-import safetensors
 import torch
 
 from replaydiff.errors import TraceError
@@ -27,6 +29,69 @@ from replaydiff.trace.format import (
     data_file_name,
     read_frame,
 )
+
+
+class DataFile:
+    """One safetensors data file, read one tensor at a time with pread (no mmap, nothing loaded up front).
+
+    The format is a little-endian u64 header length, a JSON header naming each tensor's dtype, shape and byte range
+    (plus string metadata: here each storage's codec, size and CRC), then the bytes. Parsed here rather than through
+    safetensors.safe_open, which costs ~250 us per tensor; every field is checked before it is used.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise TraceError(path, "missing") from None
+        except OSError as exc:
+            raise TraceError(path, f"unreadable ({exc.strerror or exc})") from None
+        try:
+            size = os.fstat(self.fd).st_size
+            head = os.pread(self.fd, 8, 0)
+            if len(head) < 8:
+                raise ValueError("shorter than a safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(size - 8, 100 << 20):
+                raise ValueError(f"header length {n} does not fit the file ({size} bytes)")
+            header = json.loads(os.pread(self.fd, n, 8))
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
+            meta = header.pop("__metadata__", None) or {}
+            if not isinstance(meta, dict):
+                raise ValueError("metadata is not a JSON object")
+            self.metadata: dict = meta
+            self.entries: dict = header
+            self.data_start = 8 + n
+            self.size = size
+        except (ValueError, UnicodeDecodeError) as exc:
+            os.close(self.fd)
+            raise TraceError(path, f"corrupt ({exc})") from None
+
+    def read(self, key: str) -> torch.Tensor:
+        """The raw bytes stored under ``key`` as a uint8 tensor; ValueError if the entry is not a sound byte range."""
+        e = self.entries.get(key)
+        if not isinstance(e, dict):
+            raise ValueError(f"storage {key} is not in this file")
+        begin, end = e.get("data_offsets", (None, None))
+        if e.get("dtype") != "U8" or not isinstance(begin, int) or not isinstance(end, int) \
+                or not 0 <= begin <= end or self.data_start + end > self.size or e.get("shape") != [end - begin]:
+            raise ValueError(f"storage {key} has a malformed entry")
+        out = torch.empty(end - begin, dtype=torch.uint8)
+        got = os.preadv(self.fd, [codec.tensor_writable_view(out)], self.data_start + begin) if end > begin else 0
+        if got != end - begin:
+            raise ValueError(f"storage {key}: file ends early")
+        return out
+
+    def close(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class RankReader:
@@ -47,7 +112,6 @@ class RankReader:
         self._files: OrderedDict[int, Any] = OrderedDict()
         self._storages: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._storage_total = 0
-        self._metadata: dict[int, dict] = {}
         self.complete = bool(self.manifest.get("complete"))
 
     # -- manifest ---------------------------------------------------------------------------------------------
@@ -126,21 +190,13 @@ class RankReader:
         return -1 if last is None else last
 
     # -- storages ---------------------------------------------------------------------------------------------
-    def _file(self, chunk: int) -> Any:
+    def _file(self, chunk: int) -> DataFile:
         f = self._files.get(chunk)
         if f is None:
-            path = self.root / DATA_DIR / data_file_name(chunk)
-            if not path.is_file():
-                raise TraceError(path, "missing")
-            try:
-                f = safetensors.safe_open(str(path), framework="pt")
-                meta = f.metadata() or {}
-            except Exception as exc:
-                raise TraceError(path, f"corrupt ({exc})") from None
+            f = DataFile(self.root / DATA_DIR / data_file_name(chunk))
             self._files[chunk] = f
-            self._metadata[chunk] = meta
             if len(self._files) > 8:
-                self._files.popitem(last=False)
+                self._files.popitem(last=False)[1].close()
         return f
 
     def storage_bytes(self, version: int, chunk: int, nbytes: int) -> torch.Tensor:
@@ -149,26 +205,23 @@ class RankReader:
         if cached is not None:
             self._storages.move_to_end(version)
             return cached
-        path = self.root / DATA_DIR / data_file_name(chunk)
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         f = self._file(chunk)
         key = str(version)
         try:
-            meta = self._metadata[chunk].get(key)
-            if meta is None:
+            meta = f.metadata.get(key)
+            if not isinstance(meta, str):
                 raise ValueError(f"storage {key} is not in this file")
             codec_name, n, crc = meta.split(";")
             if int(n) != nbytes:
                 raise ValueError(f"storage {key} holds {n} bytes, the op expects {nbytes}")
-            raw = f.get_tensor(key)
-            if raw.dtype != torch.uint8 or raw.dim() != 1:
-                raise ValueError(f"storage {key} is not a byte tensor")
+            raw = f.read(key)
             data = codec.decode(raw, codec_name, int(n), int(crc), f"storage {key}")
         except TraceError:
             raise
         except Exception as exc:
-            raise TraceError(path, f"corrupt ({exc})") from None
+            raise TraceError(self.root / DATA_DIR / data_file_name(chunk), f"corrupt ({exc})") from None
         self._storages[version] = data
         self._storage_total += data.numel()
         while self._storage_total > (256 << 20) and len(self._storages) > 1:
