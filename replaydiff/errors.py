@@ -34,6 +34,9 @@ class TraceError(ReplaydiffError):
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")
 
+    def __reduce__(self):  # crosses process boundaries from --workers replay processes
+        return type(self), (self.path, self.problem)
+
 
 class EnvironmentProblem(ReplaydiffError):
     """The machine lacks something the request needs (a CUDA device, a package)."""

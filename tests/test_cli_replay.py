@@ -1,0 +1,205 @@
+"""`replaydiff replay` and `replaydiff demo` as a user runs them: a subprocess, exit codes, one-line errors, the
+replaydiff.replay/1 JSON document, and nothing on stderr meant for a terminal when output is piped."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import replay_helpers as rh
+from replaydiff.replay.result import STATUSES, OpResult, ReplayReport
+from replaydiff.report import report_to_json
+from replaydiff.trace.format import DATA_DIR, MANIFEST, OPS_DIR
+
+OP_KEYS = {"rank", "index", "op", "status", "module", "phase", "source", "forward_index", "metrics", "reason"}
+
+
+def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    # stdout and stderr are pipes: the CLI must behave as it does under CI or in `| tee`
+    return subprocess.run([sys.executable, "-m", "replaydiff", *args], capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *must_contain: str) -> None:
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("replaydiff: error:")]
+    assert len(errors) == 1, proc.stderr
+    for text in must_contain:
+        assert text in errors[0], proc.stderr
+
+
+def _no_constants(name: str):
+    raise AssertionError(f"JSON report contains the non-standard literal {name}")
+
+
+@pytest.fixture(scope="module")
+def mlp_fault() -> tuple[Path, int]:
+    name, occurrence, _ = rh.first_in_phase(rh.trace_ops(rh.step_trace("mlp")), rh.MATMULS, "forward")
+    path = rh.step_trace("mlp", name, rel=1e-3, occurrence=occurrence)
+    return path, rh.occurrence_index(rh.trace_ops(path), name, occurrence)
+
+
+def test_clean_trace_exits_0():
+    proc = run_cli("replay", str(rh.step_trace("mlp")))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 divergent" in proc.stdout and "no divergent op" in proc.stdout
+    assert "replaying" not in proc.stderr  # no progress bar when stderr is not a terminal
+
+
+def test_planted_fault_exits_1_and_names_the_op(mlp_fault):
+    path, index = mlp_fault
+    proc = run_cli("replay", str(path))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    culprit = [line for line in proc.stdout.splitlines() if line.startswith("first divergent op")]
+    assert len(culprit) == 1 and f"#{index} " in culprit[0], proc.stdout
+    assert "replaying" not in proc.stderr
+
+
+def test_wide_tolerance_silences_the_planted_fault(mlp_fault):
+    path, _ = mlp_fault
+    proc = run_cli("replay", str(path), "--tolerance", "float32=1e9,1e9")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 divergent" in proc.stdout
+
+
+def test_json_report_on_stdout():
+    name, occurrence, _ = rh.first_in_phase(rh.trace_ops(rh.step_trace("transformer")), rh.MATMULS, "forward")
+    path = rh.step_trace("transformer", name, rel=1e-3, occurrence=occurrence)
+    ops = rh.trace_ops(path)
+    index = rh.occurrence_index(ops, name, occurrence)
+
+    proc = run_cli("replay", str(path), "--json", "-")
+    assert proc.returncode == 1, proc.stderr
+    assert "replaying" not in proc.stderr
+    doc = json.loads(proc.stdout, parse_constant=_no_constants)  # the whole of stdout is the document
+
+    assert doc["format"] == "replaydiff.replay/1"
+    assert doc["trace"] == str(path)
+    assert doc["options"]["device"] == "cpu" and doc["options"]["precision"] == "fp64"
+    assert doc["warnings"] == []
+    summary = doc["summary"]
+    assert set(summary) == set(STATUSES) and all(isinstance(v, int) for v in summary.values())
+    assert sum(summary.values()) == len(doc["ops"]) == len(ops)
+    assert summary["divergent"] == 1 and summary["error"] == 0
+
+    first = doc["first_divergent"]
+    assert OP_KEYS <= set(first)
+    assert (first["rank"], first["index"], first["op"], first["phase"]) == (0, index, name, "forward")
+    assert first["module"].startswith("TinyTransformer.")
+    assert "tiny.py:" in first["source"]
+    for key in ("rel_l2", "max_abs", "norm_max", "norm_rel", "limit_max"):
+        assert isinstance(first["metrics"][key], float) and math.isfinite(first["metrics"][key])
+    assert first["metrics"]["norm_max"] > first["metrics"]["limit_max"]
+    assert isinstance(first["reason"], str) and first["reason"]
+    assert doc["first_nondeterministic"] is None and doc["nonfinite_origin"] is None
+
+    assert [o["index"] for o in doc["ops"]] == [op["i"] for op in ops]
+    for entry, op in zip(doc["ops"], ops):
+        assert OP_KEYS <= set(entry)
+        assert entry["rank"] == 0 and entry["op"] == op["op"] and entry["phase"] == op["ph"]
+        assert entry["module"] == op.get("mod")
+        assert entry["status"] in STATUSES
+        assert entry["metrics"] is None or isinstance(entry["metrics"], dict)
+        assert entry["reason"] is None or isinstance(entry["reason"], str)
+    assert doc["ops"][[o["index"] for o in doc["ops"]].index(index)] == first
+
+
+def test_json_report_to_a_file_with_a_nan_origin(tmp_path):
+    name, occurrence, _ = rh.first_in_phase(rh.trace_ops(rh.step_trace("mlp")), rh.MATMULS, "forward")
+    path = rh.step_trace("mlp", name, rel=float("nan"), occurrence=occurrence)
+    index = rh.occurrence_index(rh.trace_ops(path), name, occurrence)
+    out = tmp_path / "report.json"
+    proc = run_cli("replay", str(path), "--json", str(out))
+    assert proc.returncode == 1, proc.stderr
+    assert "first divergent op" in proc.stdout and "NaN/Inf origin" in proc.stdout  # text still on stdout
+    text = out.read_text()
+    doc = json.loads(text, parse_constant=_no_constants)
+    assert doc["nonfinite_origin"]["index"] == index == doc["first_divergent"]["index"]
+    assert doc["first_divergent"]["metrics"]["nonfinite_mismatch"] > 0
+
+
+def test_non_finite_metrics_are_written_as_strings():
+    report = ReplayReport(trace="t", options={"device": "cpu", "precision": "fp64", "x": float("-inf")})
+    report.ops.append(OpResult(rank=0, index=3, op="aten.mm.default", status="divergent", phase="forward",
+                               metrics={"norm_max": float("inf"), "rel_l2": float("nan"), "max_abs": 1.0,
+                                        "nested": [float("-inf"), 2.0]}, reason="r"))
+    text = json.dumps(report_to_json(report))
+    doc = json.loads(text, parse_constant=_no_constants)
+    assert doc["first_divergent"]["metrics"] == {"norm_max": "inf", "rel_l2": "nan", "max_abs": 1.0,
+                                                 "nested": ["-inf", 2.0]}
+    assert doc["options"]["x"] == "-inf"
+    assert doc["ops"] == [doc["first_divergent"]]
+
+
+def _flip_bytes(path: Path, start: int, n: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    start = max(0, min(start, len(data) - n))
+    for k in range(start, start + n):
+        data[k] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def copied_trace(tmp_path) -> Path:
+    dst = tmp_path / "trace"
+    shutil.copytree(rh.step_trace("mlp"), dst)
+    return dst
+
+
+def test_damaged_ops_chunk_exits_3_with_one_line_naming_the_file(copied_trace):
+    chunk = sorted((copied_trace / "rank0" / OPS_DIR).iterdir())[0]
+    _flip_bytes(chunk, chunk.stat().st_size // 2)
+    proc = run_cli("replay", str(copied_trace))
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert_one_line_error(proc, str(chunk))
+
+
+def test_damaged_manifest_exits_3(copied_trace):
+    manifest = copied_trace / "rank0" / MANIFEST
+    _flip_bytes(manifest, 20)
+    proc = run_cli("replay", str(copied_trace))
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert_one_line_error(proc, str(manifest))
+
+
+def test_damaged_tensor_data_exits_3_not_clean(copied_trace):
+    """A data file whose bytes fail their checksum is a damaged trace, not a healthy op: exit 3, naming the file."""
+    data = sorted((copied_trace / "rank0" / DATA_DIR).iterdir())[0]
+    _flip_bytes(data, data.stat().st_size - 200, 100)  # inside the stored tensors, past the safetensors header
+    proc = run_cli("replay", str(copied_trace))
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert_one_line_error(proc, str(data))
+
+
+def test_missing_cuda_device_exits_4(tmp_path):
+    # "cuda" on a machine without CUDA; on one with CUDA, an index past the last device: both are missing devices
+    device = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    proc = run_cli("replay", str(rh.step_trace("mlp")), "--device", device)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert_one_line_error(proc, "cuda")
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("bad", [["--precision", "fp16"], ["--tolerance", "float32"], ["--repeat", "0"]],
+                         ids=["precision", "tolerance", "repeat"])
+def test_bad_option_exits_2(bad):
+    proc = run_cli("replay", str(rh.step_trace("mlp")), *bad)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert_one_line_error(proc)
+    assert proc.stdout == ""
+
+
+def test_demo_names_the_planted_op():
+    proc = run_cli("demo")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    culprit = [line for line in proc.stdout.splitlines() if line.startswith("culprit found:")]
+    assert len(culprit) == 1 and "native_layer_norm_backward" in culprit[0], proc.stdout
+    assert "named the planted op" in proc.stdout
+    assert "did NOT" not in proc.stdout
+    assert "replaying" not in proc.stderr
