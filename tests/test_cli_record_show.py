@@ -1,0 +1,208 @@
+"""``replaydiff record`` and ``replaydiff show``, run as a user would: subprocesses of ``python -m replaydiff``."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from replaydiff.record.encode import iter_tensor_refs
+from replaydiff.trace import open_trace
+from replaydiff.trace.format import pack_frame, read_frame, write_atomic
+
+TRAIN = textwrap.dedent("""
+    import json, sys
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    losses = []
+    for step in range(3):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    print("LOSSES " + json.dumps(losses), flush=True)
+    sys.exit(3)
+""")
+
+TRAIN_DDP = textwrap.dedent("""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+    for _ in range(2):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def child_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "REPLAYDIFF_RECORD")}
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def replaydiff_cli(*args, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "replaydiff", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=child_env())
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """``replaydiff record --step 2`` of the three-step script; shared by the record and show tests."""
+    cwd = tmp_path_factory.mktemp("cli")
+    (cwd / "train.py").write_text(TRAIN)
+    proc = replaydiff_cli("record", "--step", "2", "-o", "trace", "--", sys.executable, "train.py", cwd=cwd)
+    return cwd, proc
+
+
+def test_record_step_of_a_script(recorded):
+    cwd, proc = recorded
+    assert proc.returncode == 3, proc.stderr  # the script's own exit code passes through
+    assert "Traceback" not in proc.stderr, proc.stderr
+    losses = json.loads(re.search(r"LOSSES (.*)", proc.stdout).group(1))
+    assert len(losses) == 3  # the recording did not stop the script
+    assert "replaydiff show trace" in proc.stderr and "replaydiff replay trace" in proc.stderr
+    r = open_trace(cwd / "trace").rank(0)
+    assert r.complete and r.lost == []
+    ops = list(r)
+    phases = Counter(o["ph"] for o in ops)
+    assert phases["forward"] and phases["backward"] and phases["optimizer"]
+    assert any(o["op"] == "aten.addmm.default" and o["ph"] == "forward" for o in ops)
+    assert any(o["op"] == "aten.addcdiv_.default" and o["ph"] == "optimizer" for o in ops)
+    assert {o.get("mod") for o in ops if o["op"] == "aten.addmm.default"} == {"Sequential.0", "Sequential.2"}
+    # Exactly step 2: one loss computed, and it is the second step's.
+    (mse,) = [o for o in ops if o["op"] == "aten.mse_loss.default"]
+    assert r.tensor(mse["o"]).item() == losses[1]
+    # Step 2 is not the first: no optimizer state is created (AdamW's zeros_like happens in step 1 only).
+    assert not any(o["op"] == "aten.zeros_like.default" for o in ops)
+
+
+def test_record_first_step_module_paths(tmp_path):
+    (tmp_path / "train.py").write_text(TRAIN)
+    proc = replaydiff_cli("record", "--step", "1", "-o", "trace", "--", sys.executable, "train.py", cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    ops = list(open_trace(tmp_path / "trace").rank(0))
+    (mse,) = [o for o in ops if o["op"] == "aten.mse_loss.default"]
+    assert ops[0]["ph"] == "forward"
+    # Recording starts inside the first module call: paths are still full ones.
+    assert {o.get("mod") for o in ops if o["op"] == "aten.addmm.default"} == {"Sequential.0", "Sequential.2"}
+    assert any(o["op"] == "aten.zeros_like.default" and o["ph"] == "optimizer" for o in ops)
+
+
+def test_record_refuses_an_existing_directory(recorded):
+    cwd, _ = recorded
+    before = sorted(p.name for p in (cwd / "trace").rglob("*"))
+    proc = replaydiff_cli("record", "-o", "trace", "--", sys.executable, "train.py", cwd=cwd)
+    assert proc.returncode == 2
+    assert "--force" in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in (cwd / "trace").rglob("*")) == before
+
+
+def test_show_summary(recorded):
+    cwd, _ = recorded
+    proc = replaydiff_cli("show", "trace", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    r = open_trace(cwd / "trace").rank(0)
+    ops = list(r)
+    phases = Counter(o["ph"] for o in ops)
+    assert f"1 rank(s), {len(ops)} ops" in out
+    assert "rank 0:" in out
+    assert "phases: " + ", ".join(f"{k} {v}" for k, v in sorted(phases.items())) in out
+    top_name, top_count = Counter(o["op"] for o in ops).most_common(1)[0]
+    assert re.search(rf"\b{top_count}\s+{re.escape(top_name)}\b", out)
+    assert "most frequent of" in out
+    assert re.search(r"\d+(\.\d)? (B|KiB|MiB) on disk", out)
+    assert f"torch {torch.__version__}" in out and "threads" in out and "flags:" in out
+
+
+def test_show_one_op(recorded):
+    cwd, _ = recorded
+    r = open_trace(cwd / "trace").rank(0)
+    ops = list(r)
+    # The second layer's addmm: its input was made by an earlier recorded op.
+    producer = {}
+    for o in ops:
+        for ref in iter_tensor_refs([o.get("o"), [a for _, a in o.get("w") or []]]):
+            producer.setdefault(ref["T"], o["i"])
+    target = [o for o in ops if o["op"] == "aten.addmm.default" and o["ph"] == "forward"][1]
+    made = [producer[a["T"]] for a in target["a"] if isinstance(a, dict) and a.get("T") in producer
+            and producer[a["T"]] < target["i"]]
+    assert made
+    proc = replaydiff_cli("show", "trace", "--op", target["i"], cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert f"op #{target['i']} aten.addmm.default" in out
+    assert "arguments:" in out and "outputs" in out
+    for a in target["a"]:
+        if isinstance(a, dict):
+            assert f"float32{a['sh']}" in out
+    assert f"<- op #{made[0]}" in out
+    assert "phase   forward" in out and "Sequential.2" in out
+
+
+def test_show_corrupt_trace_is_one_line_and_exit_3(recorded, tmp_path):
+    cwd, _ = recorded
+    shutil.copytree(cwd / "trace", tmp_path / "bad")
+    chunk = sorted((tmp_path / "bad" / "rank0" / "ops").glob("*.rdt"))[0]
+    raw = bytearray(chunk.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    chunk.write_bytes(bytes(raw))
+    proc = replaydiff_cli("show", "bad", cwd=tmp_path)
+    assert proc.returncode == 3
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and chunk.name in lines[0], proc.stderr
+    # A manifest of a newer format: same treatment, and the message says why.
+    path = tmp_path / "bad" / "rank0" / "manifest.rdt"
+    write_atomic(path, pack_frame(dict(read_frame(path), version=999), None))
+    proc = replaydiff_cli("show", "bad", "--op", 0, cwd=tmp_path)
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "manifest.rdt" in lines[0] and "newer" in lines[0], proc.stderr
+
+
+@pytest.mark.slow
+def test_record_under_torchrun(tmp_path):
+    (tmp_path / "train_ddp.py").write_text(TRAIN_DDP)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    proc = replaydiff_cli("record", "--step", "1", "-o", "trace", "--", *launcher, "--standalone",
+                          "--nproc-per-node", "2", "train_ddp.py", cwd=tmp_path, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 rank(s)" in proc.stderr
+    assert (tmp_path / "trace" / "rank0").is_dir() and (tmp_path / "trace" / "rank1").is_dir()
+    tr = open_trace(tmp_path / "trace")
+    assert sorted(tr.ranks) == [0, 1]
+    for rank, r in tr.ranks.items():
+        assert r.complete and r.manifest["world_size"] == 2 and r.environment["rank"] == rank
+        ops = list(r)
+        assert {"forward", "backward", "optimizer"} <= {o["ph"] for o in ops}
+        coll = [o for o in ops if "coll" in o]
+        assert coll and all(o["coll"].get("size") == 2 for o in coll)

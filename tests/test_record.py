@@ -1,0 +1,750 @@
+"""The recorder: each recorded item checked against an independent oracle (what torch itself did)."""
+from __future__ import annotations
+
+import ast
+import fnmatch
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import replaydiff
+import replaydiff.trace.writer as trace_writer
+from replaydiff.models.tiny import TinyTransformer, make_step
+from replaydiff.record.encode import iter_tensor_refs
+from replaydiff.trace import open_trace
+
+STAT_NAMES = ("numel", "mean", "absmax", "l2", "var", "nan", "inf")
+
+
+# -- helpers ----------------------------------------------------------------------------------------------------
+class OpLog(TorchDispatchMode):
+    """Entered inside ``replaydiff.record``, so it sits above the recorder and sees every op the recorder sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def all_refs(op: dict) -> list[dict]:
+    """Every tensor reference of an op: arguments, keyword arguments, written-after values, outputs."""
+    return list(iter_tensor_refs([op.get("a"), list((op.get("k") or {}).values()),
+                                  [after for _, after in op.get("w") or []], op.get("o")]))
+
+
+def only(ops: list[dict], name: str) -> dict:
+    found = [o for o in ops if o["op"] == name]
+    assert len(found) == 1, f"expected one {name}, found {len(found)}: {[o['op'] for o in ops]}"
+    return found[0]
+
+
+def written(op: dict) -> dict:
+    """path (as a tuple) -> after-value reference(s)."""
+    return {tuple(path): after for path, after in op.get("w") or []}
+
+
+def rng_bytes(reader, op: dict) -> torch.Tensor:
+    rng = op["rng"]
+    return reader.storage_bytes(int(rng["T"]), int(rng["f"]), int(rng["sb"]))
+
+
+def data_keys(rank_dir: Path) -> list[str]:
+    keys: list[str] = []
+    for f in sorted((rank_dir / "data").glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            keys.extend(fh.keys())
+    return keys
+
+
+def small_mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def fresh_state(opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for i, p in enumerate(p for g in opt.param_groups for p in g["params"]):
+        for k, v in sorted(opt.state[p].items()):
+            if isinstance(v, torch.Tensor):
+                out.append((f"{i}.{k}", v.detach().clone()))
+    return out
+
+
+def train_tiny(ctx=None, steps: int = 1):
+    """TinyTransformer (dropout on) from torch.manual_seed(0), ``steps`` AdamW steps, the first one inside ``ctx``.
+
+    Returns everything a recorder could disturb: losses, parameters, gradients, optimizer state, RNG state."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = make_step(model, model.example_batch(), opt)
+    losses = []
+    for s in range(steps):
+        if s == 0 and ctx is not None:
+            with ctx:
+                losses.append(step())
+        else:
+            losses.append(step())
+    return {
+        "losses": losses,
+        "params": [(n, p.detach().clone()) for n, p in model.named_parameters()],
+        "grads": [(n, p.grad.clone()) for n, p in model.named_parameters()],
+        "state": fresh_state(opt),
+        "rng": torch.get_rng_state(),
+    }
+
+
+def assert_bitwise_same(a: dict, b: dict) -> None:
+    assert len(a["losses"]) == len(b["losses"])
+    for x, y in zip(a["losses"], b["losses"]):
+        assert torch.equal(x, y), (x, y)
+    for key in ("params", "grads", "state"):
+        assert [n for n, _ in a[key]] == [n for n, _ in b[key]]
+        assert len(a[key]) > 0
+        for (n, x), (_, y) in zip(a[key], b[key]):
+            assert torch.equal(x, y), f"{key} {n} differs"
+    assert torch.equal(a["rng"], b["rng"]), "the recorder consumed random numbers"
+
+
+def replaydiff_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "replaydiff" in str(w.message)]
+
+
+# -- 1. numbering, names, phases, modules, backward links, source lines, optimizers ------------------------------
+def test_ops_numbered_in_dispatch_order_named_by_func_with_phases(tmp_path, tiny_step):
+    model, opt, batch = tiny_step.model, tiny_step.optimizer, tiny_step.batch
+    log = OpLog()
+    with replaydiff.record(tmp_path / "t"):
+        with log:
+            loss = model(*batch)
+            seed = torch.ones_like(loss)
+            n_forward = len(log.names)
+            loss.backward(seed)
+            n_backward = len(log.names)
+            opt.step()
+    r = open_trace(tmp_path / "t").rank(0)
+    ops = list(r)
+    assert r.complete and r.lost == []
+    assert [o["i"] for o in ops] == list(range(len(log.names)))
+    assert [o["op"] for o in ops] == log.names
+    assert r.manifest["ops_seen"] == len(log.names)
+    regions = {"forward": ops[:n_forward], "backward": ops[n_forward:n_backward], "optimizer": ops[n_backward:]}
+    for phase, region in regions.items():
+        aten = [o for o in region if o["op"].startswith("aten.")]
+        assert aten, f"no aten op in the {phase} region"
+        wrong = [(o["i"], o["op"], o["ph"]) for o in aten if o["ph"] != phase]
+        assert not wrong, f"ops of the {phase} region recorded with another phase: {wrong[:5]}"
+
+
+def test_module_paths_in_forward_and_backward(tmp_path, tiny_step):
+    model = tiny_step.model
+    layer_norm_calls: list[str] = []
+    names = {m: f"TinyTransformer.{n}" for n, m in model.named_modules() if n}
+    hooks = [m.register_forward_pre_hook(lambda mod, inp: layer_norm_calls.append(names[mod]))
+             for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    try:
+        with replaydiff.record(tmp_path / "t"):
+            tiny_step()
+    finally:
+        for h in hooks:
+            h.remove()
+    ops = list(open_trace(tmp_path / "t").rank(0))
+
+    fwd_ln = [o["mod"] for o in ops if o["op"] == "aten.native_layer_norm.default"]
+    assert fwd_ln == layer_norm_calls
+    bwd_ln = [o for o in ops if o["op"] == "aten.native_layer_norm_backward.default"]
+    assert all(o["ph"] == "backward" for o in bwd_ln)
+    assert [o["mod"] for o in bwd_ln] == layer_norm_calls[::-1]  # backward visits them in reverse
+    assert "TinyTransformer.blocks.1.ln2" in [o["mod"] for o in bwd_ln]
+    # Two sibling embeddings whose inputs need no grad: each backward op carries its own module.
+    emb = sorted(o["mod"] for o in ops if o["op"] == "aten.embedding_dense_backward.default")
+    assert emb == ["TinyTransformer.pos", "TinyTransformer.tok"]
+    # Every module holding parameters has forward and backward ops attributed to it.
+    leaves = {f"TinyTransformer.{n}" for n, m in model.named_modules()
+              if n and not list(m.children()) and list(m.parameters(recurse=False))}
+    for phase in ("forward", "backward"):
+        seen = {o.get("mod") for o in ops if o["ph"] == phase}
+        assert leaves <= seen, f"{phase}: no op attributed to {sorted(leaves - seen)}"
+    # A backward op belongs to the module of the forward op that made its autograd node.
+    linked = [o for o in ops if o["ph"] == "backward" and "fwd" in o]
+    assert linked
+    mismatched = [(o["i"], o["op"], o.get("mod"), ops[o["fwd"]].get("mod")) for o in linked
+                  if o.get("mod") != ops[o["fwd"]].get("mod")]
+    assert not mismatched
+
+
+def test_backward_ops_point_to_their_forward_op(record_one, tiny_step):
+    _, r = record_one(tiny_step)
+    ops = list(r)
+    by_index = {o["i"]: o for o in ops}
+    pairs = {
+        "aten.native_layer_norm_backward.default": "aten.native_layer_norm.default",
+        "aten.gelu_backward.default": "aten.gelu.default",
+        "aten.embedding_dense_backward.default": "aten.embedding.default",
+        "aten._softmax_backward_data.default": "aten._softmax.default",
+        "aten.nll_loss_backward.default": "aten.nll_loss_forward.default",
+    }
+    for bwd_name, fwd_name in pairs.items():
+        bwd = [o for o in ops if o["op"] == bwd_name]
+        assert bwd, bwd_name
+        for o in bwd:
+            assert "fwd" in o, f"#{o['i']} {bwd_name} has no forward op"
+            f = by_index[o["fwd"]]
+            assert f["i"] < o["i"] and f["ph"] == "forward"
+            assert f["op"] == fwd_name, (o["i"], f["op"])
+    for o in ops:
+        if "fwd" in o:
+            assert o["ph"] == "backward" and by_index[o["fwd"]]["ph"] == "forward" and o["fwd"] < o["i"]
+    # The link is the right call, not only the right kind: layer-norm backward reads the mean and rstd that its
+    # forward op produced (same storage versions).
+    for o in (o for o in ops if o["op"] == "aten.native_layer_norm_backward.default"):
+        f = by_index[o["fwd"]]
+        assert o["a"][3]["T"] == f["o"][1]["T"] and o["a"][4]["T"] == f["o"][2]["T"]
+
+
+def test_source_line_points_at_the_calling_line(record_one, tiny_step):
+    x = torch.arange(4.0)
+
+    def work():
+        y = torch.mul(x, 3); line = sys._getframe().f_lineno  # noqa: E702 -- one line on purpose
+        tiny_step()
+        return y, line
+
+    (_, line), r = record_one(work)
+    ops = list(r)
+    mul = ops[0]
+    assert mul["op"] == "aten.mul.Tensor"
+    path, lineno = mul["src"].rsplit(":", 1)
+    assert Path(path).resolve() == Path(__file__).resolve() and int(lineno) == line
+    # replaydiff's own models are user code: their ops point into tiny.py, not into torch.
+    ln = next(o for o in ops if o["op"] == "aten.native_layer_norm.default")
+    assert ln["src"].rsplit(":", 1)[0].endswith(os.path.join("replaydiff", "models", "tiny.py"))
+    assert not any(os.sep + "torch" + os.sep in (o.get("src") or "") for o in ops if o["ph"] == "forward")
+
+
+OPTIMIZERS = {
+    "adamw-loop": (lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False), ["aten.addcdiv_.default"], False),
+    "adamw-foreach": (lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True), ["aten._foreach_addcdiv_."], True),
+    "adamw-fused": (lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True), ["aten._fused_adamw_.default"], None),
+    "sgd-momentum": (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=False), ["aten.add_.Tensor"], False),
+    "sgd-momentum-foreach": (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=True),
+                             ["aten._foreach_mul_.", "aten._foreach_add_."], True),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_optimizer_ops_recorded(record_one, kind):
+    make, expected, uses_foreach = OPTIMIZERS[kind]  # uses_foreach None: either way
+    torch.manual_seed(0)
+    model = small_mlp()
+    opt = make(model.parameters())
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+
+    def step():
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        return before
+
+    step()  # state exists (momentum buffers, moments): the recorded step is a steady-state one
+    before, r = record_one(step)
+    after = [p.detach().clone() for p in model.parameters()]
+    ops = list(r)
+    opt_ops = [o for o in ops if o["ph"] == "optimizer"]
+    names = [o["op"] for o in opt_ops]
+    for prefix in expected:
+        assert any(n.startswith(prefix) for n in names), (prefix, sorted(set(names)))
+    if uses_foreach is not None:
+        assert any("_foreach_" in n for n in names) == uses_foreach
+    if kind == "adamw-fused":
+        fused = only(ops, "aten._fused_adamw_.default")
+        assert all(torch.equal(r.tensor(t), p) for t, p in zip(fused["a"][0], before))
+        assert all(torch.equal(r.tensor(t), p) for t, p in zip(written(fused)[("a", 0)], after))
+    # Whatever the implementation, each parameter's new value is among the values the optimizer ops wrote.
+    writes = [ref for o in opt_ops for _, w in o.get("w") or [] for ref in iter_tensor_refs(w)]
+    for p_before, p_after in zip(before, after):
+        assert not torch.equal(p_before, p_after)
+        assert any(ref["sh"] == list(p_after.shape) and torch.equal(r.tensor(ref), p_after) for ref in writes)
+
+
+# -- 2. in-place, out= and _foreach_*_ ops -----------------------------------------------------------------------
+def test_inplace_out_and_foreach_record_before_and_after(record_one):
+    x = torch.tensor([1.0, 2.0, 3.0])
+    a, b, c = torch.tensor([1.0, 2.0]), torch.tensor([10.0, 20.0]), torch.full((2,), -7.0)
+    ts = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]
+    x0, c0, ts0 = x.clone(), c.clone(), [t.clone() for t in ts]
+
+    def work():
+        x.add_(1)
+        torch.add(a, b, out=c)
+        torch._foreach_mul_(ts, 2)
+        return x.mul(5)
+
+    _, r = record_one(work)
+    ops = list(r)
+
+    add_ = only(ops, "aten.add_.Tensor")
+    assert torch.equal(r.tensor(add_["a"][0]), x0)
+    (path, after), = add_["w"]
+    assert path == ["a", 0] and torch.equal(r.tensor(after), x0 + 1) and torch.equal(x, x0 + 1)
+    assert after["T"] != add_["a"][0]["T"]  # a write makes a new storage version
+    # The next op reads the new version, not the stale one.
+    mul = only(ops, "aten.mul.Tensor")
+    assert mul["a"][0]["T"] == after["T"] and torch.equal(r.tensor(mul["a"][0]), x0 + 1)
+
+    out = only(ops, "aten.add.out")
+    assert torch.equal(r.tensor(out["k"]["out"]), c0)  # before: what was in c
+    assert torch.equal(r.tensor(out["a"][0]), a) and torch.equal(r.tensor(out["a"][1]), b)
+    assert torch.equal(r.tensor(written(out)[("k", "out")]), a + b)
+
+    fe = only(ops, "aten._foreach_mul_.Scalar")
+    assert [r.tensor(t).tolist() for t in fe["a"][0]] == [t.tolist() for t in ts0]
+    assert fe["o"] is None  # returns nothing: the written list is the result
+    assert [r.tensor(t).tolist() for t in written(fe)[("a", 0)]] == [(t * 2).tolist() for t in ts0]
+
+
+def test_writes_through_aliases_are_seen(record_one):
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0])
+
+    def work():
+        x.data.mul_(2)  # a .data alias has its own version counter
+        x[1:3].add_(100)  # a write through a view
+        return x.sum()
+
+    total, r = record_one(work)
+    s = only(list(r), "aten.sum.default")
+    assert torch.equal(r.tensor(s["a"][0]), torch.tensor([2.0, 104.0, 106.0, 8.0]))
+    assert torch.equal(r.tensor(s["o"]), total)
+
+
+# -- 3. views and aliases ----------------------------------------------------------------------------------------
+def test_views_share_a_storage_version_stored_once(tmp_path, record_one):
+    base = torch.arange(16.0).reshape(4, 4)
+
+    def work():
+        v = base.t()
+        return base.add(v), v.mul(2)
+
+    _, r = record_one(work, chunk_ops=1)  # one op per chunk: "stored once" must hold across chunks too
+    ops = list(r)
+    t = only(ops, "aten.t.default")
+    add = only(ops, "aten.add.Tensor")
+    mul = only(ops, "aten.mul.Tensor")
+    version = t["a"][0]["T"]
+    assert t["o"]["T"] == version == add["a"][0]["T"] == add["a"][1]["T"] == mul["a"][0]["T"]
+    assert add["a"][1]["st"] == [1, 4] and add["a"][0]["st"] == [4, 1]
+    assert torch.equal(r.tensor(add["a"][1]), base.t())
+    assert torch.equal(r.tensor(mul["a"][0]), base.t())
+    assert torch.equal(r.tensor(t["o"]), base.t()) and torch.equal(r.tensor(t["a"][0]), base)
+    keys = data_keys(tmp_path / "trace" / "rank0")
+    assert keys.count(str(version)) == 1
+    assert len(keys) == len(set(keys))
+    stored = {ref["T"] for o in ops for ref in all_refs(o) if "f" in ref}
+    assert set(keys) == {str(v) for v in stored}
+    # base + its transpose + two results: three storages, each stored once.
+    assert len(stored) == 3
+
+
+# -- 4. random ops and uninitialised outputs ---------------------------------------------------------------------
+def test_random_ops_carry_generator_state(record_one):
+    x = torch.ones(64)
+    state = torch.get_rng_state()
+
+    def work():
+        d = F.dropout(x, 0.3, training=True)
+        return d, torch.randn(5), x * 2
+
+    (d, noise, _), r = record_one(work)
+    ops = list(r)
+    bern = only(ops, "aten.bernoulli_.float")
+    assert bern["rng"]["dev"] == "cpu"
+    assert torch.equal(rng_bytes(r, bern), state)  # the state just before the op
+    # Restoring the recorded state redoes the draw bit for bit.
+    torch.set_rng_state(rng_bytes(r, bern).clone())
+    assert bern["a"][1] == pytest.approx(0.7)  # keep probability
+    redo = torch.empty(64).bernoulli_(bern["a"][1])
+    assert torch.equal(redo, r.tensor(written(bern)[("a", 0)]))
+    assert torch.equal((d != 0).float(), redo)
+    randn = only(ops, "aten.randn.default")
+    torch.set_rng_state(rng_bytes(r, randn).clone())
+    assert torch.equal(torch.randn(5), noise) and torch.equal(r.tensor(randn["o"]), noise)
+    for o in ops:
+        if o["op"] not in ("aten.bernoulli_.float", "aten.randn.default"):
+            assert "rng" not in o, o["op"]
+
+
+def test_uninitialised_outputs_are_marked(record_one):
+    a = torch.arange(3.0)
+
+    def work():
+        e = torch.empty_like(a)
+        e.fill_(1.5)
+        return e + a
+
+    _, r = record_one(work)
+    ops = list(r)
+    empty = only(ops, "aten.empty_like.default")
+    assert empty["u"] is True and empty["o"]["u"] is True and "f" not in empty["o"]
+    fill = only(ops, "aten.fill_.Scalar")
+    assert fill["a"][0]["T"] == empty["o"]["T"] and fill["a"][0].get("u") is True
+    after = written(fill)[("a", 0)]
+    assert "u" not in after and torch.equal(r.tensor(after), torch.full((3,), 1.5))
+    add = only(ops, "aten.add.Tensor")
+    assert "u" not in add and "u" not in add["a"][0] and "u" not in add["o"]
+
+
+# -- 5. collectives ----------------------------------------------------------------------------------------------
+COLLECTIVE_WORKER = textwrap.dedent("""
+    import sys
+    import torch
+    import torch.distributed as dist
+    import replaydiff
+
+    rank, trace, init = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=2)
+    x = torch.arange(4, dtype=torch.float32) * (rank + 1) + 0.25 * rank
+    with replaydiff.record(trace):
+        y = x * 1.0
+        dist.all_reduce(y)
+        z = y + 1
+    dist.barrier()
+    dist.destroy_process_group()
+    print(repr(z.tolist()))
+""")
+
+
+def test_collective_recorded_on_two_gloo_ranks(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(COLLECTIVE_WORKER)
+    trace = tmp_path / "trace"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "REPLAYDIFF_RECORD")}
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(trace), str(tmp_path / "init")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for rank in (0, 1)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    inputs = [torch.arange(4, dtype=torch.float32) * (rank + 1) + 0.25 * rank for rank in (0, 1)]
+    total = inputs[0] + inputs[1]
+    assert all(ast.literal_eval(o.strip().splitlines()[-1]) == (total + 1).tolist() for o in outs)
+    assert (trace / "rank0").is_dir() and (trace / "rank1").is_dir()
+    tr = open_trace(trace)
+    assert sorted(tr.ranks) == [0, 1]
+    for rank in (0, 1):
+        r = tr.rank(rank)
+        assert r.complete and r.manifest["rank"] == rank and r.manifest["world_size"] == 2
+        ops = list(r)
+        coll = [o for o in ops if "coll" in o]
+        assert len(coll) == 1, [o["op"] for o in ops]
+        c = coll[0]
+        assert c["op"].startswith("c10d.") and "allreduce" in c["op"]
+        assert c["coll"]["size"] == 2
+        (inp,) = c["a"][0]
+        assert torch.equal(r.tensor(inp), inputs[rank])  # before the reduction
+        (after,) = written(c)[("a", 0)]
+        assert torch.equal(r.tensor(after), total)  # after Work.wait()
+        assert torch.equal(r.tensor(c["o"][0][0]), total)
+        add = only(ops, "aten.add.Tensor")
+        assert add["a"][0]["T"] == after["T"]  # the next op reads the reduced version
+
+
+# -- 6. environment ----------------------------------------------------------------------------------------------
+def test_environment_snapshot(tmp_path, monkeypatch):
+    monkeypatch.setenv("NCCL_ALGO", "Tree")
+    monkeypatch.setenv("TORCH_SHOW_CPP_STACKTRACES", "1")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    monkeypatch.setenv("REPLAYDIFF_TEST_UNRELATED", "x")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    saved = (torch.get_num_threads(), torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(),
+             torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic)
+    try:
+        # Away from every default, so that a snapshot of defaults (or of the wrong moment) fails.
+        torch.set_num_threads(1)
+        torch.backends.cuda.matmul.allow_tf32 = not saved[1]
+        torch.set_float32_matmul_precision("medium" if saved[2] != "medium" else "high")
+        torch.use_deterministic_algorithms(not saved[3])
+        torch.backends.cudnn.deterministic = not saved[4]
+        expected_precision = torch.get_float32_matmul_precision()
+        with replaydiff.record(tmp_path / "t"):
+            torch.ones(2).add(1)
+    finally:
+        torch.set_num_threads(saved[0])
+        torch.backends.cuda.matmul.allow_tf32 = saved[1]
+        torch.set_float32_matmul_precision(saved[2])
+        torch.use_deterministic_algorithms(saved[3])
+        torch.backends.cudnn.deterministic = saved[4]
+    r = open_trace(tmp_path / "t").rank(0)
+    env = r.environment
+    assert env["torch"] == torch.__version__
+    assert env["hostname"] == socket.gethostname()
+    assert env["rank"] == 0 and env["world_size"] == 1
+    assert env["num_threads"] == 1
+    assert env["cuda"] == torch.version.cuda
+    flags = env["flags"]
+    assert flags["cuda.matmul.allow_tf32"] == (not saved[1])
+    assert flags["float32_matmul_precision"] == expected_precision != saved[2]
+    assert flags["deterministic_algorithms"] == (not saved[3])
+    assert flags["cudnn.deterministic"] == (not saved[4])
+    assert "cudnn.allow_tf32" in flags
+    variables = env["variables"]
+    assert variables["NCCL_ALGO"] == "Tree"
+    assert variables["TORCH_SHOW_CPP_STACKTRACES"] == "1"
+    assert variables["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert "REPLAYDIFF_TEST_UNRELATED" not in variables
+    assert r.manifest["rank"] == 0 and r.manifest["world_size"] == 1
+
+
+def test_rank_and_world_size_from_launcher_variables(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with replaydiff.record(tmp_path / "t"):
+        torch.ones(2).add(1)
+    assert (tmp_path / "t" / "rank3").is_dir()
+    r = open_trace(tmp_path / "t").rank(3)
+    assert r.manifest["rank"] == 3 and r.manifest["world_size"] == 4
+    assert r.environment["rank"] == 3 and r.environment["world_size"] == 4
+
+
+# -- 7. tensor modes and filters ---------------------------------------------------------------------------------
+def hand_stats(t: torch.Tensor) -> list:
+    v = t.detach().reshape(-1).to(torch.float64)
+    finite = v[torch.isfinite(v)]
+    return [t.numel(), finite.mean().item(), finite.abs().max().item(), finite.norm().item(),
+            finite.var(unbiased=False).item(), int(torch.isnan(v).sum()), int(torch.isinf(v).sum())]
+
+
+def assert_stats(got: list, t: torch.Tensor) -> None:
+    want = hand_stats(t)
+    assert len(got) == len(STAT_NAMES)
+    for name, g, w in zip(STAT_NAMES, got, want):
+        assert g == pytest.approx(w, rel=1e-9, abs=1e-12), f"{name}: {g} != {w}"
+
+
+def test_stats_mode_matches_hand_computed_statistics(tmp_path, record_one):
+    g = torch.Generator().manual_seed(1)
+    special = torch.tensor([1.5, float("nan"), -3.25, float("inf"), 2.0, float("-inf"), -0.5, float("inf")])
+    half = (torch.randn(33, generator=g) * 7 + 2).half()
+    ints = torch.randint(-50, 50, (10,), generator=g)
+
+    def work():
+        return special * 2, half + 1, ints * 3
+
+    (s2, h1, i3), r = record_one(work, tensors="stats")
+    ops = list(r)
+    muls = [o for o in ops if o["op"] == "aten.mul.Tensor"]
+    assert len(muls) == 2
+    for op, inp, out in ((muls[0], special, s2), (only(ops, "aten.add.Tensor"), half, h1), (muls[1], ints, i3)):
+        assert_stats(op["a"][0]["s"], inp)
+        assert_stats(op["o"]["s"], out)
+    assert muls[0]["a"][0]["s"][5:] == [1, 3]  # one NaN, three infinities
+    for o in ops:
+        assert all("f" not in ref for ref in all_refs(o))
+    assert data_keys(tmp_path / "trace" / "rank0") == []
+
+
+def test_meta_mode_stores_no_data(tmp_path, tiny_step):
+    with replaydiff.record(tmp_path / "t", tensors="meta"):
+        loss = tiny_step()
+    r = open_trace(tmp_path / "t").rank(0)
+    ops = list(r)
+    assert r.complete and len(ops) > 100
+    assert list((tmp_path / "t" / "rank0" / "data").iterdir()) == []
+    refs = [ref for o in ops for ref in all_refs(o)]
+    assert refs and all("f" not in ref and "s" not in ref for ref in refs)
+    nll = only(ops, "aten.nll_loss_forward.default")
+    assert nll["o"][0]["sh"] == list(loss.shape) and nll["o"][0]["dt"] == "float32"
+    assert r.manifest["options"]["tensors"] == "meta"
+
+
+def test_op_glob_filter_keeps_numbering(tmp_path):
+    a, b = torch.randn(3, 3), torch.randn(3, 3)
+    log = OpLog()
+    with replaydiff.record(tmp_path / "t", ops="aten.mm*"):
+        with log:
+            c = a @ b
+            d = (c + 1).relu()
+            e = d @ a
+    ops = list(open_trace(tmp_path / "t").rank(0))
+    expected = [i for i, n in enumerate(log.names) if fnmatch.fnmatchcase(n, "aten.mm*")]
+    assert len(expected) == 2 and len(log.names) > 2
+    assert [o["i"] for o in ops] == expected
+    assert all(o["op"] == "aten.mm.default" for o in ops)
+    assert torch.equal(open_trace(tmp_path / "t").rank(0).tensor(ops[1]["o"]), e)
+
+
+def test_module_glob_filter(tmp_path, tiny_step):
+    glob = "TinyTransformer.blocks.1.*"
+    with replaydiff.record(tmp_path / "t", modules=glob):
+        tiny_step()
+    r = open_trace(tmp_path / "t").rank(0)
+    ops = list(r)
+    assert ops and len(ops) < r.manifest["ops_seen"]
+    assert all(fnmatch.fnmatchcase(o.get("mod") or "", glob) for o in ops)
+    phases = {o["ph"] for o in ops}
+    assert {"forward", "backward"} <= phases
+    assert any(o["mod"] == "TinyTransformer.blocks.1.ln2" and o["ph"] == "backward" for o in ops)
+    assert not any(o["ph"] == "optimizer" for o in ops)  # no module around the optimizer
+
+
+def test_max_tensor_bytes_stores_statistics_instead(record_one):
+    g = torch.Generator().manual_seed(2)
+    small, big = torch.randn(3, 3, generator=g), torch.randn(30, 30, generator=g)
+
+    def work():
+        return small @ small, big @ big
+
+    (_, bb), r = record_one(work, max_tensor_bytes=100)
+    ops = list(r)
+    mm_small, mm_big = [o for o in ops if o["op"] == "aten.mm.default"]
+    assert "f" in mm_small["a"][0] and torch.equal(r.tensor(mm_small["a"][0]), small)
+    assert "f" not in mm_big["a"][0] and "f" not in mm_big["o"]
+    assert_stats(mm_big["a"][0]["s"], big)
+    assert_stats(mm_big["o"]["s"], bb)
+
+
+# -- 8. the recorder never changes numerics ----------------------------------------------------------------------
+@pytest.mark.parametrize("tensors", ["full", "stats"])
+def test_recording_changes_no_bit(tmp_path, tensors):
+    plain = train_tiny(steps=2)
+    recorded = train_tiny(replaydiff.record(tmp_path / "t", tensors=tensors, chunk_ops=64), steps=2)
+    assert_bitwise_same(plain, recorded)
+    r = open_trace(tmp_path / "t").rank(0)
+    assert r.complete and r.lost == []
+    nll = only(list(r), "aten.nll_loss_forward.default")
+    if tensors == "full":
+        assert torch.equal(r.tensor(nll["o"][0]), recorded["losses"][0])
+
+
+# -- 9. a guest in someone else's job ----------------------------------------------------------------------------
+def _no_space(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+def _record_catching(path, **options):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = train_tiny(replaydiff.record(path, **options))
+    return result, replaydiff_warnings(caught)
+
+
+def test_disk_full_on_data_files_is_one_warning_and_noted(tmp_path, monkeypatch):
+    plain = train_tiny()
+    monkeypatch.setattr(trace_writer.safetensors, "serialize_file", _no_space)
+    recorded, warned = _record_catching(tmp_path / "t", chunk_ops=16)
+    assert_bitwise_same(plain, recorded)
+    assert len(warned) == 1, warned
+    r = open_trace(tmp_path / "t").rank(0)
+    assert r.lost and any("No space left on device" in line for line in r.lost)
+    assert list(r) == []  # nothing that was written lacks its data
+
+
+def test_disk_full_on_ops_chunks_is_one_warning_and_noted(tmp_path, monkeypatch):
+    plain = train_tiny()
+    real = trace_writer.write_atomic
+
+    def fail_on_chunks(path, data):
+        if path.parent.name == "ops":
+            _no_space()
+        real(path, data)
+
+    monkeypatch.setattr(trace_writer, "write_atomic", fail_on_chunks)
+    recorded, warned = _record_catching(tmp_path / "t", chunk_ops=16)
+    assert_bitwise_same(plain, recorded)
+    assert len(warned) == 1, warned
+    r = open_trace(tmp_path / "t").rank(0)
+    assert any("No space left on device" in line and "#0" in line for line in r.lost), r.lost
+
+
+def test_disk_full_from_the_start_is_one_warning(tmp_path, monkeypatch):
+    plain = train_tiny()
+    monkeypatch.setattr(trace_writer, "write_atomic", _no_space)
+    recorded, warned = _record_catching(tmp_path / "t")
+    assert_bitwise_same(plain, recorded)
+    assert len(warned) == 1 and "No space left on device" in warned[0], warned
+
+
+def test_final_manifest_failure_leaves_a_truncated_readable_trace(tmp_path, monkeypatch):
+    plain = train_tiny()
+    real = trace_writer.write_atomic
+    calls = []
+
+    def fail_second_manifest(path, data):
+        if path.name == "manifest.rdt":
+            calls.append(path)
+            if len(calls) > 1:
+                _no_space()
+        real(path, data)
+
+    monkeypatch.setattr(trace_writer, "write_atomic", fail_second_manifest)
+    recorded, warned = _record_catching(tmp_path / "t", chunk_ops=64)
+    assert_bitwise_same(plain, recorded)
+    assert len(warned) == 1, warned
+    r = open_trace(tmp_path / "t").rank(0)
+    ops = list(r)
+    assert not r.complete and r.truncated_after == ops[-1]["i"] == len(ops) - 1
+
+
+def test_existing_trace_turns_recording_off_with_a_warning(tmp_path, tiny_step):
+    with replaydiff.record(tmp_path / "t"):
+        torch.ones(3).add(1)
+    manifest = (tmp_path / "t" / "rank0" / "manifest.rdt").read_bytes()
+    plain = train_tiny()
+    recorded, warned = _record_catching(tmp_path / "t")
+    assert_bitwise_same(plain, recorded)
+    assert len(warned) == 1 and "already" in warned[0], warned
+    assert (tmp_path / "t" / "rank0" / "manifest.rdt").read_bytes() == manifest
+    assert [o["op"] for o in open_trace(tmp_path / "t").rank(0)] == ["aten.ones.default", "aten.add.Tensor"]
+
+
+# -- 10. GPU -----------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_record_a_cuda_step(tmp_path):
+    torch.manual_seed(0)
+    model = TinyTransformer().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = model.example_batch("cuda")
+    step = make_step(model, batch, opt)
+    tok_before = model.tok.weight.detach().cpu().clone()
+    with replaydiff.record(tmp_path / "t"):
+        loss = step()
+    torch.cuda.synchronize()
+    r = open_trace(tmp_path / "t").rank(0)
+    ops = list(r)
+    assert r.complete and r.lost == []
+    assert {"forward", "backward", "optimizer"} <= {o["ph"] for o in ops}
+    env = r.environment
+    assert env["cuda"] == torch.version.cuda and env["devices"] and env["devices"][0]["name"]
+    emb = next(o for o in ops if o["op"] == "aten.embedding.default")
+    assert emb["a"][0]["dev"].startswith("cuda")
+    assert torch.equal(r.tensor(emb["a"][0]), tok_before)  # asynchronous copies landed before they were written
+    nll = only(ops, "aten.nll_loss_forward.default")
+    assert torch.equal(r.tensor(nll["o"][0]), loss.cpu())
+    bern = [o for o in ops if "rng" in o]
+    assert bern and all(o["rng"]["dev"].startswith("cuda") for o in bern)
+    assert any(o["op"].startswith("aten._foreach_") or o["op"].startswith("aten._fused_adam") for o in ops
+               if o["ph"] == "optimizer")
+    written_after = [p.detach().cpu() for p in model.parameters()]
+    writes = [ref for o in ops if o["ph"] == "optimizer" for _, w in o.get("w") or [] for ref in iter_tensor_refs(w)]
+    for p in written_after:
+        assert any(ref["sh"] == list(p.shape) and torch.equal(r.tensor(ref), p) for ref in writes)

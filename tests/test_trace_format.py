@@ -1,0 +1,251 @@
+"""The on-disk format: round trips, versioning, random access, truncated and damaged traces."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+
+import replaydiff
+import replaydiff.trace.reader as trace_reader
+from replaydiff.errors import TraceError
+from replaydiff.record.encode import iter_tensor_refs
+from replaydiff.trace import open_trace
+from replaydiff.trace.format import MANIFEST, pack_frame, read_frame, write_atomic
+
+
+def all_refs(op: dict) -> list[dict]:
+    return list(iter_tensor_refs([op.get("a"), list((op.get("k") or {}).values()),
+                                  [after for _, after in op.get("w") or []], op.get("o")]))
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bits(a) == bits(b)
+
+
+def codecs(rank_dir: Path) -> list[str]:
+    out = []
+    for f in sorted((rank_dir / "data").glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            out.extend(v.split(";")[0] for v in (fh.metadata() or {}).values())
+    return out
+
+
+# -- round trip of every dtype -----------------------------------------------------------------------------------
+def _samples() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    special = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-30])
+    out: dict[str, torch.Tensor] = {}
+    for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        name = str(dt).removeprefix("torch.")
+        out[name] = torch.cat([torch.randn(37, generator=g), special]).to(dt)
+        out[name + "-smooth"] = torch.arange(256, dtype=dt).reshape(16, 16)  # compressible: zstd is kept
+    out["int64"] = torch.randint(-(1 << 40), 1 << 40, (5, 7), generator=g)
+    out["bool"] = torch.rand(19, generator=g) > 0.5
+    out["uint8"] = torch.randint(0, 256, (33,), dtype=torch.uint8, generator=g)
+    out["complex64"] = torch.complex(torch.randn(6, generator=g), torch.randn(6, generator=g))
+    out["zero-size"] = torch.empty(0, 4)
+    out["scalar"] = torch.tensor(3.25)
+    out["strided"] = torch.arange(24.0).reshape(4, 6)[:, 1::2].t()  # a non-contiguous view with an offset
+    return out
+
+
+@pytest.mark.parametrize("compress", [True, False], ids=["zstd", "raw"])
+def test_round_trip_of_many_dtypes(tmp_path, compress):
+    samples = _samples()
+    clones = {}
+    with replaydiff.record(tmp_path / "t", compress=compress):
+        for name, x in samples.items():
+            clones[name] = x.clone()
+    r = open_trace(tmp_path / "t").rank(0)
+    ops = [o for o in r if o["op"] == "aten.clone.default"]
+    assert len(ops) == len(samples)
+    for (name, x), op in zip(samples.items(), ops):
+        inp, out = op["a"][0], op["o"]
+        assert inp["dt"] == str(x.dtype).removeprefix("torch.") and inp["sh"] == list(x.shape)
+        assert r.has_data(inp) and r.has_data(out), name
+        got = r.tensor(inp)
+        assert same_bits(got, x), name
+        assert got.stride() == x.stride() and got.storage_offset() == x.storage_offset(), name
+        assert same_bits(r.tensor(out), clones[name]), name
+    used = codecs(tmp_path / "t" / "rank0")
+    if compress:
+        assert any(c.startswith("zstd") for c in used), used
+    else:
+        assert used and set(used) == {"raw"}
+
+
+# -- format version ----------------------------------------------------------------------------------------------
+def test_newer_format_version_is_refused(tmp_path):
+    with replaydiff.record(tmp_path / "t"):
+        torch.ones(2).add(1)
+    path = tmp_path / "t" / "rank0" / MANIFEST
+    manifest = read_frame(path)
+    assert manifest["version"] == replaydiff.trace.FORMAT_VERSION
+    manifest["version"] = 999
+    write_atomic(path, pack_frame(manifest, None))
+    with pytest.raises(TraceError) as err:
+        open_trace(tmp_path / "t")
+    assert "newer" in str(err.value) and "999" in str(err.value)
+    assert err.value.exit_code == 3 and err.value.path == str(path)
+
+
+# -- random access -----------------------------------------------------------------------------------------------
+def test_reading_op_n_opens_only_its_chunk(tmp_path, monkeypatch):
+    x = torch.arange(8.0)
+    with replaydiff.record(tmp_path / "t", chunk_ops=8):
+        for k in range(20):
+            x = x * 2 + k
+    rank = tmp_path / "t" / "rank0"
+    chunks = sorted((rank / "ops").glob("*.rdt"))
+    assert [c.name for c in chunks] == [f"{8 * k:09d}.rdt" for k in range(5)]
+    # Damage every other chunk: its ops file and its data file.
+    for k in (0, 1, 3, 4):
+        (rank / "ops" / f"{8 * k:09d}.rdt").write_bytes(b"garbage")
+        data = rank / "data" / f"{k:06d}.safetensors"
+        data.write_bytes(data.read_bytes()[:20])
+    opened: list[Path] = []
+    real_read_frame = trace_reader.read_frame
+    monkeypatch.setattr(trace_reader, "read_frame", lambda p: (opened.append(Path(p)), real_read_frame(p))[1])
+    r = open_trace(tmp_path / "t").rank(0)
+    opened.clear()
+    op = r.op(20)
+    assert opened == [rank / "ops" / "000000016.rdt"]
+    assert op["i"] == 20 and op["op"] == "aten.mul.Tensor"
+    expected = torch.arange(8.0)
+    for k in range(10):
+        expected = expected * 2 + k
+    assert torch.equal(r.tensor(op["a"][0]), expected)
+    assert torch.equal(r.tensor(op["o"]), expected * 2)
+    with pytest.raises(TraceError) as err:
+        r.op(5)
+    assert "000000000.rdt" in str(err.value)
+
+
+# -- a process killed mid-step -----------------------------------------------------------------------------------
+KILLED_CHILD = textwrap.dedent("""
+    import os, signal, sys
+    import torch
+    import replaydiff
+    from replaydiff.models.tiny import TinyTransformer, TransformerConfig, make_step
+
+    torch.manual_seed(0)
+    model = TinyTransformer(TransformerConfig(d_model=32, heads=2, layers=2, seq=16, batch=4))
+    step = make_step(model, model.example_batch(), torch.optim.AdamW(model.parameters()))
+
+    def die(*_):
+        print("killing myself in backward", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    model.blocks[0].register_full_backward_hook(die)  # fires in the middle of the backward pass
+    with replaydiff.record(sys.argv[1], chunk_ops=16):
+        step()
+    print("survived", flush=True)
+""")
+
+
+def test_trace_of_a_killed_process_reads_up_to_its_last_chunk(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(KILLED_CHILD)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "REPLAYDIFF_RECORD")}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "t")], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert "killing myself in backward" in proc.stdout and "survived" not in proc.stdout
+    r = open_trace(tmp_path / "t").rank(0)
+    assert r.complete is False and r.manifest["complete"] is False
+    last = r.truncated_after
+    assert isinstance(last, int) and last >= 0
+    ops = list(r)
+    assert [o["i"] for o in ops] == list(range(last + 1))
+    for i in range(last + 1):
+        op = r.op(i)
+        for ref in all_refs(op):
+            if r.has_data(ref):
+                t = r.tensor(ref)
+                assert list(t.shape) == ref["sh"]
+    assert ops[0]["ph"] == "forward"
+
+
+# -- damaged traces: the original data or a TraceError, nothing else ---------------------------------------------
+@pytest.fixture(scope="module")
+def small_trace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("damage") / "t"
+    g = torch.Generator().manual_seed(0)
+    # Big enough that tensor bytes, not headers, make up most of each data file.
+    x, w = torch.randn(64, 24, generator=g), torch.randn(24, 16, generator=g)
+    torch.manual_seed(0)
+    with replaydiff.record(root, chunk_ops=4):
+        h = (x @ w).relu()
+        d = F.dropout(h, 0.3, training=True)
+        h.add_(1)
+        s = d.sum() + h.mean()
+        idx = torch.arange(5).mul(3)
+        mask = (x > 0).logical_not()
+        s.add(idx.sum()).mul(mask.sum())
+    files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    kinds = {"manifest": [f for f in files if f.endswith(MANIFEST)],
+             "ops": [f for f in files if "/ops/" in f], "data": [f for f in files if "/data/" in f]}
+    assert all(len(v) >= 1 for v in kinds.values()) and len(kinds["ops"]) >= 3 and len(kinds["data"]) >= 2, kinds
+    baseline = read_everything(root)
+    assert any(o.get("rng") for o in baseline[0][3]) and baseline[0][1] is True
+    return root, files, baseline
+
+
+def read_everything(root: Path):
+    """Every byte a user of the trace can get at: manifests, op records, tensors, generator states."""
+    out = {}
+    for rank, r in sorted(open_trace(root).ranks.items()):
+        ops = list(r)
+        tensors = []
+        for op in ops:
+            for ref in all_refs(op):
+                if r.has_data(ref):
+                    t = r.tensor(ref)
+                    tensors.append((ref["T"], str(t.dtype), tuple(t.shape), tuple(t.stride()), bits(t)))
+            if op.get("rng"):
+                rng = op["rng"]
+                tensors.append(("rng", bits(r.storage_bytes(int(rng["T"]), int(rng["f"]), int(rng["sb"])))))
+        out[rank] = (r.manifest, r.complete, r.truncated_after, ops, tensors)
+    return out
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_damaged_trace_reads_whole_or_raises_trace_error(small_trace, data):
+    root, files, baseline = small_trace
+    name = data.draw(st.sampled_from(files), label="file")
+    how = data.draw(st.sampled_from(["flip", "cut"]), label="how")
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / "t"
+        shutil.copytree(root, copy)
+        target = copy / name
+        raw = bytearray(target.read_bytes())
+        # sampled_from spreads positions over the whole file (st.integers favours the first bytes: the headers).
+        if how == "flip":
+            pos = data.draw(st.sampled_from(range(len(raw))), label="position")
+            raw[pos] ^= data.draw(st.integers(1, 255), label="xor")
+        else:
+            raw = raw[:data.draw(st.sampled_from(range(len(raw))), label="length")]
+        target.write_bytes(bytes(raw))
+        try:
+            got = read_everything(copy)
+        except TraceError as exc:
+            assert str(exc).strip() and "\n" not in str(exc)
+            return
+        assert got == baseline
