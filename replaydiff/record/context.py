@@ -26,6 +26,8 @@ _SKIP_PREFIXES = (
 )
 
 
+_SKIP_CODE: dict = {}  # code object -> skip it? (a dict hit is cheaper than six startswith tests per frame)
+
 _active: list["OpContext"] = []  # installed contexts, told about optimizer steps by the two hooks below
 _optimizer_hooks: list = []
 
@@ -124,7 +126,14 @@ class OpContext:
         if not self.source_lines:
             return None
         f: FrameType | None = sys._getframe(2)
-        while f is not None and f.f_code.co_filename.startswith(_SKIP_PREFIXES):
+        skip = _SKIP_CODE
+        while f is not None:
+            code = f.f_code
+            s = skip.get(code)
+            if s is None:
+                s = skip[code] = code.co_filename.startswith(_SKIP_PREFIXES)
+            if not s:
+                break
             f = f.f_back
         if f is None:
             return None

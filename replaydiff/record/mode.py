@@ -27,20 +27,45 @@ log = logging.getLogger("replaydiff")
 _UNINITIALISED = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted"}
 _COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor"}
 _SEEDED = torch.Tag.nondeterministic_seeded
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_DEVICE_NAMES: dict[torch.device, str] = {}
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
-def _written_args(func: Any, args: tuple, kwargs: dict) -> list[tuple[list, Any]]:
-    """(path, value) of each argument the op writes: schema-marked writes, and every tensor of a collective."""
+class OpInfo:
+    """What the recorder needs to know of an op overload, worked out once per overload rather than once per call."""
+
+    __slots__ = ("name", "collective", "seeded", "uninitialised", "writes")
+
+    def __init__(self, func: Any) -> None:
+        self.name = str(func)
+        self.collective = func.namespace in _COLLECTIVE_NAMESPACES
+        self.seeded = _SEEDED in func.tags
+        self.uninitialised = func.overloadpacket.__name__ in _UNINITIALISED
+        # (position, name, kwarg_only) of each argument the op writes: schema-marked writes, and every argument of a
+        # collective (their schemas mark nothing written)
+        self.writes = tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
+                            if self.collective or (a.alias_info is not None and a.alias_info.is_write))
+
+
+_INFO: dict[Any, OpInfo] = {}
+
+
+def op_info(func: Any) -> OpInfo:
+    info = _INFO.get(func)
+    if info is None:
+        info = _INFO[func] = OpInfo(func)
+    return info
+
+
+def _written_args(info: OpInfo, args: tuple, kwargs: dict) -> list[tuple[list, Any]]:
+    """(path, value) of each argument the op writes that holds a tensor."""
     out = []
-    collective = func.namespace in _COLLECTIVE_NAMESPACES
-    for i, a in enumerate(func._schema.arguments):
-        written = a.alias_info is not None and a.alias_info.is_write
-        if not (written or collective):
-            continue
-        if i < len(args) and not a.kwarg_only:
+    for i, name, kwarg_only in info.writes:
+        if i < len(args) and not kwarg_only:
             path, v = ["a", i], args[i]
-        elif a.name in kwargs:
-            path, v = ["k", a.name], kwargs[a.name]
+        elif name in kwargs:
+            path, v = ["k", name], kwargs[name]
         else:
             continue
         if any(True for _ in _tensors(v)):  # a tensor, or a (nested) list holding one: allgather's list of lists
@@ -92,19 +117,20 @@ class OpBuilder:
 
     # -- tensors ----------------------------------------------------------------------------------------------
     def ref(self, t: torch.Tensor, store: bool) -> dict:
-        ref: dict[str, Any] = {
-            "dt": str(t.dtype).removeprefix("torch."),
-            "sh": list(t.shape),
-            "st": list(t.stride()) if t.layout == torch.strided else None,
-            "of": t.storage_offset() if t.layout == torch.strided else 0,
-            "dev": str(t.device),
-        }
+        device = t.device
+        dev = _DEVICE_NAMES.get(device)
+        if dev is None:
+            dev = _DEVICE_NAMES[device] = str(device)
+        dtype = _DTYPE_NAMES.get(t.dtype)
+        if dtype is None:
+            dtype = _DTYPE_NAMES[t.dtype] = str(t.dtype).removeprefix("torch.")
+        if type(t) not in _PLAIN or t.layout is not torch.strided or dev == "meta":
+            return {"dt": dtype, "sh": list(t.shape), "st": None, "of": 0, "dev": dev, TENSOR_KEY: None,
+                    "unsupported": f"{type(t).__name__}/{t.layout}/{device.type}"}
+        ref: dict[str, Any] = {"dt": dtype, "sh": list(t.shape), "st": list(t.stride()), "of": t.storage_offset(),
+                               "dev": dev}
         if t.requires_grad:
             ref["rg"] = True
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.device.type == "meta":
-            ref[TENSOR_KEY] = None
-            ref["unsupported"] = f"{type(t).__name__}/{t.layout}/{t.device.type}"
-            return ref
         storage = t.untyped_storage()
         entry = self.rec.storages.entry(storage)
         ref[TENSOR_KEY] = entry.version
@@ -163,12 +189,12 @@ class OpBuilder:
 
 
 class Pending:
-    __slots__ = ("record", "written", "store")
+    __slots__ = ("record", "written", "uninitialised")
 
-    def __init__(self, record: dict, written: list, store: bool) -> None:
+    def __init__(self, record: dict, written: list, uninitialised: bool) -> None:
         self.record = record
         self.written = written
-        self.store = store
+        self.uninitialised = uninitialised
 
 
 def op_matches(name: str, module: str | None, op_globs: list[str] | None, module_globs: list[str] | None) -> bool:
@@ -182,7 +208,8 @@ def op_matches(name: str, module: str | None, op_globs: list[str] | None, module
 def record_before(rec: Recorder, b: OpBuilder, func: Any, types: Any, args: tuple, kwargs: dict) -> Pending | None:
     index = rec.next_index
     rec.next_index += 1
-    name = str(func)
+    info = op_info(func)
+    name = info.name
     ctx = rec.context
     phase, seq = ctx.phase()
     module = ctx.module()
@@ -206,14 +233,14 @@ def record_before(rec: Recorder, b: OpBuilder, func: Any, types: Any, args: tupl
     src = ctx.source()
     if src:
         record["src"] = src
-    if func.namespace in _COLLECTIVE_NAMESPACES:
+    if info.collective:
         record["coll"] = collective_info(func, args, kwargs)
-    if _SEEDED in func.tags and b.mode == "full":  # generator state is data: only "full" traces store any
+    if info.seeded and b.mode == "full":  # generator state is data: only "full" traces store any
         record["rng"] = rec.rng_state(args, kwargs)
     # Arguments the op writes are described as they are now, before the op.
     record["a"] = b.encode(list(args))
     record["k"] = {k: b.encode(v) for k, v in kwargs.items()}
-    return Pending(record, _written_args(func, args, kwargs), True)
+    return Pending(record, _written_args(info, args, kwargs) if info.writes else [], info.uninitialised)
 
 
 def record_after(rec: Recorder, b: OpBuilder, p: Pending, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
@@ -224,7 +251,7 @@ def record_after(rec: Recorder, b: OpBuilder, p: Pending, func: Any, args: tuple
         for t in _tensors(v):
             e = rec.storages.entry(t.untyped_storage())
             rec.storages.bump(e)
-    if func.overloadpacket.__name__ in _UNINITIALISED:
+    if p.uninitialised:
         for t in _tensors(out):
             rec.storages.entry(t.untyped_storage()).uninitialised = True
         record["u"] = True
