@@ -59,8 +59,10 @@ def reference_settings(num_threads: int | None = None) -> Iterator[None]:
     )
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     try:
-        # warn_only: an op with no deterministic kernel is still replayed (and --repeat will tell if it wobbles)
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        # warn_only: an op with no deterministic kernel is still replayed (and --repeat will tell if it wobbles).
+        # The C setter, not torch.use_deterministic_algorithms: that also imports torch._inductor's config (1.5-2 s
+        # per process) to set a flag only compiled code reads.
+        torch._C._set_deterministic_algorithms(True, warn_only=True)
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cudnn.benchmark = False
@@ -70,7 +72,7 @@ def reference_settings(num_threads: int | None = None) -> Iterator[None]:
             torch.set_num_threads(num_threads)
         yield
     finally:
-        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch._C._set_deterministic_algorithms(saved[0], warn_only=saved[1])
         torch.backends.cuda.matmul.allow_tf32 = saved[2]
         torch.backends.cudnn.allow_tf32 = saved[3]
         torch.backends.cudnn.benchmark = saved[4]

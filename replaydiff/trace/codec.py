@@ -33,6 +33,13 @@ def tensor_bytes_view(u8: torch.Tensor) -> memoryview:
     return _memory_view(u8.data_ptr(), n, _PYBUF_READ)
 
 
+def buffer_address(buf: bytes | bytearray) -> int:
+    """The address of a bytes or bytearray object's data (for memmove and safetensors' TensorSpec)."""
+    if isinstance(buf, bytearray):
+        return ctypes.addressof(ctypes.c_char.from_buffer(buf)) if buf else 0
+    return ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value or 0
+
+
 def tensor_writable_view(u8: torch.Tensor) -> memoryview:
     """Like tensor_bytes_view, but writable: for reading a file straight into a tensor."""
     assert u8.dtype == torch.uint8 and u8.device.type == "cpu" and u8.is_contiguous()
@@ -49,28 +56,30 @@ def bytes_to_u8(data: bytes | bytearray) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class EncodedBlob:
-    data: bytes | memoryview
+    data: bytes | bytearray
     codec: str
     nbytes: int  # decoded size
     crc: int  # crc32 of the decoded bytes
 
 
-def encode(u8: torch.Tensor, itemsize: int, level: int | None, shuffle: bool) -> EncodedBlob:
-    """Encode a contiguous CPU uint8 tensor holding one storage's bytes."""
-    raw = tensor_bytes_view(u8)
+def encode(data: bytearray | torch.Tensor, itemsize: int, level: int | None, shuffle: bool) -> EncodedBlob:
+    """Encode one storage's bytes: a bytearray, or a contiguous CPU uint8 tensor (pinned, from a GPU)."""
+    if isinstance(data, torch.Tensor):
+        data = bytearray(tensor_bytes_view(data))
+    raw = memoryview(data)
     crc = zlib.crc32(raw)
-    n = u8.numel()
+    n = len(data)
     if level is None or n == 0:
-        return EncodedBlob(bytes(raw), "raw", n, crc)
+        return EncodedBlob(data, "raw", n, crc)
     codec = "zstd"
-    src = raw
+    src: memoryview | bytes = raw
     if shuffle and itemsize > 1 and n % itemsize == 0:
-        shuffled = u8.view(-1, itemsize).t().contiguous()
-        src = tensor_bytes_view(shuffled)
+        shuffled = torch.frombuffer(data, dtype=torch.uint8).view(-1, itemsize).t().contiguous()
+        src = bytes(tensor_bytes_view(shuffled))
         codec = f"zstd+shuffle{itemsize}"
     packed = zstandard.ZstdCompressor(level=level).compress(src)
     if len(packed) >= n:  # incompressible (random bits): keep it raw, decoding is then free
-        return EncodedBlob(bytes(raw), "raw", n, crc)
+        return EncodedBlob(data, "raw", n, crc)
     return EncodedBlob(packed, codec, n, crc)
 
 

@@ -7,7 +7,6 @@ The queue is bounded, so memory stays bounded: a slow disk slows the job rather 
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import queue
 import threading
@@ -41,7 +40,7 @@ class Snapshot:
     """A copy of one storage version's bytes, possibly still in flight from a device."""
 
     version: int
-    data: torch.Tensor  # uint8, CPU (pinned when copied from a GPU)
+    data: bytearray | torch.Tensor  # the bytes (CPU), or a pinned uint8 tensor being filled from a GPU
     itemsize: int
     event: Any = None  # torch.cuda.Event to wait on before reading ``data``
 
@@ -83,7 +82,7 @@ class RankWriter:
 
     def add_snapshot(self, snap: Snapshot) -> int:
         self._chunk.snapshots.append(snap)
-        self._chunk.pending_bytes += snap.data.numel()
+        self._chunk.pending_bytes += len(snap.data) if isinstance(snap.data, bytearray) else snap.data.numel()
         return self._chunk.number
 
     def add_op(self, record: dict) -> None:
@@ -151,10 +150,8 @@ class RankWriter:
             if blob.nbytes == 0:
                 continue
             data = blob.data
-            if isinstance(data, memoryview):
-                data = bytes(data)
             keep_alive.append(data)
-            ptr = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
+            ptr = codec.buffer_address(data)
             key = str(snap.version)
             specs[key] = safetensors.TensorSpec(dtype="uint8", shape=[len(data)], data_ptr=ptr, data_len=len(data))
             metadata[key] = f"{blob.codec};{blob.nbytes};{blob.crc}"
