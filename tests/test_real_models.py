@@ -45,6 +45,11 @@ def _build(name: str):
                                      intermediate_size=64, image_size=16, patch_size=8, num_labels=3)
         return transformers.ViTForImageClassification(cfg), {"pixel_values": torch.randn(2, 3, 16, 16),
                                                              "labels": torch.tensor([0, 2])}
+    if name == "mixtral":  # mixture of experts: routing (topk, index ops) and aten._grouped_mm, which has no fp64
+        cfg = transformers.MixtralConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=64, vocab_size=100,
+                                         num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32)
+        return transformers.MixtralForCausalLM(cfg), {"input_ids": ids, "labels": ids}
     raise ValueError(name)
 
 
@@ -61,7 +66,7 @@ def _record_step(name: str, out: Path, fault: PlantedFault | None = None) -> Non
             opt.step()
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert", "llama", "t5", "vit"])
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama", "t5", "vit", "mixtral"])
 def test_clean_step_replays_clean(name: str, tmp_path: Path) -> None:
     _record_step(name, tmp_path)
     report = replay_trace(str(tmp_path), ReplayOptions())
@@ -84,3 +89,16 @@ def test_planted_backward_fault_is_named(name: str, tmp_path: Path) -> None:
     planted = mms[3]["i"]
     report = replay_trace(str(tmp_path), ReplayOptions())
     assert [(r.index, r.op) for r in report.ops if r.status == "divergent"] == [(planted, "aten.mm.default")]
+
+
+def test_op_without_fp64_kernel_falls_back_and_still_finds_a_fault(tmp_path: Path) -> None:
+    fault = PlantedFault("aten._grouped_mm.default", rel=1e-3, occurrence=1)
+    _record_step("mixtral", tmp_path, fault)
+    grouped = [op["i"] for op in open_trace(tmp_path).rank(0) if op["op"] == "aten._grouped_mm.default"]
+    report = replay_trace(str(tmp_path), ReplayOptions())
+    assert [(r.index, r.op) for r in report.ops if r.status == "divergent"] == [(grouped[1],
+                                                                                "aten._grouped_mm.default")]
+    others = [r for r in report.ops if r.op == "aten._grouped_mm.default" and r.index != grouped[1]]
+    assert others and all(r.status == "ok" and "replayed at fp32: at fp64 the op failed" in r.reason
+                          for r in others)
+    assert report.counts()["error"] == 0

@@ -24,6 +24,14 @@ _UPCAST = {
 }
 
 
+# The precision to try next when an op has no kernel at the current one.
+FALLBACKS = {"fp64": ("fp64", "fp32", "same"), "fp32": ("fp32", "same"), "same": ("same",)}
+
+
+def target_dtype(precision: str, dtype: torch.dtype) -> torch.dtype:
+    return _UPCAST[precision].get(dtype, dtype)
+
+
 @dataclass
 class ReplayOptions:
     device: str = "cpu"
@@ -36,7 +44,7 @@ class ReplayOptions:
     tolerances: Tolerances = field(default_factory=Tolerances)
 
     def target_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return _UPCAST[self.precision].get(dtype, dtype)
+        return target_dtype(self.precision, dtype)
 
     def as_dict(self) -> dict:
         return {"device": self.device, "precision": self.precision, "repeat": self.repeat, "ops": self.ops,

@@ -17,7 +17,7 @@ from replaydiff.compare.metrics import tensor_metrics
 from replaydiff.errors import TraceError
 from replaydiff.compare.tolerance import reduction_length
 from replaydiff.record.encode import TENSOR_KEY, decode_value, dtype_from_name, iter_tensor_refs
-from replaydiff.replay.policy import ReplayOptions
+from replaydiff.replay.policy import FALLBACKS, ReplayOptions, target_dtype
 from replaydiff.replay.result import OpResult
 from replaydiff.trace.reader import RankReader, rebuild
 
@@ -57,6 +57,7 @@ class OpReplayer:
         self.opts = options
         self.device = torch.device(options.device)
         self._base: dict[tuple, torch.Tensor] = {}
+        self._precision = options.precision
 
     # -- inputs -----------------------------------------------------------------------------------------------
     def _tensor(self, ref: dict, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
@@ -83,7 +84,7 @@ class OpReplayer:
 
         def tensor(ref: dict) -> torch.Tensor:
             rd = dtype_from_name(ref["dt"])
-            return self._tensor(ref, None if keep_dtype else opts.target_dtype(rd), device)
+            return self._tensor(ref, None if keep_dtype else self._target(rd), device)
 
         def convert(v: Any) -> Any:
             v = decode_value(v, tensor, marker)
@@ -100,10 +101,13 @@ class OpReplayer:
         kwargs = {k: self._rewrite(convert(v), keep_dtype, device) for k, v in (rec.get("k") or {}).items()}
         return args, kwargs
 
+    def _target(self, dtype: torch.dtype) -> torch.dtype:
+        return target_dtype(self._precision, dtype)
+
     def _rewrite(self, v: Any, keep_dtype: bool, device: torch.device) -> Any:
         """Floating dtype arguments follow the policy; devices become the replay device."""
         if isinstance(v, torch.dtype):
-            return v if keep_dtype else self.opts.target_dtype(v)
+            return v if keep_dtype else self._target(v)
         if isinstance(v, torch.device):
             return device
         if isinstance(v, list):
@@ -163,6 +167,31 @@ class OpReplayer:
             if devs and devs != {self.device.type}:
                 exact = False  # another backend: judged by the dtype's tolerance instead of bit for bit
 
+        # Some kernels have no float64 (or float32) version (aten._grouped_mm in MoE layers): such an op is replayed
+        # at the next precision down, and the report says so.
+        ladder = [self.opts.precision] if keep_dtype else list(FALLBACKS[self.opts.precision])
+        first_failure = None
+        for step, self._precision in enumerate(ladder):
+            keep = keep_dtype or self._precision == "same"
+            try:
+                runs = self._runs(rec, func, rng, seeded, keep)
+                break
+            except (RuntimeError, NotImplementedError) as exc:
+                if step == len(ladder) - 1:
+                    raise
+                first_failure = first_failure or f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"[:200]
+        fallback = None
+        if self._precision != ladder[0]:
+            fallback = f"replayed at {self._precision}: at {ladder[0]} the op failed ({first_failure})"
+            keep_dtype = keep
+
+        self._judge(rec, func, packet, runs, exact, keep_dtype, res)
+        if fallback:
+            res.reason = fallback if res.reason is None else f"{res.reason}; {fallback}"
+            if res.metrics is not None:
+                res.metrics["precision"] = self._precision
+
+    def _runs(self, rec: dict, func: Any, rng: dict | None, seeded: bool, keep_dtype: bool) -> list[tuple]:
         runs = []
         for _ in range(max(1, self.opts.repeat)):
             gen = self._generator(rec, rng) if seeded else None
@@ -174,7 +203,10 @@ class OpReplayer:
             else:
                 out = func(*args, **kwargs)
             runs.append((out, args, kwargs))
+        return runs
 
+    def _judge(self, rec: dict, func: Any, packet: str, runs: list, exact: bool, keep_dtype: bool,
+               res: OpResult) -> None:
         out, args, kwargs = runs[0]
         in_shapes = [r["sh"] for r in iter_tensor_refs(rec.get("a")) if isinstance(r.get("sh"), list)]
         in_versions = {r.get(TENSOR_KEY) for r in iter_tensor_refs([rec.get("a"), list((rec.get("k") or {}).values())])}
@@ -244,8 +276,9 @@ class OpReplayer:
                     if ill and m["max_abs"] <= f * ms["max_abs"] and m["rel_l2"] <= f * ms["rel_l2"]:
                         why = None  # as far off as the reference's own rounding: ill-conditioned, not wrong
                     else:
-                        why = f"{why}, and {m['max_abs'] / max(ms['max_abs'], 1e-300):.3g}x the op's own error at " \
-                              f"its recorded dtype"
+                        own = ms["max_abs"]
+                        ratio = f"{m['max_abs'] / own:.3g}x the op's own error" if own else "while the op itself is exact"
+                        why = f"{why}, {ratio} at its recorded dtype"
             result.append((n, m, why))
         return result
 
