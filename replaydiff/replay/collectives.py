@@ -16,13 +16,10 @@ from replaydiff.compare.metrics import tensor_metrics
 from replaydiff.record.encode import TENSOR_KEY, iter_tensor_refs
 from replaydiff.replay.policy import ReplayOptions
 from replaydiff.replay.result import OpResult
+from replaydiff.replay.runner import op_packet
 from replaydiff.trace.reader import RankReader, TraceReader
 
 _NOT_COLLECTIVES = {"_wrap_tensor_autograd", "wait_tensor"}
-
-
-def _packet(name: str) -> str:
-    return name.split(".")[1] if name.count(".") >= 2 else name
 
 
 def _written(rec: dict, arg: int) -> Any:
@@ -57,7 +54,7 @@ class CollectiveChecker:
         out: dict[tuple, list[dict]] = {}
         for rec in reader:
             coll = rec.get("coll")
-            if coll is None or _packet(rec["op"]) in _NOT_COLLECTIVES:
+            if coll is None or op_packet(rec["op"]) in _NOT_COLLECTIVES:
                 continue
             out.setdefault(tuple(coll.get("ranks") or ()), []).append(rec)
         return out
@@ -100,7 +97,7 @@ class CollectiveChecker:
             res.status, res.reason, res.metrics = "ok", f"collective checked across ranks: {what}", m
 
     def _check_one(self, rec: dict, peers: list[dict], group: tuple, res: OpResult) -> None:
-        packet = _packet(rec["op"])
+        packet = op_packet(rec["op"])
         coll = rec["coll"]
         rank = res.rank
         if packet in ("allreduce_", "all_reduce", "all_reduce_"):

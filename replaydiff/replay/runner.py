@@ -14,32 +14,43 @@ from typing import Any
 import torch
 
 from replaydiff.compare.metrics import tensor_metrics
-from replaydiff.errors import TraceError
 from replaydiff.compare.tolerance import reduction_length
+from replaydiff.errors import TraceError
 from replaydiff.record.encode import TENSOR_KEY, decode_value, dtype_from_name, iter_tensor_refs
 from replaydiff.replay.policy import FALLBACKS, ReplayOptions, target_dtype
 from replaydiff.replay.result import OpResult
-from replaydiff.trace.reader import RankReader, rebuild
+from replaydiff.trace.reader import RankReader
 
 COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor"}
 COLLECTIVE_SKIP = "collective: cannot run alone; checked across ranks when all its ranks are in the trace"
 # Markers, not computations. Other namespaces (a user's custom kernels) are replayed when the op is registered here.
 NON_COMPUTE_NAMESPACES = {"profiler", "prims_debug"}
 # Ops that only reinterpret bits or shapes: their meaning depends on the exact recorded dtype.
-_DTYPE_EXACT = {"view.dtype", "view_as_real", "view_as_complex"}
+_DTYPE_EXACT = {"aten.view.dtype", "aten.view_as_real.default", "aten.view_as_complex.default"}
 
 
 class Skip(Exception):
     """This op is not replayed; the message is the reason."""
 
 
-def func_name_packet(name: str) -> str:
+def op_packet(name: str) -> str:
+    """``aten.mm.default`` -> ``mm``."""
     parts = name.split(".")
     return parts[1] if len(parts) >= 2 else name
 
 
+_RESOLVED: dict[str, Any] = {}
+
+
 def resolve_op(name: str) -> Any:
     """``aten.mm.default`` -> torch.ops.aten.mm.default, looked up in registered ops only."""
+    func = _RESOLVED.get(name)
+    if func is None:
+        func = _RESOLVED[name] = _resolve(name)
+    return func
+
+
+def _resolve(name: str) -> Any:
     parts = name.split(".")
     if len(parts) != 3:
         raise Skip(f"op name {name!r} is not namespace.op.overload")
@@ -141,7 +152,7 @@ class OpReplayer:
         name = rec["op"]
         ns = name.split(".", 1)[0]
         if ns in COLLECTIVE_NAMESPACES:
-            if func_name_packet(name) in ("_wrap_tensor_autograd", "wait_tensor"):
+            if op_packet(name) in ("_wrap_tensor_autograd", "wait_tensor"):
                 raise Skip("collective bookkeeping: no data of its own")
             raise Skip(COLLECTIVE_SKIP)
         if ns in NON_COMPUTE_NAMESPACES:
@@ -153,7 +164,7 @@ class OpReplayer:
         func = resolve_op(name)
         packet = func.overloadpacket.__name__
         seeded = torch.Tag.nondeterministic_seeded in func.tags
-        keep_dtype = seeded or f"{packet}.{name.rsplit('.', 1)[1]}" in _DTYPE_EXACT or self.opts.precision == "same"
+        keep_dtype = seeded or name in _DTYPE_EXACT or self.opts.precision == "same"
         exact = self.opts.precision == "same" or seeded
         rng = rec.get("rng")
         if seeded:
