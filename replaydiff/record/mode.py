@@ -32,6 +32,7 @@ _SEEDED = torch.Tag.nondeterministic_seeded
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _DEVICE_NAMES: dict[torch.device, str] = {}
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
+_STATS_BATCH = 512
 
 
 class OpInfo:
@@ -114,7 +115,11 @@ class OpBuilder:
         self.rec = rec
         self.mode = rec.options.tensors
         self.max_bytes = rec.options.max_tensor_bytes
-        self._stat_queue: list[tuple[dict, torch.Tensor]] = []
+        # Statistics are computed for many ops at once: tensors wait here (at most _STATS_BATCH of them) until the
+        # queue is full, the chunk is written, or an op is about to write into one of their storages.
+        self._stat_queue: list[torch.Tensor] = []
+        self._stat_refs: dict[tuple, list[dict]] = {}  # tensor key -> the refs waiting for its statistics
+        self._queued_storages: set[int] = set()
         self._stats_seen: dict[tuple, list] = {}
 
     # -- tensors ----------------------------------------------------------------------------------------------
@@ -150,9 +155,18 @@ class OpBuilder:
             cached = self._stats_seen.get(key)
             if cached is not None:
                 ref["s"] = cached
+            elif key in self._stat_refs:
+                self._stat_refs[key].append(ref)
             else:
-                self._stat_queue.append((ref, t))
+                self._stat_refs[key] = [ref]
+                self._stat_queue.append(t)
+                self._queued_storages.add(storage._cdata)
         return ref
+
+    def stats_pending_for(self, written: list[tuple[list, Any]]) -> bool:
+        """Would the op about to run write into a tensor whose statistics are still queued?"""
+        queued = self._queued_storages
+        return bool(queued) and any(t.untyped_storage()._cdata in queued for _, v in written for t in _tensors(v))
 
     def _snapshot(self, storage: torch.UntypedStorage, itemsize: int, version: int) -> int:
         if storage.device.type == "cpu":
@@ -183,11 +197,12 @@ class OpBuilder:
         if not self._stat_queue:
             return
         with _disable_current_modes():
-            stats = batch_stats([t for _, t in self._stat_queue])
-        for (ref, _), s in zip(self._stat_queue, stats):
-            ref["s"] = s
-            self._stats_seen[(ref[TENSOR_KEY], ref["dt"], tuple(ref["sh"]), tuple(ref["st"]), ref["of"])] = s
-        self._stat_queue = []
+            stats = batch_stats(self._stat_queue)
+        for (key, refs), s in zip(self._stat_refs.items(), stats):
+            for ref in refs:
+                ref["s"] = s
+            self._stats_seen[key] = s
+        self._stat_queue, self._stat_refs, self._queued_storages = [], {}, set()
         if len(self._stats_seen) > 100_000:
             self._stats_seen.clear()
 
@@ -247,7 +262,10 @@ def record_before(rec: Recorder, b: OpBuilder, func: Any, types: Any, args: tupl
     # Arguments the op writes are described as they are now, before the op.
     record["a"] = b.encode(list(args))
     record["k"] = {k: b.encode(v) for k, v in kwargs.items()}
-    return Pending(record, _written_args(info, args, kwargs) if info.writes else [], info.uninitialised)
+    written = _written_args(info, args, kwargs) if info.writes else []
+    if written and b.stats_pending_for(written):
+        b.flush_stats()  # their statistics must describe them as they are now, not after this op writes them
+    return Pending(record, written, info.uninitialised)
 
 
 def record_after(rec: Recorder, b: OpBuilder, p: Pending, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
@@ -267,7 +285,8 @@ def record_after(rec: Recorder, b: OpBuilder, p: Pending, func: Any, args: tuple
         if p.written:
             record["w"] = [[path, b.encode(v)] for path, v in p.written]
         record["o"] = b.encode(out)
-    b.flush_stats()
+    if len(b._stat_queue) >= _STATS_BATCH:
+        b.flush_stats()
     rec.writer.add_op(record)
 
 
