@@ -21,6 +21,7 @@ import replaydiff
 import replaydiff.trace.writer as trace_writer
 from replaydiff.models.tiny import TinyTransformer, make_step
 from replaydiff.record.encode import iter_tensor_refs
+from replaydiff.replay import ReplayOptions, replay_trace
 from replaydiff.trace import open_trace
 
 STAT_NAMES = ("numel", "mean", "absmax", "l2", "var", "nan", "inf")
@@ -748,3 +749,22 @@ def test_record_a_cuda_step(tmp_path):
     writes = [ref for o in ops if o["ph"] == "optimizer" for _, w in o.get("w") or [] for ref in iter_tensor_refs(w)]
     for p in written_after:
         assert any(ref["sh"] == list(p.shape) and torch.equal(r.tensor(ref), p) for ref in writes)
+
+
+def test_filtered_out_in_place_op_still_makes_a_new_storage_version(tmp_path):
+    """An op the filters leave out still writes: the next stored op must see the bytes after that write."""
+    x = torch.arange(4.0)
+    with replaydiff.record(tmp_path, ops=["aten.mul.Tensor"]):
+        a = x * 2          # stored: input x as it is now
+        x.add_(10)         # filtered out, but it writes x
+        b = x * 3          # stored: its input must be x after the add_
+    reader = open_trace(tmp_path).rank(0)
+    muls = [op for op in reader if op["op"] == "aten.mul.Tensor"]
+    assert len(muls) == 2
+    first_in, second_in = muls[0]["a"][0], muls[1]["a"][0]
+    assert first_in["T"] != second_in["T"]
+    assert torch.equal(reader.tensor(first_in), torch.arange(4.0))
+    assert torch.equal(reader.tensor(second_in), torch.arange(4.0) + 10)
+    report = replay_trace(str(tmp_path), ReplayOptions())
+    assert report.counts()["divergent"] == 0 and report.counts()["ok"] == 2
+    del a, b

@@ -213,7 +213,7 @@ class OpBuilder:
 class Pending:
     __slots__ = ("record", "written", "uninitialised")
 
-    def __init__(self, record: dict, written: list, uninitialised: bool) -> None:
+    def __init__(self, record: dict | None, written: list, uninitialised: bool) -> None:
         self.record = record
         self.written = written
         self.uninitialised = uninitialised
@@ -246,7 +246,12 @@ def record_before(rec: Recorder, b: OpBuilder, func: Any, types: Any, args: tupl
             # no grad, e.g. two embeddings, and picks one of them at random).
             module = ctx.forward_module(seq)
     if not op_matches(name, module, rec.options.ops, rec.options.modules):
-        return None
+        # Not stored, but what it writes still makes new storage versions: a later stored op must not be given
+        # the bytes from before this write.
+        written = _written_args(info, args, kwargs) if info.writes else []
+        if written and b.stats_pending_for(written):
+            b.flush_stats()
+        return Pending(None, written, info.uninitialised) if written or info.uninitialised else None
     record: dict[str, Any] = {"i": index, "op": name, "ph": phase}
     if module:
         record["mod"] = module
@@ -270,7 +275,7 @@ def record_before(rec: Recorder, b: OpBuilder, func: Any, types: Any, args: tupl
 
 def record_after(rec: Recorder, b: OpBuilder, p: Pending, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
     record = p.record
-    if "coll" in record:
+    if record is not None and "coll" in record:
         out = wait_collective(func, out)
     for _, v in p.written:
         for t in _tensors(v):
@@ -279,6 +284,9 @@ def record_after(rec: Recorder, b: OpBuilder, p: Pending, func: Any, args: tuple
     if p.uninitialised:
         for t in _tensors(out):
             rec.storages.entry(t.untyped_storage()).uninitialised = True
+    if record is None:  # filtered out: only its writes mattered
+        return
+    if p.uninitialised:
         record["u"] = True
         record["o"] = b.encode(out, store=False)
     else:
