@@ -33,6 +33,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _DEVICE_NAMES: dict[torch.device, str] = {}
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 _STATS_BATCH = 512
+_STATS_BYTES = 64 << 20  # tensors held for statistics keep their memory alive until the batch is computed
 
 
 class OpInfo:
@@ -115,11 +116,13 @@ class OpBuilder:
         self.rec = rec
         self.mode = rec.options.tensors
         self.max_bytes = rec.options.max_tensor_bytes
-        # Statistics are computed for many ops at once: tensors wait here (at most _STATS_BATCH of them) until the
-        # queue is full, the chunk is written, or an op is about to write into one of their storages.
+        # Statistics are computed for many ops at once: tensors wait here until the queue is full (_STATS_BATCH
+        # tensors or _STATS_BYTES), a backward op ends, the chunk is written, or an op is about to write into one
+        # of their storages.
         self._stat_queue: list[torch.Tensor] = []
         self._stat_refs: dict[tuple, list[dict]] = {}  # tensor key -> the refs waiting for its statistics
         self._queued_storages: set[int] = set()
+        self._queued_bytes = 0
         self._stats_seen: dict[tuple, list] = {}
 
     # -- tensors ----------------------------------------------------------------------------------------------
@@ -161,6 +164,7 @@ class OpBuilder:
                 self._stat_refs[key] = [ref]
                 self._stat_queue.append(t)
                 self._queued_storages.add(storage._cdata)
+                self._queued_bytes += t.numel() * t.element_size()
         return ref
 
     def stats_pending_for(self, written: list[tuple[list, Any]]) -> bool:
@@ -202,7 +206,7 @@ class OpBuilder:
             for ref in refs:
                 ref["s"] = s
             self._stats_seen[key] = s
-        self._stat_queue, self._stat_refs, self._queued_storages = [], {}, set()
+        self._stat_queue, self._stat_refs, self._queued_storages, self._queued_bytes = [], {}, set(), 0
         if len(self._stats_seen) > 100_000:
             self._stats_seen.clear()
 
@@ -293,7 +297,10 @@ def record_after(rec: Recorder, b: OpBuilder, p: Pending, func: Any, args: tuple
         if p.written:
             record["w"] = [[path, b.encode(v)] for path, v in p.written]
         record["o"] = b.encode(out)
-    if len(b._stat_queue) >= _STATS_BATCH:
+    if b._stat_queue and (record["ph"] == BACKWARD or len(b._stat_queue) >= _STATS_BATCH
+                          or b._queued_bytes >= _STATS_BYTES):
+        # In backward, a reference held past the op would stop autograd from stealing the gradient into .grad
+        # (AccumulateGrad copies a gradient someone else still holds): extra work and memory in the user's job.
         b.flush_stats()
     rec.writer.add_op(record)
 
