@@ -102,3 +102,31 @@ def test_op_without_fp64_kernel_falls_back_and_still_finds_a_fault(tmp_path: Pat
     assert others and all(r.status == "ok" and "replayed at fp32: at fp64 the op failed" in r.reason
                           for r in others)
     assert report.counts()["error"] == 0
+
+
+def test_realistic_training_loop_replays_clean_and_bitwise(tmp_path: Path) -> None:
+    """GPT-2 with gradient checkpointing, fp16 autocast, GradScaler, gradient clipping, foreach AdamW, a scheduler."""
+    torch.manual_seed(0)
+    model, batch = _build("gpt2")
+    model.train()
+    model.gradient_checkpointing_enable()
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    scaler = torch.amp.GradScaler("cpu")
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with record(tmp_path):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(**batch).loss
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+    names = {op["op"] for op in open_trace(tmp_path).rank(0)}
+    assert {"aten._amp_foreach_non_finite_check_and_unscale_.default", "aten._amp_update_scale_.default",
+            "aten._foreach_norm.Scalar", "aten._foreach_addcdiv_.ScalarList"} <= names
+    for precision in ("fp64", "same"):
+        counts = replay_trace(str(tmp_path), ReplayOptions(precision=precision)).counts()
+        assert counts["divergent"] == 0 and counts["error"] == 0 and counts["ok"] > 800, (precision, counts)
