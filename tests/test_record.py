@@ -768,3 +768,19 @@ def test_filtered_out_in_place_op_still_makes_a_new_storage_version(tmp_path):
     report = replay_trace(str(tmp_path), ReplayOptions())
     assert report.counts()["divergent"] == 0 and report.counts()["ok"] == 2
     del a, b
+
+
+def test_recording_mode_does_not_change_which_ops_run(tmp_path):
+    """Holding a tensor past its op changes torch's own choices (autograd copies a gradient still referenced
+    elsewhere instead of stealing it; a factory output gets an extra detach): every mode must see the same ops."""
+    sequences = {}
+    for mode in ("meta", "stats", "full"):
+        torch.manual_seed(0)
+        model = TinyTransformer()
+        opt = torch.optim.AdamW(model.parameters())
+        step = make_step(model, model.example_batch(), opt)
+        step()
+        with replaydiff.record(tmp_path / mode, tensors=mode):
+            step()
+        sequences[mode] = [op["op"] for op in open_trace(tmp_path / mode).rank(0)]
+    assert sequences["stats"] == sequences["meta"] == sequences["full"]

@@ -32,8 +32,6 @@ _SEEDED = torch.Tag.nondeterministic_seeded
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _DEVICE_NAMES: dict[torch.device, str] = {}
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
-_STATS_BATCH = 512
-_STATS_BYTES = 64 << 20  # tensors held for statistics keep their memory alive until the batch is computed
 
 
 class OpInfo:
@@ -116,13 +114,11 @@ class OpBuilder:
         self.rec = rec
         self.mode = rec.options.tensors
         self.max_bytes = rec.options.max_tensor_bytes
-        # Statistics are computed for many ops at once: tensors wait here until the queue is full (_STATS_BATCH
-        # tensors or _STATS_BYTES), a backward op ends, the chunk is written, or an op is about to write into one
-        # of their storages.
+        # The tensors of one op whose statistics are computed together when the op ends. Not longer: a reference
+        # held past the op changes what torch does next (autograd copies a gradient someone else holds instead of
+        # stealing it into .grad; a factory op's output gets an extra detach), so the ops of the job would change.
         self._stat_queue: list[torch.Tensor] = []
         self._stat_refs: dict[tuple, list[dict]] = {}  # tensor key -> the refs waiting for its statistics
-        self._queued_storages: set[int] = set()
-        self._queued_bytes = 0
         self._stats_seen: dict[tuple, list] = {}
 
     # -- tensors ----------------------------------------------------------------------------------------------
@@ -163,14 +159,7 @@ class OpBuilder:
             else:
                 self._stat_refs[key] = [ref]
                 self._stat_queue.append(t)
-                self._queued_storages.add(storage._cdata)
-                self._queued_bytes += t.numel() * t.element_size()
         return ref
-
-    def stats_pending_for(self, written: list[tuple[list, Any]]) -> bool:
-        """Would the op about to run write into a tensor whose statistics are still queued?"""
-        queued = self._queued_storages
-        return bool(queued) and any(t.untyped_storage()._cdata in queued for _, v in written for t in _tensors(v))
 
     def _snapshot(self, storage: torch.UntypedStorage, itemsize: int, version: int) -> int:
         if storage.device.type == "cpu":
@@ -206,7 +195,7 @@ class OpBuilder:
             for ref in refs:
                 ref["s"] = s
             self._stats_seen[key] = s
-        self._stat_queue, self._stat_refs, self._queued_storages, self._queued_bytes = [], {}, set(), 0
+        self._stat_queue, self._stat_refs = [], {}
         if len(self._stats_seen) > 100_000:
             self._stats_seen.clear()
 
@@ -253,8 +242,6 @@ def record_before(rec: Recorder, b: OpBuilder, func: Any, types: Any, args: tupl
         # Not stored, but what it writes still makes new storage versions: a later stored op must not be given
         # the bytes from before this write.
         written = _written_args(info, args, kwargs) if info.writes else []
-        if written and b.stats_pending_for(written):
-            b.flush_stats()
         return Pending(None, written, info.uninitialised) if written or info.uninitialised else None
     record: dict[str, Any] = {"i": index, "op": name, "ph": phase}
     if module:
@@ -272,8 +259,9 @@ def record_before(rec: Recorder, b: OpBuilder, func: Any, types: Any, args: tupl
     record["a"] = b.encode(list(args))
     record["k"] = {k: b.encode(v) for k, v in kwargs.items()}
     written = _written_args(info, args, kwargs) if info.writes else []
-    if written and b.stats_pending_for(written):
-        b.flush_stats()  # their statistics must describe them as they are now, not after this op writes them
+    # Inputs the op will write get their statistics now, as they are before it.
+    if written:
+        b.flush_stats()
     return Pending(record, written, info.uninitialised)
 
 
@@ -297,11 +285,7 @@ def record_after(rec: Recorder, b: OpBuilder, p: Pending, func: Any, args: tuple
         if p.written:
             record["w"] = [[path, b.encode(v)] for path, v in p.written]
         record["o"] = b.encode(out)
-    if b._stat_queue and (record["ph"] == BACKWARD or len(b._stat_queue) >= _STATS_BATCH
-                          or b._queued_bytes >= _STATS_BYTES):
-        # In backward, a reference held past the op would stop autograd from stealing the gradient into .grad
-        # (AccumulateGrad copies a gradient someone else still holds): extra work and memory in the user's job.
-        b.flush_stats()
+    b.flush_stats()
     rec.writer.add_op(record)
 
 

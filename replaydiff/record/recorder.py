@@ -92,7 +92,6 @@ class Recorder:
             self.writer = RankWriter(self.rank_dir, manifest, self.options.compress, self.options.shuffle,
                                      self.options.chunk_ops, self.options.chunk_bytes)
             self._builder = OpBuilder(self)
-            self.writer.before_flush = self._builder.flush_stats
             self.context.install()
             self._mode = RecordingMode(self)
             self._mode.__enter__()

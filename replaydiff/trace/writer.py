@@ -14,7 +14,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import safetensors
 import torch
@@ -66,7 +66,6 @@ class RankWriter:
         self.bytes_written = 0
         self.ops_written = 0
         self.last_op_written: int | None = None
-        self.before_flush: Callable[[], None] | None = None  # completes the records of a chunk before it is sent
         self._manifest = dict(manifest, format=FORMAT_NAME, version=FORMAT_VERSION, complete=False)
         (root / OPS_DIR).mkdir(parents=True, exist_ok=True)
         (root / DATA_DIR).mkdir(parents=True, exist_ok=True)
@@ -92,8 +91,6 @@ class RankWriter:
             self.flush()
 
     def flush(self) -> None:
-        if self.before_flush is not None:
-            self.before_flush()
         chunk = self._chunk
         if not chunk.ops and not chunk.snapshots:
             return
