@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from replaydiff.compare.metrics import tensor_metrics
-from replaydiff.record.encode import TENSOR_KEY, iter_tensor_refs
+from replaydiff.record.encode import iter_tensor_refs
 from replaydiff.replay.policy import ReplayOptions
 from replaydiff.replay.result import OpResult
 from replaydiff.replay.runner import op_packet

@@ -90,7 +90,6 @@ class OpReplayer:
     def _inputs(self, rec: dict, keep_dtype: bool, rng_gen: torch.Generator | None,
                 device: torch.device | None = None) -> tuple[list, dict]:
         self._base = {}
-        opts = self.opts
         device = device or self.device
 
         def tensor(ref: dict) -> torch.Tensor:
