@@ -8,7 +8,9 @@ from replaydiff.replay.result import OpResult, ReplayReport
 
 
 def op_line(r: OpResult) -> str:
-    where = "  ".join(x for x in (r.module or "", f"({r.phase})" if r.phase else "", r.source or "") if x)
+    # A backward op's own source line is the backward() call; the forward op's line says which code it is.
+    source = r.forward_source if (r.phase == "backward" and r.forward_source) else r.source
+    where = "  ".join(x for x in (r.module or "", f"({r.phase})" if r.phase else "", source or "") if x)
     return f"#{r.index} {r.op}  {where}".rstrip()
 
 
@@ -49,8 +51,8 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> No
         out.write(f"first divergent op {rank}{op_line(first)}\n")
         out.write(f"  {metrics_line(first)}  - replayed alone from its recorded inputs\n")
         if first.phase == "backward" and first.forward_index is not None:
-            src = f" ({first.forward_source})" if first.forward_source else ""
-            out.write(f"  belongs to forward op #{first.forward_index}{src}\n")
+            called = f"; backward() called at {first.source}" if first.source else ""
+            out.write(f"  backward of forward op #{first.forward_index}{called}\n")
         others = [r for r in report.ops if r.status == "divergent" and r is not first]
         if others:
             out.write(f"  {len(others)} more divergent op(s):\n")
