@@ -24,3 +24,10 @@ def test_committed_trace_is_complete_and_small() -> None:
     assert reader.complete and reader.truncated_after is None and reader.lost == []
     total = sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file())
     assert total < 1 << 20
+
+
+def test_iter_from_reads_the_tail_only() -> None:
+    reader = open_trace(FIXTURES / "mlp-fault").rank(0)
+    every = [op["i"] for op in reader]
+    assert [op["i"] for op in reader.iter_from(40)] == [i for i in every if i >= 40]
+    assert [op["i"] for op in reader.iter_from(0)] == every

@@ -61,10 +61,8 @@ def replay_range(reader: RankReader, opts: ReplayOptions, indices: list[int], wo
     lo, hi = (min(indices), max(indices)) if indices else (0, -1)
     results = []
     with reference_settings(_threads(reader, opts, workers)), torch.inference_mode():
-        for op in reader:
+        for op in reader.iter_from(lo):
             i = op["i"]
-            if i < lo:
-                continue
             if i > hi:
                 break
             if i in wanted:

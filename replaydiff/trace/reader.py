@@ -167,6 +167,14 @@ class RankReader:
         for first in self._firsts:
             yield from self._chunk(first)
 
+    def iter_from(self, index: int) -> Iterator[dict]:
+        """Ops numbered ``index`` and up, reading only the chunks that hold them."""
+        k = max(0, bisect.bisect_right(self._firsts, index) - 1)
+        for first in self._firsts[k:]:
+            for op in self._chunk(first):
+                if op["i"] >= index:
+                    yield op
+
     def op(self, index: int) -> dict:
         k = bisect.bisect_right(self._firsts, index) - 1
         if k >= 0:
