@@ -11,10 +11,10 @@ from typing import Callable
 
 import torch
 
-from replaydiff.errors import EnvironmentProblem
+from replaydiff.errors import EnvironmentProblem, UsageError
 from replaydiff.replay.policy import ReplayOptions, reference_settings
-from replaydiff.replay.result import OpResult, ReplayReport
 from replaydiff.replay.collectives import CollectiveChecker
+from replaydiff.replay.result import OpResult, ReplayReport
 from replaydiff.replay.runner import COLLECTIVE_SKIP, OpReplayer
 from replaydiff.trace.reader import RankReader, TraceReader, open_trace
 
@@ -25,7 +25,7 @@ def check_device(device: str) -> None:
     try:
         dev = torch.device(device)
     except RuntimeError as exc:
-        raise EnvironmentProblem(f"unknown device {device!r}: {exc}") from None
+        raise UsageError(f"--device {device!r} is not a device: {exc}") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise EnvironmentProblem(f"device {device} asked for, but this machine has no CUDA device")
@@ -44,7 +44,7 @@ def _selected(reader: RankReader, opts: ReplayOptions) -> list[int]:
     return out
 
 
-def _threads(reader: RankReader, opts: ReplayOptions, workers: int) -> int | None:
+def _threads(reader: RankReader, opts: ReplayOptions) -> int | None:
     if opts.precision == "same" and torch.device(opts.device).type == "cpu":
         # CPU reductions (LayerNorm, convolution backward) are only bitwise under the recorded parallelism
         n = reader.environment.get("num_threads")
@@ -54,13 +54,13 @@ def _threads(reader: RankReader, opts: ReplayOptions, workers: int) -> int | Non
     return 1
 
 
-def replay_range(reader: RankReader, opts: ReplayOptions, indices: list[int], workers: int = 1,
+def replay_range(reader: RankReader, opts: ReplayOptions, indices: list[int],
                  progress: Progress | None = None) -> list[OpResult]:
     replayer = OpReplayer(reader, opts)
     wanted = set(indices)
     lo, hi = (min(indices), max(indices)) if indices else (0, -1)
     results = []
-    with reference_settings(_threads(reader, opts, workers)), torch.inference_mode():
+    with reference_settings(_threads(reader, opts)), torch.inference_mode():
         for op in reader.iter_from(lo):
             i = op["i"]
             if i > hi:
@@ -85,7 +85,7 @@ def _pool_context() -> mp.context.BaseContext:
 
 def _worker(path: str, rank: int, opts: ReplayOptions, indices: list[int], workers: int) -> list[dict]:
     reader = open_trace(path).rank(rank)
-    return [r.to_dict() for r in replay_range(reader, opts, indices, workers)]
+    return [r.to_dict() for r in replay_range(reader, opts, indices)]
 
 
 def replay_trace(path: str, opts: ReplayOptions, workers: int = 1,
@@ -107,7 +107,7 @@ def replay_trace(path: str, opts: ReplayOptions, workers: int = 1,
         progress_total(sum(len(ix) for _, ix in plan))
     if workers <= 1:
         for reader, indices in plan:
-            report.ops.extend(replay_range(reader, opts, indices, 1, progress))
+            report.ops.extend(replay_range(reader, opts, indices, progress))
         _check_collectives(trace, opts, report)
         _link_forward_sources(trace, report)
         return report

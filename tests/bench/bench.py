@@ -349,7 +349,7 @@ def record_replay_trace(cfg: TransformerConfig, path: str) -> Sample:
 def thread_label(path: str, opts: ReplayOptions, workers: int) -> str:
     """Intra-op threads per worker as the engine will set them (mirrors engine._threads; private, may change)."""
     try:
-        n = engine._threads(open_trace(path).rank(0), opts, workers)
+        n = engine._threads(open_trace(path).rank(0), opts)
     except Exception:
         return "?"
     return f"{n}" if n else f"default ({torch.get_num_threads()})"
