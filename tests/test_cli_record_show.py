@@ -206,3 +206,23 @@ def test_record_under_torchrun(tmp_path):
         assert {"forward", "backward", "optimizer"} <= {o["ph"] for o in ops}
         coll = [o for o in ops if "coll" in o]
         assert coll and all(o["coll"].get("size") == 2 for o in coll)
+
+
+def test_output_into_a_closed_pipe_exits_quietly(tmp_path):
+    """`replaydiff replay trace --json - | head -1`: no BrokenPipeError traceback once the reader has gone."""
+    from replaydiff import record
+
+    with record(tmp_path / "t"):
+        x = torch.randn(4, 4)
+        for _ in range(3):
+            x = x @ x.T / 4
+    r, w = os.pipe()
+    os.close(r)  # the reader is already gone: the first write fails with EPIPE
+    try:
+        proc = subprocess.run([sys.executable, "-m", "replaydiff", "replay", str(tmp_path / "t"), "--json", "-"],
+                              stdout=w, stderr=subprocess.PIPE, timeout=120)
+    finally:
+        os.close(w)
+    err = proc.stderr.decode()
+    assert proc.returncode == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err

@@ -6,6 +6,7 @@ A traceback is shown only with ``-v``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("replaydiff: interrupted\n")
         return 130
+    except BrokenPipeError:  # `replaydiff show trace | head`: the reader left; leave quietly, as cat would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":
