@@ -784,3 +784,38 @@ def test_recording_mode_does_not_change_which_ops_run(tmp_path):
             step()
         sequences[mode] = [op["op"] for op in open_trace(tmp_path / mode).rank(0)]
     assert sequences["stats"] == sequences["meta"] == sequences["full"]
+
+
+def _write_behind_torchs_back(t: torch.Tensor) -> None:
+    """A write the dispatcher never sees, as numpy or a C extension would make it."""
+    import ctypes
+
+    ctypes.memset(t.data_ptr(), 0, t.numel() * t.element_size())
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_verify_writes_notices_writes_torch_never_saw(tmp_path, verify):
+    x = torch.arange(1.0, 9.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with replaydiff.record(tmp_path, verify_writes=verify):
+            a = x * 2
+            _write_behind_torchs_back(x)
+            b = x * 3
+    assert torch.equal(b, torch.zeros(8)) and torch.equal(a, torch.arange(1.0, 9.0) * 2)
+    reader = open_trace(tmp_path).rank(0)
+    muls = [op for op in reader if op["op"] == "aten.mul.Tensor"]
+    report = replay_trace(str(tmp_path), ReplayOptions())
+    second = next(r for r in report.ops if r.index == muls[1]["i"])
+    notes = [str(w.message) for w in caught if "outside torch's dispatcher" in str(w.message)]
+    if verify:
+        # a new version holding the zeros: the op replays from what it really read
+        assert muls[0]["a"][0]["T"] != muls[1]["a"][0]["T"]
+        assert torch.equal(reader.tensor(muls[1]["a"][0]), torch.zeros(8))
+        assert second.status == "ok" and report.counts()["divergent"] == 0
+        assert reader.manifest["unseen_writes"] == 1 and len(notes) == 1
+    else:
+        # the documented limit: without the check, the stale bytes are replayed and the op looks divergent
+        assert muls[0]["a"][0]["T"] == muls[1]["a"][0]["T"]
+        assert second.status == "divergent"
+        assert reader.manifest["unseen_writes"] == 0 and notes == []

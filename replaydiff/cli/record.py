@@ -30,6 +30,8 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--module", dest="modules", action="append", metavar="GLOB", help="only ops inside these modules")
     p.add_argument("--op", dest="ops", action="append", metavar="GLOB", help="only ops whose name matches")
     p.add_argument("--max-tensor-bytes", type=int, metavar="N", help="store statistics for storages larger than N")
+    p.add_argument("--verify-writes", action="store_true",
+                   help="checksum stored CPU tensors to notice writes torch never sees (numpy, C extensions)")
     p.add_argument("--force", action="store_true", help="replace an existing trace directory")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run, e.g. python train.py")
 
@@ -51,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env[ENV_VAR] = json.dumps({"out": str(out), "step": args.step, "tensors": args.tensors,
                                "compress": not args.no_compress, "modules": args.modules, "ops": args.ops,
-                               "max_tensor_bytes": args.max_tensor_bytes})
+                               "max_tensor_bytes": args.max_tensor_bytes, "verify_writes": args.verify_writes})
     autostart = str(Path(__file__).resolve().parent.parent / "record" / "autostart")
     env["PYTHONPATH"] = os.pathsep.join([autostart] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import fnmatch
+import zlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from replaydiff.record.context import BACKWARD, FORWARD
 from replaydiff.record.encode import TENSOR_KEY, encode_value
 from replaydiff.record.stats import batch_stats
-from replaydiff.trace.codec import buffer_address
+from replaydiff.trace.codec import address_view, buffer_address
 from replaydiff.trace.writer import Snapshot
 
 if TYPE_CHECKING:
@@ -114,6 +115,8 @@ class OpBuilder:
         self.rec = rec
         self.mode = rec.options.tensors
         self.max_bytes = rec.options.max_tensor_bytes
+        self.verify = rec.options.verify_writes
+        self.unseen_writes = 0
         # The tensors of one op whose statistics are computed together when the op ends. Not longer: a reference
         # held past the op changes what torch does next (autograd copies a gradient someone else holds instead of
         # stealing it into .grad; a factory op's output gets an extra detach), so the ops of the job would change.
@@ -139,6 +142,10 @@ class OpBuilder:
             ref["rg"] = True
         storage = t.untyped_storage()
         entry = self.rec.storages.entry(storage)
+        if entry.crc is not None and zlib.crc32(address_view(storage.data_ptr(), entry.nbytes)) != entry.crc:
+            # Written since it was stored, behind the dispatcher's back (numpy, a C extension): a new version.
+            self.rec.storages.bump(entry)
+            self.unseen_writes += 1
         ref[TENSOR_KEY] = entry.version
         ref["sb"] = entry.nbytes
         if entry.uninitialised:
@@ -148,6 +155,8 @@ class OpBuilder:
         if self.mode == "full" and (self.max_bytes is None or entry.nbytes <= self.max_bytes):
             if entry.chunk is None:
                 entry.chunk = self._snapshot(storage, t.element_size(), entry.version)
+                if self.verify and storage.device.type == "cpu":
+                    entry.crc = zlib.crc32(address_view(storage.data_ptr(), entry.nbytes))
             ref["f"] = entry.chunk
         elif self.mode != "meta":
             key = (entry.version, ref["dt"], tuple(ref["sh"]), tuple(ref["st"]), ref["of"])

@@ -43,6 +43,10 @@ class RecordOptions:
     source_lines: bool = True
     chunk_ops: int = 256
     chunk_bytes: int = 64 << 20
+    # Checksum every stored CPU storage and check it each time the storage is read again, so that writes torch's
+    # dispatcher never sees (through .numpy(), a C extension's pointer) become new versions. Costs a CRC32 pass
+    # (~3 GB/s) per re-read: off by default.
+    verify_writes: bool = False
 
 
 def current_rank() -> tuple[int, int]:
@@ -108,7 +112,12 @@ class Recorder:
         self._teardown()
         if self.writer is not None and (was_active or self._disabled_reason):
             try:
+                unseen = self._builder.unseen_writes if self._builder is not None else 0
+                if unseen:
+                    self._warn(f"{unseen} storage(s) were written outside torch's dispatcher (numpy, a C extension) "
+                               f"while recording; they were stored again as new versions")
                 self.writer.close({
+                    "unseen_writes": unseen,
                     "ops_seen": self.next_index,
                     "record_seconds": time.perf_counter() - self._started,
                     "disabled": self._disabled_reason,
@@ -186,13 +195,14 @@ class Recorder:
 def record(path: str | os.PathLike, tensors: str = "full", compress: bool | int = True, *,
            modules: list[str] | str | None = None, ops: list[str] | str | None = None,
            max_tensor_bytes: int | None = None, source_lines: bool = True, shuffle: bool = False,
-           chunk_ops: int = 256) -> Recorder:
+           chunk_ops: int = 256, verify_writes: bool = False) -> Recorder:
     """Record every aten op run inside the ``with`` block into the trace directory ``path``.
 
     tensors: ``full`` stores tensor data, ``stats`` per-tensor statistics, ``meta`` only shapes and dtypes.
     compress: True for zstd at a fast level, an int for another zstd level, False for raw bytes.
     modules / ops: globs; only matching ops are stored (all are still numbered).
     max_tensor_bytes: storages larger than this get statistics instead of data.
+    verify_writes: notice writes torch's dispatcher never sees (numpy, C extensions) with a CRC32 per re-read.
     """
     level: int | None
     if compress is True:
@@ -204,4 +214,5 @@ def record(path: str | os.PathLike, tensors: str = "full", compress: bool | int 
     as_list = (lambda v: [v] if isinstance(v, str) else (list(v) if v else None))
     return Recorder(path, RecordOptions(tensors=tensors, compress=level, shuffle=shuffle, modules=as_list(modules),
                                         ops=as_list(ops), max_tensor_bytes=max_tensor_bytes,
-                                        source_lines=source_lines, chunk_ops=chunk_ops))
+                                        source_lines=source_lines, chunk_ops=chunk_ops,
+                                        verify_writes=verify_writes))

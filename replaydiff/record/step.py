@@ -25,7 +25,8 @@ class StepTrigger:
         self.step = int(config.get("step", 1))
         self._make = lambda: record(config["out"], tensors=config.get("tensors", "full"),
                                     compress=config.get("compress", True), modules=config.get("modules"),
-                                    ops=config.get("ops"), max_tensor_bytes=config.get("max_tensor_bytes"))
+                                    ops=config.get("ops"), max_tensor_bytes=config.get("max_tensor_bytes"),
+                                    verify_writes=bool(config.get("verify_writes")))
         self.recorder = None
         self.done = False
         self.steps = 0

@@ -20,6 +20,7 @@ class StorageEntry:
     version: int  # id of the current storage version
     chunk: int | None = None  # data file holding the current version's bytes; None until stored
     uninitialised: bool = False  # current version came out of an empty* op and was never written since
+    crc: int | None = None  # CRC32 of the stored bytes, kept with verify_writes to notice writes torch never saw
 
 
 @dataclass
@@ -47,6 +48,7 @@ class StorageTable:
     def bump(self, e: StorageEntry) -> None:
         e.version = self.new_version_id()
         e.chunk = None
+        e.crc = None
         e.uninitialised = False
 
     def clear(self) -> None:

@@ -40,6 +40,11 @@ def buffer_address(buf: bytes | bytearray) -> int:
     return ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value or 0
 
 
+def address_view(address: int, nbytes: int) -> memoryview:
+    """A read-only memoryview of ``nbytes`` at ``address`` (a CPU storage's data), without copying."""
+    return _memory_view(address, nbytes, _PYBUF_READ) if nbytes else memoryview(b"")
+
+
 def tensor_writable_view(u8: torch.Tensor) -> memoryview:
     """Like tensor_bytes_view, but writable: for reading a file straight into a tensor."""
     assert u8.dtype == torch.uint8 and u8.device.type == "cpu" and u8.is_contiguous()
