@@ -11,20 +11,14 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from replaydiff.record.mode import iter_tensors, written_args, op_info
 
-def _written(func, args, kwargs) -> list[torch.Tensor]:
-    out = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, (list, tuple)):
-            out.extend(x for x in v if isinstance(x, torch.Tensor))
-        if out:
-            break  # the first written argument is the op's result (self, or out=)
-    return out
+
+def _result_tensors(func, args, kwargs, out) -> list[torch.Tensor]:
+    """The op's result: its first written argument (self, out=, a collective's tensors), else its first output."""
+    written = written_args(op_info(func), args, kwargs)
+    first = written[0][1] if written else (out[0] if isinstance(out, (tuple, list)) and out else out)
+    return list(iter_tensors(first))
 
 
 @dataclass
@@ -53,12 +47,7 @@ class PlantedFault(TorchDispatchMode):
             for w in out:  # a collective's result exists once its work completes: corrupt it after that
                 if hasattr(w, "wait") and not isinstance(w, torch.Tensor):
                     w.wait()
-        targets = _written(func, args, kwargs)
-        if not targets:  # collectives mark nothing written: their result is the first tensor (list) they return
-            first = out[0] if isinstance(out, (tuple, list)) and out else out
-            targets = [t for t in (first if isinstance(first, (tuple, list)) else [first])
-                       if isinstance(t, torch.Tensor)]
-        for t in targets:
+        for t in _result_tensors(func, args, kwargs, out):
             if t.is_floating_point() and t.numel():
                 with torch.no_grad():
                     t.copy_((t.double() * (1.0 + self.rel)).to(t.dtype))

@@ -61,7 +61,7 @@ def op_info(func: Any) -> OpInfo:
     return info
 
 
-def _written_args(info: OpInfo, args: tuple, kwargs: dict) -> list[tuple[list, Any]]:
+def written_args(info: OpInfo, args: tuple, kwargs: dict) -> list[tuple[list, Any]]:
     """(path, value) of each argument the op writes that holds a tensor."""
     out = []
     for i, name, kwarg_only in info.writes:
@@ -71,17 +71,17 @@ def _written_args(info: OpInfo, args: tuple, kwargs: dict) -> list[tuple[list, A
             path, v = ["k", name], kwargs[name]
         else:
             continue
-        if any(True for _ in _tensors(v)):  # a tensor, or a (nested) list holding one: allgather's list of lists
+        if any(True for _ in iter_tensors(v)):  # a tensor, or a (nested) list holding one: allgather's list of lists
             out.append((path, v))
     return out
 
 
-def _tensors(v: Any):
+def iter_tensors(v: Any):
     if isinstance(v, torch.Tensor):
         yield v
     elif isinstance(v, (list, tuple)):
         for x in v:
-            yield from _tensors(x)
+            yield from iter_tensors(x)
 
 
 class RecordingMode(TorchDispatchMode):
@@ -247,10 +247,10 @@ def record_before(rec: Recorder, b: OpBuilder, func: Any, types: Any, args: tupl
             # alone cannot tell sibling modules apart in backward (it never leaves a module whose inputs need
             # no grad, e.g. two embeddings, and picks one of them at random).
             module = ctx.forward_module(seq)
+    written = written_args(info, args, kwargs) if info.writes else []
     if not op_matches(name, module, rec.options.ops, rec.options.modules):
         # Not stored, but what it writes still makes new storage versions: a later stored op must not be given
         # the bytes from before this write.
-        written = _written_args(info, args, kwargs) if info.writes else []
         return Pending(None, written, info.uninitialised) if written or info.uninitialised else None
     record: dict[str, Any] = {"i": index, "op": name, "ph": phase}
     if module:
@@ -267,7 +267,6 @@ def record_before(rec: Recorder, b: OpBuilder, func: Any, types: Any, args: tupl
     # Arguments the op writes are described as they are now, before the op.
     record["a"] = b.encode(list(args))
     record["k"] = {k: b.encode(v) for k, v in kwargs.items()}
-    written = _written_args(info, args, kwargs) if info.writes else []
     # Inputs the op will write get their statistics now, as they are before it.
     if written:
         b.flush_stats()
@@ -279,11 +278,11 @@ def record_after(rec: Recorder, b: OpBuilder, p: Pending, func: Any, args: tuple
     if record is not None and "coll" in record:
         out = wait_collective(func, out)
     for _, v in p.written:
-        for t in _tensors(v):
+        for t in iter_tensors(v):
             e = rec.storages.entry(t.untyped_storage())
             rec.storages.bump(e)
     if p.uninitialised:
-        for t in _tensors(out):
+        for t in iter_tensors(out):
             rec.storages.entry(t.untyped_storage()).uninitialised = True
     if record is None:  # filtered out: only its writes mattered
         return
@@ -350,6 +349,6 @@ def wait_collective(func: Any, out: Any) -> Any:
             if hasattr(v, "wait") and not isinstance(v, torch.Tensor):
                 v.wait()
     elif func.namespace in ("_c10d_functional", "c10d_functional"):
-        for t in _tensors(out):
+        for t in iter_tensors(out):
             torch.ops._c10d_functional.wait_tensor(t)
     return out
