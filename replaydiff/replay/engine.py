@@ -88,7 +88,8 @@ def plan(trace: Trace, opts: ReplayOptions) -> ReplayPlan:
     return p
 
 
-def _threads(rt: RankTrace, opts: ReplayOptions) -> int | None:
+def replay_threads(rt: RankTrace, opts: ReplayOptions) -> int | None:
+    """CPU intra-op threads a replay of ``rt`` runs with (None: leave torch's setting)."""
     if opts.threads is not None:
         return opts.threads
     if opts.precision == "same" and torch.device(opts.device).type == "cpu":
@@ -109,7 +110,7 @@ def run_shard(rt: RankTrace, opts: ReplayOptions, shard: Shard, progress: Progre
     wanted = set(shard.indices)
     hi = shard.indices[-1]
     results = []
-    with reference_settings(_threads(rt, opts)), torch.inference_mode():
+    with reference_settings(replay_threads(rt, opts)), torch.inference_mode():
         for op in rt.iter_from(shard.indices[0]):
             if op.index > hi:
                 break
