@@ -106,7 +106,7 @@ def train_tiny(ctx=None, steps: int = 1):
         "params": [(n, p.detach().clone()) for n, p in model.named_parameters()],
         "grads": [(n, p.grad.clone()) for n, p in model.named_parameters()],
         "state": fresh_state(opt),
-        "rng": torch.get_rng_state(),
+        "rng_state": torch.get_rng_state(),
     }
 
 
@@ -119,7 +119,7 @@ def assert_bitwise_same(a: dict, b: dict) -> None:
         assert len(a[key]) > 0
         for (n, x), (_, y) in zip(a[key], b[key]):
             assert torch.equal(x, y), f"{key} {n} differs"
-    assert torch.equal(a["rng"], b["rng"]), "the recorder consumed random numbers"
+    assert torch.equal(a["rng_state"], b["rng_state"]), "the recorder consumed random numbers"
 
 
 def replaydiff_warnings(caught) -> list[str]:
