@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -44,6 +46,8 @@ class Recorder:
         self._builder: OpBuilder | None = None
         self._started = 0.0
         self._disabled_reason: str | None = None
+        self._prev_sigterm: Any = None
+        self._sigterm_installed = False
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> "Recorder":
@@ -60,13 +64,14 @@ class Recorder:
                 "started_at": time.time(),
             }
             self.writer = RankWriter(self.rank_dir, manifest, self.options.compress, self.options.shuffle,
-                                     self.options.chunk_ops, self.options.chunk_bytes)
+                                     self.options.chunk_ops, self.options.chunk_bytes, self.options.flush_seconds)
             self._builder = OpBuilder(self)
             self.context.install()
             self._mode = RecordingMode(self)
             self._mode.__enter__()
             self._started = time.perf_counter()
             self.active = True
+            self._install_sigterm()
         except Exception as exc:
             self._warn(f"recording is off: {type(exc).__name__}: {exc}")
             self._teardown()
@@ -92,7 +97,47 @@ class Recorder:
                 self._warn(f"the trace could not be finished: {exc}")
         self.storages.clear()
 
+    # -- SIGTERM: what torchrun sends the surviving workers when one rank fails ---------------------------------
+    def _install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may set handlers; a trace cut short then keeps what the timer flushed
+        try:
+            self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._sigterm_installed = True
+        except (ValueError, OSError) as exc:
+            log.debug("no SIGTERM handler: %s", exc)
+
+    def _restore_sigterm(self) -> None:
+        if self._sigterm_installed and threading.current_thread() is threading.main_thread():
+            try:
+                if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                    signal.signal(signal.SIGTERM, self._prev_sigterm)
+            except (ValueError, OSError, TypeError) as exc:
+                log.debug("could not restore the SIGTERM handler: %s", exc)
+            self._sigterm_installed = False
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """Write what is recorded, then do what the process would have done without us."""
+        prev = self._prev_sigterm
+        try:
+            if self.writer is not None and self.active:
+                self.active = False
+                self.writer.note_lost(f"the process got SIGTERM during op #{self.next_index - 1}; the trace holds "
+                                      f"the ops recorded before it")
+                self.writer.sync(timeout=10.0)
+                self.writer.write_manifest_now()
+        except Exception as exc:  # never stand between a process and its termination
+            log.debug("SIGTERM flush failed: %s", exc)
+        finally:
+            self._restore_sigterm()
+        if callable(prev):
+            prev(signum, frame)
+        elif prev in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
     def _teardown(self) -> None:
+        self._restore_sigterm()
         if self._mode is not None:
             try:
                 self._mode.__exit__(None, None, None)
