@@ -26,6 +26,11 @@ DTYPE_EXACT_OPS = frozenset({"aten.view.dtype", "aten.view_as_real.default", "at
 _CHEAP_PACKETS = frozenset({"detach", "detach_", "alias", "lift_fresh", "_unsafe_view", "clone_", "_to_copy_"})
 
 _SEEDED = torch.Tag.nondeterministic_seeded
+# Kernels that write arguments their schemas leave unmarked (torch 2.13): the batch norms update running_mean and
+# running_var in training although the schema says ``Tensor? running_mean``. Composite ops (batch_norm,
+# instance_norm) reach these or _native_batch_norm_legit / _batch_norm_with_update, whose schemas mark the writes.
+_UNANNOTATED_WRITES = {name: ("running_mean", "running_var") for name in
+                       ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")}
 
 
 def namespace(name: str) -> str:
@@ -89,13 +94,14 @@ def _is_write(alias_info: Any) -> bool:
 def _writes(func: Any, collective: bool) -> tuple[tuple[int, str, bool], ...]:
     """(position, name, kwarg_only) of each argument the op may write.
 
-    Read from the schema's alias annotations, which mark ``Tensor(a!)``, ``Tensor(a!)?`` (native_batch_norm's
-    running statistics), ``Tensor(a!)[]`` and list-of-optional arguments alike; collectives mark nothing written but
-    fill their tensors in place, so every tensor argument of a collective counts.
+    Read from the schema's alias annotations (``Tensor(a!)``, ``Tensor(a!)?``, ``Tensor(a!)[]`` alike), plus the
+    few kernels known to write what their schema leaves unmarked; collectives mark nothing written but fill their
+    tensors in place, so every tensor argument of a collective counts.
     """
+    unmarked = _UNANNOTATED_WRITES.get(func.overloadpacket.__name__, ()) if func.namespace == "aten" else ()
     out = []
     for i, a in enumerate(func._schema.arguments):
-        if collective or _is_write(a.alias_info):
+        if collective or _is_write(a.alias_info) or a.name in unmarked:
             out.append((i, a.name, a.kwarg_only))
     return tuple(out)
 

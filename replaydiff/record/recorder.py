@@ -18,12 +18,13 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from replaydiff.aten import current_rank
+from replaydiff.aten import current_rank, facts, iter_tensors, written_args
 from replaydiff.record.context import OpContext
 from replaydiff.record.environment import environment_snapshot
 from replaydiff.record.mode import OpBuilder, RecordingMode, record_after, record_before
 from replaydiff.record.options import RecordOptions
 from replaydiff.record.storage import StorageTable
+from replaydiff.trace import schema
 from replaydiff.trace.format import MANIFEST, rank_dir_name
 from replaydiff.trace.writer import RankWriter, Snapshot
 
@@ -47,6 +48,8 @@ class Recorder:
         self._started = 0.0
         self._disabled_reason: str | None = None
         self._prev_sigterm: Any = None
+        self.failed_ops = 0
+        self._failed_names: set[str] = set()
         self._sigterm_installed = False
 
     # -- lifecycle --------------------------------------------------------------------------------------------
@@ -191,6 +194,33 @@ class Recorder:
             state = state.clone()
         chunk = self.writer.add_snapshot(Snapshot(version, state, 1))
         return str(device), version, chunk, state.numel()
+
+    MAX_FAILED_OPS = 1000
+
+    def op_failed(self, func: Any, args: tuple, kwargs: dict, exc: Exception) -> None:
+        """An op the recorder could not describe costs that op alone: a stub record with the reason; what it
+        writes gets new storage versions, so later readers never get the bytes from before its write."""
+        self.failed_ops += 1
+        name = str(func)
+        why = f"could not be recorded ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})"
+        if self.failed_ops > self.MAX_FAILED_OPS or self.writer is None or self.writer.failed:
+            self.disable(f"too many ops could not be recorded (last: {name} {why})")
+            return
+        index = self.next_index - 1
+        self.writer.add_op(schema.wire_not_recorded(schema.wire_op(index, name, None, None, None, None), why))
+        try:
+            for _, v in written_args(facts(func), args, kwargs):
+                for t in iter_tensors(v):
+                    self.storages.bump(self.storages.entry(t.untyped_storage()))
+        except Exception as exc2:
+            self.disable(f"after {name} {why}, what it wrote could not be tracked ({exc2})")
+            return
+        if name not in self._failed_names:
+            self._failed_names.add(name)
+            self.writer.note_lost(f"op #{index} {name} {why}; later readers of its outputs take them as inputs "
+                                  f"from outside the trace")
+            if len(self._failed_names) <= 5:
+                self._warn(f"op #{index} {name} {why}; recording goes on")
 
     def disable(self, why: str) -> None:
         if self._disabled_reason is None:

@@ -49,6 +49,12 @@ class _Inputs:
         self._base: dict[tuple, torch.Tensor] = {}
 
     def tensor(self, ref: TensorRef) -> torch.Tensor:
+        if ref.zero:
+            rec_dtype = dtype_from_name(ref.dtype)
+            target = rec_dtype if self.keep_dtype else target_dtype(self.precision, rec_dtype)
+            return torch._efficientzerotensor(ref.shape, dtype=target, device=self.device)
+        if ref.meta:
+            return ref.empty_meta()
         if not ref.stored:
             raise Skip("inputs not stored in the trace" + (" (recorded with tensors=meta/stats or a filter)"
                                                            if ref.version is not None else ""))
@@ -81,8 +87,8 @@ class _Inputs:
             raise Skip(f"an argument of kind {v.kind!r} cannot be rebuilt")
         if isinstance(v, torch.dtype):  # floating dtype arguments follow the policy
             return v if self.keep_dtype else target_dtype(self.precision, v)
-        if isinstance(v, torch.device):
-            return self.device
+        if isinstance(v, torch.device):  # the replay device, except the meta device (shape computations)
+            return v if v.type == "meta" else self.device
         return v
 
     def build(self, op: OpRecord) -> tuple[list, dict]:
@@ -314,6 +320,11 @@ def _pairs(op: OpRecord, out: Any, args: list, kwargs: dict, in_versions: set) -
     outs: Pairs = []
     _zip(op.outputs, out, outs)
     for ref, value in outs:
+        if isinstance(ref, TensorRef) and ref.meta:  # no values: the geometry is what the op computed
+            if isinstance(value, torch.Tensor) and (tuple(value.shape) != ref.shape or tuple(value.stride())
+                                                    != ref.stride):
+                pairs.append((_view_mismatch(ref, value), value))
+            continue
         if isinstance(ref, TensorRef):
             if ref.version in written:
                 continue  # the output is the written argument: already compared
@@ -321,15 +332,17 @@ def _pairs(op: OpRecord, out: Any, args: list, kwargs: dict, in_versions: set) -
                 if isinstance(value, torch.Tensor) and (tuple(value.shape) != ref.shape
                                                         or tuple(value.stride()) != ref.stride
                                                         or value.storage_offset() != ref.offset):
-                    pairs.append((ViewMismatch({"shape": list(ref.shape), "stride": list(ref.stride or ()),
-                                                "offset": ref.offset},
-                                               {"shape": list(value.shape), "stride": list(value.stride()),
-                                                "offset": value.storage_offset()}), value))
+                    pairs.append((_view_mismatch(ref, value), value))
                 continue
             if ref.uninitialised or not ref.stored:
                 continue
         pairs.append((ref, value))
     return pairs
+
+
+def _view_mismatch(ref: TensorRef, value: torch.Tensor) -> ViewMismatch:
+    return ViewMismatch({"shape": list(ref.shape), "stride": list(ref.stride or ()), "offset": ref.offset},
+                        {"shape": list(value.shape), "stride": list(value.stride()), "offset": value.storage_offset()})
 
 
 def _zip(rec: Any, value: Any, out: Pairs) -> None:

@@ -257,8 +257,13 @@ class RankTrace(Sequence):
                 pass  # stale or damaged: the chunks are the truth, rebuild from them
         # Rebuilt in memory only: a reader never changes a trace (it may be read-only, or someone else's).
         builder = IndexBuilder()
-        for op in self:
-            builder.add(op)
+        op = None
+        try:
+            for op in self:
+                builder.add(op)
+        except (ValueError, KeyError, TypeError) as exc:
+            where = f" (op #{op.index})" if op is not None else ""
+            raise TraceError(self.root / OPS_DIR, f"malformed op record{where}: {exc}") from None
         return builder.build()
 
     def producers(self, i: int) -> dict[int, int | None]:
@@ -331,6 +336,10 @@ class RankTrace(Sequence):
         """The recorded tensor of a reference, on CPU, in its recorded dtype, with its conj and neg bits.
 
         Without ``copy`` it is a view of cached bytes shared with other callers: read it, never write into it."""
+        if ref.zero:
+            return torch.zeros(ref.shape, dtype=ref.torch_dtype)
+        if ref.meta:
+            return ref.empty_meta()
         return rebuild(self.data(ref), ref.torch_dtype, ref, self.root, copy)
 
 

@@ -24,7 +24,7 @@ _COLL, _RNG, _NOT_RECORDED = "coll", "rng", "x"
 # -- tensor reference keys --------------------------------------------------------------------------------------
 _VERSION, _DTYPE, _SHAPE, _STRIDE, _OFFSET, _DEVICE = "T", "dt", "sh", "st", "of", "dev"
 _NBYTES, _CHUNK, _STATS, _REQ_GRAD, _UNSUPPORTED = "sb", "f", "s", "rg", "unsupported"
-_CONJ, _NEG = "cj", "ng"
+_CONJ, _NEG, _ZERO = "cj", "ng", "z"
 _PATH_ARG, _PATH_KWARG = "a", "k"
 
 PHASES = ("forward", "backward", "optimizer")
@@ -84,12 +84,20 @@ class TensorRef:
     conj = property(lambda self: bool(self._w.get(_CONJ)), doc="the conjugate bit (a lazy x.conj())")
     neg = property(lambda self: bool(self._w.get(_NEG)), doc="the negative bit (torch._neg_view)")
     unsupported = property(lambda self: self._w.get(_UNSUPPORTED), doc="why it was not described, if so")
+    zero = property(lambda self: bool(self._w.get(_ZERO)), doc="a ZeroTensor: all zeros, no storage")
 
     @property
     def stored(self) -> bool:
-        """Its bytes are in the trace (a zero-byte storage needs none)."""
+        """Its values are in the trace (a zero-byte storage needs no bytes, a ZeroTensor none at all)."""
         w = self._w
-        return w.get(_VERSION) is not None and (_CHUNK in w or w.get(_NBYTES) == 0)
+        return bool(w.get(_ZERO)) or self.meta or (w.get(_VERSION) is not None and (_CHUNK in w
+                                                                                    or w.get(_NBYTES) == 0))
+
+    @property
+    def meta(self) -> bool:
+        """A tensor on the meta device: shape and strides, no values (ZeroTensor kernels make some)."""
+        w = self._w
+        return w.get(_DEVICE) == "meta" and w.get(_STRIDE) is not None and _UNSUPPORTED not in w
 
     @property
     def stats(self) -> TensorStats | None:
@@ -109,12 +117,15 @@ class TensorRef:
     def describe(self) -> str:
         return f"{self.dtype}{list(self.shape)}"
 
+    def empty_meta(self) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.stride, dtype=self.torch_dtype, device="meta")
+
     def to_json(self) -> dict:
         s = self.stats
         return {"dtype": self.dtype, "shape": list(self.shape), "stride": None if self.stride is None else
                 list(self.stride), "offset": self.offset, "device": self.device, "version": self.version,
                 "stored": self.stored, "uninitialised": self.uninitialised, "requires_grad": self.requires_grad,
-                "conj": self.conj, "neg": self.neg, "unsupported": self.unsupported,
+                "conj": self.conj, "neg": self.neg, "zero": self.zero, "meta": self.meta, "unsupported": self.unsupported,
                 "stats": None if s is None else {k: getattr(s, k) for k in TensorStats.FIELDS}}
 
     def __repr__(self) -> str:
@@ -394,7 +405,7 @@ def decode_value(v: Any) -> Any:
 # =============================================================================================================
 # Building records (the recorder's side)
 # =============================================================================================================
-def wire_op(index: int, name: str, phase: str, module: str | None, forward: int | None, source: str | None) -> dict:
+def wire_op(index: int, name: str, phase: str | None, module: str | None, forward: int | None, source: str | None) -> dict:
     rec: dict[str, Any] = {_INDEX: index, _NAME: name, _PHASE: phase}
     if module:
         rec[_MODULE] = module
@@ -442,12 +453,19 @@ def wire_index(rec: dict) -> int:
 
 
 def wire_tensor(dtype: str, shape: list, stride: list | None, offset: int, device: str) -> dict:
-    return {_DTYPE: dtype, _SHAPE: shape, _STRIDE: stride, _OFFSET: offset, _DEVICE: device}
+    return {_DTYPE: dtype, _SHAPE: shape, _STRIDE: stride, _OFFSET: offset, _DEVICE: device, _VERSION: None}
 
 
 def wire_unsupported(ref: dict, why: str) -> dict:
     ref[_VERSION] = None
     ref[_UNSUPPORTED] = why
+    return ref
+
+
+def wire_zero(ref: dict) -> dict:
+    """A ZeroTensor (autograd's efficient zeros): values known without bytes, and no storage to identify."""
+    ref[_VERSION] = None
+    ref[_ZERO] = True
     return ref
 
 
