@@ -106,13 +106,51 @@ def _writes(func: Any, collective: bool) -> tuple[tuple[int, str, bool], ...]:
     return tuple(out)
 
 
+_BUILTIN_NAMESPACES = frozenset({"aten", "prims", "prim"}) | COLLECTIVE_NAMESPACES | NON_COMPUTE_NAMESPACES
+
+
+def defining_module(func: Any) -> str | None:
+    """The Python module that registered a custom op (``fsdp::`` in torch.distributed.fsdp, a user's
+    ``mylib::``), from the dispatcher's registration record; None when it was registered from C++ or is unknown."""
+    import sys
+
+    qualname = f"{func.namespace}::{func._schema.name.split('::')[-1]}"
+    try:  # torch.library.custom_op keeps the decorated function: its module is the user's
+        from torch._library.custom_ops import OPDEFS
+
+        opdef = OPDEFS.get(qualname)
+        module = getattr(getattr(opdef, "_init_fn", None), "__module__", None)
+        if module:
+            return module
+    except Exception:
+        pass
+    try:
+        dump = torch._C._dispatch_dump(qualname)
+    except Exception:
+        return None
+    files = set()
+    library = os.path.join(os.path.dirname(torch.__file__), "")
+    for line in dump.splitlines():
+        if "registered at " in line:
+            where = line.split("registered at ", 1)[1].split(" :: ")[0].rsplit(":", 1)[0]
+            if not where.startswith((library + "_library", library + "library.py")):  # the machinery, not the op
+                files.add(where)
+    for name, mod in list(sys.modules.items()):
+        f = getattr(mod, "__file__", None)
+        if f and f in files:
+            return name
+    return None
+
+
 class OpFacts:
     """What the recorder and the replayer need to know of one op overload, worked out once per overload."""
 
-    __slots__ = ("name", "collective", "seeded", "uninitialised", "writes", "view")
+    __slots__ = ("name", "collective", "seeded", "uninitialised", "writes", "view", "module")
 
     def __init__(self, func: Any) -> None:
         self.name = str(func)
+        # custom ops (outside aten, prims, collectives): the module that defines them, for replay to import
+        self.module = defining_module(func) if func.namespace not in _BUILTIN_NAMESPACES else None
         self.collective = func.namespace in COLLECTIVE_NAMESPACES
         self.seeded = _SEEDED in func.tags
         self.uninitialised = func.overloadpacket.__name__ in UNINITIALISED_PACKETS

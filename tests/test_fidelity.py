@@ -101,3 +101,58 @@ def test_an_op_the_recorder_cannot_describe_costs_that_op_alone(tmp_path: Path, 
     assert r[len(r) - 1].recorded and r[len(r) - 1].name == "aten.sum.default"
     assert float(d) == pytest.approx(float((a * c).sum()))
     _replay_clean(tmp_path / "t")
+
+
+_USER_OP = '''
+import torch
+
+
+@torch.library.custom_op("rdtest::scale", mutates_args=())
+def scale(x: torch.Tensor, k: float) -> torch.Tensor:
+    return x * k
+
+
+@scale.register_fake
+def _(x, k):
+    return torch.empty_like(x)
+'''
+
+_RECORD_CUSTOM = '''
+import sys, torch, replaydiff
+import rdtest_ops
+import torch.distributed.fsdp._fully_shard._fsdp_collectives  # registers fsdp:: ops
+with replaydiff.record(sys.argv[1]):
+    y = torch.ops.rdtest.scale(torch.randn(3), 2.0) + 1
+    out = torch.zeros(2, 2, 4)
+    torch.ops.fsdp.chunk_cat([torch.randn(2, 3), torch.randn(2, 3)], 1, 2, out=out)
+    out.sum()
+'''
+
+
+def test_custom_ops_replay_from_the_module_that_defines_them(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "rdtest_ops.py").write_text(_USER_OP)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(tmp_path)]))
+    subprocess.run([sys.executable, "-c", _RECORD_CUSTOM, str(tmp_path / "t")], check=True, env=env, cwd=tmp_path)
+    r = replaydiff.open_trace(tmp_path / "t").rank(0)
+    assert r.custom_ops == {"rdtest.scale.default": "rdtest_ops",
+                            "fsdp.chunk_cat.default": "torch.distributed.fsdp._fully_shard._fsdp_collectives"}
+    cli = [sys.executable, "-m", "replaydiff", "replay", str(tmp_path / "t")]
+    env = dict(os.environ, PYTHONPATH=str(root))  # a fresh process: neither module is imported
+    plain = subprocess.run(cli, capture_output=True, text=True, env=env, cwd=root)
+    assert plain.returncode == 0, plain.stderr
+    assert "rdtest.scale.default is defined in Python module rdtest_ops: replay with --import rdtest_ops" \
+        in plain.stdout
+    assert "fsdp" not in plain.stdout  # torch's own module was imported by replay itself: chunk_cat replayed
+    full = subprocess.run(cli + ["--import", "rdtest_ops", "--json", "-"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path)
+    assert full.returncode == 0, full.stderr
+    import json
+
+    report = json.loads(full.stdout)
+    assert report["summary"]["skipped"] == 0 and report["summary"]["ok"] == len(report["ops"])
+    assert {o["op"] for o in report["ops"]} >= {"rdtest.scale.default", "fsdp.chunk_cat.default"}

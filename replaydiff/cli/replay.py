@@ -35,6 +35,8 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                    help="CPU intra-op threads per process (default: the recorded count at --precision same on the "
                         "CPU, which makes it bitwise; else 1); another count tests whether an op depends on the "
                         "parallel split")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first: it registers custom ops of the trace (repeatable)")
     p.add_argument("--tolerance", action="append", metavar="DTYPE=MAX[,REL]",
                    help="override a dtype's limits on max_abs/(eps*absmax) and rel_l2/eps, e.g. float32=32,16")
     p.add_argument("--no-scale-reductions", action="store_true",
@@ -54,7 +56,8 @@ def options_from_args(args: argparse.Namespace) -> ReplayOptions:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return ReplayOptions(device=args.device, precision=args.precision, repeat=args.repeat, ops=args.ops,
-                         first=args.first, last=args.last, ranks=args.ranks, tolerances=tol, threads=args.threads)
+                         first=args.first, last=args.last, ranks=args.ranks, tolerances=tol, threads=args.threads,
+                         imports=args.imports)
 
 
 def run(args: argparse.Namespace) -> int:

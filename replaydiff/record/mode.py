@@ -42,6 +42,7 @@ class RecorderLike(Protocol):
     storages: StorageTable
     writer: RankWriter
     context: OpContext
+    custom_ops: dict[str, str]
 
     def before(self, func: Any, types: Any, args: tuple, kwargs: dict) -> Any: ...
     def after(self, pending: Any, func: Any, args: tuple, kwargs: dict, out: Any) -> None: ...
@@ -192,6 +193,8 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
     rec.next_index += 1
     info = aten.facts(func)
     name = info.name
+    if info.module is not None and name not in rec.custom_ops:
+        rec.custom_ops[name] = info.module
     ctx = rec.context
     phase, seq = ctx.phase()
     module = ctx.module()

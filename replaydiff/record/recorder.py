@@ -48,6 +48,7 @@ class Recorder:
         self._started = 0.0
         self._disabled_reason: str | None = None
         self._prev_sigterm: Any = None
+        self.custom_ops: dict[str, str] = {}  # custom op -> the Python module that defines it
         self.failed_ops = 0
         self._failed_names: set[str] = set()
         self._sigterm_installed = False
@@ -95,6 +96,7 @@ class Recorder:
                     "ops_seen": self.next_index,
                     "record_seconds": time.perf_counter() - self._started,
                     "disabled": self._disabled_reason,
+                    "custom_ops": self.custom_ops,
                 })
             except Exception as exc:
                 self._warn(f"the trace could not be finished: {exc}")

@@ -44,6 +44,9 @@ class ReplayOptions:
     tolerances: Tolerances = field(default_factory=Tolerances)
     # CPU intra-op threads; None: the recorded count at `same` on the CPU (what makes it bitwise), else 1
     threads: int | None = None
+    # Python modules to import before replaying: they register the custom ops of the trace (torch's own, such as
+    # torch.distributed.fsdp's, are imported without asking; a trace never makes replay import anything else)
+    imports: list[str] = field(default_factory=list)
 
     def target_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return target_dtype(self.precision, dtype)
@@ -53,7 +56,8 @@ class ReplayOptions:
                 "from": self.first, "to": self.last, "ranks": self.ranks,
                 "tolerances": {k: list(v) for k, v in self.tolerances.limits.items()},
                 "scale_reductions": self.tolerances.scale_reductions,
-                **({"threads": self.threads} if self.threads is not None else {})}
+                **({"threads": self.threads} if self.threads is not None else {}),
+                **({"imports": self.imports} if self.imports else {})}
 
 
 @contextmanager

@@ -10,6 +10,7 @@ op lives in local values, so one replayer can serve several threads.
 """
 from __future__ import annotations
 
+import importlib
 import math
 from typing import Any
 
@@ -142,10 +143,7 @@ class OpReplayer:
             raise Skip("uninitialised output (empty*)")
         if not aten.matches_any(name, self.opts.ops):
             raise Skip("not selected by --ops")
-        try:
-            func = aten.resolve(name)
-        except aten.UnknownOp as exc:
-            raise Skip(str(exc)) from None
+        func = self._resolve(name)
         seeded = aten.facts(func).seeded
         keep_dtype = seeded or name in aten.DTYPE_EXACT_OPS or self.opts.precision == "same"
         exact = self.opts.precision == "same" or seeded
@@ -185,6 +183,22 @@ class OpReplayer:
             if res.verdict is not None:
                 res.verdict = with_precision(res.verdict, precision)
         return pairs, finite
+
+    def _resolve(self, name: str) -> Any:
+        try:
+            return aten.resolve(name)
+        except aten.UnknownOp as exc:
+            module = self.trace.custom_ops.get(name)
+            if module is None:
+                raise Skip(str(exc)) from None
+            if not module.startswith("torch."):
+                raise Skip(f"op {name} is defined in Python module {module}: replay with --import {module}") from None
+            try:  # torch's own Python-defined ops (fsdp::, torch_nn::): safe to import, and needed
+                importlib.import_module(module)
+                return aten.resolve(name)
+            except Exception as exc2:
+                raise Skip(f"op {name} is defined in {module}, which could not be imported here "
+                           f"({type(exc2).__name__}: {exc2})") from None
 
     def _generator(self, op: OpRecord) -> torch.Generator | None:
         """A generator holding the recorded state when the op was given one explicitly; None when it drew from

@@ -159,6 +159,11 @@ class RankTrace(Sequence):
         return int(self.manifest.get("world_size") or 1)
 
     @property
+    def custom_ops(self) -> dict[str, str]:
+        """Custom ops seen while recording and the Python module that defined each (for replay to import)."""
+        return self._manifest_dict("custom_ops")
+
+    @property
     def compiled_regions(self) -> list[dict]:
         """Compiled (torch.compile) regions entered while recording, and how they ran."""
         return list(self.manifest.get("compiled") or [])
