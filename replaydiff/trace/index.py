@@ -6,9 +6,10 @@ and zstd: ~20 us an op). So when recording ends the writer stores, per rank, ``i
 op reads the op (and output position) that produced it. A trace without one (older versions, a job killed
 mid-step) gets it rebuilt from its chunks on first use.
 
-An input's producer is the latest op whose outputs hold that very tensor (same storage version, dtype and view);
-failing that, the first op that produced the storage version at all (a view nobody returned); else it came from
-outside the trace (parameters, the batch). Versions change on every write, so an edge never points past a write.
+An input's producer is the first op whose outputs hold that very tensor (same storage version, dtype and view: a
+later detach or alias of it returns the same view but computed nothing); failing that, the first op that produced
+the storage version at all (a view nobody returned); else it came from outside the trace (parameters, the batch).
+Versions change on every write, so an edge never points past a write.
 """
 from __future__ import annotations
 
@@ -90,7 +91,9 @@ class IndexBuilder:
             for slot, ref in enumerate(outs):
                 if ref.version is None:
                     continue
-                self._exact[ref.geometry] = (i, slot)
+                # The first op to hand out this very view keeps it: a detach or alias of an output returns the
+                # same view, and the op that computed the values is the one to walk back to.
+                self._exact.setdefault(ref.geometry, (i, slot))
                 self._first.setdefault(ref.version, (i, slot))
             if op.collective is not None:
                 flags |= _F_COLLECTIVE

@@ -207,25 +207,29 @@ class RankTrace(Sequence):
             if not (0 <= j < len(ops) and OpRecord(ops[j]).index == index):
                 j = next((n for n, w in enumerate(ops) if OpRecord(w).index == index), -1)
             if j >= 0:
-                return OpRecord(ops[j], self.rank)
+                return OpRecord(ops[j], self.rank, self.root / OPS_DIR / f"{self._firsts[k]:09d}{FRAME_SUFFIX}")
         if 0 <= index < len(self):
             return OpRecord.absent(index, self.rank)
         raise KeyError(index)
 
-    def __iter__(self) -> Iterator[OpRecord]:
-        """Every recorded op in order (numbers without a record are left out; ``r[i]`` gives them)."""
-        for first in self._firsts:
+    def _records(self, first_index: int = 0) -> Iterator[OpRecord]:
+        """Every op record from ``first_index`` on, stubs of ops that were numbered but not recorded included."""
+        k = max(0, bisect.bisect_right(self._firsts, first_index) - 1)
+        for first in self._firsts[k:]:
+            path = self.root / OPS_DIR / f"{first:09d}{FRAME_SUFFIX}"
             for w in self._chunk(first):
-                yield OpRecord(w, self.rank)
+                op = OpRecord(w, self.rank, path)
+                if op.index >= first_index:
+                    yield op
+
+    def __iter__(self) -> Iterator[OpRecord]:
+        """Every recorded op in order (numbers without a record, or with only a stub, are left out: ``r[i]`` gives
+        them)."""
+        return (op for op in self._records() if op.recorded)
 
     def iter_from(self, index: int) -> Iterator[OpRecord]:
         """Recorded ops numbered ``index`` and up, reading only the chunks that hold them."""
-        k = max(0, bisect.bisect_right(self._firsts, index) - 1)
-        for first in self._firsts[k:]:
-            for w in self._chunk(first):
-                op = OpRecord(w, self.rank)
-                if op.index >= index:
-                    yield op
+        return (op for op in self._records(index) if op.recorded)
 
     @property
     def last_index(self) -> int | None:
@@ -264,7 +268,7 @@ class RankTrace(Sequence):
         builder = IndexBuilder()
         op = None
         try:
-            for op in self:
+            for op in self._records():
                 builder.add(op)
         except (ValueError, KeyError, TypeError) as exc:
             where = f" (op #{op.index})" if op is not None else ""

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 
 from replaydiff import aten
+from replaydiff.errors import TraceError
 
 # -- op record keys ---------------------------------------------------------------------------------------------
 _INDEX, _NAME, _PHASE, _MODULE, _FORWARD, _SOURCE = "i", "op", "ph", "mod", "fwd", "src"
@@ -197,12 +198,20 @@ def wire_collective(info: CollectiveInfo) -> dict:
 class OpRecord:
     """One recorded op. Fields are read from the decoded record on demand; argument trees are decoded once."""
 
-    __slots__ = ("_w", "_args", "_kwargs", "_outputs", "_writes", "rank")
+    __slots__ = ("_w", "_args", "_kwargs", "_outputs", "_writes", "rank", "_path")
 
-    def __init__(self, wire: dict, rank: int = 0) -> None:
+    def __init__(self, wire: dict, rank: int = 0, path: Any = None) -> None:
         self._w = wire
         self._args = self._kwargs = self._outputs = self._writes = None
         self.rank = rank
+        self._path = path  # the ops chunk it came from, named in the error if a field does not decode
+
+    def _decode(self, v: Any) -> Any:
+        try:
+            return decode_value(v)
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            raise TraceError(self._path or "trace", f"malformed record of op #{self._w.get(_INDEX)} ({exc})") \
+                from None
 
     @classmethod
     def absent(cls, index: int, rank: int = 0, why: str = "no record in the trace") -> "OpRecord":
@@ -241,27 +250,30 @@ class OpRecord:
     @property
     def args(self) -> list:
         if self._args is None:
-            self._args = decode_value(self._w.get(_ARGS) or [])
+            self._args = self._decode(self._w.get(_ARGS) or [])
         return self._args
 
     @property
     def kwargs(self) -> dict:
         if self._kwargs is None:
-            self._kwargs = {k: decode_value(v) for k, v in (self._w.get(_KWARGS) or {}).items()}
+            self._kwargs = {k: self._decode(v) for k, v in (self._w.get(_KWARGS) or {}).items()}
         return self._kwargs
 
     @property
     def outputs(self) -> Any:
         if self._outputs is None:
-            self._outputs = decode_value(self._w.get(_OUTPUTS))
+            self._outputs = self._decode(self._w.get(_OUTPUTS))
         return self._outputs
 
     @property
     def writes(self) -> list[tuple[ArgPath, Any]]:
         """Each argument the op wrote, as it was after the op (its ``args`` entry holds it as it was before)."""
         if self._writes is None:
-            self._writes = [(ArgPath("arg" if p[0] == _PATH_ARG else "kwarg", p[1]), decode_value(v))
-                            for p, v in self._w.get(_WRITES) or []]
+            try:
+                self._writes = [(ArgPath("arg" if p[0] == _PATH_ARG else "kwarg", p[1]), self._decode(v))
+                                for p, v in self._w.get(_WRITES) or []]
+            except (ValueError, TypeError, IndexError) as exc:
+                raise TraceError(self._path or "trace", f"malformed writes of op #{self.index} ({exc})") from None
         return self._writes
 
     def inputs(self) -> list[TensorRef]:
