@@ -242,7 +242,8 @@ def test_a_well_framed_but_malformed_record_is_a_trace_error(tmp_path: Path) -> 
         x.mul(2)
     chunk = tmp_path / "t" / "rank0" / "ops" / "000000000.rdt"
     frame = read_frame(chunk)
-    frame["ops"][0]["a"][1] = {"bogus": 1}  # the checksum is right (re-packed), the content is not
+    # the checksum is right (re-packed), the content is not
+    frame["ops"][0]["a"][1] = {"bogus": 1}  # wire-ok: damages a record on purpose
     write_atomic(chunk, pack_frame(frame, 1))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     for verb in (["replay", str(tmp_path / "t")], ["show", str(tmp_path / "t"), "--op", "0"]):
