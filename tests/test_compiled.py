@@ -435,3 +435,58 @@ def test_stopped_tracker_restores_dynamo():
         warnings.simplefilter("error")
         assert a.stop() == [] and a.first_warning() is None
 
+
+# -- the capture-as-a-unit prototype (replaydiff/record/compiled_capture.py) ------------------------------------
+class IgnoreCompileLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """A mode that, unlike the recorder's, tells dynamo to compile and run compiled code while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_capture_prototype_units_replay_at_fp64_and_catch_a_planted_fault():
+    from replaydiff.record.compiled_capture import capture_backend, replay_unit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16))
+    x = torch.randn(4, 8)
+    backend, sink = capture_backend("aot_eager", region="net")
+    compiled = torch.compile(model, backend=backend)
+    sink.enabled = False
+    compiled(x).square().sum().backward()  # compiled outside (square: sum(LayerNorm(.)) has a zero gradient)
+    model.zero_grad()
+    sink.enabled = True
+    with IgnoreCompileLog() as log:
+        y = compiled(x)
+        y.square().sum().backward()
+    assert [u.op.rsplit("/", 1)[1] for u in sink.units] == ["fw", "bw"] and not sink.errors
+    assert "aten.native_layer_norm.default" not in log.names  # the graph's ops are inside the unit, not loose
+    assert torch.equal(sink.units[0].outputs[0], y.detach())
+    fw, bw = (replay_unit(unit) for unit in sink.units)
+    assert fw["max_rel"] < 1e-6  # compiled float32 vs the same graph at float64
+    assert bw["max_rel"] < 1e-3  # (layer_norm_backward's cancellation costs float32 a few digits: ~2e-4)
+    sink.units[0].outputs[0] += 1e-2  # a wrong compiled kernel
+    assert replay_unit(sink.units[0])["max_rel"] > 1e-3  # 1e-2 against outputs up to ~2.6
+
+
+def test_capture_prototype_captures_nothing_under_the_recorder(tmp_path):
+    """The recorder's mode keeps ignore_compile_internals() False: dynamo never runs the (capturing) compiled code."""
+    from replaydiff.record.compiled_capture import capture_backend
+
+    backend, sink = capture_backend("aot_eager")
+    fn = torch.compile(lambda a: a.sin() * 2, backend=backend)
+    fn(torch.ones(3))
+    sink.units.clear()
+    with replaydiff.record(tmp_path / "t"):
+        fn(torch.ones(3))
+    assert sink.units == []
+    assert trace_ops(tmp_path / "t")[-2:] == ["aten.sin.default", "aten.mul.Tensor"]
