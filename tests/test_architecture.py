@@ -26,7 +26,7 @@ def test_no_module_outside_the_trace_package_reads_a_wire_key() -> None:
                                                           "tests/test_architecture.py"):
             continue
         for n, line in enumerate(p.read_text().splitlines(), 1):
-            if _WIRE_USE.search(line):
+            if _WIRE_USE.search(line) and not line.endswith("# wire-ok: damages a record on purpose"):
                 offenders.append(f"{rel}:{n}: {line.strip()}")
     assert offenders == []
 
