@@ -15,8 +15,11 @@ import sys
 import textwrap
 import warnings
 
+from pathlib import Path
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import replaydiff
 from replaydiff.record.compiled import CompiledRegionTracker, summarize
@@ -79,8 +82,15 @@ def fresh_dynamo():
         compiled_mod._uninstall()
 
 
+class BareMode(TorchDispatchMode):
+    """A dispatch mode that does nothing: what torch does to compiled code under any mode, tracker or not."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 def trace_ops(path) -> list[str]:
-    return [op["op"] for op in open_trace(path).rank(0)]
+    return [op.name for op in open_trace(path).rank(0)]
 
 
 def eager_ops(fn) -> list[str]:
@@ -133,16 +143,39 @@ def test_compiled_module_runs_eager_under_recorder_and_trace_holds_its_ops(tmp_p
 
 
 def test_without_tracker_torch_leaves_a_region_eager_after_recording(tmp_path):
-    """torch marks a frame skipped for the dispatch mode 'skip' for good (types.py ConvertFrameReturn.apply_to_code)."""
+    """torch marks a frame skipped for the dispatch mode 'skip' for good (types.py ConvertFrameReturn.apply_to_code):
+    what a bare dispatch mode does to a job (the recorder runs a tracker that undoes it)."""
     backend = Counting()
     fn = torch.compile(lambda a: (a * 2).cos(), backend=backend)
     x = torch.randn(3)
     fn(x)
-    with replaydiff.record(tmp_path / "t"):
+    with BareMode():
         fn(x)
     fn(x)
     fn(x)
     assert (backend.compiles, backend.runs) == (1, 1)  # the cached compiled code never runs again
+
+
+def test_the_recorder_notes_compiled_regions_and_keeps_them_compiled(tmp_path):
+    backend = Counting()
+    fn = torch.compile(lambda a: (a * 2).cos(), backend=backend)
+    x = torch.randn(3)
+    fn(x)
+    with pytest.warns(RuntimeWarning, match="torch.compile region ran while recording"):
+        with replaydiff.record(tmp_path / "t"):
+            fn(x)
+    fn(x)
+    assert (backend.compiles, backend.runs) == (1, 2)  # compiled again once recording ended
+    r = open_trace(tmp_path / "t").rank(0)
+    (region,) = r.compiled_regions
+    assert (region["how"], region["calls"]) == ("eager", 1)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    show = subprocess.run([sys.executable, "-m", "replaydiff", "show", str(tmp_path / "t")], capture_output=True,
+                          text=True, env=env)
+    assert "COMPILED:" in show.stdout and "ran eager" in show.stdout
+    replay = subprocess.run([sys.executable, "-m", "replaydiff", "replay", str(tmp_path / "t")], capture_output=True,
+                            text=True, env=env)
+    assert replay.returncode == 0 and "compiled region" in replay.stderr and "ran eager" in replay.stderr
 
 
 def test_tracker_keeps_a_region_compiled_after_recording(tmp_path):
@@ -228,7 +261,7 @@ def test_first_call_under_recorder_is_not_compiled_at_all(tmp_path):
 def test_fullgraph_region_raises_into_the_job_without_tracker_and_not_with_it(tmp_path):
     fn = torch.compile(lambda a: a.tanh() + 1, backend="aot_eager", fullgraph=True)
     x = torch.randn(3)
-    with replaydiff.record(tmp_path / "bare"):
+    with BareMode():  # any dispatch mode without the tracker: torch raises into the job
         with pytest.raises(RuntimeError, match="fullgraph=True found no compiled frames"):
             fn(x)
 
@@ -287,12 +320,7 @@ def test_compiled_backward_of_a_forward_compiled_before_recording(tmp_path):
     assert "aten.mm.default" in trace_ops(tmp_path / "t")  # aot_eager's backward graph ran its aten ops
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("REPLAYDIFF_INDUCTOR_TESTS"),
-                    reason="inductor's first compile takes ~30 s on two cores (3 s with a warm inductor cache); "
-                           "set REPLAYDIFF_INDUCTOR_TESTS=1 to run it")
-@pytest.mark.skipif(shutil.which("g++") is None and not os.environ.get("CXX"),
-                    reason="inductor on CPU needs a C++ compiler (g++ or $CXX)")
+@pytest.mark.slow  # inductor's first compile takes ~30 s on two cores (3 s with a warm inductor cache)
 def test_inductor_backward_kernels_are_missing_from_trace(tmp_path):
     """The one inductor test: a compiled backward run under the recorder; only extern kernels reach the trace."""
     w = torch.randn(4, 2, requires_grad=True)
@@ -359,7 +387,7 @@ def test_a_tracker_that_cannot_attach_says_so_and_the_job_runs_on(tmp_path, monk
 def test_quiet_fullgraph_off_leaves_torchs_error_alone(tmp_path):
     fn = torch.compile(lambda a: a.tanh(), backend="aot_eager", fullgraph=True)
     tracker = CompiledRegionTracker(quiet_fullgraph=False)
-    with replaydiff.record(tmp_path / "t"):
+    with BareMode():  # (the recorder runs its own tracker, which keeps quiet_fullgraph on)
         tracker.start()
         with pytest.raises(RuntimeError, match="fullgraph=True found no compiled frames"):
             fn(torch.ones(2))

@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from replaydiff.aten import current_rank, facts, iter_tensors, written_args
+from replaydiff.record.compiled import CompiledRegionTracker
 from replaydiff.record.context import OpContext
 from replaydiff.record.environment import environment_snapshot
 from replaydiff.record.mode import OpBuilder, RecordingMode, record_after, record_before
@@ -49,6 +50,8 @@ class Recorder:
         self._disabled_reason: str | None = None
         self._prev_sigterm: Any = None
         self.custom_ops: dict[str, str] = {}  # custom op -> the Python module that defines it
+        self._compiled = CompiledRegionTracker()
+        self._compiled_regions: list[dict] = []
         self.failed_ops = 0
         self._failed_names: set[str] = set()
         self._sigterm_installed = False
@@ -73,6 +76,7 @@ class Recorder:
             self.context.install()
             self._mode = RecordingMode(self)
             self._mode.__enter__()
+            self._compiled.start()
             self._started = time.perf_counter()
             self.active = True
             self._install_sigterm()
@@ -91,7 +95,11 @@ class Recorder:
                 if unseen:
                     self._warn(f"{unseen} storage(s) were written outside torch's dispatcher (numpy, a C extension) "
                                f"while recording; they were stored again as new versions")
+                msg = self._compiled.first_warning()
+                if msg:
+                    self._warn(msg)
                 self.writer.close({
+                    "compiled_regions": self._compiled_regions,
                     "unseen_writes": unseen,
                     "ops_seen": self.next_index,
                     "record_seconds": time.perf_counter() - self._started,
@@ -143,6 +151,10 @@ class Recorder:
 
     def _teardown(self) -> None:
         self._restore_sigterm()
+        try:
+            self._compiled_regions = self._compiled.stop()
+        except Exception as exc:  # stop() never raises by design; belt and braces around someone else's job
+            log.debug("compiled-region tracker: %s", exc)
         if self._mode is not None:
             try:
                 self._mode.__exit__(None, None, None)

@@ -166,7 +166,7 @@ class RankTrace(Sequence):
     @property
     def compiled_regions(self) -> list[dict]:
         """Compiled (torch.compile) regions entered while recording, and how they ran."""
-        return list(self.manifest.get("compiled") or [])
+        return list(self.manifest.get("compiled_regions") or [])
 
     # -- ops --------------------------------------------------------------------------------------------------
     def _chunk(self, first: int) -> list[dict]:
