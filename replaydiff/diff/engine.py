@@ -14,6 +14,8 @@ from typing import Callable
 
 import torch
 
+from replaydiff import aten
+
 from replaydiff.compare.metrics import Measure
 from replaydiff.compare.tolerance import Tolerances
 from replaydiff.diff.align import Alignment, OpKeys, align, op_keys
@@ -104,6 +106,23 @@ def _noise(ref: _Ops, base: _Ops) -> dict[Where, Measure]:
     return noise
 
 
+def _collective_behind(start: int, side: _Ops, unaligned: set[int], limit: int = 64) -> tuple[int, str] | None:
+    """The nearest collective reached from ``start`` walking back through producers that are unaligned ops."""
+    seen, todo = {start}, [start]
+    while todo and len(seen) <= limit:
+        i = todo.pop(0)
+        op = side.ops.get(i)
+        if op is None:
+            continue
+        if aten.is_collective(op.name):
+            return i, op.name
+        for p in side.trace.producers(i).values():
+            if p is not None and p in unaligned and p not in seen:
+                seen.add(p)
+                todo.append(p)
+    return None
+
+
 def diff_ranks(ref: _Ops, target: _Ops, judge: Judge, alignment: Alignment | None = None,
                progress: Callable[[int], None] | None = None) -> RankDiff:
     al = alignment or align(ref.keys, target.keys)
@@ -120,7 +139,10 @@ def diff_ranks(ref: _Ops, target: _Ops, judge: Judge, alignment: Alignment | Non
         pair = rd.by_target.get(p)
         if pair is not None:
             return Origin("pair", pair.ref, pair.target)
-        return Origin("target_only" if p in target_only else "outside", target=p)
+        if p in target_only:
+            return Origin("target_only", target=p, op=target.ops[p].name,
+                          collective=_collective_behind(p, target, target_only))
+        return Origin("outside")
 
     comparer = PairComparer(ref.trace, target.trace, judge)
     for n, (i, j) in enumerate(al.pairs):

@@ -49,28 +49,34 @@ def weakest(evidence: list[Evidence]) -> Evidence | None:
 
 @dataclass(frozen=True)
 class Origin:
-    """Where an inherited difference came from: an aligned pair, an op on one side only, or outside the trace."""
+    """Where an inherited difference came from: an aligned pair, an op on one side only, or outside the trace.
 
-    kind: str  # "pair", "target_only", "ref_only", "outside"
+    For an op on one side only, ``collective`` names the collective it depends on through other such ops, if any
+    (DDP's gradient all-reduce, present only in a multi-process run, is the usual one)."""
+
+    kind: str  # "pair", "target_only", "outside"
     ref: int | None = None
     target: int | None = None
+    op: str | None = None  # the target-only op's name
+    collective: tuple[int, str] | None = None  # (target op number, name)
 
     def to_json(self) -> dict:
         if self.kind == "pair":
             return {"pair": {"ref": self.ref, "target": self.target}}
         if self.kind == "target_only":
-            return {"target_only": self.target}
-        if self.kind == "ref_only":
-            return {"ref_only": self.ref}
+            d: dict = {"target_only": self.target, "op": self.op}
+            if self.collective is not None:
+                d["collective"] = {"target": self.collective[0], "op": self.collective[1]}
+            return d
         return {"outside": True}
 
     def describe(self) -> str:
         if self.kind == "pair":
             return f"ref #{self.ref} / target #{self.target}"
         if self.kind == "target_only":
-            return f"target-only op #{self.target}"
-        if self.kind == "ref_only":
-            return f"ref-only op #{self.ref}"
+            via = f", which depends on target-only collective #{self.collective[0]} {self.collective[1]}" \
+                if self.collective is not None else ""
+            return f"target-only op #{self.target} {self.op}{via}"
         return "an input from outside the trace (parameter, batch or buffer)"
 
 
