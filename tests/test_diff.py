@@ -17,11 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import replay_helpers as rh
 from replaydiff import record
 from replaydiff.cli.main import main
-from replaydiff.diff import DiffOptions, Evidence, PairStatus, diff_traces, environment_diff
+from replaydiff.diff import DiffOptions, Evidence, PairStatus, align, diff_traces, environment_diff, module_key
+from replaydiff.diff.align import OpKeys
 from replaydiff.faults import PlantedFault
 from replaydiff.trace import open_trace
 
@@ -283,3 +286,29 @@ def test_usage_and_trace_errors_exit_2_and_3(clean_pair, tmp_path, capsys) -> No
     assert main(["diff", str(a), str(b), "--rank", "5"]) == 2
     assert main(["diff", str(a), str(tmp_path / "missing")]) == 3
     assert "missing" in capsys.readouterr().err
+
+
+# -- alignment alone, on key sequences -------------------------------------------------------------------------
+def _keys(names: list[str]) -> list[OpKeys]:
+    return [OpKeys(i, (n, "m", "forward", ()), (n, "m", "forward")) for i, n in enumerate(names)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from("abcde"), max_size=60), st.data())
+def test_ops_inserted_on_one_side_are_exactly_the_unaligned_ones(ref: list[str], data) -> None:
+    target = list(ref)
+    inserted = data.draw(st.lists(st.tuples(st.integers(0, len(ref)), st.sampled_from("XYZ")), max_size=10))
+    for pos, name in sorted(inserted, reverse=True):
+        target.insert(pos, name)
+    al = align(_keys(ref), _keys(target))
+    assert al.ref_only == []
+    assert [target[j] for j in al.target_only] == [n for n in target if n in "XYZ"]
+    assert [ref[i] for i, _ in al.pairs] == ref and all(ref[i] == target[j] for i, j in al.pairs)
+    assert all(a < b for (a, _), (b, _) in zip(al.pairs, al.pairs[1:]))
+    assert all(a < b for (_, a), (_, b) in zip(al.pairs, al.pairs[1:]))
+
+
+def test_module_paths_match_through_wrappers() -> None:
+    assert module_key("DistributedDataParallel.module.0") == module_key("Sequential.0") == "0"
+    assert module_key("OptimizedModule._orig_mod.blocks.1.ln1") == module_key("GPT.blocks.1.ln1")
+    assert module_key("GPT.blocks.1") != module_key("GPT.blocks.2")

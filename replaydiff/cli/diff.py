@@ -21,7 +21,8 @@ HELP = "diff two traces of a step and name the op where the runs part ways"
 def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("ref", help="reference trace directory")
     p.add_argument("target", help="trace directory to compare against the reference")
-    p.add_argument("--rank", type=int, metavar="N", help="diff only target rank N")
+    p.add_argument("--rank", type=int, metavar="N",
+                   help="diff only rank N of the multi-rank side (the target, unless it is a single process)")
     p.add_argument("--baseline", metavar="REF2",
                    help="a second reference run: each tensor's limit is the REF-against-REF2 difference times "
                         "--safety, instead of the fixed per-dtype limits")

@@ -31,7 +31,7 @@ DEFAULT_SAFETY = 8.0
 
 @dataclass
 class DiffOptions:
-    rank: int | None = None  # only this target rank (and the reference rank it pairs with)
+    rank: int | None = None  # only this rank of the multi-rank side (the target's unless it is a single process)
     tolerances: Tolerances = field(default_factory=Tolerances)
     safety: float = DEFAULT_SAFETY  # baseline mode: limit = safety x the two reference runs' own difference
 
@@ -51,9 +51,12 @@ def rank_pairs(ref: list[int], target: list[int], only: int | None = None) -> li
     if not pairs:
         raise UsageError(f"the traces share no rank (reference ranks {ref}, target ranks {target})")
     if only is not None:
-        kept = [p for p in pairs if p[1] == only] or ([p for p in pairs if p[0] == only] if len(target) == 1 else [])
+        # N names a rank of the multi-rank side: the target's, or the reference's against a single-process target.
+        side, ranks = (0, ref) if len(target) == 1 and len(ref) > 1 else (1, target)
+        kept = [p for p in pairs if p[side] == only]
         if not kept:
-            raise UsageError(f"rank {only} is not in the target trace (ranks {target})")
+            which = "reference" if side == 0 else "target"
+            raise UsageError(f"rank {only} is not in the {which} trace (ranks {ranks})")
         pairs = kept
     return pairs
 

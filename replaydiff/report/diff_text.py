@@ -77,7 +77,7 @@ def _rank_block(rd: RankDiff, many: bool, out: TextIO, max_listed: int) -> None:
                       f"{pair_line(diff)}\n")
         else:
             out.write("  no difference: every compared op pair agrees within tolerance\n")
-    runs = sorted(rd.ref_only + rd.target_only, key=lambda u: (u.first if u.side == "ref" else u.first, u.side))
+    runs = sorted(rd.ref_only + rd.target_only, key=lambda u: (u.first, u.side))  # roughly in step order
     if runs:
         out.write(f"  structural differences ({len(runs)} run(s) of unaligned ops):\n")
         for u in runs[:max_listed]:
