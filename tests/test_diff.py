@@ -312,3 +312,11 @@ def test_module_paths_match_through_wrappers() -> None:
     assert module_key("DistributedDataParallel.module.0") == module_key("Sequential.0") == "0"
     assert module_key("OptimizedModule._orig_mod.blocks.1.ln1") == module_key("GPT.blocks.1.ln1")
     assert module_key("GPT.blocks.1") != module_key("GPT.blocks.2")
+
+
+def test_full_trace_against_stats_trace_compares_statistics(tmp_path: Path) -> None:
+    full = rh.step_trace("transformer")
+    stats = rh.record_fn(tmp_path / "stats", rh.STEPS["transformer"](), PlantedFault(LN_BACKWARD), tensors="stats")
+    report = diff_traces(full, stats)
+    _assert_culprit(report, full, stats, LN_BACKWARD)
+    assert report.ranks[0].evidence == [Evidence.STATS]
