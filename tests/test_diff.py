@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 import replay_helpers as rh
 from replaydiff import record
 from replaydiff.cli.main import main
-from replaydiff.diff import DiffOptions, Evidence, PairStatus, align, diff_traces, environment_diff, module_key
+from replaydiff.diff import (DiffOptions, Evidence, OriginKind, PairStatus, align, diff_traces, environment_diff,
+                             module_key)
 from replaydiff.diff.align import OpKeys
 from replaydiff.faults import PlantedFault
 from replaydiff.trace import open_trace
@@ -232,7 +233,7 @@ def test_two_rank_run_against_one_process(tmp_path: Path, capsys) -> None:
     # single process does not have
     assert by_rank[0].first_divergent is None
     enter = by_rank[0].first_difference.inherited_from
-    assert enter.kind == "target_only" and enter.collective is not None
+    assert enter.kind is OriginKind.TARGET_ONLY and enter.collective is not None
     assert enter.collective[1] == "c10d.allreduce_.default"
     assert all("c10d.allreduce_.default" in {n for u in rd.target_only for n in u.names} for rd in report.ranks)
     world = [d for d in report.environment if d.key == "world_size"]
@@ -320,3 +321,12 @@ def test_full_trace_against_stats_trace_compares_statistics(tmp_path: Path) -> N
     report = diff_traces(full, stats)
     _assert_culprit(report, full, stats, LN_BACKWARD)
     assert report.ranks[0].evidence == [Evidence.STATS]
+
+
+def test_meta_traces_compare_shapes_only(tmp_path: Path) -> None:
+    a = rh.record_fn(tmp_path / "a", rh.STEPS["mlp"](), tensors="meta")
+    b = rh.record_fn(tmp_path / "b", rh.STEPS["mlp"](), PlantedFault("aten.addmm.default"), tensors="meta")
+    report = diff_traces(a, b)
+    assert not report.found_difference  # a meta trace holds no values: the fault cannot be seen
+    assert report.ranks[0].evidence == [Evidence.SHAPES]
+    assert any("tensors=meta" in w for w in report.warnings)

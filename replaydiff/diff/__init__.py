@@ -7,8 +7,9 @@ whose inputs agree and whose outputs do not; ops that only carried a difference 
 from replaydiff.diff.align import Alignment, align, module_key, op_keys
 from replaydiff.diff.engine import DiffOptions, diff_traces, rank_pairs
 from replaydiff.diff.environment import EnvDifference, environment_diff
-from replaydiff.diff.result import DiffReport, Evidence, Origin, PairResult, PairStatus, RankDiff, Unaligned
+from replaydiff.diff.result import (DiffReport, Evidence, Origin, OriginKind, PairResult, PairStatus, RankDiff,
+                                    Unaligned)
 
-__all__ = ["Alignment", "DiffOptions", "DiffReport", "EnvDifference", "Evidence", "Origin", "PairResult",
-           "PairStatus", "RankDiff", "Unaligned", "align", "diff_traces", "environment_diff", "module_key",
-           "op_keys", "rank_pairs"]
+__all__ = ["Alignment", "DiffOptions", "DiffReport", "EnvDifference", "Evidence", "Origin", "OriginKind",
+           "PairResult", "PairStatus", "RankDiff", "Unaligned", "align", "diff_traces", "environment_diff",
+           "module_key", "op_keys", "rank_pairs"]

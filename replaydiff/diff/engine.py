@@ -21,7 +21,7 @@ from replaydiff.compare.tolerance import Tolerances
 from replaydiff.diff.align import Alignment, OpKeys, align, op_keys
 from replaydiff.diff.compare import Judge, PairComparer, Where, compare_refs
 from replaydiff.diff.environment import environment_diff
-from replaydiff.diff.result import DiffReport, Origin, PairStatus, RankDiff, Unaligned
+from replaydiff.diff.result import DiffReport, Origin, OriginKind, PairStatus, RankDiff, Unaligned
 from replaydiff.errors import UsageError
 from replaydiff.trace.reader import RankTrace, Trace, open_trace
 from replaydiff.trace.schema import OpRecord
@@ -138,14 +138,14 @@ def diff_ranks(ref: _Ops, target: _Ops, judge: Judge, alignment: Alignment | Non
     def origin_of(target_index: int, pos: int) -> Origin:
         p = producers_of(target_index).get(pos)
         if p is None:
-            return Origin("outside")
+            return Origin(OriginKind.OUTSIDE)
         pair = rd.by_target.get(p)
         if pair is not None:
-            return Origin("pair", pair.ref, pair.target)
+            return Origin(OriginKind.PAIR, pair.ref, pair.target)
         if p in target_only:
-            return Origin("target_only", target=p, op=target.ops[p].name,
+            return Origin(OriginKind.TARGET_ONLY, target=p, op=target.ops[p].name,
                           collective=_collective_behind(p, target, target_only))
-        return Origin("outside")
+        return Origin(OriginKind.OUTSIDE)
 
     comparer = PairComparer(ref.trace, target.trace, judge)
     for n, (i, j) in enumerate(al.pairs):

@@ -47,6 +47,15 @@ def weakest(evidence: list[Evidence]) -> Evidence | None:
     return max(evidence, key=_EVIDENCE_ORDER.index) if evidence else None
 
 
+class OriginKind(str, Enum):
+    PAIR = "pair"  # an earlier aligned pair
+    TARGET_ONLY = "target_only"  # an op present in the target only
+    OUTSIDE = "outside"  # not produced inside the trace: a parameter, the batch, a buffer
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class Origin:
     """Where an inherited difference came from: an aligned pair, an op on one side only, or outside the trace.
@@ -54,16 +63,16 @@ class Origin:
     For an op on one side only, ``collective`` names the collective it depends on through other such ops, if any
     (DDP's gradient all-reduce, present only in a multi-process run, is the usual one)."""
 
-    kind: str  # "pair", "target_only", "outside"
+    kind: OriginKind
     ref: int | None = None
     target: int | None = None
     op: str | None = None  # the target-only op's name
     collective: tuple[int, str] | None = None  # (target op number, name)
 
     def to_json(self) -> dict:
-        if self.kind == "pair":
+        if self.kind is OriginKind.PAIR:
             return {"pair": {"ref": self.ref, "target": self.target}}
-        if self.kind == "target_only":
+        if self.kind is OriginKind.TARGET_ONLY:
             d: dict = {"target_only": self.target, "op": self.op}
             if self.collective is not None:
                 d["collective"] = {"target": self.collective[0], "op": self.collective[1]}
@@ -71,9 +80,9 @@ class Origin:
         return {"outside": True}
 
     def describe(self) -> str:
-        if self.kind == "pair":
+        if self.kind is OriginKind.PAIR:
             return f"ref #{self.ref} / target #{self.target}"
-        if self.kind == "target_only":
+        if self.kind is OriginKind.TARGET_ONLY:
             via = f", which depends on target-only collective #{self.collective[0]} {self.collective[1]}" \
                 if self.collective is not None else ""
             return f"target-only op #{self.target} {self.op}{via}"
