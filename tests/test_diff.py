@@ -86,6 +86,7 @@ def test_planted_fault_is_the_first_divergence_and_later_ops_inherit(clean_pair,
     assert main(["diff", str(ref), str(target), "--json", str(out)]) == 1
     text = capsys.readouterr().out
     assert f"first divergence ref #{first.ref} / target #{first.target} {LN_BACKWARD}" in text
+    assert "inputs equal bit for bit, outputs differ (full tensors)" in text
     doc = json.loads(out.read_text())
     assert doc["format"] == "replaydiff.diff/1"
     fd = doc["first_divergent"]
@@ -177,7 +178,7 @@ def test_two_stats_traces_are_compared_through_their_statistics(tmp_path: Path, 
     _assert_culprit(report, ref, target, LN_BACKWARD)
     assert report.first_divergent[1].evidence is Evidence.STATS
     assert main(["diff", str(ref), str(target)]) == 1
-    assert "inputs agree, outputs differ (statistics only)" in capsys.readouterr().out
+    assert "inputs agree in their statistics, outputs differ (statistics only)" in capsys.readouterr().out
 
 
 DDP_STEP = textwrap.dedent('''
@@ -245,7 +246,7 @@ def test_two_rank_run_against_one_process(tmp_path: Path, capsys) -> None:
     assert doc["ranks"][0]["first_difference"]["inherited_from"]["collective"]["op"] == "c10d.allreduce_.default"
 
 
-def test_baseline_noise_sets_the_limits() -> None:
+def test_baseline_noise_sets_the_limits(capsys) -> None:
     """Two bitwise-equal reference runs leave no room: a 5e-7 change the fixed fp32 limits accept is divergent.
     Reference runs that differ by 2e-4 at one op (a non-deterministic kernel) let a 1e-4 difference there pass."""
     op = "aten.addcdiv_.default"
@@ -255,6 +256,8 @@ def test_baseline_noise_sets_the_limits() -> None:
     report = diff_traces(ref, small, baseline=ref2)
     assert report.first_divergent is not None
     assert report.first_divergent[1].target == _index(small, op)
+    assert main(["diff", str(ref), str(small)]) == 0
+    assert main(["diff", str(ref), str(small), "--baseline", str(ref2)]) == 1
 
     mm = "aten.mm.default"
     noisy_ref2 = rh.step_trace("mlp_forloop", mm, rel=2e-4)

@@ -198,16 +198,20 @@ class PairComparer:
         # Inputs first: do the two ops start from the same values?
         ins_r, ins_t = rop.inputs(), top.inputs()
         inputs_agree: bool | None = None
+        inputs_exact = True  # every compared input equal bit for bit (else: within tolerance only)
+        inputs_by_stats = False
         first_bad_input: int | None = None
         for pos, (r, t) in enumerate(zip(ins_r, ins_t)):
             c, v = self.tensor_verdict(r, t, 1, (rop.index, "in", pos))
-            if c is None or (c.measure is None and c.evidence is Evidence.SHAPES):
+            if c is None or v is None:
                 continue
-            if v is not None and v.divergent:
+            if v.divergent:
                 inputs_agree = False
                 first_bad_input = pos
                 break
             inputs_agree = True
+            inputs_exact = inputs_exact and c.evidence is Evidence.FULL and _is_zero(v.measure)
+            inputs_by_stats = inputs_by_stats or c.evidence is Evidence.STATS
         args_differ = None
         if len(ins_r) != len(ins_t):
             inputs_agree = False
@@ -260,10 +264,19 @@ class PairComparer:
                 res.reason = f"{bad[0].reason}; inputs already differed"
         else:
             res.status = PairStatus.DIVERGENT
-            why = "inputs agree, outputs differ" if res.inputs_agree else \
+            # Inputs equal bit for bit make the op itself the cause; inputs that agree only within tolerance leave
+            # room for an ill-conditioned op amplifying a small earlier difference (--baseline settles which).
+            why = ("inputs agree in their statistics, outputs differ" if inputs_by_stats else
+                   "inputs equal bit for bit, outputs differ" if inputs_exact else
+                   "inputs agree within tolerance (not bit for bit), outputs differ") if res.inputs_agree else \
                 "outputs differ (no input could be compared)" if res.inputs_agree is None else "outputs differ"
             res.reason = f"{bad[0].reason}; {args_differ or why}"
         return res
+
+def _is_zero(m: Measure) -> bool:
+    return (isinstance(m, FloatError) and m.max_abs == 0 and m.nonfinite_recorded == m.nonfinite_reference) or \
+        (isinstance(m, ExactMismatch) and m.mismatches == 0)
+
 
 def _first_difference(a: list, b: list) -> str:
     for x, y in zip(a, b):

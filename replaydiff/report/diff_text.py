@@ -57,8 +57,7 @@ def _rank_block(rd: RankDiff, many: bool, out: TextIO, max_listed: int) -> None:
     if first is not None:
         out.write(f"  first divergence {pair_line(first)}\n")
         out.write(f"    {pair_metrics(first)}\n")
-        agree = "inputs agree, outputs differ" if first.inputs_agree else (first.reason or "").split("; ")[-1]
-        out.write(f"    {agree} ({first.evidence})\n")
+        out.write(f"    {(first.reason or '').split('; ')[-1]} ({first.evidence})\n")
         if first.phase == "backward" and first.forward_index is not None:
             out.write(f"    backward of forward op ref #{first.forward_index}\n")
         if first.dtypes:
