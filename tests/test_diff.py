@@ -24,7 +24,8 @@ import replay_helpers as rh
 from replaydiff import record
 from replaydiff.cli.main import main
 from replaydiff.diff import (DiffOptions, Evidence, OriginKind, PairStatus, align, diff_traces, environment_diff,
-                             module_key)
+                             module_key, rank_pairs)
+from replaydiff.errors import UsageError
 from replaydiff.diff.align import OpKeys
 from replaydiff.faults import PlantedFault
 from replaydiff.trace import open_trace
@@ -144,6 +145,8 @@ def test_bf16_autocast_against_fp32_alignment_survives_the_casts() -> None:
         assert p is not None, f"ref #{i} {ref_ops[i].name} was not aligned"
         assert tgt_ops[p.target].name == ref_ops[i].name and tgt_ops[p.target].module == ref_ops[i].module
     # what autocast added in the forward is casts, and they are listed as target-only, not fatal
+    assert rd.target_only_ops == set(tgt_ops) - set(rd.by_target)  # every target op is aligned or listed
+    assert rd.ref_only_ops == set(ref_ops) - set(rd.by_ref)
     added = {n for u in rd.target_only if u.phase == "forward" for n in u.names}
     assert added == {"aten._to_copy.default"}
     assert rd.counts()["target_only"] >= len(matmuls)
@@ -333,3 +336,15 @@ def test_meta_traces_compare_shapes_only(tmp_path: Path) -> None:
     assert not report.found_difference  # a meta trace holds no values: the fault cannot be seen
     assert report.ranks[0].evidence == [Evidence.SHAPES]
     assert any("tensors=meta" in w for w in report.warnings)
+
+
+def test_rank_pairing() -> None:
+    assert rank_pairs([0], [0, 1]) == [(0, 0), (0, 1)]  # one process against each rank of a 2-rank run
+    assert rank_pairs(list(range(8)), [0]) == [(r, 0) for r in range(8)]
+    assert rank_pairs(list(range(8)), [0], only=3) == [(3, 0)]  # --rank names a rank of the multi-rank side
+    assert rank_pairs([0, 1], [0, 1]) == [(0, 0), (1, 1)]
+    assert rank_pairs([0, 1], [0, 1], only=1) == [(1, 1)]
+    with pytest.raises(UsageError):
+        rank_pairs([0, 1], [2, 3])
+    with pytest.raises(UsageError):
+        rank_pairs([0, 1], [0, 1], only=4)

@@ -183,6 +183,12 @@ def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: D
     pairs = rank_pairs(rt.ranks, tt.ranks, opts.rank)
     report = DiffReport(ref=str(rt.path), target=str(tt.path), options=opts.to_dict(),
                         baseline=None if bt is None else str(bt.path))
+    if opts.rank is None:
+        for side, ranks, used in (("reference", rt.ranks, {a for a, _ in pairs}),
+                                  ("target", tt.ranks, {b for _, b in pairs})):
+            left = [r for r in ranks if r not in used]
+            if left:
+                report.warnings.append(f"{side} rank(s) {left} have no counterpart in the other trace: not diffed")
     first_ref, first_target = rt.rank(pairs[0][0]), tt.rank(pairs[0][1])
     report.environment = environment_diff(first_ref.environment, first_target.environment)
     for side, t in (("reference", rt), ("target", tt)):

@@ -158,6 +158,15 @@ class RankDiff:
         self.pairs.append(p)
         self.by_key[p.key] = self.by_ref[p.ref] = self.by_target[p.target] = p
 
+    @property
+    def ref_only_ops(self) -> frozenset[int]:
+        """Reference op numbers left unaligned (for marking rows of the reference's op list)."""
+        return frozenset(i for u in self.ref_only for i in u.ops)
+
+    @property
+    def target_only_ops(self) -> frozenset[int]:
+        return frozenset(i for u in self.target_only for i in u.ops)
+
     def pair(self, ref: int, target: int) -> PairResult | None:
         return self.by_key.get((ref, target))
 
