@@ -88,8 +88,10 @@ LAYERS = {  # a package may import only from these (besides itself)
     "replaydiff.compare": {"replaydiff.aten", "replaydiff.errors"},
     "replaydiff.record": {"replaydiff.aten", "replaydiff.errors", "replaydiff.trace"},
     "replaydiff.replay": {"replaydiff.aten", "replaydiff.errors", "replaydiff.trace", "replaydiff.compare"},
+    "replaydiff.diff": {"replaydiff.aten", "replaydiff.errors", "replaydiff.trace", "replaydiff.compare",
+                        "replaydiff.replay"},
     "replaydiff.report": {"replaydiff.aten", "replaydiff.errors", "replaydiff.trace", "replaydiff.compare",
-                          "replaydiff.replay"},
+                          "replaydiff.replay", "replaydiff.diff"},
 }
 
 
