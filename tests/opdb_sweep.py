@@ -505,6 +505,16 @@ def summary(res: PassResult, precision: str) -> dict:
     }
 
 
+def returns_new_tensor(op: str) -> bool:
+    """Does the op's schema return at least one tensor that is not an alias of an input?"""
+    try:
+        ns, name, overload = op.split(".")
+        schema = getattr(getattr(getattr(torch.ops, ns), name), overload)._schema
+    except (ValueError, AttributeError, RuntimeError):
+        return True
+    return any(r.alias_info is None and "Tensor" in str(r.type) for r in schema.returns)
+
+
 def _explained(changed: str) -> bool:
     return any(e in changed for e in EXPLAINED)
 
@@ -536,36 +546,42 @@ def render(results: list[PassResult], out=sys.stdout, header: str = "###") -> No
               f", {len(res.dropped)} samples dropped{extra}", file=out)
     print(file=out)
 
-    print(f"{header} Skipped ops by reason\n", file=out)
-    rows = [["pass", "precision", "count", "reason"]]
+    print(f"{header} Skipped ops by reason (counts at fp64 / same)\n", file=out)
+    rows = [["pass", "fp64", "same", "reason"]]
     for res in results:
-        for prec in PRECISIONS:
-            for reason, n in summary(res, prec)["skipped_by_reason"].items():
-                rows.append([res.name, prec, n, reason])
+        fp64, same = (summary(res, prec)["skipped_by_reason"] for prec in PRECISIONS)
+        rows += [[res.name, fp64.get(k, 0), same.get(k, 0), k] for k in dict.fromkeys([*fp64, *same])]
     if len(rows) > 1:
         _table(rows, out)
     print(file=out)
 
-    print(f"{header} Ops skipped for another reason than an uninitialised output\n", file=out)
-    rows = [["pass", "precision", "OpInfo", "op", "count", "reason"]]
+    print(f"{header} Ops skipped for another reason than an uninitialised output (counts at fp64 / same)\n",
+          file=out)
+    rows = [["pass", "OpInfo", "op", "fp64", "same", "reason"]]
     for res in results:
-        for prec in PRECISIONS:
-            c = Counter((r.opinfo, r.op, r.reason) for r in res.rows if r.precision == prec
-                        and r.status == "skipped" and r.reason != UNINITIALISED_SKIP)
-            rows += [[res.name, prec, o, op, n, why] for (o, op, why), n in c.items()]
+        c = Counter((r.opinfo, r.op, r.reason, r.precision) for r in res.rows
+                    if r.status == "skipped" and r.reason != UNINITIALISED_SKIP)
+        for o, op, why in dict.fromkeys(k[:3] for k in c):
+            rows.append([res.name, o, op, c[(o, op, why, "fp64")], c[(o, op, why, "same")], why])
     if len(rows) > 1:
         _table(rows, out)
     else:
         print("none", file=out)
     print(file=out)
 
-    print(f"{header} Ops replayed ok with nothing compared (fp64), by op\n", file=out)
+    print(f"{header} Ops replayed ok with nothing compared although their schema returns a new tensor (fp64)\n",
+          file=out)
+    print("(views and aliases, which are checked by shape, stride and offset only, are left out; the JSON file has "
+          "them all)\n", file=out)
     rows = [["pass", "count", "op"]]
     for res in results:
         for op, n in summary(res, "fp64")["ok_uncompared"].items():
-            rows.append([res.name, n, op])
+            if returns_new_tensor(op):
+                rows.append([res.name, n, op])
     if len(rows) > 1:
         _table(rows, out)
+    else:
+        print("none", file=out)
     print(file=out)
 
     print(f"{header} Divergent, error and nondeterministic ops\n", file=out)
