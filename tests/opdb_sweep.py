@@ -38,7 +38,7 @@ import tempfile
 import time
 import warnings
 import zlib
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -529,7 +529,8 @@ def _table(rows: list[list[str]], out) -> None:
 
 def render(results: list[PassResult], out=sys.stdout, header: str = "###") -> None:
     cols = ["pass", "precision", "OpInfos", "samples run", "ops", "ok", "divergent", "error", "nondet", "skipped",
-            "lost recordings", "raised under record", "changed by record", "changed, not by replaydiff", "OpInfos failing"]
+            "lost recordings", "raised under record", "changed by record", "changed, not by replaydiff",
+            "OpInfos failing"]
     rows = [cols]
     for res in results:
         for prec in PRECISIONS:

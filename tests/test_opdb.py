@@ -142,8 +142,9 @@ def test_known_broken_class(op_db, bug):
     assert _problems(res) == []
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="replay sets backend flags by assignment, which raises once "
-                                       "torch.backends.disable_global_flags() ran (TRIAGE.md)")
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="replay sets backend flags by assignment, which raises once "
+                          "torch.backends.disable_global_flags() ran (TRIAGE.md)")
 def test_replay_with_frozen_backend_flags(tmp_path):
     x = torch.randn(3)
     with replaydiff.record(tmp_path / "t"):
