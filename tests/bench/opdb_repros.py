@@ -260,10 +260,17 @@ def torch_custom_ops_need_import():
 
     from torch.nn import LinearCrossEntropyOptions
 
+    import torch.distributed.fsdp  # noqa: F401  (registers the fsdp:: ops)
+
     inp, weight, target = torch.randn(3), torch.randn(4, 3), torch.tensor(1)
     opts = LinearCrossEntropyOptions(batch_chunk_size=2, allow_retain_graph=True)
-    path = record_and_replay(lambda: torch.nn.functional.linear_cross_entropy(inp, weight, target, options=opts),
-                             precisions=())
+    gathered, outs = torch.randn(4, 3), [torch.empty(2, 3), torch.empty(2, 3)]
+
+    def step():
+        torch.nn.functional.linear_cross_entropy(inp, weight, target, options=opts)
+        torch.ops.fsdp.split_with_sizes_copy(gathered, [2, 2], dim=0, out=outs)
+
+    path = record_and_replay(step, precisions=())
     code = ("import sys, torch\n"
             "from replaydiff.replay import ReplayOptions, replay_trace\n"
             "for ns, op in [('torch_nn', '_linear_cross_entropy_batch_chunked'), ('fsdp', 'split_with_sizes_copy')]:\n"
