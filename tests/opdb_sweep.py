@@ -535,103 +535,80 @@ def _table(rows: list[list[str]], out) -> None:
             print("|" + "|".join("-" * (w + 2) for w in widths) + "|", file=out)
 
 
+def _section(out, title: str, rows: list[list], note: str | None = None) -> None:
+    """A heading and a table (the first row names the columns), or "none" when the table has no rows."""
+    print(f"{title}\n", file=out)
+    if note:
+        print(f"{note}\n", file=out)
+    if len(rows) > 1:
+        _table(rows, out)
+    else:
+        print("none", file=out)
+    print(file=out)
+
+
 def render(results: list[PassResult], out=sys.stdout, header: str = "###") -> None:
-    cols = ["pass", "precision", "OpInfos", "samples run", "ops", "ok", "divergent", "error", "nondet", "skipped",
-            "lost recordings", "raised under record", "changed by record", "changed, not by replaydiff",
-            "OpInfos failing"]
-    rows = [cols]
+    rows = [["pass", "precision", "OpInfos", "samples run", "ops", "ok", "divergent", "error", "nondet", "skipped",
+             "lost recordings", "raised under record", "changed by record", "changed, not by replaydiff",
+             "OpInfos failing"]]
     for res in results:
         for prec in PRECISIONS:
             s = summary(res, prec)
             rows.append([s["pass"], prec, s["opinfos"], s["units"], s["ops"], s["ok"], s["divergent"], s["error"],
                          s["nondeterministic"], s["skipped"], s["lost"], s["raised_under_record"],
                          s["changed_by_record"], s["changed_explained"], s["opinfos_failing"]])
-    print(f"{header} Summary\n", file=out)
-    _table(rows, out)
-    print(file=out)
+    _section(out, f"{header} Summary", rows)
     for res in results:
         extra = f"; {res.time_boxed} OpInfos not reached (time box)" if res.time_boxed else ""
         print(f"- {res.name}: {res.seconds:.0f} s, {len(res.opinfos)} OpInfos recorded, {len(res.excluded)} excluded"
               f", {len(res.dropped)} samples dropped{extra}", file=out)
     print(file=out)
 
-    print(f"{header} Skipped ops by reason (counts at fp64 / same)\n", file=out)
     rows = [["pass", "fp64", "same", "reason"]]
     for res in results:
         fp64, same = (summary(res, prec)["skipped_by_reason"] for prec in PRECISIONS)
         rows += [[res.name, fp64.get(k, 0), same.get(k, 0), k] for k in dict.fromkeys([*fp64, *same])]
-    if len(rows) > 1:
-        _table(rows, out)
-    print(file=out)
+    _section(out, f"{header} Skipped ops by reason (counts at fp64 / same)", rows)
 
-    print(f"{header} Ops skipped for another reason than an uninitialised output (counts at fp64 / same)\n",
-          file=out)
     rows = [["pass", "OpInfo", "op", "fp64", "same", "reason"]]
     for res in results:
         c = Counter((r.opinfo, r.op, r.reason, r.precision) for r in res.rows
                     if r.status == "skipped" and r.reason != UNINITIALISED_SKIP)
         for o, op, why in dict.fromkeys(k[:3] for k in c):
             rows.append([res.name, o, op, c[(o, op, why, "fp64")], c[(o, op, why, "same")], why])
-    if len(rows) > 1:
-        _table(rows, out)
-    else:
-        print("none", file=out)
-    print(file=out)
+    _section(out, f"{header} Ops skipped for another reason than an uninitialised output (counts at fp64 / same)",
+             rows)
 
-    print(f"{header} Ops replayed ok with nothing compared although their schema returns a new tensor (fp64)\n",
-          file=out)
-    print("(views and aliases, which are checked by shape, stride and offset only, are left out; the JSON file has "
-          "them all)\n", file=out)
     rows = [["pass", "count", "op"]]
     for res in results:
-        for op, n in summary(res, "fp64")["ok_uncompared"].items():
-            if returns_new_tensor(op):
-                rows.append([res.name, n, op])
-    if len(rows) > 1:
-        _table(rows, out)
-    else:
-        print("none", file=out)
-    print(file=out)
+        rows += [[res.name, n, op] for op, n in summary(res, "fp64")["ok_uncompared"].items()
+                 if returns_new_tensor(op)]
+    _section(out, f"{header} Ops replayed ok with nothing compared although their schema returns a new tensor (fp64)",
+             rows, "(views and aliases, which are checked by shape, stride and offset only, are left out; the JSON "
+                   "file has them all)")
 
-    print(f"{header} Divergent, error and nondeterministic ops\n", file=out)
     rows = [["pass", "precision", "OpInfo", "variant/sample", "#", "op", "status", "reason"]]
     for res in results:
-        for r in res.rows:
-            if r.status in ("divergent", "error", "nondeterministic"):
-                rows.append([r.pass_name, r.precision, r.opinfo, f"{r.variant}/{r.sample}", r.index, r.op, r.status,
-                             (r.reason or "").replace("|", "/")[:160]])
-    if len(rows) > 1:
-        _table(rows, out)
-    else:
-        print("none", file=out)
-    print(file=out)
+        rows += [[r.pass_name, r.precision, r.opinfo, f"{r.variant}/{r.sample}", r.index, r.op, r.status,
+                  (r.reason or "").replace("|", "/")[:160]]
+                 for r in res.rows if r.status in ("divergent", "error", "nondeterministic")]
+    _section(out, f"{header} Divergent, error and nondeterministic ops", rows)
 
-    print(f"{header} Recorder problems (lost recordings, raised or changed under recording)\n", file=out)
     rows = [["pass", "OpInfo", "variant/sample", "problem"]]
     for res in results:
         for u in res.units:
             for kind, what in (("lost", u.lost), ("raised", u.raised), ("changed", u.changed)):
                 if what:
                     rows.append([res.name, u.opinfo, f"{u.variant}/{u.sample}", f"{kind}: {what}"[:200]])
-        for what in res.unattributed:
-            rows.append([res.name, "-", "-", f"attribution: {what}"])
-    if len(rows) > 1:
-        _table(rows, out)
-    else:
-        print("none", file=out)
-    print(file=out)
+        rows += [[res.name, "-", "-", f"attribution: {what}"] for what in res.unattributed]
+    _section(out, f"{header} Recorder problems (lost recordings, raised or changed under recording)", rows)
 
-    print(f"{header} Excluded OpInfos and dropped samples\n", file=out)
     rows = [["pass", "OpInfo", "variant/sample", "reason"]]
     for res in results:
-        for name, why in sorted(res.excluded.items()):
-            rows.append([res.name, name, "all", why.replace("|", "/")[:200]])
-        for name, variant, k, why in res.dropped:
-            if name not in res.excluded:
-                rows.append([res.name, name, f"{variant}/{k}", why.replace("|", "/")[:200]])
-    if len(rows) > 1:
-        _table(rows, out)
-    print(file=out)
+        rows += [[res.name, name, "all", why.replace("|", "/")[:200]] for name, why in sorted(res.excluded.items())]
+        rows += [[res.name, name, f"{variant}/{k}", why.replace("|", "/")[:200]]
+                 for name, variant, k, why in res.dropped if name not in res.excluded]
+    _section(out, f"{header} Excluded OpInfos and dropped samples", rows)
 
 
 def to_json(results: list[PassResult]) -> dict:
