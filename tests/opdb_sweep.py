@@ -502,12 +502,12 @@ def summary(res: PassResult, precision: str) -> dict:
         "ops": len(rows), **{s: c.get(s, 0) for s in STATUSES},
         "lost": sum(1 for u in res.units if u.lost),
         "raised_under_record": sum(1 for u in res.units if u.raised),
-        "changed_by_record": sum(1 for u in res.units if u.changed and not _explained(u.changed)),
-        "changed_explained": sum(1 for u in res.units if u.changed and _explained(u.changed)),
+        "changed_by_record": sum(1 for u in res.units if u.changed and not explained(u.changed)),
+        "changed_explained": sum(1 for u in res.units if u.changed and explained(u.changed)),
         "skipped_by_reason": dict(skipped.most_common()),
         "opinfos_failing": len({r.opinfo for r in rows if r.status in ("divergent", "error", "nondeterministic")}
                                | {u.opinfo for u in res.units
-                                  if u.lost or u.raised or (u.changed and not _explained(u.changed))}),
+                                  if u.lost or u.raised or (u.changed and not explained(u.changed))}),
         "ok_uncompared": dict(Counter(r.op for r in rows if r.status == "ok" and r.reason
                                       and r.reason.startswith("nothing to compare")).most_common()),
     }
@@ -523,7 +523,8 @@ def returns_new_tensor(op: str) -> bool:
     return any(r.alias_info is None and "Tensor" in str(r.type) for r in schema.returns)
 
 
-def _explained(changed: str) -> bool:
+def explained(changed: str) -> bool:
+    """Is a "changed by recording" verdict explained without replaydiff (not deterministic, or any mode)?"""
     return any(e in changed for e in EXPLAINED)
 
 

@@ -57,10 +57,17 @@ KNOWN_BROKEN: dict[str, tuple[tuple[str, ...], str]] = {
     "chalf": (("f32", "grad", "bf16"), "complex32 output: exact compare has no ComplexHalf kernel"),
     "sgn": (("grad",), "_efficientzerotensor output stops the recording"),
     "matrix_exp": (("bf16",), "bf16 overflow to Inf at its own dtype called divergent at fp64"),
-    "nn.functional.linear_cross_entropy.chunked": (("f32", "grad"), "torch_nn:: custom op skipped as 'not "
+    "nn.functional.linear_cross_entropy.chunked": (("f32", "grad", "bf16"), "torch_nn:: custom op skipped as 'not "
                                                    "registered here' by a replay in a fresh process"),
-    "nn.functional.linear_cross_entropy.chunked_none": (("f32", "grad"), "torch_nn:: custom op skipped as 'not "
-                                                        "registered here' by a replay in a fresh process"),
+    "nn.functional.linear_cross_entropy.chunked_none": (("f32", "grad", "bf16"), "torch_nn:: custom op skipped as "
+                                                        "'not registered here' by a replay in a fresh process"),
+    # Skipped with a misleading reason (sparse tensors are not recorded): no xfail, they stay skipped once fixed.
+    "sparse.sampled_addmm": (("f32", "grad"), "sparse input skipped as 'inputs not stored in the trace'"),
+    "sparse.mm.reduce": (("f32", "grad", "bf16"), "sparse input skipped as 'inputs not stored in the trace'"),
+    "to_sparse": (("f32", "grad", "bf16"), "sparse output replayed ok with nothing compared"),
+    # Not replaydiff's: MKL's gelsy gives other bits from call to call (TRIAGE.md, class 12).
+    "linalg.lstsq": (("f32", "grad"), "driver='gelsy' samples are not deterministic without replaydiff"),
+    "linalg.lstsq.grad_oriented": (("f32", "grad"), "driver='gelsy' samples are not deterministic"),
 }
 
 # One strict xfail per bug class: (pass, OpInfos).
@@ -91,7 +98,7 @@ def _problems(res: sweep.PassResult) -> list[str]:
            for r in res.rows if r.status in ("divergent", "error", "nondeterministic")]
     for u in res.units:
         for kind, what in (("lost", u.lost), ("raised", u.raised), ("changed", u.changed)):
-            if what and not (kind == "changed" and sweep._explained(what)):
+            if what and not (kind == "changed" and sweep.explained(what)):
                 out.append(f"{u.opinfo} {u.variant}/{u.sample}: {kind}: {what}")
     out += sorted({f"{r.precision} {r.opinfo} {r.op}: skipped: {r.reason}" for r in res.rows
                    if r.status == "skipped" and r.reason != sweep.UNINITIALISED_SKIP})
@@ -113,7 +120,7 @@ def test_ci_subset_replays_clean(op_db, pass_name):
     assert _problems(res) == []
     eligible = [n for n in CI_OPINFOS if n not in res.excluded]
     assert sorted(res.opinfos) == sorted(eligible), "every eligible OpInfo of the subset was recorded"
-    assert all(why.startswith(("does not support", "no backward", "does not support autograd"))
+    assert all(why.startswith(("does not support", "no backward"))
                for why in res.excluded.values()), res.excluded
     # Attribution is sound: every replayed op belongs to one sample, and every sample produced ops.
     assert all(u.end > u.first for u in res.units)
