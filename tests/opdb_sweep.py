@@ -2,7 +2,8 @@
 
 For every OpInfo of ``torch.testing._internal.common_methods_invocations.op_db`` that supports the pass's dtype on the
 CPU, its first two sample inputs (and, where the OpInfo has one, its in-place variant on the same samples) are run
-inside ``replaydiff.record``, one trace per group of OpInfos, and each trace is replayed at ``fp64`` and at ``same``.
+inside ``replaydiff.record``, one trace per group of OpInfos, and each trace is replayed at ``fp64`` and at ``same``
+(by default by one fresh Python process at the end, as a user replays: elsewhere, without what recording imported).
 Every replayed op is attributed to the sample that produced it through op counts (a counting dispatch mode entered
 inside the recorder sees exactly the ops the recorder numbers). Passes:
 
@@ -127,7 +128,7 @@ class OpRow:
 @dataclass
 class PassResult:
     name: str
-    seconds: float = 0.0
+    seconds: float = 0.0  # recording (and, without a fresh replay process, replaying)
     opinfos: list[str] = field(default_factory=list)  # OpInfos recorded
     units: list[Unit] = field(default_factory=list)
     rows: list[OpRow] = field(default_factory=list)
@@ -136,6 +137,7 @@ class PassResult:
     unattributed: list[str] = field(default_factory=list)  # op-count checks that failed
     replay_warnings: list[str] = field(default_factory=list)
     time_boxed: int = 0  # OpInfos not reached before the time box ran out
+    replay_seconds: float = 0.0  # the fresh replay process, shared by the passes run together (0: replayed inline)
 
 
 class OpCounter(TorchDispatchMode):
@@ -425,64 +427,84 @@ def status_name(status: Any) -> str:
     return str(getattr(status, "value", status))
 
 
-def run_pass(op_db: list, p: Pass, only: list[str] | None = None, limit: int | None = None,
-             group: int = GROUP_SIZE, time_box: float | None = None, workdir: Path | None = None,
-             log: Callable[[str], None] | None = None, samples_per_opinfo: int | None = SAMPLES,
-             fresh_process: bool = True) -> PassResult:
-    """Record and replay one pass. With ``fresh_process`` the traces are replayed by one new Python process at the
-    end of the pass (as a user replays: elsewhere, later); without it, each trace right after it is recorded."""
+def record_pass(op_db: list, p: Pass, tmp: Path, only: list[str] | None, limit: int | None, group: int,
+                time_box: float | None, log: Callable[[str], None] | None, samples_per_opinfo: int | None,
+                replay_now: bool) -> tuple[PassResult, list[tuple[Path, list[Unit]]]]:
+    """Record one pass into traces under ``tmp``; with ``replay_now`` replay (and delete) each trace in this process
+    right after recording it, else return the traces to be replayed later."""
     t0 = time.perf_counter()
     res = PassResult(p.name)
     chosen, res.excluded = select(op_db, p, only, limit)
-    tmp = Path(tempfile.mkdtemp(prefix=f"opdb-{p.name}-", dir=workdir))
+    tmp.mkdir(parents=True)
     traces: list[tuple[Path, list[Unit]]] = []
+    for g in range(0, len(chosen), group):
+        if time_box is not None and time.perf_counter() - t0 > time_box:
+            res.time_boxed = len(chosen) - g
+            break
+        jobs = []
+        for opinfo in chosen[g:g + group]:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ran = precheck(opinfo, p, samples_per_opinfo, res)
+                seed = opinfo_seed(opinfo.full_name)
+                samples = {}
+                for variant, k, before in ran:
+                    if variant not in samples:
+                        samples[variant] = make_samples(opinfo, p, seed, samples_per_opinfo)
+                    unit = Unit(opinfo.full_name, variant, k, seed + k)
+                    jobs.append((unit, opinfo, samples[variant][k], before))
+            if ran:
+                res.opinfos.append(opinfo.full_name)
+        while jobs:
+            path = tmp / f"t{len(traces)}"
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", category=UserWarning)
+                warnings.filterwarnings("ignore", category=DeprecationWarning)
+                rest = record_group(path, jobs, p)
+            units = [u for u, *_ in jobs[:len(jobs) - len(rest)]]
+            for u in units:
+                u.trace = len(traces)
+            res.units += units
+            traces.append((path, units))
+            if replay_now:
+                attribute(path, units, replay_traces([str(path)])[str(path)], p, res)
+                shutil.rmtree(path, ignore_errors=True)
+            jobs = rest
+        if log:
+            log(f"[{p.name}] {min(g + group, len(chosen))}/{len(chosen)} OpInfos recorded, "
+                f"{time.perf_counter() - t0:.0f} s")
+    res.seconds = time.perf_counter() - t0
+    return res, [] if replay_now else traces
+
+
+def run_passes(op_db: list, passes: list[Pass], only: list[str] | None = None, limit: int | None = None,
+               group: int = GROUP_SIZE, time_box: float | None = None, workdir: Path | None = None,
+               log: Callable[[str], None] | None = None, samples_per_opinfo: int | None = SAMPLES,
+               fresh_process: bool = True) -> list[PassResult]:
+    """Record and replay passes. With ``fresh_process`` every trace of every pass is replayed at the end by one new
+    Python process (as a user replays: elsewhere, later); without it, each trace right after it is recorded."""
+    tmp = Path(tempfile.mkdtemp(prefix="opdb-", dir=workdir))
     try:
-        for g in range(0, len(chosen), group):
-            if time_box is not None and time.perf_counter() - t0 > time_box:
-                res.time_boxed = len(chosen) - g
-                break
-            jobs = []
-            for opinfo in chosen[g:g + group]:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    ran = precheck(opinfo, p, samples_per_opinfo, res)
-                    seed = opinfo_seed(opinfo.full_name)
-                    samples = {}
-                    for variant, k, before in ran:
-                        if variant not in samples:
-                            samples[variant] = make_samples(opinfo, p, seed, samples_per_opinfo)
-                        unit = Unit(opinfo.full_name, variant, k, seed + k)
-                        jobs.append((unit, opinfo, samples[variant][k], before))
-                if ran:
-                    res.opinfos.append(opinfo.full_name)
-            while jobs:
-                path = tmp / f"t{len(traces)}"
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", category=UserWarning)
-                    warnings.filterwarnings("ignore", category=DeprecationWarning)
-                    rest = record_group(path, jobs, p)
-                units = [u for u, *_ in jobs[:len(jobs) - len(rest)]]
-                for u in units:
-                    u.trace = len(traces)
-                res.units += units
-                traces.append((path, units))
-                if not fresh_process:
-                    attribute(path, units, replay_traces([str(path)])[str(path)], p, res)
-                    shutil.rmtree(path, ignore_errors=True)
-                jobs = rest
+        recorded = [(p, *record_pass(op_db, p, tmp / p.name, only, limit, group, time_box, log,
+                                     samples_per_opinfo, replay_now=not fresh_process)) for p in passes]
+        paths = [str(path) for _, _, traces in recorded for path, _ in traces]
+        if paths:
+            t0 = time.perf_counter()
+            replayed = replay_in_fresh_process(paths)
+            for p, res, traces in recorded:
+                for path, units in traces:
+                    attribute(path, units, replayed[str(path)], p, res)
+                res.replay_seconds = time.perf_counter() - t0
             if log:
-                log(f"[{p.name}] {min(g + group, len(chosen))}/{len(chosen)} OpInfos recorded, "
-                    f"{time.perf_counter() - t0:.0f} s")
-        if fresh_process and traces:
-            replayed = replay_in_fresh_process([str(path) for path, _ in traces])
-            for path, units in traces:
-                attribute(path, units, replayed[str(path)], p, res)
-            if log:
-                log(f"[{p.name}] {len(traces)} traces replayed in a fresh process, {time.perf_counter() - t0:.0f} s")
+                log(f"{len(paths)} traces replayed in a fresh process, {time.perf_counter() - t0:.0f} s")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    res.seconds = time.perf_counter() - t0
-    return res
+    return [res for _, res, _ in recorded]
+
+
+def run_pass(op_db: list, p: Pass, **kwargs: Any) -> PassResult:
+    """One pass of ``run_passes``."""
+    return run_passes(op_db, [p], **kwargs)[0]
 
 
 # -- summaries -------------------------------------------------------------------------------------------------
@@ -561,8 +583,11 @@ def render(results: list[PassResult], out=sys.stdout, header: str = "###") -> No
     _section(out, f"{header} Summary", rows)
     for res in results:
         extra = f"; {res.time_boxed} OpInfos not reached (time box)" if res.time_boxed else ""
-        print(f"- {res.name}: {res.seconds:.0f} s, {len(res.opinfos)} OpInfos recorded, {len(res.excluded)} excluded"
-              f", {len(res.dropped)} samples dropped{extra}", file=out)
+        print(f"- {res.name}: {len(res.opinfos)} OpInfos recorded in {res.seconds:.0f} s, {len(res.excluded)} "
+              f"excluded, {len(res.dropped)} samples dropped{extra}", file=out)
+    if results and results[0].replay_seconds:
+        print(f"- replayed by one fresh process in {results[0].replay_seconds:.0f} s (all passes, both precisions)",
+              file=out)
     print(file=out)
 
     rows = [["pass", "fp64", "same", "reason"]]
@@ -635,8 +660,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     ap.add_argument("--time-box", type=float, help="seconds per pass; OpInfos not reached are counted")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default %(default)s)")
     ap.add_argument("--replay-in-process", action="store_true",
-                    help="replay each trace in this process right after recording it (default: all traces of a "
-                         "pass in one fresh process, which has not imported what recording did)")
+                    help="replay each trace in this process right after recording it (default: all traces in "
+                         "one fresh process at the end, which has not imported what recording did)")
     ap.add_argument("--json", help="write the results as JSON to this file")
     ap.add_argument("--replay-worker", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
@@ -652,9 +677,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     op_db = load_op_db()
     log = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
-    results = [run_pass(op_db, PASSES[n], args.only, args.limit, args.group, args.time_box, log=log,
-                        samples_per_opinfo=args.samples or None, fresh_process=not args.replay_in_process)
-               for n in names]
+    results = run_passes(op_db, [PASSES[n] for n in names], args.only, args.limit, args.group, args.time_box,
+                         log=log, samples_per_opinfo=args.samples or None, fresh_process=not args.replay_in_process)
     render(results)
     if args.json:
         Path(args.json).write_text(json.dumps(to_json(results), indent=1, default=str))

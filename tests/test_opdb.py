@@ -113,10 +113,15 @@ def test_ci_subset_and_known_broken_are_disjoint(op_db):
     assert {n for _, ns in BUG_CLASSES.values() for n in ns} <= set(KNOWN_BROKEN)
 
 
+@pytest.fixture(scope="module")
+def ci_results(op_db):
+    """The subset's three passes, recorded here and replayed together by one fresh process."""
+    return {res.name: res for res in sweep.run_passes(op_db, list(sweep.PASSES.values()), only=CI_OPINFOS)}
+
+
 @pytest.mark.parametrize("pass_name", list(sweep.PASSES))
-def test_ci_subset_replays_clean(op_db, pass_name):
-    p = sweep.PASSES[pass_name]
-    res = sweep.run_pass(op_db, p, only=CI_OPINFOS)
+def test_ci_subset_replays_clean(ci_results, pass_name):
+    p, res = sweep.PASSES[pass_name], ci_results[pass_name]
     assert _problems(res) == []
     eligible = [n for n in CI_OPINFOS if n not in res.excluded]
     assert sorted(res.opinfos) == sorted(eligible), "every eligible OpInfo of the subset was recorded"
