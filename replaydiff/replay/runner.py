@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from replaydiff import aten
-from replaydiff.compare.metrics import ExactMismatch, FloatError, ViewMismatch, measure
+from replaydiff.compare.metrics import ExactMismatch, FloatError, NonfiniteMismatch, ViewMismatch, measure
 from replaydiff.compare.tolerance import reduction_length
 from replaydiff.compare.verdict import (Verdict, judge, judge_measure, scalar_verdict, with_calibration,
                                         with_precision)
@@ -266,7 +266,8 @@ class OpReplayer:
             m = v.measure
             if getattr(m, "nonfinite_recorded", 0) or getattr(getattr(m, "finite", None), "nonfinite_recorded", 0):
                 finite = False
-        if not keep_dtype and any(v.divergent and isinstance(v.measure, FloatError) for _, v in judged):
+        if not keep_dtype and any(v.divergent and isinstance(v.measure, (FloatError, NonfiniteMismatch))
+                                  for _, v in judged):
             judged = self._calibrate(op, func, pairs, judged, in_versions)
         if not seeded and any(v.divergent for _, v in judged):
             judged = self._leave_out_unwritten(op, func, pairs, judged, precision, keep_dtype, exact, k_of=lambda n:
@@ -305,6 +306,8 @@ class OpReplayer:
         f = self.opts.tolerances.conditioning_factor
         result = []
         for n, v in judged:
+            if v.divergent and isinstance(v.measure, NonfiniteMismatch) and n < len(same_pairs):
+                v = self._nonfinite_explained(pairs[n][0], same_pairs[n][1], v)
             m = v.measure
             if v.divergent and isinstance(m, FloatError) and n < len(same_pairs) \
                     and isinstance(same_pairs[n][1], torch.Tensor):
@@ -323,6 +326,22 @@ class OpReplayer:
                         v = with_calibration(v, True, f"{v.reason}, {ratio} at its recorded dtype", own)
             result.append((n, v))
         return result
+
+    def _nonfinite_explained(self, ref: TensorRef, same: Any, v: Verdict) -> Verdict:
+        """NaN/Inf recorded where the upcast reference has none is no divergence when the op makes exactly those
+        itself at its recorded dtypes (bf16 matrix_exp overflows inside the kernel): the verdict is then the one
+        on the finite positions."""
+        if not isinstance(same, torch.Tensor):
+            return v
+        recorded = self.trace.tensor(ref)
+        rec_nf, same_nf = ~torch.isfinite(recorded), ~torch.isfinite(same.to(recorded.device))
+        if not torch.equal(rec_nf, same_nf):
+            return v
+        m = measure(recorded[rec_nf], same.to(recorded.device)[same_nf], exact=True)
+        if not isinstance(m, ExactMismatch) or m.mismatches:
+            return v
+        finite = judge_measure(v.measure.finite, recorded.dtype, self.opts.tolerances, v.reduction_k or 1)
+        return finite if finite.divergent else replace(finite, reason=None)
 
     def _leave_out_unwritten(self, op: OpRecord, func: Any, pairs: Pairs, judged: list[tuple[int, Verdict]],
                              precision: str, keep_dtype: bool, exact: bool, k_of: Any,
