@@ -57,6 +57,8 @@ class ReplayReport:
     options: dict[str, Any]
     ops: list[OpResult] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # Faults planted while recording (record --plant), one description per rank: every report says so first.
+    planted: list[str] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         c = {s.value: 0 for s in Status}

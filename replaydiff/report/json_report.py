@@ -1,7 +1,7 @@
 """The JSON replay report, schema ``replaydiff.replay/1`` (documented in the README).
 
-Top level: ``format``, ``trace``, ``options``, ``warnings``, ``summary`` (count per status), ``first_divergent``
-(null or an op object), ``first_nondeterministic``, ``nonfinite_origin`` and ``ops`` (one object per replayed op:
+Top level: ``format``, ``planted`` (faults planted while recording, one line per rank; empty for a real trace),
+``trace``, ``options``, ``warnings``, ``summary`` (count per status), ``first_divergent`` (null or an op object), ``first_nondeterministic``, ``nonfinite_origin`` and ``ops`` (one object per replayed op:
 ``rank``, ``index``, ``op``, ``status``, ``module``, ``phase``, ``source``, ``forward_index``, ``metrics``,
 ``reason``). Floats that are not finite are written as the strings "inf", "-inf" and "nan" so the file stays JSON.
 """
@@ -42,6 +42,7 @@ def op_json(r: OpResult | None) -> dict | None:
 def report_to_json(report: ReplayReport) -> dict:
     return {
         "format": JSON_FORMAT,
+        "planted": list(report.planted),
         "trace": report.trace,
         "options": _clean(report.options),
         "warnings": list(report.warnings),
@@ -61,7 +62,8 @@ def load_replay_json(path: str | Path) -> ReplayReport:
         raise UsageError(f"{path}: not a readable JSON replay report ({exc})") from None
     if not isinstance(d, dict) or d.get("format") != JSON_FORMAT:
         raise UsageError(f"{path}: not a {JSON_FORMAT} report")
-    report = ReplayReport(trace=d.get("trace", ""), options=d.get("options") or {}, warnings=d.get("warnings") or [])
+    report = ReplayReport(trace=d.get("trace", ""), options=d.get("options") or {}, warnings=d.get("warnings") or [],
+                          planted=[str(x) for x in d.get("planted") or []])
     for o in d.get("ops") or []:
         status = Status(o["status"])
         m = o.get("metrics")
