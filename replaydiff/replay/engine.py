@@ -86,7 +86,7 @@ def import_modules(modules: list[str]) -> None:
 
 def plan(trace: Trace, opts: ReplayOptions) -> ReplayPlan:
     check_device(opts.device)
-    import_modules(opts.imports)
+    import_modules(opts.imports + opts.reference_modules)
     p = ReplayPlan(str(trace.path), opts)
     for r in (opts.ranks if opts.ranks is not None else trace.ranks):
         rt = trace.rank(r)
@@ -172,7 +172,7 @@ def _pool_context() -> mp.context.BaseContext:
 
 
 def _worker(path: str, opts: ReplayOptions, shard: Shard) -> list[OpResult]:
-    import_modules(opts.imports)
+    import_modules(opts.imports + opts.reference_modules)
     return run_shard(open_trace(path).rank(shard.rank), opts, shard)
 
 
