@@ -41,6 +41,8 @@ class OpResult:
     nonfinite_origin: bool = False
     # A collective: not run alone, but checked across ranks once every rank's results are in (engine.finish).
     collective: bool = False
+    # With --repeat N: the N runs of the op disagreed with each other (also for an op divergent anyway).
+    repeats_disagree: bool = False
 
     def __post_init__(self) -> None:
         self.status = Status(self.status)

@@ -287,9 +287,11 @@ class OpReplayer:
         elif res.reason is None:
             res.reason = ("scalar result compared exactly" if pairs else
                           "nothing to compare (views of inputs are checked by shape and stride only)")
-        if len(runs) > 1 and _repeats_disagree(runs) and res.status is Status.OK:
-            res.status = Status.NONDETERMINISTIC
-            res.reason = f"{len(runs)} replays of the op disagree with each other"
+        if len(runs) > 1 and _repeats_disagree(runs):
+            res.repeats_disagree = True  # evidence of a non-deterministic kernel, whatever the status
+            if res.status is Status.OK:
+                res.status = Status.NONDETERMINISTIC
+                res.reason = f"{len(runs)} replays of the op disagree with each other"
         # Outputs that are all views of inputs (whose bytes they share) count as finite: a NaN there started earlier.
         return pairs, (finite if len(judged) == len(pairs) else None)
 

@@ -36,7 +36,7 @@ def op_json(r: OpResult | None) -> dict | None:
     return _clean({"rank": r.rank, "index": r.index, "op": r.op, "status": r.status.value, "module": r.module,
                    "phase": r.phase, "source": r.source, "forward_index": r.forward_index,
                    "forward_source": r.forward_source, "metrics": r.metrics,
-                   "reason": r.reason})
+                   "reason": r.reason, **({"repeats_disagree": True} if r.repeats_disagree else {})})
 
 
 def report_to_json(report: ReplayReport) -> dict:
@@ -71,7 +71,8 @@ def load_replay_json(path: str | Path) -> ReplayReport:
         report.ops.append(OpResult(rank=o["rank"], index=o["index"], op=o["op"], status=status,
                                    module=o.get("module"), phase=o.get("phase"), source=o.get("source"),
                                    forward_index=o.get("forward_index"), forward_source=o.get("forward_source"),
-                                   verdict=verdict, reason=o.get("reason")))
+                                   verdict=verdict, reason=o.get("reason"),
+                                   repeats_disagree=bool(o.get("repeats_disagree"))))
     origin = d.get("nonfinite_origin")
     if origin:
         for r in report.ops:
