@@ -190,3 +190,15 @@ def test_tf32_on_a_cuda_matmul_is_named_with_the_flag_as_evidence(tmp_path, caps
     assert "TF32 matmul / convolution" in _causes(md)
     ev = md.split("### TF32 matmul / convolution", 1)[1]
     assert "torch.backends.cuda.matmul.allow_tf32 = True" in ev and "aten.mm.default" in ev
+
+
+@pytest.mark.slow
+def test_collective_disagreeing_across_ranks_is_named_with_its_rank(tmp_path, capsys):
+    from tests.test_collectives_replay import _run  # a 2-rank gloo DDP step with rank 1's all-reduce corrupted
+
+    trace = _run(tmp_path, fault_rank=1)
+    md = _report(trace, _replay_json(trace), capsys)
+    assert "a collective that disagrees across ranks" in _causes(md)
+    ev = md.split("### a collective that disagrees across ranks", 1)[1]
+    assert "rank 1 #" in ev and "c10d.allreduce_.default" in ev and "on rank(s) [1]" in ev
+    assert re.search(r"\| collectives consistent across ranks \| 1 of \d+ disagree \| 0 \| FAIL \|", md)

@@ -154,6 +154,37 @@ def test_planted_fault_is_in_the_manifest_and_first_in_every_report(traces, tmp_
     assert report_to_json(report)["planted"] == [planted.describe()]
 
 
+STEP_SCRIPT = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_record_command_plants_through_the_step_hook_and_replay_names_the_op(tmp_path, capsys):
+    (tmp_path / "train.py").write_text(STEP_SCRIPT)
+    trace = tmp_path / "trace"
+    code = main(["record", "--step", "2", "--plant", "addmm:2:1e-3", "-o", str(trace), "--",
+                 sys.executable, str(tmp_path / "train.py")])
+    assert code == 0
+    assert "a fault was planted (addmm:2:1e-3)" in capsys.readouterr().err
+    rt = replaydiff.open_trace(trace).rank(0)
+    planted = rt.planted
+    assert planted.op == "aten.addmm.default" and planted.landed
+    assert planted.index == _nth(rt, "aten.addmm.default", 2).index
+    assert main(["replay", str(trace)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("PLANTED FAULT") and f"op #{planted.index}" in out[0]
+    assert any(l.startswith(f"first divergent op #{planted.index} aten.addmm.default") for l in out)
+    assert main(["show", str(trace)]) == 0
+    assert capsys.readouterr().out.startswith("PLANTED FAULT")
+
+
 def test_plant_spec_is_checked_where_options_are_made():
     from replaydiff.record import RecordOptions
 

@@ -72,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError:
         raise UsageError(f"command not found: {cmd[0]}") from None
     ranks = sorted(p.name for p in out.iterdir() if p.is_dir() and p.name.startswith("rank"))
+    if ranks and options.plant:
+        sys.stderr.write(f"replaydiff: a fault was planted ({options.plant}): replay should name that op; every "
+                         f"report on this trace says so first\n")
     if ranks:
         sys.stderr.write(f"replaydiff: recorded step {args.step} into {args.out} ({len(ranks)} rank(s)). Next:\n"
                          f"  replaydiff show {args.out}\n  replaydiff replay {args.out}\n")
