@@ -179,6 +179,7 @@ def write_repro(trace: RankTrace, op: OpRecord, out_dir: str | Path, source_trac
         random=seeded, keep_dtypes=seeded or name in aten.DTYPE_EXACT_OPS,
         rng_device=repr(rng_device), explicit_gen="GEN" in args_src + list(kwargs_src.values()),
         custom_module=repr(custom),
+        planted=repr(trace.planted.describe() if trace.planted is not None else None),
         tensors=_literal(c.tensors), checks=_list_literal(checks),
         args="[" + ", ".join(args_src) + "]",
         kwargs="{" + ", ".join(f"{k!r}: {v}" for k, v in kwargs_src.items()) + "}",
@@ -235,6 +236,7 @@ KEEP_DTYPES = {keep_dtypes}
 RNG_DEVICE = {rng_device}
 EXPLICIT_GENERATOR = {explicit_gen}
 CUSTOM_MODULE = {custom_module}  # the Python module that defined a custom op when it was recorded
+PLANTED = {planted}  # a fault planted while recording (record --plant): this trace's culprit is there on purpose
 
 # Each tensor argument (in*) and recorded result (rec*): dtype, and where it sits on a stored storage (uint8 bytes in
 # inputs.safetensors under "storage"): shape, stride, offset, conj and neg bits. Arguments sharing a storage alias.
@@ -396,10 +398,13 @@ def main(argv=None):
             mine, why = None, f"a random op recorded on {{RNG_DEVICE}}: its draw can only be redone there"
         else:
             mine, why = run(storages, a.device, False), None
+    if PLANTED:
+        print(f"PLANTED FAULT (record --plant): {{PLANTED}}")
     print(f"op #{{INDEX}} {{OP}} (rank {{RANK}}): reference = CPU at "
           f"{{'the recorded dtypes from the recorded generator state' if RANDOM else 'float64'}}; "
           f"device run = {{a.device}} at the recorded dtypes")
     failed = False
+    width = max(len("recorded vs reference:"), len(a.device + " run vs reference:"))
     for c in CHECKS:
         if "scalar" in c:
             got = pick(ref[0], ref[1], ref[2], c["where"])
@@ -417,14 +422,14 @@ def main(argv=None):
         exact = RANDOM or KEEP_DTYPES
         print(f"{{c['label']}} {{rec.dtype}}{{list(rec.shape)}}:")
         line, over = describe(rec, pick(ref[0], ref[1], ref[2], c["where"]), c["limits"], exact)
-        print(f"  recorded vs reference:    {{line}}  {{'DIVERGENT' if over else 'ok'}}")
+        print(f"  {{'recorded vs reference:':<{{width}}}} {{line}}  {{'DIVERGENT' if over else 'ok'}}")
         if mine is None:
             print(f"  {{a.device}} run: not run ({{why}})")
             continue
         theirs = pick(mine[0], mine[1], mine[2], c["where"])
         # the device run against the reference: the op's own error on this device, at its recorded dtype
         line, over = describe_against(pick(ref[0], ref[1], ref[2], c["where"]), theirs, rec.dtype, c["limits"], exact)
-        print(f"  {{a.device}} run vs reference: {{line}}  {{'DIVERGENT' if over else 'ok'}}")
+        print(f"  {{a.device + ' run vs reference:':<{{width}}}} {{line}}  {{'DIVERGENT' if over else 'ok'}}")
         failed |= over
     return 1 if failed else 0
 
