@@ -6,6 +6,7 @@ Also `record --plant` as the public option: the manifest says a fault was plante
 from __future__ import annotations
 
 import io
+import math
 import re
 import subprocess
 import sys
@@ -86,6 +87,9 @@ def test_plain_op_repro_prints_replays_error_and_needs_no_replaydiff(traces, tmp
     assert verdict == "DIVERGENT" and res.verdict.divergent
     assert value == pytest.approx(res.verdict.measure.norm_max, rel=1e-3)
     assert re.search(r"cpu run vs reference:\s+.* ok\n", p.stdout), p.stdout
+    numel = math.prod(op.outputs_refs()[0].shape)
+    differ = re.search(rf"cpu run vs recorded:.*\((\d+) of {numel} elements differ bit for bit\)", p.stdout)
+    assert differ and int(differ.group(1)) > 0, p.stdout  # the kernel does not repeat the fault (zeros stay zeros)
 
 
 def test_in_place_op_repro_compares_the_written_argument(traces, tmp_path):
@@ -123,6 +127,8 @@ def test_random_op_repro_redraws_from_the_recorded_generator_state(traces, tmp_p
     assert "recorded dtypes from the recorded generator state" in p.stdout
     assert re.search(r"recorded vs reference:\s+mismatches 0 of \d+ \(compared exactly\)  ok", p.stdout), p.stdout
     assert re.search(r"cpu run vs reference:\s+mismatches 0 of \d+ \(compared exactly\)  ok", p.stdout), p.stdout
+    assert re.search(r"cpu run vs recorded:\s+mismatches 0 of \d+ .*\(0 of \d+ elements differ bit for bit\)",
+                     p.stdout), p.stdout
 
 
 def test_repro_never_overwrites_without_force_and_refuses_ops_that_cannot_run_alone(traces, tmp_path, capsys):

@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 
 from replaydiff.compare.tolerance import Tolerances
+from replaydiff.replay.references import REFERENCES
 
 PRECISIONS = ("fp64", "fp32", "same")
 
@@ -52,6 +53,10 @@ class ReplayOptions:
     reference: str = "kernel"
     # Modules to import that register references (replaydiff.register_reference) for custom ops
     reference_modules: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.reference not in REFERENCES:
+            raise ValueError(f"reference must be one of {REFERENCES}, not {self.reference!r}")
 
     def target_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return target_dtype(self.precision, dtype)

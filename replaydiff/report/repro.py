@@ -431,6 +431,12 @@ def main(argv=None):
         line, over = describe_against(pick(ref[0], ref[1], ref[2], c["where"]), theirs, rec.dtype, c["limits"], exact)
         print(f"  {{a.device + ' run vs reference:':<{{width}}}} {{line}}  {{'DIVERGENT' if over else 'ok'}}")
         failed |= over
+        # and against what was recorded: does this device reproduce the recording (bit for bit, on its backend)?
+        if isinstance(theirs, torch.Tensor) and tuple(theirs.shape) == tuple(rec.shape):
+            n = mismatches(rec, theirs.detach().to("cpu", rec.dtype))
+            line, _ = describe_against(rec, theirs, rec.dtype, c["limits"], exact)
+            print(f"  {{a.device + ' run vs recorded:':<{{width}}}} {{line}}  ({{n}} of {{rec.numel()}} elements "
+                  f"differ bit for bit)")
     return 1 if failed else 0
 
 
