@@ -198,3 +198,18 @@ def test_plant_spec_is_checked_where_options_are_made():
     with pytest.raises(ValueError, match="from 1"):
         RecordOptions.make(plant="mm:0")
     assert main(["record", "--plant", "mm:0", "-o", "unused", "--", "true"]) == 2
+
+
+@pytest.mark.gpu
+def test_repro_of_a_cuda_op_runs_on_cuda_and_on_the_cpu_reference(tmp_path):
+    a = torch.randn(64, 64, device="cuda")
+    b = torch.randn(64, 64, device="cuda")
+    with replaydiff.record(tmp_path / "t", plant="aten.mm.default:1:1e-3"):
+        (a @ b).sum().item()
+    rt = replaydiff.open_trace(tmp_path / "t").rank(0)
+    op = _nth(rt, "aten.mm.default", 1)
+    assert main(["repro", str(tmp_path / "t"), str(op.index), "-o", str(tmp_path / "r")]) == 0
+    p = _run_script(tmp_path / "r", "--device", "cuda")
+    assert p.returncode == 0, p.stderr + p.stdout
+    assert _recorded_norm_max(p.stdout, "output 0")[1] == "DIVERGENT"
+    assert re.search(r"cuda run vs reference:\s+max_abs/\(eps\*absmax\) \S+ .* ok\n", p.stdout), p.stdout
