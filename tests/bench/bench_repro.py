@@ -66,9 +66,10 @@ def main() -> None:
     rt = replaydiff.open_trace(path).rank(0)
     mm = max((op for op in rt if op.name in ("aten.mm.default", "aten.addmm.default")),
              key=lambda op: sum(r.nbytes for r in op.inputs()))
-    files = {}
-    t = _median_time(lambda: files.update(f=write_repro(rt, mm, tmp / "repro")), a.repeats)
-    print(f"| write a repro of #{mm.index} {mm.name} | {t * 1e3:.1f} ms, {files['f'].nbytes:,} bytes of tensor data |")
+    written = []
+    t = _median_time(lambda: written.append(write_repro(rt, mm, tmp / "repro")), a.repeats)
+    print(f"| write a repro of #{mm.index} {mm.name} | {t * 1e3:.1f} ms, {written[-1].nbytes:,} bytes of tensor "
+          f"data |")
     report = replay_trace(path, ReplayOptions())
     trace = replaydiff.open_trace(path)
     for probe in (False, True):
