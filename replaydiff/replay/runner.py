@@ -23,6 +23,7 @@ from replaydiff.compare.tolerance import reduction_length
 from replaydiff.compare.verdict import (Verdict, judge, judge_measure, scalar_verdict, with_calibration,
                                         with_precision)
 from replaydiff.errors import TraceError
+from replaydiff.replay import references  # what to run instead of a kernel
 from replaydiff.replay.policy import FALLBACKS, ReplayOptions, target_dtype
 from replaydiff.replay.result import OpResult, Status
 from replaydiff.trace.reader import RankTrace
@@ -148,8 +149,7 @@ class OpReplayer:
             raise Skip("uninitialised output (empty*)")
         if not aten.matches_any(name, self.opts.ops):
             raise Skip("not selected by --ops")
-        func = self._resolve(name)
-        seeded = aten.facts(func).seeded
+        func, seeded, note, note_always = self._reference(name)
         keep_dtype = seeded or name in aten.DTYPE_EXACT_OPS or self.opts.precision == "same"
         exact = self.opts.precision == "same" or seeded
         rng = op.rng
@@ -183,11 +183,31 @@ class OpReplayer:
             keep_dtype = keep
 
         pairs, finite = self._judge(op, func, runs, exact, keep_dtype, res, precision, seeded)
+        if note and (note_always or res.status is not Status.OK):
+            res.reason = note if res.reason is None else f"{res.reason}; {note}"
         if fallback:
             res.reason = fallback if res.reason is None else f"{res.reason}; {fallback}"
             if res.verdict is not None:
                 res.verdict = with_precision(res.verdict, precision)
         return pairs, finite
+
+    def _reference(self, name: str) -> tuple[Any, bool, str | None, bool]:
+        """What to run for the op: (callable, is it a random op, what the reference is, whether every result says
+        so or only a problem does: under --reference decomp most ops run through one)."""
+        fn = references.registered_reference(name)
+        if fn is not None:  # a user's reference: the op itself need not be loadable here
+            try:
+                seeded = aten.facts(aten.resolve(name)).seeded
+            except aten.UnknownOp:
+                seeded = False
+            return fn, seeded, "replayed against the reference registered for it (replaydiff.register_reference)", True
+        func = self._resolve(name)
+        seeded = aten.facts(func).seeded
+        if self.opts.reference == "decomp" and not seeded:  # a decomposition would draw other random numbers
+            decomp = references.decomposition(func)
+            if decomp is not None:
+                return decomp, False, "replayed through its torch._decomp decomposition", False
+        return func, seeded, None, False
 
     def _resolve(self, name: str) -> Any:
         try:
@@ -285,9 +305,11 @@ class OpReplayer:
         if left_out:
             note = f"{left_out} output positions the kernel leaves unwritten were not compared"
             res.reason = note if res.reason is None else f"{res.reason}; {note}"
-        if len(runs) > 1 and _repeats_disagree(runs) and res.status is Status.OK:
-            res.status = Status.NONDETERMINISTIC
-            res.reason = f"{len(runs)} replays of the op disagree with each other"
+        if len(runs) > 1 and _repeats_disagree(runs):
+            res.repeats_disagree = True  # evidence of a non-deterministic kernel, whatever the status
+            if res.status is Status.OK:
+                res.status = Status.NONDETERMINISTIC
+                res.reason = f"{len(runs)} replays of the op disagree with each other"
         # Outputs that are all views of inputs (whose bytes they share) count as finite: a NaN there started earlier.
         return pairs, (finite if len(judged) == len(pairs) else None)
 
