@@ -93,7 +93,14 @@ PROBLEMS = ("divergent", "error", "nondeterministic", "lost", "raised_under_reco
 
 @pytest.fixture(scope="module")
 def op_db():
-    return sweep.load_op_db()
+    """op_db, and torch's backend flags as they were before importing it: the import freezes them
+    (torch.backends.disable_global_flags), which would leak into every later test module of this process.
+    test_replay_with_frozen_backend_flags checks replay with frozen flags on purpose."""
+    flags = torch.backends.flags_frozen.__globals__  # torch.backends' own module dict (the module is wrapped)
+    was = flags["__allow_nonbracketed_mutation_flag"]
+    db = sweep.load_op_db()
+    flags["__allow_nonbracketed_mutation_flag"] = was
+    return db
 
 
 def _problems(res: sweep.PassResult) -> list[str]:
