@@ -43,8 +43,8 @@ class PlantedFault(TorchDispatchMode):
         self.seen += 1
         if self.seen - 1 != self.occurrence:
             return out
-        if func.namespace == "c10d" and isinstance(out, (tuple, list)):
-            for w in out:  # a collective's result exists once its work completes: corrupt it after that
+        if func.namespace == "c10d":  # a collective's result exists once its work completes: corrupt it after that
+            for w in (out if isinstance(out, (tuple, list)) else (out,)):  # (tensors, Work) or a bare Work
                 if hasattr(w, "wait") and not isinstance(w, torch.Tensor):
                     w.wait()
         for t in _result_tensors(func, args, kwargs, out):

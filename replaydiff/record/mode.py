@@ -61,6 +61,13 @@ class RecordingMode(TorchDispatchMode):
         rec = self.rec
         if not rec.active:
             return func(*args, **kwargs)
+        if types and aten.wraps_tensors(types):
+            # A wrapper subclass (DTensor under FSDP2 and tensor parallelism): let it unwrap; the ops it runs on its
+            # local tensors come back through this mode and are what gets recorded (and can be replayed).
+            return NotImplemented
+        if aten.fake_mode_active():
+            # Shape propagation on fake tensors (DTensor's sharding rules): no data, nothing computed for the job.
+            return func(*args, **kwargs)
         pending = None
         try:
             pending = rec.before(func, types, args, kwargs)
@@ -315,8 +322,9 @@ def collective_info(func: Any, args: tuple, kwargs: dict) -> CollectiveInfo:
 
 def wait_collective(func: Any, out: Any) -> Any:
     """Outputs of a collective exist only once its work completes: wait for it (the job would, before using them)."""
-    if func.namespace == "c10d" and isinstance(out, (tuple, list)):
-        for v in out:
+    if func.namespace == "c10d":
+        # (tensors, Work) from most; a bare Work from alltoall_base_, reduce_, gather_ and the coalesced forms
+        for v in (out if isinstance(out, (tuple, list)) else (out,)):
             if hasattr(v, "wait") and not isinstance(v, torch.Tensor):
                 v.wait()
     elif func.namespace in ("_c10d_functional", "c10d_functional"):
