@@ -32,13 +32,23 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tensor-bytes", type=int, metavar="N", help="store statistics for storages larger than N")
     p.add_argument("--verify-writes", action="store_true",
                    help="checksum stored CPU tensors to notice writes torch never sees (numpy, C extensions)")
+    p.add_argument("--ranks", type=_rank_list, metavar="R,R,...",
+                   help="record only these ranks of a multi-process job (the others run untouched)")
     p.add_argument("--force", action="store_true", help="replace an existing trace directory")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run, e.g. python train.py")
 
 
+def _rank_list(text: str) -> list[int]:
+    try:
+        return sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ranks takes ranks separated by commas, e.g. 0,3, not {text!r}")
+
+
 def options_from_args(args: argparse.Namespace) -> RecordOptions:
     return RecordOptions.make(tensors=args.tensors, compress=not args.no_compress, modules=args.modules,
-                              ops=args.ops, max_tensor_bytes=args.max_tensor_bytes, verify_writes=args.verify_writes)
+                              ops=args.ops, max_tensor_bytes=args.max_tensor_bytes, verify_writes=args.verify_writes,
+                              ranks=getattr(args, "ranks", None))
 
 
 def run(args: argparse.Namespace) -> int:

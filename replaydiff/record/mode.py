@@ -223,9 +223,13 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
         rec.writer.add_op(schema.wire_not_recorded(schema.wire_op(index, name, phase, module, fwd, None),
                                                    "filtered out (record options ops/modules)"))
         return Pending(None, written, info.uninitialised) if written or info.uninitialised else None
-    record = schema.wire_op(index, name, phase, module, fwd, ctx.source())
+    source = ctx.source()
+    record = schema.wire_op(index, name, phase, module, fwd, source)
     if info.collective:
-        schema.wire_set_collective(record, collective_info(func, args, kwargs))
+        coll = collective_info(func, args, kwargs)
+        schema.wire_set_collective(record, coll)
+        if not aten.is_wait_only(name):
+            rec.writer.enter_collective(schema.wire_entered(index, name, phase, module, source, coll))
     if info.seeded and b.mode == "full":  # generator state is data: only "full" traces store any
         state = rec.rng_state(args, kwargs)
         if state is not None:
@@ -243,6 +247,7 @@ def record_after(rec: RecorderLike, b: OpBuilder, p: Pending, func: Any, args: t
     record = p.record
     if record is not None and schema.wire_is_collective(record):
         out = wait_collective(func, out)
+        rec.writer.leave_collective()
     for _, v in p.written:
         for t in iter_tensors(v):
             e = rec.storages.entry(t.untyped_storage())

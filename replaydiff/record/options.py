@@ -35,6 +35,8 @@ class RecordOptions:
     # dispatcher never sees (through .numpy(), a C extension's pointer) become new versions. Costs a CRC32 pass
     # (~3 GB/s) per re-read: off by default.
     verify_writes: bool = False
+    # Record only these ranks of a multi-process job (None: every rank); the others run untouched.
+    ranks: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.tensors not in TENSOR_MODES:
@@ -45,6 +47,8 @@ class RecordOptions:
             raise ValueError("chunk_ops and chunk_bytes must be positive")
         if self.max_tensor_bytes is not None and self.max_tensor_bytes < 0:
             raise ValueError("max_tensor_bytes must be >= 0")
+        if self.ranks is not None and not all(isinstance(r, int) and r >= 0 for r in self.ranks):
+            raise ValueError(f"ranks must be a list of ranks (>= 0), not {self.ranks!r}")
 
     @classmethod
     def make(cls, tensors: str = "full", compress: bool | int | None = True, **kw: Any) -> "RecordOptions":
@@ -59,6 +63,8 @@ class RecordOptions:
         for k in ("modules", "ops"):
             if k in kw:
                 kw[k] = _globs(kw[k])
+        if isinstance(kw.get("ranks"), int):
+            kw["ranks"] = [kw["ranks"]]
         unknown = set(kw) - {f.name for f in fields(cls)}
         if unknown:
             raise TypeError(f"unknown record option(s): {', '.join(sorted(unknown))}")

@@ -57,6 +57,10 @@ class ReplayReport:
     options: dict[str, Any]
     ops: list[OpResult] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # Across ranks (engine.finish): the culprit, the earliest divergent op by collective-synchronised position,
+    # and the other ranks' candidates whose order against it no collective decides.
+    culprit: tuple[int, int] | None = None
+    undecided: list[tuple[int, int]] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         c = {s.value: 0 for s in Status}
@@ -66,7 +70,21 @@ class ReplayReport:
 
     @property
     def first_divergent(self) -> OpResult | None:
+        """The culprit: on one rank its earliest divergent op; across ranks the earliest by collective order."""
+        if self.culprit is not None:
+            hit = next((r for r in self.ops if (r.rank, r.index) == self.culprit), None)
+            if hit is not None:
+                return hit
         return next((r for r in self.ops if r.status is Status.DIVERGENT), None)
+
+    @property
+    def first_per_rank(self) -> list[OpResult]:
+        """Every rank's earliest divergent op, in that rank's own order (one candidate per rank)."""
+        seen: dict[int, OpResult] = {}
+        for r in self.ops:
+            if r.status is Status.DIVERGENT and (r.rank not in seen or r.index < seen[r.rank].index):
+                seen[r.rank] = r
+        return [seen[k] for k in sorted(seen)]
 
     @property
     def first_nondeterministic(self) -> OpResult | None:

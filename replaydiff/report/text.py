@@ -53,6 +53,16 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> No
         if first.phase == "backward" and first.forward_index is not None:
             called = f"; backward() called at {first.source}" if first.source else ""
             out.write(f"  backward of forward op #{first.forward_index}{called}\n")
+        per_rank = report.first_per_rank
+        if len(per_rank) > 1:
+            out.write(f"  earliest divergent op of each rank (the culprit is the earliest by collective order):\n")
+            for r in per_rank:
+                mark = "  <- culprit" if r is first else ""
+                out.write(f"    rank {r.rank} {op_line(r)}{mark}\n")
+        if report.undecided:
+            which = ", ".join(f"rank {k} #{i}" for k, i in report.undecided)
+            out.write(f"  the order between rank {first.rank} #{first.index} and {which} cannot be decided: no "
+                      f"collective of a common group lies between them\n")
         others = [r for r in report.ops if r.status is Status.DIVERGENT and r is not first]
         if others:
             out.write(f"  {len(others)} more divergent op(s):\n")
