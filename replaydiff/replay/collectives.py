@@ -71,7 +71,8 @@ def layout(name: str) -> Layout | None:
     return _LAYOUTS.get((form, aten.packet(name)))
 
 
-def _where(op: OpRecord, place: tuple) -> Any:
+def tensors_at(op: OpRecord, place: tuple) -> Any:
+    """The value a Layout place names in one record (``Layout.inputs`` or ``Layout.outputs``)."""
     kind, key = place
     if kind == "arg":
         return op.args[key] if key < len(op.args) else None
@@ -178,8 +179,8 @@ class CollectiveChecker:
             raise NotChecked(f"collective {aten.packet(op.name)}: no cross-rank check for this kind yet")
         me = group.index(res.rank)
         width = len(group)
-        outs = list(iter_refs(_where(op, lay.outputs)))
-        ins = [list(iter_refs(_where(p, lay.inputs))) for p in peers]  # ins[n]: refs of group rank n
+        outs = list(iter_refs(tensors_at(op, lay.outputs)))
+        ins = [list(iter_refs(tensors_at(p, lay.inputs))) for p in peers]  # ins[n]: refs of group rank n
         load: Callable[[int, TensorRef], torch.Tensor] = lambda n, ref: self._tensor(group[n], ref)
         kind = lay.kind
         if kind in ("all_reduce", "reduce_scatter", "reduce_scatter_list"):

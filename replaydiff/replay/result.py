@@ -61,6 +61,8 @@ class ReplayReport:
     # and the other ranks' candidates whose order against it no collective decides.
     culprit: tuple[int, int] | None = None
     undecided: list[tuple[int, int]] = field(default_factory=list)
+    # Where data-parallel replicas first stop agreeing across ranks (replicas.ReplicaBreak), if they do.
+    replicas: Any = None
 
     def counts(self) -> dict[str, int]:
         c = {s.value: 0 for s in Status}
@@ -96,4 +98,4 @@ class ReplayReport:
 
     @property
     def found_problem(self) -> bool:
-        return any(r.status in PROBLEMS for r in self.ops)
+        return any(r.status in PROBLEMS for r in self.ops) or self.replicas is not None

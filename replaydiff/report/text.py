@@ -68,6 +68,8 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> No
             out.write(f"  {len(others)} more divergent op(s):\n")
             for r in others[:max_listed]:
                 out.write(f"    {op_line(r)}  {metrics_line(r)}\n")
+    if report.replicas is not None:
+        out.write(report.replicas.describe() + "\n")
     nd = report.first_nondeterministic
     if nd is not None:
         n = sum(r.status is Status.NONDETERMINISTIC for r in report.ops)
