@@ -143,6 +143,10 @@ class CollectiveChecker:
                         continue
                     peers = [calls[g].get(key, []) for g in group]
                     short = [g for g, p in zip(group, peers) if len(p) <= k]
+                    cut = [g for g in short if not self.trace.rank(g).complete]
+                    if cut:  # a crash-cut trace: the call may have happened after its recording stopped
+                        res.reason = f"collective: the trace of rank(s) {cut} ends before call {k} of this group"
+                        continue
                     if short:
                         res.status, res.reason = Status.DIVERGENT, \
                             f"collective: rank(s) {short} of its group never made call {k} of this group"
