@@ -96,6 +96,7 @@ def collectives():
     base = torch.arange(4, dtype=torch.float32) + 1 + rank * 10
     for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MIN, dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT):
         dist.all_reduce(base.clone(), op=op)
+    dist.all_reduce(torch.tensor([6, 3]) + rank, op=dist.ReduceOp.BAND)  # a reduction replay does not check
     dist.all_gather([torch.zeros(4) for _ in range(2)], base)
     dist.all_gather_into_tensor(torch.zeros(8), base)
     dist.reduce_scatter_tensor(torch.zeros(2), base)
@@ -251,6 +252,11 @@ def test_fsdp2_reduce_scatter_fault_is_first_divergent_on_its_rank(fsdp) -> None
 def test_every_collective_form_is_checked_across_ranks(collectives) -> None:
     report = replay_trace(str(collectives[0]), ReplayOptions())
     results = [r for r in report.ops if r.collective and "bookkeeping" not in (r.reason or "")]
+    band = [_nth(collectives[0], rank, "c10d.allreduce_.default", 5) for rank in (0, 1)]
+    unchecked = [r for r in results if r.index == band[r.rank]]
+    assert [(r.status, r.reason) for r in unchecked] == [(Status.SKIPPED, "collective: reduce op band is not "
+                                                                         "checked")] * 2  # never taken for a sum
+    results = [r for r in results if r not in unchecked]
     assert results and all(r.status is Status.OK for r in results), \
         [(r.rank, r.index, r.op, r.status, r.reason) for r in results if r.status is not Status.OK]
     checked = {r.op for r in results}
@@ -309,6 +315,11 @@ def test_hung_job_says_who_never_entered_the_collective(tmp_path: Path, capsys) 
     assert f"rank 0: last completed op #{waiting.index - 1} " in shown
     assert main(["show", str(trace), "--json"]) == 0
     js = json.loads(capsys.readouterr().out)
+    # the cut trace still replays: rank 0's completed all-reduce is checked against rank 1's
+    report = replay_trace(str(trace), ReplayOptions())
+    assert report.counts()["error"] == report.counts()["divergent"] == 0
+    assert {(r.rank, r.status) for r in report.ops if r.op == "c10d.allreduce_.default"} == \
+        {(0, Status.OK), (1, Status.OK)}
     assert js["collectives"] == [{"group_name": group, "ranks": [0, 1], "call": 1, "op": "c10d.allreduce_.default",
                                   "entered": [0], "waiting": {"0": waiting.index}, "never": [1],
                                   "not_in_trace": []}]
