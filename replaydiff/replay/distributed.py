@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from replaydiff.errors import ReplaydiffError
 from replaydiff.replay.engine import Progress, finish, plan, run_shard
 from replaydiff.replay.policy import ReplayOptions
 from replaydiff.replay.result import OpResult, ReplayReport
@@ -41,6 +42,12 @@ def _device_for(opts: ReplayOptions) -> ReplayOptions:
     return opts
 
 
+def _raise(failure: BaseException | str, process: int) -> None:
+    if isinstance(failure, BaseException):
+        raise failure
+    raise RuntimeError(f"replay process {process} failed: {failure}")
+
+
 def replay_sharded(path: str, opts: ReplayOptions, progress_total=None,
                    progress: Progress | None = None) -> ReplayReport | None:
     """Replay this process's shards; process 0 returns the whole report, the others None."""
@@ -54,19 +61,31 @@ def replay_sharded(path: str, opts: ReplayOptions, progress_total=None,
         trace = open_trace(path)
         local = _device_for(opts)
         p = plan(trace, local)
-        shards = p.split(world)
-        mine = shards[rank::world]
-        if progress_total:
-            progress_total(sum(len(s.indices) for s in mine))
-        results: list[OpResult] = []
-        for shard in mine:
-            results += run_shard(trace.rank(shard.rank), local, shard, progress)
-        gathered: list[list[OpResult]] | None = [[] for _ in range(world)] if rank == 0 else None
-        dist.gather_object(results, gathered, dst=0)
+        payload: tuple[list[OpResult] | None, BaseException | str | None]
+        try:
+            shards = p.split(world)
+            mine = shards[rank::world]
+            if progress_total:
+                progress_total(sum(len(s.indices) for s in mine))
+            results: list[OpResult] = []
+            for shard in mine:
+                results += run_shard(trace.rank(shard.rank), local, shard, progress)
+            payload = (results, None)
+        except ReplaydiffError as exc:  # travels as itself (each carries its exit code)
+            payload = (None, exc)
+        except Exception as exc:  # a bug: its text travels; process 0 must not wait for results that never come
+            payload = (None, f"{type(exc).__name__}: {exc}")
+        gathered: list | None = [None] * world if rank == 0 else None
+        dist.gather_object(payload, gathered, dst=0)
+        if payload[1] is not None:
+            _raise(payload[1], rank)
         if rank != 0:
             return None
+        for k, (_, failure) in enumerate(gathered):
+            if failure is not None:
+                _raise(failure, k)
         p.options = opts  # the report states the options asked for, as a one-process replay would
-        return finish(trace, p, [r for part in gathered for r in part])
+        return finish(trace, p, [r for part, _ in gathered for r in part])
     finally:
         if own_group:
             dist.destroy_process_group()
