@@ -216,9 +216,11 @@ class CollectiveChecker:
                     self._judge(res, got[n], load(n, ins[n][j]).reshape(-1), True,
                                 f"gathered chunk {n} vs rank {group[n]}'s input")
         elif kind == "broadcast":
-            root = op.collective.root if op.collective.root is not None else 0
-            # c10d's root_rank is a global rank; the functional form's src too (torch maps it to the group)
-            root_n = group.index(root) if root in group else root
+            # Both forms hand the process group its root as a rank within the group (c10d's Python API has
+            # already mapped src to group_src), which is what ProcessGroup::broadcast reads.
+            root_n = op.collective.root
+            if root_n is None or not 0 <= root_n < width:
+                raise NotChecked(f"collective: its root ({root_n}) is not a rank of its group of {width}")
             for j, out_ref in enumerate(outs):
                 self._judge(res, self._tensor(res.rank, out_ref), load(root_n, ins[root_n][j]), True,
                             f"output vs rank {group[root_n]}'s input")
