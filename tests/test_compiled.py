@@ -9,7 +9,6 @@ See COMPILE_NOTES.md for the torch source behind each expectation.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap

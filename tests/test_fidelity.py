@@ -156,3 +156,68 @@ def test_custom_ops_replay_from_the_module_that_defines_them(tmp_path: Path) -> 
     report = json.loads(full.stdout)
     assert report["summary"]["skipped"] == 0 and report["summary"]["ok"] == len(report["ops"])
     assert {o["op"] for o in report["ops"]} >= {"rdtest.scale.default", "fsdp.chunk_cat.default"}
+
+
+def _ctc_inputs():
+    torch.manual_seed(0)
+    log_probs = torch.randn(50, 3, 15).log_softmax(2)
+    targets = torch.randint(1, 15, (3, 30), dtype=torch.long)
+    return log_probs, targets, [50, 40, 30], [30, 25, 20]
+
+
+def test_positions_a_kernel_leaves_unwritten_are_left_out_and_counted(tmp_path: Path) -> None:
+    # _ctc_loss's log_alpha is written only up to each sequence's lengths; the rest is allocator garbage
+    with replaydiff.record(tmp_path / "t"):
+        F.ctc_loss(*_ctc_inputs())
+    for p in ("fp64", "same"):
+        report = replay_trace(str(tmp_path / "t"), ReplayOptions(precision=p))
+        ctc = next(r for r in report.ops if r.op == "aten._ctc_loss.default")
+        assert ctc.status is Status.OK, (p, ctc.reason)
+        assert "2800 output positions the kernel leaves unwritten were not compared" in ctc.reason
+
+
+def test_a_fault_in_a_partly_unwritten_output_is_still_found(tmp_path: Path) -> None:
+    from replaydiff.faults import PlantedFault
+
+    with PlantedFault("aten._ctc_loss.default", rel=1e-2), replaydiff.record(tmp_path / "t"):
+        F.ctc_loss(*_ctc_inputs())
+    report = replay_trace(str(tmp_path / "t"), ReplayOptions(precision="fp64"))
+    assert report.first_divergent is not None and report.first_divergent.op == "aten._ctc_loss.default"
+
+
+def test_embedding_bag_bookkeeping_outputs_are_compared_only_at_recorded_dtypes(tmp_path: Path) -> None:
+    w, idx, offsets, psw = torch.randn(10, 3), torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4]), \
+        torch.randn(8)
+    with replaydiff.record(tmp_path / "t"):
+        F.embedding_bag(idx, w, offsets, mode="sum", per_sample_weights=psw)
+    _replay_clean(tmp_path / "t")
+
+
+def test_sparse_tensors_are_skipped_with_the_true_reason(tmp_path: Path) -> None:
+    x = torch.randn(3, 3)
+    s = x.to_sparse()
+    with replaydiff.record(tmp_path / "t"):
+        x.to_sparse()
+        torch.sparse.mm(s, x)
+    report = replay_trace(str(tmp_path / "t"), ReplayOptions())
+    reasons = {r.op: r.reason for r in report.ops if r.status is Status.SKIPPED}
+    assert "sparse_coo" in reasons["aten._to_sparse.default"] and "not supported" in reasons["aten._to_sparse.default"]
+    assert "sparse_coo" in reasons["aten._sparse_addmm.default"]
+    assert all(r.status is not Status.OK or "nothing to compare" not in (r.reason or "") for r in report.ops)
+
+
+def test_replay_works_after_torch_freezes_its_backend_flags(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    code = ("import sys, torch, replaydiff\n"
+            "from replaydiff.replay import replay_trace, ReplayOptions\n"
+            "with replaydiff.record(sys.argv[1]):\n    torch.randn(3).exp()\n"
+            "torch.backends.disable_global_flags()  # what importing torch's testing utilities does\n"
+            "r = replay_trace(sys.argv[1], ReplayOptions())\n"
+            "print(r.counts()['ok'], torch.backends.cudnn.benchmark)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "t")], capture_output=True, text=True,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "False"]

@@ -37,6 +37,9 @@ class RecordOptions:
     verify_writes: bool = False
     # Record only these ranks of a multi-process job (None: every rank); the others run untouched.
     ranks: list[int] | None = None
+    # A planted fault, OP[:N[:REL]] (replaydiff.faults.PlantSpec): the N-th call of OP returns its output times
+    # 1 + REL, from a dispatch mode below the recorder, so a user can check on their own job that replay names it.
+    plant: str | None = None
 
     def __post_init__(self) -> None:
         if self.tensors not in TENSOR_MODES:
@@ -49,6 +52,10 @@ class RecordOptions:
             raise ValueError("max_tensor_bytes must be >= 0")
         if self.ranks is not None and not all(isinstance(r, int) and r >= 0 for r in self.ranks):
             raise ValueError(f"ranks must be a list of ranks (>= 0), not {self.ranks!r}")
+        if self.plant is not None:
+            from replaydiff.faults import PlantSpec
+
+            PlantSpec.parse(self.plant)  # ValueError with the accepted form
 
     @classmethod
     def make(cls, tensors: str = "full", compress: bool | int | None = True, **kw: Any) -> "RecordOptions":

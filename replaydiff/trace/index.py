@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from replaydiff import aten
-from replaydiff.trace.schema import PHASES, OpRecord
+from replaydiff.trace.schema import PHASES, IndexRow, OpRecord, index_row
 
 INDEX_VERSION = 1
 _NONE = -1
@@ -58,53 +58,52 @@ class IndexBuilder:
 
     def _pad_to(self, index: int) -> None:
         while self.count < index:  # numbers with no record (gaps in older traces)
-            self._row(OpRecord.absent(self.count))
+            self._row(OpRecord.absent(self.count).index_row())
 
-    def add(self, op: OpRecord) -> None:
-        if op.index < self.count:
-            raise ValueError(f"op #{op.index} added after #{self.count - 1}")
-        self._pad_to(op.index)
-        self._row(op)
+    def add(self, op: OpRecord | dict) -> None:
+        """Add the next op (an OpRecord, or a wire record as the writer holds it)."""
+        row = op.index_row() if isinstance(op, OpRecord) else index_row(op)
+        if row.index < self.count:
+            raise ValueError(f"op #{row.index} added after #{self.count - 1}")
+        self._pad_to(row.index)
+        self._row(row)
 
-    def _row(self, op: OpRecord) -> None:
+    def _row(self, row: IndexRow) -> None:
         i = self.count
         self.count += 1
         self._readers.append([])
-        name = op.name
+        name = row.name
         self.name.append(self.names.id(name))
-        self.phase.append(_PHASE_IDS.get(op.phase, 0))
-        self.module.append(self.modules.id(op.module))
-        self.source.append(self.sources.id(op.source))
-        fwd = op.forward_index
-        self.forward.append(_NONE if fwd is None else fwd)
+        self.phase.append(_PHASE_IDS.get(row.phase, 0))
+        self.module.append(self.modules.id(row.module))
+        self.source.append(self.sources.id(row.source))
+        self.forward.append(_NONE if row.forward is None else row.forward)
         flags = 0
-        outs: list = []
-        if op.recorded:
+        if row.recorded:
             flags |= _F_RECORDED
-            outs = op.outputs_refs()
-            for ref in op.inputs():
-                found = self._exact.get(ref.geometry) or self._first.get(ref.version)
+            for version, geometry in row.inputs:
+                found = self._exact.get(geometry) or self._first.get(version)
                 self.in_prod.append(found[0] if found else _NONE)
                 self.in_slot.append(found[1] if found else _NONE)
                 if found:
                     self._readers[found[0]].append((found[1], i))
-            for slot, ref in enumerate(outs):
-                if ref.version is None:
+            for slot, (version, geometry) in enumerate(row.outputs):
+                if version is None:
                     continue
                 # The first op to hand out this very view keeps it: a detach or alias of an output returns the
                 # same view, and the op that computed the values is the one to walk back to.
-                self._exact.setdefault(ref.geometry, (i, slot))
-                self._first.setdefault(ref.version, (i, slot))
-            if op.collective is not None:
+                self._exact.setdefault(geometry, (i, slot))
+                self._first.setdefault(version, (i, slot))
+            if row.collective:
                 flags |= _F_COLLECTIVE
-            if op.uninitialised:
+            if row.uninitialised:
                 flags |= _F_UNINIT
-            if op.rng is not None:
+            if row.random:
                 flags |= _F_RANDOM
         if name != "?" and aten.is_cheap(name):
             flags |= _F_CHEAP
         self.in_ptr.append(len(self.in_prod))
-        self.output.append(self.outputs.id(outs[0].describe() if outs else None))
+        self.output.append(self.outputs.id(row.first_output))
         self.flags.append(flags)
 
     def to_frame(self) -> dict:

@@ -291,6 +291,9 @@ class OpRecord:
                     out.append(r)
         return out
 
+    def index_row(self) -> "IndexRow":
+        return index_row(self._w)
+
     def to_json(self) -> dict:
         """The typed record as JSON (``show --op N --json``; schema ``replaydiff.op/1``, see the README)."""
         c = self.collective
@@ -531,6 +534,67 @@ def wire_stats_key(ref: dict) -> tuple:
 # =============================================================================================================
 # Checking records read back (the reader's side)
 # =============================================================================================================
+class IndexRow(NamedTuple):
+    """What the index needs of one op record, read straight from the wire dict (no TensorRef, no torch objects:
+    the writer thread builds the index while the job runs, so this must be cheap)."""
+
+    index: int
+    name: str
+    phase: str | None
+    module: str | None
+    source: str | None
+    forward: int | None
+    recorded: bool
+    collective: bool
+    uninitialised: bool
+    random: bool
+    inputs: list  # (version, geometry) per input tensor, in OpRecord.inputs() order
+    outputs: list  # (version, geometry) per output tensor, in OpRecord.outputs_refs() order
+    first_output: str | None  # e.g. "float32[8, 32, 64]"
+
+
+def _raw_refs(v: Any, out: list) -> None:
+    if isinstance(v, list):
+        for x in v:
+            _raw_refs(x, out)
+    elif isinstance(v, dict) and _VERSION in v:
+        out.append(v)
+
+
+def _geom(w: dict) -> tuple:
+    return (w.get(_VERSION), w[_DTYPE], tuple(w[_SHAPE]), tuple(w.get(_STRIDE) or ()), w.get(_OFFSET, 0))
+
+
+def index_row(w: dict) -> IndexRow:
+    """Raises KeyError/TypeError/ValueError on a malformed record."""
+    recorded = _NOT_RECORDED not in w
+    ins: list = []
+    outs: list = []
+    first = None
+    if recorded:
+        raw: list = []
+        _raw_refs(w.get(_ARGS) or [], raw)
+        for v in (w.get(_KWARGS) or {}).values():
+            _raw_refs(v, raw)
+        ins = [(r.get(_VERSION), _geom(r)) for r in raw]
+        raw = []
+        _raw_refs(w.get(_OUTPUTS), raw)
+        outs = [(r.get(_VERSION), _geom(r)) for r in raw]
+        if raw:
+            first = f"{raw[0][_DTYPE]}{list(raw[0][_SHAPE])}"
+        seen = {g for _, g in outs}
+        for _, v in w.get(_WRITES) or []:
+            raw = []
+            _raw_refs(v, raw)
+            for r in raw:
+                g = _geom(r)
+                if g not in seen:
+                    seen.add(g)
+                    outs.append((r.get(_VERSION), g))
+    return IndexRow(w[_INDEX], w[_NAME], w.get(_PHASE), w.get(_MODULE), w.get(_SOURCE), w.get(_FORWARD), recorded,
+                    _COLL in w, bool(w.get(_UNINIT)), isinstance(w.get(_RNG), dict), ins, outs, first)
+
+
 def check_chunk(frame: Any, first: int) -> list[dict]:
     """The op records of an ops chunk, after checking its structure; ValueError if it is not sound."""
     if not isinstance(frame, dict):

@@ -22,7 +22,7 @@ import torch
 
 from replaydiff.trace import codec
 from replaydiff.trace.index import IndexBuilder
-from replaydiff.trace.schema import OpRecord, chunk_frame, wire_index
+from replaydiff.trace.schema import chunk_frame, wire_index
 from replaydiff.trace.format import (
     DATA_DIR,
     ENTERED,
@@ -254,4 +254,4 @@ class RankWriter:
             self.ops_written += len(chunk.ops)
             self.last_op_written = wire_index(chunk.ops[-1])
             for op in chunk.ops:
-                self._index.add(OpRecord(op))
+                self._index.add(op)
