@@ -74,6 +74,8 @@ fault = PlantedFault("c10d._reduce_scatter_base_.default", rel=1e-3, rank=1)
 with recorded("fsdp_fault", fault):
     fsdp_step()
 assert fault.planted or rank != 1
+with recorded("fsdp_gather_fault", PlantedFault("c10d._allgather_base_.default", rel=1e-3, rank=1)):
+    fsdp_step()  # rank 1's first all-gather: its unsharded parameters are no longer the replicas of rank 0's
 
 # -- every collective training uses, c10d and functional forms; then rank 0 gets a wrong chunk from rank 1
 class WrongChunkFromPeer(TorchDispatchMode):
@@ -326,6 +328,16 @@ def test_hung_job_says_who_never_entered_the_collective(tmp_path: Path, capsys) 
 
 
 # -- 4 and 5. replicas, and the culprit across ranks -------------------------------------------------------------
+def test_fsdp2_unsharded_parameters_stop_agreeing_at_the_faulty_all_gather(job) -> None:
+    trace = job / "fsdp_gather_fault"
+    report = replay_trace(str(trace), ReplayOptions())
+    gathers = [_nth(trace, rank, "c10d._allgather_base_.default") for rank in (0, 1)]
+    b = report.replicas
+    assert b is not None and (b.rank, b.index, b.other_rank, b.other_index) == (0, gathers[0], 1, gathers[1]), b
+    assert "result differs between the ranks" in b.what
+    assert [(r.rank, r.index) for r in report.first_per_rank] == [(1, gathers[1])]
+
+
 def test_ddp_replicas_stop_agreeing_at_the_faulty_optimizer_op(job) -> None:
     trace = job / "ddp_replica"
     report = replay_trace(str(trace), ReplayOptions())
