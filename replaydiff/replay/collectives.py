@@ -22,6 +22,7 @@ from replaydiff.replay.policy import ReplayOptions
 from replaydiff.replay.result import OpResult, Status
 from replaydiff.trace.reader import RankTrace, Trace
 from replaydiff.trace.schema import OpRecord, TensorRef, iter_refs
+from replaydiff.trace.sync import group_calls
 
 
 class NotChecked(Exception):
@@ -114,15 +115,7 @@ class CollectiveChecker:
     @staticmethod
     def calls(rt: RankTrace) -> dict[tuple, list[OpRecord]]:
         """Collective records of one rank, per process group (by name and ranks), in call order."""
-        out: dict[tuple, list[OpRecord]] = {}
-        idx = rt.index
-        for i in range(len(idx)):
-            if not idx.collective[i] or not idx.recorded[i] or aten.is_wait_only(idx.name[i]):
-                continue
-            op = rt[i]
-            if op.collective is not None:
-                out.setdefault(op.collective.group_key, []).append(op)
-        return out
+        return {key: [rt[i] for i in indices] for key, indices in group_calls(rt).items()}
 
     def check(self, results: dict[tuple[int, int], OpResult]) -> None:
         """Replace the 'skipped' results of collectives with the outcome of the cross-rank check."""
@@ -252,4 +245,4 @@ class CollectiveChecker:
                               f"what they sent (rank {peer}: {what}; {v.reason})")
             else:
                 res.status, res.reason, res.verdict = Status.OK, \
-                    f"collective checked across ranks: every chunk vs what its peer sent", None
+                    "collective checked across ranks: every chunk vs what its peer sent", None

@@ -63,7 +63,7 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> No
             out.write(f"  backward of forward op #{first.forward_index}{called}\n")
         per_rank = report.first_per_rank
         if len(per_rank) > 1:
-            out.write(f"  earliest divergent op of each rank (the culprit is the earliest by collective order):\n")
+            out.write("  earliest divergent op of each rank (the culprit is the earliest by collective order):\n")
             for r in per_rank:
                 mark = ("  <- listed first (order undecided)" if report.undecided else "  <- culprit") \
                     if r is first else ""
