@@ -167,7 +167,13 @@ class RankWriter:
         self.flush()
         self._queue.put(None)
         self._thread.join()
-        self._note_in_flight(force=True)  # a collective that raised (a timeout) was entered and never completed
+        if self._in_flight is not None:
+            self._note_in_flight(force=True)  # a collective that raised (a timeout) was entered, never completed
+        elif self._entered_written is not None:  # a marker of a slow collective that then completed
+            try:
+                (self.root / ENTERED).unlink(missing_ok=True)
+            except OSError as exc:  # a reader ignores a marker whose op has a full record anyway
+                log.debug("stale entered-collective marker left: %s", exc)
         if not self.failed:
             try:
                 write_atomic(self.root / INDEX, pack_frame(self._index.to_frame(), 1))
