@@ -34,8 +34,11 @@ _SEEDED = torch.Tag.nondeterministic_seeded
 # Kernels that write arguments their schemas leave unmarked (torch 2.13): the batch norms update running_mean and
 # running_var in training although the schema says ``Tensor? running_mean``. Composite ops (batch_norm,
 # instance_norm) reach these or _native_batch_norm_legit / _batch_norm_with_update, whose schemas mark the writes.
-_UNANNOTATED_WRITES = {name: ("running_mean", "running_var") for name in
+_UNANNOTATED_WRITES = {("aten", name): ("running_mean", "running_var") for name in
                        ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")}
+# FSDP2 copies each rank's shards into its slot of the all-gather buffer and returns views of it; the schema
+# (torch 2.13) marks nothing written, so without this the all-gather would read the buffer as it was before.
+_UNANNOTATED_WRITES[("fsdp", "all_gather_copy_in")] = ("all_gather_output",)
 
 
 def namespace(name: str) -> str:
@@ -103,7 +106,7 @@ def _writes(func: Any, collective: bool) -> tuple[tuple[int, str, bool], ...]:
     few kernels known to write what their schema leaves unmarked; collectives mark nothing written but fill their
     tensors in place, so every tensor argument of a collective counts.
     """
-    unmarked = _UNANNOTATED_WRITES.get(func.overloadpacket.__name__, ()) if func.namespace == "aten" else ()
+    unmarked = _UNANNOTATED_WRITES.get((func.namespace, func.overloadpacket.__name__), ())
     out = []
     for i, a in enumerate(func._schema.arguments):
         if collective or _is_write(a.alias_info) or a.name in unmarked:
@@ -212,6 +215,30 @@ def is_cheap(name: str) -> bool:
                 c = False
         _CHEAP[name] = c
     return c
+
+
+_WRAPS: dict[tuple, bool] = {}
+
+
+def wraps_tensors(types: Any) -> bool:
+    """True when one of a dispatch's subclass ``types`` wraps plain tensors it unwraps itself (DTensor and other
+    traceable wrapper subclasses, which define ``__tensor_flatten__``); FakeTensor and the like do not."""
+    w = _WRAPS.get(types)
+    if w is None:
+        w = _WRAPS[types] = any(hasattr(t, "__tensor_flatten__") for t in types)
+    return w
+
+
+try:
+    _FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE
+    _get_mode = torch._C._get_dispatch_mode
+except AttributeError:  # an older torch: no infra-mode keys
+    _FAKE_KEY = _get_mode = None
+
+
+def fake_mode_active() -> bool:
+    """A FakeTensorMode is running (shape propagation on tensors without data)."""
+    return _get_mode is not None and _get_mode(_FAKE_KEY) is not None
 
 
 def current_rank() -> tuple[int, int]:

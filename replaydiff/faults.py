@@ -21,6 +21,20 @@ def _result_tensors(func, args, kwargs, out) -> list[torch.Tensor]:
     return list(iter_tensors(first))
 
 
+def _completed(out, results: list[torch.Tensor]):
+    """``out`` with each Work replaced by one that is already complete."""
+    from torch._C._distributed_c10d import _create_work_from_future
+
+    def done():
+        fut = torch.futures.Future()
+        fut.set_result(results)
+        return _create_work_from_future(fut).boxed()
+
+    if isinstance(out, (tuple, list)):
+        return type(out)(done() if hasattr(v, "wait") and not isinstance(v, torch.Tensor) else v for v in out)
+    return done()
+
+
 @dataclass
 class PlantedFault(TorchDispatchMode):
     """Multiply the output of the ``occurrence``-th call of ``op`` (e.g. ``aten.mm.default``) by ``1 + rel``."""
@@ -43,14 +57,21 @@ class PlantedFault(TorchDispatchMode):
         self.seen += 1
         if self.seen - 1 != self.occurrence:
             return out
-        if func.namespace == "c10d" and isinstance(out, (tuple, list)):
-            for w in out:  # a collective's result exists once its work completes: corrupt it after that
+        works = []
+        if func.namespace == "c10d":  # a collective's result exists once its work completes: corrupt it after that
+            for w in (out if isinstance(out, (tuple, list)) else (out,)):  # (tensors, Work) or a bare Work
                 if hasattr(w, "wait") and not isinstance(w, torch.Tensor):
                     w.wait()
-        for t in _result_tensors(func, args, kwargs, out):
+                    works.append(w)
+        results = _result_tensors(func, args, kwargs, out)
+        for t in results:
             if t.is_floating_point() and t.numel():
                 with torch.no_grad():
                     t.copy_((t.double() * (1.0 + self.rel)).to(t.dtype))
+        if works:
+            # gloo copies a result into place again on every wait(): the job's own wait would undo the fault, so
+            # it gets a Work that is already complete
+            out = _completed(out, results)
         self.planted = True
         return out
 

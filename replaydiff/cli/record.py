@@ -32,6 +32,8 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tensor-bytes", type=int, metavar="N", help="store statistics for storages larger than N")
     p.add_argument("--verify-writes", action="store_true",
                    help="checksum stored CPU tensors to notice writes torch never sees (numpy, C extensions)")
+    p.add_argument("--ranks", type=_rank_list, metavar="R,R,...",
+                   help="record only these ranks of a multi-process job (the others run untouched)")
     p.add_argument("--plant", metavar="OP[:N[:REL]]",
                    help="plant a fault to check that replay finds it: the N-th call (from 1) of OP returns its output "
                         "times 1+REL (default N=1, REL=1e-3), e.g. aten.mm.default:2; the trace says so")
@@ -39,10 +41,17 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run, e.g. python train.py")
 
 
+def _rank_list(text: str) -> list[int]:
+    try:
+        return sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ranks takes ranks separated by commas, e.g. 0,3, not {text!r}")
+
+
 def options_from_args(args: argparse.Namespace) -> RecordOptions:
     return RecordOptions.make(tensors=args.tensors, compress=not args.no_compress, modules=args.modules,
                               ops=args.ops, max_tensor_bytes=args.max_tensor_bytes, verify_writes=args.verify_writes,
-                              plant=args.plant)
+                              plant=args.plant, ranks=getattr(args, "ranks", None))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -72,9 +72,20 @@ def run(args: argparse.Namespace) -> int:
     from replaydiff.cli.progress import progress_bar
     from replaydiff.report import render_replay, report_to_json
 
+    from replaydiff.replay.distributed import launched_by_torchrun, replay_sharded
+
     opts = options_from_args(args)
-    with progress_bar("replaying") as (set_total, advance):
-        report = replay_trace(args.trace, opts, workers=args.workers, progress_total=set_total, progress=advance)
+    if launched_by_torchrun():  # one of K processes: each replays its share, process 0 writes the report
+        if args.workers != 1:
+            raise UsageError("--workers and torchrun do not mix: torchrun's processes are the workers")
+        with progress_bar("replaying") as (set_total, advance):
+            report = replay_sharded(args.trace, opts, set_total, advance)
+        if report is None:
+            return EXIT_OK
+    else:
+        with progress_bar("replaying") as (set_total, advance):
+            report = replay_trace(args.trace, opts, workers=args.workers, progress_total=set_total,
+                                  progress=advance)
     for w in report.warnings:
         sys.stderr.write(f"replaydiff: warning: {w}\n")
     if args.json:

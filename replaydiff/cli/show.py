@@ -10,6 +10,8 @@ from typing import Any, TextIO
 
 from replaydiff.errors import UsageError
 from replaydiff.trace import OpRecord, RankTrace, TensorRef, open_trace
+from replaydiff.trace.reader import Trace
+from replaydiff.trace.sync import GroupArrival, RankProgress, arrivals, progress
 
 OP_JSON_FORMAT = "replaydiff.op/1"
 
@@ -96,6 +98,36 @@ def _render_summary(path: str, summaries: list[dict], out: TextIO) -> None:
     variables = env.get("variables") or {}
     if variables:
         out.write("  variables: " + ", ".join(f"{k}={v}" for k, v in variables.items()) + "\n")
+
+
+def _op_brief(op: OpRecord | None) -> str:
+    if op is None:
+        return "none"
+    where = "  ".join(x for x in (op.module or "", f"({op.phase})" if op.phase else "", op.source or "") if x)
+    return f"#{op.index} {op.name}  {where}".rstrip()
+
+
+def hang_report(trace: Trace) -> tuple[list[GroupArrival], list[RankProgress]]:
+    """Per process group, who entered its first call not every rank completed; per rank, where it stopped."""
+    return arrivals(trace), [progress(trace.rank(r)) for r in trace.ranks]
+
+
+def render_hang(groups: list[GroupArrival], ranks: list[RankProgress], out: TextIO) -> None:
+    """The "who didn't arrive" section: printed when a rank is inside a collective or the ranks' collectives
+    disagree (a hang, a rank that skipped a collective, a job killed mid-step)."""
+    if not groups and not any(p.entered is not None for p in ranks):
+        return
+    out.write("\ncollectives not completed by every rank:\n")
+    for g in groups:
+        waiting = "".join(f"; rank {r} waiting in op #{i}" for r, i in sorted(g.waiting.items()))
+        out.write(f"  group {g.group_name} ranks {list(g.ranks)}: collective #{g.call} of the group ({g.op}): "
+                  f"entered by ranks {g.entered}, never by ranks {g.never}{waiting}\n")
+        if g.not_in_trace:
+            out.write(f"    ranks {g.not_in_trace} of the group have no trace here\n")
+    for p in ranks:
+        state = "recording finished" if p.complete else "recording cut short"
+        inside = f"; inside collective op #{p.entered.index} {p.entered.name}" if p.entered is not None else ""
+        out.write(f"  rank {p.rank}: last completed op {_op_brief(p.last_op)} ({state}){inside}\n")
 
 
 def _tensor_text(ref: TensorRef, producer: int | None = None, consumers: list[int] | None = None,
@@ -207,8 +239,16 @@ def run(args: argparse.Namespace) -> int:
         if not s["complete"]:
             sys.stderr.write(f"replaydiff: warning: rank {s['rank']} is truncated after op {s['truncated_after']} "
                              f"(the recording did not finish)\n")
+    groups, ranks = hang_report(trace)
     if args.json:
-        sys.stdout.write(json.dumps({"trace": args.trace, "ranks": summaries}, indent=1) + "\n")
+        progress_json = [{"rank": p.rank, "complete": p.complete,
+                          "last_op": None if p.last_op is None else p.last_op.index,
+                          "entered": None if p.entered is None else {"index": p.entered.index,
+                                                                    "op": p.entered.name}} for p in ranks]
+        sys.stdout.write(json.dumps({"trace": args.trace, "ranks": summaries,
+                                     "collectives": [g.to_json() for g in groups], "progress": progress_json},
+                                    indent=1) + "\n")
     else:
         _render_summary(args.trace, summaries, sys.stdout)
+        render_hang(groups, ranks, sys.stdout)
     return 0

@@ -61,6 +61,13 @@ class RecordingMode(TorchDispatchMode):
         rec = self.rec
         if not rec.active:
             return func(*args, **kwargs)
+        if types and aten.wraps_tensors(types):
+            # A wrapper subclass (DTensor under FSDP2 and tensor parallelism): let it unwrap; the ops it runs on its
+            # local tensors come back through this mode and are what gets recorded (and can be replayed).
+            return NotImplemented
+        if aten.fake_mode_active():
+            # Shape propagation on fake tensors (DTensor's sharding rules): no data, nothing computed for the job.
+            return func(*args, **kwargs)
         pending = None
         try:
             pending = rec.before(func, types, args, kwargs)
@@ -216,9 +223,13 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
         rec.writer.add_op(schema.wire_not_recorded(schema.wire_op(index, name, phase, module, fwd, None),
                                                    "filtered out (record options ops/modules)"))
         return Pending(None, written, info.uninitialised) if written or info.uninitialised else None
-    record = schema.wire_op(index, name, phase, module, fwd, ctx.source())
+    source = ctx.source()
+    record = schema.wire_op(index, name, phase, module, fwd, source)
     if info.collective:
-        schema.wire_set_collective(record, collective_info(func, args, kwargs))
+        coll = collective_info(func, args, kwargs)
+        schema.wire_set_collective(record, coll)
+        if not aten.is_wait_only(name):
+            rec.writer.enter_collective(schema.wire_entered(index, name, phase, module, source, coll))
     if info.seeded and b.mode == "full":  # generator state is data: only "full" traces store any
         state = rec.rng_state(args, kwargs)
         if state is not None:
@@ -236,6 +247,7 @@ def record_after(rec: RecorderLike, b: OpBuilder, p: Pending, func: Any, args: t
     record = p.record
     if record is not None and schema.wire_is_collective(record):
         out = wait_collective(func, out)
+        rec.writer.leave_collective()
     for _, v in p.written:
         for t in iter_tensors(v):
             e = rec.storages.entry(t.untyped_storage())
@@ -315,8 +327,9 @@ def collective_info(func: Any, args: tuple, kwargs: dict) -> CollectiveInfo:
 
 def wait_collective(func: Any, out: Any) -> Any:
     """Outputs of a collective exist only once its work completes: wait for it (the job would, before using them)."""
-    if func.namespace == "c10d" and isinstance(out, (tuple, list)):
-        for v in out:
+    if func.namespace == "c10d":
+        # (tensors, Work) from most; a bare Work from alltoall_base_, reduce_, gather_ and the coalesced forms
+        for v in (out if isinstance(out, (tuple, list)) else (out,)):
             if hasattr(v, "wait") and not isinstance(v, torch.Tensor):
                 v.wait()
     elif func.namespace in ("_c10d_functional", "c10d_functional"):

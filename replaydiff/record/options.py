@@ -35,6 +35,8 @@ class RecordOptions:
     # dispatcher never sees (through .numpy(), a C extension's pointer) become new versions. Costs a CRC32 pass
     # (~3 GB/s) per re-read: off by default.
     verify_writes: bool = False
+    # Record only these ranks of a multi-process job (None: every rank); the others run untouched.
+    ranks: list[int] | None = None
     # A planted fault, OP[:N[:REL]] (replaydiff.faults.PlantSpec): the N-th call of OP returns its output times
     # 1 + REL, from a dispatch mode below the recorder, so a user can check on their own job that replay names it.
     plant: str | None = None
@@ -48,6 +50,8 @@ class RecordOptions:
             raise ValueError("chunk_ops and chunk_bytes must be positive")
         if self.max_tensor_bytes is not None and self.max_tensor_bytes < 0:
             raise ValueError("max_tensor_bytes must be >= 0")
+        if self.ranks is not None and not all(isinstance(r, int) and r >= 0 for r in self.ranks):
+            raise ValueError(f"ranks must be a list of ranks (>= 0), not {self.ranks!r}")
         if self.plant is not None:
             from replaydiff.faults import PlantSpec
 
@@ -66,6 +70,8 @@ class RecordOptions:
         for k in ("modules", "ops"):
             if k in kw:
                 kw[k] = _globs(kw[k])
+        if isinstance(kw.get("ranks"), int):
+            kw["ranks"] = [kw["ranks"]]
         unknown = set(kw) - {f.name for f in fields(cls)}
         if unknown:
             raise TypeError(f"unknown record option(s): {', '.join(sorted(unknown))}")

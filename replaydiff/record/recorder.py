@@ -61,6 +61,8 @@ class Recorder:
     def start(self) -> "Recorder":
         try:
             rank, world = current_rank()
+            if self.options.ranks is not None and rank not in self.options.ranks:
+                return self  # not a rank asked for: this process runs untouched (no mode, no directory)
             self.rank_dir = self.path / rank_dir_name(rank)
             if (self.rank_dir / MANIFEST).exists():
                 raise FileExistsError(f"{self.rank_dir} already holds a trace; choose another directory")

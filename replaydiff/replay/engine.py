@@ -20,10 +20,12 @@ import torch
 
 from replaydiff.errors import EnvironmentProblem, UsageError
 from replaydiff.replay.collectives import CollectiveChecker
+from replaydiff.replay.replicas import first_replica_break
 from replaydiff.replay.policy import ReplayOptions, reference_settings
 from replaydiff.replay.result import OpResult, ReplayReport, Status
 from replaydiff.replay.runner import OpReplayer
 from replaydiff.trace.reader import RankTrace, Trace, open_trace
+from replaydiff.trace.sync import earliest
 
 Progress = Callable[[int], None]
 OnResult = Callable[[OpResult], None]
@@ -150,6 +152,16 @@ def finish(trace: Trace, p: ReplayPlan, results: list[OpResult]) -> ReplayReport
     pending = {(r.rank, r.index): r for r in report.ops if r.collective and r.status is Status.SKIPPED}
     if pending:
         CollectiveChecker(trace, p.options).check(pending)
+    if len(trace.ranks) > 1 and (p.options.ranks is None or len(p.options.ranks) > 1):
+        try:
+            report.replicas = first_replica_break(trace)
+        except Exception as exc:  # a damaged chunk elsewhere: the replica comparison is extra, the report stands
+            report.warnings.append(f"replicas not compared: {type(exc).__name__}: {exc}")
+    candidates = [(r.rank, r.index) for r in report.first_per_rank]
+    if len(candidates) > 1:
+        first = earliest(trace, candidates)
+        report.culprit = first[0]
+        report.undecided = first[1:]
     for r in report.ops:
         # A backward op's own source line is the backward() call; the forward op's line says which code it is.
         if r.status in (Status.DIVERGENT, Status.NONDETERMINISTIC, Status.ERROR) and r.forward_index is not None:

@@ -59,6 +59,12 @@ class ReplayReport:
     options: dict[str, Any]
     ops: list[OpResult] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # Across ranks (engine.finish): the culprit, the earliest divergent op by collective-synchronised position,
+    # and the other ranks' candidates whose order against it no collective decides.
+    culprit: tuple[int, int] | None = None
+    undecided: list[tuple[int, int]] = field(default_factory=list)
+    # Where data-parallel replicas first stop agreeing across ranks (replicas.ReplicaBreak), if they do.
+    replicas: Any = None
     # Faults planted while recording (record --plant), one description per rank: every report says so first.
     planted: list[str] = field(default_factory=list)
 
@@ -70,7 +76,21 @@ class ReplayReport:
 
     @property
     def first_divergent(self) -> OpResult | None:
+        """The culprit: on one rank its earliest divergent op; across ranks the earliest by collective order."""
+        if self.culprit is not None:
+            hit = next((r for r in self.ops if (r.rank, r.index) == self.culprit), None)
+            if hit is not None:
+                return hit
         return next((r for r in self.ops if r.status is Status.DIVERGENT), None)
+
+    @property
+    def first_per_rank(self) -> list[OpResult]:
+        """Every rank's earliest divergent op, in that rank's own order (one candidate per rank)."""
+        seen: dict[int, OpResult] = {}
+        for r in self.ops:
+            if r.status is Status.DIVERGENT and (r.rank not in seen or r.index < seen[r.rank].index):
+                seen[r.rank] = r
+        return [seen[k] for k in sorted(seen)]
 
     @property
     def first_nondeterministic(self) -> OpResult | None:
@@ -82,4 +102,4 @@ class ReplayReport:
 
     @property
     def found_problem(self) -> bool:
-        return any(r.status in PROBLEMS for r in self.ops)
+        return any(r.status in PROBLEMS for r in self.ops) or self.replicas is not None

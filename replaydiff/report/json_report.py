@@ -3,7 +3,10 @@
 Top level: ``format``, ``planted`` (faults planted while recording, one line per rank; empty for a real trace),
 ``trace``, ``options``, ``warnings``, ``summary`` (count per status), ``first_divergent`` (null or an op object), ``first_nondeterministic``, ``nonfinite_origin`` and ``ops`` (one object per replayed op:
 ``rank``, ``index``, ``op``, ``status``, ``module``, ``phase``, ``source``, ``forward_index``, ``metrics``,
-``reason``). Floats that are not finite are written as the strings "inf", "-inf" and "nan" so the file stays JSON.
+``reason``), ``first_divergent_per_rank`` (each rank's earliest divergent op) and ``undecided`` (ranks and op
+numbers of candidates that no collective orders against ``first_divergent``), ``replicas`` (null, or where
+data-parallel replicas first stop agreeing: ``rank``, ``index``, ``other_rank``, ``other_index``, ``op``, ``what``).
+Floats that are not finite are written as the strings "inf", "-inf" and "nan" so the file stays JSON.
 """
 from __future__ import annotations
 
@@ -48,6 +51,9 @@ def report_to_json(report: ReplayReport) -> dict:
         "warnings": list(report.warnings),
         "summary": report.counts(),
         "first_divergent": op_json(report.first_divergent),
+        "first_divergent_per_rank": [op_json(r) for r in report.first_per_rank],
+        "undecided": [{"rank": k, "index": i} for k, i in report.undecided],
+        "replicas": None if report.replicas is None else report.replicas.to_json(),
         "first_nondeterministic": op_json(report.first_nondeterministic),
         "nonfinite_origin": op_json(report.nonfinite_origin),
         "ops": [op_json(r) for r in report.ops],
@@ -73,6 +79,14 @@ def load_replay_json(path: str | Path) -> ReplayReport:
                                    forward_index=o.get("forward_index"), forward_source=o.get("forward_source"),
                                    verdict=verdict, reason=o.get("reason"),
                                    repeats_disagree=bool(o.get("repeats_disagree"))))
+    first = d.get("first_divergent")
+    if first:
+        report.culprit = (first["rank"], first["index"])
+    report.undecided = [(u["rank"], u["index"]) for u in d.get("undecided") or []]
+    if d.get("replicas"):
+        from replaydiff.replay.replicas import ReplicaBreak
+
+        report.replicas = ReplicaBreak(**d["replicas"])
     origin = d.get("nonfinite_origin")
     if origin:
         for r in report.ops:

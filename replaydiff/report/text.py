@@ -56,15 +56,29 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> No
     else:
         rank = f"rank {first.rank} " if len(ranks) > 1 else ""
         out.write(f"first divergent op {rank}{op_line(first)}\n")
-        out.write(f"  {metrics_line(first)}  - replayed alone from its recorded inputs\n")
+        how = "checked across ranks" if first.collective else "replayed alone from its recorded inputs"
+        out.write(f"  {metrics_line(first)}  - {how}\n")
         if first.phase == "backward" and first.forward_index is not None:
             called = f"; backward() called at {first.source}" if first.source else ""
             out.write(f"  backward of forward op #{first.forward_index}{called}\n")
+        per_rank = report.first_per_rank
+        if len(per_rank) > 1:
+            out.write("  earliest divergent op of each rank (the culprit is the earliest by collective order):\n")
+            for r in per_rank:
+                mark = ("  <- listed first (order undecided)" if report.undecided else "  <- culprit") \
+                    if r is first else ""
+                out.write(f"    rank {r.rank} {op_line(r)}{mark}\n")
+        if report.undecided:
+            which = ", ".join(f"rank {k} #{i}" for k, i in report.undecided)
+            out.write(f"  the order between rank {first.rank} #{first.index} and {which} cannot be decided: no "
+                      f"collective of a common group lies between them\n")
         others = [r for r in report.ops if r.status is Status.DIVERGENT and r is not first]
         if others:
             out.write(f"  {len(others)} more divergent op(s):\n")
             for r in others[:max_listed]:
-                out.write(f"    {op_line(r)}  {metrics_line(r)}\n")
+                out.write(f"    {f'rank {r.rank} ' if len(ranks) > 1 else ''}{op_line(r)}  {metrics_line(r)}\n")
+    if report.replicas is not None:
+        out.write(report.replicas.describe() + "\n")
     nd = report.first_nondeterministic
     if nd is not None:
         n = sum(r.status is Status.NONDETERMINISTIC for r in report.ops)

@@ -32,6 +32,8 @@ FORMAT_VERSION = 1
 
 MANIFEST = "manifest.rdt"
 INDEX = "index.rdt"
+# The collective the rank was inside, not yet completed, when the trace was last written (hang debugging).
+ENTERED = "entered.rdt"
 OPS_DIR = "ops"
 DATA_DIR = "data"
 FRAME_SUFFIX = ".rdt"

@@ -26,6 +26,7 @@ from replaydiff.errors import TraceError
 from replaydiff.trace import codec
 from replaydiff.trace.format import (
     DATA_DIR,
+    ENTERED,
     FORMAT_NAME,
     FORMAT_VERSION,
     FRAME_SUFFIX,
@@ -36,7 +37,7 @@ from replaydiff.trace.format import (
     read_frame,
 )
 from replaydiff.trace.index import IndexBuilder, ModuleNode, TraceIndex
-from replaydiff.trace.schema import OpRecord, RngState, StoredBytes, TensorRef, check_chunk
+from replaydiff.trace.schema import OpRecord, RngState, StoredBytes, TensorRef, check_chunk, check_entered
 
 
 class DataFile:
@@ -275,6 +276,23 @@ class RankTrace(Sequence):
         if not self._firsts:
             return None
         return OpRecord(self._chunk(self._firsts[-1])[-1]).index
+
+    @property
+    def entered(self) -> OpRecord | None:
+        """The collective this rank had entered and not completed when its trace was last written (a rank waiting
+        in it when the job hung or was killed): a stub OpRecord (``recorded`` False) with its process group in
+        ``collective``; None when the rank was in no collective."""
+        path = self.root / ENTERED
+        if not path.exists():
+            return None
+        try:
+            op = OpRecord(check_entered(read_frame(path)), self.rank, path)
+        except ValueError as exc:
+            raise TraceError(path, str(exc)) from None
+        last = self.last_index
+        if last is not None and op.index <= last and self.op(op.index).recorded:
+            return None  # a marker left from a collective that then completed
+        return op
 
     @property
     def truncated_after(self) -> int | None:

@@ -437,6 +437,27 @@ def wire_not_recorded(rec: dict, why: str) -> dict:
     return rec
 
 
+ENTERED_REASON = "entered, not completed while recording (the rank was waiting in it)"
+
+
+def wire_entered(index: int, name: str, phase: str | None, module: str | None, source: str | None,
+                 info: CollectiveInfo) -> dict:
+    """The stub a rank leaves when it enters a collective: numbered, its group known, no tensors (those come with
+    the full record once it completes). Read back as an OpRecord with ``recorded`` False."""
+    rec = wire_op(index, name, phase, module, None, source)
+    rec[_COLL] = wire_collective(info)
+    rec[_NOT_RECORDED] = ENTERED_REASON
+    return rec
+
+
+def check_entered(frame: Any) -> dict:
+    """An entered-collective stub, after checking its structure; ValueError if it is not sound."""
+    if not isinstance(frame, dict) or not isinstance(frame.get(_INDEX), int) or not isinstance(frame.get(_NAME), str) \
+            or not isinstance(frame.get(_COLL), dict):
+        raise ValueError("not an entered-collective record")
+    return frame
+
+
 def wire_set_collective(rec: dict, info: CollectiveInfo) -> None:
     rec[_COLL] = wire_collective(info)
 

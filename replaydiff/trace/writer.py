@@ -25,6 +25,7 @@ from replaydiff.trace.index import IndexBuilder
 from replaydiff.trace.schema import chunk_frame, wire_index
 from replaydiff.trace.format import (
     DATA_DIR,
+    ENTERED,
     FORMAT_NAME,
     FORMAT_VERSION,
     INDEX,
@@ -83,6 +84,10 @@ class RankWriter:
         # flush_seconds (a job hung inside an op, then killed, still leaves everything before that op). Reentrant:
         # a SIGTERM handler may flush while the interrupted recording thread holds it.
         self._lock = threading.RLock()
+        # The collective the recording thread is inside: (stub record, since). Written to ENTERED by the writer
+        # thread once it has waited flush_seconds, so a rank stuck in it (then killed) says which one it entered.
+        self._in_flight: tuple[dict, float] | None = None
+        self._entered_written: dict | None = None
         self._thread = threading.Thread(target=self._run, name="replaydiff-writer", daemon=True)
         self._thread.start()
 
@@ -105,6 +110,25 @@ class RankWriter:
             if len(chunk.ops) >= self.chunk_ops or chunk.pending_bytes >= self.chunk_bytes \
                     or time.monotonic() - chunk.started >= self.flush_seconds:
                 self.flush()
+
+    def enter_collective(self, stub: dict) -> None:
+        """The recording thread is about to wait in a collective (a plain assignment: the hot path stays cheap)."""
+        self._in_flight = (stub, time.monotonic())
+
+    def leave_collective(self) -> None:
+        self._in_flight = None
+
+    def _note_in_flight(self, force: bool = False) -> None:
+        cur = self._in_flight
+        if cur is None or cur[0] is self._entered_written:
+            return
+        stub, since = cur
+        if force or time.monotonic() - since >= self.flush_seconds:
+            try:
+                write_atomic(self.root / ENTERED, pack_frame(stub, None))
+                self._entered_written = stub
+            except Exception as exc:
+                log.debug("the entered-collective marker could not be written: %s", exc)
 
     def flush(self) -> None:
         """Hand the current chunk to the writer thread (blocks while two chunks are already waiting)."""
@@ -143,6 +167,13 @@ class RankWriter:
         self.flush()
         self._queue.put(None)
         self._thread.join()
+        if self._in_flight is not None:
+            self._note_in_flight(force=True)  # a collective that raised (a timeout) was entered, never completed
+        elif self._entered_written is not None:  # a marker of a slow collective that then completed
+            try:
+                (self.root / ENTERED).unlink(missing_ok=True)
+            except OSError as exc:  # a reader ignores a marker whose op has a full record anyway
+                log.debug("stale entered-collective marker left: %s", exc)
         if not self.failed:
             try:
                 write_atomic(self.root / INDEX, pack_frame(self._index.to_frame(), 1))
@@ -160,6 +191,7 @@ class RankWriter:
         """Rewrite the manifest as it stands (still incomplete), e.g. with a ``lost`` line before the process dies."""
         self._manifest.update(lost=self.lost, ops_written=self.ops_written, last_op=self.last_op_written)
         self._write_manifest()
+        self._note_in_flight(force=True)
 
     def note_lost(self, what: str) -> None:
         if len(self.lost) < 100:
@@ -182,6 +214,7 @@ class RankWriter:
                 chunk = self._queue.get(timeout=self.flush_seconds / 2)
             except queue.Empty:
                 self._take_stale()
+                self._note_in_flight()
                 continue
             if chunk is None:
                 return
