@@ -103,6 +103,11 @@ class FakeRankTrace:
         self.index = FakeIndex(ops)
         self._producers = producers
         self._tensors = tensors
+        self._consumers: dict = {}
+        for j, prods in producers.items():
+            for _, p in prods.items():
+                if p is not None:
+                    self._consumers.setdefault(p, []).append(j)
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -117,12 +122,7 @@ class FakeRankTrace:
         return dict(self._producers.get(i, {}))
 
     def consumers(self, i: int) -> dict:
-        out: dict = {}
-        for j, prods in self._producers.items():
-            for _, p in prods.items():
-                if p == i:
-                    out.setdefault(0, []).append(j)
-        return {k: sorted(v) for k, v in out.items()}
+        return {0: sorted(self._consumers[i])} if i in self._consumers else {}
 
 
 class FakeTrace:

@@ -75,6 +75,10 @@ class ReplaydiffApp(App):
         self.replay_message = ""
         self._last_tree = 0.0
         self.detail_op: int | None = None  # the op the detail pane shows (set once its content is in)
+        self._main_ready = False  # the main screen is composed
+        self._detail_timer = None
+        self._detail_due: int | None = None  # an op whose details wait for the cursor to rest
+        self._status_text = ""
         if report is not None:
             self._take(report.ops)
 
@@ -103,10 +107,11 @@ class ReplaydiffApp(App):
     def on_mount(self) -> None:
         self.main = MainScreen(self.model)
         self.push_screen(self.main)
-        self.set_interval(0.1, self._drain)
         self.call_after_refresh(self._after_first_paint)
 
     def _after_first_paint(self) -> None:
+        self._main_ready = True
+        self.set_interval(0.1, self._drain)
         self.main.op_list.move_to(0)
         self.update_status()
         if self.replay_on_start:
@@ -201,7 +206,7 @@ class ReplaydiffApp(App):
                 m.add_results([r for r in results if r.rank == rank])
 
     def _refresh_verdicts(self, full: bool) -> None:
-        if not hasattr(self, "main") or not self.main.is_mounted:
+        if not self._main_ready:
             return
         self.main.op_list.refresh_rows()
         self.main.heat.refresh()
@@ -222,7 +227,7 @@ class ReplaydiffApp(App):
         return time.monotonic()
 
     def update_status(self) -> None:
-        if not hasattr(self, "main") or not self.main.is_mounted:
+        if not self._main_ready:
             return
         m = self.model
         parts = [f"rank {self.rank}" + (f" ({self.ranks.index(self.rank) + 1}/{len(self.ranks)})"
@@ -243,11 +248,29 @@ class ReplaydiffApp(App):
             verdicts = f"replay failed: {self.replay_message}"
         elif self.replay_state == "none":
             verdicts = "not replayed (R runs a replay)"
-        self.main.query_one("#status", Static).update(" · ".join(parts) + "  │ " + verdicts)
+        text = " · ".join(parts) + "  │ " + verdicts
+        if text != self._status_text:
+            self._status_text = text
+            self.main.query_one("#status", Static).update(text)
         bar = self.main.query_one("#progress", ProgressBar)
         bar.display = self.replay_state == "running"
         if self.replay_state == "running":
             bar.update(total=self._total or None, progress=self._done)
+
+    async def workers_done(self, replay: bool = False) -> None:
+        """Wait until the detail pane's workers (and the replay's, with ``replay``) have finished; for tests and
+        benchmarks. Workers replaced by newer ones are not waited for."""
+        import asyncio
+
+        while self._detail_due is not None:
+            await asyncio.sleep(0.005)
+        while True:
+            busy = [w for w in self.workers if not w.is_cancelled and not w.is_finished
+                    and (replay or w.group != "replay")]
+            if not busy:
+                break
+            await asyncio.gather(*(w.wait() for w in busy), return_exceptions=True)
+        self._drain()
 
     # -- selection and detail ---------------------------------------------------------------------------------
     @property
@@ -286,8 +309,23 @@ class ReplaydiffApp(App):
         self.model.set_view(scope=message.scope)
         self._after_view_change(cur)
 
-    def show_detail(self, op: int) -> None:
-        self._detail_worker(self.rank, op)
+    def show_detail(self, op: int, delay: float = 0.03) -> None:
+        """Fill the detail pane for ``op`` in a worker, once the cursor has rested ``delay`` seconds (holding a key
+        down moves the cursor at full speed and reads only the op it stops on)."""
+        if self._detail_timer is not None:
+            self._detail_timer.stop()
+            self._detail_timer = None
+        self._detail_due = op
+        if delay:
+            self._detail_timer = self.set_timer(delay, self._start_detail)
+        else:
+            self._start_detail()
+
+    def _start_detail(self) -> None:
+        self._detail_timer = None
+        op, self._detail_due = self._detail_due, None
+        if op is not None:
+            self._detail_worker(self.rank, op)
 
     @work(thread=True, exclusive=True, group="detail", exit_on_error=False)
     def _detail_worker(self, rank: int, op: int) -> None:
@@ -486,7 +524,8 @@ class ReplaydiffApp(App):
 def make_app(path: str | Path, *, rank: int | None = None, report_path: str | Path | None = None,
              replay: ReplaySettings | None = None) -> ReplaydiffApp:
     """Open a trace (TraceError if it cannot be read) and build the app: colours from ``report_path`` when given,
-    otherwise a background replay with ``replay`` settings (fp64 on the CPU by default)."""
+    otherwise a background replay with ``replay`` settings (fp64 on the CPU by default). Nothing runs until the
+    caller runs the app (``app.run()``, or ``app.run_test()`` in tests)."""
     import replaydiff
 
     trace = replaydiff.open_trace(path)

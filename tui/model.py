@@ -123,6 +123,7 @@ class TraceModel:
         self.results: list[Any] = [None] * self.n  # OpResult per op
         self.status: list[str | None] = [None] * self.n
         self.severity: list[float | None] = [None] * self.n
+        self._counts: dict[str, int] = {}
         self.divergent: list[int] = []  # sorted op numbers with a problem verdict
         self.nonfinite: list[int] = []
         self.hide_cheap = False
@@ -139,6 +140,7 @@ class TraceModel:
         self.status = [None] * self.n
         self.severity = [None] * self.n
         self.divergent, self.nonfinite = [], []
+        self._counts = {}
         self.version += 1
 
     def add_results(self, results: Iterable[Any]) -> int:
@@ -152,6 +154,10 @@ class TraceModel:
             if not 0 <= i < self.n:
                 continue
             s = status_value(r.status)
+            old = self.status[i]
+            if old is not None:
+                self._counts[old] -= 1
+            self._counts[s] = self._counts.get(s, 0) + 1
             self.results[i] = r
             self.status[i] = s
             self.severity[i] = severity(s, r.metrics)
@@ -168,9 +174,7 @@ class TraceModel:
 
     def counts(self) -> dict[str, int]:
         c = {OK: 0, DIVERGENT: 0, NONDETERMINISTIC: 0, SKIPPED: 0, ERROR: 0}
-        for s in self.status:
-            if s is not None:
-                c[s] = c.get(s, 0) + 1
+        c.update(self._counts)
         return c
 
     # -- rows -------------------------------------------------------------------------------------------------

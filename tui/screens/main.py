@@ -42,8 +42,9 @@ class MainScreen(Screen):
             with Vertical(id="right"):
                 yield OpList(self.model, id="ops")
                 yield DetailPane(id="detail")
-        yield Input(placeholder="filter: op or module name (Enter keeps it, Esc clears)", id="filter")
         with Horizontal(id="statusbar"):
+            # the filter box shares the status line, so showing it moves nothing else on the screen
+            yield Input(placeholder="filter: op or module name (Enter keeps it, Esc clears)", id="filter")
             yield Static("", id="status")
             yield ProgressBar(id="progress", show_eta=False)
         yield Footer()

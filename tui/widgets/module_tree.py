@@ -22,7 +22,7 @@ class ModuleTree(Tree[ModuleGroup]):
     every op again. A node's figure is its worst error as a multiple of the divergence limit."""
 
     DEFAULT_CSS = """
-    ModuleTree { width: 30; min-width: 16; border-right: solid $panel-lighten-2; }
+    ModuleTree { border-right: solid $panel-lighten-2; }
     """
 
     class Scope(Message):
@@ -47,32 +47,53 @@ class ModuleTree(Tree[ModuleGroup]):
     def rebuild(self) -> None:
         self.clear()
         self._group_nodes = {}
+        self._filled: set = set()
         self.root.set_label(self._root_label())
         for g in self.model.module_groups():
             self._add(self.root, g, expand=g.phase != "optimizer")
         self.root.expand()
 
     def _add(self, parent, g: ModuleGroup, expand: bool) -> None:
-        node = parent.add(self._label(g), data=g, expand=expand and len(g.children) <= 12,
-                          allow_expand=bool(g.children))
-        self._group_nodes[(g.phase, g.path)] = node
-        for c in g.children:
-            self._add(node, c, expand=g.path == "" or g.path.count(".") < 1)
+        # a module whose ops all sit in its only child shows as one node: "Model.layers", not "Model" > "layers"
+        chain = [g]
+        while len(chain[-1].children) == 1 and chain[-1].children[0].count == chain[-1].count and chain[-1].path:
+            chain.append(chain[-1].children[0])
+        last = chain[-1]
+        expand = expand and len(last.children) <= 12
+        node = parent.add(self._label(g, last), data=last, expand=expand, allow_expand=bool(last.children))
+        self._group_nodes[(last.phase, last.path)] = (node, g)
+        if expand:
+            self._fill(node)
+
+    def _fill(self, node) -> None:
+        """Add a node's children (done when it is first expanded: a model may have thousands of modules)."""
+        if node in self._filled:
+            return
+        self._filled.add(node)
+        last = node.data
+        for c in last.children:
+            self._add(node, c, expand=last.path == "" or last.path.count(".") < 1)
+
+    def on_tree_node_expanded(self, event: Tree.NodeExpanded) -> None:
+        if event.node.data is not None:
+            self._fill(event.node)
 
     def _root_label(self) -> Text:
         return Text(f"all ops ({self.model.n})", style="bold")
 
-    def _label(self, g: ModuleGroup) -> Text:
-        t = Text(g.name, style="bold" if g.path == "" else "")
-        t.append(f" {g.count}", style="dim")
-        t.append_text(worst_text(g.worst))
+    def _label(self, first: ModuleGroup, last: ModuleGroup | None = None) -> Text:
+        last = last or first
+        name = first.name if last is first else first.name + last.path[len(first.path):]
+        t = Text(name, style="bold" if first.path == "" else "")
+        t.append_text(worst_text(last.worst))
+        t.append(f" ({last.count})", style="dim")
         return t
 
     def refresh_worst(self) -> None:
         """Relabel nodes after new verdicts (the structure stays)."""
         self.model.refresh_worst()
-        for node in self._group_nodes.values():
-            node.set_label(self._label(node.data))
+        for node, first in self._group_nodes.values():
+            node.set_label(self._label(first, node.data))
 
     def on_tree_node_selected(self, event: Tree.NodeSelected) -> None:
         event.stop()

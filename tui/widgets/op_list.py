@@ -61,7 +61,7 @@ class OpList(ScrollView, can_focus=True):
         super().__init__(**kwargs)
         self.model = model
         self._cache: dict[tuple, Strip] = {}
-        self._cache_key: tuple = ()
+        self._paint: tuple | None = None
         self.refresh_rows()
 
     # -- data -------------------------------------------------------------------------------------------------
@@ -139,10 +139,13 @@ class OpList(ScrollView, can_focus=True):
         """Widths of: number, phase, module, op, output, status, error (separated by one space)."""
         w_idx = max(3, len(str(max(0, self.model.n - 1))))
         w_phase, w_status, w_err = 3, 6, 8
-        rest = width - (w_idx + w_phase + w_status + w_err) - 6  # six separating spaces
-        w_op = min(30, max(8, rest * 2 // 5))
-        w_out = min(22, max(0, (rest - w_op) // 2))
-        w_mod = max(0, rest - w_op - w_out)
+        rest = max(0, width - (w_idx + w_phase + w_status + w_err) - 6)  # six separating spaces
+        # the op name matters most, then the module, then the output (dropped when there is no room for it)
+        w_op = min(30, max(10, rest // 2), rest)
+        w_out = min(22, (rest - w_op) * 2 // 5)
+        if w_out < 12:
+            w_out = 0
+        w_mod = rest - w_op - w_out
         if w_mod > 40:  # give spare room back to the op and output columns
             spare = w_mod - 40
             w_mod = 40
@@ -150,9 +153,16 @@ class OpList(ScrollView, can_focus=True):
             w_out += max(0, spare - 16)
         return w_idx, w_phase, w_mod, w_op, w_out, w_status, w_err
 
+    def render_lines(self, crop: Region) -> list[Strip]:
+        # styles and width are the same for every line of one paint: look them up once, not per line
+        self._paint = (self.scrollable_content_region.width, self.rich_style)
+        try:
+            return super().render_lines(crop)
+        finally:
+            self._paint = None
+
     def render_line(self, y: int) -> Strip:
-        width = self.scrollable_content_region.width
-        base = self.rich_style
+        width, base = self._paint or (self.scrollable_content_region.width, self.rich_style)
         if y == 0:
             return self._header(width)
         row = int(self.scroll_y) + y - 1
@@ -161,7 +171,7 @@ class OpList(ScrollView, can_focus=True):
             return Strip.blank(width, base)
         op = v[row]
         selected = row == self.cursor_row
-        key = (op, selected, self.has_focus, width, self.model.version)
+        key = (op, selected and (1 + self.has_focus), width, self.model.version)
         strip = self._cache.get(key)
         if strip is None:
             strip = self._row(op, width, base, selected)
@@ -175,7 +185,7 @@ class OpList(ScrollView, can_focus=True):
         style = self.get_component_rich_style("oplist--header")
         cells = ["#".rjust(w_idx), "ph ", "module".ljust(w_mod)[:w_mod], "op".ljust(w_op)[:w_op],
                  "output".ljust(w_out)[:w_out], "status".ljust(w_status), "error".rjust(w_err)]
-        text = " ".join(cells)
+        text = " ".join(c for c in cells if c)
         return Strip([Segment(text.ljust(width)[:width], style)], width)
 
     def _row(self, op: int, width: int, base: Style, selected: bool) -> Strip:
@@ -210,9 +220,8 @@ class OpList(ScrollView, can_focus=True):
         self._cache.clear()
         self.virtual_size = Size(0, len(self.model.visible) + 1)
 
-    def watch_has_focus(self, value: bool) -> None:  # cursor colour depends on focus
-        self._cache.clear()
-        self.refresh()
+    def watch_has_focus(self, value: bool) -> None:  # the cursor's colour depends on focus
+        self._refresh_row(self.cursor_row)
 
 
 def _fit(text: str, width: int) -> str:
