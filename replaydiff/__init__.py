@@ -1,6 +1,8 @@
 """replaydiff: record one training step's aten ops, replay each in isolation, name the op that went wrong."""
 __version__ = "0.1.0"
 
+from replaydiff.errors import TraceError  # noqa: E402
 from replaydiff.record import record  # noqa: E402
+from replaydiff.trace import open_trace  # noqa: E402
 
-__all__ = ["record", "__version__"]
+__all__ = ["TraceError", "open_trace", "record", "__version__"]

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from replaydiff.record.mode import iter_tensors, written_args, op_info
+from replaydiff.aten import current_rank, facts, iter_tensors, written_args
 
 
 def _result_tensors(func, args, kwargs, out) -> list[torch.Tensor]:
     """The op's result: its first written argument (self, out=, a collective's tensors), else its first output."""
-    written = written_args(op_info(func), args, kwargs)
+    written = written_args(facts(func), args, kwargs)
     first = written[0][1] if written else (out[0] if isinstance(out, (tuple, list)) and out else out)
     return list(iter_tensors(first))
 
@@ -55,11 +55,4 @@ class PlantedFault(TorchDispatchMode):
         return out
 
     def _on_this_rank(self) -> bool:
-        if self.rank is None:
-            return True
-        import os
-
-        import torch.distributed as dist
-
-        here = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
-        return here == self.rank
+        return self.rank is None or current_rank()[0] == self.rank

@@ -35,7 +35,7 @@ def tiny_step():
 
 @pytest.fixture
 def record_one(tmp_path):
-    """record_one(fn, name="trace", **options) -> (fn's result, RankReader of rank 0): ``fn()`` run while recorded
+    """record_one(fn, name="trace", **options) -> (fn's result, RankTrace of rank 0): ``fn()`` run while recorded
     into ``tmp_path/name``."""
 
     def run(fn, name: str = "trace", **options):

@@ -25,10 +25,8 @@ from replaydiff.faults import PlantedFault
 from replaydiff.models import TinyCNN, TinyTransformer, make_step
 from replaydiff.models.tiny import TransformerConfig
 from replaydiff.record import record
-from replaydiff.record.encode import TENSOR_KEY, iter_tensor_refs
-from replaydiff.replay import ReplayOptions, ReplayReport, replay_trace
-from replaydiff.replay.result import OpResult
-from replaydiff.trace.reader import open_trace
+from replaydiff.replay import OpResult, ReplayOptions, ReplayReport, Status, replay_trace
+from replaydiff.trace import OpRecord, iter_refs, open_trace
 
 # The brief's reference step shrunk in width, sequence and batch (same layers, heads, dropout and op mix): replay
 # cost is dominated by the number of ops and the bytes per op, and this keeps every op while cutting the bytes.
@@ -142,42 +140,42 @@ def replay_trace_uncached(path: str | Path, workers: int = 1, **opts: Any) -> Re
 
 
 # -- reading a trace --------------------------------------------------------------------------------------------
-def trace_ops(path: str | Path, rank: int = 0) -> list[dict]:
+def trace_ops(path: str | Path, rank: int = 0) -> list[OpRecord]:
     return list(open_trace(path).rank(rank))
 
 
-def occurrence_index(ops: list[dict], name: str, occurrence: int = 0) -> int:
+def occurrence_index(ops: list[OpRecord], name: str, occurrence: int = 0) -> int:
     """The op number of the ``occurrence``-th call of ``name``: where a PlantedFault with that occurrence landed."""
-    hits = [op["i"] for op in ops if op["op"] == name]
+    hits = [op.index for op in ops if op.name == name]
     assert len(hits) > occurrence, f"{name} occurs {len(hits)} times in the trace, not {occurrence + 1}"
     return hits[occurrence]
 
 
-def first_in_phase(ops: list[dict], names: tuple[str, ...] | list[str], phase: str,
+def first_in_phase(ops: list[OpRecord], names: tuple[str, ...] | list[str], phase: str,
                    dtype: str | None = None) -> tuple[str, int, int]:
     """(name, occurrence, op number) of the first op named one of ``names`` in ``phase`` (with a ``dtype`` output)."""
     seen: dict[str, int] = {}
     for op in ops:
-        name = op["op"]
+        name = op.name
         if name not in names:
             continue
         occ = seen.get(name, 0)
         seen[name] = occ + 1
-        if op.get("ph") == phase and (dtype is None or output_dtypes(op) == {dtype}):
-            return name, occ, op["i"]
+        if op.phase == phase and (dtype is None or output_dtypes(op) == {dtype}):
+            return name, occ, op.index
     raise AssertionError(f"no op among {names} in phase {phase}" + (f" with {dtype} outputs" if dtype else ""))
 
 
-def output_dtypes(op: dict) -> set[str]:
-    return {r["dt"] for r in iter_tensor_refs([op.get("o"), [a for _, a in op.get("w") or []]])}
+def output_dtypes(op: OpRecord) -> set[str]:
+    return {r.dtype for r in iter_refs([op.outputs, [after for _, after in op.writes]])}
 
 
-def input_versions(op: dict) -> set:
-    return {r.get(TENSOR_KEY) for r in iter_tensor_refs([op.get("a"), list((op.get("k") or {}).values())])}
+def input_versions(op: OpRecord) -> set:
+    return {r.version for r in op.inputs()}
 
 
-def by_status(report: ReplayReport, status: str) -> list[OpResult]:
-    return [r for r in report.ops if r.status == status]
+def by_status(report: ReplayReport, status: Status) -> list[OpResult]:
+    return [r for r in report.ops if r.status is Status(status)]
 
 
 def result_at(report: ReplayReport, index: int, rank: int = 0) -> OpResult:
@@ -194,9 +192,9 @@ def describe(results: list[OpResult], limit: int = 8) -> str:
 
 def assert_only_culprit(report: ReplayReport, index: int) -> None:
     """The planted op is the first divergent op and no other op diverged; nothing failed to replay."""
-    divergent = by_status(report, "divergent")
+    divergent = by_status(report, Status.DIVERGENT)
     assert report.first_divergent is not None, "the planted fault was not found"
     assert report.first_divergent.index == index, \
         f"first divergent #{report.first_divergent.index}, planted #{index}: {describe(divergent)}"
     assert [r.index for r in divergent] == [index], f"other ops diverged too: {describe(divergent)}"
-    assert not by_status(report, "error"), describe(by_status(report, "error"))
+    assert not by_status(report, Status.ERROR), describe(by_status(report, Status.ERROR))

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from replaydiff.record.encode import iter_tensor_refs
-from replaydiff.trace import open_trace
+from replaydiff import open_trace
+from replaydiff.trace import TensorRef, iter_refs
 from replaydiff.trace.format import pack_frame, read_frame, write_atomic
 
 TRAIN = textwrap.dedent("""
@@ -90,16 +90,16 @@ def test_record_step_of_a_script(recorded):
     r = open_trace(cwd / "trace").rank(0)
     assert r.complete and r.lost == []
     ops = list(r)
-    phases = Counter(o["ph"] for o in ops)
+    phases = Counter(o.phase for o in ops)
     assert phases["forward"] and phases["backward"] and phases["optimizer"]
-    assert any(o["op"] == "aten.addmm.default" and o["ph"] == "forward" for o in ops)
-    assert any(o["op"] == "aten.addcdiv_.default" and o["ph"] == "optimizer" for o in ops)
-    assert {o.get("mod") for o in ops if o["op"] == "aten.addmm.default"} == {"Sequential.0", "Sequential.2"}
+    assert any(o.name == "aten.addmm.default" and o.phase == "forward" for o in ops)
+    assert any(o.name == "aten.addcdiv_.default" and o.phase == "optimizer" for o in ops)
+    assert {o.module for o in ops if o.name == "aten.addmm.default"} == {"Sequential.0", "Sequential.2"}
     # Exactly step 2: one loss computed, and it is the second step's.
-    (mse,) = [o for o in ops if o["op"] == "aten.mse_loss.default"]
-    assert r.tensor(mse["o"]).item() == losses[1]
+    (mse,) = [o for o in ops if o.name == "aten.mse_loss.default"]
+    assert r.tensor(mse.outputs).item() == losses[1]
     # Step 2 is not the first: no optimizer state is created (AdamW's zeros_like happens in step 1 only).
-    assert not any(o["op"] == "aten.zeros_like.default" for o in ops)
+    assert not any(o.name == "aten.zeros_like.default" for o in ops)
 
 
 def test_record_first_step_module_paths(tmp_path):
@@ -108,11 +108,11 @@ def test_record_first_step_module_paths(tmp_path):
     assert proc.returncode == 3, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     ops = list(open_trace(tmp_path / "trace").rank(0))
-    (mse,) = [o for o in ops if o["op"] == "aten.mse_loss.default"]
-    assert ops[0]["ph"] == "forward"
+    (mse,) = [o for o in ops if o.name == "aten.mse_loss.default"]
+    assert ops[0].phase == "forward"
     # Recording starts inside the first module call: paths are still full ones.
-    assert {o.get("mod") for o in ops if o["op"] == "aten.addmm.default"} == {"Sequential.0", "Sequential.2"}
-    assert any(o["op"] == "aten.zeros_like.default" and o["ph"] == "optimizer" for o in ops)
+    assert {o.module for o in ops if o.name == "aten.addmm.default"} == {"Sequential.0", "Sequential.2"}
+    assert any(o.name == "aten.zeros_like.default" and o.phase == "optimizer" for o in ops)
 
 
 def test_record_refuses_an_existing_directory(recorded):
@@ -131,11 +131,11 @@ def test_show_summary(recorded):
     out = proc.stdout
     r = open_trace(cwd / "trace").rank(0)
     ops = list(r)
-    phases = Counter(o["ph"] for o in ops)
+    phases = Counter(o.phase for o in ops)
     assert f"1 rank(s), {len(ops)} ops" in out
     assert "rank 0:" in out
     assert "phases: " + ", ".join(f"{k} {v}" for k, v in sorted(phases.items())) in out
-    top_name, top_count = Counter(o["op"] for o in ops).most_common(1)[0]
+    top_name, top_count = Counter(o.name for o in ops).most_common(1)[0]
     assert re.search(rf"\b{top_count}\s+{re.escape(top_name)}\b", out)
     assert "most frequent of" in out
     assert re.search(r"\d+(\.\d)? (B|KiB|MiB) on disk", out)
@@ -149,20 +149,20 @@ def test_show_one_op(recorded):
     # The second layer's addmm: its input was made by an earlier recorded op.
     producer = {}
     for o in ops:
-        for ref in iter_tensor_refs([o.get("o"), [a for _, a in o.get("w") or []]]):
-            producer.setdefault(ref["T"], o["i"])
-    target = [o for o in ops if o["op"] == "aten.addmm.default" and o["ph"] == "forward"][1]
-    made = [producer[a["T"]] for a in target["a"] if isinstance(a, dict) and a.get("T") in producer
-            and producer[a["T"]] < target["i"]]
+        for ref in iter_refs([o.outputs, [after for _, after in o.writes]]):
+            producer.setdefault(ref.version, o.index)
+    target = [o for o in ops if o.name == "aten.addmm.default" and o.phase == "forward"][1]
+    made = [producer[a.version] for a in target.args if isinstance(a, TensorRef) and a.version in producer
+            and producer[a.version] < target.index]
     assert made
-    proc = replaydiff_cli("show", "trace", "--op", target["i"], cwd=cwd)
+    proc = replaydiff_cli("show", "trace", "--op", target.index, cwd=cwd)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert f"op #{target['i']} aten.addmm.default" in out
+    assert f"op #{target.index} aten.addmm.default" in out
     assert "arguments:" in out and "outputs" in out
-    for a in target["a"]:
-        if isinstance(a, dict):
-            assert f"float32{a['sh']}" in out
+    for a in target.args:
+        if isinstance(a, TensorRef):
+            assert f"float32{list(a.shape)}" in out
     assert f"<- op #{made[0]}" in out
     assert "phase   forward" in out and "Sequential.2" in out
 
@@ -200,12 +200,12 @@ def test_record_under_torchrun(tmp_path):
     assert (tmp_path / "trace" / "rank0").is_dir() and (tmp_path / "trace" / "rank1").is_dir()
     tr = open_trace(tmp_path / "trace")
     assert sorted(tr.ranks) == [0, 1]
-    for rank, r in tr.ranks.items():
-        assert r.complete and r.manifest["world_size"] == 2 and r.environment["rank"] == rank
+    for r in tr:
+        assert r.complete and r.manifest["world_size"] == 2 and r.environment["rank"] == r.rank
         ops = list(r)
-        assert {"forward", "backward", "optimizer"} <= {o["ph"] for o in ops}
-        coll = [o for o in ops if "coll" in o]
-        assert coll and all(o["coll"].get("size") == 2 for o in coll)
+        assert {"forward", "backward", "optimizer"} <= {o.phase for o in ops}
+        coll = [o for o in ops if o.collective is not None]
+        assert coll and all(o.collective.size == 2 for o in coll)
 
 
 def test_output_into_a_closed_pipe_exits_quietly(tmp_path):

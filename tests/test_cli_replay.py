@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import replay_helpers as rh
-from replaydiff.replay.result import STATUSES, OpResult, ReplayReport
+from replaydiff.compare import FloatError, ScalarMismatch, Verdict
+from replaydiff.replay import OpResult, ReplayReport, Status
+from replaydiff.replay.result import STATUSES
 from replaydiff.report import report_to_json
 from replaydiff.trace.format import DATA_DIR, MANIFEST, OPS_DIR
 
@@ -99,11 +101,11 @@ def test_json_report_on_stdout():
     assert isinstance(first["reason"], str) and first["reason"]
     assert doc["first_nondeterministic"] is None and doc["nonfinite_origin"] is None
 
-    assert [o["index"] for o in doc["ops"]] == [op["i"] for op in ops]
+    assert [o["index"] for o in doc["ops"]] == [op.index for op in ops]
     for entry, op in zip(doc["ops"], ops):
         assert OP_KEYS <= set(entry)
-        assert entry["rank"] == 0 and entry["op"] == op["op"] and entry["phase"] == op["ph"]
-        assert entry["module"] == op.get("mod")
+        assert entry["rank"] == 0 and entry["op"] == op.name and entry["phase"] == op.phase
+        assert entry["module"] == op.module
         assert entry["status"] in STATUSES
         assert entry["metrics"] is None or isinstance(entry["metrics"], dict)
         assert entry["reason"] is None or isinstance(entry["reason"], str)
@@ -125,16 +127,23 @@ def test_json_report_to_a_file_with_a_nan_origin(tmp_path):
 
 
 def test_non_finite_metrics_are_written_as_strings():
+    inf, nan = float("inf"), float("nan")
     report = ReplayReport(trace="t", options={"device": "cpu", "precision": "fp64", "x": float("-inf")})
-    report.ops.append(OpResult(rank=0, index=3, op="aten.mm.default", status="divergent", phase="forward",
-                               metrics={"norm_max": float("inf"), "rel_l2": float("nan"), "max_abs": 1.0,
-                                        "nested": [float("-inf"), 2.0]}, reason="r"))
+    error = FloatError(max_abs=1.0, rel_l2=nan, norm_max=inf, norm_rel=nan, cosine=-inf)
+    report.ops.append(OpResult(rank=0, index=3, op="aten.mm.default", status=Status.DIVERGENT, phase="forward",
+                               verdict=Verdict(True, error, "r", limit_max=16.0, limit_rel=8.0), reason="r"))
     text = json.dumps(report_to_json(report))
     doc = json.loads(text, parse_constant=_no_constants)
     assert doc["first_divergent"]["metrics"] == {"norm_max": "inf", "rel_l2": "nan", "max_abs": 1.0,
-                                                 "nested": ["-inf", 2.0]}
+                                                 "norm_rel": "nan", "cosine": "-inf", "nonfinite_mismatch": 0,
+                                                 "nonfinite_recorded": 0, "nonfinite_reference": 0,
+                                                 "limit_max": 16.0, "limit_rel": 8.0}
     assert doc["options"]["x"] == "-inf"
     assert doc["ops"] == [doc["first_divergent"]]
+    # Non-finite values nested inside the metrics too.
+    report.ops[0].verdict = Verdict(True, ScalarMismatch(recorded=[-inf, 2.0], reference=nan), "r")
+    doc = json.loads(json.dumps(report_to_json(report)), parse_constant=_no_constants)
+    assert doc["first_divergent"]["metrics"] == {"recorded": ["-inf", 2.0], "reference": "nan"}
 
 
 def _flip_bytes(path: Path, start: int, n: int = 64) -> None:

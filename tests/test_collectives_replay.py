@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from replaydiff.replay import ReplayOptions, replay_trace
+from replaydiff.replay import ReplayOptions, Status, replay_trace
 
 SCRIPT = textwrap.dedent('''
     import sys, torch, torch.distributed as dist
@@ -48,10 +48,10 @@ def _run(tmp_path: Path, fault_rank: int) -> Path:
 def test_corrupted_allreduce_is_named_on_its_rank_only(tmp_path: Path) -> None:
     trace = _run(tmp_path, fault_rank=1)
     report = replay_trace(str(trace), ReplayOptions())
-    divergent = [r for r in report.ops if r.status == "divergent"]
+    divergent = [r for r in report.ops if r.status is Status.DIVERGENT]
     assert [(r.rank, r.op) for r in divergent] == [(1, "c10d.allreduce_.default")]
     assert "float64 sum of all ranks' inputs" in divergent[0].reason
-    checked = [r for r in report.ops if r.op.startswith("c10d.") and r.status == "ok"]
+    checked = [r for r in report.ops if r.op.startswith("c10d.") and r.status is Status.OK]
     # rank 0's gradient all-reduce, both user all-reduces, both all-gathers (and DDP's broadcasts) passed the check
     assert {(r.rank, r.op) for r in checked} >= {(0, "c10d.allreduce_.default"), (1, "c10d.allreduce_.default"),
                                                 (0, "c10d.allgather_.default"), (1, "c10d.allgather_.default")}

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from replaydiff.replay import ReplayOptions, replay_trace
-from replaydiff.trace import open_trace
+from replaydiff import open_trace
+from replaydiff.replay import ReplayOptions, Status, replay_trace
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -13,7 +13,7 @@ FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 def test_committed_trace_replays_to_its_planted_op() -> None:
     expected = json.loads((FIXTURES / "mlp-fault.json").read_text())
     report = replay_trace(str(FIXTURES / expected["trace"]), ReplayOptions())
-    divergent = [r for r in report.ops if r.status == "divergent"]
+    divergent = [r for r in report.ops if r.status is Status.DIVERGENT]
     assert [(r.index, r.op) for r in divergent] == [(expected["planted_index"], expected["op"])]
     assert divergent[0].phase == expected["phase"] and divergent[0].module == expected["module"]
     assert report.counts()["error"] == 0
@@ -28,6 +28,6 @@ def test_committed_trace_is_complete_and_small() -> None:
 
 def test_iter_from_reads_the_tail_only() -> None:
     reader = open_trace(FIXTURES / "mlp-fault").rank(0)
-    every = [op["i"] for op in reader]
-    assert [op["i"] for op in reader.iter_from(40)] == [i for i in every if i >= 40]
-    assert [op["i"] for op in reader.iter_from(0)] == every
+    every = [op.index for op in reader]
+    assert [op.index for op in reader.iter_from(40)] == [i for i in every if i >= 40]
+    assert [op.index for op in reader.iter_from(0)] == every

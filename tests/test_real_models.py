@@ -16,7 +16,7 @@ import transformers  # part of the `test` extra
 
 from replaydiff import record
 from replaydiff.faults import PlantedFault
-from replaydiff.replay import ReplayOptions, replay_trace
+from replaydiff.replay import ReplayOptions, Status, replay_trace
 from replaydiff.trace import open_trace
 
 
@@ -87,11 +87,11 @@ def test_clean_step_replays_clean(name: str, tmp_path: Path) -> None:
     report = replay_trace(str(tmp_path), ReplayOptions())
     counts = report.counts()
     assert counts["divergent"] == 0 and counts["error"] == 0, [
-        (r.index, r.op, r.status, r.reason) for r in report.ops if r.status in ("divergent", "error")]
+        (r.index, r.op, r.status, r.reason) for r in report.ops if r.status in (Status.DIVERGENT, Status.ERROR)]
     assert counts["ok"] > 300
-    assert {r.reason for r in report.ops if r.status == "skipped"} <= {"uninitialised output (empty*)",
+    assert {r.reason for r in report.ops if r.status is Status.SKIPPED} <= {"uninitialised output (empty*)",
                                                                        "non-aten op (profiler)"}
-    phases = {r.phase for r in report.ops if r.status == "ok"}
+    phases = {r.phase for r in report.ops if r.status is Status.OK}
     assert phases == {"forward", "backward", "optimizer"}
 
 
@@ -100,21 +100,21 @@ def test_planted_backward_fault_is_named(name: str, tmp_path: Path) -> None:
     fault = PlantedFault("aten.mm.default", rel=1e-3, occurrence=3)
     _record_step(name, tmp_path, fault)
     assert fault.planted
-    mms = [op for op in open_trace(tmp_path).rank(0) if op["op"] == "aten.mm.default"]
-    planted = mms[3]["i"]
+    mms = [op for op in open_trace(tmp_path).rank(0) if op.name == "aten.mm.default"]
+    planted = mms[3].index
     report = replay_trace(str(tmp_path), ReplayOptions())
-    assert [(r.index, r.op) for r in report.ops if r.status == "divergent"] == [(planted, "aten.mm.default")]
+    assert [(r.index, r.op) for r in report.ops if r.status is Status.DIVERGENT] == [(planted, "aten.mm.default")]
 
 
 def test_op_without_fp64_kernel_falls_back_and_still_finds_a_fault(tmp_path: Path) -> None:
     fault = PlantedFault("aten._grouped_mm.default", rel=1e-3, occurrence=1)
     _record_step("mixtral", tmp_path, fault)
-    grouped = [op["i"] for op in open_trace(tmp_path).rank(0) if op["op"] == "aten._grouped_mm.default"]
+    grouped = [op.index for op in open_trace(tmp_path).rank(0) if op.name == "aten._grouped_mm.default"]
     report = replay_trace(str(tmp_path), ReplayOptions())
-    assert [(r.index, r.op) for r in report.ops if r.status == "divergent"] == [(grouped[1],
+    assert [(r.index, r.op) for r in report.ops if r.status is Status.DIVERGENT] == [(grouped[1],
                                                                                 "aten._grouped_mm.default")]
     others = [r for r in report.ops if r.op == "aten._grouped_mm.default" and r.index != grouped[1]]
-    assert others and all(r.status == "ok" and "replayed at fp32: at fp64 the op failed" in r.reason
+    assert others and all(r.status is Status.OK and "replayed at fp32: at fp64 the op failed" in r.reason
                           for r in others)
     assert report.counts()["error"] == 0
 
@@ -139,7 +139,7 @@ def test_realistic_training_loop_replays_clean_and_bitwise(tmp_path: Path) -> No
             scaler.step(opt)
             scaler.update()
             sched.step()
-    names = {op["op"] for op in open_trace(tmp_path).rank(0)}
+    names = {op.name for op in open_trace(tmp_path).rank(0)}
     assert {"aten._amp_foreach_non_finite_check_and_unscale_.default", "aten._amp_update_scale_.default",
             "aten._foreach_norm.Scalar", "aten._foreach_addcdiv_.ScalarList"} <= names
     for precision in ("fp64", "same"):

@@ -2,10 +2,10 @@
 arguments, views, an op that fails, several workers, and a trace cut short by SIGKILL."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,14 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import replay_helpers as rh
+from replaydiff import open_trace
 from replaydiff.errors import EnvironmentProblem, TraceError, UsageError
 from replaydiff.faults import PlantedFault
-from replaydiff.replay.runner import OpReplayer
+from replaydiff.replay import OpReplayer, Status
 from replaydiff.report import render_replay
-from replaydiff.trace.format import OPS_DIR, pack_frame, read_frame, write_atomic
-from replaydiff.trace.reader import open_trace
+from replaydiff.trace import RankTrace, TensorRef
 
 TESTS = Path(__file__).resolve().parent
 
@@ -151,9 +152,9 @@ def test_repeat_flags_the_op_whose_runs_disagree_and_nothing_else(noisy_trace):
     path, noisy_index, planted_index = noisy_trace
     once = rh.replay_trace_uncached(path, repeat=1)
     thrice = rh.replay_trace_uncached(path, repeat=3)
-    assert rh.result_at(once, noisy_index).status == "ok"  # within tolerance of what was recorded
+    assert rh.result_at(once, noisy_index).status is Status.OK  # within tolerance of what was recorded
     r = rh.result_at(thrice, noisy_index)
-    assert r.status == "nondeterministic" and r.op == "rdtest.noisy.default"
+    assert r.status is Status.NONDETERMINISTIC and r.op == "rdtest.noisy.default"
     assert "disagree" in r.reason
     assert thrice.first_nondeterministic is r and thrice.found_problem
     # every other op keeps its status: ok stays ok, the planted fault stays the only divergent op
@@ -166,24 +167,25 @@ def test_repeat_flags_the_op_whose_runs_disagree_and_nothing_else(noisy_trace):
 # -- random ops --------------------------------------------------------------------------------------------------
 def test_dropout_draws_replay_exactly_from_the_recorded_generator_state():
     path = rh.step_trace("transformer")
-    ops = {op["i"]: op for op in rh.trace_ops(path)}
+    ops = {op.index: op for op in rh.trace_ops(path)}
     report = rh.replay(path)
     draws = [r for r in report.ops if r.op == "aten.bernoulli_.float"]
     assert draws, "CPU dropout draws with bernoulli_"
     for r in draws:
-        assert ops[r.index].get("rng"), "the generator state is recorded before the draw"
-        assert r.status == "ok", r.reason
+        assert ops[r.index].rng is not None, "the generator state is recorded before the draw"
+        assert r.status is Status.OK, r.reason
         assert r.metrics["mismatches"] == 0  # compared bit for bit, at the recorded dtype, even in an fp64 replay
 
 
 def test_random_draws_are_judged_exactly(monkeypatch):
     """Without the recorded generator state the redrawn mask differs, and the exact comparison says so."""
     path = rh.step_trace("transformer")
-    monkeypatch.setattr(OpReplayer, "_set_global_rng", lambda self, rng: torch.manual_seed(12345))
+    # Every generator state read back from the trace is replaced by another one.
+    monkeypatch.setattr(RankTrace, "rng_state", lambda self, rng: torch.Generator().manual_seed(12345).get_state())
     report = rh.replay_trace_uncached(path, ops=["aten.bernoulli_*"])
     draws = [r for r in report.ops if r.op == "aten.bernoulli_.float"]
-    assert draws and all(r.status == "divergent" and r.metrics["mismatches"] > 0 for r in draws)
-    assert {r.status for r in report.ops if r.op != "aten.bernoulli_.float"} == {"skipped"}
+    assert draws and all(r.status is Status.DIVERGENT and r.metrics["mismatches"] > 0 for r in draws)
+    assert {r.status for r in report.ops if r.op != "aten.bernoulli_.float"} == {Status.SKIPPED}
 
 
 def _random_fn() -> None:
@@ -202,7 +204,7 @@ def test_random_factories_and_native_dropout_replay_exactly(tmp_path):
     seen = {r.op: r for r in report.ops if r.op in names}
     assert set(seen) == names
     for r in seen.values():
-        assert r.status == "ok", f"{r.op}: {r.reason}"
+        assert r.status is Status.OK, f"{r.op}: {r.reason}"
         assert r.metrics["mismatches"] == 0
 
 
@@ -218,9 +220,9 @@ def test_random_ops_with_an_explicit_generator_replay_exactly(tmp_path):
     state (a data sampler's randperm(generator=g) is the common case)."""
     path = rh.record_fn(tmp_path / "trace", _generator_fn)
     ops = rh.trace_ops(path)
-    assert all(op.get("rng") for op in ops)
+    assert all(op.rng is not None for op in ops)
     report = rh.replay_trace_uncached(path)
-    assert [(r.op, r.status, r.reason) for r in report.ops] == [(op["op"], "ok", None) for op in ops]
+    assert [(r.op, r.status, r.reason) for r in report.ops] == [(op.name, Status.OK, None) for op in ops]
     assert all(r.metrics["mismatches"] == 0 for r in report.ops)
 
 
@@ -242,7 +244,7 @@ def test_fault_in_what_an_op_wrote_is_caught(tmp_path, op):
     path = rh.record_fn(tmp_path / "trace", _writes_fn, PlantedFault(op, rel=1e-3))
     ops = rh.trace_ops(path)
     index = rh.occurrence_index(ops, op)
-    assert {o["i"]: o for o in ops}[index].get("w"), f"{op} is recorded with the argument it wrote"
+    assert {o.index: o for o in ops}[index].writes, f"{op} is recorded with the argument it wrote"
     report = rh.replay_trace_uncached(path)
     rh.assert_only_culprit(report, index)
 
@@ -252,40 +254,50 @@ def test_ops_that_write_are_compared_on_what_they_wrote(tmp_path):
     report = rh.replay_trace_uncached(path)
     for name in ("aten.mm.out", "aten.mul_.Tensor", "aten.add_.Tensor", "aten.add.out"):
         (r,) = [x for x in report.ops if x.op == name]
-        assert r.status == "ok" and r.metrics is not None and "norm_max" in r.metrics, (name, r)
+        assert r.status is Status.OK and r.metrics is not None and "norm_max" in r.metrics, (name, r)
 
 
 def test_foreach_fault_is_caught_on_the_lists_it_wrote():
     op = "aten._foreach_mul_.Scalar"
     clean = rh.trace_ops(rh.step_trace("mlp_foreach"))
-    assert op in {o["op"] for o in clean}
+    assert op in {o.name for o in clean}
     path = rh.step_trace("mlp_foreach", op, rel=1e-3, occurrence=0)
     ops = rh.trace_ops(path)
     index = rh.occurrence_index(ops, op)
-    rec = {o["i"]: o for o in ops}[index]
-    assert rec.get("w") and rec.get("o") is None  # returns None: only the written list can be compared
+    rec = {o.index: o for o in ops}[index]
+    assert rec.writes and rec.outputs is None  # returns None: only the written list can be compared
     rh.assert_only_culprit(rh.replay(path), index)
+
+
+class _TransposeWithOtherStrides(TorchDispatchMode):
+    """Below the recorder, a transpose kernel that returns its view of the input with the other (row-major) strides:
+    the recorded view's geometry is not what aten.t computes."""
+
+    planted = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.t.default and out.dim() == 2 and not self.planted:
+            self.planted = True
+            out = out.as_strided(out.shape, (out.shape[1], 1), out.storage_offset())
+        return out
 
 
 def test_view_ops_are_checked_by_shape_stride_and_offset(tmp_path):
     """A view's bytes are its input's; what the op decides is the view's geometry, and that is checked."""
     src = rh.step_trace("mlp")
     ops = rh.trace_ops(src)
-    view = next(op for op in ops if op["op"] == "aten.t.default" and isinstance(op.get("o"), dict))
-    clean = rh.replay_trace_uncached(src, first=view["i"], last=view["i"])
+    view = next(op for op in ops if op.name == "aten.t.default" and isinstance(op.outputs, TensorRef))
+    clean = rh.replay_trace_uncached(src, first=view.index, last=view.index)
     (r,) = clean.ops
-    assert r.status == "ok" and r.metrics is None and "nothing to compare" in r.reason
+    assert r.status is Status.OK and r.metrics is None and "nothing to compare" in r.reason
 
-    path = tmp_path / "trace"
-    shutil.copytree(src, path)
-    chunk = max((p for p in (path / "rank0" / OPS_DIR).iterdir() if int(p.stem) <= view["i"]),
-                key=lambda p: int(p.stem))
-    frame = read_frame(chunk)
-    rec = next(op for op in frame["ops"] if op["i"] == view["i"])
-    rec["o"]["st"] = list(reversed(rec["o"]["st"]))  # the recorded transpose had the other strides
-    write_atomic(chunk, pack_frame(frame, 1))
-    (r,) = rh.replay_trace_uncached(path, first=view["i"], last=view["i"]).ops
-    assert r.status == "divergent" and "stride" in r.reason
+    path = rh.record_fn(tmp_path / "trace", rh.mlp_step(), _TransposeWithOtherStrides())
+    ops = rh.trace_ops(path)
+    view = next(op for op in ops if op.name == "aten.t.default" and isinstance(op.outputs, TensorRef))
+    assert view.outputs.version in rh.input_versions(view)  # still a view of its input, with other strides
+    (r,) = rh.replay_trace_uncached(path, first=view.index, last=view.index).ops
+    assert r.status is Status.DIVERGENT and "stride" in r.reason
 
 
 # -- selection -------------------------------------------------------------------------------------------------
@@ -293,22 +305,23 @@ def test_ops_globs_select_what_is_replayed():
     path = rh.step_trace("mlp")
     ops = rh.trace_ops(path)
     report = rh.replay_trace_uncached(path, ops=["aten.addmm.*", "aten.mm.default"])
-    assert [r.index for r in report.ops] == [o["i"] for o in ops]  # every op is listed, the rest as skipped
+    assert [r.index for r in report.ops] == [o.index for o in ops]  # every op is listed, the rest as skipped
     for r in report.ops:
         if r.op in ("aten.addmm.default", "aten.mm.default"):
-            assert r.status == "ok" and r.metrics is not None
+            assert r.status is Status.OK and r.metrics is not None
         else:
-            assert r.status == "skipped", r
+            assert r.status is Status.SKIPPED, r
 
 
 def test_first_and_last_bound_the_replayed_range():
     path = rh.step_trace("mlp")
     ops = rh.trace_ops(path)
-    lo, hi = ops[5]["i"], ops[20]["i"]
+    lo, hi = ops[5].index, ops[20].index
     report = rh.replay_trace_uncached(path, first=lo, last=hi)
-    assert [r.index for r in report.ops] == [o["i"] for o in ops if lo <= o["i"] <= hi]
+    assert [r.index for r in report.ops] == [o.index for o in ops if lo <= o.index <= hi]
     full = rh.replay(path)
-    assert [r.to_dict() for r in report.ops] == [r.to_dict() for r in full.ops if lo <= r.index <= hi]
+    assert [dataclasses.asdict(r) for r in report.ops] == \
+        [dataclasses.asdict(r) for r in full.ops if lo <= r.index <= hi]
 
 
 # -- failures ----------------------------------------------------------------------------------------------------
@@ -341,15 +354,15 @@ def test_one_failing_op_never_stops_the_replay(tmp_path, monkeypatch):
     ops = rh.trace_ops(path)
     target = "rdtest.fragile.default"
     index = rh.occurrence_index(ops, target)
-    assert [o["op"] for o in ops].count(target) == 1
+    assert [o.name for o in ops].count(target) == 1
 
     monkeypatch.setitem(_FRAGILE, "fail", True)
     report = rh.replay_trace_uncached(path)
-    assert [r.index for r in report.ops] == [o["i"] for o in ops]
-    failed = rh.by_status(report, "error")
+    assert [r.index for r in report.ops] == [o.index for o in ops]
+    failed = rh.by_status(report, Status.ERROR)
     assert [r.index for r in failed] == [index]
     assert failed[0].reason == "RuntimeError: planted kernel failure"  # the exception's first line only
-    assert {r.status for r in report.ops if r.index != index} == {"ok", "skipped"}
+    assert {r.status for r in report.ops if r.index != index} == {Status.OK, Status.SKIPPED}
     assert report.first_divergent is None
     text = io.StringIO()
     render_replay(report, text)
@@ -365,7 +378,7 @@ def test_two_workers_give_exactly_the_same_report_as_one():
     one = rh.replay(path)
     two = rh.replay(path, workers=2)
     assert one.counts()["divergent"] == 1
-    assert [r.to_dict() for r in two.ops] == [r.to_dict() for r in one.ops]
+    assert [dataclasses.asdict(r) for r in two.ops] == [dataclasses.asdict(r) for r in one.ops]
     assert two.warnings == one.warnings
     assert two.first_divergent == one.first_divergent
 
@@ -417,12 +430,12 @@ def test_trace_cut_by_sigkill_mid_backward_replays_its_prefix(tmp_path):
     reader = open_trace(out).rank(0)
     assert not reader.complete and reader.truncated_after is not None
     ops = list(reader)
-    phases = [op["ph"] for op in ops]
+    phases = [op.phase for op in ops]
     assert "forward" in phases and "backward" in phases and "optimizer" not in phases
-    assert reader.truncated_after == ops[-1]["i"]
+    assert reader.truncated_after == ops[-1].index
 
     report = rh.replay_trace_uncached(out)
-    assert [r.index for r in report.ops] == [op["i"] for op in ops]
-    assert report.counts()["divergent"] == 0, rh.describe(rh.by_status(report, "divergent"))
-    assert report.counts()["error"] == 0, rh.describe(rh.by_status(report, "error"))
+    assert [r.index for r in report.ops] == [op.index for op in ops]
+    assert report.counts()["divergent"] == 0, rh.describe(rh.by_status(report, Status.DIVERGENT))
+    assert report.counts()["error"] == 0, rh.describe(rh.by_status(report, Status.ERROR))
     assert any("truncated" in w for w in report.warnings), report.warnings

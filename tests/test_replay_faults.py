@@ -12,6 +12,7 @@ import math
 import pytest
 
 import replay_helpers as rh
+from replaydiff.replay import Status
 
 
 def _planted(step: str, op: str, rel: float = 1e-3, occurrence: int = 0, phase: str | None = None):
@@ -19,7 +20,7 @@ def _planted(step: str, op: str, rel: float = 1e-3, occurrence: int = 0, phase: 
     ops = rh.trace_ops(path)
     index = rh.occurrence_index(ops, op, occurrence)
     if phase is not None:
-        assert {o["i"]: o for o in ops}[index]["ph"] == phase
+        assert {o.index: o for o in ops}[index].phase == phase
     return path, index
 
 
@@ -51,8 +52,8 @@ def test_layer_norm_backward_fault_is_named_exactly():
     culprit = report.first_divergent
     assert culprit.phase == "backward"
     assert culprit.forward_index is not None
-    fwd = {o["i"]: o for o in rh.trace_ops(path)}[culprit.forward_index]
-    assert fwd["op"] == "aten.native_layer_norm.default" and fwd["ph"] == "forward"
+    fwd = {o.index: o for o in rh.trace_ops(path)}[culprit.forward_index]
+    assert fwd.name == "aten.native_layer_norm.default" and fwd.phase == "forward"
 
 
 @pytest.mark.parametrize("step, op", [
@@ -62,7 +63,7 @@ def test_layer_norm_backward_fault_is_named_exactly():
 ], ids=["for-loop", "foreach", "fused"])
 def test_adamw_fault_is_named_exactly(step, op):
     clean = rh.trace_ops(rh.step_trace(step))
-    names = {o["op"] for o in clean if o["ph"] == "optimizer"}
+    names = {o.name for o in clean if o.phase == "optimizer"}
     assert op in names, f"{step} ran no {op} in its optimizer phase: {sorted(names)}"
     path, index = _planted(step, op, 1e-3, 0, phase="optimizer")
     report = rh.replay(path)
@@ -85,7 +86,7 @@ def test_fault_below_fp64_resolution_is_found_at_same_precision(forward_matmul):
     name, occurrence = forward_matmul
     path, index = _planted("transformer", name, 1e-7, occurrence)
     fp64 = rh.replay(path)
-    assert fp64.counts()["divergent"] == 0, rh.describe(rh.by_status(fp64, "divergent"))
+    assert fp64.counts()["divergent"] == 0, rh.describe(rh.by_status(fp64, Status.DIVERGENT))
     assert fp64.counts()["error"] == 0
     same = rh.replay(path, precision="same")
     rh.assert_only_culprit(same, index)
@@ -98,7 +99,7 @@ def test_nan_origin_is_the_op_that_made_the_nan():
     name, occurrence, _ = rh.first_in_phase(clean, rh.MATMULS, "forward")
     path, index = _planted("mlp", name, float("nan"), occurrence, phase="forward")
     ops = rh.trace_ops(path)
-    later_nan = [op for op in ops if op["i"] > index and op["ph"] == "backward"]
+    later_nan = [op for op in ops if op.index > index and op.phase == "backward"]
     assert later_nan, "the NaN must flow on into backward"
     report = rh.replay(path)
     origin = report.nonfinite_origin

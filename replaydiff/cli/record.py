@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from replaydiff.errors import UsageError
-from replaydiff.record.recorder import TENSOR_MODES
+from replaydiff.record.options import TENSOR_MODES, RecordOptions
 from replaydiff.record.step import ENV_VAR
 
 NAME = "record"
@@ -36,6 +36,11 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run, e.g. python train.py")
 
 
+def options_from_args(args: argparse.Namespace) -> RecordOptions:
+    return RecordOptions.make(tensors=args.tensors, compress=not args.no_compress, modules=args.modules,
+                              ops=args.ops, max_tensor_bytes=args.max_tensor_bytes, verify_writes=args.verify_writes)
+
+
 def run(args: argparse.Namespace) -> int:
     cmd = list(args.command)
     if cmd and cmd[0] == "--":
@@ -44,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("no command to record: replaydiff record [options] -- python train.py ARGS")
     if args.step < 1:
         raise UsageError("--step counts from 1")
+    try:
+        options = options_from_args(args)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
     out = Path(args.out).resolve()
     if out.exists() and any(out.iterdir()):
         if not args.force:
@@ -51,9 +60,7 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    env[ENV_VAR] = json.dumps({"out": str(out), "step": args.step, "tensors": args.tensors,
-                               "compress": not args.no_compress, "modules": args.modules, "ops": args.ops,
-                               "max_tensor_bytes": args.max_tensor_bytes, "verify_writes": args.verify_writes})
+    env[ENV_VAR] = json.dumps({"out": str(out), "step": args.step, "options": options.to_dict()})
     autostart = str(Path(__file__).resolve().parent.parent / "record" / "autostart")
     env["PYTHONPATH"] = os.pathsep.join([autostart] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     try:

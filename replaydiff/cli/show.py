@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from replaydiff.errors import UsageError
-from replaydiff.record.encode import TENSOR_KEY, iter_tensor_refs
-from replaydiff.trace import open_trace
-from replaydiff.trace.reader import RankReader
+from replaydiff.trace import OpRecord, RankTrace, TensorRef, open_trace
+
+OP_JSON_FORMAT = "replaydiff.op/1"
 
 NAME = "show"
 HELP = "summarise a trace, or print one op with --op N"
@@ -37,14 +37,17 @@ def _human(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def rank_summary(r: RankReader, top: int) -> dict[str, Any]:
+def rank_summary(r: RankTrace, top: int) -> dict[str, Any]:
+    idx = r.index  # columns only: no op chunk is decoded for the summary
     phases: Counter = Counter()
     ops: Counter = Counter()
     n = 0
-    for op in r:
+    for i in range(len(idx)):
+        if not idx.recorded[i]:
+            continue
         n += 1
-        phases[op.get("ph", "?")] += 1
-        ops[op["op"]] += 1
+        phases[idx.phase[i] or "?"] += 1
+        ops[idx.name[i]] += 1
     env = r.environment
     return {
         "rank": r.rank,
@@ -55,8 +58,9 @@ def rank_summary(r: RankReader, top: int) -> dict[str, Any]:
         "most_frequent": ops.most_common(top),
         "distinct_ops": len(ops),
         "bytes_on_disk": _bytes_on_disk(r.root),
-        "tensors": (r.manifest.get("options") or {}).get("tensors"),
+        "tensors": r.options.get("tensors"),
         "lost": r.lost,
+        "compiled": r.compiled_regions,
         "environment": env,
     }
 
@@ -75,6 +79,8 @@ def _render_summary(path: str, summaries: list[dict], out: TextIO) -> None:
             out.write(f"    {n:>6}  {name}\n")
         for lost in s["lost"]:
             out.write(f"  LOST: {lost}\n")
+        for c in s["compiled"]:
+            out.write(f"  COMPILED: {c.get('region')} ran {c.get('how')} ({c.get('calls')} call(s))\n")
     env = summaries[0]["environment"] if summaries else {}
     flags = env.get("flags") or {}
     out.write(f"\nenvironment (rank {summaries[0]['rank'] if summaries else 0}): torch {env.get('torch')}, "
@@ -88,85 +94,108 @@ def _render_summary(path: str, summaries: list[dict], out: TextIO) -> None:
         out.write("  variables: " + ", ".join(f"{k}={v}" for k, v in variables.items()) + "\n")
 
 
-def producers_of(r: RankReader, index: int) -> dict[int, int]:
-    """Storage version -> number of the op (before ``index``) that produced it."""
-    made: dict[int, int] = {}
-    for op in r:
-        if op["i"] >= index:
-            break
-        for ref in iter_tensor_refs([op.get("o"), [a for _, a in op.get("w") or []]]):
-            v = ref.get(TENSOR_KEY)
-            if v is not None:
-                made.setdefault(v, op["i"])
-    return made
-
-
-def _tensor_text(ref: dict, made: dict[int, int] | None) -> str:
-    s = f"tensor {ref.get('dt')}{list(ref.get('sh') or [])} stride {ref.get('st')} offset {ref.get('of')} " \
-        f"{ref.get('dev')}"
-    if ref.get("unsupported"):
-        s += f" (not stored: {ref['unsupported']})"
-    if ref.get("u"):
+def _tensor_text(ref: TensorRef, producer: int | None = None, consumers: list[int] | None = None,
+                 links: bool = False) -> str:
+    s = f"tensor {ref.describe()} stride {list(ref.stride) if ref.stride is not None else None} " \
+        f"offset {ref.offset} {ref.device}"
+    if ref.unsupported:
+        s += f" (not stored: {ref.unsupported})"
+    if ref.uninitialised:
         s += " (uninitialised)"
-    if "s" in ref and ref["s"]:
-        n, mean, amax, l2, var, nan, inf = ref["s"]
-        s += f" mean {mean:.4g} absmax {amax:.4g} l2 {l2:.4g} var {var:.4g} nan {nan} inf {inf}"
-    if made is not None:
-        p = made.get(ref.get(TENSOR_KEY))
-        s += f"  <- op #{p}" if p is not None else "  <- from outside the trace"
+    if ref.conj or ref.neg:
+        s += " (" + ", ".join(b for b, on in (("conj", ref.conj), ("neg", ref.neg)) if on) + " bit)"
+    st = ref.stats
+    if st is not None:
+        s += f" mean {st.mean:.4g} absmax {st.absmax:.4g} l2 {st.l2:.4g} var {st.var:.4g} nan {st.nan} inf {st.inf}"
+    if links and consumers is None:
+        s += f"  <- op #{producer}" if producer is not None else "  <- from outside the trace"
+    if consumers:
+        s += "  -> ops " + ", ".join(f"#{c}" for c in consumers[:8]) + (" ..." if len(consumers) > 8 else "")
     return s
 
 
-def _value_text(v: Any, made: dict[int, int] | None) -> str:
-    if isinstance(v, dict) and TENSOR_KEY in v:
-        return _tensor_text(v, made)
-    if isinstance(v, list) and any(isinstance(x, dict) and TENSOR_KEY in x for x in v):
-        return "[\n" + "".join(f"        {_value_text(x, made)}\n" for x in v) + "      ]"
-    return json.dumps(v)
+class _Positions:
+    """Hands out input/output positions in the order OpRecord.inputs() / outputs_refs() number them."""
+
+    def __init__(self, links: dict) -> None:
+        self.links, self.k = links, 0
+
+    def next(self) -> Any:
+        v = self.links.get(self.k)
+        self.k += 1
+        return v
 
 
-def render_op(r: RankReader, index: int, out: TextIO) -> dict:
-    try:
-        op = r.op(index)
-    except KeyError:
-        raise UsageError(f"rank {r.rank} has no op #{index} (last is #{r.last_index})") from None
-    made = producers_of(r, index)
-    out.write(f"op #{op['i']} {op['op']}  rank {r.rank}\n")
-    out.write(f"  phase   {op.get('ph')}\n  module  {op.get('mod')}\n  source  {op.get('src')}\n")
-    if op.get("fwd") is not None:
-        fwd = r.op(op["fwd"])
-        out.write(f"  forward op #{fwd['i']} {fwd['op']} ({fwd.get('src')})\n")
-    if op.get("rng"):
-        out.write(f"  random: generator state recorded ({op['rng'].get('dev')})\n")
-    if op.get("coll"):
-        out.write(f"  collective: {json.dumps(op['coll'])}\n")
+def _value_text(v: Any, pos: _Positions | None, inputs: bool) -> str:
+    if isinstance(v, TensorRef):
+        link = pos.next() if pos is not None else None
+        return _tensor_text(v, link, None, True) if inputs else _tensor_text(v, None, link)
+    if isinstance(v, list) and any(isinstance(x, TensorRef) for x in v):
+        return "[\n" + "".join(f"        {_value_text(x, pos, inputs)}\n" for x in v) + "      ]"
+    return json.dumps(value_plain(v))
+
+
+def value_plain(v: Any) -> Any:
+    from replaydiff.trace.schema import value_json
+
+    return value_json(v)
+
+
+def render_op(r: RankTrace, op: OpRecord, out: TextIO) -> None:
+    out.write(f"op #{op.index} {op.name}  rank {r.rank}\n")
+    if not op.recorded:
+        out.write(f"  not recorded: {op.not_recorded_reason}\n")
+    out.write(f"  phase   {op.phase}\n  module  {op.module}\n  source  {op.source}\n")
+    if op.schema:
+        out.write(f"  schema  {op.schema}\n")
+    if op.forward_index is not None:
+        fwd = r[op.forward_index]
+        out.write(f"  forward op #{fwd.index} {fwd.name} ({fwd.source})\n")
+    if op.rng is not None:
+        out.write(f"  random: generator state recorded ({op.rng.device})\n")
+    c = op.collective
+    if c is not None:
+        out.write(f"  collective: group {c.group_name} ranks {list(c.ranks)} (size {c.size}, this rank "
+                  f"{c.group_rank}), reduce {c.reduce_op}, root {c.root}\n")
+    if not op.recorded:
+        return
+    ins = _Positions(r.producers(op.index))
     out.write("  arguments:\n")
-    for i, a in enumerate(op.get("a") or []):
-        out.write(f"    [{i}] {_value_text(a, made)}\n")
-    for k, v in (op.get("k") or {}).items():
-        out.write(f"    {k}= {_value_text(v, made)}\n")
-    for path, after in op.get("w") or []:
-        out.write(f"  writes {path[0]}[{path[1]}], after: {_value_text(after, None)}\n")
-    out.write(f"  outputs{' (uninitialised)' if op.get('u') else ''}:\n")
-    outs = op.get("o")
-    for i, o in enumerate(outs if isinstance(outs, list) else [outs]):
-        out.write(f"    [{i}] {_value_text(o, None)}\n")
-    return op
+    for i, a in enumerate(op.args):
+        out.write(f"    [{i}] {_value_text(a, ins, True)}\n")
+    for k, v in op.kwargs.items():
+        out.write(f"    {k}= {_value_text(v, ins, True)}\n")
+    for path, after in op.writes:
+        out.write(f"  writes {path.kind} {path.key}, after: {_value_text(after, None, False)}\n")
+    outs = _Positions(r.consumers(op.index))
+    out.write(f"  outputs{' (uninitialised)' if op.uninitialised else ''}:\n")
+    values = op.outputs if isinstance(op.outputs, list) else [op.outputs]
+    for i, o in enumerate(values):
+        out.write(f"    [{i}] {_value_text(o, outs, False)}\n")
+
+
+def op_json(r: RankTrace, op: OpRecord) -> dict:
+    """``show --op N --json``: the typed record with its graph edges (schema replaydiff.op/1)."""
+    d = {"format": OP_JSON_FORMAT, **op.to_json()}
+    if op.recorded:
+        d["producers"] = {str(k): v for k, v in r.producers(op.index).items()}
+        d["consumers"] = {str(k): v for k, v in r.consumers(op.index).items()}
+    return d
 
 
 def run(args: argparse.Namespace) -> int:
     trace = open_trace(args.trace)
     if args.op is not None:
-        r = trace.rank(args.rank if args.rank is not None else min(trace.ranks))
+        r = trace.rank(args.rank if args.rank is not None else trace.ranks[0])
+        if not 0 <= args.op < len(r):
+            raise UsageError(f"rank {r.rank} has no op #{args.op} (last is #{r.last_index})")
+        op = r[args.op]
         if args.json:
-            try:
-                sys.stdout.write(json.dumps(r.op(args.op), indent=1) + "\n")
-            except KeyError:
-                raise UsageError(f"rank {r.rank} has no op #{args.op} (last is #{r.last_index})") from None
+            sys.stdout.write(json.dumps(op_json(r, op), indent=1) + "\n")
         else:
-            render_op(r, args.op, sys.stdout)
+            render_op(r, op, sys.stdout)
         return 0
-    readers = [trace.rank(args.rank)] if args.rank is not None else [trace.ranks[k] for k in sorted(trace.ranks)]
+    readers = [trace.rank(args.rank)] if args.rank is not None else list(trace)
     summaries = [rank_summary(r, args.top) for r in readers]
     for s in summaries:
         if not s["complete"]:

@@ -48,7 +48,7 @@ class Tolerances:
     limits: dict[str, tuple[float, float]] = field(default_factory=lambda: dict(DEFAULT_LIMITS))
     scale_reductions: bool = True
     # An output over its limit is still healthy when its error is within this factor of the error the same op makes
-    # at the recorded dtype on the reference device (see OpReplayer._calibrate).
+    # at the recorded dtype on the reference device (see replay.runner: calibration).
     conditioning_factor: float = 8.0
 
     def limit_for(self, dtype: torch.dtype | str, k: int) -> tuple[float, float]:
@@ -56,23 +56,6 @@ class Tolerances:
         lim = self.limits.get(name, _FALLBACK)
         s = math.sqrt(k / CALIBRATED_K) if (self.scale_reductions and k > CALIBRATED_K) else 1.0
         return lim[0] * s, lim[1] * s
-
-    def diverges(self, metrics: dict, dtype: torch.dtype | str, k: int) -> tuple[bool, str | None]:
-        """(divergent?, why) for one tensor's metrics."""
-        if "shape_mismatch" in metrics:
-            return True, "shape mismatch"
-        if "mismatches" in metrics:
-            n = metrics["mismatches"]
-            return (n > 0), (f"{n} elements differ" if n else None)
-        if metrics["nonfinite_mismatch"]:
-            return True, "NaN/Inf where the reference has none (or the reverse)"
-        lmax, lrel = self.limit_for(dtype, k)
-        metrics["limit_max"], metrics["limit_rel"] = lmax, lrel
-        if metrics["norm_max"] > lmax:
-            return True, f"max_abs/(eps*absmax) {metrics['norm_max']:.3g} > {lmax:.3g}"
-        if metrics["norm_rel"] > lrel:
-            return True, f"rel_l2/eps {metrics['norm_rel']:.3g} > {lrel:.3g}"
-        return False, None
 
     @classmethod
     def parse_overrides(cls, items: list[str] | None, scale_reductions: bool = True) -> "Tolerances":

@@ -1,4 +1,5 @@
 """Recording: a dispatch mode that writes every aten op of a block into a trace directory."""
-from replaydiff.record.recorder import RecordOptions, Recorder, record
+from replaydiff.record.options import RecordOptions
+from replaydiff.record.recorder import Recorder, record
 
 __all__ = ["RecordOptions", "Recorder", "record"]

@@ -12,11 +12,9 @@ from types import FrameType
 import torch
 from torch.utils.module_tracker import ModuleTracker
 
-import replaydiff
-
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 
-_PKG = os.path.dirname(replaydiff.__file__) + os.sep  # type: ignore[arg-type]
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the replaydiff package
 # Frames to look past for the user's source line: torch, replaydiff's own instrumentation, the stdlib's plumbing.
 # replaydiff's built-in models and the demo are user code as far as a trace is concerned.
 _SKIP_PREFIXES = (

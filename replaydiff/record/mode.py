@@ -8,84 +8,49 @@ warning and is never raised into the job; the op itself always runs unchanged.
 from __future__ import annotations
 
 import ctypes
-import fnmatch
-import zlib
 import logging
-from typing import TYPE_CHECKING, Any
+import zlib
+from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from replaydiff.record.context import BACKWARD, FORWARD
-from replaydiff.record.encode import TENSOR_KEY, encode_value
+from replaydiff import aten
+from replaydiff.aten import iter_tensors, written_args
+from replaydiff.record.context import BACKWARD, FORWARD, OpContext
+from replaydiff.record.options import RecordOptions
 from replaydiff.record.stats import batch_stats
+from replaydiff.record.storage import StorageTable
+from replaydiff.trace import schema
 from replaydiff.trace.codec import address_view, buffer_address
-from replaydiff.trace.writer import Snapshot
-
-if TYPE_CHECKING:
-    from replaydiff.record.recorder import Recorder
+from replaydiff.trace.schema import CollectiveInfo
+from replaydiff.trace.writer import RankWriter, Snapshot
 
 log = logging.getLogger("replaydiff")
 
-_UNINITIALISED = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted"}
-_COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor"}
-_SEEDED = torch.Tag.nondeterministic_seeded
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _DEVICE_NAMES: dict[torch.device, str] = {}
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
-class OpInfo:
-    """What the recorder needs to know of an op overload, worked out once per overload rather than once per call."""
+class RecorderLike(Protocol):
+    """What the mode needs of the recorder that owns it (``recorder.Recorder``)."""
 
-    __slots__ = ("name", "collective", "seeded", "uninitialised", "writes")
+    active: bool
+    next_index: int
+    options: RecordOptions
+    storages: StorageTable
+    writer: RankWriter
+    context: OpContext
 
-    def __init__(self, func: Any) -> None:
-        self.name = str(func)
-        self.collective = func.namespace in _COLLECTIVE_NAMESPACES
-        self.seeded = _SEEDED in func.tags
-        self.uninitialised = func.overloadpacket.__name__ in _UNINITIALISED
-        # (position, name, kwarg_only) of each argument the op writes: schema-marked writes, and every argument of a
-        # collective (their schemas mark nothing written)
-        self.writes = tuple((i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
-                            if self.collective or (a.alias_info is not None and a.alias_info.is_write))
-
-
-_INFO: dict[Any, OpInfo] = {}
-
-
-def op_info(func: Any) -> OpInfo:
-    info = _INFO.get(func)
-    if info is None:
-        info = _INFO[func] = OpInfo(func)
-    return info
-
-
-def written_args(info: OpInfo, args: tuple, kwargs: dict) -> list[tuple[list, Any]]:
-    """(path, value) of each argument the op writes that holds a tensor."""
-    out = []
-    for i, name, kwarg_only in info.writes:
-        if i < len(args) and not kwarg_only:
-            path, v = ["a", i], args[i]
-        elif name in kwargs:
-            path, v = ["k", name], kwargs[name]
-        else:
-            continue
-        if any(True for _ in iter_tensors(v)):  # a tensor, or a (nested) list holding one: allgather's list of lists
-            out.append((path, v))
-    return out
-
-
-def iter_tensors(v: Any):
-    if isinstance(v, torch.Tensor):
-        yield v
-    elif isinstance(v, (list, tuple)):
-        for x in v:
-            yield from iter_tensors(x)
+    def before(self, func: Any, types: Any, args: tuple, kwargs: dict) -> Any: ...
+    def after(self, pending: Any, func: Any, args: tuple, kwargs: dict, out: Any) -> None: ...
+    def rng_state(self, args: tuple, kwargs: dict) -> tuple[str, int, int, int] | None: ...
+    def disable(self, why: str) -> None: ...
 
 
 class RecordingMode(TorchDispatchMode):
-    def __init__(self, recorder: Recorder) -> None:
+    def __init__(self, recorder: RecorderLike) -> None:
         super().__init__()
         self.rec = recorder
 
@@ -111,7 +76,7 @@ class RecordingMode(TorchDispatchMode):
 class OpBuilder:
     """The per-op half of the recorder: describes tensors, snapshots storages, builds records."""
 
-    def __init__(self, rec: Recorder) -> None:
+    def __init__(self, rec: RecorderLike) -> None:
         self.rec = rec
         self.mode = rec.options.tensors
         self.max_bytes = rec.options.max_tensor_bytes
@@ -134,22 +99,17 @@ class OpBuilder:
         if dtype is None:
             dtype = _DTYPE_NAMES[t.dtype] = str(t.dtype).removeprefix("torch.")
         if type(t) not in _PLAIN or t.layout is not torch.strided or dev == "meta":
-            return {"dt": dtype, "sh": list(t.shape), "st": None, "of": 0, "dev": dev, TENSOR_KEY: None,
-                    "unsupported": f"{type(t).__name__}/{t.layout}/{device.type}"}
-        ref: dict[str, Any] = {"dt": dtype, "sh": list(t.shape), "st": list(t.stride()), "of": t.storage_offset(),
-                               "dev": dev}
-        if t.requires_grad:
-            ref["rg"] = True
+            return schema.wire_unsupported(schema.wire_tensor(dtype, list(t.shape), None, 0, dev),
+                                           f"{type(t).__name__}/{t.layout}/{device.type}")
+        ref = schema.wire_tensor(dtype, list(t.shape), list(t.stride()), t.storage_offset(), dev)
         storage = t.untyped_storage()
         entry = self.rec.storages.entry(storage)
         if entry.crc is not None and zlib.crc32(address_view(storage.data_ptr(), entry.nbytes)) != entry.crc:
             # Written since it was stored, behind the dispatcher's back (numpy, a C extension): a new version.
             self.rec.storages.bump(entry)
             self.unseen_writes += 1
-        ref[TENSOR_KEY] = entry.version
-        ref["sb"] = entry.nbytes
-        if entry.uninitialised:
-            ref["u"] = True
+        schema.wire_set_storage(ref, entry.version, entry.nbytes, t.requires_grad, entry.uninitialised,
+                                t.is_conj(), t.is_neg())
         if not store:
             return ref
         if self.mode == "full" and (self.max_bytes is None or entry.nbytes <= self.max_bytes):
@@ -157,12 +117,12 @@ class OpBuilder:
                 entry.chunk = self._snapshot(storage, t.element_size(), entry.version)
                 if self.verify and storage.device.type == "cpu":
                     entry.crc = zlib.crc32(address_view(storage.data_ptr(), entry.nbytes))
-            ref["f"] = entry.chunk
+            schema.wire_set_chunk(ref, entry.chunk)
         elif self.mode != "meta":
-            key = (entry.version, ref["dt"], tuple(ref["sh"]), tuple(ref["st"]), ref["of"])
+            key = schema.wire_stats_key(ref)
             cached = self._stats_seen.get(key)
             if cached is not None:
-                ref["s"] = cached
+                schema.wire_set_stats(ref, cached)
             elif key in self._stat_refs:
                 self._stat_refs[key].append(ref)
             else:
@@ -202,14 +162,14 @@ class OpBuilder:
             stats = batch_stats(self._stat_queue)
         for (key, refs), s in zip(self._stat_refs.items(), stats):
             for ref in refs:
-                ref["s"] = s
+                schema.wire_set_stats(ref, s)
             self._stats_seen[key] = s
         self._stat_queue, self._stat_refs = [], {}
         if len(self._stats_seen) > 100_000:
             self._stats_seen.clear()
 
     def encode(self, v: Any, store: bool = True) -> Any:
-        return encode_value(v, lambda t: self.ref(t, store))
+        return schema.encode_value(v, lambda t: self.ref(t, store))
 
 
 class Pending:
@@ -221,18 +181,11 @@ class Pending:
         self.uninitialised = uninitialised
 
 
-def op_matches(name: str, module: str | None, op_globs: list[str] | None, module_globs: list[str] | None) -> bool:
-    if op_globs and not any(fnmatch.fnmatchcase(name, g) for g in op_globs):
-        return False
-    if module_globs and not (module and any(fnmatch.fnmatchcase(module, g) for g in module_globs)):
-        return False
-    return True
-
-
-def record_before(rec: Recorder, b: OpBuilder, func: Any, types: Any, args: tuple, kwargs: dict) -> Pending | None:
+def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: tuple,
+                  kwargs: dict) -> Pending | None:
     index = rec.next_index
     rec.next_index += 1
-    info = op_info(func)
+    info = aten.facts(func)
     name = info.name
     ctx = rec.context
     phase, seq = ctx.phase()
@@ -248,34 +201,32 @@ def record_before(rec: Recorder, b: OpBuilder, func: Any, types: Any, args: tupl
             # no grad, e.g. two embeddings, and picks one of them at random).
             module = ctx.forward_module(seq)
     written = written_args(info, args, kwargs) if info.writes else []
-    if not op_matches(name, module, rec.options.ops, rec.options.modules):
-        # Not stored, but what it writes still makes new storage versions: a later stored op must not be given
-        # the bytes from before this write.
+    opts = rec.options
+    if not (aten.matches_any(name, opts.ops) and (not opts.modules or aten.matches_any(module, opts.modules))):
+        # Numbered with a stub record (the index and the UI see every op), not stored. What it writes still makes
+        # new storage versions: a later stored op must not be given the bytes from before this write.
+        rec.writer.add_op(schema.wire_not_recorded(schema.wire_op(index, name, phase, module, fwd, None),
+                                                   "filtered out (record options ops/modules)"))
         return Pending(None, written, info.uninitialised) if written or info.uninitialised else None
-    record: dict[str, Any] = {"i": index, "op": name, "ph": phase}
-    if module:
-        record["mod"] = module
-    if fwd is not None:
-        record["fwd"] = fwd
-    src = ctx.source()
-    if src:
-        record["src"] = src
+    record = schema.wire_op(index, name, phase, module, fwd, ctx.source())
     if info.collective:
-        record["coll"] = collective_info(func, args, kwargs)
+        schema.wire_set_collective(record, collective_info(func, args, kwargs))
     if info.seeded and b.mode == "full":  # generator state is data: only "full" traces store any
-        record["rng"] = rec.rng_state(args, kwargs)
+        state = rec.rng_state(args, kwargs)
+        if state is not None:
+            schema.wire_set_rng(record, *state)
     # Arguments the op writes are described as they are now, before the op.
-    record["a"] = b.encode(list(args))
-    record["k"] = {k: b.encode(v) for k, v in kwargs.items()}
+    schema.wire_set_inputs(record, b.encode(list(args)), {k: b.encode(v) for k, v in kwargs.items()})
     # Inputs the op will write get their statistics now, as they are before it.
     if written:
         b.flush_stats()
     return Pending(record, written, info.uninitialised)
 
 
-def record_after(rec: Recorder, b: OpBuilder, p: Pending, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+def record_after(rec: RecorderLike, b: OpBuilder, p: Pending, func: Any, args: tuple, kwargs: dict,
+                 out: Any) -> None:
     record = p.record
-    if record is not None and "coll" in record:
+    if record is not None and schema.wire_is_collective(record):
         out = wait_collective(func, out)
     for _, v in p.written:
         for t in iter_tensors(v):
@@ -287,12 +238,10 @@ def record_after(rec: Recorder, b: OpBuilder, p: Pending, func: Any, args: tuple
     if record is None:  # filtered out: only its writes mattered
         return
     if p.uninitialised:
-        record["u"] = True
-        record["o"] = b.encode(out, store=False)
+        schema.wire_set_outputs(record, b.encode(out, store=False), None, True)
     else:
-        if p.written:
-            record["w"] = [[path, b.encode(v)] for path, v in p.written]
-        record["o"] = b.encode(out)
+        writes = [(path, b.encode(v)) for path, v in p.written] if p.written else None
+        schema.wire_set_outputs(record, b.encode(out), writes, False)
     b.flush_stats()
     rec.writer.add_op(record)
 
@@ -313,12 +262,20 @@ def _reduce_op_name(obj: Any) -> str | None:
 def _group_info(pg: Any) -> dict:
     import torch.distributed as dist
 
-    return {"ranks": dist.get_process_group_ranks(pg), "size": pg.size(), "group_rank": pg.rank()}
+    name = getattr(pg, "group_name", None)
+    return {"ranks": dist.get_process_group_ranks(pg), "size": pg.size(), "group_rank": pg.rank(),
+            "group_name": name if isinstance(name, str) else None}
 
 
-def collective_info(func: Any, args: tuple, kwargs: dict) -> dict:
-    """Group ranks and size, reduce op and root of a collective, read through its schema's argument names."""
-    info: dict[str, Any] = {}
+def collective_info(func: Any, args: tuple, kwargs: dict) -> CollectiveInfo:
+    """Group name, ranks and size, reduce op and root of a collective, read through its schema's argument names.
+
+    What cannot be read stays unknown (a reduce op becomes "unknown", never a guess) and is listed in problems."""
+    group: dict[str, Any] = {}
+    reduce_op: str | None = None
+    root: int | None = None
+    extras: dict[str, Any] = {}
+    problems: list[str] = []
     for i, a in enumerate(func._schema.arguments):
         v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
         if v is None:
@@ -326,20 +283,26 @@ def collective_info(func: Any, args: tuple, kwargs: dict) -> dict:
         typ = str(a.type)
         try:
             if "ProcessGroup" in typ:
-                info.update(_group_info(torch._C._distributed_c10d.ProcessGroup.unbox(v)))
+                group = _group_info(torch._C._distributed_c10d.ProcessGroup.unbox(v))
             elif "ReduceOp" in typ:
-                info["reduce_op"] = _reduce_op_name(v)
+                reduce_op = _reduce_op_name(v) or "unknown"
             elif a.name in ("reduceOp", "reduce_op") and isinstance(v, str):
-                info["reduce_op"] = v.lower()
-            elif a.name in ("group_name", "tag") and isinstance(v, str) and "ranks" not in info:
+                reduce_op = v.lower()
+            elif a.name in ("group_name", "tag") and isinstance(v, str) and not group:
                 from torch.distributed.distributed_c10d import _resolve_process_group
 
-                info.update(_group_info(_resolve_process_group(v)))
-            elif a.name in ("root_rank", "src", "root", "group_size", "group_src") and isinstance(v, int):
-                info[a.name] = v
+                group = _group_info(_resolve_process_group(v))
+            elif a.name in ("root_rank", "src", "root", "group_src") and isinstance(v, int):
+                root = v
+            elif a.name == "group_size" and isinstance(v, int):
+                extras[a.name] = v
         except Exception as exc:
-            info.setdefault("problems", []).append(f"{a.name}: {type(exc).__name__}")
-    return info
+            problems.append(f"{a.name}: {type(exc).__name__}")
+            if "ReduceOp" in typ or a.name in ("reduceOp", "reduce_op"):
+                reduce_op = "unknown"
+    return CollectiveInfo(ranks=tuple(group.get("ranks", ())), size=group.get("size"),
+                          group_rank=group.get("group_rank"), group_name=group.get("group_name"),
+                          reduce_op=reduce_op, root=root, extras=extras, problems=tuple(problems))
 
 
 def wait_collective(func: Any, out: Any) -> Any:

@@ -10,62 +10,28 @@ import logging
 import os
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from replaydiff.aten import current_rank
 from replaydiff.record.context import OpContext
 from replaydiff.record.environment import environment_snapshot
 from replaydiff.record.mode import OpBuilder, RecordingMode, record_after, record_before
+from replaydiff.record.options import RecordOptions
 from replaydiff.record.storage import StorageTable
 from replaydiff.trace.format import MANIFEST, rank_dir_name
 from replaydiff.trace.writer import RankWriter, Snapshot
 
 log = logging.getLogger("replaydiff")
 
-TENSOR_MODES = ("full", "stats", "meta")
-DEFAULT_ZSTD_LEVEL = 1
-
-
-@dataclass(frozen=True)
-class RecordOptions:
-    tensors: str = "full"
-    compress: int | None = DEFAULT_ZSTD_LEVEL  # zstd level, None for raw bytes
-    # Byte-shuffle before zstd: measured on the tiny transformer step it saves 1.6% of the bytes (13.61 -> 13.39 MB)
-    # for ~0.5 ms per 128 KiB each way, so it is off unless asked for.
-    shuffle: bool = False
-    modules: list[str] | None = None  # module-path globs; ops outside them are numbered but not stored
-    ops: list[str] | None = None  # op-name globs, e.g. "aten.mm.*"
-    max_tensor_bytes: int | None = None  # larger storages get statistics instead of data
-    source_lines: bool = True
-    chunk_ops: int = 256
-    chunk_bytes: int = 64 << 20
-    # Checksum every stored CPU storage and check it each time the storage is read again, so that writes torch's
-    # dispatcher never sees (through .numpy(), a C extension's pointer) become new versions. Costs a CRC32 pass
-    # (~3 GB/s) per re-read: off by default.
-    verify_writes: bool = False
-
-
-def current_rank() -> tuple[int, int]:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    except Exception:
-        pass
-    return int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
-
 
 class Recorder:
     """Records one block of a job into ``path/rank<N>/``. Use as a context manager, or ``start()``/``stop()``."""
 
     def __init__(self, path: str | os.PathLike, options: RecordOptions) -> None:
-        if options.tensors not in TENSOR_MODES:
-            raise ValueError(f"tensors must be one of {TENSOR_MODES}, not {options.tensors!r}")
         self.path = Path(path)
         self.options = options
         self.active = False
@@ -90,7 +56,7 @@ class Recorder:
                 "rank": rank,
                 "world_size": world,
                 "environment": environment_snapshot(rank, world),
-                "options": {k: v for k, v in self.options.__dict__.items()},
+                "options": self.options.to_dict(),
                 "started_at": time.time(),
             }
             self.writer = RankWriter(self.rank_dir, manifest, self.options.compress, self.options.shuffle,
@@ -156,7 +122,8 @@ class Recorder:
     def after(self, pending: Any, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         record_after(self, self._builder, pending, func, args, kwargs, out)
 
-    def rng_state(self, args: tuple, kwargs: dict) -> dict | None:
+    def rng_state(self, args: tuple, kwargs: dict) -> tuple[str, int, int, int] | None:
+        """Store the generator state a random op is about to use: (device, storage version, chunk, bytes)."""
         gen = kwargs.get("generator")
         device = None
         for v in list(args) + list(kwargs.values()):
@@ -178,7 +145,7 @@ class Recorder:
         with _disable_current_modes():
             state = state.clone()
         chunk = self.writer.add_snapshot(Snapshot(version, state, 1))
-        return {"dev": str(device), "T": version, "f": chunk, "sb": state.numel()}
+        return str(device), version, chunk, state.numel()
 
     def disable(self, why: str) -> None:
         if self._disabled_reason is None:
@@ -192,27 +159,13 @@ class Recorder:
         warnings.warn(f"replaydiff: {msg}", RuntimeWarning, stacklevel=3)
 
 
-def record(path: str | os.PathLike, tensors: str = "full", compress: bool | int = True, *,
-           modules: list[str] | str | None = None, ops: list[str] | str | None = None,
-           max_tensor_bytes: int | None = None, source_lines: bool = True, shuffle: bool = False,
-           chunk_ops: int = 256, verify_writes: bool = False) -> Recorder:
+def record(path: str | os.PathLike, tensors: str = "full", compress: bool | int = True, **options: Any) -> Recorder:
     """Record every aten op run inside the ``with`` block into the trace directory ``path``.
 
     tensors: ``full`` stores tensor data, ``stats`` per-tensor statistics, ``meta`` only shapes and dtypes.
     compress: True for zstd at a fast level, an int for another zstd level, False for raw bytes.
-    modules / ops: globs; only matching ops are stored (all are still numbered).
-    max_tensor_bytes: storages larger than this get statistics instead of data.
-    verify_writes: notice writes torch's dispatcher never sees (numpy, C extensions) with a CRC32 per re-read.
+    Other options are the fields of RecordOptions: ``modules`` / ``ops`` (globs; only matching ops are stored, all
+    are numbered), ``max_tensor_bytes`` (larger storages get statistics instead of data), ``verify_writes`` (notice
+    writes torch's dispatcher never sees, with a CRC32 per re-read), ``source_lines``, ``shuffle``, ``chunk_ops``.
     """
-    level: int | None
-    if compress is True:
-        level = DEFAULT_ZSTD_LEVEL
-    elif compress is False or compress is None:
-        level = None
-    else:
-        level = int(compress)
-    as_list = (lambda v: [v] if isinstance(v, str) else (list(v) if v else None))
-    return Recorder(path, RecordOptions(tensors=tensors, compress=level, shuffle=shuffle, modules=as_list(modules),
-                                        ops=as_list(ops), max_tensor_bytes=max_tensor_bytes,
-                                        source_lines=source_lines, chunk_ops=chunk_ops,
-                                        verify_writes=verify_writes))
+    return Recorder(path, RecordOptions.make(tensors=tensors, compress=compress, **options))

@@ -20,13 +20,12 @@ class StepTrigger:
     def __init__(self, config: dict[str, Any]) -> None:
         import torch
 
-        from replaydiff.record.recorder import record
+        from replaydiff.record.options import RecordOptions
+        from replaydiff.record.recorder import Recorder
 
         self.step = int(config.get("step", 1))
-        self._make = lambda: record(config["out"], tensors=config.get("tensors", "full"),
-                                    compress=config.get("compress", True), modules=config.get("modules"),
-                                    ops=config.get("ops"), max_tensor_bytes=config.get("max_tensor_bytes"),
-                                    verify_writes=bool(config.get("verify_writes")))
+        options = RecordOptions.from_dict(config.get("options") or {})
+        self._make = lambda: Recorder(config["out"], options)
         self.recorder = None
         self.done = False
         self.steps = 0

@@ -1,6 +1,22 @@
 """Replay: re-run each recorded op alone from its recorded inputs on a reference device and precision."""
-from replaydiff.replay.engine import replay_trace
+from replaydiff.replay.engine import ReplayPlan, Shard, finish, plan, replay_trace, run_shard
 from replaydiff.replay.policy import ReplayOptions
-from replaydiff.replay.result import OpResult, ReplayReport
+from replaydiff.replay.result import OpResult, ReplayReport, Status
+from replaydiff.replay.runner import OpReplayer
 
-__all__ = ["OpResult", "ReplayOptions", "ReplayReport", "replay_trace"]
+__all__ = ["OpReplayer", "OpResult", "ReplayOptions", "ReplayPlan", "ReplayReport", "Shard", "Status", "finish",
+           "plan", "replay_op", "replay_trace", "run_shard"]
+
+
+def replay_op(trace, op, options: ReplayOptions | None = None):
+    """Replay one op of a RankTrace: (OpResult, [(recorded TensorRef or scalar, reference value), ...]).
+
+    The reference values are what the reference device and precision computed, for a closer look (an element-wise
+    error histogram, a repro)."""
+    from replaydiff.replay.policy import reference_settings
+
+    import torch
+
+    opts = options or ReplayOptions()
+    with reference_settings(1), torch.inference_mode():
+        return OpReplayer(trace, opts).replay_with_pairs(op)

@@ -12,26 +12,24 @@ from typing import Any
 
 import torch
 
-from replaydiff.compare.metrics import tensor_metrics
-from replaydiff.record.encode import iter_tensor_refs
+from replaydiff import aten
+from replaydiff.compare.verdict import judge
 from replaydiff.replay.policy import ReplayOptions
-from replaydiff.replay.result import OpResult
-from replaydiff.replay.runner import op_packet
-from replaydiff.trace.reader import RankReader, TraceReader
-
-_NOT_COLLECTIVES = {"_wrap_tensor_autograd", "wait_tensor"}
+from replaydiff.replay.result import OpResult, Status
+from replaydiff.trace.reader import RankTrace, Trace
+from replaydiff.trace.schema import OpRecord, TensorRef, iter_refs
 
 
-def _written(rec: dict, arg: int) -> Any:
-    for path, after in rec.get("w") or []:
-        if path == ["a", arg]:
+def _written(op: OpRecord, arg: int) -> Any:
+    for path, after in op.writes:
+        if path.kind == "arg" and path.key == arg:
             return after
     return None
 
 
-def _reduce(op: str | None, xs: list[torch.Tensor]) -> torch.Tensor | None:
+def _reduce(op: str, xs: list[torch.Tensor]) -> torch.Tensor | None:
     stack = torch.stack([x.to(torch.float64) if x.is_floating_point() else x for x in xs])
-    if op in (None, "sum"):
+    if op == "sum":
         return stack.sum(0)
     if op == "avg":
         return stack.sum(0) / len(xs)
@@ -45,28 +43,31 @@ def _reduce(op: str | None, xs: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 class CollectiveChecker:
-    def __init__(self, trace: TraceReader, opts: ReplayOptions) -> None:
+    def __init__(self, trace: Trace, opts: ReplayOptions) -> None:
         self.trace = trace
         self.opts = opts
 
-    def _calls(self, reader: RankReader) -> dict[tuple, list[dict]]:
-        """Collective records of one rank, per group (by its ranks), in call order."""
-        out: dict[tuple, list[dict]] = {}
-        for rec in reader:
-            coll = rec.get("coll")
-            if coll is None or op_packet(rec["op"]) in _NOT_COLLECTIVES:
+    @staticmethod
+    def _calls(rt: RankTrace) -> dict[tuple, list[OpRecord]]:
+        """Collective records of one rank, per process group (by name and ranks), in call order."""
+        out: dict[tuple, list[OpRecord]] = {}
+        idx = rt.index
+        for i in range(len(idx)):
+            if not idx.collective[i] or aten.is_wait_only(idx.name[i]):
                 continue
-            out.setdefault(tuple(coll.get("ranks") or ()), []).append(rec)
+            op = rt[i]
+            out.setdefault(op.collective.group_key, []).append(op)
         return out
 
     def check(self, results: dict[tuple[int, int], OpResult]) -> None:
         """Replace the 'skipped' results of collectives with the outcome of the cross-rank check."""
-        calls = {r: self._calls(rd) for r, rd in self.trace.ranks.items()}
+        calls = {r: self._calls(self.trace.rank(r)) for r in self.trace.ranks}
         for rank, groups in calls.items():
-            for group, recs in groups.items():
+            for key, ops in groups.items():
+                group = key[1]
                 missing = [g for g in group if g not in calls]
-                for k, rec in enumerate(recs):
-                    res = results.get((rank, rec["i"]))
+                for k, op in enumerate(ops):
+                    res = results.get((rank, op.index))
                     if res is None:
                         continue
                     if not group:
@@ -75,59 +76,63 @@ class CollectiveChecker:
                     if missing:
                         res.reason = f"collective: ranks {missing} of its group are not in the trace"
                         continue
-                    peers = [calls[g].get(group, []) for g in group]
-                    if any(len(p) <= k or p[k]["op"] != rec["op"] for p in peers):
-                        res.status, res.reason = "divergent", "collective: the ranks of its group called " \
-                                                              "different collectives here (mismatched order)"
+                    peers = [calls[g].get(key, []) for g in group]
+                    if any(len(p) <= k or p[k].name != op.name for p in peers):
+                        res.status, res.reason = Status.DIVERGENT, "collective: the ranks of its group called " \
+                                                                   "different collectives here (mismatched order)"
                         continue
                     try:
-                        self._check_one(rec, [p[k] for p in peers], group, res)
+                        self._check_one(op, [p[k] for p in peers], group, res)
                     except Exception as exc:
-                        res.status, res.reason = "error", f"cross-rank check failed: {type(exc).__name__}: {exc}"
+                        res.status, res.reason = Status.ERROR, \
+                            f"cross-rank check failed: {type(exc).__name__}: {exc}"
 
-    def _tensor(self, rank: int, ref: dict) -> torch.Tensor:
+    def _tensor(self, rank: int, ref: TensorRef) -> torch.Tensor:
         return self.trace.rank(rank).tensor(ref)
 
     def _judge(self, res: OpResult, got: torch.Tensor, want: torch.Tensor, exact: bool, what: str) -> None:
-        m = tensor_metrics(got, want, exact=exact or not got.is_floating_point())
-        bad, why = self.opts.tolerances.diverges(m, got.dtype, 1)
-        if bad and res.status != "divergent":
-            res.status, res.reason, res.metrics = "divergent", f"collective: {what} ({why})", m
-        elif res.status != "divergent":
-            res.status, res.reason, res.metrics = "ok", f"collective checked across ranks: {what}", m
+        v = judge(got, want, self.opts.tolerances, 1, exact=exact or not got.is_floating_point())
+        if v.divergent and res.status is not Status.DIVERGENT:
+            res.status, res.reason, res.verdict = Status.DIVERGENT, f"collective: {what} ({v.reason})", v
+        elif res.status is not Status.DIVERGENT:
+            res.status, res.reason, res.verdict = Status.OK, f"collective checked across ranks: {what}", v
 
-    def _check_one(self, rec: dict, peers: list[dict], group: tuple, res: OpResult) -> None:
-        packet = op_packet(rec["op"])
-        coll = rec["coll"]
+    def _check_one(self, op: OpRecord, peers: list[OpRecord], group: tuple, res: OpResult) -> None:
+        packet = aten.packet(op.name)
+        coll = op.collective
         rank = res.rank
         if packet in ("allreduce_", "all_reduce", "all_reduce_"):
-            functional = not packet.endswith("_") or rec["op"].startswith("_c10d_functional")
-            ins = [list(iter_tensor_refs(p["a"][0])) for p in peers]
-            outs = list(iter_tensor_refs(rec.get("o") if functional else _written(rec, 0)))
+            reduce_op = coll.reduce_op
+            if reduce_op is None or reduce_op == "unknown":
+                res.reason = "collective: its reduce op could not be read when recording, so it is not checked"
+                return
+            functional = not packet.endswith("_") or op.name.startswith("_c10d_functional")
+            ins = [list(iter_refs(p.args[0])) for p in peers]
+            outs = list(iter_refs(op.outputs if functional else _written(op, 0)))
             for j, out_ref in enumerate(outs):
-                want = _reduce(coll.get("reduce_op"), [self._tensor(g, ins[n][j]) for n, g in enumerate(group)])
+                want = _reduce(reduce_op, [self._tensor(g, ins[n][j]) for n, g in enumerate(group)])
                 if want is None:
-                    res.reason = f"collective: reduce op {coll.get('reduce_op')} is not checked"
+                    res.reason = f"collective: reduce op {reduce_op} is not checked"
                     return
                 self._judge(res, self._tensor(rank, out_ref), want, False,
-                            f"output vs the float64 {coll.get('reduce_op') or 'sum'} of all ranks' inputs")
+                            f"output vs the float64 {reduce_op} of all ranks' inputs")
         elif packet == "allgather_":
-            outs = list(iter_tensor_refs(_written(rec, 0)))
+            outs = list(iter_refs(_written(op, 0)))
             for n, g in enumerate(group):
-                src = next(iter_tensor_refs(peers[n]["a"][1]))
+                src = next(iter_refs(peers[n].args[1]))
                 self._judge(res, self._tensor(rank, outs[n]), self._tensor(g, src), True,
                             f"gathered slot {n} vs rank {g}'s input")
         elif packet in ("_allgather_base_", "all_gather_into_tensor", "all_gather_into_tensor_out"):
-            out_ref = next(iter_tensor_refs(_written(rec, 0) if packet.endswith("_") else rec.get("o")))
+            out_ref = next(iter_refs(_written(op, 0) if packet.endswith("_") else op.outputs))
             src_arg = 1 if packet == "_allgather_base_" else 0
-            want = torch.cat([self._tensor(g, next(iter_tensor_refs(peers[n]["a"][src_arg]))).reshape(-1)
+            want = torch.cat([self._tensor(g, next(iter_refs(peers[n].args[src_arg]))).reshape(-1)
                               for n, g in enumerate(group)])
             self._judge(res, self._tensor(rank, out_ref).reshape(-1), want, True, "gathered tensor vs all inputs")
         elif packet == "broadcast_" or packet == "broadcast":
-            root = coll.get("root_rank", coll.get("src", 0))
+            root = coll.root if coll.root is not None else 0
             root_n = group.index(root) if root in group else root
-            src = list(iter_tensor_refs(peers[root_n]["a"][0]))
-            outs = list(iter_tensor_refs(_written(rec, 0) if packet.endswith("_") else rec.get("o")))
+            src = list(iter_refs(peers[root_n].args[0]))
+            outs = list(iter_refs(_written(op, 0) if packet.endswith("_") else op.outputs))
             for j, out_ref in enumerate(outs):
                 self._judge(res, self._tensor(rank, out_ref), self._tensor(group[root_n], src[j]), True,
                             f"output vs rank {group[root_n]}'s input")

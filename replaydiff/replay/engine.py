@@ -1,24 +1,29 @@
-"""Replaying a whole trace: every selected op of every rank, on one process or several.
+"""Replaying a whole trace in three steps every launcher shares: plan, run shards, finish.
 
-Ops are independent once each has its recorded inputs, so work is split into contiguous ranges of op numbers and
-the results are merged in (rank, index) order: the report is the same whatever the number of workers.
+``plan`` picks the ops of each rank to replay and collects the trace's warnings; ``run_shard`` replays one
+contiguous range of one rank's ops (in this process, a pool worker, or a torchrun process); ``finish`` merges the
+results in (rank, index) order and does what needs every rank at once (the cross-rank collective check, links from
+backward ops to their forward source lines). Ops are independent once each has its recorded inputs, so the report
+is the same whatever the number of shards.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import multiprocessing as mp
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from replaydiff.errors import EnvironmentProblem, UsageError
-from replaydiff.replay.policy import ReplayOptions, reference_settings
 from replaydiff.replay.collectives import CollectiveChecker
-from replaydiff.replay.result import OpResult, ReplayReport
-from replaydiff.replay.runner import COLLECTIVE_SKIP, OpReplayer
-from replaydiff.trace.reader import RankReader, TraceReader, open_trace
+from replaydiff.replay.policy import ReplayOptions, reference_settings
+from replaydiff.replay.result import OpResult, ReplayReport, Status
+from replaydiff.replay.runner import OpReplayer
+from replaydiff.trace.reader import RankTrace, Trace, open_trace
 
 Progress = Callable[[int], None]
+OnResult = Callable[[OpResult], None]
 
 
 def check_device(device: str) -> None:
@@ -35,41 +40,103 @@ def check_device(device: str) -> None:
         raise EnvironmentProblem(f"device type {dev.type!r} is not supported for replay (use cpu or cuda[:N])")
 
 
-def _selected(reader: RankReader, opts: ReplayOptions) -> list[int]:
-    out = []
-    for op in reader:
-        i = op["i"]
-        if (opts.first is None or i >= opts.first) and (opts.last is None or i <= opts.last):
-            out.append(i)
-    return out
+@dataclass(frozen=True)
+class Shard:
+    """Ops of one rank to replay, by number, in order."""
+
+    rank: int
+    indices: tuple[int, ...]
+
+    def split(self, parts: int) -> list["Shard"]:
+        n = max(1, -(-len(self.indices) // max(1, parts)))
+        return [Shard(self.rank, self.indices[k:k + n]) for k in range(0, len(self.indices), n)]
 
 
-def _threads(reader: RankReader, opts: ReplayOptions) -> int | None:
+@dataclass
+class ReplayPlan:
+    path: str
+    options: ReplayOptions
+    shards: list[Shard] = field(default_factory=list)  # one per rank
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(len(s.indices) for s in self.shards)
+
+    def split(self, parts: int) -> list[Shard]:
+        """Every rank's ops cut into ``parts`` contiguous shards (for ``parts`` workers)."""
+        return [piece for s in self.shards for piece in s.split(parts)]
+
+
+def plan(trace: Trace, opts: ReplayOptions) -> ReplayPlan:
+    check_device(opts.device)
+    p = ReplayPlan(str(trace.path), opts)
+    for r in (opts.ranks if opts.ranks is not None else trace.ranks):
+        rt = trace.rank(r)
+        if rt.truncated_after is not None:
+            p.warnings.append(f"rank {r}: the recording did not finish (truncated after op {rt.truncated_after}); "
+                              f"replaying the complete prefix")
+        for lost in rt.lost:
+            p.warnings.append(f"rank {r}: recording lost data: {lost}")
+        for region in rt.compiled_regions:
+            p.warnings.append(f"rank {r}: compiled region {region.get('region')} ran {region.get('how')} while "
+                              f"recording ({region.get('calls')} call(s))")
+        idx = rt.index
+        p.shards.append(Shard(r, tuple(i for i in range(len(idx)) if idx.recorded[i]
+                                       and (opts.first is None or i >= opts.first)
+                                       and (opts.last is None or i <= opts.last))))
+    return p
+
+
+def _threads(rt: RankTrace, opts: ReplayOptions) -> int | None:
+    if opts.threads is not None:
+        return opts.threads
     if opts.precision == "same" and torch.device(opts.device).type == "cpu":
         # CPU reductions (LayerNorm, convolution backward) are only bitwise under the recorded parallelism
-        n = reader.environment.get("num_threads")
+        n = rt.environment.get("num_threads")
         return int(n) if isinstance(n, int) and n > 0 else None
     # Replayed ops are small and independent: an intra-op thread pool costs more in wake-ups than it saves (4x
     # slower on a busy 2-core machine), so each process replays on one thread and --workers gives parallelism.
     return 1
 
 
-def replay_range(reader: RankReader, opts: ReplayOptions, indices: list[int],
-                 progress: Progress | None = None) -> list[OpResult]:
-    replayer = OpReplayer(reader, opts)
-    wanted = set(indices)
-    lo, hi = (min(indices), max(indices)) if indices else (0, -1)
+def run_shard(rt: RankTrace, opts: ReplayOptions, shard: Shard, progress: Progress | None = None,
+              on_result: OnResult | None = None) -> list[OpResult]:
+    """Replay one shard of ``rt``'s ops (its chunks are read from the first op of the shard on)."""
+    replayer = OpReplayer(rt, opts)
+    if not shard.indices:
+        return []
+    wanted = set(shard.indices)
+    hi = shard.indices[-1]
     results = []
-    with reference_settings(_threads(reader, opts)), torch.inference_mode():
-        for op in reader.iter_from(lo):
-            i = op["i"]
-            if i > hi:
+    with reference_settings(_threads(rt, opts)), torch.inference_mode():
+        for op in rt.iter_from(shard.indices[0]):
+            if op.index > hi:
                 break
-            if i in wanted:
-                results.append(replayer.replay(op))
+            if op.index in wanted:
+                res = replayer.replay(op)
+                results.append(res)
+                if on_result:
+                    on_result(res)
                 if progress:
                     progress(1)
     return results
+
+
+def finish(trace: Trace, p: ReplayPlan, results: list[OpResult]) -> ReplayReport:
+    report = ReplayReport(trace=p.path, options=p.options.as_dict(), warnings=list(p.warnings))
+    report.ops = sorted(results, key=lambda r: (r.rank, r.index))
+    pending = {(r.rank, r.index): r for r in report.ops if r.collective and r.status is Status.SKIPPED}
+    if pending:
+        CollectiveChecker(trace, p.options).check(pending)
+    for r in report.ops:
+        # A backward op's own source line is the backward() call; the forward op's line says which code it is.
+        if r.status in (Status.DIVERGENT, Status.NONDETERMINISTIC, Status.ERROR) and r.forward_index is not None:
+            try:
+                r.forward_source = trace.rank(r.rank)[r.forward_index].source
+            except Exception:  # a damaged chunk elsewhere: the hint is optional
+                pass
+    return report
 
 
 def _pool_context() -> mp.context.BaseContext:
@@ -83,62 +150,32 @@ def _pool_context() -> mp.context.BaseContext:
         return mp.get_context("spawn")
 
 
-def _worker(path: str, rank: int, opts: ReplayOptions, indices: list[int], workers: int) -> list[dict]:
-    reader = open_trace(path).rank(rank)
-    return [r.to_dict() for r in replay_range(reader, opts, indices)]
+def _worker(path: str, opts: ReplayOptions, shard: Shard) -> list[OpResult]:
+    return run_shard(open_trace(path).rank(shard.rank), opts, shard)
 
 
 def replay_trace(path: str, opts: ReplayOptions, workers: int = 1,
-                 progress_total: Callable[[int], None] | None = None, progress: Progress | None = None) -> ReplayReport:
-    check_device(opts.device)
-    trace: TraceReader = open_trace(path)
-    report = ReplayReport(trace=str(path), options=opts.as_dict())
-    ranks = opts.ranks if opts.ranks is not None else sorted(trace.ranks)
-    plan: list[tuple[RankReader, list[int]]] = []
-    for r in ranks:
-        reader = trace.rank(r)
-        if reader.truncated_after is not None:
-            report.warnings.append(f"rank {r}: the recording did not finish (truncated after op "
-                                   f"{reader.truncated_after}); replaying the complete prefix")
-        for lost in reader.lost:
-            report.warnings.append(f"rank {r}: recording lost data: {lost}")
-        plan.append((reader, _selected(reader, opts)))
+                 progress_total: Callable[[int], None] | None = None, progress: Progress | None = None,
+                 on_result: OnResult | None = None) -> ReplayReport:
+    """Replay every selected op of every selected rank; ``on_result`` sees each OpResult as it is made."""
+    trace = open_trace(path)
+    p = plan(trace, opts)
     if progress_total:
-        progress_total(sum(len(ix) for _, ix in plan))
+        progress_total(p.total)
+    results: list[OpResult] = []
     if workers <= 1:
-        for reader, indices in plan:
-            report.ops.extend(replay_range(reader, opts, indices, progress))
-        _check_collectives(trace, opts, report)
-        _link_forward_sources(trace, report)
-        return report
+        for shard in p.shards:
+            results += run_shard(trace.rank(shard.rank), opts, shard, progress, on_result)
+        return finish(trace, p, results)
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context()) as pool:
-        futures = []
-        for reader, indices in plan:
-            n = max(1, -(-len(indices) // workers))
-            for k in range(0, len(indices), n):
-                part = indices[k:k + n]
-                futures.append((pool.submit(_worker, str(reader.root), reader.rank, opts, part, workers), len(part)))
+        futures = [(pool.submit(_worker, str(trace.rank(s.rank).root), opts, s), len(s.indices))
+                   for s in p.split(workers)]
         for fut, n in futures:
-            report.ops.extend(OpResult(**d) for d in fut.result())
+            part = fut.result()
+            results += part
+            if on_result:
+                for r in part:
+                    on_result(r)
             if progress:
                 progress(n)
-    report.ops.sort(key=lambda r: (r.rank, r.index))
-    _check_collectives(trace, opts, report)
-    _link_forward_sources(trace, report)
-    return report
-
-
-def _link_forward_sources(trace: TraceReader, report: ReplayReport) -> None:
-    """A backward op's own source line is the backward() call; the forward op's line says which code it is."""
-    for r in report.ops:
-        if r.status in ("divergent", "nondeterministic", "error") and r.forward_index is not None:
-            try:
-                r.forward_source = trace.rank(r.rank).op(r.forward_index).get("src")
-            except Exception:  # a damaged chunk elsewhere: the hint is optional
-                pass
-
-
-def _check_collectives(trace: TraceReader, opts: ReplayOptions, report: ReplayReport) -> None:
-    coll = {(r.rank, r.index): r for r in report.ops if r.status == "skipped" and r.reason == COLLECTIVE_SKIP}
-    if coll:
-        CollectiveChecker(trace, opts).check(coll)
+    return finish(trace, p, results)

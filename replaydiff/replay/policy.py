@@ -42,6 +42,8 @@ class ReplayOptions:
     last: int | None = None
     ranks: list[int] | None = None
     tolerances: Tolerances = field(default_factory=Tolerances)
+    # CPU intra-op threads; None: the recorded count at `same` on the CPU (what makes it bitwise), else 1
+    threads: int | None = None
 
     def target_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return target_dtype(self.precision, dtype)
@@ -50,7 +52,8 @@ class ReplayOptions:
         return {"device": self.device, "precision": self.precision, "repeat": self.repeat, "ops": self.ops,
                 "from": self.first, "to": self.last, "ranks": self.ranks,
                 "tolerances": {k: list(v) for k, v in self.tolerances.limits.items()},
-                "scale_reductions": self.tolerances.scale_reductions}
+                "scale_reductions": self.tolerances.scale_reductions,
+                **({"threads": self.threads} if self.threads is not None else {})}
 
 
 @contextmanager

@@ -1,10 +1,28 @@
-"""What a replay produces: one OpResult per op, gathered in a ReplayReport."""
+"""What a replay produces: one OpResult per op (a Status and a Verdict), gathered in a ReplayReport."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
-STATUSES = ("ok", "divergent", "nondeterministic", "skipped", "error")
+from replaydiff.compare.verdict import Verdict
+
+
+class Status(str, Enum):
+    OK = "ok"
+    DIVERGENT = "divergent"
+    NONDETERMINISTIC = "nondeterministic"
+    SKIPPED = "skipped"
+    ERROR = "error"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = lambda self, spec: format(self.value, spec)  # noqa: E731  (f"{status}" -> "ok" on every Python)
+
+
+STATUSES = tuple(s.value for s in Status)
+PROBLEMS = (Status.DIVERGENT, Status.NONDETERMINISTIC)
 
 
 @dataclass
@@ -12,18 +30,25 @@ class OpResult:
     rank: int
     index: int
     op: str
-    status: str
+    status: Status
     module: str | None = None
     phase: str | None = None
     source: str | None = None
     forward_index: int | None = None
     forward_source: str | None = None  # for a backward op: the source line of the forward op it belongs to
-    metrics: dict[str, Any] | None = None
+    verdict: Verdict | None = None  # the deciding output's verdict (the worst one when all are within limits)
     reason: str | None = None
     nonfinite_origin: bool = False
+    # A collective: not run alone, but checked across ranks once every rank's results are in (engine.finish).
+    collective: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def __post_init__(self) -> None:
+        self.status = Status(self.status)
+
+    @property
+    def metrics(self) -> dict[str, Any] | None:
+        """The verdict's figures as the JSON report writes them."""
+        return None if self.verdict is None else self.verdict.to_json()
 
 
 @dataclass
@@ -34,18 +59,18 @@ class ReplayReport:
     warnings: list[str] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
-        c = {s: 0 for s in STATUSES}
+        c = {s.value: 0 for s in Status}
         for r in self.ops:
-            c[r.status] = c.get(r.status, 0) + 1
+            c[r.status.value] += 1
         return c
 
     @property
     def first_divergent(self) -> OpResult | None:
-        return next((r for r in self.ops if r.status == "divergent"), None)
+        return next((r for r in self.ops if r.status is Status.DIVERGENT), None)
 
     @property
     def first_nondeterministic(self) -> OpResult | None:
-        return next((r for r in self.ops if r.status == "nondeterministic"), None)
+        return next((r for r in self.ops if r.status is Status.NONDETERMINISTIC), None)
 
     @property
     def nonfinite_origin(self) -> OpResult | None:
@@ -53,4 +78,4 @@ class ReplayReport:
 
     @property
     def found_problem(self) -> bool:
-        return any(r.status in ("divergent", "nondeterministic") for r in self.ops)
+        return any(r.status in PROBLEMS for r in self.ops)

@@ -1,179 +1,157 @@
 """Replaying one op in isolation from its recorded inputs, and judging what it produced.
 
 Inputs are rebuilt per op from the recorded storage bytes: one base tensor per (storage version, dtype), and each
-argument as a strided view of it, so aliasing inside the op survives and an in-place op writes only into its own
-copy. Floating data and floating dtype arguments follow the precision policy; random ops keep their recorded dtype
-and get their recorded generator state back, so the draw is redone and compared exactly.
+argument as a strided view of it (with its conj and neg bits), so aliasing inside the op survives and an in-place
+op writes only into its own copy. Floating data and floating dtype arguments follow the precision policy; random ops
+keep their recorded dtype and get their recorded generator state back, so the draw is redone and compared exactly.
+
+``OpReplayer`` holds only what is fixed for a whole replay (the trace, the options, the device); everything about one
+op lives in local values, so one replayer can serve several threads.
 """
 from __future__ import annotations
 
-import fnmatch
 import math
 from typing import Any
 
 import torch
 
-from replaydiff.compare.metrics import tensor_metrics
+from replaydiff import aten
+from replaydiff.compare.metrics import ExactMismatch, FloatError, ViewMismatch, measure
 from replaydiff.compare.tolerance import reduction_length
+from replaydiff.compare.verdict import (Verdict, judge, judge_measure, scalar_verdict, with_calibration,
+                                        with_precision)
 from replaydiff.errors import TraceError
-from replaydiff.record.encode import TENSOR_KEY, decode_value, dtype_from_name, iter_tensor_refs
 from replaydiff.replay.policy import FALLBACKS, ReplayOptions, target_dtype
-from replaydiff.replay.result import OpResult
-from replaydiff.trace.reader import RankReader
+from replaydiff.replay.result import OpResult, Status
+from replaydiff.trace.reader import RankTrace
+from replaydiff.trace.schema import Opaque, OpRecord, TensorRef, dtype_from_name, iter_refs
 
-COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor"}
 COLLECTIVE_SKIP = "collective: cannot run alone; checked across ranks when all its ranks are in the trace"
-# Markers, not computations. Other namespaces (a user's custom kernels) are replayed when the op is registered here.
-NON_COMPUTE_NAMESPACES = {"profiler", "prims_debug"}
-# Ops that only reinterpret bits or shapes: their meaning depends on the exact recorded dtype.
-_DTYPE_EXACT = {"aten.view.dtype", "aten.view_as_real.default", "aten.view_as_complex.default"}
+
+# (recorded TensorRef or scalar, replayed value) for each output and written argument of one run
+Pairs = list[tuple[Any, Any]]
 
 
 class Skip(Exception):
     """This op is not replayed; the message is the reason."""
 
 
-def op_packet(name: str) -> str:
-    """``aten.mm.default`` -> ``mm``."""
-    parts = name.split(".")
-    return parts[1] if len(parts) >= 2 else name
+class _Inputs:
+    """The arguments of one run of one op: recorded tensors rebuilt at a precision on a device."""
 
+    def __init__(self, trace: RankTrace, precision: str, keep_dtype: bool, device: torch.device,
+                 generator: torch.Generator | None) -> None:
+        self.trace = trace
+        self.precision = precision
+        self.keep_dtype = keep_dtype
+        self.device = device
+        self.generator = generator
+        self._base: dict[tuple, torch.Tensor] = {}
 
-_RESOLVED: dict[str, Any] = {}
+    def tensor(self, ref: TensorRef) -> torch.Tensor:
+        if not ref.stored:
+            raise Skip("inputs not stored in the trace" + (" (recorded with tensors=meta/stats or a filter)"
+                                                           if ref.version is not None else ""))
+        rec_dtype = dtype_from_name(ref.dtype)
+        target = rec_dtype if self.keep_dtype else target_dtype(self.precision, rec_dtype)
+        key = (ref.version, ref.dtype, target)
+        base = self._base.get(key)
+        if base is None:
+            data = self.trace.data(ref)
+            n = data.numel() - data.numel() % rec_dtype.itemsize
+            base = data[:n].view(rec_dtype).to(device=self.device, dtype=target, copy=True)
+            self._base[key] = base
+        t = base.as_strided(ref.shape, ref.stride, ref.offset)
+        if ref.conj:
+            t = t.conj()
+        if ref.neg:
+            t = torch._neg_view(t)
+        return t
 
+    def value(self, v: Any) -> Any:
+        if isinstance(v, TensorRef):
+            return self.tensor(v)
+        if isinstance(v, list):
+            return [self.value(x) for x in v]
+        if isinstance(v, Opaque):
+            if v.kind == "generator":
+                if self.generator is None:
+                    raise Skip("a generator argument without recorded state")
+                return self.generator
+            raise Skip(f"an argument of kind {v.kind!r} cannot be rebuilt")
+        if isinstance(v, torch.dtype):  # floating dtype arguments follow the policy
+            return v if self.keep_dtype else target_dtype(self.precision, v)
+        if isinstance(v, torch.device):
+            return self.device
+        return v
 
-def resolve_op(name: str) -> Any:
-    """``aten.mm.default`` -> torch.ops.aten.mm.default, looked up in registered ops only."""
-    func = _RESOLVED.get(name)
-    if func is None:
-        func = _RESOLVED[name] = _resolve(name)
-    return func
-
-
-def _resolve(name: str) -> Any:
-    parts = name.split(".")
-    if len(parts) != 3:
-        raise Skip(f"op name {name!r} is not namespace.op.overload")
-    ns, op, overload = parts
-    try:
-        packet = getattr(getattr(torch.ops, ns), op)
-        return getattr(packet, overload)
-    except (AttributeError, RuntimeError):
-        raise Skip(f"op {name} is not registered here (load the extension that defines it)") from None
+    def build(self, op: OpRecord) -> tuple[list, dict]:
+        return [self.value(a) for a in op.args], {k: self.value(v) for k, v in op.kwargs.items()}
 
 
 class OpReplayer:
-    def __init__(self, reader: RankReader, options: ReplayOptions) -> None:
-        self.reader = reader
+    def __init__(self, trace: RankTrace, options: ReplayOptions) -> None:
+        self.trace = trace
         self.opts = options
         self.device = torch.device(options.device)
-        self._base: dict[tuple, torch.Tensor] = {}
-        self._precision = options.precision
-
-    # -- inputs -----------------------------------------------------------------------------------------------
-    def _tensor(self, ref: dict, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
-        if ref.get(TENSOR_KEY) is None or not self.reader.has_data(ref):
-            raise Skip("inputs not stored in the trace" + (" (recorded with tensors=meta/stats or a filter)"
-                                                           if ref.get(TENSOR_KEY) is not None else ""))
-        rec_dtype = dtype_from_name(ref["dt"])
-        target = dtype or rec_dtype
-        key = (ref[TENSOR_KEY], ref["dt"], target)
-        base = self._base.get(key)
-        if base is None:
-            data = self.reader.storage_bytes(int(ref[TENSOR_KEY]), int(ref.get("f", -1)), int(ref.get("sb", 0)))
-            itemsize = torch.empty(0, dtype=rec_dtype).element_size()
-            n = data.numel() - data.numel() % itemsize
-            base = data[:n].view(rec_dtype).to(device=device, dtype=target, copy=True)
-            self._base[key] = base
-        return base.as_strided(ref["sh"], ref["st"], ref["of"])
-
-    def _inputs(self, rec: dict, keep_dtype: bool, rng_gen: torch.Generator | None,
-                device: torch.device | None = None) -> tuple[list, dict]:
-        self._base = {}
-        device = device or self.device
-
-        def tensor(ref: dict) -> torch.Tensor:
-            rd = dtype_from_name(ref["dt"])
-            return self._tensor(ref, None if keep_dtype else self._target(rd), device)
-
-        def convert(v: Any) -> Any:
-            v = decode_value(v, tensor, marker)
-            return v
-
-        def marker(key: str, val: Any) -> Any:
-            if key == "generator":
-                if rng_gen is None:
-                    raise Skip("a generator argument without recorded state")
-                return rng_gen
-            raise Skip(f"an argument of kind {key!r} cannot be rebuilt")
-
-        args = [self._rewrite(convert(a), keep_dtype, device) for a in rec.get("a", [])]
-        kwargs = {k: self._rewrite(convert(v), keep_dtype, device) for k, v in (rec.get("k") or {}).items()}
-        return args, kwargs
-
-    def _target(self, dtype: torch.dtype) -> torch.dtype:
-        return target_dtype(self._precision, dtype)
-
-    def _rewrite(self, v: Any, keep_dtype: bool, device: torch.device) -> Any:
-        """Floating dtype arguments follow the policy; devices become the replay device."""
-        if isinstance(v, torch.dtype):
-            return v if keep_dtype else self._target(v)
-        if isinstance(v, torch.device):
-            return device
-        if isinstance(v, list):
-            return [self._rewrite(x, keep_dtype, device) for x in v]
-        return v
 
     # -- one op -----------------------------------------------------------------------------------------------
-    def replay(self, rec: dict) -> OpResult:
-        name = rec["op"]
-        res = OpResult(rank=self.reader.rank, index=rec["i"], op=name, status="ok", module=rec.get("mod"),
-                       phase=rec.get("ph"), source=rec.get("src"), forward_index=rec.get("fwd"))
-        self._outputs_nonfinite: bool | None = None
+    def replay(self, op: OpRecord) -> OpResult:
+        return self.replay_with_pairs(op)[0]
+
+    def replay_with_pairs(self, op: OpRecord) -> tuple[OpResult, Pairs]:
+        """The result, and (recorded, reference) pairs of every output compared (TensorRef and tensor for data)."""
+        res = OpResult(rank=self.trace.rank, index=op.index, op=op.name, status=Status.OK, module=op.module,
+                       phase=op.phase, source=op.source, forward_index=op.forward_index)
+        pairs: Pairs = []
+        outputs_finite: bool | None = None
         try:
-            self._replay(rec, res)
+            pairs, outputs_finite = self._replay(op, res)
         except TraceError:
             raise  # a damaged trace is the user's problem to hear about (exit 3), not one op's error
         except Skip as s:
-            res.status, res.reason = "skipped", str(s)
+            res.status, res.reason = Status.SKIPPED, str(s)
         except Exception as exc:  # one failing op never stops the replay
             first = (str(exc).strip().splitlines() or [""])[0]
-            res.status, res.reason = "error", f"{type(exc).__name__}: {first}"[:300]
-        finally:
-            self._base = {}
-        try:
-            self._check_nonfinite_origin(rec, res)
-        except Exception:
-            pass  # the origin is a hint; the op's status already says what went wrong reading it
-        return res
+            res.status, res.reason = Status.ERROR, f"{type(exc).__name__}: {first}"[:300]
+        if outputs_finite is not True:
+            try:
+                res.nonfinite_origin = self._nonfinite_origin(op)
+            except TraceError:
+                raise
+            except Exception:
+                pass  # the origin is a hint; the op's status already says what went wrong reading it
+        return res, pairs
 
-    def _replay(self, rec: dict, res: OpResult) -> None:
-        name = rec["op"]
-        ns = name.split(".", 1)[0]
-        if ns in COLLECTIVE_NAMESPACES:
-            if op_packet(name) in ("_wrap_tensor_autograd", "wait_tensor"):
+    def _replay(self, op: OpRecord, res: OpResult) -> tuple[Pairs, bool | None]:
+        name = op.name
+        if aten.is_collective(name):
+            if aten.is_wait_only(name):
                 raise Skip("collective bookkeeping: no data of its own")
+            res.collective = True
             raise Skip(COLLECTIVE_SKIP)
-        if ns in NON_COMPUTE_NAMESPACES:
-            raise Skip(f"non-aten op ({ns})")
-        if rec.get("u"):
+        if aten.is_marker(name):
+            raise Skip(f"non-aten op ({aten.namespace(name)})")
+        if op.uninitialised:
             raise Skip("uninitialised output (empty*)")
-        if self.opts.ops and not any(fnmatch.fnmatchcase(name, g) for g in self.opts.ops):
+        if not aten.matches_any(name, self.opts.ops):
             raise Skip("not selected by --ops")
-        func = resolve_op(name)
-        packet = func.overloadpacket.__name__
-        seeded = torch.Tag.nondeterministic_seeded in func.tags
-        keep_dtype = seeded or name in _DTYPE_EXACT or self.opts.precision == "same"
+        try:
+            func = aten.resolve(name)
+        except aten.UnknownOp as exc:
+            raise Skip(str(exc)) from None
+        seeded = aten.facts(func).seeded
+        keep_dtype = seeded or name in aten.DTYPE_EXACT_OPS or self.opts.precision == "same"
         exact = self.opts.precision == "same" or seeded
-        rng = rec.get("rng")
+        rng = op.rng
         if seeded:
-            if not rng:
+            if rng is None:
                 raise Skip("random op without a recorded generator state")
-            rec_dev = torch.device(rng["dev"])
+            rec_dev = torch.device(rng.device)
             if rec_dev.type != self.device.type:
                 raise Skip(f"random op recorded on {rec_dev.type}: its draw can only be redone on {rec_dev.type}")
         if self.opts.precision == "same":
-            devs = {r["dev"].split(":")[0] for r in iter_tensor_refs(rec.get("o")) if isinstance(r.get("dev"), str)}
+            devs = {r.device.split(":")[0] for r in iter_refs(op.outputs) if isinstance(r.device, str)}
             if devs and devs != {self.device.type}:
                 exact = False  # another backend: judged by the dtype's tolerance instead of bit for bit
 
@@ -181,224 +159,186 @@ class OpReplayer:
         # at the next precision down, and the report says so.
         ladder = [self.opts.precision] if keep_dtype else list(FALLBACKS[self.opts.precision])
         first_failure = None
-        for step, self._precision in enumerate(ladder):
-            keep = keep_dtype or self._precision == "same"
+        for step, precision in enumerate(ladder):
+            keep = keep_dtype or precision == "same"
             try:
-                runs = self._runs(rec, func, rng, seeded, keep)
+                runs = self._runs(op, func, seeded, precision, keep)
                 break
             except (RuntimeError, NotImplementedError) as exc:
                 if step == len(ladder) - 1:
                     raise
                 first_failure = first_failure or f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"[:200]
         fallback = None
-        if self._precision != ladder[0]:
-            fallback = f"replayed at {self._precision}: at {ladder[0]} the op failed ({first_failure})"
+        if precision != ladder[0]:
+            fallback = f"replayed at {precision}: at {ladder[0]} the op failed ({first_failure})"
             keep_dtype = keep
 
-        self._judge(rec, func, packet, runs, exact, keep_dtype, res)
+        pairs, finite = self._judge(op, func, runs, exact, keep_dtype, res)
         if fallback:
             res.reason = fallback if res.reason is None else f"{res.reason}; {fallback}"
-            if res.metrics is not None:
-                res.metrics["precision"] = self._precision
+            if res.verdict is not None:
+                res.verdict = with_precision(res.verdict, precision)
+        return pairs, finite
 
-    def _runs(self, rec: dict, func: Any, rng: dict | None, seeded: bool, keep_dtype: bool) -> list[tuple]:
+    def _generator(self, op: OpRecord) -> torch.Generator | None:
+        """A generator holding the recorded state when the op was given one explicitly; None when it drew from
+        the device's default generator (whose state is restored around the call instead)."""
+        if not any(isinstance(v, Opaque) and v.kind == "generator" for v in [*op.args, *op.kwargs.values()]):
+            return None
+        gen = torch.Generator(device=self.device)
+        gen.set_state(self.trace.rng_state(op.rng))
+        return gen
+
+    def _runs(self, op: OpRecord, func: Any, seeded: bool, precision: str, keep_dtype: bool) -> list[tuple]:
         runs = []
         for _ in range(max(1, self.opts.repeat)):
-            gen = self._generator(rec, rng) if seeded else None
-            args, kwargs = self._inputs(rec, keep_dtype, gen)
+            gen = self._generator(op) if seeded else None
+            args, kwargs = _Inputs(self.trace, precision, keep_dtype, self.device, gen).build(op)
             if seeded and gen is None:
                 with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
-                    self._set_global_rng(rng)
+                    state = self.trace.rng_state(op.rng)
+                    if self.device.type == "cpu":
+                        torch.set_rng_state(state)
+                    else:
+                        torch.cuda.set_rng_state(state, self.device)
                     out = func(*args, **kwargs)
             else:
                 out = func(*args, **kwargs)
             runs.append((out, args, kwargs))
         return runs
 
-    def _judge(self, rec: dict, func: Any, packet: str, runs: list, exact: bool, keep_dtype: bool,
-               res: OpResult) -> None:
+    def _judge(self, op: OpRecord, func: Any, runs: list, exact: bool, keep_dtype: bool,
+               res: OpResult) -> tuple[Pairs, bool | None]:
+        """Set the result's status and verdict; returns the pairs compared and whether every output was finite."""
         out, args, kwargs = runs[0]
-        in_shapes = [r["sh"] for r in iter_tensor_refs(rec.get("a")) if isinstance(r.get("sh"), list)]
-        in_versions = {r.get(TENSOR_KEY) for r in iter_tensor_refs([rec.get("a"), list((rec.get("k") or {}).values())])}
-        pairs = self._pairs(rec, out, args, kwargs, in_versions)
-        judged: list[tuple[int, dict, str | None]] = []  # (pair index, metrics, why divergent)
+        packet = aten.packet(op.name)
+        in_shapes = [list(r.shape) for r in iter_refs(op.args)]
+        in_versions = {r.version for r in op.inputs()}
+        pairs = _pairs(op, out, args, kwargs, in_versions)
+        judged: list[tuple[int, Verdict]] = []
+        finite = True
         for n, (ref, value) in enumerate(pairs):
-            if isinstance(ref, dict) and "stride" in ref:
-                res.status, res.reason = "divergent", "view has another shape, stride or offset than recorded"
-                res.metrics = {"recorded": ref, "reference": value}
-                return
+            if isinstance(ref, ViewMismatch):
+                res.status, res.verdict = Status.DIVERGENT, judge_measure(ref, "", self.opts.tolerances)
+                res.reason = res.verdict.reason
+                return pairs, None
             if not isinstance(value, torch.Tensor):
-                if isinstance(ref, dict):
+                if isinstance(ref, TensorRef):
                     raise RuntimeError(f"op returned {type(value).__name__} where a tensor was recorded")
-                if not _same_scalar(ref, value):
-                    res.status, res.reason = "divergent", f"scalar output {value!r} != recorded {ref!r}"
-                    res.metrics = {"recorded": ref, "reference": value}
-                    return
+                v = scalar_verdict(ref, value)
+                if v is not None:
+                    res.status, res.verdict, res.reason = Status.DIVERGENT, v, v.reason
+                    return pairs, None
                 continue
-            recorded = self.reader.tensor(ref)
-            m = tensor_metrics(recorded, value, exact=exact)
+            recorded = self.trace.tensor(ref)
             k = reduction_length(packet, in_shapes, max(1, recorded.numel()))
-            bad, why = self.opts.tolerances.diverges(m, recorded.dtype, k)
-            m["reduction_k"] = k
-            judged.append((n, m, why if bad else None))
-            if m.get("nonfinite_recorded"):
-                self._outputs_nonfinite = True
-        if self._outputs_nonfinite is None and len(judged) == len(pairs):
-            # Every output was compared and all were finite, or all are views of inputs (whose bytes they share:
-            # a NaN there started earlier).
-            self._outputs_nonfinite = False
-        if not keep_dtype and any(why and "norm_max" in m and not m["nonfinite_mismatch"] for _, m, why in judged):
-            judged = self._calibrate(rec, func, pairs, judged, in_versions)
-        bad_ones = [(m, why) for _, m, why in judged if why]
-        if bad_ones:
-            res.status, res.reason, res.metrics = "divergent", bad_ones[0][1], bad_ones[0][0]
+            v = judge(recorded, value, self.opts.tolerances, k, exact)
+            judged.append((n, v))
+            m = v.measure
+            if getattr(m, "nonfinite_recorded", 0) or getattr(getattr(m, "finite", None), "nonfinite_recorded", 0):
+                finite = False
+        if not keep_dtype and any(v.divergent and isinstance(v.measure, FloatError) for _, v in judged):
+            judged = self._calibrate(op, func, pairs, judged, in_versions)
+        bad = [v for _, v in judged if v.divergent]
+        if bad:
+            res.status, res.reason, res.verdict = Status.DIVERGENT, bad[0].reason, bad[0]
         elif judged:
-            res.metrics = max((m for _, m, _ in judged), key=lambda m: m.get("norm_max", m.get("mismatches", 0)))
+            res.verdict = max((v for _, v in judged), key=lambda v: v.score)
         elif res.reason is None:
             res.reason = ("scalar result compared exactly" if pairs else
                           "nothing to compare (views of inputs are checked by shape and stride only)")
-        if len(runs) > 1:
-            self._check_repeats(runs, res)
+        if len(runs) > 1 and _repeats_disagree(runs) and res.status is Status.OK:
+            res.status = Status.NONDETERMINISTIC
+            res.reason = f"{len(runs)} replays of the op disagree with each other"
+        # Outputs that are all views of inputs (whose bytes they share) count as finite: a NaN there started earlier.
+        return pairs, (finite if len(judged) == len(pairs) else None)
 
-    def _calibrate(self, rec: dict, func: Any, pairs: list, judged: list, in_versions: set) -> list:
+    def _calibrate(self, op: OpRecord, func: Any, pairs: Pairs, judged: list[tuple[int, Verdict]],
+                   in_versions: set) -> list[tuple[int, Verdict]]:
         """Is an error over the fixed limit explained by the op's own conditioning?
 
         The op is run again at its recorded dtypes (on the CPU), and that run's error against the
         upcast reference is the op's own error at this precision (large for ill-conditioned ops: a LayerNorm of
         an input with a large mean, a gradient sum that cancels to almost zero). An output is divergent only if
-        its recorded error is more than CONDITIONING_FACTOR times that.
+        its recorded error is more than ``conditioning_factor`` times that.
         """
         # On the CPU whatever the replay device: a kernel bug on the replay GPU must not explain itself away.
-        args, kwargs = self._inputs(rec, True, None, torch.device("cpu"))
-        out = func(*args, **kwargs)
-        same_pairs = self._pairs(rec, out, args, kwargs, in_versions)
+        args, kwargs = _Inputs(self.trace, "same", True, torch.device("cpu"), None).build(op)
+        same_pairs = _pairs(op, func(*args, **kwargs), args, kwargs, in_versions)
         f = self.opts.tolerances.conditioning_factor
         result = []
-        for n, m, why in judged:
-            if why and "norm_max" in m and not m["nonfinite_mismatch"] and n < len(same_pairs):
+        for n, v in judged:
+            m = v.measure
+            if v.divergent and isinstance(m, FloatError) and n < len(same_pairs) \
+                    and isinstance(same_pairs[n][1], torch.Tensor):
                 same = same_pairs[n][1]
-                if isinstance(same, torch.Tensor):
-                    ms = tensor_metrics(same, pairs[n][1])
-                    m["same_dtype_max_abs"], m["same_dtype_rel_l2"] = ms["max_abs"], ms["rel_l2"]
+                ms = measure(same, pairs[n][1])
+                own = (ms.max_abs, ms.rel_l2) if isinstance(ms, FloatError) else None
+                if own is not None:
                     # Only an op whose own error at its dtype already breaks the limit is ill-conditioned; a
                     # well-conditioned op's bf16 rounding must not hide a 1e-2 fault (only ~6x that rounding).
-                    ill, _ = self.opts.tolerances.diverges(dict(ms), same.dtype, m.get("reduction_k", 1))
-                    if ill and m["max_abs"] <= f * ms["max_abs"] and m["rel_l2"] <= f * ms["rel_l2"]:
-                        why = None  # as far off as the reference's own rounding: ill-conditioned, not wrong
+                    ill = judge_measure(ms, same.dtype, self.opts.tolerances, v.reduction_k or 1).divergent
+                    if ill and m.max_abs <= f * own[0] and m.rel_l2 <= f * own[1]:
+                        v = with_calibration(v, False, None, own)  # ill-conditioned, not wrong
                     else:
-                        own = ms["max_abs"]
-                        ratio = f"{m['max_abs'] / own:.3g}x the op's own error" if own else "while the op itself is exact"
-                        why = f"{why}, {ratio} at its recorded dtype"
-            result.append((n, m, why))
+                        ratio = f"{m.max_abs / own[0]:.3g}x the op's own error" if own[0] \
+                            else "while the op itself is exact"
+                        v = with_calibration(v, True, f"{v.reason}, {ratio} at its recorded dtype", own)
+            result.append((n, v))
         return result
 
-    def _pairs(self, rec: dict, out: Any, args: list, kwargs: dict, in_versions: set) -> list[tuple[Any, Any]]:
-        """(recorded, replayed) pairs for every output and every written argument."""
-        pairs: list[tuple[Any, Any]] = []
-        written = set()
-        for path, after in rec.get("w") or []:
-            where, key = path[0], path[1]
-            value = args[key] if where == "a" else kwargs.get(key)
-            for r in iter_tensor_refs(after):
-                written.add(r.get(TENSOR_KEY))
-            _zip(after, value, pairs)
-        outs: list[tuple[Any, Any]] = []
-        _zip(rec.get("o"), out, outs)
-        for ref, value in outs:
-            if isinstance(ref, dict) and TENSOR_KEY in ref:
-                if ref.get(TENSOR_KEY) in written:
-                    continue  # the output is the written argument: already compared
-                if ref.get(TENSOR_KEY) in in_versions:  # a view of an input: the bytes are the input's
-                    if isinstance(value, torch.Tensor) and (list(value.shape) != ref["sh"]
-                                                            or list(value.stride()) != ref["st"]
-                                                            or value.storage_offset() != ref["of"]):
-                        pairs.append(({"shape": ref["sh"], "stride": ref["st"], "offset": ref["of"]},
-                                      {"shape": list(value.shape), "stride": list(value.stride()),
-                                       "offset": value.storage_offset()}))
-                    continue
-                if ref.get("u") or not self.reader.has_data(ref):
-                    continue
-            pairs.append((ref, value))
-        return pairs
-
-    def _check_repeats(self, runs: list, res: OpResult) -> None:
-        first: list[tuple[Any, Any]] = []
-        _zip_values(runs[0], first)
-        for other in runs[1:]:
-            vals: list[tuple[Any, Any]] = []
-            _zip_values(other, vals)
-            for (a, _), (b, _) in zip(first, vals):
-                if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-                    if tensor_metrics(a, b, exact=True).get("mismatches", 1):
-                        if res.status == "ok":
-                            res.status = "nondeterministic"
-                            res.reason = f"{len(runs)} replays of the op disagree with each other"
-                        return
-
-    # -- random ops -------------------------------------------------------------------------------------------
-    def _rng_state(self, rng: dict) -> torch.Tensor:
-        return self.reader.storage_bytes(int(rng[TENSOR_KEY]), int(rng["f"]), int(rng["sb"])).clone()
-
-    def _generator(self, rec: dict, rng: dict) -> torch.Generator | None:
-        """A generator holding the recorded state when the op was given one explicitly; None when it drew from
-        the device's default generator (whose state _set_global_rng restores instead)."""
-        kwargs = rec.get("k") or {}
-        if not any(isinstance(v, dict) and "generator" in v for v in list(kwargs.values()) + list(rec.get("a", []))):
-            return None
-        gen = torch.Generator(device=self.device)
-        gen.set_state(self._rng_state(rng))
-        return gen
-
-    def _set_global_rng(self, rng: dict) -> None:
-        state = self._rng_state(rng)
-        if self.device.type == "cpu":
-            torch.set_rng_state(state)
-        else:
-            torch.cuda.set_rng_state(state, self.device)
-
     # -- NaN / Inf origin -------------------------------------------------------------------------------------
-    def _check_nonfinite_origin(self, rec: dict, res: OpResult) -> None:
-        if self._outputs_nonfinite is False:
-            return
-        outs = [r for r in iter_tensor_refs([rec.get("o"), [a for _, a in rec.get("w") or []]])
-                if not r.get("u") and self.reader.has_data(r) and _floating(r["dt"])]
-        if not outs or all(bool(torch.isfinite(self.reader.tensor(r)).all()) for r in outs):
-            return
-        args = [rec.get("a"), list((rec.get("k") or {}).values())]
-        if any(isinstance(x, float) and not math.isfinite(x) for x in _scalars(args)):
-            return  # a NaN/Inf passed in as a scalar (masked_fill(-inf) in attention): not an origin
-        ins = [r for r in iter_tensor_refs(args) if _floating(r.get("dt", "")) and not r.get("u")]
-        for r in ins:
-            if not self.reader.has_data(r) or not bool(torch.isfinite(self.reader.tensor(r)).all()):
-                return
-        res.nonfinite_origin = True
-
-
-def _scalars(v: Any):
-    if isinstance(v, list):
-        for x in v:
-            yield from _scalars(x)
-    elif not isinstance(v, dict):
-        yield v
-
-
-def _floating(dt: str) -> bool:
-    return dt.startswith(("float", "bfloat", "complex"))
-
-
-def _same_scalar(a: Any, b: Any) -> bool:
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+    def _nonfinite_origin(self, op: OpRecord) -> bool:
+        """Finite inputs, a non-finite recorded output: the op where NaN/Inf entered the step."""
+        outs = [r for r in op.outputs_refs() if not r.uninitialised and r.stored and _floating(r.dtype)]
+        if not outs or all(bool(torch.isfinite(self.trace.tensor(r)).all()) for r in outs):
+            return False
+        if any(isinstance(x, float) and not math.isfinite(x) for x in _scalars([op.args, list(op.kwargs.values())])):
+            return False  # a NaN/Inf passed in as a scalar (masked_fill(-inf) in attention): not an origin
+        for r in op.inputs():
+            if _floating(r.dtype) and not r.uninitialised:
+                if not r.stored or not bool(torch.isfinite(self.trace.tensor(r)).all()):
+                    return False
         return True
-    return a == b
 
 
-def _zip(rec: Any, value: Any, out: list) -> None:
+def _pairs(op: OpRecord, out: Any, args: list, kwargs: dict, in_versions: set) -> Pairs:
+    """(recorded, replayed) pairs for every output and every written argument."""
+    pairs: Pairs = []
+    written = set()
+    for path, after in op.writes:
+        value = args[path.key] if path.kind == "arg" else kwargs.get(path.key)
+        for r in iter_refs(after):
+            written.add(r.version)
+        _zip(after, value, pairs)
+    outs: Pairs = []
+    _zip(op.outputs, out, outs)
+    for ref, value in outs:
+        if isinstance(ref, TensorRef):
+            if ref.version in written:
+                continue  # the output is the written argument: already compared
+            if ref.version in in_versions:  # a view of an input: the bytes are the input's
+                if isinstance(value, torch.Tensor) and (tuple(value.shape) != ref.shape
+                                                        or tuple(value.stride()) != ref.stride
+                                                        or value.storage_offset() != ref.offset):
+                    pairs.append((ViewMismatch({"shape": list(ref.shape), "stride": list(ref.stride or ()),
+                                                "offset": ref.offset},
+                                               {"shape": list(value.shape), "stride": list(value.stride()),
+                                                "offset": value.storage_offset()}), value))
+                continue
+            if ref.uninitialised or not ref.stored:
+                continue
+        pairs.append((ref, value))
+    return pairs
+
+
+def _zip(rec: Any, value: Any, out: Pairs) -> None:
     if isinstance(rec, list):
         if not isinstance(value, (list, tuple)) or len(value) != len(rec):
             raise RuntimeError(f"op returned {type(value).__name__} where {len(rec)} values were recorded")
         for r, v in zip(rec, value):
             _zip(r, v, out)
-    elif isinstance(rec, dict) and TENSOR_KEY in rec:
+    elif isinstance(rec, TensorRef):
         out.append((rec, value))
     elif rec is None:
         return
@@ -406,16 +346,28 @@ def _zip(rec: Any, value: Any, out: list) -> None:
         out.append((rec, value))
 
 
-def _zip_values(run: tuple, out: list) -> None:
-    value, args, kwargs = run
+def _tensors(run: tuple) -> list[torch.Tensor]:
+    out, args, kwargs = run
+    return list(aten.iter_tensors([out, args, list(kwargs.values())]))
 
-    def walk(v: Any) -> None:
-        if isinstance(v, torch.Tensor):
-            out.append((v, None))
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x)
 
-    walk(value)
-    walk(args)
-    walk(list(kwargs.values()))
+def _repeats_disagree(runs: list[tuple]) -> bool:
+    first = _tensors(runs[0])
+    for other in runs[1:]:
+        for a, b in zip(first, _tensors(other)):
+            m = measure(a, b, exact=True)
+            if not isinstance(m, ExactMismatch) or m.mismatches:
+                return True
+    return False
+
+
+def _scalars(v: Any):
+    if isinstance(v, (list, tuple)):
+        for x in v:
+            yield from _scalars(x)
+    elif not isinstance(v, TensorRef):
+        yield v
+
+
+def _floating(dt: str) -> bool:
+    return dt.startswith(("float", "bfloat", "complex"))

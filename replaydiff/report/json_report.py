@@ -7,10 +7,15 @@ Top level: ``format``, ``trace``, ``options``, ``warnings``, ``summary`` (count 
 """
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
-from replaydiff.replay.result import OpResult, ReplayReport
+from replaydiff.compare.verdict import Verdict
+from replaydiff.errors import UsageError
+
+from replaydiff.replay.result import OpResult, ReplayReport, Status
 
 JSON_FORMAT = "replaydiff.replay/1"
 
@@ -28,7 +33,7 @@ def _clean(v: Any) -> Any:
 def op_json(r: OpResult | None) -> dict | None:
     if r is None:
         return None
-    return _clean({"rank": r.rank, "index": r.index, "op": r.op, "status": r.status, "module": r.module,
+    return _clean({"rank": r.rank, "index": r.index, "op": r.op, "status": r.status.value, "module": r.module,
                    "phase": r.phase, "source": r.source, "forward_index": r.forward_index,
                    "forward_source": r.forward_source, "metrics": r.metrics,
                    "reason": r.reason})
@@ -46,3 +51,28 @@ def report_to_json(report: ReplayReport) -> dict:
         "nonfinite_origin": op_json(report.nonfinite_origin),
         "ops": [op_json(r) for r in report.ops],
     }
+
+
+def load_replay_json(path: str | Path) -> ReplayReport:
+    """Read a ``replaydiff.replay/1`` report back (``replaydiff replay --json FILE``)."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{path}: not a readable JSON replay report ({exc})") from None
+    if not isinstance(d, dict) or d.get("format") != JSON_FORMAT:
+        raise UsageError(f"{path}: not a {JSON_FORMAT} report")
+    report = ReplayReport(trace=d.get("trace", ""), options=d.get("options") or {}, warnings=d.get("warnings") or [])
+    for o in d.get("ops") or []:
+        status = Status(o["status"])
+        m = o.get("metrics")
+        verdict = None if m is None else Verdict.from_json(m, status is Status.DIVERGENT, o.get("reason"))
+        report.ops.append(OpResult(rank=o["rank"], index=o["index"], op=o["op"], status=status,
+                                   module=o.get("module"), phase=o.get("phase"), source=o.get("source"),
+                                   forward_index=o.get("forward_index"), forward_source=o.get("forward_source"),
+                                   verdict=verdict, reason=o.get("reason")))
+    origin = d.get("nonfinite_origin")
+    if origin:
+        for r in report.ops:
+            if (r.rank, r.index) == (origin["rank"], origin["index"]):
+                r.nonfinite_origin = True
+    return report

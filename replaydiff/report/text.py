@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TextIO
 
-from replaydiff.replay.result import OpResult, ReplayReport
+from replaydiff.replay.result import OpResult, ReplayReport, Status
 
 
 def op_line(r: OpResult) -> str:
@@ -34,10 +34,10 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> No
         rank_note = f" ({len(ranks)} ranks)"
     out.write(f"replayed {len(report.ops)} ops of {report.trace}{rank_note} on {opts['device']} at "
               f"{opts['precision']}: " + ", ".join(f"{n} {s}" for s, n in c.items()) + "\n")
-    skipped = Counter(r.reason for r in report.ops if r.status == "skipped")
+    skipped = Counter(r.reason for r in report.ops if r.status is Status.SKIPPED)
     for reason, n in skipped.most_common(6):
         out.write(f"  skipped {n:>5}  {reason}\n")
-    errors = [r for r in report.ops if r.status == "error"]
+    errors = [r for r in report.ops if r.status is Status.ERROR]
     for r in errors[:max_listed]:
         out.write(f"  error   {op_line(r)}: {r.reason}\n")
     first = report.first_divergent
@@ -53,14 +53,14 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> No
         if first.phase == "backward" and first.forward_index is not None:
             called = f"; backward() called at {first.source}" if first.source else ""
             out.write(f"  backward of forward op #{first.forward_index}{called}\n")
-        others = [r for r in report.ops if r.status == "divergent" and r is not first]
+        others = [r for r in report.ops if r.status is Status.DIVERGENT and r is not first]
         if others:
             out.write(f"  {len(others)} more divergent op(s):\n")
             for r in others[:max_listed]:
                 out.write(f"    {op_line(r)}  {metrics_line(r)}\n")
     nd = report.first_nondeterministic
     if nd is not None:
-        n = sum(r.status == "nondeterministic" for r in report.ops)
+        n = sum(r.status is Status.NONDETERMINISTIC for r in report.ops)
         out.write(f"nondeterministic: {n} op(s), first {op_line(nd)}\n")
     origin = report.nonfinite_origin
     if origin is not None:

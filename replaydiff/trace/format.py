@@ -4,6 +4,8 @@ A trace is a directory holding one ``rank<N>/`` sub-directory per process. Each 
 
 - ``manifest.rdt``: format version, environment, options; rewritten (atomically) when recording ends, with
   ``complete: true`` and what was lost;
+- ``index.rdt``: one column per field for every op and the producer/consumer edges (``index.py``), written when
+  recording ends, rebuilt by a reader when missing;
 - ``ops/<first-op-index>.rdt``: a chunk of op records, msgpack, written atomically once the chunk is full;
 - ``data/<chunk>.safetensors``: the storage bytes first seen in that chunk, one uint8 tensor per storage version,
   optionally byte-shuffled and zstd-compressed, each with its CRC in the safetensors metadata.
@@ -29,6 +31,7 @@ FORMAT_NAME = "replaydiff.trace"
 FORMAT_VERSION = 1
 
 MANIFEST = "manifest.rdt"
+INDEX = "index.rdt"
 OPS_DIR = "ops"
 DATA_DIR = "data"
 FRAME_SUFFIX = ".rdt"

@@ -1,8 +1,11 @@
 """Reading a trace lazily: the manifest at open, one ops chunk and one storage at a time on demand.
 
-Everything read is checked (frame checksums, storage CRCs, structure), and every problem surfaces as a TraceError
-that names the file, so the CLI can print one line and exit 3. A trace whose recording never finished (a killed
-job) reads up to its last complete chunk; ``truncated_after`` says where it stops.
+``open_trace(path)`` gives a ``Trace``; ``trace.rank(r)`` a ``RankTrace``, a sequence of typed ``OpRecord`` numbered
+from 0, with the stored tensors (``tensor(ref)``), the index (``index``, ``producers``, ``consumers``,
+``modules``). Everything read is checked (frame checksums, storage CRCs, structure), and every problem surfaces as a
+TraceError that names the file, so the CLI can print one line and exit 3. A trace whose recording never finished (a
+killed job) reads up to its last complete chunk; ``truncated_after`` says where it stops. Reads are thread-safe
+(a UI reads from worker threads) and every cache is bounded.
 """
 from __future__ import annotations
 
@@ -10,25 +13,29 @@ import bisect
 import json
 import os
 import struct
+import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
 from replaydiff.errors import TraceError
-from replaydiff.record.encode import TENSOR_KEY, dtype_from_name
 from replaydiff.trace import codec
 from replaydiff.trace.format import (
     DATA_DIR,
     FORMAT_NAME,
     FORMAT_VERSION,
     FRAME_SUFFIX,
+    INDEX,
     MANIFEST,
     OPS_DIR,
     data_file_name,
     read_frame,
 )
+from replaydiff.trace.index import IndexBuilder, ModuleNode, TraceIndex
+from replaydiff.trace.schema import OpRecord, RngState, StoredBytes, TensorRef, check_chunk
 
 
 class DataFile:
@@ -94,8 +101,8 @@ class DataFile:
         self.close()
 
 
-class RankReader:
-    """One rank's trace."""
+class RankTrace(Sequence):
+    """One rank's trace: a sequence of OpRecord, ``r[i]`` being op number ``i`` (lazy: one chunk at a time)."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -112,6 +119,8 @@ class RankReader:
         self._files: OrderedDict[int, Any] = OrderedDict()
         self._storages: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._storage_total = 0
+        self._index: TraceIndex | None = None
+        self._lock = threading.RLock()
         self.complete = bool(self.manifest.get("complete"))
 
     # -- manifest ---------------------------------------------------------------------------------------------
@@ -128,66 +137,96 @@ class RankReader:
                                    f"({FORMAT_VERSION}); upgrade replaydiff to read it")
         return m
 
+    def _manifest_dict(self, key: str) -> dict:
+        v = self.manifest.get(key)
+        return v if isinstance(v, dict) else {}
+
     @property
     def environment(self) -> dict:
-        env = self.manifest.get("environment")
-        return env if isinstance(env, dict) else {}
+        return self._manifest_dict("environment")
+
+    @property
+    def options(self) -> dict:
+        """The record options the trace was written with (see replaydiff.record.RecordOptions)."""
+        return self._manifest_dict("options")
 
     @property
     def lost(self) -> list[str]:
         return list(self.manifest.get("lost") or [])
 
+    @property
+    def world_size(self) -> int:
+        return int(self.manifest.get("world_size") or 1)
+
+    @property
+    def compiled_regions(self) -> list[dict]:
+        """Compiled (torch.compile) regions entered while recording, and how they ran."""
+        return list(self.manifest.get("compiled") or [])
+
     # -- ops --------------------------------------------------------------------------------------------------
     def _chunk(self, first: int) -> list[dict]:
-        ops = self._chunks.get(first)
-        if ops is not None:
-            self._chunks.move_to_end(first)
+        with self._lock:
+            ops = self._chunks.get(first)
+            if ops is not None:
+                self._chunks.move_to_end(first)
+                return ops
+            path = self.root / OPS_DIR / f"{first:09d}{FRAME_SUFFIX}"
+            frame = read_frame(path)
+            try:
+                ops = check_chunk(frame, first)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise TraceError(path, f"malformed ops chunk ({exc})") from None
+            self._chunks[first] = ops
+            if len(self._chunks) > 8:
+                self._chunks.popitem(last=False)
             return ops
-        path = self.root / OPS_DIR / f"{first:09d}{FRAME_SUFFIX}"
-        frame = read_frame(path)
-        try:
-            ops = frame["ops"]
-            if frame["first"] != first or not isinstance(ops, list) or not ops:
-                raise ValueError("chunk does not match its name")
-            prev = first - 1
-            for op in ops:
-                if not isinstance(op, dict) or not isinstance(op["i"], int) or op["i"] <= prev:
-                    raise ValueError("op numbers out of order")
-                if not isinstance(op["op"], str):
-                    raise ValueError("op without a name")
-                prev = op["i"]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TraceError(path, f"malformed ops chunk ({exc})") from None
-        self._chunks[first] = ops
-        if len(self._chunks) > 4:
-            self._chunks.popitem(last=False)
-        return ops
 
-    def __iter__(self) -> Iterator[dict]:
-        for first in self._firsts:
-            yield from self._chunk(first)
+    def __len__(self) -> int:
+        last = self.last_index
+        return 0 if last is None else last + 1
 
-    def iter_from(self, index: int) -> Iterator[dict]:
-        """Ops numbered ``index`` and up, reading only the chunks that hold them."""
-        k = max(0, bisect.bisect_right(self._firsts, index) - 1)
-        for first in self._firsts[k:]:
-            for op in self._chunk(first):
-                if op["i"] >= index:
-                    yield op
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"rank {self.rank} has no op #{i} (0..{n - 1})")
+        return self.op(i % n)
 
-    def op(self, index: int) -> dict:
+    def op(self, index: int) -> OpRecord:
+        """Op number ``index``; an OpRecord with ``recorded`` False where the trace has no record of that number."""
         k = bisect.bisect_right(self._firsts, index) - 1
         if k >= 0:
-            for op in self._chunk(self._firsts[k]):
-                if op["i"] == index:
-                    return op
+            ops = self._chunk(self._firsts[k])
+            j = index - self._firsts[k]
+            if not (0 <= j < len(ops) and OpRecord(ops[j]).index == index):
+                j = next((n for n, w in enumerate(ops) if OpRecord(w).index == index), -1)
+            if j >= 0:
+                return OpRecord(ops[j], self.rank)
+        if 0 <= index < len(self):
+            return OpRecord.absent(index, self.rank)
         raise KeyError(index)
+
+    def __iter__(self) -> Iterator[OpRecord]:
+        """Every recorded op in order (numbers without a record are left out; ``r[i]`` gives them)."""
+        for first in self._firsts:
+            for w in self._chunk(first):
+                yield OpRecord(w, self.rank)
+
+    def iter_from(self, index: int) -> Iterator[OpRecord]:
+        """Recorded ops numbered ``index`` and up, reading only the chunks that hold them."""
+        k = max(0, bisect.bisect_right(self._firsts, index) - 1)
+        for first in self._firsts[k:]:
+            for w in self._chunk(first):
+                op = OpRecord(w, self.rank)
+                if op.index >= index:
+                    yield op
 
     @property
     def last_index(self) -> int | None:
         if not self._firsts:
             return None
-        return self._chunk(self._firsts[-1])[-1]["i"]
+        return OpRecord(self._chunk(self._firsts[-1])[-1]).index
 
     @property
     def truncated_after(self) -> int | None:
@@ -196,6 +235,42 @@ class RankReader:
             return None
         last = self.last_index
         return -1 if last is None else last
+
+    # -- the index --------------------------------------------------------------------------------------------
+    @property
+    def index(self) -> TraceIndex:
+        """Columns for every op and the producer/consumer edges (read from index.rdt, else rebuilt once)."""
+        with self._lock:
+            if self._index is None:
+                self._index = self._load_index()
+            return self._index
+
+    def _load_index(self) -> TraceIndex:
+        path = self.root / INDEX
+        n = len(self)
+        if path.exists():
+            try:
+                idx = TraceIndex.from_frame(read_frame(path))
+                if idx.count == n:
+                    return idx
+            except (TraceError, KeyError, TypeError, ValueError):
+                pass  # stale or damaged: the chunks are the truth, rebuild from them
+        # Rebuilt in memory only: a reader never changes a trace (it may be read-only, or someone else's).
+        builder = IndexBuilder()
+        for op in self:
+            builder.add(op)
+        return builder.build()
+
+    def producers(self, i: int) -> dict[int, int | None]:
+        """{input position of op i: number of the op that produced it, or None (from outside the trace)}."""
+        return self.index.producers(i)
+
+    def consumers(self, i: int) -> dict[int, list[int]]:
+        """{output position of op i: numbers of the ops that read it}."""
+        return self.index.consumers(i)
+
+    def modules(self) -> ModuleNode:
+        return self.index.modules()
 
     # -- storages ---------------------------------------------------------------------------------------------
     def _file(self, chunk: int) -> DataFile:
@@ -207,8 +282,19 @@ class RankReader:
                 self._files.popitem(last=False)[1].close()
         return f
 
-    def storage_bytes(self, version: int, chunk: int, nbytes: int) -> torch.Tensor:
-        """The decoded bytes of one storage version as a uint8 CPU tensor (shared: do not write into it)."""
+    def data(self, ref: TensorRef | StoredBytes) -> torch.Tensor:
+        """The decoded bytes of a stored storage version as a uint8 CPU tensor (shared: never write into it)."""
+        if isinstance(ref, TensorRef):
+            if not ref.stored:
+                raise ValueError(f"{ref!r} has no stored bytes")
+            version, chunk, nbytes = int(ref.version), int(ref.chunk if ref.chunk is not None else -1), \
+                int(ref.nbytes)
+        else:
+            version, chunk, nbytes = ref.version, ref.chunk, ref.nbytes
+        with self._lock:
+            return self._storage_bytes(version, chunk, nbytes)
+
+    def _storage_bytes(self, version: int, chunk: int, nbytes: int) -> torch.Tensor:
         cached = self._storages.get(version)
         if cached is not None:
             self._storages.move_to_end(version)
@@ -237,31 +323,36 @@ class RankReader:
             self._storage_total -= old.numel()
         return data
 
-    def has_data(self, ref: dict) -> bool:
-        return isinstance(ref, dict) and ref.get(TENSOR_KEY) is not None and ("f" in ref or ref.get("sb") == 0)
+    def rng_state(self, rng: RngState) -> torch.Tensor:
+        """The generator state a random op ran with (a fresh uint8 tensor, for Generator.set_state)."""
+        return self.data(rng.data).clone()
 
-    def tensor(self, ref: dict, copy: bool = False) -> torch.Tensor:
-        """The recorded tensor of a reference, on CPU, in its recorded dtype.
+    def tensor(self, ref: TensorRef, copy: bool = False) -> torch.Tensor:
+        """The recorded tensor of a reference, on CPU, in its recorded dtype, with its conj and neg bits.
 
         Without ``copy`` it is a view of cached bytes shared with other callers: read it, never write into it."""
-        dtype = dtype_from_name(ref["dt"])
-        data = self.storage_bytes(int(ref[TENSOR_KEY]), int(ref.get("f", -1)), int(ref.get("sb", 0)))
-        return rebuild(data, dtype, ref, self.root, copy)
+        return rebuild(self.data(ref), ref.torch_dtype, ref, self.root, copy)
 
 
-def rebuild(data: torch.Tensor, dtype: torch.dtype, ref: dict, where: Path | str, copy: bool = True) -> torch.Tensor:
-    """A tensor with the reference's size, stride and offset over a storage's bytes (or a copy of them)."""
+def rebuild(data: torch.Tensor, dtype: torch.dtype, ref: TensorRef, where: Path | str,
+            copy: bool = True) -> torch.Tensor:
+    """A tensor with the reference's size, stride, offset and conj/neg bits over a storage's bytes (or a copy)."""
     itemsize = dtype.itemsize
     try:
         n = data.numel() - data.numel() % itemsize
         base = data[:n]
         base = (base.clone() if copy else base).view(dtype)
-        return base.as_strided(ref["sh"], ref["st"], ref["of"])
+        t = base.as_strided(ref.shape, ref.stride, ref.offset)
+        if ref.conj:
+            t = t.conj()  # the stored bytes are the unconjugated values; the bit is lazy, as when recorded
+        if ref.neg:
+            t = torch._neg_view(t)
+        return t
     except Exception as exc:
         raise TraceError(where, f"a tensor does not fit its storage ({exc})") from None
 
 
-class TraceReader:
+class Trace:
     """A whole trace: every rank found under the directory."""
 
     def __init__(self, path: Path) -> None:
@@ -275,17 +366,25 @@ class TraceReader:
                            and p.name[4:].isdigit()), key=lambda p: int(p.name[4:]))
         if not dirs:
             raise TraceError(self.path, "not a trace directory (no rank*/manifest.rdt inside)")
-        self.ranks: dict[int, RankReader] = {}
+        self._ranks: dict[int, RankTrace] = {}
         for d in dirs:
-            r = RankReader(d)
-            self.ranks[r.rank] = r
+            r = RankTrace(d)
+            self._ranks[r.rank] = r
 
-    def rank(self, rank: int) -> RankReader:
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self._ranks)
+
+    def rank(self, rank: int) -> RankTrace:
         try:
-            return self.ranks[rank]
+            return self._ranks[rank]
         except KeyError:
             raise TraceError(self.path, f"the trace holds no rank {rank}") from None
 
+    def __iter__(self) -> Iterator[RankTrace]:
+        return iter(self._ranks[r] for r in self.ranks)
 
-def open_trace(path: str | Path) -> TraceReader:
-    return TraceReader(Path(path))
+
+def open_trace(path: str | os.PathLike) -> Trace:
+    """Open a trace directory (written by ``replaydiff.record``); raises TraceError if it cannot be read."""
+    return Trace(Path(path))

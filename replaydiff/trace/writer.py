@@ -3,7 +3,8 @@
 The recording thread hands over full chunks (op records plus the storage snapshots first seen in them); the writer
 thread waits for any device-to-host copies, encodes, and writes the data file and then the ops file, each atomically.
 A chunk's ops file therefore never exists without its data, and a process killed mid-step leaves a readable prefix.
-The queue is bounded, so memory stays bounded: a slow disk slows the job rather than filling host memory.
+The queue is bounded, so memory stays bounded: a slow disk slows the job rather than filling host memory. The
+writer thread also builds the index (``index.py``) of what it wrote, and stores it when recording ends.
 """
 from __future__ import annotations
 
@@ -20,10 +21,13 @@ import safetensors
 import torch
 
 from replaydiff.trace import codec
+from replaydiff.trace.index import IndexBuilder
+from replaydiff.trace.schema import OpRecord, chunk_frame, wire_index
 from replaydiff.trace.format import (
     DATA_DIR,
     FORMAT_NAME,
     FORMAT_VERSION,
+    INDEX,
     MANIFEST,
     OPS_DIR,
     data_file_name,
@@ -71,6 +75,7 @@ class RankWriter:
         (root / DATA_DIR).mkdir(parents=True, exist_ok=True)
         self._write_manifest()
         self._chunk = _Chunk(0)
+        self._index = IndexBuilder()
         self._queue: queue.Queue = queue.Queue(maxsize=2)
         self._thread = threading.Thread(target=self._run, name="replaydiff-writer", daemon=True)
         self._thread.start()
@@ -102,6 +107,11 @@ class RankWriter:
         self.flush()
         self._queue.put(None)
         self._thread.join()
+        if not self.failed:
+            try:
+                write_atomic(self.root / INDEX, pack_frame(self._index.to_frame(), 1))
+            except Exception as exc:  # a reader rebuilds a missing index: worth a debug line, not a warning
+                log.debug("the index could not be written: %s", exc)
         self._manifest.update(extra)
         self._manifest.update(complete=True, lost=self.lost, ops_written=self.ops_written,
                               last_op=self.last_op_written, data_bytes=self.bytes_written)
@@ -135,7 +145,7 @@ class RankWriter:
             try:
                 self._write_chunk(chunk)
             except Exception as exc:  # disk full, permissions, anything: recording stops, training goes on
-                first = chunk.ops[0]["i"] if chunk.ops else "?"
+                first = wire_index(chunk.ops[0]) if chunk.ops else "?"
                 self._fail(f"writing chunk {chunk.number} failed ({type(exc).__name__}: {exc}); "
                            f"ops from #{first} on were not written")
 
@@ -163,9 +173,10 @@ class RankWriter:
             self.bytes_written += path.stat().st_size
         del keep_alive
         if chunk.ops:
-            frame = pack_frame({"chunk": chunk.number, "first": chunk.ops[0]["i"], "ops": chunk.ops},
-                               self.compress_level)
-            write_atomic(self.root / OPS_DIR / ops_chunk_name(chunk.ops[0]["i"]), frame)
+            frame = pack_frame(chunk_frame(chunk.ops, chunk.number), self.compress_level)
+            write_atomic(self.root / OPS_DIR / ops_chunk_name(wire_index(chunk.ops[0])), frame)
             self.bytes_written += len(frame)
             self.ops_written += len(chunk.ops)
-            self.last_op_written = chunk.ops[-1]["i"]
+            self.last_op_written = wire_index(chunk.ops[-1])
+            for op in chunk.ops:
+                self._index.add(OpRecord(op))

@@ -59,7 +59,7 @@ def main() -> int:
     rec_s = _record(clean, None)
     fault = PlantedFault("aten.mm.default", rel=1e-2, occurrence=2)
     _record(faulty, fault)
-    planted = [op["i"] for op in open_trace(faulty).rank(0) if op["op"] == "aten.mm.default"][2]
+    planted = [op.index for op in open_trace(faulty).rank(0) if op.name == "aten.mm.default"][2]
     for trace, label in ((clean, "clean"), (faulty, f"fault #{planted}")):
         for device, precision in (("cpu", "fp64"), ("cuda", "fp64"), ("cuda", "same")):
             t = time.perf_counter()

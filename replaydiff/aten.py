@@ -1,0 +1,177 @@
+"""What replaydiff knows about aten ops, in one place: used by the recorder, the replayer, the index and the faults.
+
+Which namespaces hold collectives and which of their ops only wait; which ops are random, uninitialised, views or
+markers; which arguments an op writes (read from the schema's alias annotations, never from op names); op-name
+globs; the rank of this process. Everything here depends on torch alone, so every layer may import it.
+"""
+from __future__ import annotations
+
+import fnmatch
+import os
+from typing import Any, Iterator
+
+import torch
+
+COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
+# Collective bookkeeping with no data of its own: waiting for a result, wrapping one for autograd.
+WAIT_ONLY_PACKETS = frozenset({"wait_tensor", "_wrap_tensor_autograd"})
+# Markers, not computations (record_function ranges and the like).
+NON_COMPUTE_NAMESPACES = frozenset({"profiler", "prims_debug"})
+# Factories whose output memory is whatever the allocator held: never compared.
+UNINITIALISED_PACKETS = frozenset({"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided",
+                                   "empty_permuted"})
+# Ops that only reinterpret bits or shapes: their meaning depends on the exact recorded dtype.
+DTYPE_EXACT_OPS = frozenset({"aten.view.dtype", "aten.view_as_real.default", "aten.view_as_complex.default"})
+# Bookkeeping ops that cost nothing and change no value (hidden on request in the UI), beside schema views.
+_CHEAP_PACKETS = frozenset({"detach", "detach_", "alias", "lift_fresh", "_unsafe_view", "clone_", "_to_copy_"})
+
+_SEEDED = torch.Tag.nondeterministic_seeded
+
+
+def namespace(name: str) -> str:
+    """``aten.mm.default`` -> ``aten``."""
+    return name.split(".", 1)[0]
+
+
+def packet(name: str) -> str:
+    """``aten.mm.default`` -> ``mm``."""
+    parts = name.split(".")
+    return parts[1] if len(parts) >= 2 else name
+
+
+def is_collective(name: str) -> bool:
+    return namespace(name) in COLLECTIVE_NAMESPACES
+
+
+def is_wait_only(name: str) -> bool:
+    return is_collective(name) and packet(name) in WAIT_ONLY_PACKETS
+
+
+def is_marker(name: str) -> bool:
+    return namespace(name) in NON_COMPUTE_NAMESPACES
+
+
+def matches_any(name: str | None, globs: list[str] | None) -> bool:
+    """True when ``name`` matches one of ``globs`` (fnmatch, case-sensitive); no globs match everything."""
+    if not globs:
+        return True
+    return name is not None and any(fnmatch.fnmatchcase(name, g) for g in globs)
+
+
+class UnknownOp(LookupError):
+    """An op name that is not registered in this process (an extension not loaded, a newer torch)."""
+
+
+_RESOLVED: dict[str, Any] = {}
+
+
+def resolve(name: str) -> Any:
+    """``aten.mm.default`` -> ``torch.ops.aten.mm.default``, looked up among registered ops only (never imported)."""
+    func = _RESOLVED.get(name)
+    if func is not None:
+        return func
+    parts = name.split(".")
+    if len(parts) != 3:
+        raise UnknownOp(f"op name {name!r} is not namespace.op.overload")
+    ns, op, overload = parts
+    try:
+        func = getattr(getattr(getattr(torch.ops, ns), op), overload)
+    except (AttributeError, RuntimeError):
+        raise UnknownOp(f"op {name} is not registered here (load the extension that defines it)") from None
+    _RESOLVED[name] = func
+    return func
+
+
+def _is_write(alias_info: Any) -> bool:
+    return alias_info is not None and alias_info.is_write
+
+
+def _writes(func: Any, collective: bool) -> tuple[tuple[int, str, bool], ...]:
+    """(position, name, kwarg_only) of each argument the op may write.
+
+    Read from the schema's alias annotations, which mark ``Tensor(a!)``, ``Tensor(a!)?`` (native_batch_norm's
+    running statistics), ``Tensor(a!)[]`` and list-of-optional arguments alike; collectives mark nothing written but
+    fill their tensors in place, so every tensor argument of a collective counts.
+    """
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if collective or _is_write(a.alias_info):
+            out.append((i, a.name, a.kwarg_only))
+    return tuple(out)
+
+
+class OpFacts:
+    """What the recorder and the replayer need to know of one op overload, worked out once per overload."""
+
+    __slots__ = ("name", "collective", "seeded", "uninitialised", "writes", "view")
+
+    def __init__(self, func: Any) -> None:
+        self.name = str(func)
+        self.collective = func.namespace in COLLECTIVE_NAMESPACES
+        self.seeded = _SEEDED in func.tags
+        self.uninitialised = func.overloadpacket.__name__ in UNINITIALISED_PACKETS
+        self.writes = _writes(func, self.collective)
+        self.view = bool(getattr(func, "is_view", False))
+
+
+_FACTS: dict[Any, OpFacts] = {}
+
+
+def facts(func: Any) -> OpFacts:
+    f = _FACTS.get(func)
+    if f is None:
+        f = _FACTS[func] = OpFacts(func)
+    return f
+
+
+def iter_tensors(v: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in an argument: a tensor, or one inside (nested) lists and tuples, in order."""
+    if isinstance(v, torch.Tensor):
+        yield v
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            yield from iter_tensors(x)
+
+
+def written_args(f: OpFacts, args: tuple | list, kwargs: dict) -> list[tuple[tuple[str, int | str], Any]]:
+    """(("arg", i) or ("kwarg", name), value) of each argument the op writes that holds a tensor."""
+    out: list[tuple[tuple[str, int | str], Any]] = []
+    for i, name, kwarg_only in f.writes:
+        if i < len(args) and not kwarg_only:
+            path, v = ("arg", i), args[i]
+        elif name in kwargs:
+            path, v = ("kwarg", name), kwargs[name]
+        else:
+            continue
+        if any(True for _ in iter_tensors(v)):  # a tensor, or a (nested) list holding one: allgather's list of lists
+            out.append((path, v))
+    return out
+
+
+_CHEAP: dict[str, bool] = {}
+
+
+def is_cheap(name: str) -> bool:
+    """A view, alias, detach or marker: an op that costs nothing and computes no new value."""
+    c = _CHEAP.get(name)
+    if c is None:
+        c = is_marker(name) or is_wait_only(name) or packet(name) in _CHEAP_PACKETS
+        if not c and namespace(name) == "aten":
+            try:
+                c = facts(resolve(name)).view
+            except UnknownOp:
+                c = False
+        _CHEAP[name] = c
+    return c
+
+
+def current_rank() -> tuple[int, int]:
+    """(rank, world size) of this process: torch.distributed's if initialised, else $RANK / $WORLD_SIZE."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except Exception:
+        pass
+    return int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)

@@ -1,0 +1,501 @@
+"""The wire format of op records, and the typed records every other module reads instead of it.
+
+This is the one module that knows the short msgpack keys of a trace (``i op ph mod ...`` for an op, ``T dt sh st
+...`` for a tensor reference). The recorder builds records through the ``wire_*`` functions below; readers get
+``OpRecord`` and ``TensorRef``: slotted views over the decoded dict, so reading a field costs a dict lookup and
+nothing is converted that is not asked for. Values inside records (arguments, outputs) are trees of TensorRef,
+Python scalars, lists and torch objects (dtype, device, layout, memory format); what cannot be rebuilt from the
+trace alone (a generator, a symbolic size, an arbitrary object) is an ``Opaque``. Decoding only looks names up in
+torch's own namespaces: it never imports or evaluates anything.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, NamedTuple
+
+import torch
+
+from replaydiff import aten
+
+# -- op record keys ---------------------------------------------------------------------------------------------
+_INDEX, _NAME, _PHASE, _MODULE, _FORWARD, _SOURCE = "i", "op", "ph", "mod", "fwd", "src"
+_ARGS, _KWARGS, _WRITES, _OUTPUTS, _UNINIT = "a", "k", "w", "o", "u"
+_COLL, _RNG, _NOT_RECORDED = "coll", "rng", "x"
+# -- tensor reference keys --------------------------------------------------------------------------------------
+_VERSION, _DTYPE, _SHAPE, _STRIDE, _OFFSET, _DEVICE = "T", "dt", "sh", "st", "of", "dev"
+_NBYTES, _CHUNK, _STATS, _REQ_GRAD, _UNSUPPORTED = "sb", "f", "s", "rg", "unsupported"
+_CONJ, _NEG = "cj", "ng"
+_PATH_ARG, _PATH_KWARG = "a", "k"
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+# =============================================================================================================
+# Typed records
+# =============================================================================================================
+class ArgPath(NamedTuple):
+    """Where a written argument sits: ``("arg", 0)`` for ``self``, ``("kwarg", "out")``."""
+
+    kind: str
+    key: int | str
+
+
+@dataclass(frozen=True)
+class Opaque:
+    """An argument that cannot be rebuilt from the trace alone: ``kind`` is generator, symbolic or object."""
+
+    kind: str
+    value: Any
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """Statistics over the finite values of a tensor (``stats`` traces, and storages over ``max_tensor_bytes``)."""
+
+    numel: int
+    mean: float
+    absmax: float
+    l2: float
+    var: float
+    nan: int
+    inf: int
+
+    FIELDS = ("numel", "mean", "absmax", "l2", "var", "nan", "inf")
+
+
+class TensorRef:
+    """One tensor as recorded: its geometry, its storage version and where its bytes are (if stored)."""
+
+    __slots__ = ("_w",)
+
+    def __init__(self, wire: dict) -> None:
+        self._w = wire
+
+    dtype = property(lambda self: self._w[_DTYPE], doc="recorded dtype name, e.g. 'float32'")
+    shape = property(lambda self: tuple(self._w[_SHAPE]))
+    stride = property(lambda self: None if self._w.get(_STRIDE) is None else tuple(self._w[_STRIDE]))
+    offset = property(lambda self: self._w.get(_OFFSET, 0))
+    device = property(lambda self: self._w.get(_DEVICE))
+    version = property(lambda self: self._w.get(_VERSION), doc="storage version id; None if not described")
+    nbytes = property(lambda self: self._w.get(_NBYTES, 0), doc="bytes of the whole storage")
+    chunk = property(lambda self: self._w.get(_CHUNK), doc="data file holding the storage bytes, if stored")
+    requires_grad = property(lambda self: bool(self._w.get(_REQ_GRAD)))
+    uninitialised = property(lambda self: bool(self._w.get(_UNINIT)))
+    conj = property(lambda self: bool(self._w.get(_CONJ)), doc="the conjugate bit (a lazy x.conj())")
+    neg = property(lambda self: bool(self._w.get(_NEG)), doc="the negative bit (torch._neg_view)")
+    unsupported = property(lambda self: self._w.get(_UNSUPPORTED), doc="why it was not described, if so")
+
+    @property
+    def stored(self) -> bool:
+        """Its bytes are in the trace (a zero-byte storage needs none)."""
+        w = self._w
+        return w.get(_VERSION) is not None and (_CHUNK in w or w.get(_NBYTES) == 0)
+
+    @property
+    def stats(self) -> TensorStats | None:
+        s = self._w.get(_STATS)
+        return TensorStats(*s) if s else None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self._w[_DTYPE])
+
+    @property
+    def geometry(self) -> tuple:
+        """(version, dtype, shape, stride, offset): equal for two references to the very same tensor view."""
+        w = self._w
+        return (w.get(_VERSION), w[_DTYPE], tuple(w[_SHAPE]), tuple(w.get(_STRIDE) or ()), w.get(_OFFSET, 0))
+
+    def describe(self) -> str:
+        return f"{self.dtype}{list(self.shape)}"
+
+    def to_json(self) -> dict:
+        s = self.stats
+        return {"dtype": self.dtype, "shape": list(self.shape), "stride": None if self.stride is None else
+                list(self.stride), "offset": self.offset, "device": self.device, "version": self.version,
+                "stored": self.stored, "uninitialised": self.uninitialised, "requires_grad": self.requires_grad,
+                "conj": self.conj, "neg": self.neg, "unsupported": self.unsupported,
+                "stats": None if s is None else {k: getattr(s, k) for k in TensorStats.FIELDS}}
+
+    def __repr__(self) -> str:
+        return f"TensorRef({self.describe()}, version={self.version}, stored={self.stored})"
+
+
+@dataclass(frozen=True)
+class StoredBytes:
+    """A storage version's bytes in the trace: what a generator state is (a uint8 storage of its own)."""
+
+    version: int
+    chunk: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class RngState:
+    """The generator state a random op ran with, on ``device``."""
+
+    device: str
+    data: StoredBytes
+
+
+@dataclass(frozen=True)
+class CollectiveInfo:
+    """A collective's process group (name, member ranks, size, this rank in it), reduce op and root."""
+
+    ranks: tuple[int, ...] = ()
+    size: int | None = None
+    group_rank: int | None = None
+    group_name: str | None = None
+    reduce_op: str | None = None  # sum avg min max product ...; "unknown" when it could not be read
+    root: int | None = None  # root_rank / src / root / group_src, as the op's schema names it
+    extras: dict = field(default_factory=dict)  # other integer arguments (group_size ...)
+    problems: tuple[str, ...] = ()
+
+    @property
+    def group_key(self) -> tuple:
+        """Identity of the process group: its name and its ranks (two groups over the same ranks stay apart)."""
+        return (self.group_name, self.ranks)
+
+
+_ROOT_NAMES = ("root_rank", "src", "root", "group_src")
+
+
+def _collective_from_wire(c: dict) -> CollectiveInfo:
+    root = next((c[k] for k in _ROOT_NAMES if isinstance(c.get(k), int)), None)
+    extras = {k: v for k, v in c.items() if k not in ("ranks", "size", "group_rank", "group_name", "reduce_op",
+                                                      "problems", *_ROOT_NAMES)}
+    return CollectiveInfo(ranks=tuple(c.get("ranks") or ()), size=c.get("size"), group_rank=c.get("group_rank"),
+                          group_name=c.get("group_name"), reduce_op=c.get("reduce_op"), root=root, extras=extras,
+                          problems=tuple(c.get("problems") or ()))
+
+
+def wire_collective(info: CollectiveInfo) -> dict:
+    d: dict[str, Any] = {"ranks": list(info.ranks), "size": info.size, "group_rank": info.group_rank}
+    if info.group_name is not None:
+        d["group_name"] = info.group_name
+    if info.reduce_op is not None:
+        d["reduce_op"] = info.reduce_op
+    if info.root is not None:
+        d["root"] = info.root
+    d.update(info.extras)
+    if info.problems:
+        d["problems"] = list(info.problems)
+    return d
+
+
+class OpRecord:
+    """One recorded op. Fields are read from the decoded record on demand; argument trees are decoded once."""
+
+    __slots__ = ("_w", "_args", "_kwargs", "_outputs", "_writes", "rank")
+
+    def __init__(self, wire: dict, rank: int = 0) -> None:
+        self._w = wire
+        self._args = self._kwargs = self._outputs = self._writes = None
+        self.rank = rank
+
+    @classmethod
+    def absent(cls, index: int, rank: int = 0, why: str = "no record in the trace") -> "OpRecord":
+        """A number the trace has no record for (a gap in an older trace)."""
+        return cls({_INDEX: index, _NAME: "?", _NOT_RECORDED: why}, rank)
+
+    index = property(lambda self: self._w[_INDEX])
+    name = property(lambda self: self._w[_NAME], doc="e.g. 'aten.mm.default'")
+    phase = property(lambda self: self._w.get(_PHASE), doc="forward, backward, optimizer, or None")
+    module = property(lambda self: self._w.get(_MODULE), doc="dotted module path, e.g. 'GPT.blocks.0.ln1'")
+    source = property(lambda self: self._w.get(_SOURCE), doc="'file.py:LINE' of the user's code, if recorded")
+    forward_index = property(lambda self: self._w.get(_FORWARD), doc="for a backward op: the forward op it undoes")
+    uninitialised = property(lambda self: bool(self._w.get(_UNINIT)), doc="output of an empty* op")
+    recorded = property(lambda self: _NOT_RECORDED not in self._w, doc="False: numbered, but not recorded")
+    not_recorded_reason = property(lambda self: self._w.get(_NOT_RECORDED))
+
+    @property
+    def schema(self) -> str | None:
+        try:
+            return str(aten.resolve(self.name)._schema)
+        except aten.UnknownOp:
+            return None
+
+    @property
+    def collective(self) -> CollectiveInfo | None:
+        c = self._w.get(_COLL)
+        return _collective_from_wire(c) if isinstance(c, dict) else None
+
+    @property
+    def rng(self) -> RngState | None:
+        r = self._w.get(_RNG)
+        if not isinstance(r, dict):
+            return None
+        return RngState(str(r.get(_DEVICE)), StoredBytes(int(r[_VERSION]), int(r[_CHUNK]), int(r[_NBYTES])))
+
+    @property
+    def args(self) -> list:
+        if self._args is None:
+            self._args = decode_value(self._w.get(_ARGS) or [])
+        return self._args
+
+    @property
+    def kwargs(self) -> dict:
+        if self._kwargs is None:
+            self._kwargs = {k: decode_value(v) for k, v in (self._w.get(_KWARGS) or {}).items()}
+        return self._kwargs
+
+    @property
+    def outputs(self) -> Any:
+        if self._outputs is None:
+            self._outputs = decode_value(self._w.get(_OUTPUTS))
+        return self._outputs
+
+    @property
+    def writes(self) -> list[tuple[ArgPath, Any]]:
+        """Each argument the op wrote, as it was after the op (its ``args`` entry holds it as it was before)."""
+        if self._writes is None:
+            self._writes = [(ArgPath("arg" if p[0] == _PATH_ARG else "kwarg", p[1]), decode_value(v))
+                            for p, v in self._w.get(_WRITES) or []]
+        return self._writes
+
+    def inputs(self) -> list[TensorRef]:
+        """The tensors it reads, arguments then keyword arguments, flattened in order (the input positions)."""
+        return list(iter_refs([self.args, list(self.kwargs.values())]))
+
+    def outputs_refs(self) -> list[TensorRef]:
+        """The tensors it produces: outputs, then written arguments not already among them (the output positions)."""
+        out = list(iter_refs(self.outputs))
+        seen = {r.geometry for r in out}
+        for _, v in self.writes:
+            for r in iter_refs(v):
+                if r.geometry not in seen:
+                    seen.add(r.geometry)
+                    out.append(r)
+        return out
+
+    def to_json(self) -> dict:
+        """The typed record as JSON (``show --op N --json``; schema ``replaydiff.op/1``, see the README)."""
+        c = self.collective
+        rng = self.rng
+        return {
+            "rank": self.rank, "index": self.index, "name": self.name, "recorded": self.recorded,
+            "not_recorded_reason": self.not_recorded_reason, "phase": self.phase, "module": self.module,
+            "source": self.source, "forward_index": self.forward_index, "schema": self.schema,
+            "uninitialised": self.uninitialised,
+            "collective": None if c is None else {"group_name": c.group_name, "ranks": list(c.ranks), "size": c.size,
+                                                  "group_rank": c.group_rank, "reduce_op": c.reduce_op,
+                                                  "root": c.root},
+            "random": None if rng is None else {"device": rng.device},
+            "args": [value_json(v) for v in self.args],
+            "kwargs": {k: value_json(v) for k, v in self.kwargs.items()},
+            "writes": [{p.kind: p.key, "after": value_json(v)} for p, v in self.writes],
+            "outputs": value_json(self.outputs),
+        }
+
+    def __repr__(self) -> str:
+        return f"OpRecord(#{self.index} {self.name}, {self.phase}, {self.module})"
+
+
+def iter_refs(v: Any) -> Iterator[TensorRef]:
+    """Every TensorRef inside a value tree, in order."""
+    if isinstance(v, TensorRef):
+        yield v
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            yield from iter_refs(x)
+
+
+def value_json(v: Any) -> Any:
+    if isinstance(v, TensorRef):
+        return {"tensor": v.to_json()}
+    if isinstance(v, (list, tuple)):
+        return [value_json(x) for x in v]
+    if isinstance(v, Opaque):
+        return {v.kind: v.value}
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).removeprefix("torch.")}
+    if isinstance(v, (torch.device, torch.layout, torch.memory_format)):
+        return {type(v).__name__: str(v).removeprefix("torch.")}
+    if isinstance(v, complex):
+        return {"complex": [v.real, v.imag]}
+    return v
+
+
+# =============================================================================================================
+# Values: encoding (recorder) and decoding (reader)
+# =============================================================================================================
+def encode_value(v: Any, tensor_ref: Callable[[torch.Tensor], dict]) -> Any:
+    """A msgpack-safe form of an op argument or output; tensors go through ``tensor_ref``.
+
+    Non-tensor values are kept verbatim where msgpack can hold them; torch objects become one-key dicts (aten
+    schemas never take a dict, so a dict in a trace is always a tensor reference or one of these markers)."""
+    if isinstance(v, torch.Tensor):
+        return tensor_ref(v)
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, int):
+        return v if -(1 << 63) <= v < (1 << 64) else {"bigint": str(v)}
+    if isinstance(v, float):
+        return v
+    if isinstance(v, (list, tuple)):
+        return [encode_value(x, tensor_ref) for x in v]
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).removeprefix("torch.")}
+    if isinstance(v, torch.device):
+        return {"device": str(v)}
+    if isinstance(v, torch.layout):
+        return {"layout": str(v).removeprefix("torch.")}
+    if isinstance(v, torch.memory_format):
+        return {"memory_format": str(v).removeprefix("torch.")}
+    if isinstance(v, complex):
+        return {"complex": [v.real, v.imag]}
+    if isinstance(v, torch.Generator):
+        return {"generator": str(v.device)}
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return {"symbolic": str(v)}
+    return {"object": type(v).__name__}
+
+
+def _torch_attr(name: Any, kind: type) -> Any:
+    obj = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(obj, kind):
+        raise ValueError(f"{name!r} is not a torch {kind.__name__}")
+    return obj
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    return _torch_attr(name, torch.dtype)
+
+
+def decode_value(v: Any) -> Any:
+    """Inverse of encode_value, with TensorRef for tensors and Opaque for what the trace cannot rebuild.
+    Raises ValueError on junk (the reader turns it into a TraceError naming the file)."""
+    if isinstance(v, list):
+        return [decode_value(x) for x in v]
+    if not isinstance(v, dict):
+        return v
+    if _VERSION in v:
+        return TensorRef(v)
+    if len(v) != 1:
+        raise ValueError(f"unexpected structure {sorted(v)[:4]}")
+    (key, val), = v.items()
+    if key == "dtype":
+        return _torch_attr(val, torch.dtype)
+    if key == "device":
+        return torch.device(str(val))
+    if key == "layout":
+        return _torch_attr(val, torch.layout)
+    if key == "memory_format":
+        return _torch_attr(val, torch.memory_format)
+    if key == "complex":
+        return complex(float(val[0]), float(val[1]))
+    if key == "bigint":
+        return int(str(val))
+    if key in ("generator", "symbolic", "object"):
+        return Opaque(key, val)
+    raise ValueError(f"unknown marker {key!r}")
+
+
+# =============================================================================================================
+# Building records (the recorder's side)
+# =============================================================================================================
+def wire_op(index: int, name: str, phase: str, module: str | None, forward: int | None, source: str | None) -> dict:
+    rec: dict[str, Any] = {_INDEX: index, _NAME: name, _PHASE: phase}
+    if module:
+        rec[_MODULE] = module
+    if forward is not None:
+        rec[_FORWARD] = forward
+    if source:
+        rec[_SOURCE] = source
+    return rec
+
+
+def wire_not_recorded(rec: dict, why: str) -> dict:
+    """Mark an op record as numbered but not recorded (filtered out, or not describable), with the reason."""
+    rec[_NOT_RECORDED] = why
+    return rec
+
+
+def wire_set_collective(rec: dict, info: CollectiveInfo) -> None:
+    rec[_COLL] = wire_collective(info)
+
+
+def wire_set_rng(rec: dict, device: str, version: int, chunk: int, nbytes: int) -> None:
+    rec[_RNG] = {_DEVICE: device, _VERSION: version, _CHUNK: chunk, _NBYTES: nbytes}
+
+
+def wire_set_inputs(rec: dict, args: list, kwargs: dict) -> None:
+    rec[_ARGS] = args
+    rec[_KWARGS] = kwargs
+
+
+def wire_set_outputs(rec: dict, outputs: Any, writes: list[tuple[tuple[str, int | str], Any]] | None,
+                     uninitialised: bool) -> None:
+    if uninitialised:
+        rec[_UNINIT] = True
+    if writes:
+        rec[_WRITES] = [[[_PATH_ARG if kind == "arg" else _PATH_KWARG, key], v] for (kind, key), v in writes]
+    rec[_OUTPUTS] = outputs
+
+
+def wire_is_collective(rec: dict) -> bool:
+    return _COLL in rec
+
+
+def wire_index(rec: dict) -> int:
+    return rec[_INDEX]
+
+
+def wire_tensor(dtype: str, shape: list, stride: list | None, offset: int, device: str) -> dict:
+    return {_DTYPE: dtype, _SHAPE: shape, _STRIDE: stride, _OFFSET: offset, _DEVICE: device}
+
+
+def wire_unsupported(ref: dict, why: str) -> dict:
+    ref[_VERSION] = None
+    ref[_UNSUPPORTED] = why
+    return ref
+
+
+def wire_set_storage(ref: dict, version: int, nbytes: int, requires_grad: bool, uninitialised: bool,
+                     conj: bool, neg: bool) -> None:
+    ref[_VERSION] = version
+    ref[_NBYTES] = nbytes
+    if requires_grad:
+        ref[_REQ_GRAD] = True
+    if uninitialised:
+        ref[_UNINIT] = True
+    if conj:
+        ref[_CONJ] = True
+    if neg:
+        ref[_NEG] = True
+
+
+def wire_set_chunk(ref: dict, chunk: int) -> None:
+    ref[_CHUNK] = chunk
+
+
+def wire_set_stats(ref: dict, stats: list | None) -> None:
+    ref[_STATS] = stats
+
+
+def wire_stats_key(ref: dict) -> tuple:
+    return (ref[_VERSION], ref[_DTYPE], tuple(ref[_SHAPE]), tuple(ref[_STRIDE]), ref[_OFFSET])
+
+
+# =============================================================================================================
+# Checking records read back (the reader's side)
+# =============================================================================================================
+def check_chunk(frame: Any, first: int) -> list[dict]:
+    """The op records of an ops chunk, after checking its structure; ValueError if it is not sound."""
+    if not isinstance(frame, dict):
+        raise ValueError("chunk is not a map")
+    ops = frame.get("ops")
+    if frame.get("first") != first or not isinstance(ops, list) or not ops:
+        raise ValueError("chunk does not match its name")
+    prev = first - 1
+    for op in ops:
+        if not isinstance(op, dict) or not isinstance(op.get(_INDEX), int) or op[_INDEX] <= prev:
+            raise ValueError("op numbers out of order")
+        if not isinstance(op.get(_NAME), str):
+            raise ValueError("op without a name")
+        prev = op[_INDEX]
+    return ops
+
+
+def chunk_frame(ops: list[dict], number: int) -> dict:
+    return {"chunk": number, "first": ops[0][_INDEX], "ops": ops}

@@ -1,0 +1,111 @@
+"""The layering the design fixes: only the trace package knows the wire keys, the import graph has no cycle, and a
+lower layer (trace <- record, replay, compare <- report, cli <- tui) never imports a higher one."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "replaydiff"
+
+# The one- and two-letter keys of op records and tensor references (replaydiff/trace/schema.py).
+_WIRE = r"i|ph|mod|fwd|src|a|k|w|o|u|x|coll|rng|T|dt|sh|st|of|sb|f|s|rg|cj|ng|unsupported"
+_WIRE_USE = re.compile(rf"""(\[\s*["']({_WIRE})["']\s*\]|\.get\(\s*["']({_WIRE})["']|\{{\s*["']({_WIRE})["']\s*:)""")
+
+
+def _python_files(*dirs: Path) -> list[Path]:
+    return [p for d in dirs for p in sorted(d.rglob("*.py")) if "__pycache__" not in p.parts]
+
+
+def test_no_module_outside_the_trace_package_reads_a_wire_key() -> None:
+    offenders = []
+    for p in _python_files(PKG, ROOT / "tests", ROOT / "tui", ROOT / "fixtures"):
+        rel = p.relative_to(ROOT).as_posix()
+        if rel.startswith("replaydiff/trace/") or rel in ("tests/test_trace_format.py",
+                                                          "tests/test_architecture.py"):
+            continue
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            if _WIRE_USE.search(line):
+                offenders.append(f"{rel}:{n}: {line.strip()}")
+    assert offenders == []
+
+
+def _module_name(p: Path) -> str:
+    parts = list(p.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in _python_files(PKG)}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for mod, p in files.items():
+        is_pkg = p.name == "__init__.py"
+        for node in ast.walk(ast.parse(p.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    pkg = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    base = ".".join(pkg[: len(pkg) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            for t in targets:
+                while t and t not in files:
+                    t = t.rpartition(".")[0]
+                if t and t != mod and t.startswith("replaydiff"):
+                    graph[mod].add(t)
+    return graph
+
+
+def test_import_graph_has_no_cycle() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for t in graph[m]:
+            if state.get(t) == 1:
+                cycles.append(stack[stack.index(t):] + [t] if t in stack else [m, t])
+            elif t not in state:
+                visit(t, stack + [t])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []
+
+
+LAYERS = {  # a package may import only from these (besides itself)
+    "replaydiff.aten": set(),
+    "replaydiff.errors": set(),
+    "replaydiff.trace": {"replaydiff.aten", "replaydiff.errors"},
+    "replaydiff.compare": {"replaydiff.aten", "replaydiff.errors"},
+    "replaydiff.record": {"replaydiff.aten", "replaydiff.errors", "replaydiff.trace"},
+    "replaydiff.replay": {"replaydiff.aten", "replaydiff.errors", "replaydiff.trace", "replaydiff.compare"},
+    "replaydiff.report": {"replaydiff.aten", "replaydiff.errors", "replaydiff.trace", "replaydiff.compare",
+                          "replaydiff.replay"},
+}
+
+
+def _package(m: str) -> str:
+    parts = m.split(".")
+    return ".".join(parts[:2])
+
+
+def test_lower_layers_never_import_higher_ones() -> None:
+    graph = _graph()
+    bad = []
+    for m, targets in graph.items():
+        allowed = LAYERS.get(_package(m))
+        if allowed is None:
+            continue
+        for t in targets:
+            if _package(t) != _package(m) and _package(t) not in allowed:
+                bad.append(f"{m} imports {t}")
+    assert bad == []
