@@ -40,7 +40,7 @@ def op_link(trace: Any, i: int | None, status: str | None = None, with_name: boo
     if with_name:
         try:
             name = " " + esc(short_op(trace.index.name[i]))
-        except Exception:
+        except (IndexError, KeyError):
             name = ""
     st = ""
     if status in PROBLEMS or status == "error":
@@ -212,10 +212,21 @@ def op_markup(trace: Any, i: int, result: Any, statuses: list) -> str:
         out.append(f"backward of forward op {op_link(trace, op.forward_index, statuses[op.forward_index])}  [dim](b)[/]")
     out.append("")
     out.append("[b]verdict[/]  " + "\n".join(verdict_lines(result)))
-    if op.source:
+    # a backward op's own line is the backward() call; its forward op's line says which code it differentiates
+    source, called = op.source, None
+    if op.forward_index is not None:
+        try:
+            fwd_source = trace.index.source[op.forward_index]
+        except (IndexError, KeyError):
+            fwd_source = None
+        if fwd_source:
+            source, called = fwd_source, op.source
+    if source:
         out.append("")
-        out.append(f"[b]source[/]  {esc(op.source)}")
-        out.extend(source_context(trace, op.source))
+        out.append(f"[b]source[/]  {esc(source)}" + (" [dim](of the forward op)[/]" if called else ""))
+        out.extend(source_context(trace, source))
+        if called:
+            out.append(f"  [dim]backward() called at {esc(called)}[/]")
     # arguments
     inputs = op.inputs()
     positions = {id(r): k for k, r in enumerate(inputs)}
@@ -262,15 +273,26 @@ BUCKETS = ("0", "<1", "1-10", "10-100", "1e2-1e3", "1e3-1e4", "1e4-1e5", "≥1e5
 
 
 def reference_pairs(trace: Any, i: int, options: Any) -> list[tuple[Any, Any]] | None:
-    """(recorded, reference) tensor pairs for op ``i``, by replaying that op alone; None when replaydiff has no
-    single-op replay to call."""
+    """(recorded tensor, reference tensor) pairs for op ``i``'s outputs, by replaying that op alone; None when
+    replaydiff has no single-op replay to call."""
+    import torch
     from replaydiff import replay
 
     replay_op: Callable | None = getattr(replay, "replay_op", None)
     if replay_op is None:
         return None
     _, pairs = replay_op(trace, trace[i], options)
-    return list(pairs)
+    out = []
+    for recorded, reference in pairs:
+        if not isinstance(reference, torch.Tensor):
+            continue  # a scalar output: nothing to spread over elements
+        if is_tensor_ref(recorded):
+            if not recorded.stored:
+                continue
+            recorded = trace.tensor(recorded)
+        if isinstance(recorded, torch.Tensor):
+            out.append((recorded, reference))
+    return out
 
 
 def error_histogram(pairs: list[tuple[Any, Any]]) -> tuple[list[tuple[str, int]], int]:

@@ -113,16 +113,34 @@ class ModuleGroup:
     worst_op: int | None = None
 
 
+class Columns:
+    """The index columns the TUI reads per row, copied once into plain lists (a list item is several times
+    cheaper to read than the index's packed columns, and drawing or filtering 100,000 rows reads them all)."""
+
+    FIELDS = ("name", "phase", "module", "source", "forward", "output", "cheap")
+
+    def __init__(self, index: Any) -> None:
+        n = len(index)
+        for f in self.FIELDS:
+            setattr(self, f, list(getattr(index, f)[0:n]))
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
 class TraceModel:
     """One rank of a trace as the TUI sees it: rows, verdicts, filters and the op graph's shortcuts."""
 
     def __init__(self, rank_trace: Any) -> None:
         self.trace = rank_trace
-        self.index = rank_trace.index
+        self.index = Columns(rank_trace.index)
         self.n = len(self.index)
+        self._haystack: list[str] | None = None  # "name module" in lower case, for the filter
         self.results: list[Any] = [None] * self.n  # OpResult per op
         self.status: list[str | None] = [None] * self.n
         self.severity: list[float | None] = [None] * self.n
+        self.error: list[str] = [""] * self.n  # the normalised error as the list shows it
         self._counts: dict[str, int] = {}
         self.divergent: list[int] = []  # sorted op numbers with a problem verdict
         self.nonfinite: list[int] = []
@@ -139,6 +157,7 @@ class TraceModel:
         self.results = [None] * self.n
         self.status = [None] * self.n
         self.severity = [None] * self.n
+        self.error = [""] * self.n
         self.divergent, self.nonfinite = [], []
         self._counts = {}
         self.version += 1
@@ -160,7 +179,9 @@ class TraceModel:
             self._counts[s] = self._counts.get(s, 0) + 1
             self.results[i] = r
             self.status[i] = s
-            self.severity[i] = severity(s, r.metrics)
+            metrics = r.metrics
+            self.severity[i] = severity(s, metrics)
+            self.error[i] = error_text(metrics)
             if s in PROBLEMS:
                 k = bisect.bisect_left(self.divergent, i)
                 if k == len(self.divergent) or self.divergent[k] != i:
@@ -207,8 +228,10 @@ class TraceModel:
                 rows = [i for i in rows if phases[i] == phase]
         f = self.filter_text.strip().lower()
         if f:
-            names, mods = ix.name, ix.module
-            rows = [i for i in rows if f in names[i].lower() or (mods[i] is not None and f in mods[i].lower())]
+            if self._haystack is None:
+                self._haystack = [f"{name}\0{mod or ''}".lower() for name, mod in zip(ix.name, ix.module)]
+            hay = self._haystack
+            rows = [i for i in rows if f in hay[i]]
         return rows if isinstance(rows, list) else list(rows)
 
     def row_of(self, op: int) -> int | None:

@@ -11,7 +11,7 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from tui.model import PHASE_SHORT, TraceModel, error_text, shorten_left, short_op
+from tui.model import PHASE_SHORT, TraceModel, shorten_left, short_op
 
 STATUS_LABEL = {None: "", "ok": "ok", "divergent": "DIVERG", "nondeterministic": "NONDET", "skipped": "skip",
                 "error": "error"}
@@ -197,8 +197,7 @@ class OpList(ScrollView, can_focus=True):
         mod = ix.module[op] or ""
         out = ix.output[op] or ""
         cheap = ix.cheap[op]
-        res = m.results[op]
-        err = error_text(res.metrics) if res is not None else ""
+        err = m.error[op]
         name_style = DIM if cheap else Style()
         segs = [
             Segment(str(op).rjust(w_idx) + " ", DIM),
