@@ -110,6 +110,8 @@ class ReplaydiffApp(App):
         self.call_after_refresh(self._after_first_paint)
 
     def _after_first_paint(self) -> None:
+        self._status_widget = self.main.query_one("#status", Static)
+        self._progress_widget = self.main.query_one("#progress", ProgressBar)
         self._main_ready = True
         self.set_interval(0.1, self._drain)
         self.main.op_list.move_to(0)
@@ -251,8 +253,8 @@ class ReplaydiffApp(App):
         text = " · ".join(parts) + "  │ " + verdicts
         if text != self._status_text:
             self._status_text = text
-            self.main.query_one("#status", Static).update(text)
-        bar = self.main.query_one("#progress", ProgressBar)
+            self._status_widget.update(text, layout=False)
+        bar = self._progress_widget
         bar.display = self.replay_state == "running"
         if self.replay_state == "running":
             bar.update(total=self._total or None, progress=self._done)

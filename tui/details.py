@@ -158,7 +158,7 @@ def verdict_lines(result: Any) -> list[str]:
         lines.append(f"  max_abs/(eps·absmax) [bold]{_fmt(m.get('norm_max'))}[/]  limit {_fmt(m.get('limit_max'))}")
         lines.append(f"  rel_l2/eps           [bold]{_fmt(m.get('norm_rel'))}[/]  limit {_fmt(m.get('limit_rel'))}")
         extra = [f"{k} {_fmt(m[k])}" for k in ("max_abs", "rel_l2", "cosine", "reduction_k", "nonfinite_mismatch")
-                 if m.get(k) is not None]
+                 if m.get(k) is not None and not (k in ("reduction_k", "nonfinite_mismatch") and m[k] in (0, 1))]
         if extra:
             lines.append("  " + "  ".join(extra))
     if result.reason:

@@ -12,6 +12,10 @@ from textual.widgets.option_list import Option
 class OpPicker(ModalScreen[int | None]):
     """Choose one op among ``choices`` (label, op number or None for a line that cannot be chosen)."""
 
+    @property
+    def ops(self) -> list[int | None]:
+        return [op for _, op in self.choices]
+
     BINDINGS = [Binding("escape,q", "cancel", "close")]
     DEFAULT_CSS = """
     OpPicker { align: center middle; }
@@ -28,8 +32,8 @@ class OpPicker(ModalScreen[int | None]):
     def compose(self) -> ComposeResult:
         with Vertical():
             yield Static(self.title_text, id="picker-title")
-            yield OptionList(*[Option(label, id=f"op{op}" if op is not None else None, disabled=op is None)
-                               for label, op in self.choices], id="picker-list")
+            yield OptionList(*[Option(label, id=f"choice{k}", disabled=op is None)
+                               for k, (label, op) in enumerate(self.choices)], id="picker-list")
 
     def on_mount(self) -> None:
         ol = self.query_one(OptionList)
@@ -38,8 +42,7 @@ class OpPicker(ModalScreen[int | None]):
         ol.focus()
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
-        oid = event.option.id
-        self.dismiss(int(oid[2:]) if oid else None)
+        self.dismiss(self.choices[event.option_index][1])
 
     def action_cancel(self) -> None:
         self.dismiss(None)

@@ -10,11 +10,14 @@ from tui.widgets.heat_strip import heat_colour
 
 
 def worst_text(worst: float | None) -> Text:
+    """A module's worst error as a multiple of the divergence limit: ``0.31×``, ``1e3×`` (divergent, in red),
+    ``✗`` (a divergence with no figure: NaN/Inf or exact mismatches)."""
     if worst is None:
         return Text("")
-    if worst >= 1.0:
-        return Text(" ✗" if worst == float("inf") else f" {worst:.3g}×", style="bold red")
-    return Text(f" {worst:.2g}×", style=heat_colour(worst))
+    if worst == float("inf"):
+        return Text(" ✗", style="bold red")
+    figure = f"{worst:.2g}".replace("e+0", "e").replace("e+", "e") + "×"
+    return Text(" " + figure, style="bold red" if worst >= 1.0 else heat_colour(worst))
 
 
 class ModuleTree(Tree[ModuleGroup]):
@@ -22,7 +25,7 @@ class ModuleTree(Tree[ModuleGroup]):
     every op again. A node's figure is its worst error as a multiple of the divergence limit."""
 
     DEFAULT_CSS = """
-    ModuleTree { border-right: solid $panel-lighten-2; }
+    ModuleTree { border-right: solid $panel-lighten-2; overflow-x: hidden; }
     """
 
     class Scope(Message):
