@@ -47,6 +47,7 @@ class ReplaydiffApp(App):
 
     CSS_PATH = "app.tcss"
     TITLE = "replaydiff"
+    FILTER_DELAY = 0.08  # seconds of no typing before the filter box's text filters the rows
     BINDINGS = [
         Binding("q", "quit", "quit"),
         Binding("question_mark", "help", "help"),
@@ -78,9 +79,11 @@ class ReplaydiffApp(App):
         self._main_ready = False  # the main screen is composed
         self._detail_timer = None
         self._detail_due: int | None = None  # an op whose details wait for the cursor to rest
+        self._filter_timer = None
+        self._filter_due: str | None = None  # filter text typed but not applied yet
         self._status_text = ""
-        if report is not None:
-            self._take(report.ops)
+        # a given report is applied right after the first paint: the rows show at once, their colours a moment later
+        self._initial_report = report
 
     # -- models -----------------------------------------------------------------------------------------------
     def model_for(self, rank: int) -> TraceModel:
@@ -115,6 +118,10 @@ class ReplaydiffApp(App):
         self._main_ready = True
         self.set_interval(0.1, self._drain)
         self.main.op_list.move_to(0)
+        if self._initial_report is not None:
+            self._apply(self._initial_report.ops)
+            self._initial_report = None
+            self._refresh_verdicts(full=True)
         self.update_status()
         if self.replay_on_start:
             self.start_replay(self.settings)
@@ -264,7 +271,7 @@ class ReplaydiffApp(App):
         benchmarks. Workers replaced by newer ones are not waited for."""
         import asyncio
 
-        while self._detail_due is not None:
+        while self._detail_due is not None or self._filter_due is not None:
             await asyncio.sleep(0.005)
         while True:
             busy = [w for w in self.workers if not w.is_cancelled and not w.is_finished
@@ -461,14 +468,29 @@ class ReplaydiffApp(App):
         f.focus()
 
     def on_input_changed(self, event: Input.Changed) -> None:
+        """The box echoes each key at once; the rows are filtered when typing pauses (FILTER_DELAY), so a fast typist
+        never waits for 100,000 rows to be filtered per character."""
         if event.input.id != "filter":
             return
+        if self._filter_timer is not None:
+            self._filter_timer.stop()
+        self._filter_due = event.value
+        self._filter_timer = self.set_timer(self.FILTER_DELAY, self._apply_filter)
+
+    def _apply_filter(self) -> None:
+        self._filter_timer = None
+        text, self._filter_due = self._filter_due, None
+        if text is None or text == self.model.filter_text:
+            return
         cur = self.selected_op
-        self.model.set_view(filter_text=event.value)
+        self.model.set_view(filter_text=text)
         self._after_view_change(cur)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         if event.input.id == "filter":
+            if self._filter_timer is not None:
+                self._filter_timer.stop()
+                self._apply_filter()
             if not event.value:
                 event.input.display = False
             self.main.op_list.focus()
@@ -477,6 +499,9 @@ class ReplaydiffApp(App):
         """Esc: drop the filter, then the module scope."""
         m = self.model
         cur = self.selected_op
+        if self._filter_timer is not None:
+            self._filter_timer.stop()
+            self._filter_timer, self._filter_due = None, None
         if m.filter_text or self.main.filter_input.display:
             self.main.filter_input.value = ""
             self.main.filter_input.display = False

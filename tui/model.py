@@ -33,22 +33,45 @@ def severity(status: str | None, metrics: dict | None) -> float | None:
     mismatches, a NaN/Inf mismatch or a divergent verdict without metrics counts as infinitely bad. None when the op
     has no verdict or no numbers (skipped, error, pending)."""
     m = metrics or {}
+    return _severity(status, _num(m.get("norm_max")), _num(m.get("norm_rel")), m.get("limit_max"),
+                     m.get("limit_rel"), bool(m.get("mismatches")) or bool(m.get("nonfinite_mismatch")))
+
+
+def _severity(status: str | None, nm: float | None, nr: float | None, lm: float | None, lr: float | None,
+              mismatch: bool) -> float | None:
     worst = None
-    lm, lr = m.get("limit_max"), m.get("limit_rel")
-    nm, nr = _num(m.get("norm_max")), _num(m.get("norm_rel"))
     if nm is not None and lm:
         worst = nm / lm
     if nr is not None and lr:
         worst = max(worst or 0.0, nr / lr)
-    if m.get("mismatches"):
-        worst = math.inf
-    if m.get("nonfinite_mismatch"):
+    if mismatch:
         worst = math.inf
     if status in PROBLEMS and (worst is None or worst < 1.0):
         worst = math.inf if worst is None else max(worst, 1.0)
     if worst is None and status == OK:
         worst = 0.0
     return worst
+
+
+def verdict_figures(result: Any, status: str | None) -> tuple[float | None, str]:
+    """(severity, error text) of an OpResult, read from its typed verdict (no JSON dict built: a report holds
+    100,000 of them); results without one (read from elsewhere) go through their metrics dict."""
+    verdict = getattr(result, "verdict", None)
+    if verdict is None:
+        metrics = result.metrics
+        return severity(status, metrics), error_text(metrics)
+    m = verdict.measure
+    finite = getattr(m, "finite", None)  # a NaN/Inf mismatch measures its finite positions too
+    fe = finite if finite is not None else m
+    nm, nr = getattr(fe, "norm_max", None), getattr(fe, "norm_rel", None)
+    mismatches = getattr(m, "mismatches", None)
+    positions = getattr(m, "positions", None)
+    sev = _severity(status, nm, nr, verdict.limit_max, verdict.limit_rel, bool(mismatches) or bool(positions))
+    if mismatches is not None:
+        text = f"≠{mismatches}" if mismatches else "exact"
+    else:
+        text = error_text({"norm_max": nm}) if nm is not None else ""
+    return sev, text
 
 
 def _num(x: Any) -> float | None:
@@ -179,9 +202,7 @@ class TraceModel:
             self._counts[s] = self._counts.get(s, 0) + 1
             self.results[i] = r
             self.status[i] = s
-            metrics = r.metrics
-            self.severity[i] = severity(s, metrics)
-            self.error[i] = error_text(metrics)
+            self.severity[i], self.error[i] = verdict_figures(r, s)
             if s in PROBLEMS:
                 k = bisect.bisect_left(self.divergent, i)
                 if k == len(self.divergent) or self.divergent[k] != i:
@@ -202,17 +223,30 @@ class TraceModel:
     def set_view(self, *, hide_cheap: bool | None = None, filter_text: str | None = None,
                  scope: tuple[str, str] | None | bool = False) -> None:
         """Change what is listed (``scope=None`` clears the module scope; leaving it out keeps it)."""
+        before = (self.hide_cheap, self.filter_text.strip().lower(), self.scope)
         if hide_cheap is not None:
             self.hide_cheap = hide_cheap
         if filter_text is not None:
             self.filter_text = filter_text
         if scope is not False:
             self.scope = scope  # type: ignore[assignment]
-        self.visible = self._compute_visible()
+        f = self.filter_text.strip().lower()
+        if (self.hide_cheap, self.scope) == before[::2] and before[1] and f.startswith(before[1]):
+            # typing on in the filter box: only rows shown now can still match
+            self.visible = self._compute_visible(self.visible, filter_only=True)
+        else:
+            self.visible = self._compute_visible()
 
-    def _compute_visible(self) -> list[int]:
+    def _compute_visible(self, start: list[int] | None = None, filter_only: bool = False) -> list[int]:
         ix = self.index
-        rows: Iterable[int] = range(self.n)
+        if not (self.hide_cheap or self.scope or self.filter_text.strip()):
+            return list(range(self.n))
+        rows: Iterable[int] = range(self.n) if start is None else start
+        if filter_only:
+            f = self.filter_text.strip().lower()
+            hay = self._haystack
+            assert hay is not None
+            return [i for i in rows if f in hay[i]]
         if self.hide_cheap:
             cheap = ix.cheap
             rows = [i for i in rows if not cheap[i]]

@@ -25,7 +25,7 @@ class ReplayForm(ModalScreen[ReplaySettings | None]):
     ReplayForm { align: center middle; }
     ReplayForm > Vertical { width: 60; height: auto; border: round $accent; background: $surface; padding: 0 1; }
     ReplayForm Horizontal { height: auto; }
-    ReplayForm Label { width: 12; padding: 1 0 0 0; }
+    ReplayForm .field { width: 12; padding: 1 0 0 0; }
     ReplayForm Input, ReplayForm Select { width: 1fr; }
     ReplayForm #form-error { color: $error; height: auto; }
     """
@@ -38,14 +38,14 @@ class ReplayForm(ModalScreen[ReplaySettings | None]):
         with Vertical():
             yield Label("[b]replay again[/] (Enter runs, Esc cancels)")
             with Horizontal():
-                yield Label("device")
+                yield Label("device", classes="field")
                 yield Input(self.current.device, id="form-device", placeholder="cpu or cuda[:N]")
             with Horizontal():
-                yield Label("precision")
+                yield Label("precision", classes="field")
                 yield Select([(p, p) for p in PRECISIONS], value=self.current.precision, allow_blank=False,
                              id="form-precision")
             with Horizontal():
-                yield Label("repeat")
+                yield Label("repeat", classes="field")
                 yield Input(str(self.current.repeat), id="form-repeat", type="integer")
             yield Label("", id="form-error")
             with Horizontal():
