@@ -118,13 +118,28 @@ class ReplaydiffApp(App):
         self._main_ready = True
         self.set_interval(0.1, self._drain)
         self.main.op_list.move_to(0)
-        if self._initial_report is not None:
-            self._apply(self._initial_report.ops)
-            self._initial_report = None
-            self._refresh_verdicts(full=True)
         self.update_status()
+        if self._initial_report is not None:
+            self.set_timer(0.01, self._apply_initial_report)  # after the first frame is out
+        else:
+            self._settle_memory()
         if self.replay_on_start:
             self.start_replay(self.settings)
+
+    def _apply_initial_report(self) -> None:
+        report, self._initial_report = self._initial_report, None
+        if report is not None:
+            self._apply(report.ops)
+            self._refresh_verdicts(full=True)
+        self._settle_memory()
+
+    @staticmethod
+    def _settle_memory() -> None:
+        """Move what is loaded now (index columns, 100,000 results) out of the garbage collector's sight: a full
+        collection over it takes most of a second and would land on some keypress."""
+        import gc
+
+        gc.freeze()
 
     # -- replay in the background -----------------------------------------------------------------------------
     def start_replay(self, settings: ReplaySettings) -> None:
@@ -241,7 +256,7 @@ class ReplaydiffApp(App):
         m = self.model
         parts = [f"rank {self.rank}" + (f" ({self.ranks.index(self.rank) + 1}/{len(self.ranks)})"
                                         if len(self.ranks) > 1 else ""),
-                 f"{m.n} ops", f"{len(m.visible)} shown"]
+                 f"{m.n} ops" if len(m.visible) == m.n else f"{len(m.visible)} of {m.n} ops shown"]
         if m.hide_cheap:
             parts.append("views hidden")
         if m.filter_text:
@@ -249,8 +264,8 @@ class ReplaydiffApp(App):
         if m.scope is not None:
             parts.append(f"in {m.scope[0]}" + (f" {m.scope[1]}" if m.scope[1] else ""))
         c = m.counts()
-        verdicts = f"{c['divergent']} divergent, {c['nondeterministic']} nondet, {c['error']} error, " \
-                   f"{c['ok']} ok, {c['skipped']} skipped"
+        verdicts = f"{c['divergent']} divergent · {c['nondeterministic']} nondet · {c['error']} error · " \
+                   f"{c['ok']} ok · {c['skipped']} skipped"
         if self.replay_state == "running":
             verdicts = f"replaying on {self.settings.device} at {self.settings.precision}: {verdicts}"
         elif self.replay_state == "failed":
@@ -271,7 +286,7 @@ class ReplaydiffApp(App):
         benchmarks. Workers replaced by newer ones are not waited for."""
         import asyncio
 
-        while self._detail_due is not None or self._filter_due is not None:
+        while self._detail_due is not None or self._filter_due is not None or self._initial_report is not None:
             await asyncio.sleep(0.005)
         while True:
             busy = [w for w in self.workers if not w.is_cancelled and not w.is_finished
@@ -295,7 +310,6 @@ class ReplaydiffApp(App):
         if m.row_of(op) is None:
             m.set_view(hide_cheap=False, filter_text="", scope=None)
             self.main.filter_input.value = ""
-            self.main.filter_input.display = False
             ol.refresh_rows()
             self.update_status()
         ol.select_op(op, exact=True)
@@ -463,9 +477,7 @@ class ReplaydiffApp(App):
         self._after_view_change(cur)
 
     def action_filter(self) -> None:
-        f = self.main.filter_input
-        f.display = True
-        f.focus()
+        self.main.filter_input.focus()
 
     def on_input_changed(self, event: Input.Changed) -> None:
         """The box echoes each key at once; the rows are filtered when typing pauses (FILTER_DELAY), so a fast typist
@@ -491,8 +503,6 @@ class ReplaydiffApp(App):
             if self._filter_timer is not None:
                 self._filter_timer.stop()
                 self._apply_filter()
-            if not event.value:
-                event.input.display = False
             self.main.op_list.focus()
 
     def action_clear_view(self) -> None:
@@ -502,9 +512,8 @@ class ReplaydiffApp(App):
         if self._filter_timer is not None:
             self._filter_timer.stop()
             self._filter_timer, self._filter_due = None, None
-        if m.filter_text or self.main.filter_input.display:
+        if m.filter_text or self.main.filter_input.value or self.focused is self.main.filter_input:
             self.main.filter_input.value = ""
-            self.main.filter_input.display = False
             m.set_view(filter_text="")
         elif m.scope is not None:
             m.set_view(scope=None)

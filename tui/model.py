@@ -160,6 +160,7 @@ class TraceModel:
         self.index = Columns(rank_trace.index)
         self.n = len(self.index)
         self._haystack: list[str] | None = None  # "name module" in lower case, for the filter
+        self._not_cheap: list[int] | None = None
         self.results: list[Any] = [None] * self.n  # OpResult per op
         self.status: list[str | None] = [None] * self.n
         self.severity: list[float | None] = [None] * self.n
@@ -248,8 +249,14 @@ class TraceModel:
             assert hay is not None
             return [i for i in rows if f in hay[i]]
         if self.hide_cheap:
-            cheap = ix.cheap
-            rows = [i for i in rows if not cheap[i]]
+            if start is None:
+                if self._not_cheap is None:
+                    cheap = ix.cheap
+                    self._not_cheap = [i for i in range(self.n) if not cheap[i]]
+                rows = self._not_cheap
+            else:
+                cheap = ix.cheap
+                rows = [i for i in rows if not cheap[i]]
         if self.scope is not None:
             phase, path = self.scope
             phases = ix.phase
@@ -266,7 +273,7 @@ class TraceModel:
                 self._haystack = [f"{name}\0{mod or ''}".lower() for name, mod in zip(ix.name, ix.module)]
             hay = self._haystack
             rows = [i for i in rows if f in hay[i]]
-        return rows if isinstance(rows, list) else list(rows)
+        return list(rows)  # a copy: the cached list of non-cheap rows must not be shared
 
     def row_of(self, op: int) -> int | None:
         """The row showing op number ``op``, or None when it is hidden."""

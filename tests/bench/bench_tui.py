@@ -71,7 +71,7 @@ def count_frames(app) -> list[float]:
         now = time.perf_counter()
         frames.append(now)
         if getattr(app, "main", None) is not None and screen is app.main and app.main.is_mounted:
-            if app.first_screen is None and app._main_ready:
+            if app.first_screen is None:
                 app.first_screen = now
             if app.first_colours is None and app.model.counts()["ok"]:
                 app.first_colours = now

@@ -43,8 +43,8 @@ class MainScreen(Screen):
                 yield OpList(self.model, id="ops")
                 yield DetailPane(id="detail")
         with Horizontal(id="statusbar"):
-            # the filter box shares the status line, so showing it moves nothing else on the screen
-            yield Input(placeholder="filter: op or module name (Enter keeps it, Esc clears)", id="filter")
+            # the filter box lives in the status line: focusing it (/) moves nothing else on the screen
+            yield Input(placeholder="/ filter op or module", id="filter")
             yield Static("", id="status")
             yield ProgressBar(id="progress", show_eta=False)
         yield Footer()
