@@ -394,11 +394,13 @@ class ReplaydiffApp(App):
     def action_first_divergent(self) -> None:
         self._jump(self.model.first_divergent(), "divergent op")
 
-    def action_next_divergent(self, direction: int) -> None:
+    def action_next_divergent(self) -> None:
         cur = self.selected_op if self.selected_op is not None else -1
-        m = self.model
-        op = m.next_divergent(cur) if direction > 0 else m.previous_divergent(cur)
-        self._jump(op, "next divergent op" if direction > 0 else "earlier divergent op")
+        self._jump(self.model.next_divergent(cur), "next divergent op")
+
+    def action_previous_divergent(self) -> None:
+        cur = self.selected_op if self.selected_op is not None else self.model.n
+        self._jump(self.model.previous_divergent(cur), "earlier divergent op")
 
     def action_nonfinite(self) -> None:
         self._jump(self.model.first_nonfinite(), "NaN/Inf origin")

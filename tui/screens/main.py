@@ -5,7 +5,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
-from textual.widgets import Footer, Input, ProgressBar, Static
+from textual.widgets import Input, ProgressBar, Static
 
 from tui.model import TraceModel
 from tui.widgets.detail import DetailPane
@@ -14,18 +14,27 @@ from tui.widgets.module_tree import ModuleTree
 from tui.widgets.op_list import OpList
 
 
+# One line of the most used keys, each clickable. A fixed line rather than Textual's Footer: the Footer rebuilds
+# itself whenever focus moves (into the filter box, say), which costs tens of milliseconds on a keypress.
+KEY_BAR = "  ".join(f"[@click=app.{action}][b]{key}[/b][/] {label}" for key, action, label in (
+    ("?", "help", "help"), ("q", "quit", "quit"), ("f", "first_divergent", "first div"), ("n", "next_divergent", "next"), ("N", "previous_divergent", "prev"),
+    ("e", "nonfinite", "NaN origin"), ("p", "producer", "producer"), ("c", "consumers", "consumers"),
+    ("b", "partner", "fwd/bwd"), ("g", "ancestry", "ancestry"), ("v", "toggle_cheap", "views"),
+    ("/", "filter", "filter"), ("r", "next_rank", "rank"), ("R", "replay_form", "replay")))
+
+
 class MainScreen(Screen):
     BINDINGS = [
-        Binding("f", "app.first_divergent", "first div"),
-        Binding("n", "app.next_divergent(1)", "next"),
-        Binding("N", "app.next_divergent(-1)", "prev", show=False),
+        Binding("f", "app.first_divergent", "first div", show=False),
+        Binding("n", "app.next_divergent", "next", show=False),
+        Binding("N", "app.previous_divergent", "prev", show=False),
         Binding("e", "app.nonfinite", "NaN origin", show=False),
-        Binding("p", "app.producer", "producer"),
-        Binding("c", "app.consumers", "consumers"),
-        Binding("b", "app.partner", "fwd/bwd"),
-        Binding("g", "app.ancestry", "ancestry"),
-        Binding("v", "app.toggle_cheap", "views"),
-        Binding("slash", "app.filter", "filter"),
+        Binding("p", "app.producer", "producer", show=False),
+        Binding("c", "app.consumers", "consumers", show=False),
+        Binding("b", "app.partner", "fwd/bwd", show=False),
+        Binding("g", "app.ancestry", "ancestry", show=False),
+        Binding("v", "app.toggle_cheap", "views", show=False),
+        Binding("slash", "app.filter", "filter", show=False),
         Binding("r", "app.next_rank", "rank", show=False),
         Binding("R", "app.replay_form", "replay", show=False),
         Binding("escape", "app.clear_view", "clear", show=False),
@@ -47,7 +56,7 @@ class MainScreen(Screen):
             yield Input(placeholder="/ filter op or module", id="filter")
             yield Static("", id="status")
             yield ProgressBar(id="progress", show_eta=False)
-        yield Footer()
+        yield Static(KEY_BAR, id="keybar", markup=True)
 
     def on_mount(self) -> None:
         self.query_one(OpList).focus()
