@@ -17,7 +17,8 @@ from tui.widgets.op_list import OpList
 # One line of the most used keys, each clickable. A fixed line rather than Textual's Footer: the Footer rebuilds
 # itself whenever focus moves (into the filter box, say), which costs tens of milliseconds on a keypress.
 KEY_BAR = "  ".join(f"[@click=app.{action}][b]{key}[/b][/] {label}" for key, action, label in (
-    ("?", "help", "help"), ("q", "quit", "quit"), ("f", "first_divergent", "first div"), ("n", "next_divergent", "next"), ("N", "previous_divergent", "prev"),
+    ("?", "help", "help"), ("q", "quit", "quit"), ("f", "first_divergent", "first div"),
+    ("n", "next_divergent", "next"), ("N", "previous_divergent", "prev"),
     ("e", "nonfinite", "NaN origin"), ("p", "producer", "producer"), ("c", "consumers", "consumers"),
     ("b", "partner", "fwd/bwd"), ("g", "ancestry", "ancestry"), ("v", "toggle_cheap", "views"),
     ("/", "filter", "filter"), ("r", "next_rank", "rank"), ("R", "replay_form", "replay")))
