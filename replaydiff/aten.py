@@ -25,7 +25,17 @@ DTYPE_EXACT_OPS = frozenset({"aten.view.dtype", "aten.view_as_real.default", "at
 # Bookkeeping ops that cost nothing and change no value (hidden on request in the UI), beside schema views.
 _CHEAP_PACKETS = frozenset({"detach", "detach_", "alias", "lift_fresh", "_unsafe_view", "clone_", "_to_copy_"})
 
+# Outputs that are bookkeeping for the backward whose form depends on the kernel path taken, not results of the op:
+# the CPU embedding_bag returns an empty offset2bag on its float32/bf16 fast path and a full one at float64. They are
+# compared only when the replay runs at the recorded dtypes. (op packet -> output positions)
+KERNEL_PATH_OUTPUTS = {"_embedding_bag": (1, 2, 3), "_embedding_bag_forward_only": (1, 2, 3)}
+
 _SEEDED = torch.Tag.nondeterministic_seeded
+# Kernels that write arguments their schemas leave unmarked (torch 2.13): the batch norms update running_mean and
+# running_var in training although the schema says ``Tensor? running_mean``. Composite ops (batch_norm,
+# instance_norm) reach these or _native_batch_norm_legit / _batch_norm_with_update, whose schemas mark the writes.
+_UNANNOTATED_WRITES = {name: ("running_mean", "running_var") for name in
+                       ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")}
 
 
 def namespace(name: str) -> str:
@@ -89,24 +99,63 @@ def _is_write(alias_info: Any) -> bool:
 def _writes(func: Any, collective: bool) -> tuple[tuple[int, str, bool], ...]:
     """(position, name, kwarg_only) of each argument the op may write.
 
-    Read from the schema's alias annotations, which mark ``Tensor(a!)``, ``Tensor(a!)?`` (native_batch_norm's
-    running statistics), ``Tensor(a!)[]`` and list-of-optional arguments alike; collectives mark nothing written but
-    fill their tensors in place, so every tensor argument of a collective counts.
+    Read from the schema's alias annotations (``Tensor(a!)``, ``Tensor(a!)?``, ``Tensor(a!)[]`` alike), plus the
+    few kernels known to write what their schema leaves unmarked; collectives mark nothing written but fill their
+    tensors in place, so every tensor argument of a collective counts.
     """
+    unmarked = _UNANNOTATED_WRITES.get(func.overloadpacket.__name__, ()) if func.namespace == "aten" else ()
     out = []
     for i, a in enumerate(func._schema.arguments):
-        if collective or _is_write(a.alias_info):
+        if collective or _is_write(a.alias_info) or a.name in unmarked:
             out.append((i, a.name, a.kwarg_only))
     return tuple(out)
+
+
+_BUILTIN_NAMESPACES = frozenset({"aten", "prims", "prim"}) | COLLECTIVE_NAMESPACES | NON_COMPUTE_NAMESPACES
+
+
+def defining_module(func: Any) -> str | None:
+    """The Python module that registered a custom op (``fsdp::`` in torch.distributed.fsdp, a user's
+    ``mylib::``), from the dispatcher's registration record; None when it was registered from C++ or is unknown."""
+    import sys
+
+    qualname = f"{func.namespace}::{func._schema.name.split('::')[-1]}"
+    try:  # torch.library.custom_op keeps the decorated function: its module is the user's
+        from torch._library.custom_ops import OPDEFS
+
+        opdef = OPDEFS.get(qualname)
+        module = getattr(getattr(opdef, "_init_fn", None), "__module__", None)
+        if module:
+            return module
+    except Exception:
+        pass
+    try:
+        dump = torch._C._dispatch_dump(qualname)
+    except Exception:
+        return None
+    files = set()
+    library = os.path.join(os.path.dirname(torch.__file__), "")
+    for line in dump.splitlines():
+        if "registered at " in line:
+            where = line.split("registered at ", 1)[1].split(" :: ")[0].rsplit(":", 1)[0]
+            if not where.startswith((library + "_library", library + "library.py")):  # the machinery, not the op
+                files.add(where)
+    for name, mod in list(sys.modules.items()):
+        f = getattr(mod, "__file__", None)
+        if f and f in files:
+            return name
+    return None
 
 
 class OpFacts:
     """What the recorder and the replayer need to know of one op overload, worked out once per overload."""
 
-    __slots__ = ("name", "collective", "seeded", "uninitialised", "writes", "view")
+    __slots__ = ("name", "collective", "seeded", "uninitialised", "writes", "view", "module")
 
     def __init__(self, func: Any) -> None:
         self.name = str(func)
+        # custom ops (outside aten, prims, collectives): the module that defines them, for replay to import
+        self.module = defining_module(func) if func.namespace not in _BUILTIN_NAMESPACES else None
         self.collective = func.namespace in COLLECTIVE_NAMESPACES
         self.seeded = _SEEDED in func.tags
         self.uninitialised = func.overloadpacket.__name__ in UNINITIALISED_PACKETS

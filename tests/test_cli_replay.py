@@ -128,7 +128,7 @@ def test_json_report_to_a_file_with_a_nan_origin(tmp_path):
 
 def test_non_finite_metrics_are_written_as_strings():
     inf, nan = float("inf"), float("nan")
-    report = ReplayReport(trace="t", options={"device": "cpu", "precision": "fp64", "x": float("-inf")})
+    report = ReplayReport(trace="t", options={"device": "cpu", "precision": "fp64", "floor": float("-inf")})
     error = FloatError(max_abs=1.0, rel_l2=nan, norm_max=inf, norm_rel=nan, cosine=-inf)
     report.ops.append(OpResult(rank=0, index=3, op="aten.mm.default", status=Status.DIVERGENT, phase="forward",
                                verdict=Verdict(True, error, "r", limit_max=16.0, limit_rel=8.0), reason="r"))
@@ -138,7 +138,7 @@ def test_non_finite_metrics_are_written_as_strings():
                                                  "norm_rel": "nan", "cosine": "-inf", "nonfinite_mismatch": 0,
                                                  "nonfinite_recorded": 0, "nonfinite_reference": 0,
                                                  "limit_max": 16.0, "limit_rel": 8.0}
-    assert doc["options"]["x"] == "-inf"
+    assert doc["options"]["floor"] == "-inf"
     assert doc["ops"] == [doc["first_divergent"]]
     # Non-finite values nested inside the metrics too.
     report.ops[0].verdict = Verdict(True, ScalarMismatch(recorded=[-inf, 2.0], reference=nan), "r")

@@ -51,13 +51,14 @@ def test_readme_example_runs_as_written(tiny_trace: Path, tmp_path: Path) -> Non
 
 
 class _EdgeOracle(TorchDispatchMode):
-    """Below the recorder: which earlier op returned the very tensor (storage, dtype, view) each op reads.
+    """Below the recorder: which earlier op first returned the very tensor (storage, dtype, view) each op reads.
     Valid for steps without in-place ops, where a storage's bytes never change."""
 
     def __init__(self) -> None:
         super().__init__()
         self.made: dict[tuple, int] = {}
         self.edges: list[list[int | None]] = []
+        self.keep: list = []  # outputs held, so no storage address is reused during the step
 
     @staticmethod
     def _key(t: torch.Tensor) -> tuple:
@@ -68,8 +69,9 @@ class _EdgeOracle(TorchDispatchMode):
         out = func(*args, **kwargs)
         ins = [t for t in replaydiff.aten.iter_tensors([list(args), list(kwargs.values())])]
         self.edges.append([self.made.get(self._key(t)) for t in ins])
+        self.keep.append(out)
         for t in replaydiff.aten.iter_tensors(out if isinstance(out, (list, tuple)) else [out]):
-            self.made[self._key(t)] = len(self.edges) - 1
+            self.made.setdefault(self._key(t), len(self.edges) - 1)
         return out
 
 
@@ -230,3 +232,22 @@ def test_replay_op_and_json_report_round_trip(tmp_path: Path) -> None:
     assert res.status is Status.DIVERGENT and res.verdict.measure == first.verdict.measure
     recorded, reference = next((a, b) for a, b in pairs if isinstance(b, torch.Tensor))
     assert reference.dtype == torch.float64 and tuple(reference.shape) == recorded.shape
+
+
+def test_a_well_framed_but_malformed_record_is_a_trace_error(tmp_path: Path) -> None:
+    from replaydiff.trace.format import pack_frame, read_frame, write_atomic
+
+    x = torch.ones(3)
+    with replaydiff.record(tmp_path / "t"):
+        x.mul(2)
+    chunk = tmp_path / "t" / "rank0" / "ops" / "000000000.rdt"
+    frame = read_frame(chunk)
+    # the checksum is right (re-packed), the content is not
+    frame["ops"][0]["a"][1] = {"bogus": 1}  # wire-ok: damages a record on purpose
+    write_atomic(chunk, pack_frame(frame, 1))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for verb in (["replay", str(tmp_path / "t")], ["show", str(tmp_path / "t"), "--op", "0"]):
+        out = subprocess.run([sys.executable, "-m", "replaydiff", *verb], capture_output=True, text=True, env=env,
+                             timeout=120)
+        assert out.returncode == 3, out.stderr
+        assert out.stderr.count("\n") == 1 and "000000000.rdt" in out.stderr and "malformed" in out.stderr

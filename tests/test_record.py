@@ -20,9 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import replaydiff
 import replaydiff.trace.writer as trace_writer
 from replaydiff.models.tiny import TinyTransformer, make_step
-from replaydiff.record.encode import iter_tensor_refs
-from replaydiff.replay import ReplayOptions, replay_trace
-from replaydiff.trace import open_trace
+from replaydiff.replay import ReplayOptions, Status, replay_trace
+from replaydiff.trace import ArgPath, OpRecord, TensorRef, TensorStats, iter_refs, open_trace
 
 STAT_NAMES = ("numel", "mean", "absmax", "l2", "var", "nan", "inf")
 
@@ -40,26 +39,30 @@ class OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def all_refs(op: dict) -> list[dict]:
+def all_refs(op: OpRecord) -> list[TensorRef]:
     """Every tensor reference of an op: arguments, keyword arguments, written-after values, outputs."""
-    return list(iter_tensor_refs([op.get("a"), list((op.get("k") or {}).values()),
-                                  [after for _, after in op.get("w") or []], op.get("o")]))
+    return list(iter_refs([op.args, list(op.kwargs.values()), [after for _, after in op.writes], op.outputs]))
 
 
-def only(ops: list[dict], name: str) -> dict:
-    found = [o for o in ops if o["op"] == name]
+def only(ops: list[OpRecord], name: str) -> OpRecord:
+    found = [o for o in ops if o.name == name]
     assert len(found) == 1, f"expected one {name}, found {len(found)}: {[o['op'] for o in ops]}"
     return found[0]
 
 
-def written(op: dict) -> dict:
-    """path (as a tuple) -> after-value reference(s)."""
-    return {tuple(path): after for path, after in op.get("w") or []}
+def written(op: OpRecord) -> dict:
+    """path (ArgPath, a tuple such as ("arg", 0)) -> after-value reference(s)."""
+    return {path: after for path, after in op.writes}
 
 
-def rng_bytes(reader, op: dict) -> torch.Tensor:
-    rng = op["rng"]
-    return reader.storage_bytes(int(rng["T"]), int(rng["f"]), int(rng["sb"]))
+def rng_bytes(reader, op: OpRecord) -> torch.Tensor:
+    return reader.rng_state(op.rng)
+
+
+def stats_of(ref: TensorRef) -> list:
+    """A reference's recorded statistics, in TensorStats.FIELDS order."""
+    assert ref.stats is not None, ref
+    return [getattr(ref.stats, k) for k in TensorStats.FIELDS]
 
 
 def data_keys(rank_dir: Path) -> list[str]:
@@ -103,7 +106,7 @@ def train_tiny(ctx=None, steps: int = 1):
         "params": [(n, p.detach().clone()) for n, p in model.named_parameters()],
         "grads": [(n, p.grad.clone()) for n, p in model.named_parameters()],
         "state": fresh_state(opt),
-        "rng": torch.get_rng_state(),
+        "rng_state": torch.get_rng_state(),
     }
 
 
@@ -116,7 +119,7 @@ def assert_bitwise_same(a: dict, b: dict) -> None:
         assert len(a[key]) > 0
         for (n, x), (_, y) in zip(a[key], b[key]):
             assert torch.equal(x, y), f"{key} {n} differs"
-    assert torch.equal(a["rng"], b["rng"]), "the recorder consumed random numbers"
+    assert torch.equal(a["rng_state"], b["rng_state"]), "the recorder consumed random numbers"
 
 
 def replaydiff_warnings(caught) -> list[str]:
@@ -138,14 +141,14 @@ def test_ops_numbered_in_dispatch_order_named_by_func_with_phases(tmp_path, tiny
     r = open_trace(tmp_path / "t").rank(0)
     ops = list(r)
     assert r.complete and r.lost == []
-    assert [o["i"] for o in ops] == list(range(len(log.names)))
-    assert [o["op"] for o in ops] == log.names
+    assert [o.index for o in ops] == list(range(len(log.names)))
+    assert [o.name for o in ops] == log.names
     assert r.manifest["ops_seen"] == len(log.names)
     regions = {"forward": ops[:n_forward], "backward": ops[n_forward:n_backward], "optimizer": ops[n_backward:]}
     for phase, region in regions.items():
-        aten = [o for o in region if o["op"].startswith("aten.")]
+        aten = [o for o in region if o.name.startswith("aten.")]
         assert aten, f"no aten op in the {phase} region"
-        wrong = [(o["i"], o["op"], o["ph"]) for o in aten if o["ph"] != phase]
+        wrong = [(o.index, o.name, o.phase) for o in aten if o.phase != phase]
         assert not wrong, f"ops of the {phase} region recorded with another phase: {wrong[:5]}"
 
 
@@ -163,33 +166,33 @@ def test_module_paths_in_forward_and_backward(tmp_path, tiny_step):
             h.remove()
     ops = list(open_trace(tmp_path / "t").rank(0))
 
-    fwd_ln = [o["mod"] for o in ops if o["op"] == "aten.native_layer_norm.default"]
+    fwd_ln = [o.module for o in ops if o.name == "aten.native_layer_norm.default"]
     assert fwd_ln == layer_norm_calls
-    bwd_ln = [o for o in ops if o["op"] == "aten.native_layer_norm_backward.default"]
-    assert all(o["ph"] == "backward" for o in bwd_ln)
-    assert [o["mod"] for o in bwd_ln] == layer_norm_calls[::-1]  # backward visits them in reverse
-    assert "TinyTransformer.blocks.1.ln2" in [o["mod"] for o in bwd_ln]
+    bwd_ln = [o for o in ops if o.name == "aten.native_layer_norm_backward.default"]
+    assert all(o.phase == "backward" for o in bwd_ln)
+    assert [o.module for o in bwd_ln] == layer_norm_calls[::-1]  # backward visits them in reverse
+    assert "TinyTransformer.blocks.1.ln2" in [o.module for o in bwd_ln]
     # Two sibling embeddings whose inputs need no grad: each backward op carries its own module.
-    emb = sorted(o["mod"] for o in ops if o["op"] == "aten.embedding_dense_backward.default")
+    emb = sorted(o.module for o in ops if o.name == "aten.embedding_dense_backward.default")
     assert emb == ["TinyTransformer.pos", "TinyTransformer.tok"]
     # Every module holding parameters has forward and backward ops attributed to it.
     leaves = {f"TinyTransformer.{n}" for n, m in model.named_modules()
               if n and not list(m.children()) and list(m.parameters(recurse=False))}
     for phase in ("forward", "backward"):
-        seen = {o.get("mod") for o in ops if o["ph"] == phase}
+        seen = {o.module for o in ops if o.phase == phase}
         assert leaves <= seen, f"{phase}: no op attributed to {sorted(leaves - seen)}"
     # A backward op belongs to the module of the forward op that made its autograd node.
-    linked = [o for o in ops if o["ph"] == "backward" and "fwd" in o]
+    linked = [o for o in ops if o.phase == "backward" and o.forward_index is not None]
     assert linked
-    mismatched = [(o["i"], o["op"], o.get("mod"), ops[o["fwd"]].get("mod")) for o in linked
-                  if o.get("mod") != ops[o["fwd"]].get("mod")]
+    mismatched = [(o.index, o.name, o.module, ops[o.forward_index].module) for o in linked
+                  if o.module != ops[o.forward_index].module]
     assert not mismatched
 
 
 def test_backward_ops_point_to_their_forward_op(record_one, tiny_step):
     _, r = record_one(tiny_step)
     ops = list(r)
-    by_index = {o["i"]: o for o in ops}
+    by_index = {o.index: o for o in ops}
     pairs = {
         "aten.native_layer_norm_backward.default": "aten.native_layer_norm.default",
         "aten.gelu_backward.default": "aten.gelu.default",
@@ -198,21 +201,21 @@ def test_backward_ops_point_to_their_forward_op(record_one, tiny_step):
         "aten.nll_loss_backward.default": "aten.nll_loss_forward.default",
     }
     for bwd_name, fwd_name in pairs.items():
-        bwd = [o for o in ops if o["op"] == bwd_name]
+        bwd = [o for o in ops if o.name == bwd_name]
         assert bwd, bwd_name
         for o in bwd:
-            assert "fwd" in o, f"#{o['i']} {bwd_name} has no forward op"
-            f = by_index[o["fwd"]]
-            assert f["i"] < o["i"] and f["ph"] == "forward"
-            assert f["op"] == fwd_name, (o["i"], f["op"])
+            assert o.forward_index is not None, f"#{o.index} {bwd_name} has no forward op"
+            f = by_index[o.forward_index]
+            assert f.index < o.index and f.phase == "forward"
+            assert f.name == fwd_name, (o.index, f.name)
     for o in ops:
-        if "fwd" in o:
-            assert o["ph"] == "backward" and by_index[o["fwd"]]["ph"] == "forward" and o["fwd"] < o["i"]
+        if o.forward_index is not None:
+            assert o.phase == "backward" and by_index[o.forward_index].phase == "forward" and o.forward_index < o.index
     # The link is the right call, not only the right kind: layer-norm backward reads the mean and rstd that its
     # forward op produced (same storage versions).
-    for o in (o for o in ops if o["op"] == "aten.native_layer_norm_backward.default"):
-        f = by_index[o["fwd"]]
-        assert o["a"][3]["T"] == f["o"][1]["T"] and o["a"][4]["T"] == f["o"][2]["T"]
+    for o in (o for o in ops if o.name == "aten.native_layer_norm_backward.default"):
+        f = by_index[o.forward_index]
+        assert o.args[3].version == f.outputs[1].version and o.args[4].version == f.outputs[2].version
 
 
 def test_source_line_points_at_the_calling_line(record_one, tiny_step):
@@ -226,13 +229,13 @@ def test_source_line_points_at_the_calling_line(record_one, tiny_step):
     (_, line), r = record_one(work)
     ops = list(r)
     mul = ops[0]
-    assert mul["op"] == "aten.mul.Tensor"
-    path, lineno = mul["src"].rsplit(":", 1)
+    assert mul.name == "aten.mul.Tensor"
+    path, lineno = mul.source.rsplit(":", 1)
     assert Path(path).resolve() == Path(__file__).resolve() and int(lineno) == line
     # replaydiff's own models are user code: their ops point into tiny.py, not into torch.
-    ln = next(o for o in ops if o["op"] == "aten.native_layer_norm.default")
-    assert ln["src"].rsplit(":", 1)[0].endswith(os.path.join("replaydiff", "models", "tiny.py"))
-    assert not any(os.sep + "torch" + os.sep in (o.get("src") or "") for o in ops if o["ph"] == "forward")
+    ln = next(o for o in ops if o.name == "aten.native_layer_norm.default")
+    assert ln.source.rsplit(":", 1)[0].endswith(os.path.join("replaydiff", "models", "tiny.py"))
+    assert not any(os.sep + "torch" + os.sep in (o.source or "") for o in ops if o.phase == "forward")
 
 
 OPTIMIZERS = {
@@ -264,21 +267,21 @@ def test_optimizer_ops_recorded(record_one, kind):
     before, r = record_one(step)
     after = [p.detach().clone() for p in model.parameters()]
     ops = list(r)
-    opt_ops = [o for o in ops if o["ph"] == "optimizer"]
-    names = [o["op"] for o in opt_ops]
+    opt_ops = [o for o in ops if o.phase == "optimizer"]
+    names = [o.name for o in opt_ops]
     for prefix in expected:
         assert any(n.startswith(prefix) for n in names), (prefix, sorted(set(names)))
     if uses_foreach is not None:
         assert any("_foreach_" in n for n in names) == uses_foreach
     if kind == "adamw-fused":
         fused = only(ops, "aten._fused_adamw_.default")
-        assert all(torch.equal(r.tensor(t), p) for t, p in zip(fused["a"][0], before))
-        assert all(torch.equal(r.tensor(t), p) for t, p in zip(written(fused)[("a", 0)], after))
+        assert all(torch.equal(r.tensor(t), p) for t, p in zip(fused.args[0], before))
+        assert all(torch.equal(r.tensor(t), p) for t, p in zip(written(fused)[("arg", 0)], after))
     # Whatever the implementation, each parameter's new value is among the values the optimizer ops wrote.
-    writes = [ref for o in opt_ops for _, w in o.get("w") or [] for ref in iter_tensor_refs(w)]
+    writes = [ref for o in opt_ops for _, w in o.writes for ref in iter_refs(w)]
     for p_before, p_after in zip(before, after):
         assert not torch.equal(p_before, p_after)
-        assert any(ref["sh"] == list(p_after.shape) and torch.equal(r.tensor(ref), p_after) for ref in writes)
+        assert any(ref.shape == tuple(p_after.shape) and torch.equal(r.tensor(ref), p_after) for ref in writes)
 
 
 # -- 2. in-place, out= and _foreach_*_ ops -----------------------------------------------------------------------
@@ -298,23 +301,23 @@ def test_inplace_out_and_foreach_record_before_and_after(record_one):
     ops = list(r)
 
     add_ = only(ops, "aten.add_.Tensor")
-    assert torch.equal(r.tensor(add_["a"][0]), x0)
-    (path, after), = add_["w"]
-    assert path == ["a", 0] and torch.equal(r.tensor(after), x0 + 1) and torch.equal(x, x0 + 1)
-    assert after["T"] != add_["a"][0]["T"]  # a write makes a new storage version
+    assert torch.equal(r.tensor(add_.args[0]), x0)
+    (path, after), = add_.writes
+    assert path == ArgPath("arg", 0) and torch.equal(r.tensor(after), x0 + 1) and torch.equal(x, x0 + 1)
+    assert after.version != add_.args[0].version  # a write makes a new storage version
     # The next op reads the new version, not the stale one.
     mul = only(ops, "aten.mul.Tensor")
-    assert mul["a"][0]["T"] == after["T"] and torch.equal(r.tensor(mul["a"][0]), x0 + 1)
+    assert mul.args[0].version == after.version and torch.equal(r.tensor(mul.args[0]), x0 + 1)
 
     out = only(ops, "aten.add.out")
-    assert torch.equal(r.tensor(out["k"]["out"]), c0)  # before: what was in c
-    assert torch.equal(r.tensor(out["a"][0]), a) and torch.equal(r.tensor(out["a"][1]), b)
-    assert torch.equal(r.tensor(written(out)[("k", "out")]), a + b)
+    assert torch.equal(r.tensor(out.kwargs["out"]), c0)  # before: what was in c
+    assert torch.equal(r.tensor(out.args[0]), a) and torch.equal(r.tensor(out.args[1]), b)
+    assert torch.equal(r.tensor(written(out)[("kwarg", "out")]), a + b)
 
     fe = only(ops, "aten._foreach_mul_.Scalar")
-    assert [r.tensor(t).tolist() for t in fe["a"][0]] == [t.tolist() for t in ts0]
-    assert fe["o"] is None  # returns nothing: the written list is the result
-    assert [r.tensor(t).tolist() for t in written(fe)[("a", 0)]] == [(t * 2).tolist() for t in ts0]
+    assert [r.tensor(t).tolist() for t in fe.args[0]] == [t.tolist() for t in ts0]
+    assert fe.outputs is None  # returns nothing: the written list is the result
+    assert [r.tensor(t).tolist() for t in written(fe)[("arg", 0)]] == [(t * 2).tolist() for t in ts0]
 
 
 def test_writes_through_aliases_are_seen(record_one):
@@ -327,8 +330,8 @@ def test_writes_through_aliases_are_seen(record_one):
 
     total, r = record_one(work)
     s = only(list(r), "aten.sum.default")
-    assert torch.equal(r.tensor(s["a"][0]), torch.tensor([2.0, 104.0, 106.0, 8.0]))
-    assert torch.equal(r.tensor(s["o"]), total)
+    assert torch.equal(r.tensor(s.args[0]), torch.tensor([2.0, 104.0, 106.0, 8.0]))
+    assert torch.equal(r.tensor(s.outputs), total)
 
 
 # -- 3. views and aliases ----------------------------------------------------------------------------------------
@@ -344,16 +347,16 @@ def test_views_share_a_storage_version_stored_once(tmp_path, record_one):
     t = only(ops, "aten.t.default")
     add = only(ops, "aten.add.Tensor")
     mul = only(ops, "aten.mul.Tensor")
-    version = t["a"][0]["T"]
-    assert t["o"]["T"] == version == add["a"][0]["T"] == add["a"][1]["T"] == mul["a"][0]["T"]
-    assert add["a"][1]["st"] == [1, 4] and add["a"][0]["st"] == [4, 1]
-    assert torch.equal(r.tensor(add["a"][1]), base.t())
-    assert torch.equal(r.tensor(mul["a"][0]), base.t())
-    assert torch.equal(r.tensor(t["o"]), base.t()) and torch.equal(r.tensor(t["a"][0]), base)
+    version = t.args[0].version
+    assert t.outputs.version == version == add.args[0].version == add.args[1].version == mul.args[0].version
+    assert add.args[1].stride == (1, 4) and add.args[0].stride == (4, 1)
+    assert torch.equal(r.tensor(add.args[1]), base.t())
+    assert torch.equal(r.tensor(mul.args[0]), base.t())
+    assert torch.equal(r.tensor(t.outputs), base.t()) and torch.equal(r.tensor(t.args[0]), base)
     keys = data_keys(tmp_path / "trace" / "rank0")
     assert keys.count(str(version)) == 1
     assert len(keys) == len(set(keys))
-    stored = {ref["T"] for o in ops for ref in all_refs(o) if "f" in ref}
+    stored = {ref.version for o in ops for ref in all_refs(o) if ref.chunk is not None}
     assert set(keys) == {str(v) for v in stored}
     # base + its transpose + two results: three storages, each stored once.
     assert len(stored) == 3
@@ -371,20 +374,20 @@ def test_random_ops_carry_generator_state(record_one):
     (d, noise, _), r = record_one(work)
     ops = list(r)
     bern = only(ops, "aten.bernoulli_.float")
-    assert bern["rng"]["dev"] == "cpu"
+    assert bern.rng.device == "cpu"
     assert torch.equal(rng_bytes(r, bern), state)  # the state just before the op
     # Restoring the recorded state redoes the draw bit for bit.
     torch.set_rng_state(rng_bytes(r, bern).clone())
-    assert bern["a"][1] == pytest.approx(0.7)  # keep probability
-    redo = torch.empty(64).bernoulli_(bern["a"][1])
-    assert torch.equal(redo, r.tensor(written(bern)[("a", 0)]))
+    assert bern.args[1] == pytest.approx(0.7)  # keep probability
+    redo = torch.empty(64).bernoulli_(bern.args[1])
+    assert torch.equal(redo, r.tensor(written(bern)[("arg", 0)]))
     assert torch.equal((d != 0).float(), redo)
     randn = only(ops, "aten.randn.default")
     torch.set_rng_state(rng_bytes(r, randn).clone())
-    assert torch.equal(torch.randn(5), noise) and torch.equal(r.tensor(randn["o"]), noise)
+    assert torch.equal(torch.randn(5), noise) and torch.equal(r.tensor(randn.outputs), noise)
     for o in ops:
-        if o["op"] not in ("aten.bernoulli_.float", "aten.randn.default"):
-            assert "rng" not in o, o["op"]
+        if o.name not in ("aten.bernoulli_.float", "aten.randn.default"):
+            assert o.rng is None, o.name
 
 
 def test_uninitialised_outputs_are_marked(record_one):
@@ -398,13 +401,13 @@ def test_uninitialised_outputs_are_marked(record_one):
     _, r = record_one(work)
     ops = list(r)
     empty = only(ops, "aten.empty_like.default")
-    assert empty["u"] is True and empty["o"]["u"] is True and "f" not in empty["o"]
+    assert empty.uninitialised is True and empty.outputs.uninitialised is True and empty.outputs.chunk is None
     fill = only(ops, "aten.fill_.Scalar")
-    assert fill["a"][0]["T"] == empty["o"]["T"] and fill["a"][0].get("u") is True
-    after = written(fill)[("a", 0)]
-    assert "u" not in after and torch.equal(r.tensor(after), torch.full((3,), 1.5))
+    assert fill.args[0].version == empty.outputs.version and fill.args[0].uninitialised is True
+    after = written(fill)[("arg", 0)]
+    assert not after.uninitialised and torch.equal(r.tensor(after), torch.full((3,), 1.5))
     add = only(ops, "aten.add.Tensor")
-    assert "u" not in add and "u" not in add["a"][0] and "u" not in add["o"]
+    assert not add.uninitialised and not add.args[0].uninitialised and not add.outputs.uninitialised
 
 
 # -- 5. collectives ----------------------------------------------------------------------------------------------
@@ -455,18 +458,18 @@ def test_collective_recorded_on_two_gloo_ranks(tmp_path):
         r = tr.rank(rank)
         assert r.complete and r.manifest["rank"] == rank and r.manifest["world_size"] == 2
         ops = list(r)
-        coll = [o for o in ops if "coll" in o]
-        assert len(coll) == 1, [o["op"] for o in ops]
+        coll = [o for o in ops if o.collective is not None]
+        assert len(coll) == 1, [o.name for o in ops]
         c = coll[0]
-        assert c["op"].startswith("c10d.") and "allreduce" in c["op"]
-        assert c["coll"]["size"] == 2
-        (inp,) = c["a"][0]
+        assert c.name.startswith("c10d.") and "allreduce" in c.name
+        assert c.collective.size == 2
+        (inp,) = c.args[0]
         assert torch.equal(r.tensor(inp), inputs[rank])  # before the reduction
-        (after,) = written(c)[("a", 0)]
+        (after,) = written(c)[("arg", 0)]
         assert torch.equal(r.tensor(after), total)  # after Work.wait()
-        assert torch.equal(r.tensor(c["o"][0][0]), total)
+        assert torch.equal(r.tensor(c.outputs[0][0]), total)
         add = only(ops, "aten.add.Tensor")
-        assert add["a"][0]["T"] == after["T"]  # the next op reads the reduced version
+        assert add.args[0].version == after.version  # the next op reads the reduced version
 
 
 # -- 6. environment ----------------------------------------------------------------------------------------------
@@ -553,14 +556,14 @@ def test_stats_mode_matches_hand_computed_statistics(tmp_path, record_one):
 
     (s2, h1, i3), r = record_one(work, tensors="stats")
     ops = list(r)
-    muls = [o for o in ops if o["op"] == "aten.mul.Tensor"]
+    muls = [o for o in ops if o.name == "aten.mul.Tensor"]
     assert len(muls) == 2
     for op, inp, out in ((muls[0], special, s2), (only(ops, "aten.add.Tensor"), half, h1), (muls[1], ints, i3)):
-        assert_stats(op["a"][0]["s"], inp)
-        assert_stats(op["o"]["s"], out)
-    assert muls[0]["a"][0]["s"][5:] == [1, 3]  # one NaN, three infinities
+        assert_stats(stats_of(op.args[0]), inp)
+        assert_stats(stats_of(op.outputs), out)
+    assert stats_of(muls[0].args[0])[5:] == [1, 3]  # one NaN, three infinities
     for o in ops:
-        assert all("f" not in ref for ref in all_refs(o))
+        assert all(ref.chunk is None for ref in all_refs(o))
     assert data_keys(tmp_path / "trace" / "rank0") == []
 
 
@@ -572,10 +575,10 @@ def test_meta_mode_stores_no_data(tmp_path, tiny_step):
     assert r.complete and len(ops) > 100
     assert list((tmp_path / "t" / "rank0" / "data").iterdir()) == []
     refs = [ref for o in ops for ref in all_refs(o)]
-    assert refs and all("f" not in ref and "s" not in ref for ref in refs)
+    assert refs and all(ref.chunk is None and ref.stats is None for ref in refs)
     nll = only(ops, "aten.nll_loss_forward.default")
-    assert nll["o"][0]["sh"] == list(loss.shape) and nll["o"][0]["dt"] == "float32"
-    assert r.manifest["options"]["tensors"] == "meta"
+    assert nll.outputs[0].shape == tuple(loss.shape) and nll.outputs[0].dtype == "float32"
+    assert r.options["tensors"] == "meta"
 
 
 def test_op_glob_filter_keeps_numbering(tmp_path):
@@ -589,9 +592,9 @@ def test_op_glob_filter_keeps_numbering(tmp_path):
     ops = list(open_trace(tmp_path / "t").rank(0))
     expected = [i for i, n in enumerate(log.names) if fnmatch.fnmatchcase(n, "aten.mm*")]
     assert len(expected) == 2 and len(log.names) > 2
-    assert [o["i"] for o in ops] == expected
-    assert all(o["op"] == "aten.mm.default" for o in ops)
-    assert torch.equal(open_trace(tmp_path / "t").rank(0).tensor(ops[1]["o"]), e)
+    assert [o.index for o in ops] == expected
+    assert all(o.name == "aten.mm.default" for o in ops)
+    assert torch.equal(open_trace(tmp_path / "t").rank(0).tensor(ops[1].outputs), e)
 
 
 def test_module_glob_filter(tmp_path, tiny_step):
@@ -601,11 +604,11 @@ def test_module_glob_filter(tmp_path, tiny_step):
     r = open_trace(tmp_path / "t").rank(0)
     ops = list(r)
     assert ops and len(ops) < r.manifest["ops_seen"]
-    assert all(fnmatch.fnmatchcase(o.get("mod") or "", glob) for o in ops)
-    phases = {o["ph"] for o in ops}
+    assert all(fnmatch.fnmatchcase(o.module or "", glob) for o in ops)
+    phases = {o.phase for o in ops}
     assert {"forward", "backward"} <= phases
-    assert any(o["mod"] == "TinyTransformer.blocks.1.ln2" and o["ph"] == "backward" for o in ops)
-    assert not any(o["ph"] == "optimizer" for o in ops)  # no module around the optimizer
+    assert any(o.module == "TinyTransformer.blocks.1.ln2" and o.phase == "backward" for o in ops)
+    assert not any(o.phase == "optimizer" for o in ops)  # no module around the optimizer
 
 
 def test_max_tensor_bytes_stores_statistics_instead(record_one):
@@ -617,11 +620,11 @@ def test_max_tensor_bytes_stores_statistics_instead(record_one):
 
     (_, bb), r = record_one(work, max_tensor_bytes=100)
     ops = list(r)
-    mm_small, mm_big = [o for o in ops if o["op"] == "aten.mm.default"]
-    assert "f" in mm_small["a"][0] and torch.equal(r.tensor(mm_small["a"][0]), small)
-    assert "f" not in mm_big["a"][0] and "f" not in mm_big["o"]
-    assert_stats(mm_big["a"][0]["s"], big)
-    assert_stats(mm_big["o"]["s"], bb)
+    mm_small, mm_big = [o for o in ops if o.name == "aten.mm.default"]
+    assert mm_small.args[0].chunk is not None and torch.equal(r.tensor(mm_small.args[0]), small)
+    assert mm_big.args[0].chunk is None and mm_big.outputs.chunk is None
+    assert_stats(stats_of(mm_big.args[0]), big)
+    assert_stats(stats_of(mm_big.outputs), bb)
 
 
 # -- 8. the recorder never changes numerics ----------------------------------------------------------------------
@@ -634,7 +637,7 @@ def test_recording_changes_no_bit(tmp_path, tensors):
     assert r.complete and r.lost == []
     nll = only(list(r), "aten.nll_loss_forward.default")
     if tensors == "full":
-        assert torch.equal(r.tensor(nll["o"][0]), recorded["losses"][0])
+        assert torch.equal(r.tensor(nll.outputs[0]), recorded["losses"][0])
 
 
 # -- 9. a guest in someone else's job ----------------------------------------------------------------------------
@@ -703,7 +706,7 @@ def test_final_manifest_failure_leaves_a_truncated_readable_trace(tmp_path, monk
     assert len(warned) == 1, warned
     r = open_trace(tmp_path / "t").rank(0)
     ops = list(r)
-    assert not r.complete and r.truncated_after == ops[-1]["i"] == len(ops) - 1
+    assert not r.complete and r.truncated_after == ops[-1].index == len(ops) - 1
 
 
 def test_existing_trace_turns_recording_off_with_a_warning(tmp_path, tiny_step):
@@ -715,7 +718,7 @@ def test_existing_trace_turns_recording_off_with_a_warning(tmp_path, tiny_step):
     assert_bitwise_same(plain, recorded)
     assert len(warned) == 1 and "already" in warned[0], warned
     assert (tmp_path / "t" / "rank0" / "manifest.rdt").read_bytes() == manifest
-    assert [o["op"] for o in open_trace(tmp_path / "t").rank(0)] == ["aten.ones.default", "aten.add.Tensor"]
+    assert [o.name for o in open_trace(tmp_path / "t").rank(0)] == ["aten.ones.default", "aten.add.Tensor"]
 
 
 # -- 10. GPU -----------------------------------------------------------------------------------------------------
@@ -733,22 +736,22 @@ def test_record_a_cuda_step(tmp_path):
     r = open_trace(tmp_path / "t").rank(0)
     ops = list(r)
     assert r.complete and r.lost == []
-    assert {"forward", "backward", "optimizer"} <= {o["ph"] for o in ops}
+    assert {"forward", "backward", "optimizer"} <= {o.phase for o in ops}
     env = r.environment
     assert env["cuda"] == torch.version.cuda and env["devices"] and env["devices"][0]["name"]
-    emb = next(o for o in ops if o["op"] == "aten.embedding.default")
-    assert emb["a"][0]["dev"].startswith("cuda")
-    assert torch.equal(r.tensor(emb["a"][0]), tok_before)  # asynchronous copies landed before they were written
+    emb = next(o for o in ops if o.name == "aten.embedding.default")
+    assert emb.args[0].device.startswith("cuda")
+    assert torch.equal(r.tensor(emb.args[0]), tok_before)  # asynchronous copies landed before they were written
     nll = only(ops, "aten.nll_loss_forward.default")
-    assert torch.equal(r.tensor(nll["o"][0]), loss.cpu())
-    bern = [o for o in ops if "rng" in o]
-    assert bern and all(o["rng"]["dev"].startswith("cuda") for o in bern)
-    assert any(o["op"].startswith("aten._foreach_") or o["op"].startswith("aten._fused_adam") for o in ops
-               if o["ph"] == "optimizer")
+    assert torch.equal(r.tensor(nll.outputs[0]), loss.cpu())
+    bern = [o for o in ops if o.rng is not None]
+    assert bern and all(o.rng.device.startswith("cuda") for o in bern)
+    assert any(o.name.startswith("aten._foreach_") or o.name.startswith("aten._fused_adam") for o in ops
+               if o.phase == "optimizer")
     written_after = [p.detach().cpu() for p in model.parameters()]
-    writes = [ref for o in ops if o["ph"] == "optimizer" for _, w in o.get("w") or [] for ref in iter_tensor_refs(w)]
+    writes = [ref for o in ops if o.phase == "optimizer" for _, w in o.writes for ref in iter_refs(w)]
     for p in written_after:
-        assert any(ref["sh"] == list(p.shape) and torch.equal(r.tensor(ref), p) for ref in writes)
+        assert any(ref.shape == tuple(p.shape) and torch.equal(r.tensor(ref), p) for ref in writes)
 
 
 def test_filtered_out_in_place_op_still_makes_a_new_storage_version(tmp_path):
@@ -759,10 +762,10 @@ def test_filtered_out_in_place_op_still_makes_a_new_storage_version(tmp_path):
         x.add_(10)         # filtered out, but it writes x
         b = x * 3          # stored: its input must be x after the add_
     reader = open_trace(tmp_path).rank(0)
-    muls = [op for op in reader if op["op"] == "aten.mul.Tensor"]
+    muls = [op for op in reader if op.name == "aten.mul.Tensor"]
     assert len(muls) == 2
-    first_in, second_in = muls[0]["a"][0], muls[1]["a"][0]
-    assert first_in["T"] != second_in["T"]
+    first_in, second_in = muls[0].args[0], muls[1].args[0]
+    assert first_in.version != second_in.version
     assert torch.equal(reader.tensor(first_in), torch.arange(4.0))
     assert torch.equal(reader.tensor(second_in), torch.arange(4.0) + 10)
     report = replay_trace(str(tmp_path), ReplayOptions())
@@ -782,7 +785,7 @@ def test_recording_mode_does_not_change_which_ops_run(tmp_path):
         step()
         with replaydiff.record(tmp_path / mode, tensors=mode):
             step()
-        sequences[mode] = [op["op"] for op in open_trace(tmp_path / mode).rank(0)]
+        sequences[mode] = [op.name for op in open_trace(tmp_path / mode).rank(0)]
     assert sequences["stats"] == sequences["meta"] == sequences["full"]
 
 
@@ -804,18 +807,18 @@ def test_verify_writes_notices_writes_torch_never_saw(tmp_path, verify):
             b = x * 3
     assert torch.equal(b, torch.zeros(8)) and torch.equal(a, torch.arange(1.0, 9.0) * 2)
     reader = open_trace(tmp_path).rank(0)
-    muls = [op for op in reader if op["op"] == "aten.mul.Tensor"]
+    muls = [op for op in reader if op.name == "aten.mul.Tensor"]
     report = replay_trace(str(tmp_path), ReplayOptions())
-    second = next(r for r in report.ops if r.index == muls[1]["i"])
+    second = next(r for r in report.ops if r.index == muls[1].index)
     notes = [str(w.message) for w in caught if "outside torch's dispatcher" in str(w.message)]
     if verify:
         # a new version holding the zeros: the op replays from what it really read
-        assert muls[0]["a"][0]["T"] != muls[1]["a"][0]["T"]
-        assert torch.equal(reader.tensor(muls[1]["a"][0]), torch.zeros(8))
-        assert second.status == "ok" and report.counts()["divergent"] == 0
+        assert muls[0].args[0].version != muls[1].args[0].version
+        assert torch.equal(reader.tensor(muls[1].args[0]), torch.zeros(8))
+        assert second.status is Status.OK and report.counts()["divergent"] == 0
         assert reader.manifest["unseen_writes"] == 1 and len(notes) == 1
     else:
         # the documented limit: without the check, the stale bytes are replayed and the op looks divergent
-        assert muls[0]["a"][0]["T"] == muls[1]["a"][0]["T"]
-        assert second.status == "divergent"
+        assert muls[0].args[0].version == muls[1].args[0].version
+        assert second.status is Status.DIVERGENT
         assert reader.manifest["unseen_writes"] == 0 and notes == []

@@ -20,14 +20,12 @@ from safetensors import safe_open
 import replaydiff
 import replaydiff.trace.reader as trace_reader
 from replaydiff.errors import TraceError
-from replaydiff.record.encode import iter_tensor_refs
-from replaydiff.trace import open_trace
+from replaydiff.trace import OpRecord, TensorRef, iter_refs, open_trace
 from replaydiff.trace.format import MANIFEST, pack_frame, read_frame, write_atomic
 
 
-def all_refs(op: dict) -> list[dict]:
-    return list(iter_tensor_refs([op.get("a"), list((op.get("k") or {}).values()),
-                                  [after for _, after in op.get("w") or []], op.get("o")]))
+def all_refs(op: OpRecord) -> list[TensorRef]:
+    return list(iter_refs([op.args, list(op.kwargs.values()), [after for _, after in op.writes], op.outputs]))
 
 
 def bits(t: torch.Tensor) -> bytes:
@@ -73,12 +71,12 @@ def test_round_trip_of_many_dtypes(tmp_path, compress):
         for name, x in samples.items():
             clones[name] = x.clone()
     r = open_trace(tmp_path / "t").rank(0)
-    ops = [o for o in r if o["op"] == "aten.clone.default"]
+    ops = [o for o in r if o.name == "aten.clone.default"]
     assert len(ops) == len(samples)
     for (name, x), op in zip(samples.items(), ops):
-        inp, out = op["a"][0], op["o"]
-        assert inp["dt"] == str(x.dtype).removeprefix("torch.") and inp["sh"] == list(x.shape)
-        assert r.has_data(inp) and r.has_data(out), name
+        inp, out = op.args[0], op.outputs
+        assert inp.dtype == str(x.dtype).removeprefix("torch.") and inp.shape == tuple(x.shape)
+        assert inp.stored and out.stored, name
         got = r.tensor(inp)
         assert same_bits(got, x), name
         assert got.stride() == x.stride() and got.storage_offset() == x.storage_offset(), name
@@ -126,12 +124,12 @@ def test_reading_op_n_opens_only_its_chunk(tmp_path, monkeypatch):
     opened.clear()
     op = r.op(20)
     assert opened == [rank / "ops" / "000000016.rdt"]
-    assert op["i"] == 20 and op["op"] == "aten.mul.Tensor"
+    assert op.index == 20 and op.name == "aten.mul.Tensor"
     expected = torch.arange(8.0)
     for k in range(10):
         expected = expected * 2 + k
-    assert torch.equal(r.tensor(op["a"][0]), expected)
-    assert torch.equal(r.tensor(op["o"]), expected * 2)
+    assert torch.equal(r.tensor(op.args[0]), expected)
+    assert torch.equal(r.tensor(op.outputs), expected * 2)
     with pytest.raises(TraceError) as err:
         r.op(5)
     assert "000000000.rdt" in str(err.value)
@@ -172,14 +170,14 @@ def test_trace_of_a_killed_process_reads_up_to_its_last_chunk(tmp_path):
     last = r.truncated_after
     assert isinstance(last, int) and last >= 0
     ops = list(r)
-    assert [o["i"] for o in ops] == list(range(last + 1))
+    assert [o.index for o in ops] == list(range(last + 1))
     for i in range(last + 1):
         op = r.op(i)
         for ref in all_refs(op):
-            if r.has_data(ref):
+            if ref.stored:
                 t = r.tensor(ref)
-                assert list(t.shape) == ref["sh"]
-    assert ops[0]["ph"] == "forward"
+                assert tuple(t.shape) == ref.shape
+    assert ops[0].phase == "forward"
 
 
 # -- damaged traces: the original data or a TraceError, nothing else ---------------------------------------------
@@ -203,25 +201,33 @@ def small_trace(tmp_path_factory):
              "ops": [f for f in files if "/ops/" in f], "data": [f for f in files if "/data/" in f]}
     assert all(len(v) >= 1 for v in kinds.values()) and len(kinds["ops"]) >= 3 and len(kinds["data"]) >= 2, kinds
     baseline = read_everything(root)
-    assert any(o.get("rng") for o in baseline[0][3]) and baseline[0][1] is True
+    assert any(o.rng is not None for o in open_trace(root).rank(0)) and baseline[0][1] is True
     return root, files, baseline
+
+
+def record_fields(op: OpRecord) -> tuple:
+    """Everything the typed record says: its JSON form, where each tensor's bytes are, its generator state."""
+    return op.to_json(), [(ref.chunk, ref.nbytes) for ref in all_refs(op)], op.rng
 
 
 def read_everything(root: Path):
     """Every byte a user of the trace can get at: manifests, op records, tensors, generator states."""
     out = {}
-    for rank, r in sorted(open_trace(root).ranks.items()):
+    for r in open_trace(root):
         ops = list(r)
         tensors = []
         for op in ops:
             for ref in all_refs(op):
-                if r.has_data(ref):
+                if ref.stored:
                     t = r.tensor(ref)
-                    tensors.append((ref["T"], str(t.dtype), tuple(t.shape), tuple(t.stride()), bits(t)))
-            if op.get("rng"):
-                rng = op["rng"]
-                tensors.append(("rng", bits(r.storage_bytes(int(rng["T"]), int(rng["f"]), int(rng["sb"])))))
-        out[rank] = (r.manifest, r.complete, r.truncated_after, ops, tensors)
+                    tensors.append((ref.version, str(t.dtype), tuple(t.shape), tuple(t.stride()), bits(t)))
+            if op.rng is not None:
+                tensors.append(("rng", bits(r.rng_state(op.rng))))
+        idx = r.index  # read from index.rdt, or rebuilt from the chunks when that file is damaged
+        index = [(idx.name[i], idx.phase[i], idx.module[i], idx.source[i], idx.forward[i], idx.output[i],
+                  idx.recorded[i], idx.cheap[i], idx.collective[i], idx.random[i], r.producers(i), r.consumers(i))
+                 for i in range(len(idx))]
+        out[r.rank] = (r.manifest, r.complete, r.truncated_after, [record_fields(op) for op in ops], tensors, index)
     return out
 
 

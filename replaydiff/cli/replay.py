@@ -31,6 +31,12 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--to", dest="last", type=int, metavar="M", help="last op number to replay")
     p.add_argument("--rank", dest="ranks", type=int, action="append", metavar="R", help="replay only this rank")
     p.add_argument("--workers", type=int, default=1, metavar="N", help="replay with N processes (same report)")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="CPU intra-op threads per process (default: the recorded count at --precision same on the "
+                        "CPU, which makes it bitwise; else 1); another count tests whether an op depends on the "
+                        "parallel split")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first: it registers custom ops of the trace (repeatable)")
     p.add_argument("--tolerance", action="append", metavar="DTYPE=MAX[,REL]",
                    help="override a dtype's limits on max_abs/(eps*absmax) and rel_l2/eps, e.g. float32=32,16")
     p.add_argument("--no-scale-reductions", action="store_true",
@@ -43,12 +49,15 @@ def options_from_args(args: argparse.Namespace) -> ReplayOptions:
         raise UsageError("--repeat must be at least 1")
     if args.workers < 1:
         raise UsageError("--workers must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError("--threads must be at least 1")
     try:
         tol = Tolerances.parse_overrides(args.tolerance, scale_reductions=not args.no_scale_reductions)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return ReplayOptions(device=args.device, precision=args.precision, repeat=args.repeat, ops=args.ops,
-                         first=args.first, last=args.last, ranks=args.ranks, tolerances=tol)
+                         first=args.first, last=args.last, ranks=args.ranks, tolerances=tol, threads=args.threads,
+                         imports=args.imports)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,6 +27,7 @@ class Verdict:
     # The op's own error at its recorded dtype (calibration of an ill-conditioned op): max_abs, rel_l2.
     same_dtype: tuple[float, float] | None = None
     precision: str | None = None  # set when the op was replayed at another precision than asked
+    left_out: int = 0  # positions not compared: the kernel leaves them unwritten (their value is the allocator's)
 
     @property
     def score(self) -> float:
@@ -50,13 +51,15 @@ class Verdict:
             d["same_dtype_max_abs"], d["same_dtype_rel_l2"] = self.same_dtype
         if self.precision is not None:
             d["precision"] = self.precision
+        if self.left_out:
+            d["left_out"] = self.left_out
         return d
 
     @classmethod
     def from_json(cls, d: dict, divergent: bool = False, reason: str | None = None) -> "Verdict":
         same = (d["same_dtype_max_abs"], d["same_dtype_rel_l2"]) if "same_dtype_max_abs" in d else None
         return cls(divergent, measure_from_json(d), reason, d.get("limit_max"), d.get("limit_rel"),
-                   d.get("reduction_k"), same, d.get("precision"))
+                   d.get("reduction_k"), same, d.get("precision"), d.get("left_out", 0))
 
 
 def judge_measure(m: Measure, dtype: torch.dtype | str, tolerances: Tolerances, k: int = 1) -> Verdict:

@@ -42,11 +42,13 @@ class RecorderLike(Protocol):
     storages: StorageTable
     writer: RankWriter
     context: OpContext
+    custom_ops: dict[str, str]
 
     def before(self, func: Any, types: Any, args: tuple, kwargs: dict) -> Any: ...
     def after(self, pending: Any, func: Any, args: tuple, kwargs: dict, out: Any) -> None: ...
     def rng_state(self, args: tuple, kwargs: dict) -> tuple[str, int, int, int] | None: ...
     def disable(self, why: str) -> None: ...
+    def op_failed(self, func: Any, args: tuple, kwargs: dict, exc: Exception) -> None: ...
 
 
 class RecordingMode(TorchDispatchMode):
@@ -62,14 +64,14 @@ class RecordingMode(TorchDispatchMode):
         pending = None
         try:
             pending = rec.before(func, types, args, kwargs)
-        except Exception as exc:
-            rec.disable(f"an op could not be recorded ({func}: {type(exc).__name__}: {exc})")
+        except Exception as exc:  # costs this op alone: a stub record says why
+            rec.op_failed(func, args, kwargs, exc)
         out = func(*args, **kwargs)
         if pending is not None:
             try:
                 rec.after(pending, func, args, kwargs, out)
             except Exception as exc:
-                rec.disable(f"an op could not be recorded ({func}: {type(exc).__name__}: {exc})")
+                rec.op_failed(func, args, kwargs, exc)
         return out
 
 
@@ -98,6 +100,10 @@ class OpBuilder:
         dtype = _DTYPE_NAMES.get(t.dtype)
         if dtype is None:
             dtype = _DTYPE_NAMES[t.dtype] = str(t.dtype).removeprefix("torch.")
+        if t._is_zerotensor():  # no storage behind it (reading its data pointer fails): a marker, no bytes
+            return schema.wire_zero(schema.wire_tensor(dtype, list(t.shape), list(t.stride()), 0, dev))
+        if dev == "meta" and type(t) in _PLAIN and t.layout is torch.strided:  # no values: geometry is all
+            return schema.wire_tensor(dtype, list(t.shape), list(t.stride()), t.storage_offset(), dev)
         if type(t) not in _PLAIN or t.layout is not torch.strided or dev == "meta":
             return schema.wire_unsupported(schema.wire_tensor(dtype, list(t.shape), None, 0, dev),
                                            f"{type(t).__name__}/{t.layout}/{device.type}")
@@ -187,6 +193,8 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
     rec.next_index += 1
     info = aten.facts(func)
     name = info.name
+    if info.module is not None and name not in rec.custom_ops:
+        rec.custom_ops[name] = info.module
     ctx = rec.context
     phase, seq = ctx.phase()
     module = ctx.module()

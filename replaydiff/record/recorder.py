@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -16,12 +18,14 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from replaydiff.aten import current_rank
+from replaydiff.aten import current_rank, facts, iter_tensors, written_args
+from replaydiff.record.compiled import CompiledRegionTracker
 from replaydiff.record.context import OpContext
 from replaydiff.record.environment import environment_snapshot
 from replaydiff.record.mode import OpBuilder, RecordingMode, record_after, record_before
 from replaydiff.record.options import RecordOptions
 from replaydiff.record.storage import StorageTable
+from replaydiff.trace import schema
 from replaydiff.trace.format import MANIFEST, rank_dir_name
 from replaydiff.trace.writer import RankWriter, Snapshot
 
@@ -44,6 +48,13 @@ class Recorder:
         self._builder: OpBuilder | None = None
         self._started = 0.0
         self._disabled_reason: str | None = None
+        self._prev_sigterm: Any = None
+        self.custom_ops: dict[str, str] = {}  # custom op -> the Python module that defines it
+        self._compiled = CompiledRegionTracker()
+        self._compiled_regions: list[dict] = []
+        self.failed_ops = 0
+        self._failed_names: set[str] = set()
+        self._sigterm_installed = False
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> "Recorder":
@@ -60,13 +71,15 @@ class Recorder:
                 "started_at": time.time(),
             }
             self.writer = RankWriter(self.rank_dir, manifest, self.options.compress, self.options.shuffle,
-                                     self.options.chunk_ops, self.options.chunk_bytes)
+                                     self.options.chunk_ops, self.options.chunk_bytes, self.options.flush_seconds)
             self._builder = OpBuilder(self)
             self.context.install()
             self._mode = RecordingMode(self)
             self._mode.__enter__()
+            self._compiled.start()
             self._started = time.perf_counter()
             self.active = True
+            self._install_sigterm()
         except Exception as exc:
             self._warn(f"recording is off: {type(exc).__name__}: {exc}")
             self._teardown()
@@ -82,17 +95,66 @@ class Recorder:
                 if unseen:
                     self._warn(f"{unseen} storage(s) were written outside torch's dispatcher (numpy, a C extension) "
                                f"while recording; they were stored again as new versions")
+                msg = self._compiled.first_warning()
+                if msg:
+                    self._warn(msg)
                 self.writer.close({
+                    "compiled_regions": self._compiled_regions,
                     "unseen_writes": unseen,
                     "ops_seen": self.next_index,
                     "record_seconds": time.perf_counter() - self._started,
                     "disabled": self._disabled_reason,
+                    "custom_ops": self.custom_ops,
                 })
             except Exception as exc:
                 self._warn(f"the trace could not be finished: {exc}")
         self.storages.clear()
 
+    # -- SIGTERM: what torchrun sends the surviving workers when one rank fails ---------------------------------
+    def _install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may set handlers; a trace cut short then keeps what the timer flushed
+        try:
+            self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._sigterm_installed = True
+        except (ValueError, OSError) as exc:
+            log.debug("no SIGTERM handler: %s", exc)
+
+    def _restore_sigterm(self) -> None:
+        if self._sigterm_installed and threading.current_thread() is threading.main_thread():
+            try:
+                if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                    signal.signal(signal.SIGTERM, self._prev_sigterm)
+            except (ValueError, OSError, TypeError) as exc:
+                log.debug("could not restore the SIGTERM handler: %s", exc)
+            self._sigterm_installed = False
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """Write what is recorded, then do what the process would have done without us."""
+        prev = self._prev_sigterm
+        try:
+            if self.writer is not None and self.active:
+                self.active = False
+                self.writer.note_lost(f"the process got SIGTERM during op #{self.next_index - 1}; the trace holds "
+                                      f"the ops recorded before it")
+                self.writer.sync(timeout=10.0)
+                self.writer.write_manifest_now()
+        except Exception as exc:  # never stand between a process and its termination
+            log.debug("SIGTERM flush failed: %s", exc)
+        finally:
+            self._restore_sigterm()
+        if callable(prev):
+            prev(signum, frame)
+        elif prev in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
     def _teardown(self) -> None:
+        self._restore_sigterm()
+        try:
+            self._compiled_regions = self._compiled.stop()
+        except Exception as exc:  # stop() never raises by design; belt and braces around someone else's job
+            log.debug("compiled-region tracker: %s", exc)
         if self._mode is not None:
             try:
                 self._mode.__exit__(None, None, None)
@@ -146,6 +208,33 @@ class Recorder:
             state = state.clone()
         chunk = self.writer.add_snapshot(Snapshot(version, state, 1))
         return str(device), version, chunk, state.numel()
+
+    MAX_FAILED_OPS = 1000
+
+    def op_failed(self, func: Any, args: tuple, kwargs: dict, exc: Exception) -> None:
+        """An op the recorder could not describe costs that op alone: a stub record with the reason; what it
+        writes gets new storage versions, so later readers never get the bytes from before its write."""
+        self.failed_ops += 1
+        name = str(func)
+        why = f"could not be recorded ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})"
+        if self.failed_ops > self.MAX_FAILED_OPS or self.writer is None or self.writer.failed:
+            self.disable(f"too many ops could not be recorded (last: {name} {why})")
+            return
+        index = self.next_index - 1
+        self.writer.add_op(schema.wire_not_recorded(schema.wire_op(index, name, None, None, None, None), why))
+        try:
+            for _, v in written_args(facts(func), args, kwargs):
+                for t in iter_tensors(v):
+                    self.storages.bump(self.storages.entry(t.untyped_storage()))
+        except Exception as exc2:
+            self.disable(f"after {name} {why}, what it wrote could not be tracked ({exc2})")
+            return
+        if name not in self._failed_names:
+            self._failed_names.add(name)
+            self.writer.note_lost(f"op #{index} {name} {why}; later readers of its outputs take them as inputs "
+                                  f"from outside the trace")
+            if len(self._failed_names) <= 5:
+                self._warn(f"op #{index} {name} {why}; recording goes on")
 
     def disable(self, why: str) -> None:
         if self._disabled_reason is None:

@@ -9,7 +9,10 @@ is the same whatever the number of shards.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import importlib
 import multiprocessing as mp
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -68,8 +71,21 @@ class ReplayPlan:
         return [piece for s in self.shards for piece in s.split(parts)]
 
 
+def import_modules(modules: list[str]) -> None:
+    """Import what the user named (--import): modules that register custom ops, found as ``python -m`` would
+    (the current directory first)."""
+    if modules and os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except Exception as exc:
+            raise EnvironmentProblem(f"--import {m}: {type(exc).__name__}: {exc}") from None
+
+
 def plan(trace: Trace, opts: ReplayOptions) -> ReplayPlan:
     check_device(opts.device)
+    import_modules(opts.imports)
     p = ReplayPlan(str(trace.path), opts)
     for r in (opts.ranks if opts.ranks is not None else trace.ranks):
         rt = trace.rank(r)
@@ -88,7 +104,8 @@ def plan(trace: Trace, opts: ReplayOptions) -> ReplayPlan:
     return p
 
 
-def _threads(rt: RankTrace, opts: ReplayOptions) -> int | None:
+def replay_threads(rt: RankTrace, opts: ReplayOptions) -> int | None:
+    """CPU intra-op threads a replay of ``rt`` runs with (None: leave torch's setting)."""
     if opts.threads is not None:
         return opts.threads
     if opts.precision == "same" and torch.device(opts.device).type == "cpu":
@@ -109,7 +126,7 @@ def run_shard(rt: RankTrace, opts: ReplayOptions, shard: Shard, progress: Progre
     wanted = set(shard.indices)
     hi = shard.indices[-1]
     results = []
-    with reference_settings(_threads(rt, opts)), torch.inference_mode():
+    with reference_settings(replay_threads(rt, opts)), torch.inference_mode():
         for op in rt.iter_from(shard.indices[0]):
             if op.index > hi:
                 break
@@ -151,6 +168,7 @@ def _pool_context() -> mp.context.BaseContext:
 
 
 def _worker(path: str, opts: ReplayOptions, shard: Shard) -> list[OpResult]:
+    import_modules(opts.imports)
     return run_shard(open_trace(path).rank(shard.rank), opts, shard)
 
 

@@ -44,6 +44,9 @@ class ReplayOptions:
     tolerances: Tolerances = field(default_factory=Tolerances)
     # CPU intra-op threads; None: the recorded count at `same` on the CPU (what makes it bitwise), else 1
     threads: int | None = None
+    # Python modules to import before replaying: they register the custom ops of the trace (torch's own, such as
+    # torch.distributed.fsdp's, are imported without asking; a trace never makes replay import anything else)
+    imports: list[str] = field(default_factory=list)
 
     def target_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return target_dtype(self.precision, dtype)
@@ -53,7 +56,8 @@ class ReplayOptions:
                 "from": self.first, "to": self.last, "ranks": self.ranks,
                 "tolerances": {k: list(v) for k, v in self.tolerances.limits.items()},
                 "scale_reductions": self.tolerances.scale_reductions,
-                **({"threads": self.threads} if self.threads is not None else {})}
+                **({"threads": self.threads} if self.threads is not None else {}),
+                **({"imports": self.imports} if self.imports else {})}
 
 
 @contextmanager
@@ -62,9 +66,6 @@ def reference_settings(num_threads: int | None = None) -> Iterator[None]:
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
         torch.backends.cuda.matmul.allow_tf32,
-        torch.backends.cudnn.allow_tf32,
-        torch.backends.cudnn.benchmark,
-        torch.backends.cudnn.deterministic,
         torch.get_float32_matmul_precision(),
         torch.get_num_threads(),
     )
@@ -75,18 +76,16 @@ def reference_settings(num_threads: int | None = None) -> Iterator[None]:
         # per process) to set a flag only compiled code reads.
         torch._C._set_deterministic_algorithms(True, warn_only=True)
         torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        torch.backends.cudnn.benchmark = False
-        torch.backends.cudnn.deterministic = True
         torch.set_float32_matmul_precision("highest")
         if num_threads:
             torch.set_num_threads(num_threads)
-        yield
+        # cuDNN through torch's own context manager: it also works after torch.backends.disable_global_flags()
+        # (which torch's testing utilities call at import), where assigning the flags raises.
+        with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, benchmark=False, deterministic=True,
+                                        allow_tf32=False):
+            yield
     finally:
         torch._C._set_deterministic_algorithms(saved[0], warn_only=saved[1])
         torch.backends.cuda.matmul.allow_tf32 = saved[2]
-        torch.backends.cudnn.allow_tf32 = saved[3]
-        torch.backends.cudnn.benchmark = saved[4]
-        torch.backends.cudnn.deterministic = saved[5]
-        torch.set_float32_matmul_precision(saved[6])
-        torch.set_num_threads(saved[7])
+        torch.set_float32_matmul_precision(saved[3])
+        torch.set_num_threads(saved[4])

@@ -10,7 +10,9 @@ op lives in local values, so one replayer can serve several threads.
 """
 from __future__ import annotations
 
+import importlib
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -49,6 +51,14 @@ class _Inputs:
         self._base: dict[tuple, torch.Tensor] = {}
 
     def tensor(self, ref: TensorRef) -> torch.Tensor:
+        if ref.zero:
+            rec_dtype = dtype_from_name(ref.dtype)
+            target = rec_dtype if self.keep_dtype else target_dtype(self.precision, rec_dtype)
+            return torch._efficientzerotensor(ref.shape, dtype=target, device=self.device)
+        if ref.meta:
+            return ref.empty_meta()
+        if ref.unsupported:
+            raise Skip(f"an input is not recorded ({ref.unsupported} tensors are not supported)")
         if not ref.stored:
             raise Skip("inputs not stored in the trace" + (" (recorded with tensors=meta/stats or a filter)"
                                                            if ref.version is not None else ""))
@@ -81,8 +91,8 @@ class _Inputs:
             raise Skip(f"an argument of kind {v.kind!r} cannot be rebuilt")
         if isinstance(v, torch.dtype):  # floating dtype arguments follow the policy
             return v if self.keep_dtype else target_dtype(self.precision, v)
-        if isinstance(v, torch.device):
-            return self.device
+        if isinstance(v, torch.device):  # the replay device, except the meta device (shape computations)
+            return v if v.type == "meta" else self.device
         return v
 
     def build(self, op: OpRecord) -> tuple[list, dict]:
@@ -90,6 +100,8 @@ class _Inputs:
 
 
 class OpReplayer:
+    UNWRITTEN_TRIES = 4  # runs to find the positions a kernel leaves unwritten (see _leave_out_unwritten)
+
     def __init__(self, trace: RankTrace, options: ReplayOptions) -> None:
         self.trace = trace
         self.opts = options
@@ -136,10 +148,7 @@ class OpReplayer:
             raise Skip("uninitialised output (empty*)")
         if not aten.matches_any(name, self.opts.ops):
             raise Skip("not selected by --ops")
-        try:
-            func = aten.resolve(name)
-        except aten.UnknownOp as exc:
-            raise Skip(str(exc)) from None
+        func = self._resolve(name)
         seeded = aten.facts(func).seeded
         keep_dtype = seeded or name in aten.DTYPE_EXACT_OPS or self.opts.precision == "same"
         exact = self.opts.precision == "same" or seeded
@@ -173,12 +182,28 @@ class OpReplayer:
             fallback = f"replayed at {precision}: at {ladder[0]} the op failed ({first_failure})"
             keep_dtype = keep
 
-        pairs, finite = self._judge(op, func, runs, exact, keep_dtype, res)
+        pairs, finite = self._judge(op, func, runs, exact, keep_dtype, res, precision, seeded)
         if fallback:
             res.reason = fallback if res.reason is None else f"{res.reason}; {fallback}"
             if res.verdict is not None:
                 res.verdict = with_precision(res.verdict, precision)
         return pairs, finite
+
+    def _resolve(self, name: str) -> Any:
+        try:
+            return aten.resolve(name)
+        except aten.UnknownOp as exc:
+            module = self.trace.custom_ops.get(name)
+            if module is None:
+                raise Skip(str(exc)) from None
+            if not module.startswith("torch."):
+                raise Skip(f"op {name} is defined in Python module {module}: replay with --import {module}") from None
+            try:  # torch's own Python-defined ops (fsdp::, torch_nn::): safe to import, and needed
+                importlib.import_module(module)
+                return aten.resolve(name)
+            except Exception as exc2:
+                raise Skip(f"op {name} is defined in {module}, which could not be imported here "
+                           f"({type(exc2).__name__}: {exc2})") from None
 
     def _generator(self, op: OpRecord) -> torch.Generator | None:
         """A generator holding the recorded state when the op was given one explicitly; None when it drew from
@@ -208,13 +233,17 @@ class OpReplayer:
         return runs
 
     def _judge(self, op: OpRecord, func: Any, runs: list, exact: bool, keep_dtype: bool,
-               res: OpResult) -> tuple[Pairs, bool | None]:
+               res: OpResult, precision: str, seeded: bool) -> tuple[Pairs, bool | None]:
         """Set the result's status and verdict; returns the pairs compared and whether every output was finite."""
         out, args, kwargs = runs[0]
         packet = aten.packet(op.name)
         in_shapes = [list(r.shape) for r in iter_refs(op.args)]
         in_versions = {r.version for r in op.inputs()}
-        pairs = _pairs(op, out, args, kwargs, in_versions)
+        pairs = _pairs(op, out, args, kwargs, in_versions, keep_dtype)
+        if not pairs:
+            unsupported = [r.unsupported for r in op.outputs_refs() if r.unsupported]
+            if unsupported:  # e.g. a sparse output: not recorded, so nothing can be checked
+                raise Skip(f"output not recorded ({unsupported[0]} tensors are not supported)")
         judged: list[tuple[int, Verdict]] = []
         finite = True
         for n, (ref, value) in enumerate(pairs):
@@ -239,7 +268,12 @@ class OpReplayer:
                 finite = False
         if not keep_dtype and any(v.divergent and isinstance(v.measure, FloatError) for _, v in judged):
             judged = self._calibrate(op, func, pairs, judged, in_versions)
+        if not seeded and any(v.divergent for _, v in judged):
+            judged = self._leave_out_unwritten(op, func, pairs, judged, precision, keep_dtype, exact, k_of=lambda n:
+                                               reduction_length(packet, in_shapes, max(1, pairs[n][1].numel())),
+                                               in_versions=in_versions)
         bad = [v for _, v in judged if v.divergent]
+        left_out = sum(v.left_out for _, v in judged)
         if bad:
             res.status, res.reason, res.verdict = Status.DIVERGENT, bad[0].reason, bad[0]
         elif judged:
@@ -247,6 +281,9 @@ class OpReplayer:
         elif res.reason is None:
             res.reason = ("scalar result compared exactly" if pairs else
                           "nothing to compare (views of inputs are checked by shape and stride only)")
+        if left_out:
+            note = f"{left_out} output positions the kernel leaves unwritten were not compared"
+            res.reason = note if res.reason is None else f"{res.reason}; {note}"
         if len(runs) > 1 and _repeats_disagree(runs) and res.status is Status.OK:
             res.status = Status.NONDETERMINISTIC
             res.reason = f"{len(runs)} replays of the op disagree with each other"
@@ -264,7 +301,7 @@ class OpReplayer:
         """
         # On the CPU whatever the replay device: a kernel bug on the replay GPU must not explain itself away.
         args, kwargs = _Inputs(self.trace, "same", True, torch.device("cpu"), None).build(op)
-        same_pairs = _pairs(op, func(*args, **kwargs), args, kwargs, in_versions)
+        same_pairs = _pairs(op, func(*args, **kwargs), args, kwargs, in_versions, True)
         f = self.opts.tolerances.conditioning_factor
         result = []
         for n, v in judged:
@@ -287,6 +324,52 @@ class OpReplayer:
             result.append((n, v))
         return result
 
+    def _leave_out_unwritten(self, op: OpRecord, func: Any, pairs: Pairs, judged: list[tuple[int, Verdict]],
+                             precision: str, keep_dtype: bool, exact: bool, k_of: Any,
+                             in_versions: set) -> list[tuple[int, Verdict]]:
+        """Positions of an output that the kernel never writes (``_ctc_loss``'s log_alpha beyond each sequence)
+        hold whatever the allocator handed out, recorded and replayed alike. The op is run again with uninitialised
+        memory filled differently (a few times, as the allocator may hand the same NaN-filled block back);
+        positions whose value changed depend on no input, and are left out of the comparison (the verdict says
+        how many). Only outputs already judged divergent are examined, so this costs nothing on clean ops."""
+        import torch.utils.deterministic as det
+
+        floating = {n for n, v in judged if v.divergent and isinstance(pairs[n][1], torch.Tensor)
+                    and (pairs[n][1].is_floating_point() or pairs[n][1].is_complex())}
+        unwritten = {n: torch.zeros_like(pairs[n][1], dtype=torch.bool) for n in floating}
+        result = judged
+        saved = det.fill_uninitialized_memory
+        for _ in range(self.UNWRITTEN_TRIES if floating else 0):
+            try:
+                det.fill_uninitialized_memory = False
+                args, kwargs = _Inputs(self.trace, precision, keep_dtype, self.device, None).build(op)
+                # Blocks of the outputs' sizes, filled with a value no kernel computes here and freed at once: the
+                # allocator hands them to the run below, whose unwritten positions then hold that value rather
+                # than the NaN of the first run's fill (or of its freed temporaries, which would look the same).
+                bait = [torch.full_like(pairs[n][1], 1234.5) for n in floating for _ in range(3)]
+                del bait
+                other = _pairs(op, func(*args, **kwargs), args, kwargs, in_versions, keep_dtype)
+            finally:
+                det.fill_uninitialized_memory = saved
+            for n in floating:
+                b = other[n][1] if n < len(other) else None
+                if isinstance(b, torch.Tensor) and b.shape == pairs[n][1].shape:
+                    # Unwritten: NaN in the first run (its fill), something else in this one. Positions that
+                    # merely differ (a kernel that is not deterministic) stay compared.
+                    unwritten[n] |= torch.isnan(pairs[n][1]) & ~torch.isnan(b)
+            result = []
+            for n, v in judged:
+                count = int(unwritten[n].sum()) if n in unwritten else 0
+                if count:
+                    written = ~unwritten[n]
+                    recorded = self.trace.tensor(pairs[n][0])
+                    v = replace(judge(recorded[written.to(recorded.device)], pairs[n][1][written],
+                                      self.opts.tolerances, k_of(n), exact), left_out=count)
+                result.append((n, v))
+            if not any(v.divergent for _, v in result):
+                break
+        return result
+
     # -- NaN / Inf origin -------------------------------------------------------------------------------------
     def _nonfinite_origin(self, op: OpRecord) -> bool:
         """Finite inputs, a non-finite recorded output: the op where NaN/Inf entered the step."""
@@ -302,8 +385,9 @@ class OpReplayer:
         return True
 
 
-def _pairs(op: OpRecord, out: Any, args: list, kwargs: dict, in_versions: set) -> Pairs:
-    """(recorded, replayed) pairs for every output and every written argument."""
+def _pairs(op: OpRecord, out: Any, args: list, kwargs: dict, in_versions: set, recorded_dtypes: bool) -> Pairs:
+    """(recorded, replayed) pairs for every output and every written argument (outputs that are kernel-path
+    bookkeeping only when the op ran at its recorded dtypes)."""
     pairs: Pairs = []
     written = set()
     for path, after in op.writes:
@@ -312,8 +396,17 @@ def _pairs(op: OpRecord, out: Any, args: list, kwargs: dict, in_versions: set) -
             written.add(r.version)
         _zip(after, value, pairs)
     outs: Pairs = []
-    _zip(op.outputs, out, outs)
+    outputs = op.outputs
+    skip = () if recorded_dtypes else aten.KERNEL_PATH_OUTPUTS.get(aten.packet(op.name), ())
+    if skip and isinstance(outputs, list):
+        outputs = [None if k in skip else o for k, o in enumerate(outputs)]
+    _zip(outputs, out, outs)
     for ref, value in outs:
+        if isinstance(ref, TensorRef) and ref.meta:  # no values: the geometry is what the op computed
+            if isinstance(value, torch.Tensor) and (tuple(value.shape) != ref.shape or tuple(value.stride())
+                                                    != ref.stride):
+                pairs.append((_view_mismatch(ref, value), value))
+            continue
         if isinstance(ref, TensorRef):
             if ref.version in written:
                 continue  # the output is the written argument: already compared
@@ -321,15 +414,17 @@ def _pairs(op: OpRecord, out: Any, args: list, kwargs: dict, in_versions: set) -
                 if isinstance(value, torch.Tensor) and (tuple(value.shape) != ref.shape
                                                         or tuple(value.stride()) != ref.stride
                                                         or value.storage_offset() != ref.offset):
-                    pairs.append((ViewMismatch({"shape": list(ref.shape), "stride": list(ref.stride or ()),
-                                                "offset": ref.offset},
-                                               {"shape": list(value.shape), "stride": list(value.stride()),
-                                                "offset": value.storage_offset()}), value))
+                    pairs.append((_view_mismatch(ref, value), value))
                 continue
             if ref.uninitialised or not ref.stored:
                 continue
         pairs.append((ref, value))
     return pairs
+
+
+def _view_mismatch(ref: TensorRef, value: torch.Tensor) -> ViewMismatch:
+    return ViewMismatch({"shape": list(ref.shape), "stride": list(ref.stride or ()), "offset": ref.offset},
+                        {"shape": list(value.shape), "stride": list(value.stride()), "offset": value.storage_offset()})
 
 
 def _zip(rec: Any, value: Any, out: Pairs) -> None:

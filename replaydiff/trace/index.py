@@ -6,9 +6,10 @@ and zstd: ~20 us an op). So when recording ends the writer stores, per rank, ``i
 op reads the op (and output position) that produced it. A trace without one (older versions, a job killed
 mid-step) gets it rebuilt from its chunks on first use.
 
-An input's producer is the latest op whose outputs hold that very tensor (same storage version, dtype and view);
-failing that, the first op that produced the storage version at all (a view nobody returned); else it came from
-outside the trace (parameters, the batch). Versions change on every write, so an edge never points past a write.
+An input's producer is the first op whose outputs hold that very tensor (same storage version, dtype and view: a
+later detach or alias of it returns the same view but computed nothing); failing that, the first op that produced
+the storage version at all (a view nobody returned); else it came from outside the trace (parameters, the batch).
+Versions change on every write, so an edge never points past a write.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from replaydiff import aten
-from replaydiff.trace.schema import PHASES, OpRecord
+from replaydiff.trace.schema import PHASES, IndexRow, OpRecord, index_row
 
 INDEX_VERSION = 1
 _NONE = -1
@@ -51,56 +52,72 @@ class IndexBuilder:
         self.name, self.phase, self.module, self.source = array("i"), array("b"), array("i"), array("i")
         self.forward, self.output, self.flags = array("i"), array("i"), array("B")
         self.in_ptr, self.in_prod, self.in_slot = array("i", [0]), array("i"), array("i")
+        self._readers: list[list[tuple[int, int]]] = []  # per op: (output position, reading op)
         self._exact: dict[tuple, tuple[int, int]] = {}  # tensor geometry -> (op, output position), latest
         self._first: dict[Any, tuple[int, int]] = {}  # storage version -> (op, output position), first
 
     def _pad_to(self, index: int) -> None:
         while self.count < index:  # numbers with no record (gaps in older traces)
-            self._row(OpRecord.absent(self.count))
+            self._row(OpRecord.absent(self.count).index_row())
 
-    def add(self, op: OpRecord) -> None:
-        if op.index < self.count:
-            raise ValueError(f"op #{op.index} added after #{self.count - 1}")
-        self._pad_to(op.index)
-        self._row(op)
+    def add(self, op: OpRecord | dict) -> None:
+        """Add the next op (an OpRecord, or a wire record as the writer holds it)."""
+        row = op.index_row() if isinstance(op, OpRecord) else index_row(op)
+        if row.index < self.count:
+            raise ValueError(f"op #{row.index} added after #{self.count - 1}")
+        self._pad_to(row.index)
+        self._row(row)
 
-    def _row(self, op: OpRecord) -> None:
+    def _row(self, row: IndexRow) -> None:
         i = self.count
         self.count += 1
-        name = op.name
+        self._readers.append([])
+        name = row.name
         self.name.append(self.names.id(name))
-        self.phase.append(_PHASE_IDS.get(op.phase, 0))
-        self.module.append(self.modules.id(op.module))
-        self.source.append(self.sources.id(op.source))
-        fwd = op.forward_index
-        self.forward.append(_NONE if fwd is None else fwd)
+        self.phase.append(_PHASE_IDS.get(row.phase, 0))
+        self.module.append(self.modules.id(row.module))
+        self.source.append(self.sources.id(row.source))
+        self.forward.append(_NONE if row.forward is None else row.forward)
         flags = 0
-        outs: list = []
-        if op.recorded:
+        if row.recorded:
             flags |= _F_RECORDED
-            outs = op.outputs_refs()
-            for ref in op.inputs():
-                found = self._exact.get(ref.geometry) or self._first.get(ref.version)
+            for version, geometry in row.inputs:
+                found = self._exact.get(geometry) or self._first.get(version)
                 self.in_prod.append(found[0] if found else _NONE)
                 self.in_slot.append(found[1] if found else _NONE)
-            for slot, ref in enumerate(outs):
-                if ref.version is None:
+                if found:
+                    self._readers[found[0]].append((found[1], i))
+            for slot, (version, geometry) in enumerate(row.outputs):
+                if version is None:
                     continue
-                self._exact[ref.geometry] = (i, slot)
-                self._first.setdefault(ref.version, (i, slot))
-            if op.collective is not None:
+                # The first op to hand out this very view keeps it: a detach or alias of an output returns the
+                # same view, and the op that computed the values is the one to walk back to.
+                self._exact.setdefault(geometry, (i, slot))
+                self._first.setdefault(version, (i, slot))
+            if row.collective:
                 flags |= _F_COLLECTIVE
-            if op.uninitialised:
+            if row.uninitialised:
                 flags |= _F_UNINIT
-            if op.rng is not None:
+            if row.random:
                 flags |= _F_RANDOM
         if name != "?" and aten.is_cheap(name):
             flags |= _F_CHEAP
         self.in_ptr.append(len(self.in_prod))
-        self.output.append(self.outputs.id(outs[0].describe() if outs else None))
+        self.output.append(self.outputs.id(row.first_output))
         self.flags.append(flags)
 
     def to_frame(self) -> dict:
+        # The consumer lists, stored rather than inverted at read time: O(1) per lookup from the first one on.
+        cons_ptr, cons_slot, cons_op = array("i", [0]), array("i"), array("i")
+        for readers in self._readers:
+            last = None
+            for slot, op in sorted(readers):
+                if (slot, op) != last:
+                    cons_slot.append(slot)
+                    cons_op.append(op)
+                    last = (slot, op)
+            cons_ptr.append(len(cons_op))
+        self.cons_ptr, self.cons_slot, self.cons_op = cons_ptr, cons_slot, cons_op
         return {
             "format": "replaydiff.index", "version": INDEX_VERSION, "count": self.count,
             "byteorder": _BYTEORDER,
@@ -114,7 +131,7 @@ class IndexBuilder:
 
 
 _COLUMNS = {"name": "i", "phase": "b", "module": "i", "source": "i", "forward": "i", "output": "i", "flags": "B",
-            "in_ptr": "i", "in_prod": "i", "in_slot": "i"}
+            "in_ptr": "i", "in_prod": "i", "in_slot": "i", "cons_ptr": "i", "cons_slot": "i", "cons_op": "i"}
 _BYTEORDER = "little" if array("i", [1]).tobytes()[0] == 1 else "big"
 
 
@@ -186,7 +203,7 @@ class TraceIndex:
     ``name[i]``, ``phase[i]``, ``module[i]``, ``source[i]``, ``forward[i]`` (int or None), ``output[i]`` (first
     output, e.g. ``float32[8, 32, 64]``, or None), ``cheap[i]`` (view, alias, detach, marker), ``recorded[i]``,
     ``collective[i]``, ``random[i]``; ``status`` has one free slot per op for a replay's verdicts. Safe to read from
-    several threads; the consumer lists are built once, on first use."""
+    several threads."""
 
     def __init__(self, count: int, tables: dict, cols: dict[str, array]) -> None:
         self.count = count
@@ -203,7 +220,6 @@ class TraceIndex:
         self.uninitialised = _Flag(cols["flags"], _F_UNINIT)
         self.random = _Flag(cols["flags"], _F_RANDOM)
         self.status: list[Any] = [None] * count
-        self._consumers: dict[int, dict[int, list[int]]] | None = None
         self._modules: ModuleNode | None = None
         self._lock = threading.Lock()
 
@@ -227,7 +243,8 @@ class TraceIndex:
             if len(cols[k]) != count:
                 raise ValueError(f"column {k} has {len(cols[k])} rows for {count} ops")
         if len(cols["in_ptr"]) != count + 1 or cols["in_ptr"][-1] != len(cols["in_prod"]) \
-                or len(cols["in_slot"]) != len(cols["in_prod"]):
+                or len(cols["in_slot"]) != len(cols["in_prod"]) or len(cols["cons_ptr"]) != count + 1 \
+                or cols["cons_ptr"][-1] != len(cols["cons_op"]) or len(cols["cons_slot"]) != len(cols["cons_op"]):
             raise ValueError("edge columns do not fit")
         for k, t in (("name", "names"), ("module", "modules"), ("source", "sources"), ("output", "outputs")):
             if cols[k] and not 0 <= max(cols[k]) < len(tables[t]):
@@ -252,24 +269,12 @@ class TraceIndex:
     def consumers(self, i: int) -> dict[int, list[int]]:
         """{output position: numbers of the later ops that read that output}."""
         i = self._check(i)
-        if self._consumers is None:
-            with self._lock:
-                if self._consumers is None:
-                    self._consumers = self._invert()
-        return {slot: list(ops) for slot, ops in self._consumers.get(i, {}).items()}
-
-    def _invert(self) -> dict[int, dict[int, list[int]]]:
         c = self._cols
-        inv: dict[int, dict[int, list[int]]] = {}
-        ptr, prod, slot = c["in_ptr"], c["in_prod"], c["in_slot"]
-        for op in range(self.count):
-            for k in range(ptr[op], ptr[op + 1]):
-                p = prod[k]
-                if p != _NONE:
-                    lst = inv.setdefault(p, {}).setdefault(slot[k], [])
-                    if not lst or lst[-1] != op:
-                        lst.append(op)
-        return inv
+        a, b = c["cons_ptr"][i], c["cons_ptr"][i + 1]
+        out: dict[int, list[int]] = {}
+        for slot, op in zip(c["cons_slot"][a:b], c["cons_op"][a:b]):
+            out.setdefault(slot, []).append(op)
+        return out
 
     def modules(self) -> ModuleNode:
         """The module tree, each node with its ops per phase (a module's ranges include its sub-modules' ops)."""

@@ -159,9 +159,14 @@ class RankTrace(Sequence):
         return int(self.manifest.get("world_size") or 1)
 
     @property
+    def custom_ops(self) -> dict[str, str]:
+        """Custom ops seen while recording and the Python module that defined each (for replay to import)."""
+        return self._manifest_dict("custom_ops")
+
+    @property
     def compiled_regions(self) -> list[dict]:
         """Compiled (torch.compile) regions entered while recording, and how they ran."""
-        return list(self.manifest.get("compiled") or [])
+        return list(self.manifest.get("compiled_regions") or [])
 
     # -- ops --------------------------------------------------------------------------------------------------
     def _chunk(self, first: int) -> list[dict]:
@@ -202,25 +207,29 @@ class RankTrace(Sequence):
             if not (0 <= j < len(ops) and OpRecord(ops[j]).index == index):
                 j = next((n for n, w in enumerate(ops) if OpRecord(w).index == index), -1)
             if j >= 0:
-                return OpRecord(ops[j], self.rank)
+                return OpRecord(ops[j], self.rank, self.root / OPS_DIR / f"{self._firsts[k]:09d}{FRAME_SUFFIX}")
         if 0 <= index < len(self):
             return OpRecord.absent(index, self.rank)
         raise KeyError(index)
 
-    def __iter__(self) -> Iterator[OpRecord]:
-        """Every recorded op in order (numbers without a record are left out; ``r[i]`` gives them)."""
-        for first in self._firsts:
+    def _records(self, first_index: int = 0) -> Iterator[OpRecord]:
+        """Every op record from ``first_index`` on, stubs of ops that were numbered but not recorded included."""
+        k = max(0, bisect.bisect_right(self._firsts, first_index) - 1)
+        for first in self._firsts[k:]:
+            path = self.root / OPS_DIR / f"{first:09d}{FRAME_SUFFIX}"
             for w in self._chunk(first):
-                yield OpRecord(w, self.rank)
+                op = OpRecord(w, self.rank, path)
+                if op.index >= first_index:
+                    yield op
+
+    def __iter__(self) -> Iterator[OpRecord]:
+        """Every recorded op in order (numbers without a record, or with only a stub, are left out: ``r[i]`` gives
+        them)."""
+        return (op for op in self._records() if op.recorded)
 
     def iter_from(self, index: int) -> Iterator[OpRecord]:
         """Recorded ops numbered ``index`` and up, reading only the chunks that hold them."""
-        k = max(0, bisect.bisect_right(self._firsts, index) - 1)
-        for first in self._firsts[k:]:
-            for w in self._chunk(first):
-                op = OpRecord(w, self.rank)
-                if op.index >= index:
-                    yield op
+        return (op for op in self._records(index) if op.recorded)
 
     @property
     def last_index(self) -> int | None:
@@ -257,8 +266,13 @@ class RankTrace(Sequence):
                 pass  # stale or damaged: the chunks are the truth, rebuild from them
         # Rebuilt in memory only: a reader never changes a trace (it may be read-only, or someone else's).
         builder = IndexBuilder()
-        for op in self:
-            builder.add(op)
+        op = None
+        try:
+            for op in self._records():
+                builder.add(op)
+        except (ValueError, KeyError, TypeError) as exc:
+            where = f" (op #{op.index})" if op is not None else ""
+            raise TraceError(self.root / OPS_DIR, f"malformed op record{where}: {exc}") from None
         return builder.build()
 
     def producers(self, i: int) -> dict[int, int | None]:
@@ -331,6 +345,10 @@ class RankTrace(Sequence):
         """The recorded tensor of a reference, on CPU, in its recorded dtype, with its conj and neg bits.
 
         Without ``copy`` it is a view of cached bytes shared with other callers: read it, never write into it."""
+        if ref.zero:
+            return torch.zeros(ref.shape, dtype=ref.torch_dtype)
+        if ref.meta:
+            return ref.empty_meta()
         return rebuild(self.data(ref), ref.torch_dtype, ref, self.root, copy)
 
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 
 from replaydiff import aten
+from replaydiff.errors import TraceError
 
 # -- op record keys ---------------------------------------------------------------------------------------------
 _INDEX, _NAME, _PHASE, _MODULE, _FORWARD, _SOURCE = "i", "op", "ph", "mod", "fwd", "src"
@@ -24,7 +25,7 @@ _COLL, _RNG, _NOT_RECORDED = "coll", "rng", "x"
 # -- tensor reference keys --------------------------------------------------------------------------------------
 _VERSION, _DTYPE, _SHAPE, _STRIDE, _OFFSET, _DEVICE = "T", "dt", "sh", "st", "of", "dev"
 _NBYTES, _CHUNK, _STATS, _REQ_GRAD, _UNSUPPORTED = "sb", "f", "s", "rg", "unsupported"
-_CONJ, _NEG = "cj", "ng"
+_CONJ, _NEG, _ZERO = "cj", "ng", "z"
 _PATH_ARG, _PATH_KWARG = "a", "k"
 
 PHASES = ("forward", "backward", "optimizer")
@@ -84,12 +85,20 @@ class TensorRef:
     conj = property(lambda self: bool(self._w.get(_CONJ)), doc="the conjugate bit (a lazy x.conj())")
     neg = property(lambda self: bool(self._w.get(_NEG)), doc="the negative bit (torch._neg_view)")
     unsupported = property(lambda self: self._w.get(_UNSUPPORTED), doc="why it was not described, if so")
+    zero = property(lambda self: bool(self._w.get(_ZERO)), doc="a ZeroTensor: all zeros, no storage")
 
     @property
     def stored(self) -> bool:
-        """Its bytes are in the trace (a zero-byte storage needs none)."""
+        """Its values are in the trace (a zero-byte storage needs no bytes, a ZeroTensor none at all)."""
         w = self._w
-        return w.get(_VERSION) is not None and (_CHUNK in w or w.get(_NBYTES) == 0)
+        return bool(w.get(_ZERO)) or self.meta or (w.get(_VERSION) is not None and (_CHUNK in w
+                                                                                    or w.get(_NBYTES) == 0))
+
+    @property
+    def meta(self) -> bool:
+        """A tensor on the meta device: shape and strides, no values (ZeroTensor kernels make some)."""
+        w = self._w
+        return w.get(_DEVICE) == "meta" and w.get(_STRIDE) is not None and _UNSUPPORTED not in w
 
     @property
     def stats(self) -> TensorStats | None:
@@ -109,12 +118,15 @@ class TensorRef:
     def describe(self) -> str:
         return f"{self.dtype}{list(self.shape)}"
 
+    def empty_meta(self) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.stride, dtype=self.torch_dtype, device="meta")
+
     def to_json(self) -> dict:
         s = self.stats
         return {"dtype": self.dtype, "shape": list(self.shape), "stride": None if self.stride is None else
                 list(self.stride), "offset": self.offset, "device": self.device, "version": self.version,
                 "stored": self.stored, "uninitialised": self.uninitialised, "requires_grad": self.requires_grad,
-                "conj": self.conj, "neg": self.neg, "unsupported": self.unsupported,
+                "conj": self.conj, "neg": self.neg, "zero": self.zero, "meta": self.meta, "unsupported": self.unsupported,
                 "stats": None if s is None else {k: getattr(s, k) for k in TensorStats.FIELDS}}
 
     def __repr__(self) -> str:
@@ -186,12 +198,20 @@ def wire_collective(info: CollectiveInfo) -> dict:
 class OpRecord:
     """One recorded op. Fields are read from the decoded record on demand; argument trees are decoded once."""
 
-    __slots__ = ("_w", "_args", "_kwargs", "_outputs", "_writes", "rank")
+    __slots__ = ("_w", "_args", "_kwargs", "_outputs", "_writes", "rank", "_path")
 
-    def __init__(self, wire: dict, rank: int = 0) -> None:
+    def __init__(self, wire: dict, rank: int = 0, path: Any = None) -> None:
         self._w = wire
         self._args = self._kwargs = self._outputs = self._writes = None
         self.rank = rank
+        self._path = path  # the ops chunk it came from, named in the error if a field does not decode
+
+    def _decode(self, v: Any) -> Any:
+        try:
+            return decode_value(v)
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            raise TraceError(self._path or "trace", f"malformed record of op #{self._w.get(_INDEX)} ({exc})") \
+                from None
 
     @classmethod
     def absent(cls, index: int, rank: int = 0, why: str = "no record in the trace") -> "OpRecord":
@@ -230,27 +250,30 @@ class OpRecord:
     @property
     def args(self) -> list:
         if self._args is None:
-            self._args = decode_value(self._w.get(_ARGS) or [])
+            self._args = self._decode(self._w.get(_ARGS) or [])
         return self._args
 
     @property
     def kwargs(self) -> dict:
         if self._kwargs is None:
-            self._kwargs = {k: decode_value(v) for k, v in (self._w.get(_KWARGS) or {}).items()}
+            self._kwargs = {k: self._decode(v) for k, v in (self._w.get(_KWARGS) or {}).items()}
         return self._kwargs
 
     @property
     def outputs(self) -> Any:
         if self._outputs is None:
-            self._outputs = decode_value(self._w.get(_OUTPUTS))
+            self._outputs = self._decode(self._w.get(_OUTPUTS))
         return self._outputs
 
     @property
     def writes(self) -> list[tuple[ArgPath, Any]]:
         """Each argument the op wrote, as it was after the op (its ``args`` entry holds it as it was before)."""
         if self._writes is None:
-            self._writes = [(ArgPath("arg" if p[0] == _PATH_ARG else "kwarg", p[1]), decode_value(v))
-                            for p, v in self._w.get(_WRITES) or []]
+            try:
+                self._writes = [(ArgPath("arg" if p[0] == _PATH_ARG else "kwarg", p[1]), self._decode(v))
+                                for p, v in self._w.get(_WRITES) or []]
+            except (ValueError, TypeError, IndexError) as exc:
+                raise TraceError(self._path or "trace", f"malformed writes of op #{self.index} ({exc})") from None
         return self._writes
 
     def inputs(self) -> list[TensorRef]:
@@ -267,6 +290,9 @@ class OpRecord:
                     seen.add(r.geometry)
                     out.append(r)
         return out
+
+    def index_row(self) -> "IndexRow":
+        return index_row(self._w)
 
     def to_json(self) -> dict:
         """The typed record as JSON (``show --op N --json``; schema ``replaydiff.op/1``, see the README)."""
@@ -394,7 +420,7 @@ def decode_value(v: Any) -> Any:
 # =============================================================================================================
 # Building records (the recorder's side)
 # =============================================================================================================
-def wire_op(index: int, name: str, phase: str, module: str | None, forward: int | None, source: str | None) -> dict:
+def wire_op(index: int, name: str, phase: str | None, module: str | None, forward: int | None, source: str | None) -> dict:
     rec: dict[str, Any] = {_INDEX: index, _NAME: name, _PHASE: phase}
     if module:
         rec[_MODULE] = module
@@ -442,12 +468,19 @@ def wire_index(rec: dict) -> int:
 
 
 def wire_tensor(dtype: str, shape: list, stride: list | None, offset: int, device: str) -> dict:
-    return {_DTYPE: dtype, _SHAPE: shape, _STRIDE: stride, _OFFSET: offset, _DEVICE: device}
+    return {_DTYPE: dtype, _SHAPE: shape, _STRIDE: stride, _OFFSET: offset, _DEVICE: device, _VERSION: None}
 
 
 def wire_unsupported(ref: dict, why: str) -> dict:
     ref[_VERSION] = None
     ref[_UNSUPPORTED] = why
+    return ref
+
+
+def wire_zero(ref: dict) -> dict:
+    """A ZeroTensor (autograd's efficient zeros): values known without bytes, and no storage to identify."""
+    ref[_VERSION] = None
+    ref[_ZERO] = True
     return ref
 
 
@@ -480,6 +513,67 @@ def wire_stats_key(ref: dict) -> tuple:
 # =============================================================================================================
 # Checking records read back (the reader's side)
 # =============================================================================================================
+class IndexRow(NamedTuple):
+    """What the index needs of one op record, read straight from the wire dict (no TensorRef, no torch objects:
+    the writer thread builds the index while the job runs, so this must be cheap)."""
+
+    index: int
+    name: str
+    phase: str | None
+    module: str | None
+    source: str | None
+    forward: int | None
+    recorded: bool
+    collective: bool
+    uninitialised: bool
+    random: bool
+    inputs: list  # (version, geometry) per input tensor, in OpRecord.inputs() order
+    outputs: list  # (version, geometry) per output tensor, in OpRecord.outputs_refs() order
+    first_output: str | None  # e.g. "float32[8, 32, 64]"
+
+
+def _raw_refs(v: Any, out: list) -> None:
+    if isinstance(v, list):
+        for x in v:
+            _raw_refs(x, out)
+    elif isinstance(v, dict) and _VERSION in v:
+        out.append(v)
+
+
+def _geom(w: dict) -> tuple:
+    return (w.get(_VERSION), w[_DTYPE], tuple(w[_SHAPE]), tuple(w.get(_STRIDE) or ()), w.get(_OFFSET, 0))
+
+
+def index_row(w: dict) -> IndexRow:
+    """Raises KeyError/TypeError/ValueError on a malformed record."""
+    recorded = _NOT_RECORDED not in w
+    ins: list = []
+    outs: list = []
+    first = None
+    if recorded:
+        raw: list = []
+        _raw_refs(w.get(_ARGS) or [], raw)
+        for v in (w.get(_KWARGS) or {}).values():
+            _raw_refs(v, raw)
+        ins = [(r.get(_VERSION), _geom(r)) for r in raw]
+        raw = []
+        _raw_refs(w.get(_OUTPUTS), raw)
+        outs = [(r.get(_VERSION), _geom(r)) for r in raw]
+        if raw:
+            first = f"{raw[0][_DTYPE]}{list(raw[0][_SHAPE])}"
+        seen = {g for _, g in outs}
+        for _, v in w.get(_WRITES) or []:
+            raw = []
+            _raw_refs(v, raw)
+            for r in raw:
+                g = _geom(r)
+                if g not in seen:
+                    seen.add(g)
+                    outs.append((r.get(_VERSION), g))
+    return IndexRow(w[_INDEX], w[_NAME], w.get(_PHASE), w.get(_MODULE), w.get(_SOURCE), w.get(_FORWARD), recorded,
+                    _COLL in w, bool(w.get(_UNINIT)), isinstance(w.get(_RNG), dict), ins, outs, first)
+
+
 def check_chunk(frame: Any, first: int) -> list[dict]:
     """The op records of an ops chunk, after checking its structure; ValueError if it is not sound."""
     if not isinstance(frame, dict):

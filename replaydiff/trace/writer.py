@@ -22,7 +22,7 @@ import torch
 
 from replaydiff.trace import codec
 from replaydiff.trace.index import IndexBuilder
-from replaydiff.trace.schema import OpRecord, chunk_frame, wire_index
+from replaydiff.trace.schema import chunk_frame, wire_index
 from replaydiff.trace.format import (
     DATA_DIR,
     FORMAT_NAME,
@@ -55,12 +55,14 @@ class _Chunk:
     ops: list[dict] = field(default_factory=list)
     snapshots: list[Snapshot] = field(default_factory=list)
     pending_bytes: int = 0
+    started: float = field(default_factory=time.monotonic)
 
 
 class RankWriter:
     def __init__(self, root: Path, manifest: dict, compress_level: int | None, shuffle: bool = True,
-                 chunk_ops: int = 256, chunk_bytes: int = 64 << 20) -> None:
+                 chunk_ops: int = 256, chunk_bytes: int = 64 << 20, flush_seconds: float = 0.5) -> None:
         self.root = root
+        self.flush_seconds = flush_seconds
         self.compress_level = compress_level
         self.shuffle = shuffle
         self.chunk_ops = chunk_ops
@@ -77,6 +79,10 @@ class RankWriter:
         self._chunk = _Chunk(0)
         self._index = IndexBuilder()
         self._queue: queue.Queue = queue.Queue(maxsize=2)
+        # Guards the current chunk: the recording thread fills it, the writer thread takes it when it has waited
+        # flush_seconds (a job hung inside an op, then killed, still leaves everything before that op). Reentrant:
+        # a SIGTERM handler may flush while the interrupted recording thread holds it.
+        self._lock = threading.RLock()
         self._thread = threading.Thread(target=self._run, name="replaydiff-writer", daemon=True)
         self._thread.start()
 
@@ -86,22 +92,52 @@ class RankWriter:
         return self._chunk.number
 
     def add_snapshot(self, snap: Snapshot) -> int:
-        self._chunk.snapshots.append(snap)
-        self._chunk.pending_bytes += len(snap.data) if isinstance(snap.data, bytearray) else snap.data.numel()
-        return self._chunk.number
+        with self._lock:
+            chunk = self._chunk
+            chunk.snapshots.append(snap)
+            chunk.pending_bytes += len(snap.data) if isinstance(snap.data, bytearray) else snap.data.numel()
+            return chunk.number
 
     def add_op(self, record: dict) -> None:
-        self._chunk.ops.append(record)
-        if len(self._chunk.ops) >= self.chunk_ops or self._chunk.pending_bytes >= self.chunk_bytes:
-            self.flush()
+        with self._lock:
+            chunk = self._chunk
+            chunk.ops.append(record)
+            if len(chunk.ops) >= self.chunk_ops or chunk.pending_bytes >= self.chunk_bytes \
+                    or time.monotonic() - chunk.started >= self.flush_seconds:
+                self.flush()
 
     def flush(self) -> None:
-        chunk = self._chunk
-        if not chunk.ops and not chunk.snapshots:
+        """Hand the current chunk to the writer thread (blocks while two chunks are already waiting)."""
+        with self._lock:
+            chunk = self._chunk
+            if not chunk.ops and not chunk.snapshots:
+                return
+            self._chunk = _Chunk(chunk.number + 1)
+            if not self.failed:
+                self._queue.put(chunk)
+
+    def sync(self, timeout: float) -> bool:
+        """Flush, and wait up to ``timeout`` seconds until everything handed over is on disk."""
+        self.flush()
+        done = threading.Event()
+        try:
+            self._queue.put(done, timeout=timeout)
+        except queue.Full:
+            return False
+        return done.wait(timeout)
+
+    def _take_stale(self) -> None:
+        """Writer thread, idle: hand over the current chunk if it has waited flush_seconds (never blocks)."""
+        if not self._lock.acquire(blocking=False):
             return
-        self._chunk = _Chunk(chunk.number + 1)
-        if not self.failed:
-            self._queue.put(chunk)
+        try:
+            chunk = self._chunk
+            if chunk.ops and time.monotonic() - chunk.started >= self.flush_seconds and not self._queue.full():
+                self._chunk = _Chunk(chunk.number + 1)
+                if not self.failed:
+                    self._queue.put_nowait(chunk)
+        finally:
+            self._lock.release()
 
     def close(self, extra: dict) -> None:
         self.flush()
@@ -120,6 +156,11 @@ class RankWriter:
         except Exception as exc:
             self._fail(f"the final manifest could not be written ({exc}); the trace will read as truncated")
 
+    def write_manifest_now(self) -> None:
+        """Rewrite the manifest as it stands (still incomplete), e.g. with a ``lost`` line before the process dies."""
+        self._manifest.update(lost=self.lost, ops_written=self.ops_written, last_op=self.last_op_written)
+        self._write_manifest()
+
     def note_lost(self, what: str) -> None:
         if len(self.lost) < 100:
             self.lost.append(what)
@@ -137,9 +178,16 @@ class RankWriter:
 
     def _run(self) -> None:
         while True:
-            chunk = self._queue.get()
+            try:
+                chunk = self._queue.get(timeout=self.flush_seconds / 2)
+            except queue.Empty:
+                self._take_stale()
+                continue
             if chunk is None:
                 return
+            if isinstance(chunk, threading.Event):
+                chunk.set()
+                continue
             if self.failed:
                 continue
             try:
@@ -179,4 +227,4 @@ class RankWriter:
             self.ops_written += len(chunk.ops)
             self.last_op_written = wire_index(chunk.ops[-1])
             for op in chunk.ops:
-                self._index.add(OpRecord(op))
+                self._index.add(op)

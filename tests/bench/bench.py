@@ -54,9 +54,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import replaydiff
 from replaydiff.models import TinyTransformer, TransformerConfig, make_step
-from replaydiff.replay import engine
-from replaydiff.replay.policy import ReplayOptions
-from replaydiff.trace.reader import open_trace
+from replaydiff.replay import ReplayOptions, Shard, plan, replay_trace, run_shard
+from replaydiff.replay.engine import replay_threads
+from replaydiff.trace import open_trace
 
 MODELS: dict[str, TransformerConfig] = {"tiny": TransformerConfig(), "mid": TransformerConfig.mid()}
 SEED = 0
@@ -347,9 +347,9 @@ def record_replay_trace(cfg: TransformerConfig, path: str) -> Sample:
 
 
 def thread_label(path: str, opts: ReplayOptions, workers: int) -> str:
-    """Intra-op threads per worker as the engine will set them (mirrors engine._threads; private, may change)."""
+    """Intra-op threads per worker as the engine will set them."""
     try:
-        n = engine._threads(open_trace(path).rank(0), opts)
+        n = replay_threads(open_trace(path).rank(0), opts)
     except Exception:
         return "?"
     return f"{n}" if n else f"default ({torch.get_num_threads()})"
@@ -359,7 +359,7 @@ def summarise(ops: list) -> tuple[int, int, str]:
     """(total ops, ops replayed (status != skipped), status counts as text)."""
     counts: dict[str, int] = {}
     for r in ops:
-        counts[r.status] = counts.get(r.status, 0) + 1
+        counts[r.status.value] = counts.get(r.status.value, 0) + 1
     statuses = ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
     return len(ops), len(ops) - counts.get("skipped", 0), statuses
 
@@ -406,8 +406,8 @@ def cold_start() -> dict[str, float]:
 class WarmPool:
     """A spawn pool whose workers paid their one-time costs before the clock starts; replays split like replay_trace.
 
-    Uses engine internals (_selected, _worker) to reproduce replay_trace's split of the work; what it times excludes
-    process spawn and imports but includes each worker opening the trace and decoding what it reads.
+    Splits the work with the engine's own plan and shards (what replay_trace does); what it times excludes process
+    spawn and imports but includes each worker opening the trace and decoding what it reads.
     """
 
     def __init__(self, workers: int) -> None:
@@ -435,16 +435,16 @@ class WarmPool:
     def replay(self, path: str, opts: ReplayOptions) -> tuple[float, int]:
         """(seconds, ops replayed)."""
         assert self._pool is not None
-        reader = open_trace(path).rank(0)
-        indices = engine._selected(reader, opts)
-        n = max(1, -(-len(indices) // self.workers))
-        parts = [indices[k:k + n] for k in range(0, len(indices), n)]
+        shards = plan(open_trace(path), opts).split(self.workers)
         t0 = time.perf_counter()
-        futures = [self._pool.submit(engine._worker, str(reader.root), reader.rank, opts, part, self.workers)
-                   for part in parts]
-        done = [d for f in futures for d in f.result()]
+        futures = [self._pool.submit(_run_shard, path, opts, shard) for shard in shards]
+        done = [r for f in futures for r in f.result()]
         seconds = time.perf_counter() - t0
-        return seconds, sum(1 for d in done if d.get("status") != "skipped")
+        return seconds, sum(1 for r in done if r.status != "skipped")
+
+
+def _run_shard(path: str, opts: ReplayOptions, shard: Shard) -> list:
+    return run_shard(open_trace(path).rank(shard.rank), opts, shard)
 
 
 def replay_once(path: str, precision: str, workers: int) -> ReplayResult:
@@ -452,7 +452,7 @@ def replay_once(path: str, precision: str, workers: int) -> ReplayResult:
     opts = ReplayOptions(precision=precision)
     gc.collect()
     t0 = time.perf_counter()
-    report = engine.replay_trace(path, opts, workers=workers)
+    report = replay_trace(path, opts, workers=workers)
     seconds = time.perf_counter() - t0
     total, replayed, statuses = summarise(report.ops)
     return ReplayResult(precision, workers, thread_label(path, opts, workers), total, replayed, statuses, seconds)
@@ -540,10 +540,10 @@ def profile_record(cfg: TransformerConfig) -> None:
 
 
 def profile_replay(path: str) -> None:
-    engine.replay_trace(path, ReplayOptions(precision="fp64"))  # warm-up
+    replay_trace(path, ReplayOptions(precision="fp64"))  # warm-up
     prof = cProfile.Profile()
     prof.enable()
-    engine.replay_trace(path, ReplayOptions(precision="fp64"))
+    replay_trace(path, ReplayOptions(precision="fp64"))
     prof.disable()
     print_profile("replay fp64, tiny trace, 1 worker", prof)
 

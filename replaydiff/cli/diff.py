@@ -1,0 +1,65 @@
+"""Diff two traces of one step: align their op streams and name, per rank, the first op whose inputs agree and
+whose outputs do not.
+
+REF and TARGET may differ in length and order (extra casts, other kernels, autocast on one side, foreach against
+for-loop optimizers, another world size); unaligned ops are listed as structural differences. Exit code 0 when the
+runs agree, 1 when they part ways, 2 for a usage error, 3 for an unreadable trace.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from replaydiff.compare.tolerance import Tolerances
+from replaydiff.errors import EXIT_DIVERGENT, EXIT_OK, UsageError
+
+NAME = "diff"
+HELP = "diff two traces of a step and name the op where the runs part ways"
+
+
+def prepare_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ref", help="reference trace directory")
+    p.add_argument("target", help="trace directory to compare against the reference")
+    p.add_argument("--rank", type=int, metavar="N",
+                   help="diff only rank N of the multi-rank side (the target, unless it is a single process)")
+    p.add_argument("--baseline", metavar="REF2",
+                   help="a second reference run: each tensor's limit is the REF-against-REF2 difference times "
+                        "--safety, instead of the fixed per-dtype limits")
+    p.add_argument("--safety", type=float, default=8.0, metavar="F",
+                   help="baseline mode: safety factor on the reference runs' own difference (default 8)")
+    p.add_argument("--tolerance", action="append", metavar="DTYPE=MAX[,REL]",
+                   help="override a dtype's limits on max_abs/(eps*absmax) and rel_l2/eps, e.g. float32=32,16")
+    p.add_argument("--no-scale-reductions", action="store_true",
+                   help="do not widen limits by sqrt(K/256) for reductions over K > 256 terms")
+    p.add_argument("--json", metavar="FILE|-", help="write the replaydiff.diff/1 JSON report ('-' for stdout)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from replaydiff.cli.progress import progress_bar
+    from replaydiff.diff import DiffOptions, diff_traces
+    from replaydiff.report.diff_json import diff_to_json
+    from replaydiff.report.diff_text import render_diff
+
+    if args.safety <= 0:
+        raise UsageError("--safety must be positive")
+    try:
+        tol = Tolerances.parse_overrides(args.tolerance, scale_reductions=not args.no_scale_reductions)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    opts = DiffOptions(rank=args.rank, tolerances=tol, safety=args.safety)
+    with progress_bar("diffing") as (set_total, advance):
+        report = diff_traces(args.ref, args.target, opts, baseline=args.baseline, progress_total=set_total,
+                             progress=advance)
+    for w in report.warnings:
+        sys.stderr.write(f"replaydiff: warning: {w}\n")
+    if args.json:
+        text = json.dumps(diff_to_json(report), indent=1)
+        if args.json == "-":
+            sys.stdout.write(text + "\n")
+        else:
+            with open(args.json, "w") as fh:
+                fh.write(text + "\n")
+    if args.json != "-":
+        render_diff(report, sys.stdout)
+    return EXIT_DIVERGENT if report.found_difference else EXIT_OK

@@ -1,0 +1,285 @@
+"""Comparing aligned op pairs of two traces: inputs and outputs judged with replay's judging function and limits.
+
+A tensor pair is compared on the best evidence both traces hold: full tensors through ``compare.measure`` and
+``compare.judge_measure`` (the same per-dtype limits as replay, scaled for the op's reduction length), or, for
+``stats`` traces, through the recorded statistics. Statistics cannot give the error itself, only lower bounds on it
+(``|l2_a - l2_b|``, ``|mean_a - mean_b|*sqrt(n)`` and ``|std_a - std_b|*sqrt(n)`` are each at most ``|a - b|_2``;
+``|absmax_a - absmax_b|`` is at most ``max|a - b|``), so a difference they show is real, and one they miss is
+reported as "statistics only" evidence.
+
+When the two sides hold different dtypes (autocast on one side), the coarser dtype decides the limits: it is the side
+whose rounding explains the difference.
+
+An op pair is ``divergent`` when its inputs (tensors and plain arguments) agree and its outputs do not: the op that
+introduced the difference. ``inherited`` when an input already differed; its origin is the producer of the first
+differing input (an aligned pair, an op on one side only, or outside the trace).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from replaydiff import aten
+from replaydiff.compare.metrics import ExactMismatch, FloatError, Measure, NonfiniteMismatch, ShapeMismatch, measure
+from replaydiff.compare.tolerance import Tolerances, reduction_length
+from replaydiff.compare.verdict import Verdict, judge_measure
+from replaydiff.diff.result import Evidence, Origin, PairResult, PairStatus, weakest
+from replaydiff.trace.reader import RankTrace
+from replaydiff.trace.schema import Opaque, OpRecord, TensorRef, TensorStats, iter_refs
+
+# Where a tensor sits in an op, for per-op limits in baseline mode: (ref op number, "in" | "out", position).
+Where = tuple[int, str, int]
+
+
+@dataclass(frozen=True)
+class Compared:
+    evidence: Evidence
+    measure: Measure | None  # None: shapes only, and they agree
+    dtype: str  # the dtype whose limits apply (the coarser side's)
+
+
+def _floating(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat", "complex"))
+
+
+def _eps(dtype: str) -> float:
+    try:
+        return torch.finfo(getattr(torch, dtype)).eps
+    except (TypeError, AttributeError):
+        return 0.0
+
+
+def tensor_stats(x: torch.Tensor) -> TensorStats | None:
+    """The statistics a ``stats`` trace records (over finite values, in float64); None for complex tensors."""
+    if x.is_complex():
+        return None
+    v = x.detach().reshape(-1).to(torch.float64)
+    finite = torch.isfinite(v)
+    nan = int(torch.isnan(v).sum())
+    inf = int(v.numel() - int(finite.sum()) - nan)
+    f = v[finite]
+    if f.numel() == 0:
+        return TensorStats(v.numel(), 0.0, 0.0, 0.0, 0.0, nan, inf)
+    n = f.numel()
+    mean = float(f.sum()) / n
+    l2 = float(torch.linalg.vector_norm(f))
+    # The recorder's formula for the variance (from the norm and the mean), so equal tensors give equal figures.
+    return TensorStats(v.numel(), mean, float(f.abs().max()), l2, max(l2 * l2 / n - mean * mean, 0.0), nan, inf)
+
+
+def stats_measure(target: TensorStats, ref: TensorStats, dtype: str) -> Measure:
+    """Lower bounds on the error between two tensors known only by their statistics (see the module docstring)."""
+    if not _floating(dtype):
+        # The figures are float64 sums of integers: equal tensors give equal figures up to the summation order of
+        # whoever computed them (the recorder, or compare_refs for a full trace), so "equal" allows 1e-12.
+        same = all(abs(getattr(target, f) - getattr(ref, f)) <= 1e-12 * max(1.0, abs(getattr(ref, f)))
+                   for f in TensorStats.FIELDS)
+        return ExactMismatch(0 if same else 1)
+    finite = max(1, ref.numel - ref.nan - ref.inf)
+    l2 = max(abs(target.l2 - ref.l2), abs(target.mean - ref.mean) * math.sqrt(finite),
+             abs(math.sqrt(max(target.var, 0.0)) - math.sqrt(max(ref.var, 0.0))) * math.sqrt(finite))
+    max_abs = abs(target.absmax - ref.absmax)
+    eps = _eps(dtype) or 1.0
+    rel = l2 / ref.l2 if ref.l2 > 0 else (0.0 if l2 == 0 else math.inf)
+    norm_max = max_abs / (eps * ref.absmax) if ref.absmax > 0 else (0.0 if max_abs == 0 else math.inf)
+    fe = FloatError(max_abs, rel, norm_max, rel / eps, math.nan, target.nan + target.inf, ref.nan + ref.inf)
+    bad = abs(target.nan - ref.nan) + abs(target.inf - ref.inf)
+    return NonfiniteMismatch(bad, fe) if bad else fe
+
+
+def compare_refs(ref_trace: RankTrace, r: TensorRef, target_trace: RankTrace, t: TensorRef) -> Compared | None:
+    """Compare the tensor ``r`` of the reference with ``t`` of the target; None when neither has anything to show."""
+    if r.uninitialised or t.uninitialised:
+        return None
+    coarse = t.dtype if _eps(t.dtype) >= _eps(r.dtype) else r.dtype
+    if tuple(r.shape) != tuple(t.shape):
+        return Compared(Evidence.SHAPES, ShapeMismatch(list(t.shape), list(r.shape)), coarse)
+    if r.stored and t.stored and not r.meta and not t.meta:
+        a = target_trace.tensor(t)
+        b = ref_trace.tensor(r)
+        if a.dtype == b.dtype and torch.equal(a, b):  # the common case when two runs agree: one cheap call
+            m: Measure = ExactMismatch(0) if not _floating(t.dtype) else FloatError(0.0, 0.0, 0.0, 0.0, 1.0)
+            return Compared(Evidence.FULL, m, coarse)
+        if coarse == r.dtype and r.dtype != t.dtype:
+            return Compared(Evidence.FULL, measure(b, a), coarse)  # the coarser side plays "recorded"
+        return Compared(Evidence.FULL, measure(a, b), coarse)
+    rs, ts = r.stats, t.stats
+    # A full trace against a stats trace: the full side's statistics are computed here, so the pair is still judged.
+    if rs is None and ts is not None and r.stored and not r.meta:
+        rs = tensor_stats(ref_trace.tensor(r))
+    if ts is None and rs is not None and t.stored and not t.meta:
+        ts = tensor_stats(target_trace.tensor(t))
+    if rs is not None and ts is not None:
+        return Compared(Evidence.STATS, stats_measure(ts, rs, coarse), coarse)
+    return Compared(Evidence.SHAPES, None, coarse)
+
+
+class Judge:
+    """Turns a measure into a verdict: the fixed per-dtype limits, or per-op limits from a baseline's noise."""
+
+    def __init__(self, tolerances: Tolerances, noise: dict[Where, Measure] | None = None,
+                 safety: float = 8.0) -> None:
+        self.tolerances = tolerances
+        self.noise = noise
+        self.safety = safety
+
+    def __call__(self, m: Measure, dtype: str, k: int, where: Where) -> Verdict:
+        noise = None if self.noise is None else self.noise.get(where)
+        if noise is None:
+            return judge_measure(m, dtype, self.tolerances, k)
+        if isinstance(noise, NonfiniteMismatch) or isinstance(noise, ShapeMismatch) or \
+                (isinstance(noise, ExactMismatch) and noise.mismatches):
+            # The two reference runs already differ this way here: nothing the target does is judged against it.
+            return Verdict(False, m, None)
+        if isinstance(noise, FloatError) and isinstance(m, FloatError):
+            limits = (self.safety * noise.norm_max, self.safety * noise.norm_rel)
+            tol = Tolerances(limits={dtype: limits}, scale_reductions=False)
+            return judge_measure(m, dtype, tol, k)
+        return judge_measure(m, dtype, self.tolerances, k)
+
+
+def _plain_args(op: OpRecord) -> list:
+    """The non-tensor arguments (scalars, dtypes, lists of ints...), in order, tensors left out."""
+    out: list = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, TensorRef):
+            return
+        if isinstance(v, list):
+            for x in v:
+                walk(x)
+        elif isinstance(v, Opaque):
+            out.append(v.kind)
+        elif isinstance(v, torch.dtype):
+            out.append("dtype")  # autocast casts to another dtype on one side: not a change of the computation
+        elif isinstance(v, torch.device):
+            out.append(v.type)
+        else:
+            out.append(v)
+
+    walk(op.args)
+    for k in sorted(op.kwargs):
+        out.append(k)
+        walk(op.kwargs[k])
+    return out
+
+
+class PairComparer:
+    """Compares aligned op pairs of one rank pair, in op order, remembering tensor comparisons already made (an
+    op's input is usually an earlier op's output, judged there)."""
+
+    def __init__(self, ref: RankTrace, target: RankTrace, judge: Judge) -> None:
+        self.ref = ref
+        self.target = target
+        self.judge = judge
+        self._seen: dict[tuple, tuple[Compared | None, Verdict | None]] = {}
+
+    def tensor_verdict(self, r: TensorRef, t: TensorRef, k: int, where: Where) -> tuple[Compared | None,
+                                                                                         Verdict | None]:
+        key = (r.geometry, t.geometry)
+        hit = self._seen.get(key)
+        if hit is not None:
+            return hit
+        c = compare_refs(self.ref, r, self.target, t)
+        v = None if c is None or c.measure is None else self.judge(c.measure, c.dtype, k, where)
+        self._seen[key] = (c, v)
+        return c, v
+
+    def compare(self, rop: OpRecord, top: OpRecord, origin_of: Callable[[int, int], Origin]) -> PairResult:
+        """Judge one aligned pair; ``origin_of(target op, input position)`` says where a differing input came
+        from."""
+        res = PairResult(ref=rop.index, target=top.index, op=rop.name, status=PairStatus.SAME, module=rop.module,
+                         phase=rop.phase, source=rop.source, forward_index=rop.forward_index,
+                         target_op=top.name if top.name != rop.name else None)
+        evidence: list[Evidence] = []
+        # Inputs first: do the two ops start from the same values?
+        ins_r, ins_t = rop.inputs(), top.inputs()
+        inputs_agree: bool | None = None
+        inputs_exact = True  # every compared input equal bit for bit (else: within tolerance only)
+        inputs_by_stats = False
+        first_bad_input: int | None = None
+        for pos, (r, t) in enumerate(zip(ins_r, ins_t)):
+            c, v = self.tensor_verdict(r, t, 1, (rop.index, "in", pos))
+            if c is None or v is None:
+                continue
+            if v.divergent:
+                inputs_agree = False
+                first_bad_input = pos
+                break
+            inputs_agree = True
+            inputs_exact = inputs_exact and c.evidence is Evidence.FULL and _is_zero(v.measure)
+            inputs_by_stats = inputs_by_stats or c.evidence is Evidence.STATS
+        args_differ = None
+        if len(ins_r) != len(ins_t):
+            inputs_agree = False
+            args_differ = f"{len(ins_r)} tensor inputs against {len(ins_t)}"
+        elif inputs_agree is not False:
+            pa, pt = _plain_args(rop), _plain_args(top)
+            if pa != pt:
+                args_differ = "non-tensor arguments differ: " + _first_difference(pa, pt)
+        if args_differ is None and inputs_agree is not False and rop.rng is not None and top.rng is not None:
+            if not torch.equal(self.ref.rng_state(rop.rng), self.target.rng_state(top.rng)):
+                args_differ = "random op drawn from another generator state"
+        res.inputs_agree = False if args_differ else inputs_agree
+
+        # Outputs: the deciding verdict is the first divergent output, else the worst one.
+        outs_r, outs_t = rop.outputs_refs(), top.outputs_refs()
+        k = reduction_length(aten.packet(rop.name), [list(r.shape) for r in iter_refs(rop.args)],
+                             max(1, max((math.prod(r.shape) for r in outs_r), default=1)))
+        judged: list[Verdict] = []
+        for pos, (r, t) in enumerate(zip(outs_r, outs_t)):
+            c, v = self.tensor_verdict(r, t, k, (rop.index, "out", pos))
+            if c is None:
+                continue
+            evidence.append(c.evidence)
+            if r.dtype != t.dtype and res.dtypes is None:
+                res.dtypes = (r.dtype, t.dtype)
+            if v is not None:
+                judged.append(v)
+        res.evidence = weakest(evidence)
+        bad = [v for v in judged if v.divergent]
+        if bad:
+            res.verdict = bad[0]
+        elif judged:
+            res.verdict = max(judged, key=lambda v: v.score)
+        if not judged:
+            res.status = PairStatus.NOT_COMPARED
+            res.reason = ("no output data on either side" if evidence else "no output to compare "
+                          "(uninitialised or none)")
+            if args_differ:
+                res.reason = f"{res.reason}; {args_differ}"
+            return res
+        if not bad:
+            res.status = PairStatus.SAME
+            return res
+        if res.inputs_agree is False and not args_differ:
+            res.status = PairStatus.INHERITED
+            if first_bad_input is not None:
+                res.inherited_from = origin_of(top.index, first_bad_input)
+                res.reason = f"{bad[0].reason}; input {first_bad_input} already differed"
+            else:
+                res.reason = f"{bad[0].reason}; inputs already differed"
+        else:
+            res.status = PairStatus.DIVERGENT
+            # Inputs equal bit for bit make the op itself the cause; inputs that agree only within tolerance leave
+            # room for an ill-conditioned op amplifying a small earlier difference (--baseline settles which).
+            why = ("inputs agree in their statistics, outputs differ" if inputs_by_stats else
+                   "inputs equal bit for bit, outputs differ" if inputs_exact else
+                   "inputs agree within tolerance (not bit for bit), outputs differ") if res.inputs_agree else \
+                "outputs differ (no input could be compared)" if res.inputs_agree is None else "outputs differ"
+            res.reason = f"{bad[0].reason}; {args_differ or why}"
+        return res
+
+def _is_zero(m: Measure) -> bool:
+    return (isinstance(m, FloatError) and m.max_abs == 0 and m.nonfinite_recorded == m.nonfinite_reference) or \
+        (isinstance(m, ExactMismatch) and m.mismatches == 0)
+
+
+def _first_difference(a: list, b: list) -> str:
+    for x, y in zip(a, b):
+        if x != y:
+            return f"{x!r} against {y!r}"
+    return f"{len(a)} against {len(b)} values"

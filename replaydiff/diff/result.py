@@ -1,0 +1,226 @@
+"""What a diff of two traces produces: a typed ``DiffReport`` that reporters, the CLI and the terminal UI read.
+
+Per pair of ranks (reference rank, target rank) a ``RankDiff`` holds one ``PairResult`` per aligned op pair, looked
+up by ``(ref index, target index)`` or by either index alone, and the ops left unaligned on each side (structural
+differences). A pair's ``PairStatus`` says whether it introduced a difference (``divergent``: inputs agree, outputs
+do not), only carried an earlier one forward (``inherited``), matched (``same``) or had nothing to compare.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from replaydiff.compare.verdict import Verdict
+from replaydiff.diff.environment import EnvDifference
+
+
+class PairStatus(str, Enum):
+    SAME = "same"
+    DIVERGENT = "divergent"  # inputs agree, outputs do not: this op introduced the difference
+    INHERITED = "inherited"  # outputs differ because an input already did
+    NOT_COMPARED = "not_compared"  # no data on one side (meta trace, uninitialised output, nothing returned)
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = lambda self, spec: format(self.value, spec)  # noqa: E731
+
+
+class Evidence(str, Enum):
+    """What a comparison could look at, weakest last."""
+
+    FULL = "full tensors"
+    STATS = "statistics only"
+    SHAPES = "shapes only"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = lambda self, spec: format(self.value, spec)  # noqa: E731
+
+
+_EVIDENCE_ORDER = [Evidence.FULL, Evidence.STATS, Evidence.SHAPES]
+
+
+def weakest(evidence: list[Evidence]) -> Evidence | None:
+    return max(evidence, key=_EVIDENCE_ORDER.index) if evidence else None
+
+
+class OriginKind(str, Enum):
+    PAIR = "pair"  # an earlier aligned pair
+    TARGET_ONLY = "target_only"  # an op present in the target only
+    OUTSIDE = "outside"  # not produced inside the trace: a parameter, the batch, a buffer
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where an inherited difference came from: an aligned pair, an op on one side only, or outside the trace.
+
+    For an op on one side only, ``collective`` names the collective it depends on through other such ops, if any
+    (DDP's gradient all-reduce, present only in a multi-process run, is the usual one)."""
+
+    kind: OriginKind
+    ref: int | None = None
+    target: int | None = None
+    op: str | None = None  # the target-only op's name
+    collective: tuple[int, str] | None = None  # (target op number, name)
+
+    def to_json(self) -> dict:
+        if self.kind is OriginKind.PAIR:
+            return {"pair": {"ref": self.ref, "target": self.target}}
+        if self.kind is OriginKind.TARGET_ONLY:
+            d: dict = {"target_only": self.target, "op": self.op}
+            if self.collective is not None:
+                d["collective"] = {"target": self.collective[0], "op": self.collective[1]}
+            return d
+        return {"outside": True}
+
+    def describe(self) -> str:
+        if self.kind is OriginKind.PAIR:
+            return f"ref #{self.ref} / target #{self.target}"
+        if self.kind is OriginKind.TARGET_ONLY:
+            via = f", which depends on target-only collective #{self.collective[0]} {self.collective[1]}" \
+                if self.collective is not None else ""
+            return f"target-only op #{self.target} {self.op}{via}"
+        return "an input from outside the trace (parameter, batch or buffer)"
+
+
+@dataclass
+class PairResult:
+    ref: int  # op number in the reference rank's trace
+    target: int  # op number in the target rank's trace
+    op: str
+    status: PairStatus
+    module: str | None = None
+    phase: str | None = None
+    source: str | None = None
+    forward_index: int | None = None  # for a backward op: the reference's forward op it belongs to
+    forward_source: str | None = None  # that forward op's source line (filled in for divergent pairs)
+    target_op: str | None = None  # only when the aligned ops have different names (never, with today's keys)
+    evidence: Evidence | None = None
+    inputs_agree: bool | None = None  # None: no input could be compared
+    verdict: Verdict | None = None  # the deciding output (the first divergent one, else the worst)
+    reason: str | None = None
+    inherited_from: Origin | None = None
+    dtypes: tuple[str, str] | None = None  # (ref, target) output dtypes, when they differ (autocast on one side)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.ref, self.target)
+
+    @property
+    def metrics(self) -> dict[str, Any] | None:
+        return None if self.verdict is None else self.verdict.to_json()
+
+
+@dataclass(frozen=True)
+class Unaligned:
+    """A run of consecutive ops present on one side only (``side`` is "ref" or "target")."""
+
+    side: str
+    ops: tuple[int, ...]
+    names: tuple[str, ...]
+    module: str | None
+    phase: str | None
+
+    @property
+    def first(self) -> int:
+        return self.ops[0]
+
+    @property
+    def last(self) -> int:
+        return self.ops[-1]
+
+
+@dataclass
+class RankDiff:
+    ref_rank: int
+    target_rank: int
+    pairs: list[PairResult] = field(default_factory=list)
+    ref_only: list[Unaligned] = field(default_factory=list)
+    target_only: list[Unaligned] = field(default_factory=list)
+    ref_ops: int = 0
+    target_ops: int = 0
+
+    def __post_init__(self) -> None:
+        self._index()
+
+    def _index(self) -> None:
+        self.by_key: dict[tuple[int, int], PairResult] = {p.key: p for p in self.pairs}
+        self.by_ref: dict[int, PairResult] = {p.ref: p for p in self.pairs}
+        self.by_target: dict[int, PairResult] = {p.target: p for p in self.pairs}
+
+    def add(self, p: PairResult) -> None:
+        self.pairs.append(p)
+        self.by_key[p.key] = self.by_ref[p.ref] = self.by_target[p.target] = p
+
+    @property
+    def ref_only_ops(self) -> frozenset[int]:
+        """Reference op numbers left unaligned (for marking rows of the reference's op list)."""
+        return frozenset(i for u in self.ref_only for i in u.ops)
+
+    @property
+    def target_only_ops(self) -> frozenset[int]:
+        return frozenset(i for u in self.target_only for i in u.ops)
+
+    def pair(self, ref: int, target: int) -> PairResult | None:
+        return self.by_key.get((ref, target))
+
+    def counts(self) -> dict[str, int]:
+        c = {s.value: 0 for s in PairStatus}
+        for p in self.pairs:
+            c[p.status.value] += 1
+        c["ref_only"] = sum(len(u.ops) for u in self.ref_only)
+        c["target_only"] = sum(len(u.ops) for u in self.target_only)
+        return c
+
+    @property
+    def first_divergent(self) -> PairResult | None:
+        """The earliest aligned op whose inputs agree and whose outputs do not."""
+        return next((p for p in self.pairs if p.status is PairStatus.DIVERGENT), None)
+
+    @property
+    def first_difference(self) -> PairResult | None:
+        """The earliest aligned op whose outputs differ, introduced there or not."""
+        return next((p for p in self.pairs if p.status in (PairStatus.DIVERGENT, PairStatus.INHERITED)), None)
+
+    @property
+    def evidence(self) -> list[Evidence]:
+        return sorted({p.evidence for p in self.pairs if p.evidence is not None}, key=_EVIDENCE_ORDER.index)
+
+
+@dataclass
+class DiffReport:
+    ref: str
+    target: str
+    options: dict[str, Any]
+    environment: list[EnvDifference] = field(default_factory=list)
+    ranks: list[RankDiff] = field(default_factory=list)
+    baseline: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    def candidates(self) -> list[tuple[RankDiff, PairResult]]:
+        """One first divergence per rank pair, earliest (by reference op number) first."""
+        found = [(rd, rd.first_divergent) for rd in self.ranks if rd.first_divergent is not None]
+        return sorted(found, key=lambda x: (x[1].ref, x[0].target_rank))  # type: ignore[union-attr]
+
+    @property
+    def first_divergent(self) -> tuple[RankDiff, PairResult] | None:
+        c = self.candidates()
+        return c[0] if c else None
+
+    @property
+    def found_difference(self) -> bool:
+        """The runs part ways: some aligned op's outputs differ (introduced or inherited)."""
+        return any(rd.first_difference is not None for rd in self.ranks)
+
+    def counts(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for rd in self.ranks:
+            for k, v in rd.counts().items():
+                total[k] = total.get(k, 0) + v
+        return total or {**{s.value: 0 for s in PairStatus}, "ref_only": 0, "target_only": 0}

@@ -1,0 +1,59 @@
+"""The JSON diff report, schema ``replaydiff.diff/1`` (documented in docs/diff.md, beside the replay schema).
+
+Top level: ``format``, ``ref``, ``target``, ``baseline``, ``options``, ``warnings``, ``environment`` (one object per
+difference: ``key``, ``ref``, ``target``, ``hint``), ``summary`` (pair counts per status, ops on one side only),
+``first_divergent`` (null or a pair: the earliest over ranks), ``ranks`` (per rank pair: ``ref_rank``,
+``target_rank``, ``evidence``, ``summary``, ``first_divergent``, ``first_difference``), ``structural`` (runs of ops on
+one side only) and ``pairs`` (one object per aligned pair). Non-finite floats are written as "inf", "-inf", "nan".
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from replaydiff.diff.result import DiffReport, PairResult, RankDiff, Unaligned
+from replaydiff.report.json_report import _clean
+
+DIFF_FORMAT = "replaydiff.diff/1"
+
+
+def pair_json(rd: RankDiff, p: PairResult | None) -> dict | None:
+    if p is None:
+        return None
+    return _clean({
+        "index": {"ref": p.ref, "target": p.target},
+        "rank": {"ref": rd.ref_rank, "target": rd.target_rank},
+        "op": p.op, "target_op": p.target_op, "module": p.module, "phase": p.phase, "source": p.source,
+        "forward_index": p.forward_index, "forward_source": p.forward_source,
+        "status": p.status.value, "evidence": None if p.evidence is None else p.evidence.value,
+        "inputs_agree": p.inputs_agree, "metrics": p.metrics, "reason": p.reason,
+        "inherited_from": None if p.inherited_from is None else p.inherited_from.to_json(),
+        "dtypes": None if p.dtypes is None else {"ref": p.dtypes[0], "target": p.dtypes[1]},
+    })
+
+
+def _unaligned_json(rd: RankDiff, u: Unaligned) -> dict[str, Any]:
+    counts: dict[str, int] = {}
+    for n in u.names:
+        counts[n] = counts.get(n, 0) + 1
+    return {"side": u.side, "rank": rd.target_rank if u.side == "target" else rd.ref_rank, "first": u.first,
+            "last": u.last, "count": len(u.ops), "ops": counts, "module": u.module, "phase": u.phase}
+
+
+def diff_to_json(report: DiffReport) -> dict:
+    first = report.first_divergent
+    return {
+        "format": DIFF_FORMAT,
+        "ref": report.ref, "target": report.target, "baseline": report.baseline,
+        "options": _clean(report.options),
+        "warnings": list(report.warnings),
+        "environment": [_clean(d.to_json()) for d in report.environment],
+        "summary": report.counts(),
+        "first_divergent": None if first is None else pair_json(*first),
+        "ranks": [{"ref_rank": rd.ref_rank, "target_rank": rd.target_rank, "ref_ops": rd.ref_ops,
+                   "target_ops": rd.target_ops, "evidence": [e.value for e in rd.evidence],
+                   "summary": rd.counts(), "first_divergent": pair_json(rd, rd.first_divergent),
+                   "first_difference": pair_json(rd, rd.first_difference)} for rd in report.ranks],
+        "structural": [_unaligned_json(rd, u) for rd in report.ranks
+                       for u in sorted(rd.ref_only + rd.target_only, key=lambda u: (u.side, u.first))],
+        "pairs": [pair_json(rd, p) for rd in report.ranks for p in rd.pairs],
+    }

@@ -1,0 +1,106 @@
+"""The human-readable diff summary: environment differences first, then per rank pair the first divergence (the op
+whose inputs agree and whose outputs do not), how far the difference spread, and the ops present on one side only."""
+from __future__ import annotations
+
+from collections import Counter
+from typing import TextIO
+
+from replaydiff.diff.result import DiffReport, PairResult, PairStatus, RankDiff, Unaligned
+
+
+def _value(v: object) -> str:
+    return "(absent)" if v is None else str(v)
+
+
+def pair_line(p: PairResult) -> str:
+    # A backward op's own source line is the backward() call; the forward op's line says which code it is.
+    source = p.forward_source if (p.phase == "backward" and p.forward_source) else p.source
+    where = "  ".join(x for x in (p.module or "", f"({p.phase})" if p.phase else "", source or "") if x)
+    return f"ref #{p.ref} / target #{p.target} {p.op}  {where}".rstrip()
+
+
+def pair_metrics(p: PairResult) -> str:
+    m = p.metrics or {}
+    if "norm_max" in m:
+        parts = [f"max_abs/(eps*absmax) {_num(m['norm_max'])} (limit {_num(m.get('limit_max'))})",
+                 f"rel_l2/eps {_num(m['norm_rel'])} (limit {_num(m.get('limit_rel'))})",
+                 f"rel_l2 {_num(m['rel_l2'])}", f"max_abs {_num(m['max_abs'])}"]
+        if m.get("nonfinite_mismatch"):
+            parts.append(f"{m['nonfinite_mismatch']} NaN/Inf mismatches")
+        return "  ".join(parts)
+    if "mismatches" in m:
+        return f"{m['mismatches']} elements differ"
+    return p.reason or ""
+
+
+def _num(v: object) -> str:
+    return f"{v:.3g}" if isinstance(v, (int, float)) else str(v)
+
+
+def _unaligned_line(u: Unaligned) -> str:
+    names = Counter(u.names).most_common(3)
+    more = len(set(u.names)) - len(names)
+    what = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in names) + (f", +{more} more" if more > 0 else "")
+    span = f"#{u.first}" if u.first == u.last else f"#{u.first}-#{u.last}"
+    where = "  ".join(x for x in (u.module or "", f"({u.phase})" if u.phase else "") if x)
+    return f"{u.side + ' only':<12}{span:<13}{len(u.ops):>4} op(s)  {what}  {where}".rstrip()
+
+
+def _rank_block(rd: RankDiff, many: bool, out: TextIO, max_listed: int) -> None:
+    c = rd.counts()
+    label = f"ref rank {rd.ref_rank} / target rank {rd.target_rank}" if many else "ops"
+    evidence = ", ".join(e.value for e in rd.evidence) or "nothing to compare"
+    out.write(f"{label}: {rd.ref_ops} ref ops, {rd.target_ops} target ops, {len(rd.pairs)} aligned ({evidence}): "
+              f"{c['same']} same, {c['divergent']} divergent, {c['inherited']} inherited, "
+              f"{c['not_compared']} not compared; {c['ref_only']} ref only, {c['target_only']} target only\n")
+    first = rd.first_divergent
+    if first is not None:
+        out.write(f"  first divergence {pair_line(first)}\n")
+        out.write(f"    {pair_metrics(first)}\n")
+        out.write(f"    {(first.reason or '').split('; ')[-1]} ({first.evidence})\n")
+        if first.phase == "backward" and first.forward_index is not None:
+            out.write(f"    backward of forward op ref #{first.forward_index}\n")
+        if first.dtypes:
+            out.write(f"    output dtype {first.dtypes[0]} in ref, {first.dtypes[1]} in target\n")
+        others = [p for p in rd.pairs if p.status is PairStatus.DIVERGENT and p is not first]
+        if others:
+            out.write(f"    {len(others)} more op(s) introduced differences of their own, first "
+                      f"{pair_line(others[0])}\n")
+        if c["inherited"]:
+            out.write(f"    {c['inherited']} later op(s) inherited a difference\n")
+    else:
+        diff = rd.first_difference
+        if diff is not None:
+            origin = diff.inherited_from.describe() if diff.inherited_from else "inputs that already differed"
+            out.write(f"  no aligned op introduced a difference; differences enter from {origin}, first seen at "
+                      f"{pair_line(diff)}\n")
+        else:
+            out.write("  no difference: every compared op pair agrees within tolerance\n")
+    runs = sorted(rd.ref_only + rd.target_only, key=lambda u: (u.first, u.side))  # roughly in step order
+    if runs:
+        out.write(f"  structural differences ({len(runs)} run(s) of unaligned ops):\n")
+        for u in runs[:max_listed]:
+            out.write(f"    {_unaligned_line(u)}\n")
+        if len(runs) > max_listed:
+            out.write(f"    ... {len(runs) - max_listed} more (--json for all)\n")
+
+
+def render_diff(report: DiffReport, out: TextIO, max_listed: int = 10) -> None:
+    base = f" (tolerances from baseline {report.baseline})" if report.baseline else ""
+    out.write(f"diff of {report.target} against {report.ref}{base}\n")
+    if report.environment:
+        out.write(f"environment: {len(report.environment)} difference(s)\n")
+        for d in report.environment[:max_listed * 2]:
+            out.write(f"  {d.key}: {_value(d.ref)} -> {_value(d.target)}\n")
+            if d.hint:
+                out.write(f"    hint: {d.hint}\n")
+    else:
+        out.write("environment: same\n")
+    many = len(report.ranks) > 1
+    for rd in report.ranks:
+        _rank_block(rd, many, out, max_listed)
+    cands = report.candidates()
+    if many and cands:
+        out.write("first divergences, earliest first:\n")
+        for rd, p in cands:
+            out.write(f"  target rank {rd.target_rank}: {pair_line(p)}\n")

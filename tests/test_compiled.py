@@ -1,0 +1,519 @@
+"""torch.compile under the recorder: what torch does with compiled regions while the recorder's dispatch mode is on,
+and the CompiledRegionTracker (replaydiff/record/compiled.py) that reports it.
+
+Backends: "aot_eager" and small custom backends (the behaviour under test is dynamo's, before any backend runs,
+and they compile in about a second on two CPU cores). One test uses inductor to show a compiled kernel missing
+from the trace; it is marked slow (its first compile takes ~15 s on two cores) but is not skipped.
+See COMPILE_NOTES.md for the torch source behind each expectation.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import replaydiff
+from replaydiff.record.compiled import CompiledRegionTracker, summarize
+from replaydiff.trace import open_trace
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)).sin()
+
+
+class Counting:
+    """A backend that counts compiles and runs of the compiled code, around aot_eager (or around ``inner``)."""
+
+    def __init__(self, inner=None) -> None:
+        self.compiles = 0
+        self.runs = 0
+        self.inner = inner
+
+    def __call__(self, gm, example_inputs):
+        self.compiles += 1
+        if self.inner is not None:
+            compiled = self.inner(gm, example_inputs)
+        else:
+            from torch._dynamo.backends.debugging import aot_eager
+
+            compiled = aot_eager(gm, example_inputs)
+
+        def run(*args):
+            self.runs += 1
+            return compiled(*args)
+
+        return run
+
+
+def opaque(gm, example_inputs):
+    """A backend whose compiled code is invisible to dispatch modes, as an inductor kernel is."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def run(*args):
+        with _disable_current_modes():
+            return gm(*args)
+
+    return run
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    from replaydiff.record import compiled as compiled_mod
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    if compiled_mod._active:  # a failed test left a tracker started: do not let its patches leak into other tests
+        compiled_mod._active.clear()
+        compiled_mod._uninstall()
+
+
+class BareMode(TorchDispatchMode):
+    """A dispatch mode that does nothing: what torch does to compiled code under any mode, tracker or not."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def trace_ops(path) -> list[str]:
+    return [op.name for op in open_trace(path).rank(0)]
+
+
+def eager_ops(fn) -> list[str]:
+    """The aten ops ``fn`` runs eagerly, as the recorder would see them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Log() as log:
+        fn()
+    return log.names
+
+
+# -- what torch does ----------------------------------------------------------------------------------------------
+def test_compiled_module_runs_eager_under_recorder_and_trace_holds_its_ops(tmp_path):
+    torch.manual_seed(0)
+    model, x = Tiny(), torch.randn(2, 4)
+    backend = Counting()
+    compiled = torch.compile(model, backend=backend)
+    compiled(x)  # compiled and cached before recording starts
+    assert (backend.compiles, backend.runs) == (1, 1)
+
+    tracker = CompiledRegionTracker()
+    with replaydiff.record(tmp_path / "t"):
+        tracker.start()
+        y = compiled(x)
+        compiled(x)
+        regions = tracker.stop()
+
+    # neither the cached compiled code ran nor a new compile happened: the region ran eagerly...
+    assert (backend.compiles, backend.runs) == (1, 1)
+    # ...so the trace holds exactly the module's eager aten ops, twice
+    expected = eager_ops(lambda: model(x))
+    assert "aten.addmm.default" in expected
+    assert trace_ops(tmp_path / "t") == expected * 2
+    assert torch.equal(y, model(x))
+
+    assert len(regions) == 1
+    r = regions[0]
+    assert r["region"].startswith("Tiny.forward (") and "test_compiled.py" in r["region"]
+    assert (r["kind"], r["calls"], r["how"], r["ops_in_trace"]) == ("forward", 2, "eager", True)
+    assert r["calls_by_how"] == {"eager": 2}
+
+
+def test_without_tracker_torch_leaves_a_region_eager_after_recording(tmp_path):
+    """torch marks a frame skipped for the dispatch mode 'skip' for good (types.py ConvertFrameReturn.apply_to_code):
+    what a bare dispatch mode does to a job (the recorder runs a tracker that undoes it)."""
+    backend = Counting()
+    fn = torch.compile(lambda a: (a * 2).cos(), backend=backend)
+    x = torch.randn(3)
+    fn(x)
+    with BareMode():
+        fn(x)
+    fn(x)
+    fn(x)
+    assert (backend.compiles, backend.runs) == (1, 1)  # the cached compiled code never runs again
+
+
+def test_the_recorder_notes_compiled_regions_and_keeps_them_compiled(tmp_path):
+    backend = Counting()
+    fn = torch.compile(lambda a: (a * 2).cos(), backend=backend)
+    x = torch.randn(3)
+    fn(x)
+    with pytest.warns(RuntimeWarning, match="torch.compile region ran while recording"):
+        with replaydiff.record(tmp_path / "t"):
+            fn(x)
+    fn(x)
+    assert (backend.compiles, backend.runs) == (1, 2)  # compiled again once recording ended
+    r = open_trace(tmp_path / "t").rank(0)
+    (region,) = r.compiled_regions
+    assert (region["how"], region["calls"]) == ("eager", 1)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    show = subprocess.run([sys.executable, "-m", "replaydiff", "show", str(tmp_path / "t")], capture_output=True,
+                          text=True, env=env)
+    assert "COMPILED:" in show.stdout and "ran eager" in show.stdout
+    replay = subprocess.run([sys.executable, "-m", "replaydiff", "replay", str(tmp_path / "t")], capture_output=True,
+                            text=True, env=env)
+    assert replay.returncode == 0 and "compiled region" in replay.stderr and "ran eager" in replay.stderr
+
+
+def test_tracker_keeps_a_region_compiled_after_recording(tmp_path):
+    backend = Counting()
+    fn = torch.compile(lambda a: (a * 2).cos(), backend=backend)
+    x = torch.randn(3)
+    fn(x)
+    tracker = CompiledRegionTracker()
+    with replaydiff.record(tmp_path / "t"):
+        tracker.start()
+        fn(x)
+        fn(x)
+        regions = tracker.stop()
+    assert backend.runs == 1  # eager while recording, as without the tracker
+    fn(x)
+    fn(x)
+    assert (backend.compiles, backend.runs) == (1, 3)  # and compiled again afterwards, from the same cache entry
+    assert regions[0]["calls"] == 2 and regions[0]["how"] == "eager"
+
+
+def test_tracker_restores_both_graphs_of_a_graph_broken_region(tmp_path):
+    """The resume function after a graph break is a code object of its own, marked "skip" too; both come back."""
+    backend = Counting()
+
+    def broken(a):
+        b = a.sin()
+        torch._dynamo.graph_break()
+        return b.cos()
+
+    fn = torch.compile(broken, backend=backend)
+    x = torch.randn(3)
+    fn(x)
+    assert (backend.compiles, backend.runs) == (2, 2)
+    tracker = CompiledRegionTracker()
+    with replaydiff.record(tmp_path / "t"):
+        tracker.start()
+        fn(x)
+        fn(x)
+        regions = tracker.stop()
+    assert [(r["how"], r["calls"]) for r in regions] == [("eager", 2)]
+    assert trace_ops(tmp_path / "t") == ["aten.sin.default", "aten.cos.default"] * 2
+    fn(x)
+    assert (backend.compiles, backend.runs) == (2, 4)
+
+
+def test_region_compiled_up_to_a_graph_break_is_mixed(tmp_path):
+    backend = Counting(inner=opaque)
+
+    def make():
+        b = torch.ones(3).sin()  # no tensor guard: this graph's cache entry hits under the recorder
+        torch._dynamo.graph_break()
+        return b.cos()  # the resume function takes b: a tensor guard, so it runs eager
+
+    fn = torch.compile(make, backend=backend)
+    fn()
+    assert (backend.compiles, backend.runs) == (2, 2)
+    tracker = CompiledRegionTracker()
+    with replaydiff.record(tmp_path / "t"):
+        tracker.start()
+        fn()
+        fn()
+        regions = tracker.stop()
+    assert [(r["how"], r["calls"], r["calls_by_how"]) for r in regions] == [("mixed", 2, {"mixed": 2})]
+    assert backend.runs == 2 + 2  # the first graph ran compiled in both recorded calls...
+    assert trace_ops(tmp_path / "t") == ["aten.cos.default"] * 2  # ...and only the eager rest is in the trace
+
+
+def test_first_call_under_recorder_is_not_compiled_at_all(tmp_path):
+    backend = Counting()
+    fn = torch.compile(lambda a: a.exp().sum(), backend=backend)
+    tracker = CompiledRegionTracker()
+    with replaydiff.record(tmp_path / "t"):
+        tracker.start()
+        fn(torch.randn(3))
+        regions = tracker.stop()
+    assert backend.compiles == 0
+    assert trace_ops(tmp_path / "t")[-2:] == ["aten.exp.default", "aten.sum.default"]
+    assert [(r["how"], r["calls"]) for r in regions] == [("eager", 1)]
+    fn(torch.randn(3))
+    assert backend.compiles == 1  # compiled at its first call after recording (the tracker kept it unmarked)
+
+
+def test_fullgraph_region_raises_into_the_job_without_tracker_and_not_with_it(tmp_path):
+    fn = torch.compile(lambda a: a.tanh() + 1, backend="aot_eager", fullgraph=True)
+    x = torch.randn(3)
+    with BareMode():  # any dispatch mode without the tracker: torch raises into the job
+        with pytest.raises(RuntimeError, match="fullgraph=True found no compiled frames"):
+            fn(x)
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a: a.tanh() + 1, backend="aot_eager", fullgraph=True)
+    tracker = CompiledRegionTracker()
+    with replaydiff.record(tmp_path / "t"):
+        tracker.start()
+        y = fn(x)
+        y2 = fn(x)
+        regions = tracker.stop()
+    assert torch.equal(y, x.tanh() + 1) and torch.equal(y2, y)
+    (r,) = regions
+    assert (r["how"], r["calls"], r["fullgraph"], r["fullgraph_errors_suppressed"]) == ("eager", 2, True, 2)
+    assert "fullgraph=True" in summarize(regions)
+    assert torch.equal(fn(x), y)  # compiles (and runs) normally afterwards
+
+
+def test_cached_region_without_tensor_guards_runs_compiled_and_is_missing_from_trace(tmp_path):
+    """No tensor argument, so no tensor guard sees the mode's dispatch keys: the cache hits and compiled code runs."""
+    backend = Counting(inner=opaque)
+
+    def make():
+        return torch.arange(4.0).sin() * 3
+
+    fn = torch.compile(make, backend=backend)
+    fn()
+    tracker = CompiledRegionTracker()
+    with replaydiff.record(tmp_path / "t"):
+        tracker.start()
+        y = fn()
+        regions = tracker.stop()
+    assert backend.runs == 2
+    assert torch.equal(y, make())
+    assert not any(name in trace_ops(tmp_path / "t") for name in ("aten.sin.default", "aten.mul.Tensor"))
+    (r,) = regions
+    assert (r["how"], r["calls"], r["backend"]) == ("compiled", 1, "Counting")
+    assert r["ops_in_trace"] is None  # a backend replaydiff does not know
+    assert "ran compiled by Counting" in summarize(regions)
+
+
+def test_compiled_backward_of_a_forward_compiled_before_recording(tmp_path):
+    torch.manual_seed(0)
+    model, x = Tiny(), torch.randn(2, 4)
+    compiled = torch.compile(model, backend="aot_eager")
+    loss = compiled(x).sum()  # forward compiled, outside the recording
+    tracker = CompiledRegionTracker()
+    with replaydiff.record(tmp_path / "t"):
+        tracker.start()
+        loss.backward()
+        regions = tracker.stop()
+    (r,) = regions
+    assert (r["kind"], r["how"], r["calls"], r["backend"], r["ops_in_trace"]) == (
+        "backward", "compiled", 1, "aot_eager", True)
+    assert r["region"].startswith("compiled backward of AOT graph")
+    assert "aten.mm.default" in trace_ops(tmp_path / "t")  # aot_eager's backward graph ran its aten ops
+
+
+@pytest.mark.slow  # inductor's first compile takes ~30 s on two cores (3 s with a warm inductor cache)
+def test_inductor_backward_kernels_are_missing_from_trace(tmp_path):
+    """The one inductor test: a compiled backward run under the recorder; only extern kernels reach the trace."""
+    w = torch.randn(4, 2, requires_grad=True)
+    fn = torch.compile(lambda a, b: torch.relu(a @ b).sin().sum(), backend="inductor")
+    loss = fn(torch.randn(3, 4), w)
+    tracker = CompiledRegionTracker()
+    with replaydiff.record(tmp_path / "t"):
+        tracker.start()
+        loss.backward()
+        regions = tracker.stop()
+    ops = trace_ops(tmp_path / "t")
+    assert "aten.cos.default" not in ops and "aten.threshold_backward.default" not in ops  # fused into a kernel
+    (r,) = regions
+    assert (r["kind"], r["how"], r["backend"], r["ops_in_trace"]) == ("backward", "compiled", "inductor", False)
+    assert "NOT in the trace" in summarize(regions)
+
+
+# -- the tracker itself -------------------------------------------------------------------------------------------
+def test_tracker_errors_never_reach_the_job_and_numerics_are_unchanged(tmp_path, monkeypatch):
+    from replaydiff.record import compiled as compiled_mod  # (replaydiff.record is shadowed by the function)
+
+    torch.manual_seed(0)
+    model, x = Tiny(), torch.randn(2, 4)
+    compiled = torch.compile(model, backend="aot_eager")
+    with replaydiff.record(tmp_path / "plain"):
+        ref = compiled(x)
+
+    def boom(*a, **k):
+        raise ValueError("tracker bug")
+
+    monkeypatch.setattr(compiled_mod, "_region_name", boom)
+    monkeypatch.setattr(compiled_mod, "_mode_blocks_dynamo", boom)
+    monkeypatch.setattr(compiled_mod.CompiledRegionTracker, "_current_call", boom)
+    tracker = CompiledRegionTracker()
+    with replaydiff.record(tmp_path / "t"):
+        tracker.start()
+        y = compiled(x)
+        regions = tracker.stop()
+    assert torch.equal(y, ref)
+    assert regions == []  # nothing could be told, and nothing was raised
+    assert trace_ops(tmp_path / "t") == trace_ops(tmp_path / "plain")
+
+
+def test_a_tracker_that_cannot_attach_says_so_and_the_job_runs_on(tmp_path, monkeypatch):
+    from replaydiff.record import compiled as compiled_mod
+
+    def broken():
+        raise AttributeError("torch moved _callback_from_stance")
+
+    monkeypatch.setattr(compiled_mod, "_patch", broken)
+    fn = torch.compile(lambda a: a * 5, backend="aot_eager")
+    tracker = CompiledRegionTracker()
+    with replaydiff.record(tmp_path / "t"):
+        tracker.start()
+        y = fn(torch.ones(2))
+        regions = tracker.stop()
+    assert torch.equal(y, torch.full((2,), 5.0))
+    assert regions == [{"region": None, "kind": None, "calls": None, "how": "unknown",
+                        "note": "compiled regions were not tracked (AttributeError: torch moved _callback_from_stance)"}]
+    assert tracker.first_warning() == regions[0]["note"] + "."
+    assert not compiled_mod._patches
+
+
+def test_quiet_fullgraph_off_leaves_torchs_error_alone(tmp_path):
+    fn = torch.compile(lambda a: a.tanh(), backend="aot_eager", fullgraph=True)
+    tracker = CompiledRegionTracker(quiet_fullgraph=False)
+    with BareMode():  # (the recorder runs its own tracker, which keeps quiet_fullgraph on)
+        tracker.start()
+        with pytest.raises(RuntimeError, match="fullgraph=True found no compiled frames"):
+            fn(torch.ones(2))
+        regions = tracker.stop()
+    assert [(r["how"], r["calls"], r.get("fullgraph_errors_suppressed")) for r in regions] == [("eager", 1, None)]
+
+
+def test_first_warning_once_and_nothing_when_nothing_compiled(tmp_path):
+    tracker = CompiledRegionTracker()
+    with replaydiff.record(tmp_path / "a"):
+        tracker.start()
+        torch.randn(2).sum()
+        assert tracker.stop() == []
+    assert tracker.first_warning() is None
+
+    fn = torch.compile(lambda a: a + 1, backend="aot_eager")
+    tracker = CompiledRegionTracker()
+    with replaydiff.record(tmp_path / "b"):
+        tracker.start()
+        fn(torch.ones(2))
+        regions = tracker.stop()
+    msg = tracker.first_warning()
+    assert msg is not None and msg.startswith("1 torch.compile region ran while recording: test_first_warning")
+    assert "<lambda>" in msg and "eager aten ops" in msg
+    assert tracker.first_warning() is None
+    assert summarize(regions) == msg  # show/replay can print the same sentence from the manifest's list
+    assert summarize([]) is None
+
+
+def test_tracker_attaches_when_torch_compile_is_first_called_inside_the_block(tmp_path):
+    code = textwrap.dedent(f"""
+        import sys, torch, replaydiff
+        from replaydiff.record.compiled import CompiledRegionTracker
+        assert "torch._dynamo.eval_frame" not in sys.modules
+        t = CompiledRegionTracker()
+        with replaydiff.record({str(tmp_path / 't')!r}):
+            t.start()
+            fn = torch.compile(lambda a: a * 3, backend="aot_eager")
+            fn(torch.ones(2)); fn(torch.ones(2))
+            regions = t.stop()
+        assert torch.compile.__module__ == "torch", torch.compile  # the stand-in is gone
+        print([(r["how"], r["calls"]) for r in regions])
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[('eager', 2)]"
+
+
+def test_tracker_ignores_regions_run_by_other_threads(tmp_path):
+    import threading
+
+    fn = torch.compile(lambda a: a - 1, backend="aot_eager")
+    fn(torch.ones(2))
+    tracker = CompiledRegionTracker().start()
+    th = threading.Thread(target=lambda: fn(torch.ones(2)))
+    th.start()
+    th.join()
+    assert tracker.stop() == []
+
+
+def test_stopped_tracker_restores_dynamo():
+    import torch._dynamo.convert_frame as cf
+    import torch._dynamo.eval_frame as ef
+
+    before = (ef._callback_from_stance, cf.CatchErrorsWrapper._handle_skip)
+    a, b = CompiledRegionTracker().start(), CompiledRegionTracker().start()
+    assert ef._callback_from_stance is not before[0]
+    a.stop()
+    assert ef._callback_from_stance is not before[0]  # b still needs it
+    b.stop()
+    assert (ef._callback_from_stance, cf.CatchErrorsWrapper._handle_skip) == before
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert a.stop() == [] and a.first_warning() is None
+
+
+# -- the capture-as-a-unit prototype (replaydiff/record/compiled_capture.py) ------------------------------------
+class IgnoreCompileLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """A mode that, unlike the recorder's, tells dynamo to compile and run compiled code while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_capture_prototype_units_replay_at_fp64_and_catch_a_planted_fault():
+    from replaydiff.record.compiled_capture import capture_backend, replay_unit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16))
+    x = torch.randn(4, 8)
+    backend, sink = capture_backend("aot_eager", region="net")
+    compiled = torch.compile(model, backend=backend)
+    sink.enabled = False
+    compiled(x).square().sum().backward()  # compiled outside (square: sum(LayerNorm(.)) has a zero gradient)
+    model.zero_grad()
+    sink.enabled = True
+    with IgnoreCompileLog() as log:
+        y = compiled(x)
+        y.square().sum().backward()
+    assert [u.op.rsplit("/", 1)[1] for u in sink.units] == ["fw", "bw"] and not sink.errors
+    assert "aten.native_layer_norm.default" not in log.names  # the graph's ops are inside the unit, not loose
+    assert torch.equal(sink.units[0].outputs[0], y.detach())
+    fw, bw = (replay_unit(unit) for unit in sink.units)
+    assert fw["max_rel"] < 1e-6  # compiled float32 vs the same graph at float64
+    assert bw["max_rel"] < 1e-3  # (layer_norm_backward's cancellation costs float32 a few digits: ~2e-4)
+    sink.units[0].outputs[0] += 1e-2  # a wrong compiled kernel
+    assert replay_unit(sink.units[0])["max_rel"] > 1e-3  # 1e-2 against outputs up to ~2.6
+
+
+def test_capture_prototype_captures_nothing_under_the_recorder(tmp_path):
+    """The recorder's mode keeps ignore_compile_internals() False: dynamo never runs the (capturing) compiled code."""
+    from replaydiff.record.compiled_capture import capture_backend
+
+    backend, sink = capture_backend("aot_eager")
+    fn = torch.compile(lambda a: a.sin() * 2, backend=backend)
+    fn(torch.ones(3))
+    sink.units.clear()
+    with replaydiff.record(tmp_path / "t"):
+        fn(torch.ones(3))
+    assert sink.units == []
+    assert trace_ops(tmp_path / "t")[-2:] == ["aten.sin.default", "aten.mul.Tensor"]

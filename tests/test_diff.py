@@ -1,0 +1,350 @@
+"""``replaydiff diff``: two traces of one step aligned op by op, and the op where the runs part ways named.
+
+Faults are planted below the recorder in the target run only; the op numbers they landed on are read back from the
+traces (the ``occurrence``-th op of that name), never typed in. Both sides of every diff are recorded in this file
+or through replay_helpers' per-process cache.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import replay_helpers as rh
+from replaydiff import record
+from replaydiff.cli.main import main
+from replaydiff.diff import (DiffOptions, Evidence, OriginKind, PairStatus, align, diff_traces, environment_diff,
+                             module_key, rank_pairs)
+from replaydiff.errors import UsageError
+from replaydiff.diff.align import OpKeys
+from replaydiff.faults import PlantedFault
+from replaydiff.trace import open_trace
+
+LN_BACKWARD = "aten.native_layer_norm_backward.default"
+
+
+def _index(path: Path, name: str, occurrence: int = 0, rank: int = 0) -> int:
+    return rh.occurrence_index(rh.trace_ops(path, rank), name, occurrence)
+
+
+def _assert_culprit(report, ref: Path, target: Path, name: str, occurrence: int = 0) -> None:
+    """The planted op is the first divergence (at its own number on each side), no other aligned op introduced a
+    difference, and the ops after it that differ are all inherited."""
+    assert report.first_divergent is not None, report.counts()
+    rd, first = report.first_divergent
+    assert (first.ref, first.target) == (_index(ref, name, occurrence), _index(target, name, occurrence))
+    assert first.op == name and first.inputs_agree is True
+    assert [p.key for p in rd.pairs if p.status is PairStatus.DIVERGENT] == [first.key]
+    later = [p for p in rd.pairs if p.target > first.target and p.status is not PairStatus.SAME
+             and p.status is not PairStatus.NOT_COMPARED]
+    assert later and all(p.status is PairStatus.INHERITED and p.inherited_from is not None for p in later)
+    assert all(p.status in (PairStatus.SAME, PairStatus.NOT_COMPARED) for p in rd.pairs if p.target < first.target)
+
+
+@pytest.fixture(scope="module")
+def clean_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """Two separate recordings of the same seeded CPU step."""
+    d = tmp_path_factory.mktemp("clean")
+    return rh.record_fn(d / "a", rh.STEPS["transformer"]()), rh.record_fn(d / "b", rh.STEPS["transformer"]())
+
+
+def test_two_recordings_of_one_step_have_no_difference(clean_pair, capsys) -> None:
+    a, b = clean_pair
+    report = diff_traces(a, b)
+    counts = report.counts()
+    assert counts["divergent"] == counts["inherited"] == counts["ref_only"] == counts["target_only"] == 0
+    assert counts["same"] > 300 and report.environment == []
+    assert report.ranks[0].evidence == [Evidence.FULL]
+    assert main(["diff", str(a), str(b)]) == 0
+    assert "no difference" in capsys.readouterr().out
+
+
+def test_planted_fault_is_the_first_divergence_and_later_ops_inherit(clean_pair, tmp_path, capsys) -> None:
+    ref = clean_pair[0]
+    target = rh.step_trace("transformer", LN_BACKWARD)
+    report = diff_traces(ref, target)
+    _assert_culprit(report, ref, target, LN_BACKWARD)
+    rd, first = report.first_divergent
+    assert first.evidence is Evidence.FULL and first.phase == "backward"
+    assert first.verdict.measure.rel_l2 == pytest.approx(1e-3, rel=0.2)
+    # inherited marks point back along the data flow, to the culprit or to pairs that inherited from it
+    origins = {p.inherited_from.ref for p in rd.pairs if p.status is PairStatus.INHERITED}
+    assert first.ref in origins
+    # the typed report answers by (ref index, target index) and by either side's index alone
+    assert rd.pair(first.ref, first.target) is first and rd.by_target[first.target] is first
+
+    out = tmp_path / "diff.json"
+    assert main(["diff", str(ref), str(target), "--json", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert f"first divergence ref #{first.ref} / target #{first.target} {LN_BACKWARD}" in text
+    assert "inputs equal bit for bit, outputs differ (full tensors)" in text
+    doc = json.loads(out.read_text())
+    assert doc["format"] == "replaydiff.diff/1"
+    fd = doc["first_divergent"]
+    assert fd["index"] == {"ref": first.ref, "target": first.target} and fd["op"] == LN_BACKWARD
+    assert fd["module"] == first.module and fd["phase"] == "backward" and fd["metrics"]["norm_max"] > 16
+    assert len(doc["pairs"]) == len(rd.pairs)
+    assert {p["status"] for p in doc["pairs"] if p["index"]["target"] > first.target} >= {"inherited"}
+    assert doc["summary"]["divergent"] == 1
+
+
+def _build(name: str):
+    ids = torch.randint(0, 100, (2, 12))
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=100, n_positions=32,
+                                      bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
+    cfg = transformers.LlamaConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=32, vocab_size=100, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids}
+
+
+def _record_model(name: str, out: Path, fault: PlantedFault | None = None) -> Path:
+    torch.manual_seed(0)
+    model, batch = _build(name)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' config chatter
+        with (fault or contextlib.nullcontext()), record(out):
+            model(**batch).loss.backward()
+            opt.step()
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_planted_fault_in_a_transformers_model(name: str, tmp_path: Path) -> None:
+    ref = _record_model(name, tmp_path / "ref")
+    fault = PlantedFault("aten.mm.default", rel=1e-3, occurrence=3)
+    target = _record_model(name, tmp_path / "target", fault)
+    assert fault.planted
+    _assert_culprit(diff_traces(ref, target), ref, target, "aten.mm.default", 3)
+
+
+def test_bf16_autocast_against_fp32_alignment_survives_the_casts() -> None:
+    ref, target = rh.step_trace("transformer"), rh.step_trace("transformer_bf16")
+    report = diff_traces(ref, target)
+    rd = report.ranks[0]
+    ref_ops = {op.index: op for op in rh.trace_ops(ref)}
+    tgt_ops = {op.index: op for op in rh.trace_ops(target)}
+    # every forward matmul of the fp32 run is aligned with the same matmul (name and module) of the bf16 run
+    matmuls = [i for i, op in ref_ops.items() if op.name in rh.MATMULS and op.phase == "forward"]
+    assert len(matmuls) > 10
+    for i in matmuls:
+        p = rd.by_ref.get(i)
+        assert p is not None, f"ref #{i} {ref_ops[i].name} was not aligned"
+        assert tgt_ops[p.target].name == ref_ops[i].name and tgt_ops[p.target].module == ref_ops[i].module
+    # what autocast added in the forward is casts, and they are listed as target-only, not fatal
+    assert rd.target_only_ops == set(tgt_ops) - set(rd.by_target)  # every target op is aligned or listed
+    assert rd.ref_only_ops == set(ref_ops) - set(rd.by_ref)
+    added = {n for u in rd.target_only if u.phase == "forward" for n in u.names}
+    assert added == {"aten._to_copy.default"}
+    assert rd.counts()["target_only"] >= len(matmuls)
+    bf16_pairs = [p for p in rd.pairs if p.dtypes == ("float32", "bfloat16")]
+    assert bf16_pairs and all(p.ref in ref_ops for p in bf16_pairs)
+    # the runs do part ways, and the first op to differ is a bf16 one
+    rdf, first = report.first_divergent
+    assert first.dtypes == ("float32", "bfloat16") and first.phase == "forward"
+
+
+def test_foreach_against_for_loop_adamw() -> None:
+    ref, target = rh.step_trace("mlp_forloop"), rh.step_trace("mlp_foreach")
+    report = diff_traces(ref, target)
+    rd = report.ranks[0]
+    assert rd.first_difference is None  # forward and backward agree; the optimizers cannot be paired op by op
+    ref_ops = rh.trace_ops(ref)
+    fwd_bwd = [op.index for op in ref_ops if op.phase in ("forward", "backward")]
+    assert all(i in rd.by_ref for i in fwd_bwd)
+    assert {n for u in rd.target_only for n in u.names if n.startswith("aten._foreach")} >= {
+        "aten._foreach_addcdiv_.ScalarList", "aten._foreach_lerp_.Scalar"}
+    assert {u.phase for u in rd.target_only + rd.ref_only} == {"optimizer"}
+    assert main(["diff", str(ref), str(target)]) == 0
+
+
+def test_two_stats_traces_are_compared_through_their_statistics(tmp_path: Path, capsys) -> None:
+    ref = rh.record_fn(tmp_path / "ref", rh.STEPS["transformer"](), tensors="stats")
+    target = rh.record_fn(tmp_path / "target", rh.STEPS["transformer"](), PlantedFault(LN_BACKWARD),
+                          tensors="stats")
+    clean = diff_traces(ref, ref)
+    assert clean.ranks[0].evidence == [Evidence.STATS] and not clean.found_difference
+    report = diff_traces(ref, target)
+    _assert_culprit(report, ref, target, LN_BACKWARD)
+    assert report.first_divergent[1].evidence is Evidence.STATS
+    assert main(["diff", str(ref), str(target)]) == 1
+    assert "inputs agree in their statistics, outputs differ (statistics only)" in capsys.readouterr().out
+
+
+DDP_STEP = textwrap.dedent('''
+    import contextlib, sys, torch, torch.distributed as dist
+    from replaydiff import record
+    from replaydiff.faults import PlantedFault
+    out, mode, fault_rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    if mode == "ddp":
+        dist.init_process_group("gloo")
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(1)  # the same batch on every rank and in the single process
+    x = torch.randn(4, 8)
+    fault = PlantedFault("aten.addmm.default", rel=1e-3, rank=fault_rank) if fault_rank >= 0 \\
+        else contextlib.nullcontext()
+    with fault, record(out):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+    if mode == "ddp":
+        dist.destroy_process_group()
+''')
+
+
+@pytest.mark.slow
+def test_two_rank_run_against_one_process(tmp_path: Path, capsys) -> None:
+    script = tmp_path / "step.py"
+    script.write_text(DDP_STEP)
+    one, two = tmp_path / "one", tmp_path / "two"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    procs = [subprocess.Popen([sys.executable, str(script), str(one), "single", "-1"], stderr=subprocess.PIPE),
+             subprocess.Popen(torchrun + [str(script), str(two), "ddp", "1"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode()[-2000:]
+    assert open_trace(two).ranks == [0, 1] and open_trace(one).ranks == [0]
+
+    report = diff_traces(one, two)
+    by_rank = {rd.target_rank: rd for rd in report.ranks}
+    assert set(by_rank) == {0, 1} and all(rd.ref_rank == 0 for rd in report.ranks)
+    # module paths match through the DDP wrapper, so the whole single-process step is aligned
+    ref_count = len(rh.trace_ops(one))
+    assert all(len(rd.pairs) == ref_count for rd in report.ranks)
+    # the fault planted on rank 1 is rank 1's first divergence, and the only candidate
+    planted = by_rank[1].first_divergent
+    assert (planted.ref, planted.target) == (_index(one, "aten.addmm.default"),
+                                             _index(two, "aten.addmm.default", rank=1))
+    assert [(rd.target_rank, p.key) for rd, p in report.candidates()] == [(1, planted.key)]
+    # rank 0 computed nothing wrong itself: its differences enter through the gradient all-reduce, which the
+    # single process does not have
+    assert by_rank[0].first_divergent is None
+    enter = by_rank[0].first_difference.inherited_from
+    assert enter.kind is OriginKind.TARGET_ONLY and enter.collective is not None
+    assert enter.collective[1] == "c10d.allreduce_.default"
+    assert all("c10d.allreduce_.default" in {n for u in rd.target_only for n in u.names} for rd in report.ranks)
+    world = [d for d in report.environment if d.key == "world_size"]
+    assert world and (world[0].ref, world[0].target) == (1, 2) and world[0].hint
+
+    assert main(["diff", str(one), str(two), "--rank", "0", "--json", "-"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["target_rank"] for r in doc["ranks"]] == [0] and doc["first_divergent"] is None
+    assert doc["ranks"][0]["first_difference"]["inherited_from"]["collective"]["op"] == "c10d.allreduce_.default"
+
+
+def test_baseline_noise_sets_the_limits(capsys) -> None:
+    """Two bitwise-equal reference runs leave no room: a 5e-7 change the fixed fp32 limits accept is divergent.
+    Reference runs that differ by 2e-4 at one op (a non-deterministic kernel) let a 1e-4 difference there pass."""
+    op = "aten.addcdiv_.default"
+    ref, ref2 = rh.step_trace("mlp_forloop"), rh.record_fn(rh.cache_dir() / "mlp-again", rh.STEPS["mlp_forloop"]())
+    small = rh.step_trace("mlp_forloop", op, rel=5e-7)
+    assert not diff_traces(ref, small).found_difference
+    report = diff_traces(ref, small, baseline=ref2)
+    assert report.first_divergent is not None
+    assert report.first_divergent[1].target == _index(small, op)
+    assert main(["diff", str(ref), str(small)]) == 0
+    assert main(["diff", str(ref), str(small), "--baseline", str(ref2)]) == 1
+
+    mm = "aten.mm.default"
+    noisy_ref2 = rh.step_trace("mlp_forloop", mm, rel=2e-4)
+    target = rh.step_trace("mlp_forloop", mm, rel=1e-4)
+    fixed = diff_traces(ref, target)
+    assert fixed.first_divergent is not None and fixed.first_divergent[1].target == _index(target, mm)
+    assert not diff_traces(ref, target, baseline=noisy_ref2).found_difference
+    # and the safety factor is what lets it through: at 0.25x the reference noise, 1e-4 is too much
+    strict = diff_traces(ref, target, DiffOptions(safety=0.25), baseline=noisy_ref2)
+    assert strict.first_divergent is not None and strict.first_divergent[1].target == _index(target, mm)
+
+
+def test_environment_diff_hints_at_known_causes() -> None:
+    ref = {"torch": "2.13.0", "hostname": "a", "rank": 0, "num_threads": 2,
+           "flags": {"cuda.matmul.allow_tf32": False, "cudnn.benchmark": False},
+           "variables": {"NCCL_ALGO": "Ring"}, "devices": [{"index": 0, "name": "H100"}]}
+    target = {"torch": "2.13.0", "hostname": "b", "rank": 3, "num_threads": 1,
+              "flags": {"cuda.matmul.allow_tf32": True, "cudnn.benchmark": False},
+              "variables": {"NCCL_ALGO": "Tree", "NCCL_DEBUG": "INFO"}, "devices": [{"index": 0, "name": "A100"}]}
+    diffs = {d.key: d for d in environment_diff(ref, target)}
+    assert set(diffs) == {"num_threads", "flags.cuda.matmul.allow_tf32", "variables.NCCL_ALGO", "variables.NCCL_DEBUG",
+                          "devices.0.name"}
+    assert "TF32" in diffs["flags.cuda.matmul.allow_tf32"].hint
+    assert "thread" in diffs["num_threads"].hint and "NCCL algorithm" in diffs["variables.NCCL_ALGO"].hint
+    assert (diffs["variables.NCCL_DEBUG"].ref, diffs["variables.NCCL_DEBUG"].target) == (None, "INFO")
+
+
+def test_usage_and_trace_errors_exit_2_and_3(clean_pair, tmp_path, capsys) -> None:
+    a, b = clean_pair
+    assert main(["diff", str(a), str(b), "--rank", "5"]) == 2
+    assert main(["diff", str(a), str(tmp_path / "missing")]) == 3
+    assert "missing" in capsys.readouterr().err
+
+
+# -- alignment alone, on key sequences -------------------------------------------------------------------------
+def _keys(names: list[str]) -> list[OpKeys]:
+    return [OpKeys(i, (n, "m", "forward", ()), (n, "m", "forward")) for i, n in enumerate(names)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from("abcde"), max_size=60), st.data())
+def test_ops_inserted_on_one_side_are_exactly_the_unaligned_ones(ref: list[str], data) -> None:
+    target = list(ref)
+    inserted = data.draw(st.lists(st.tuples(st.integers(0, len(ref)), st.sampled_from("XYZ")), max_size=10))
+    for pos, name in sorted(inserted, reverse=True):
+        target.insert(pos, name)
+    al = align(_keys(ref), _keys(target))
+    assert al.ref_only == []
+    assert [target[j] for j in al.target_only] == [n for n in target if n in "XYZ"]
+    assert [ref[i] for i, _ in al.pairs] == ref and all(ref[i] == target[j] for i, j in al.pairs)
+    assert all(a < b for (a, _), (b, _) in zip(al.pairs, al.pairs[1:]))
+    assert all(a < b for (_, a), (_, b) in zip(al.pairs, al.pairs[1:]))
+
+
+def test_module_paths_match_through_wrappers() -> None:
+    assert module_key("DistributedDataParallel.module.0") == module_key("Sequential.0") == "0"
+    assert module_key("OptimizedModule._orig_mod.blocks.1.ln1") == module_key("GPT.blocks.1.ln1")
+    assert module_key("GPT.blocks.1") != module_key("GPT.blocks.2")
+
+
+def test_full_trace_against_stats_trace_compares_statistics(tmp_path: Path) -> None:
+    full = rh.step_trace("transformer")
+    stats = rh.record_fn(tmp_path / "stats", rh.STEPS["transformer"](), PlantedFault(LN_BACKWARD), tensors="stats")
+    report = diff_traces(full, stats)
+    _assert_culprit(report, full, stats, LN_BACKWARD)
+    assert report.ranks[0].evidence == [Evidence.STATS]
+
+
+def test_meta_traces_compare_shapes_only(tmp_path: Path) -> None:
+    a = rh.record_fn(tmp_path / "a", rh.STEPS["mlp"](), tensors="meta")
+    b = rh.record_fn(tmp_path / "b", rh.STEPS["mlp"](), PlantedFault("aten.addmm.default"), tensors="meta")
+    report = diff_traces(a, b)
+    assert not report.found_difference  # a meta trace holds no values: the fault cannot be seen
+    assert report.ranks[0].evidence == [Evidence.SHAPES]
+    assert any("tensors=meta" in w for w in report.warnings)
+
+
+def test_rank_pairing() -> None:
+    assert rank_pairs([0], [0, 1]) == [(0, 0), (0, 1)]  # one process against each rank of a 2-rank run
+    assert rank_pairs(list(range(8)), [0]) == [(r, 0) for r in range(8)]
+    assert rank_pairs(list(range(8)), [0], only=3) == [(3, 0)]  # --rank names a rank of the multi-rank side
+    assert rank_pairs([0, 1], [0, 1]) == [(0, 0), (1, 1)]
+    assert rank_pairs([0, 1], [0, 1], only=1) == [(1, 1)]
+    with pytest.raises(UsageError):
+        rank_pairs([0, 1], [2, 3])
+    with pytest.raises(UsageError):
+        rank_pairs([0, 1], [0, 1], only=4)

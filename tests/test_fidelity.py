@@ -1,0 +1,223 @@
+"""Fidelity bugs found on PyTorch's own operator database (the fidelity issue), each replayed as a user would hit it:
+recorded with replaydiff.record, replayed at fp64 and at same, and required to be clean (or named, for a fault)."""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import replaydiff
+from replaydiff.replay import ReplayOptions, Status, replay_trace
+
+
+def _replay_clean(path: Path, *precisions: str) -> None:
+    for p in precisions or ("fp64", "same"):
+        report = replay_trace(str(path), ReplayOptions(precision=p))
+        bad = [(r.index, r.op, r.status.value, r.reason) for r in report.ops
+               if r.status in (Status.DIVERGENT, Status.ERROR, Status.NONDETERMINISTIC)]
+        assert bad == [], p
+        assert report.counts()["ok"] > 0
+
+
+def test_running_statistics_written_by_batch_norm_get_new_versions(tmp_path: Path) -> None:
+    # native_batch_norm updates running_mean/var in training though its schema does not mark them written;
+    # instance_norm reads them back through a later op.
+    x, rm, rv = torch.randn(2, 3, 5), torch.zeros(3), torch.ones(3)
+    with replaydiff.record(tmp_path / "t"):
+        F.instance_norm(x, running_mean=rm, running_var=rv, use_input_stats=True)
+        F.batch_norm(x, rm, rv, training=True)
+        rm * 2
+    r = replaydiff.open_trace(tmp_path / "t").rank(0)
+    bn = next(op for op in r if op.name == "aten.native_batch_norm.default")
+    assert {p.key for p, _ in bn.writes} == {3, 4}  # running_mean, running_var
+    _replay_clean(tmp_path / "t")
+
+
+def test_conjugate_and_negative_bits_survive(tmp_path: Path) -> None:
+    x = torch.randn(3, 4, dtype=torch.complex64)
+    with replaydiff.record(tmp_path / "t"):
+        x.conj().clone()
+        torch._neg_view(x).clone()
+        torch.fft.fft(x).conj().abs()
+    r = replaydiff.open_trace(tmp_path / "t").rank(0)
+    clone = next(op for op in r if op.name == "aten.clone.default")
+    assert clone.inputs()[0].conj and torch.equal(r.tensor(clone.inputs()[0]), x.conj())
+    _replay_clean(tmp_path / "t")
+
+
+def test_complex32_outputs_compare_at_same(tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "ComplexHalf support is experimental"
+        x = torch.randn(4, dtype=torch.complex64)
+        with replaydiff.record(tmp_path / "t"):
+            x.to(torch.complex32).clone()
+        _replay_clean(tmp_path / "t")
+
+
+def test_zero_tensors_are_stored_as_markers(tmp_path: Path) -> None:
+    x = torch.randn(3)
+    with replaydiff.record(tmp_path / "t"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # a recorder warning here would mean the op could not be recorded
+        z = torch._efficientzerotensor((3,))
+        (z + x).sum()
+    r = replaydiff.open_trace(tmp_path / "t").rank(0)
+    assert r.lost == [] and r[0].outputs_refs()[0].zero
+    _replay_clean(tmp_path / "t")
+
+
+def test_overflow_that_the_recorded_dtype_explains_is_not_divergent(tmp_path: Path) -> None:
+    x = torch.tensor([[3e38, 1.0], [2.0, 3e38]], dtype=torch.bfloat16)
+    with replaydiff.record(tmp_path / "t"):
+        y = x * 2  # bf16 overflows to inf; the fp64 reference is finite but beyond bf16's largest value
+    assert torch.isinf(y).sum() == 2
+    _replay_clean(tmp_path / "t", "fp64")
+
+
+def test_an_op_the_recorder_cannot_describe_costs_that_op_alone(tmp_path: Path, monkeypatch) -> None:
+    from replaydiff.record import mode
+
+    real_ref = mode.OpBuilder.ref
+
+    def ref(self, t, store):  # fault injection into the recorder: it cannot describe 7x7 tensors
+        if tuple(t.shape) == (7, 7):
+            raise RuntimeError("cannot describe this tensor")
+        return real_ref(self, t, store)
+
+    monkeypatch.setattr(mode.OpBuilder, "ref", ref)
+    a = torch.randn(3)
+    with pytest.warns(RuntimeWarning, match="could not be recorded"):
+        with replaydiff.record(tmp_path / "t"):
+            b = torch.ones(7, 7)  # not recordable
+            c = b.sum(0)[:3] + a  # reads b: sum is not recordable either; its output is fine
+            a.add_(b[0, :3])  # writes a: not recordable, but a's next reader must not get the old bytes
+            d = (a * c).sum()
+    r = replaydiff.open_trace(tmp_path / "t").rank(0)
+    assert r.complete and len(r) == r.manifest["ops_seen"]
+    failed = [op for op in r[:] if not op.recorded]
+    assert failed and all("could not be recorded" in op.not_recorded_reason for op in failed)
+    assert r[len(r) - 1].recorded and r[len(r) - 1].name == "aten.sum.default"
+    assert float(d) == pytest.approx(float((a * c).sum()))
+    _replay_clean(tmp_path / "t")
+
+
+_USER_OP = '''
+import torch
+
+
+@torch.library.custom_op("rdtest::scale", mutates_args=())
+def scale(x: torch.Tensor, k: float) -> torch.Tensor:
+    return x * k
+
+
+@scale.register_fake
+def _(x, k):
+    return torch.empty_like(x)
+'''
+
+_RECORD_CUSTOM = '''
+import sys, torch, replaydiff
+import rdtest_ops
+import torch.distributed.fsdp._fully_shard._fsdp_collectives  # registers fsdp:: ops
+with replaydiff.record(sys.argv[1]):
+    y = torch.ops.rdtest.scale(torch.randn(3), 2.0) + 1
+    out = torch.zeros(2, 2, 4)
+    torch.ops.fsdp.chunk_cat([torch.randn(2, 3), torch.randn(2, 3)], 1, 2, out=out)
+    out.sum()
+'''
+
+
+def test_custom_ops_replay_from_the_module_that_defines_them(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "rdtest_ops.py").write_text(_USER_OP)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(tmp_path)]))
+    subprocess.run([sys.executable, "-c", _RECORD_CUSTOM, str(tmp_path / "t")], check=True, env=env, cwd=tmp_path)
+    r = replaydiff.open_trace(tmp_path / "t").rank(0)
+    assert r.custom_ops == {"rdtest.scale.default": "rdtest_ops",
+                            "fsdp.chunk_cat.default": "torch.distributed.fsdp._fully_shard._fsdp_collectives"}
+    cli = [sys.executable, "-m", "replaydiff", "replay", str(tmp_path / "t")]
+    env = dict(os.environ, PYTHONPATH=str(root))  # a fresh process: neither module is imported
+    plain = subprocess.run(cli, capture_output=True, text=True, env=env, cwd=root)
+    assert plain.returncode == 0, plain.stderr
+    assert "rdtest.scale.default is defined in Python module rdtest_ops: replay with --import rdtest_ops" \
+        in plain.stdout
+    assert "fsdp" not in plain.stdout  # torch's own module was imported by replay itself: chunk_cat replayed
+    full = subprocess.run(cli + ["--import", "rdtest_ops", "--json", "-"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path)
+    assert full.returncode == 0, full.stderr
+    import json
+
+    report = json.loads(full.stdout)
+    assert report["summary"]["skipped"] == 0 and report["summary"]["ok"] == len(report["ops"])
+    assert {o["op"] for o in report["ops"]} >= {"rdtest.scale.default", "fsdp.chunk_cat.default"}
+
+
+def _ctc_inputs():
+    torch.manual_seed(0)
+    log_probs = torch.randn(50, 3, 15).log_softmax(2)
+    targets = torch.randint(1, 15, (3, 30), dtype=torch.long)
+    return log_probs, targets, [50, 40, 30], [30, 25, 20]
+
+
+def test_positions_a_kernel_leaves_unwritten_are_left_out_and_counted(tmp_path: Path) -> None:
+    # _ctc_loss's log_alpha is written only up to each sequence's lengths; the rest is allocator garbage
+    with replaydiff.record(tmp_path / "t"):
+        F.ctc_loss(*_ctc_inputs())
+    for p in ("fp64", "same"):
+        report = replay_trace(str(tmp_path / "t"), ReplayOptions(precision=p))
+        ctc = next(r for r in report.ops if r.op == "aten._ctc_loss.default")
+        assert ctc.status is Status.OK, (p, ctc.reason)
+        assert "2800 output positions the kernel leaves unwritten were not compared" in ctc.reason
+
+
+def test_a_fault_in_a_partly_unwritten_output_is_still_found(tmp_path: Path) -> None:
+    from replaydiff.faults import PlantedFault
+
+    with PlantedFault("aten._ctc_loss.default", rel=1e-2), replaydiff.record(tmp_path / "t"):
+        F.ctc_loss(*_ctc_inputs())
+    report = replay_trace(str(tmp_path / "t"), ReplayOptions(precision="fp64"))
+    assert report.first_divergent is not None and report.first_divergent.op == "aten._ctc_loss.default"
+
+
+def test_embedding_bag_bookkeeping_outputs_are_compared_only_at_recorded_dtypes(tmp_path: Path) -> None:
+    w, idx, offsets, psw = torch.randn(10, 3), torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4]), \
+        torch.randn(8)
+    with replaydiff.record(tmp_path / "t"):
+        F.embedding_bag(idx, w, offsets, mode="sum", per_sample_weights=psw)
+    _replay_clean(tmp_path / "t")
+
+
+def test_sparse_tensors_are_skipped_with_the_true_reason(tmp_path: Path) -> None:
+    x = torch.randn(3, 3)
+    s = x.to_sparse()
+    with replaydiff.record(tmp_path / "t"):
+        x.to_sparse()
+        torch.sparse.mm(s, x)
+    report = replay_trace(str(tmp_path / "t"), ReplayOptions())
+    reasons = {r.op: r.reason for r in report.ops if r.status is Status.SKIPPED}
+    assert "sparse_coo" in reasons["aten._to_sparse.default"] and "not supported" in reasons["aten._to_sparse.default"]
+    assert "sparse_coo" in reasons["aten._sparse_addmm.default"]
+    assert all(r.status is not Status.OK or "nothing to compare" not in (r.reason or "") for r in report.ops)
+
+
+def test_replay_works_after_torch_freezes_its_backend_flags(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    code = ("import sys, torch, replaydiff\n"
+            "from replaydiff.replay import replay_trace, ReplayOptions\n"
+            "with replaydiff.record(sys.argv[1]):\n    torch.randn(3).exp()\n"
+            "torch.backends.disable_global_flags()  # what importing torch's testing utilities does\n"
+            "r = replay_trace(sys.argv[1], ReplayOptions())\n"
+            "print(r.counts()['ok'], torch.backends.cudnn.benchmark)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "t")], capture_output=True, text=True,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "False"]
