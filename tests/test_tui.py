@@ -539,10 +539,13 @@ async def test_q_quits(traced):
 
 
 # -- CLI and import hygiene -------------------------------------------------------------------------------------------
-def test_cli_unreadable_trace_is_exit_3(tmp_path):
+def test_cli_unreadable_trace_is_exit_3_and_a_missing_device_exit_4(traced, tmp_path):
     from replaydiff.cli.main import main
 
     assert main(["tui", str(tmp_path / "nothing-here")]) == 3
+    if not torch.cuda.is_available():
+        assert main(["tui", str(traced[0]), "--device", "cuda"]) == 4
+    assert main(["tui", str(traced[0]), "--device", "nonsense"]) == 2
 
 
 def test_replaydiff_never_imports_textual_or_tui_until_the_ui_starts():

@@ -25,6 +25,10 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.replay is None:  # a device that is not there is exit 4 here, as for `replay`, not a failure in the UI
+        from replaydiff.replay.engine import check_device
+
+        check_device(args.device)
     try:
         from tui.app import make_app
         from tui.screens.replay_form import ReplaySettings
