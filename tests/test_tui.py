@@ -486,6 +486,22 @@ async def test_the_default_replay_runs_in_the_background_at_fp64_on_the_cpu(trac
         assert app.model.first_nonfinite() == report.nonfinite_origin.index
 
 
+def test_a_replay_in_a_worker_process_gives_the_same_report_shard_by_shard(traced, monkeypatch):
+    """Big traces replay in a worker process (keeping the UI's GIL free); results arrive shard by shard."""
+    from tui import replay_runner
+
+    path, report = traced
+    monkeypatch.setattr(replay_runner, "SHARD_OPS", 300)
+    seen, total = [], []
+    replay_runner.prepare()
+    got = replay_runner.replay_in_background(str(path), ReplayOptions(), progress_total=total.append,
+                                             on_result=seen.append)
+    assert total == [len(report.ops)]
+    assert [(r.rank, r.index, r.status) for r in seen] == [(r.rank, r.index, r.status) for r in report.ops]
+    assert [(r.rank, r.index, r.status, r.reason) for r in got.ops] == \
+        [(r.rank, r.index, r.status, r.reason) for r in report.ops]
+
+
 @sync
 async def test_R_replays_again_with_settings_from_the_form(traced):
     _, report = traced

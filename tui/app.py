@@ -29,10 +29,37 @@ class _Cancelled(Exception):
 
 
 def _default_runner(path: str, settings: ReplaySettings, **callbacks: Any) -> Any:
-    from replaydiff.replay import ReplayOptions, replay_trace
+    from replaydiff.replay import ReplayOptions
+
+    from tui.replay_runner import replay_in_background
 
     opts = ReplayOptions(device=settings.device, precision=settings.precision, repeat=settings.repeat)
-    return replay_trace(path, opts, **callbacks)
+    if _ops_in(path) < IN_PROCESS_OPS:
+        # a small trace replays in a second or two: not worth starting a process that imports torch first
+        from replaydiff.replay import replay_trace
+
+        return replay_trace(path, opts, **callbacks)
+    return replay_in_background(path, opts, **callbacks)
+
+
+IN_PROCESS_OPS = 5000  # below this many ops, replay in a thread of the UI's process; above, in a worker process
+
+
+def _ops_in(path: str) -> int:
+    import replaydiff
+
+    trace = replaydiff.open_trace(path)
+    return sum(len(trace.rank(r)) for r in trace.ranks)
+
+
+def _prepare_default_runner(path: str) -> None:
+    if _ops_in(path) >= IN_PROCESS_OPS:
+        from tui.replay_runner import prepare
+
+        prepare()
+
+
+_default_runner.prepare = _prepare_default_runner  # type: ignore[attr-defined]
 
 
 def _default_reference(trace: Any, i: int, settings: ReplaySettings) -> list | None:
@@ -155,6 +182,13 @@ class ReplaydiffApp(App):
         self.replay_state = "running"
         self.replay_message = ""
         self._refresh_verdicts(full=True)
+        prepare = getattr(self.runner, "prepare", None)
+        if prepare is not None:
+            try:
+                prepare(str(self.trace.path))  # here, on the main thread: it may borrow the real stderr
+            except Exception as exc:
+                self._replay_failed(f"{type(exc).__name__}: {exc}")
+                return
         self._replay_worker(settings, gen)
 
     @work(thread=True, exclusive=True, group="replay", exit_on_error=False)
