@@ -530,16 +530,14 @@ async def test_question_mark_lists_every_key(traced):
         await settle(app, pilot)
         await press(app, pilot, "question_mark")
         assert isinstance(app.screen, HelpScreen)
-        text = app.screen.query_one("#help-keys").visual
-        table_text = "\n".join(str(c) for row in text.renderable.columns for c in row._cells) \
-            if hasattr(text, "renderable") else ""
         shown = [k for k, _ in KEYS]
         for key in ("f", "n / N", "e", "p", "c", "b", "g", "v", "/", "r", "R", "?", "q"):
             assert key in shown
-        for binding in app.main.BINDINGS:
-            label = {"slash": "/", "escape": "Esc"}.get(binding.key, binding.key)
-            assert any(label in k for k in shown) or binding.key == "escape", binding.key
-        del table_text
+        # every key the main screen binds is in the help (Esc is described with the filter and the tree)
+        names = {"slash": "/", "question_mark": "?"}
+        for binding in [*app.main.BINDINGS, *app.BINDINGS]:
+            key = names.get(binding.key, binding.key)
+            assert binding.key == "escape" or any(key in k.split(" / ") or key == k for k in shown), key
         await press(app, pilot, "escape")
         assert not isinstance(app.screen, HelpScreen)
 

@@ -11,7 +11,7 @@ from textual.binding import Binding
 from textual.widgets import Input, ProgressBar, Static
 
 from tui import details
-from tui.model import TraceModel, short_op, status_value
+from tui.model import TraceModel, short_op
 from tui.screens.ancestry import AncestryScreen
 from tui.screens.help import HelpScreen
 from tui.screens.main import MainScreen
@@ -101,7 +101,7 @@ class ReplaydiffApp(App):
         self._done = 0
         self.replay_state = "report" if report is not None else "none"  # none | running | done | failed | report
         self.replay_message = ""
-        self._last_tree = 0.0
+        self._last_tree = self._last_heat = 0.0
         self.detail_op: int | None = None  # the op the detail pane shows (set once its content is in)
         self._main_ready = False  # the main screen is composed
         self._detail_timer = None
@@ -267,8 +267,11 @@ class ReplaydiffApp(App):
         if not self._main_ready:
             return
         self.main.op_list.refresh_rows()
-        self.main.heat.refresh()
         now = self._clock()
+        # the heat strip and the tree summarise every op: while results stream in, redraw them now and then
+        if full or now - self._last_heat > 0.5:
+            self._last_heat = now
+            self.main.heat.refresh_heat()
         if full or now - self._last_tree > 1.0:
             self._last_tree = now
             self.main.tree.refresh_worst()
@@ -612,4 +615,4 @@ def make_app(path: str | Path, *, rank: int | None = None, report_path: str | Pa
                          replay=None if report is not None else (replay or ReplaySettings()))
 
 
-__all__ = ["ReplaydiffApp", "ReplaySettings", "make_app", "status_value"]
+__all__ = ["ReplaydiffApp", "ReplaySettings", "make_app"]

@@ -59,8 +59,14 @@ class HeatStrip(Widget):
             self.selected = op
             self.refresh()
 
+    def refresh_heat(self) -> None:
+        """Recompute the cells from the verdicts (a pass over every op: the app calls it when verdicts changed,
+        at most a few times a second; moving the selection only moves the marker)."""
+        self._key = ()
+        self.refresh()
+
     def cells(self) -> list[tuple[int, int, float | None, int | None]]:
-        key = (id(self.model), self.model.version, self.size.width)
+        key = (id(self.model), self.size.width)
         if key != self._key:
             self._cells = self.model.heat(self.size.width)
             self._key = key
