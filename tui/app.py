@@ -254,7 +254,7 @@ class ReplaydiffApp(App):
             pending, self._pending = self._pending, []
         if pending:
             self._apply(pending)
-            self._refresh_verdicts(full=False)
+            self._refresh_verdicts(full=False, ops={r.index for r in pending if r.rank == self.rank})
         self.update_status()
 
     def _apply(self, results: list) -> None:
@@ -263,10 +263,15 @@ class ReplaydiffApp(App):
             if m is not None:
                 m.add_results([r for r in results if r.rank == rank])
 
-    def _refresh_verdicts(self, full: bool) -> None:
+    def _refresh_verdicts(self, full: bool, ops: set[int] | None = None) -> None:
+        """Redraw what new verdicts change: every row (``full``) or the rows of ``ops``; the heat strip and the
+        module tree, which summarise every op, now and then."""
         if not self._main_ready:
             return
-        self.main.op_list.refresh_rows()
+        if full or ops is None:
+            self.main.op_list.refresh_rows()
+        else:
+            self.main.op_list.refresh_ops(ops)
         now = self._clock()
         # the heat strip and the tree summarise every op: while results stream in, redraw them now and then
         if full or now - self._last_heat > 0.5:
@@ -275,7 +280,8 @@ class ReplaydiffApp(App):
         if full or now - self._last_tree > 1.0:
             self._last_tree = now
             self.main.tree.refresh_worst()
-        if self.detail_op is not None and self.detail_op == self.main.op_list.selected_op:
+        if self.detail_op is not None and self.detail_op == self.main.op_list.selected_op \
+                and (ops is None or self.detail_op in ops):
             r = self.model.results[self.detail_op]
             if r is not None and r is not getattr(self, "_detail_result", None):
                 self.show_detail(self.detail_op)

@@ -76,6 +76,14 @@ class OpList(ScrollView, can_focus=True):
         self.virtual_size = Size(0, len(self.model.visible) + 1)  # +1: the header line
         self.refresh()
 
+    def refresh_ops(self, ops: set[int]) -> None:
+        """Redraw the rows of these ops that are on screen (new verdicts came in for them)."""
+        v = self.model.visible
+        top = int(self.scroll_y)
+        for row in range(top, min(len(v), top + self.scrollable_content_region.height)):
+            if v[row] in ops:
+                self._refresh_row(row)
+
     def set_model(self, model: TraceModel) -> None:
         self.model = model
         self.cursor_row = 0
@@ -171,7 +179,7 @@ class OpList(ScrollView, can_focus=True):
             return Strip.blank(width, base)
         op = v[row]
         selected = row == self.cursor_row
-        key = (op, selected and (1 + self.has_focus), width, self.model.version)
+        key = (op, selected and (1 + self.has_focus), width, id(self.model.results[op]))
         strip = self._cache.get(key)
         if strip is None:
             strip = self._row(op, width, base, selected)
