@@ -9,12 +9,23 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import multiprocessing as mp
+import os
 from typing import Any, Callable
 
 SHARD_OPS = 256
 
 
+_niced = False
+
+
 def _replay_shard(path: str, opts: Any, shard: Any) -> list:
+    global _niced
+    if not _niced:  # the person at the keyboard comes first: on a busy machine the UI gets the CPU before we do
+        _niced = True
+        try:
+            os.nice(10)
+        except OSError:
+            pass
     from replaydiff.replay import run_shard
     from replaydiff.replay.engine import import_modules
     from replaydiff.trace import open_trace
