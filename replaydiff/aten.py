@@ -224,3 +224,31 @@ def current_rank() -> tuple[int, int]:
     except Exception:
         pass
     return int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+# -- what the health report knows about causes ---------------------------------------------------------------------
+# Ops whose float32 CUDA kernels run on TF32 tensor cores when torch.backends.cuda.matmul.allow_tf32 (or
+# set_float32_matmul_precision("high"/"medium")) is set, and convolutions under torch.backends.cudnn.allow_tf32.
+TF32_MATMUL_PACKETS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm", "mv", "addmv",
+                                 "_addmm_activation", "_scaled_dot_product_efficient_attention",
+                                 "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+                                 "_efficient_attention_backward", "_scaled_dot_product_efficient_attention_backward"})
+TF32_CONV_PACKETS = frozenset({"convolution", "_convolution", "convolution_backward", "cudnn_convolution",
+                               "conv2d", "conv1d", "conv3d", "cudnn_convolution_transpose"})
+# Ops PyTorch documents as non-deterministic on CUDA (torch.use_deterministic_algorithms: those that throw without a
+# deterministic kernel, and those that switch to one), plus LayerNorm backward's atomicAdd reductions.
+CUDA_NONDETERMINISTIC_PACKETS = frozenset({
+    "index_add", "index_add_", "index_copy", "index_copy_", "index_put", "index_put_", "_index_put_impl_",
+    "_unsafe_index_put", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
+    "put", "put_", "embedding_dense_backward", "embedding_backward", "_embedding_bag_backward",
+    "_embedding_bag_dense_backward", "_embedding_bag_per_sample_weights_backward", "cumsum", "cumsum_",
+    "histc", "bincount", "kthvalue", "median", "nll_loss2d_forward", "nll_loss2d_backward", "_ctc_loss_backward",
+    "avg_pool3d_backward", "_adaptive_avg_pool2d_backward", "_adaptive_avg_pool3d_backward",
+    "adaptive_max_pool2d_backward", "adaptive_max_pool3d_backward", "max_pool3d_with_indices_backward",
+    "fractional_max_pool2d_backward", "fractional_max_pool3d_backward", "max_unpool2d", "max_unpool3d",
+    "upsample_linear1d_backward", "upsample_bilinear2d_backward", "upsample_bicubic2d_backward",
+    "upsample_trilinear3d_backward", "_upsample_bilinear2d_aa_backward", "_upsample_bicubic2d_aa_backward",
+    "reflection_pad1d_backward", "reflection_pad2d_backward", "reflection_pad3d_backward",
+    "replication_pad1d_backward", "replication_pad2d_backward", "replication_pad3d_backward",
+    "grid_sampler_2d_backward", "grid_sampler_3d_backward", "native_layer_norm_backward",
+})

@@ -56,3 +56,46 @@ class PlantedFault(TorchDispatchMode):
 
     def _on_this_rank(self) -> bool:
         return self.rank is None or current_rank()[0] == self.rank
+
+    @classmethod
+    def from_spec(cls, spec: str) -> "PlantedFault":
+        p = PlantSpec.parse(spec)
+        return cls(p.op, rel=p.rel, occurrence=p.call - 1)
+
+
+@dataclass(frozen=True)
+class PlantSpec:
+    """``OP[:N[:REL]]`` as ``replaydiff record --plant`` takes it: the N-th call (from 1) of OP times 1 + REL.
+
+    OP is a full overload name (``aten.mm.default``), or short: ``mm`` and ``aten.mm`` mean ``aten.mm.default``,
+    ``mylib::fused_ln`` means ``mylib.fused_ln.default``."""
+
+    op: str
+    call: int = 1
+    rel: float = 1e-3
+
+    @classmethod
+    def parse(cls, spec: str) -> "PlantSpec":
+        text = spec.strip()
+        ns, sep, rest = text.partition("::")
+        if sep:  # mylib::fused_ln[.overload][:N[:REL]]
+            text = f"{ns}.{rest}"
+        name, _, tail = text.partition(":")
+        parts = tail.split(":") if tail else []
+        if not name or len(parts) > 2:
+            raise ValueError(f"--plant {spec!r} is not OP[:N[:REL]] (e.g. aten.mm.default:2:1e-3)")
+        dots = name.count(".")
+        op = f"aten.{name}.default" if dots == 0 else (f"{name}.default" if dots == 1 else name)
+        try:
+            call = int(parts[0]) if parts and parts[0] else 1
+            rel = float(parts[1]) if len(parts) > 1 else 1e-3
+        except ValueError:
+            raise ValueError(f"--plant {spec!r}: N must be an integer and REL a number") from None
+        if call < 1:
+            raise ValueError(f"--plant {spec!r}: N counts calls from 1")
+        if rel == 0 or rel != rel:
+            raise ValueError(f"--plant {spec!r}: REL must be a non-zero number")
+        return cls(op, call, rel)
+
+    def describe(self) -> str:
+        return f"{self.op} call {self.call} x(1{self.rel:+g})"

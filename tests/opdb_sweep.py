@@ -80,18 +80,10 @@ _UNINITIALISED_OPINFOS = ("empty", "empty_like", "new_empty", "new_empty_strided
 
 
 def load_op_db() -> list:
-    """``op_db``, imported without leaving torch's backend flags frozen.
-
-    Importing ``torch.testing._internal.common_utils`` calls ``torch.backends.disable_global_flags()``, after which
-    plain assignments such as ``torch.backends.cudnn.allow_tf32 = False`` raise. replaydiff's replay sets the
-    reference settings that way (TRIAGE.md, "frozen backend flags"), so the freeze is undone here, once, the way it
-    was before the import.
-    """
-    flags = torch.backends.flags_frozen.__globals__  # torch.backends' own module dict (the module is wrapped)
-    was = flags["__allow_nonbracketed_mutation_flag"]
+    """``op_db``. Importing it calls ``torch.backends.disable_global_flags()``, as a user's test suite built on
+    torch's testing utilities does; replay works with the flags frozen (TRIAGE.md class 9, fixed), so they stay so."""
     from torch.testing._internal.common_methods_invocations import op_db
 
-    flags["__allow_nonbracketed_mutation_flag"] = was
     return op_db
 
 

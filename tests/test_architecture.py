@@ -84,9 +84,11 @@ def test_import_graph_has_no_cycle() -> None:
 LAYERS = {  # a package may import only from these (besides itself)
     "replaydiff.aten": set(),
     "replaydiff.errors": set(),
+    # planted faults sit at the bottom too: the recorder enters one below itself for `record --plant`
+    "replaydiff.faults": {"replaydiff.aten"},
     "replaydiff.trace": {"replaydiff.aten", "replaydiff.errors"},
     "replaydiff.compare": {"replaydiff.aten", "replaydiff.errors"},
-    "replaydiff.record": {"replaydiff.aten", "replaydiff.errors", "replaydiff.trace"},
+    "replaydiff.record": {"replaydiff.aten", "replaydiff.errors", "replaydiff.trace", "replaydiff.faults"},
     "replaydiff.replay": {"replaydiff.aten", "replaydiff.errors", "replaydiff.trace", "replaydiff.compare"},
     "replaydiff.diff": {"replaydiff.aten", "replaydiff.errors", "replaydiff.trace", "replaydiff.compare",
                         "replaydiff.replay"},

@@ -2,9 +2,9 @@
 
 Every pass (float32, float32 with backward, bfloat16) is replayed by a fresh process, as a user would, and must give
 0 divergent, 0 error, 0 nondeterministic ops at fp64 and at same, skip only uninitialised outputs, lose no
-recording, and leave results bitwise unchanged by recording. OpInfos that fail today
-are kept out of that subset and listed in KNOWN_BROKEN with their cause; one strict xfail per bug class runs them,
-so each test flips to a failure (XPASS) the day its bug is fixed and the OpInfos can join the clean subset.
+recording, and leave results bitwise unchanged by recording. The OpInfos of each bug class the sweep found (TRIAGE.md)
+run again, one test per class, and must be clean too now that the classes are fixed; what is still not clean
+(sparse layouts, which are not recorded; MKL's non-deterministic gelsy) is listed in NOT_CLEAN with its cause.
 The full sweep (every OpInfo, about a minute) is ``python tests/opdb_sweep.py``; its figures are in
 tests/bench/OPDB.md and the causes in TRIAGE.md.
 """
@@ -44,8 +44,8 @@ CI_OPINFOS = [
     "fft.rfft", "cat",
 ]
 
-# OpInfo -> (passes it fails in, cause). The sections of TRIAGE.md give the reproduction and the root cause.
-KNOWN_BROKEN: dict[str, tuple[tuple[str, ...], str]] = {
+# OpInfo -> (passes it failed in, cause fixed). The sections of TRIAGE.md give the reproduction and the root cause.
+FIXED: dict[str, tuple[tuple[str, ...], str]] = {
     "native_batch_norm": (("f32", "grad", "bf16"), "unseen write: running_mean/var written, schema marks nothing"),
     "nn.functional.batch_norm": (("f32", "grad", "bf16"), "unseen write through aten.native_batch_norm"),
     "nn.functional.instance_norm": (("f32", "grad", "bf16"), "unseen write through aten.native_batch_norm"),
@@ -61,16 +61,20 @@ KNOWN_BROKEN: dict[str, tuple[tuple[str, ...], str]] = {
                                                    "registered here' by a replay in a fresh process"),
     "nn.functional.linear_cross_entropy.chunked_none": (("f32", "grad", "bf16"), "torch_nn:: custom op skipped as "
                                                         "'not registered here' by a replay in a fresh process"),
-    # Skipped with a misleading reason (sparse tensors are not recorded): no xfail, they stay skipped once fixed.
-    "sparse.sampled_addmm": (("f32", "grad"), "sparse input skipped as 'inputs not stored in the trace'"),
-    "sparse.mm.reduce": (("f32", "grad", "bf16"), "sparse input skipped as 'inputs not stored in the trace'"),
-    "to_sparse": (("f32", "grad", "bf16"), "sparse output replayed ok with nothing compared"),
+}
+
+# OpInfo -> (passes, why it is not clean): kept out of the clean subset.
+NOT_CLEAN: dict[str, tuple[tuple[str, ...], str]] = {
+    # Sparse tensors are not recorded: skipped, now with that reason.
+    "sparse.sampled_addmm": (("f32", "grad"), "sparse input: skipped, 'sparse_coo tensors are not supported'"),
+    "sparse.mm.reduce": (("f32", "grad", "bf16"), "sparse input: skipped, 'sparse_csr tensors are not supported'"),
+    "to_sparse": (("f32", "grad", "bf16"), "sparse output: skipped, 'output not recorded'"),
     # Not replaydiff's: MKL's gelsy gives other bits from call to call (TRIAGE.md, class 12).
     "linalg.lstsq": (("f32", "grad"), "driver='gelsy' samples are not deterministic without replaydiff"),
     "linalg.lstsq.grad_oriented": (("f32", "grad"), "driver='gelsy' samples are not deterministic"),
 }
 
-# One strict xfail per bug class: (pass, OpInfos).
+# One test per bug class found by the sweep: (pass, OpInfos).
 BUG_CLASSES = {
     "unseen_write_native_batch_norm": ("f32", ["native_batch_norm", "nn.functional.batch_norm",
                                                "nn.functional.instance_norm"]),
@@ -105,12 +109,12 @@ def _problems(res: sweep.PassResult) -> list[str]:
     return out + [f"attribution: {a}" for a in res.unattributed]
 
 
-def test_ci_subset_and_known_broken_are_disjoint(op_db):
+def test_ci_subset_and_the_other_lists_are_disjoint(op_db):
     names = {o.full_name for o in op_db}
     assert set(CI_OPINFOS) <= names, set(CI_OPINFOS) - names
-    assert set(KNOWN_BROKEN) <= names, set(KNOWN_BROKEN) - names
-    assert not set(CI_OPINFOS) & set(KNOWN_BROKEN)
-    assert {n for _, ns in BUG_CLASSES.values() for n in ns} <= set(KNOWN_BROKEN)
+    assert set(FIXED) | set(NOT_CLEAN) <= names, (set(FIXED) | set(NOT_CLEAN)) - names
+    assert not set(CI_OPINFOS) & (set(FIXED) | set(NOT_CLEAN))
+    assert {n for _, ns in BUG_CLASSES.values() for n in ns} <= set(FIXED)
 
 
 @pytest.fixture(scope="module")
@@ -141,12 +145,8 @@ def test_ci_subset_replays_clean(ci_results, pass_name):
         assert sum(r.op.endswith("_backward.default") for r in res.rows) > 10, "backward ops were recorded"
 
 
-@pytest.mark.parametrize("bug", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=AssertionError,
-                                               reason=KNOWN_BROKEN[names[0]][1]))
-    for name, (_, names) in BUG_CLASSES.items()
-])
-def test_known_broken_class(op_db, bug):
+@pytest.mark.parametrize("bug", list(BUG_CLASSES))
+def test_fixed_bug_class_replays_clean(op_db, bug):
     pass_name, names = BUG_CLASSES[bug]
     # In-process replay is faster; only the class that is about the replaying process needs a fresh one.
     res = sweep.run_pass(op_db, sweep.PASSES[pass_name], only=names, fresh_process="fresh_process" in bug)
@@ -154,9 +154,6 @@ def test_known_broken_class(op_db, bug):
     assert _problems(res) == []
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="replay sets backend flags by assignment, which raises once "
-                          "torch.backends.disable_global_flags() ran (TRIAGE.md)")
 def test_replay_with_frozen_backend_flags(tmp_path):
     x = torch.randn(3)
     with replaydiff.record(tmp_path / "t"):

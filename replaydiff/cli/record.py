@@ -32,13 +32,17 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tensor-bytes", type=int, metavar="N", help="store statistics for storages larger than N")
     p.add_argument("--verify-writes", action="store_true",
                    help="checksum stored CPU tensors to notice writes torch never sees (numpy, C extensions)")
+    p.add_argument("--plant", metavar="OP[:N[:REL]]",
+                   help="plant a fault to check that replay finds it: the N-th call (from 1) of OP returns its output "
+                        "times 1+REL (default N=1, REL=1e-3), e.g. aten.mm.default:2; the trace says so")
     p.add_argument("--force", action="store_true", help="replace an existing trace directory")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run, e.g. python train.py")
 
 
 def options_from_args(args: argparse.Namespace) -> RecordOptions:
     return RecordOptions.make(tensors=args.tensors, compress=not args.no_compress, modules=args.modules,
-                              ops=args.ops, max_tensor_bytes=args.max_tensor_bytes, verify_writes=args.verify_writes)
+                              ops=args.ops, max_tensor_bytes=args.max_tensor_bytes, verify_writes=args.verify_writes,
+                              plant=args.plant)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError:
         raise UsageError(f"command not found: {cmd[0]}") from None
     ranks = sorted(p.name for p in out.iterdir() if p.is_dir() and p.name.startswith("rank"))
+    if ranks and options.plant:
+        sys.stderr.write(f"replaydiff: a fault was planted ({options.plant}): replay should name that op; every "
+                         f"report on this trace says so first\n")
     if ranks:
         sys.stderr.write(f"replaydiff: recorded step {args.step} into {args.out} ({len(ranks)} rank(s)). Next:\n"
                          f"  replaydiff show {args.out}\n  replaydiff replay {args.out}\n")

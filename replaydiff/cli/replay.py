@@ -37,6 +37,13 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                         "parallel split")
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import MODULE first: it registers custom ops of the trace (repeatable)")
+    p.add_argument("--reference", choices=("kernel", "decomp"), default="kernel",
+                   help="kernel (default): each op's own kernel at the reference precision; decomp: aten ops with a "
+                        "torch._decomp decomposition run through it, which catches a wrong fused kernel even when "
+                        "the reference device runs the same kernel")
+    p.add_argument("--reference-module", dest="reference_modules", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first: it registers references for custom ops with "
+                        "replaydiff.register_reference(op_name, fn) (repeatable)")
     p.add_argument("--tolerance", action="append", metavar="DTYPE=MAX[,REL]",
                    help="override a dtype's limits on max_abs/(eps*absmax) and rel_l2/eps, e.g. float32=32,16")
     p.add_argument("--no-scale-reductions", action="store_true",
@@ -57,7 +64,8 @@ def options_from_args(args: argparse.Namespace) -> ReplayOptions:
         raise UsageError(str(exc)) from None
     return ReplayOptions(device=args.device, precision=args.precision, repeat=args.repeat, ops=args.ops,
                          first=args.first, last=args.last, ranks=args.ranks, tolerances=tol, threads=args.threads,
-                         imports=args.imports)
+                         imports=args.imports, reference=args.reference,
+                         reference_modules=args.reference_modules)
 
 
 def run(args: argparse.Namespace) -> int:

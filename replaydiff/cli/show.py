@@ -53,6 +53,7 @@ def rank_summary(r: RankTrace, top: int) -> dict[str, Any]:
         "rank": r.rank,
         "ops": n,
         "complete": r.complete,
+        "planted": r.planted.describe() if r.planted is not None else None,
         "truncated_after": r.truncated_after,
         "phases": dict(phases),
         "most_frequent": ops.most_common(top),
@@ -67,6 +68,9 @@ def rank_summary(r: RankTrace, top: int) -> dict[str, Any]:
 
 def _render_summary(path: str, summaries: list[dict], out: TextIO) -> None:
     total = sum(s["bytes_on_disk"] for s in summaries)
+    planted = [s["planted"] for s in summaries if s.get("planted")]
+    if planted:  # the first line of every report on such a trace
+        out.write("PLANTED FAULT (record --plant): " + "; ".join(planted) + "\n")
     out.write(f"trace {path}: {len(summaries)} rank(s), {sum(s['ops'] for s in summaries)} ops, "
               f"{_human(total)} on disk\n")
     for s in summaries:
@@ -142,6 +146,8 @@ def value_plain(v: Any) -> Any:
 
 
 def render_op(r: RankTrace, op: OpRecord, out: TextIO) -> None:
+    if r.planted is not None:
+        out.write(f"PLANTED FAULT (record --plant): {r.planted.describe()}\n")
     out.write(f"op #{op.index} {op.name}  rank {r.rank}\n")
     if not op.recorded:
         out.write(f"  not recorded: {op.not_recorded_reason}\n")

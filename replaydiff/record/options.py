@@ -35,6 +35,9 @@ class RecordOptions:
     # dispatcher never sees (through .numpy(), a C extension's pointer) become new versions. Costs a CRC32 pass
     # (~3 GB/s) per re-read: off by default.
     verify_writes: bool = False
+    # A planted fault, OP[:N[:REL]] (replaydiff.faults.PlantSpec): the N-th call of OP returns its output times
+    # 1 + REL, from a dispatch mode below the recorder, so a user can check on their own job that replay names it.
+    plant: str | None = None
 
     def __post_init__(self) -> None:
         if self.tensors not in TENSOR_MODES:
@@ -45,6 +48,10 @@ class RecordOptions:
             raise ValueError("chunk_ops and chunk_bytes must be positive")
         if self.max_tensor_bytes is not None and self.max_tensor_bytes < 0:
             raise ValueError("max_tensor_bytes must be >= 0")
+        if self.plant is not None:
+            from replaydiff.faults import PlantSpec
+
+            PlantSpec.parse(self.plant)  # ValueError with the accepted form
 
     @classmethod
     def make(cls, tensors: str = "full", compress: bool | int | None = True, **kw: Any) -> "RecordOptions":

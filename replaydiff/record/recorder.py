@@ -55,6 +55,7 @@ class Recorder:
         self.failed_ops = 0
         self._failed_names: set[str] = set()
         self._sigterm_installed = False
+        self._plant = None  # the PlantedFault of options.plant, a mode below the recording mode
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> "Recorder":
@@ -74,6 +75,11 @@ class Recorder:
                                      self.options.chunk_ops, self.options.chunk_bytes, self.options.flush_seconds)
             self._builder = OpBuilder(self)
             self.context.install()
+            if self.options.plant:  # entered first, so that it sits below the recorder and is recorded as a kernel
+                from replaydiff.faults import PlantedFault
+
+                self._plant = PlantedFault.from_spec(self.options.plant)
+                self._plant.__enter__()
             self._mode = RecordingMode(self)
             self._mode.__enter__()
             self._compiled.start()
@@ -105,6 +111,7 @@ class Recorder:
                     "record_seconds": time.perf_counter() - self._started,
                     "disabled": self._disabled_reason,
                     "custom_ops": self.custom_ops,
+                    **({"planted": self._planted()} if self.options.plant else {}),
                 })
             except Exception as exc:
                 self._warn(f"the trace could not be finished: {exc}")
@@ -161,10 +168,23 @@ class Recorder:
             except Exception as exc:
                 log.debug("could not pop the recording mode: %s", exc)
             self._mode = None
+        if self._plant is not None and self._plant in _active_modes():
+            try:
+                self._plant.__exit__(None, None, None)
+            except Exception as exc:
+                log.debug("could not pop the planted fault: %s", exc)
         try:
             self.context.uninstall()
         except Exception as exc:
             log.debug("could not remove tracking hooks: %s", exc)
+
+    def _planted(self) -> dict:
+        """What the manifest says of the planted fault: the spec, and whether the step ever made that call."""
+        from replaydiff.faults import PlantSpec
+
+        spec = PlantSpec.parse(self.options.plant)
+        return {"op": spec.op, "call": spec.call, "rel": spec.rel,
+                "landed": bool(self._plant is not None and self._plant.planted)}
 
     def __enter__(self) -> "Recorder":
         return self.start()
@@ -246,6 +266,12 @@ class Recorder:
 
     def _warn(self, msg: str) -> None:
         warnings.warn(f"replaydiff: {msg}", RuntimeWarning, stacklevel=3)
+
+
+def _active_modes() -> list:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return _get_current_dispatch_mode_stack()
 
 
 def record(path: str | os.PathLike, tensors: str = "full", compress: bool | int = True, **options: Any) -> Recorder:

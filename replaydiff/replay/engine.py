@@ -61,6 +61,7 @@ class ReplayPlan:
     options: ReplayOptions
     shards: list[Shard] = field(default_factory=list)  # one per rank
     warnings: list[str] = field(default_factory=list)
+    planted: list[str] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -85,13 +86,15 @@ def import_modules(modules: list[str]) -> None:
 
 def plan(trace: Trace, opts: ReplayOptions) -> ReplayPlan:
     check_device(opts.device)
-    import_modules(opts.imports)
+    import_modules(opts.imports + opts.reference_modules)
     p = ReplayPlan(str(trace.path), opts)
     for r in (opts.ranks if opts.ranks is not None else trace.ranks):
         rt = trace.rank(r)
         if rt.truncated_after is not None:
             p.warnings.append(f"rank {r}: the recording did not finish (truncated after op {rt.truncated_after}); "
                               f"replaying the complete prefix")
+        if rt.planted is not None:
+            p.planted.append(rt.planted.describe())
         for lost in rt.lost:
             p.warnings.append(f"rank {r}: recording lost data: {lost}")
         for region in rt.compiled_regions:
@@ -141,7 +144,8 @@ def run_shard(rt: RankTrace, opts: ReplayOptions, shard: Shard, progress: Progre
 
 
 def finish(trace: Trace, p: ReplayPlan, results: list[OpResult]) -> ReplayReport:
-    report = ReplayReport(trace=p.path, options=p.options.as_dict(), warnings=list(p.warnings))
+    report = ReplayReport(trace=p.path, options=p.options.as_dict(), warnings=list(p.warnings),
+                          planted=list(p.planted))
     report.ops = sorted(results, key=lambda r: (r.rank, r.index))
     pending = {(r.rank, r.index): r for r in report.ops if r.collective and r.status is Status.SKIPPED}
     if pending:
@@ -168,7 +172,7 @@ def _pool_context() -> mp.context.BaseContext:
 
 
 def _worker(path: str, opts: ReplayOptions, shard: Shard) -> list[OpResult]:
-    import_modules(opts.imports)
+    import_modules(opts.imports + opts.reference_modules)
     return run_shard(open_trace(path).rank(shard.rank), opts, shard)
 
 

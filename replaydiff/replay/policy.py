@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 
 from replaydiff.compare.tolerance import Tolerances
+from replaydiff.replay.references import REFERENCES
 
 PRECISIONS = ("fp64", "fp32", "same")
 
@@ -47,6 +48,15 @@ class ReplayOptions:
     # Python modules to import before replaying: they register the custom ops of the trace (torch's own, such as
     # torch.distributed.fsdp's, are imported without asking; a trace never makes replay import anything else)
     imports: list[str] = field(default_factory=list)
+    # What ops are replayed against: "kernel" (their own, the default) or "decomp" (their torch._decomp
+    # decomposition where one exists); references registered with replaydiff.register_reference come first.
+    reference: str = "kernel"
+    # Modules to import that register references (replaydiff.register_reference) for custom ops
+    reference_modules: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.reference not in REFERENCES:
+            raise ValueError(f"reference must be one of {REFERENCES}, not {self.reference!r}")
 
     def target_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return target_dtype(self.precision, dtype)
@@ -57,7 +67,9 @@ class ReplayOptions:
                 "tolerances": {k: list(v) for k, v in self.tolerances.limits.items()},
                 "scale_reductions": self.tolerances.scale_reductions,
                 **({"threads": self.threads} if self.threads is not None else {}),
-                **({"imports": self.imports} if self.imports else {})}
+                **({"imports": self.imports} if self.imports else {}),
+                **({"reference": self.reference} if self.reference != "kernel" else {}),
+                **({"reference_modules": self.reference_modules} if self.reference_modules else {})}
 
 
 @contextmanager

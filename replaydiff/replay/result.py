@@ -41,6 +41,8 @@ class OpResult:
     nonfinite_origin: bool = False
     # A collective: not run alone, but checked across ranks once every rank's results are in (engine.finish).
     collective: bool = False
+    # With --repeat N: the N runs of the op disagreed with each other (also for an op divergent anyway).
+    repeats_disagree: bool = False
 
     def __post_init__(self) -> None:
         self.status = Status(self.status)
@@ -57,6 +59,8 @@ class ReplayReport:
     options: dict[str, Any]
     ops: list[OpResult] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # Faults planted while recording (record --plant), one description per rank: every report says so first.
+    planted: list[str] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         c = {s.value: 0 for s in Status}

@@ -18,11 +18,12 @@ from typing import Any
 import torch
 
 from replaydiff import aten
-from replaydiff.compare.metrics import ExactMismatch, FloatError, ViewMismatch, measure
+from replaydiff.compare.metrics import ExactMismatch, FloatError, NonfiniteMismatch, ViewMismatch, measure
 from replaydiff.compare.tolerance import reduction_length
 from replaydiff.compare.verdict import (Verdict, judge, judge_measure, scalar_verdict, with_calibration,
                                         with_precision)
 from replaydiff.errors import TraceError
+from replaydiff.replay import references  # what to run instead of a kernel
 from replaydiff.replay.policy import FALLBACKS, ReplayOptions, target_dtype
 from replaydiff.replay.result import OpResult, Status
 from replaydiff.trace.reader import RankTrace
@@ -148,8 +149,7 @@ class OpReplayer:
             raise Skip("uninitialised output (empty*)")
         if not aten.matches_any(name, self.opts.ops):
             raise Skip("not selected by --ops")
-        func = self._resolve(name)
-        seeded = aten.facts(func).seeded
+        func, seeded, note, note_always = self._reference(name)
         keep_dtype = seeded or name in aten.DTYPE_EXACT_OPS or self.opts.precision == "same"
         exact = self.opts.precision == "same" or seeded
         rng = op.rng
@@ -183,11 +183,31 @@ class OpReplayer:
             keep_dtype = keep
 
         pairs, finite = self._judge(op, func, runs, exact, keep_dtype, res, precision, seeded)
+        if note and (note_always or res.status is not Status.OK):
+            res.reason = note if res.reason is None else f"{res.reason}; {note}"
         if fallback:
             res.reason = fallback if res.reason is None else f"{res.reason}; {fallback}"
             if res.verdict is not None:
                 res.verdict = with_precision(res.verdict, precision)
         return pairs, finite
+
+    def _reference(self, name: str) -> tuple[Any, bool, str | None, bool]:
+        """What to run for the op: (callable, is it a random op, what the reference is, whether every result says
+        so or only a problem does: under --reference decomp most ops run through one)."""
+        fn = references.registered_reference(name)
+        if fn is not None:  # a user's reference: the op itself need not be loadable here
+            try:
+                seeded = aten.facts(aten.resolve(name)).seeded
+            except aten.UnknownOp:
+                seeded = False
+            return fn, seeded, "replayed against the reference registered for it (replaydiff.register_reference)", True
+        func = self._resolve(name)
+        seeded = aten.facts(func).seeded
+        if self.opts.reference == "decomp" and not seeded:  # a decomposition would draw other random numbers
+            decomp = references.decomposition(func)
+            if decomp is not None:
+                return decomp, False, "replayed through its torch._decomp decomposition", False
+        return func, seeded, None, False
 
     def _resolve(self, name: str) -> Any:
         try:
@@ -266,7 +286,8 @@ class OpReplayer:
             m = v.measure
             if getattr(m, "nonfinite_recorded", 0) or getattr(getattr(m, "finite", None), "nonfinite_recorded", 0):
                 finite = False
-        if not keep_dtype and any(v.divergent and isinstance(v.measure, FloatError) for _, v in judged):
+        if not keep_dtype and any(v.divergent and isinstance(v.measure, (FloatError, NonfiniteMismatch))
+                                  for _, v in judged):
             judged = self._calibrate(op, func, pairs, judged, in_versions)
         if not seeded and any(v.divergent for _, v in judged):
             judged = self._leave_out_unwritten(op, func, pairs, judged, precision, keep_dtype, exact, k_of=lambda n:
@@ -284,9 +305,11 @@ class OpReplayer:
         if left_out:
             note = f"{left_out} output positions the kernel leaves unwritten were not compared"
             res.reason = note if res.reason is None else f"{res.reason}; {note}"
-        if len(runs) > 1 and _repeats_disagree(runs) and res.status is Status.OK:
-            res.status = Status.NONDETERMINISTIC
-            res.reason = f"{len(runs)} replays of the op disagree with each other"
+        if len(runs) > 1 and _repeats_disagree(runs):
+            res.repeats_disagree = True  # evidence of a non-deterministic kernel, whatever the status
+            if res.status is Status.OK:
+                res.status = Status.NONDETERMINISTIC
+                res.reason = f"{len(runs)} replays of the op disagree with each other"
         # Outputs that are all views of inputs (whose bytes they share) count as finite: a NaN there started earlier.
         return pairs, (finite if len(judged) == len(pairs) else None)
 
@@ -305,6 +328,8 @@ class OpReplayer:
         f = self.opts.tolerances.conditioning_factor
         result = []
         for n, v in judged:
+            if v.divergent and isinstance(v.measure, NonfiniteMismatch) and n < len(same_pairs):
+                v = self._nonfinite_explained(pairs[n][0], same_pairs[n][1], v)
             m = v.measure
             if v.divergent and isinstance(m, FloatError) and n < len(same_pairs) \
                     and isinstance(same_pairs[n][1], torch.Tensor):
@@ -323,6 +348,22 @@ class OpReplayer:
                         v = with_calibration(v, True, f"{v.reason}, {ratio} at its recorded dtype", own)
             result.append((n, v))
         return result
+
+    def _nonfinite_explained(self, ref: TensorRef, same: Any, v: Verdict) -> Verdict:
+        """NaN/Inf recorded where the upcast reference has none is no divergence when the op makes exactly those
+        itself at its recorded dtypes (bf16 matrix_exp overflows inside the kernel): the verdict is then the one
+        on the finite positions."""
+        if not isinstance(same, torch.Tensor):
+            return v
+        recorded = self.trace.tensor(ref)
+        rec_nf, same_nf = ~torch.isfinite(recorded), ~torch.isfinite(same.to(recorded.device))
+        if not torch.equal(rec_nf, same_nf):
+            return v
+        m = measure(recorded[rec_nf], same.to(recorded.device)[same_nf], exact=True)
+        if not isinstance(m, ExactMismatch) or m.mismatches:
+            return v
+        finite = judge_measure(v.measure.finite, recorded.dtype, self.opts.tolerances, v.reduction_k or 1)
+        return finite if finite.divergent else replace(finite, reason=None)
 
     def _leave_out_unwritten(self, op: OpRecord, func: Any, pairs: Pairs, judged: list[tuple[int, Verdict]],
                              precision: str, keep_dtype: bool, exact: bool, k_of: Any,

@@ -1,7 +1,7 @@
 """The JSON replay report, schema ``replaydiff.replay/1`` (documented in the README).
 
-Top level: ``format``, ``trace``, ``options``, ``warnings``, ``summary`` (count per status), ``first_divergent``
-(null or an op object), ``first_nondeterministic``, ``nonfinite_origin`` and ``ops`` (one object per replayed op:
+Top level: ``format``, ``planted`` (faults planted while recording, one line per rank; empty for a real trace),
+``trace``, ``options``, ``warnings``, ``summary`` (count per status), ``first_divergent`` (null or an op object), ``first_nondeterministic``, ``nonfinite_origin`` and ``ops`` (one object per replayed op:
 ``rank``, ``index``, ``op``, ``status``, ``module``, ``phase``, ``source``, ``forward_index``, ``metrics``,
 ``reason``). Floats that are not finite are written as the strings "inf", "-inf" and "nan" so the file stays JSON.
 """
@@ -36,12 +36,13 @@ def op_json(r: OpResult | None) -> dict | None:
     return _clean({"rank": r.rank, "index": r.index, "op": r.op, "status": r.status.value, "module": r.module,
                    "phase": r.phase, "source": r.source, "forward_index": r.forward_index,
                    "forward_source": r.forward_source, "metrics": r.metrics,
-                   "reason": r.reason})
+                   "reason": r.reason, **({"repeats_disagree": True} if r.repeats_disagree else {})})
 
 
 def report_to_json(report: ReplayReport) -> dict:
     return {
         "format": JSON_FORMAT,
+        "planted": list(report.planted),
         "trace": report.trace,
         "options": _clean(report.options),
         "warnings": list(report.warnings),
@@ -61,7 +62,8 @@ def load_replay_json(path: str | Path) -> ReplayReport:
         raise UsageError(f"{path}: not a readable JSON replay report ({exc})") from None
     if not isinstance(d, dict) or d.get("format") != JSON_FORMAT:
         raise UsageError(f"{path}: not a {JSON_FORMAT} report")
-    report = ReplayReport(trace=d.get("trace", ""), options=d.get("options") or {}, warnings=d.get("warnings") or [])
+    report = ReplayReport(trace=d.get("trace", ""), options=d.get("options") or {}, warnings=d.get("warnings") or [],
+                          planted=[str(x) for x in d.get("planted") or []])
     for o in d.get("ops") or []:
         status = Status(o["status"])
         m = o.get("metrics")
@@ -69,7 +71,8 @@ def load_replay_json(path: str | Path) -> ReplayReport:
         report.ops.append(OpResult(rank=o["rank"], index=o["index"], op=o["op"], status=status,
                                    module=o.get("module"), phase=o.get("phase"), source=o.get("source"),
                                    forward_index=o.get("forward_index"), forward_source=o.get("forward_source"),
-                                   verdict=verdict, reason=o.get("reason")))
+                                   verdict=verdict, reason=o.get("reason"),
+                                   repeats_disagree=bool(o.get("repeats_disagree"))))
     origin = d.get("nonfinite_origin")
     if origin:
         for r in report.ops:

@@ -14,6 +14,11 @@ def op_line(r: OpResult) -> str:
     return f"#{r.index} {r.op}  {where}".rstrip()
 
 
+def planted_line(planted: list[str]) -> str:
+    """The first line of every report on a trace with a planted fault: its culprit is there on purpose."""
+    return "PLANTED FAULT (record --plant): " + "; ".join(planted)
+
+
 def metrics_line(r: OpResult) -> str:
     m = r.metrics or {}
     if "norm_max" in m:
@@ -28,6 +33,8 @@ def metrics_line(r: OpResult) -> str:
 def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> None:
     c = report.counts()
     opts = report.options
+    if report.planted:
+        out.write(planted_line(report.planted) + "\n")
     rank_note = ""
     ranks = sorted({r.rank for r in report.ops})
     if len(ranks) > 1:

@@ -1,0 +1,49 @@
+"""Write a standalone repro of one op: replaydiff repro TRACE OP_INDEX [--rank N] -o DIR
+
+DIR/repro.py needs only torch and safetensors (no replaydiff, no trace): it rebuilds the op's recorded inputs (views,
+dtypes, conj/neg bits, generator state) from DIR/inputs.safetensors, runs the op on --device and at float64 on the
+CPU, and prints the error of the recorded output and of the device run in the replay report's units. Hand DIR to
+the kernel's owner.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from replaydiff.errors import UsageError
+from replaydiff.trace import open_trace
+
+NAME = "repro"
+HELP = "write a standalone script (torch + safetensors only) that re-runs one recorded op"
+
+
+def prepare_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="trace directory")
+    p.add_argument("op", type=int, metavar="OP_INDEX", help="the op's number (as replay and show print it)")
+    p.add_argument("--rank", type=int, default=None, help="rank of the op (default: the trace's first rank)")
+    p.add_argument("-o", "--out", required=True, metavar="DIR", help="directory to write repro.py and "
+                                                                     "inputs.safetensors into")
+    p.add_argument("--force", action="store_true", help="overwrite an existing repro in DIR")
+
+
+def run(args: argparse.Namespace) -> int:
+    from replaydiff.report.repro import INPUTS, SCRIPT, write_repro
+
+    trace = open_trace(args.trace)
+    rank = trace.ranks[0] if args.rank is None else args.rank
+    if rank not in trace.ranks:
+        raise UsageError(f"--rank {rank}: the trace holds ranks {trace.ranks}")
+    rt = trace.rank(rank)
+    if not 0 <= args.op < len(rt):
+        raise UsageError(f"op {args.op} is not in rank {rank} (ops 0..{len(rt) - 1})")
+    out = Path(args.out)
+    existing = [p for p in (out / SCRIPT, out / INPUTS) if p.exists()]
+    if existing and not args.force:
+        raise UsageError(f"{existing[0]} exists; pass --force to overwrite it")
+    files = write_repro(rt, rt[args.op], out, source_trace=args.trace)
+    if rt.planted is not None:
+        sys.stdout.write(f"PLANTED FAULT (record --plant): {rt.planted.describe()}\n")
+    sys.stdout.write(f"wrote {files.script} and {files.inputs} ({files.nbytes} bytes of tensor data). Run:\n"
+                     f"  python {files.script} [--device cuda]\n")
+    return 0

@@ -1,0 +1,467 @@
+"""The health report of a replayed trace: checks, the culprit, the worst ops, errors per module, the environment,
+and likely causes, each shown with the evidence in the trace that supports it.
+
+``build_health(trace, report)`` gathers everything into plain dataclasses (and may re-run the culprit to test a
+cause: its dependence on the CPU thread count); ``render_markdown`` and ``render_html`` write it to a TextIO. The
+HTML is one self-contained file (inline CSS and an inline SVG plot of the error along the op sequence). A cause is
+listed only when its evidence is there: no hint is a guess.
+"""
+from __future__ import annotations
+
+import html
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from replaydiff import aten
+from replaydiff.compare.metrics import ExactMismatch, FloatError, NonfiniteMismatch
+from replaydiff.replay.result import OpResult, ReplayReport, Status
+from replaydiff.report.text import metrics_line, op_line, planted_line
+from replaydiff.trace.reader import Trace
+
+TOP = 10
+# An error over its limit by at most this factor is still of the size of the dtype's rounding (the limits were set at
+# 2.7x the largest error of healthy ops), not of a wrong kernel (a planted 1e-3 fault in fp32 is ~500x).
+ROUNDING_FACTOR = 4.0
+
+
+@dataclass(frozen=True)
+class Check:
+    what: str
+    measured: str
+    limit: str
+    passed: bool | None  # None: not checked by this replay (say how to check it)
+
+
+@dataclass(frozen=True)
+class Cause:
+    title: str
+    evidence: list[str]
+    remedy: str
+
+
+@dataclass(frozen=True)
+class ModuleRow:
+    module: str
+    ops: int
+    divergent: int
+    worst: float | None  # largest error / limit
+    worst_op: OpResult | None
+
+
+@dataclass
+class Health:
+    trace: str
+    planted: list[str]
+    options: dict
+    counts: dict[str, int]
+    checks: list[Check] = field(default_factory=list)
+    culprit: OpResult | None = None
+    culprit_kind: str = ""
+    top: list[tuple[OpResult, float]] = field(default_factory=list)
+    modules: list[ModuleRow] = field(default_factory=list)
+    environment: dict = field(default_factory=dict)
+    environment_rank: int | None = None
+    causes: list[Cause] = field(default_factory=list)
+    points: list[tuple[int, int, float, str]] = field(default_factory=list)  # (rank, index, error/limit, status)
+    warnings: list[str] = field(default_factory=list)
+
+
+def normalised_error(r: OpResult) -> float | None:
+    """An op's error over its limit (1.0 = at the limit): the larger of max_abs and rel_l2, each over its limit.
+    Exact comparisons: 0 when equal, inf when any element differs."""
+    v = r.verdict
+    if v is None:
+        return None
+    m = v.measure
+    if isinstance(m, NonfiniteMismatch):
+        return math.inf
+    if isinstance(m, FloatError):
+        if not v.limit_max or not v.limit_rel:
+            return None
+        return max(m.norm_max / v.limit_max, m.norm_rel / v.limit_rel)
+    if isinstance(m, ExactMismatch):
+        return math.inf if m.mismatches else 0.0
+    return math.inf if v.divergent else None
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if math.isinf(x):
+        return "inf"
+    return f"{x:.3g}"
+
+
+# -- gathering ------------------------------------------------------------------------------------------------------
+def build_health(trace: Trace, report: ReplayReport, probe: bool = True) -> Health:
+    h = Health(trace=report.trace or str(trace.path), planted=list(report.planted), options=dict(report.options),
+               counts=report.counts(), warnings=list(report.warnings))
+    if not h.planted:  # a report written before --plant existed, or by hand: the trace still knows
+        h.planted = [rt.planted.describe() for rt in trace if rt.planted is not None]
+    errs = {(r.rank, r.index): normalised_error(r) for r in report.ops}
+    h.points = [(r.rank, r.index, e, r.status.value) for r in report.ops
+                if (e := errs[(r.rank, r.index)]) is not None]
+    h.culprit = report.first_divergent or report.first_nondeterministic
+    h.culprit_kind = "first divergent op" if report.first_divergent else (
+        "first nondeterministic op" if h.culprit else "")
+    ranked = sorted(((r, e) for r in report.ops if (e := errs[(r.rank, r.index)]) is not None),
+                    key=lambda p: (-p[1], p[0].rank, p[0].index))
+    h.top = ranked[:TOP]
+    h.modules = _modules(report, errs)
+    rank = h.culprit.rank if h.culprit else (trace.ranks[0] if trace.ranks else None)
+    if rank is not None and rank in trace.ranks:
+        h.environment, h.environment_rank = trace.rank(rank).environment, rank
+    h.checks = _checks(trace, report, errs)
+    h.causes = _causes(trace, report, h, probe)
+    return h
+
+
+def _modules(report: ReplayReport, errs: dict) -> list[ModuleRow]:
+    groups: dict[str, list[OpResult]] = defaultdict(list)
+    for r in report.ops:
+        if r.status is not Status.SKIPPED:
+            groups[r.module or "(outside any module)"].append(r)
+    rows = []
+    for mod, ops in groups.items():
+        scored = [(errs[(r.rank, r.index)], r) for r in ops if errs[(r.rank, r.index)] is not None]
+        worst = max(scored, key=lambda p: p[0], default=(None, None))
+        rows.append(ModuleRow(mod, len(ops), sum(r.status is Status.DIVERGENT for r in ops), worst[0], worst[1]))
+    return sorted(rows, key=lambda m: (-(m.worst if m.worst is not None else -1), m.module))
+
+
+def _checks(trace: Trace, report: ReplayReport, errs: dict) -> list[Check]:
+    c = report.counts()
+    repeat = int(report.options.get("repeat") or 1)
+    worst = max((e for e in errs.values() if e is not None), default=None)
+    origin = report.nonfinite_origin
+    collectives = [r for r in report.ops if aten.is_collective(r.op) and r.status is not Status.SKIPPED]
+    bad_coll = [r for r in collectives if r.status is Status.DIVERGENT]
+    ranks = [trace.rank(r) for r in sorted({r.rank for r in report.ops} or set(trace.ranks)) if r in trace.ranks]
+    incomplete = [f"rank {rt.rank} truncated after op {rt.truncated_after}" for rt in ranks
+                  if rt.truncated_after is not None or not rt.complete]
+    lost = sum(len(rt.lost) for rt in ranks)
+    checks = [
+        Check("ops divergent from the reference", str(c["divergent"]), "0", c["divergent"] == 0),
+        Check("largest error / limit", _fmt(worst), "1", None if worst is None else worst <= 1.0),
+        Check("ops whose repeated runs disagree", str(c["nondeterministic"]) if repeat > 1 else
+              "not checked (replay --repeat N)", "0", (c["nondeterministic"] == 0) if repeat > 1 else None),
+        Check("ops that could not be replayed", str(c["error"]), "0", c["error"] == 0),
+        Check("NaN/Inf origin", f"#{origin.index} {origin.op}" if origin else "none", "none", origin is None),
+        Check("collectives consistent across ranks", f"{len(bad_coll)} of {len(collectives)} disagree"
+              if collectives else "none checked", "0", (not bad_coll) if collectives else None),
+        Check("recording complete", "; ".join(incomplete) or "complete", "complete", not incomplete),
+        Check("data lost while recording", str(lost), "0", lost == 0),
+        Check("ops skipped", str(c["skipped"]), "-", None),
+    ]
+    return checks
+
+
+# -- causes ---------------------------------------------------------------------------------------------------------
+def _causes(trace: Trace, report: ReplayReport, h: Health, probe: bool) -> list[Cause]:
+    causes: list[Cause] = []
+    culprit = h.culprit
+    op = None
+    if culprit is not None and culprit.rank in trace.ranks:
+        try:
+            op = trace.rank(culprit.rank)[culprit.index]
+        except Exception:  # a damaged chunk: the causes that need the op record are left out
+            op = None
+    env = trace.rank(culprit.rank).environment if op is not None else {}
+    flags = env.get("flags") or {}
+    if culprit is not None and op is not None:
+        packet = aten.packet(culprit.op)
+        devices = {r.device for r in op.outputs_refs() if isinstance(r.device, str)}
+        dtypes = {r.dtype for r in op.inputs()}
+        on_cuda = any(d.startswith("cuda") for d in devices)
+        # TF32 -----------------------------------------------------------------------------------------------------
+        tf32_flags = []
+        if packet in aten.TF32_MATMUL_PACKETS:
+            if flags.get("cuda.matmul.allow_tf32"):
+                tf32_flags.append("torch.backends.cuda.matmul.allow_tf32 = True")
+            if flags.get("float32_matmul_precision") in ("high", "medium"):
+                tf32_flags.append(f"torch.get_float32_matmul_precision() = {flags['float32_matmul_precision']!r}")
+        if packet in aten.TF32_CONV_PACKETS and flags.get("cudnn.allow_tf32"):
+            tf32_flags.append("torch.backends.cudnn.allow_tf32 = True")
+        if tf32_flags and on_cuda and "float32" in dtypes:
+            ev = [f"recorded with {', '.join(tf32_flags)} (environment of rank {culprit.rank})",
+                  f"the culprit {op_line(culprit)} is a {'convolution' if packet in aten.TF32_CONV_PACKETS else 'matmul'}"
+                  f" on {', '.join(sorted(devices))} with float32 inputs", metrics_line(culprit)]
+            m = culprit.verdict.measure if culprit.verdict else None
+            if isinstance(m, FloatError) and 1e-4 <= m.rel_l2 <= 1e-2:
+                ev.append(f"its rel_l2 {m.rel_l2:.2g} is the size of TF32's 10-bit mantissa (~1e-3), "
+                          f"not float32's (~1e-7)")
+            causes.append(Cause("TF32 matmul / convolution", ev,
+                                "torch.backends.cuda.matmul.allow_tf32 = False; torch.backends.cudnn.allow_tf32 = "
+                                "False (or torch.set_float32_matmul_precision(\"highest\")) in the job, then record "
+                                "again"))
+        # non-deterministic kernels ---------------------------------------------------------------------------------
+        nd = [r for r in report.ops if r.repeats_disagree and r.op == culprit.op]
+        if packet in aten.CUDA_NONDETERMINISTIC_PACKETS and nd:
+            causes.append(Cause("a non-deterministic kernel", [
+                f"the culprit {culprit.op} is among the ops PyTorch documents as non-deterministic on CUDA "
+                f"(torch.use_deterministic_algorithms)",
+                f"replay --repeat {report.options.get('repeat')} on {report.options.get('device')} at "
+                f"{report.options.get('precision')}: {len(nd)} call(s) of it gave different results run to run"
+                + (" (the culprit itself)" if culprit in nd else f", first #{nd[0].index}")],
+                "torch.use_deterministic_algorithms(True) and CUBLAS_WORKSPACE_CONFIG=:4096:8 in the job (an op "
+                "without a deterministic kernel then raises and names itself), or replace the op (index_add_/"
+                "scatter_add_ by a sort-based segment sum) where the difference matters"))
+        # CPU thread count -----------------------------------------------------------------------------------------
+        if probe and devices and all(d.startswith("cpu") for d in devices):
+            c = _thread_probe(trace, culprit, env)
+            if c is not None:
+                causes.append(c)
+    # rounding level -------------------------------------------------------------------------------------------------
+    if culprit is not None and culprit.status is Status.DIVERGENT and culprit.verdict is not None:
+        v = culprit.verdict
+        m = v.measure
+        if isinstance(m, FloatError) and v.limit_max and v.limit_rel and \
+                m.norm_max <= ROUNDING_FACTOR * v.limit_max and m.norm_rel <= ROUNDING_FACTOR * v.limit_rel:
+            causes.append(Cause("an error at the level of the dtype's rounding", [
+                f"the culprit's error is max_abs/(eps*absmax) {m.norm_max:.3g} and rel_l2/eps {m.norm_rel:.3g}: "
+                f"within {ROUNDING_FACTOR:g}x of the limits ({v.limit_max:.3g}, {v.limit_rel:.3g}) set at 2.7x "
+                f"the largest error of healthy ops, far below a wrong kernel's (a 1e-3 fault is ~8,000 in fp32)"],
+                "most likely a valid but different summation order (another kernel, thread split or accumulation "
+                "precision), not a bug: check bit for bit with replay --precision same on the recording backend, "
+                "or widen the limit with --tolerance DTYPE=MAX,REL if such differences are expected"))
+    # collectives ----------------------------------------------------------------------------------------------------
+    bad = [r for r in report.ops if aten.is_collective(r.op) and r.status is Status.DIVERGENT]
+    if bad:
+        r = bad[0]
+        cenv = trace.rank(r.rank).environment if r.rank in trace.ranks else {}
+        nccl = {k: v for k, v in (cenv.get("variables") or {}).items() if k.startswith("NCCL_")}
+        ev = [f"rank {r.rank} {op_line(r)}: its output is not what all ranks' recorded inputs imply "
+              f"({r.reason or metrics_line(r)})",
+              f"{len(bad)} collective(s) disagree, on rank(s) {sorted({x.rank for x in bad})}; the other ranks' "
+              f"copies of the same collectives agree" if len({x.rank for x in bad}) < len(trace.ranks)
+              else f"{len(bad)} collective(s) disagree on every rank",
+              f"NCCL {cenv.get('nccl')}, variables {nccl or 'none set'} on rank {r.rank}"]
+        causes.append(Cause("a collective that disagrees across ranks", ev,
+                            "check that every rank runs the same NCCL version and NCCL_* settings (NCCL_ALGO, "
+                            "NCCL_PROTO), run nccl-tests' all_reduce_perf on that node, and look for a faulty GPU "
+                            "or link on the rank named; replay --rank R alone to confirm"))
+    return causes
+
+
+def _thread_probe(trace: Trace, culprit: OpResult, env: dict) -> Cause | None:
+    """Re-run a CPU culprit at its recorded dtypes with the recorded thread count and with another: bitwise equal
+    to the recording with the first and different with the second means the result depends on the thread count."""
+    import torch
+
+    from replaydiff.replay.policy import ReplayOptions, reference_settings
+    from replaydiff.replay.runner import OpReplayer
+
+    recorded = env.get("num_threads")
+    if not isinstance(recorded, int) or recorded < 1:
+        return None
+    other = 1 if recorded > 1 else 2
+    rt = trace.rank(culprit.rank)
+    op = rt[culprit.index]
+    results = {}
+    for n in (recorded, other):
+        with reference_settings(n), torch.inference_mode():
+            results[n] = OpReplayer(rt, ReplayOptions(precision="same")).replay(op)
+    same, diff = results[recorded], results[other]
+    if same.status is Status.OK and diff.status is Status.DIVERGENT:
+        return Cause("a result that depends on the CPU thread count", [
+            f"re-ran {op_line(culprit)} at its recorded dtypes: with the recorded {recorded} thread(s) it is bit for "
+            f"bit the recorded output; with {other} thread(s) {diff.reason}",
+            "so the kernel reduces in an order set by its parallel split: two runs (or ranks) with different "
+            "thread counts disagree here without any bug"],
+            f"fix the thread count (torch.set_num_threads, OMP_NUM_THREADS) across the runs you compare; replay "
+            f"--precision same --threads {recorded} checks bit for bit")
+    return None
+
+
+# -- rendering ------------------------------------------------------------------------------------------------------
+def _title(h: Health) -> list[str]:
+    lines = []
+    if h.planted:
+        lines.append(planted_line(h.planted))
+    lines.append(f"replaydiff health report: {h.trace}")
+    return lines
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |\n"
+
+
+def _passed(c: Check) -> str:
+    return "n/a" if c.passed is None else ("pass" if c.passed else "FAIL")
+
+
+def render_markdown(h: Health, out: TextIO) -> None:
+    title = _title(h)
+    if h.planted:
+        out.write(f"**{title[0]}**\n\n")
+    out.write(f"# {title[-1]}\n\n")
+    o = h.options
+    out.write(f"Replayed on {o.get('device')} at {o.get('precision')}"
+              + (f", reference {o['reference']}" if o.get("reference") else "") + ": "
+              + ", ".join(f"{n} {s}" for s, n in h.counts.items()) + "\n\n")
+    for w in h.warnings:
+        out.write(f"- warning: {w}\n")
+    out.write("## Checks\n\n" + _row(["check", "measured", "limit", "result"]) + _row(["---"] * 4))
+    for c in h.checks:
+        out.write(_row([c.what, c.measured, c.limit, _passed(c)]))
+    out.write("\n## Culprit\n\n")
+    if h.culprit is None:
+        out.write("No divergent or nondeterministic op.\n")
+    else:
+        r = h.culprit
+        out.write(f"{h.culprit_kind}: **#{r.index} {r.op}**" + (f" (rank {r.rank})" if r.rank else "") + "\n\n")
+        for k, v in _culprit_fields(r):
+            out.write(f"- {k}: {v}\n")
+    out.write(f"\n## The {TOP} ops with the largest error / limit\n\n")
+    out.write(_row(["op", "name", "module", "phase", "status", "error / limit", "detail"]) + _row(["---"] * 7))
+    for r, e in h.top:
+        out.write(_row([f"#{r.index}" + (f" r{r.rank}" if r.rank else ""), r.op, r.module or "", r.phase or "",
+                        r.status.value, _fmt(e), metrics_line(r)]))
+    out.write("\n## Error per module\n\n")
+    out.write(_row(["module", "ops", "divergent", "largest error / limit", "at"]) + _row(["---"] * 5))
+    for m in h.modules:
+        out.write(_row([m.module, str(m.ops), str(m.divergent), _fmt(m.worst),
+                        f"#{m.worst_op.index} {m.worst_op.op}" if m.worst_op else ""]))
+    out.write("\n## Likely causes\n\n")
+    if not h.causes:
+        out.write("None with evidence in this trace and replay.\n")
+    for c in h.causes:
+        out.write(f"### {c.title}\n\nEvidence:\n\n" + "".join(f"- {e}\n" for e in c.evidence)
+                  + f"\nRemedy: {c.remedy}\n\n")
+    out.write("\n## Environment" + (f" (rank {h.environment_rank})" if h.environment_rank is not None else "")
+              + "\n\n")
+    for k, v in _environment_rows(h.environment):
+        out.write(f"- {k}: {v}\n")
+
+
+def _culprit_fields(r: OpResult) -> list[tuple[str, str]]:
+    rows = [("module", r.module or "-"), ("phase", r.phase or "-"), ("source line", r.source or "-")]
+    if r.forward_index is not None:
+        rows.append(("forward op", f"#{r.forward_index}" + (f" at {r.forward_source}" if r.forward_source else "")))
+    rows.append(("error", metrics_line(r)))
+    if r.reason:
+        rows.append(("reason", r.reason))
+    return rows
+
+
+def _environment_rows(env: dict) -> list[tuple[str, str]]:
+    rows = [(k, str(env.get(k))) for k in ("torch", "cuda", "cudnn", "nccl", "driver", "num_threads",
+                                           "num_interop_threads", "hostname", "rank", "world_size", "platform")
+            if k in env]
+    devices = env.get("devices") or []
+    rows.append(("devices", ", ".join(f"{d.get('name')} (sm {'.'.join(map(str, d.get('capability') or []))})"
+                                      for d in devices) or "none (CPU)"))
+    for k, v in (env.get("flags") or {}).items():
+        rows.append((k, str(v)))
+    for k, v in (env.get("variables") or {}).items():
+        rows.append((f"${k}", str(v)))
+    return rows
+
+
+# -- HTML -----------------------------------------------------------------------------------------------------------
+_CSS = """body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;
+vertical-align:top}th{background:#f3f3f3}.FAIL{color:#b00;font-weight:bold}.pass{color:#070}.planted{background:#fee;
+border:2px solid #b00;padding:.5em;font-weight:bold}code{background:#f6f6f6}svg{border:1px solid #ddd}"""
+
+
+def _esc(x: Any) -> str:
+    return html.escape(str(x))
+
+
+def _table(head: list[str], rows: list[list[str]], classes: list[str] | None = None) -> str:
+    out = ["<table><tr>" + "".join(f"<th>{_esc(h)}</th>" for h in head) + "</tr>"]
+    for i, r in enumerate(rows):
+        cls = f' class="{classes[i]}"' if classes and classes[i] else ""
+        out.append(f"<tr{cls}>" + "".join(f"<td>{_esc(c)}</td>" for c in r) + "</tr>")
+    return "".join(out) + "</table>\n"
+
+
+def error_plot_svg(points: list[tuple[int, int, float, str]], width: int = 1000, height: int = 260) -> str:
+    """Error / limit (log scale) of every judged op along the op sequence; the limit is the dashed line at 1."""
+    pad_l, pad_r, pad_t, pad_b = 60, 10, 10, 30
+    if not points:
+        return f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="40"><text x="10" y="25">' \
+               f"no op was judged</text></svg>"
+    ranks = sorted({p[0] for p in points})
+    span = {r: max(p[1] for p in points if p[0] == r) + 1 for r in ranks}
+    offset, acc = {}, 0
+    for r in ranks:  # ranks side by side along x
+        offset[r], acc = acc, acc + span[r]
+    lo, hi = -4.0, 4.0  # log10 of error / limit shown; beyond is clipped to the edge
+
+    def x(rank: int, i: int) -> float:
+        return pad_l + (offset[rank] + i) / max(1, acc) * (width - pad_l - pad_r)
+
+    def y(e: float) -> float:
+        v = hi if math.isinf(e) else (lo if e <= 0 else min(hi, max(lo, math.log10(e))))
+        return pad_t + (hi - v) / (hi - lo) * (height - pad_t - pad_b)
+
+    colour = {"divergent": "#c00", "nondeterministic": "#e80", "ok": "#579"}
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" role="img"><title>error / limit along the op sequence</title>']
+    for v in range(int(lo), int(hi) + 1, 2):
+        yy = y(10.0 ** v)
+        parts.append(f'<line x1="{pad_l}" x2="{width - pad_r}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#eee"/>'
+                     f'<text x="{pad_l - 6}" y="{yy + 4:.1f}" font-size="11" text-anchor="end">1e{v}</text>')
+    y1 = y(1.0)
+    parts.append(f'<line x1="{pad_l}" x2="{width - pad_r}" y1="{y1:.1f}" y2="{y1:.1f}" stroke="#c00" '
+                 f'stroke-dasharray="4 3"/><text x="{width - pad_r - 4}" y="{y1 - 4:.1f}" font-size="11" '
+                 f'text-anchor="end" fill="#c00">limit</text>')
+    for r, i, e, status in points:
+        c = colour.get(status, "#999")
+        rad = 3.5 if status != "ok" else 1.8
+        parts.append(f'<circle cx="{x(r, i):.1f}" cy="{y(e):.1f}" r="{rad}" fill="{c}"><title>'
+                     f'{_esc(f"rank {r} op #{i} {status} error/limit {_fmt(e)}")}</title></circle>')
+    parts.append(f'<text x="{(width + pad_l) / 2:.0f}" y="{height - 8}" font-size="12" text-anchor="middle">'
+                 f'op number' + (" (ranks side by side: " + ", ".join(map(str, ranks)) + ")" if len(ranks) > 1
+                                 else "") + "</text>")
+    parts.append(f'<text x="14" y="{height / 2:.0f}" font-size="12" transform="rotate(-90 14 {height / 2:.0f})" '
+                 f'text-anchor="middle">error / limit</text></svg>')
+    return "".join(parts)
+
+
+def render_html(h: Health, out: TextIO) -> None:
+    title = _title(h)
+    if h.planted:  # the first line of every report says so
+        out.write(f"<!-- {_esc(title[0])} -->\n")
+    out.write(f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>"
+              f"{_esc(title[-1])}</title><style>{_CSS}</style></head><body>\n")
+    if h.planted:
+        out.write(f'<p class="planted">{_esc(title[0])}</p>\n')
+    o = h.options
+    out.write(f"<h1>{_esc(title[-1])}</h1><p>Replayed on {_esc(o.get('device'))} at {_esc(o.get('precision'))}: "
+              + _esc(", ".join(f"{n} {s}" for s, n in h.counts.items())) + "</p>\n")
+    for w in h.warnings:
+        out.write(f"<p>warning: {_esc(w)}</p>\n")
+    out.write("<h2>Checks</h2>" + _table(["check", "measured", "limit", "result"],
+                                         [[c.what, c.measured, c.limit, _passed(c)] for c in h.checks],
+                                         [_passed(c) for c in h.checks]))
+    out.write("<h2>Error along the op sequence</h2>\n" + error_plot_svg(h.points) + "\n<h2>Culprit</h2>\n")
+    if h.culprit is None:
+        out.write("<p>No divergent or nondeterministic op.</p>\n")
+    else:
+        r = h.culprit
+        out.write(f"<p>{_esc(h.culprit_kind)}: <b>#{r.index} {_esc(r.op)}</b>"
+                  + (f" (rank {r.rank})" if r.rank else "") + "</p>"
+                  + _table(["", ""], [[k, v] for k, v in _culprit_fields(r)]))
+    out.write(f"<h2>The {TOP} ops with the largest error / limit</h2>" + _table(
+        ["op", "name", "module", "phase", "status", "error / limit", "detail"],
+        [[f"#{r.index}" + (f" r{r.rank}" if r.rank else ""), r.op, r.module or "", r.phase or "", r.status.value,
+          _fmt(e), metrics_line(r)] for r, e in h.top]))
+    out.write("<h2>Error per module</h2>" + _table(
+        ["module", "ops", "divergent", "largest error / limit", "at"],
+        [[m.module, str(m.ops), str(m.divergent), _fmt(m.worst),
+          f"#{m.worst_op.index} {m.worst_op.op}" if m.worst_op else ""] for m in h.modules]))
+    out.write("<h2>Likely causes</h2>\n")
+    if not h.causes:
+        out.write("<p>None with evidence in this trace and replay.</p>\n")
+    for c in h.causes:
+        out.write(f"<h3>{_esc(c.title)}</h3><p>Evidence:</p><ul>" + "".join(f"<li>{_esc(e)}</li>"
+                                                                          for e in c.evidence)
+                  + f"</ul><p>Remedy: {_esc(c.remedy)}</p>\n")
+    out.write("<h2>Environment" + (f" (rank {h.environment_rank})" if h.environment_rank is not None else "")
+              + "</h2>" + _table(["", ""], [[k, v] for k, v in _environment_rows(h.environment)]))
+    out.write("</body></html>\n")

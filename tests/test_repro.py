@@ -1,0 +1,215 @@
+"""`replaydiff repro`: the generated script runs with only torch and safetensors (`python -I`, no replaydiff on the
+path) and prints the same error as replay, for a plain op, an in-place op, a view-producing op and a random op.
+
+Also `record --plant` as the public option: the manifest says a fault was planted and every report says so first.
+"""
+from __future__ import annotations
+
+import io
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import replaydiff
+from replaydiff.cli.main import main
+from replaydiff.replay import ReplayOptions, replay_op, replay_trace
+from replaydiff.report import render_replay, report_to_json
+
+PLANT_MM = "aten.mm.default:2:1e-3"  # the second mm of the step: a backward matmul
+PLANT_ADD = "aten.add_.Tensor:1:1e-3"  # the first add_: an in-place update in the optimizer
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(F.dropout(torch.relu(self.a(x)), 0.5, training=True))
+
+
+def _step() -> None:
+    torch.manual_seed(0)
+    model = DropoutMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    root = tmp_path_factory.mktemp("repro")
+    out = {}
+    for name, plant in (("mm", PLANT_MM), ("add", PLANT_ADD)):
+        with replaydiff.record(root / name, plant=plant):
+            _step()
+        out[name] = root / name
+    return out
+
+
+def _nth(rt, name: str, n: int = 1):
+    return [op for op in rt if op.name == name][n - 1]
+
+
+def _run_script(d: Path, *args: str) -> subprocess.CompletedProcess:
+    # -I: no PYTHONPATH, no user site, no current directory on sys.path: replaydiff cannot be imported
+    return subprocess.run([sys.executable, "-I", str(d / "repro.py"), *args], capture_output=True, text=True,
+                          cwd=d, timeout=120)
+
+
+def _recorded_norm_max(stdout: str, label: str) -> tuple[float, str]:
+    block = stdout.split(label, 1)[1]
+    m = re.search(r"recorded vs reference:\s+max_abs/\(eps\*absmax\) (\S+) .*?(DIVERGENT|ok)\n", block)
+    assert m, stdout
+    return float(m.group(1)), m.group(2)
+
+
+def test_plain_op_repro_prints_replays_error_and_needs_no_replaydiff(traces, tmp_path):
+    rt = replaydiff.open_trace(traces["mm"]).rank(0)
+    op = _nth(rt, "aten.mm.default", 2)
+    assert rt.planted is not None and rt.planted.index == op.index
+    assert main(["repro", str(traces["mm"]), str(op.index), "-o", str(tmp_path / "r")]) == 0
+    script = (tmp_path / "r" / "repro.py").read_text()
+    assert "replaydiff" not in "".join(l for l in script.splitlines() if l.startswith(("import", "from")))
+    p = _run_script(tmp_path / "r")
+    assert p.returncode == 0, p.stderr  # the CPU kernel itself is fine: the fault was planted below the recorder
+    assert p.stdout.splitlines()[0] == f"PLANTED FAULT (record --plant): {rt.planted.describe()}"
+    value, verdict = _recorded_norm_max(p.stdout, "output 0")
+    res, _ = replay_op(rt, op)
+    assert verdict == "DIVERGENT" and res.verdict.divergent
+    assert value == pytest.approx(res.verdict.measure.norm_max, rel=1e-3)
+    assert re.search(r"cpu run vs reference:\s+.* ok\n", p.stdout), p.stdout
+    numel = math.prod(op.outputs_refs()[0].shape)
+    differ = re.search(rf"cpu run vs recorded:.*\((\d+) of {numel} elements differ bit for bit\)", p.stdout)
+    assert differ and int(differ.group(1)) > 0, p.stdout  # the kernel does not repeat the fault (zeros stay zeros)
+
+
+def test_in_place_op_repro_compares_the_written_argument(traces, tmp_path):
+    rt = replaydiff.open_trace(traces["add"]).rank(0)
+    op = _nth(rt, "aten.add_.Tensor", 1)
+    assert rt.planted.index == op.index
+    assert main(["repro", str(traces["add"]), str(op.index), "-o", str(tmp_path / "r")]) == 0
+    p = _run_script(tmp_path / "r")
+    assert p.returncode == 0, p.stderr
+    value, verdict = _recorded_norm_max(p.stdout, "arg 0 (written)")
+    res, _ = replay_op(rt, op)
+    assert verdict == "DIVERGENT"
+    assert value == pytest.approx(res.verdict.measure.norm_max, rel=1e-3)
+    # the kernel run in the script wrote into its own copy of the argument, within the limit
+    assert re.search(r"cpu run vs reference:\s+max_abs/\(eps\*absmax\) \S+ .* ok\n", p.stdout), p.stdout
+
+
+def test_view_op_repro_rebuilds_the_view_geometry(traces, tmp_path):
+    rt = replaydiff.open_trace(traces["mm"]).rank(0)
+    op = _nth(rt, "aten.t.default", 1)
+    ref = op.outputs_refs()[0]
+    assert main(["repro", str(traces["mm"]), str(op.index), "-o", str(tmp_path / "r")]) == 0
+    p = _run_script(tmp_path / "r")
+    assert p.returncode == 0, p.stderr
+    assert (f"output 0 (a view of an input): shape {list(ref.shape)} stride {list(ref.stride)} offset {ref.offset}"
+            f" - as recorded") in p.stdout
+
+
+def test_random_op_repro_redraws_from_the_recorded_generator_state(traces, tmp_path):
+    rt = replaydiff.open_trace(traces["mm"]).rank(0)
+    op = next(o for o in rt if o.rng is not None)
+    assert main(["repro", str(traces["mm"]), str(op.index), "-o", str(tmp_path / "r")]) == 0
+    p = _run_script(tmp_path / "r")
+    assert p.returncode == 0, p.stderr
+    assert "recorded dtypes from the recorded generator state" in p.stdout
+    assert re.search(r"recorded vs reference:\s+mismatches 0 of \d+ \(compared exactly\)  ok", p.stdout), p.stdout
+    assert re.search(r"cpu run vs reference:\s+mismatches 0 of \d+ \(compared exactly\)  ok", p.stdout), p.stdout
+    assert re.search(r"cpu run vs recorded:\s+mismatches 0 of \d+ .*\(0 of \d+ elements differ bit for bit\)",
+                     p.stdout), p.stdout
+
+
+def test_repro_never_overwrites_without_force_and_refuses_ops_that_cannot_run_alone(traces, tmp_path, capsys):
+    rt = replaydiff.open_trace(traces["mm"]).rank(0)
+    op = _nth(rt, "aten.mm.default", 1)
+    d = tmp_path / "r"
+    assert main(["repro", str(traces["mm"]), str(op.index), "-o", str(d)]) == 0
+    assert main(["repro", str(traces["mm"]), str(op.index), "-o", str(d)]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert main(["repro", str(traces["mm"]), str(op.index), "-o", str(d), "--force"]) == 0
+    marker = next(o for o in rt if o.name.startswith("profiler."))  # the optimizer's record_function markers
+    assert main(["repro", str(traces["mm"]), str(marker.index), "-o", str(tmp_path / "m")]) == 2
+    assert "profiler marker" in capsys.readouterr().err
+    assert main(["repro", str(traces["mm"]), str(len(rt) + 5), "-o", str(tmp_path / "x")]) == 2
+
+
+def test_planted_fault_is_in_the_manifest_and_first_in_every_report(traces, tmp_path, capsys):
+    rt = replaydiff.open_trace(traces["mm"]).rank(0)
+    assert rt.options["plant"] == PLANT_MM
+    planted = rt.planted
+    assert (planted.op, planted.call, planted.rel, planted.landed) == ("aten.mm.default", 2, 1e-3, True)
+    report = replay_trace(str(traces["mm"]), ReplayOptions())
+    assert report.first_divergent.index == planted.index
+    text = io.StringIO()
+    render_replay(report, text)
+    first = text.getvalue().splitlines()[0]
+    assert first.startswith("PLANTED FAULT") and f"op #{planted.index}" in first
+    assert report_to_json(report)["planted"] == [planted.describe()]
+
+
+STEP_SCRIPT = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_record_command_plants_through_the_step_hook_and_replay_names_the_op(tmp_path, capsys):
+    (tmp_path / "train.py").write_text(STEP_SCRIPT)
+    trace = tmp_path / "trace"
+    code = main(["record", "--step", "2", "--plant", "addmm:2:1e-3", "-o", str(trace), "--",
+                 sys.executable, str(tmp_path / "train.py")])
+    assert code == 0
+    assert "a fault was planted (addmm:2:1e-3)" in capsys.readouterr().err
+    rt = replaydiff.open_trace(trace).rank(0)
+    planted = rt.planted
+    assert planted.op == "aten.addmm.default" and planted.landed
+    assert planted.index == _nth(rt, "aten.addmm.default", 2).index
+    assert main(["replay", str(trace)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("PLANTED FAULT") and f"op #{planted.index}" in out[0]
+    assert any(l.startswith(f"first divergent op #{planted.index} aten.addmm.default") for l in out)
+    assert main(["show", str(trace)]) == 0
+    assert capsys.readouterr().out.startswith("PLANTED FAULT")
+
+
+def test_plant_spec_is_checked_where_options_are_made():
+    from replaydiff.record import RecordOptions
+
+    with pytest.raises(ValueError, match="OP\\[:N\\[:REL\\]\\]"):
+        RecordOptions.make(plant="aten.mm.default:x:y:z")
+    with pytest.raises(ValueError, match="from 1"):
+        RecordOptions.make(plant="mm:0")
+    assert main(["record", "--plant", "mm:0", "-o", "unused", "--", "true"]) == 2
+
+
+@pytest.mark.gpu
+def test_repro_of_a_cuda_op_runs_on_cuda_and_on_the_cpu_reference(tmp_path):
+    a = torch.randn(64, 64, device="cuda")
+    b = torch.randn(64, 64, device="cuda")
+    with replaydiff.record(tmp_path / "t", plant="aten.mm.default:1:1e-3"):
+        (a @ b).sum().item()
+    rt = replaydiff.open_trace(tmp_path / "t").rank(0)
+    op = _nth(rt, "aten.mm.default", 1)
+    assert main(["repro", str(tmp_path / "t"), str(op.index), "-o", str(tmp_path / "r")]) == 0
+    p = _run_script(tmp_path / "r", "--device", "cuda")
+    assert p.returncode == 0, p.stderr + p.stdout
+    assert _recorded_norm_max(p.stdout, "output 0")[1] == "DIVERGENT"
+    assert re.search(r"cuda run vs reference:\s+max_abs/\(eps\*absmax\) \S+ .* ok\n", p.stdout), p.stdout
