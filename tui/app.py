@@ -307,15 +307,15 @@ class ReplaydiffApp(App):
         if m.scope is not None:
             parts.append(f"in {m.scope[0]}" + (f" {m.scope[1]}" if m.scope[1] else ""))
         c = m.counts()
-        verdicts = f"{c['divergent']} divergent · {c['nondeterministic']} nondet · {c['error']} error · " \
-                   f"{c['ok']} ok · {c['skipped']} skipped"
+        verdicts = f"{c['divergent']} divergent · {c['nondeterministic']} nondet · {c['error']} err · " \
+                   f"{c['ok']} ok · {c['skipped']} skip"
         if self.replay_state == "running":
             verdicts = f"replaying on {self.settings.device} at {self.settings.precision}: {verdicts}"
         elif self.replay_state == "failed":
             verdicts = f"replay failed: {self.replay_message}"
         elif self.replay_state == "none":
             verdicts = "not replayed (R runs a replay)"
-        text = " · ".join(parts) + "  │ " + verdicts
+        text = verdicts + "  │ " + " · ".join(parts)  # verdicts first: they matter most on a narrow screen
         if text != self._status_text:
             self._status_text = text
             self._status_widget.update(text, layout=False)
