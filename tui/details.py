@@ -180,8 +180,10 @@ def _walk(value: Any, out: list[Any]) -> None:
 
 
 def _value_text(value: Any, positions: dict[int, int], producers: dict, trace: Any,
-                statuses: list) -> tuple[str, list[str]]:
-    """One argument: its text, and one line per tensor it holds (with the op that produced it)."""
+                statuses: list, seen: list[int]) -> tuple[str, list[str]]:
+    """One argument: its text, and one line per tensor it holds (with the op that produced it). Input positions
+    count tensors in argument order (args, then kwargs, flattened), as ``OpRecord.inputs()`` does; ``seen`` carries
+    the count from one argument to the next."""
     refs: list[Any] = []
     _walk(value, refs)
     if not refs:
@@ -189,7 +191,8 @@ def _value_text(value: Any, positions: dict[int, int], producers: dict, trace: A
         return esc(text if len(text) < 60 else text[:57] + "..."), []
     lines = []
     for ref in refs:
-        k = positions.get(id(ref))
+        k = positions.get(id(ref), seen[0] if seen[0] < len(positions) else None)
+        seen[0] += 1
         prod = producers.get(k) if k is not None else None
         st = statuses[prod] if prod is not None and 0 <= prod < len(statuses) else None
         origin = f"  ← {op_link(trace, prod, st)}" if k is not None else ""
@@ -237,10 +240,9 @@ def op_markup(trace: Any, i: int, result: Any, statuses: list) -> str:
     out.append("")
     out.append("[b]arguments[/]")
     arg_items = [(str(k), v) for k, v in enumerate(op.args)] + [(k, v) for k, v in op.kwargs.items()]
-    seen = 0
+    seen = [0]
     for label, value in arg_items:
-        text, lines = _value_text(value, positions, producers, trace, statuses)
-        seen += len(lines)
+        text, lines = _value_text(value, positions, producers, trace, statuses, seen)
         if lines:
             out.append(f"  {esc(label)}: " + lines[0])
             out.extend("     " + ln for ln in lines[1:])
