@@ -171,7 +171,6 @@ class TraceModel:
         self.hide_cheap = False
         self.filter_text = ""
         self.scope: tuple[str, str] | None = None  # (phase, module path) chosen in the tree
-        self.version = 0  # bumped whenever verdicts change, so views know to redraw
         self._backward_of: dict[int, list[int]] | None = None
         self.visible: list[int] = list(range(self.n))
         self._groups: dict[tuple[str, str], ModuleGroup] | None = None
@@ -184,7 +183,6 @@ class TraceModel:
         self.error = [""] * self.n
         self.divergent, self.nonfinite = [], []
         self._counts = {}
-        self.version += 1
 
     def add_results(self, results: Iterable[Any]) -> int:
         """Take OpResults (of this rank; others are ignored); returns how many were taken."""
@@ -211,8 +209,6 @@ class TraceModel:
             if getattr(r, "nonfinite_origin", False):
                 bisect.insort(self.nonfinite, i)
             taken += 1
-        if taken:
-            self.version += 1
         return taken
 
     def counts(self) -> dict[str, int]:
