@@ -300,6 +300,9 @@ class ReplaydiffApp(App):
         parts = [f"rank {self.rank}" + (f" ({self.ranks.index(self.rank) + 1}/{len(self.ranks)})"
                                         if len(self.ranks) > 1 else ""),
                  f"{m.n} ops" if len(m.visible) == m.n else f"{len(m.visible)} of {m.n} ops shown"]
+        truncated = getattr(m.trace, "truncated_after", None)
+        if truncated is not None:
+            parts.append(f"recording stopped after #{truncated}")
         if m.hide_cheap:
             parts.append("views hidden")
         if m.filter_text:
