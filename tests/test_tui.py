@@ -368,7 +368,7 @@ async def test_choosing_a_module_in_the_tree_narrows_the_list(traced):
     async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)
         tree = app.main.tree
-        node, _ = tree._group_nodes[("backward", "TinyTransformer.ln_f")]
+        node = tree.node_for("backward", "TinyTransformer.ln_f")
         tree.focus()
         tree.move_cursor(node)
         await press(app, pilot, "enter")
@@ -606,7 +606,7 @@ async def _steady_tree(pilot) -> None:
     attributed to changes from one recording process to the next (a recorder quirk), and with it their counts."""
     app = pilot.app
     await settle(app, pilot)
-    node, _ = app.main.tree._group_nodes[("backward", "")]
+    node = app.main.tree.node_for("backward", "")
     node.collapse()
     await settle(app, pilot)
 

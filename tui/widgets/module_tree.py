@@ -98,6 +98,11 @@ class ModuleTree(Tree[ModuleGroup]):
         for node, first in self._group_nodes.values():
             node.set_label(self._label(first, node.data))
 
+    def node_for(self, phase: str, path: str):
+        """The tree node of a module in a phase (path "" for the phase itself), or None if not shown yet."""
+        entry = self._group_nodes.get((phase, path))
+        return entry[0] if entry else None
+
     def on_tree_node_selected(self, event: Tree.NodeSelected) -> None:
         event.stop()
         g = event.node.data
