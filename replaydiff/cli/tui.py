@@ -1,0 +1,41 @@
+"""Browse a trace in a terminal UI: op list, module tree, op details, heat strip and op graph, coloured by a replay.
+
+Without --replay, a replay (fp64 on the CPU unless --device/--precision say otherwise) runs in the background and
+rows take their colour as results arrive. Textual is imported only when this command runs.
+"""
+from __future__ import annotations
+
+import argparse
+
+from replaydiff.errors import EXIT_OK, UsageError
+from replaydiff.replay.policy import PRECISIONS
+
+NAME = "tui"
+HELP = "browse a trace and its replay in a terminal UI"
+
+
+def prepare_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="trace directory written by `replaydiff record`")
+    p.add_argument("--replay", metavar="REPORT.json",
+                   help="colour ops from this report (`replaydiff replay --json FILE`) instead of replaying")
+    p.add_argument("--rank", type=int, default=None, help="rank to open first (default: the lowest)")
+    p.add_argument("--device", default="cpu", help="reference device for the background replay (default cpu)")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp64",
+                   help="precision of the background replay (default fp64)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.replay is None:  # a device that is not there is exit 4 here, as for `replay`, not a failure in the UI
+        from replaydiff.replay.engine import check_device
+
+        check_device(args.device)
+    try:
+        from tui.app import make_app
+        from tui.screens.replay_form import ReplaySettings
+    except ImportError as exc:  # textual missing in a slim install
+        raise UsageError(f"the terminal UI needs textual ({exc}); pip install textual") from None
+
+    app = make_app(args.trace, rank=args.rank, report_path=args.replay,
+                   replay=ReplaySettings(device=args.device, precision=args.precision))
+    app.run()
+    return EXIT_OK

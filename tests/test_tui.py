@@ -1,0 +1,637 @@
+"""The terminal UI (`replaydiff tui`), driven with Textual's Pilot on a real recorded trace.
+
+The trace is one training step of TinyTransformer with three planted faults (an addmm in the forward pass, the first
+LayerNorm backward, and a NaN in the optimizer's last sqrt) on rank 0 and a clean step on rank 1. Every expected op
+number is read back from the trace or the replay report, never typed in.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import replaydiff
+from replaydiff.faults import PlantedFault
+from replaydiff.models import TinyTransformer, make_step
+from replaydiff.replay import ReplayOptions, Status, replay_trace
+from replaydiff.report import report_to_json
+
+textual = pytest.importorskip("textual")
+
+from tui.app import ReplaydiffApp, make_app  # noqa: E402
+from tui.keys import KEYS  # noqa: E402
+from tui.screens.ancestry import AncestryScreen  # noqa: E402
+from tui.screens.help import HelpScreen  # noqa: E402
+from tui.screens.picker import OpPicker  # noqa: E402
+from tui.screens.replay_form import ReplayForm, ReplaySettings  # noqa: E402
+from tui.widgets.heat_strip import HeatStrip  # noqa: E402
+from tui.widgets.op_list import OpList  # noqa: E402
+
+SIZE = (120, 36)
+
+
+def sync(fn):
+    """Run an async test with asyncio.run (no async plugin needed); pytest still sees its fixtures."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        return asyncio.run(fn(*args, **kwargs))
+    return run
+PROBLEMS = (Status.DIVERGENT, Status.NONDETERMINISTIC)
+
+
+def _record(out, rank: int, faults: list[PlantedFault]) -> None:
+    saved = os.environ.get("RANK")
+    os.environ["RANK"] = str(rank)
+    try:
+        torch.manual_seed(0)
+        model = TinyTransformer()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = make_step(model, model.example_batch(), opt)
+        modes = list(faults) + [replaydiff.record(out)]
+        for m in modes:
+            m.__enter__()
+        try:
+            step()
+        finally:
+            for m in reversed(modes):
+                m.__exit__(None, None, None)
+    finally:
+        if saved is None:
+            os.environ.pop("RANK", None)
+        else:
+            os.environ["RANK"] = saved
+    assert all(f.planted for f in faults)
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """(trace path, replay report) of the two-rank trace described at the top."""
+    out = tmp_path_factory.mktemp("tui") / "trace"
+    _record(out, 0, [PlantedFault("aten.addmm.default", rel=1e-3, occurrence=1),
+                     PlantedFault("aten.native_layer_norm_backward.default", rel=1e-3),
+                     PlantedFault("aten.sqrt.default", rel=float("nan"), occurrence=28)])
+    _record(out, 1, [])
+    report = replay_trace(str(out), ReplayOptions())
+    return out, report
+
+
+def problems(report, rank: int = 0) -> list[int]:
+    return [r.index for r in report.ops if r.rank == rank and r.status in PROBLEMS]
+
+
+def planted_backward(report):
+    """The planted LayerNorm backward's result (a divergent backward op)."""
+    return next(r for r in report.ops if r.rank == 0 and r.op == "aten.native_layer_norm_backward.default"
+                and r.status is Status.DIVERGENT)
+
+
+def new_app(traced, **kw) -> ReplaydiffApp:
+    path, report = traced
+    kw.setdefault("report", report)
+    return ReplaydiffApp(replaydiff.open_trace(path), **kw)
+
+
+async def settle(app, pilot) -> None:
+    await pilot.pause()
+    await app.workers_done()
+    await pilot.pause()
+
+
+async def press(app, pilot, *keys: str) -> None:
+    for k in keys:
+        await pilot.press(k)
+        await settle(app, pilot)
+
+
+# -- opening ---------------------------------------------------------------------------------------------------
+@sync
+async def test_opens_on_the_first_op_with_rows_coloured_from_the_report(traced):
+    path, report = traced
+    app = new_app(traced)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        rank0 = replaydiff.open_trace(path).rank(0)
+        assert app.selected_op == 0
+        assert app.model.visible == list(range(len(rank0)))
+        expected = {r.index: r.status.value for r in report.ops if r.rank == 0}
+        assert {i: s for i, s in enumerate(app.model.status) if s is not None} == expected
+        assert f"#0 {rank0[0].name}" in app.main.detail.text
+        status = str(app.main.query_one("#status").visual)
+        assert f"{len(problems(report))} divergent" in status
+
+
+@sync
+async def test_with_a_json_report_the_rows_take_its_verdicts(traced, tmp_path):
+    path, report = traced
+    report_file = tmp_path / "report.json"
+    report_file.write_text(json.dumps(report_to_json(report)))
+    app = make_app(path, report_path=report_file)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        assert app.replay_state == "report"
+        assert app.model.divergent == problems(report)
+        await press(app, pilot, "f")
+        assert app.selected_op == problems(report)[0]
+
+
+# -- divergent ops ---------------------------------------------------------------------------------------------
+@sync
+async def test_f_n_N_walk_the_divergent_ops(traced):
+    _, report = traced
+    bad = problems(report)
+    assert len(bad) == 3
+    app = new_app(traced)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await press(app, pilot, "f")
+        assert app.selected_op == bad[0]
+        seen = [app.selected_op]
+        for _ in range(len(bad)):
+            await press(app, pilot, "n")
+            seen.append(app.selected_op)
+        assert seen == bad + [bad[-1]]  # past the last one it stays (and says so)
+        await press(app, pilot, "N")
+        assert app.selected_op == bad[-2]
+        await press(app, pilot, "N", "N")
+        assert app.selected_op == bad[0]
+        # the op list's cursor row and the heat strip's marker follow the selection
+        assert app.main.op_list.cursor_row == app.model.row_of(bad[0])
+        assert app.main.heat.selected == bad[0]
+
+
+@sync
+async def test_e_jumps_to_the_nan_origin(traced):
+    _, report = traced
+    origin = report.nonfinite_origin
+    assert origin is not None and origin.op == "aten.sqrt.default"
+    app = new_app(traced)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await press(app, pilot, "e")
+        assert app.selected_op == origin.index
+        assert "NaN/Inf origin" in app.main.detail.text
+
+
+@sync
+async def test_the_detail_pane_of_a_divergent_op(traced):
+    path, report = traced
+    r0 = replaydiff.open_trace(path).rank(0)
+    op = r0[planted_backward(report).index]
+    app = new_app(traced)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await press(app, pilot, "f", "n")
+        assert app.selected_op == op.index
+        text = app.main.detail.text
+        assert f"#{op.index} {op.name}" in text
+        assert op.schema and op.schema in text.replace("\n", "")
+        assert "DIVERGENT" in text and "limit 16" in text
+        # every input with its shape, stride and producer
+        producers = r0.producers(op.index)
+        for k, ref in enumerate(op.inputs()):
+            line = next(ln for ln in text.splitlines() if f"in{k} {ref.describe()}" in ln)
+            assert f"stride {tuple(ref.stride)}" in line
+            assert (f"← #{producers[k]}" if producers[k] is not None else "outside the trace") in line
+        # every output with statistics and consumers
+        consumers = r0.consumers(op.index)
+        for k, ref in enumerate(op.outputs_refs()):
+            assert f"out{k} {ref.describe()}" in text
+            for c in consumers.get(k, [])[:6]:
+                assert f"#{c}" in text
+        assert "min " in text and "absmax " in text and "NaN 0" in text
+        # the forward op's source line, with the code around it
+        fwd_source = r0.index.source[op.forward_index]
+        assert fwd_source in text and "backward() called at" in text
+        lineno = int(fwd_source.rsplit(":", 1)[1])
+        assert f"> {lineno:5d} │" in text.replace(">", "> ", 1) or f">{lineno:5d} │" in text
+        # the element-wise error histogram, from replaying the op alone: a 1e-3 fault is 1e3-1e4 eps·absmax
+        assert "element-wise error" in text
+        hist = {ln.split()[0]: int(ln.split()[-1]) for ln in text.splitlines()
+                if ln.strip() and ln.split()[0] in ("0", "<1", "1-10", "10-100", "1e2-1e3", "1e3-1e4")}
+        assert sum(hist.values()) == op.outputs_refs()[0].stats.numel if op.outputs_refs()[0].stats else True
+        assert hist["1e3-1e4"] + hist["1e2-1e3"] > 0
+
+
+# -- the op graph ----------------------------------------------------------------------------------------------
+@sync
+async def test_b_goes_between_a_backward_op_and_its_forward_op(traced):
+    path, report = traced
+    r0 = replaydiff.open_trace(path).rank(0)
+    first = planted_backward(report)
+    fwd = r0[first.index].forward_index
+    assert fwd is not None
+    app = new_app(traced)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        app.select(first.index)
+        await settle(app, pilot)
+        await press(app, pilot, "b")
+        assert app.selected_op == fwd
+        backward_of_fwd = [i for i in range(len(r0)) if r0.index.forward[i] == fwd]
+        await press(app, pilot, "b")
+        assert app.selected_op == backward_of_fwd[0]
+
+
+@sync
+async def test_p_jumps_to_the_producer_of_an_input(traced):
+    path, report = traced
+    r0 = replaydiff.open_trace(path).rank(0)
+    ix = r0.index
+    single = next(i for i in range(len(r0)) if [p for p in r0.producers(i).values() if p is not None].__len__() == 1)
+    several = planted_backward(report).index
+    prods = r0.producers(several)
+    assert len([p for p in prods.values() if p is not None]) > 1
+    app = new_app(traced)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        app.select(single)
+        await settle(app, pilot)
+        await press(app, pilot, "p")
+        assert app.selected_op == next(p for p in r0.producers(single).values() if p is not None)
+        # several inputs from inside the trace: a picker lists them all, Enter takes the highlighted one
+        app.select(several)
+        await settle(app, pilot)
+        await press(app, pilot, "p")
+        assert isinstance(app.screen, OpPicker)
+        labels = [str(o.prompt) for o in app.screen.query_one("OptionList").options]
+        assert len(labels) == len(prods)
+        for k, p in prods.items():
+            assert labels[k].startswith(f"in{k} ")
+            assert (f"#{p} " in labels[k]) if p is not None else "outside the trace" in labels[k]
+        await press(app, pilot, "down", "enter")
+        second = [p for p in prods.values() if p is not None][1]
+        assert app.selected_op == second
+        assert ix.name[second] in app.main.detail.text
+
+
+@sync
+async def test_c_lists_the_consumers_of_the_outputs(traced):
+    path, report = traced
+    r0 = replaydiff.open_trace(path).rank(0)
+    op = planted_backward(report).index
+    consumers = r0.consumers(op)
+    users = [u for k in sorted(consumers) for u in consumers[k]]
+    assert users
+    app = new_app(traced)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        app.select(op)
+        await settle(app, pilot)
+        await press(app, pilot, "c")
+        assert isinstance(app.screen, OpPicker)
+        assert [op for op in app.screen.ops if op is not None] == users
+        await press(app, pilot, "enter")
+        assert app.selected_op == users[0]
+
+
+@sync
+async def test_g_shows_the_ancestry_and_enter_walks_to_an_ancestor(traced):
+    path, report = traced
+    r0 = replaydiff.open_trace(path).rank(0)
+    op = planted_backward(report).index
+    prods = r0.producers(op)
+    app = new_app(traced)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        app.select(op)
+        await settle(app, pilot)
+        await press(app, pilot, "g")
+        screen = app.screen
+        assert isinstance(screen, AncestryScreen)
+        labels = screen.labels
+        assert labels[0].startswith(f"#{op} ") and "divergent" in labels[0]
+        children = [ln.strip() for ln in labels if ln.startswith("  ") and not ln.startswith("    ")]
+        assert len(children) == len(prods)
+        for k, p in prods.items():
+            assert children[k].startswith(f"in{k} ← " + (f"#{p} " if p is not None else "outside the trace"))
+        # grandparents are there too, with their verdicts
+        gp = r0.producers(prods[0])
+        assert any(ln.strip().startswith(f"in0 ← #{gp[0]} ") for ln in labels if ln.startswith("    "))
+        await press(app, pilot, "down", "enter")
+        assert app.selected_op == prods[0]
+        assert not isinstance(app.screen, AncestryScreen)
+
+
+# -- what is listed ---------------------------------------------------------------------------------------------
+@sync
+async def test_v_hides_views_and_other_zero_cost_ops(traced):
+    path, _ = traced
+    ix = replaydiff.open_trace(path).rank(0).index
+    n = len(ix)
+    cheap = [i for i in range(n) if ix.cheap[i]]
+    assert cheap
+    app = new_app(traced)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await press(app, pilot, "v")
+        assert app.model.visible == [i for i in range(n) if not ix.cheap[i]]
+        await press(app, pilot, "v")
+        assert app.model.visible == list(range(n))
+
+
+@sync
+async def test_slash_filter_keeps_only_matching_rows_and_escape_clears_it(traced):
+    path, _ = traced
+    ix = replaydiff.open_trace(path).rank(0).index
+    n = len(ix)
+    app = new_app(traced)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("slash", *"layer_norm")
+        await settle(app, pilot)
+        expected = [i for i in range(n) if "layer_norm" in ix.name[i]]
+        assert expected and app.model.visible == expected
+        await press(app, pilot, "enter")
+        assert app.focused is app.main.op_list
+        assert app.selected_op in expected
+        # module names match too
+        await pilot.press("slash", *["backspace"] * 10, *"ln_f")
+        await settle(app, pilot)
+        assert app.model.visible == [i for i in range(n) if "ln_f" in (ix.module[i] or "") or "ln_f" in ix.name[i]]
+        await press(app, pilot, "escape", "escape")
+        assert app.model.visible == list(range(n))
+
+
+@sync
+async def test_choosing_a_module_in_the_tree_narrows_the_list(traced):
+    path, report = traced
+    ix = replaydiff.open_trace(path).rank(0).index
+    n = len(ix)
+    app = new_app(traced)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        tree = app.main.tree
+        node = tree.node_for("backward", "TinyTransformer.ln_f")
+        tree.focus()
+        tree.move_cursor(node)
+        await press(app, pilot, "enter")
+        expected = [i for i in range(n) if ix.phase[i] == "backward"
+                    and (ix.module[i] or "").startswith("TinyTransformer.ln_f")]
+        assert app.model.visible == expected
+        # the node shows the module's worst error: the planted LayerNorm backward
+        assert planted_backward(report).index in expected
+        assert "×" in str(node.label) and node.data.worst >= 1.0
+        await press(app, pilot, "escape")
+        assert app.model.visible == list(range(n))
+
+
+# -- mouse --------------------------------------------------------------------------------------------------------
+@sync
+async def test_clicking_the_heat_strip_jumps_to_the_worst_op_of_that_stretch(traced):
+    _, report = traced
+    target = report.first_divergent.index
+    app = new_app(traced)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        x = app.main.heat.cell_of(target)
+        await pilot.click(HeatStrip, offset=(x, 1))
+        await settle(app, pilot)
+        assert app.selected_op == target
+
+
+@sync
+async def test_clicking_a_row_selects_it(traced):
+    app = new_app(traced)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.click(OpList, offset=(10, 4))  # the header is line 0: line 4 shows the 4th row
+        await settle(app, pilot)
+        assert app.selected_op == app.model.visible[3]
+
+
+# -- ranks, replay, help, quit ---------------------------------------------------------------------------------------
+@sync
+async def test_r_moves_to_the_next_rank(traced):
+    path, report = traced
+    n1 = len(replaydiff.open_trace(path).rank(1))
+    app = new_app(traced)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await press(app, pilot, "r")
+        assert app.rank == 1 and app.model.n == n1
+        assert app.model.status == [r.status.value for r in report.ops if r.rank == 1]
+        assert app.model.divergent == []  # the clean rank
+        assert "rank 1 (2/2)" in str(app.main.query_one("#status").visual)
+        await press(app, pilot, "r")
+        assert app.rank == 0
+
+
+def _gated_runner(report, calls: list, gate: threading.Event, half: threading.Event):
+    """A replay that hands over the report's results one by one and waits at half of rank 0's for ``gate``."""
+    def run(path, settings, progress_total=None, progress=None, on_result=None):
+        calls.append(settings)
+        ops = [r for r in report.ops]
+        progress_total(len(ops))
+        halfway = sum(r.rank == 0 for r in ops) // 2
+        for k, r in enumerate(ops):
+            if k == halfway:
+                half.set()
+                assert gate.wait(30)
+            on_result(r)
+            progress(1)
+        return report
+    return run
+
+
+@sync
+async def test_background_replay_colours_rows_as_results_arrive_and_keys_still_work(traced):
+    _, report = traced
+    calls: list = []
+    gate, half = threading.Event(), threading.Event()
+    app = new_app(traced, report=None, replay=ReplaySettings(), runner=_gated_runner(report, calls, gate, half))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        try:
+            for _ in range(100):
+                if half.is_set() and sum(s is not None for s in app.model.status) >= app.model.n // 2:
+                    break
+                await pilot.pause(0.05)
+            await _check_while_running(app, pilot)
+        finally:
+            gate.set()
+        await app.workers_done(replay=True)
+        await settle(app, pilot)
+        assert app.replay_state == "done"
+        assert not app.main.query_one("#progress").display
+        assert app.model.divergent == problems(report)
+        assert calls == [ReplaySettings("cpu", "fp64", 1)]
+
+
+async def _check_while_running(app, pilot) -> None:
+    assert app.replay_state == "running"
+    assert app.main.query_one("#progress").display
+    coloured = sum(s is not None for s in app.model.status)
+    assert 0 < coloured < app.model.n
+    await press(app, pilot, "j", "j")  # the UI answers while the replay runs
+    assert app.selected_op == 2
+
+
+@sync
+async def test_the_default_replay_runs_in_the_background_at_fp64_on_the_cpu(traced):
+    _, report = traced
+    app = new_app(traced, report=None, replay=ReplaySettings())
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await app.workers_done(replay=True)
+        await settle(app, pilot)
+        assert app.replay_state == "done"
+        assert app.model.status == [r.status.value for r in report.ops if r.rank == 0]
+        assert app.model.first_nonfinite() == report.nonfinite_origin.index
+
+
+def test_a_replay_in_a_worker_process_gives_the_same_report_shard_by_shard(traced, monkeypatch):
+    """Big traces replay in a worker process (keeping the UI's GIL free); results arrive shard by shard."""
+    from tui import replay_runner
+
+    path, report = traced
+    monkeypatch.setattr(replay_runner, "SHARD_OPS", 300)
+    seen, total = [], []
+    replay_runner.prepare()
+    got = replay_runner.replay_in_background(str(path), ReplayOptions(), progress_total=total.append,
+                                             on_result=seen.append)
+    assert total == [len(report.ops)]
+    assert [(r.rank, r.index, r.status) for r in seen] == [(r.rank, r.index, r.status) for r in report.ops]
+    assert [(r.rank, r.index, r.status, r.reason) for r in got.ops] == \
+        [(r.rank, r.index, r.status, r.reason) for r in report.ops]
+
+
+@sync
+async def test_R_replays_again_with_settings_from_the_form(traced):
+    _, report = traced
+    calls: list = []
+    gate, half = threading.Event(), threading.Event()
+    gate.set()
+    app = new_app(traced, runner=_gated_runner(report, calls, gate, half))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        assert calls == []  # a report was given: nothing replays until asked
+        await press(app, pilot, "R")
+        form = app.screen
+        assert isinstance(form, ReplayForm)
+        form.query_one("#form-precision").value = "fp32"
+        await press(app, pilot, "enter")  # Enter in the device box runs
+        await app.workers_done(replay=True)
+        await settle(app, pilot)
+        assert calls == [ReplaySettings("cpu", "fp32", 1)]
+        assert app.replay_state == "done" and app.model.divergent == problems(report)
+
+
+@sync
+async def test_question_mark_lists_every_key(traced):
+    app = new_app(traced)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await press(app, pilot, "question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        shown = [k for k, _ in KEYS]
+        for key in ("f", "n / N", "e", "p", "c", "b", "g", "v", "/", "r", "R", "?", "q"):
+            assert key in shown
+        # every key the main screen binds is in the help (Esc is described with the filter and the tree)
+        names = {"slash": "/", "question_mark": "?"}
+        for binding in [*app.main.BINDINGS, *app.BINDINGS]:
+            key = names.get(binding.key, binding.key)
+            assert binding.key == "escape" or any(key in k.split(" / ") or key == k for k in shown), key
+        await press(app, pilot, "escape")
+        assert not isinstance(app.screen, HelpScreen)
+
+
+@sync
+async def test_q_quits(traced):
+    app = new_app(traced)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("q")
+        await pilot.pause()
+        assert app.return_code == 0 and not app.is_running
+
+
+# -- CLI and import hygiene -------------------------------------------------------------------------------------------
+def test_cli_unreadable_trace_is_exit_3_and_a_missing_device_exit_4(traced, tmp_path):
+    from replaydiff.cli.main import main
+
+    assert main(["tui", str(tmp_path / "nothing-here")]) == 3
+    if not torch.cuda.is_available():
+        assert main(["tui", str(traced[0]), "--device", "cuda"]) == 4
+    assert main(["tui", str(traced[0]), "--device", "nonsense"]) == 2
+
+
+def test_replaydiff_never_imports_textual_or_tui_until_the_ui_starts():
+    code = ("import sys, replaydiff, replaydiff.cli.main, replaydiff.cli.tui, replaydiff.replay, replaydiff.report; "
+            "p = replaydiff.cli.main.build_parser(); p.parse_args(['tui', 'x']); "
+            "import tui.model, tui.details, tui.keys; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'textual'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}).stdout.strip()
+    assert out == "[]"
+
+
+# -- snapshots (pytest-textual-snapshot; `pytest --snapshot-update` after reviewing the report) -----------------------
+SNAP_SIZE = (110, 32)
+
+
+def steady_report(report):
+    """The report with every measured figure replaced by a fixed one (divergent ops 8390 eps·absmax, the others
+    0.5), so that a picture does not change with the CPU's fp32 rounding; statuses and NaN counts are kept."""
+    from dataclasses import replace
+
+    from replaydiff.compare.verdict import Verdict
+
+    ops = []
+    for r in report.ops:
+        m = r.metrics
+        if m is not None and "norm_max" in m:
+            bad = r.status is Status.DIVERGENT
+            fixed = {"max_abs": 1e-3 if bad else 6e-8, "rel_l2": 1e-3 if bad else 3e-8,
+                     "norm_max": 8390.0 if bad else 0.5, "norm_rel": 8389.0 if bad else 0.25, "cosine": 1.0,
+                     "nonfinite_mismatch": m.get("nonfinite_mismatch", 0), "limit_max": 16.0, "limit_rel": 8.0}
+            r = replace(r, verdict=Verdict.from_json(fixed, bad), reason="planted fault" if bad else r.reason)
+        ops.append(r)
+    return replace(report, ops=ops)
+
+
+def snap_app(traced) -> ReplaydiffApp:
+    path, report = traced
+    return ReplaydiffApp(replaydiff.open_trace(path), report=steady_report(report))
+
+
+async def _steady_tree(pilot) -> None:
+    """Collapse the backward phase in the module tree: which of the two embeddings a backward ``detach`` is
+    attributed to changes from one recording process to the next (a recorder quirk), and with it their counts."""
+    app = pilot.app
+    await settle(app, pilot)
+    node = app.main.tree.node_for("backward", "")
+    node.collapse()
+    await settle(app, pilot)
+
+
+async def _to_planted_backward(pilot) -> None:
+    app = pilot.app
+    await _steady_tree(pilot)
+    await press(app, pilot, "f", "n")
+
+
+def test_snapshot_main_screen_at_a_divergent_backward_op(traced, snap_compare):
+    assert snap_compare(snap_app(traced), terminal_size=SNAP_SIZE, run_before=_to_planted_backward)
+
+
+def test_snapshot_ancestry_of_a_divergent_op(traced, snap_compare):
+    async def run_before(pilot):
+        await _to_planted_backward(pilot)
+        await press(pilot.app, pilot, "g")
+
+    assert snap_compare(snap_app(traced), terminal_size=SNAP_SIZE, run_before=run_before)
+
+
+def test_snapshot_help(traced, snap_compare):
+    async def run_before(pilot):
+        await _steady_tree(pilot)
+        await press(pilot.app, pilot, "question_mark")
+
+    assert snap_compare(snap_app(traced), terminal_size=SNAP_SIZE, run_before=run_before)

@@ -1,0 +1,345 @@
+"""Provides the detail pane's content for one op, as Textual markup text, and the element-wise error histogram.
+
+Headless: it reads the trace and formats, it never imports textual. Links are ``@click`` markup that the app turns
+into jumps (``app.goto(N)``), so a mouse user can walk the graph from the pane.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from tui.model import PROBLEMS, short_op, status_value
+
+STATUS_STYLE = {
+    "ok": "green",
+    "divergent": "bold red",
+    "nondeterministic": "bold magenta",
+    "skipped": "dim",
+    "error": "yellow",
+    None: "dim",
+}
+MAX_MINMAX_NUMEL = 1 << 24  # min/max need the data: read tensors up to 16M elements for them
+MAX_LINKS = 6
+
+
+def esc(text: Any) -> str:
+    """Escape text for Textual markup."""
+    return str(text).replace("\\", "\\\\").replace("[", "\\[")
+
+
+def is_tensor_ref(x: Any) -> bool:
+    return hasattr(x, "describe") and hasattr(x, "dtype") and hasattr(x, "shape")
+
+
+def op_link(trace: Any, i: int | None, status: str | None = None, with_name: bool = True) -> str:
+    if i is None:
+        return "[dim]outside the trace[/]"
+    name = ""
+    if with_name:
+        try:
+            name = " " + esc(short_op(trace.index.name[i]))
+        except (IndexError, KeyError):
+            name = ""
+    st = ""
+    if status in PROBLEMS or status == "error":
+        st = f" [{STATUS_STYLE[status]}]{status}[/]"
+    return f"[@click=app.goto({i})][underline]#{i}[/underline]{name}[/]{st}"
+
+
+def _fmt(x: Any) -> str:
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    return str(x)
+
+
+def tensor_stats(trace: Any, ref: Any) -> str:
+    """min max mean absmax NaN Inf for a recorded tensor: from its data when stored (min and max need it), else
+    from the statistics the recorder kept."""
+    st = getattr(ref, "stats", None)
+    vals: dict[str, Any] = {}
+    if st is not None:
+        for k in ("mean", "absmax", "nan", "inf"):
+            v = getattr(st, k, None)
+            if v is not None:
+                vals[k] = v
+    if getattr(ref, "stored", False) and not getattr(ref, "uninitialised", False):
+        try:
+            numel = math.prod(ref.shape)
+            if numel and numel <= MAX_MINMAX_NUMEL:
+                import torch
+
+                t = trace.tensor(ref)
+                if t.is_floating_point() or t.is_complex():
+                    t = t.abs() if t.is_complex() else t
+                    d = t.double()
+                    fin = torch.isfinite(d)
+                    vals.setdefault("nan", int(torch.isnan(d).sum()))
+                    vals.setdefault("inf", int(torch.isinf(d).sum()))
+                    if bool(fin.any()):
+                        f = d[fin]
+                        vals["min"], vals["max"] = float(f.min()), float(f.max())
+                        vals.setdefault("mean", float(f.mean()))
+                        vals.setdefault("absmax", float(f.abs().max()))
+                elif t.dtype != torch.bool:
+                    vals["min"], vals["max"] = int(t.min()), int(t.max())
+        except Exception:
+            pass
+    if not vals:
+        return "[dim]no data or statistics recorded[/]"
+    parts = []
+    for k in ("min", "max", "mean", "absmax"):
+        if k in vals:
+            parts.append(f"{k} {_fmt(vals[k])}")
+    for k, label in (("nan", "NaN"), ("inf", "Inf")):
+        if k in vals:
+            n = int(vals[k])
+            parts.append(f"[bold red]{label} {n}[/]" if n else f"{label} 0")
+    return "  ".join(parts)
+
+
+def tensor_line(ref: Any) -> str:
+    text = esc(ref.describe())
+    stride = getattr(ref, "stride", None)
+    if stride is not None:
+        text += f"  [dim]stride {esc(tuple(stride))}[/]"
+    dev = getattr(ref, "device", None)
+    if dev and dev != "cpu":
+        text += f"  [dim]{esc(dev)}[/]"
+    if getattr(ref, "uninitialised", False):
+        text += "  [dim]uninitialised[/]"
+    elif not getattr(ref, "stored", True):
+        text += "  [dim](data not stored)[/]"
+    return text
+
+
+def source_context(trace: Any, source: str | None, around: int = 2) -> list[str]:
+    """The source line with ``around`` lines either side, when the file can be found here."""
+    if not source or ":" not in source:
+        return []
+    file, _, line = source.rpartition(":")
+    try:
+        lineno = int(line)
+    except ValueError:
+        return []
+    candidates = [Path(file)]
+    env = getattr(trace, "environment", None) or {}
+    cwd = env.get("cwd") if isinstance(env, dict) else None
+    if cwd and not os.path.isabs(file):
+        candidates.append(Path(cwd) / file)
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        return []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return []
+    lo, hi = max(1, lineno - around), min(len(lines), lineno + around)
+    out = []
+    for k in range(lo, hi + 1):
+        mark = "[bold]>[/]" if k == lineno else " "
+        text = esc(lines[k - 1].rstrip())
+        out.append(f"{mark}{k:5d} │ " + (f"[bold]{text}[/]" if k == lineno else f"[dim]{text}[/]"))
+    return out
+
+
+def verdict_lines(result: Any) -> list[str]:
+    if result is None:
+        return ["[dim]not replayed (yet)[/]"]
+    s = status_value(result.status)
+    head = f"[{STATUS_STYLE.get(s, 'dim')}]{esc((s or '?').upper())}[/]"
+    m = result.metrics or {}
+    lines = [head]
+    if "mismatches" in m:
+        lines.append(f"  exact comparison: {m['mismatches']} mismatched element(s)")
+    elif "norm_max" in m:
+        lines.append(f"  max_abs/(eps·absmax) [bold]{_fmt(m.get('norm_max'))}[/]  limit {_fmt(m.get('limit_max'))}")
+        lines.append(f"  rel_l2/eps           [bold]{_fmt(m.get('norm_rel'))}[/]  limit {_fmt(m.get('limit_rel'))}")
+        extra = [f"{k} {_fmt(m[k])}" for k in ("max_abs", "rel_l2", "cosine", "reduction_k", "nonfinite_mismatch")
+                 if m.get(k) is not None and not (k in ("reduction_k", "nonfinite_mismatch") and m[k] in (0, 1))]
+        if extra:
+            lines.append("  " + "  ".join(extra))
+    if result.reason:
+        lines.append(f"  [dim]{esc(result.reason)}[/]")
+    if getattr(result, "nonfinite_origin", False):
+        lines.append("  [bold red]NaN/Inf origin[/]: finite inputs, non-finite recorded output")
+    return lines
+
+
+def _walk(value: Any, out: list[Any]) -> None:
+    if is_tensor_ref(value):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _walk(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _walk(v, out)
+
+
+def _value_text(value: Any, positions: dict[int, int], producers: dict, trace: Any,
+                statuses: list, seen: list[int]) -> tuple[str, list[str]]:
+    """One argument: its text, and one line per tensor it holds (with the op that produced it). Input positions
+    count tensors in argument order (args, then kwargs, flattened), as ``OpRecord.inputs()`` does; ``seen`` carries
+    the count from one argument to the next."""
+    refs: list[Any] = []
+    _walk(value, refs)
+    if not refs:
+        text = repr(value)
+        return esc(text if len(text) < 60 else text[:57] + "..."), []
+    lines = []
+    for ref in refs:
+        k = positions.get(id(ref), seen[0] if seen[0] < len(positions) else None)
+        seen[0] += 1
+        prod = producers.get(k) if k is not None else None
+        st = statuses[prod] if prod is not None and 0 <= prod < len(statuses) else None
+        origin = f"  ← {op_link(trace, prod, st)}" if k is not None else ""
+        lines.append(f"in{k if k is not None else '?'} {tensor_line(ref)}{origin}")
+    return "", lines
+
+
+def op_markup(trace: Any, i: int, result: Any, statuses: list) -> str:
+    """The whole detail pane for op ``i`` as Textual markup."""
+    op = trace[i]
+    out: list[str] = []
+    phase = op.phase or ""
+    out.append(f"[bold]#{i} {esc(op.name)}[/]  {esc(phase)}  [cyan]{esc(op.module or '')}[/]")
+    if not getattr(op, "recorded", True):
+        out.append("[dim]no record for this op number[/]")
+        return "\n".join(out)
+    if op.schema:
+        out.append(f"[dim]{esc(op.schema)}[/]")
+    if op.forward_index is not None:
+        out.append(f"backward of forward op {op_link(trace, op.forward_index, statuses[op.forward_index])}  [dim](b)[/]")
+    out.append("")
+    out.append("[b]verdict[/]  " + "\n".join(verdict_lines(result)))
+    # a backward op's own line is the backward() call; its forward op's line says which code it differentiates
+    source, called = op.source, None
+    if op.forward_index is not None:
+        try:
+            fwd_source = trace.index.source[op.forward_index]
+        except (IndexError, KeyError):
+            fwd_source = None
+        if fwd_source:
+            source, called = fwd_source, op.source
+    if source:
+        out.append("")
+        out.append(f"[b]source[/]  {esc(source)}" + (" [dim](of the forward op)[/]" if called else ""))
+        out.extend(source_context(trace, source))
+        if called:
+            out.append(f"  [dim]backward() called at {esc(called)}[/]")
+    # arguments
+    inputs = op.inputs()
+    positions = {id(r): k for k, r in enumerate(inputs)}
+    try:
+        producers = trace.producers(i)
+    except Exception:
+        producers = {}
+    out.append("")
+    out.append("[b]arguments[/]")
+    arg_items = [(str(k), v) for k, v in enumerate(op.args)] + [(k, v) for k, v in op.kwargs.items()]
+    seen = [0]
+    for label, value in arg_items:
+        text, lines = _value_text(value, positions, producers, trace, statuses, seen)
+        if lines:
+            out.append(f"  {esc(label)}: " + lines[0])
+            out.extend("     " + ln for ln in lines[1:])
+        else:
+            out.append(f"  {esc(label)}: {text}")
+    if not arg_items:
+        out.append("  [dim](none)[/]")
+    # outputs
+    outs = op.outputs_refs()
+    try:
+        consumers = trace.consumers(i)
+    except Exception:
+        consumers = {}
+    out.append("")
+    out.append("[b]outputs[/]")
+    for k, ref in enumerate(outs):
+        users = consumers.get(k) or []
+        links = ", ".join(op_link(trace, u, statuses[u] if 0 <= u < len(statuses) else None) for u in users[:MAX_LINKS])
+        more = f" [dim]+{len(users) - MAX_LINKS} more (c)[/]" if len(users) > MAX_LINKS else ""
+        out.append(f"  out{k} {tensor_line(ref)}")
+        out.append(f"       {tensor_stats(trace, ref)}")
+        out.append(f"       → {links}{more}" if users else "       → [dim]not read again in this trace[/]")
+    if not outs:
+        out.append("  [dim](no tensor outputs)[/]")
+    return "\n".join(out)
+
+
+# -- element-wise error histogram ---------------------------------------------------------------------------------
+BUCKETS = ("0", "<1", "1-10", "10-100", "1e2-1e3", "1e3-1e4", "1e4-1e5", "≥1e5")
+
+
+def reference_pairs(trace: Any, i: int, options: Any) -> list[tuple[Any, Any]] | None:
+    """(recorded tensor, reference tensor) pairs for op ``i``'s outputs, by replaying that op alone; None when
+    replaydiff has no single-op replay to call."""
+    import torch
+    from replaydiff import replay
+
+    replay_op: Callable | None = getattr(replay, "replay_op", None)
+    if replay_op is None:
+        return None
+    _, pairs = replay_op(trace, trace[i], options)
+    out = []
+    for recorded, reference in pairs:
+        if not isinstance(reference, torch.Tensor):
+            continue  # a scalar output: nothing to spread over elements
+        if is_tensor_ref(recorded):
+            if not recorded.stored:
+                continue
+            recorded = trace.tensor(recorded)
+        if isinstance(recorded, torch.Tensor):
+            out.append((recorded, reference))
+    return out
+
+
+def error_histogram(pairs: list[tuple[Any, Any]]) -> tuple[list[tuple[str, int]], int]:
+    """Counts of element-wise |recorded - reference| / (eps * max|reference|) by decade, and how many elements
+    are NaN/Inf in one but not the other."""
+    import torch
+
+    counts = [0] * len(BUCKETS)
+    nonfinite = 0
+    for rec, ref in pairs:
+        if rec is None or ref is None or rec.numel() == 0:
+            continue
+        dt = rec.dtype
+        eps = torch.finfo(dt).eps if (dt.is_floating_point or dt.is_complex) else 1.0
+        a, b = rec.detach().to(torch.complex128 if rec.is_complex() else torch.float64).flatten(), \
+            ref.detach().to(torch.complex128 if ref.is_complex() else torch.float64).flatten()
+        fa, fb = torch.isfinite(a), torch.isfinite(b)
+        nonfinite += int((fa != fb).sum())
+        both = fa & fb
+        if not bool(both.any()):
+            continue
+        diff = (a[both] - b[both]).abs()
+        scale = eps * float(b[both].abs().max())
+        e = diff / scale if scale > 0 else torch.where(diff > 0, torch.full_like(diff, math.inf), diff)
+        counts[0] += int((e == 0).sum())
+        edges = [0.0, 1.0, 10.0, 1e2, 1e3, 1e4, 1e5, math.inf]
+        for k in range(1, len(BUCKETS)):
+            lo, hi = edges[k - 1], edges[k]
+            sel = (e > lo) & (e < hi) if k == 1 else (e >= lo) & (e < hi)
+            if k == len(BUCKETS) - 1:
+                sel = e >= lo
+            counts[k] += int(sel.sum())
+    return list(zip(BUCKETS, counts)), nonfinite
+
+
+def histogram_markup(hist: list[tuple[str, int]], nonfinite: int, width: int = 30) -> str:
+    top = max((n for _, n in hist), default=0) or 1
+    lines = ["[b]element-wise error[/] [dim](|recorded - reference| / (eps·absmax), elements)[/]"]
+    for label, n in hist:
+        bar = "█" * (math.ceil(n / top * width) if n else 0)
+        lines.append(f"  {label:>8} [red]{bar}[/] {n}")
+    if nonfinite:
+        lines.append(f"  [bold red]{nonfinite} NaN/Inf mismatch(es)[/]")
+    return "\n".join(lines)
+
+
+def is_problem(result: Any) -> bool:
+    return result is not None and status_value(result.status) in PROBLEMS

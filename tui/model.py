@@ -1,0 +1,404 @@
+"""Provides TraceModel: the headless state behind the TUI (verdicts per op, visible rows, modules, heat, navigation).
+
+Nothing here imports textual: the app draws what this model says, and tests can drive the model without a screen.
+Everything per op is a plain list indexed by op number and filled from the trace's index (no chunk decoding), so a
+100,000-op trace opens in a fraction of a second; op records are decoded only for the op on display.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+PHASES = ("forward", "backward", "optimizer")
+PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt", None: "   "}
+
+# Statuses as their string values (replaydiff.replay.Status is a str-Enum; a report read from JSON holds strings).
+OK, DIVERGENT, NONDETERMINISTIC, SKIPPED, ERROR = "ok", "divergent", "nondeterministic", "skipped", "error"
+PROBLEMS = (DIVERGENT, NONDETERMINISTIC)
+
+
+def status_value(status: Any) -> str | None:
+    """The plain string of a status, whether it came as a Status enum member, a string, or nothing yet."""
+    if status is None:
+        return None
+    return str(getattr(status, "value", status))
+
+
+def severity(status: str | None, metrics: dict | None) -> float | None:
+    """How bad an op's error is, as a multiple of its limit: 1.0 is the divergence threshold.
+
+    The worse of max_abs/(eps*absmax) over its limit and rel_l2/eps over its limit; an exact comparison with
+    mismatches, a NaN/Inf mismatch or a divergent verdict without metrics counts as infinitely bad. None when the op
+    has no verdict or no numbers (skipped, error, pending)."""
+    m = metrics or {}
+    return _severity(status, _num(m.get("norm_max")), _num(m.get("norm_rel")), m.get("limit_max"),
+                     m.get("limit_rel"), bool(m.get("mismatches")) or bool(m.get("nonfinite_mismatch")))
+
+
+def _severity(status: str | None, nm: float | None, nr: float | None, lm: float | None, lr: float | None,
+              mismatch: bool) -> float | None:
+    worst = None
+    if nm is not None and lm:
+        worst = nm / lm
+    if nr is not None and lr:
+        worst = max(worst or 0.0, nr / lr)
+    if mismatch:
+        worst = math.inf
+    if status in PROBLEMS and (worst is None or worst < 1.0):
+        worst = math.inf if worst is None else max(worst, 1.0)
+    if worst is None and status == OK:
+        worst = 0.0
+    return worst
+
+
+def verdict_figures(result: Any, status: str | None) -> tuple[float | None, str]:
+    """(severity, error text) of an OpResult, read from its typed verdict (no JSON dict built: a report holds
+    100,000 of them); results without one (read from elsewhere) go through their metrics dict."""
+    verdict = getattr(result, "verdict", None)
+    if verdict is None:
+        metrics = result.metrics
+        return severity(status, metrics), error_text(metrics)
+    m = verdict.measure
+    finite = getattr(m, "finite", None)  # a NaN/Inf mismatch measures its finite positions too
+    fe = finite if finite is not None else m
+    nm, nr = getattr(fe, "norm_max", None), getattr(fe, "norm_rel", None)
+    mismatches = getattr(m, "mismatches", None)
+    positions = getattr(m, "positions", None)
+    sev = _severity(status, nm, nr, verdict.limit_max, verdict.limit_rel, bool(mismatches) or bool(positions))
+    if mismatches is not None:
+        text = f"≠{mismatches}" if mismatches else "exact"
+    else:
+        text = error_text({"norm_max": nm}) if nm is not None else ""
+    return sev, text
+
+
+def _num(x: Any) -> float | None:
+    if isinstance(x, (int, float)):
+        return float(x)
+    if isinstance(x, str):  # JSON reports spell non-finite floats as strings
+        try:
+            return float(x)
+        except ValueError:
+            return None
+    return None
+
+
+def error_text(metrics: dict | None) -> str:
+    """The normalised error shown in the op list: max_abs/(eps*absmax), or the mismatch count of an exact check."""
+    m = metrics or {}
+    if "mismatches" in m:
+        return f"≠{m['mismatches']}" if m["mismatches"] else "exact"
+    nm = _num(m.get("norm_max"))
+    if nm is None:
+        return ""
+    if nm == 0:
+        return "0"
+    if math.isinf(nm) or math.isnan(nm):
+        return str(nm)
+    return f"{nm:.3g}" if nm < 1000 else f"{nm:.2e}".replace("e+0", "e").replace("e+", "e")
+
+
+def short_op(name: str) -> str:
+    """``aten.mm.default`` -> ``mm``; ``aten.add.Tensor`` -> ``add.Tensor``."""
+    if name.startswith("aten."):
+        name = name[5:]
+    if name.endswith(".default"):
+        name = name[:-8]
+    return name
+
+
+def shorten_left(text: str, width: int) -> str:
+    """Fit a dotted path into ``width`` cells by dropping its start: ``…blocks.1.ln2``."""
+    if width <= 0:
+        return ""
+    if len(text) <= width:
+        return text
+    if width == 1:
+        return "…"
+    tail = text[-(width - 1):]
+    dot = tail.find(".")
+    if 0 <= dot < len(tail) - 1 and len(tail) - dot - 1 >= width // 2:
+        tail = tail[dot:]  # start at a component boundary when that keeps most of the room
+    return "…" + tail
+
+
+@dataclass
+class ModuleGroup:
+    """One node of the module tree: a module path within one phase (path "" is the phase itself)."""
+    phase: str
+    path: str
+    name: str
+    children: list["ModuleGroup"] = field(default_factory=list)
+    count: int = 0  # ops in this module and below
+    worst: float | None = None  # worst severity of its ops (None: nothing replayed yet)
+    worst_op: int | None = None
+
+
+class Columns:
+    """The index columns the TUI reads per row, copied once into plain lists (a list item is several times
+    cheaper to read than the index's packed columns, and drawing or filtering 100,000 rows reads them all)."""
+
+    FIELDS = ("name", "phase", "module", "source", "forward", "output", "cheap")
+
+    def __init__(self, index: Any) -> None:
+        n = len(index)
+        for f in self.FIELDS:
+            setattr(self, f, list(getattr(index, f)[0:n]))
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class TraceModel:
+    """One rank of a trace as the TUI sees it: rows, verdicts, filters and the op graph's shortcuts."""
+
+    def __init__(self, rank_trace: Any) -> None:
+        self.trace = rank_trace
+        self.index = Columns(rank_trace.index)
+        self.n = len(self.index)
+        self._haystack: list[str] | None = None  # "name module" in lower case, for the filter
+        self._not_cheap: list[int] | None = None
+        self.results: list[Any] = [None] * self.n  # OpResult per op
+        self.status: list[str | None] = [None] * self.n
+        self.severity: list[float | None] = [None] * self.n
+        self.error: list[str] = [""] * self.n  # the normalised error as the list shows it
+        self._counts: dict[str, int] = {}
+        self.divergent: list[int] = []  # sorted op numbers with a problem verdict
+        self.nonfinite: list[int] = []
+        self.hide_cheap = False
+        self.filter_text = ""
+        self.scope: tuple[str, str] | None = None  # (phase, module path) chosen in the tree
+        self._backward_of: dict[int, list[int]] | None = None
+        self.visible: list[int] = list(range(self.n))
+        self._groups: dict[tuple[str, str], ModuleGroup] | None = None
+
+    # -- verdicts ---------------------------------------------------------------------------------------------
+    def clear_results(self) -> None:
+        self.results = [None] * self.n
+        self.status = [None] * self.n
+        self.severity = [None] * self.n
+        self.error = [""] * self.n
+        self.divergent, self.nonfinite = [], []
+        self._counts = {}
+
+    def add_results(self, results: Iterable[Any]) -> int:
+        """Take OpResults (of this rank; others are ignored); returns how many were taken."""
+        rank = getattr(self.trace, "rank", None)
+        taken = 0
+        for r in results:
+            if rank is not None and getattr(r, "rank", rank) != rank:
+                continue
+            i = r.index
+            if not 0 <= i < self.n:
+                continue
+            s = status_value(r.status)
+            old = self.status[i]
+            if old is not None:
+                self._counts[old] -= 1
+            self._counts[s] = self._counts.get(s, 0) + 1
+            self.results[i] = r
+            self.status[i] = s
+            self.severity[i], self.error[i] = verdict_figures(r, s)
+            if s in PROBLEMS:
+                k = bisect.bisect_left(self.divergent, i)
+                if k == len(self.divergent) or self.divergent[k] != i:
+                    self.divergent.insert(k, i)
+            if getattr(r, "nonfinite_origin", False):
+                bisect.insort(self.nonfinite, i)
+            taken += 1
+        return taken
+
+    def counts(self) -> dict[str, int]:
+        c = {OK: 0, DIVERGENT: 0, NONDETERMINISTIC: 0, SKIPPED: 0, ERROR: 0}
+        c.update(self._counts)
+        return c
+
+    # -- rows -------------------------------------------------------------------------------------------------
+    def set_view(self, *, hide_cheap: bool | None = None, filter_text: str | None = None,
+                 scope: tuple[str, str] | None | bool = False) -> None:
+        """Change what is listed (``scope=None`` clears the module scope; leaving it out keeps it)."""
+        before = (self.hide_cheap, self.filter_text.strip().lower(), self.scope)
+        if hide_cheap is not None:
+            self.hide_cheap = hide_cheap
+        if filter_text is not None:
+            self.filter_text = filter_text
+        if scope is not False:
+            self.scope = scope  # type: ignore[assignment]
+        f = self.filter_text.strip().lower()
+        if (self.hide_cheap, self.scope) == before[::2] and before[1] and f.startswith(before[1]):
+            # typing on in the filter box: only rows shown now can still match
+            self.visible = self._compute_visible(self.visible, filter_only=True)
+        else:
+            self.visible = self._compute_visible()
+
+    def _compute_visible(self, start: list[int] | None = None, filter_only: bool = False) -> list[int]:
+        ix = self.index
+        if not (self.hide_cheap or self.scope or self.filter_text.strip()):
+            return list(range(self.n))
+        rows: Iterable[int] = range(self.n) if start is None else start
+        if filter_only:
+            f = self.filter_text.strip().lower()
+            hay = self._haystack
+            assert hay is not None
+            return [i for i in rows if f in hay[i]]
+        if self.hide_cheap:
+            if start is None:
+                if self._not_cheap is None:
+                    cheap = ix.cheap
+                    self._not_cheap = [i for i in range(self.n) if not cheap[i]]
+                rows = self._not_cheap
+            else:
+                cheap = ix.cheap
+                rows = [i for i in rows if not cheap[i]]
+        if self.scope is not None:
+            phase, path = self.scope
+            phases = ix.phase
+            mods = ix.module
+            pre = path + "."
+            if path:
+                rows = [i for i in rows if phases[i] == phase and mods[i] is not None
+                        and (mods[i] == path or mods[i].startswith(pre))]
+            else:
+                rows = [i for i in rows if phases[i] == phase]
+        f = self.filter_text.strip().lower()
+        if f:
+            if self._haystack is None:
+                self._haystack = [f"{name}\0{mod or ''}".lower() for name, mod in zip(ix.name, ix.module)]
+            hay = self._haystack
+            rows = [i for i in rows if f in hay[i]]
+        return list(rows)  # a copy: the cached list of non-cheap rows must not be shared
+
+    def row_of(self, op: int) -> int | None:
+        """The row showing op number ``op``, or None when it is hidden."""
+        k = bisect.bisect_left(self.visible, op)
+        if k < len(self.visible) and self.visible[k] == op:
+            return k
+        return None
+
+    def nearest_row(self, op: int) -> int:
+        """The row of ``op`` or, when it is hidden, of the next shown op (the last row past the end)."""
+        k = bisect.bisect_left(self.visible, op)
+        return min(k, max(0, len(self.visible) - 1))
+
+    # -- navigation -------------------------------------------------------------------------------------------
+    def first_divergent(self) -> int | None:
+        return self.divergent[0] if self.divergent else None
+
+    def next_divergent(self, op: int) -> int | None:
+        k = bisect.bisect_right(self.divergent, op)
+        return self.divergent[k] if k < len(self.divergent) else None
+
+    def previous_divergent(self, op: int) -> int | None:
+        k = bisect.bisect_left(self.divergent, op)
+        return self.divergent[k - 1] if k > 0 else None
+
+    def first_nonfinite(self) -> int | None:
+        return self.nonfinite[0] if self.nonfinite else None
+
+    def backward_ops(self, forward_op: int) -> list[int]:
+        """The backward ops that belong to forward op ``forward_op`` (built once from the index)."""
+        if self._backward_of is None:
+            out: dict[int, list[int]] = {}
+            for i, f in enumerate(self.index.forward):
+                if f is not None:
+                    out.setdefault(f, []).append(i)
+            self._backward_of = out
+        return self._backward_of.get(forward_op, [])
+
+    def partner(self, op: int) -> int | None:
+        """For a backward op its forward op; for a forward op its first backward op."""
+        f = self.index.forward[op]
+        if f is not None:
+            return f
+        back = self.backward_ops(op)
+        return back[0] if back else None
+
+    # -- heat strip -------------------------------------------------------------------------------------------
+    def heat(self, cells: int) -> list[tuple[int, int, float | None, int | None]]:
+        """The op sequence cut into ``cells`` equal spans: (first op, last op, worst severity, worst op)."""
+        n = self.n
+        out = []
+        if n == 0 or cells <= 0:
+            return out
+        sev = self.severity
+        for c in range(cells):  # with fewer ops than cells, an op spans several cells
+            lo = c * n // cells
+            hi = max(lo, (c + 1) * n // cells - 1)
+            worst, at = None, None
+            for i in range(lo, hi + 1):
+                s = sev[i]
+                if s is not None and (worst is None or s > worst):
+                    worst, at = s, i
+            out.append((lo, hi, worst, at))
+        return out
+
+    # -- module tree ------------------------------------------------------------------------------------------
+    def module_groups(self) -> list[ModuleGroup]:
+        """Phase nodes (forward, backward, optimizer, then any other), each holding its module tree with op
+        counts and worst severities. The structure is built once; ``refresh_worst`` updates the severities."""
+        if self._groups is None:
+            self._build_groups()
+        self.refresh_worst()
+        roots = [g for (ph, path), g in self._groups.items() if path == ""]  # type: ignore[union-attr]
+        order = {p: k for k, p in enumerate(PHASES)}
+        return sorted(roots, key=lambda g: (order.get(g.phase, len(order)), g.phase))
+
+    def _build_groups(self) -> None:
+        groups: dict[tuple[str, str], ModuleGroup] = {}
+        self._op_group: list[ModuleGroup] = []
+        ix = self.index
+        cache: dict[tuple[str, str], ModuleGroup] = {}
+        for i in range(self.n):
+            phase = ix.phase[i] or "other"
+            mod = ix.module[i] or ""
+            key = (phase, mod)
+            g = cache.get(key)
+            if g is None:
+                g = self._group(groups, phase, mod)
+                cache[key] = g
+            g.count += 1
+            self._op_group.append(g)
+        # counts roll up to the parents
+        for g in sorted(groups.values(), key=lambda g: -g.path.count(".") - (1 if g.path else 0)):
+            for c in g.children:
+                g.count += c.count
+        self._groups = groups
+
+    def _group(self, groups: dict, phase: str, path: str) -> ModuleGroup:
+        key = (phase, path)
+        g = groups.get(key)
+        if g is not None:
+            return g
+        g = ModuleGroup(phase, path, path.rsplit(".", 1)[-1] if path else phase)
+        groups[key] = g
+        parent = self._group(groups, phase, path.rsplit(".", 1)[0] if "." in path else "") if path else None
+        if parent is not None:
+            parent.children.append(g)
+        return g
+
+    def refresh_worst(self) -> None:
+        if self._groups is None:
+            self._build_groups()
+        groups = self._groups
+        assert groups is not None
+        for g in groups.values():
+            g.worst, g.worst_op = None, None
+        sev = self.severity
+        own: dict[int, tuple[float, int]] = {}
+        for i, s in enumerate(sev):
+            if s is None:
+                continue
+            g = self._op_group[i]
+            cur = own.get(id(g))
+            if cur is None or s > cur[0]:
+                own[id(g)] = (s, i)
+                if g.worst is None or s > g.worst:
+                    g.worst, g.worst_op = s, i
+        for g in sorted(groups.values(), key=lambda g: -g.path.count(".") - (1 if g.path else 0)):
+            for c in g.children:
+                if c.worst is not None and (g.worst is None or c.worst > g.worst
+                                            or (c.worst == g.worst and (c.worst_op or 0) < (g.worst_op or 0))):
+                    g.worst, g.worst_op = c.worst, c.worst_op
