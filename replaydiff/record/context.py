@@ -115,8 +115,9 @@ class OpContext:
         if len(parents) <= 1:
             return None
         best = None
-        for p in parents:  # the innermost module has the longest dotted path
-            if p != "Global" and (best is None or (p.count("."), len(p)) > (best.count("."), len(best))):
+        for p in parents:  # the innermost module has the longest dotted path; ties broken by name, since parents
+            # is a set and its order changes from process to process (two sibling embeddings in backward)
+            if p != "Global" and (best is None or (p.count("."), len(p), p) > (best.count("."), len(best), best)):
                 best = p
         return best
 
