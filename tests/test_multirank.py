@@ -160,6 +160,7 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for _ in range(2):
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
+dist.barrier()  # gloo aborts a rank (SIGABRT) that destroys its group while the other still talks to it
 dist.destroy_process_group()
 '''
 
