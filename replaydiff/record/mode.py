@@ -19,7 +19,7 @@ from replaydiff import aten
 from replaydiff.aten import iter_tensors, written_args
 from replaydiff.record.context import BACKWARD, FORWARD, OpContext
 from replaydiff.record.options import RecordOptions
-from replaydiff.record.stats import batch_stats
+from replaydiff.record.stats import batch_stats, cpu_stats
 from replaydiff.record.storage import StorageTable
 from replaydiff.trace import schema
 from replaydiff.trace.codec import address_view, buffer_address
@@ -38,6 +38,7 @@ class RecorderLike(Protocol):
 
     active: bool
     next_index: int
+    step: int | None  # the optimizer step being recorded (multi-step recordings), stamped on every record
     options: RecordOptions
     storages: StorageTable
     writer: RankWriter
@@ -129,6 +130,12 @@ class OpBuilder:
             cached = self._stats_seen.get(key)
             if cached is not None:
                 schema.wire_set_stats(ref, cached)
+            elif dev == "cpu" and (s := cpu_stats(t)) is not None:
+                # In place, right now: no torch call, no reference kept past the op (see stats.py for why).
+                schema.wire_set_stats(ref, s)
+                if len(self._stats_seen) > 100_000:
+                    self._stats_seen.clear()
+                self._stats_seen[key] = s
             elif key in self._stat_refs:
                 self._stat_refs[key].append(ref)
             else:
@@ -174,6 +181,10 @@ class OpBuilder:
         if len(self._stats_seen) > 100_000:
             self._stats_seen.clear()
 
+    def forget_stats(self) -> None:
+        """Drop cached statistics: the bytes behind a storage version may have changed unseen (between steps)."""
+        self._stats_seen.clear()
+
     def encode(self, v: Any, store: bool = True) -> Any:
         return schema.encode_value(v, lambda t: self.ref(t, store))
 
@@ -213,10 +224,14 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
     if not (aten.matches_any(name, opts.ops) and (not opts.modules or aten.matches_any(module, opts.modules))):
         # Numbered with a stub record (the index and the UI see every op), not stored. What it writes still makes
         # new storage versions: a later stored op must not be given the bytes from before this write.
-        rec.writer.add_op(schema.wire_not_recorded(schema.wire_op(index, name, phase, module, fwd, None),
-                                                   "filtered out (record options ops/modules)"))
+        stub = schema.wire_op(index, name, phase, module, fwd, None)
+        if rec.step is not None:
+            schema.wire_set_step(stub, rec.step)
+        rec.writer.add_op(schema.wire_not_recorded(stub, "filtered out (record options ops/modules)"))
         return Pending(None, written, info.uninitialised) if written or info.uninitialised else None
     record = schema.wire_op(index, name, phase, module, fwd, ctx.source())
+    if rec.step is not None:
+        schema.wire_set_step(record, rec.step)
     if info.collective:
         schema.wire_set_collective(record, collective_info(func, args, kwargs))
     if info.seeded and b.mode == "full":  # generator state is data: only "full" traces store any

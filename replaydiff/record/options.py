@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 TENSOR_MODES = ("full", "stats", "meta")
+GRANULARITIES = ("op", "module")  # op: every aten op; module: each module call's outputs and their gradients
 DEFAULT_ZSTD_LEVEL = 1
 
 
@@ -35,6 +36,14 @@ class RecordOptions:
     # dispatcher never sees (through .numpy(), a C extension's pointer) become new versions. Costs a CRC32 pass
     # (~3 GB/s) per re-read: off by default.
     verify_writes: bool = False
+    # Many steps (steps.py): "A", "A-B", "A-B:K" or "A-:K", optimizer steps counted from 1; each op gets its step.
+    steps: str | None = None
+    granularity: str = "op"
+    # Flight recorder (flight.py): keep the last `flight` steps in memory (at most flight_mib MiB, encoded) and write
+    # them only when a gradient or the loss turns NaN/Inf, on SIGTERM/SIGUSR1, or when the script raises.
+    flight: int | None = None
+    flight_mib: float = 64.0
+    flight_at_exit: bool = False  # also write the last steps when the process ends normally
 
     def __post_init__(self) -> None:
         if self.tensors not in TENSOR_MODES:
@@ -45,6 +54,19 @@ class RecordOptions:
             raise ValueError("chunk_ops and chunk_bytes must be positive")
         if self.max_tensor_bytes is not None and self.max_tensor_bytes < 0:
             raise ValueError("max_tensor_bytes must be >= 0")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, not {self.granularity!r}")
+        if self.steps is not None:
+            from replaydiff.record.steps import StepRange
+
+            StepRange.parse(self.steps)  # ValueError with the reason
+        if self.flight is not None:
+            if self.flight < 1 or self.flight_mib <= 0:
+                raise ValueError("flight needs a positive number of steps and flight_mib > 0")
+            if self.tensors == "full":
+                raise ValueError("the flight recorder keeps statistics in memory: use tensors='stats' (or 'meta')")
+        if self.granularity == "module" and self.tensors == "full":
+            raise ValueError("granularity='module' records statistics: use tensors='stats'")
 
     @classmethod
     def make(cls, tensors: str = "full", compress: bool | int | None = True, **kw: Any) -> "RecordOptions":
@@ -56,6 +78,8 @@ class RecordOptions:
             level = None
         else:
             level = int(compress)
+        if isinstance(kw.get("steps"), int):
+            kw["steps"] = str(kw["steps"])
         for k in ("modules", "ops"):
             if k in kw:
                 kw[k] = _globs(kw[k])

@@ -13,7 +13,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -22,7 +22,12 @@ from replaydiff.aten import current_rank, facts, iter_tensors, written_args
 from replaydiff.record.compiled import CompiledRegionTracker
 from replaydiff.record.context import OpContext
 from replaydiff.record.environment import environment_snapshot
+from replaydiff.record.flight import FlightBuffer
 from replaydiff.record.mode import OpBuilder, RecordingMode, record_after, record_before
+from replaydiff.record.module_stats import ModuleStatsHooks
+
+if TYPE_CHECKING:
+    from replaydiff.record.steps import MultiStepRecorder
 from replaydiff.record.options import RecordOptions
 from replaydiff.record.storage import StorageTable
 from replaydiff.trace import schema
@@ -39,12 +44,16 @@ class Recorder:
         self.path = Path(path)
         self.options = options
         self.active = False
+        self.paused = False  # between recorded steps: nothing attached, the trace still open (pause/resume)
+        self.step: int | None = None  # optimizer step being recorded, stamped on each record (multi-step)
         self.next_index = 0
         self.rank_dir: Path | None = None
         self.writer: RankWriter | None = None
         self.storages = StorageTable()
         self.context = OpContext(options.source_lines)
         self._mode: RecordingMode | None = None
+        self._module_hooks: ModuleStatsHooks | None = None
+        self._context_installed = False
         self._builder: OpBuilder | None = None
         self._started = 0.0
         self._disabled_reason: str | None = None
@@ -70,12 +79,15 @@ class Recorder:
                 "options": self.options.to_dict(),
                 "started_at": time.time(),
             }
-            self.writer = RankWriter(self.rank_dir, manifest, self.options.compress, self.options.shuffle,
-                                     self.options.chunk_ops, self.options.chunk_bytes, self.options.flush_seconds)
+            if self.options.flight:
+                self.writer = FlightBuffer(self.rank_dir, manifest, self.options, self._closing_facts)
+            else:
+                self.writer = RankWriter(self.rank_dir, manifest, self.options.compress, self.options.shuffle,
+                                         self.options.chunk_ops, self.options.chunk_bytes, self.options.flush_seconds)
             self._builder = OpBuilder(self)
-            self.context.install()
-            self._mode = RecordingMode(self)
-            self._mode.__enter__()
+            if isinstance(self.writer, FlightBuffer):
+                self.writer.begin_step(self.step)
+            self._attach()
             self._compiled.start()
             self._started = time.perf_counter()
             self.active = True
@@ -86,8 +98,8 @@ class Recorder:
         return self
 
     def stop(self) -> None:
-        was_active = self.active
-        self.active = False
+        was_active = self.active or self.paused
+        self.active = self.paused = False
         self._teardown()
         if self.writer is not None and (was_active or self._disabled_reason):
             try:
@@ -98,17 +110,91 @@ class Recorder:
                 msg = self._compiled.first_warning()
                 if msg:
                     self._warn(msg)
-                self.writer.close({
-                    "compiled_regions": self._compiled_regions,
-                    "unseen_writes": unseen,
-                    "ops_seen": self.next_index,
-                    "record_seconds": time.perf_counter() - self._started,
-                    "disabled": self._disabled_reason,
-                    "custom_ops": self.custom_ops,
-                })
+                self.writer.close(self._closing_facts())
             except Exception as exc:
                 self._warn(f"the trace could not be finished: {exc}")
         self.storages.clear()
+
+    def _closing_facts(self) -> dict:
+        """What the final manifest says about the recording (also for a flight dump written mid-run)."""
+        return {
+            "compiled_regions": self._compiled_regions,
+            "unseen_writes": self._builder.unseen_writes if self._builder is not None else 0,
+            "ops_seen": self.next_index,
+            "record_seconds": time.perf_counter() - self._started,
+            "disabled": self._disabled_reason,
+            "custom_ops": self.custom_ops,
+        }
+
+    # -- many steps: attached while a chosen step runs, detached (full speed, trace open) in between -------------
+    @property
+    def builder(self) -> OpBuilder | None:
+        return self._builder
+
+    def pause(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        self.paused = True
+        self._detach()
+        if isinstance(self.writer, FlightBuffer):
+            self.writer.end_step()
+
+    def resume(self, step: int | None) -> None:
+        """Record again from here, as step ``step`` (starts the recording the first time)."""
+        self.step = step
+        if self.writer is None:
+            self.start()
+            return
+        if not self.paused or self._disabled_reason or self.writer.failed:
+            return
+        # The job ran unobserved since the last step: storage versions and cached statistics describe bytes it may
+        # have rewritten (the optimizer updates every parameter in place). Version ids keep counting, so no id is
+        # ever reused for other bytes.
+        self.storages.clear()
+        self._builder.forget_stats()
+        if isinstance(self.writer, FlightBuffer):
+            self.writer.begin_step(step)
+        try:
+            self._attach()
+        except Exception as exc:
+            self.disable(f"could not resume recording at step {step}: {exc}")
+            return
+        self.paused = False
+        self.active = True
+
+    def enter_module(self, module: torch.nn.Module, inputs: Any) -> None:
+        """Enter a module whose forward pre hooks ran before recording started (it started inside its call)."""
+        if self._module_hooks is not None:
+            self._module_hooks.enter_module(module, inputs)
+        else:
+            self.context.enter_module(module, inputs)
+
+    def _attach(self) -> None:
+        if self.options.granularity == "module":
+            self._module_hooks = self._module_hooks or ModuleStatsHooks(self)
+            self._module_hooks.install()
+            return
+        self.context.install()
+        self._context_installed = True
+        self._mode = RecordingMode(self)
+        self._mode.__enter__()
+
+    def _detach(self) -> None:
+        if self._module_hooks is not None:
+            self._module_hooks.uninstall()
+        if self._mode is not None:
+            try:
+                self._mode.__exit__(None, None, None)
+            except Exception as exc:
+                log.debug("could not pop the recording mode: %s", exc)
+            self._mode = None
+        if self._context_installed:
+            self._context_installed = False
+            try:
+                self.context.uninstall()
+            except Exception as exc:
+                log.debug("could not remove tracking hooks: %s", exc)
 
     # -- SIGTERM: what torchrun sends the surviving workers when one rank fails ---------------------------------
     def _install_sigterm(self) -> None:
@@ -133,8 +219,8 @@ class Recorder:
         """Write what is recorded, then do what the process would have done without us."""
         prev = self._prev_sigterm
         try:
-            if self.writer is not None and self.active:
-                self.active = False
+            if self.writer is not None and (self.active or self.paused):
+                self.active = self.paused = False
                 self.writer.note_lost(f"the process got SIGTERM during op #{self.next_index - 1}; the trace holds "
                                       f"the ops recorded before it")
                 self.writer.sync(timeout=10.0)
@@ -155,16 +241,7 @@ class Recorder:
             self._compiled_regions = self._compiled.stop()
         except Exception as exc:  # stop() never raises by design; belt and braces around someone else's job
             log.debug("compiled-region tracker: %s", exc)
-        if self._mode is not None:
-            try:
-                self._mode.__exit__(None, None, None)
-            except Exception as exc:
-                log.debug("could not pop the recording mode: %s", exc)
-            self._mode = None
-        try:
-            self.context.uninstall()
-        except Exception as exc:
-            log.debug("could not remove tracking hooks: %s", exc)
+        self._detach()
 
     def __enter__(self) -> "Recorder":
         return self.start()
@@ -221,7 +298,10 @@ class Recorder:
             self.disable(f"too many ops could not be recorded (last: {name} {why})")
             return
         index = self.next_index - 1
-        self.writer.add_op(schema.wire_not_recorded(schema.wire_op(index, name, None, None, None, None), why))
+        stub = schema.wire_op(index, name, None, None, None, None)
+        if self.step is not None:
+            schema.wire_set_step(stub, self.step)
+        self.writer.add_op(schema.wire_not_recorded(stub, why))
         try:
             for _, v in written_args(facts(func), args, kwargs):
                 for t in iter_tensors(v):
@@ -248,7 +328,8 @@ class Recorder:
         warnings.warn(f"replaydiff: {msg}", RuntimeWarning, stacklevel=3)
 
 
-def record(path: str | os.PathLike, tensors: str = "full", compress: bool | int = True, **options: Any) -> Recorder:
+def record(path: str | os.PathLike, tensors: str = "full", compress: bool | int = True,
+           **options: Any) -> "Recorder | MultiStepRecorder":
     """Record every aten op run inside the ``with`` block into the trace directory ``path``.
 
     tensors: ``full`` stores tensor data, ``stats`` per-tensor statistics, ``meta`` only shapes and dtypes.
@@ -256,5 +337,15 @@ def record(path: str | os.PathLike, tensors: str = "full", compress: bool | int 
     Other options are the fields of RecordOptions: ``modules`` / ``ops`` (globs; only matching ops are stored, all
     are numbered), ``max_tensor_bytes`` (larger storages get statistics instead of data), ``verify_writes`` (notice
     writes torch's dispatcher never sees, with a CRC32 per re-read), ``source_lines``, ``shuffle``, ``chunk_ops``.
+    Many steps: with ``steps="100-2000:10"`` (or ``flight=K``) the ``with`` block wraps the training loop and only
+    the chosen optimizer steps are recorded, each op with its step; ``granularity="module"`` records each module
+    call's outputs and gradients instead of every op; ``flight=K`` keeps the last K steps in memory and writes them
+    only when a gradient or the loss turns NaN/Inf, on SIGTERM/SIGUSR1 or an exception (``flight_mib``,
+    ``flight_at_exit``).
     """
-    return Recorder(path, RecordOptions.make(tensors=tensors, compress=compress, **options))
+    opts = RecordOptions.make(tensors=tensors, compress=compress, **options)
+    if opts.steps or opts.flight:
+        from replaydiff.record.steps import MultiStepRecorder
+
+        return MultiStepRecorder(path, opts)
+    return Recorder(path, opts)
