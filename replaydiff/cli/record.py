@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 from replaydiff.errors import UsageError
-from replaydiff.record.options import TENSOR_MODES, RecordOptions
+from replaydiff.record.options import GRANULARITIES, TENSOR_MODES, RecordOptions
 from replaydiff.record.step import ENV_VAR
 
 NAME = "record"
-HELP = "record the N-th optimizer step of a training command"
+HELP = "record the N-th optimizer step of a training command (or many steps: --steps, --flight)"
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
@@ -32,13 +32,25 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tensor-bytes", type=int, metavar="N", help="store statistics for storages larger than N")
     p.add_argument("--verify-writes", action="store_true",
                    help="checksum stored CPU tensors to notice writes torch never sees (numpy, C extensions)")
+    p.add_argument("--steps", metavar="A-B[:EVERY]",
+                   help="record these optimizer steps into one trace, e.g. 100-2000:10 (each op gets its step)")
+    p.add_argument("--granularity", choices=GRANULARITIES, default="op",
+                   help="op: every aten op (default); module: each module's outputs and gradients (much cheaper)")
+    p.add_argument("--flight", type=int, metavar="K",
+                   help="keep the last K steps in memory; write them when a gradient or the loss turns NaN/Inf, "
+                        "on SIGTERM/SIGUSR1, or when the script raises")
+    p.add_argument("--flight-mib", type=float, default=64.0, metavar="MIB",
+                   help="memory the flight recorder may hold, encoded (default 64)")
+    p.add_argument("--flight-at-exit", action="store_true", help="also write the last K steps at a normal exit")
     p.add_argument("--force", action="store_true", help="replace an existing trace directory")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run, e.g. python train.py")
 
 
 def options_from_args(args: argparse.Namespace) -> RecordOptions:
     return RecordOptions.make(tensors=args.tensors, compress=not args.no_compress, modules=args.modules,
-                              ops=args.ops, max_tensor_bytes=args.max_tensor_bytes, verify_writes=args.verify_writes)
+                              ops=args.ops, max_tensor_bytes=args.max_tensor_bytes, verify_writes=args.verify_writes,
+                              steps=args.steps, granularity=args.granularity, flight=args.flight,
+                              flight_mib=args.flight_mib, flight_at_exit=args.flight_at_exit)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,7 +80,13 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError:
         raise UsageError(f"command not found: {cmd[0]}") from None
     ranks = sorted(p.name for p in out.iterdir() if p.is_dir() and p.name.startswith("rank"))
-    if ranks:
+    if ranks and (options.steps or options.flight):
+        sys.stderr.write(f"replaydiff: recorded {'the flight recorder' if options.flight else 'steps ' + options.steps}"
+                         f" into {args.out} ({len(ranks)} rank(s)). Next:\n  replaydiff trend {args.out}\n")
+    elif options.flight:
+        sys.stderr.write(f"replaydiff: the flight recorder wrote nothing: no NaN/Inf, signal or exception "
+                         f"(--flight-at-exit writes the last {options.flight} steps at exit)\n")
+    elif ranks:
         sys.stderr.write(f"replaydiff: recorded step {args.step} into {args.out} ({len(ranks)} rank(s)). Next:\n"
                          f"  replaydiff show {args.out}\n  replaydiff replay {args.out}\n")
     else:

@@ -47,7 +47,8 @@ class FlightBuffer:
     def add_op(self, record: dict) -> None:
         if self.dumped_to is not None:
             return
-        phase = OpRecord(record).phase
+        view = OpRecord(record)
+        phase = view.phase
         if phase == "backward":
             if not self._seen_backward:
                 self._seen_backward = True
@@ -55,12 +56,13 @@ class FlightBuffer:
                 if last is not None and schema.wire_nonfinite(last) and self.trigger is None:
                     self.trigger = f"the loss (op #{schema.wire_index(last)}) is NaN/Inf at step {self._step}"
             if self.trigger is None and schema.wire_nonfinite(record):
-                self.trigger = (f"a gradient (op #{schema.wire_index(record)} {OpRecord(record).name}) is NaN/Inf "
+                self.trigger = (f"a gradient (op #{schema.wire_index(record)} {view.name}) is NaN/Inf "
                                 f"at step {self._step}")
         elif phase == "forward":
-            if self._seen_backward and self.trigger is not None:
-                # A new forward pass without an optimizer step in between (a scaler skipped it): the NaN step is
-                # over, write it out now.
+            if self._seen_backward and self.trigger is not None and view.module is not None:
+                # A module runs forward again without an optimizer step in between (a grad scaler skipped it): the
+                # NaN step is over, write it out now. (Ops outside modules, e.g. the optimizer's profiler op, run
+                # in the "forward" phase too.)
                 self.dump(self.trigger)
                 return
             self._last_forward = record
@@ -128,6 +130,9 @@ class FlightBuffer:
             return self.dumped_to
         o = self.options
         try:
+            # The last K steps, the one in progress included.
+            while self._ring and len(self._ring) + (1 if self._current else 0) > self.keep:
+                self._held -= len(self._ring.popleft()[2])
             steps = [s for s, _, _ in self._ring] + ([self._step] if self._current else [])
             manifest = dict(self._manifest, flight={
                 "reason": reason, "steps": steps, "keep": self.keep, "budget_mib": o.flight_mib,
