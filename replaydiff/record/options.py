@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from replaydiff.record.step_range import StepRange
+
 TENSOR_MODES = ("full", "stats", "meta")
 GRANULARITIES = ("op", "module")  # op: every aten op; module: each module call's outputs and their gradients
 DEFAULT_ZSTD_LEVEL = 1
@@ -57,8 +59,6 @@ class RecordOptions:
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, not {self.granularity!r}")
         if self.steps is not None:
-            from replaydiff.record.steps import StepRange
-
             StepRange.parse(self.steps)  # ValueError with the reason
         if self.flight is not None:
             if self.flight < 1 or self.flight_mib <= 0:

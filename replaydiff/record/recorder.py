@@ -13,7 +13,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -25,9 +25,6 @@ from replaydiff.record.environment import environment_snapshot
 from replaydiff.record.flight import FlightBuffer
 from replaydiff.record.mode import OpBuilder, RecordingMode, record_after, record_before
 from replaydiff.record.module_stats import ModuleStatsHooks
-
-if TYPE_CHECKING:
-    from replaydiff.record.steps import MultiStepRecorder
 from replaydiff.record.options import RecordOptions
 from replaydiff.record.storage import StorageTable
 from replaydiff.trace import schema
@@ -326,26 +323,3 @@ class Recorder:
 
     def _warn(self, msg: str) -> None:
         warnings.warn(f"replaydiff: {msg}", RuntimeWarning, stacklevel=3)
-
-
-def record(path: str | os.PathLike, tensors: str = "full", compress: bool | int = True,
-           **options: Any) -> "Recorder | MultiStepRecorder":
-    """Record every aten op run inside the ``with`` block into the trace directory ``path``.
-
-    tensors: ``full`` stores tensor data, ``stats`` per-tensor statistics, ``meta`` only shapes and dtypes.
-    compress: True for zstd at a fast level, an int for another zstd level, False for raw bytes.
-    Other options are the fields of RecordOptions: ``modules`` / ``ops`` (globs; only matching ops are stored, all
-    are numbered), ``max_tensor_bytes`` (larger storages get statistics instead of data), ``verify_writes`` (notice
-    writes torch's dispatcher never sees, with a CRC32 per re-read), ``source_lines``, ``shuffle``, ``chunk_ops``.
-    Many steps: with ``steps="100-2000:10"`` (or ``flight=K``) the ``with`` block wraps the training loop and only
-    the chosen optimizer steps are recorded, each op with its step; ``granularity="module"`` records each module
-    call's outputs and gradients instead of every op; ``flight=K`` keeps the last K steps in memory and writes them
-    only when a gradient or the loss turns NaN/Inf, on SIGTERM/SIGUSR1 or an exception (``flight_mib``,
-    ``flight_at_exit``).
-    """
-    opts = RecordOptions.make(tensors=tensors, compress=compress, **options)
-    if opts.steps or opts.flight:
-        from replaydiff.record.steps import MultiStepRecorder
-
-        return MultiStepRecorder(path, opts)
-    return Recorder(path, opts)
