@@ -27,6 +27,13 @@ _NUMPY = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: n
 
 def _from_values(x: np.ndarray) -> list:
     """Statistics of a float64 array; the slow path (a mask) only when a sum says NaN or Inf are present."""
+    # inf - inf in a sum is NaN by design here (it sends us to the slow path): no RuntimeWarning into the job,
+    # where warnings may be errors.
+    with np.errstate(all="ignore"):
+        return _from_values_quiet(x)
+
+
+def _from_values_quiet(x: np.ndarray) -> list:
     n = x.size
     s = float(x.sum())
     ss = float(np.dot(x, x)) if n < 4096 else float(np.square(x).sum())
