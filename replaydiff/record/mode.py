@@ -19,7 +19,7 @@ from replaydiff import aten
 from replaydiff.aten import iter_tensors, written_args
 from replaydiff.record.context import BACKWARD, FORWARD, OpContext
 from replaydiff.record.options import RecordOptions
-from replaydiff.record.stats import batch_stats, cpu_stats
+from replaydiff.record.stats import batch_stats, cpu_stats, dense
 from replaydiff.record.storage import StorageTable
 from replaydiff.trace import schema
 from replaydiff.trace.codec import address_view, buffer_address
@@ -108,7 +108,8 @@ class OpBuilder:
         if type(t) not in _PLAIN or t.layout is not torch.strided or dev == "meta":
             return schema.wire_unsupported(schema.wire_tensor(dtype, list(t.shape), None, 0, dev),
                                            f"{type(t).__name__}/{t.layout}/{device.type}")
-        ref = schema.wire_tensor(dtype, list(t.shape), list(t.stride()), t.storage_offset(), dev)
+        shape, stride = list(t.shape), list(t.stride())
+        ref = schema.wire_tensor(dtype, shape, stride, t.storage_offset(), dev)
         storage = t.untyped_storage()
         entry = self.rec.storages.entry(storage)
         if entry.crc is not None and zlib.crc32(address_view(storage.data_ptr(), entry.nbytes)) != entry.crc:
@@ -126,11 +127,14 @@ class OpBuilder:
                     entry.crc = zlib.crc32(address_view(storage.data_ptr(), entry.nbytes))
             schema.wire_set_chunk(ref, entry.chunk)
         elif self.mode != "meta":
-            key = schema.wire_stats_key(ref)
+            is_dense = dense(shape, stride)
+            # A dense view (view, reshape, t, permute, detach of one) has the statistics of its flat range: one
+            # key for all of them, so each storage version is measured once, not once per view.
+            key = (entry.version, dtype, t.storage_offset(), t.numel()) if is_dense else schema.wire_stats_key(ref)
             cached = self._stats_seen.get(key)
             if cached is not None:
                 schema.wire_set_stats(ref, cached)
-            elif dev == "cpu" and (s := cpu_stats(t)) is not None:
+            elif dev == "cpu" and (s := cpu_stats(t, is_dense)) is not None:
                 # In place, right now: no torch call, no reference kept past the op (see stats.py for why).
                 schema.wire_set_stats(ref, s)
                 if len(self._stats_seen) > 100_000:
