@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 import zlib
 from typing import Any, Protocol
 
@@ -19,7 +20,7 @@ from replaydiff import aten
 from replaydiff.aten import iter_tensors, written_args
 from replaydiff.record.context import BACKWARD, FORWARD, OpContext
 from replaydiff.record.options import RecordOptions
-from replaydiff.record.stats import batch_stats, cpu_stats, dense
+from replaydiff.record.stats import batch_stats, cpu_values, dense, values_stats
 from replaydiff.record.storage import StorageTable
 from replaydiff.trace import schema
 from replaydiff.trace.codec import address_view, buffer_address
@@ -91,6 +92,13 @@ class OpBuilder:
         self._stat_queue: list[torch.Tensor] = []
         self._stat_refs: dict[tuple, list[dict]] = {}  # tensor key -> the refs waiting for its statistics
         self._stats_seen: dict[tuple, list] = {}
+        # CPU tensors: a flat copy of the values each (taken as the op sees them), measured in batches of many ops
+        # (stats.values_stats), so records wait here for their statistics before they go to the writer.
+        self._cpu_pending: list[tuple[list[dict], Any]] = []  # (refs waiting, (values, is_bf16))
+        self._cpu_index: dict[tuple, int] = {}  # tensor key -> position in _cpu_pending
+        self._cpu_bytes = 0
+        self._records: list[dict] = []
+        self._flushed_at = time.monotonic()
 
     # -- tensors ----------------------------------------------------------------------------------------------
     def ref(self, t: torch.Tensor, store: bool) -> dict:
@@ -134,12 +142,13 @@ class OpBuilder:
             cached = self._stats_seen.get(key)
             if cached is not None:
                 schema.wire_set_stats(ref, cached)
-            elif dev == "cpu" and (s := cpu_stats(t, is_dense)) is not None:
-                # In place, right now: no torch call, no reference kept past the op (see stats.py for why).
-                schema.wire_set_stats(ref, s)
-                if len(self._stats_seen) > 100_000:
-                    self._stats_seen.clear()
-                self._stats_seen[key] = s
+            elif dev == "cpu" and (pos := self._cpu_index.get(key)) is not None:
+                self._cpu_pending[pos][0].append(ref)
+            elif dev == "cpu" and (values := cpu_values(t, is_dense)) is not None:
+                # A copy now (no torch call, no reference kept past the op); the statistics in the next batch.
+                self._cpu_index[key] = len(self._cpu_pending)
+                self._cpu_pending.append(([ref], (values, t.dtype is torch.bfloat16)))
+                self._cpu_bytes += values.nbytes
             elif key in self._stat_refs:
                 self._stat_refs[key].append(ref)
             else:
@@ -188,6 +197,39 @@ class OpBuilder:
     def forget_stats(self) -> None:
         """Drop cached statistics: the bytes behind a storage version may have changed unseen (between steps)."""
         self._stats_seen.clear()
+        self._cpu_index.clear()  # copies already taken stay; a later reference must take its own
+
+    # -- records: held until their CPU statistics are computed, a batch at a time ---------------------------------
+    BATCH_OPS = 128
+    BATCH_BYTES = 8 << 20
+
+    def add_op(self, record: dict) -> None:
+        """Hand a record on, in op order; it reaches the writer with its statistics at the next batch."""
+        if self._stat_queue:
+            self.flush_stats()
+        self._records.append(record)
+        if len(self._records) >= self.BATCH_OPS or self._cpu_bytes >= self.BATCH_BYTES \
+                or time.monotonic() - self._flushed_at >= self.rec.options.flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        """Compute the waiting statistics and give every waiting record to the writer."""
+        self.flush_stats()
+        if self._cpu_pending:
+            stats = values_stats([v for _, v in self._cpu_pending])
+            seen = self._stats_seen
+            if len(seen) > 100_000:
+                seen.clear()
+            for (refs, _), st in zip(self._cpu_pending, stats):
+                for ref in refs:
+                    schema.wire_set_stats(ref, st)
+            for key, pos in self._cpu_index.items():
+                seen[key] = stats[pos]
+            self._cpu_pending, self._cpu_index, self._cpu_bytes = [], {}, 0
+        records, self._records = self._records, []
+        self._flushed_at = time.monotonic()
+        for record in records:
+            self.rec.writer.add_op(record)
 
     def encode(self, v: Any, store: bool = True) -> Any:
         return schema.encode_value(v, lambda t: self.ref(t, store))
@@ -231,7 +273,7 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
         stub = schema.wire_op(index, name, phase, module, fwd, None)
         if rec.step is not None:
             schema.wire_set_step(stub, rec.step)
-        rec.writer.add_op(schema.wire_not_recorded(stub, "filtered out (record options ops/modules)"))
+        b.add_op(schema.wire_not_recorded(stub, "filtered out (record options ops/modules)"))
         return Pending(None, written, info.uninitialised) if written or info.uninitialised else None
     record = schema.wire_op(index, name, phase, module, fwd, ctx.source())
     if rec.step is not None:
@@ -269,8 +311,7 @@ def record_after(rec: RecorderLike, b: OpBuilder, p: Pending, func: Any, args: t
     else:
         writes = [(path, b.encode(v)) for path, v in p.written] if p.written else None
         schema.wire_set_outputs(record, b.encode(out), writes, False)
-    b.flush_stats()
-    rec.writer.add_op(record)
+    b.add_op(record)
 
 
 def _reduce_op_name(obj: Any) -> str | None:

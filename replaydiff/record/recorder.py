@@ -98,6 +98,7 @@ class Recorder:
         was_active = self.active or self.paused
         self.active = self.paused = False
         self._teardown()
+        self.flush_pending()
         if self.writer is not None and (was_active or self._disabled_reason):
             try:
                 unseen = self._builder.unseen_writes if self._builder is not None else 0
@@ -111,6 +112,14 @@ class Recorder:
             except Exception as exc:
                 self._warn(f"the trace could not be finished: {exc}")
         self.storages.clear()
+
+    def flush_pending(self) -> None:
+        """Records waiting for their statistics go to the writer now (end of a step, of the recording, a signal)."""
+        if self._builder is not None and self.writer is not None:
+            try:
+                self._builder.flush()
+            except Exception as exc:
+                self.disable(f"statistics of the last ops could not be computed ({type(exc).__name__}: {exc})")
 
     def _closing_facts(self) -> dict:
         """What the final manifest says about the recording (also for a flight dump written mid-run)."""
@@ -134,6 +143,7 @@ class Recorder:
         self.active = False
         self.paused = True
         self._detach()
+        self.flush_pending()
         if isinstance(self.writer, FlightBuffer):
             self.writer.end_step()
 
@@ -218,6 +228,7 @@ class Recorder:
         try:
             if self.writer is not None and (self.active or self.paused):
                 self.active = self.paused = False
+                self.flush_pending()
                 self.writer.note_lost(f"the process got SIGTERM during op #{self.next_index - 1}; the trace holds "
                                       f"the ops recorded before it")
                 self.writer.sync(timeout=10.0)
@@ -298,7 +309,7 @@ class Recorder:
         stub = schema.wire_op(index, name, None, None, None, None)
         if self.step is not None:
             schema.wire_set_step(stub, self.step)
-        self.writer.add_op(schema.wire_not_recorded(stub, why))
+        self._builder.add_op(schema.wire_not_recorded(stub, why))
         try:
             for _, v in written_args(facts(func), args, kwargs):
                 for t in iter_tensors(v):

@@ -1,12 +1,14 @@
 """Per-tensor summary statistics: ``[numel, mean, absmax, l2, var, nan, inf]`` over a tensor's finite values.
 
-Why numpy for CPU tensors: profiled on the tiny transformer step, ``stats`` recording spent nearly all its extra
-time in torch reductions on tiny tensors (``_foreach_norm`` ~190 us, ``aminmax`` ~120 us, ``sum`` ~70 us per call on
-the shared 2-core machine): every torch CPU reduction enters an intra-op parallel region and goes through the
-dispatcher, and on a busy machine waking the thread pool costs more than the arithmetic. numpy reads the storage
-bytes in place (no copy, no dispatch, no mode below the recorder sees it, no reference kept past the op) and its
-reductions are single-threaded: ~10 us a small tensor. Device tensors keep the batched torch path (one transfer).
-NaN and Inf are counted only when a sum says there are some (the common all-finite case costs nothing more).
+Why it is done this way (profiled on the tiny transformer step, issue 12): ``stats`` recording cost more than
+``full`` because every tensor took ~8 torch calls (``_foreach_norm`` ~190 us, ``aminmax`` ~120 us, ``sum`` ~70 us
+each on the shared 2-core machine): each torch CPU reduction goes through the dispatcher and wakes the intra-op
+thread pool, which on a busy machine costs far more than the arithmetic. Now a CPU tensor's values are copied flat
+through numpy straight from its storage (``cpu_values``: no torch op, no dispatch, no mode below the recorder sees it,
+no reference kept past the op) and the statistics of a whole batch of tensors come from a few numpy calls
+(``values_stats``: one concatenation, sums per segment with ``reduceat``). What remains is arithmetic on every value
+the step produces. Device tensors keep the batched torch path (``batch_stats``: one transfer per op). NaN and Inf are
+counted only when a sum says there are some (the common all-finite case costs nothing more).
 """
 from __future__ import annotations
 
@@ -68,28 +70,66 @@ def dense(shape: tuple | list, stride: tuple | list) -> bool:
     return True
 
 
-def cpu_stats(t: torch.Tensor, is_dense: bool) -> list | None:
-    """Statistics of a strided CPU tensor read in place through numpy; None where numpy cannot read its dtype."""
+def cpu_values(t: torch.Tensor, is_dense: bool) -> np.ndarray | None:
+    """A flat numpy copy of a strided CPU tensor's values, read in place (no torch op, no dispatch); None where numpy
+    cannot read its dtype. A copy, so that the statistics can wait for a batch while the job writes the tensor."""
     npdt = _NUMPY.get(t.dtype)
     if npdt is None:
         return None
     n = t.numel()
-    if n == 0:
-        return [0, 0.0, 0.0, 0.0, 0.0, 0, 0]
     storage = t.untyped_storage()
     itemsize = t.element_size()
     buf = address_view(storage.data_ptr(), storage.nbytes())
     if is_dense:  # the flat range: no strided view to build (as_strided alone costs ~7 us)
-        view = np.frombuffer(buf, dtype=npdt, count=n, offset=t.storage_offset() * itemsize)
-    else:
-        base = np.frombuffer(buf, dtype=npdt)
-        view = np.lib.stride_tricks.as_strided(base[t.storage_offset():], shape=tuple(t.shape),
-                                               strides=tuple(s * itemsize for s in t.stride()), writeable=False)
-    if t.dtype is torch.bfloat16:  # the high half of a float32
-        x = (view.astype(np.uint32) << 16).view(np.float32).astype(np.float64).reshape(-1)
-    else:
-        x = view.astype(np.float64).reshape(-1)  # a copy in float64: sums that keep the variance's digits
-    return _from_values(x)
+        return np.frombuffer(buf, dtype=npdt, count=n, offset=t.storage_offset() * itemsize).copy()
+    base = np.frombuffer(buf, dtype=npdt)
+    view = np.lib.stride_tricks.as_strided(base[t.storage_offset():], shape=tuple(t.shape),
+                                           strides=tuple(s * itemsize for s in t.stride()), writeable=False)
+    return view.reshape(-1)  # a copy: the view is not flat
+
+
+def values_stats(values: list[tuple[np.ndarray, bool]]) -> list[list]:
+    """Statistics of many flat copies at once: ``(array, is_bfloat16)`` each.
+
+    Why batched: measured on the tiny step, ~10 numpy calls per tensor cost 30-160 us (the per-call overhead, not the
+    arithmetic, on tensors of a few thousand values). Here all values are cast to float64 in one array and summed per
+    segment with ``reduceat``: about ten numpy calls per batch of hundreds of tensors."""
+    with np.errstate(all="ignore"):  # NaN/Inf are expected here; no RuntimeWarning into the job
+        return _values_stats(values)
+
+
+def _values_stats(values: list[tuple[np.ndarray, bool]]) -> list[list]:
+    out: list[list] = [[0, 0.0, 0.0, 0.0, 0.0, 0, 0]] * len(values)
+    groups: dict[np.dtype, list[tuple[int, np.ndarray]]] = {}
+    for i, (v, bf16) in enumerate(values):
+        if v.size == 0:
+            continue
+        if bf16:  # the high half of a float32
+            v = (v.astype(np.uint32) << 16).view(np.float32)
+        elif v.dtype == np.float16:
+            v = v.astype(np.float32)
+        elif v.dtype not in (np.float32, np.float64):
+            v = v.astype(np.float64)  # integers and bools
+        groups.setdefault(v.dtype, []).append((i, v))
+    for members in groups.values():
+        # float32 stays float32 where that is exact (the copy, abs, max) and is widened only inside the sums
+        # (reduceat with dtype=float64 casts as it goes): half the bytes of widening everything first.
+        x = np.concatenate([v for _, v in members]) if len(members) > 1 else members[0][1]
+        lengths = [v.size for _, v in members]
+        starts = np.zeros(len(lengths), dtype=np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        sums = np.add.reduceat(x, starts, dtype=np.float64)
+        sqs = np.add.reduceat(np.square(x, dtype=np.float64), starts)
+        amax = np.maximum.reduceat(np.abs(x), starts)
+        for k, (i, v) in enumerate(members):
+            n = lengths[k]
+            sm, ss, a = float(sums[k]), float(sqs[k]), float(amax[k])
+            if not (math.isfinite(sm) and math.isfinite(ss) and math.isfinite(a)):
+                out[i] = _from_values_quiet(v.astype(np.float64))  # NaN/Inf inside, or an overflowing square
+                continue
+            mean = sm / n
+            out[i] = [n, mean, a, math.sqrt(ss), max(ss / n - mean * mean, 0.0), 0, 0]
+    return out
 
 
 def _finite_stats(x: torch.Tensor) -> list[float]:

@@ -141,6 +141,7 @@ class MultiStepRecorder:
         """Write the flight recorder's steps now (the step in progress included) and stop recording."""
         flight = self._flight()
         if flight is not None and flight.dumped_to is None:
+            self.recorder.flush_pending()
             flight.dump(reason)
         self.finish()
 
