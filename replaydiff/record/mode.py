@@ -92,10 +92,10 @@ class OpBuilder:
         self._stat_queue: list[torch.Tensor] = []
         self._stat_refs: dict[tuple, list[dict]] = {}  # tensor key -> the refs waiting for its statistics
         self._stats_seen: dict[tuple, list] = {}
-        # CPU tensors: a flat copy of the values each (taken as the op sees them), measured in batches of many ops
-        # (stats.values_stats), so records wait here for their statistics before they go to the writer.
-        self._cpu_pending: list[tuple[list[dict], Any]] = []  # (refs waiting, (values, is_bf16))
-        self._cpu_index: dict[tuple, int] = {}  # tensor key -> position in _cpu_pending
+        # CPU tensors: a flat copy of the values each (taken as the op sees them), measured a batch at a time
+        # (stats.values_stats); each ref holds a list (a "cell") filled in place then. Records wait here until
+        # their batch is measured, so that the writer never encodes an empty cell.
+        self._cpu_pending: list[tuple[list, Any]] = []  # (cell, (values, is_bf16))
         self._cpu_bytes = 0
         self._records: list[dict] = []
         self._flushed_at = time.monotonic()
@@ -142,12 +142,20 @@ class OpBuilder:
             cached = self._stats_seen.get(key)
             if cached is not None:
                 schema.wire_set_stats(ref, cached)
-            elif dev == "cpu" and (pos := self._cpu_index.get(key)) is not None:
-                self._cpu_pending[pos][0].append(ref)
+            elif dev == "cpu" and t.numel() * t.element_size() > self.LARGE and \
+                    (values := cpu_values(t, is_dense, copy=False)) is not None:
+                # Large: measured in place now rather than copied (memory stays bounded; the arithmetic dominates).
+                s = values_stats([(values, t.dtype is torch.bfloat16)])[0]
+                schema.wire_set_stats(ref, s)
+                self._stats_seen[key] = s
             elif dev == "cpu" and (values := cpu_values(t, is_dense)) is not None:
-                # A copy now (no torch call, no reference kept past the op); the statistics in the next batch.
-                self._cpu_index[key] = len(self._cpu_pending)
-                self._cpu_pending.append(([ref], (values, t.dtype is torch.bfloat16)))
+                # A copy now (no torch call, no reference kept past the op); the statistics later, in a batch.
+                cell: list = []
+                schema.wire_set_stats(ref, cell)
+                if len(self._stats_seen) > 100_000:
+                    self._stats_seen.clear()
+                self._stats_seen[key] = cell
+                self._cpu_pending.append((cell, (values, t.dtype is torch.bfloat16)))
                 self._cpu_bytes += values.nbytes
             elif key in self._stat_refs:
                 self._stat_refs[key].append(ref)
@@ -197,9 +205,9 @@ class OpBuilder:
     def forget_stats(self) -> None:
         """Drop cached statistics: the bytes behind a storage version may have changed unseen (between steps)."""
         self._stats_seen.clear()
-        self._cpu_index.clear()  # copies already taken stay; a later reference must take its own
 
     # -- records: held until their CPU statistics are computed, a batch at a time ---------------------------------
+    LARGE = 16 << 20  # bytes of a tensor measured in place instead of copied
     BATCH_OPS = 128
     BATCH_BYTES = 8 << 20
 
@@ -207,6 +215,9 @@ class OpBuilder:
         """Hand a record on, in op order; it reaches the writer with its statistics at the next batch."""
         if self._stat_queue:
             self.flush_stats()
+        if not self._cpu_pending and not self._records:  # nothing to wait for (full, meta): straight through
+            self.rec.writer.add_op(record)
+            return
         self._records.append(record)
         if len(self._records) >= self.BATCH_OPS or self._cpu_bytes >= self.BATCH_BYTES \
                 or time.monotonic() - self._flushed_at >= self.rec.options.flush_seconds:
@@ -216,16 +227,10 @@ class OpBuilder:
         """Compute the waiting statistics and give every waiting record to the writer."""
         self.flush_stats()
         if self._cpu_pending:
-            stats = values_stats([v for _, v in self._cpu_pending])
-            seen = self._stats_seen
-            if len(seen) > 100_000:
-                seen.clear()
-            for (refs, _), st in zip(self._cpu_pending, stats):
-                for ref in refs:
-                    schema.wire_set_stats(ref, st)
-            for key, pos in self._cpu_index.items():
-                seen[key] = stats[pos]
-            self._cpu_pending, self._cpu_index, self._cpu_bytes = [], {}, 0
+            # Here, not on the writer thread: measured, a writer thread doing numpy work holds the GIL in slices
+            # that stall the job's thread longer than doing the work here.
+            _fill_cells(self._cpu_pending)
+            self._cpu_pending, self._cpu_bytes = [], 0
         records, self._records = self._records, []
         self._flushed_at = time.monotonic()
         for record in records:
@@ -233,6 +238,13 @@ class OpBuilder:
 
     def encode(self, v: Any, store: bool = True) -> Any:
         return schema.encode_value(v, lambda t: self.ref(t, store))
+
+
+def _fill_cells(pending: list[tuple[list, Any]]) -> None:
+    """Fill the statistics cells of a batch of CPU tensor copies (every ref of a tensor holds its cell)."""
+    stats = values_stats([v for _, v in pending])
+    for (cell, _), st in zip(pending, stats):
+        cell[:] = st
 
 
 class Pending:

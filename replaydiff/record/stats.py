@@ -70,7 +70,7 @@ def dense(shape: tuple | list, stride: tuple | list) -> bool:
     return True
 
 
-def cpu_values(t: torch.Tensor, is_dense: bool) -> np.ndarray | None:
+def cpu_values(t: torch.Tensor, is_dense: bool, copy: bool = True) -> np.ndarray | None:
     """A flat numpy copy of a strided CPU tensor's values, read in place (no torch op, no dispatch); None where numpy
     cannot read its dtype. A copy, so that the statistics can wait for a batch while the job writes the tensor."""
     npdt = _NUMPY.get(t.dtype)
@@ -81,7 +81,8 @@ def cpu_values(t: torch.Tensor, is_dense: bool) -> np.ndarray | None:
     itemsize = t.element_size()
     buf = address_view(storage.data_ptr(), storage.nbytes())
     if is_dense:  # the flat range: no strided view to build (as_strided alone costs ~7 us)
-        return np.frombuffer(buf, dtype=npdt, count=n, offset=t.storage_offset() * itemsize).copy()
+        flat = np.frombuffer(buf, dtype=npdt, count=n, offset=t.storage_offset() * itemsize)
+        return flat.copy() if copy else flat
     base = np.frombuffer(buf, dtype=npdt)
     view = np.lib.stride_tricks.as_strided(base[t.storage_offset():], shape=tuple(t.shape),
                                            strides=tuple(s * itemsize for s in t.stride()), writeable=False)
