@@ -4,9 +4,9 @@ Why a robust z-score: training statistics drift (norms grow, gradients shrink) a
 so a fixed threshold either fires every step or never. Each value is scored against the ``window`` steps before it:
 ``(log10 x - median) / max(1.4826 * MAD, 0.05)`` for norms and absmax (on a log scale, so a 100x jump scores the
 same on a weight of 1e-3 and on an activation of 1e3; the 0.05-decade floor means a flat series must jump 4x to
-reach the default threshold of 12), and for NaN/Inf counts any count above a window of zeros (the score is then the count). The first
-change is the earliest step with a flagged value and, inside it, the earliest op: a change propagates forward
-through the step, so the first op that changes is where it entered.
+reach the default threshold of 12), and for NaN/Inf counts any count above a window of zeros (the score is then the
+count). The first change is the earliest step with a flagged value and, inside it, the earliest op: a change
+propagates forward through the step, so the first op that changes is where it entered.
 
 Series are keyed by op *position*: (phase, module, op name, occurrence within that module in the step), which is the
 same op step after step in a training loop without data-dependent control flow. A module's own series are its

@@ -10,9 +10,10 @@ What it prints (plain-text / markdown tables):
    (``TransformerConfig.mid()``): plain step, a do-nothing TorchDispatchMode, torch's DebugMode, and replaydiff
    ``meta``, ``stats`` (op by op, and ``granularity="module"``), the flight recorder (``flight=8``, op by op and by
    module: nothing is written, the ring is filled and encoded), ``full`` (raw) and ``full`` + zstd. Variants are
-   timed round-robin in one process after warm-up, one step per sample, the median is reported. Each variant owns a model built from the same seed and
-   keeps stepping it. Recording samples include the whole ``with`` block (set-up, the step, and the exit that
-   flushes the writer), each into a fresh temporary directory.
+   timed round-robin in one process after warm-up, one step per sample, the median is reported. Each variant owns
+   a model built from the same seed and keeps stepping it. Recording samples include the whole ``with`` block
+   (set-up, the step, and the exit that flushes the writer), each into a fresh temporary directory; the steady
+   cost per step of one long multi-step recording is ``bench_steps.py``'s.
 2. Trace bytes on disk per recording variant against the naive bytes (the sum of nelement * element_size over
    every tensor input and output of every op, counted by a do-nothing dispatch mode).
 3. Peak RSS (ru_maxrss) per variant, each in a fresh subprocess of this script (hidden ``--_rss-child`` flag).
