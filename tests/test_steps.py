@@ -286,6 +286,31 @@ def test_record_cli_steps_and_module_granularity(tmp_path):
     assert r.options["granularity"] == "module" and r.options["steps"] == "2-6:2"
 
 
+def test_record_cli_flight_dumps_on_sigterm_and_the_process_still_dies_of_it(tmp_path):
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import os, signal, torch
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(1, 10):
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            if step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)  # as torchrun does when another rank fails
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "REPLAYDIFF_RECORD"}
+    proc = subprocess.run([sys.executable, "-m", "replaydiff", "record", "--tensors", "stats", "--flight", "3",
+                           "-o", "trace", "--", sys.executable, "train.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr  # the job's fate is unchanged
+    r = open_trace(tmp_path / "trace").rank(0)
+    assert sorted({op.step for op in r}) == [3, 4, 5]  # step 5 up to the signal, in its forward
+    assert {op.phase for op in r if op.step == 5} == {"forward"}
+    assert "SIGTERM" in r.manifest["flight"]["reason"]
+
+
 @pytest.mark.parametrize("bad", [["--steps", "5-2"], ["--steps", "x"], ["--flight", "0"],
                                  ["--flight", "3", "--tensors", "full"]])
 def test_record_cli_rejects_bad_step_options(tmp_path, capsys, bad):
