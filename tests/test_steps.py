@@ -203,6 +203,27 @@ def test_training_under_multi_step_recording_is_bitwise_unchanged(tmp_path, gran
     assert sorted({op.step for op in open_trace(tmp_path / "t").rank(0)}) == [2, 4]
 
 
+def test_module_granularity_sees_an_output_written_in_place_by_its_parent(tmp_path):
+    class Parent(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.child = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.child(x)
+            y.mul_(3)  # the very tensor the child returned, written after the child's hook measured it
+            return y
+
+    torch.manual_seed(0)
+    model = Parent()
+    with replaydiff.record(tmp_path / "t", tensors="stats", granularity="module"):
+        model(torch.randn(2, 4)).sum().backward()
+    r = open_trace(tmp_path / "t").rank(0)
+    out = {op.module: op.outputs_refs()[0].stats for op in r if op.phase == "forward"}
+    assert out["Parent"].l2 == pytest.approx(3 * out["Parent.child"].l2, rel=1e-6)
+    assert {op.module for op in r if op.phase == "backward"} == {"Parent", "Parent.child"}
+
+
 # -- the flight recorder --------------------------------------------------------------------------------------------
 def nan_row_at(step_no: int):
     def plant(step: int, model, ids) -> None:

@@ -99,6 +99,7 @@ class OpBuilder:
         self._cpu_bytes = 0
         self._records: list[dict] = []
         self._flushed_at = time.monotonic()
+        self.autograd_versions = False  # set by module granularity (module_stats.py)
 
     # -- tensors ----------------------------------------------------------------------------------------------
     def ref(self, t: torch.Tensor, store: bool) -> dict:
@@ -139,6 +140,14 @@ class OpBuilder:
             # A dense view (view, reshape, t, permute, detach of one) has the statistics of its flat range: one
             # key for all of them, so each storage version is measured once, not once per view.
             key = (entry.version, dtype, t.storage_offset(), t.numel()) if is_dense else schema.wire_stats_key(ref)
+            if self.autograd_versions:
+                # No dispatch mode sees writes (module granularity): storage versions never change, so the key
+                # also holds the tensor's autograd version counter, which every in-place op bumps. Tensors
+                # without one (inference mode) are measured every time.
+                try:
+                    key = (*key, t._version)
+                except Exception:
+                    key = (*key, object())
             cached = self._stats_seen.get(key)
             if cached is not None:
                 schema.wire_set_stats(ref, cached)

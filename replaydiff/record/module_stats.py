@@ -104,9 +104,7 @@ class ModuleStatsHooks:
         if rec.step is not None:
             schema.wire_set_step(record, rec.step)
         b = rec.builder
-        # No dispatch mode sees writes between module calls, so storage versions cannot tell a buffer written in
-        # place from the one measured before: measure every time.
-        b.forget_stats()
+        b.autograd_versions = True  # no dispatch mode here: see OpBuilder.ref
         schema.wire_set_inputs(record, [], {})
         schema.wire_set_outputs(record, [b.ref(t, True) for t in tensors], None, False)
         b.add_op(record)
