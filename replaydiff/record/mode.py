@@ -153,7 +153,7 @@ class OpBuilder:
                 schema.wire_set_stats(ref, cached)
             elif dev == "cpu" and t.numel() * t.element_size() > self.LARGE and \
                     (values := cpu_values(t, is_dense, copy=False)) is not None:
-                # Large: measured in place now rather than copied (memory stays bounded; the arithmetic dominates).
+                # Large: measured in place now rather than copied (no copy; batching gains nothing at this size).
                 s = values_stats([(values, t.dtype is torch.bfloat16)])[0]
                 schema.wire_set_stats(ref, s)
                 self._stats_seen[key] = s
@@ -216,7 +216,7 @@ class OpBuilder:
         self._stats_seen.clear()
 
     # -- records: held until their CPU statistics are computed, a batch at a time ---------------------------------
-    LARGE = 16 << 20  # bytes of a tensor measured in place instead of copied
+    LARGE = 256 << 10  # bytes of a tensor measured in place right away instead of copied for the batch
     BATCH_OPS = 128
     BATCH_BYTES = 8 << 20
 
