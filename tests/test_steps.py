@@ -257,6 +257,15 @@ def test_flight_writes_nothing_at_a_clean_exit_unless_asked(tmp_path):
     assert sorted({op.step for op in open_trace(tmp_path / "asked").rank(0)}) == [4, 5, 6]
 
 
+def test_flight_memory_budget_drops_the_oldest_steps_and_says_so(tmp_path):
+    with replaydiff.record(tmp_path / "t", tensors="stats", flight=5, granularity="module", flight_at_exit=True,
+                           flight_mib=0.001):  # ~1 KiB: less than one step's records
+        train(gpt2(layers=1), 6)
+    r = open_trace(tmp_path / "t").rank(0)
+    assert sorted({op.step for op in r}) == [6]  # the step in progress is always kept
+    assert any("MiB" in line for line in r.lost)
+
+
 def test_flight_dumps_on_sigusr1_and_on_an_exception(tmp_path):
     def usr1_at_5(step: int, model, ids) -> None:
         if step == 5:
