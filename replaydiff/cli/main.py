@@ -22,14 +22,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from replaydiff.cli import demo, diff, record, replay, report, repro, show, tui
+    from replaydiff.cli import demo, diff, record, replay, report, repro, show, trend, tui
 
     p = _Parser(prog="replaydiff", description="Record a PyTorch training step, replay every op in isolation, "
                                                 "and name the op that went wrong.")
     p.add_argument("--version", action="version", version=f"replaydiff {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks for errors")
     sub = p.add_subparsers(dest="verb", metavar="COMMAND", parser_class=_Parser)
-    for mod in (record, show, replay, diff, repro, report, demo, tui):
+    for mod in (record, show, replay, diff, trend, repro, report, demo, tui):
         sp = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.__doc__)
         sp.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="show tracebacks for errors")

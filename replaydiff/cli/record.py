@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 from replaydiff.errors import UsageError
-from replaydiff.record.options import TENSOR_MODES, RecordOptions
+from replaydiff.record.options import GRANULARITIES, TENSOR_MODES, RecordOptions
 from replaydiff.record.step import ENV_VAR
 
 NAME = "record"
-HELP = "record the N-th optimizer step of a training command"
+HELP = "record the N-th optimizer step of a training command (or many steps: --steps, --flight)"
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
@@ -37,6 +37,16 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plant", metavar="OP[:N[:REL]]",
                    help="plant a fault to check that replay finds it: the N-th call (from 1) of OP returns its output "
                         "times 1+REL (default N=1, REL=1e-3), e.g. aten.mm.default:2; the trace says so")
+    p.add_argument("--steps", metavar="A-B[:EVERY]",
+                   help="record these optimizer steps into one trace, e.g. 100-2000:10 (each op gets its step)")
+    p.add_argument("--granularity", choices=GRANULARITIES, default="op",
+                   help="op: every aten op (default); module: each module's outputs and gradients (much cheaper)")
+    p.add_argument("--flight", type=int, metavar="K",
+                   help="keep the last K steps in memory; write them when a gradient or the loss turns NaN/Inf, "
+                        "on SIGTERM/SIGUSR1, or when the script raises")
+    p.add_argument("--flight-mib", type=float, default=64.0, metavar="MIB",
+                   help="memory the flight recorder may hold, encoded (default 64)")
+    p.add_argument("--flight-at-exit", action="store_true", help="also write the last K steps at a normal exit")
     p.add_argument("--force", action="store_true", help="replace an existing trace directory")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run, e.g. python train.py")
 
@@ -51,7 +61,9 @@ def _rank_list(text: str) -> list[int]:
 def options_from_args(args: argparse.Namespace) -> RecordOptions:
     return RecordOptions.make(tensors=args.tensors, compress=not args.no_compress, modules=args.modules,
                               ops=args.ops, max_tensor_bytes=args.max_tensor_bytes, verify_writes=args.verify_writes,
-                              plant=args.plant, ranks=getattr(args, "ranks", None))
+                              plant=args.plant, ranks=getattr(args, "ranks", None),
+                              steps=args.steps, granularity=args.granularity, flight=args.flight,
+                              flight_mib=args.flight_mib, flight_at_exit=args.flight_at_exit)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,7 +96,13 @@ def run(args: argparse.Namespace) -> int:
     if ranks and options.plant:
         sys.stderr.write(f"replaydiff: a fault was planted ({options.plant}): replay should name that op; every "
                          f"report on this trace says so first\n")
-    if ranks:
+    if ranks and (options.steps or options.flight):
+        sys.stderr.write(f"replaydiff: recorded {'the flight recorder' if options.flight else 'steps ' + options.steps}"
+                         f" into {args.out} ({len(ranks)} rank(s)). Next:\n  replaydiff trend {args.out}\n")
+    elif options.flight:
+        sys.stderr.write(f"replaydiff: the flight recorder wrote nothing: no NaN/Inf, signal or exception "
+                         f"(--flight-at-exit writes the last {options.flight} steps at exit)\n")
+    elif ranks:
         sys.stderr.write(f"replaydiff: recorded step {args.step} into {args.out} ({len(ranks)} rank(s)). Next:\n"
                          f"  replaydiff show {args.out}\n  replaydiff replay {args.out}\n")
     else:

@@ -1,5 +1,7 @@
 """Recording: a dispatch mode that writes every aten op of a block into a trace directory."""
 from replaydiff.record.options import RecordOptions
-from replaydiff.record.recorder import Recorder, record
+from replaydiff.record.api import record
+from replaydiff.record.recorder import Recorder
+from replaydiff.record.steps import MultiStepRecorder
 
-__all__ = ["RecordOptions", "Recorder", "record"]
+__all__ = ["MultiStepRecorder", "RecordOptions", "Recorder", "record"]

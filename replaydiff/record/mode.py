@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 import zlib
 from typing import Any, Protocol
 
@@ -19,7 +20,7 @@ from replaydiff import aten
 from replaydiff.aten import iter_tensors, written_args
 from replaydiff.record.context import BACKWARD, FORWARD, OpContext
 from replaydiff.record.options import RecordOptions
-from replaydiff.record.stats import batch_stats
+from replaydiff.record.stats import batch_stats, cpu_values, dense, values_stats
 from replaydiff.record.storage import StorageTable
 from replaydiff.trace import schema
 from replaydiff.trace.codec import address_view, buffer_address
@@ -38,6 +39,7 @@ class RecorderLike(Protocol):
 
     active: bool
     next_index: int
+    step: int | None  # the optimizer step being recorded (multi-step recordings), stamped on every record
     options: RecordOptions
     storages: StorageTable
     writer: RankWriter
@@ -97,6 +99,14 @@ class OpBuilder:
         self._stat_queue: list[torch.Tensor] = []
         self._stat_refs: dict[tuple, list[dict]] = {}  # tensor key -> the refs waiting for its statistics
         self._stats_seen: dict[tuple, list] = {}
+        # CPU tensors: a flat copy of the values each (taken as the op sees them), measured a batch at a time
+        # (stats.values_stats); each ref holds a list (a "cell") filled in place then. Records wait here until
+        # their batch is measured, so that the writer never encodes an empty cell.
+        self._cpu_pending: list[tuple[list, Any]] = []  # (cell, (values, is_bf16))
+        self._cpu_bytes = 0
+        self._records: list[dict] = []
+        self._flushed_at = time.monotonic()
+        self.autograd_versions = False  # set by module granularity (module_stats.py)
 
     # -- tensors ----------------------------------------------------------------------------------------------
     def ref(self, t: torch.Tensor, store: bool) -> dict:
@@ -114,7 +124,8 @@ class OpBuilder:
         if type(t) not in _PLAIN or t.layout is not torch.strided or dev == "meta":
             return schema.wire_unsupported(schema.wire_tensor(dtype, list(t.shape), None, 0, dev),
                                            f"{type(t).__name__}/{t.layout}/{device.type}")
-        ref = schema.wire_tensor(dtype, list(t.shape), list(t.stride()), t.storage_offset(), dev)
+        shape, stride = list(t.shape), list(t.stride())
+        ref = schema.wire_tensor(dtype, shape, stride, t.storage_offset(), dev)
         storage = t.untyped_storage()
         entry = self.rec.storages.entry(storage)
         if entry.crc is not None and zlib.crc32(address_view(storage.data_ptr(), entry.nbytes)) != entry.crc:
@@ -132,10 +143,36 @@ class OpBuilder:
                     entry.crc = zlib.crc32(address_view(storage.data_ptr(), entry.nbytes))
             schema.wire_set_chunk(ref, entry.chunk)
         elif self.mode != "meta":
-            key = schema.wire_stats_key(ref)
+            is_dense = dense(shape, stride)
+            # A dense view (view, reshape, t, permute, detach of one) has the statistics of its flat range: one
+            # key for all of them, so each storage version is measured once, not once per view.
+            key = (entry.version, dtype, t.storage_offset(), t.numel()) if is_dense else schema.wire_stats_key(ref)
+            if self.autograd_versions:
+                # No dispatch mode sees writes (module granularity): storage versions never change, so the key
+                # also holds the tensor's autograd version counter, which every in-place op bumps. Tensors
+                # without one (inference mode) are measured every time.
+                try:
+                    key = (*key, t._version)
+                except Exception:
+                    key = (*key, object())
             cached = self._stats_seen.get(key)
             if cached is not None:
                 schema.wire_set_stats(ref, cached)
+            elif dev == "cpu" and t.numel() * t.element_size() > self.LARGE and \
+                    (values := cpu_values(t, is_dense, copy=False)) is not None:
+                # Large: measured in place now rather than copied (no copy; batching gains nothing at this size).
+                s = values_stats([(values, t.dtype is torch.bfloat16)])[0]
+                schema.wire_set_stats(ref, s)
+                self._stats_seen[key] = s
+            elif dev == "cpu" and (values := cpu_values(t, is_dense)) is not None:
+                # A copy now (no torch call, no reference kept past the op); the statistics later, in a batch.
+                cell: list = []
+                schema.wire_set_stats(ref, cell)
+                if len(self._stats_seen) > 100_000:
+                    self._stats_seen.clear()
+                self._stats_seen[key] = cell
+                self._cpu_pending.append((cell, (values, t.dtype is torch.bfloat16)))
+                self._cpu_bytes += values.nbytes
             elif key in self._stat_refs:
                 self._stat_refs[key].append(ref)
             else:
@@ -181,8 +218,49 @@ class OpBuilder:
         if len(self._stats_seen) > 100_000:
             self._stats_seen.clear()
 
+    def forget_stats(self) -> None:
+        """Drop cached statistics: the bytes behind a storage version may have changed unseen (between steps)."""
+        self._stats_seen.clear()
+
+    # -- records: held until their CPU statistics are computed, a batch at a time ---------------------------------
+    LARGE = 256 << 10  # bytes of a tensor measured in place right away instead of copied for the batch
+    BATCH_OPS = 128
+    BATCH_BYTES = 8 << 20
+
+    def add_op(self, record: dict) -> None:
+        """Hand a record on, in op order; it reaches the writer with its statistics at the next batch."""
+        if self._stat_queue:
+            self.flush_stats()
+        if not self._cpu_pending and not self._records:  # nothing to wait for (full, meta): straight through
+            self.rec.writer.add_op(record)
+            return
+        self._records.append(record)
+        if len(self._records) >= self.BATCH_OPS or self._cpu_bytes >= self.BATCH_BYTES \
+                or time.monotonic() - self._flushed_at >= self.rec.options.flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        """Compute the waiting statistics and give every waiting record to the writer."""
+        self.flush_stats()
+        if self._cpu_pending:
+            # Here, not on the writer thread: measured, a writer thread doing numpy work holds the GIL in slices
+            # that stall the job's thread longer than doing the work here.
+            _fill_cells(self._cpu_pending)
+            self._cpu_pending, self._cpu_bytes = [], 0
+        records, self._records = self._records, []
+        self._flushed_at = time.monotonic()
+        for record in records:
+            self.rec.writer.add_op(record)
+
     def encode(self, v: Any, store: bool = True) -> Any:
         return schema.encode_value(v, lambda t: self.ref(t, store))
+
+
+def _fill_cells(pending: list[tuple[list, Any]]) -> None:
+    """Fill the statistics cells of a batch of CPU tensor copies (every ref of a tensor holds its cell)."""
+    stats = values_stats([v for _, v in pending])
+    for (cell, _), st in zip(pending, stats):
+        cell[:] = st
 
 
 class Pending:
@@ -220,11 +298,15 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
     if not (aten.matches_any(name, opts.ops) and (not opts.modules or aten.matches_any(module, opts.modules))):
         # Numbered with a stub record (the index and the UI see every op), not stored. What it writes still makes
         # new storage versions: a later stored op must not be given the bytes from before this write.
-        rec.writer.add_op(schema.wire_not_recorded(schema.wire_op(index, name, phase, module, fwd, None),
-                                                   "filtered out (record options ops/modules)"))
+        stub = schema.wire_op(index, name, phase, module, fwd, None)
+        if rec.step is not None:
+            schema.wire_set_step(stub, rec.step)
+        b.add_op(schema.wire_not_recorded(stub, "filtered out (record options ops/modules)"))
         return Pending(None, written, info.uninitialised) if written or info.uninitialised else None
     source = ctx.source()
     record = schema.wire_op(index, name, phase, module, fwd, source)
+    if rec.step is not None:
+        schema.wire_set_step(record, rec.step)
     if info.collective:
         coll = collective_info(func, args, kwargs)
         schema.wire_set_collective(record, coll)
@@ -262,8 +344,7 @@ def record_after(rec: RecorderLike, b: OpBuilder, p: Pending, func: Any, args: t
     else:
         writes = [(path, b.encode(v)) for path, v in p.written] if p.written else None
         schema.wire_set_outputs(record, b.encode(out), writes, False)
-    b.flush_stats()
-    rec.writer.add_op(record)
+    b.add_op(record)
 
 
 def _reduce_op_name(obj: Any) -> str | None:

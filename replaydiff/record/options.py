@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from replaydiff.record.step_range import StepRange
+
 TENSOR_MODES = ("full", "stats", "meta")
+GRANULARITIES = ("op", "module")  # op: every aten op; module: each module call's outputs and their gradients
 DEFAULT_ZSTD_LEVEL = 1
 
 
@@ -40,6 +43,14 @@ class RecordOptions:
     # A planted fault, OP[:N[:REL]] (replaydiff.faults.PlantSpec): the N-th call of OP returns its output times
     # 1 + REL, from a dispatch mode below the recorder, so a user can check on their own job that replay names it.
     plant: str | None = None
+    # Many steps (steps.py): "A", "A-B", "A-B:K" or "A-:K", optimizer steps counted from 1; each op gets its step.
+    steps: str | None = None
+    granularity: str = "op"
+    # Flight recorder (flight.py): keep the last `flight` steps in memory (at most flight_mib MiB, encoded) and write
+    # them only when a gradient or the loss turns NaN/Inf, on SIGTERM/SIGUSR1, or when the script raises.
+    flight: int | None = None
+    flight_mib: float = 64.0
+    flight_at_exit: bool = False  # also write the last steps when the process ends normally
 
     def __post_init__(self) -> None:
         if self.tensors not in TENSOR_MODES:
@@ -56,6 +67,17 @@ class RecordOptions:
             from replaydiff.faults import PlantSpec
 
             PlantSpec.parse(self.plant)  # ValueError with the accepted form
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, not {self.granularity!r}")
+        if self.steps is not None:
+            StepRange.parse(self.steps)  # ValueError with the reason
+        if self.flight is not None:
+            if self.flight < 1 or self.flight_mib <= 0:
+                raise ValueError("flight needs a positive number of steps and flight_mib > 0")
+            if self.tensors == "full":
+                raise ValueError("the flight recorder keeps statistics in memory: use tensors='stats' (or 'meta')")
+        if self.granularity == "module" and self.tensors == "full":
+            raise ValueError("granularity='module' records statistics: use tensors='stats'")
 
     @classmethod
     def make(cls, tensors: str = "full", compress: bool | int | None = True, **kw: Any) -> "RecordOptions":
@@ -67,6 +89,8 @@ class RecordOptions:
             level = None
         else:
             level = int(compress)
+        if isinstance(kw.get("steps"), int):
+            kw["steps"] = str(kw["steps"])
         for k in ("modules", "ops"):
             if k in kw:
                 kw[k] = _globs(kw[k])

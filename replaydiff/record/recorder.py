@@ -22,7 +22,9 @@ from replaydiff.aten import current_rank, facts, iter_tensors, written_args
 from replaydiff.record.compiled import CompiledRegionTracker
 from replaydiff.record.context import OpContext
 from replaydiff.record.environment import environment_snapshot
+from replaydiff.record.flight import FlightBuffer
 from replaydiff.record.mode import OpBuilder, RecordingMode, record_after, record_before
+from replaydiff.record.module_stats import ModuleStatsHooks
 from replaydiff.record.options import RecordOptions
 from replaydiff.record.storage import StorageTable
 from replaydiff.trace import schema
@@ -39,12 +41,16 @@ class Recorder:
         self.path = Path(path)
         self.options = options
         self.active = False
+        self.paused = False  # between recorded steps: nothing attached, the trace still open (pause/resume)
+        self.step: int | None = None  # optimizer step being recorded, stamped on each record (multi-step)
         self.next_index = 0
         self.rank_dir: Path | None = None
         self.writer: RankWriter | None = None
         self.storages = StorageTable()
         self.context = OpContext(options.source_lines)
         self._mode: RecordingMode | None = None
+        self._module_hooks: ModuleStatsHooks | None = None
+        self._context_installed = False
         self._builder: OpBuilder | None = None
         self._started = 0.0
         self._disabled_reason: str | None = None
@@ -73,17 +79,20 @@ class Recorder:
                 "options": self.options.to_dict(),
                 "started_at": time.time(),
             }
-            self.writer = RankWriter(self.rank_dir, manifest, self.options.compress, self.options.shuffle,
-                                     self.options.chunk_ops, self.options.chunk_bytes, self.options.flush_seconds)
+            if self.options.flight:
+                self.writer = FlightBuffer(self.rank_dir, manifest, self.options, self._closing_facts)
+            else:
+                self.writer = RankWriter(self.rank_dir, manifest, self.options.compress, self.options.shuffle,
+                                         self.options.chunk_ops, self.options.chunk_bytes, self.options.flush_seconds)
             self._builder = OpBuilder(self)
-            self.context.install()
             if self.options.plant:  # entered first, so that it sits below the recorder and is recorded as a kernel
                 from replaydiff.faults import PlantedFault
 
                 self._plant = PlantedFault.from_spec(self.options.plant)
                 self._plant.__enter__()
-            self._mode = RecordingMode(self)
-            self._mode.__enter__()
+            if isinstance(self.writer, FlightBuffer):
+                self.writer.begin_step(self.step)
+            self._attach()
             self._compiled.start()
             self._started = time.perf_counter()
             self.active = True
@@ -94,9 +103,10 @@ class Recorder:
         return self
 
     def stop(self) -> None:
-        was_active = self.active
-        self.active = False
+        was_active = self.active or self.paused
+        self.active = self.paused = False
         self._teardown()
+        self.flush_pending()
         if self.writer is not None and (was_active or self._disabled_reason):
             try:
                 unseen = self._builder.unseen_writes if self._builder is not None else 0
@@ -106,18 +116,101 @@ class Recorder:
                 msg = self._compiled.first_warning()
                 if msg:
                     self._warn(msg)
-                self.writer.close({
-                    "compiled_regions": self._compiled_regions,
-                    "unseen_writes": unseen,
-                    "ops_seen": self.next_index,
-                    "record_seconds": time.perf_counter() - self._started,
-                    "disabled": self._disabled_reason,
-                    "custom_ops": self.custom_ops,
-                    **({"planted": self._planted()} if self.options.plant else {}),
-                })
+                self.writer.close(self._closing_facts())
             except Exception as exc:
                 self._warn(f"the trace could not be finished: {exc}")
         self.storages.clear()
+
+    def flush_pending(self) -> None:
+        """Records waiting for their statistics go to the writer now (end of a step, of the recording, a signal)."""
+        if self._builder is not None and self.writer is not None:
+            try:
+                self._builder.flush()
+            except Exception as exc:
+                self.disable(f"statistics of the last ops could not be computed ({type(exc).__name__}: {exc})")
+
+    def _closing_facts(self) -> dict:
+        """What the final manifest says about the recording (also for a flight dump written mid-run)."""
+        return {
+            "compiled_regions": self._compiled_regions,
+            "unseen_writes": self._builder.unseen_writes if self._builder is not None else 0,
+            "ops_seen": self.next_index,
+            "record_seconds": time.perf_counter() - self._started,
+            "disabled": self._disabled_reason,
+            "custom_ops": self.custom_ops,
+            **({"planted": self._planted()} if self.options.plant else {}),
+        }
+
+    # -- many steps: attached while a chosen step runs, detached (full speed, trace open) in between -------------
+    @property
+    def builder(self) -> OpBuilder | None:
+        return self._builder
+
+    def pause(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        self.paused = True
+        self._detach()
+        self.flush_pending()
+        if isinstance(self.writer, FlightBuffer):
+            self.writer.end_step()
+
+    def resume(self, step: int | None) -> None:
+        """Record again from here, as step ``step`` (starts the recording the first time)."""
+        self.step = step
+        if self.writer is None:
+            self.start()
+            return
+        if not self.paused or self._disabled_reason or self.writer.failed:
+            return
+        # The job ran unobserved since the last step: storage versions and cached statistics describe bytes it may
+        # have rewritten (the optimizer updates every parameter in place). Version ids keep counting, so no id is
+        # ever reused for other bytes.
+        self.storages.clear()
+        self._builder.forget_stats()
+        if isinstance(self.writer, FlightBuffer):
+            self.writer.begin_step(step)
+        try:
+            self._attach()
+        except Exception as exc:
+            self.disable(f"could not resume recording at step {step}: {exc}")
+            return
+        self.paused = False
+        self.active = True
+
+    def enter_module(self, module: torch.nn.Module, inputs: Any) -> None:
+        """Enter a module whose forward pre hooks ran before recording started (it started inside its call)."""
+        if self._module_hooks is not None:
+            self._module_hooks.enter_module(module, inputs)
+        else:
+            self.context.enter_module(module, inputs)
+
+    def _attach(self) -> None:
+        if self.options.granularity == "module":
+            self._module_hooks = self._module_hooks or ModuleStatsHooks(self)
+            self._module_hooks.install()
+            return
+        self.context.install()
+        self._context_installed = True
+        self._mode = RecordingMode(self)
+        self._mode.__enter__()
+
+    def _detach(self) -> None:
+        if self._module_hooks is not None:
+            self._module_hooks.uninstall()
+        if self._mode is not None:
+            try:
+                self._mode.__exit__(None, None, None)
+            except Exception as exc:
+                log.debug("could not pop the recording mode: %s", exc)
+            self._mode = None
+        if self._context_installed:
+            self._context_installed = False
+            try:
+                self.context.uninstall()
+            except Exception as exc:
+                log.debug("could not remove tracking hooks: %s", exc)
 
     # -- SIGTERM: what torchrun sends the surviving workers when one rank fails ---------------------------------
     def _install_sigterm(self) -> None:
@@ -142,8 +235,9 @@ class Recorder:
         """Write what is recorded, then do what the process would have done without us."""
         prev = self._prev_sigterm
         try:
-            if self.writer is not None and self.active:
-                self.active = False
+            if self.writer is not None and (self.active or self.paused):
+                self.active = self.paused = False
+                self.flush_pending()
                 self.writer.note_lost(f"the process got SIGTERM during op #{self.next_index - 1}; the trace holds "
                                       f"the ops recorded before it")
                 self.writer.sync(timeout=10.0)
@@ -164,21 +258,12 @@ class Recorder:
             self._compiled_regions = self._compiled.stop()
         except Exception as exc:  # stop() never raises by design; belt and braces around someone else's job
             log.debug("compiled-region tracker: %s", exc)
-        if self._mode is not None:
-            try:
-                self._mode.__exit__(None, None, None)
-            except Exception as exc:
-                log.debug("could not pop the recording mode: %s", exc)
-            self._mode = None
+        self._detach()
         if self._plant is not None and self._plant in _active_modes():
             try:
                 self._plant.__exit__(None, None, None)
             except Exception as exc:
                 log.debug("could not pop the planted fault: %s", exc)
-        try:
-            self.context.uninstall()
-        except Exception as exc:
-            log.debug("could not remove tracking hooks: %s", exc)
 
     def _planted(self) -> dict:
         """What the manifest says of the planted fault: the spec, and whether the step ever made that call."""
@@ -243,7 +328,10 @@ class Recorder:
             self.disable(f"too many ops could not be recorded (last: {name} {why})")
             return
         index = self.next_index - 1
-        self.writer.add_op(schema.wire_not_recorded(schema.wire_op(index, name, None, None, None, None), why))
+        stub = schema.wire_op(index, name, None, None, None, None)
+        if self.step is not None:
+            schema.wire_set_step(stub, self.step)
+        self._builder.add_op(schema.wire_not_recorded(stub, why))
         try:
             for _, v in written_args(facts(func), args, kwargs):
                 for t in iter_tensors(v):

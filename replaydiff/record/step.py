@@ -90,7 +90,7 @@ class StepTrigger:
             self.recorder.stop()
 
 
-_trigger: StepTrigger | None = None
+_trigger: Any = None  # the armed StepTrigger or MultiStepRecorder
 
 
 def install() -> None:
@@ -99,6 +99,16 @@ def install() -> None:
     if not raw or _trigger is not None:
         return
     try:
-        _trigger = StepTrigger(json.loads(raw))
+        config = json.loads(raw)
+        opts = config.get("options") or {}
+        if opts.get("steps") or opts.get("flight"):  # many steps, or the flight recorder: steps.py
+            from replaydiff.record.options import RecordOptions
+            from replaydiff.record.steps import MultiStepRecorder
+
+            many = MultiStepRecorder(config["out"], RecordOptions.from_dict(opts)).start()
+            atexit.register(many.finish)
+            _trigger = many  # type: ignore[assignment]
+            return
+        _trigger = StepTrigger(config)
     except Exception as exc:
         warnings.warn(f"replaydiff: could not arm step recording: {exc}", RuntimeWarning, stacklevel=2)

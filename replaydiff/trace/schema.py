@@ -22,6 +22,7 @@ from replaydiff.errors import TraceError
 _INDEX, _NAME, _PHASE, _MODULE, _FORWARD, _SOURCE = "i", "op", "ph", "mod", "fwd", "src"
 _ARGS, _KWARGS, _WRITES, _OUTPUTS, _UNINIT = "a", "k", "w", "o", "u"
 _COLL, _RNG, _NOT_RECORDED = "coll", "rng", "x"
+_STEP = "stp"  # optimizer step the op ran in (multi-step and flight recordings)
 # -- tensor reference keys --------------------------------------------------------------------------------------
 _VERSION, _DTYPE, _SHAPE, _STRIDE, _OFFSET, _DEVICE = "T", "dt", "sh", "st", "of", "dev"
 _NBYTES, _CHUNK, _STATS, _REQ_GRAD, _UNSUPPORTED = "sb", "f", "s", "rg", "unsupported"
@@ -227,6 +228,7 @@ class OpRecord:
     uninitialised = property(lambda self: bool(self._w.get(_UNINIT)), doc="output of an empty* op")
     recorded = property(lambda self: _NOT_RECORDED not in self._w, doc="False: numbered, but not recorded")
     not_recorded_reason = property(lambda self: self._w.get(_NOT_RECORDED))
+    step = property(lambda self: self._w.get(_STEP), doc="optimizer step it ran in, from 1 (multi-step traces)")
 
     @property
     def schema(self) -> str | None:
@@ -301,7 +303,7 @@ class OpRecord:
         return {
             "rank": self.rank, "index": self.index, "name": self.name, "recorded": self.recorded,
             "not_recorded_reason": self.not_recorded_reason, "phase": self.phase, "module": self.module,
-            "source": self.source, "forward_index": self.forward_index, "schema": self.schema,
+            "source": self.source, "forward_index": self.forward_index, "schema": self.schema, "step": self.step,
             "uninitialised": self.uninitialised,
             "collective": None if c is None else {"group_name": c.group_name, "ranks": list(c.ranks), "size": c.size,
                                                   "group_rank": c.group_rank, "reduce_op": c.reduce_op,
@@ -429,6 +431,24 @@ def wire_op(index: int, name: str, phase: str | None, module: str | None, forwar
     if source:
         rec[_SOURCE] = source
     return rec
+
+
+def wire_set_step(rec: dict, step: int) -> None:
+    rec[_STEP] = step
+
+
+def wire_nonfinite(rec: dict) -> bool:
+    """Whether any output or written argument of an op record has statistics counting NaN or Inf values."""
+    todo = [rec.get(_OUTPUTS), [v for _, v in rec.get(_WRITES) or []]]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, list):
+            todo.extend(v)
+        elif isinstance(v, dict):
+            s = v.get(_STATS)
+            if s and (s[5] or s[6]):
+                return True
+    return False
 
 
 def wire_not_recorded(rec: dict, why: str) -> dict:

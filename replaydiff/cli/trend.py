@@ -1,0 +1,57 @@
+"""Per-module series of a multi-step statistics trace, and the first sudden change: step, module and op.
+
+replaydiff record --tensors stats --steps 1-2000:10 -o trace/ -- python train.py
+replaydiff trend trace/ [--module 'GPT.blocks.*'] [--json -] [--plot trend.svg]
+Exit code 1 when a sudden change is found, 0 when none.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from replaydiff.errors import UsageError
+from replaydiff.report.trend import (DEFAULT_THRESHOLD, DEFAULT_WINDOW, NoSteps, compute_trend, render_svg,
+                                     render_trend)
+from replaydiff.trace import open_trace
+
+NAME = "trend"
+HELP = "per-module statistics over many steps, and the first sudden change"
+
+
+def prepare_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="trace directory recorded with --steps or --flight")
+    p.add_argument("--module", metavar="GLOB", help="only modules whose path matches, e.g. '*.h.1.*'")
+    p.add_argument("--rank", type=int, default=None, help="rank to read (default: the first)")
+    p.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+                   help=f"steps before a value it is compared with (default {DEFAULT_WINDOW})")
+    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+                   help=f"robust z-score that counts as a sudden change (default {DEFAULT_THRESHOLD:g})")
+    p.add_argument("--json", metavar="FILE|-", help="write JSON (format replaydiff.trend/1) to FILE, or - for stdout")
+    p.add_argument("--plot", metavar="FILE.svg", help="draw the output series as SVG")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.window < 2 or args.threshold <= 0:
+        raise UsageError("--window must be >= 2 and --threshold > 0")
+    t = open_trace(args.trace)
+    rank = t.ranks[0] if args.rank is None else args.rank
+    if rank not in t.ranks:
+        raise UsageError(f"rank {rank} is not in {args.trace} (ranks: {t.ranks})")
+    try:
+        trend = compute_trend(t.rank(rank), args.module, args.window, args.threshold)
+    except NoSteps as exc:
+        raise UsageError(f"{args.trace}: {exc}") from None
+    if args.json == "-":
+        json.dump(trend.to_json(), sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        render_trend(trend, sys.stdout)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(trend.to_json(), f)
+    if args.plot:
+        with open(args.plot, "w") as f:
+            render_svg(trend, f)
+        sys.stderr.write(f"replaydiff: plot written to {args.plot}\n")
+    return 1 if trend.first_change is not None else 0

@@ -1,0 +1,111 @@
+"""``granularity="module"``: the statistics of each module call's outputs and of the gradients that reach them.
+
+Why: a per-op dispatch mode costs ~20 us of Python per aten op before it does anything (a do-nothing mode alone
+doubles the tiny step), so watching thousands of steps op by op is never cheap. Global module hooks run once per
+module call instead of once per op, and a hook on each output tensor sees its gradient: no dispatch mode at all.
+Each call becomes one record named ``MODULE_OUTPUT`` (forward phase, outputs = the module's output tensors) and each
+gradient one ``MODULE_GRAD`` record (backward phase, ``forward_index`` = the output record); module paths are
+spelled as the op recorder spells them (``GPT2LMHeadModel.transformer.h.0.mlp``). Hooks return nothing: the job
+computes exactly what it would have.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+import torch
+
+from replaydiff.trace import schema
+
+log = logging.getLogger("replaydiff")
+
+MODULE_OUTPUT = "module.output"
+MODULE_GRAD = "module.grad"
+
+
+def output_tensors(v: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors of a module's output: a tensor, or inside tuples, lists and dicts (a transformers ModelOutput)."""
+    if isinstance(v, torch.Tensor):
+        yield v
+    elif depth < 3 and isinstance(v, (list, tuple)):
+        for x in v:
+            yield from output_tensors(x, depth + 1)
+    elif depth < 3 and isinstance(v, dict):
+        for x in v.values():
+            yield from output_tensors(x, depth + 1)
+
+
+class ModuleStatsHooks:
+    """Installed for a recorded step, removed when it ends; records through the recorder's builder and writer."""
+
+    def __init__(self, rec: Any) -> None:
+        self.rec = rec
+        self._handles: list = []
+        self._names: dict[int, str] = {}
+
+    def install(self) -> None:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self._names.clear()  # ids of modules freed since the last step may have been reused
+        self._handles = [register_module_forward_pre_hook(self.enter_module),
+                         register_module_forward_hook(self._after_forward)]
+
+    def uninstall(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def enter_module(self, module: torch.nn.Module, inputs: Any) -> None:
+        """A module call begins: the outermost one not yet seen names its whole tree, as torch's ModuleTracker
+        does (its children start after it, so they find their names ready)."""
+        if id(module) not in self._names:
+            for sub_name, sub in module.named_modules(prefix=type(module).__name__):
+                self._names[id(sub)] = sub_name
+
+    def _name(self, module: torch.nn.Module) -> str:
+        name = self._names.get(id(module))
+        if name is None:  # a call that began before the hooks were installed
+            self.enter_module(module, None)
+            name = self._names[id(module)]
+        return name
+
+    def _after_forward(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        rec = self.rec
+        if not rec.active:
+            return
+        try:
+            tensors = list(output_tensors(output))
+            if not tensors:
+                return
+            name = self._name(module)
+            index = self._record(schema.wire_op(rec.next_index, MODULE_OUTPUT, "forward", name, None, None), tensors)
+            for t in tensors:
+                if t.requires_grad and t.grad_fn is not None:
+                    t.register_hook(self._grad_hook(index, name))
+        except Exception as exc:
+            rec.disable(f"module statistics failed ({type(exc).__name__}: {exc})")
+
+    def _grad_hook(self, forward_index: int, module: str):
+        def hook(grad: torch.Tensor) -> None:
+            rec = self.rec
+            if not rec.active or grad is None:
+                return
+            try:
+                self._record(schema.wire_op(rec.next_index, MODULE_GRAD, "backward", module, forward_index, None),
+                             [grad])
+            except Exception as exc:
+                rec.disable(f"gradient statistics failed ({type(exc).__name__}: {exc})")
+        return hook
+
+    def _record(self, record: dict, tensors: list[torch.Tensor]) -> int:
+        rec = self.rec
+        index = schema.wire_index(record)
+        rec.next_index += 1
+        if rec.step is not None:
+            schema.wire_set_step(record, rec.step)
+        b = rec.builder
+        b.autograd_versions = True  # no dispatch mode here: see OpBuilder.ref
+        schema.wire_set_inputs(record, [], {})
+        schema.wire_set_outputs(record, [b.ref(t, True) for t in tensors], None, False)
+        b.add_op(record)
+        return index

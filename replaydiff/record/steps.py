@@ -1,0 +1,183 @@
+"""Recording many optimizer steps into one trace: ``--steps 100-2000:10``, ``--flight K``, or ``record(steps=...)``.
+
+Each chosen step is recorded from the end of the optimizer step before it (for step 1: the first module call) to
+the end of its own optimizer step, found through torch's global optimizer-step hooks (only the first optimizer that
+steps is counted, as for ``--step N``). Between chosen steps the recorder is detached (no dispatch mode, no hooks:
+the job runs at full speed) and the trace stays open; every record carries its step (``OpRecord.step``). With
+``flight`` the records go to the flight recorder's ring (``flight.py``) instead of the disk, and SIGUSR1, SIGTERM and
+an uncaught exception write it out. Nothing here raises into the user's script.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import warnings
+from typing import Any
+
+from replaydiff.record.recorder import Recorder
+from replaydiff.record.step_range import StepRange
+
+class MultiStepRecorder:
+    """Records the chosen steps of a training loop run inside it: ``with replaydiff.record(p, steps="1-60"): train()``.
+
+    Also what ``replaydiff record --steps/--flight`` arms in the child process. ``start()``/``stop()`` or ``with``."""
+
+    def __init__(self, path: str | os.PathLike, options: Any) -> None:
+        self.options = options
+        self.range = StepRange.parse(options.steps) if options.steps else StepRange(1, None, 1)
+        self.recorder = Recorder(path, options)
+        self.steps_done = 0
+        self.optimizer_id: int | None = None
+        self.done = False
+        self.recording = False
+        self._post: Any = None
+        self._fwd: Any = None
+        self._prev_usr1: Any = None
+        self._prev_excepthook: Any = None
+
+    @property
+    def path(self):
+        return self.recorder.path
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+    def start(self) -> "MultiStepRecorder":
+        try:
+            import torch
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            from replaydiff.record.context import ensure_optimizer_hooks
+
+            # Registered now, not from inside an optimizer hook (see ensure_optimizer_hooks).
+            ensure_optimizer_hooks()
+            self._post = register_optimizer_step_post_hook(self._after_step)
+            if 1 in self.range:
+                self._fwd = torch.nn.modules.module.register_module_forward_pre_hook(self._first_forward)
+            if self.options.flight:
+                self._install_flight_triggers()
+        except Exception as exc:
+            warnings.warn(f"replaydiff: could not arm step recording: {exc}", RuntimeWarning, stacklevel=2)
+            self.done = True
+        return self
+
+    def stop(self) -> None:
+        self.finish()
+
+    def __enter__(self) -> "MultiStepRecorder":
+        return self.start()
+
+    def __exit__(self, typ: Any, value: Any, tb: Any) -> None:
+        if typ is not None and self.options.flight:
+            self.dump(f"the script raised {typ.__name__}: {value} at step {self.steps_done + 1}")
+        self.finish()
+
+    # -- hooks ------------------------------------------------------------------------------------------------
+    def _first_forward(self, module: Any, inputs: Any) -> None:
+        if self._fwd is not None:
+            self._fwd.remove()
+            self._fwd = None
+        if self.done or self.steps_done > 0:
+            return
+        self._resume(1)
+        # This module's call began before the recorder's hooks existed: enter it by hand, or every module path of
+        # this call would be wrong ("Linear" instead of "Sequential.0").
+        try:
+            if self.recorder.active:
+                self.recorder.enter_module(module, inputs)
+        except Exception as exc:
+            warnings.warn(f"replaydiff: module paths of the first call may be wrong: {exc}", RuntimeWarning,
+                          stacklevel=2)
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        try:
+            if self.optimizer_id is None:
+                self.optimizer_id = id(optimizer)
+            if id(optimizer) != self.optimizer_id or self.done:
+                return
+            self.steps_done += 1
+            step = self.steps_done
+            if self.recording:
+                self.recorder.pause()
+                self.recording = False
+            flight = self._flight()
+            if (flight is not None and flight.dumped_to is not None) or self.range.over_after(step):
+                self.finish()
+            elif step + 1 in self.range:
+                self._resume(step + 1)
+        except Exception as exc:
+            warnings.warn(f"replaydiff: step recording failed: {exc}", RuntimeWarning, stacklevel=2)
+
+    def _resume(self, step: int) -> None:
+        self.recorder.resume(step)
+        self.recording = self.recorder.active
+
+    def _flight(self):
+        from replaydiff.record.flight import FlightBuffer
+
+        w = self.recorder.writer
+        return w if isinstance(w, FlightBuffer) else None
+
+    def finish(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        # self._post stays registered (it returns at once when done): finish() may run inside it, and removing a
+        # global optimizer hook while torch iterates over them raises in the user's optimizer.step().
+        if self._fwd is not None:
+            self._fwd.remove()
+            self._fwd = None
+        self._remove_flight_triggers()
+        rec = self.recorder
+        if rec.writer is not None:
+            if self.range.last is not None and self.steps_done < self.range.last and self._flight() is None:
+                rec.writer.note_lost(f"the recording ended after {self.steps_done} optimizer steps, before step "
+                                     f"{self.range.last}")
+            rec.stop()
+        self.recording = False
+
+    # -- flight triggers: SIGUSR1 and an uncaught exception (SIGTERM: the recorder's own handler) ----------------
+    def dump(self, reason: str) -> None:
+        """Write the flight recorder's steps now (the step in progress included) and stop recording."""
+        flight = self._flight()
+        if flight is not None and flight.dumped_to is None:
+            self.recorder.flush_pending()
+            flight.dump(reason)
+        self.finish()
+
+    def _install_flight_triggers(self) -> None:
+        self._prev_excepthook = sys.excepthook
+        sys.excepthook = self._excepthook
+        if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1"):
+            try:
+                self._prev_usr1 = signal.signal(signal.SIGUSR1, self._on_usr1)
+            except (ValueError, OSError):
+                self._prev_usr1 = None
+
+    def _remove_flight_triggers(self) -> None:
+        if self._prev_excepthook is not None and sys.excepthook == self._excepthook:
+            sys.excepthook = self._prev_excepthook
+        if self._prev_usr1 is not None and threading.current_thread() is threading.main_thread():
+            try:
+                if signal.getsignal(signal.SIGUSR1) == self._on_usr1:
+                    signal.signal(signal.SIGUSR1, self._prev_usr1)
+            except (ValueError, OSError, TypeError):
+                pass
+            self._prev_usr1 = None
+
+    def _on_usr1(self, signum: int, frame: Any) -> None:
+        prev = self._prev_usr1
+        try:
+            self.dump(f"SIGUSR1 at step {self.steps_done + 1}")
+        except Exception:  # never stand between a process and its signal
+            pass
+        if callable(prev):
+            prev(signum, frame)
+
+    def _excepthook(self, typ: Any, value: Any, tb: Any) -> None:
+        prev = self._prev_excepthook or sys.__excepthook__
+        try:
+            self.dump(f"the script raised {typ.__name__}: {value} at step {self.steps_done + 1}")
+        except Exception:
+            pass
+        prev(typ, value, tb)

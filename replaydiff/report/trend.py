@@ -1,0 +1,267 @@
+"""Trends over a multi-step statistics trace: per-module series, and the first sudden change.
+
+Why a robust z-score: training statistics drift (norms grow, gradients shrink) and are noisy from batch to batch,
+so a fixed threshold either fires every step or never. Each value is scored against the ``window`` steps before it:
+``(log10 x - median) / max(1.4826 * MAD, 0.05)`` for norms and absmax (on a log scale, so a 100x jump scores the
+same on a weight of 1e-3 and on an activation of 1e3; the 0.05-decade floor means a flat series must jump 4x to
+reach the default threshold of 12), and for NaN/Inf counts any count above a window of zeros (the score is then the
+count). The first change is the earliest step with a flagged value and, inside it, the earliest op: a change
+propagates forward through the step, so the first op that changes is where it entered.
+
+Series are keyed by op *position*: (phase, module, op name, occurrence within that module in the step), which is the
+same op step after step in a training loop without data-dependent control flow. A module's own series are its
+output (the last forward op or ``module.output`` record in it) and its gradient (the last backward one).
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any, TextIO
+
+from replaydiff.trace import RankTrace
+
+FORMAT = "replaydiff.trend/1"
+STATISTICS = ("l2", "absmax", "nan", "inf")
+LOG_FLOOR = 1e-30  # log10 of an exact zero
+SCALE_FLOOR = 0.05  # decades: the smallest spread a window is taken to have
+DEFAULT_WINDOW = 10
+DEFAULT_THRESHOLD = 12.0  # measured: 60 steps of a tiny GPT-2, op by op, top noise score 9.5; a 100x weight 40
+MIN_HISTORY = 5  # values needed before a step is scored
+
+
+@dataclass(frozen=True)
+class Change:
+    step: int
+    module: str | None
+    op: str
+    index: int  # op number in the trace
+    phase: str | None
+    statistic: str
+    score: float
+    value: float
+    baseline: float  # median of the window before it
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "module": self.module, "op": self.op, "index": self.index, "phase": self.phase,
+                "statistic": self.statistic, "score": self.score, "value": self.value, "baseline": self.baseline}
+
+
+@dataclass
+class Series:
+    """One module's output or gradient, step by step (None where the step has no such op)."""
+
+    module: str
+    kind: str  # output | grad
+    steps: list[int] = field(default_factory=list)
+    values: dict[str, list[float | None]] = field(default_factory=lambda: {s: [] for s in STATISTICS})
+
+    def to_json(self) -> dict:
+        return {"module": self.module, "kind": self.kind, "steps": self.steps,
+                **{s: [_finite_or_none(v) for v in self.values[s]] for s in STATISTICS}}
+
+
+@dataclass
+class Trend:
+    rank: int
+    steps: list[int]
+    series: list[Series]
+    first_change: Change | None
+    window: int
+    threshold: float
+    module_glob: str | None
+    ops_read: int
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "rank": self.rank, "steps": self.steps, "window": self.window,
+                "threshold": self.threshold, "module": self.module_glob, "ops": self.ops_read,
+                "first_change": None if self.first_change is None else self.first_change.to_json(),
+                "series": [s.to_json() for s in self.series]}
+
+
+def _finite_or_none(v: float | None) -> float | None:
+    return v if v is None or math.isfinite(v) else None
+
+
+class NoSteps(ValueError):
+    """The trace has no step numbers (recorded without ``--steps`` or ``--flight``)."""
+
+
+def _point(op: Any) -> dict[str, float] | None:
+    for ref in op.outputs_refs():
+        s = ref.stats
+        if s is not None:
+            return {"l2": s.l2, "absmax": s.absmax, "nan": s.nan, "inf": s.inf}
+    return None
+
+
+def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DEFAULT_WINDOW,
+                  threshold: float = DEFAULT_THRESHOLD) -> Trend:
+    """Series and the first sudden change of one rank's multi-step trace (NoSteps if it has no step numbers)."""
+    # op position -> [(step, op number, name, point)]
+    positions: dict[tuple, list[tuple[int, int, str, dict[str, float]]]] = {}
+    # (module, kind) -> {step: point}; the last op of that phase in the module wins
+    own: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
+    occurrence: dict[tuple, int] = {}
+    steps: list[int] = []
+    current = None
+    n = 0
+    for op in r:
+        step = op.step
+        if step is None:
+            continue
+        module = op.module
+        if module_glob is not None and (module is None or not fnmatch.fnmatchcase(module, module_glob)):
+            continue
+        p = _point(op)
+        if p is None:
+            continue
+        n += 1
+        if step != current:
+            current = step
+            occurrence.clear()
+            if not steps or steps[-1] != step:
+                steps.append(step)
+        key = (op.phase, module, op.name)
+        k = occurrence.get(key, 0)
+        occurrence[key] = k + 1
+        positions.setdefault((*key, k), []).append((step, op.index, op.name, p))
+        if module is not None and op.phase in ("forward", "backward"):
+            own.setdefault((module, "output" if op.phase == "forward" else "grad"), {})[step] = p
+    if not steps:
+        raise NoSteps("the trace has no step numbers: record it with --steps (or --flight)")
+    first: Change | None = None
+    for (phase, module, name, _), points in positions.items():
+        c = _first_change(points, phase, module, window, threshold)
+        if c is not None and (first is None or (c.step, c.index) < (first.step, first.index)):
+            first = c
+    series = []
+    for (module, kind), by_step in sorted(own.items()):
+        s = Series(module, kind, steps=list(steps))
+        for st in steps:
+            p = by_step.get(st)
+            for name in STATISTICS:
+                s.values[name].append(None if p is None else p[name])
+        series.append(s)
+    return Trend(r.rank, steps, series, first, window, threshold, module_glob, n)
+
+
+def _log(v: float) -> float:
+    return math.log10(max(abs(v), LOG_FLOOR)) if math.isfinite(v) else math.log10(LOG_FLOOR)
+
+
+def _first_change(points: list, phase: str | None, module: str | None, window: int,
+                  threshold: float) -> Change | None:
+    logs = {s: [_log(p[s]) for _, _, _, p in points] for s in ("l2", "absmax")}
+    for j in range(1, len(points)):
+        step, index, name, p = points[j]
+        lo = max(0, j - window)
+        for s in ("nan", "inf"):  # one finite step before is enough history for NaN/Inf appearing
+            if p[s] > 0 and all(q[s] == 0 for _, _, _, q in points[lo:j]):
+                return Change(step, module, name, index, phase, s, float(p[s]), float(p[s]), 0.0)
+        if j < MIN_HISTORY:
+            continue
+        for s in ("l2", "absmax"):
+            past = logs[s][lo:j]
+            med = median(past)
+            mad = median(abs(x - med) for x in past)
+            score = (logs[s][j] - med) / max(1.4826 * mad, SCALE_FLOOR)
+            if abs(score) >= threshold:
+                return Change(step, module, name, index, phase, s, round(score, 2), p[s], 10 ** med)
+    return None
+
+
+# -- text -----------------------------------------------------------------------------------------------------------
+_BARS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float | None]) -> str:
+    """log10-scaled bars; a space where a step has no value, ``!`` where it has NaN/Inf."""
+    logs = [None if v is None else _log(v) for v in values]
+    real = [x for x in logs if x is not None]
+    if not real:
+        return " " * len(values)
+    lo, hi = min(real), max(real)
+    span = hi - lo or 1.0
+    return "".join(" " if x is None else _BARS[min(7, int((x - lo) / span * 7.999))] for x in logs)
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g}"
+
+
+def render_trend(t: Trend, out: TextIO, width: int = 60) -> None:
+    out.write(f"rank {t.rank}: {len(t.steps)} steps ({t.steps[0]}..{t.steps[-1]}), {t.ops_read} records"
+              f"{'' if t.module_glob is None else f', modules {t.module_glob}'}\n")
+    c = t.first_change
+    if c is None:
+        out.write(f"no sudden change (robust z-score >= {t.threshold:g} against the {t.window} steps before)\n")
+    else:
+        what = (f"{c.statistic} {c.value:.4g} after a median of {c.baseline:.4g} (z = {c.score:g})"
+                if c.statistic in ("l2", "absmax") else f"{int(c.value)} {c.statistic.upper()} value(s) appeared")
+        out.write(f"first change: step {c.step}, module {c.module or '-'}, op #{c.index} {c.op} ({c.phase}): "
+                  f"{what}\n")
+    out.write("\n")
+    steps = t.steps
+    if len(steps) > width:  # the last `width` steps in the sparklines
+        out.write(f"sparklines: log10 l2 of the last {width} steps\n")
+    rows = []
+    for s in t.series:
+        l2 = s.values["l2"]
+        nonfinite = sum(int(v or 0) for v in s.values["nan"]) + sum(int(v or 0) for v in s.values["inf"])
+        first = next((v for v in l2 if v is not None), None)
+        last = next((v for v in reversed(l2) if v is not None), None)
+        amax = max((v for v in s.values["absmax"] if v is not None), default=None)
+        mark = "*" if c is not None and c.module == s.module else " "
+        rows.append((mark + s.module, s.kind, _fmt(first), _fmt(last), _fmt(amax), str(nonfinite),
+                     sparkline(l2[-width:])))
+    headers = (" module", "kind", "l2 first", "l2 last", "absmax max", "nan+inf", "l2 by step (log)")
+    widths = [max(len(h), *(len(r[k]) for r in rows)) if rows else len(h) for k, h in enumerate(headers)]
+    out.write("  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip() + "\n")
+    for r in rows:
+        out.write("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() + "\n")
+
+
+# -- SVG --------------------------------------------------------------------------------------------------------------
+def render_svg(t: Trend, out: TextIO, kind: str = "output", max_series: int = 40) -> None:
+    """log10 l2 of each module's ``kind`` series against the step, the first change marked; plain SVG text."""
+    from xml.sax.saxutils import escape
+
+    W, H, L, R, T, B = 960, 540, 60, 300, 30, 40
+    series = [s for s in t.series if s.kind == kind][:max_series]
+    pts = [(st, _log(v)) for s in series for st, v in zip(s.steps, s.values["l2"]) if v is not None]
+    out.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="monospace" '
+              f'font-size="11">\n<rect width="{W}" height="{H}" fill="white"/>\n')
+    title = f"replaydiff trend: log10 l2 of module {kind}s, rank {t.rank}"
+    out.write(f'<text x="{L}" y="18" font-size="13">{escape(title)}</text>\n')
+    if not pts:
+        out.write(f'<text x="{L}" y="{H // 2}">no values</text>\n</svg>\n')
+        return
+    x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
+    y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
+    x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1)
+
+    def X(st: float) -> float:
+        return L + (st - x0) / (x1 - x0) * (W - L - R)
+
+    def Y(v: float) -> float:
+        return H - B - (v - y0) / (y1 - y0) * (H - T - B)
+
+    out.write(f'<line x1="{L}" y1="{H - B}" x2="{W - R}" y2="{H - B}" stroke="black"/>\n'
+              f'<line x1="{L}" y1="{T}" x2="{L}" y2="{H - B}" stroke="black"/>\n'
+              f'<text x="{L}" y="{H - 12}">step {x0}</text><text x="{W - R}" y="{H - 12}" text-anchor="end">'
+              f'step {x1}</text>\n<text x="4" y="{T + 10}">{y1:.1f}</text><text x="4" y="{H - B}">{y0:.1f}</text>\n')
+    c = t.first_change
+    if c is not None:
+        out.write(f'<line x1="{X(c.step):.1f}" y1="{T}" x2="{X(c.step):.1f}" y2="{H - B}" stroke="red" '
+                  f'stroke-dasharray="4 3"/>\n<text x="{X(c.step) + 4:.1f}" y="{T + 12}" fill="red">'
+                  f'{escape(f"step {c.step}: {c.module} {c.op}")}</text>\n')
+    for k, s in enumerate(series):
+        colour = f"hsl({(k * 137) % 360},65%,42%)"
+        hot = c is not None and c.module == s.module
+        path = " ".join(f"{X(st):.1f},{Y(_log(v)):.1f}" for st, v in zip(s.steps, s.values["l2"]) if v is not None)
+        out.write(f'<polyline fill="none" stroke="{colour}" stroke-width="{2.5 if hot else 1}" points="{path}">'
+                  f'<title>{escape(s.module)}</title></polyline>\n')
+        out.write(f'<text x="{W - R + 8}" y="{T + 12 * k + 10}" fill="{colour}">{escape(s.module[-45:])}</text>\n')
+    out.write("</svg>\n")

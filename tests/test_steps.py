@@ -1,0 +1,348 @@
+"""Many steps in one trace: ``record(steps=...)``, module granularity, the flight recorder, and ``replaydiff trend``.
+
+The planted faults are what a user meets: a weight multiplied by 100 between two steps, a NaN written into an
+embedding row. Expected steps are the steps the test plants at; expected op numbers and module paths are read back
+from the trace or from the model itself, never typed in.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+import transformers  # part of the `test` extra
+
+import replaydiff
+from replaydiff.cli.main import main as cli_main
+from replaydiff.report.trend import compute_trend
+from replaydiff.trace import open_trace
+
+VOCAB, SEQ = 50, 8
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors on a shared 2-core machine: waking a second intra-op thread costs more than the work (measured:
+    60 steps of the tiny GPT-2 take 8.7 s with two threads under load, 0.4 s with one). Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def gpt2(layers: int = 2) -> transformers.GPT2LMHeadModel:
+    """The smallest GPT-2 that still has every kind of layer; dropout off so that steps differ only by the batch."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=16, n_layer=layers, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def train(model: torch.nn.Module, steps: int, before_step=None) -> torch.Tensor:
+    """``steps`` AdamW steps on random token batches; ``before_step(step, model, ids)`` runs before each forward."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    loss = torch.tensor(0.0)
+    for step in range(1, steps + 1):
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+        if before_step is not None:
+            before_step(step, model, ids)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return loss
+
+
+def module_path(model: torch.nn.Module, target: torch.nn.Module) -> str:
+    """A module's path as traces spell it: the root's class name, then the attribute path."""
+    return next(name for name, m in model.named_modules(prefix=type(model).__name__) if m is target)
+
+
+def scale_weight_at(step_no: int, factor: float):
+    def plant(step: int, model, ids) -> None:
+        if step == step_no:
+            with torch.no_grad():
+                model.transformer.h[1].mlp.c_fc.weight.mul_(factor)
+    return plant
+
+
+# -- a sudden change: flagged at its step, in its module ------------------------------------------------------------
+@pytest.mark.parametrize("granularity", ["op", "module"])
+def test_weight_times_100_at_step_30_is_the_first_change(tmp_path, granularity):
+    model = gpt2()
+    # Op by op, steps 20-40 of the 60 (the whole run takes 4x longer and tells nothing more); by module, all 60.
+    steps = range(20, 41) if granularity == "op" else range(1, 61)
+    with replaydiff.record(tmp_path / "t", tensors="stats", steps=f"{steps[0]}-{steps[-1]}", granularity=granularity):
+        train(model, 60, scale_weight_at(30, 100.0))
+    r = open_trace(tmp_path / "t").rank(0)
+    assert sorted({op.step for op in r}) == list(steps)
+    change = compute_trend(r).first_change
+    assert change is not None
+    expected = module_path(model, model.transformer.h[1].mlp.c_fc)
+    assert (change.step, change.module) == (30, expected)
+    op = r[change.index]  # the op it names is in the trace, in that step and module
+    assert (op.step, op.module, op.name) == (30, expected, change.op)
+    assert change.statistic in ("l2", "absmax") and change.score > 12
+    # Same run without the planted change: nothing to flag.
+    if granularity == "module":
+        with replaydiff.record(tmp_path / "clean", tensors="stats", steps="1-60", granularity="module"):
+            train(gpt2(), 60)
+        assert compute_trend(open_trace(tmp_path / "clean").rank(0)).first_change is None
+
+
+def test_trend_cli_json_text_and_svg(tmp_path, capsys):
+    model = gpt2(layers=2)
+    with replaydiff.record(tmp_path / "t", tensors="stats", steps="2-40:2", granularity="module"):
+        train(model, 40, scale_weight_at(20, 100.0))
+    expected = module_path(model, model.transformer.h[1].mlp.c_fc)
+
+    assert cli_main(["trend", str(tmp_path / "t"), "--json", "-"]) == 1  # a change was found
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["format"] == "replaydiff.trend/1"
+    assert doc["steps"] == list(range(2, 41, 2))
+    fc = doc["first_change"]
+    assert (fc["step"], fc["module"]) == (20, expected)
+    assert set(fc) >= {"step", "module", "op", "statistic", "score"}
+    out = next(s for s in doc["series"] if s["module"] == expected and s["kind"] == "output")
+    assert out["steps"] == doc["steps"] and len(out["l2"]) == len(doc["steps"])
+    k = doc["steps"].index(20)
+    assert out["l2"][k] > 30 * out["l2"][k - 1]  # the series shows the jump it flags
+
+    svg = tmp_path / "trend.svg"
+    assert cli_main(["trend", str(tmp_path / "t"), "--plot", str(svg)]) == 1
+    text = capsys.readouterr().out
+    assert "first change: step 20" in text and expected in text
+    root = ET.parse(svg).getroot()
+    assert root.tag.endswith("svg")
+    assert len([e for e in root.iter() if e.tag.endswith("polyline")]) == \
+        len([s for s in doc["series"] if s["kind"] == "output"])
+
+    # A module filter that excludes the changed module finds nothing.
+    assert cli_main(["trend", str(tmp_path / "t"), "--module", "*.h.0.*", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["first_change"] is None
+
+
+def test_trend_of_a_one_step_trace_is_a_usage_error(tmp_path, capsys):
+    model = gpt2(layers=1)
+    with replaydiff.record(tmp_path / "t", tensors="stats"):
+        train(model, 1)
+    assert cli_main(["trend", str(tmp_path / "t")]) == 2
+    assert "--steps" in capsys.readouterr().err
+
+
+# -- statistics: equal to those computed from the stored bytes ------------------------------------------------------
+def _stats_of(x: torch.Tensor) -> list[float]:
+    x = x.detach().reshape(-1).to(torch.float64)
+    f = x[torch.isfinite(x)]
+    n = f.numel()
+    if n == 0:
+        return [x.numel(), 0.0, 0.0, 0.0, 0.0, int(torch.isnan(x).sum()), int(torch.isinf(x).sum())]
+    mean = float(f.sum()) / n
+    return [x.numel(), mean, float(f.abs().max()), float(f.norm()), float((f * f).sum()) / n - mean * mean,
+            int(torch.isnan(x).sum()), int(torch.isinf(x).sum())]
+
+
+def test_stats_of_a_recorded_step_equal_those_of_a_full_trace_of_it(tmp_path):
+    for mode in ("full", "stats"):
+        with replaydiff.record(tmp_path / mode, tensors=mode, steps="3"):
+            train(gpt2(layers=1), 4)
+    full, stats = open_trace(tmp_path / "full").rank(0), open_trace(tmp_path / "stats").rank(0)
+    assert len(full) == len(stats) and {op.step for op in stats} == {3}
+    compared = 0
+    for a, b in zip(full, stats):
+        assert (a.index, a.name, a.step) == (b.index, b.name, b.step)
+        for ra, rb in zip(a.outputs_refs(), b.outputs_refs()):
+            if not ra.stored or ra.zero or ra.meta or rb.stats is None or ra.torch_dtype.is_complex:
+                continue
+            want = _stats_of(full.tensor(ra))
+            got = [getattr(rb.stats, f) for f in ("numel", "mean", "absmax", "l2", "var", "nan", "inf")]
+            assert got[0] == want[0] and got[5:] == want[5:], (a, got, want)
+            assert got[1:5] == pytest.approx(want[1:5], rel=1e-9, abs=1e-12), (a, got, want)
+            compared += 1
+    assert compared > 100
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # inf - inf inside the statistics must not warn into the job
+def test_stats_of_bf16_views_and_nonfinite_values(tmp_path):
+    x = torch.linspace(-3, 5, 24).reshape(4, 6)
+    x[1, 2] = float("nan")
+    x[2, 3] = float("inf")
+    with replaydiff.record(tmp_path / "t", tensors="stats"):
+        y = x.t().to(torch.bfloat16) * 2  # a transposed view in, a bf16 tensor out
+        z = y[:, 1:3].to(torch.int32)
+    r = open_trace(tmp_path / "t").rank(0)
+    by_output = {}  # dtype and shape -> statistics of the last op output that has them
+    for op in r:
+        for ref in op.outputs_refs():
+            by_output[ref.describe()] = ref.stats
+    for t in (y, z):
+        s = next(v for k, v in by_output.items() if k == f"{str(t.dtype)[6:]}{list(t.shape)}")
+        want = _stats_of(t)
+        assert [s.numel, s.nan, s.inf] == [want[0], want[5], want[6]]
+        assert [s.mean, s.absmax, s.l2, s.var] == pytest.approx(want[1:5], rel=1e-12)
+
+
+# -- the recorder stays a guest ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("granularity", ["op", "module"])
+def test_training_under_multi_step_recording_is_bitwise_unchanged(tmp_path, granularity):
+    plain = gpt2(layers=1)
+    train(plain, 5)
+    watched = gpt2(layers=1)
+    with replaydiff.record(tmp_path / "t", tensors="stats", steps="2-5:2", granularity=granularity):
+        train(watched, 5)
+    for (name, a), (_, b) in zip(plain.named_parameters(), watched.named_parameters()):
+        assert torch.equal(a, b), name
+    assert sorted({op.step for op in open_trace(tmp_path / "t").rank(0)}) == [2, 4]
+
+
+def test_module_granularity_sees_an_output_written_in_place_by_its_parent(tmp_path):
+    class Parent(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.child = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.child(x)
+            y.mul_(3)  # the very tensor the child returned, written after the child's hook measured it
+            return y
+
+    torch.manual_seed(0)
+    model = Parent()
+    with replaydiff.record(tmp_path / "t", tensors="stats", granularity="module"):
+        model(torch.randn(2, 4)).sum().backward()
+    r = open_trace(tmp_path / "t").rank(0)
+    out = {op.module: op.outputs_refs()[0].stats for op in r if op.phase == "forward"}
+    assert out["Parent"].l2 == pytest.approx(3 * out["Parent.child"].l2, rel=1e-6)
+    assert {op.module for op in r if op.phase == "backward"} == {"Parent", "Parent.child"}
+
+
+# -- the flight recorder --------------------------------------------------------------------------------------------
+def nan_row_at(step_no: int):
+    def plant(step: int, model, ids) -> None:
+        if step == step_no:
+            with torch.no_grad():
+                model.transformer.wte.weight[ids[0, 0]] = float("nan")
+    return plant
+
+
+@pytest.mark.parametrize("granularity", ["op", "module"])
+def test_nan_at_step_12_dumps_the_last_k_steps(tmp_path, granularity):
+    k = 4
+    with replaydiff.record(tmp_path / "t", tensors="stats", flight=k, granularity=granularity):
+        loss = train(gpt2(layers=1), 16, nan_row_at(12))
+    assert math.isnan(loss.item())  # training went on, unchanged, after the dump
+    r = open_trace(tmp_path / "t").rank(0)
+    assert r.complete
+    assert sorted({op.step for op in r}) == list(range(12 - k + 1, 13))
+    assert "NaN" in r.manifest["flight"]["reason"]
+    change = compute_trend(r).first_change
+    assert change is not None and change.step == 12 and change.statistic == "nan"
+    assert r[change.index].step == 12
+
+
+def test_flight_writes_nothing_at_a_clean_exit_unless_asked(tmp_path):
+    with replaydiff.record(tmp_path / "quiet", tensors="stats", flight=3, granularity="module"):
+        train(gpt2(layers=1), 6)
+    assert not (tmp_path / "quiet").exists() or not any((tmp_path / "quiet").iterdir())
+    with replaydiff.record(tmp_path / "asked", tensors="stats", flight=3, granularity="module", flight_at_exit=True):
+        train(gpt2(layers=1), 6)
+    assert sorted({op.step for op in open_trace(tmp_path / "asked").rank(0)}) == [4, 5, 6]
+
+
+def test_flight_memory_budget_drops_the_oldest_steps_and_says_so(tmp_path):
+    with replaydiff.record(tmp_path / "t", tensors="stats", flight=5, granularity="module", flight_at_exit=True,
+                           flight_mib=0.001):  # ~1 KiB: less than one step's records
+        train(gpt2(layers=1), 6)
+    r = open_trace(tmp_path / "t").rank(0)
+    assert sorted({op.step for op in r}) == [6]  # the step in progress is always kept
+    assert any("MiB" in line for line in r.lost)
+
+
+def test_flight_dumps_on_sigusr1_and_on_an_exception(tmp_path):
+    def usr1_at_5(step: int, model, ids) -> None:
+        if step == 5:
+            model(input_ids=ids)  # step 5 has begun
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    with replaydiff.record(tmp_path / "usr1", tensors="stats", flight=3, granularity="module"):
+        train(gpt2(layers=1), 7, usr1_at_5)
+    r = open_trace(tmp_path / "usr1").rank(0)
+    assert sorted({op.step for op in r}) == [3, 4, 5]  # step 5 up to the signal
+    assert "SIGUSR1" in r.manifest["flight"]["reason"]
+
+    def boom_at_4(step: int, model, ids) -> None:
+        if step == 4:
+            model(input_ids=ids)  # step 4's forward runs, then the script fails
+            raise RuntimeError("data loader died")
+
+    with pytest.raises(RuntimeError):
+        with replaydiff.record(tmp_path / "exc", tensors="stats", flight=2, granularity="module"):
+            train(gpt2(layers=1), 6, boom_at_4)
+    r = open_trace(tmp_path / "exc").rank(0)
+    assert sorted({op.step for op in r}) == [3, 4]
+    assert "data loader died" in r.manifest["flight"]["reason"]
+
+
+# -- the CLI -------------------------------------------------------------------------------------------------------------
+def test_record_cli_steps_and_module_granularity(tmp_path):
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import torch
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(7):
+            model(torch.randn(3, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "REPLAYDIFF_RECORD"}
+    proc = subprocess.run([sys.executable, "-m", "replaydiff", "record", "--tensors", "stats", "--steps", "2-6:2",
+                           "--granularity", "module", "-o", "trace", "--", sys.executable, "train.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "replaydiff trend trace" in proc.stderr
+    r = open_trace(tmp_path / "trace").rank(0)
+    assert sorted({op.step for op in r}) == [2, 4, 6]
+    assert {op.module for op in r} == {"Sequential", "Sequential.0", "Sequential.1", "Sequential.2"}
+    assert {op.phase for op in r} == {"forward", "backward"}
+    assert r.options["granularity"] == "module" and r.options["steps"] == "2-6:2"
+
+
+def test_record_cli_flight_dumps_on_sigterm_and_the_process_still_dies_of_it(tmp_path):
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import os, signal, torch
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(1, 10):
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            if step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)  # as torchrun does when another rank fails
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "REPLAYDIFF_RECORD"}
+    proc = subprocess.run([sys.executable, "-m", "replaydiff", "record", "--tensors", "stats", "--flight", "3",
+                           "-o", "trace", "--", sys.executable, "train.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr  # the job's fate is unchanged
+    r = open_trace(tmp_path / "trace").rank(0)
+    assert sorted({op.step for op in r}) == [3, 4, 5]  # step 5 up to the signal, in its forward
+    assert {op.phase for op in r if op.step == 5} == {"forward"}
+    assert "SIGTERM" in r.manifest["flight"]["reason"]
+
+
+@pytest.mark.parametrize("bad", [["--steps", "5-2"], ["--steps", "x"], ["--flight", "0"],
+                                 ["--flight", "3", "--tensors", "full"]])
+def test_record_cli_rejects_bad_step_options(tmp_path, capsys, bad):
+    assert cli_main(["record", *bad, "-o", str(tmp_path / "t"), "--", "true"]) == 2
+    assert capsys.readouterr().err
