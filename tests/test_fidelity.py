@@ -221,3 +221,36 @@ def test_replay_works_after_torch_freezes_its_backend_flags(tmp_path: Path) -> N
                          env={**__import__("os").environ, "PYTHONPATH": str(root)}, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["2", "False"]
+
+
+def test_threads_tests_whether_an_op_depends_on_the_parallel_split(tmp_path: Path) -> None:
+    # CPU LayerNorm backward reduces in another order with 1 thread than with 2 (../shared/BRIEF.md): bitwise
+    # replay holds at the recorded thread count (the default at `same`) and breaks at another (--threads 1).
+    import os
+    import subprocess
+    import sys
+
+    from replaydiff.models.tiny import TinyTransformer, make_step
+
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    step = make_step(model, model.example_batch(), torch.optim.AdamW(model.parameters(), lr=1e-3))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with replaydiff.record(tmp_path / "t"):
+            step()
+    finally:
+        torch.set_num_threads(saved)
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root))
+    cli = [sys.executable, "-m", "replaydiff", "replay", str(tmp_path / "t"), "--precision", "same", "--json", "-"]
+    import json
+
+    recorded = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=300)
+    one = subprocess.run(cli + ["--threads", "1"], capture_output=True, text=True, env=env, timeout=300)
+    assert recorded.returncode == 0, recorded.stderr
+    assert one.returncode == 1, one.stderr
+    divergent = {o["op"] for o in json.loads(one.stdout)["ops"] if o["status"] == "divergent"}
+    assert divergent == {"aten.native_layer_norm_backward.default"}
+    assert json.loads(one.stdout)["options"]["threads"] == 1
