@@ -635,3 +635,91 @@ def test_snapshot_help(traced, snap_compare):
         await press(pilot.app, pilot, "question_mark")
 
     assert snap_compare(snap_app(traced), terminal_size=SNAP_SIZE, run_before=run_before)
+
+
+# -- diff mode (replaydiff tui TARGET --diff REF) ----------------------------------------------------------------
+LN_BACKWARD = "aten.native_layer_norm_backward.default"
+
+
+@pytest.fixture(scope="module")
+def diffed(tmp_path_factory):
+    """(reference, target): two recordings of the same step; the target's LayerNorm backward carries a fault."""
+    d = tmp_path_factory.mktemp("tui-diff")
+    _record(d / "ref", 0, [])
+    _record(d / "target", 0, [PlantedFault(LN_BACKWARD, rel=1e-3)])
+    return d / "ref", d / "target"
+
+
+def _row_text(app, op: int) -> str:
+    """The op list's row of ``op`` as drawn (it must be on screen)."""
+    ol = app.main.op_list
+    return ol.render_line(ol.model.row_of(op) - int(ol.scroll_y) + 1).text
+
+
+@sync
+async def test_diff_mode_f_selects_the_planted_op_and_later_ops_are_marked_inherited(diffed):
+    ref, target = diffed
+    planted = next(op.index for op in replaydiff.open_trace(target).rank(0) if op.name == LN_BACKWARD)
+    app = make_app(target, diff_ref=ref)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        await app.workers_done(replay=True)
+        await settle(app, pilot)
+        assert app.replay_state == "done" and app.diff_report is not None
+        rd, first = app.diff_report.first_divergent
+        assert first.target == planted
+        assert app.model.divergent == [planted]  # f/n/N walk the divergent pairs only
+        status = str(app.main.query_one("#status").visual)
+        assert f"diff against {ref}: 1 divergent" in status
+        await press(app, pilot, "f")
+        assert app.selected_op == planted
+        text = app.main.detail.text
+        assert f"DIVERGENT  aligned with reference op ref #{first.ref} (rank 0)" in text
+        assert "evidence: full tensors; inputs agree" in text
+        assert "DIVERG" in _row_text(app, planted)
+        await press(app, pilot, "n")  # the only divergent pair: n stays
+        assert app.selected_op == planted
+        later = [p for p in rd.pairs if str(p.status) == "inherited"]
+        assert later and all(p.target > planted for p in later)
+        pair = later[0]
+        assert app.model.status[pair.target] == "inherited"
+        app.select(pair.target)
+        await settle(app, pilot)
+        assert "inher" in _row_text(app, pair.target)
+        text = app.main.detail.text
+        assert f"INHERITED  aligned with reference op ref #{pair.ref}" in text
+        assert f"inherited from {pair.inherited_from.describe()}" in text
+
+
+def test_cli_diff_and_replay_together_is_a_usage_error(diffed, tmp_path):
+    from replaydiff.cli.main import main
+
+    ref, target = diffed
+    assert main(["tui", str(target), "--diff", str(ref), "--replay", str(tmp_path / "r.json")]) == 2
+    assert main(["tui", str(target), "--diff", str(tmp_path / "missing")]) == 3
+
+
+def _record_fn(out, fn) -> None:
+    x = torch.arange(8, dtype=torch.float32)
+    with replaydiff.record(out):
+        fn(x)
+
+
+@sync
+async def test_diff_mode_marks_ops_present_in_the_target_only(tmp_path):
+    _record_fn(tmp_path / "ref", lambda x: (x * 2).sum())
+    _record_fn(tmp_path / "target", lambda x: (x * 2).exp().sum())
+    extra = [op.index for op in replaydiff.open_trace(tmp_path / "target").rank(0) if op.name == "aten.exp.default"]
+    app = make_app(tmp_path / "target", diff_ref=tmp_path / "ref")
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        await app.workers_done(replay=True)
+        await settle(app, pilot)
+        assert app.diff_report.ranks[0].target_only_ops == frozenset(extra) and len(extra) == 1
+        assert [i for i, s in enumerate(app.model.status) if s == "target_only"] == extra
+        app.select(extra[0])
+        await settle(app, pilot)
+        assert "T-only" in _row_text(app, extra[0])
+        assert "TARGET ONLY  no aligned op in the reference" in app.main.detail.text
+        assert "0 divergent" in str(app.main.query_one("#status").visual)
+        assert "1 target-only" in str(app.main.query_one("#status").visual)

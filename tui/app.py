@@ -70,7 +70,8 @@ def _default_reference(trace: Any, i: int, settings: ReplaySettings) -> list | N
 
 
 class ReplaydiffApp(App):
-    """Browse one trace: ops coloured by a replay report (given, or run in the background as the app starts)."""
+    """Browse one trace: ops coloured by a replay report (given, or run in the background as the app starts), or
+    in diff mode (``diff``) by the diff of a reference trace against it, computed in the background."""
 
     CSS_PATH = "app.tcss"
     TITLE = "replaydiff"
@@ -82,13 +83,17 @@ class ReplaydiffApp(App):
 
     def __init__(self, trace: Any, *, rank: int | None = None, report: Any = None,
                  replay: ReplaySettings | None = None, runner: Runner | None = None,
-                 reference: Callable[[Any, int, ReplaySettings], list | None] | None = None) -> None:
+                 reference: Callable[[Any, int, ReplaySettings], list | None] | None = None,
+                 diff: str | Path | None = None) -> None:
         super().__init__()
+        # diff mode: rows are coloured by the diff of this reference trace against ``trace`` instead of a replay
+        self.diff_ref: str | None = None if diff is None else str(diff)
+        self.diff_report: Any = None  # the DiffReport, once the diff is done
         self.trace = trace
         self.ranks: list[int] = list(trace.ranks)
         self.rank = rank if rank is not None else self.ranks[0]
         self.settings = replay or ReplaySettings()
-        self.replay_on_start = replay is not None
+        self.replay_on_start = replay is not None and diff is None
         self.runner = runner or _default_runner
         self.reference = reference or _default_reference
         self.models: dict[int, TraceModel] = {}
@@ -152,6 +157,8 @@ class ReplaydiffApp(App):
             self._settle_memory()
         if self.replay_on_start:
             self.start_replay(self.settings)
+        elif self.diff_ref is not None:
+            self.start_diff()
 
     def _apply_initial_report(self) -> None:
         report, self._initial_report = self._initial_report, None
@@ -169,16 +176,60 @@ class ReplaydiffApp(App):
         gc.freeze()
 
     # -- replay in the background -----------------------------------------------------------------------------
-    def start_replay(self, settings: ReplaySettings) -> None:
+    def _reset_results(self) -> int:
+        """Forget every verdict (and the work that was producing them); returns the new generation."""
         self._generation += 1
-        gen = self._generation
-        self.settings = settings
         with self._pending_lock:
             self._pending = []
         self.results_by_rank = {}
         for m in self.models.values():
             m.clear_results()
         self._total, self._done = 0, 0
+        return self._generation
+
+    # -- diff in the background -------------------------------------------------------------------------------
+    def start_diff(self) -> None:
+        """Diff ``diff_ref`` against the open trace in a worker thread; rows take their colour when it is done."""
+        gen = self._reset_results()
+        self.replay_state = "running"
+        self.replay_message = ""
+        self._refresh_verdicts(full=True)
+        self._diff_worker(self.diff_ref, gen)
+
+    @work(thread=True, exclusive=True, group="replay", exit_on_error=False)
+    def _diff_worker(self, ref: str, gen: int) -> None:
+        from replaydiff.diff import diff_traces
+
+        def total(n: int) -> None:
+            self._total = n
+
+        def advance(k: int) -> None:
+            self._done += k
+
+        try:
+            report = diff_traces(ref, self.trace.path, progress_total=total, progress=advance)
+        except Exception as exc:  # an unreadable chunk, traces with no rank in common: say so, keep the UI
+            if gen == self._generation:
+                self.call_from_thread(self._replay_failed, f"{type(exc).__name__}: {exc}")
+            return
+        if gen == self._generation:
+            self.call_from_thread(self._diff_finished, report, gen)
+
+    def _diff_finished(self, report: Any, gen: int) -> None:
+        from tui.diff_mode import diff_results
+
+        if gen != self._generation:
+            return
+        self.diff_report = report
+        self._apply(diff_results(report))
+        self.replay_state = "done"
+        self._refresh_verdicts(full=True)
+
+    def start_replay(self, settings: ReplaySettings) -> None:
+        self.diff_ref = None  # a replay asked for (R) leaves diff mode
+        self._reset_results()
+        gen = self._generation
+        self.settings = settings
         self.replay_state = "running"
         self.replay_message = ""
         self._refresh_verdicts(full=True)
@@ -225,7 +276,8 @@ class ReplaydiffApp(App):
     def _replay_failed(self, message: str) -> None:
         self.replay_state = "failed"
         self.replay_message = message.splitlines()[0] if message else "failed"
-        self.notify(self.replay_message, title="replay failed", severity="error", timeout=8)
+        self.notify(self.replay_message, title="diff failed" if self.diff_ref is not None else "replay failed",
+                    severity="error", timeout=8)
         self._drain()
 
     def _replay_finished(self, report: Any, gen: int) -> None:
@@ -312,7 +364,9 @@ class ReplaydiffApp(App):
         c = m.counts()
         verdicts = f"{c['divergent']} divergent · {c['nondeterministic']} nondet · {c['error']} err · " \
                    f"{c['ok']} ok · {c['skipped']} skip"
-        if self.replay_state == "running":
+        if self.diff_ref is not None:
+            verdicts = self._diff_status(c)
+        elif self.replay_state == "running":
             verdicts = f"replaying on {self.settings.device} at {self.settings.precision}: {verdicts}"
         elif self.replay_state == "failed":
             verdicts = f"replay failed: {self.replay_message}"
@@ -326,6 +380,15 @@ class ReplaydiffApp(App):
         bar.display = self.replay_state == "running"
         if self.replay_state == "running":
             bar.update(total=self._total or None, progress=self._done)
+
+    def _diff_status(self, c: dict[str, int]) -> str:
+        against = f"diff against {self.diff_ref}"
+        if self.replay_state == "running":
+            return f"{against}: diffing…"
+        if self.replay_state == "failed":
+            return f"{against} failed: {self.replay_message}"
+        return f"{against}: {c['divergent']} divergent · {c.get('inherited', 0)} inherited · {c['ok']} same · " \
+               f"{c.get('target_only', 0)} target-only · {c['skipped']} not compared"
 
     async def workers_done(self, replay: bool = False) -> None:
         """Wait until the detail pane's workers (and the replay's, with ``replay``) have finished; for tests and
@@ -406,7 +469,7 @@ class ReplaydiffApp(App):
         except Exception as exc:  # a damaged chunk: show it where the op would be
             text = f"[bold]#{op}[/]\n[red]cannot read this op: {details.esc(exc)}[/]"
         self.call_from_thread(self._detail_ready, rank, op, result, text)
-        if details.is_problem(result):
+        if details.is_problem(result) and not hasattr(result, "ref_rank"):  # diff mode: no replay to compare with
             try:
                 with self.trace_lock:
                     pairs = self.reference(m.trace, op, self.settings)
@@ -606,15 +669,19 @@ class ReplaydiffApp(App):
 
 
 def make_app(path: str | Path, *, rank: int | None = None, report_path: str | Path | None = None,
-             replay: ReplaySettings | None = None) -> ReplaydiffApp:
+             replay: ReplaySettings | None = None, diff_ref: str | Path | None = None) -> ReplaydiffApp:
     """Open a trace (TraceError if it cannot be read) and build the app: colours from ``report_path`` when given,
-    otherwise a background replay with ``replay`` settings (fp64 on the CPU by default). Nothing runs until the
+    otherwise a background replay with ``replay`` settings (fp64 on the CPU by default); with ``diff_ref``, the diff
+    of that reference trace against this one instead (no replay). Nothing runs until the
     caller runs the app (``app.run()``, or ``app.run_test()`` in tests)."""
     import replaydiff
 
     trace = replaydiff.open_trace(path)
     if rank is not None:
         trace.rank(rank)  # raises TraceError for a rank the trace does not hold
+    if diff_ref is not None:
+        replaydiff.open_trace(diff_ref)  # TraceError (exit 3) now rather than a failure inside the UI
+        return ReplaydiffApp(trace, rank=rank, diff=diff_ref)
     report = None
     if report_path is not None:
         from replaydiff.report import load_replay_json

@@ -148,6 +148,8 @@ def source_context(trace: Any, source: str | None, around: int = 2) -> list[str]
 def verdict_lines(result: Any) -> list[str]:
     if result is None:
         return ["[dim]not replayed (yet)[/]"]
+    if hasattr(result, "ref_rank"):  # a diff-mode row (tui.diff_mode.DiffResult)
+        return diff_lines(result)
     s = status_value(result.status)
     head = f"[{STATUS_STYLE.get(s, 'dim')}]{esc((s or '?').upper())}[/]"
     m = result.metrics or {}
@@ -165,6 +167,38 @@ def verdict_lines(result: Any) -> list[str]:
         lines.append(f"  [dim]{esc(result.reason)}[/]")
     if getattr(result, "nonfinite_origin", False):
         lines.append("  [bold red]NaN/Inf origin[/]: finite inputs, non-finite recorded output")
+    return lines
+
+
+def diff_lines(result: Any) -> list[str]:
+    """Diff mode: the aligned reference op and the pair's verdict, evidence, reason and inherited origin."""
+    s = status_value(result.status)
+    pair = result.pair
+    if pair is None:
+        return [f"[cyan]TARGET ONLY[/]  no aligned op in the reference (rank {result.ref_rank})"]
+    style = {"inherited": "#d9822b", "same": "green"}.get(str(pair.status), STATUS_STYLE.get(s, "dim"))
+    lines = [f"[{style}]{esc(str(pair.status).upper())}[/]  aligned with reference op "
+             f"[bold]ref #{pair.ref}[/] (rank {result.ref_rank})"
+             + (f"  [dim]reference op {esc(pair.target_op)}[/]" if pair.target_op else "")]
+    if pair.evidence is not None:
+        agree = {True: "agree", False: "differ", None: "not compared"}[pair.inputs_agree]
+        lines.append(f"  evidence: {esc(pair.evidence)}; inputs {agree}")
+    if pair.dtypes is not None:
+        lines.append(f"  output dtypes differ: ref {esc(pair.dtypes[0])}, target {esc(pair.dtypes[1])}")
+    m = pair.metrics or {}
+    if "mismatches" in m:
+        lines.append(f"  exact comparison: {m['mismatches']} mismatched element(s)")
+    elif "norm_max" in m:
+        lines.append(f"  max_abs/(eps·absmax) [bold]{_fmt(m.get('norm_max'))}[/]  limit {_fmt(m.get('limit_max'))}")
+        lines.append(f"  rel_l2/eps           [bold]{_fmt(m.get('norm_rel'))}[/]  limit {_fmt(m.get('limit_rel'))}")
+    if pair.reason:
+        lines.append(f"  [dim]{esc(pair.reason)}[/]")
+    origin = pair.inherited_from
+    if origin is not None:
+        link = ""
+        if getattr(origin, "target", None) is not None:
+            link = f"  [@click=app.goto({origin.target})][underline]go to #{origin.target}[/underline][/]"
+        lines.append(f"  inherited from {esc(origin.describe())}{link}")
     return lines
 
 

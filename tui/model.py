@@ -17,6 +17,9 @@ PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt", None: " 
 # Statuses as their string values (replaydiff.replay.Status is a str-Enum; a report read from JSON holds strings).
 OK, DIVERGENT, NONDETERMINISTIC, SKIPPED, ERROR = "ok", "divergent", "nondeterministic", "skipped", "error"
 PROBLEMS = (DIVERGENT, NONDETERMINISTIC)
+# Diff mode only (tui/diff_mode.py): a pair that carried an earlier difference forward, an op of the target only.
+INHERITED, TARGET_ONLY = "inherited", "target_only"
+INHERITED_SEVERITY = 0.99  # an inherited difference is at most orange on the heat strip: red is for where it began
 
 
 def status_value(status: Any) -> str | None:
@@ -202,6 +205,8 @@ class TraceModel:
             self.results[i] = r
             self.status[i] = s
             self.severity[i], self.error[i] = verdict_figures(r, s)
+            if s == INHERITED and self.severity[i] is not None:
+                self.severity[i] = min(self.severity[i], INHERITED_SEVERITY)  # type: ignore[type-var]
             if s in PROBLEMS:
                 k = bisect.bisect_left(self.divergent, i)
                 if k == len(self.divergent) or self.divergent[k] != i:

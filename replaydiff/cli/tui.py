@@ -1,7 +1,9 @@
 """Browse a trace in a terminal UI: op list, module tree, op details, heat strip and op graph, coloured by a replay.
 
 Without --replay, a replay (fp64 on the CPU unless --device/--precision say otherwise) runs in the background and
-rows take their colour as results arrive. Textual is imported only when this command runs.
+rows take their colour as results arrive. With --diff REF the rows take their colour from the diff of REF against
+the trace (divergent, inherited, same, target-only), computed in the background, and nothing is replayed. Textual
+is imported only when this command runs.
 """
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="trace directory written by `replaydiff record`")
     p.add_argument("--replay", metavar="REPORT.json",
                    help="colour ops from this report (`replaydiff replay --json FILE`) instead of replaying")
+    p.add_argument("--diff", metavar="REF",
+                   help="colour ops by the diff of reference trace REF against this one (`replaydiff diff REF TRACE`) "
+                        "instead of replaying")
     p.add_argument("--rank", type=int, default=None, help="rank to open first (default: the lowest)")
     p.add_argument("--device", default="cpu", help="reference device for the background replay (default cpu)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp64",
@@ -25,7 +30,10 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.replay is None:  # a device that is not there is exit 4 here, as for `replay`, not a failure in the UI
+    if args.diff is not None and args.replay is not None:
+        raise UsageError("--diff and --replay both say what colours the rows: give one")
+    if args.replay is None and args.diff is None:
+        # a device that is not there is exit 4 here, as for `replay`, not a failure in the UI
         from replaydiff.replay.engine import check_device
 
         check_device(args.device)
@@ -35,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:  # textual missing in a slim install
         raise UsageError(f"the terminal UI needs textual ({exc}); pip install textual") from None
 
-    app = make_app(args.trace, rank=args.rank, report_path=args.replay,
+    app = make_app(args.trace, rank=args.rank, report_path=args.replay, diff_ref=args.diff,
                    replay=ReplaySettings(device=args.device, precision=args.precision))
     app.run()
     return EXIT_OK

@@ -14,7 +14,8 @@ from textual.strip import Strip
 from tui.model import PHASE_SHORT, TraceModel, shorten_left, short_op
 
 STATUS_LABEL = {None: "", "ok": "ok", "divergent": "DIVERG", "nondeterministic": "NONDET", "skipped": "skip",
-                "error": "error"}
+                "error": "error",
+                "inherited": "inher", "target_only": "T-only"}
 STATUS_STYLE = {
     None: Style(dim=True),
     "ok": Style(color="green"),
@@ -22,6 +23,8 @@ STATUS_STYLE = {
     "nondeterministic": Style(color="magenta", bold=True),
     "skipped": Style(dim=True),
     "error": Style(color="yellow"),
+    "inherited": Style(color="#d9822b", dim=True),  # diff mode: carried an earlier difference forward
+    "target_only": Style(color="cyan", italic=True),  # diff mode: no aligned op in the reference
 }
 PHASE_STYLE = {"forward": Style(color="blue"), "backward": Style(color="magenta"), "optimizer": Style(color="cyan")}
 DIM = Style(dim=True)

@@ -1,0 +1,56 @@
+"""Provides DiffResult and diff_results: a trace diff's pairs as per-op rows of the target trace, for diff mode.
+
+Headless (no textual). ``replaydiff tui TARGET --diff REF`` colours TARGET's rows by the diff of REF against it
+instead of by a replay: each aligned pair becomes one row result on its target op number, with the pair's status
+as the row's status (``divergent`` walks with f/n/N like a divergent replay; ``inherited`` only carried an earlier
+difference forward), and ops present in the target only get a row result of their own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tui.model import DIVERGENT, INHERITED, OK, SKIPPED, TARGET_ONLY
+
+# PairStatus value -> the row status the op list and the model know
+ROW_STATUS = {"same": OK, "divergent": DIVERGENT, "inherited": INHERITED, "not_compared": SKIPPED}
+
+
+@dataclass
+class DiffResult:
+    """One target op's row in diff mode: the OpResult fields the model and the detail pane read, plus the pair."""
+
+    rank: int  # the target rank
+    index: int  # the target op number
+    status: str
+    ref_rank: int
+    pair: Any = None  # PairResult; None for an op present in the target only
+    nonfinite_origin: bool = False
+
+    @property
+    def verdict(self) -> Any:
+        return None if self.pair is None else self.pair.verdict
+
+    @property
+    def metrics(self) -> dict | None:
+        return None if self.pair is None else self.pair.metrics
+
+    @property
+    def reason(self) -> str | None:
+        return None if self.pair is None else self.pair.reason
+
+
+def diff_results(report: Any) -> list[DiffResult]:
+    """Row results for every target rank the report diffed (the first rank pair per target rank wins: a
+    single-process target diffed against several reference ranks shows the lowest)."""
+    out: list[DiffResult] = []
+    seen: set[int] = set()
+    for rd in report.ranks:
+        if rd.target_rank in seen:
+            continue
+        seen.add(rd.target_rank)
+        for p in rd.pairs:
+            out.append(DiffResult(rd.target_rank, p.target, ROW_STATUS.get(str(p.status), SKIPPED), rd.ref_rank, p))
+        for i in sorted(rd.target_only_ops):
+            out.append(DiffResult(rd.target_rank, i, TARGET_ONLY, rd.ref_rank))
+    return out
