@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import replaydiff
 from replaydiff.cli.main import main

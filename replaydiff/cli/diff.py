@@ -8,7 +8,6 @@ runs agree, 1 when they part ways, 2 for a usage error, 3 for an unreadable trac
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from replaydiff.compare.tolerance import Tolerances
@@ -36,7 +35,7 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from replaydiff.cli.progress import progress_bar
+    from replaydiff.cli.progress import progress_bar, write_json
     from replaydiff.diff import DiffOptions, diff_traces
     from replaydiff.report.diff_json import diff_to_json
     from replaydiff.report.diff_text import render_diff
@@ -54,12 +53,7 @@ def run(args: argparse.Namespace) -> int:
     for w in report.warnings:
         sys.stderr.write(f"replaydiff: warning: {w}\n")
     if args.json:
-        text = json.dumps(diff_to_json(report), indent=1)
-        if args.json == "-":
-            sys.stdout.write(text + "\n")
-        else:
-            with open(args.json, "w") as fh:
-                fh.write(text + "\n")
+        write_json(args.json, diff_to_json(report))
     if args.json != "-":
         render_diff(report, sys.stdout)
     return EXIT_DIVERGENT if report.found_difference else EXIT_OK

@@ -19,3 +19,15 @@ def progress_bar(description: str) -> Iterator[tuple[Callable[[int], None], Call
                   console=Console(stderr=True), transient=True) as prog:
         task = prog.add_task(description, total=None)
         yield (lambda n: prog.update(task, total=n)), (lambda k: prog.advance(task, k))
+
+
+def write_json(dest: str, obj: object) -> None:
+    """``--json FILE|-``: the document to stdout ('-') or to FILE, indented, one trailing newline."""
+    import json
+
+    text = json.dumps(obj, indent=1) + "\n"
+    if dest == "-":
+        sys.stdout.write(text)
+    else:
+        with open(dest, "w") as fh:
+            fh.write(text)

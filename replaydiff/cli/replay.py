@@ -6,7 +6,6 @@ Exit code 0 when nothing diverged, 1 when something did (or was nondeterministic
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from replaydiff.compare.tolerance import Tolerances
@@ -69,7 +68,7 @@ def options_from_args(args: argparse.Namespace) -> ReplayOptions:
 
 
 def run(args: argparse.Namespace) -> int:
-    from replaydiff.cli.progress import progress_bar
+    from replaydiff.cli.progress import progress_bar, write_json
     from replaydiff.report import render_replay, report_to_json
 
     from replaydiff.replay.distributed import launched_by_torchrun, replay_sharded
@@ -89,12 +88,7 @@ def run(args: argparse.Namespace) -> int:
     for w in report.warnings:
         sys.stderr.write(f"replaydiff: warning: {w}\n")
     if args.json:
-        text = json.dumps(report_to_json(report), indent=1)
-        if args.json == "-":
-            sys.stdout.write(text + "\n")
-        else:
-            with open(args.json, "w") as fh:
-                fh.write(text + "\n")
+        write_json(args.json, report_to_json(report))
     if args.json != "-":
         render_replay(report, sys.stdout)
     return EXIT_DIVERGENT if report.found_problem else EXIT_OK
