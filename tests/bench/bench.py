@@ -889,7 +889,7 @@ Notes on method:
   through /bin/sh so that it does not inherit this process's high-water mark; VmHWM is the kernel's cross-check.
 - replay: replay_trace timed end to end (open, read, decode, replay, compare; for workers > 1 also spawning the pool
   and each worker's cold start). The 1-worker rows run in this process after its one-time imports. replayed = ops
-  with status != skipped. warm-pool: the same split of work (engine._selected / engine._worker) on a spawn pool
+  with status != skipped. warm-pool: the same split of work (the engine's plan and shards) on a spawn pool
   whose workers had imported replaydiff and entered the reference settings once before the clock started; 'pool
   start s' is that start-up. ops/s/worker = ops/s / workers. threads/worker is what the engine sets
   (torch.set_num_threads); above 1, every intra-op parallel region must wake a second thread, which is slow when the
