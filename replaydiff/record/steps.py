@@ -24,9 +24,11 @@ class MultiStepRecorder:
 
     Also what ``replaydiff record --steps/--flight`` arms in the child process. ``start()``/``stop()`` or ``with``."""
 
-    def __init__(self, path: str | os.PathLike, options: Any) -> None:
+    def __init__(self, path: str | os.PathLike, options: Any, steps: StepRange | None = None) -> None:
         self.options = options
-        self.range = StepRange.parse(options.steps) if options.steps else StepRange(1, None, 1)
+        if steps is None:
+            steps = StepRange.parse(options.steps) if options.steps else StepRange(1, None, 1)
+        self.range = steps
         self.recorder = Recorder(path, options)
         self.steps_done = 0
         self.optimizer_id: int | None = None
