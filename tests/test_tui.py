@@ -723,3 +723,74 @@ async def test_diff_mode_marks_ops_present_in_the_target_only(tmp_path):
         assert "TARGET ONLY  no aligned op in the reference" in app.main.detail.text
         assert "0 divergent" in str(app.main.query_one("#status").visual)
         assert "1 target-only" in str(app.main.query_one("#status").visual)
+
+
+# -- trend of a multi-step trace (t) ------------------------------------------------------------------------------
+PLANT_STEP = 8  # of 12 recorded steps: a weight is multiplied by 100 just before this step's forward
+
+
+@pytest.fixture(scope="module")
+def multistep(tmp_path_factory):
+    """(trace path, path of the changed module): a 12-step statistics trace of the tiny transformer whose first MLP
+    weight in block 1 is x100 from step 8."""
+    out = tmp_path_factory.mktemp("tui-trend") / "trace"
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: a second intra-op thread costs more than it saves on a shared machine
+    try:
+        torch.manual_seed(0)
+        model = TinyTransformer()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = make_step(model, model.example_batch(), opt)
+        with replaydiff.record(out, tensors="stats", steps="1-12"):
+            for k in range(1, 13):
+                if k == PLANT_STEP:
+                    with torch.no_grad():
+                        model.blocks[1].mlp[0].weight.mul_(100.0)
+                step()
+    finally:
+        torch.set_num_threads(before)
+    changed = next(n for n, m in model.named_modules(prefix=type(model).__name__) if m is model.blocks[1].mlp[0])
+    return out, changed
+
+
+@sync
+async def test_t_shows_the_trend_and_enter_on_the_first_change_selects_its_op(multistep):
+    from replaydiff.report.trend import compute_trend
+    from tui.screens.trend import TrendScreen
+
+    path, changed = multistep
+    r = replaydiff.open_trace(path).rank(0)
+    change = compute_trend(r).first_change
+    assert change is not None and (change.step, change.module) == (PLANT_STEP, changed)
+    app = ReplaydiffApp(replaydiff.open_trace(path))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await press(app, pilot, "t")
+        screen = app.screen
+        assert isinstance(screen, TrendScreen)
+        top = screen.text.splitlines()[0]
+        assert f"step {change.step}, module {change.module}, op #{change.index}" in top
+        # one row per module series, the changed module's marked
+        assert f"*{change.module}" in screen.text
+        await press(app, pilot, "enter")
+        assert not isinstance(app.screen, TrendScreen)
+        assert app.selected_op == change.index
+        assert (r[change.index].step, r[change.index].module) == (change.step, change.module)
+        # j jumps as well, from anywhere in the screen
+        app.select(0)
+        await press(app, pilot, "t", "down", "down", "j")
+        assert app.selected_op == change.index
+
+
+@sync
+async def test_t_on_a_single_step_trace_says_there_is_no_trend(traced):
+    from tui.screens.trend import TrendScreen
+
+    app = new_app(traced)
+    said: list[str] = []
+    app.notify = lambda message, **kw: said.append(str(message))  # type: ignore[method-assign]
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await press(app, pilot, "t")
+        assert not isinstance(app.screen, TrendScreen)
+        assert len(said) == 1 and said[0].startswith("no trend: this trace has one step")

@@ -17,6 +17,7 @@ from tui.screens.help import HelpScreen
 from tui.screens.main import MainScreen
 from tui.screens.picker import OpPicker
 from tui.screens.replay_form import ReplaySettings, ReplayForm
+from tui.screens.trend import TrendScreen
 from tui.widgets.heat_strip import HeatStrip
 from tui.widgets.module_tree import ModuleTree
 from tui.widgets.op_list import OpList
@@ -114,6 +115,7 @@ class ReplaydiffApp(App):
         self._filter_timer = None
         self._filter_due: str | None = None  # filter text typed but not applied yet
         self._status_text = ""
+        self._trends: dict[int, Any] = {}  # rank -> Trend, computed the first time `t` is pressed
         # a given report is applied right after the first paint: the rows show at once, their colours a moment later
         self._initial_report = report
 
@@ -573,6 +575,22 @@ class ReplaydiffApp(App):
         with self.trace_lock:
             screen = AncestryScreen(self.model, op)
         self.push_screen(screen, self._picked)
+
+    def action_trend(self) -> None:
+        """The per-module series of a multi-step trace (recorded with --steps or --flight) and its first change."""
+        from replaydiff.report.trend import NoSteps, compute_trend
+
+        trend = self._trends.get(self.rank)
+        if trend is None:
+            try:
+                with self.trace_lock:
+                    trend = compute_trend(self.model.trace)
+            except NoSteps:
+                self.notify("no trend: this trace has one step (record with --steps or --flight for many)",
+                            timeout=4)
+                return
+            self._trends[self.rank] = trend
+        self.push_screen(TrendScreen(trend), self._picked)
 
     def _picked(self, op: int | None) -> None:
         if op is not None:

@@ -15,6 +15,7 @@ KEYS: tuple[tuple[str, str], ...] = (
     ("Enter on a tree node", "narrow the list to that module and phase (the root shows all)"),
     ("Tab", "move focus: op list, module tree, detail pane"),
     ("click on the heat strip", "jump to the worst op of that stretch"),
+    ("t", "trend of a multi-step trace, its first change"),
     ("r", "next rank"),
     ("R", "replay again with other settings"),
     ("?", "this help"),

@@ -187,6 +187,31 @@ def sparkline(values: list[float | None]) -> str:
     return "".join(" " if x is None else _BARS[min(7, int((x - lo) / span * 7.999))] for x in logs)
 
 
+@dataclass(frozen=True)
+class SeriesSummary:
+    """What a table row shows of one series (the text report and the TUI's trend screen)."""
+
+    first_l2: float | None
+    last_l2: float | None
+    absmax_max: float | None
+    nonfinite: int  # NaN and Inf values over all steps
+
+
+def summarise(s: Series) -> SeriesSummary:
+    l2 = s.values["l2"]
+    return SeriesSummary(first_l2=next((v for v in l2 if v is not None), None),
+                         last_l2=next((v for v in reversed(l2) if v is not None), None),
+                         absmax_max=max((v for v in s.values["absmax"] if v is not None), default=None),
+                         nonfinite=sum(int(v or 0) for k in ("nan", "inf") for v in s.values[k]))
+
+
+def describe_change(c: Change) -> str:
+    """One line: where the change is (step, module, op) and what changed."""
+    what = (f"{c.statistic} {c.value:.4g} after a median of {c.baseline:.4g} (z = {c.score:g})"
+            if c.statistic in ("l2", "absmax") else f"{int(c.value)} {c.statistic.upper()} value(s) appeared")
+    return f"step {c.step}, module {c.module or '-'}, op #{c.index} {c.op} ({c.phase}): {what}"
+
+
 def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.3g}"
 
@@ -198,24 +223,17 @@ def render_trend(t: Trend, out: TextIO, width: int = 60) -> None:
     if c is None:
         out.write(f"no sudden change (robust z-score >= {t.threshold:g} against the {t.window} steps before)\n")
     else:
-        what = (f"{c.statistic} {c.value:.4g} after a median of {c.baseline:.4g} (z = {c.score:g})"
-                if c.statistic in ("l2", "absmax") else f"{int(c.value)} {c.statistic.upper()} value(s) appeared")
-        out.write(f"first change: step {c.step}, module {c.module or '-'}, op #{c.index} {c.op} ({c.phase}): "
-                  f"{what}\n")
+        out.write(f"first change: {describe_change(c)}\n")
     out.write("\n")
     steps = t.steps
     if len(steps) > width:  # the last `width` steps in the sparklines
         out.write(f"sparklines: log10 l2 of the last {width} steps\n")
     rows = []
     for s in t.series:
-        l2 = s.values["l2"]
-        nonfinite = sum(int(v or 0) for v in s.values["nan"]) + sum(int(v or 0) for v in s.values["inf"])
-        first = next((v for v in l2 if v is not None), None)
-        last = next((v for v in reversed(l2) if v is not None), None)
-        amax = max((v for v in s.values["absmax"] if v is not None), default=None)
+        m = summarise(s)
         mark = "*" if c is not None and c.module == s.module else " "
-        rows.append((mark + s.module, s.kind, _fmt(first), _fmt(last), _fmt(amax), str(nonfinite),
-                     sparkline(l2[-width:])))
+        rows.append((mark + s.module, s.kind, _fmt(m.first_l2), _fmt(m.last_l2), _fmt(m.absmax_max),
+                     str(m.nonfinite), sparkline(s.values["l2"][-width:])))
     headers = (" module", "kind", "l2 first", "l2 last", "absmax max", "nan+inf", "l2 by step (log)")
     widths = [max(len(h), *(len(r[k]) for r in rows)) if rows else len(h) for k, h in enumerate(headers)]
     out.write("  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip() + "\n")

@@ -38,6 +38,7 @@ class MainScreen(Screen):
         Binding("slash", "app.filter", "filter", show=False),
         Binding("r", "app.next_rank", "rank", show=False),
         Binding("R", "app.replay_form", "replay", show=False),
+        Binding("t", "app.trend", "trend", show=False),
         Binding("escape", "app.clear_view", "clear", show=False),
     ]
 
