@@ -228,6 +228,14 @@ def render_trend(t: Trend, out: TextIO, width: int = 60) -> None:
     steps = t.steps
     if len(steps) > width:  # the last `width` steps in the sparklines
         out.write(f"sparklines: log10 l2 of the last {width} steps\n")
+    for line in table_lines(t, width):
+        out.write(line + "\n")
+
+
+def table_lines(t: Trend, width: int) -> list[str]:
+    """The per-series table, header first, columns aligned; the first change's module marked with '*' (the text
+    report and the terminal UI's trend screen both show it)."""
+    c = t.first_change
     rows = []
     for s in t.series:
         m = summarise(s)
@@ -236,9 +244,7 @@ def render_trend(t: Trend, out: TextIO, width: int = 60) -> None:
                      str(m.nonfinite), sparkline(s.values["l2"][-width:])))
     headers = (" module", "kind", "l2 first", "l2 last", "absmax max", "nan+inf", "l2 by step (log)")
     widths = [max(len(h), *(len(r[k]) for r in rows)) if rows else len(h) for k, h in enumerate(headers)]
-    out.write("  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip() + "\n")
-    for r in rows:
-        out.write("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() + "\n")
+    return ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in (headers, *rows)]
 
 
 # -- SVG --------------------------------------------------------------------------------------------------------------

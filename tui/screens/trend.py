@@ -13,14 +13,10 @@ from textual.screen import ModalScreen
 from textual.widgets import OptionList, Static
 from textual.widgets.option_list import Option
 
-from replaydiff.report.trend import Trend, describe_change, sparkline, summarise
+from replaydiff.report.trend import Trend, describe_change, table_lines
 
 CHANGE_ID = "first-change"
 SPARK_WIDTH = 40  # the last this many steps in a row's sparkline
-
-
-def _fmt(v: float | None) -> str:
-    return "-" if v is None else f"{v:.3g}"
 
 
 class TrendScreen(ModalScreen[int | None]):
@@ -44,19 +40,7 @@ class TrendScreen(ModalScreen[int | None]):
             top = (f"no sudden change (robust z-score >= {t.threshold:g} against the {t.window} steps before)", None)
         else:
             top = (f"▶ first change: {describe_change(c)}  (Enter or j: go to #{c.index})", CHANGE_ID)
-        rows = []
-        for s in t.series:
-            m = summarise(s)
-            mark = "*" if c is not None and c.module == s.module else " "
-            rows.append((mark + s.module, s.kind, _fmt(m.first_l2), _fmt(m.last_l2), _fmt(m.absmax_max),
-                         str(m.nonfinite), sparkline(s.values["l2"][-SPARK_WIDTH:])))
-        headers = (" module", "kind", "l2 first", "l2 last", "absmax max", "nan+inf", "l2 by step (log)")
-        widths = [max(len(h), *(len(r[k]) for r in rows)) if rows else len(h) for k, h in enumerate(headers)]
-
-        def line(cells) -> str:
-            return "  ".join(v.ljust(w) for v, w in zip(cells, widths)).rstrip()
-
-        return [top, (line(headers), None), *((line(r), None) for r in rows)]
+        return [top, *((line, None) for line in table_lines(t, SPARK_WIDTH))]
 
     def compose(self) -> ComposeResult:
         t = self.trend
