@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from replaydiff.compare.tolerance import Tolerances
+from replaydiff.cli.tolerance_args import add_tolerance_args, tolerances_from_args
 from replaydiff.errors import EXIT_DIVERGENT, EXIT_OK, UsageError
 
 NAME = "diff"
@@ -27,10 +27,7 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                         "--safety, instead of the fixed per-dtype limits")
     p.add_argument("--safety", type=float, default=8.0, metavar="F",
                    help="baseline mode: safety factor on the reference runs' own difference (default 8)")
-    p.add_argument("--tolerance", action="append", metavar="DTYPE=MAX[,REL]",
-                   help="override a dtype's limits on max_abs/(eps*absmax) and rel_l2/eps, e.g. float32=32,16")
-    p.add_argument("--no-scale-reductions", action="store_true",
-                   help="do not widen limits by sqrt(K/256) for reductions over K > 256 terms")
+    add_tolerance_args(p)
     p.add_argument("--json", metavar="FILE|-", help="write the replaydiff.diff/1 JSON report ('-' for stdout)")
 
 
@@ -42,10 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.safety <= 0:
         raise UsageError("--safety must be positive")
-    try:
-        tol = Tolerances.parse_overrides(args.tolerance, scale_reductions=not args.no_scale_reductions)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    tol = tolerances_from_args(args)
     opts = DiffOptions(rank=args.rank, tolerances=tol, safety=args.safety)
     with progress_bar("diffing") as (set_total, advance):
         report = diff_traces(args.ref, args.target, opts, baseline=args.baseline, progress_total=set_total,

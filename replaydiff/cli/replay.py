@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from replaydiff.compare.tolerance import Tolerances
+from replaydiff.cli.tolerance_args import add_tolerance_args, tolerances_from_args
 from replaydiff.errors import EXIT_DIVERGENT, EXIT_OK, UsageError
 from replaydiff.replay import ReplayOptions, replay_trace
 from replaydiff.replay.policy import PRECISIONS
@@ -43,10 +43,7 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference-module", dest="reference_modules", action="append", default=[], metavar="MODULE",
                    help="import MODULE first: it registers references for custom ops with "
                         "replaydiff.register_reference(op_name, fn) (repeatable)")
-    p.add_argument("--tolerance", action="append", metavar="DTYPE=MAX[,REL]",
-                   help="override a dtype's limits on max_abs/(eps*absmax) and rel_l2/eps, e.g. float32=32,16")
-    p.add_argument("--no-scale-reductions", action="store_true",
-                   help="do not widen limits by sqrt(K/256) for reductions over K > 256 terms")
+    add_tolerance_args(p)
     p.add_argument("--json", metavar="FILE|-", help="write the replaydiff.replay/1 JSON report ('-' for stdout)")
 
 
@@ -57,10 +54,7 @@ def options_from_args(args: argparse.Namespace) -> ReplayOptions:
         raise UsageError("--workers must be at least 1")
     if args.threads is not None and args.threads < 1:
         raise UsageError("--threads must be at least 1")
-    try:
-        tol = Tolerances.parse_overrides(args.tolerance, scale_reductions=not args.no_scale_reductions)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    tol = tolerances_from_args(args)
     return ReplayOptions(device=args.device, precision=args.precision, repeat=args.repeat, ops=args.ops,
                          first=args.first, last=args.last, ranks=args.ranks, tolerances=tol, threads=args.threads,
                          imports=args.imports, reference=args.reference,
