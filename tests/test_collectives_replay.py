@@ -30,6 +30,7 @@ SCRIPT = textwrap.dedent('''
         dist.all_reduce(t)
         out = [torch.zeros(2) for _ in range(2)]
         dist.all_gather(out, torch.ones(2) * dist.get_rank())
+    dist.barrier()  # gloo aborts a rank that destroys its group while the other still talks to it
     dist.destroy_process_group()
 ''')
 

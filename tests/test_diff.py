@@ -204,6 +204,7 @@ DDP_STEP = textwrap.dedent('''
         loss.backward()
         opt.step()
     if mode == "ddp":
+        dist.barrier()  # gloo aborts a rank that destroys its group while the other still talks to it
         dist.destroy_process_group()
 ''')
 

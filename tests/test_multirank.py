@@ -131,6 +131,7 @@ for name, faults in (("ddp_replica", [("aten.addcdiv_.default", 1)]),
     with recorded(name, *[PlantedFault(op, rel=1e-3, rank=r) for op, r in faults]):
         ddp(x).pow(2).mean().backward()
         opt.step()
+dist.barrier()  # gloo aborts a rank that destroys its group while the other still talks to it
 dist.destroy_process_group()
 '''
 
