@@ -81,7 +81,7 @@ _UNINITIALISED_OPINFOS = ("empty", "empty_like", "new_empty", "new_empty_strided
 
 def load_op_db() -> list:
     """``op_db``. Importing it calls ``torch.backends.disable_global_flags()``, as a user's test suite built on
-    torch's testing utilities does; replay works with the flags frozen (docs/opdb-triage.md class 9, fixed), so they stay so."""
+    torch's testing utilities does; replay works with the flags frozen (docs/design/opdb-triage.md class 9, fixed), so they stay so."""
     from torch.testing._internal.common_methods_invocations import op_db
 
     return op_db
@@ -345,7 +345,7 @@ class NoOpMode(TorchDispatchMode):
 def _why_changed(opinfo: Any, unit: Unit, p: Pass, before: list) -> str:
     """Is a result that changed under recording explained without replaydiff? Either the sample is not
     deterministic at all (a second plain run differs: linalg.lstsq's gelsy driver), or any dispatch mode changes it
-    (torch's composite ops pick other algorithms whenever a dispatch mode is active: docs/opdb-triage.md)."""
+    (torch's composite ops pick other algorithms whenever a dispatch mode is active: docs/design/opdb-triage.md)."""
     def rerun(mode: TorchDispatchMode | None, scribble: int = 0) -> list:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -4,7 +4,7 @@ and the CompiledRegionTracker (replaydiff/record/compiled.py) that reports it.
 Backends: "aot_eager" and small custom backends (the behaviour under test is dynamo's, before any backend runs,
 and they compile in about a second on two CPU cores). One test uses inductor to show a compiled kernel missing
 from the trace; it is marked slow (its first compile takes ~15 s on two cores) but is not skipped.
-See docs/compile-notes.md for the torch source behind each expectation.
+See docs/design/compile.md for the torch source behind each expectation.
 """
 from __future__ import annotations
 

@@ -224,7 +224,7 @@ def test_replay_works_after_torch_freezes_its_backend_flags(tmp_path: Path) -> N
 
 
 def test_threads_tests_whether_an_op_depends_on_the_parallel_split(tmp_path: Path) -> None:
-    # CPU LayerNorm backward reduces in another order with 1 thread than with 2 (../shared/BRIEF.md): bitwise
+    # CPU LayerNorm backward reduces in another order with 1 thread than with 2: bitwise
     # replay holds at the recorded thread count (the default at `same`) and breaks at another (--threads 1).
     import os
     import subprocess

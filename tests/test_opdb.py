@@ -2,11 +2,11 @@
 
 Every pass (float32, float32 with backward, bfloat16) is replayed by a fresh process, as a user would, and must give
 0 divergent, 0 error, 0 nondeterministic ops at fp64 and at same, skip only uninitialised outputs, lose no
-recording, and leave results bitwise unchanged by recording. The OpInfos of each bug class the sweep found (docs/opdb-triage.md)
+recording, and leave results bitwise unchanged by recording. The OpInfos of each bug class the sweep found (docs/design/opdb-triage.md)
 run again, one test per class, and must be clean too now that the classes are fixed; what is still not clean
 (sparse layouts, which are not recorded; MKL's non-deterministic gelsy) is listed in NOT_CLEAN with its cause.
 The full sweep (every OpInfo, about a minute) is ``python tests/opdb_sweep.py``; its figures are in
-tests/bench/OPDB.md and the causes in docs/opdb-triage.md.
+tests/bench/OPDB.md and the causes in docs/design/opdb-triage.md.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ CI_OPINFOS = [
     "fft.rfft", "cat",
 ]
 
-# OpInfo -> (passes it failed in, cause fixed). The sections of docs/opdb-triage.md give the reproduction and the root cause.
+# OpInfo -> (passes it failed in, cause fixed). The sections of docs/design/opdb-triage.md give the reproduction and the root cause.
 FIXED: dict[str, tuple[tuple[str, ...], str]] = {
     "native_batch_norm": (("f32", "grad", "bf16"), "unseen write: running_mean/var written, schema marks nothing"),
     "nn.functional.batch_norm": (("f32", "grad", "bf16"), "unseen write through aten.native_batch_norm"),
@@ -69,7 +69,7 @@ NOT_CLEAN: dict[str, tuple[tuple[str, ...], str]] = {
     "sparse.sampled_addmm": (("f32", "grad"), "sparse input: skipped, 'sparse_coo tensors are not supported'"),
     "sparse.mm.reduce": (("f32", "grad", "bf16"), "sparse input: skipped, 'sparse_csr tensors are not supported'"),
     "to_sparse": (("f32", "grad", "bf16"), "sparse output: skipped, 'output not recorded'"),
-    # Not replaydiff's: MKL's gelsy gives other bits from call to call (docs/opdb-triage.md, class 12).
+    # Not replaydiff's: MKL's gelsy gives other bits from call to call (docs/design/opdb-triage.md, class 12).
     "linalg.lstsq": (("f32", "grad"), "driver='gelsy' samples are not deterministic without replaydiff"),
     "linalg.lstsq.grad_oriented": (("f32", "grad"), "driver='gelsy' samples are not deterministic"),
 }

@@ -40,9 +40,11 @@ def tiny_trace(tmp_path_factory) -> Path:
     return path
 
 
-def test_readme_example_runs_as_written(tiny_trace: Path, tmp_path: Path) -> None:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Reading a trace from Python"):]
+@pytest.mark.parametrize("doc,heading", [("README.md", "## Reading a trace from Python"),
+                                         ("docs/trace-format.md", "# Reading a trace from Python")])
+def test_readme_example_runs_as_written(tiny_trace: Path, tmp_path: Path, doc: str, heading: str) -> None:
+    text = (ROOT / doc).read_text()
+    section = text[text.index(heading):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     (tmp_path / "trace").symlink_to(tiny_trace)
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)

@@ -21,3 +21,15 @@ KEYS: tuple[tuple[str, str], ...] = (
     ("?", "this help"),
     ("q", "quit"),
 )
+
+
+def markdown_table() -> str:
+    """The key table of docs/tui.md, generated here so the help screen and the docs cannot drift apart."""
+    def key(k: str) -> str:  # single keys in backticks, descriptive ones ("Enter on a tree node") as they are
+        return " / ".join(f"`{p}`" for p in k.split(" / ")) if all(len(p) == 1 for p in k.split(" / ")) else k
+    rows = ["| key | what it does |", "|---|---|"] + [f"| {key(k)} | {what} |" for k, what in KEYS]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

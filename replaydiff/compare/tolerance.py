@@ -1,6 +1,6 @@
 """When is a difference a divergence? Per recorded dtype limits on the normalised metrics.
 
-Calibrated on healthy ops (../shared/BRIEF.md): fp32 replayed in fp64 reaches max_abs/(eps*absmax) of 6 at most
+Calibrated on healthy ops (docs/replay.md, "When is an op divergent?"): fp32 replayed in fp64 reaches max_abs/(eps*absmax) of 6 at most
 (p99 5.7) and rel_l2/eps of 3.1, so fp32 flags above 16 or 8; bf16 reaches 0.49 and 0.24, so it flags above 1.0 or
 0.5 (fp16 follows bf16: its error too is one rounding of an fp32-accumulated value). Reductions over K elements grow
 like sqrt(K) and the calibration went up to K=256, so limits scale by sqrt(K/256) beyond that. NaN/Inf in one and not

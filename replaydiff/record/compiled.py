@@ -1,7 +1,7 @@
 """Which ``torch.compile`` regions ran while recording, and how: eager (in the trace) or compiled (not in it).
 
 What torch 2.13 does with compiled code while a ``TorchDispatchMode`` such as the recorder's is on the mode stack
-(docs/compile-notes.md has the details and the torch file:line references):
+(docs/design/compile.md has the details and the torch file:line references):
 
 * A region whose dynamo cache misses (the first call, or any call whose tensor guards fail, which is every call
   with a tensor argument because tensor guards include the thread-local dispatch keys the mode adds) is handed to

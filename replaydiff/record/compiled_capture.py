@@ -8,7 +8,7 @@ graph's runtime callable is wrapped so that every call stores
 
 and ``replay_unit`` re-runs the aten graph eagerly (float64 by default) on the stored inputs and compares.
 
-Why this is a prototype and not part of ``replaydiff.record`` (docs/compile-notes.md, "Capture as a unit"):
+Why this is a prototype and not part of ``replaydiff.record`` (docs/design/compile.md, "Capture as a unit"):
 
 * Under the recorder's dispatch mode dynamo never runs compiled code for a region with tensor inputs, so nothing
   is captured unless the recorder's mode answers ``ignore_compile_internals() -> True``

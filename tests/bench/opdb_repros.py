@@ -1,9 +1,9 @@
-"""Minimal reproductions of the failure classes found by tests/opdb_sweep.py (see docs/opdb-triage.md).
+"""Minimal reproductions of the failure classes found by tests/opdb_sweep.py (see docs/design/opdb-triage.md).
 
     python tests/bench/opdb_repros.py [NAME ...]
 
 Each repro records a few ops with replaydiff.record, replays the trace at fp64 and at same, and prints every op
-that is not ok (and any warning or lost line). Nothing here is asserted: the output is what docs/opdb-triage.md quotes.
+that is not ok (and any warning or lost line). Nothing here is asserted: the output is what docs/design/opdb-triage.md quotes.
 """
 from __future__ import annotations
 
