@@ -256,12 +256,16 @@ def current_rank() -> tuple[int, int]:
 # -- what the health report knows about causes ---------------------------------------------------------------------
 # Ops whose float32 CUDA kernels run on TF32 tensor cores when torch.backends.cuda.matmul.allow_tf32 (or
 # set_float32_matmul_precision("high"/"medium")) is set, and convolutions under torch.backends.cudnn.allow_tf32.
-TF32_MATMUL_PACKETS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm", "mv", "addmv",
-                                 "_addmm_activation", "_scaled_dot_product_efficient_attention",
+# Matrix products: each output element sums over the last dimension of the first matrix argument.
+MATMUL_PACKETS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm", "mv", "addmv",
+                            "_addmm_activation"})
+# Convolutions: each output element sums over the weight's in-channels times its kernel.
+CONVOLUTION_PACKETS = frozenset({"convolution", "_convolution", "conv1d", "conv2d", "conv3d"})
+TF32_MATMUL_PACKETS = MATMUL_PACKETS | frozenset({"_scaled_dot_product_efficient_attention",
                                  "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
                                  "_efficient_attention_backward", "_scaled_dot_product_efficient_attention_backward"})
-TF32_CONV_PACKETS = frozenset({"convolution", "_convolution", "convolution_backward", "cudnn_convolution",
-                               "conv2d", "conv1d", "conv3d", "cudnn_convolution_transpose"})
+TF32_CONV_PACKETS = CONVOLUTION_PACKETS | frozenset({"convolution_backward", "cudnn_convolution",
+                                                     "cudnn_convolution_transpose"})
 # Ops PyTorch documents as non-deterministic on CUDA (torch.use_deterministic_algorithms: those that throw without a
 # deterministic kernel, and those that switch to one), plus LayerNorm backward's atomicAdd reductions.
 CUDA_NONDETERMINISTIC_PACKETS = frozenset({

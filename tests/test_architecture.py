@@ -113,3 +113,32 @@ def test_lower_layers_never_import_higher_ones() -> None:
             if _package(t) != _package(m) and _package(t) not in allowed:
                 bad.append(f"{m} imports {t}")
     assert bad == []
+
+
+def _op_name_sets(p: Path) -> list[tuple[int, frozenset[str]]]:
+    """Literal sets, frozensets, tuples and lists of three or more op-like names (``mm``, ``_convolution``) in a file."""
+    found = []
+    for node in ast.walk(ast.parse(p.read_text())):
+        if isinstance(node, (ast.Set, ast.Tuple, ast.List)) and len(node.elts) >= 3 and all(
+                isinstance(e, ast.Constant) and isinstance(e.value, str) and re.fullmatch(r"_*[a-z][a-z0-9_]*", e.value)
+                for e in node.elts):
+            found.append((node.lineno, frozenset(e.value for e in node.elts)))
+    return found
+
+
+def test_op_knowledge_lives_in_aten_only() -> None:
+    """The same set of op names written in two modules is a copy that will drift (it did: the matmul list)."""
+    ops = {aten_name for aten_name in dir(__import__("torch").ops.aten)}
+    seen: dict[frozenset[str], str] = {}
+    copies = []
+    for p in _python_files(PKG, ROOT / "tui"):
+        rel = p.relative_to(ROOT).as_posix()
+        for line, names in _op_name_sets(p):
+            if len(names & ops) < 3:  # only sets of real aten op names
+                continue
+            if names in seen and not seen[names].startswith(rel + ":"):
+                copies.append(f"{rel}:{line} repeats {seen[names]}")
+            seen.setdefault(names, f"{rel}:{line}")
+            if rel != "replaydiff/aten.py" and len(names & ops) >= 5:
+                copies.append(f"{rel}:{line}: a set of {len(names)} op names outside replaydiff/aten.py")
+    assert copies == []

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from replaydiff import aten
+
 DEFAULT_LIMITS: dict[str, tuple[float, float]] = {
     "float64": (16.0, 8.0),
     "float32": (16.0, 8.0),
@@ -24,17 +26,16 @@ DEFAULT_LIMITS: dict[str, tuple[float, float]] = {
 }
 _FALLBACK = (1.0, 0.5)  # float8 and other narrow types: one rounding
 CALIBRATED_K = 256
-_MATMUL_LIKE = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_addmm_activation", "addbmm", "mv", "addmv"}
 
 
 def reduction_length(op_packet: str, input_shapes: list[list[int]], out_numel: int) -> int:
     """How many terms the longest sum behind one output element may have (used to scale the limits)."""
     k = 1
-    if op_packet in _MATMUL_LIKE:
+    if op_packet in aten.MATMUL_PACKETS:
         mats = [s for s in input_shapes if len(s) >= 2]
         if mats:
             k = max(k, mats[0][-1])
-    elif op_packet in ("convolution", "_convolution", "conv2d", "conv1d", "conv3d") and len(input_shapes) >= 2:
+    elif op_packet in aten.CONVOLUTION_PACKETS and len(input_shapes) >= 2:
         w = input_shapes[1]
         k = max(k, math.prod(w[1:]) if len(w) > 1 else 1)
     largest = max((math.prod(s) for s in input_shapes), default=1)

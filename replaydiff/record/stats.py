@@ -20,8 +20,6 @@ import torch
 
 from replaydiff.trace.codec import address_view
 
-STAT_FIELDS = ("numel", "mean", "absmax", "l2", "var", "nan", "inf")
-
 # torch dtype -> the numpy dtype with the same bytes (bfloat16 has none: read as uint16 and widened by hand)
 _NUMPY = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16,
           torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
