@@ -1,0 +1,89 @@
+"""The quick tier: pure functions with inline expected values (the arithmetic in a comment, as in torch's own
+test_flop_counter), and properties that the docstrings promise. No trace, no recording; the whole file runs in about
+a second (`python -m pytest -m "not slow"` runs this tier with every other test that is not marked slow)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replaydiff.compare.metrics import ExactMismatch, FloatError, NonfiniteMismatch, ShapeMismatch, measure
+from replaydiff.compare.tolerance import Tolerances, reduction_length
+from replaydiff.diff.compare import stats_measure, tensor_stats
+
+EPS32 = 2.0 ** -23  # torch.finfo(torch.float32).eps
+EPS16B = 2.0 ** -7  # bfloat16
+
+
+def test_measure_float_error_arithmetic() -> None:
+    rec = torch.tensor([1.0, 2.0, 4.0])
+    ref = torch.tensor([1.0, 2.0, 4.0 + 8 * 4.0 * EPS32], dtype=torch.float64)  # 8 ulps of absmax 4 at the last element
+    m = measure(rec, ref)
+    assert isinstance(m, FloatError)
+    # max_abs = 32 eps; norm_max = max_abs / (eps * absmax 4) = 8
+    assert m.max_abs == pytest.approx(32 * EPS32)
+    assert m.norm_max == pytest.approx(8.0)
+    # rel_l2 = 32 eps / |ref|_2, |ref|_2 = sqrt(1 + 4 + 16) (to first order); norm_rel = rel_l2 / eps
+    assert m.norm_rel == pytest.approx(32 / math.sqrt(21), rel=1e-6)
+
+
+def test_measure_bfloat16_uses_its_own_epsilon() -> None:
+    rec = torch.tensor([2.0], dtype=torch.bfloat16)
+    ref = torch.tensor([2.0 + 2 * EPS16B], dtype=torch.float64)  # one bf16 ulp at 2 is 2 * eps
+    m = measure(rec, ref)
+    assert m.norm_max == pytest.approx(1 / (1 + EPS16B))  # max_abs 2 eps / (eps * absmax of the reference, 2 + 2 eps)
+
+
+def test_measure_kinds() -> None:
+    assert measure(torch.ones(2), torch.ones(3)) == ShapeMismatch([2], [3])
+    assert measure(torch.tensor([1, 2, 3]), torch.tensor([1, 5, 3])) == ExactMismatch(1)
+    m = measure(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0], dtype=torch.float64))
+    assert isinstance(m, NonfiniteMismatch) and m.positions == 1 and m.finite.max_abs == 0.0
+    # bf16 overflows to Inf where fp64 does not: correct rounding, not a mismatch
+    big = torch.tensor([3.5e38], dtype=torch.float64)
+    assert isinstance(measure(big.to(torch.bfloat16), big), FloatError)
+
+
+def test_limit_for_scales_by_sqrt_of_reduction_length_beyond_256() -> None:
+    tol = Tolerances()
+    assert tol.limit_for(torch.float32, 1) == (16.0, 8.0)
+    assert tol.limit_for(torch.float32, 256) == (16.0, 8.0)
+    assert tol.limit_for(torch.float32, 1024) == (32.0, 16.0)  # sqrt(1024 / 256) = 2
+    assert tol.limit_for("bfloat16", 4096) == (4.0, 2.0)  # sqrt(16) = 4
+    assert tol.limit_for("float8_e4m3fn", 1) == (1.0, 0.5)  # narrow types: one rounding
+    assert Tolerances(scale_reductions=False).limit_for(torch.float32, 1024) == (16.0, 8.0)
+    assert Tolerances.parse_overrides(["float32=32"]).limit_for(torch.float32, 1) == (32.0, 16.0)
+
+
+def test_reduction_length_per_op_kind() -> None:
+    assert reduction_length("mm", [[8, 300], [300, 4]], 32) == 300  # the contracted dimension
+    assert reduction_length("addmm", [[4], [8, 300], [300, 4]], 32) == 300  # the first matrix argument's last dim
+    # conv weight [out 16, in 3, 5, 5]: each output sums 3 * 5 * 5 = 75 products
+    assert reduction_length("convolution", [[2, 3, 10, 10], [16, 3, 5, 5]], 2 * 16 * 6 * 6) == 75
+    assert reduction_length("sum", [[10, 1000]], 10) == 1000  # 10,000 inputs into 10 outputs
+    assert reduction_length("add", [[10, 10], [10, 10]], 100) == 1
+
+
+floats = st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False, width=32)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(floats, floats), min_size=1, max_size=64))
+def test_statistics_lower_bound_never_exceeds_the_full_measure(pairs: list[tuple[float, float]]) -> None:
+    """diff/compare.py's promise: the error read from two tensors' statistics is a lower bound on the real error,
+    so a difference that statistics show is real."""
+    a = torch.tensor([p[0] for p in pairs], dtype=torch.float32)
+    b = torch.tensor([p[1] for p in pairs], dtype=torch.float32)
+    full = measure(a, b.to(torch.float64))
+    low = stats_measure(tensor_stats(a), tensor_stats(b), "float32")
+    assert isinstance(full, FloatError) and isinstance(low, FloatError)
+    slack = 1e-9 * (float(a.abs().max()) + float(b.abs().max()) + 1.0)  # float64 rounding of the statistics
+    assert low.max_abs <= full.max_abs + slack
+    nb = float(torch.linalg.vector_norm(b.double()))
+    if nb > 0:
+        assert low.rel_l2 <= full.rel_l2 + math.sqrt(len(pairs)) * slack / nb
+    else:  # the reference is all zeros: any difference is infinitely large relative to it
+        assert low.rel_l2 == 0 or full.rel_l2 == math.inf
