@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 import replaydiff
 from replaydiff.replay import ReplayOptions, Status, replay_trace
 
@@ -64,7 +66,10 @@ def test_zero_tensors_are_stored_as_markers(tmp_path: Path) -> None:
         z = torch._efficientzerotensor((3,))
         (z + x).sum()
     r = replaydiff.open_trace(tmp_path / "t").rank(0)
-    assert r.lost == [] and r[0].outputs_refs()[0].zero
+    ref = r[0].outputs_refs()[0]
+    assert r.lost == [] and ref.zero
+    assert ref.chunk is None  # a marker: no bytes in any data file
+    assert r.tensor(ref).eq(0).all() and tuple(r.tensor(ref).shape) == (3,)  # rebuilt from the marker: zeros
     _replay_clean(tmp_path / "t")
 
 
@@ -185,12 +190,34 @@ def test_a_fault_in_a_partly_unwritten_output_is_still_found(tmp_path: Path) -> 
     assert report.first_divergent is not None and report.first_divergent.op == "aten._ctc_loss.default"
 
 
+class _ScaleBagSums(TorchDispatchMode):
+    """Below the recorder: a wrong embedding_bag kernel whose bag sums (output 0) are off by 1e-3."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._embedding_bag_forward_only.default:
+            out = (out[0] * (1 + 1e-3), *out[1:])
+        return out
+
+
 def test_embedding_bag_bookkeeping_outputs_are_compared_only_at_recorded_dtypes(tmp_path: Path) -> None:
     w, idx, offsets, psw = torch.randn(10, 3), torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4]), \
         torch.randn(8)
+
+    def bag_result(path: Path, precision: str):
+        report = replay_trace(str(path), ReplayOptions(precision=precision))
+        return next(r for r in report.ops if r.op == "aten._embedding_bag_forward_only.default")
+
     with replaydiff.record(tmp_path / "t"):
         F.embedding_bag(idx, w, offsets, mode="sum", per_sample_weights=psw)
     _replay_clean(tmp_path / "t")
+    for precision in ("fp64", "same"):  # replayed and judged, not skipped: the bag sums were compared
+        r = bag_result(tmp_path / "t", precision)
+        assert r.status == Status.OK and r.verdict is not None, precision
+    # ... and a wrong bag sum is found at fp64, where the bookkeeping outputs (another kernel path) are left aside
+    with _ScaleBagSums(), replaydiff.record(tmp_path / "f"):
+        F.embedding_bag(idx, w, offsets, mode="sum", per_sample_weights=psw)
+    assert bag_result(tmp_path / "f", "fp64").status == Status.DIVERGENT
 
 
 def test_sparse_tensors_are_skipped_with_the_true_reason(tmp_path: Path) -> None:
