@@ -21,6 +21,7 @@ import torch
 from replaydiff import aten
 from replaydiff.compare.tolerance import Tolerances, reduction_length
 from replaydiff.errors import UsageError
+from replaydiff.trace.format import write_atomic_via
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import Opaque, OpRecord, TensorRef, iter_refs
 
@@ -169,8 +170,9 @@ def write_repro(trace: RankTrace, op: OpRecord, out_dir: str | Path, source_trac
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     inputs = out / INPUTS
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(inputs),
-              metadata={"format": REPRO_FORMAT, "op": name, "index": str(op.index), "rank": str(trace.rank)})
+    meta = {"format": REPRO_FORMAT, "op": name, "index": str(op.index), "rank": str(trace.rank)}
+    write_atomic_via(inputs, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+                                                   metadata=meta))
     script = out / SCRIPT
     script.write_text(_SCRIPT.format(
         doc=_docstring(trace, op, source_trace),
