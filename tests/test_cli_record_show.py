@@ -269,8 +269,9 @@ def test_force_refuses_whatever_is_not_wholly_a_trace(recorded, tmp_path, monkey
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(work / "inner")
     cases = [(".", "working directory"), ("..", "parent of the working directory"),
-             (str(tmp_path), "parent of the working directory"), ("~", "home directory"), ("../mixed", "notes.txt"), ("../linked", "rank1"),
-             ("../plain", "a.txt"), ("../train.py", "not a directory")]
+             (str(tmp_path), "parent of the working directory"), ("~", "home directory"),
+             ("../mixed", "notes.txt"), ("../linked", "rank1"), ("../plain", "a.txt"),
+             ("../train.py", "not a directory")]
     before = tree(tmp_path)
     for out, why in cases:
         code = main(["record", "--force", "-o", os.path.expanduser(out), "--", sys.executable, "-c", "pass"])
@@ -283,6 +284,7 @@ def test_force_refuses_whatever_is_not_wholly_a_trace(recorded, tmp_path, monkey
     assert len(err) == 1 and "not a directory" in err[0], err
 
 
+@pytest.mark.slow
 def test_force_replaces_a_trace_file_by_file(recorded, tmp_path):
     """A real trace is replaced: its rank directories (a rank the new job no longer has included) and the
     temporary files a killed writer leaves go; the new recording is what the directory then holds."""
