@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from replaydiff import open_trace
+from replaydiff.cli.main import main
 from replaydiff.trace import TensorRef, iter_refs
 from replaydiff.trace.format import pack_frame, read_frame, write_atomic
 
@@ -69,6 +70,11 @@ def child_env() -> dict:
 def replaydiff_cli(*args, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "replaydiff", *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env=child_env())
+
+
+def tree(d: Path) -> dict[str, bytes | None]:
+    """Every path under ``d`` with its bytes (None for a directory): what a refused command must leave as it was."""
+    return {str(p.relative_to(d)): (None if p.is_dir() else p.read_bytes()) for p in sorted(d.rglob("*"))}
 
 
 @pytest.fixture(scope="module")
@@ -226,3 +232,103 @@ def test_output_into_a_closed_pipe_exits_quietly(tmp_path):
     err = proc.stderr.decode()
     assert proc.returncode == 141, err
     assert "Traceback" not in err and "BrokenPipe" not in err
+
+
+# -- record --force replaces a trace and nothing else ------------------------------------------------------------
+def test_force_in_the_working_directory_keeps_the_users_script(tmp_path):
+    """`record --step 3 --force -o . -- python train.py` once deleted the directory, train.py included."""
+    (tmp_path / "train.py").write_text(TRAIN)
+    (tmp_path / "data.txt").write_text("the user's")
+    before = tree(tmp_path)
+    proc = replaydiff_cli("record", "--step", "3", "--force", "-o", ".", "--", sys.executable, "train.py",
+                          cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "working directory" in lines[0], proc.stderr
+    assert "LOSSES" not in proc.stdout  # refused before the script ran
+    assert tree(tmp_path) == before
+
+
+def test_force_refuses_whatever_is_not_wholly_a_trace(recorded, tmp_path, monkeypatch, capsys):
+    """The working directory, its parents and the home directory are refused even when they hold a trace; so is a
+    directory with anything in it a trace does not hold (a file, a symbolic link in place of a rank directory), and
+    a file. Each is one line, exit 2, and nothing is touched."""
+    cwd, _ = recorded
+    work = tmp_path / "work"
+    shutil.copytree(cwd / "trace", work / "inner")  # the working directory is itself a trace
+    shutil.copytree(cwd / "trace", work / "mixed")
+    (work / "mixed" / "notes.txt").write_text("mine")
+    shutil.copytree(cwd / "trace", work / "linked")
+    (work / "elsewhere").mkdir()
+    (work / "elsewhere" / "keep.txt").write_text("mine")
+    (work / "linked" / "rank1").symlink_to(work / "elsewhere")
+    (work / "plain").mkdir()
+    (work / "plain" / "a.txt").write_text("mine")
+    (work / "train.py").write_text(TRAIN)
+    shutil.copytree(cwd / "trace", tmp_path / "home")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(work / "inner")
+    cases = [(".", "working directory"), ("..", "parent of the working directory"),
+             (str(tmp_path), "parent of the working directory"), ("~", "home directory"),
+             ("../mixed", "notes.txt"), ("../linked", "rank1"), ("../plain", "a.txt"),
+             ("../train.py", "not a directory")]
+    before = tree(tmp_path)
+    for out, why in cases:
+        code = main(["record", "--force", "-o", os.path.expanduser(out), "--", sys.executable, "-c", "pass"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and why in err[0], (out, err)
+        assert tree(tmp_path) == before, out
+    # Without --force, a file given as -o is the same one line (it was a NotADirectoryError traceback).
+    assert main(["record", "-o", "../train.py", "--", sys.executable, "-c", "pass"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a directory" in err[0], err
+
+
+@pytest.mark.slow
+def test_force_replaces_a_trace_file_by_file(recorded, tmp_path):
+    """A real trace is replaced: its rank directories (a rank the new job no longer has included) and the
+    temporary files a killed writer leaves go; the new recording is what the directory then holds."""
+    cwd, _ = recorded
+    shutil.copytree(cwd / "trace", tmp_path / "trace")
+    shutil.copytree(cwd / "trace" / "rank0", tmp_path / "trace" / "rank1")  # an earlier two-rank job
+    (tmp_path / "trace" / "rank0" / "manifest.rdt.tmp").write_bytes(b"RDT\x01")  # a writer killed mid-rename
+    (tmp_path / "train.py").write_text(TRAIN)
+    proc = replaydiff_cli("record", "--step", "1", "--force", "-o", "trace", "--", sys.executable, "train.py",
+                          cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr  # the script's own exit code
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "trace").iterdir()) == ["rank0"]
+    assert not list((tmp_path / "trace").rglob("*.tmp"))
+    r = open_trace(tmp_path / "trace").rank(0)
+    assert r.complete
+    # Step 1, not the old step 2: AdamW creates its state (zeros_like) in the first step only.
+    assert any(o.name == "aten.zeros_like.default" for o in r)
+    assert (tmp_path / "train.py").read_text() == TRAIN
+
+
+# -- a file where a trace directory is expected --------------------------------------------------------------------
+def test_a_file_given_as_a_trace_is_one_line_and_exit_3(recorded, tmp_path, capsys):
+    cwd, _ = recorded
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    trace = str(cwd / "trace")
+    for argv in (["show", script], ["replay", script], ["tui", script], ["trend", script],
+                 ["repro", script, "0", "-o", tmp_path / "r"], ["diff", trace, script], ["diff", script, trace]):
+        code = main([str(a) for a in argv])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 3 and len(err) == 1 and "train.py" in err[0] and "not a" in err[0], (argv, err)
+    assert script.read_text() == TRAIN and not (tmp_path / "r").exists()
+
+
+def test_a_removed_data_file_is_one_line_and_nothing_after_it(recorded, tmp_path):
+    """The reader reported it, then a destructor printed `Exception ignored in: DataFile.__del__`."""
+    cwd, _ = recorded
+    shutil.copytree(cwd / "trace", tmp_path / "t")
+    data = sorted((tmp_path / "t" / "rank0" / "data").glob("*.safetensors"))
+    assert data
+    for f in data:
+        f.unlink()
+    proc = replaydiff_cli("replay", "t", cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "missing" in lines[0] and ".safetensors" in lines[0], proc.stderr

@@ -721,6 +721,37 @@ def test_existing_trace_turns_recording_off_with_a_warning(tmp_path, tiny_step):
     assert [o.name for o in open_trace(tmp_path / "t").rank(0)] == ["aten.ones.default", "aten.add.Tensor"]
 
 
+def test_a_rank_directory_holding_other_files_is_left_alone(tmp_path):
+    """The recorder writes into a rank directory only when it is new or empty: it never replaces or truncates a
+    file it did not write (a user's rank0/index.rdt, say)."""
+    mine = tmp_path / "t" / "rank0" / "index.rdt"
+    mine.parent.mkdir(parents=True)
+    mine.write_bytes(b"the user's")
+    plain = train_tiny()
+    recorded, warned = _record_catching(tmp_path / "t")
+    assert_bitwise_same(plain, recorded)
+    assert len(warned) == 1 and "rank0" in warned[0] and "index.rdt" in warned[0], warned
+    assert [p.name for p in mine.parent.iterdir()] == ["index.rdt"] and mine.read_bytes() == b"the user's"
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_every_trace_file_follows_the_umask(tmp_path, umask, mode):
+    """A trace is shared with colleagues: its data files were mode 600 whatever the umask (safetensors writes
+    through a temporary file of its own), every other file followed the umask."""
+    old = os.umask(umask)
+    try:
+        with replaydiff.record(tmp_path / "t", chunk_ops=8):
+            torch.randn(4, 4).matmul(torch.randn(4, 4)).relu().sum()
+    finally:
+        os.umask(old)
+    files = {p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777
+             for p in (tmp_path / "t").rglob("*") if p.is_file()}
+    assert any(name.endswith(".safetensors") for name in files) and any(name.endswith(".rdt") for name in files)
+    assert files == dict.fromkeys(files, mode)
+    dirs = {p.stat().st_mode & 0o777 for p in (tmp_path / "t").rglob("*") if p.is_dir()}
+    assert dirs == {0o777 & ~umask}
+
+
 # -- 10. GPU -----------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_record_a_cuda_step(tmp_path):

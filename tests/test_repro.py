@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import re
 import subprocess
 import sys
@@ -213,3 +214,57 @@ def test_repro_of_a_cuda_op_runs_on_cuda_and_on_the_cpu_reference(tmp_path):
     assert p.returncode == 0, p.stderr + p.stdout
     assert _recorded_norm_max(p.stdout, "output 0")[1] == "DIVERGENT"
     assert re.search(r"cuda run vs reference:\s+max_abs/\(eps\*absmax\) \S+ .* ok\n", p.stdout), p.stdout
+
+
+def test_repro_on_a_device_this_torch_lacks_is_one_line_and_exit_4(traces, tmp_path):
+    """`python repro.py --device cuda` on a CPU-only torch raised an AssertionError from torch.cuda."""
+    rt = replaydiff.open_trace(traces["mm"]).rank(0)
+    op = _nth(rt, "aten.mm.default", 1)
+    assert main(["repro", str(traces["mm"]), str(op.index), "-o", str(tmp_path / "r")]) == 0
+    absent = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+    p = _run_script(tmp_path / "r", "--device", absent)
+    assert p.returncode == 4, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"device {absent!r}" in lines[0], p.stderr
+    assert "Traceback" not in p.stderr and p.stdout == ""
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_repro_files_follow_the_umask(traces, tmp_path, umask, mode):
+    """inputs.safetensors was mode 600 whatever the umask; repro.py followed it. The repro is handed to others."""
+    rt = replaydiff.open_trace(traces["mm"]).rank(0)
+    op = _nth(rt, "aten.mm.default", 1)
+    old = os.umask(umask)
+    try:
+        assert main(["repro", str(traces["mm"]), str(op.index), "-o", str(tmp_path / "r")]) == 0
+    finally:
+        os.umask(old)
+    assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "r").iterdir()} == \
+        {"repro.py": mode, "inputs.safetensors": mode}
+
+
+def test_repro_force_overwrites_only_a_repro(traces, tmp_path, capsys):
+    """--force replaces repro.py and inputs.safetensors that `replaydiff repro` wrote, never a user's file of
+    that name, and a file given as -o is one line, not a traceback."""
+    rt = replaydiff.open_trace(traces["mm"]).rank(0)
+    op = _nth(rt, "aten.mm.default", 1)
+    argv = ["repro", str(traces["mm"]), str(op.index), "--force", "-o"]
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "repro.py").write_text("print('my own repro')\n")
+    assert main(argv + [str(d)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "repro.py" in err[0] and "not" in err[0], err
+    assert (d / "repro.py").read_text() == "print('my own repro')\n" and not (d / "inputs.safetensors").exists()
+    (d / "repro.py").unlink()
+    (d / "inputs.safetensors").write_bytes(b"mine")
+    assert main(argv + [str(d)]) == 2
+    assert "inputs.safetensors" in capsys.readouterr().err
+    assert (d / "inputs.safetensors").read_bytes() == b"mine"
+    assert main(argv + [str(tmp_path / "r")]) == 0
+    assert main(argv + [str(tmp_path / "r")]) == 0  # a repro it wrote: replaced
+    capsys.readouterr()
+    (tmp_path / "f").write_text("a file")
+    assert main(argv + [str(tmp_path / "f")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a directory" in err[0], err

@@ -1,6 +1,7 @@
 """The on-disk format: round trips, versioning, random access, truncated and damaged traces."""
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import signal
@@ -101,6 +102,51 @@ def test_newer_format_version_is_refused(tmp_path):
         open_trace(tmp_path / "t")
     assert "newer" in str(err.value) and "999" in str(err.value)
     assert err.value.exit_code == 3 and err.value.path == str(path)
+
+
+def test_a_data_file_closes_its_descriptor_exactly_once(tmp_path):
+    """A DataFile closed its descriptor a second time when collected: after a bad header (closed in __init__) and
+    after cache eviction (close()). By then the number may be another file's, which silently lost it."""
+    from replaydiff.trace.reader import DataFile
+
+    with replaydiff.record(tmp_path / "t"):
+        torch.randn(4).mul(2)
+    data = sorted((tmp_path / "t" / "rank0" / "data").glob("*.safetensors"))[0]
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\xff" * 16)  # a header length far beyond the file
+    other = tmp_path / "other.txt"
+    other.write_bytes(b"another file")
+
+    raised = None
+
+    def lowest_free_descriptor() -> int:
+        fd = os.open(os.devnull, os.O_RDONLY)
+        os.close(fd)
+        return fd
+
+    for bad_header in (False, True):
+        number = lowest_free_descriptor()
+        if bad_header:  # __init__ closes it and raises; its frame (holding the half-made object) lives on a while
+            with pytest.raises(TraceError) as raised:
+                DataFile(bad)
+            held = raised
+        else:  # closed by the reader's cache on eviction, collected later
+            held = DataFile(data)
+            held.close()
+        reused = os.open(other, os.O_RDONLY)
+        try:
+            assert reused == number  # the number the DataFile had and closed: now the other file's
+            del held, raised
+            gc.collect()
+            assert os.pread(reused, 7, 0) == b"another"
+        finally:
+            os.close(reused)
+    # Closing again is harmless, and reading after close is an error, not a read of whatever has the number now.
+    f = DataFile(data)
+    f.close()
+    f.close()
+    with pytest.raises((OSError, ValueError)):
+        f.read(next(iter(f.entries)))
 
 
 # -- random access -----------------------------------------------------------------------------------------------

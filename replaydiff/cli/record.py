@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 from replaydiff.errors import UsageError
 from replaydiff.record.options import GRANULARITIES, TENSOR_MODES, RecordOptions
 from replaydiff.record.step import ENV_VAR
+from replaydiff.trace.layout import remove_trace
 
 NAME = "record"
 HELP = "record the N-th optimizer step of a training command (or many steps: --steps, --flight)"
@@ -47,7 +47,9 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flight-mib", type=float, default=64.0, metavar="MIB",
                    help="memory the flight recorder may hold, encoded (default 64)")
     p.add_argument("--flight-at-exit", action="store_true", help="also write the last K steps at a normal exit")
-    p.add_argument("--force", action="store_true", help="replace an existing trace directory")
+    p.add_argument("--force", action="store_true",
+                   help="replace the trace in -o DIR (a replaydiff trace only: a directory holding anything else, the "
+                        "working directory and the home directory are refused)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run, e.g. python train.py")
 
 
@@ -79,10 +81,12 @@ def run(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     out = Path(args.out).resolve()
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"-o {args.out} is not a directory (a file is there); a trace is a directory")
     if out.exists() and any(out.iterdir()):
         if not args.force:
             raise UsageError(f"{args.out} exists and is not empty; pass --force to replace it")
-        shutil.rmtree(out)
+        remove_trace(args.out)  # a trace only, file by file; anything else is refused
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env[ENV_VAR] = json.dumps({"out": str(out), "step": args.step, "options": options.to_dict()})

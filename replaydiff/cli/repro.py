@@ -24,11 +24,11 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=int, default=None, help="rank of the op (default: the trace's first rank)")
     p.add_argument("-o", "--out", required=True, metavar="DIR", help="directory to write repro.py and "
                                                                      "inputs.safetensors into")
-    p.add_argument("--force", action="store_true", help="overwrite an existing repro in DIR")
+    p.add_argument("--force", action="store_true", help="overwrite a repro that `replaydiff repro` wrote in DIR")
 
 
 def run(args: argparse.Namespace) -> int:
-    from replaydiff.report.repro import INPUTS, SCRIPT, write_repro
+    from replaydiff.report.repro import INPUTS, SCRIPT, is_repro_file, write_repro
 
     trace = open_trace(args.trace)
     rank = trace.ranks[0] if args.rank is None else args.rank
@@ -38,9 +38,15 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.op < len(rt):
         raise UsageError(f"op {args.op} is not in rank {rank} (ops 0..{len(rt) - 1})")
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"-o {args.out} is not a directory (a file is there)")
     existing = [p for p in (out / SCRIPT, out / INPUTS) if p.exists()]
     if existing and not args.force:
         raise UsageError(f"{existing[0]} exists; pass --force to overwrite it")
+    foreign = [p for p in existing if not is_repro_file(p)]
+    if foreign:  # --force replaces a repro, never a user's file that has the same name
+        raise UsageError(f"{foreign[0]} was not written by `replaydiff repro`: not overwriting it (move it or "
+                         f"choose another -o)")
     files = write_repro(rt, rt[args.op], out, source_trace=args.trace)
     if rt.planted is not None:
         sys.stdout.write(f"PLANTED FAULT (record --plant): {rt.planted.describe()}\n")

@@ -72,6 +72,10 @@ class Recorder:
             self.rank_dir = self.path / rank_dir_name(rank)
             if (self.rank_dir / MANIFEST).exists():
                 raise FileExistsError(f"{self.rank_dir} already holds a trace; choose another directory")
+            held = sorted(p.name for p in self.rank_dir.iterdir()) if self.rank_dir.exists() else []
+            if held:  # writing there could replace a file that is not ours, and the recorder deletes nothing of theirs
+                raise FileExistsError(f"{self.rank_dir} already holds files ({', '.join(held[:3])}"
+                                      f"{', ...' if len(held) > 3 else ''}); choose another directory")
             manifest = {
                 "rank": rank,
                 "world_size": world,

@@ -21,6 +21,7 @@ import torch
 from replaydiff import aten
 from replaydiff.compare.tolerance import Tolerances, reduction_length
 from replaydiff.errors import UsageError
+from replaydiff.trace.format import write_atomic_via
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import Opaque, OpRecord, TensorRef, iter_refs
 
@@ -132,6 +133,20 @@ def _checks(c: _Collector, op: OpRecord, tol: Tolerances) -> list[dict]:
     return checks
 
 
+def is_repro_file(path: Path) -> bool:
+    """Whether ``path`` is a repro's script or inputs as ``write_repro`` wrote them (so --force may replace it)."""
+    try:
+        if path.name == INPUTS:
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                return (f.metadata() or {}).get("format") == REPRO_FORMAT
+        with open(path, "rb") as fh:
+            return REPRO_FORMAT.encode() in fh.read(256)  # the script's second line
+    except Exception:  # unreadable, or not safetensors at all: not ours
+        return False
+
+
 def write_repro(trace: RankTrace, op: OpRecord, out_dir: str | Path, source_trace: str = "",
                 tolerances: Tolerances | None = None) -> ReproFiles:
     """Write ``out_dir/repro.py`` and ``out_dir/inputs.safetensors`` for ``op``; UsageError if it cannot run alone."""
@@ -169,11 +184,12 @@ def write_repro(trace: RankTrace, op: OpRecord, out_dir: str | Path, source_trac
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     inputs = out / INPUTS
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(inputs),
-              metadata={"format": REPRO_FORMAT, "op": name, "index": str(op.index), "rank": str(trace.rank)})
+    meta = {"format": REPRO_FORMAT, "op": name, "index": str(op.index), "rank": str(trace.rank)}
+    write_atomic_via(inputs, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+                                                   metadata=meta))
     script = out / SCRIPT
     script.write_text(_SCRIPT.format(
-        doc=_docstring(trace, op, source_trace),
+        repro_format=REPRO_FORMAT, doc=_docstring(trace, op, source_trace),
         op=name, ns=parts[0], packet=parts[1], overload=parts[2],
         index=op.index, rank=trace.rank,
         random=seeded, keep_dtypes=seeded or name in aten.DTYPE_EXACT_OPS,
@@ -211,13 +227,15 @@ def _docstring(trace: RankTrace, op: OpRecord, source_trace: str) -> str:
 
 # The generated script. It must run with `python -I` on a machine with only torch and safetensors.
 _SCRIPT = '''#!/usr/bin/env python3
+# {repro_format}: written by `replaydiff repro`, whose --force replaces it
 """{doc}
 
 Needs only torch and safetensors:  python repro.py [--device cuda] [--import MODULE]
 Runs the op on --device at its recorded dtypes and on the CPU at float64 (a random op: at its recorded dtypes, from
 its recorded generator state, compared exactly), and prints the error of the recorded output and of the device run
 against that reference, in the units of `replaydiff replay`: max_abs/(eps*absmax) and rel_l2/eps, eps being the
-recorded dtype's machine epsilon, with the limits replay applies. Exit code 1 when the device run is over a limit.
+recorded dtype's machine epsilon, with the limits replay applies. Exit code 1 when the device run is over a limit,
+4 when --device is not available here.
 Inputs (raw storage bytes) are in inputs.safetensors next to this file.
 """
 import argparse
@@ -380,6 +398,12 @@ def main(argv=None):
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import MODULE first (the one that defines a custom op)")
     a = p.parse_args(argv)
+    try:  # a device this torch lacks is one line, not torch.cuda's AssertionError from deep inside the run
+        torch.empty(0, device=a.device)
+    except Exception as exc:
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        print(f"repro.py: device {{a.device!r}} is not available here: {{why}}", file=sys.stderr)
+        return 4
     for m in a.imports or ([CUSTOM_MODULE] if CUSTOM_MODULE and OP.split(".")[0] != "aten" else []):
         sys.path.insert(0, os.getcwd())
         importlib.import_module(m)

@@ -17,10 +17,11 @@ pickle; decoding a trace runs no code.
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 import zstandard
@@ -47,6 +48,11 @@ _MAX_FRAME_BYTES = 1 << 31
 
 def rank_dir_name(rank: int) -> str:
     return f"rank{rank}"
+
+
+def rank_of_dir_name(name: str) -> int | None:
+    """The rank a directory named ``rank<N>`` holds, or None for any other name."""
+    return int(name[4:]) if name.startswith("rank") and name[4:].isdigit() else None
 
 
 def ops_chunk_name(first_index: int) -> str:
@@ -88,6 +94,23 @@ def unpack_frame(data: bytes, path: Path | str) -> Any:
         raise TraceError(path, f"corrupt ({type(exc).__name__}: {exc})") from None
 
 
+def has_frame_magic(path: Path) -> bool:
+    """Whether ``path`` starts as every frame does (a cheap test of whose file it is; nothing is decoded)."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(len(_MAGIC)) == _MAGIC
+    except OSError:
+        return False
+
+
+def read_manifest_frame(path: Path) -> dict:
+    """The manifest at ``path`` as written (any format version); TraceError if it is not a replaydiff manifest."""
+    m = read_frame(path)
+    if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
+        raise TraceError(path, "not a replaydiff trace manifest")
+    return m
+
+
 def read_frame(path: Path) -> Any:
     try:
         data = path.read_bytes()
@@ -104,4 +127,26 @@ def write_atomic(path: Path, data: bytes) -> None:
     with open(tmp, "wb") as fh:
         fh.write(data)
         fh.flush()
+    os.replace(tmp, path)
+
+
+def write_atomic_via(path: Path, write: Callable[[Path], None]) -> None:
+    """``write_atomic`` for a writer that takes a file name (safetensors): ``write(tmp)``, then rename.
+
+    safetensors writes through a temporary file of its own, mode 600 whatever the umask. A trace (and a repro) is
+    handed to colleagues, so the file gets the mode any new file gets here: that of ``tmp`` as created first by us.
+    os.umask cannot be read without setting it, which would race with files the job's other threads create."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)  # a stale one keeps its old mode; ``write`` would replace it anyway
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, mode)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # ours: made above, or written by ``write`` over it
+        raise
     os.replace(tmp, path)

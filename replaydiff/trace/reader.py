@@ -14,6 +14,7 @@ import json
 import os
 import struct
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,14 +28,15 @@ from replaydiff.trace import codec
 from replaydiff.trace.format import (
     DATA_DIR,
     ENTERED,
-    FORMAT_NAME,
     FORMAT_VERSION,
     FRAME_SUFFIX,
     INDEX,
     MANIFEST,
     OPS_DIR,
     data_file_name,
+    rank_of_dir_name,
     read_frame,
+    read_manifest_frame,
 )
 from replaydiff.trace.index import IndexBuilder, ModuleNode, TraceIndex
 from replaydiff.trace.schema import OpRecord, RngState, StoredBytes, TensorRef, check_chunk, check_entered
@@ -51,20 +53,25 @@ class DataFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self.fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise TraceError(path, "missing") from None
         except OSError as exc:
             raise TraceError(path, f"unreadable ({exc.strerror or exc})") from None
+        # The one place the descriptor is closed, at most once: by close(), on a bad header, or when the object is
+        # collected. A second os.close of the number could close whatever file has reused it since (another
+        # thread's), so there is no __del__ and no bare os.close anywhere else.
+        self._close = weakref.finalize(self, os.close, fd)
+        self.fd = fd
         try:
-            size = os.fstat(self.fd).st_size
-            head = os.pread(self.fd, 8, 0)
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, 8, 0)
             if len(head) < 8:
                 raise ValueError("shorter than a safetensors header")
             (n,) = struct.unpack("<Q", head)
             if n > min(size - 8, 100 << 20):
                 raise ValueError(f"header length {n} does not fit the file ({size} bytes)")
-            header = json.loads(os.pread(self.fd, n, 8))
+            header = json.loads(os.pread(fd, n, 8))
             if not isinstance(header, dict):
                 raise ValueError("header is not a JSON object")
             meta = header.pop("__metadata__", None) or {}
@@ -75,7 +82,7 @@ class DataFile:
             self.data_start = 8 + n
             self.size = size
         except (ValueError, UnicodeDecodeError) as exc:
-            os.close(self.fd)
+            self.close()
             raise TraceError(path, f"corrupt ({exc})") from None
 
     def read(self, key: str) -> torch.Tensor:
@@ -87,6 +94,8 @@ class DataFile:
         if e.get("dtype") != "U8" or not isinstance(begin, int) or not isinstance(end, int) \
                 or not 0 <= begin <= end or self.data_start + end > self.size or e.get("shape") != [end - begin]:
             raise ValueError(f"storage {key} has a malformed entry")
+        if not self._close.alive:
+            raise ValueError(f"{self.path} is closed")
         out = torch.empty(end - begin, dtype=torch.uint8)
         got = os.preadv(self.fd, [codec.tensor_writable_view(out)], self.data_start + begin) if end > begin else 0
         if got != end - begin:
@@ -94,13 +103,11 @@ class DataFile:
         return out
 
     def close(self) -> None:
+        """Close the descriptor (the first call only; later ones do nothing)."""
         try:
-            os.close(self.fd)
-        except OSError:
+            self._close()
+        except OSError:  # a descriptor the OS reports as bad: nothing left to release
             pass
-
-    def __del__(self) -> None:
-        self.close()
 
 
 @dataclass(frozen=True)
@@ -148,9 +155,7 @@ class RankTrace(Sequence):
     # -- manifest ---------------------------------------------------------------------------------------------
     def _read_manifest(self) -> dict:
         path = self.root / MANIFEST
-        m = read_frame(path)
-        if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
-            raise TraceError(path, "not a replaydiff trace manifest")
+        m = read_manifest_frame(path)
         version = m.get("version")
         if not isinstance(version, int):
             raise TraceError(path, "manifest has no format version")
@@ -434,11 +439,13 @@ class Trace:
         self.path = Path(path)
         if not self.path.exists():
             raise TraceError(self.path, "no such trace directory")
+        if not self.path.is_dir():
+            raise TraceError(self.path, "not a trace directory (a file; give the directory `record -o` wrote)")
         if (self.path / MANIFEST).exists():
             dirs = [self.path]
         else:
-            dirs = sorted((p for p in self.path.iterdir() if p.is_dir() and p.name.startswith("rank")
-                           and p.name[4:].isdigit()), key=lambda p: int(p.name[4:]))
+            dirs = sorted((p for p in self.path.iterdir() if p.is_dir() and rank_of_dir_name(p.name) is not None),
+                          key=lambda p: rank_of_dir_name(p.name))
         if not dirs:
             raise TraceError(self.path, "not a trace directory (no rank*/manifest.rdt inside)")
         self._ranks: dict[int, RankTrace] = {}

@@ -35,6 +35,7 @@ from replaydiff.trace.format import (
     ops_chunk_name,
     pack_frame,
     write_atomic,
+    write_atomic_via,
 )
 
 log = logging.getLogger("replaydiff")
@@ -248,9 +249,7 @@ class RankWriter:
             metadata[key] = f"{blob.codec};{blob.nbytes};{blob.crc}"
         if specs:
             path = self.root / DATA_DIR / data_file_name(chunk.number)
-            tmp = path.with_name(path.name + ".tmp")
-            safetensors.serialize_file(specs, str(tmp), metadata=metadata)
-            tmp.replace(path)
+            write_atomic_via(path, lambda tmp: safetensors.serialize_file(specs, str(tmp), metadata=metadata))
             self.bytes_written += path.stat().st_size
         del keep_alive
         if chunk.ops:
