@@ -150,6 +150,11 @@ def test_planted_fault_is_in_the_manifest_and_first_in_every_report(traces, tmp_
     assert rt.options["plant"] == PLANT_MM
     planted = rt.planted
     assert (planted.op, planted.call, planted.rel, planted.landed) == ("aten.mm.default", 2, 1e-3, True)
+    # a plant that changed its result is named as it always was; the manifest also counts what it changed
+    assert planted.describe() == f"aten.mm.default call 2 x(1+0.001), op #{planted.index} on rank 0"
+    e = planted.effect
+    assert (e.dtype, e.changed, e.nonfinite) == ("float32", e.nonzero, 0) and e.changed > 0
+    assert 2 ** 23 * 1e-3 - 1 <= e.max_ulps <= 2 ** 24 * 1e-3 + 1  # 1e-3 relative is 8389 to 16777 float32 ulps
     report = replay_trace(str(traces["mm"]), ReplayOptions())
     assert report.first_divergent.index == planted.index
     text = io.StringIO()
