@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import math
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -162,6 +163,24 @@ def test_planted_fault_is_in_the_manifest_and_first_in_every_report(traces, tmp_
     first = text.getvalue().splitlines()[0]
     assert first.startswith("PLANTED FAULT") and f"op #{planted.index}" in first
     assert report_to_json(report)["planted"] == [planted.describe()]
+
+
+def test_a_trace_written_before_plants_were_counted_still_reads_and_replays(traces, tmp_path):
+    """The manifest's plant entry as older versions wrote it (no calls_seen, no effect): named as it always was."""
+    from replaydiff.trace.format import MANIFEST, pack_frame, read_frame, write_atomic
+
+    old = tmp_path / "old"
+    shutil.copytree(traces["mm"], old)
+    manifest = old / "rank0" / MANIFEST
+    m = read_frame(manifest)
+    m["planted"] = {k: m["planted"][k] for k in ("op", "call", "rel", "landed")}
+    write_atomic(manifest, pack_frame(m, None))
+    planted = replaydiff.open_trace(old).rank(0).planted
+    assert (planted.calls_seen, planted.effect) == (None, None)
+    assert planted.describe() == f"aten.mm.default call 2 x(1+0.001), op #{planted.index} on rank 0"
+    report = replay_trace(str(old), ReplayOptions())
+    assert report.first_divergent.index == planted.index
+    assert [(p["outcome"], p["note"]) for p in report_to_json(report)["plants"]] == [("found", None)]
 
 
 STEP_SCRIPT = """

@@ -709,8 +709,9 @@ class PlantEffect:
             return None
         counts = [d.get(k) for k in _EFFECT_COUNTS]
         ulps, dtype = d.get(_EFFECT_ULPS), d.get(_EFFECT_DTYPE)
-        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts) \
-                or not (ulps is None or isinstance(ulps, (int, float))) or not (dtype is None or isinstance(dtype, str)):
+        sound = all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts) \
+            and (ulps is None or isinstance(ulps, (int, float))) and (dtype is None or isinstance(dtype, str))
+        if not sound:
             return None
         return cls(*counts[:4], None if ulps is None else float(ulps), counts[4], dtype)
 
