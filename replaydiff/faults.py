@@ -6,7 +6,8 @@ Enter it *before* the recorder so that it sits below it on the mode stack.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import InitVar, dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -35,19 +36,91 @@ def _completed(out, results: list[torch.Tensor]):
     return done()
 
 
+@dataclass(frozen=True)
+class PlantEffect:
+    """What a plant did to the result it perturbed, counted in the result's own dtype as it landed.
+
+    The recorder writes it into the manifest, where ``replaydiff.trace.schema.PlantEffect`` reads it back and words
+    it: a plant that changed nothing (a None result, all zeros, values that round back) has nothing for replay to
+    find, and one that changed a value by one ulp is no larger than a rounding."""
+
+    tensors: int  # result tensors reached (0: the op's result there is None)
+    elements: int  # their floating-point elements
+    nonzero: int  # of those, the ones that were not zero
+    changed: int  # elements whose value the plant changed (NaN staying NaN is no change)
+    max_ulps: float | None  # largest change from a finite value to a finite value, in ulps of the result's dtype
+    nonfinite: int  # elements the plant turned into NaN or Inf
+    dtype: str | None  # the floating dtype(s) of the result, e.g. "bfloat16"
+
+
+_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable values of their (common) floating dtype lie between finite ``a`` and ``b``."""
+    bits = a.element_size() * 8
+    magnitude = (1 << (bits - 1)) - 1
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        # sign and magnitude as an integer that counts representable values: -0.0 and 0.0 are both 0
+        i = t.contiguous().view(_SAME_WIDTH_INT[t.element_size()]).to(torch.int64)
+        return torch.where(i < 0, -(i & magnitude), i)
+
+    ka, kb = ordered(a), ordered(b)
+    same_sign = (ka < 0) == (kb < 0)  # then the integer difference cannot overflow, and is exact
+    return torch.where(same_sign, (kb - ka).abs().double(), (kb.double() - ka.double()).abs())
+
+
+def _perturb(results: list[torch.Tensor], rel: float) -> PlantEffect:
+    """Multiply each floating result by 1 + ``rel`` in place and count what that changed."""
+    elements = nonzero = changed = nonfinite = 0
+    max_ulps: float | None = None
+    dtypes: list[str] = []
+    with torch.no_grad():
+        for t in results:
+            if not (t.is_floating_point() and t.numel()):
+                continue
+            new = (t.double() * (1.0 + rel)).to(t.dtype)
+            moved = ~((new == t) | (new.isnan() & t.isnan()))
+            finite = moved & new.isfinite() & t.isfinite()
+            elements += t.numel()
+            nonzero += int((t != 0).sum())
+            changed += int(moved.sum())
+            nonfinite += int((moved & ~new.isfinite()).sum())
+            if finite.any():
+                u = float(_ulps_apart(t[finite], new[finite]).max())
+                max_ulps = u if max_ulps is None else max(max_ulps, u)
+            name = str(t.dtype).removeprefix("torch.")
+            if name not in dtypes:
+                dtypes.append(name)
+            t.copy_(new)
+    return PlantEffect(len(results), elements, nonzero, changed, max_ulps, nonfinite, ", ".join(dtypes) or None)
+
+
 @dataclass
 class PlantedFault(TorchDispatchMode):
-    """Multiply the output of the ``occurrence``-th call of ``op`` (e.g. ``aten.mm.default``) by ``1 + rel``."""
+    """Multiply the output of the ``call``-th call (from 1, as ``record --plant OP:N``) of ``op`` (e.g.
+    ``aten.mm.default``) by ``1 + rel``. After the block: ``planted`` (the call came), ``seen`` (calls of ``op``
+    made) and ``effect`` (what the plant changed, a PlantEffect)."""
 
     op: str
     rel: float = 1e-3
-    occurrence: int = 0
+    call: int = 1
     rank: int | None = None  # plant only in the process of this rank (torch.distributed or $RANK)
+    # Deprecated: the 0-based call number the demo still passes (cli/demo.py); call=occurrence + 1.
+    occurrence: InitVar[int | None] = None
     seen: int = field(default=0, init=False)
     planted: bool = field(default=False, init=False)
+    effect: PlantEffect | None = field(default=None, init=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, occurrence: int | None) -> None:
         TorchDispatchMode.__init__(self)
+        if occurrence is not None:
+            warnings.warn("PlantedFault(occurrence=K) is deprecated: pass call=K+1 (calls count from 1, as in "
+                          "record --plant OP:N)", DeprecationWarning, stacklevel=3)
+            self.call = occurrence + 1
+        if self.call < 1:
+            raise ValueError(f"PlantedFault call={self.call}: calls count from 1")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -55,7 +128,7 @@ class PlantedFault(TorchDispatchMode):
         if str(func) != self.op or not self._on_this_rank():
             return out
         self.seen += 1
-        if self.seen - 1 != self.occurrence:
+        if self.seen != self.call:
             return out
         works = []
         if func.namespace == "c10d":  # a collective's result exists once its work completes: corrupt it after that
@@ -64,10 +137,7 @@ class PlantedFault(TorchDispatchMode):
                     w.wait()
                     works.append(w)
         results = _result_tensors(func, args, kwargs, out)
-        for t in results:
-            if t.is_floating_point() and t.numel():
-                with torch.no_grad():
-                    t.copy_((t.double() * (1.0 + self.rel)).to(t.dtype))
+        self.effect = _perturb(results, self.rel)
         if works:
             # gloo copies a result into place again on every wait(): the job's own wait would undo the fault, so
             # it gets a Work that is already complete
@@ -79,9 +149,10 @@ class PlantedFault(TorchDispatchMode):
         return self.rank is None or current_rank()[0] == self.rank
 
     @classmethod
-    def from_spec(cls, spec: str) -> "PlantedFault":
-        p = PlantSpec.parse(spec)
-        return cls(p.op, rel=p.rel, occurrence=p.call - 1)
+    def from_spec(cls, spec: "str | PlantSpec", rank: int | None = None) -> "PlantedFault":
+        """The fault ``record --plant SPEC`` plants (SPEC as PlantSpec.parse takes it)."""
+        p = spec if isinstance(spec, PlantSpec) else PlantSpec.parse(spec)
+        return cls(p.op, rel=p.rel, call=p.call, rank=rank)
 
 
 @dataclass(frozen=True)

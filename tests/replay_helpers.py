@@ -4,8 +4,9 @@ cache of recorded traces and replay reports, and questions asked of a trace (whe
 Traces are recorded once per test process into one temporary directory (removed at exit) and shared between test
 modules: recording and replaying are the expensive parts of this battery.
 
-Expected op numbers are never written down: they are read back from the trace (the ``occurrence``-th op of a name is
-the op a PlantedFault with that occurrence perturbed, since the fault mode and the recorder see the same ops).
+Expected op numbers are never written down: they are read back from the trace (the ``occurrence``-th op of a name,
+counted from 0, is the op a PlantedFault with call=occurrence + 1 perturbed, since the fault mode and the recorder see
+the same ops).
 """
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def record_fn(path: str | Path, fn: Callable[[], Any], fault: PlantedFault | Non
         stack.enter_context(record(path, **record_kw))
         fn()
     if fault is not None:
-        assert fault.planted, f"the step never ran {fault.op} (call {fault.occurrence}): nothing was planted"
+        assert fault.planted, f"the step never ran {fault.op} (call {fault.call}): nothing was planted"
     return Path(path)
 
 
@@ -116,7 +117,7 @@ def step_trace(step: str, fault_op: str | None = None, rel: float = 1e-3, occurr
     path = _traces.get(key)
     if path is None:
         path = cache_dir() / f"trace{len(_traces)}"
-        fault = PlantedFault(fault_op, rel=rel, occurrence=occurrence) if fault_op else None
+        fault = PlantedFault(fault_op, rel=rel, call=occurrence + 1) if fault_op else None
         record_fn(path, STEPS[step](), fault)
         _traces[key] = path
     return path

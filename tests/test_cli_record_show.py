@@ -234,6 +234,7 @@ def test_output_into_a_closed_pipe_exits_quietly(tmp_path):
     assert "Traceback" not in err and "BrokenPipe" not in err
 
 
+<<<<<<< HEAD
 # -- record --force replaces a trace and nothing else ------------------------------------------------------------
 def test_force_in_the_working_directory_keeps_the_users_script(tmp_path):
     """`record --step 3 --force -o . -- python train.py` once deleted the directory, train.py included."""
@@ -332,3 +333,76 @@ def test_a_removed_data_file_is_one_line_and_nothing_after_it(recorded, tmp_path
     assert proc.returncode == 3, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "missing" in lines[0] and ".safetensors" in lines[0], proc.stderr
+=======
+CNN = textwrap.dedent("""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(2 * 4 * 4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(2, 1, 6, 6), torch.tensor([0, 2])
+    for _ in range(2):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+""")
+
+
+@pytest.fixture(scope="module")
+def conv_backward_plant(tmp_path_factory):
+    """A plant on the first conv layer's backward: its first result, the input's gradient, is None (the batch needs
+    no gradient), so the plant has nothing to perturb."""
+    cwd = tmp_path_factory.mktemp("plant")
+    (cwd / "cnn.py").write_text(CNN)
+    proc = replaydiff_cli("record", "--plant", "aten.convolution_backward.default", "-o", "trace", "--",
+                          sys.executable, "cnn.py", cwd=cwd)
+    return cwd, proc
+
+
+def test_record_says_a_plant_changed_nothing_and_where_it_landed(conv_backward_plant):
+    cwd, proc = conv_backward_plant
+    assert proc.returncode == 0, proc.stderr
+    rt = open_trace(cwd / "trace").rank(0)
+    p = rt.planted
+    op = rt[p.index]
+    assert (op.name, op.module, op.phase) == ("aten.convolution_backward.default", "Sequential.0", "backward")
+    assert op.outputs[0] is None
+    assert (p.landed, p.effect.tensors, p.effect.changed) == (True, 0, 0)
+    assert (f"replaydiff: warning: the planted fault (aten.convolution_backward.default) landed on op #{op.index} "
+            f"aten.convolution_backward.default in Sequential.0 (backward) but changed nothing (its result is None: "
+            f"no tensor to perturb); replay will have nothing to find: plant another call or op\n") in proc.stderr
+    assert "replay should name that op" not in proc.stderr
+
+
+def test_replay_of_a_plant_that_changed_nothing_says_so_and_exits_0(conv_backward_plant):
+    cwd, _ = conv_backward_plant
+    rt = open_trace(cwd / "trace").rank(0)
+    text = replaydiff_cli("replay", "trace", cwd=cwd)
+    assert text.returncode == 0, text.stdout + text.stderr
+    lines = text.stdout.splitlines()
+    assert lines[0] == (f"PLANTED FAULT (record --plant): aten.convolution_backward.default call 1 x(1+0.001), "
+                        f"op #{rt.planted.index} on rank 0: changed nothing (its result is None: no tensor to perturb)")
+    assert (f"planted fault: op #{rt.planted.index} aten.convolution_backward.default changed nothing (its result is "
+            f"None: no tensor to perturb): there was nothing for replay to find") in lines
+    assert not any(w in text.stdout for w in ("missed", "NOT", "not found"))
+    js = replaydiff_cli("replay", "trace", "--json", "-", cwd=cwd)
+    assert js.returncode == 0
+    doc = json.loads(js.stdout)
+    assert [(q["index"], q["outcome"], q["landed"]) for q in doc["plants"]] == [(rt.planted.index, "no_effect", True)]
+    assert doc["plants"][0]["note"] in lines
+
+
+def test_record_warns_at_the_end_when_the_planted_op_never_ran(tmp_path):
+    (tmp_path / "cnn.py").write_text(CNN)
+    proc = replaydiff_cli("record", "--plant", "aten.nosuch.default", "-o", "trace", "--", sys.executable, "cnn.py",
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    warning = ("replaydiff: warning: --plant aten.nosuch.default planted nothing: the recording never ran "
+               "aten.nosuch.default (`replaydiff show` lists the ops it ran)")
+    assert warning in proc.stderr.splitlines()
+    assert "replay should name that op" not in proc.stderr
+    p = open_trace(tmp_path / "trace").rank(0).planted
+    assert (p.op, p.landed, p.calls_seen, p.index) == ("aten.nosuch.default", False, 0, None)
+>>>>>>> plant

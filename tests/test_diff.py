@@ -125,7 +125,7 @@ def _record_model(name: str, out: Path, fault: PlantedFault | None = None) -> Pa
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_planted_fault_in_a_transformers_model(name: str, tmp_path: Path) -> None:
     ref = _record_model(name, tmp_path / "ref")
-    fault = PlantedFault("aten.mm.default", rel=1e-3, occurrence=3)
+    fault = PlantedFault("aten.mm.default", rel=1e-3, call=4)
     target = _record_model(name, tmp_path / "target", fault)
     assert fault.planted
     _assert_culprit(diff_traces(ref, target), ref, target, "aten.mm.default", 3)

@@ -220,7 +220,7 @@ def test_replay_op_and_json_report_round_trip(tmp_path: Path) -> None:
     from replaydiff.faults import PlantedFault
 
     step = _tiny_step()
-    with PlantedFault("aten.mm.default", rel=1e-3, occurrence=3), replaydiff.record(tmp_path / "t"):
+    with PlantedFault("aten.mm.default", rel=1e-3, call=4), replaydiff.record(tmp_path / "t"):
         step()
     report = replay_trace(str(tmp_path / "t"), ReplayOptions())
     first = report.first_divergent

@@ -97,7 +97,7 @@ def test_clean_step_replays_clean(name: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_planted_backward_fault_is_named(name: str, tmp_path: Path) -> None:
-    fault = PlantedFault("aten.mm.default", rel=1e-3, occurrence=3)
+    fault = PlantedFault("aten.mm.default", rel=1e-3, call=4)
     _record_step(name, tmp_path, fault)
     assert fault.planted
     mms = [op for op in open_trace(tmp_path).rank(0) if op.name == "aten.mm.default"]
@@ -107,7 +107,7 @@ def test_planted_backward_fault_is_named(name: str, tmp_path: Path) -> None:
 
 
 def test_op_without_fp64_kernel_falls_back_and_still_finds_a_fault(tmp_path: Path) -> None:
-    fault = PlantedFault("aten._grouped_mm.default", rel=1e-3, occurrence=1)
+    fault = PlantedFault("aten._grouped_mm.default", rel=1e-3, call=2)
     _record_step("mixtral", tmp_path, fault)
     grouped = [op.index for op in open_trace(tmp_path).rank(0) if op.name == "aten._grouped_mm.default"]
     report = replay_trace(str(tmp_path), ReplayOptions())

@@ -143,7 +143,7 @@ def noisy_trace(tmp_path_factory):
     model = NoisyMLP()
     step = rh.make_step(model, model.example_batch(), torch.optim.AdamW(model.parameters(), lr=1e-3))
     path = tmp_path_factory.mktemp("noisy") / "trace"
-    rh.record_fn(path, step, PlantedFault(name, rel=1e-3, occurrence=occurrence))
+    rh.record_fn(path, step, PlantedFault(name, rel=1e-3, call=occurrence + 1))
     ops = rh.trace_ops(path)
     return path, rh.occurrence_index(ops, "rdtest.noisy.default"), rh.occurrence_index(ops, name, occurrence)
 

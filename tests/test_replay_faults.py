@@ -1,18 +1,26 @@
 """Planted faults are found exactly: the planted op is the first divergent op and no other op diverges, although every
 op after it computed on the error (replay feeds each op its own recorded inputs).
 
-A PlantedFault sits below the recorder and multiplies the output (or the first written argument) of the
-``occurrence``-th call of one op by 1 + rel, as a buggy kernel would. The planted op's number is read back from the
-trace: the ``occurrence``-th op of that name.
+A PlantedFault sits below the recorder and multiplies the output (or the first written argument) of the N-th call
+(from 1) of one op by 1 + rel, as a buggy kernel would. The planted op's number is read back from the trace: the N-th
+op of that name. A plant that changes nothing, or no more than rounding does, is said to be so by every report.
 """
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 import replay_helpers as rh
+from replaydiff.cli.main import main
+from replaydiff.faults import PlantedFault
+from replaydiff.record import record
 from replaydiff.replay import Status
+from replaydiff.trace import open_trace
 
 
 def _planted(step: str, op: str, rel: float = 1e-3, occurrence: int = 0, phase: str | None = None):
@@ -110,3 +118,104 @@ def test_nan_origin_is_the_op_that_made_the_nan():
     rh.assert_only_culprit(report, index)
     assert report.first_divergent.metrics["nonfinite_mismatch"] > 0
     assert not math.isnan(report.first_divergent.metrics["max_abs"])
+
+
+# -- plants that change nothing, or less than replay can tell from rounding -------------------------------------------
+# A plant made through the public option (record(plant=...), as `record --plant`): the manifest says where it landed
+# and what it did, and replay and the health report say so instead of reading like a fault replay failed to find.
+def _record_plant(path: Path, fn, plant: str):
+    with record(path, plant=plant):
+        fn()
+    return open_trace(path).rank(0)
+
+
+def _replay_and_report(path: Path, capsys) -> tuple[int, list[str], dict, str]:
+    """Exit code and stdout lines of `replay`, its --json document, and the markdown health report."""
+    capsys.readouterr()
+    doc_path = path.parent / (path.name + ".json")
+    code = main(["replay", str(path), "--json", str(doc_path)])
+    text = capsys.readouterr().out.splitlines()
+    main(["report", str(path), "--replay", str(doc_path)])
+    return code, text, json.loads(doc_path.read_text()), capsys.readouterr().out
+
+
+def test_planted_fault_counts_calls_from_1_like_record_plant():
+    with PlantedFault("aten.relu.default", rel=1.0, call=2) as fault:
+        outs = [torch.relu(torch.ones(2)) for _ in range(3)]
+    assert [o.tolist() for o in outs] == [[1.0, 1.0], [2.0, 2.0], [1.0, 1.0]]
+    assert fault.planted and fault.seen == 3
+    # 1.0 -> 2.0 in float32 is 2**23 ulps; both elements changed
+    assert (fault.effect.elements, fault.effect.changed, fault.effect.max_ulps) == (2, 2, 2.0 ** 23)
+    assert PlantedFault.from_spec("relu:2:1e-3").call == 2
+    with pytest.raises(ValueError, match="from 1"):
+        PlantedFault("aten.relu.default", call=0)
+
+
+def test_plant_on_an_all_zero_result_changed_nothing_and_every_report_says_so(tmp_path, capsys):
+    rt = _record_plant(tmp_path / "t", lambda: (torch.relu(torch.randn(4, 8) - 100.0) * 2.0).sum(),
+                       "aten.relu.default")
+    op = next(o for o in rt if o.name == "aten.relu.default")
+    p = rt.planted
+    assert (p.landed, p.index, p.calls_seen) == (True, op.index, 1)
+    assert (p.effect.elements, p.effect.nonzero, p.effect.changed) == (32, 0, 0)
+    assert p.describe() == (f"aten.relu.default call 1 x(1+0.001), op #{op.index} on rank 0: "
+                            f"changed nothing (its result is all zeros)")
+    code, text, doc, md = _replay_and_report(tmp_path / "t", capsys)
+    assert code == 0
+    assert text[0] == f"PLANTED FAULT (record --plant): {p.describe()}"
+    note = (f"planted fault: op #{op.index} aten.relu.default changed nothing (its result is all zeros): there was "
+            f"nothing for replay to find")
+    assert note in text
+    assert not any(w in line for line in text for w in ("missed", "NOT", "not found", "failed to"))
+    (plant,) = doc["plants"]
+    assert (plant["index"], plant["outcome"], plant["effect"]["changed"]) == (op.index, "no_effect", 0)
+    assert doc["planted"] == [p.describe()]
+    assert note in md
+
+
+def test_plant_past_the_last_call_planted_nothing_and_every_report_says_so(tmp_path, capsys):
+    rt = _record_plant(tmp_path / "t", lambda: torch.relu(torch.randn(8)).sum(), "relu:3")
+    p = rt.planted
+    assert (p.landed, p.index, p.calls_seen, p.effect) == (False, None, 1, None)
+    assert p.describe() == "aten.relu.default call 3 x(1+0.001), never reached on rank 0 (the recording made 1 call)"
+    code, text, doc, md = _replay_and_report(tmp_path / "t", capsys)
+    assert code == 0
+    note = ("planted fault: the recording made 1 call of aten.relu.default, not 3: nothing was planted, so there was "
+            "nothing for replay to find")
+    assert note in text and note in md
+    assert [q["outcome"] for q in doc["plants"]] == ["not_run"]
+
+
+def test_plant_below_bf16_resolution_counts_the_elements_it_changed_and_their_ulps(tmp_path, capsys):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(1, 2, 8, 8, generator=g).bfloat16(), torch.randn(4, 2, 3, 3, generator=g).bfloat16()
+    exact = F.conv2d(x, w)  # the kernel's own result, unplanted
+    ulp = 2.0 ** (torch.frexp(exact.float()).exponent - 8)  # bfloat16 keeps 8 significant bits
+    for rel in (1e-3, 2e-3):  # 2e-3 moves the values with the largest significands by one ulp
+        planted = (exact.double() * (1 + rel)).to(torch.bfloat16)
+        changed = int((planted != exact).sum())
+        rt = _record_plant(tmp_path / f"t{rel}", lambda: F.conv2d(x, w), f"aten.convolution.default:1:{rel}")
+        op = next(o for o in rt if o.name == "aten.convolution.default")
+        assert torch.equal(rt.tensor(op.outputs), planted)  # the trace holds what the plant left
+        e = rt.planted.effect
+        assert (e.elements, e.changed, e.dtype) == (exact.numel(), changed, "bfloat16")
+        where = f"aten.convolution.default call 1 x(1+{rel:g}), op #{op.index} on rank 0"
+        if rel == 1e-3:  # 1e-3 is a quarter of bfloat16's spacing at most: every element rounds back
+            assert changed == 0 and e.max_ulps is None
+            assert rt.planted.describe() == f"{where}: changed nothing (all 144 elements round back to their " \
+                                            f"bfloat16 values)"
+            continue
+        assert 0 < changed < exact.numel()
+        assert e.max_ulps == ((planted.float() - exact.float()).abs() / ulp).max().item() == 1.0
+        assert rt.planted.describe() == (f"{where}: changed {changed} of 144 elements by at most 1 ulp of bfloat16 "
+                                         f"(one rounding: replay may not tell it from rounding error)")
+        code, text, doc, md = _replay_and_report(tmp_path / f"t{rel}", capsys)
+        assert code == 0 and "no divergent op" in "\n".join(text)
+        (r,) = [r for r in doc["ops"] if r["index"] == op.index]
+        m = r["metrics"]
+        note = (f"planted fault: op #{op.index} aten.convolution.default replayed ok: the plant changed {changed} of "
+                f"144 elements by at most 1 ulp of bfloat16, and replay's error measure for it, max_abs/(eps*absmax) "
+                f"{m['norm_max']:.3g}, is within its limit {m['limit_max']:.3g}: a change this small is not told "
+                f"apart from rounding error")
+        assert note in text and note in md
+        assert [q["outcome"] for q in doc["plants"]] == ["within_limit"]

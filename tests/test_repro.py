@@ -9,6 +9,7 @@ import io
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -151,6 +152,11 @@ def test_planted_fault_is_in_the_manifest_and_first_in_every_report(traces, tmp_
     assert rt.options["plant"] == PLANT_MM
     planted = rt.planted
     assert (planted.op, planted.call, planted.rel, planted.landed) == ("aten.mm.default", 2, 1e-3, True)
+    # a plant that changed its result is named as it always was; the manifest also counts what it changed
+    assert planted.describe() == f"aten.mm.default call 2 x(1+0.001), op #{planted.index} on rank 0"
+    e = planted.effect
+    assert (e.dtype, e.changed, e.nonfinite) == ("float32", e.nonzero, 0) and e.changed > 0
+    assert 2 ** 23 * 1e-3 - 1 <= e.max_ulps <= 2 ** 24 * 1e-3 + 1  # 1e-3 relative is 8389 to 16777 float32 ulps
     report = replay_trace(str(traces["mm"]), ReplayOptions())
     assert report.first_divergent.index == planted.index
     text = io.StringIO()
@@ -158,6 +164,24 @@ def test_planted_fault_is_in_the_manifest_and_first_in_every_report(traces, tmp_
     first = text.getvalue().splitlines()[0]
     assert first.startswith("PLANTED FAULT") and f"op #{planted.index}" in first
     assert report_to_json(report)["planted"] == [planted.describe()]
+
+
+def test_a_trace_written_before_plants_were_counted_still_reads_and_replays(traces, tmp_path):
+    """The manifest's plant entry as older versions wrote it (no calls_seen, no effect): named as it always was."""
+    from replaydiff.trace.format import MANIFEST, pack_frame, read_frame, write_atomic
+
+    old = tmp_path / "old"
+    shutil.copytree(traces["mm"], old)
+    manifest = old / "rank0" / MANIFEST
+    m = read_frame(manifest)
+    m["planted"] = {k: m["planted"][k] for k in ("op", "call", "rel", "landed")}
+    write_atomic(manifest, pack_frame(m, None))
+    planted = replaydiff.open_trace(old).rank(0).planted
+    assert (planted.calls_seen, planted.effect) == (None, None)
+    assert planted.describe() == f"aten.mm.default call 2 x(1+0.001), op #{planted.index} on rank 0"
+    report = replay_trace(str(old), ReplayOptions())
+    assert report.first_divergent.index == planted.index
+    assert [(p["outcome"], p["note"]) for p in report_to_json(report)["plants"]] == [("found", None)]
 
 
 STEP_SCRIPT = """

@@ -74,9 +74,9 @@ def _record(out, rank: int, faults: list[PlantedFault]) -> None:
 def traced(tmp_path_factory):
     """(trace path, replay report) of the two-rank trace described at the top."""
     out = tmp_path_factory.mktemp("tui") / "trace"
-    _record(out, 0, [PlantedFault("aten.addmm.default", rel=1e-3, occurrence=1),
+    _record(out, 0, [PlantedFault("aten.addmm.default", rel=1e-3, call=2),
                      PlantedFault("aten.native_layer_norm_backward.default", rel=1e-3),
-                     PlantedFault("aten.sqrt.default", rel=float("nan"), occurrence=28)])
+                     PlantedFault("aten.sqrt.default", rel=float("nan"), call=29)])
     _record(out, 1, [])
     report = replay_trace(str(out), ReplayOptions())
     return out, report

@@ -12,10 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from replaydiff.errors import UsageError
+from replaydiff.errors import ReplaydiffError, UsageError
 from replaydiff.record.options import GRANULARITIES, TENSOR_MODES, RecordOptions
 from replaydiff.record.step import ENV_VAR
+from replaydiff.trace import open_trace
 from replaydiff.trace.layout import remove_trace
+from replaydiff.trace.schema import PlantedFaultInfo
 
 NAME = "record"
 HELP = "record the N-th optimizer step of a training command (or many steps: --steps, --flight)"
@@ -68,6 +70,53 @@ def options_from_args(args: argparse.Namespace) -> RecordOptions:
                               flight_mib=args.flight_mib, flight_at_exit=args.flight_at_exit)
 
 
+def plant_lines(out: Path, spec: str) -> list[str]:
+    """What the end of a recording says of ``--plant SPEC``: where it landed and what it changed, or, as a warning,
+    that it planted nothing or changed nothing (replay will then have nothing to find). Ranks told the same are told
+    in one line."""
+    try:
+        found = []
+        for rt in open_trace(out):
+            p = rt.planted
+            if p is not None:
+                op = rt[p.index] if p.index is not None else None
+                found.append((p, (op.module or "(no module)", op.phase) if op is not None else None))
+    except ReplaydiffError as exc:
+        return [f"replaydiff: --plant {spec}: where it landed is unknown: {exc}"]
+    groups: dict[tuple, list] = {}
+    for p, where in found:
+        key = (p.op, p.call, p.landed, p.calls_seen, p.index, p.effect, where)
+        groups.setdefault(key, []).append((p, where))
+    lines = []
+    for members in groups.values():
+        ranks = [p.rank for p, _ in members]
+        on = f" on rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}" if len(found) > 1 else ""
+        lines.append("replaydiff: " + _plant_line(spec, *members[0], on))
+    return lines
+
+
+def _plant_line(spec: str, p: PlantedFaultInfo, where: tuple[str, str | None] | None, on: str) -> str:
+    if not p.landed:
+        if p.call is None:  # the manifest was never finished
+            return f"warning: --plant {spec}: the recording did not finish{on}, so where the plant landed is unknown"
+        made = f"never ran {p.op}" if not p.calls_seen else \
+            f"made {p.calls_seen} call{'' if p.calls_seen == 1 else 's'} of {p.op}, not {p.call}"
+        return f"warning: --plant {spec} planted nothing{on}: the recording {made} (`replaydiff show` lists the ops " \
+               f"it ran)"
+    at = f"op #{p.index} {p.op}" if p.index is not None else f"{p.op} call {p.call}"
+    if where is not None:
+        at += f" in {where[0]}" + (f" ({where[1]})" if where[1] else "")
+    e = p.effect
+    if e is not None and e.changed_nothing:
+        return f"warning: the planted fault ({spec}) landed on {at}{on} but {e.describe()}; replay will have " \
+               f"nothing to find: plant another call or op"
+    if e is not None and e.hint:
+        return f"warning: the planted fault ({spec}) landed on {at}{on} and {e.describe()}; a larger REL makes a " \
+               f"fault replay can tell apart"
+    return f"a fault was planted ({spec}): {at}{on}" + (f", {e.describe()}" if e is not None else "") + \
+        "; replay should name that op; every report on this trace says so first"
+
+
 def run(args: argparse.Namespace) -> int:
     cmd = list(args.command)
     if cmd and cmd[0] == "--":
@@ -98,8 +147,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"command not found: {cmd[0]}") from None
     ranks = sorted(p.name for p in out.iterdir() if p.is_dir() and p.name.startswith("rank"))
     if ranks and options.plant:
-        sys.stderr.write(f"replaydiff: a fault was planted ({options.plant}): replay should name that op; every "
-                         f"report on this trace says so first\n")
+        sys.stderr.write("".join(line + "\n" for line in plant_lines(out, options.plant)))
     if ranks and (options.steps or options.flight):
         sys.stderr.write(f"replaydiff: recorded {'the flight recorder' if options.flight else 'steps ' + options.steps}"
                          f" into {args.out} ({len(ranks)} rank(s)). Next:\n  replaydiff trend {args.out}\n")

@@ -270,12 +270,15 @@ class Recorder:
                 log.debug("could not pop the planted fault: %s", exc)
 
     def _planted(self) -> dict:
-        """What the manifest says of the planted fault: the spec, and whether the step ever made that call."""
+        """What the manifest says of the planted fault: the spec, how many calls of its op the recording made,
+        whether the planted call came and what it changed there."""
         from replaydiff.faults import PlantSpec
 
         spec = PlantSpec.parse(self.options.plant)
-        return {"op": spec.op, "call": spec.call, "rel": spec.rel,
-                "landed": bool(self._plant is not None and self._plant.planted)}
+        p = self._plant
+        return schema.wire_plant(spec.op, spec.call, spec.rel, landed=bool(p is not None and p.planted),
+                                 calls_seen=p.seen if p is not None else None,
+                                 effect=p.effect if p is not None else None)
 
     def __enter__(self) -> "Recorder":
         return self.start()

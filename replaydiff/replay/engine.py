@@ -25,6 +25,7 @@ from replaydiff.replay.policy import ReplayOptions, reference_settings
 from replaydiff.replay.result import OpResult, ReplayReport, Status
 from replaydiff.replay.runner import OpReplayer
 from replaydiff.trace.reader import RankTrace, Trace, open_trace
+from replaydiff.trace.schema import PlantedFaultInfo
 from replaydiff.trace.sync import earliest
 
 Progress = Callable[[int], None]
@@ -64,6 +65,7 @@ class ReplayPlan:
     shards: list[Shard] = field(default_factory=list)  # one per rank
     warnings: list[str] = field(default_factory=list)
     planted: list[str] = field(default_factory=list)
+    plants: list[PlantedFaultInfo] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -95,8 +97,10 @@ def plan(trace: Trace, opts: ReplayOptions) -> ReplayPlan:
         if rt.truncated_after is not None:
             p.warnings.append(f"rank {r}: the recording did not finish (truncated after op {rt.truncated_after}); "
                               f"replaying the complete prefix")
-        if rt.planted is not None:
-            p.planted.append(rt.planted.describe())
+        planted = rt.planted
+        if planted is not None:
+            p.planted.append(planted.describe())
+            p.plants.append(planted)
         for lost in rt.lost:
             p.warnings.append(f"rank {r}: recording lost data: {lost}")
         for region in rt.compiled_regions:
@@ -147,7 +151,7 @@ def run_shard(rt: RankTrace, opts: ReplayOptions, shard: Shard, progress: Progre
 
 def finish(trace: Trace, p: ReplayPlan, results: list[OpResult]) -> ReplayReport:
     report = ReplayReport(trace=p.path, options=p.options.as_dict(), warnings=list(p.warnings),
-                          planted=list(p.planted))
+                          planted=list(p.planted), plants=list(p.plants))
     report.ops = sorted(results, key=lambda r: (r.rank, r.index))
     pending = {(r.rank, r.index): r for r in report.ops if r.collective and r.status is Status.SKIPPED}
     if pending:

@@ -6,6 +6,7 @@ from enum import Enum
 from typing import Any
 
 from replaydiff.compare.verdict import Verdict
+from replaydiff.trace.schema import PlantedFaultInfo
 
 
 class Status(str, Enum):
@@ -67,6 +68,9 @@ class ReplayReport:
     replicas: Any = None
     # Faults planted while recording (record --plant), one description per rank: every report says so first.
     planted: list[str] = field(default_factory=list)
+    # The same faults as read from the trace (where each landed, what it changed): report.plant says what became
+    # of each in this replay.
+    plants: list[PlantedFaultInfo] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         c = {s.value: 0 for s in Status}

@@ -17,6 +17,7 @@ from typing import Any, TextIO
 from replaydiff import aten
 from replaydiff.compare.metrics import ExactMismatch, FloatError, NonfiniteMismatch
 from replaydiff.replay.result import OpResult, ReplayReport, Status
+from replaydiff.report.plant import plant_notes
 from replaydiff.report.text import metrics_line, op_line, planted_line
 from replaydiff.trace.reader import Trace
 
@@ -66,6 +67,7 @@ class Health:
     causes: list[Cause] = field(default_factory=list)
     points: list[tuple[int, int, float, str]] = field(default_factory=list)  # (rank, index, error/limit, status)
     warnings: list[str] = field(default_factory=list)
+    plant_notes: list[str] = field(default_factory=list)  # a planted fault that left replay nothing to find
 
 
 def normalised_error(r: OpResult) -> float | None:
@@ -98,8 +100,10 @@ def _fmt(x: float | None) -> str:
 def build_health(trace: Trace, report: ReplayReport, probe: bool = True) -> Health:
     h = Health(trace=report.trace or str(trace.path), planted=list(report.planted), options=dict(report.options),
                counts=report.counts(), warnings=list(report.warnings))
+    plants = report.plants or [rt.planted for rt in trace if rt.planted is not None]
     if not h.planted:  # a report written before --plant existed, or by hand: the trace still knows
-        h.planted = [rt.planted.describe() for rt in trace if rt.planted is not None]
+        h.planted = [p.describe() for p in plants]
+    h.plant_notes = plant_notes(report, plants)
     errs = {(r.rank, r.index): normalised_error(r) for r in report.ops}
     h.points = [(r.rank, r.index, e, r.status.value) for r in report.ops
                 if (e := errs[(r.rank, r.index)]) is not None]
@@ -295,7 +299,7 @@ def _passed(c: Check) -> str:
 def render_markdown(h: Health, out: TextIO) -> None:
     title = _title(h)
     if h.planted:
-        out.write(f"**{title[0]}**\n\n")
+        out.write(f"**{title[0]}**\n\n" + "".join(f"{note}\n\n" for note in h.plant_notes))
     out.write(f"# {title[-1]}\n\n")
     o = h.options
     out.write(f"Replayed on {o.get('device')} at {o.get('precision')}"
@@ -430,7 +434,7 @@ def render_html(h: Health, out: TextIO) -> None:
     out.write(f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>"
               f"{_esc(title[-1])}</title><style>{_CSS}</style></head><body>\n")
     if h.planted:
-        out.write(f'<p class="planted">{_esc(title[0])}</p>\n')
+        out.write(f'<p class="planted">{_esc(title[0])}</p>\n' + "".join(f"<p>{_esc(n)}</p>\n" for n in h.plant_notes))
     o = h.options
     out.write(f"<h1>{_esc(title[-1])}</h1><p>Replayed on {_esc(o.get('device'))} at {_esc(o.get('precision'))}: "
               + _esc(", ".join(f"{n} {s}" for s, n in h.counts.items())) + "</p>\n")

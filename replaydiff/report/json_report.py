@@ -1,6 +1,10 @@
 """The JSON replay report, schema ``replaydiff.replay/1`` (documented in the README).
 
 Top level: ``format``, ``planted`` (faults planted while recording, one line per rank; empty for a real trace),
+``plants`` (the same faults as objects: ``rank``, ``op``, ``call``, ``rel``, ``landed``, ``index``, ``calls_seen``,
+``effect`` (what the plant changed: ``tensors``, ``elements``, ``nonzero``, ``changed``, ``max_ulps``, ``nonfinite``,
+``dtype``), ``summary``, ``outcome`` (found, not_run, no_effect, within_limit, not_checked, not_replayed) and
+``note``),
 ``trace``, ``options``, ``warnings``, ``summary`` (count per status), ``first_divergent`` (null or an op object), ``first_nondeterministic``, ``nonfinite_origin`` and ``ops`` (one object per replayed op:
 ``rank``, ``index``, ``op``, ``status``, ``module``, ``phase``, ``source``, ``forward_index``, ``metrics``,
 ``reason``), ``first_divergent_per_rank`` (each rank's earliest divergent op) and ``undecided`` (ranks and op
@@ -19,6 +23,8 @@ from replaydiff.compare.verdict import Verdict
 from replaydiff.errors import UsageError
 
 from replaydiff.replay.result import OpResult, ReplayReport, Status
+from replaydiff.report.plant import plant_reports
+from replaydiff.trace.schema import PlantedFaultInfo
 
 JSON_FORMAT = "replaydiff.replay/1"
 
@@ -46,6 +52,7 @@ def report_to_json(report: ReplayReport) -> dict:
     return {
         "format": JSON_FORMAT,
         "planted": list(report.planted),
+        "plants": _clean([pr.to_json() for pr in plant_reports(report)]),
         "trace": report.trace,
         "options": _clean(report.options),
         "warnings": list(report.warnings),
@@ -69,7 +76,8 @@ def load_replay_json(path: str | Path) -> ReplayReport:
     if not isinstance(d, dict) or d.get("format") != JSON_FORMAT:
         raise UsageError(f"{path}: not a {JSON_FORMAT} report")
     report = ReplayReport(trace=d.get("trace", ""), options=d.get("options") or {}, warnings=d.get("warnings") or [],
-                          planted=[str(x) for x in d.get("planted") or []])
+                          planted=[str(x) for x in d.get("planted") or []],
+                          plants=[PlantedFaultInfo.from_json(x) for x in d.get("plants") or [] if isinstance(x, dict)])
     for o in d.get("ops") or []:
         status = Status(o["status"])
         m = o.get("metrics")

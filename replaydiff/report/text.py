@@ -5,6 +5,7 @@ from collections import Counter
 from typing import TextIO
 
 from replaydiff.replay.result import OpResult, ReplayReport, Status
+from replaydiff.report.plant import plant_notes
 
 
 def op_line(r: OpResult) -> str:
@@ -77,6 +78,8 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> No
             out.write(f"  {len(others)} more divergent op(s):\n")
             for r in others[:max_listed]:
                 out.write(f"    {f'rank {r.rank} ' if len(ranks) > 1 else ''}{op_line(r)}  {metrics_line(r)}\n")
+    for note in plant_notes(report):  # a plant that left replay nothing to find says so, never as a miss
+        out.write(note + "\n")
     if report.replicas is not None:
         out.write(report.replicas.describe() + "\n")
     nd = report.first_nondeterministic

@@ -17,7 +17,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -39,7 +39,8 @@ from replaydiff.trace.format import (
     read_manifest_frame,
 )
 from replaydiff.trace.index import IndexBuilder, ModuleNode, TraceIndex
-from replaydiff.trace.schema import OpRecord, RngState, StoredBytes, TensorRef, check_chunk, check_entered
+from replaydiff.trace.schema import (OpRecord, PlantedFaultInfo, RngState, StoredBytes, TensorRef, check_chunk,
+                                     check_entered, plant_from_wire)
 
 
 class DataFile:
@@ -110,26 +111,6 @@ class DataFile:
             pass
 
 
-@dataclass(frozen=True)
-class PlantedFaultInfo:
-    """A fault planted below the recorder: the ``call``-th call (from 1) of ``op`` times 1 + ``rel``; ``index`` is
-    that op's number in the trace (None if the step never made that call)."""
-
-    op: str
-    call: int | None
-    rel: float | None
-    landed: bool
-    index: int | None
-    rank: int
-
-    def describe(self) -> str:
-        what = self.op + (f" call {self.call}" if self.call else "") + \
-            (f" x(1{self.rel:+g})" if isinstance(self.rel, (int, float)) else "")
-        where = f"op #{self.index} on rank {self.rank}" if self.index is not None else \
-            f"never reached on rank {self.rank}"
-        return f"{what}, {where}"
-
-
 class RankTrace(Sequence):
     """One rank's trace: a sequence of OpRecord, ``r[i]`` being op number ``i`` (lazy: one chunk at a time)."""
 
@@ -193,20 +174,12 @@ class RankTrace(Sequence):
     @property
     def planted(self) -> "PlantedFaultInfo | None":
         """The fault planted while recording (``record --plant``), or None: a trace made to test replay itself."""
-        p = self.manifest.get("planted")
-        if not isinstance(p, dict):
-            plant = self.options.get("plant")
-            if not plant:
-                return None
-            p = {"spec": plant}  # still recording, or killed: the options say a fault was asked for
-        op, call = p.get("op"), p.get("call")
-        index = None
-        if isinstance(op, str) and isinstance(call, int) and p.get("landed"):
-            names = self.index.name
-            hits = [i for i in range(len(self.index)) if names[i] == op]
-            index = hits[call - 1] if len(hits) >= call else None
-        return PlantedFaultInfo(op=op if isinstance(op, str) else str(p.get("spec")), call=call,
-                                rel=p.get("rel"), landed=bool(p.get("landed")), index=index, rank=self.rank)
+        p = plant_from_wire(self.manifest.get("planted"), self.options.get("plant"), self.rank)
+        if p is None or not (p.landed and isinstance(p.call, int)):
+            return p
+        names = self.index.name
+        hits = [i for i in range(len(self.index)) if names[i] == p.op]
+        return replace(p, index=hits[p.call - 1] if len(hits) >= p.call else None)
 
     @property
     def compiled_regions(self) -> list[dict]:

@@ -634,3 +634,162 @@ def check_chunk(frame: Any, first: int) -> list[dict]:
 
 def chunk_frame(ops: list[dict], number: int) -> dict:
     return {"chunk": number, "first": ops[0][_INDEX], "ops": ops}
+
+
+# =============================================================================================================
+# The planted fault (record --plant): one entry of a rank's manifest
+# =============================================================================================================
+_PLANT_OP, _PLANT_CALL, _PLANT_REL, _PLANT_LANDED, _PLANT_SPEC = "op", "call", "rel", "landed", "spec"
+_PLANT_SEEN, _PLANT_EFFECT = "calls_seen", "effect"  # absent in traces written before a plant's effect was counted
+_EFFECT_COUNTS = ("tensors", "elements", "nonzero", "changed", "nonfinite")
+_EFFECT_ULPS, _EFFECT_DTYPE = "max_ulps", "dtype"
+
+
+def _count(x: float) -> str:
+    return f"{x:.0f}" if x < 1e6 else f"{x:.3g}"
+
+
+@dataclass(frozen=True)
+class PlantEffect:
+    """What a planted fault changed in the result it perturbed, counted in that result's own dtype while recording
+    (``replaydiff.faults.PlantEffect`` measures it). A plant that changed nothing gives replay nothing to find; one
+    that moved values by at most one ulp is no larger than a rounding."""
+
+    tensors: int  # result tensors the plant reached (0: the op's result there is None)
+    elements: int  # their floating-point elements
+    nonzero: int  # of those, the ones that were not zero
+    changed: int  # elements whose value the plant changed
+    max_ulps: float | None  # largest finite-to-finite change, in ulps of dtype (None: no such change)
+    nonfinite: int  # elements the plant turned into NaN or Inf
+    dtype: str | None
+
+    @property
+    def changed_nothing(self) -> bool:
+        return self.changed == 0
+
+    @property
+    def within_one_rounding(self) -> bool:
+        """Changed, but no value by more than one ulp: replay may not tell that from a correctly rounded result."""
+        return self.changed > 0 and not self.nonfinite and self.max_ulps is not None and self.max_ulps <= 1
+
+    @property
+    def hint(self) -> str | None:
+        """What the size of the change means for replay, when it matters."""
+        return "one rounding: replay may not tell it from rounding error" if self.within_one_rounding else None
+
+    def describe(self) -> str:
+        """The facts, and the hint if there is one."""
+        return self.facts() + (f" ({self.hint})" if self.hint else "")
+
+    def facts(self) -> str:
+        if self.changed_nothing:
+            if self.tensors == 0:
+                why = "its result is None: no tensor to perturb"
+            elif self.elements == 0:
+                why = "its result has no floating-point elements"
+            elif self.nonzero == 0:
+                why = "its result is all zeros"
+            else:
+                why = f"all {self.elements} elements round back to their {self.dtype} values"
+            return f"changed nothing ({why})"
+        text = f"changed {self.changed} of {self.elements} elements"
+        if self.nonfinite:
+            text += f" ({self.nonfinite} to NaN/Inf)"
+        if self.max_ulps is not None:
+            text += f" by at most {_count(self.max_ulps)} ulp{'' if self.max_ulps == 1 else 's'} of {self.dtype}"
+        return text
+
+    def to_json(self) -> dict:
+        return {**{k: getattr(self, k) for k in _EFFECT_COUNTS}, "max_ulps": self.max_ulps, "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, d: Any) -> "PlantEffect | None":
+        """The effect from its manifest entry (or a JSON report); None when it is absent or not sound."""
+        if not isinstance(d, dict):
+            return None
+        counts = [d.get(k) for k in _EFFECT_COUNTS]
+        ulps, dtype = d.get(_EFFECT_ULPS), d.get(_EFFECT_DTYPE)
+        sound = all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts) \
+            and (ulps is None or isinstance(ulps, (int, float))) and (dtype is None or isinstance(dtype, str))
+        if not sound:
+            return None
+        return cls(*counts[:4], None if ulps is None else float(ulps), counts[4], dtype)
+
+
+def wire_plant(op: str, call: int, rel: float, landed: bool, calls_seen: int | None, effect: Any = None) -> dict:
+    """The manifest entry of a planted fault; ``effect`` is anything with PlantEffect's fields (the faults module's
+    measurement), None when the plant never landed."""
+    entry: dict = {_PLANT_OP: op, _PLANT_CALL: call, _PLANT_REL: rel, _PLANT_LANDED: bool(landed)}
+    if calls_seen is not None:
+        entry[_PLANT_SEEN] = int(calls_seen)
+    if effect is not None:
+        entry[_PLANT_EFFECT] = {k: getattr(effect, k) for k in (*_EFFECT_COUNTS, _EFFECT_ULPS, _EFFECT_DTYPE)}
+    return entry
+
+
+@dataclass(frozen=True)
+class PlantedFaultInfo:
+    """A fault planted below the recorder: the ``call``-th call (from 1) of ``op`` times 1 + ``rel``; ``index`` is
+    that op's number in the trace (None if the step never made that call); ``calls_seen`` how many calls of ``op``
+    the recording made and ``effect`` what the plant changed (both None in traces written before they were kept)."""
+
+    op: str
+    call: int | None
+    rel: float | None
+    landed: bool
+    index: int | None
+    rank: int
+    calls_seen: int | None = None
+    effect: PlantEffect | None = None
+
+    @property
+    def nothing_to_find(self) -> bool:
+        """The plant changed no value of the trace: it never landed, or where it landed it changed nothing."""
+        return not self.landed or (self.effect is not None and self.effect.changed_nothing)
+
+    def describe(self) -> str:
+        what = self.op + (f" call {self.call}" if self.call else "") + \
+            (f" x(1{self.rel:+g})" if isinstance(self.rel, (int, float)) else "")
+        if self.index is not None:
+            where = f"op #{self.index} on rank {self.rank}"
+        elif self.landed:
+            where = f"on rank {self.rank}, an op the trace does not hold"
+        else:
+            where = f"never reached on rank {self.rank}"
+            if self.calls_seen == 0:
+                where += " (the recording never ran it)"
+            elif self.calls_seen is not None:
+                where += f" (the recording made {self.calls_seen} call{'' if self.calls_seen == 1 else 's'})"
+        e = self.effect
+        if self.landed and e is not None and (e.changed_nothing or e.within_one_rounding):
+            where += f": {e.describe()}"  # a plant that changed its result is named as it always was
+        return f"{what}, {where}"
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "op": self.op, "call": self.call, "rel": self.rel, "landed": self.landed,
+                "index": self.index, "calls_seen": self.calls_seen,
+                "effect": None if self.effect is None else self.effect.to_json(), "summary": self.describe()}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PlantedFaultInfo":
+        rel = d.get("rel")
+        if isinstance(rel, str):  # a JSON report writes a NaN or infinite REL as a string
+            rel = float(rel) if rel in ("nan", "inf", "-inf") else None
+        return cls(op=str(d.get("op")), call=d.get("call"), rel=rel, landed=bool(d.get("landed")),
+                   index=d.get("index"), rank=int(d.get("rank") or 0), calls_seen=d.get("calls_seen"),
+                   effect=PlantEffect.from_json(d.get("effect")))
+
+
+def plant_from_wire(entry: Any, spec: str | None, rank: int) -> PlantedFaultInfo | None:
+    """The planted fault of a manifest (``index`` left None: the reader finds the op), or None if there was none.
+    Without an entry, ``spec`` (the record options' plant) says a fault was asked for: still recording, or killed."""
+    if not isinstance(entry, dict):
+        if not spec:
+            return None
+        entry = {_PLANT_SPEC: spec}
+    op, call, seen = entry.get(_PLANT_OP), entry.get(_PLANT_CALL), entry.get(_PLANT_SEEN)
+    landed = bool(entry.get(_PLANT_LANDED))
+    return PlantedFaultInfo(op=op if isinstance(op, str) else str(entry.get(_PLANT_SPEC)),
+                            call=call if isinstance(call, int) else None, rel=entry.get(_PLANT_REL), landed=landed,
+                            index=None, rank=rank, calls_seen=seen if isinstance(seen, int) else None,
+                            effect=PlantEffect.from_json(entry.get(_PLANT_EFFECT)) if landed else None)

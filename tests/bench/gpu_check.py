@@ -57,7 +57,7 @@ def main() -> int:
     rows = []
     clean, faulty = root / "clean", root / "faulty"
     rec_s = _record(clean, None)
-    fault = PlantedFault("aten.mm.default", rel=1e-2, occurrence=2)
+    fault = PlantedFault("aten.mm.default", rel=1e-2, call=3)
     _record(faulty, fault)
     planted = [op.index for op in open_trace(faulty).rank(0) if op.name == "aten.mm.default"][2]
     for trace, label in ((clean, "clean"), (faulty, f"fault #{planted}")):
