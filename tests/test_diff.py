@@ -176,6 +176,10 @@ def _mlp_step(autocast_dtype: torch.dtype | None = None, nudge: bool = False, st
 def test_inputs_of_the_step_that_already_differ_are_said_first(tmp_path: Path, capsys) -> None:
     ref = rh.record_fn(tmp_path / "ref", _mlp_step())
     target = rh.record_fn(tmp_path / "target", _mlp_step(nudge=True))
+    assert main(["diff", str(ref), str(target), "--json", str(tmp_path / "d.json")]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    # Said on the second line, before the environment and before any op is named.
+    assert lines[1].startswith("inputs of the step already differ: 1 of "), lines[:3]
     report = diff_traces(ref, target)
     si = report.ranks[0].step_inputs
     # Only the nudged weight entered the step differing (AdamW's state is created inside a first step).
@@ -191,9 +195,6 @@ def test_inputs_of_the_step_that_already_differ_are_said_first(tmp_path: Path, c
     assert ref_ops[reader].inputs()[first.position].shape == (4, 16)
     assert report.found_difference and report.first_divergent is None
 
-    assert main(["diff", str(ref), str(target), "--json", str(tmp_path / "d.json")]) == 1
-    lines = capsys.readouterr().out.splitlines()
-    # Said on the second line, before the environment and before any op is named.
     assert lines[1].startswith(f"inputs of the step already differ: 1 of {si.compared} tensors from outside the "
                                f"trace, first float32[4, 16] (requires grad: a parameter) at ref #{first.ref} / "
                                f"target #{first.target} {first.op} input {first.position}  TinyMLP.net.2"), lines[:3]
@@ -212,13 +213,13 @@ def test_bf16_against_fp32_after_two_steps_names_no_op_whose_inputs_already_diff
     target = rh.record_fn(tmp_path / "target", _mlp_step(torch.bfloat16, steps_before=2))
     report = diff_traces(ref, target)
     rd = report.ranks[0]
+    assert report.first_divergent is None, report.first_divergent[1].reason
+    assert not [p for p in rd.pairs if p.status is PairStatus.DIVERGENT and not p.reason.endswith(
+        "inputs equal bit for bit, outputs differ")]
     trace = open_trace(ref).rank(0)
     params = {r.version for op in trace for pos, r in enumerate(op.inputs())
               if r.requires_grad and trace.producers(op.index).get(pos) is None}
     assert rd.step_inputs.differ >= 4 == len(params)  # the 4 parameters (and their AdamW state)
-    assert report.first_divergent is None
-    assert not [p for p in rd.pairs if p.status is PairStatus.DIVERGENT and not p.reason.endswith(
-        "inputs equal bit for bit, outputs differ")]
     assert main(["diff", str(ref), str(target)]) == 1
     out = capsys.readouterr().out
     assert out.splitlines()[1].startswith(f"inputs of the step already differ: {rd.step_inputs.differ} of ")
