@@ -61,7 +61,7 @@ class ModuleStatsHooks:
     def enter_module(self, module: torch.nn.Module, inputs: Any) -> None:
         """A module call begins: name it, and at its first call in the step record its own parameters."""
         name = self._name(module)
-        if id(module) not in self._measured:
+        if id(module) not in self._measured and self.rec.active:
             self._measured.add(id(module))
             self._parameters(module, name)
 
@@ -80,8 +80,6 @@ class ModuleStatsHooks:
         change of its weights (a GRU's gates saturate, a norm layer rescales), while a weight's own series is
         smooth from step to step, so a spike in it stands out even when only every N-th step is recorded."""
         rec = self.rec
-        if not rec.active:
-            return
         try:
             for pname, p in module.named_parameters(recurse=False):
                 self._record(schema.wire_op(rec.next_index, MODULE_PARAM, "forward", name, None, None), [p],
