@@ -217,6 +217,22 @@ def is_cheap(name: str) -> bool:
     return c
 
 
+_RANDOM: dict[str, bool] = {}
+
+
+def is_random(name: str) -> bool:
+    """An op whose outputs are drawn from a generator (``nondeterministic_seeded``: rand, randint, dropout...);
+    False for names not registered here and for replaydiff's own records."""
+    r = _RANDOM.get(name)
+    if r is None:
+        try:
+            r = facts(resolve(name)).seeded
+        except UnknownOp:
+            r = False
+        _RANDOM[name] = r
+    return r
+
+
 _WRAPS: dict[tuple, bool] = {}
 
 

@@ -28,6 +28,7 @@ from replaydiff.diff import (DiffOptions, Evidence, OriginKind, PairStatus, alig
 from replaydiff.errors import UsageError
 from replaydiff.diff.align import OpKeys
 from replaydiff.faults import PlantedFault
+from replaydiff.models import make_step
 from replaydiff.trace import open_trace
 
 LN_BACKWARD = "aten.native_layer_norm_backward.default"
@@ -155,6 +156,74 @@ def test_bf16_autocast_against_fp32_alignment_survives_the_casts() -> None:
     # the runs do part ways, and the first op to differ is a bf16 one
     rdf, first = report.first_divergent
     assert first.dtypes == ("float32", "bfloat16") and first.phase == "forward"
+
+
+def _mlp_step(autocast_dtype: torch.dtype | None = None, nudge: bool = False, steps_before: int = 0):
+    """The TinyMLP step after ``steps_before`` unrecorded steps; ``nudge`` adds 1e-3 to one weight of the second
+    layer before anything runs."""
+    torch.manual_seed(0)
+    model = rh.TinyMLP()
+    if nudge:
+        with torch.no_grad():
+            model.net[2].weight[0, 0] += 1e-3
+    step = make_step(model, model.example_batch(), torch.optim.AdamW(model.parameters(), lr=1e-3),
+                     autocast_dtype=autocast_dtype)
+    for _ in range(steps_before):
+        step()
+    return step
+
+
+def test_inputs_of_the_step_that_already_differ_are_said_first(tmp_path: Path, capsys) -> None:
+    ref = rh.record_fn(tmp_path / "ref", _mlp_step())
+    target = rh.record_fn(tmp_path / "target", _mlp_step(nudge=True))
+    assert main(["diff", str(ref), str(target), "--json", str(tmp_path / "d.json")]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    # Said on the second line, before the environment and before any op is named.
+    assert lines[1].startswith("inputs of the step already differ: 1 of "), lines[:3]
+    report = diff_traces(ref, target)
+    si = report.ranks[0].step_inputs
+    # Only the nudged weight entered the step differing (AdamW's state is created inside a first step).
+    assert si.differ == 1 and si.compared > 1
+    trace = open_trace(ref).rank(0)
+    ref_ops = list(trace)
+    # The weight's first reader: the first op reading a [4, 16] tensor that requires grad and no op produced.
+    reader = min(op.index for op in ref_ops for pos, r in enumerate(op.inputs())
+                 if r.shape == (4, 16) and r.requires_grad and trace.producers(op.index).get(pos) is None)
+    first = si.first
+    assert (first.ref, first.op, first.module) == (reader, ref_ops[reader].name, ref_ops[reader].module)
+    assert first.read_first.index == reader and first.requires_grad
+    assert ref_ops[reader].inputs()[first.position].shape == (4, 16)
+    assert report.found_difference and report.first_divergent is None
+
+    assert lines[1].startswith(f"inputs of the step already differ: 1 of {si.compared} tensors from outside the "
+                               f"trace, first float32[4, 16] (requires grad: a parameter) at ref #{first.ref} / "
+                               f"target #{first.target} {first.op} input {first.position}  TinyMLP.net.2"), lines[:3]
+    doc = json.loads((tmp_path / "d.json").read_text())
+    assert list(doc)[:5] == ["format", "ref", "target", "baseline", "step_inputs"]
+    assert doc["step_inputs"]["differ"] == 1 and doc["step_inputs"]["first"]["index"] == {
+        "ref": first.ref, "target": first.target}
+    assert doc["ranks"][0]["step_inputs"]["differ"] == 1
+
+
+def test_bf16_against_fp32_after_two_steps_names_no_op_whose_inputs_already_differ(tmp_path: Path,
+                                                                                   capsys) -> None:
+    """At step 3 every parameter differs between the runs: an op whose inputs agree only within bf16's tolerance is
+    carrying that difference, not introducing one."""
+    ref = rh.record_fn(tmp_path / "ref", _mlp_step(steps_before=2))
+    target = rh.record_fn(tmp_path / "target", _mlp_step(torch.bfloat16, steps_before=2))
+    report = diff_traces(ref, target)
+    rd = report.ranks[0]
+    assert report.first_divergent is None, report.first_divergent[1].reason
+    assert not [p for p in rd.pairs if p.status is PairStatus.DIVERGENT and not p.reason.endswith(
+        "inputs equal bit for bit, outputs differ")]
+    trace = open_trace(ref).rank(0)
+    params = {r.version for op in trace for pos, r in enumerate(op.inputs())
+              if r.requires_grad and trace.producers(op.index).get(pos) is None}
+    assert rd.step_inputs.differ >= 4 == len(params)  # the 4 parameters (and their AdamW state)
+    assert main(["diff", str(ref), str(target)]) == 1
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].startswith(f"inputs of the step already differ: {rd.step_inputs.differ} of ")
+    assert "first divergence" not in out and "inputs agree within tolerance" not in out
 
 
 def test_foreach_against_for_loop_adamw() -> None:

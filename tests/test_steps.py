@@ -21,7 +21,7 @@ import transformers  # part of the `test` extra
 
 import replaydiff
 from replaydiff.cli.main import main as cli_main
-from replaydiff.report.trend import compute_trend
+from replaydiff.report.trend import MIN_HISTORY, compute_trend
 from replaydiff.trace import open_trace
 
 VOCAB, SEQ = 50, 8
@@ -96,6 +96,75 @@ def test_weight_times_100_at_step_30_is_the_first_change(tmp_path, granularity):
         with replaydiff.record(tmp_path / "clean", tensors="stats", steps="1-60", granularity="module"):
             train(gpt2(), 60)
         assert compute_trend(open_trace(tmp_path / "clean").rank(0)).first_change is None
+
+
+class TinyGRU(torch.nn.Module):
+    """Token ids in, two classes out: the recurrent layer's gates saturate, so its output barely shows a weight
+    spike (measured: robust z 10.6 for weight_ih x100, under the threshold of 12)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 8)
+        self.gru = torch.nn.GRU(8, 16, batch_first=True)
+        self.fc = torch.nn.Linear(16, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h, _ = self.gru(self.emb(ids))
+        return self.fc(h[:, -1])
+
+
+def train_classifier(model: torch.nn.Module, inputs, spiked: torch.nn.Parameter, steps: int = 30,
+                     spike_step: int = 20) -> list[int]:
+    """SGD steps on random batches with integer labels from ``torch.randint`` (0 or 1, so that some steps' labels
+    are all zeros: an l2 of 0 after a run of ~1.4); ``spiked`` is multiplied by 100 before step ``spike_step``.
+    ``inputs(generator)`` draws a batch. Returns the steps whose labels were all zeros."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(2)
+    zero_labels = []
+    for step in range(1, steps + 1):
+        x = inputs(g)
+        y = torch.randint(0, 2, (4,), generator=g)
+        if not y.any():
+            zero_labels.append(step)
+        if step == spike_step:
+            with torch.no_grad():
+                spiked.mul_(100)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return zero_labels
+
+
+def test_integer_and_random_statistics_never_count_as_a_change(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    with replaydiff.record(tmp_path / "t", tensors="stats", steps="1-30"):
+        zero_labels = train_classifier(model, lambda g: torch.randn(4, 8, generator=g), model[2].weight)
+    # The trap is set: labels that were all zeros at a scored step before the spike (seed chosen for it).
+    assert any(MIN_HISTORY < s < 20 for s in zero_labels), zero_labels
+    r = open_trace(tmp_path / "t").rank(0)
+    assert any(op.name.startswith("aten.randint.") for op in r)
+    change = compute_trend(r).first_change
+    assert change is not None
+    assert (change.step, change.module) == (20, module_path(model, model[2])), change
+    assert r[change.index].name == change.op and not change.op.startswith("aten.randint.")
+    assert change.statistic in ("l2", "absmax") and change.score > 12
+
+
+def test_sampled_module_steps_catch_a_weight_spike_the_outputs_hide(tmp_path):
+    torch.manual_seed(0)
+    model = TinyGRU()
+    with replaydiff.record(tmp_path / "t", tensors="stats", steps="1-30:2", granularity="module"):
+        train_classifier(model, lambda g: torch.randint(0, 20, (4, 6), generator=g), model.gru.weight_ih_l0)
+    r = open_trace(tmp_path / "t").rank(0)
+    assert sorted({op.step for op in r}) == list(range(1, 30, 2))
+    change = compute_trend(r).first_change
+    assert change is not None
+    # Step 20 is not recorded: the first recorded step after the spike is 21.
+    assert (change.step, change.module) == (21, module_path(model, model.gru)), change
+    assert change.statistic in ("l2", "absmax") and change.score > 12
+    # It names the weight: the module's own parameter series, which its saturated output hides.
+    assert (r[change.index].name, change.parameter) == (change.op, "weight_ih_l0")
 
 
 def test_trend_cli_json_text_and_svg(tmp_path, capsys):

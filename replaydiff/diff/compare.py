@@ -12,7 +12,10 @@ whose rounding explains the difference.
 
 An op pair is ``divergent`` when its inputs (tensors and plain arguments) agree and its outputs do not: the op that
 introduced the difference. ``inherited`` when an input already differed; its origin is the producer of the first
-differing input (an aligned pair, an op on one side only, or outside the trace).
+differing input (an aligned pair, an op on one side only, or outside the trace). Also ``inherited`` when its inputs
+agree only within tolerance and descend from a step input (parameter, optimizer state, batch, buffer) that already
+differed beyond it: the difference came in with the step, the op carried it on. Inputs equal bit for bit always make
+the op the cause.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from replaydiff import aten
 from replaydiff.compare.metrics import ExactMismatch, FloatError, Measure, NonfiniteMismatch, ShapeMismatch, measure
 from replaydiff.compare.tolerance import Tolerances, reduction_length
 from replaydiff.compare.verdict import Verdict, judge_measure
-from replaydiff.diff.result import Evidence, Origin, PairResult, PairStatus, weakest
+from replaydiff.diff.result import Evidence, Origin, OriginKind, PairResult, PairStatus, weakest
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import Opaque, OpRecord, TensorRef, TensorStats, iter_refs
 
@@ -188,9 +191,10 @@ class PairComparer:
         self._seen[key] = (c, v)
         return c, v
 
-    def compare(self, rop: OpRecord, top: OpRecord, origin_of: Callable[[int, int], Origin]) -> PairResult:
+    def compare(self, rop: OpRecord, top: OpRecord, origin_of: Callable[[int, int], Origin],
+                carries_step_inputs: bool = False) -> PairResult:
         """Judge one aligned pair; ``origin_of(target op, input position)`` says where a differing input came
-        from."""
+        from; ``carries_step_inputs``: the target op's inputs descend from a step input that already differed."""
         res = PairResult(ref=rop.index, target=top.index, op=rop.name, status=PairStatus.SAME, module=rop.module,
                          phase=rop.phase, source=rop.source, forward_index=rop.forward_index,
                          target_op=top.name if top.name != rop.name else None)
@@ -262,6 +266,11 @@ class PairComparer:
                 res.reason = f"{bad[0].reason}; input {first_bad_input} already differed"
             else:
                 res.reason = f"{bad[0].reason}; inputs already differed"
+        elif carries_step_inputs and not args_differ and not (res.inputs_agree and inputs_exact):
+            res.status = PairStatus.INHERITED
+            res.inherited_from = Origin(OriginKind.OUTSIDE)
+            agree = "agree within tolerance" if res.inputs_agree else "could not be compared"
+            res.reason = f"{bad[0].reason}; inputs {agree}, and descend from step inputs that already differed"
         else:
             res.status = PairStatus.DIVERGENT
             # Inputs equal bit for bit make the op itself the cause; inputs that agree only within tolerance leave

@@ -21,10 +21,11 @@ from replaydiff.compare.tolerance import Tolerances
 from replaydiff.diff.align import Alignment, OpKeys, align, op_keys
 from replaydiff.diff.compare import Judge, PairComparer, Where, compare_refs
 from replaydiff.diff.environment import environment_diff
-from replaydiff.diff.result import DiffReport, Origin, OriginKind, PairStatus, RankDiff, Unaligned
+from replaydiff.diff.result import (DiffReport, OpPlace, Origin, OriginKind, PairStatus, RankDiff, StepInput,
+                                    StepInputs, Unaligned)
 from replaydiff.errors import UsageError
 from replaydiff.trace.reader import RankTrace, Trace, open_trace
-from replaydiff.trace.schema import OpRecord
+from replaydiff.trace.schema import OpRecord, TensorRef
 
 DEFAULT_SAFETY = 8.0
 
@@ -68,9 +69,11 @@ class _Ops:
         self.trace = trace
         self.ops: dict[int, OpRecord] = {}
         self.keys: list[OpKeys] = []
+        self.inputs: dict[int, list[TensorRef]] = {}  # each op's input tensors (read by several passes)
         for op in trace:
             self.ops[op.index] = op
             self.keys.append(op_keys(op))
+            self.inputs[op.index] = op.inputs()
 
 
 def _runs(side: str, indices: list[int], ops: dict[int, OpRecord]) -> list[Unaligned]:
@@ -126,6 +129,74 @@ def _collective_behind(start: int, side: _Ops, unaligned: set[int], limit: int =
     return None
 
 
+def _outside(side: _Ops, index: int, pos: int, version: int | None) -> bool:
+    """Input ``pos`` of op ``index`` holds values no op of the trace computed: it has no producer, or only views of
+    a tensor that has none (the index names the first op to return a view of a storage as that storage's producer,
+    so a weight read after ``aten.t`` of it has the ``t`` as its producer)."""
+    p = side.trace.producers(index).get(pos)
+    for _ in range(64):  # views of views; a longer chain is taken as computed
+        if p is None:
+            return True
+        ins = side.inputs.get(p)
+        k = None if ins is None or version is None else \
+            next((q for q, r in enumerate(ins) if r.version == version), None)
+        if k is None:  # the producer computed these bytes (or wrote them in place: that makes a new version)
+            return False
+        p = side.trace.producers(p).get(k)
+    return False
+
+
+def _step_inputs(ref: _Ops, target: _Ops, pairs: list[tuple[int, int]],
+                 comparer: PairComparer) -> tuple[StepInputs, set[int]]:
+    """The step's inputs (read by an aligned pair, computed by no op on either side) judged between the runs, in the
+    order the reference first reads them, and the target's storage versions of those beyond tolerance."""
+    first_read: dict[int, OpPlace] = {}
+    for op in ref.ops.values():
+        for r in ref.inputs[op.index]:
+            if r.version is not None and r.version not in first_read:
+                first_read[r.version] = OpPlace(op.index, op.name, op.module, op.phase)
+    out = StepInputs()
+    versions: set[int] = set()
+    seen: set[tuple] = set()
+    for i, j in pairs:
+        rop = ref.ops[i]
+        for pos, (r, t) in enumerate(zip(ref.inputs[i], target.inputs[j])):
+            # One tensor per storage on each side: a weight and the transposed view of it that a matmul reads.
+            key = (r.version if r.version is not None else r.geometry, t.version if t.version is not None else
+                   t.geometry)
+            if key in seen or not _outside(ref, i, pos, r.version) or not _outside(target, j, pos, t.version):
+                continue
+            seen.add(key)
+            _, v = comparer.tensor_verdict(r, t, 1, (i, "in", pos))
+            if v is None:
+                continue
+            out.compared += 1
+            if v.divergent:
+                read = first_read.get(r.version) or OpPlace(i, rop.name, rop.module, rop.phase)
+                out.differing.append(StepInput(read, i, j, rop.name, pos, rop.module, rop.phase, t.describe(),
+                                               t.requires_grad, v))
+                if t.version is not None:
+                    versions.add(t.version)
+    out.differing.sort(key=lambda d: (d.read_first.index, d.ref))
+    return out, versions
+
+
+def _carriers(side: _Ops, versions: set[int]) -> set[int]:
+    """The ops of one side whose inputs descend, through the ops of the trace, from a step input whose storage
+    version is in ``versions`` (an op that writes such a tensor in place carries it on, as its output does)."""
+    out: set[int] = set()
+    if not versions:
+        return out
+    for j, ins in side.inputs.items():  # in op order
+        producers = side.trace.producers(j)
+        for pos, t in enumerate(ins):
+            p = producers.get(pos)
+            if (p in out) if p is not None else (t.version in versions):
+                out.add(j)
+                break
+    return out
+
+
 def diff_ranks(ref: _Ops, target: _Ops, judge: Judge, alignment: Alignment | None = None,
                progress: Callable[[int], None] | None = None) -> RankDiff:
     al = alignment or align(ref.keys, target.keys)
@@ -148,8 +219,12 @@ def diff_ranks(ref: _Ops, target: _Ops, judge: Judge, alignment: Alignment | Non
         return Origin(OriginKind.OUTSIDE)
 
     comparer = PairComparer(ref.trace, target.trace, judge)
+    # The step's inputs first: when they already differ, an op downstream of them whose own inputs agree only
+    # within tolerance carries that difference on (an ill-conditioned op amplifies it); it did not introduce one.
+    rd.step_inputs, differing = _step_inputs(ref, target, al.pairs, comparer)
+    carriers = _carriers(target, differing)
     for n, (i, j) in enumerate(al.pairs):
-        p = comparer.compare(ref.ops[i], target.ops[j], origin_of)
+        p = comparer.compare(ref.ops[i], target.ops[j], origin_of, carries_step_inputs=j in carriers)
         if p.status is PairStatus.DIVERGENT and p.forward_index in ref.ops:
             p.forward_source = ref.ops[p.forward_index].source  # a backward op's own line is the backward() call
         rd.add(p)

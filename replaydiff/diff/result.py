@@ -4,6 +4,8 @@ Per pair of ranks (reference rank, target rank) a ``RankDiff`` holds one ``PairR
 up by ``(ref index, target index)`` or by either index alone, and the ops left unaligned on each side (structural
 differences). A pair's ``PairStatus`` says whether it introduced a difference (``divergent``: inputs agree, outputs
 do not), only carried an earlier one forward (``inherited``), matched (``same``) or had nothing to compare.
+``StepInputs`` says whether the step's own inputs (tensors no op of the trace produced: parameters, optimizer state,
+the batch, buffers) already differed when the step began: then the runs had parted before it.
 """
 from __future__ import annotations
 
@@ -89,6 +91,77 @@ class Origin:
         return "an input from outside the trace (parameter, batch or buffer)"
 
 
+@dataclass(frozen=True)
+class OpPlace:
+    """An op of one trace: number, name, module and phase."""
+
+    index: int
+    op: str
+    module: str | None
+    phase: str | None
+
+    def where(self) -> str:
+        return "  ".join(x for x in (self.module or "", f"({self.phase})" if self.phase else "") if x)
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "op": self.op, "module": self.module, "phase": self.phase}
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """A tensor that entered the step from outside the trace on both sides (a parameter, optimizer state, the batch,
+    a buffer): the first reference op that reads it, and the aligned pair where the two runs' values were judged
+    (the first pair that reads it on both sides as it came in: under autocast, the forward reads a cast copy)."""
+
+    read_first: OpPlace  # in the reference
+    ref: int  # the judging pair: op number in the reference
+    target: int  # and in the target
+    op: str
+    position: int  # input position in that op
+    module: str | None
+    phase: str | None
+    tensor: str  # dtype[shape] in the target, e.g. "float32[4, 16]"
+    requires_grad: bool  # in the target: a parameter, when read from outside the trace
+    verdict: Verdict
+
+    def describe(self) -> str:
+        what = f"{self.tensor} (requires grad: a parameter)" if self.requires_grad else self.tensor
+        pair = f"ref #{self.ref} / target #{self.target} {self.op} input {self.position}"
+        where = "  ".join(x for x in (self.module or "", f"({self.phase})" if self.phase else "") if x)
+        rf = self.read_first
+        if rf.index == self.ref:
+            return f"{what} at {pair}  {where}".rstrip()
+        return f"{what} read first by ref #{rf.index} {rf.op}  {rf.where()}, compared at {pair}  {where}".rstrip()
+
+    def to_json(self) -> dict:
+        return {"read_first": self.read_first.to_json(), "index": {"ref": self.ref, "target": self.target},
+                "op": self.op, "position": self.position, "module": self.module, "phase": self.phase,
+                "tensor": self.tensor, "requires_grad": self.requires_grad, "metrics": self.verdict.to_json(),
+                "reason": self.verdict.reason}
+
+
+@dataclass
+class StepInputs:
+    """The step's inputs compared between the two runs: how many were judged, and those beyond tolerance, in the
+    order the reference first reads them."""
+
+    compared: int = 0
+    differing: list[StepInput] = field(default_factory=list)
+
+    @property
+    def differ(self) -> int:
+        return len(self.differing)
+
+    @property
+    def first(self) -> StepInput | None:
+        return self.differing[0] if self.differing else None
+
+    def to_json(self) -> dict:
+        return {"compared": self.compared, "differ": self.differ,
+                "first": None if self.first is None else self.first.to_json(),
+                "differing": [d.to_json() for d in self.differing]}
+
+
 @dataclass
 class PairResult:
     ref: int  # op number in the reference rank's trace
@@ -145,6 +218,7 @@ class RankDiff:
     target_only: list[Unaligned] = field(default_factory=list)
     ref_ops: int = 0
     target_ops: int = 0
+    step_inputs: StepInputs = field(default_factory=StepInputs)
 
     def __post_init__(self) -> None:
         self._index()
@@ -215,8 +289,14 @@ class DiffReport:
 
     @property
     def found_difference(self) -> bool:
-        """The runs part ways: some aligned op's outputs differ (introduced or inherited)."""
-        return any(rd.first_difference is not None for rd in self.ranks)
+        """The runs part ways: some aligned op's outputs differ (introduced or inherited), or the step's inputs
+        already did."""
+        return any(rd.first_difference is not None or rd.step_inputs.differ for rd in self.ranks)
+
+    @property
+    def step_inputs_differ(self) -> list[RankDiff]:
+        """The rank pairs whose step began from inputs that already differed."""
+        return [rd for rd in self.ranks if rd.step_inputs.differ]
 
     def counts(self) -> dict[str, int]:
         total: dict[str, int] = {}

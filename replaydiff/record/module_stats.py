@@ -4,7 +4,9 @@ Why: a per-op dispatch mode costs ~20 us of Python per aten op before it does an
 doubles the tiny step), so watching thousands of steps op by op is never cheap. Global module hooks run once per
 module call instead of once per op, and a hook on each output tensor sees its gradient: no dispatch mode at all.
 Each call becomes one record named ``MODULE_OUTPUT`` (forward phase, outputs = the module's output tensors) and each
-gradient one ``MODULE_GRAD`` record (backward phase, ``forward_index`` = the output record); module paths are
+gradient one ``MODULE_GRAD`` record (backward phase, ``forward_index`` = the output record); at a module's first call
+in a step, each parameter it holds itself one ``MODULE_PARAM`` record (forward phase, args = [parameter name],
+outputs = [the parameter]) before anything the call computes; module paths are
 spelled as the op recorder spells them (``GPT2LMHeadModel.transformer.h.0.mlp``). Hooks return nothing: the job
 computes exactly what it would have.
 """
@@ -19,8 +21,7 @@ from replaydiff.trace import schema
 
 log = logging.getLogger("replaydiff")
 
-MODULE_OUTPUT = "module.output"
-MODULE_GRAD = "module.grad"
+MODULE_OUTPUT, MODULE_GRAD, MODULE_PARAM = schema.MODULE_OUTPUT, schema.MODULE_GRAD, schema.MODULE_PARAM
 
 
 def output_tensors(v: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -42,11 +43,13 @@ class ModuleStatsHooks:
         self.rec = rec
         self._handles: list = []
         self._names: dict[int, str] = {}
+        self._measured: set[int] = set()  # modules whose parameters this step has recorded
 
     def install(self) -> None:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
         self._names.clear()  # ids of modules freed since the last step may have been reused
+        self._measured.clear()  # installed once per recorded step: each step measures the parameters again
         self._handles = [register_module_forward_pre_hook(self.enter_module),
                          register_module_forward_hook(self._after_forward)]
 
@@ -56,18 +59,33 @@ class ModuleStatsHooks:
         self._handles = []
 
     def enter_module(self, module: torch.nn.Module, inputs: Any) -> None:
-        """A module call begins: the outermost one not yet seen names its whole tree, as torch's ModuleTracker
-        does (its children start after it, so they find their names ready)."""
-        if id(module) not in self._names:
-            for sub_name, sub in module.named_modules(prefix=type(module).__name__):
-                self._names[id(sub)] = sub_name
+        """A module call begins: name it, and at its first call in the step record its own parameters."""
+        name = self._name(module)
+        if id(module) not in self._measured and self.rec.active:
+            self._measured.add(id(module))
+            self._parameters(module, name)
 
     def _name(self, module: torch.nn.Module) -> str:
+        """The outermost module not yet seen names its whole tree, as torch's ModuleTracker does (its children
+        start after it, so they find their names ready); a call that began before the hooks were installed too."""
         name = self._names.get(id(module))
-        if name is None:  # a call that began before the hooks were installed
-            self.enter_module(module, None)
+        if name is None:
+            for sub_name, sub in module.named_modules(prefix=type(module).__name__):
+                self._names[id(sub)] = sub_name
             name = self._names[id(module)]
         return name
+
+    def _parameters(self, module: torch.nn.Module, name: str) -> None:
+        """One ``MODULE_PARAM`` record per parameter the module holds itself. Why: a module's output can hide a
+        change of its weights (a GRU's gates saturate, a norm layer rescales), while a weight's own series is
+        smooth from step to step, so a spike in it stands out even when only every N-th step is recorded."""
+        rec = self.rec
+        try:
+            for pname, p in module.named_parameters(recurse=False):
+                self._record(schema.wire_op(rec.next_index, MODULE_PARAM, "forward", name, None, None), [p],
+                             args=[pname])
+        except Exception as exc:
+            rec.disable(f"parameter statistics failed ({type(exc).__name__}: {exc})")
 
     def _after_forward(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
         rec = self.rec
@@ -97,7 +115,7 @@ class ModuleStatsHooks:
                 rec.disable(f"gradient statistics failed ({type(exc).__name__}: {exc})")
         return hook
 
-    def _record(self, record: dict, tensors: list[torch.Tensor]) -> int:
+    def _record(self, record: dict, tensors: list[torch.Tensor], args: list | None = None) -> int:
         rec = self.rec
         index = schema.wire_index(record)
         rec.next_index += 1
@@ -105,7 +123,7 @@ class ModuleStatsHooks:
             schema.wire_set_step(record, rec.step)
         b = rec.builder
         b.autograd_versions = True  # no dispatch mode here: see OpBuilder.ref
-        schema.wire_set_inputs(record, [], {})
+        schema.wire_set_inputs(record, args or [], {})
         schema.wire_set_outputs(record, [b.ref(t, True) for t in tensors], None, False)
         b.add_op(record)
         return index

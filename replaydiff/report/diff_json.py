@@ -1,9 +1,12 @@
 """The JSON diff report, schema ``replaydiff.diff/1`` (documented in docs/diff.md, beside the replay schema).
 
-Top level: ``format``, ``ref``, ``target``, ``baseline``, ``options``, ``warnings``, ``environment`` (one object per
+Top level: ``format``, ``ref``, ``target``, ``baseline``, ``step_inputs`` (null, or for the first rank pair whose
+step began from inputs that already differed: ``compared``, ``differ``, ``first`` and ``differing``), ``options``,
+``warnings``, ``environment`` (one object per
 difference: ``key``, ``ref``, ``target``, ``hint``), ``summary`` (pair counts per status, ops on one side only),
 ``first_divergent`` (null or a pair: the earliest over ranks), ``ranks`` (per rank pair: ``ref_rank``,
-``target_rank``, ``evidence``, ``summary``, ``first_divergent``, ``first_difference``), ``structural`` (runs of ops on
+``target_rank``, ``evidence``, ``step_inputs``, ``summary``, ``first_divergent``, ``first_difference``),
+``structural`` (runs of ops on
 one side only) and ``pairs`` (one object per aligned pair). Non-finite floats are written as "inf", "-inf", "nan".
 """
 from __future__ import annotations
@@ -41,9 +44,11 @@ def _unaligned_json(rd: RankDiff, u: Unaligned) -> dict[str, Any]:
 
 def diff_to_json(report: DiffReport) -> dict:
     first = report.first_divergent
+    parted = report.step_inputs_differ
     return {
         "format": DIFF_FORMAT,
         "ref": report.ref, "target": report.target, "baseline": report.baseline,
+        "step_inputs": _clean(parted[0].step_inputs.to_json()) if parted else None,
         "options": _clean(report.options),
         "warnings": list(report.warnings),
         "environment": [_clean(d.to_json()) for d in report.environment],
@@ -51,6 +56,7 @@ def diff_to_json(report: DiffReport) -> dict:
         "first_divergent": None if first is None else pair_json(*first),
         "ranks": [{"ref_rank": rd.ref_rank, "target_rank": rd.target_rank, "ref_ops": rd.ref_ops,
                    "target_ops": rd.target_ops, "evidence": [e.value for e in rd.evidence],
+                   "step_inputs": _clean(rd.step_inputs.to_json()),
                    "summary": rd.counts(), "first_divergent": pair_json(rd, rd.first_divergent),
                    "first_difference": pair_json(rd, rd.first_difference)} for rd in report.ranks],
         "structural": [_unaligned_json(rd, u) for rd in report.ranks

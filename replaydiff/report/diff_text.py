@@ -1,5 +1,7 @@
-"""The human-readable diff summary: environment differences first, then per rank pair the first divergence (the op
-whose inputs agree and whose outputs do not), how far the difference spread, and the ops present on one side only."""
+"""The human-readable diff summary: whether the step's own inputs already differed (said first: then the runs had
+parted before the step, and no op of it is where they part), environment differences, then per rank pair the first
+divergence (the op whose inputs agree and whose outputs do not), how far the difference spread, and the ops present
+on one side only."""
 from __future__ import annotations
 
 from collections import Counter
@@ -20,7 +22,10 @@ def pair_line(p: PairResult) -> str:
 
 
 def pair_metrics(p: PairResult) -> str:
-    m = p.metrics or {}
+    return _verdict_figures(p.metrics or {}) or p.reason or ""
+
+
+def _verdict_figures(m: dict) -> str:
     if "norm_max" in m:
         parts = [f"max_abs/(eps*absmax) {_num(m['norm_max'])} (limit {_num(m.get('limit_max'))})",
                  f"rel_l2/eps {_num(m['norm_rel'])} (limit {_num(m.get('limit_rel'))})",
@@ -30,7 +35,7 @@ def pair_metrics(p: PairResult) -> str:
         return "  ".join(parts)
     if "mismatches" in m:
         return f"{m['mismatches']} elements differ"
-    return p.reason or ""
+    return ""
 
 
 def _num(v: object) -> str:
@@ -85,9 +90,28 @@ def _rank_block(rd: RankDiff, many: bool, out: TextIO, max_listed: int) -> None:
             out.write(f"    ... {len(runs) - max_listed} more (--json for all)\n")
 
 
+def _step_inputs_lines(report: DiffReport) -> list[str]:
+    """One line per rank pair whose step began from inputs that already differed."""
+    lines = []
+    many = len(report.ranks) > 1
+    for rd in report.step_inputs_differ:
+        si = rd.step_inputs
+        first = si.first
+        assert first is not None
+        ranks = f"ref rank {rd.ref_rank} / target rank {rd.target_rank}: " if many else ""
+        lines.append(f"{ranks}inputs of the step already differ: {si.differ} of {si.compared} tensors from outside "
+                     f"the trace, first {first.describe()}: {_verdict_figures(first.verdict.to_json())}")
+    if lines:
+        lines.append("  (parameters, optimizer state, batch or buffers: the runs had parted before this step; "
+                     "record an earlier step, or the first, to find where)")
+    return lines
+
+
 def render_diff(report: DiffReport, out: TextIO, max_listed: int = 10) -> None:
     base = f" (tolerances from baseline {report.baseline})" if report.baseline else ""
     out.write(f"diff of {report.target} against {report.ref}{base}\n")
+    for line in _step_inputs_lines(report):
+        out.write(line + "\n")
     if report.environment:
         out.write(f"environment: {len(report.environment)} difference(s)\n")
         for d in report.environment[:max_listed * 2]:

@@ -10,17 +10,25 @@ propagates forward through the step, so the first op that changes is where it en
 
 Series are keyed by op *position*: (phase, module, op name, occurrence within that module in the step), which is the
 same op step after step in a training loop without data-dependent control flow. A module's own series are its
-output (the last forward op or ``module.output`` record in it) and its gradient (the last backward one).
+output (the last forward op or ``module.output`` record in it) and its gradient (the last backward one). In module
+granularity each parameter's ``module.param`` record is a series of its own: a weight spike that the module's
+output hides (saturated gates, a norm layer after it) is plain there.
+
+What never counts as a change: statistics of integer and bool tensors (labels, token ids, indices: a batch whose
+labels are all zeros has an l2 of 0, an infinite jump on a log scale) and of random ops' outputs (randint, dropout),
+which differ every step by design.
 """
 from __future__ import annotations
 
 import fnmatch
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from statistics import median
 from typing import Any, TextIO
 
+from replaydiff import aten
 from replaydiff.trace import RankTrace
+from replaydiff.trace.schema import MODULE_PARAM
 
 FORMAT = "replaydiff.trend/1"
 STATISTICS = ("l2", "absmax", "nan", "inf")
@@ -42,10 +50,12 @@ class Change:
     score: float
     value: float
     baseline: float  # median of the window before it
+    parameter: str | None = None  # the parameter's name, for a module.param record
 
     def to_json(self) -> dict:
         return {"step": self.step, "module": self.module, "op": self.op, "index": self.index, "phase": self.phase,
-                "statistic": self.statistic, "score": self.score, "value": self.value, "baseline": self.baseline}
+                "parameter": self.parameter, "statistic": self.statistic, "score": self.score, "value": self.value,
+                "baseline": self.baseline}
 
 
 @dataclass
@@ -89,9 +99,14 @@ class NoSteps(ValueError):
 
 
 def _point(op: Any) -> dict[str, float] | None:
+    """The statistics an op contributes to its series: those of its first floating-point output. A random op's
+    outputs (randint labels, dropout masks) change every step by design, and integer or bool tensors (labels, token
+    ids, indices) have no scale to jump on (an l2 of 0 when a step's labels are all zeros): neither is a change."""
+    if aten.is_random(op.name):
+        return None
     for ref in op.outputs_refs():
         s = ref.stats
-        if s is not None:
+        if s is not None and ref.torch_dtype.is_floating_point:
             return {"l2": s.l2, "absmax": s.absmax, "nan": s.nan, "inf": s.inf}
     return None
 
@@ -104,6 +119,7 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
     # (module, kind) -> {step: point}; the last op of that phase in the module wins
     own: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
     occurrence: dict[tuple, int] = {}
+    parameters: dict[int, str | None] = {}  # module.param record number -> the parameter's name
     steps: list[int] = []
     current = None
     n = 0
@@ -127,7 +143,9 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
         k = occurrence.get(key, 0)
         occurrence[key] = k + 1
         positions.setdefault((*key, k), []).append((step, op.index, op.name, p))
-        if module is not None and op.phase in ("forward", "backward"):
+        if op.name == MODULE_PARAM:
+            parameters[op.index] = str(op.args[0]) if op.args else None
+        elif module is not None and op.phase in ("forward", "backward"):
             own.setdefault((module, "output" if op.phase == "forward" else "grad"), {})[step] = p
     if not steps:
         raise NoSteps("the trace has no step numbers: record it with --steps (or --flight)")
@@ -136,6 +154,8 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
         c = _first_change(points, phase, module, window, threshold)
         if c is not None and (first is None or (c.step, c.index) < (first.step, first.index)):
             first = c
+    if first is not None and first.index in parameters:
+        first = replace(first, parameter=parameters[first.index])
     series = []
     for (module, kind), by_step in sorted(own.items()):
         s = Series(module, kind, steps=list(steps))
@@ -209,7 +229,8 @@ def describe_change(c: Change) -> str:
     """One line: where the change is (step, module, op) and what changed."""
     what = (f"{c.statistic} {c.value:.4g} after a median of {c.baseline:.4g} (z = {c.score:g})"
             if c.statistic in ("l2", "absmax") else f"{int(c.value)} {c.statistic.upper()} value(s) appeared")
-    return f"step {c.step}, module {c.module or '-'}, op #{c.index} {c.op} ({c.phase}): {what}"
+    param = f" {c.parameter}" if c.parameter else ""
+    return f"step {c.step}, module {c.module or '-'}, op #{c.index} {c.op}{param} ({c.phase}): {what}"
 
 
 def _fmt(v: float | None) -> str:

@@ -30,6 +30,9 @@ _CONJ, _NEG, _ZERO = "cj", "ng", "z"
 _PATH_ARG, _PATH_KWARG = "a", "k"
 
 PHASES = ("forward", "backward", "optimizer")
+# Record names of granularity="module" (record/module_stats.py): a module call's outputs, the gradient reaching them,
+# and one of the module's own parameters as its first call in a step found it (the parameter's name is the one arg).
+MODULE_OUTPUT, MODULE_GRAD, MODULE_PARAM = "module.output", "module.grad", "module.param"
 
 
 # =============================================================================================================
