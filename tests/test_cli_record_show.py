@@ -234,7 +234,6 @@ def test_output_into_a_closed_pipe_exits_quietly(tmp_path):
     assert "Traceback" not in err and "BrokenPipe" not in err
 
 
-<<<<<<< HEAD
 # -- record --force replaces a trace and nothing else ------------------------------------------------------------
 def test_force_in_the_working_directory_keeps_the_users_script(tmp_path):
     """`record --step 3 --force -o . -- python train.py` once deleted the directory, train.py included."""
@@ -333,7 +332,6 @@ def test_a_removed_data_file_is_one_line_and_nothing_after_it(recorded, tmp_path
     assert proc.returncode == 3, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "missing" in lines[0] and ".safetensors" in lines[0], proc.stderr
-=======
 CNN = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
@@ -405,4 +403,3 @@ def test_record_warns_at_the_end_when_the_planted_op_never_ran(tmp_path):
     assert "replay should name that op" not in proc.stderr
     p = open_trace(tmp_path / "trace").rank(0).planted
     assert (p.op, p.landed, p.calls_seen, p.index) == ("aten.nosuch.default", False, 0, None)
->>>>>>> plant
