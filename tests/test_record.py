@@ -362,14 +362,24 @@ def test_optimizer_ops_recorded(record_one, kind):
         assert any(ref.shape == tuple(p_after.shape) and torch.equal(r.tensor(ref), p_after) for ref in writes)
 
 
-def test_phases_inside_a_closure_optimizer_step(record_one):
+CLOSURE_STEPS = {  # optimizer, how step() is given the closure, closure calls per step
+    "lbfgs-positional": (lambda p: torch.optim.LBFGS(p, lr=0.5, max_iter=2), lambda opt, c: opt.step(c), 2),
+    # as frameworks' automatic optimization calls it (Lightning: optimizer.step(closure=...))
+    "adam-keyword": (lambda p: torch.optim.Adam(p, lr=1e-2, foreach=False), lambda opt, c: opt.step(closure=c), 1),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CLOSURE_STEPS))
+def test_phases_inside_a_closure_optimizer_step(record_one, kind):
     """LBFGS evaluates the loss (forward and backward) inside ``optimizer.step(closure)``: those ops are forward
     and backward; only the optimizer's own update is ``optimizer``. Recording changes no bit of the result."""
+    make, step, calls = CLOSURE_STEPS[kind]
+
     def run(record: bool):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.ReLU(), torch.nn.Flatten(),
                                     torch.nn.Linear(2 * 4 * 4, 3))
-        opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=2)
+        opt = make(model.parameters())
         x, y = torch.randn(4, 1, 6, 6), torch.tensor([0, 1, 2, 0])
 
         def closure():
@@ -379,9 +389,9 @@ def test_phases_inside_a_closure_optimizer_step(record_one):
             return loss
 
         if record:
-            _, r = record_one(lambda: opt.step(closure))
+            _, r = record_one(lambda: step(opt, closure))
         else:
-            opt.step(closure)
+            step(opt, closure)
             r = None
         return [p.detach().clone() for p in model.parameters()], r
 
@@ -390,13 +400,13 @@ def test_phases_inside_a_closure_optimizer_step(record_one):
     assert all(torch.equal(a, b) for a, b in zip(plain, params))
     ops = list(r)
     by_name = lambda name: [o.phase for o in ops if o.name == name]  # noqa: E731
-    # max_iter=2: the closure runs twice, each time one forward and one backward pass
-    assert by_name("aten.convolution.default") == ["forward"] * 2
-    assert by_name("aten.addmm.default") == ["forward"] * 2
-    assert by_name("aten._log_softmax.default") == ["forward"] * 2
-    assert by_name("aten.convolution_backward.default") == ["backward"] * 2
+    # each call of the closure: one forward and one backward pass
+    assert by_name("aten.convolution.default") == ["forward"] * calls
+    assert by_name("aten.addmm.default") == ["forward"] * calls
+    assert by_name("aten._log_softmax.default") == ["forward"] * calls
+    assert by_name("aten.convolution_backward.default") == ["backward"] * calls
     assert {o.module for o in ops if o.name == "aten.convolution_backward.default"} == {"Sequential.0"}
-    # each parameter's final value is written by an op of the optimizer phase (LBFGS's p.add_)
+    # each parameter's final value is written by an op of the optimizer phase (LBFGS's p.add_, Adam's addcdiv_)
     update = [o for o in ops if o.writes]
     for p in params:
         writers = [o for o in update for _, w in o.writes for ref in iter_refs(w)

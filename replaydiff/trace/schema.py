@@ -306,7 +306,8 @@ class OpRecord:
         return {
             "rank": self.rank, "index": self.index, "name": self.name, "recorded": self.recorded,
             "not_recorded_reason": self.not_recorded_reason, "phase": self.phase, "module": self.module,
-            "source": self.source, "source_text": self.source_text, "forward_index": self.forward_index, "schema": self.schema, "step": self.step,
+            "source": self.source, "source_text": self.source_text, "forward_index": self.forward_index,
+            "schema": self.schema, "step": self.step,
             "uninitialised": self.uninitialised,
             "collective": None if c is None else {"group_name": c.group_name, "ranks": list(c.ranks), "size": c.size,
                                                   "group_rank": c.group_rank, "reduce_op": c.reduce_op,
