@@ -173,6 +173,27 @@ def test_show_one_op(recorded):
     assert "phase   forward" in out and "Sequential.2" in out
 
 
+def test_show_op_gives_the_recorded_source_text_and_says_when_the_file_changed(tmp_path):
+    (tmp_path / "train.py").write_text(TRAIN)
+    proc = replaydiff_cli("record", "--step", "1", "-o", "trace", "--", sys.executable, "train.py", cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr
+    mse = next(o for o in open_trace(tmp_path / "trace").rank(0) if o.name == "aten.mse_loss.default")
+    lineno = TRAIN.splitlines().index("    loss = F.mse_loss(model(x), y)") + 1
+    assert mse.source == f"train.py:{lineno}"
+    shown = replaydiff_cli("show", "trace", "--op", mse.index, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert f"  source  train.py:{lineno}  loss = F.mse_loss(model(x), y)\n" in shown.stdout
+    assert "changed" not in shown.stdout
+    # The user edits train.py: the recorded text is still shown, with a warning saying where that line is now.
+    edited = "# tuned\n" + TRAIN.replace("F.mse_loss(model(x), y)", "F.l1_loss(model(x), y)")
+    (tmp_path / "train.py").write_text(edited)
+    shown = replaydiff_cli("show", "trace", "--op", mse.index, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert f"  source  train.py:{lineno}  loss = F.mse_loss(model(x), y)\n" in shown.stdout
+    assert "train.py has changed since it was recorded; the recorded line is no longer in it; " \
+           f"line {lineno} now reads: {edited.splitlines()[lineno - 1].strip()}\n" in shown.stdout
+
+
 def test_show_corrupt_trace_is_one_line_and_exit_3(recorded, tmp_path):
     cwd, _ = recorded
     shutil.copytree(cwd / "trace", tmp_path / "bad")

@@ -189,6 +189,50 @@ def test_module_paths_in_forward_and_backward(tmp_path, tiny_step):
     assert not mismatched
 
 
+class SmallCNN(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = torch.nn.Conv2d(1, 2, 3), torch.nn.Linear(2 * 4 * 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.relu(self.conv(x)).flatten(1))
+
+
+class TinyGRU(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.gru, self.out = torch.nn.Embedding(5, 4), torch.nn.GRU(4, 4, batch_first=True), \
+            torch.nn.Linear(4, 3)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.out(self.gru(self.emb(t))[0][:, -1])
+
+
+def test_gradient_accumulation_ops_belong_to_the_parameters_module(record_one):
+    """Two models trained in one loop: the ops that put each gradient into ``.grad`` (AccumulateGrad's detach)
+    carry the module of that parameter, not whichever module ModuleTracker last saw in backward."""
+    torch.manual_seed(0)
+    cnn, gru = SmallCNN(), TinyGRU()
+    x, t, y = torch.randn(2, 1, 6, 6), torch.randint(0, 5, (2, 3)), torch.tensor([0, 1])
+
+    def step():
+        (F.cross_entropy(cnn(x), y) + F.cross_entropy(gru(t), y)).backward()
+
+    _, r = record_one(step)
+    owner = {p: f"{type(model).__name__}.{name.rpartition('.')[0]}"
+             for model in (cnn, gru) for name, p in model.named_parameters()}
+    ops = [o for o in r if o.phase == "backward" and o.name == "aten.detach.default"]
+    checked = []
+    for p, module in owner.items():
+        # the op that stored this gradient: a backward detach whose output is p.grad, bit for bit
+        stored = [o for o in ops if o.outputs.shape == p.grad.shape and torch.equal(r.tensor(o.outputs), p.grad)]
+        assert stored, module
+        checked += [(o.index, o.module, module) for o in stored]
+    wrong = [c for c in checked if c[1] != c[2]]
+    assert not wrong, wrong
+    assert {m for _, m, _ in checked} >= {"SmallCNN.fc", "SmallCNN.conv", "TinyGRU.emb", "TinyGRU.gru"}
+
+
 def test_backward_ops_point_to_their_forward_op(record_one, tiny_step):
     _, r = record_one(tiny_step)
     ops = list(r)
@@ -238,6 +282,40 @@ def test_source_line_points_at_the_calling_line(record_one, tiny_step):
     assert not any(os.sep + "torch" + os.sep in (o.source or "") for o in ops if o.phase == "forward")
 
 
+def _import_file(path: Path):
+    """Import a Python file as a module (the user's own code, outside the test and outside replaydiff)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_source_lines_keep_their_text_and_the_files_hash(tmp_path, record_one):
+    import hashlib
+
+    user = tmp_path / "user_code.py"
+    user.write_text("import torch\n\n\ndef work(x):\n    y = torch.mul(x, 3)  # scaled\n    return y + 1\n")
+    work = _import_file(user).work
+    x = torch.arange(4.0)
+    _, r = record_one(lambda: work(x))
+    mul, add = list(r)
+    assert (mul.name, add.name) == ("aten.mul.Tensor", "aten.add.Tensor")
+    assert mul.source == f"{user}:5" and add.source == f"{user}:6"
+    assert (mul.source_text, add.source_text) == ("y = torch.mul(x, 3)  # scaled", "return y + 1")
+    # one hash per file, in the manifest, of the bytes that ran
+    assert r.source_files == {str(user): hashlib.sha256(user.read_bytes()).hexdigest()}
+    line = r.source_line(mul)
+    assert (line.changed, line.current, line.warning()) == (False, "y = torch.mul(x, 3)  # scaled", None)
+    # The user edits the file: the recorded text stays, the reader says the file changed and where the line went.
+    user.write_text("import torch\n# a comment\n\n\ndef work(x):\n    y = torch.mul(x, 3)  # scaled\n"
+                    "    return y + 1\n")
+    line = open_trace(r.root.parent).rank(0).source_line(mul)
+    assert (line.changed, line.moved_to, line.recorded) == (True, 6, "y = torch.mul(x, 3)  # scaled")
+    assert line.warning() == f"{user} has changed since it was recorded; the recorded line is now line 6"
+
+
 OPTIMIZERS = {
     "adamw-loop": (lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False), ["aten.addcdiv_.default"], False),
     "adamw-foreach": (lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True), ["aten._foreach_addcdiv_."], True),
@@ -282,6 +360,58 @@ def test_optimizer_ops_recorded(record_one, kind):
     for p_before, p_after in zip(before, after):
         assert not torch.equal(p_before, p_after)
         assert any(ref.shape == tuple(p_after.shape) and torch.equal(r.tensor(ref), p_after) for ref in writes)
+
+
+CLOSURE_STEPS = {  # optimizer, how step() is given the closure, closure calls per step
+    "lbfgs-positional": (lambda p: torch.optim.LBFGS(p, lr=0.5, max_iter=2), lambda opt, c: opt.step(c), 2),
+    # as frameworks' automatic optimization calls it (Lightning: optimizer.step(closure=...))
+    "adam-keyword": (lambda p: torch.optim.Adam(p, lr=1e-2, foreach=False), lambda opt, c: opt.step(closure=c), 1),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CLOSURE_STEPS))
+def test_phases_inside_a_closure_optimizer_step(record_one, kind):
+    """LBFGS evaluates the loss (forward and backward) inside ``optimizer.step(closure)``: those ops are forward
+    and backward; only the optimizer's own update is ``optimizer``. Recording changes no bit of the result."""
+    make, step, calls = CLOSURE_STEPS[kind]
+
+    def run(record: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                    torch.nn.Linear(2 * 4 * 4, 3))
+        opt = make(model.parameters())
+        x, y = torch.randn(4, 1, 6, 6), torch.tensor([0, 1, 2, 0])
+
+        def closure():
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+
+        if record:
+            _, r = record_one(lambda: step(opt, closure))
+        else:
+            step(opt, closure)
+            r = None
+        return [p.detach().clone() for p in model.parameters()], r
+
+    plain, _ = run(False)
+    params, r = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, params))
+    ops = list(r)
+    by_name = lambda name: [o.phase for o in ops if o.name == name]  # noqa: E731
+    # each call of the closure: one forward and one backward pass
+    assert by_name("aten.convolution.default") == ["forward"] * calls
+    assert by_name("aten.addmm.default") == ["forward"] * calls
+    assert by_name("aten._log_softmax.default") == ["forward"] * calls
+    assert by_name("aten.convolution_backward.default") == ["backward"] * calls
+    assert {o.module for o in ops if o.name == "aten.convolution_backward.default"} == {"Sequential.0"}
+    # each parameter's final value is written by an op of the optimizer phase (LBFGS's p.add_, Adam's addcdiv_)
+    update = [o for o in ops if o.writes]
+    for p in params:
+        writers = [o for o in update for _, w in o.writes for ref in iter_refs(w)
+                   if ref.shape == tuple(p.shape) and torch.equal(r.tensor(ref), p)]
+        assert writers and {o.phase for o in writers} == {"optimizer"}, [(o.index, o.name, o.phase) for o in writers]
 
 
 # -- 2. in-place, out= and _foreach_*_ ops -----------------------------------------------------------------------

@@ -149,6 +149,40 @@ def test_a_data_file_closes_its_descriptor_exactly_once(tmp_path):
         f.read(next(iter(f.entries)))
 
 
+def test_a_trace_from_before_source_texts_reads_and_shows_without_them(tmp_path):
+    """Source texts and file hashes are optional: a trace written without them reads as before (no text, no
+    warning, today's line shown) and ``show --op`` works."""
+    user = tmp_path / "old_script.py"
+    user.write_text("import torch\n\n\ndef work(x):\n    return torch.mul(x, 3)\n")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("old_script", user)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    x = torch.arange(4.0)
+    with replaydiff.record(tmp_path / "t"):
+        mod.work(x)
+    rank_dir = tmp_path / "t" / "rank0"
+    for chunk in (rank_dir / "ops").glob("*.rdt"):  # strip what older versions did not write
+        frame = read_frame(chunk)
+        for op in frame["ops"]:
+            del op["srt"]
+        write_atomic(chunk, pack_frame(frame, None))
+    manifest = read_frame(rank_dir / MANIFEST)
+    del manifest["source_files"], manifest["source_root"]
+    write_atomic(rank_dir / MANIFEST, pack_frame(manifest, None))
+
+    r = open_trace(tmp_path / "t").rank(0)
+    (mul,) = list(r)
+    assert mul.source == f"{user}:5" and mul.source_text is None and r.source_files == {}
+    line = r.source_line(mul)
+    assert (line.recorded, line.changed, line.warning(), line.current) == (None, None, None, "return torch.mul(x, 3)")
+    shown = subprocess.run([sys.executable, "-m", "replaydiff", "show", str(tmp_path / "t"), "--op", "0"],
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert f"  source  {user}:5\n  schema" in shown.stdout
+
+
 # -- random access -----------------------------------------------------------------------------------------------
 def test_reading_op_n_opens_only_its_chunk(tmp_path, monkeypatch):
     x = torch.arange(8.0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.util
 import json
 import os
 import subprocess
@@ -217,6 +218,34 @@ async def test_the_detail_pane_of_a_divergent_op(traced):
                 if ln.strip() and ln.split()[0] in ("0", "<1", "1-10", "10-100", "1e2-1e3", "1e3-1e4")}
         assert sum(hist.values()) == op.outputs_refs()[0].stats.numel if op.outputs_refs()[0].stats else True
         assert hist["1e3-1e4"] + hist["1e2-1e3"] > 0
+
+
+def test_the_detail_pane_shows_the_recorded_line_and_warns_when_the_file_changed(tmp_path):
+    from tui.details import op_markup
+
+    user = tmp_path / "train_loop.py"
+    user.write_text("import torch\n\n\ndef work(x):\n    y = torch.mul(x, 3)\n    return y + 1\n")
+    spec = importlib.util.spec_from_file_location("train_loop", user)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    x = torch.arange(4.0)
+    with replaydiff.record(tmp_path / "t"):
+        mod.work(x)
+    r = replaydiff.open_trace(tmp_path / "t").rank(0)
+    statuses = [None] * len(r)
+    text = op_markup(r, 0, None, statuses)
+    assert "[bold]>[/]    5 │ [bold]    y = torch.mul(x, 3)[/]" in text and "changed" not in text
+    # Two lines added above: the pane warns, shows the recorded text, and marks the line where that code is now.
+    user.write_text("import torch\nimport math\n\n\n\ndef work(x):\n    y = torch.mul(x, 3)\n    return y + 1\n")
+    text = op_markup(r, 0, None, statuses)
+    assert f"{user} has changed since it was recorded; the recorded line is now line 7" in text
+    assert ">    5 │ y = torch.mul(x, 3)[/]  [dim](as recorded)[/]" in text
+    assert "[bold]>[/]    7 │ [bold]    y = torch.mul(x, 3)[/]" in text
+    assert "[bold]>[/]    5 │" not in text  # line 5 of today's file is another line: never marked as the op's
+    # No file here (the trace read on another machine): the recorded text alone.
+    user.unlink()
+    text = op_markup(r, 0, None, statuses)
+    assert ">    5 │ y = torch.mul(x, 3)[/]  [dim](as recorded)[/]" in text
 
 
 # -- the op graph ----------------------------------------------------------------------------------------------

@@ -6,8 +6,6 @@ into jumps (``app.goto(N)``), so a mouse user can walk the graph from the pane.
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 from typing import Any, Callable
 
 from tui.model import PROBLEMS, short_op, status_value
@@ -114,34 +112,33 @@ def tensor_line(ref: Any) -> str:
     return text
 
 
-def source_context(trace: Any, source: str | None, around: int = 2) -> list[str]:
-    """The source line with ``around`` lines either side, when the file can be found here."""
-    if not source or ":" not in source:
-        return []
-    file, _, line = source.rpartition(":")
+def source_context(trace: Any, op: Any, around: int = 2) -> list[str]:
+    """The op's source line with ``around`` lines either side. When the file on disk is no longer the one recorded,
+    a warning, the recorded text, and today's code around where that text is now (or around the old number, with
+    nothing marked); when no file is here, the recorded text alone."""
     try:
-        lineno = int(line)
-    except ValueError:
+        line = trace.source_line(op)
+    except Exception:
+        line = None
+    if line is None:
         return []
-    candidates = [Path(file)]
-    env = getattr(trace, "environment", None) or {}
-    cwd = env.get("cwd") if isinstance(env, dict) else None
-    if cwd and not os.path.isabs(file):
-        candidates.append(Path(cwd) / file)
-    path = next((p for p in candidates if p.is_file()), None)
-    if path is None:
-        return []
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            lines = fh.read().splitlines()
-    except OSError:
-        return []
-    lo, hi = max(1, lineno - around), min(len(lines), lineno + around)
     out = []
+    warning = line.warning()
+    if warning:
+        out.append(f"[bold yellow]! {esc(warning)}[/]")
+    if line.recorded is not None and (line.changed or line.path is None):
+        out.append(f"[bold]>{line.line:5d} │ {esc(line.recorded)}[/]  [dim](as recorded)[/]")
+        if line.path is None:
+            return out
+    lines = line.lines
+    mark = line.moved_to if line.changed else line.line
+    centre = mark or line.line
+    lo, hi = max(1, centre - around), min(len(lines), centre + around)
+    if line.changed and lo <= hi:
+        out.append("[dim]today's file:[/]")
     for k in range(lo, hi + 1):
-        mark = "[bold]>[/]" if k == lineno else " "
         text = esc(lines[k - 1].rstrip())
-        out.append(f"{mark}{k:5d} │ " + (f"[bold]{text}[/]" if k == lineno else f"[dim]{text}[/]"))
+        out.append((f"[bold]>[/]{k:5d} │ [bold]{text}[/]") if k == mark else f" {k:5d} │ [dim]{text}[/]")
     return out
 
 
@@ -250,18 +247,18 @@ def op_markup(trace: Any, i: int, result: Any, statuses: list) -> str:
     out.append("")
     out.append("[b]verdict[/]  " + "\n".join(verdict_lines(result)))
     # a backward op's own line is the backward() call; its forward op's line says which code it differentiates
-    source, called = op.source, None
+    source_op, called = op, None
     if op.forward_index is not None:
         try:
-            fwd_source = trace.index.source[op.forward_index]
-        except (IndexError, KeyError):
-            fwd_source = None
-        if fwd_source:
-            source, called = fwd_source, op.source
-    if source:
+            fwd = trace[op.forward_index]
+        except Exception:
+            fwd = None
+        if fwd is not None and fwd.source:
+            source_op, called = fwd, op.source
+    if source_op.source:
         out.append("")
-        out.append(f"[b]source[/]  {esc(source)}" + (" [dim](of the forward op)[/]" if called else ""))
-        out.extend(source_context(trace, source))
+        out.append(f"[b]source[/]  {esc(source_op.source)}" + (" [dim](of the forward op)[/]" if called else ""))
+        out.extend(source_context(trace, source_op))
         if called:
             out.append(f"  [dim]backward() called at {esc(called)}[/]")
     # arguments

@@ -183,7 +183,11 @@ def render_op(r: RankTrace, op: OpRecord, out: TextIO) -> None:
     out.write(f"op #{op.index} {op.name}  rank {r.rank}\n")
     if not op.recorded:
         out.write(f"  not recorded: {op.not_recorded_reason}\n")
-    out.write(f"  phase   {op.phase}\n  module  {op.module}\n  source  {op.source}\n")
+    out.write(f"  phase   {op.phase}\n  module  {op.module}\n  source  {op.source}"
+              f"{'  ' + op.source_text if op.source_text else ''}\n")
+    source_line = r.source_line(op)  # the recorded text above is what ran; say if the file here is another one
+    if source_line is not None and source_line.warning():
+        out.write(f"          {source_line.warning()}\n")
     if op.schema:
         out.write(f"  schema  {op.schema}\n")
     if op.forward_index is not None:

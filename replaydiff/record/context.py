@@ -2,17 +2,33 @@
 
 All of it is read from state torch already keeps (the current autograd node, ModuleTracker, the optimizer step hooks,
 the Python stack) so that tracking costs a few attribute reads per op.
+
+The phase says what an op is, not which call it is nested in: an op of an autograd node is backward; inside
+``optimizer.step()`` only the optimizer's own update is optimizer, while the closure a step may call (LBFGS, and
+frameworks' automatic optimization, run forward and backward in ``optimizer.step(closure)``) is forward and backward
+as anywhere else, and so is a module's forward.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
-from types import FrameType
+import weakref
+from types import CodeType, FrameType
+from typing import Any, Callable
 
 import torch
 from torch.utils.module_tracker import ModuleTracker
 
+from replaydiff.trace.sources import line_text, read_source
+
+log = logging.getLogger("replaydiff")
+
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
+_CLOSURE = "closure"
+# The node type whose ops store a parameter's gradient into ``.grad`` (detach of a stolen gradient, add_ when
+# accumulating): it has no forward op, and ModuleTracker's module at that moment is whichever one backward left last.
+_ACCUMULATE_GRAD = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", None)
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the replaydiff package
 # Frames to look past for the user's source line: torch, replaydiff's own instrumentation, the stdlib's plumbing.
@@ -26,8 +42,25 @@ _SKIP_PREFIXES = (
 
 _SKIP_CODE: dict = {}  # code object -> skip it? (a dict hit is cheaper than six startswith tests per frame)
 
-_active: list["OpContext"] = []  # installed contexts, told about optimizer steps by the two hooks below
+_active: list["OpContext"] = []  # installed contexts
 _optimizer_hooks: list = []
+# What the innermost optimizer call in progress is: OPTIMIZER inside step(), _CLOSURE inside the closure it called.
+# Kept by the hooks for every step once installed (a recording may begin inside a step: `--step 1` starts at the
+# first module call, inside an LBFGS closure), so one stack serves every context.
+_optimizer_calls: list[str] = []
+_armed = 0  # recordings armed or running (MultiStepRecorder, installed contexts): closures are watched only then
+
+
+def arm_optimizer_hooks() -> None:
+    """A recording is armed: watch optimizer steps and their closures until ``disarm_optimizer_hooks()``."""
+    global _armed
+    ensure_optimizer_hooks()
+    _armed += 1
+
+
+def disarm_optimizer_hooks() -> None:
+    global _armed
+    _armed = max(0, _armed - 1)
 
 
 def ensure_optimizer_hooks() -> None:
@@ -45,14 +78,37 @@ def ensure_optimizer_hooks() -> None:
                              register_optimizer_step_post_hook(_opt_post_all)])
 
 
-def _opt_pre_all(*args: object) -> None:
-    for ctx in list(_active):
-        ctx._opt_pre()
+def _opt_pre_all(optimizer: object, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    _optimizer_calls.append(OPTIMIZER)
+    if not _armed:
+        return None
+    # The closure runs the job's forward and backward: wrapped so that its ops are not taken for the update's.
+    # The wrapper only calls it; what it computes and returns is untouched.
+    try:
+        if callable(kwargs.get("closure")):
+            return args, dict(kwargs, closure=_watched(kwargs["closure"]))
+        if len(args) > 1 and callable(args[1]):
+            return (args[0], _watched(args[1]), *args[2:]), kwargs
+    except Exception as exc:  # never stand in the way of the step
+        log.debug("closure not watched: %s", exc)
+    return None
 
 
 def _opt_post_all(*args: object) -> None:
-    for ctx in list(_active):
-        ctx._opt_post()
+    # Pop this step's entry (and a closure's left by an exception inside it).
+    while _optimizer_calls and _optimizer_calls.pop() != OPTIMIZER:
+        pass
+
+
+def _watched(closure: Callable[..., Any]) -> Callable[..., Any]:
+    def closure_of_an_optimizer_step(*args: Any, **kwargs: Any) -> Any:
+        _optimizer_calls.append(_CLOSURE)
+        depth = len(_optimizer_calls)
+        try:
+            return closure(*args, **kwargs)
+        finally:
+            del _optimizer_calls[depth - 1:]
+    return closure_of_an_optimizer_step
 
 
 class OpContext:
@@ -60,55 +116,91 @@ class OpContext:
 
     def __init__(self, source_lines: bool) -> None:
         self.source_lines = source_lines
-        self.in_optimizer = 0
         self._tracker = ModuleTracker()
         self._seq_to_forward: dict[int, tuple[int, str | None]] = {}  # autograd seq nr -> (forward op, module)
-        self._cwd = os.getcwd() + os.sep
+        self.root = os.getcwd()  # file names under it are kept relative to it
+        self._cwd = self.root + os.sep
+        # parameter id -> (weak reference, path of the module holding it), built from the modules ModuleTracker named
+        self._param_modules: dict[int, tuple[weakref.ref, str]] = {}
+        self._params_indexed_in: int | None = None  # the backward pass (graph task) the map was last rebuilt in
+        # (code, line) -> ("file.py:LINE", the line's text); file name -> its SHA-256 (None: not readable) and lines
+        self._lines: dict[tuple[CodeType, int], tuple[str, str | None]] = {}
+        self._files: dict[str, tuple[str | None, list[str]]] = {}
 
     def install(self) -> None:
         self._tracker.__enter__()
-        ensure_optimizer_hooks()
         if self not in _active:
             _active.append(self)
+            arm_optimizer_hooks()
 
     def uninstall(self) -> None:
         if self in _active:
             _active.remove(self)
+            disarm_optimizer_hooks()
         self._tracker.__exit__(None, None, None)
 
     def enter_module(self, module: torch.nn.Module, inputs: object) -> None:
         """Enter a module whose forward pre hooks ran before ``install()`` (recording started inside its call)."""
         self._tracker._fw_pre_hook(module, inputs)
 
-    def _opt_pre(self, *args: object) -> None:
-        self.in_optimizer += 1
-
-    def _opt_post(self, *args: object) -> None:
-        self.in_optimizer = max(0, self.in_optimizer - 1)
-
-    def phase(self) -> tuple[str, int | None]:
-        """The phase and, for a backward op, the autograd sequence number of the node it runs in."""
+    def phase(self) -> tuple[str, Any]:
+        """The phase and, for a backward op, the autograd node it runs in."""
         node = torch._C._current_autograd_node()
         if node is not None:
-            return BACKWARD, node._sequence_nr()
-        if self.in_optimizer:
-            return OPTIMIZER, None
+            return BACKWARD, node
+        if _optimizer_calls and _optimizer_calls[-1] == OPTIMIZER and len(self._tracker.parents) <= 1:
+            return OPTIMIZER, None  # in step() itself, outside its closure and outside any module's forward
         return FORWARD, None
+
+    def backward_of(self, node: Any, module: str | None) -> tuple[int | None, str | None]:
+        """(the forward op that made ``node``, the module its backward ops belong to) for an op running in
+        ``node``; ``module`` (ModuleTracker's) stands when nothing better is known."""
+        if _ACCUMULATE_GRAD is not None and type(node) is _ACCUMULATE_GRAD:
+            return None, self._parameter_module(node)
+        found = self._seq_to_forward.get(node._sequence_nr())
+        # A backward op belongs to the module of the forward op that made its autograd node. ModuleTracker alone
+        # cannot tell sibling modules apart in backward (it never leaves a module whose inputs need no grad, e.g.
+        # two embeddings, and picks one of them at random).
+        return (None, module) if found is None else found
+
+    def _parameter_module(self, node: Any) -> str | None:
+        """The path of the module holding the parameter whose gradient an AccumulateGrad node stores (None: a leaf
+        that no module seen holds)."""
+        try:
+            param = node.variable
+        except Exception:
+            return None
+        hit = self._param_modules.get(id(param))
+        if hit is None or hit[0]() is not param:
+            task = torch._C._current_graph_task_id()
+            if task == self._params_indexed_in:  # rebuilt once per backward pass at most
+                return None
+            self._params_indexed_in = task
+            self._index_parameters()
+            hit = self._param_modules.get(id(param))
+            if hit is None or hit[0]() is not param:
+                return None
+        return hit[1]
+
+    def _index_parameters(self) -> None:
+        """Map each parameter of the modules ModuleTracker has named to the path of the module holding it (the
+        first one named, for a parameter two modules share)."""
+        known = getattr(self._tracker, "_known_modules", None)  # torch's own name map: one naming for both
+        if known is None:
+            log.debug("ModuleTracker keeps no module names here: gradient accumulation ops get no module")
+            return
+        table: dict[int, tuple[weakref.ref, str]] = {}
+        for mod, name in list(known.items()):
+            for p in mod.parameters(recurse=False):
+                if id(p) not in table:
+                    table[id(p)] = (weakref.ref(p), name)
+        self._param_modules = table
 
     def note_forward(self, index: int, module: str | None = None) -> None:
         """Remember the first forward op seen after each autograd node was made: the op that made it."""
         if torch.is_grad_enabled():
             seq = torch._C._autograd._get_sequence_nr() - 1
             self._seq_to_forward.setdefault(seq, (index, module))
-
-    def forward_of(self, seq: int | None) -> int | None:
-        found = None if seq is None else self._seq_to_forward.get(seq)
-        return None if found is None else found[0]
-
-    def forward_module(self, seq: int | None) -> str | None:
-        """The module path of the forward op that made the autograd node ``seq`` (None if unknown)."""
-        found = None if seq is None else self._seq_to_forward.get(seq)
-        return None if found is None else found[1]
 
     def module(self) -> str | None:
         parents = self._tracker.parents
@@ -121,7 +213,8 @@ class OpContext:
                 best = p
         return best
 
-    def source(self) -> str | None:
+    def source(self) -> tuple[str, str | None] | None:
+        """("file.py:LINE", the line's text) of the innermost frame of the user's code, or None."""
         if not self.source_lines:
             return None
         f: FrameType | None = sys._getframe(2)
@@ -136,7 +229,33 @@ class OpContext:
             f = f.f_back
         if f is None:
             return None
-        name = f.f_code.co_filename
-        if name.startswith(self._cwd):
-            name = name[len(self._cwd):]
-        return f"{name}:{f.f_lineno}"
+        key = (f.f_code, f.f_lineno)
+        found = self._lines.get(key)
+        if found is None:  # once per code location: the file is read and hashed once, at its first location
+            if len(self._lines) > 100_000:
+                self._lines.clear()
+            found = self._lines[key] = self._resolve(f.f_code.co_filename, f.f_lineno)
+        return found
+
+    def _resolve(self, filename: str, lineno: int) -> tuple[str, str | None]:
+        name = filename[len(self._cwd):] if filename.startswith(self._cwd) else filename
+        known = self._files.get(name)
+        if known is None:
+            read = read_source(filename)
+            known = self._files[name] = read if read is not None else (None, _cached_lines(filename))
+        lines = known[1]
+        return f"{name}:{lineno}", line_text(lines[lineno - 1]) if 0 < lineno <= len(lines) else None
+
+    def source_files(self) -> dict[str, str]:
+        """SHA-256 of each file a recorded source line points into (as named there), as it was when first read."""
+        return {name: digest for name, (digest, _) in self._files.items() if digest is not None}
+
+
+def _cached_lines(filename: str) -> list[str]:
+    """Lines of code that has no file to read (an interactive cell, which linecache holds)."""
+    import linecache
+
+    try:
+        return linecache.getlines(filename)
+    except Exception:
+        return []

@@ -281,18 +281,13 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
     if info.module is not None and name not in rec.custom_ops:
         rec.custom_ops[name] = info.module
     ctx = rec.context
-    phase, seq = ctx.phase()
+    phase, node = ctx.phase()
     module = ctx.module()
     fwd = None
     if phase == FORWARD:
         ctx.note_forward(index, module)
     elif phase == BACKWARD:
-        fwd = ctx.forward_of(seq)
-        if fwd is not None:
-            # A backward op belongs to the module of the forward op that made its autograd node. ModuleTracker
-            # alone cannot tell sibling modules apart in backward (it never leaves a module whose inputs need
-            # no grad, e.g. two embeddings, and picks one of them at random).
-            module = ctx.forward_module(seq)
+        fwd, module = ctx.backward_of(node, module)
     written = written_args(info, args, kwargs) if info.writes else []
     opts = rec.options
     if not (aten.matches_any(name, opts.ops) and (not opts.modules or aten.matches_any(module, opts.modules))):
@@ -303,8 +298,9 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
             schema.wire_set_step(stub, rec.step)
         b.add_op(schema.wire_not_recorded(stub, "filtered out (record options ops/modules)"))
         return Pending(None, written, info.uninitialised) if written or info.uninitialised else None
-    source = ctx.source()
-    record = schema.wire_op(index, name, phase, module, fwd, source)
+    where = ctx.source()
+    source, text = where if where is not None else (None, None)
+    record = schema.wire_op(index, name, phase, module, fwd, source, text)
     if rec.step is not None:
         schema.wire_set_step(record, rec.step)
     if info.collective:

@@ -82,6 +82,7 @@ class Recorder:
                 "environment": environment_snapshot(rank, world),
                 "options": self.options.to_dict(),
                 "started_at": time.time(),
+                "source_root": self.context.root,  # relative file names in source lines are relative to it
             }
             if self.options.flight:
                 self.writer = FlightBuffer(self.rank_dir, manifest, self.options, self._closing_facts)
@@ -142,6 +143,7 @@ class Recorder:
             "record_seconds": time.perf_counter() - self._started,
             "disabled": self._disabled_reason,
             "custom_ops": self.custom_ops,
+            "source_files": self.context.source_files(),
             **({"planted": self._planted()} if self.options.plant else {}),
         }
 

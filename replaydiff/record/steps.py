@@ -38,6 +38,7 @@ class MultiStepRecorder:
         self._fwd: Any = None
         self._prev_usr1: Any = None
         self._prev_excepthook: Any = None
+        self._armed = False
 
     @property
     def path(self):
@@ -49,10 +50,12 @@ class MultiStepRecorder:
             import torch
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
-            from replaydiff.record.context import ensure_optimizer_hooks
+            from replaydiff.record.context import arm_optimizer_hooks
 
-            # Registered now, not from inside an optimizer hook (see ensure_optimizer_hooks).
-            ensure_optimizer_hooks()
+            # Registered now, not from inside an optimizer hook (see ensure_optimizer_hooks); armed, so that a
+            # step's closure is told from its update even in a step whose recording starts inside the closure.
+            arm_optimizer_hooks()
+            self._armed = True
             self._post = register_optimizer_step_post_hook(self._after_step)
             if 1 in self.range:
                 self._fwd = torch.nn.modules.module.register_module_forward_pre_hook(self._first_forward)
@@ -124,6 +127,11 @@ class MultiStepRecorder:
         if self.done:
             return
         self.done = True
+        if self._armed:
+            from replaydiff.record.context import disarm_optimizer_hooks
+
+            disarm_optimizer_hooks()
+            self._armed = False
         # self._post stays registered (it returns at once when done): finish() may run inside it, and removing a
         # global optimizer hook while torch iterates over them raises in the user's optimizer.step().
         if self._fwd is not None:

@@ -41,6 +41,7 @@ from replaydiff.trace.format import (
 from replaydiff.trace.index import IndexBuilder, ModuleNode, TraceIndex
 from replaydiff.trace.schema import (OpRecord, PlantedFaultInfo, RngState, StoredBytes, TensorRef, check_chunk,
                                      check_entered, plant_from_wire)
+from replaydiff.trace.sources import SourceLine, locate, split_location
 
 
 class DataFile:
@@ -180,6 +181,24 @@ class RankTrace(Sequence):
         names = self.index.name
         hits = [i for i in range(len(self.index)) if names[i] == p.op]
         return replace(p, index=hits[p.call - 1] if len(hits) >= p.call else None)
+
+    @property
+    def source_files(self) -> dict[str, str]:
+        """SHA-256 of each source file the ops' lines point into, as it was when recorded (file as in ``source``)."""
+        return {k: v for k, v in self._manifest_dict("source_files").items() if isinstance(v, str)}
+
+    @property
+    def source_root(self) -> str | None:
+        """The job's working directory: relative file names in ``source`` are relative to it."""
+        v = self.manifest.get("source_root")
+        return v if isinstance(v, str) else None
+
+    def source_line(self, op: OpRecord) -> SourceLine | None:
+        """The op's source line: its recorded text, today's file and whether that file has changed since."""
+        loc = split_location(op.source)
+        if loc is None:
+            return None
+        return locate(op.source, op.source_text, self.source_files.get(loc[0]), self.source_root)
 
     @property
     def compiled_regions(self) -> list[dict]:

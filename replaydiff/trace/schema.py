@@ -23,6 +23,7 @@ _INDEX, _NAME, _PHASE, _MODULE, _FORWARD, _SOURCE = "i", "op", "ph", "mod", "fwd
 _ARGS, _KWARGS, _WRITES, _OUTPUTS, _UNINIT = "a", "k", "w", "o", "u"
 _COLL, _RNG, _NOT_RECORDED = "coll", "rng", "x"
 _STEP = "stp"  # optimizer step the op ran in (multi-step and flight recordings)
+_SOURCE_TEXT = "srt"  # the text of the source line when recorded (absent in older traces)
 # -- tensor reference keys --------------------------------------------------------------------------------------
 _VERSION, _DTYPE, _SHAPE, _STRIDE, _OFFSET, _DEVICE = "T", "dt", "sh", "st", "of", "dev"
 _NBYTES, _CHUNK, _STATS, _REQ_GRAD, _UNSUPPORTED = "sb", "f", "s", "rg", "unsupported"
@@ -227,6 +228,8 @@ class OpRecord:
     phase = property(lambda self: self._w.get(_PHASE), doc="forward, backward, optimizer, or None")
     module = property(lambda self: self._w.get(_MODULE), doc="dotted module path, e.g. 'GPT.blocks.0.ln1'")
     source = property(lambda self: self._w.get(_SOURCE), doc="'file.py:LINE' of the user's code, if recorded")
+    source_text = property(lambda self: self._w.get(_SOURCE_TEXT),
+                           doc="that line's text when recorded (stripped; None in traces from before it was kept)")
     forward_index = property(lambda self: self._w.get(_FORWARD), doc="for a backward op: the forward op it undoes")
     uninitialised = property(lambda self: bool(self._w.get(_UNINIT)), doc="output of an empty* op")
     recorded = property(lambda self: _NOT_RECORDED not in self._w, doc="False: numbered, but not recorded")
@@ -306,7 +309,8 @@ class OpRecord:
         return {
             "rank": self.rank, "index": self.index, "name": self.name, "recorded": self.recorded,
             "not_recorded_reason": self.not_recorded_reason, "phase": self.phase, "module": self.module,
-            "source": self.source, "forward_index": self.forward_index, "schema": self.schema, "step": self.step,
+            "source": self.source, "source_text": self.source_text, "forward_index": self.forward_index,
+            "schema": self.schema, "step": self.step,
             "uninitialised": self.uninitialised,
             "collective": None if c is None else {"group_name": c.group_name, "ranks": list(c.ranks), "size": c.size,
                                                   "group_rank": c.group_rank, "reduce_op": c.reduce_op,
@@ -425,7 +429,8 @@ def decode_value(v: Any) -> Any:
 # =============================================================================================================
 # Building records (the recorder's side)
 # =============================================================================================================
-def wire_op(index: int, name: str, phase: str | None, module: str | None, forward: int | None, source: str | None) -> dict:
+def wire_op(index: int, name: str, phase: str | None, module: str | None, forward: int | None, source: str | None,
+            source_text: str | None = None) -> dict:
     rec: dict[str, Any] = {_INDEX: index, _NAME: name, _PHASE: phase}
     if module:
         rec[_MODULE] = module
@@ -433,6 +438,8 @@ def wire_op(index: int, name: str, phase: str | None, module: str | None, forwar
         rec[_FORWARD] = forward
     if source:
         rec[_SOURCE] = source
+        if source_text is not None:
+            rec[_SOURCE_TEXT] = source_text
     return rec
 
 
