@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from types import FrameType
+from typing import Callable
 
 import torch
 from torch.utils.module_tracker import ModuleTracker
@@ -27,6 +28,7 @@ _SKIP_PREFIXES = (
 _SKIP_CODE: dict = {}  # code object -> skip it? (a dict hit is cheaper than six startswith tests per frame)
 
 _active: list["OpContext"] = []  # installed contexts, told about optimizer steps by the two hooks below
+_step_listeners: list[Callable[..., None]] = []  # called after every optimizer step (steps.py), after the contexts
 _optimizer_hooks: list = []
 
 
@@ -35,7 +37,8 @@ def ensure_optimizer_hooks() -> None:
 
     torch iterates over its global optimizer hooks while calling them, so registering or removing one from inside
     another (``replaydiff record --step N`` starts and stops recording in an optimizer step post hook) raises
-    "OrderedDict mutated during iteration" in the user's ``optimizer.step()``. Contexts come and go in ``_active``.
+    "OrderedDict mutated during iteration" in the user's ``optimizer.step()``. Contexts come and go in ``_active``,
+    step recorders in ``_step_listeners``: the two hooks torch keeps are plain functions that hold no recording.
     """
     if _optimizer_hooks:
         return
@@ -50,9 +53,24 @@ def _opt_pre_all(*args: object) -> None:
         ctx._opt_pre()
 
 
-def _opt_post_all(*args: object) -> None:
+def _opt_post_all(optimizer: object, args: object, kwargs: object) -> None:
     for ctx in list(_active):
         ctx._opt_post()
+    for listener in list(_step_listeners):
+        listener(optimizer, args, kwargs)
+
+
+def add_step_listener(fn: Callable[..., None]) -> None:
+    """Call ``fn(optimizer, args, kwargs)`` after every optimizer step, until ``remove_step_listener(fn)``."""
+    ensure_optimizer_hooks()
+    if fn not in _step_listeners:
+        _step_listeners.append(fn)
+
+
+def remove_step_listener(fn: Callable[..., None]) -> None:
+    """Safe from inside a listener (the hook iterates over a copy)."""
+    if fn in _step_listeners:
+        _step_listeners.remove(fn)
 
 
 class OpContext:
