@@ -460,6 +460,7 @@ def test_torchrun_sharded_replay_writes_the_single_process_report(fsdp, tmp_path
 
 
 # -- 8. nothing of the recorder's outlives it ---------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_closed_recorder_leaves_nothing_in_the_process(tmp_path: Path) -> None:
     """After ``record --step 2`` of 3 has closed, the process holds what the plain job holds: no recorder thread,
     exit handler, hook, signal handler or mode, and no replaydiff object reaches a tensor, module, Work or process
