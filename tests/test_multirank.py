@@ -165,6 +165,68 @@ dist.barrier()  # gloo aborts a rank (SIGABRT) that destroys its group while the
 dist.destroy_process_group()
 '''
 
+# A 1-rank gloo DDP job that, after its 3 steps, says what the process still holds: threads (Python and native),
+# replaydiff objects still alive (an exit handler or a hook left behind keeps its recorder alive) and what they
+# reach, torch's global hooks, signal handlers, dispatch modes.
+LEFTOVERS_SCRIPT = '''
+import gc, json, os, signal, sys, threading, types
+import torch, torch.distributed as dist
+import torch.nn.modules.module as module_hooks, torch.optim.optimizer as optimizer_hooks
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+gc.collect()
+c10d = torch._C._distributed_c10d
+DIST = (torch.Tensor, torch.nn.Module, c10d.Work, c10d.ProcessGroup, torch.ScriptObject)
+modules = {id(vars(m)) for m in list(sys.modules.values()) if m is not None}
+
+def ours(obj):
+    return str(getattr(type(obj), "__module__", "")).startswith("replaydiff") or \\
+        type(obj) is types.MethodType and ours(obj.__self__)
+
+def reaches(root, recorder_objects):
+    """Kinds of job objects (tensors, modules, Work, process groups), and with recorder_objects replaydiff
+    objects, reached from root; module globals and classes are not followed (a function's globals are not
+    held state)."""
+    seen, todo, found = {id(root)}, [root], set()
+    while todo:
+        o = todo.pop()
+        if o is not root and (isinstance(o, DIST) or recorder_objects and ours(o)):
+            found.add(type(o).__name__)
+            continue
+        if isinstance(o, (type, types.ModuleType)) or id(o) in modules:
+            continue
+        for r in gc.get_referents(o):
+            if id(r) not in seen:
+                seen.add(id(r))
+                todo.append(r)
+    return sorted(found)
+
+hooks = {name: sorted({k for fn in getattr(m, name).values()
+                       for k in reaches(fn, True) + (["replaydiff"] if ours(fn) else [])})
+         for m in (module_hooks, optimizer_hooks) for name in dir(m)
+         if name.startswith("_global_") and name.endswith("hooks")}
+tasks = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")) \\
+    if os.path.isdir("/proc/self/task") else None
+# The recorder's objects (aten's table of op facts and replay's constants are per process, not per recording); an
+# exit handler or a hook left behind keeps its recorder alive.
+alive = [o for o in gc.get_objects() if ours(o) and type(getattr(o, "__self__", o)).__module__.startswith(
+    ("replaydiff.record", "replaydiff.trace"))]
+print(json.dumps({
+    "threads": sorted(t.name for t in threading.enumerate()), "native_threads": tasks,
+    "alive": sorted({type(o).__name__ for o in alive}), "hooks": hooks,
+    "signals": [ours(signal.getsignal(s)) for s in (signal.SIGTERM, signal.SIGUSR1)],
+    "excepthook": ours(sys.excepthook), "modes": len(_get_current_dispatch_mode_stack()),
+    "held": sorted({k for o in alive for k in reaches(o, False)})}))
+dist.destroy_process_group()
+'''
+
 
 def _env() -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
@@ -395,3 +457,27 @@ def test_torchrun_sharded_replay_writes_the_single_process_report(fsdp, tmp_path
     a, b = json.loads(single.read_text()), json.loads(sharded.read_text())
     assert a == b
     assert a["summary"]["divergent"] == 1 and len(a["ops"]) == sum(len(list(r)) for r in open_trace(fsdp[1]))
+
+
+# -- 8. nothing of the recorder's outlives it ---------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_closed_recorder_leaves_nothing_in_the_process(tmp_path: Path) -> None:
+    """After ``record --step 2`` of 3 has closed, the process holds what the plain job holds: no recorder thread,
+    exit handler, hook, signal handler or mode, and no replaydiff object reaches a tensor, module, Work or process
+    group (gloo's teardown races with whatever still holds its objects; issue 15)."""
+    script = _script(tmp_path, "ddp1.py", LEFTOVERS_SCRIPT)
+    env = dict(_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+
+    def facts(*prefix: str) -> dict:
+        run = subprocess.run([*prefix, sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                             env=dict(env, MASTER_PORT=str(_free_port())))
+        assert run.returncode == 0, run.stderr
+        return json.loads(run.stdout.strip().splitlines()[-1])
+
+    plain = facts()
+    trace = tmp_path / "trace"
+    recorded = facts(sys.executable, "-m", "replaydiff", "record", "--step", "2", "-o", str(trace), "--")
+    assert open_trace(trace).rank(0).complete and {op.step for op in open_trace(trace).rank(0)} == {2}
+    assert plain["alive"] == plain["held"] == [] and plain["hooks"] == {k: [] for k in plain["hooks"]}
+    for what in plain:
+        assert (what, recorded[what]) == (what, plain[what])

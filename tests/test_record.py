@@ -882,6 +882,27 @@ def test_every_trace_file_follows_the_umask(tmp_path, umask, mode):
     assert dirs == {0o777 & ~umask}
 
 
+def test_a_recording_that_cannot_start_leaves_no_writer_thread(tmp_path, monkeypatch):
+    """The trace was opened (its writer thread started), then attaching failed: the thread must not outlive the
+    recording (a thread of ours waking every 0.25 s until the job exits; gloo's teardown races with such threads)."""
+    import importlib
+    import threading
+
+    recorder_module = importlib.import_module("replaydiff.record.recorder")
+
+    def cannot_attach(rec):
+        raise RuntimeError("no dispatch mode today")
+
+    plain = train_tiny()
+    monkeypatch.setattr(recorder_module, "RecordingMode", cannot_attach)
+    recorded, warned = _record_catching(tmp_path / "t")
+    assert_bitwise_same(plain, recorded)
+    assert len(warned) == 1 and "no dispatch mode today" in warned[0], warned
+    assert [t.name for t in threading.enumerate() if t.name.startswith("replaydiff")] == []
+    r = open_trace(tmp_path / "t").rank(0)
+    assert r.complete and list(r) == [] and "no dispatch mode today" in r.manifest["disabled"]
+
+
 # -- 10. GPU -----------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_record_a_cuda_step(tmp_path):

@@ -43,6 +43,7 @@ _SKIP_PREFIXES = (
 _SKIP_CODE: dict = {}  # code object -> skip it? (a dict hit is cheaper than six startswith tests per frame)
 
 _active: list["OpContext"] = []  # installed contexts
+_step_listeners: list[Callable[..., None]] = []  # called after every optimizer step (steps.py)
 _optimizer_hooks: list = []
 # What the innermost optimizer call in progress is: OPTIMIZER inside step(), _CLOSURE inside the closure it called.
 # Kept by the hooks for every step once installed (a recording may begin inside a step: `--step 1` starts at the
@@ -68,7 +69,8 @@ def ensure_optimizer_hooks() -> None:
 
     torch iterates over its global optimizer hooks while calling them, so registering or removing one from inside
     another (``replaydiff record --step N`` starts and stops recording in an optimizer step post hook) raises
-    "OrderedDict mutated during iteration" in the user's ``optimizer.step()``. Contexts come and go in ``_active``.
+    "OrderedDict mutated during iteration" in the user's ``optimizer.step()``. Contexts come and go in ``_active``,
+    step recorders in ``_step_listeners``: the two hooks torch keeps are plain functions that hold no recording.
     """
     if _optimizer_hooks:
         return
@@ -94,10 +96,25 @@ def _opt_pre_all(optimizer: object, args: tuple, kwargs: dict) -> tuple[tuple, d
     return None
 
 
-def _opt_post_all(*args: object) -> None:
+def _opt_post_all(optimizer: object, args: object, kwargs: object) -> None:
     # Pop this step's entry (and a closure's left by an exception inside it).
     while _optimizer_calls and _optimizer_calls.pop() != OPTIMIZER:
         pass
+    for listener in list(_step_listeners):
+        listener(optimizer, args, kwargs)
+
+
+def add_step_listener(fn: Callable[..., None]) -> None:
+    """Call ``fn(optimizer, args, kwargs)`` after every optimizer step, until ``remove_step_listener(fn)``."""
+    ensure_optimizer_hooks()
+    if fn not in _step_listeners:
+        _step_listeners.append(fn)
+
+
+def remove_step_listener(fn: Callable[..., None]) -> None:
+    """Safe from inside a listener (the hook iterates over a copy)."""
+    if fn in _step_listeners:
+        _step_listeners.remove(fn)
 
 
 def _watched(closure: Callable[..., Any]) -> Callable[..., Any]:

@@ -61,6 +61,7 @@ class Recorder:
         self.failed_ops = 0
         self._failed_names: set[str] = set()
         self._sigterm_installed = False
+        self._trace_closed = False
         self._plant = None  # the PlantedFault of options.plant, a mode below the recording mode
 
     # -- lifecycle --------------------------------------------------------------------------------------------
@@ -103,8 +104,12 @@ class Recorder:
             self.active = True
             self._install_sigterm()
         except Exception as exc:
-            self._warn(f"recording is off: {type(exc).__name__}: {exc}")
+            why = f"recording is off: {type(exc).__name__}: {exc}"
+            self._warn(why)
             self._teardown()
+            if self.writer is not None:  # opened before the failure: finish it now, so its thread ends with it
+                self._disabled_reason = why
+                self._close_trace()
         return self
 
     def stop(self) -> None:
@@ -113,18 +118,25 @@ class Recorder:
         self._teardown()
         self.flush_pending()
         if self.writer is not None and (was_active or self._disabled_reason):
-            try:
-                unseen = self._builder.unseen_writes if self._builder is not None else 0
-                if unseen:
-                    self._warn(f"{unseen} storage(s) were written outside torch's dispatcher (numpy, a C extension) "
-                               f"while recording; they were stored again as new versions")
-                msg = self._compiled.first_warning()
-                if msg:
-                    self._warn(msg)
-                self.writer.close(self._closing_facts())
-            except Exception as exc:
-                self._warn(f"the trace could not be finished: {exc}")
+            self._close_trace()
         self.storages.clear()
+
+    def _close_trace(self) -> None:
+        """Write the final manifest and end the writer's thread; once (stop() may follow a start() that failed)."""
+        if self._trace_closed:
+            return
+        self._trace_closed = True
+        try:
+            unseen = self._builder.unseen_writes if self._builder is not None else 0
+            if unseen:
+                self._warn(f"{unseen} storage(s) were written outside torch's dispatcher (numpy, a C extension) "
+                           f"while recording; they were stored again as new versions")
+            msg = self._compiled.first_warning()
+            if msg:
+                self._warn(msg)
+            self.writer.close(self._closing_facts())
+        except Exception as exc:
+            self._warn(f"the trace could not be finished: {exc}")
 
     def flush_pending(self) -> None:
         """Records waiting for their statistics go to the writer now (end of a step, of the recording, a signal)."""
@@ -140,7 +152,7 @@ class Recorder:
             "compiled_regions": self._compiled_regions,
             "unseen_writes": self._builder.unseen_writes if self._builder is not None else 0,
             "ops_seen": self.next_index,
-            "record_seconds": time.perf_counter() - self._started,
+            "record_seconds": time.perf_counter() - self._started if self._started else 0.0,
             "disabled": self._disabled_reason,
             "custom_ops": self.custom_ops,
             "source_files": self.context.source_files(),

@@ -8,22 +8,21 @@ Nothing here may raise into the user's script.
 """
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import warnings
-from typing import Any
 
 ENV_VAR = "REPLAYDIFF_RECORD"
 
-_trigger: Any = None  # the armed MultiStepRecorder
+_armed = False  # once per process. The recorder itself is held only by its hooks while it records: not after.
 
 
 def install() -> None:
-    global _trigger
+    global _armed
     raw = os.environ.get(ENV_VAR)
-    if not raw or _trigger is not None:
+    if not raw or _armed:
         return
+    _armed = True
     try:
         from replaydiff.record.options import RecordOptions
         from replaydiff.record.step_range import StepRange
@@ -34,7 +33,6 @@ def install() -> None:
         step = int(config.get("step", 1))
         # --steps and --flight say which steps themselves; --step N alone is the one step N
         steps = None if (options.steps or options.flight) else StepRange(step, step, 1)
-        _trigger = MultiStepRecorder(config["out"], options, steps).start()
-        atexit.register(_trigger.finish)
+        MultiStepRecorder(config["out"], options, steps).start().finish_at_exit()
     except Exception as exc:
         warnings.warn(f"replaydiff: could not arm step recording: {exc}", RuntimeWarning, stacklevel=2)

@@ -9,6 +9,7 @@ an uncaught exception write it out. Nothing here raises into the user's script.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -34,7 +35,6 @@ class MultiStepRecorder:
         self.optimizer_id: int | None = None
         self.done = False
         self.recording = False
-        self._post: Any = None
         self._fwd: Any = None
         self._prev_usr1: Any = None
         self._prev_excepthook: Any = None
@@ -48,15 +48,16 @@ class MultiStepRecorder:
     def start(self) -> "MultiStepRecorder":
         try:
             import torch
-            from torch.optim.optimizer import register_optimizer_step_post_hook
 
-            from replaydiff.record.context import arm_optimizer_hooks
+            from replaydiff.record.context import add_step_listener, arm_optimizer_hooks
 
-            # Registered now, not from inside an optimizer hook (see ensure_optimizer_hooks); armed, so that a
-            # step's closure is told from its update even in a step whose recording starts inside the closure.
+            # Armed, so that a step's closure is told from its update even in a step whose recording starts inside
+            # the closure. The step listener goes through replaydiff's own global hook, registered now and not from
+            # inside an optimizer hook (see ensure_optimizer_hooks): finish() can then let go of this recorder even
+            # from inside a step hook.
             arm_optimizer_hooks()
             self._armed = True
-            self._post = register_optimizer_step_post_hook(self._after_step)
+            add_step_listener(self._after_step)
             if 1 in self.range:
                 self._fwd = torch.nn.modules.module.register_module_forward_pre_hook(self._first_forward)
             if self.options.flight:
@@ -64,10 +65,18 @@ class MultiStepRecorder:
         except Exception as exc:
             warnings.warn(f"replaydiff: could not arm step recording: {exc}", RuntimeWarning, stacklevel=2)
             self.done = True
+            self._release()
         return self
 
     def stop(self) -> None:
         self.finish()
+
+    def finish_at_exit(self) -> "MultiStepRecorder":
+        """Finish also when the interpreter exits (the CLI's child, whose script never leaves a ``with``). The exit
+        handler goes as soon as the recording finishes."""
+        if not self.done:
+            atexit.register(self.finish)
+        return self
 
     def __enter__(self) -> "MultiStepRecorder":
         return self.start()
@@ -127,17 +136,7 @@ class MultiStepRecorder:
         if self.done:
             return
         self.done = True
-        if self._armed:
-            from replaydiff.record.context import disarm_optimizer_hooks
-
-            disarm_optimizer_hooks()
-            self._armed = False
-        # self._post stays registered (it returns at once when done): finish() may run inside it, and removing a
-        # global optimizer hook while torch iterates over them raises in the user's optimizer.step().
-        if self._fwd is not None:
-            self._fwd.remove()
-            self._fwd = None
-        self._remove_flight_triggers()
+        self._release()
         rec = self.recorder
         if rec.writer is not None:
             if self.range.last is not None and self.steps_done < self.range.last and self._flight() is None:
@@ -145,6 +144,26 @@ class MultiStepRecorder:
                                      f"{self.range.last}")
             rec.stop()
         self.recording = False
+
+    def _release(self) -> None:
+        """Let go of everything that holds this recorder: its step listener, forward hook, exit handler and flight
+        triggers. Nothing of it outlives the recording (gloo's teardown races with what a process still holds at
+        exit; issue 15). Safe from inside the step listener and the forward hook."""
+        try:
+            from replaydiff.record.context import disarm_optimizer_hooks, remove_step_listener
+
+            if self._armed:
+                disarm_optimizer_hooks()
+                self._armed = False
+            remove_step_listener(self._after_step)
+            atexit.unregister(self.finish)
+            if self._fwd is not None:
+                self._fwd.remove()  # torch calls global forward pre hooks from a copy of its table
+                self._fwd = None
+        except Exception as exc:
+            warnings.warn(f"replaydiff: a step-recording hook could not be removed: {exc}", RuntimeWarning,
+                          stacklevel=2)
+        self._remove_flight_triggers()
 
     # -- flight triggers: SIGUSR1 and an uncaught exception (SIGTERM: the recorder's own handler) ----------------
     def dump(self, reason: str) -> None:
