@@ -19,6 +19,16 @@ ENV_VAR = "REPLAYDIFF_RECORD"
 _trigger: Any = None  # the armed MultiStepRecorder
 
 
+def _report_steps(folder: str) -> None:
+    """Tell ``replaydiff record`` how many optimizer steps this process ran, so that a step the script never reaches
+    is said as such ("the script ran 4 optimizer steps"): one small file per process in a folder the CLI made."""
+    try:
+        with open(os.path.join(folder, f"{os.getpid()}.json"), "w") as f:
+            json.dump({"steps": _trigger.steps_done}, f)
+    except Exception:
+        pass
+
+
 def install() -> None:
     global _trigger
     raw = os.environ.get(ENV_VAR)
@@ -36,5 +46,7 @@ def install() -> None:
         steps = None if (options.steps or options.flight) else StepRange(step, step, 1)
         _trigger = MultiStepRecorder(config["out"], options, steps).start()
         atexit.register(_trigger.finish)
+        if config.get("status"):
+            atexit.register(_report_steps, config["status"])
     except Exception as exc:
         warnings.warn(f"replaydiff: could not arm step recording: {exc}", RuntimeWarning, stacklevel=2)
