@@ -214,8 +214,17 @@ def test_demo_names_the_planted_op():
     assert "replaying" not in proc.stderr
 
 
+def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
+    """The CLI in this process (no torch import to wait for), its outcome in run_cli's form."""
+    from replaydiff.cli.main import main
+
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["replaydiff", *args], code, out, err)
+
+
 @pytest.mark.parametrize("tensors", ["stats", "meta"])
-def test_a_trace_without_tensor_data_cannot_be_replayed(tmp_path, tensors):
+def test_a_trace_without_tensor_data_cannot_be_replayed(tmp_path, capsys, tensors):
     """Replaying statistics or shapes would skip nearly every op and then say "no divergent op", exit 0: a trace that
     cannot be replayed says so, and what it is for, with the usage exit code."""
     import replaydiff
@@ -225,7 +234,7 @@ def test_a_trace_without_tensor_data_cannot_be_replayed(tmp_path, tensors):
     with replaydiff.record(tmp_path / "t", tensors=tensors):
         x = torch.randn(4, 4)
         (x @ x.T).relu()
-    proc = run_cli("replay", str(tmp_path / "t"))
+    proc = run_main(capsys, "replay", str(tmp_path / "t"))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert_one_line_error(proc, "cannot be replayed", f"--tensors {tensors}", "--tensors full", "diff", "show")
     assert "trend" not in proc.stderr  # one step: trend has no series to draw
@@ -234,7 +243,7 @@ def test_a_trace_without_tensor_data_cannot_be_replayed(tmp_path, tensors):
         replay_trace(str(tmp_path / "t"), ReplayOptions())
 
 
-def test_an_op_range_that_selects_nothing_is_a_usage_error():
+def test_an_op_range_that_selects_nothing_is_a_usage_error(capsys):
     """`--from` past the last op, or after `--to`, replayed 0 ops and exited 0 ("no divergent op")."""
     from replaydiff import open_trace
 
@@ -243,12 +252,12 @@ def test_an_op_range_that_selects_nothing_is_a_usage_error():
     for args, said in ((["--from", str(last + 100)], f"past the last op (#{last})"),
                        (["--from", "10", "--to", "5"], "--from 10 is after --to 5"),
                        (["--to", "-1"], "count from 0")):
-        proc = run_cli("replay", path, *args)
+        proc = run_main(capsys, "replay", path, *args)
         assert proc.returncode == 2, (args, proc.stdout + proc.stderr)
         assert_one_line_error(proc, said)
         assert proc.stdout == ""
     # the last op alone is a range, and so is a --to past the end
-    proc = run_cli("replay", path, "--from", str(last), "--to", str(last + 50))
+    proc = run_main(capsys, "replay", path, "--from", str(last), "--to", str(last + 50))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith(f"replayed 1 ops of {path}"), proc.stdout
 
