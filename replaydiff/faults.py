@@ -6,8 +6,7 @@ Enter it *before* the recorder so that it sits below it on the mode stack.
 """
 from __future__ import annotations
 
-import warnings
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -107,18 +106,12 @@ class PlantedFault(TorchDispatchMode):
     rel: float = 1e-3
     call: int = 1
     rank: int | None = None  # plant only in the process of this rank (torch.distributed or $RANK)
-    # Deprecated: the 0-based call number the demo still passes (cli/demo.py); call=occurrence + 1.
-    occurrence: InitVar[int | None] = None
     seen: int = field(default=0, init=False)
     planted: bool = field(default=False, init=False)
     effect: PlantEffect | None = field(default=None, init=False)
 
-    def __post_init__(self, occurrence: int | None) -> None:
+    def __post_init__(self) -> None:
         TorchDispatchMode.__init__(self)
-        if occurrence is not None:
-            warnings.warn("PlantedFault(occurrence=K) is deprecated: pass call=K+1 (calls count from 1, as in "
-                          "record --plant OP:N)", DeprecationWarning, stacklevel=3)
-            self.call = occurrence + 1
         if self.call < 1:
             raise ValueError(f"PlantedFault call={self.call}: calls count from 1")
 

@@ -424,3 +424,95 @@ def test_record_warns_at_the_end_when_the_planted_op_never_ran(tmp_path):
     assert "replay should name that op" not in proc.stderr
     p = open_trace(tmp_path / "trace").rank(0).planted
     assert (p.op, p.landed, p.calls_seen, p.index) == ("aten.nosuch.default", False, 0, None)
+
+
+def test_record_of_statistics_points_to_diff_not_replay(tmp_path):
+    """A statistics trace cannot be replayed: the next command record prints fits the trace."""
+    (tmp_path / "train.py").write_text(TRAIN)
+    proc = replaydiff_cli("record", "--step", "2", "--tensors", "stats", "-o", "trace", "--", sys.executable,
+                          "train.py", cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr  # the script's own exit code
+    assert "replaydiff replay" not in proc.stderr, proc.stderr
+    assert "replaydiff diff" in proc.stderr and "replaydiff show trace" in proc.stderr, proc.stderr
+    assert "cannot be replayed" in proc.stderr, proc.stderr
+
+
+def test_record_of_a_step_the_script_never_reaches(tmp_path):
+    """`--step 10` of a 3-step script recorded nothing, left an empty trace directory and exited 0."""
+    (tmp_path / "train.py").write_text(TRAIN.replace("sys.exit(3)", ""))
+    (tmp_path / "mine").mkdir()  # the user's (empty) directory: it was there before, it stays
+    proc = replaydiff_cli("record", "--step", "10", "-o", "mine/runs/trace", "--", sys.executable, "train.py",
+                          cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr  # the usage code: nothing diverged, step 10 is not in this job
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "step 10 was never reached: the script ran 3 optimizer steps" in proc.stderr, proc.stderr
+    # neither the trace directory nor the parent made for it is left; the user's directory is
+    assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())
+
+
+def _cli_main(capsys, *args) -> tuple[int, str, str]:
+    from replaydiff.cli.main import main
+
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_rank_not_in_the_trace_is_a_usage_error_in_every_verb(recorded, tmp_path, capsys):
+    """replay said exit 3 (a damaged trace), diff exit 2, each in its own words: one code and one sentence."""
+    cwd, _ = recorded
+    t = cwd / "trace"
+    for verb in (["replay", t, "--rank", 5], ["show", t, "--rank", 5], ["show", t, "--op", 0, "--rank", 5],
+                 ["show", t, "--list", "--rank", 5], ["diff", t, t, "--rank", 5], ["trend", t, "--rank", 5],
+                 ["repro", t, 0, "--rank", 5, "-o", tmp_path / "repro"], ["tui", t, "--rank", 5]):
+        code, out, err = _cli_main(capsys, *verb)
+        assert code == 2, (verb, err)
+        assert out == "" and err.count("\n") == 1, (verb, err)
+        assert "rank 5 is not in" in err and "(ranks: [0])" in err, (verb, err)
+    assert not (tmp_path / "repro").exists()
+
+
+def _list_rows(out: str) -> list[list[str]]:
+    return [line.split() for line in out.splitlines()]
+
+
+def test_show_list_one_line_per_op_from_the_index(recorded, capsys):
+    cwd, _ = recorded
+    r = open_trace(cwd / "trace").rank(0)
+    ops = list(r)
+    code, out, err = _cli_main(capsys, "show", cwd / "trace", "--list")
+    assert code == 0, err
+    rows = _list_rows(out)
+    assert [int(row[0]) for row in rows] == [o.index for o in ops]
+    for row, o in zip(rows, ops):
+        assert row[1:4] == [o.name, o.module or "-", o.phase or "-"], row
+        first = o.outputs_refs()[0] if o.outputs_refs() else None
+        if first is not None:
+            assert " ".join(row[4:]) == first.describe(), (row, first.describe())
+    # filters: name and module globs, phase, a range; they combine
+    code, out, _ = _cli_main(capsys, "show", cwd / "trace", "--list", "--op", "aten.addmm*")
+    assert [int(row[0]) for row in _list_rows(out)] == [o.index for o in ops if o.name == "aten.addmm.default"]
+    code, out, _ = _cli_main(capsys, "show", cwd / "trace", "--list", "--module", "Sequential.2", "--phase",
+                             "backward")
+    want = [o.index for o in ops if o.module == "Sequential.2" and o.phase == "backward"]
+    assert want and [int(row[0]) for row in _list_rows(out)] == want
+    code, out, _ = _cli_main(capsys, "show", cwd / "trace", "--list", "--from", 3, "--to", 7)
+    assert [int(row[0]) for row in _list_rows(out)] == [3, 4, 5, 6, 7]
+    # --json for machines: the same rows
+    code, out, _ = _cli_main(capsys, "show", cwd / "trace", "--list", "--phase", "optimizer", "--json")
+    doc = json.loads(out)
+    assert doc["format"] == "replaydiff.oplist/1" and doc["rank"] == 0
+    assert [(d["index"], d["op"], d["module"], d["phase"]) for d in doc["ops"]] == \
+        [(o.index, o.name, o.module, o.phase) for o in ops if o.phase == "optimizer"]
+
+
+def test_show_list_usage_errors(recorded, capsys):
+    cwd, _ = recorded
+    last = open_trace(cwd / "trace").rank(0).last_index
+    for args, said in ((["--list", "--from", last + 1], f"past the last op (#{last})"),
+                       (["--list", "--from", 5, "--to", 2], "--from 5 is after --to 2"),
+                       (["--module", "Sequential.0"], "--list"),
+                       (["--op", "aten.mm*"], "--list --op")):
+        code, out, err = _cli_main(capsys, "show", cwd / "trace", *args)
+        assert code == 2, (args, err)
+        assert out == "" and err.count("\n") == 1 and said in err, (args, err)

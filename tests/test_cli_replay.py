@@ -212,3 +212,68 @@ def test_demo_names_the_planted_op():
     assert "named the planted op" in proc.stdout
     assert "did NOT" not in proc.stdout
     assert "replaying" not in proc.stderr
+
+
+def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
+    """The CLI in this process (no torch import to wait for), its outcome in run_cli's form."""
+    from replaydiff.cli.main import main
+
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["replaydiff", *args], code, out, err)
+
+
+@pytest.mark.parametrize("tensors", ["stats", "meta"])
+def test_a_trace_without_tensor_data_cannot_be_replayed(tmp_path, capsys, tensors):
+    """Replaying statistics or shapes would skip nearly every op and then say "no divergent op", exit 0: a trace that
+    cannot be replayed says so, and what it is for, with the usage exit code."""
+    import replaydiff
+    from replaydiff.errors import UsageError
+    from replaydiff.replay import ReplayOptions, replay_trace
+
+    with replaydiff.record(tmp_path / "t", tensors=tensors):
+        x = torch.randn(4, 4)
+        (x @ x.T).relu()
+    proc = run_main(capsys, "replay", str(tmp_path / "t"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert_one_line_error(proc, "cannot be replayed", f"--tensors {tensors}", "--tensors full", "diff", "show")
+    assert "trend" not in proc.stderr  # one step: trend has no series to draw
+    assert proc.stdout == ""
+    with pytest.raises(UsageError, match="cannot be replayed"):  # the library says the same
+        replay_trace(str(tmp_path / "t"), ReplayOptions())
+
+
+def test_an_op_range_that_selects_nothing_is_a_usage_error(capsys):
+    """`--from` past the last op, or after `--to`, replayed 0 ops and exited 0 ("no divergent op")."""
+    from replaydiff import open_trace
+
+    path = str(rh.step_trace("mlp"))
+    last = open_trace(path).rank(0).last_index
+    for args, said in ((["--from", str(last + 100)], f"past the last op (#{last})"),
+                       (["--from", "10", "--to", "5"], "--from 10 is after --to 5"),
+                       (["--to", "-1"], "count from 0")):
+        proc = run_main(capsys, "replay", path, *args)
+        assert proc.returncode == 2, (args, proc.stdout + proc.stderr)
+        assert_one_line_error(proc, said)
+        assert proc.stdout == ""
+    # the last op alone is a range, and so is a --to past the end
+    proc = run_main(capsys, "replay", path, "--from", str(last), "--to", str(last + 50))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(f"replayed 1 ops of {path}"), proc.stdout
+
+
+def test_demo_counts_occurrences_from_1_like_plant(tmp_path):
+    """`--plant OP:N` counts calls from 1; `demo --occurrence N` counts the same way."""
+    from replaydiff import open_trace
+
+    proc = run_cli("demo", "--occurrence", "2", "-o", str(tmp_path / "t"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = open_trace(tmp_path / "t").rank(0)
+    calls = [i for i in range(len(r)) if r.index.name[i] == "aten.native_layer_norm_backward.default"]
+    planted = [line for line in proc.stdout.splitlines() if line.startswith("planted fault:")]
+    culprit = [line for line in proc.stdout.splitlines() if line.startswith("culprit found:")]
+    assert len(planted) == 1 and f"#{calls[1]} " in planted[0], proc.stdout  # the second call
+    assert len(culprit) == 1 and f"#{calls[1]} " in culprit[0], proc.stdout
+    proc = run_cli("demo", "--occurrence", "0")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert_one_line_error(proc, "--occurrence counts from 1")

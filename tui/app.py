@@ -696,7 +696,7 @@ def make_app(path: str | Path, *, rank: int | None = None, report_path: str | Pa
 
     trace = replaydiff.open_trace(path)
     if rank is not None:
-        trace.rank(rank)  # raises TraceError for a rank the trace does not hold
+        trace.rank(rank)  # raises UsageError for a rank the trace does not hold
     if diff_ref is not None:
         replaydiff.open_trace(diff_ref)  # TraceError (exit 3) now rather than a failure inside the UI
         return ReplaydiffApp(trace, rank=rank, diff=diff_ref)

@@ -23,7 +23,8 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--out", help="keep the trace in this directory (default: a temporary one)")
     p.add_argument("--fault-op", default="aten.native_layer_norm_backward.default",
                    help="op whose output the planted fault perturbs")
-    p.add_argument("--occurrence", type=int, default=0, help="which call of that op (0 = the first)")
+    p.add_argument("--occurrence", type=int, default=1, metavar="N",
+                   help="which call of that op, from 1 (default 1, the first), as N in record --plant OP:N")
     p.add_argument("--rel", type=float, default=1e-3, help="relative size of the perturbation (default 1e-3)")
     p.add_argument("--workers", type=int, default=1, help="replay with N processes")
 
@@ -38,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
     from replaydiff.report import render_replay
     from replaydiff.report.text import op_line
 
+    if args.occurrence < 1:
+        raise UsageError("--occurrence counts from 1 (the first call), as N in record --plant OP:N does")
     torch.manual_seed(0)
     model = TinyTransformer()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -51,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         tmp = tempfile.mkdtemp(prefix="replaydiff-demo-")
         out = Path(tmp)
     try:
-        fault = PlantedFault(args.fault_op, rel=args.rel, occurrence=args.occurrence)
+        fault = PlantedFault(args.fault_op, rel=args.rel, call=args.occurrence)  # from 1, as --plant OP:N
         with fault, record(out):
             loss = step()
         if not fault.planted:
@@ -63,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
                                   progress=advance)
         render_replay(report, sys.stdout)
         planted = [r for r in report.ops if r.op == args.fault_op]
-        planted_op = planted[args.occurrence] if len(planted) > args.occurrence else None
+        planted_op = planted[args.occurrence - 1] if len(planted) >= args.occurrence else None
         print(f"planted fault:      {op_line(planted_op) if planted_op else args.fault_op} (x(1{args.rel:+g}))")
         culprit = report.first_divergent
         print(f"culprit found:      {op_line(culprit) if culprit else 'none'}")

@@ -1,20 +1,26 @@
 """Record one optimizer step of an unmodified training script: replaydiff record --step 3 -o trace/ -- python train.py
 
 The child runs with replaydiff's step hook armed (also under torchrun: one rank<N>/ directory per process), its exit
-code is passed through, and the next command to type is printed.
+code is passed through, and the next commands that fit the trace are printed. When the script never reaches the step
+asked for (or no process has a rank of --ranks), nothing is recorded: that is said, the empty directory made for the
+trace is removed, and the exit code is 2 (a usage error: the request named a step or rank the job does not have;
+1 would claim a divergence) unless the script itself failed, whose code is passed through.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-from replaydiff.errors import ReplaydiffError, UsageError
+from replaydiff.errors import EXIT_USAGE, ReplaydiffError, TraceError, UsageError
 from replaydiff.record.options import GRANULARITIES, TENSOR_MODES, RecordOptions
 from replaydiff.record.step import ENV_VAR
+from replaydiff.record.step_range import StepRange
 from replaydiff.trace import open_trace
 from replaydiff.trace.layout import remove_trace
 from replaydiff.trace.schema import PlantedFaultInfo
@@ -125,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("no command to record: replaydiff record [options] -- python train.py ARGS")
     if args.step < 1:
         raise UsageError("--step counts from 1")
+    made = _missing_dirs(Path(args.out).resolve())  # removed again if nothing is recorded into them
     try:
         options = options_from_args(args)
     except (TypeError, ValueError) as exc:
@@ -138,26 +145,98 @@ def run(args: argparse.Namespace) -> int:
         remove_trace(args.out)  # a trace only, file by file; anything else is refused
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    env[ENV_VAR] = json.dumps({"out": str(out), "step": args.step, "options": options.to_dict()})
+    status = tempfile.mkdtemp(prefix="replaydiff-record-")  # each process of the job says how many steps it ran
+    env[ENV_VAR] = json.dumps({"out": str(out), "step": args.step, "options": options.to_dict(), "status": status})
     autostart = str(Path(__file__).resolve().parent.parent / "record" / "autostart")
     env["PYTHONPATH"] = os.pathsep.join([autostart] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     try:
         code = subprocess.call(cmd, env=env)
     except FileNotFoundError:
+        _remove_empty(made)
         raise UsageError(f"command not found: {cmd[0]}") from None
+    finally:
+        steps_run = _steps_run(status)
+        shutil.rmtree(status, ignore_errors=True)
+    code = code if code >= 0 else 128 - code
     ranks = sorted(p.name for p in out.iterdir() if p.is_dir() and p.name.startswith("rank"))
     if ranks and options.plant:
         sys.stderr.write("".join(line + "\n" for line in plant_lines(out, options.plant)))
-    if ranks and (options.steps or options.flight):
-        sys.stderr.write(f"replaydiff: recorded {'the flight recorder' if options.flight else 'steps ' + options.steps}"
-                         f" into {args.out} ({len(ranks)} rank(s)). Next:\n  replaydiff trend {args.out}\n")
-    elif options.flight:
+    if ranks:
+        what = "the flight recorder" if options.flight else f"steps {options.steps}" if options.steps else \
+            f"step {args.step}"
+        sys.stderr.write(f"replaydiff: recorded {what} into {args.out} ({len(ranks)} rank(s)). "
+                         + next_commands(out, args.out))
+        return code
+    _remove_empty(made)
+    if options.flight:
         sys.stderr.write(f"replaydiff: the flight recorder wrote nothing: no NaN/Inf, signal or exception "
                          f"(--flight-at-exit writes the last {options.flight} steps at exit)\n")
-    elif ranks:
-        sys.stderr.write(f"replaydiff: recorded step {args.step} into {args.out} ({len(ranks)} rank(s)). Next:\n"
-                         f"  replaydiff show {args.out}\n  replaydiff replay {args.out}\n")
-    else:
-        sys.stderr.write(f"replaydiff: nothing was recorded into {args.out}: the command ran no optimizer step "
-                         f"{args.step} (and no module) under this Python\n")
-    return code if code >= 0 else 128 - code
+        return code
+    sys.stderr.write(f"replaydiff: nothing was recorded into {args.out}: "
+                     f"{_why_nothing(options, args.step, steps_run, code)}\n")
+    return code or EXIT_USAGE
+
+
+def next_commands(out: Path, shown: str) -> str:
+    """What to type next, for the kind of trace just written: replay needs tensor data (``--tensors full``), trend
+    many steps; a trace of statistics or shapes is for diff (against a trace of another run) and show."""
+    from replaydiff import open_trace
+    from replaydiff.replay.engine import trace_uses
+
+    try:
+        t = open_trace(out)
+        uses = trace_uses(t.rank(t.ranks[0]))
+        tensors = t.rank(t.ranks[0]).options.get("tensors")
+    except TraceError:  # a job killed mid-write: show says what is there
+        uses, tensors = ["show"], None
+    lines = [f"replaydiff show {shown}"]
+    lines += [f"replaydiff {verb} {shown}" for verb in ("replay", "trend") if verb in uses]
+    if "replay" not in uses and "diff" in uses:
+        lines.append(f"replaydiff diff OTHER {shown}   (OTHER: a trace of the same step from another run)")
+    note = "" if "replay" in uses else f" (--tensors {tensors}: it cannot be replayed)"
+    return f"Next{note}:\n" + "".join(f"  {line}\n" for line in lines)
+
+
+def _why_nothing(options: RecordOptions, step: int, steps_run: int | None, code: int) -> str:
+    exited = f" (it exited with code {code})" if code else ""
+    if steps_run is None:  # no process of the command ran our hook to its end
+        if code:
+            return f"the command exited with code {code} before replaydiff's step hook saw it end"
+        return "no process of the command ran replaydiff's step hook (is it a Python process that keeps PYTHONPATH?)"
+    asked = StepRange.parse(options.steps) if options.steps else StepRange(step, step)
+    ran = f"the script ran {steps_run} optimizer step{'s' if steps_run != 1 else ''}{exited}"
+    if steps_run < asked.first:
+        return f"step {step} was never reached: {ran}" if not options.steps else \
+            f"steps {options.steps} were never reached: {ran}"
+    if options.ranks is not None:
+        return f"{ran}, but no process had a rank in --ranks {','.join(map(str, options.ranks))}"
+    return f"{ran}, and none of them was recorded"
+
+
+def _steps_run(folder: str) -> int | None:
+    """The most optimizer steps any process of the job reported (None: none reported)."""
+    counts = []
+    for p in Path(folder).glob("*.json"):
+        try:
+            counts.append(int(json.loads(p.read_text())["steps"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return max(counts) if counts else None
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, deepest first: what mkdir(parents=True) makes."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """Remove the directories this run made for a trace that was never written; only empty ones (rmdir)."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            return

@@ -1,7 +1,8 @@
 """Replay every op of a trace alone from its recorded inputs and name the earliest divergent op.
 
-Exit code 0 when nothing diverged, 1 when something did (or was nondeterministic), 3 for an unreadable trace,
-4 when the device is missing.
+Exit code 0 when nothing diverged, 1 when something did (or was nondeterministic), 2 for a usage error (a trace
+recorded with --tensors stats or meta, which holds no data to replay; a --from/--to range with no op in it; a rank
+the trace does not hold), 3 for an unreadable trace, 4 when the device is missing.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run each op N times; ops whose runs disagree are reported nondeterministic")
     p.add_argument("--ops", action="append", metavar="GLOB", help="replay only ops whose name matches (repeatable)")
-    p.add_argument("--from", dest="first", type=int, metavar="N", help="first op number to replay")
+    p.add_argument("--from", dest="first", type=int, metavar="N",
+                   help="first op number to replay (`replaydiff show TRACE --list` lists them)")
     p.add_argument("--to", dest="last", type=int, metavar="M", help="last op number to replay")
     p.add_argument("--rank", dest="ranks", type=int, action="append", metavar="R", help="replay only this rank")
     p.add_argument("--workers", type=int, default=1, metavar="N", help="replay with N processes (same report)")

@@ -32,9 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     trace = open_trace(args.trace)
     rank = trace.ranks[0] if args.rank is None else args.rank
-    if rank not in trace.ranks:
-        raise UsageError(f"--rank {rank}: the trace holds ranks {trace.ranks}")
-    rt = trace.rank(rank)
+    rt = trace.rank(rank)  # UsageError for a rank the trace does not hold
     if not 0 <= args.op < len(rt):
         raise UsageError(f"op {args.op} is not in rank {rank} (ops 0..{len(rt) - 1})")
     out = Path(args.out)

@@ -1,4 +1,5 @@
-"""Summarise a trace (ranks, ops per phase, most frequent ops, bytes, environment), or print one op whole."""
+"""Summarise a trace (ranks, ops per phase, most frequent ops, bytes, environment), print one op whole (--op N), or
+list its ops one line each (--list, filtered by --op GLOB, --module GLOB, --phase, --from/--to)."""
 from __future__ import annotations
 
 import argparse
@@ -8,22 +9,28 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, TextIO
 
+from replaydiff.aten import matches_any
 from replaydiff.errors import UsageError
-from replaydiff.trace import OpRecord, RankTrace, TensorRef, open_trace
+from replaydiff.replay.engine import check_op_range
+from replaydiff.trace import OpRecord, RankTrace, TensorRef, TraceIndex, open_trace
 from replaydiff.trace.reader import Trace
+from replaydiff.trace.schema import PHASES
 from replaydiff.trace.sync import GroupArrival, RankProgress, arrivals, progress
 
 OP_JSON_FORMAT = "replaydiff.op/1"
 
 NAME = "show"
-HELP = "summarise a trace, or print one op with --op N"
+HELP = "summarise a trace, print one op with --op N, or list ops with --list"
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="trace directory")
-    p.add_argument("--op", type=int, metavar="N", help="print op N whole")
-    p.add_argument("--rank", type=int, default=None, help="rank to show (default: all for the summary, 0 for --op)")
+    p.add_argument("--op", metavar="N|GLOB", help="print op N whole; with --list, list only ops whose name matches "
+                                                 "GLOB, e.g. 'aten.*mm*'")
+    p.add_argument("--rank", type=int, default=None,
+                   help="rank to show (default: all for the summary, the first for --op and --list)")
     p.add_argument("--top", type=int, default=10, help="how many of the most frequent ops to list")
+    add_list_args(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
@@ -227,11 +234,15 @@ def op_json(r: RankTrace, op: OpRecord) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     trace = open_trace(args.trace)
+    if args.list:
+        return run_list(trace, args)
+    check_no_list_filters(args)
     if args.op is not None:
         r = trace.rank(args.rank if args.rank is not None else trace.ranks[0])
-        if not 0 <= args.op < len(r):
-            raise UsageError(f"rank {r.rank} has no op #{args.op} (last is #{r.last_index})")
-        op = r[args.op]
+        number = op_number(args.op)
+        if not 0 <= number < len(r):
+            raise UsageError(f"rank {r.rank} has no op #{number} (last is #{r.last_index})")
+        op = r[number]
         if args.json:
             sys.stdout.write(json.dumps(op_json(r, op), indent=1) + "\n")
         else:
@@ -256,3 +267,82 @@ def run(args: argparse.Namespace) -> int:
         _render_summary(args.trace, summaries, sys.stdout)
         render_hang(groups, ranks, sys.stdout)
     return 0
+
+
+# -- show --list: one line per op, read from the index alone ---------------------------------------------------------
+
+OP_LIST_FORMAT = "replaydiff.oplist/1"
+
+
+def add_list_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--list", action="store_true",
+                   help="list ops one per line: number, op, module, phase, first output (from the index: fast on "
+                        "any trace); the numbers are what --op, repro and replay --from take")
+    p.add_argument("--module", metavar="GLOB",
+                   help="with --list: only ops in modules whose path matches GLOB, e.g. '*.blocks.1.*'")
+    p.add_argument("--phase", choices=PHASES, help="with --list: only ops of this phase")
+    p.add_argument("--from", dest="first", type=int, metavar="N", help="with --list: from op N on")
+    p.add_argument("--to", dest="last", type=int, metavar="M", help="with --list: up to op M (inclusive)")
+
+
+def op_number(text: str) -> int:
+    """``--op N`` without --list: an op number."""
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"--op {text} is not an op number; to list ops by name: show --list --op GLOB") from None
+
+
+def check_no_list_filters(args: argparse.Namespace) -> None:
+    given = [flag for flag, v in (("--module", args.module), ("--phase", args.phase), ("--from", args.first),
+                                  ("--to", args.last)) if v is not None]
+    if given:
+        raise UsageError(f"{given[0]} filters --list: show --list {given[0]} ...")
+
+
+def list_rows(index: TraceIndex, op_glob: str | None = None, module_glob: str | None = None,
+              phase: str | None = None, first: int | None = None, last: int | None = None) -> list[int]:
+    """The numbers of the ops that pass the filters, in order; reads the index's columns, never an op chunk."""
+    check_op_range(first, last, len(index))
+    lo, hi = first or 0, len(index) if last is None else min(last + 1, len(index))
+    # whole column slices: one list per column instead of a Python call per cell (100k rows filtered in ~0.05 s)
+    names, modules, phases = index.name[lo:hi], index.module[lo:hi], index.phase[lo:hi]
+    ops, mods = ([op_glob] if op_glob else None), ([module_glob] if module_glob else None)
+    return [lo + k for k in range(hi - lo)
+            if (phase is None or phases[k] == phase) and matches_any(names[k], ops)
+            and (mods is None or matches_any(modules[k], mods))]
+
+
+def run_list(trace: Trace, args: argparse.Namespace) -> int:
+    r = trace.rank(args.rank if args.rank is not None else trace.ranks[0])
+    if args.rank is None and len(trace.ranks) > 1:
+        sys.stderr.write(f"replaydiff: listing rank {r.rank} of ranks {trace.ranks} (--rank R for another)\n")
+    idx = r.index
+    rows = list_rows(idx, args.op, args.module, args.phase, args.first, args.last)
+    if args.json:
+        doc = {"format": OP_LIST_FORMAT, "trace": args.trace, "rank": r.rank,
+               "ops": [{"index": i, "op": idx.name[i], "module": idx.module[i], "phase": idx.phase[i],
+                        "output": idx.output[i], "recorded": idx.recorded[i]} for i in rows]}
+        sys.stdout.write(json.dumps(doc) + "\n")  # compact: a list can hold 100,000 ops
+    else:
+        render_list(idx, rows, sys.stdout)
+    if not rows:
+        sys.stderr.write(f"replaydiff: no op of rank {r.rank} passes these filters\n")
+    return 0
+
+
+def render_list(idx: TraceIndex, rows: list[int], out: TextIO) -> None:
+    """Columns: number, op, module ('-': none), phase, first output ('not recorded' for an op a filter left out)."""
+    if not rows:
+        return
+    lo, hi = rows[0], rows[-1] + 1
+    names, modules, phases = idx.name[lo:hi], idx.module[lo:hi], idx.phase[lo:hi]
+    outputs, recorded = idx.output[lo:hi], idx.recorded[lo:hi]
+    ks = [i - lo for i in rows]
+    w_num = len(str(rows[-1]))
+    w_name = max(len(names[k]) for k in ks)
+    w_mod = max(len(modules[k] or "-") for k in ks)
+    w_phase = max(len(phases[k] or "-") for k in ks)
+    out.writelines(f"{lo + k:>{w_num}}  {names[k]:<{w_name}}  {modules[k] or '-':<{w_mod}}  "
+                   f"{phases[k] or '-':<{w_phase}}  {(outputs[k] or '-') if recorded[k] else 'not recorded'}\n"
+                   for k in ks)

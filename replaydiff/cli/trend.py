@@ -36,8 +36,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--window must be >= 2 and --threshold > 0")
     t = open_trace(args.trace)
     rank = t.ranks[0] if args.rank is None else args.rank
-    if rank not in t.ranks:
-        raise UsageError(f"rank {rank} is not in {args.trace} (ranks: {t.ranks})")
     try:
         trend = compute_trend(t.rank(rank), args.module, args.window, args.threshold)
     except NoSteps as exc:

@@ -57,7 +57,7 @@ def rank_pairs(ref: list[int], target: list[int], only: int | None = None) -> li
         kept = [p for p in pairs if p[side] == only]
         if not kept:
             which = "reference" if side == 0 else "target"
-            raise UsageError(f"rank {only} is not in the {which} trace (ranks {ranks})")
+            raise UsageError(f"rank {only} is not in the {which} trace (ranks: {ranks})")
         pairs = kept
     return pairs
 

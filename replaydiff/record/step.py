@@ -8,13 +8,31 @@ Nothing here may raise into the user's script.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import warnings
+import weakref
+from typing import Any
 
 ENV_VAR = "REPLAYDIFF_RECORD"
 
 _armed = False  # once per process. The recorder itself is held only by its hooks while it records: not after.
+
+
+def _report_steps(folder: str, recorder: "weakref.ref[Any]") -> None:
+    """Tell ``replaydiff record`` how many optimizer steps this process ran, so that a step the script never reaches
+    is said as such ("the script ran 4 optimizer steps"): one small file per process in a folder the CLI made. The
+    recorder is reached through a weak reference: one that finished recording is gone by now, and then its trace
+    says what was recorded."""
+    try:
+        rec = recorder()
+        if rec is None:
+            return
+        with open(os.path.join(folder, f"{os.getpid()}.json"), "w") as f:
+            json.dump({"steps": rec.steps_done}, f)
+    except Exception:
+        pass
 
 
 def install() -> None:
@@ -33,6 +51,8 @@ def install() -> None:
         step = int(config.get("step", 1))
         # --steps and --flight say which steps themselves; --step N alone is the one step N
         steps = None if (options.steps or options.flight) else StepRange(step, step, 1)
-        MultiStepRecorder(config["out"], options, steps).start().finish_at_exit()
+        rec = MultiStepRecorder(config["out"], options, steps).start().finish_at_exit()
+        if config.get("status"):
+            atexit.register(_report_steps, config["status"], weakref.ref(rec))
     except Exception as exc:
         warnings.warn(f"replaydiff: could not arm step recording: {exc}", RuntimeWarning, stacklevel=2)

@@ -88,11 +88,54 @@ def import_modules(modules: list[str]) -> None:
             raise EnvironmentProblem(f"--import {m}: {type(exc).__name__}: {exc}") from None
 
 
+def trace_uses(rt: RankTrace) -> list[str]:
+    """The verbs that can use ``rt``: ``replay`` only where tensor data was stored (``--tensors full``); ``trend``
+    only where statistics were stored for many steps (its series are statistics); ``diff`` and ``show`` always (a
+    diff of shapes only, for ``meta``)."""
+    tensors = rt.options.get("tensors", "full")
+    uses = ["replay"] if tensors == "full" else []
+    uses.append("diff")
+    if tensors == "stats" and (rt.options.get("steps") or rt.options.get("flight")):
+        uses.append("trend")
+    return uses + ["show"]
+
+
+def check_replayable(rt: RankTrace, where: object) -> None:
+    """UsageError unless ``rt`` holds the tensor data replay runs ops on. A trace of statistics or shapes would have
+    nearly every op skipped ("inputs not stored") and then read as "no divergent op"."""
+    if "replay" in trace_uses(rt):
+        return
+    mode = rt.options.get("tensors")
+    held = "per-tensor statistics" if mode == "stats" else "shapes and dtypes"
+    raise UsageError(f"{where} cannot be replayed: it was recorded with --tensors {mode} ({held}, no tensor data; "
+                     f"record with --tensors full to replay); use it with " + _either(trace_uses(rt)))
+
+
+def _either(words: list[str]) -> str:
+    return " or ".join(words) if len(words) < 3 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def check_op_range(first: int | None, last: int | None, count: int) -> None:
+    """UsageError unless ``--from first --to last`` selects at least one of op numbers 0..count-1 (``last`` may
+    run past the end: it only bounds)."""
+    if (first is not None and first < 0) or (last is not None and last < 0):
+        raise UsageError("op numbers count from 0: --from and --to take 0 or more")
+    if first is not None and last is not None and first > last:
+        raise UsageError(f"--from {first} is after --to {last}: no op is in that range")
+    if first is not None and first >= count:
+        raise UsageError(f"--from {first} is past the last op (#{count - 1})" if count else
+                         f"--from {first}: the trace holds no op")
+
+
 def plan(trace: Trace, opts: ReplayOptions) -> ReplayPlan:
     check_device(opts.device)
     import_modules(opts.imports + opts.reference_modules)
     p = ReplayPlan(str(trace.path), opts)
-    for r in (opts.ranks if opts.ranks is not None else trace.ranks):
+    ranks = opts.ranks if opts.ranks is not None else trace.ranks
+    for r in ranks:
+        check_replayable(trace.rank(r), trace.path if len(trace.ranks) == 1 else f"{trace.path} (rank {r})")
+    check_op_range(opts.first, opts.last, max((len(trace.rank(r)) for r in ranks), default=0))
+    for r in ranks:
         rt = trace.rank(r)
         if rt.truncated_after is not None:
             p.warnings.append(f"rank {r}: the recording did not finish (truncated after op {rt.truncated_after}); "

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
-from replaydiff.errors import TraceError
+from replaydiff.errors import TraceError, UsageError
 from replaydiff.trace import codec
 from replaydiff.trace.format import (
     DATA_DIR,
@@ -453,7 +453,8 @@ class Trace:
         try:
             return self._ranks[rank]
         except KeyError:
-            raise TraceError(self.path, f"the trace holds no rank {rank}") from None
+            # the caller asked for what is not there; the trace itself is fine (exit 2, not 3)
+            raise UsageError(f"rank {rank} is not in {self.path} (ranks: {self.ranks})") from None
 
     def __iter__(self) -> Iterator[RankTrace]:
         return iter(self._ranks[r] for r in self.ranks)
