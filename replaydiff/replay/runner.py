@@ -6,12 +6,14 @@ op writes only into its own copy. Floating data and floating dtype arguments fol
 keep their recorded dtype and get their recorded generator state back, so the draw is redone and compared exactly.
 
 ``OpReplayer`` holds only what is fixed for a whole replay (the trace, the options, the device); everything about one
-op lives in local values, so one replayer can serve several threads.
+op lives in local values. A replayer serves one thread: the trace it reads decodes lazily and is not meant for two
+threads at once, so each replaying thread or worker makes its own (as ``run_shard`` and ``replay_op`` do).
 """
 from __future__ import annotations
 
 import importlib
 import math
+import threading
 from dataclasses import replace
 from typing import Any
 
@@ -28,6 +30,9 @@ from replaydiff.replay.policy import FALLBACKS, ReplayOptions, target_dtype
 from replaydiff.replay.result import OpResult, Status
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import Opaque, OpRecord, TensorRef, dtype_from_name, iter_refs
+
+# Held while torch.utils.deterministic.fill_uninitialized_memory is turned off (see _leave_out_unwritten).
+_UNFILLED = threading.Lock()
 
 COLLECTIVE_SKIP = "collective: cannot run alone; checked across ranks when all its ranks are in the trace"
 
@@ -379,19 +384,22 @@ class OpReplayer:
                     and (pairs[n][1].is_floating_point() or pairs[n][1].is_complex())}
         unwritten = {n: torch.zeros_like(pairs[n][1], dtype=torch.bool) for n in floating}
         result = judged
-        saved = det.fill_uninitialized_memory
         for _ in range(self.UNWRITTEN_TRIES if floating else 0):
-            try:
-                det.fill_uninitialized_memory = False
-                args, kwargs = _Inputs(self.trace, precision, keep_dtype, self.device, None).build(op)
-                # Blocks of the outputs' sizes, filled with a value no kernel computes here and freed at once: the
-                # allocator hands them to the run below, whose unwritten positions then hold that value rather
-                # than the NaN of the first run's fill (or of its freed temporaries, which would look the same).
-                bait = [torch.full_like(pairs[n][1], 1234.5) for n in floating for _ in range(3)]
-                del bait
-                other = _pairs(op, func(*args, **kwargs), args, kwargs, in_versions, keep_dtype)
-            finally:
-                det.fill_uninitialized_memory = saved
+            # The flag is process-wide: one thread at a time turns it off, so each puts back what it found.
+            with _UNFILLED:
+                saved = det.fill_uninitialized_memory
+                try:
+                    det.fill_uninitialized_memory = False
+                    args, kwargs = _Inputs(self.trace, precision, keep_dtype, self.device, None).build(op)
+                    # Blocks of the outputs' sizes, filled with a value no kernel computes here and freed at once:
+                    # the allocator hands them to the run below, whose unwritten positions then hold that value
+                    # rather than the NaN of the first run's fill (or of its freed temporaries, which would look
+                    # the same).
+                    bait = [torch.full_like(pairs[n][1], 1234.5) for n in floating for _ in range(3)]
+                    del bait
+                    other = _pairs(op, func(*args, **kwargs), args, kwargs, in_versions, keep_dtype)
+                finally:
+                    det.fill_uninitialized_memory = saved
             for n in floating:
                 b = other[n][1] if n < len(other) else None
                 if isinstance(b, torch.Tensor) and b.shape == pairs[n][1].shape:
