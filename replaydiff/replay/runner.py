@@ -22,8 +22,8 @@ import torch
 from replaydiff import aten
 from replaydiff.compare.metrics import ExactMismatch, FloatError, NonfiniteMismatch, ViewMismatch, measure
 from replaydiff.compare.tolerance import reduction_length
-from replaydiff.compare.verdict import (Verdict, judge, judge_measure, scalar_verdict, with_calibration,
-                                        with_precision)
+from replaydiff.compare.verdict import (Calibration, Verdict, how_far_over, judge, judge_measure, scalar_verdict,
+                                        with_calibration, with_precision)
 from replaydiff.errors import TraceError
 from replaydiff.replay import references  # what to run instead of a kernel
 from replaydiff.replay.policy import FALLBACKS, ReplayOptions, target_dtype
@@ -314,7 +314,8 @@ class OpReplayer:
         if bad:
             res.status, res.reason, res.verdict = Status.DIVERGENT, bad[0].reason, bad[0]
         elif judged:
-            res.verdict = max((v for _, v in judged), key=lambda v: v.score)
+            res.verdict = max((v for _, v in judged), key=lambda v: v.severity)
+            res.reason = res.verdict.explanation  # why an error over the fixed limits is ok, if it is
         elif res.reason is None:
             res.reason = ("scalar result compared exactly" if pairs else
                           "nothing to compare (views of inputs are checked by shape and stride only)")
@@ -356,19 +357,15 @@ class OpReplayer:
             if v.divergent and isinstance(v.measure, NonfiniteMismatch) and recorded is not None:
                 v = self._nonfinite_explained(recorded, same, v)
             m = v.measure
-            if v.divergent and isinstance(m, FloatError) and recorded is not None:
+            if v.divergent and isinstance(m, FloatError) and recorded is not None \
+                    and v.limit_max is not None and v.limit_rel is not None:
                 ms = measure(same, value)
-                own = (ms.max_abs, ms.rel_l2) if isinstance(ms, FloatError) else None
-                if own is not None:
+                if isinstance(ms, FloatError):
                     # Only an op whose own error at its dtype already breaks the limit is ill-conditioned; a
                     # well-conditioned op's bf16 rounding must not hide a 1e-2 fault (only ~6x that rounding).
-                    ill = judge_measure(ms, same.dtype, self.opts.tolerances, v.reduction_k or 1).divergent
-                    if ill and m.max_abs <= f * own[0] and m.rel_l2 <= f * own[1]:
-                        v = with_calibration(v, False, None, own)  # ill-conditioned, not wrong
-                    else:
-                        ratio = f"{m.max_abs / own[0]:.3g}x the op's own error" if own[0] \
-                            else "while the op itself is exact"
-                        v = with_calibration(v, True, f"{v.reason}, {ratio} at its recorded dtype", own)
+                    ill = how_far_over((ms.norm_max, ms.norm_rel), (v.limit_max, v.limit_rel)) > 1
+                    v = with_calibration(v, Calibration(ms.max_abs, ms.rel_l2, str(same.dtype).removeprefix("torch."),
+                                                        f, ill))
             result.append((n, v))
         return result
 
