@@ -350,7 +350,7 @@ class OpReplayer:
         result = []
         for n, v in judged:
             same, value = same_pairs[n][1] if n < len(same_pairs) else None, pairs[n][1]
-            recorded = self.trace.tensor(pairs[n][0]) if isinstance(same, torch.Tensor) else None
+            recorded = self.trace.tensor(pairs[n][0]) if v.divergent and isinstance(same, torch.Tensor) else None
             if n in left_out and recorded is not None and same.shape == value.shape:
                 keep = ~left_out[n]
                 same, value, recorded = same[keep], value[keep], recorded[keep.to(recorded.device)]
