@@ -190,6 +190,63 @@ def test_a_fault_in_a_partly_unwritten_output_is_still_found(tmp_path: Path) -> 
     assert report.first_divergent is not None and report.first_divergent.op == "aten._ctc_loss.default"
 
 
+# -- memory an empty* op handed out is no produced value ----------------------------------------------------------
+def _record_into_empty(path: Path, fn) -> None:
+    """Record ``fn`` with deterministic algorithms on, so torch.empty fills floating memory with NaN: the worst
+    garbage an all-gather buffer's other-rank parts can hold until the collective fills them."""
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (registers fsdp:: ops)
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with replaydiff.record(path):
+            fn()
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def _fsdp_copy_in() -> None:
+    # rank 1 of 2 copies its shards (a weight and a bias) into its half of the all-gather buffer; rank 0's half stays
+    # the allocator's until the all-gather (not in this trace) fills it
+    w, b = torch.arange(12.0).reshape(3, 4) / 7, torch.arange(4.0) - 1.5
+    numel = w.numel() + b.numel()
+    buf = torch.empty(2 * numel)
+    torch.ops.fsdp.all_gather_copy_in([w.reshape(-1), b], buf, [w.numel(), b.numel()], numel, 1)
+
+
+def test_uninitialised_part_of_an_all_gather_buffer_is_no_nan_origin_and_not_compared(tmp_path: Path, capsys) -> None:
+    from replaydiff.cli.main import main
+
+    _record_into_empty(tmp_path / "t", _fsdp_copy_in)
+    op = next(o for o in replaydiff.open_trace(tmp_path / "t").rank(0) if o.name.startswith("fsdp."))
+    assert not bool(torch.isfinite(replaydiff.open_trace(tmp_path / "t").rank(0).tensor(op.outputs_refs()[-1])).all())
+    report = replay_trace(str(tmp_path / "t"), ReplayOptions())
+    copy_in = next(r for r in report.ops if r.index == op.index)
+    assert copy_in.status is Status.OK and not copy_in.nonfinite_origin, copy_in
+    assert report.nonfinite_origin is None
+    assert copy_in.verdict.left_out == 16  # rank 0's half of the buffer: 12 + 4 elements, not compared
+    assert copy_in.verdict.measure.nonfinite_recorded == 0
+    # an op the replay skips (here: not selected) is no origin either: the part the op left as it was is no value
+    skipped = replay_trace(str(tmp_path / "t"), ReplayOptions(ops=["aten.*"]))
+    assert next(r for r in skipped.ops if r.index == op.index).status is Status.SKIPPED
+    assert skipped.nonfinite_origin is None
+    assert main(["replay", str(tmp_path / "t"), "--json", str(tmp_path / "r.json")]) == 0
+    assert main(["report", str(tmp_path / "t"), "--replay", str(tmp_path / "r.json")]) == 0
+    assert "| NaN/Inf origin | none | none | pass |" in capsys.readouterr().out
+
+
+def test_nan_made_in_the_written_part_of_an_uninitialised_buffer_is_the_origin(tmp_path: Path) -> None:
+    def fn() -> None:
+        buf = torch.empty(8)  # NaN-filled: a NaN made below where NaN already was must still count
+        torch.sqrt(torch.tensor([4.0, -1.0, 9.0, 16.0]), out=buf.narrow(0, 4, 4))
+
+    _record_into_empty(tmp_path / "t", fn)
+    sqrt = next(o for o in replaydiff.open_trace(tmp_path / "t").rank(0) if o.name == "aten.sqrt.out")
+    report = replay_trace(str(tmp_path / "t"), ReplayOptions())
+    assert report.nonfinite_origin is not None and report.nonfinite_origin.index == sqrt.index
+    assert [r.index for r in report.ops if r.nonfinite_origin] == [sqrt.index]
+
+
 class _ScaleBagSums(TorchDispatchMode):
     """Below the recorder: a wrong embedding_bag kernel whose bag sums (output 0) are off by 1e-3."""
 

@@ -111,6 +111,43 @@ def test_settings_restored_when_replay_is_interrupted(caller_flags, monkeypatch)
     assert _flags() == caller_flags
 
 
+def test_reference_settings_entered_by_two_threads_at_once_are_restored_once(caller_flags, monkeypatch):
+    """The TUI replays in one thread while its detail pane replays one op in another: whichever leaves last, the
+    caller's settings (and its environment) come back, and neither thread runs outside the reference settings."""
+    import threading
+
+    from replaydiff.replay.policy import reference_settings
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    inside: dict[str, dict] = {}
+
+    def first() -> None:  # enters first, leaves first
+        with reference_settings(1):
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def second() -> None:  # enters while the first holds the settings, leaves after it
+        a_in.wait(10)
+        with reference_settings(1):
+            b_in.set()
+            a_out.wait(10)
+            inside["second"] = _flags()  # the first has left: the second still replays under the reference
+            inside["env"] = {"CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert inside["second"]["deterministic"] and inside["second"]["float32_matmul_precision"] == "highest"
+    assert not inside["second"]["cudnn.benchmark"] and inside["second"]["num_threads"] == 1
+    assert inside["env"] == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    assert _flags() == caller_flags
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ  # put back as it was: unset
+
+
 # -- --repeat: nondeterminism ----------------------------------------------------------------------------------
 @torch.library.custom_op("rdtest::noisy", mutates_args=())
 def noisy(x: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,10 @@ class DiffResult:
         return None if self.pair is None else self.pair.metrics
 
     @property
+    def severity(self) -> float | None:
+        return None if self.pair is None else self.pair.severity
+
+    @property
     def reason(self) -> str | None:
         return None if self.pair is None else self.pair.reason
 

@@ -29,52 +29,23 @@ def status_value(status: Any) -> str | None:
     return str(getattr(status, "value", status))
 
 
-def severity(status: str | None, metrics: dict | None) -> float | None:
-    """How bad an op's error is, as a multiple of its limit: 1.0 is the divergence threshold.
-
-    The worse of max_abs/(eps*absmax) over its limit and rel_l2/eps over its limit; an exact comparison with
-    mismatches, a NaN/Inf mismatch or a divergent verdict without metrics counts as infinitely bad. None when the op
-    has no verdict or no numbers (skipped, error, pending)."""
-    m = metrics or {}
-    return _severity(status, _num(m.get("norm_max")), _num(m.get("norm_rel")), m.get("limit_max"),
-                     m.get("limit_rel"), bool(m.get("mismatches")) or bool(m.get("nonfinite_mismatch")))
-
-
-def _severity(status: str | None, nm: float | None, nr: float | None, lm: float | None, lr: float | None,
-              mismatch: bool) -> float | None:
-    worst = None
-    if nm is not None and lm:
-        worst = nm / lm
-    if nr is not None and lr:
-        worst = max(worst or 0.0, nr / lr)
-    if mismatch:
-        worst = math.inf
-    if status in PROBLEMS and (worst is None or worst < 1.0):
-        worst = math.inf if worst is None else max(worst, 1.0)
-    if worst is None and status == OK:
-        worst = 0.0
-    return worst
-
-
-def verdict_figures(result: Any, status: str | None) -> tuple[float | None, str]:
-    """(severity, error text) of an OpResult, read from its typed verdict (no JSON dict built: a report holds
-    100,000 of them); results without one (read from elsewhere) go through their metrics dict."""
+def verdict_figures(result: Any) -> tuple[float | None, str]:
+    """(severity, error text) of a result: an OpResult, or a diff row. The severity is the result's own (the
+    verdict's measure of how far over its limit the op is, which the report and the repro read too); the text is
+    the figure the op list shows."""
     verdict = getattr(result, "verdict", None)
     if verdict is None:
-        metrics = result.metrics
-        return severity(status, metrics), error_text(metrics)
+        return result.severity, error_text(result.metrics)
     m = verdict.measure
     finite = getattr(m, "finite", None)  # a NaN/Inf mismatch measures its finite positions too
     fe = finite if finite is not None else m
-    nm, nr = getattr(fe, "norm_max", None), getattr(fe, "norm_rel", None)
+    nm = getattr(fe, "norm_max", None)
     mismatches = getattr(m, "mismatches", None)
-    positions = getattr(m, "positions", None)
-    sev = _severity(status, nm, nr, verdict.limit_max, verdict.limit_rel, bool(mismatches) or bool(positions))
     if mismatches is not None:
         text = f"≠{mismatches}" if mismatches else "exact"
     else:
         text = error_text({"norm_max": nm}) if nm is not None else ""
-    return sev, text
+    return result.severity, text
 
 
 def _num(x: Any) -> float | None:
@@ -204,7 +175,7 @@ class TraceModel:
             self._counts[s] = self._counts.get(s, 0) + 1
             self.results[i] = r
             self.status[i] = s
-            self.severity[i], self.error[i] = verdict_figures(r, s)
+            self.severity[i], self.error[i] = verdict_figures(r)
             if s == INHERITED and self.severity[i] is not None:
                 self.severity[i] = min(self.severity[i], INHERITED_SEVERITY)  # type: ignore[type-var]
             if s in PROBLEMS:

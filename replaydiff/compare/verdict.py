@@ -2,10 +2,13 @@
 
 Replay, the cross-rank collective check and the diff of two traces all judge through ``judge``; nothing here keeps
 state or changes its arguments. The verdict carries the measure (its type says what kind of difference it is), the
-limits applied, the reduction length they were scaled for and why the tensor is divergent, if it is.
+limits applied, the reduction length they were scaled for, the op's own error at its dtype when that was measured,
+and why the tensor is divergent, if it is. Its ``severity`` (how far over its limit, in units of the limit) and its
+``explanation`` (why an error over the fixed limits is still ok) are the one definition every reader uses.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -16,6 +19,57 @@ from replaydiff.compare.metrics import (ExactMismatch, FloatError, Measure, Nonf
 from replaydiff.compare.tolerance import Tolerances
 
 
+def how_far_over(errors: tuple[float, float], limits: tuple[float, float]) -> float:
+    """How far a pair of errors is over its pair of limits, in units of the limits: the larger ratio (1.0 is at the
+    limit). An error over a zero limit, or one that is NaN, is infinitely far.
+
+    Pure Python on purpose: the standalone repro script (report/repro.py) carries this function's source, so that
+    it judges exactly as replay does."""
+    worst = 0.0
+    for error, limit in zip(errors, limits):
+        if error != error:  # NaN
+            return math.inf
+        worst = max(worst, error / limit if limit > 0 else (0.0 if error == 0 else math.inf))
+    return worst
+
+
+def calibrated_limits(own: tuple[float, float], ill: bool, factor: float) -> tuple[float, float] | None:
+    """The limits on (max_abs, rel_l2) of an ill-conditioned op: ``factor`` times its own error at its recorded
+    dtype (the op run there, against the same reference). None for an op whose own error is within the fixed
+    limits (``ill`` False): it keeps those, or its rounding would hide a fault a few times that size.
+
+    Pure Python, carried by the repro script like ``how_far_over``."""
+    return (factor * own[0], factor * own[1]) if ill else None
+
+
+def ill_conditioned_note(dtype: str, own: tuple[float, float], error: tuple[float, float], factor: float) -> str:
+    """Why an output over the fixed limits is ok: it is within ``factor`` times the op's own error at ``dtype``.
+
+    Pure Python, carried by the repro script like ``how_far_over``."""
+    return (f"within its own {dtype} error (ill-conditioned: the op run at {dtype} is off by max_abs {own[0]:.3g}, "
+            f"rel_l2 {own[1]:.3g}; the recorded output by {error[0]:.3g}, {error[1]:.3g}, within {factor:g}x that)")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The op's own error at its recorded dtype: the op run there (on the CPU) against the same reference.
+
+    An op whose own error already breaks the fixed limits is ill-conditioned (a gradient sum that cancels to almost
+    zero, a LayerNorm of an input with a large mean): its recorded output is then held to ``factor`` times that
+    error instead of the fixed limits."""
+
+    max_abs: float
+    rel_l2: float
+    dtype: str  # the recorded dtype it was run at, e.g. "float32"
+    factor: float  # Tolerances.conditioning_factor
+    ill: bool  # its own error is over the fixed limits
+
+    @property
+    def limits(self) -> tuple[float, float] | None:
+        """The limits on (max_abs, rel_l2) that apply, or None when the fixed ones do (a well-conditioned op)."""
+        return calibrated_limits((self.max_abs, self.rel_l2), self.ill, self.factor)
+
+
 @dataclass(frozen=True)
 class Verdict:
     divergent: bool
@@ -24,22 +78,49 @@ class Verdict:
     limit_max: float | None = None  # limits on norm_max / norm_rel, for a FloatError
     limit_rel: float | None = None
     reduction_k: int | None = None
-    # The op's own error at its recorded dtype (calibration of an ill-conditioned op): max_abs, rel_l2.
-    same_dtype: tuple[float, float] | None = None
+    calibration: Calibration | None = None  # set when the output was over its fixed limits and the op was re-run
     precision: str | None = None  # set when the op was replayed at another precision than asked
     left_out: int = 0  # positions not compared: the kernel leaves them unwritten (their value is the allocator's)
 
     @property
-    def score(self) -> float:
-        """One number to rank verdicts by: the normalised max error, or the count of differing elements."""
+    def severity(self) -> float:
+        """How far over its limit the output is, in units of its limit: the one measure of how bad an op is that
+        replay, the report, the repro and the TUI rank and label by.
+
+        The larger of max_abs/(eps*absmax) and rel_l2/eps over their limits; for an ill-conditioned op, of max_abs
+        and rel_l2 over ``factor`` times its own error at its recorded dtype (the limits its verdict was decided
+        by). An exact comparison is 0 when equal; mismatches, NaN/Inf on one side only, a wrong shape, view or
+        scalar are infinitely far. The figure never contradicts the decision: at most 1 for a verdict within its
+        limits, over 1 for a divergent one (infinite if its figures cannot say how far)."""
+        s = self._over()
+        if self.divergent:
+            return s if s > 1 else math.inf
+        return min(s, 1.0)
+
+    def _over(self) -> float:
         m = self.measure
+        if isinstance(m, NonfiniteMismatch) and not self.divergent:
+            m = m.finite  # NaN/Inf positions the op makes itself at its dtype: judged on the finite ones
         if isinstance(m, FloatError):
-            return m.norm_max
-        if isinstance(m, NonfiniteMismatch):
-            return float("inf")
+            cal = self.calibration.limits if self.calibration is not None else None
+            if cal is not None:
+                return how_far_over((m.max_abs, m.rel_l2), cal)
+            if self.limit_max is None or self.limit_rel is None:
+                return 0.0 if not self.divergent else math.inf  # judged by no limit (a diff's noise floor)
+            return how_far_over((m.norm_max, m.norm_rel), (self.limit_max, self.limit_rel))
         if isinstance(m, ExactMismatch):
-            return float(m.mismatches)
-        return float("inf")
+            return math.inf if m.mismatches else 0.0
+        return math.inf
+
+    @property
+    def explanation(self) -> str | None:
+        """Why an output within its limits is so although its error is over the fixed per-dtype limits (the op is
+        ill-conditioned, and this is its own error at its recorded dtype); None for any other verdict."""
+        cal = self.calibration
+        m = self.measure
+        if self.divergent or cal is None or cal.limits is None or not isinstance(m, FloatError):
+            return None
+        return ill_conditioned_note(cal.dtype, (cal.max_abs, cal.rel_l2), (m.max_abs, m.rel_l2), cal.factor)
 
     def to_json(self) -> dict:
         d = self.measure.to_json()
@@ -47,8 +128,10 @@ class Verdict:
             d["limit_max"], d["limit_rel"] = self.limit_max, self.limit_rel
         if self.reduction_k is not None:
             d["reduction_k"] = self.reduction_k
-        if self.same_dtype is not None:
-            d["same_dtype_max_abs"], d["same_dtype_rel_l2"] = self.same_dtype
+        c = self.calibration
+        if c is not None:
+            d["same_dtype_max_abs"], d["same_dtype_rel_l2"] = c.max_abs, c.rel_l2
+            d["same_dtype"], d["conditioning_factor"], d["ill_conditioned"] = c.dtype, c.factor, c.ill
         if self.precision is not None:
             d["precision"] = self.precision
         if self.left_out:
@@ -57,9 +140,14 @@ class Verdict:
 
     @classmethod
     def from_json(cls, d: dict, divergent: bool = False, reason: str | None = None) -> "Verdict":
-        same = (d["same_dtype_max_abs"], d["same_dtype_rel_l2"]) if "same_dtype_max_abs" in d else None
+        cal = None
+        if "same_dtype_max_abs" in d:
+            # A report written before the calibration was kept whole: an ok verdict over its limits was ill.
+            cal = Calibration(d["same_dtype_max_abs"], d["same_dtype_rel_l2"], d.get("same_dtype", "recorded dtype"),
+                              d.get("conditioning_factor", Tolerances().conditioning_factor),
+                              d.get("ill_conditioned", not divergent))
         return cls(divergent, measure_from_json(d), reason, d.get("limit_max"), d.get("limit_rel"),
-                   d.get("reduction_k"), same, d.get("precision"), d.get("left_out", 0))
+                   d.get("reduction_k"), cal, d.get("precision"), d.get("left_out", 0))
 
 
 def judge_measure(m: Measure, dtype: torch.dtype | str, tolerances: Tolerances, k: int = 1) -> Verdict:
@@ -90,8 +178,16 @@ def judge(recorded: torch.Tensor, reference: torch.Tensor, tolerances: Tolerance
     return judge_measure(measure(recorded, reference, exact=exact), recorded.dtype, tolerances, k)
 
 
-def with_calibration(v: Verdict, divergent: bool, reason: str | None, same: tuple[float, float]) -> Verdict:
-    return replace(v, divergent=divergent, reason=reason, same_dtype=same)
+def with_calibration(v: Verdict, cal: Calibration) -> Verdict:
+    """A FloatError verdict over its fixed limits judged again, knowing the op's own error at its recorded dtype:
+    within ``cal.factor`` times that error an ill-conditioned op is ok (its ``explanation`` says why)."""
+    c = replace(v, calibration=cal)
+    if c._over() <= 1:
+        return replace(c, divergent=False, reason=None)
+    m = v.measure
+    ratio = f"{m.max_abs / cal.max_abs:.3g}x the op's own error" if isinstance(m, FloatError) and cal.max_abs \
+        else "while the op itself is exact"
+    return replace(c, divergent=True, reason=f"{v.reason}, {ratio} at its recorded dtype")
 
 
 def with_precision(v: Verdict, precision: str) -> Verdict:

@@ -248,7 +248,7 @@ class PairComparer:
         if bad:
             res.verdict = bad[0]
         elif judged:
-            res.verdict = max(judged, key=lambda v: v.score)
+            res.verdict = max(judged, key=lambda v: v.severity)
         if not judged:
             res.status = PairStatus.NOT_COMPARED
             res.reason = ("no output data on either side" if evidence else "no output to compare "

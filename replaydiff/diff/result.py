@@ -189,6 +189,11 @@ class PairResult:
     def metrics(self) -> dict[str, Any] | None:
         return None if self.verdict is None else self.verdict.to_json()
 
+    @property
+    def severity(self) -> float | None:
+        """How far over its limit the pair's deciding output is (Verdict.severity); None when nothing was compared."""
+        return None if self.verdict is None else self.verdict.severity
+
 
 @dataclass(frozen=True)
 class Unaligned:

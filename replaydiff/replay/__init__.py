@@ -13,10 +13,12 @@ def replay_op(trace, op, options: ReplayOptions | None = None):
 
     The reference values are what the reference device and precision computed, for a closer look (an element-wise
     error histogram, a repro)."""
+    from replaydiff.replay.engine import replay_threads
     from replaydiff.replay.policy import reference_settings
 
     import torch
 
     opts = options or ReplayOptions()
-    with reference_settings(1), torch.inference_mode():
+    # the thread count of a whole replay with these options: the same verdict as there (bitwise at `same`)
+    with reference_settings(replay_threads(trace, opts)), torch.inference_mode():
         return OpReplayer(trace, opts).replay_with_pairs(op)

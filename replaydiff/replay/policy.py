@@ -1,12 +1,14 @@
 """Replay options and the reference numerics: which dtype each recorded dtype runs at, and the reference settings.
 
 The reference is meant to be boring: deterministic algorithms on, TF32 off for matmul and cuDNN, cudnn.benchmark off,
-float32 matmul precision "highest". The caller's settings are put back afterwards.
+float32 matmul precision "highest", CUBLAS_WORKSPACE_CONFIG set when it is not. The settings are held once per
+process however many replays overlap, and the caller's (environment included) are put back when the last one ends.
 """
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+import threading
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -72,32 +74,95 @@ class ReplayOptions:
                 **({"reference_modules": self.reference_modules} if self.reference_modules else {})}
 
 
-@contextmanager
-def reference_settings(num_threads: int | None = None) -> Iterator[None]:
-    saved = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-        torch.backends.cuda.matmul.allow_tf32,
-        torch.get_float32_matmul_precision(),
-        torch.get_num_threads(),
-    )
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    try:
-        # warn_only: an op with no deterministic kernel is still replayed (and --repeat will tell if it wobbles).
-        # The C setter, not torch.use_deterministic_algorithms: that also imports torch._inductor's config (1.5-2 s
-        # per process) to set a flag only compiled code reads.
-        torch._C._set_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.set_float32_matmul_precision("highest")
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        # cuDNN through torch's own context manager: it also works after torch.backends.disable_global_flags()
-        # (which torch's testing utilities call at import), where assigning the flags raises.
-        with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, benchmark=False, deterministic=True,
-                                        allow_tf32=False):
-            yield
-    finally:
+class _Held:
+    """The reference settings as this process holds them: applied by the first holder, restored by the last.
+
+    Every flag here is process-wide (and CUBLAS_WORKSPACE_CONFIG is the process's environment), so saving and
+    restoring them per call breaks as soon as two calls overlap: the TUI replays in one thread while its detail pane
+    replays one op in another, and whichever left last put back the other's reference settings. Holders are
+    counted instead: the caller's settings are saved once, when the first holder enters, and put back once, when
+    the last one leaves, whichever thread that is.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.holders = 0
+        self.saved: tuple | None = None
+        self.cudnn: ExitStack | None = None
+
+    def enter(self) -> None:
+        with self.lock:
+            self.holders += 1
+            if self.holders > 1:
+                return
+            self.saved = (torch.are_deterministic_algorithms_enabled(),
+                          torch.is_deterministic_algorithms_warn_only_enabled(),
+                          torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(),
+                          os.environ.get(_CUBLAS))
+            try:
+                if self.saved[4] is None:  # deterministic cuBLAS needs a fixed workspace (set before cuBLAS starts)
+                    os.environ[_CUBLAS] = ":4096:8"
+                # warn_only: an op with no deterministic kernel is still replayed (and --repeat will tell if it
+                # wobbles). The C setter, not torch.use_deterministic_algorithms: that also imports
+                # torch._inductor's config (1.5-2 s per process) to set a flag only compiled code reads.
+                torch._C._set_deterministic_algorithms(True, warn_only=True)
+                torch.backends.cuda.matmul.allow_tf32 = False
+                torch.set_float32_matmul_precision("highest")
+                # cuDNN through torch's own context manager: it also works after
+                # torch.backends.disable_global_flags() (which torch's testing utilities call at import), where
+                # assigning the flags raises.
+                self.cudnn = ExitStack()
+                self.cudnn.enter_context(torch.backends.cudnn.flags(
+                    enabled=torch.backends.cudnn.enabled, benchmark=False, deterministic=True, allow_tf32=False))
+            except BaseException:
+                self.holders -= 1
+                self._restore()
+                raise
+
+    def leave(self) -> None:
+        with self.lock:
+            self.holders -= 1
+            if self.holders == 0:
+                self._restore()
+
+    def _restore(self) -> None:
+        saved, self.saved = self.saved, None
+        cudnn, self.cudnn = self.cudnn, None
+        if cudnn is not None:
+            cudnn.close()
+        if saved is None:
+            return
         torch._C._set_deterministic_algorithms(saved[0], warn_only=saved[1])
         torch.backends.cuda.matmul.allow_tf32 = saved[2]
         torch.set_float32_matmul_precision(saved[3])
-        torch.set_num_threads(saved[4])
+        if saved[4] is None:
+            os.environ.pop(_CUBLAS, None)
+        else:
+            os.environ[_CUBLAS] = saved[4]
+
+
+_CUBLAS = "CUBLAS_WORKSPACE_CONFIG"
+_HELD = _Held()
+
+
+@contextmanager
+def reference_settings(num_threads: int | None = None) -> Iterator[None]:
+    """Replay under the reference settings; the caller's come back when the last holder in the process leaves.
+
+    Enter it once per replaying process or worker (the engine's ``run_shard`` and ``replay_op`` do); entering it
+    again, nested or from another thread, shares the one set of settings. ``num_threads`` (torch's intra-op
+    threads: OpenMP keeps that count per calling thread) is set by each holder in its own thread and put back there
+    when it leaves; the engine and ``replay_op`` both take it from ``replay_threads``.
+    """
+    _HELD.enter()
+    threads_before = torch.get_num_threads()
+    try:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        yield
+    finally:
+        try:
+            if num_threads and torch.get_num_threads() != threads_before:
+                torch.set_num_threads(threads_before)
+        finally:
+            _HELD.leave()

@@ -1,6 +1,7 @@
 """What a replay produces: one OpResult per op (a Status and a Verdict), gathered in a ReplayReport."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -47,6 +48,25 @@ class OpResult:
 
     def __post_init__(self) -> None:
         self.status = Status(self.status)
+
+    @property
+    def severity(self) -> float | None:
+        """How far over its limit the op is, in units of its limit: its verdict's ``severity`` (at most 1 within
+        the limits, over 1 divergent). A problem the verdict does not show counts too: a nondeterministic op is at
+        its limit at least, a divergent one without figures (ranks of a collective that disagree on its group)
+        infinitely far. 0 for an op judged without figures (a view, an equal scalar); None when nothing was
+        judged (skipped, error)."""
+        v = self.verdict
+        if v is None:
+            if self.status is Status.OK:
+                return 0.0
+            return math.inf if self.status in PROBLEMS else None
+        s = v.severity
+        if self.status is Status.DIVERGENT and s <= 1:
+            return math.inf
+        if self.status is Status.NONDETERMINISTIC:
+            return max(s, 1.0)
+        return s
 
     @property
     def metrics(self) -> dict[str, Any] | None:

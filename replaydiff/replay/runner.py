@@ -6,12 +6,14 @@ op writes only into its own copy. Floating data and floating dtype arguments fol
 keep their recorded dtype and get their recorded generator state back, so the draw is redone and compared exactly.
 
 ``OpReplayer`` holds only what is fixed for a whole replay (the trace, the options, the device); everything about one
-op lives in local values, so one replayer can serve several threads.
+op lives in local values. A replayer serves one thread: the trace it reads decodes lazily and is not meant for two
+threads at once, so each replaying thread or worker makes its own (as ``run_shard`` and ``replay_op`` do).
 """
 from __future__ import annotations
 
 import importlib
 import math
+import threading
 from dataclasses import replace
 from typing import Any
 
@@ -20,14 +22,17 @@ import torch
 from replaydiff import aten
 from replaydiff.compare.metrics import ExactMismatch, FloatError, NonfiniteMismatch, ViewMismatch, measure
 from replaydiff.compare.tolerance import reduction_length
-from replaydiff.compare.verdict import (Verdict, judge, judge_measure, scalar_verdict, with_calibration,
-                                        with_precision)
+from replaydiff.compare.verdict import (Calibration, Verdict, how_far_over, judge, judge_measure, scalar_verdict,
+                                        with_calibration, with_precision)
 from replaydiff.errors import TraceError
 from replaydiff.replay import references  # what to run instead of a kernel
 from replaydiff.replay.policy import FALLBACKS, ReplayOptions, target_dtype
 from replaydiff.replay.result import OpResult, Status
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import Opaque, OpRecord, TensorRef, dtype_from_name, iter_refs
+
+# Held while torch.utils.deterministic.fill_uninitialized_memory is turned off (see _leave_out_unwritten).
+_UNFILLED = threading.Lock()
 
 COLLECTIVE_SKIP = "collective: cannot run alone; checked across ranks when all its ranks are in the trace"
 
@@ -43,12 +48,15 @@ class _Inputs:
     """The arguments of one run of one op: recorded tensors rebuilt at a precision on a device."""
 
     def __init__(self, trace: RankTrace, precision: str, keep_dtype: bool, device: torch.device,
-                 generator: torch.Generator | None) -> None:
+                 generator: torch.Generator | None, uninitialised_fill: float | None = None) -> None:
         self.trace = trace
         self.precision = precision
         self.keep_dtype = keep_dtype
         self.device = device
         self.generator = generator
+        # Memory an empty* op handed out (and nothing wrote since) filled with this value instead of its recorded
+        # bytes: which outputs follow the fill tells which positions are the allocator's (see _uninitialised).
+        self.uninitialised_fill = uninitialised_fill
         self._base: dict[tuple, torch.Tensor] = {}
 
     def tensor(self, ref: TensorRef) -> torch.Tensor:
@@ -70,7 +78,11 @@ class _Inputs:
         if base is None:
             data = self.trace.data(ref)
             n = data.numel() - data.numel() % rec_dtype.itemsize
-            base = data[:n].view(rec_dtype).to(device=self.device, dtype=target, copy=True)
+            if self.uninitialised_fill is not None and ref.uninitialised:
+                base = torch.full((n // rec_dtype.itemsize,), self.uninitialised_fill, dtype=target,
+                                  device=self.device)
+            else:
+                base = data[:n].view(rec_dtype).to(device=self.device, dtype=target, copy=True)
             self._base[key] = base
         t = base.as_strided(ref.shape, ref.stride, ref.offset)
         if ref.conj:
@@ -129,7 +141,8 @@ class OpReplayer:
             res.status, res.reason = Status.ERROR, f"{type(exc).__name__}: {first}"[:300]
         if outputs_finite is not True:
             try:
-                res.nonfinite_origin = self._nonfinite_origin(op)
+                # outputs_finite False: the replay saw the op produce NaN/Inf; None: it could not tell
+                res.nonfinite_origin = self._nonfinite_origin(op, produced=outputs_finite is False)
             except TraceError:
                 raise
             except Exception:
@@ -265,7 +278,6 @@ class OpReplayer:
             if unsupported:  # e.g. a sparse output: not recorded, so nothing can be checked
                 raise Skip(f"output not recorded ({unsupported[0]} tensors are not supported)")
         judged: list[tuple[int, Verdict]] = []
-        finite = True
         for n, (ref, value) in enumerate(pairs):
             if isinstance(ref, ViewMismatch):
                 res.status, res.verdict = Status.DIVERGENT, judge_measure(ref, "", self.opts.tolerances)
@@ -283,27 +295,35 @@ class OpReplayer:
             k = reduction_length(packet, in_shapes, max(1, recorded.numel()))
             v = judge(recorded, value, self.opts.tolerances, k, exact)
             judged.append((n, v))
-            m = v.measure
-            if getattr(m, "nonfinite_recorded", 0) or getattr(getattr(m, "finite", None), "nonfinite_recorded", 0):
-                finite = False
+        k_of = lambda n: reduction_length(packet, in_shapes, max(1, pairs[n][1].numel()))  # noqa: E731
+        # a random op's draw overwrites what it fills (and would need its generator state to run again)
+        allocators = {} if seeded else self._uninitialised(op, func, precision, keep_dtype, in_versions)
+        if allocators:
+            judged = [(n, self._judge_without(pairs[n], allocators[n], k_of(n), exact))
+                      if n in allocators else (n, v) for n, v in judged]
+        # Whether the op made a NaN/Inf, judged on what it produced (the positions left out above are not)
+        finite = not any(_nonfinite_recorded(v.measure) for _, v in judged)
         if not keep_dtype and any(v.divergent and isinstance(v.measure, (FloatError, NonfiniteMismatch))
                                   for _, v in judged):
-            judged = self._calibrate(op, func, pairs, judged, in_versions)
+            judged = self._calibrate(op, func, pairs, judged, in_versions, allocators)
         if not seeded and any(v.divergent for _, v in judged):
-            judged = self._leave_out_unwritten(op, func, pairs, judged, precision, keep_dtype, exact, k_of=lambda n:
-                                               reduction_length(packet, in_shapes, max(1, pairs[n][1].numel())),
-                                               in_versions=in_versions)
+            judged = self._leave_out_unwritten(op, func, pairs, judged, precision, keep_dtype, exact, k_of=k_of,
+                                               in_versions=in_versions, left_out=allocators)
         bad = [v for _, v in judged if v.divergent]
         left_out = sum(v.left_out for _, v in judged)
         if bad:
             res.status, res.reason, res.verdict = Status.DIVERGENT, bad[0].reason, bad[0]
         elif judged:
-            res.verdict = max((v for _, v in judged), key=lambda v: v.score)
+            res.verdict = max((v for _, v in judged), key=lambda v: v.severity)
+            res.reason = res.verdict.explanation  # why an error over the fixed limits is ok, if it is
         elif res.reason is None:
             res.reason = ("scalar result compared exactly" if pairs else
                           "nothing to compare (views of inputs are checked by shape and stride only)")
         if left_out:
             note = f"{left_out} output positions the kernel leaves unwritten were not compared"
+            if allocators:
+                note = (f"{left_out} output positions that hold uninitialised memory (from an empty* op, not "
+                        f"written by this one) were not compared")
             res.reason = note if res.reason is None else f"{res.reason}; {note}"
         if len(runs) > 1 and _repeats_disagree(runs):
             res.repeats_disagree = True  # evidence of a non-deterministic kernel, whatever the status
@@ -314,13 +334,14 @@ class OpReplayer:
         return pairs, (finite if len(judged) == len(pairs) else None)
 
     def _calibrate(self, op: OpRecord, func: Any, pairs: Pairs, judged: list[tuple[int, Verdict]],
-                   in_versions: set) -> list[tuple[int, Verdict]]:
+                   in_versions: set, left_out: dict[int, torch.Tensor]) -> list[tuple[int, Verdict]]:
         """Is an error over the fixed limit explained by the op's own conditioning?
 
         The op is run again at its recorded dtypes (on the CPU), and that run's error against the
         upcast reference is the op's own error at this precision (large for ill-conditioned ops: a LayerNorm of
         an input with a large mean, a gradient sum that cancels to almost zero). An output is divergent only if
-        its recorded error is more than ``conditioning_factor`` times that.
+        its recorded error is more than ``conditioning_factor`` times that. Positions in ``left_out`` (memory an
+        empty* op handed out) are not measured.
         """
         # On the CPU whatever the replay device: a kernel bug on the replay GPU must not explain itself away.
         args, kwargs = _Inputs(self.trace, "same", True, torch.device("cpu"), None).build(op)
@@ -328,34 +349,30 @@ class OpReplayer:
         f = self.opts.tolerances.conditioning_factor
         result = []
         for n, v in judged:
-            if v.divergent and isinstance(v.measure, NonfiniteMismatch) and n < len(same_pairs):
-                v = self._nonfinite_explained(pairs[n][0], same_pairs[n][1], v)
+            same, value = same_pairs[n][1] if n < len(same_pairs) else None, pairs[n][1]
+            recorded = self.trace.tensor(pairs[n][0]) if v.divergent and isinstance(same, torch.Tensor) else None
+            if n in left_out and recorded is not None and same.shape == value.shape:
+                keep = ~left_out[n]
+                same, value, recorded = same[keep], value[keep], recorded[keep.to(recorded.device)]
+            if v.divergent and isinstance(v.measure, NonfiniteMismatch) and recorded is not None:
+                v = self._nonfinite_explained(recorded, same, v)
             m = v.measure
-            if v.divergent and isinstance(m, FloatError) and n < len(same_pairs) \
-                    and isinstance(same_pairs[n][1], torch.Tensor):
-                same = same_pairs[n][1]
-                ms = measure(same, pairs[n][1])
-                own = (ms.max_abs, ms.rel_l2) if isinstance(ms, FloatError) else None
-                if own is not None:
+            if v.divergent and isinstance(m, FloatError) and recorded is not None \
+                    and v.limit_max is not None and v.limit_rel is not None:
+                ms = measure(same, value)
+                if isinstance(ms, FloatError):
                     # Only an op whose own error at its dtype already breaks the limit is ill-conditioned; a
                     # well-conditioned op's bf16 rounding must not hide a 1e-2 fault (only ~6x that rounding).
-                    ill = judge_measure(ms, same.dtype, self.opts.tolerances, v.reduction_k or 1).divergent
-                    if ill and m.max_abs <= f * own[0] and m.rel_l2 <= f * own[1]:
-                        v = with_calibration(v, False, None, own)  # ill-conditioned, not wrong
-                    else:
-                        ratio = f"{m.max_abs / own[0]:.3g}x the op's own error" if own[0] \
-                            else "while the op itself is exact"
-                        v = with_calibration(v, True, f"{v.reason}, {ratio} at its recorded dtype", own)
+                    ill = how_far_over((ms.norm_max, ms.norm_rel), (v.limit_max, v.limit_rel)) > 1
+                    v = with_calibration(v, Calibration(ms.max_abs, ms.rel_l2, str(same.dtype).removeprefix("torch."),
+                                                        f, ill))
             result.append((n, v))
         return result
 
-    def _nonfinite_explained(self, ref: TensorRef, same: Any, v: Verdict) -> Verdict:
+    def _nonfinite_explained(self, recorded: torch.Tensor, same: torch.Tensor, v: Verdict) -> Verdict:
         """NaN/Inf recorded where the upcast reference has none is no divergence when the op makes exactly those
         itself at its recorded dtypes (bf16 matrix_exp overflows inside the kernel): the verdict is then the one
         on the finite positions."""
-        if not isinstance(same, torch.Tensor):
-            return v
-        recorded = self.trace.tensor(ref)
         rec_nf, same_nf = ~torch.isfinite(recorded), ~torch.isfinite(same.to(recorded.device))
         if not torch.equal(rec_nf, same_nf):
             return v
@@ -365,33 +382,73 @@ class OpReplayer:
         finite = judge_measure(v.measure.finite, recorded.dtype, self.opts.tolerances, v.reduction_k or 1)
         return finite if finite.divergent else replace(finite, reason=None)
 
+    def _uninitialised(self, op: OpRecord, func: Any, precision: str, keep_dtype: bool,
+                       in_versions: set) -> dict[int, torch.Tensor]:
+        """Output positions that hold memory an empty* op handed out: {pair number: mask}, only where some are.
+
+        An op may write only part of an uninitialised buffer it is given (FSDP2's ``all_gather_copy_in`` copies
+        this rank's shards into its slot of the all-gather buffer; the other ranks' slots stay ``torch.empty``'s
+        until the collective fills them). Those positions are no value the op produced: not compared, and no
+        NaN/Inf origin. The op is run twice with such inputs filled with 0 and with 1 instead of their recorded
+        bytes; positions that follow the fill are the allocator's (or computed from it)."""
+        if not any(r.uninitialised and r.stored for r in op.inputs()):
+            return {}
+        runs = []
+        try:
+            for fill in (0.0, 1.0):
+                args, kwargs = _Inputs(self.trace, precision, keep_dtype, self.device, None, fill).build(op)
+                runs.append(_pairs(op, func(*args, **kwargs), args, kwargs, in_versions, keep_dtype))
+        except (RuntimeError, IndexError, ValueError):  # a fill the op cannot take (garbage used as indices)
+            return {}  # then every position is compared, as recorded
+        masks = {}
+        for n, ((_, a), (_, b)) in enumerate(zip(*runs)):
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
+                follows = ~((a == b) | (torch.isnan(a) & torch.isnan(b))) if a.is_floating_point() or \
+                    a.is_complex() else a != b
+                if bool(follows.any()):
+                    masks[n] = follows
+        return masks
+
+    def _judge_without(self, pair: tuple, leave_out: torch.Tensor, k: int, exact: bool) -> Verdict:
+        """The verdict on the positions of ``pair`` outside ``leave_out`` (memory an empty* op handed out)."""
+        ref, value = pair
+        recorded = self.trace.tensor(ref)
+        keep = ~leave_out
+        return replace(judge(recorded[keep.to(recorded.device)], value[keep.to(value.device)],
+                             self.opts.tolerances, k, exact), left_out=int(leave_out.sum()))
+
     def _leave_out_unwritten(self, op: OpRecord, func: Any, pairs: Pairs, judged: list[tuple[int, Verdict]],
                              precision: str, keep_dtype: bool, exact: bool, k_of: Any,
-                             in_versions: set) -> list[tuple[int, Verdict]]:
+                             in_versions: set, left_out: dict[int, torch.Tensor]) -> list[tuple[int, Verdict]]:
         """Positions of an output that the kernel never writes (``_ctc_loss``'s log_alpha beyond each sequence)
         hold whatever the allocator handed out, recorded and replayed alike. The op is run again with uninitialised
         memory filled differently (a few times, as the allocator may hand the same NaN-filled block back);
         positions whose value changed depend on no input, and are left out of the comparison (the verdict says
-        how many). Only outputs already judged divergent are examined, so this costs nothing on clean ops."""
+        how many, with the positions already in ``left_out``). Only outputs already judged divergent are examined,
+        so this costs nothing on clean ops."""
         import torch.utils.deterministic as det
 
         floating = {n for n, v in judged if v.divergent and isinstance(pairs[n][1], torch.Tensor)
                     and (pairs[n][1].is_floating_point() or pairs[n][1].is_complex())}
-        unwritten = {n: torch.zeros_like(pairs[n][1], dtype=torch.bool) for n in floating}
+        unwritten = {n: left_out[n].clone() if n in left_out else torch.zeros_like(pairs[n][1], dtype=torch.bool)
+                     for n in floating}
         result = judged
-        saved = det.fill_uninitialized_memory
         for _ in range(self.UNWRITTEN_TRIES if floating else 0):
-            try:
-                det.fill_uninitialized_memory = False
-                args, kwargs = _Inputs(self.trace, precision, keep_dtype, self.device, None).build(op)
-                # Blocks of the outputs' sizes, filled with a value no kernel computes here and freed at once: the
-                # allocator hands them to the run below, whose unwritten positions then hold that value rather
-                # than the NaN of the first run's fill (or of its freed temporaries, which would look the same).
-                bait = [torch.full_like(pairs[n][1], 1234.5) for n in floating for _ in range(3)]
-                del bait
-                other = _pairs(op, func(*args, **kwargs), args, kwargs, in_versions, keep_dtype)
-            finally:
-                det.fill_uninitialized_memory = saved
+            # The flag is process-wide: one thread at a time turns it off, so each puts back what it found.
+            with _UNFILLED:
+                saved = det.fill_uninitialized_memory
+                try:
+                    det.fill_uninitialized_memory = False
+                    args, kwargs = _Inputs(self.trace, precision, keep_dtype, self.device, None).build(op)
+                    # Blocks of the outputs' sizes, filled with a value no kernel computes here and freed at once:
+                    # the allocator hands them to the run below, whose unwritten positions then hold that value
+                    # rather than the NaN of the first run's fill (or of its freed temporaries, which would look
+                    # the same).
+                    bait = [torch.full_like(pairs[n][1], 1234.5) for n in floating for _ in range(3)]
+                    del bait
+                    other = _pairs(op, func(*args, **kwargs), args, kwargs, in_versions, keep_dtype)
+                finally:
+                    det.fill_uninitialized_memory = saved
             for n in floating:
                 b = other[n][1] if n < len(other) else None
                 if isinstance(b, torch.Tensor) and b.shape == pairs[n][1].shape:
@@ -412,10 +469,14 @@ class OpReplayer:
         return result
 
     # -- NaN / Inf origin -------------------------------------------------------------------------------------
-    def _nonfinite_origin(self, op: OpRecord) -> bool:
-        """Finite inputs, a non-finite recorded output: the op where NaN/Inf entered the step."""
-        outs = [r for r in op.outputs_refs() if not r.uninitialised and r.stored and _floating(r.dtype)]
-        if not outs or all(bool(torch.isfinite(self.trace.tensor(r)).all()) for r in outs):
+    def _nonfinite_origin(self, op: OpRecord, produced: bool = False) -> bool:
+        """Finite inputs, a non-finite recorded output: the op where NaN/Inf entered the step.
+
+        ``produced``: the replay saw the op itself produce the non-finite values. Without that, the recorded outputs
+        are read, and a position the op left as an empty* op handed it out (its bytes as they were before the op)
+        is no value the op produced."""
+        if not produced and not any(self._made_nonfinite(op, r) for r in op.outputs_refs()
+                                    if not r.uninitialised and r.stored and _floating(r.dtype)):
             return False
         if any(isinstance(x, float) and not math.isfinite(x) for x in _scalars([op.args, list(op.kwargs.values())])):
             return False  # a NaN/Inf passed in as a scalar (masked_fill(-inf) in attention): not an origin
@@ -424,6 +485,38 @@ class OpReplayer:
                 if not r.stored or not bool(torch.isfinite(self.trace.tensor(r)).all()):
                     return False
         return True
+
+    def _made_nonfinite(self, op: OpRecord, ref: TensorRef) -> bool:
+        """Does recorded output ``ref`` hold a NaN/Inf other than bytes of uninitialised memory left as they were?"""
+        nonfinite = ~torch.isfinite(self.trace.tensor(ref))
+        if not bool(nonfinite.any()):
+            return False
+        before = _uninitialised_before(op).get(ref.version)
+        if before is None:
+            return True
+        size = dtype_from_name(ref.dtype).itemsize
+        a, b = self.trace.data(ref), self.trace.data(before)
+        n = min(a.numel(), b.numel()) // size
+        same = (a[:n * size].view(n, size) == b[:n * size].view(n, size)).all(1)  # per element of the storage
+        stale = same.as_strided(ref.shape, ref.stride, ref.offset).to(nonfinite.device)
+        return bool((nonfinite & ~stale).any())
+
+
+def _uninitialised_before(op: OpRecord) -> dict[Any, TensorRef]:
+    """Storage version after the op -> the argument as it was before, for the arguments the op wrote that held
+    uninitialised memory (from an empty* op, never written since)."""
+    out = {}
+    for path, after in op.writes:
+        before = op.args[path.key] if path.kind == "arg" and path.key < len(op.args) else op.kwargs.get(path.key)
+        for b, a in zip(iter_refs(before), iter_refs(after)):
+            if b.uninitialised and b.stored and a.stored and b.nbytes == a.nbytes:
+                out[a.version] = b
+    return out
+
+
+def _nonfinite_recorded(m: Any) -> int:
+    """NaN/Inf positions in the recorded tensor a measure was taken of (0 when there are none or it cannot say)."""
+    return getattr(m, "nonfinite_recorded", 0) or getattr(getattr(m, "finite", None), "nonfinite_recorded", 0) or 0
 
 
 def _pairs(op: OpRecord, out: Any, args: list, kwargs: dict, in_versions: set, recorded_dtypes: bool) -> Pairs:

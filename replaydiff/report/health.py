@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from replaydiff import aten
-from replaydiff.compare.metrics import ExactMismatch, FloatError, NonfiniteMismatch
+from replaydiff.compare.metrics import FloatError
 from replaydiff.replay.result import OpResult, ReplayReport, Status
 from replaydiff.report.plant import plant_notes
 from replaydiff.report.text import metrics_line, op_line, planted_line
@@ -71,21 +71,9 @@ class Health:
 
 
 def normalised_error(r: OpResult) -> float | None:
-    """An op's error over its limit (1.0 = at the limit): the larger of max_abs and rel_l2, each over its limit.
-    Exact comparisons: 0 when equal, inf when any element differs."""
-    v = r.verdict
-    if v is None:
-        return None
-    m = v.measure
-    if isinstance(m, NonfiniteMismatch):
-        return math.inf
-    if isinstance(m, FloatError):
-        if not v.limit_max or not v.limit_rel:
-            return None
-        return max(m.norm_max / v.limit_max, m.norm_rel / v.limit_rel)
-    if isinstance(m, ExactMismatch):
-        return math.inf if m.mismatches else 0.0
-    return math.inf if v.divergent else None
+    """An op's error over its limit (1.0 = at the limit): its severity, the verdict's own measure (an ill-conditioned
+    op's limit is its own error at its recorded dtype). None for an op without a verdict (skipped, error, a view)."""
+    return None if r.verdict is None else r.severity
 
 
 def _fmt(x: float | None) -> str:
@@ -221,8 +209,9 @@ def _causes(trace: Trace, report: ReplayReport, h: Health, probe: bool) -> list[
     if culprit is not None and culprit.status is Status.DIVERGENT and culprit.verdict is not None:
         v = culprit.verdict
         m = v.measure
-        if isinstance(m, FloatError) and v.limit_max and v.limit_rel and \
-                m.norm_max <= ROUNDING_FACTOR * v.limit_max and m.norm_rel <= ROUNDING_FACTOR * v.limit_rel:
+        # held to the fixed limits (an ill-conditioned op's limits are its own error, not the dtype's rounding)
+        fixed = v.calibration is None or v.calibration.limits is None
+        if isinstance(m, FloatError) and v.limit_max and v.limit_rel and fixed and v.severity <= ROUNDING_FACTOR:
             causes.append(Cause("an error at the level of the dtype's rounding", [
                 f"the culprit's error is max_abs/(eps*absmax) {m.norm_max:.3g} and rel_l2/eps {m.norm_rel:.3g}: "
                 f"within {ROUNDING_FACTOR:g}x of the limits ({v.limit_max:.3g}, {v.limit_rel:.3g}) set at 2.7x "
@@ -322,7 +311,7 @@ def render_markdown(h: Health, out: TextIO) -> None:
     out.write(_row(["op", "name", "module", "phase", "status", "error / limit", "detail"]) + _row(["---"] * 7))
     for r, e in h.top:
         out.write(_row([f"#{r.index}" + (f" r{r.rank}" if r.rank else ""), r.op, r.module or "", r.phase or "",
-                        r.status.value, _fmt(e), metrics_line(r)]))
+                        r.status.value, _fmt(e), _detail(r)]))
     out.write("\n## Error per module\n\n")
     out.write(_row(["module", "ops", "divergent", "largest error / limit", "at"]) + _row(["---"] * 5))
     for m in h.modules:
@@ -338,6 +327,12 @@ def render_markdown(h: Health, out: TextIO) -> None:
               + "\n\n")
     for k, v in _environment_rows(h.environment):
         out.write(f"- {k}: {v}\n")
+
+
+def _detail(r: OpResult) -> str:
+    """An op's figures, and for an op within its limits despite figures over the fixed ones, why."""
+    why = r.verdict.explanation if r.verdict is not None else None
+    return metrics_line(r) + (f"; {why}" if why else "")
 
 
 def _culprit_fields(r: OpResult) -> list[tuple[str, str]]:
@@ -454,7 +449,7 @@ def render_html(h: Health, out: TextIO) -> None:
     out.write(f"<h2>The {TOP} ops with the largest error / limit</h2>" + _table(
         ["op", "name", "module", "phase", "status", "error / limit", "detail"],
         [[f"#{r.index}" + (f" r{r.rank}" if r.rank else ""), r.op, r.module or "", r.phase or "", r.status.value,
-          _fmt(e), metrics_line(r)] for r, e in h.top]))
+          _fmt(e), _detail(r)] for r, e in h.top]))
     out.write("<h2>Error per module</h2>" + _table(
         ["module", "ops", "divergent", "largest error / limit", "at"],
         [[m.module, str(m.ops), str(m.divergent), _fmt(m.worst),

@@ -7,7 +7,8 @@ Top level: ``format``, ``planted`` (faults planted while recording, one line per
 ``note``),
 ``trace``, ``options``, ``warnings``, ``summary`` (count per status), ``first_divergent`` (null or an op object), ``first_nondeterministic``, ``nonfinite_origin`` and ``ops`` (one object per replayed op:
 ``rank``, ``index``, ``op``, ``status``, ``module``, ``phase``, ``source``, ``forward_index``, ``metrics``,
-``reason``), ``first_divergent_per_rank`` (each rank's earliest divergent op) and ``undecided`` (ranks and op
+``severity`` (how far over its limit, in units of the limit: at most 1 within, over 1 divergent; null when not
+judged), ``reason`` (why it is divergent, skipped or, within its limits despite a large error, ok)), ``first_divergent_per_rank`` (each rank's earliest divergent op) and ``undecided`` (ranks and op
 numbers of candidates that no collective orders against ``first_divergent``), ``replicas`` (null, or where
 data-parallel replicas first stop agreeing: ``rank``, ``index``, ``other_rank``, ``other_index``, ``op``, ``what``).
 Floats that are not finite are written as the strings "inf", "-inf" and "nan" so the file stays JSON.
@@ -44,7 +45,7 @@ def op_json(r: OpResult | None) -> dict | None:
         return None
     return _clean({"rank": r.rank, "index": r.index, "op": r.op, "status": r.status.value, "module": r.module,
                    "phase": r.phase, "source": r.source, "forward_index": r.forward_index,
-                   "forward_source": r.forward_source, "metrics": r.metrics,
+                   "forward_source": r.forward_source, "metrics": r.metrics, "severity": r.severity,
                    "reason": r.reason, **({"repeats_disagree": True} if r.repeats_disagree else {})})
 
 

@@ -7,10 +7,14 @@ on its storage (dtype, shape, stride, offset, conj and neg bits), so views and a
 exactly as recorded. It runs the op on ``--device`` at the recorded dtypes and on the CPU at float64 (random ops:
 at their recorded dtypes from the recorded generator state), and prints, for every output and written argument,
 the error of the recorded value and of the device run against that reference in the replay report's units
-(``max_abs/(eps*absmax)`` and ``rel_l2/eps``, eps of the recorded dtype, limits as replay would apply them).
+(``max_abs/(eps*absmax)`` and ``rel_l2/eps``, eps of the recorded dtype, limits as replay would apply them), and the
+verdict replay gives: an output over the fixed limits is still ok when the op, run at its recorded dtypes on the CPU,
+errs as much itself (an ill-conditioned op). The script judges with the verdict module's own functions, copied into
+it as source (``how_far_over``, ``calibrated_limits``, ``ill_conditioned_note``), so it cannot judge otherwise.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +23,7 @@ from typing import Any
 import torch
 
 from replaydiff import aten
+from replaydiff.compare import verdict
 from replaydiff.compare.tolerance import Tolerances, reduction_length
 from replaydiff.errors import UsageError
 from replaydiff.trace.format import write_atomic_via
@@ -172,7 +177,8 @@ def write_repro(trace: RankTrace, op: OpRecord, out_dir: str | Path, source_trac
     c = _Collector(trace, op)
     args_src = [c.source(a) for a in op.args]
     kwargs_src = {k: c.source(v) for k, v in op.kwargs.items()}
-    checks = _checks(c, op, tolerances or Tolerances())
+    tol = tolerances or Tolerances()
+    checks = _checks(c, op, tol)
     rng_device = None
     tensors = dict(c.storages)
     if seeded:
@@ -196,7 +202,8 @@ def write_repro(trace: RankTrace, op: OpRecord, out_dir: str | Path, source_trac
         rng_device=repr(rng_device), explicit_gen="GEN" in args_src + list(kwargs_src.values()),
         custom_module=repr(custom),
         planted=repr(trace.planted.describe() if trace.planted is not None else None),
-        tensors=_literal(c.tensors), checks=_list_literal(checks),
+        tensors=_literal(c.tensors), checks=_list_literal(checks), factor=repr(tol.conditioning_factor),
+        judging=_JUDGING,
         args="[" + ", ".join(args_src) + "]",
         kwargs="{" + ", ".join(f"{k!r}: {v}" for k, v in kwargs_src.items()) + "}",
     ))
@@ -225,6 +232,10 @@ def _docstring(trace: RankTrace, op: OpRecord, source_trace: str) -> str:
     return "\n".join(x for x in lines if x)
 
 
+# The verdict's own judging functions (pure Python), carried by the script as source: it judges as replay does.
+_JUDGING = "\n\n".join(inspect.getsource(f).rstrip() for f in (verdict.how_far_over, verdict.calibrated_limits,
+                                                                   verdict.ill_conditioned_note))
+
 # The generated script. It must run with `python -I` on a machine with only torch and safetensors.
 _SCRIPT = '''#!/usr/bin/env python3
 # {repro_format}: written by `replaydiff repro`, whose --force replaces it
@@ -234,7 +245,9 @@ Needs only torch and safetensors:  python repro.py [--device cuda] [--import MOD
 Runs the op on --device at its recorded dtypes and on the CPU at float64 (a random op: at its recorded dtypes, from
 its recorded generator state, compared exactly), and prints the error of the recorded output and of the device run
 against that reference, in the units of `replaydiff replay`: max_abs/(eps*absmax) and rel_l2/eps, eps being the
-recorded dtype's machine epsilon, with the limits replay applies. Exit code 1 when the device run is over a limit,
+recorded dtype's machine epsilon, with the limits replay applies, and replay's verdict: an output over those limits
+is still ok when the op run at its recorded dtypes on the CPU errs as much itself (within FACTOR times: the op is
+ill-conditioned). Exit code 1 when the recorded output or the device run is divergent, as replay judges it,
 4 when --device is not available here.
 Inputs (raw storage bytes) are in inputs.safetensors next to this file.
 """
@@ -263,6 +276,10 @@ TENSORS = {tensors}
 # What is compared: where in the result ("out", i) or which written argument ("arg", i) / ("kwarg", name), and the
 # recorded value with the limits on max_abs/(eps*absmax) and rel_l2/eps replay applies (k: reduction length).
 CHECKS = {checks}
+
+# An ill-conditioned op's output may err this many times the op's own error at its recorded dtype (replay's
+# --conditioning factor); the op's own error is measured by running it at its recorded dtypes on the CPU.
+FACTOR = {factor}
 
 UPCAST = {{torch.float16: torch.float64, torch.bfloat16: torch.float64, torch.float32: torch.float64,
           torch.complex32: torch.complex128, torch.complex64: torch.complex128}}
@@ -374,22 +391,60 @@ def mismatches(rec, ref):
     return int(same.numel() - int(same.sum()))
 
 
-def describe(rec, value, limits, exact):
-    """One line in replay's units, and whether it is over a limit."""
+# -- replaydiff.compare.verdict, verbatim --
+{judging}
+# -- end of replaydiff.compare.verdict --
+
+
+def same_nonfinite(rec, same):
+    """The op run at its recorded dtypes makes exactly the recorded NaN/Inf itself (replay then judges the rest)."""
+    if not isinstance(same, torch.Tensor) or tuple(same.shape) != tuple(rec.shape):
+        return False
+    same = same.detach().to("cpu", rec.dtype)
+    a, b = ~torch.isfinite(rec), ~torch.isfinite(same)
+    return bool(torch.equal(a, b)) and mismatches(rec[a], same[b]) == 0
+
+
+def figures(rec, value, limits, exact):
+    """One line in replay's units, and the measures behind it: (line, None) when it cannot be judged by them (not
+    a tensor, another shape: divergent), (line, count of mismatches) for an exact comparison, (line, error dict)."""
     if not isinstance(value, torch.Tensor):
-        return f"returned {{type(value).__name__}}, not a tensor", True
+        return f"returned {{type(value).__name__}}, not a tensor", None
     if tuple(value.shape) != tuple(rec.shape):
-        return f"shape {{list(value.shape)}} != recorded {{list(rec.shape)}}", True
+        return f"shape {{list(value.shape)}} != recorded {{list(rec.shape)}}", None
     if exact or not (rec.is_floating_point() or rec.is_complex()):
         n = mismatches(rec, value)
-        return f"mismatches {{n}} of {{rec.numel()}} (compared exactly)", n > 0
+        return f"mismatches {{n}} of {{rec.numel()}} (compared exactly)", n
     e = error(rec, value)
-    over = e["norm_max"] > limits[0] or e["norm_rel"] > limits[1] or e["nonfinite_mismatch"] > 0
     line = (f"max_abs/(eps*absmax) {{e['norm_max']:.3g}} (limit {{limits[0]:.3g}})  rel_l2/eps {{e['norm_rel']:.3g}} "
             f"(limit {{limits[1]:.3g}})  max_abs {{e['max_abs']:.3g}}  rel_l2 {{e['rel_l2']:.3g}}")
     if e["nonfinite_mismatch"]:
         line += f"  {{e['nonfinite_mismatch']}} NaN/Inf mismatches"
-    return line, over
+    return line, e
+
+
+def describe(rec, value, limits, exact, same=None):
+    """The figures and replay's verdict on them, and whether that is divergent: over the limits, unless the op run
+    at its recorded dtypes (``same``; None: not asked) errs as much itself."""
+    line, e = figures(rec, value, limits, exact)
+    if e is None or isinstance(e, int):
+        return line + ("  ok" if e == 0 else "  DIVERGENT"), e != 0
+    if e["nonfinite_mismatch"] and (same is None or not same_nonfinite(rec, same)):
+        return line + "  DIVERGENT", True
+    severity, why = how_far_over((e["norm_max"], e["norm_rel"]), limits), None
+    if severity > 1 and same is not None and tuple(same.shape) == tuple(rec.shape):
+        own = error(same.detach().to("cpu", rec.dtype), value)  # the op's own error at the recorded dtype
+        ill = how_far_over((own["norm_max"], own["norm_rel"]), limits) > 1
+        own_limits = calibrated_limits((own["max_abs"], own["rel_l2"]), ill, FACTOR)
+        if own_limits is not None:
+            severity = how_far_over((e["max_abs"], e["rel_l2"]), own_limits)
+        if severity <= 1:
+            why = ill_conditioned_note(str(rec.dtype).removeprefix("torch."), (own["max_abs"], own["rel_l2"]),
+                                       (e["max_abs"], e["rel_l2"]), FACTOR)
+        else:
+            why = (f"{{e['max_abs'] / own['max_abs']:.3g}}x the op's own error at its recorded dtype"
+                   if own["max_abs"] else "while the op itself is exact at its recorded dtype")
+    return line + ("  DIVERGENT" if severity > 1 else "  ok") + (f" - {{why}}" if why else ""), severity > 1
 
 
 def main(argv=None):
@@ -417,6 +472,8 @@ def main(argv=None):
     upcast = not (RANDOM or KEEP_DTYPES)
     with torch.inference_mode():
         ref = run(storages, "cpu", upcast)
+        # the op's own error at its recorded dtypes, as replay measures it (on the CPU): an ill-conditioned op's limit
+        same = run(storages, "cpu", False) if upcast else None
         dev = torch.device(a.device)
         if RANDOM and RNG_DEVICE and torch.device(RNG_DEVICE).type != dev.type:
             mine, why = None, f"a random op recorded on {{RNG_DEVICE}}: its draw can only be redone there"
@@ -444,31 +501,35 @@ def main(argv=None):
             continue
         rec = T_rec(c["tensor"])
         exact = RANDOM or KEEP_DTYPES
+        own = None if same is None else pick(same[0], same[1], same[2], c["where"])
         print(f"{{c['label']}} {{rec.dtype}}{{list(rec.shape)}}:")
-        line, over = describe(rec, pick(ref[0], ref[1], ref[2], c["where"]), c["limits"], exact)
-        print(f"  {{'recorded vs reference:':<{{width}}}} {{line}}  {{'DIVERGENT' if over else 'ok'}}")
+        line, over = describe(rec, pick(ref[0], ref[1], ref[2], c["where"]), c["limits"], exact, own)
+        print(f"  {{'recorded vs reference:':<{{width}}}} {{line}}")
+        failed |= over
         if mine is None:
             print(f"  {{a.device}} run: not run ({{why}})")
             continue
         theirs = pick(mine[0], mine[1], mine[2], c["where"])
         # the device run against the reference: the op's own error on this device, at its recorded dtype
-        line, over = describe_against(pick(ref[0], ref[1], ref[2], c["where"]), theirs, rec.dtype, c["limits"], exact)
-        print(f"  {{a.device + ' run vs reference:':<{{width}}}} {{line}}  {{'DIVERGENT' if over else 'ok'}}")
+        line, over = describe_against(pick(ref[0], ref[1], ref[2], c["where"]), theirs, rec.dtype, c["limits"], exact,
+                                      own)
+        print(f"  {{a.device + ' run vs reference:':<{{width}}}} {{line}}")
         failed |= over
         # and against what was recorded: does this device reproduce the recording (bit for bit, on its backend)?
         if isinstance(theirs, torch.Tensor) and tuple(theirs.shape) == tuple(rec.shape):
             n = mismatches(rec, theirs.detach().to("cpu", rec.dtype))
-            line, _ = describe_against(rec, theirs, rec.dtype, c["limits"], exact)
+            # figures only: the recording is no reference to judge the device run by
+            line, _ = figures(theirs.detach().to("cpu", rec.dtype), rec, c["limits"], exact)
             print(f"  {{a.device + ' run vs recorded:':<{{width}}}} {{line}}  ({{n}} of {{rec.numel()}} elements "
                   f"differ bit for bit)")
     return 1 if failed else 0
 
 
-def describe_against(reference, value, dtype, limits, exact):
+def describe_against(reference, value, dtype, limits, exact, same=None):
     """The device run (at the recorded dtype) measured against the reference, with eps of the recorded dtype."""
     if not isinstance(value, torch.Tensor):
         return f"returned {{type(value).__name__}}, not a tensor", True
-    return describe(value.detach().to("cpu", dtype), reference, limits, exact)
+    return describe(value.detach().to("cpu", dtype), reference, limits, exact, same)
 
 
 if __name__ == "__main__":

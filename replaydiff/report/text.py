@@ -80,6 +80,12 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> No
                 out.write(f"    {f'rank {r.rank} ' if len(ranks) > 1 else ''}{op_line(r)}  {metrics_line(r)}\n")
     for note in plant_notes(report):  # a plant that left replay nothing to find says so, never as a miss
         out.write(note + "\n")
+    explained = [r for r in report.ops if r.status is Status.OK and r.verdict is not None and r.verdict.explanation]
+    if explained:  # large figures a reader would take for a divergence: say why they are not
+        out.write(f"{len(explained)} op(s) over the fixed limits are ok, within their own error at the recorded dtype "
+                  f"(ill-conditioned):\n")
+        for r in explained[:max_listed]:
+            out.write(f"    {f'rank {r.rank} ' if len(ranks) > 1 else ''}{op_line(r)}: {r.verdict.explanation}\n")
     if report.replicas is not None:
         out.write(report.replicas.describe() + "\n")
     nd = report.first_nondeterministic

@@ -1,0 +1,153 @@
+"""One severity everywhere: how far over its limit an op is, and why an op is ok despite a large raw error, are the
+verdict's own, and replay, the health report, the TUI's model and the standalone repro all read them.
+
+The scenario users met: a bias gradient feeding BatchNorm is a sum over the batch of values that cancel to almost
+zero (BatchNorm's backward makes them sum to zero per channel), so in float32 it is off by millions of units of
+eps*absmax against float64 while being exactly what the op computes at float32. Replay rightly calls it ok (its own
+float32 error explains it); nothing may rank it above a real culprit (a planted fault) or call it divergent.
+"""
+from __future__ import annotations
+
+import io
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import replaydiff
+from replaydiff.cli.main import main
+from replaydiff.replay import ReplayOptions, Status, replay_trace
+from replaydiff.report import render_replay, report_to_json
+from tui.model import TraceModel
+
+PLANT = "aten.addmm.default:2:1e-3"  # the output layer's forward matmul
+
+
+class BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn, self.out = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.bn(self.fc(x))))
+
+
+def _step() -> None:
+    torch.manual_seed(0)
+    model = BNNet()
+    x, y = torch.randn(256, 8), torch.randn(256, 4)  # a large batch: the bias gradient cancels the more
+    F.mse_loss(model(x), y).backward()
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("severity")
+    with replaydiff.record(root / "clean"):
+        _step()
+    with replaydiff.record(root / "planted", plant=PLANT):
+        _step()
+    return {"clean": root / "clean", "planted": root / "planted"}
+
+
+@pytest.fixture(scope="module")
+def reports(traces):
+    return {k: replay_trace(str(p), ReplayOptions()) for k, p in traces.items()}
+
+
+def _ill(report):
+    """The ops replay calls ok although their error is over the fixed float32 limit."""
+    return [r for r in report.ops if r.status is Status.OK and r.metrics and "norm_max" in r.metrics
+            and r.metrics["norm_max"] > r.metrics["limit_max"]]
+
+
+def _run_repro(trace: Path, index: int, out: Path) -> subprocess.CompletedProcess:
+    assert main(["repro", str(trace), str(index), "-o", str(out)]) == 0
+    return subprocess.run([sys.executable, "-I", str(out / "repro.py")], capture_output=True, text=True, cwd=out,
+                          timeout=120)
+
+
+def test_an_ill_conditioned_op_is_ok_with_its_reason_and_below_its_limit(reports):
+    for report in reports.values():
+        (ill,) = _ill(report)
+        assert (ill.op, ill.module, ill.phase) == ("aten.sum.dim_IntList", "BNNet.fc", "backward")
+        assert ill.metrics["norm_max"] > 1000 * ill.metrics["limit_max"]  # the raw ratio users saw
+        assert ill.reason is not None and ill.reason.startswith("within its own float32 error"), ill.reason
+        assert "ill-conditioned" in ill.reason
+        assert 0 < ill.severity <= 1 and ill.verdict.severity == ill.severity
+        assert all(r.severity <= 1 for r in report.ops if r.status is Status.OK and r.severity is not None)
+    planted = reports["planted"]
+    culprit = planted.first_divergent
+    assert culprit.op == "aten.addmm.default" and culprit.module == "BNNet.out"
+    assert culprit.severity > 1 and max(r.severity or 0 for r in planted.ops) == culprit.severity
+    doc = report_to_json(planted)
+    (ill_json,) = [o for o in doc["ops"] if o["index"] == _ill(planted)[0].index]
+    assert ill_json["severity"] <= 1 and ill_json["reason"].startswith("within its own float32 error")
+    assert doc["first_divergent"]["severity"] == culprit.severity
+
+
+def test_replay_text_says_why_ops_over_the_fixed_limit_are_ok(reports):
+    (ill,) = _ill(reports["clean"])
+    out = io.StringIO()
+    render_replay(reports["clean"], out)
+    text = out.getvalue()
+    assert "no divergent op" in text
+    assert f"#{ill.index} aten.sum.dim_IntList" in text and "within its own float32 error" in text
+
+
+def test_health_report_passes_the_clean_step_and_ranks_the_culprit_first(traces, tmp_path, capsys):
+    for name in ("clean", "planted"):
+        main(["replay", str(traces[name]), "--json", str(tmp_path / f"{name}.json")])
+        capsys.readouterr()
+        main(["report", str(traces[name]), "--replay", str(tmp_path / f"{name}.json")])
+        md = capsys.readouterr().out
+        check = re.search(r"^\| largest error / limit \| (\S+) \| 1 \| (\w+) \|$", md, re.M)
+        assert check, md
+        top = md.split("with the largest error / limit", 1)[1].split("##", 1)[0]
+        first_top = [l for l in top.splitlines() if l.startswith("| #")][0]
+        modules = md.split("## Error per module", 1)[1].split("##", 1)[0]
+        first_module = [l for l in modules.splitlines() if l.startswith("| ") and "---" not in l][1]
+        if name == "clean":
+            assert check.group(2) == "pass" and float(check.group(1)) <= 1
+        else:
+            culprit = replaydiff.open_trace(traces[name]).rank(0).planted.index
+            assert check.group(2) == "FAIL"
+            assert first_top.startswith(f"| #{culprit} | aten.addmm.default | BNNet.out |"), first_top
+            assert first_module.startswith("| BNNet.out |"), first_module
+
+
+def test_tui_model_ranks_the_ok_op_below_the_culprit(traces, reports):
+    report = reports["planted"]
+    model = TraceModel(replaydiff.open_trace(traces["planted"]).rank(0))
+    model.add_results(report.ops)
+    (ill,) = _ill(report)
+    culprit = report.first_divergent
+    assert model.severity[ill.index] <= 1 < model.severity[culprit.index]
+    groups = {(g.phase, g.path): g for g in _walk(model.module_groups())}
+    assert groups[("backward", "BNNet.fc")].worst <= 1  # was labelled "1.3e5x" in the module tree
+    assert groups[("forward", "BNNet.out")].worst > 1
+    assert groups[("backward", "")].worst <= 1 < groups[("forward", "")].worst
+
+
+def _walk(groups):
+    for g in groups:
+        yield g
+        yield from _walk(g.children)
+
+
+def test_repro_agrees_with_replay(traces, reports, tmp_path):
+    (ill,) = _ill(reports["clean"])
+    p = _run_repro(traces["clean"], ill.index, tmp_path / "ill")
+    assert p.returncode == 0, p.stdout + p.stderr
+    line = next(l for l in p.stdout.splitlines() if "recorded vs reference:" in l)
+    assert line.endswith(ill.reason) and "  ok " in line, line
+    assert re.search(r"cpu run vs reference:.*  ok", p.stdout), p.stdout
+    culprit = reports["planted"].first_divergent
+    p = _run_repro(traces["planted"], culprit.index, tmp_path / "culprit")
+    assert p.returncode == 1, p.stdout + p.stderr
+    line = next(l for l in p.stdout.splitlines() if "recorded vs reference:" in l)
+    assert "  DIVERGENT - " in line and culprit.reason.endswith(line.split("  DIVERGENT - ", 1)[1]), line
