@@ -142,3 +142,15 @@ def test_op_knowledge_lives_in_aten_only() -> None:
             if rel != "replaydiff/aten.py" and len(names & ops) >= 5:
                 copies.append(f"{rel}:{line}: a set of {len(names)} op names outside replaydiff/aten.py")
     assert copies == []
+
+
+def test_every_package_folder_is_installed_and_the_tui_as_replaydiff_tui() -> None:
+    """pyproject lists the packages by hand (the tui/ folder installs as replaydiff.tui): a new folder must be added
+    there, or a wheel install would lack it while the checkout's editable install works."""
+    text = (ROOT / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"(replaydiff(?:\.[a-z_]+)*)"', text[text.index("packages = ["):text.index("]", text.index(
+        "packages = ["))]))
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in PKG.rglob("__init__.py")} | {
+        ".".join(("replaydiff",) + p.parent.relative_to(ROOT).parts) for p in (ROOT / "tui").rglob("__init__.py")}
+    assert listed == folders
+    assert '"replaydiff.tui" = "tui"' in text

@@ -23,7 +23,7 @@ import replaydiff
 from replaydiff.cli.main import main
 from replaydiff.replay import ReplayOptions, Status, replay_trace
 from replaydiff.report import render_replay, report_to_json
-from tui.model import TraceModel
+from replaydiff.tui.model import TraceModel
 
 PLANT = "aten.addmm.default:2:1e-3"  # the output layer's forward matmul
 

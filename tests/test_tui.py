@@ -26,14 +26,14 @@ from replaydiff.report import report_to_json
 
 textual = pytest.importorskip("textual")
 
-from tui.app import ReplaydiffApp, make_app  # noqa: E402
-from tui.keys import KEYS  # noqa: E402
-from tui.screens.ancestry import AncestryScreen  # noqa: E402
-from tui.screens.help import HelpScreen  # noqa: E402
-from tui.screens.picker import OpPicker  # noqa: E402
-from tui.screens.replay_form import ReplayForm, ReplaySettings  # noqa: E402
-from tui.widgets.heat_strip import HeatStrip  # noqa: E402
-from tui.widgets.op_list import OpList  # noqa: E402
+from replaydiff.tui.app import ReplaydiffApp, make_app  # noqa: E402
+from replaydiff.tui.keys import KEYS  # noqa: E402
+from replaydiff.tui.screens.ancestry import AncestryScreen  # noqa: E402
+from replaydiff.tui.screens.help import HelpScreen  # noqa: E402
+from replaydiff.tui.screens.picker import OpPicker  # noqa: E402
+from replaydiff.tui.screens.replay_form import ReplayForm, ReplaySettings  # noqa: E402
+from replaydiff.tui.widgets.heat_strip import HeatStrip  # noqa: E402
+from replaydiff.tui.widgets.op_list import OpList  # noqa: E402
 
 SIZE = (120, 36)
 
@@ -221,7 +221,7 @@ async def test_the_detail_pane_of_a_divergent_op(traced):
 
 
 def test_the_detail_pane_shows_the_recorded_line_and_warns_when_the_file_changed(tmp_path):
-    from tui.details import op_markup
+    from replaydiff.tui.details import op_markup
 
     user = tmp_path / "train_loop.py"
     user.write_text("import torch\n\n\ndef work(x):\n    y = torch.mul(x, 3)\n    return y + 1\n")
@@ -517,7 +517,7 @@ async def test_the_default_replay_runs_in_the_background_at_fp64_on_the_cpu(trac
 
 def test_a_replay_in_a_worker_process_gives_the_same_report_shard_by_shard(traced, monkeypatch):
     """Big traces replay in a worker process (keeping the UI's GIL free); results arrive shard by shard."""
-    from tui import replay_runner
+    from replaydiff.tui import replay_runner
 
     path, report = traced
     monkeypatch.setattr(replay_runner, "SHARD_OPS", 300)
@@ -594,7 +594,7 @@ def test_cli_unreadable_trace_is_exit_3_and_a_missing_device_exit_4(traced, tmp_
 def test_replaydiff_never_imports_textual_or_tui_until_the_ui_starts():
     code = ("import sys, replaydiff, replaydiff.cli.main, replaydiff.cli.tui, replaydiff.replay, replaydiff.report; "
             "p = replaydiff.cli.main.build_parser(); p.parse_args(['tui', 'x']); "
-            "import tui.model, tui.details, tui.keys; "
+            "import replaydiff.tui.model, replaydiff.tui.details, replaydiff.tui.keys; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'textual'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}).stdout.strip()
@@ -785,7 +785,7 @@ def multistep(tmp_path_factory):
 @sync
 async def test_t_shows_the_trend_and_enter_on_the_first_change_selects_its_op(multistep):
     from replaydiff.report.trend import compute_trend
-    from tui.screens.trend import TrendScreen
+    from replaydiff.tui.screens.trend import TrendScreen
 
     path, changed = multistep
     r = replaydiff.open_trace(path).rank(0)
@@ -813,7 +813,7 @@ async def test_t_shows_the_trend_and_enter_on_the_first_change_selects_its_op(mu
 
 @sync
 async def test_t_on_a_single_step_trace_says_there_is_no_trend(traced):
-    from tui.screens.trend import TrendScreen
+    from replaydiff.tui.screens.trend import TrendScreen
 
     app = new_app(traced)
     said: list[str] = []

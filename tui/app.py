@@ -10,17 +10,17 @@ from textual.app import App
 from textual.binding import Binding
 from textual.widgets import Input, ProgressBar, Static
 
-from tui import details
-from tui.model import TraceModel, short_op
-from tui.screens.ancestry import AncestryScreen
-from tui.screens.help import HelpScreen
-from tui.screens.main import MainScreen
-from tui.screens.picker import OpPicker
-from tui.screens.replay_form import ReplaySettings, ReplayForm
-from tui.screens.trend import TrendScreen
-from tui.widgets.heat_strip import HeatStrip
-from tui.widgets.module_tree import ModuleTree
-from tui.widgets.op_list import OpList
+from replaydiff.tui import details
+from replaydiff.tui.model import TraceModel, short_op
+from replaydiff.tui.screens.ancestry import AncestryScreen
+from replaydiff.tui.screens.help import HelpScreen
+from replaydiff.tui.screens.main import MainScreen
+from replaydiff.tui.screens.picker import OpPicker
+from replaydiff.tui.screens.replay_form import ReplaySettings, ReplayForm
+from replaydiff.tui.screens.trend import TrendScreen
+from replaydiff.tui.widgets.heat_strip import HeatStrip
+from replaydiff.tui.widgets.module_tree import ModuleTree
+from replaydiff.tui.widgets.op_list import OpList
 
 Runner = Callable[..., Any]
 
@@ -32,7 +32,7 @@ class _Cancelled(Exception):
 def _default_runner(path: str, settings: ReplaySettings, **callbacks: Any) -> Any:
     from replaydiff.replay import ReplayOptions
 
-    from tui.replay_runner import replay_in_background
+    from replaydiff.tui.replay_runner import replay_in_background
 
     opts = ReplayOptions(device=settings.device, precision=settings.precision, repeat=settings.repeat)
     if _ops_in(path) < IN_PROCESS_OPS:
@@ -55,7 +55,7 @@ def _ops_in(path: str) -> int:
 
 def _prepare_default_runner(path: str) -> None:
     if _ops_in(path) >= IN_PROCESS_OPS:
-        from tui.replay_runner import prepare
+        from replaydiff.tui.replay_runner import prepare
 
         prepare()
 
@@ -218,7 +218,7 @@ class ReplaydiffApp(App):
             self.call_from_thread(self._diff_finished, report, gen)
 
     def _diff_finished(self, report: Any, gen: int) -> None:
-        from tui.diff_mode import diff_results
+        from replaydiff.tui.diff_mode import diff_results
 
         if gen != self._generation:
             return

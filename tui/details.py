@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from tui.model import PROBLEMS, short_op, status_value
+from replaydiff.tui.model import PROBLEMS, short_op, status_value
 
 STATUS_STYLE = {
     "ok": "green",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tui.model import DIVERGENT, INHERITED, OK, SKIPPED, TARGET_ONLY
+from replaydiff.tui.model import DIVERGENT, INHERITED, OK, SKIPPED, TARGET_ONLY
 
 # PairStatus value -> the row status the op list and the model know
 ROW_STATUS = {"same": OK, "divergent": DIVERGENT, "inherited": INHERITED, "not_compared": SKIPPED}

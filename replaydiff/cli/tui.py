@@ -38,8 +38,8 @@ def run(args: argparse.Namespace) -> int:
 
         check_device(args.device)
     try:
-        from tui.app import make_app
-        from tui.screens.replay_form import ReplaySettings
+        from replaydiff.tui.app import make_app
+        from replaydiff.tui.screens.replay_form import ReplaySettings
     except ImportError as exc:  # textual missing in a slim install
         raise UsageError(f"the terminal UI needs textual ({exc}); pip install textual") from None
 

@@ -88,7 +88,7 @@ def count_frames(app) -> list[float]:
 async def run(path: str, size: tuple[int, int]) -> dict:
     import replaydiff
     from replaydiff.replay.result import ReplayReport
-    from tui.app import ReplaydiffApp
+    from replaydiff.tui.app import ReplaydiffApp
 
     t0 = time.perf_counter()
     trace = replaydiff.open_trace(path)
@@ -139,7 +139,7 @@ async def run(path: str, size: tuple[int, int]) -> dict:
 
 
 def filter_delay() -> float:
-    from tui.app import ReplaydiffApp
+    from replaydiff.tui.app import ReplaydiffApp
 
     return ReplaydiffApp.FILTER_DELAY
 

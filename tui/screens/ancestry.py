@@ -10,7 +10,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Static, Tree
 
-from tui.model import TraceModel, error_text, short_op
+from replaydiff.tui.model import TraceModel, error_text, short_op
 
 MAX_NODES = 300
 

@@ -8,7 +8,7 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from tui.keys import KEYS
+from replaydiff.tui.keys import KEYS
 
 
 class HelpScreen(ModalScreen[None]):

@@ -7,11 +7,11 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Input, ProgressBar, Static
 
-from tui.model import TraceModel
-from tui.widgets.detail import DetailPane
-from tui.widgets.heat_strip import HeatStrip
-from tui.widgets.module_tree import ModuleTree
-from tui.widgets.op_list import OpList
+from replaydiff.tui.model import TraceModel
+from replaydiff.tui.widgets.detail import DetailPane
+from replaydiff.tui.widgets.heat_strip import HeatStrip
+from replaydiff.tui.widgets.module_tree import ModuleTree
+from replaydiff.tui.widgets.op_list import OpList
 
 
 # One line of the most used keys, each clickable. A fixed line rather than Textual's Footer: the Footer rebuilds

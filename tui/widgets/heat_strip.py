@@ -10,7 +10,7 @@ from textual.message import Message
 from textual.strip import Strip
 from textual.widget import Widget
 
-from tui.model import TraceModel
+from replaydiff.tui.model import TraceModel
 
 # severity (a multiple of the op's limit) -> colour; the last step is a divergence
 LEVELS = ((0.0, "#1f5f2f"), (0.125, "#2e8b3e"), (0.5, "#b8a200"), (1.0, "#d9822b"), (math.inf, "#e0202a"))

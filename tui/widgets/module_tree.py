@@ -5,8 +5,8 @@ from rich.text import Text
 from textual.message import Message
 from textual.widgets import Tree
 
-from tui.model import ModuleGroup, TraceModel
-from tui.widgets.heat_strip import heat_colour
+from replaydiff.tui.model import ModuleGroup, TraceModel
+from replaydiff.tui.widgets.heat_strip import heat_colour
 
 
 def worst_text(worst: float | None) -> Text:

@@ -11,7 +11,7 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from tui.model import PHASE_SHORT, TraceModel, shorten_left, short_op
+from replaydiff.tui.model import PHASE_SHORT, TraceModel, shorten_left, short_op
 
 STATUS_LABEL = {None: "", "ok": "ok", "divergent": "DIVERG", "nondeterministic": "NONDET", "skipped": "skip",
                 "error": "error",
