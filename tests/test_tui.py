@@ -823,3 +823,60 @@ async def test_t_on_a_single_step_trace_says_there_is_no_trend(traced):
         await press(app, pilot, "t")
         assert not isinstance(app.screen, TrendScreen)
         assert len(said) == 1 and said[0].startswith("no trend: this trace has one step")
+
+
+@sync
+async def test_R_during_a_diff_leaves_the_new_replay_s_progress_to_the_new_replay(diffed, monkeypatch):
+    """An old worker that keeps running after R (a diff, here) must not move the new replay's progress bar."""
+    import types
+
+    import replaydiff.diff
+
+    ref, target = diffed
+    diff_started, diff_gate, diff_posted = threading.Event(), threading.Event(), threading.Event()
+    replay_half, replay_gate = threading.Event(), threading.Event()
+
+    def slow_diff(ref_path, target_path, progress_total=None, progress=None, **kw):
+        progress_total(7)
+        diff_started.set()
+        assert diff_gate.wait(30)
+        try:  # the old diff goes on reporting after R replaced it
+            progress_total(1000)
+            progress(500)
+        finally:
+            diff_posted.set()
+        raise RuntimeError("the old diff's failure")
+
+    def runner(path, settings, progress_total=None, progress=None, on_result=None):
+        progress_total(10)
+        progress(3)
+        replay_half.set()
+        assert replay_gate.wait(30)
+        progress(7)
+        return types.SimpleNamespace(ops=[])
+
+    monkeypatch.setattr(replaydiff.diff, "diff_traces", slow_diff)
+    app = ReplaydiffApp(replaydiff.open_trace(target), diff=ref, runner=runner)
+    bar = None
+    async with app.run_test(size=SIZE) as pilot:
+        try:
+            await pilot.pause()
+            assert await asyncio.to_thread(diff_started.wait, 30)
+            await press(app, pilot, "R")
+            assert isinstance(app.screen, ReplayForm)
+            await press(app, pilot, "enter")
+            assert await asyncio.to_thread(replay_half.wait, 30)
+            diff_gate.set()
+            assert await asyncio.to_thread(diff_posted.wait, 30)
+            for _ in range(4):
+                await pilot.pause(0.05)
+            bar = app.main.query_one("#progress")
+            assert app.replay_state == "running" and app.diff_ref is None
+            assert (bar.total, bar.progress) == (10, 3)
+            assert "replay failed" not in str(app.main.query_one("#status").visual)
+        finally:
+            diff_gate.set()
+            replay_gate.set()
+        await app.workers_done(replay=True)
+        await settle(app, pilot)
+        assert app.replay_state == "done"

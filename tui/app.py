@@ -12,6 +12,7 @@ from textual.widgets import Input, ProgressBar, Static
 
 from replaydiff.tui import details
 from replaydiff.tui.model import TraceModel, short_op
+from replaydiff.tui.runs import Cancelled, RunFailed, RunFinished, RunMessage, RunOutbox, RunUpdate
 from replaydiff.tui.screens.ancestry import AncestryScreen
 from replaydiff.tui.screens.help import HelpScreen
 from replaydiff.tui.screens.main import MainScreen
@@ -23,10 +24,6 @@ from replaydiff.tui.widgets.module_tree import ModuleTree
 from replaydiff.tui.widgets.op_list import OpList
 
 Runner = Callable[..., Any]
-
-
-class _Cancelled(Exception):
-    """Raised inside a replay's callbacks to stop a replay that a newer one replaced."""
 
 
 def _default_runner(path: str, settings: ReplaySettings, **callbacks: Any) -> Any:
@@ -100,9 +97,8 @@ class ReplaydiffApp(App):
         self.models: dict[int, TraceModel] = {}
         self.results_by_rank: dict[int, list] = {}
         self.trace_lock = threading.RLock()  # RankTrace decodes lazily and is not meant for two threads at once
-        self._pending: list = []
-        self._pending_lock = threading.Lock()
-        self._generation = 0
+        self._generation = 0  # of the run (replay or diff) under way; messages of older runs are dropped
+        self._outbox: RunOutbox | None = None  # the current run's channel from its worker thread
         self._total = 0
         self._done = 0
         self.replay_state = "report" if report is not None else "none"  # none | running | done | failed | report
@@ -150,7 +146,6 @@ class ReplaydiffApp(App):
         self._status_widget = self.main.query_one("#status", Static)
         self._progress_widget = self.main.query_one("#progress", ProgressBar)
         self._main_ready = True
-        self.set_interval(0.1, self._drain)
         self.main.op_list.move_to(0)
         self.update_status()
         if self._initial_report is not None:
@@ -177,60 +172,44 @@ class ReplaydiffApp(App):
 
         gc.freeze()
 
-    # -- replay in the background -----------------------------------------------------------------------------
-    def _reset_results(self) -> int:
-        """Forget every verdict (and the work that was producing them); returns the new generation."""
+    # -- runs in the background (a replay or a diff) -----------------------------------------------------------
+    def _new_run(self, kind: str) -> RunOutbox:
+        """Forget every verdict and stop the run that was producing them; returns the new run's outbox, whose
+        generation the app now takes messages from."""
+        if self._outbox is not None:
+            self._outbox.close()
         self._generation += 1
-        with self._pending_lock:
-            self._pending = []
         self.results_by_rank = {}
         for m in self.models.values():
             m.clear_results()
         self._total, self._done = 0, 0
-        return self._generation
+        self._outbox = RunOutbox(self, self._generation, kind)
+        return self._outbox
 
-    # -- diff in the background -------------------------------------------------------------------------------
     def start_diff(self) -> None:
         """Diff ``diff_ref`` against the open trace in a worker thread; rows take their colour when it is done."""
-        gen = self._reset_results()
+        outbox = self._new_run("diff")
         self.replay_state = "running"
         self.replay_message = ""
         self._refresh_verdicts(full=True)
-        self._diff_worker(self.diff_ref, gen)
+        self._diff_worker(self.diff_ref, outbox)
 
     @work(thread=True, exclusive=True, group="replay", exit_on_error=False)
-    def _diff_worker(self, ref: str, gen: int) -> None:
+    def _diff_worker(self, ref: str, outbox: RunOutbox) -> None:
         from replaydiff.diff import diff_traces
 
-        def total(n: int) -> None:
-            self._total = n
-
-        def advance(k: int) -> None:
-            self._done += k
-
         try:
-            report = diff_traces(ref, self.trace.path, progress_total=total, progress=advance)
+            report = diff_traces(ref, self.trace.path, progress_total=outbox.total, progress=outbox.advance)
+        except Cancelled:
+            return
         except Exception as exc:  # an unreadable chunk, traces with no rank in common: say so, keep the UI
-            if gen == self._generation:
-                self.call_from_thread(self._replay_failed, f"{type(exc).__name__}: {exc}")
+            outbox.fail(f"{type(exc).__name__}: {exc}")
             return
-        if gen == self._generation:
-            self.call_from_thread(self._diff_finished, report, gen)
-
-    def _diff_finished(self, report: Any, gen: int) -> None:
-        from replaydiff.tui.diff_mode import diff_results
-
-        if gen != self._generation:
-            return
-        self.diff_report = report
-        self._apply(diff_results(report))
-        self.replay_state = "done"
-        self._refresh_verdicts(full=True)
+        outbox.finish(report)
 
     def start_replay(self, settings: ReplaySettings) -> None:
         self.diff_ref = None  # a replay asked for (R) leaves diff mode
-        self._reset_results()
-        gen = self._generation
+        outbox = self._new_run("replay")
         self.settings = settings
         self.replay_state = "running"
         self.replay_message = ""
@@ -240,61 +219,76 @@ class ReplaydiffApp(App):
             try:
                 prepare(str(self.trace.path))  # here, on the main thread: it may borrow the real stderr
             except Exception as exc:
-                self._replay_failed(f"{type(exc).__name__}: {exc}")
+                self._run_failed("replay", f"{type(exc).__name__}: {exc}")
                 return
-        self._replay_worker(settings, gen)
+        self._replay_worker(settings, outbox)
 
     @work(thread=True, exclusive=True, group="replay", exit_on_error=False)
-    def _replay_worker(self, settings: ReplaySettings, gen: int) -> None:
-        def check() -> None:
-            if gen != self._generation:
-                raise _Cancelled()
-
-        def total(n: int) -> None:
-            check()
-            self._total = n
-
-        def advance(k: int) -> None:
-            check()
-            self._done += k
-
-        def on_result(r: Any) -> None:
-            check()
-            with self._pending_lock:
-                self._pending.append(r)
-
+    def _replay_worker(self, settings: ReplaySettings, outbox: RunOutbox) -> None:
         try:
-            report = self.runner(str(self.trace.path), settings, progress_total=total, progress=advance,
-                                 on_result=on_result)
-        except _Cancelled:
+            report = self.runner(str(self.trace.path), settings, progress_total=outbox.total,
+                                 progress=outbox.advance, on_result=outbox.result)
+        except Cancelled:
             return
         except Exception as exc:  # a missing device, an unreadable chunk: say so, keep the UI
-            if gen == self._generation:
-                self.call_from_thread(self._replay_failed, f"{type(exc).__name__}: {exc}")
+            outbox.fail(f"{type(exc).__name__}: {exc}")
             return
-        if gen == self._generation:
-            self.call_from_thread(self._replay_finished, report, gen)
+        outbox.finish(report)
 
-    def _replay_failed(self, message: str) -> None:
+    def _current(self, message: RunMessage) -> bool:
+        """Whether ``message`` comes from the run under way (an older run's word is dropped)."""
+        return message.generation == self._generation
+
+    def on_run_update(self, message: RunUpdate) -> None:
+        if self._current(message):
+            self._take_update(message.outbox)
+
+    def _take_update(self, outbox: RunOutbox) -> None:
+        total, advance, results = outbox.take()
+        if total is not None:
+            self._total = total
+        self._done += advance
+        if results:
+            self._apply(results)
+            self._refresh_verdicts(full=False, ops={r.index for r in results if r.rank == self.rank})
+        else:
+            self.update_status()
+
+    def on_run_failed(self, message: RunFailed) -> None:
+        if self._current(message):
+            self._take_update(message.outbox)
+            self._run_failed(message.kind, message.text)
+
+    def _run_failed(self, kind: str, text: str) -> None:
         self.replay_state = "failed"
-        self.replay_message = message.splitlines()[0] if message else "failed"
-        self.notify(self.replay_message, title="diff failed" if self.diff_ref is not None else "replay failed",
-                    severity="error", timeout=8)
-        self._drain()
+        self.replay_message = text.splitlines()[0] if text else "failed"
+        self.notify(self.replay_message, title=f"{kind} failed", severity="error", timeout=8)
+        self.update_status()
 
-    def _replay_finished(self, report: Any, gen: int) -> None:
-        if gen != self._generation:
+    def on_run_finished(self, message: RunFinished) -> None:
+        if not self._current(message):
             return
+        self._take_update(message.outbox)
+        if message.kind == "diff":
+            self._diff_finished(message.report)
+        else:
+            self._replay_finished(message.report)
+
+    def _diff_finished(self, report: Any) -> None:
+        from replaydiff.tui.diff_mode import diff_results
+
+        self.diff_report = report
+        self._apply(diff_results(report))
+        self.replay_state = "done"
+        self._refresh_verdicts(full=True)
+
+    def _replay_finished(self, report: Any) -> None:
         # results normally arrived one by one; a runner that only returns a report still fills the rows
-        with self._pending_lock:
-            pending, self._pending = self._pending, []
         have = {(r.rank, r.index) for rs in self.results_by_rank.values() for r in rs}
-        have.update((r.rank, r.index) for r in pending)
         late = [r for r in getattr(report, "ops", []) if (r.rank, r.index) not in have]
+        self._apply(late)
         # collective checks and forward sources are filled in after the per-op pass: take the final word
         final = {(r.rank, r.index): r for r in getattr(report, "ops", [])}
-        pending = [final.get((r.rank, r.index), r) for r in pending] + late
-        self._apply(pending)
         for rank, rs in self.results_by_rank.items():
             self.results_by_rank[rank] = [final.get((r.rank, r.index), r) for r in rs]
         for rank, m in self.models.items():
@@ -302,14 +296,6 @@ class ReplaydiffApp(App):
             m.add_results(self.results_by_rank.get(rank, []))
         self.replay_state = "done"
         self._refresh_verdicts(full=True)
-
-    def _drain(self) -> None:
-        with self._pending_lock:
-            pending, self._pending = self._pending, []
-        if pending:
-            self._apply(pending)
-            self._refresh_verdicts(full=False, ops={r.index for r in pending if r.rank == self.rank})
-        self.update_status()
 
     def _apply(self, results: list) -> None:
         for rank in self._take(results):
@@ -405,7 +391,9 @@ class ReplaydiffApp(App):
             if not busy:
                 break
             await asyncio.gather(*(w.wait() for w in busy), return_exceptions=True)
-        self._drain()
+        # a finished run's last word is a message on its way to the app: let it land
+        while replay and self.replay_state == "running" and self._outbox is not None and self._outbox.ended:
+            await asyncio.sleep(0.005)
 
     # -- selection and detail ---------------------------------------------------------------------------------
     @property
