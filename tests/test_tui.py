@@ -880,3 +880,17 @@ async def test_R_during_a_diff_leaves_the_new_replay_s_progress_to_the_new_repla
         await app.workers_done(replay=True)
         await settle(app, pilot)
         assert app.replay_state == "done"
+
+
+def test_the_model_holds_rows_as_replaydiff_s_statuses_and_a_string_names_the_same_member(traced):
+    from replaydiff.diff.result import PairStatus
+    from replaydiff.tui.model import Presence, TraceModel, row_status
+
+    path, report = traced
+    model = TraceModel(replaydiff.open_trace(path).rank(0))
+    model.add_results(report.ops)
+    assert model.status == [r.status for r in report.ops if r.rank == 0]
+    assert all(type(s) is Status for s in model.status)
+    assert model.counts()["divergent"] == len(problems(report))
+    assert [row_status(s) for s in ("ok", "divergent", "inherited", "target_only", None)] == \
+        [Status.OK, Status.DIVERGENT, PairStatus.INHERITED, Presence.TARGET_ONLY, None]

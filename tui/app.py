@@ -8,11 +8,12 @@ from typing import Any, Callable
 from textual import work
 from textual.app import App
 from textual.binding import Binding
+from textual.reactive import var
 from textual.widgets import Input, ProgressBar, Static
 
 from replaydiff.tui import details
 from replaydiff.tui.model import TraceModel, short_op
-from replaydiff.tui.runs import Cancelled, RunFailed, RunFinished, RunMessage, RunOutbox, RunUpdate
+from replaydiff.tui.runs import Cancelled, RunState, RunFailed, RunFinished, RunMessage, RunOutbox, RunUpdate
 from replaydiff.tui.screens.ancestry import AncestryScreen
 from replaydiff.tui.screens.help import HelpScreen
 from replaydiff.tui.screens.main import MainScreen
@@ -78,6 +79,7 @@ class ReplaydiffApp(App):
         Binding("q", "quit", "quit"),
         Binding("question_mark", "help", "help"),
     ]
+    replay_state: var[RunState] = var(RunState.NONE)  # where the rows' verdicts stand; the status line follows it
 
     def __init__(self, trace: Any, *, rank: int | None = None, report: Any = None,
                  replay: ReplaySettings | None = None, runner: Runner | None = None,
@@ -101,7 +103,7 @@ class ReplaydiffApp(App):
         self._outbox: RunOutbox | None = None  # the current run's channel from its worker thread
         self._total = 0
         self._done = 0
-        self.replay_state = "report" if report is not None else "none"  # none | running | done | failed | report
+        self.set_reactive(ReplaydiffApp.replay_state, RunState.REPORT if report is not None else RunState.NONE)
         self.replay_message = ""
         self._last_tree = self._last_heat = 0.0
         self.detail_op: int | None = None  # the op the detail pane shows (set once its content is in)
@@ -189,7 +191,7 @@ class ReplaydiffApp(App):
     def start_diff(self) -> None:
         """Diff ``diff_ref`` against the open trace in a worker thread; rows take their colour when it is done."""
         outbox = self._new_run("diff")
-        self.replay_state = "running"
+        self.replay_state = RunState.RUNNING
         self.replay_message = ""
         self._refresh_verdicts(full=True)
         self._diff_worker(self.diff_ref, outbox)
@@ -211,7 +213,7 @@ class ReplaydiffApp(App):
         self.diff_ref = None  # a replay asked for (R) leaves diff mode
         outbox = self._new_run("replay")
         self.settings = settings
-        self.replay_state = "running"
+        self.replay_state = RunState.RUNNING
         self.replay_message = ""
         self._refresh_verdicts(full=True)
         prepare = getattr(self.runner, "prepare", None)
@@ -260,7 +262,7 @@ class ReplaydiffApp(App):
             self._run_failed(message.kind, message.text)
 
     def _run_failed(self, kind: str, text: str) -> None:
-        self.replay_state = "failed"
+        self.replay_state = RunState.FAILED
         self.replay_message = text.splitlines()[0] if text else "failed"
         self.notify(self.replay_message, title=f"{kind} failed", severity="error", timeout=8)
         self.update_status()
@@ -279,7 +281,7 @@ class ReplaydiffApp(App):
 
         self.diff_report = report
         self._apply(diff_results(report))
-        self.replay_state = "done"
+        self.replay_state = RunState.DONE
         self._refresh_verdicts(full=True)
 
     def _replay_finished(self, report: Any) -> None:
@@ -294,7 +296,7 @@ class ReplaydiffApp(App):
         for rank, m in self.models.items():
             m.clear_results()
             m.add_results(self.results_by_rank.get(rank, []))
-        self.replay_state = "done"
+        self.replay_state = RunState.DONE
         self._refresh_verdicts(full=True)
 
     def _apply(self, results: list) -> None:
@@ -333,6 +335,9 @@ class ReplaydiffApp(App):
 
         return time.monotonic()
 
+    def watch_replay_state(self) -> None:
+        self.update_status()
+
     def update_status(self) -> None:
         if not self._main_ready:
             return
@@ -354,26 +359,26 @@ class ReplaydiffApp(App):
                    f"{c['ok']} ok · {c['skipped']} skip"
         if self.diff_ref is not None:
             verdicts = self._diff_status(c)
-        elif self.replay_state == "running":
+        elif self.replay_state is RunState.RUNNING:
             verdicts = f"replaying on {self.settings.device} at {self.settings.precision}: {verdicts}"
-        elif self.replay_state == "failed":
+        elif self.replay_state is RunState.FAILED:
             verdicts = f"replay failed: {self.replay_message}"
-        elif self.replay_state == "none":
+        elif self.replay_state is RunState.NONE:
             verdicts = "not replayed (R runs a replay)"
         text = verdicts + "  │ " + " · ".join(parts)  # verdicts first: they matter most on a narrow screen
         if text != self._status_text:
             self._status_text = text
             self._status_widget.update(text, layout=False)
         bar = self._progress_widget
-        bar.display = self.replay_state == "running"
-        if self.replay_state == "running":
+        bar.display = self.replay_state is RunState.RUNNING
+        if self.replay_state is RunState.RUNNING:
             bar.update(total=self._total or None, progress=self._done)
 
     def _diff_status(self, c: dict[str, int]) -> str:
         against = f"diff against {self.diff_ref}"
-        if self.replay_state == "running":
+        if self.replay_state is RunState.RUNNING:
             return f"{against}: diffing…"
-        if self.replay_state == "failed":
+        if self.replay_state is RunState.FAILED:
             return f"{against} failed: {self.replay_message}"
         return f"{against}: {c['divergent']} divergent · {c.get('inherited', 0)} inherited · {c['ok']} same · " \
                f"{c.get('target_only', 0)} target-only · {c['skipped']} not compared"
@@ -392,7 +397,7 @@ class ReplaydiffApp(App):
                 break
             await asyncio.gather(*(w.wait() for w in busy), return_exceptions=True)
         # a finished run's last word is a message on its way to the app: let it land
-        while replay and self.replay_state == "running" and self._outbox is not None and self._outbox.ended:
+        while replay and self.replay_state is RunState.RUNNING and self._outbox is not None and self._outbox.ended:
             await asyncio.sleep(0.005)
 
     # -- selection and detail ---------------------------------------------------------------------------------
@@ -485,7 +490,7 @@ class ReplaydiffApp(App):
     # -- keys -------------------------------------------------------------------------------------------------
     def _jump(self, op: int | None, what: str) -> None:
         if op is None:
-            self.notify(f"no {what}" + ("" if self.replay_state in ("done", "report") else " (yet)"),
+            self.notify(f"no {what}" + ("" if self.replay_state in (RunState.DONE, RunState.REPORT) else " (yet)"),
                         timeout=3)
             return
         self.select(op)

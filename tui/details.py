@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from replaydiff.tui.model import PROBLEMS, short_op, status_value
+from replaydiff.tui.model import PROBLEMS, row_status, short_op
 
 STATUS_STYLE = {
     "ok": "green",
@@ -147,7 +147,7 @@ def verdict_lines(result: Any) -> list[str]:
         return ["[dim]not replayed (yet)[/]"]
     if hasattr(result, "ref_rank"):  # a diff-mode row (tui.diff_mode.DiffResult)
         return diff_lines(result)
-    s = status_value(result.status)
+    s = row_status(result.status)
     head = f"[{STATUS_STYLE.get(s, 'dim')}]{esc((s or '?').upper())}[/]"
     m = result.metrics or {}
     lines = [head]
@@ -169,7 +169,7 @@ def verdict_lines(result: Any) -> list[str]:
 
 def diff_lines(result: Any) -> list[str]:
     """Diff mode: the aligned reference op and the pair's verdict, evidence, reason and inherited origin."""
-    s = status_value(result.status)
+    s = row_status(result.status)
     pair = result.pair
     if pair is None:
         return [f"[cyan]TARGET ONLY[/]  no aligned op in the reference (rank {result.ref_rank})"]
@@ -373,4 +373,4 @@ def histogram_markup(hist: list[tuple[str, int]], nonfinite: int, width: int = 3
 
 
 def is_problem(result: Any) -> bool:
-    return result is not None and status_value(result.status) in PROBLEMS
+    return result is not None and row_status(result.status) in PROBLEMS

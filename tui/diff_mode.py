@@ -10,10 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from replaydiff.tui.model import DIVERGENT, INHERITED, OK, SKIPPED, TARGET_ONLY
+from replaydiff.diff.result import PairStatus
+from replaydiff.replay.result import Status
+from replaydiff.tui.model import Presence, RowStatus
 
-# PairStatus value -> the row status the op list and the model know
-ROW_STATUS = {"same": OK, "divergent": DIVERGENT, "inherited": INHERITED, "not_compared": SKIPPED}
+# a pair's status -> its row's (a same pair reads as ok, one not compared as skipped, as in a replay)
+ROW_STATUS: dict[PairStatus, RowStatus] = {PairStatus.SAME: Status.OK, PairStatus.DIVERGENT: Status.DIVERGENT,
+                                           PairStatus.INHERITED: PairStatus.INHERITED,
+                                           PairStatus.NOT_COMPARED: Status.SKIPPED}
 
 
 @dataclass
@@ -22,7 +26,7 @@ class DiffResult:
 
     rank: int  # the target rank
     index: int  # the target op number
-    status: str
+    status: RowStatus
     ref_rank: int
     pair: Any = None  # PairResult; None for an op present in the target only
     nonfinite_origin: bool = False
@@ -54,7 +58,7 @@ def diff_results(report: Any) -> list[DiffResult]:
             continue
         seen.add(rd.target_rank)
         for p in rd.pairs:
-            out.append(DiffResult(rd.target_rank, p.target, ROW_STATUS.get(str(p.status), SKIPPED), rd.ref_rank, p))
+            out.append(DiffResult(rd.target_rank, p.target, ROW_STATUS.get(p.status, Status.SKIPPED), rd.ref_rank, p))
         for i in sorted(rd.target_only_ops):
-            out.append(DiffResult(rd.target_rank, i, TARGET_ONLY, rd.ref_rank))
+            out.append(DiffResult(rd.target_rank, i, Presence.TARGET_ONLY, rd.ref_rank))
     return out

@@ -9,24 +9,41 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from enum import Enum
+from typing import Any, Iterable, Union
+
+from replaydiff.diff.result import PairStatus
+from replaydiff.replay.result import Status
 
 PHASES = ("forward", "backward", "optimizer")
 PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt", None: "   "}
 
-# Statuses as their string values (replaydiff.replay.Status is a str-Enum; a report read from JSON holds strings).
-OK, DIVERGENT, NONDETERMINISTIC, SKIPPED, ERROR = "ok", "divergent", "nondeterministic", "skipped", "error"
-PROBLEMS = (DIVERGENT, NONDETERMINISTIC)
-# Diff mode only (tui/diff_mode.py): a pair that carried an earlier difference forward, an op of the target only.
-INHERITED, TARGET_ONLY = "inherited", "target_only"
+class Presence(str, Enum):
+    """Diff mode's row status for an op of the target that no reference op aligns with: not a pair, so not one of
+    PairStatus's values."""
+
+    TARGET_ONLY = "target_only"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = lambda self, spec: format(self.value, spec)  # noqa: E731  (as Status and PairStatus do)
+
+
+# A row's status is a replay's Status, or in diff mode a Status (a pair that is the same: ok; not compared: skipped;
+# divergent), PairStatus.INHERITED (carried an earlier difference forward) or Presence.TARGET_ONLY.
+RowStatus = Union[Status, PairStatus, Presence]
+PROBLEMS = (Status.DIVERGENT, Status.NONDETERMINISTIC)
 INHERITED_SEVERITY = 0.99  # an inherited difference is at most orange on the heat strip: red is for where it began
+# a status given as its string (a report built by hand): the member it names; a replay's Status first
+_BY_VALUE: dict[str, RowStatus] = {m.value: m for e in (Presence, PairStatus, Status) for m in e}
 
 
-def status_value(status: Any) -> str | None:
-    """The plain string of a status, whether it came as a Status enum member, a string, or nothing yet."""
-    if status is None:
-        return None
-    return str(getattr(status, "value", status))
+def row_status(status: Any) -> RowStatus | None:
+    """The member a status names, whether it came as a member, its string, or nothing yet (None)."""
+    if status is None or isinstance(status, (Status, PairStatus, Presence)):
+        return status
+    return _BY_VALUE[str(status)]
 
 
 def verdict_figures(result: Any) -> tuple[float | None, str]:
@@ -136,10 +153,10 @@ class TraceModel:
         self._haystack: list[str] | None = None  # "name module" in lower case, for the filter
         self._not_cheap: list[int] | None = None
         self.results: list[Any] = [None] * self.n  # OpResult per op
-        self.status: list[str | None] = [None] * self.n
+        self.status: list[RowStatus | None] = [None] * self.n
         self.severity: list[float | None] = [None] * self.n
         self.error: list[str] = [""] * self.n  # the normalised error as the list shows it
-        self._counts: dict[str, int] = {}
+        self._counts: dict[RowStatus, int] = {}
         self.divergent: list[int] = []  # sorted op numbers with a problem verdict
         self.nonfinite: list[int] = []
         self.hide_cheap = False
@@ -168,7 +185,7 @@ class TraceModel:
             i = r.index
             if not 0 <= i < self.n:
                 continue
-            s = status_value(r.status)
+            s = row_status(r.status)
             old = self.status[i]
             if old is not None:
                 self._counts[old] -= 1
@@ -176,7 +193,7 @@ class TraceModel:
             self.results[i] = r
             self.status[i] = s
             self.severity[i], self.error[i] = verdict_figures(r)
-            if s == INHERITED and self.severity[i] is not None:
+            if s is PairStatus.INHERITED and self.severity[i] is not None:
                 self.severity[i] = min(self.severity[i], INHERITED_SEVERITY)  # type: ignore[type-var]
             if s in PROBLEMS:
                 k = bisect.bisect_left(self.divergent, i)
@@ -188,8 +205,9 @@ class TraceModel:
         return taken
 
     def counts(self) -> dict[str, int]:
-        c = {OK: 0, DIVERGENT: 0, NONDETERMINISTIC: 0, SKIPPED: 0, ERROR: 0}
-        c.update(self._counts)
+        """Ops per status, by the status's string (every replay status is there, 0 when none)."""
+        c = {s.value: 0 for s in Status}
+        c.update((s.value, n) for s, n in self._counts.items())
         return c
 
     # -- rows -------------------------------------------------------------------------------------------------

@@ -8,9 +8,23 @@ of 100,000 ops does not queue 100,000 messages; the app takes whatever gathered 
 from __future__ import annotations
 
 import threading
+from enum import Enum
 from typing import Any
 
 from textual.message import Message
+
+
+class RunState(str, Enum):
+    """Where the app's verdicts come from: nothing yet, a run under way, a finished or failed run, a given report."""
+
+    NONE = "none"  # nothing replayed (R runs a replay)
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    REPORT = "report"  # colours from a report given at the start (--replay REPORT)
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class Cancelled(Exception):
