@@ -894,3 +894,25 @@ def test_the_model_holds_rows_as_replaydiff_s_statuses_and_a_string_names_the_sa
     assert model.counts()["divergent"] == len(problems(report))
     assert [row_status(s) for s in ("ok", "divergent", "inherited", "target_only", None)] == \
         [Status.OK, Status.DIVERGENT, PairStatus.INHERITED, Presence.TARGET_ONLY, None]
+
+
+def test_replay_and_diff_rows_are_one_row_type(traced, diffed):
+    from replaydiff.diff import diff_traces
+    from replaydiff.diff.result import PairStatus
+    from replaydiff.tui.diff_mode import diff_results
+    from replaydiff.tui.model import RowResult, TraceModel
+
+    path, report = traced
+    model = TraceModel(replaydiff.open_trace(path).rank(0))
+    model.add_results(report.ops)
+    culprit = planted_backward(report)
+    row = model.results[culprit.index]
+    assert type(row) is RowResult and row.source is culprit and not row.in_diff and row.pair is None
+    assert (row.status, row.severity, row.reason) == (Status.DIVERGENT, culprit.severity, culprit.reason)
+
+    ref, target = diffed
+    rows = diff_results(diff_traces(ref, target))
+    assert {type(r) for r in rows} == {RowResult} and all(r.in_diff and r.ref_rank == 0 for r in rows)
+    divergent = [r for r in rows if r.status is Status.DIVERGENT]
+    assert len(divergent) == 1 and divergent[0].pair.status is PairStatus.DIVERGENT
+    assert divergent[0].index == divergent[0].pair.target

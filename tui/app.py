@@ -464,7 +464,7 @@ class ReplaydiffApp(App):
         except Exception as exc:  # a damaged chunk: show it where the op would be
             text = f"[bold]#{op}[/]\n[red]cannot read this op: {details.esc(exc)}[/]"
         self.call_from_thread(self._detail_ready, rank, op, result, text)
-        if details.is_problem(result) and not hasattr(result, "ref_rank"):  # diff mode: no replay to compare with
+        if details.is_problem(result) and not result.in_diff:  # diff mode: no replay to compare with
             try:
                 with self.trace_lock:
                     pairs = self.reference(m.trace, op, self.settings)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from replaydiff.tui.model import PROBLEMS, row_status, short_op
+from replaydiff.tui.model import PROBLEMS, RowResult, short_op
 
 STATUS_STYLE = {
     "ok": "green",
@@ -142,12 +142,12 @@ def source_context(trace: Any, op: Any, around: int = 2) -> list[str]:
     return out
 
 
-def verdict_lines(result: Any) -> list[str]:
+def verdict_lines(result: RowResult | None) -> list[str]:
     if result is None:
         return ["[dim]not replayed (yet)[/]"]
-    if hasattr(result, "ref_rank"):  # a diff-mode row (tui.diff_mode.DiffResult)
+    if result.in_diff:
         return diff_lines(result)
-    s = row_status(result.status)
+    s = result.status
     head = f"[{STATUS_STYLE.get(s, 'dim')}]{esc((s or '?').upper())}[/]"
     m = result.metrics or {}
     lines = [head]
@@ -162,14 +162,14 @@ def verdict_lines(result: Any) -> list[str]:
             lines.append("  " + "  ".join(extra))
     if result.reason:
         lines.append(f"  [dim]{esc(result.reason)}[/]")
-    if getattr(result, "nonfinite_origin", False):
+    if result.nonfinite_origin:
         lines.append("  [bold red]NaN/Inf origin[/]: finite inputs, non-finite recorded output")
     return lines
 
 
-def diff_lines(result: Any) -> list[str]:
+def diff_lines(result: RowResult) -> list[str]:
     """Diff mode: the aligned reference op and the pair's verdict, evidence, reason and inherited origin."""
-    s = row_status(result.status)
+    s = result.status
     pair = result.pair
     if pair is None:
         return [f"[cyan]TARGET ONLY[/]  no aligned op in the reference (rank {result.ref_rank})"]
@@ -231,7 +231,7 @@ def _value_text(value: Any, positions: dict[int, int], producers: dict, trace: A
     return "", lines
 
 
-def op_markup(trace: Any, i: int, result: Any, statuses: list) -> str:
+def op_markup(trace: Any, i: int, result: RowResult | None, statuses: list) -> str:
     """The whole detail pane for op ``i`` as Textual markup."""
     op = trace[i]
     out: list[str] = []
@@ -372,5 +372,5 @@ def histogram_markup(hist: list[tuple[str, int]], nonfinite: int, width: int = 3
     return "\n".join(lines)
 
 
-def is_problem(result: Any) -> bool:
-    return result is not None and row_status(result.status) in PROBLEMS
+def is_problem(result: RowResult | None) -> bool:
+    return result is not None and result.status in PROBLEMS

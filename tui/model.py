@@ -47,10 +47,10 @@ def row_status(status: Any) -> RowStatus | None:
 
 
 def verdict_figures(result: Any) -> tuple[float | None, str]:
-    """(severity, error text) of a result: an OpResult, or a diff row. The severity is the result's own (the
+    """(severity, error text) of a replay's OpResult or a diff's PairResult. The severity is the result's own (the
     verdict's measure of how far over its limit the op is, which the report and the repro read too); the text is
     the figure the op list shows."""
-    verdict = getattr(result, "verdict", None)
+    verdict = result.verdict
     if verdict is None:
         return result.severity, error_text(result.metrics)
     m = verdict.measure
@@ -63,6 +63,59 @@ def verdict_figures(result: Any) -> tuple[float | None, str]:
     else:
         text = error_text({"norm_max": nm}) if nm is not None else ""
     return result.severity, text
+
+
+@dataclass(frozen=True)
+class RowResult:
+    """One op's verdict as every part of the TUI reads it, whether a replay or a diff gave it: the one row type.
+    ``source`` is what it came from: the replay's OpResult, or the diff's PairResult (None for an op of the target
+    only); ``ref_rank`` is set in diff mode only (the reference rank the row was aligned against)."""
+
+    rank: int
+    index: int
+    status: RowStatus
+    severity: float | None  # the verdict's own: how far over its limit the op is (see verdict_figures)
+    error: str  # the figure the op list shows
+    metrics: dict | None
+    reason: str | None
+    nonfinite_origin: bool = False
+    source: Any = None
+    ref_rank: int | None = None
+
+    @property
+    def in_diff(self) -> bool:
+        """A row of diff mode (no replay behind it: nothing to replay the op against)."""
+        return self.ref_rank is not None
+
+    @property
+    def pair(self) -> Any:
+        """Diff mode: the PairResult (None for an op of the target only, and in a replay)."""
+        return self.source if self.in_diff else None
+
+    @classmethod
+    def of_replay(cls, r: Any) -> "RowResult":
+        """The row of a replay's OpResult."""
+        severity, error = verdict_figures(r)
+        return cls(r.rank, r.index, row_status(r.status), severity, error, r.metrics, r.reason,  # type: ignore[arg-type]
+                   bool(r.nonfinite_origin), r)
+
+    @classmethod
+    def of_pair(cls, rank: int, pair: Any, status: RowStatus, ref_rank: int) -> "RowResult":
+        """Diff mode: the row of target op ``pair.target`` of target rank ``rank``, with ``status`` as its row's."""
+        severity, error = verdict_figures(pair)
+        if status is PairStatus.INHERITED and severity is not None:
+            severity = min(severity, INHERITED_SEVERITY)
+        return cls(rank, pair.target, status, severity, error, pair.metrics, pair.reason, False, pair, ref_rank)
+
+    @classmethod
+    def target_only(cls, rank: int, index: int, ref_rank: int) -> "RowResult":
+        """Diff mode: the row of an op of the target that no reference op aligns with."""
+        return cls(rank, index, Presence.TARGET_ONLY, None, "", None, None, False, None, ref_rank)
+
+
+def as_row(result: Any) -> RowResult:
+    """A row as it is, a replay's OpResult as its row."""
+    return result if isinstance(result, RowResult) else RowResult.of_replay(result)
 
 
 def _num(x: Any) -> float | None:
@@ -152,7 +205,7 @@ class TraceModel:
         self.n = len(self.index)
         self._haystack: list[str] | None = None  # "name module" in lower case, for the filter
         self._not_cheap: list[int] | None = None
-        self.results: list[Any] = [None] * self.n  # OpResult per op
+        self.results: list[RowResult | None] = [None] * self.n
         self.status: list[RowStatus | None] = [None] * self.n
         self.severity: list[float | None] = [None] * self.n
         self.error: list[str] = [""] * self.n  # the normalised error as the list shows it
@@ -176,30 +229,28 @@ class TraceModel:
         self._counts = {}
 
     def add_results(self, results: Iterable[Any]) -> int:
-        """Take OpResults (of this rank; others are ignored); returns how many were taken."""
+        """Take RowResults or a replay's OpResults (of this rank; others are ignored); returns how many were taken."""
         rank = getattr(self.trace, "rank", None)
         taken = 0
-        for r in results:
-            if rank is not None and getattr(r, "rank", rank) != rank:
+        for r in map(as_row, results):
+            if rank is not None and r.rank != rank:
                 continue
             i = r.index
             if not 0 <= i < self.n:
                 continue
-            s = row_status(r.status)
+            s = r.status
             old = self.status[i]
             if old is not None:
                 self._counts[old] -= 1
             self._counts[s] = self._counts.get(s, 0) + 1
             self.results[i] = r
             self.status[i] = s
-            self.severity[i], self.error[i] = verdict_figures(r)
-            if s is PairStatus.INHERITED and self.severity[i] is not None:
-                self.severity[i] = min(self.severity[i], INHERITED_SEVERITY)  # type: ignore[type-var]
+            self.severity[i], self.error[i] = r.severity, r.error
             if s in PROBLEMS:
                 k = bisect.bisect_left(self.divergent, i)
                 if k == len(self.divergent) or self.divergent[k] != i:
                     self.divergent.insert(k, i)
-            if getattr(r, "nonfinite_origin", False):
+            if r.nonfinite_origin:
                 bisect.insort(self.nonfinite, i)
             taken += 1
         return taken
