@@ -1,4 +1,8 @@
-"""Provides ReplaydiffApp (the trace browser) and make_app(), which builds it from a trace path and options."""
+"""Provides ReplaydiffApp (the trace browser) and make_app(), which builds it from a trace path and options.
+
+The app is three parts: this module holds the screen (the models per rank, the status line, the selection and the
+detail pane); tui/background.py the background run (replay or diff) and its verdicts; tui/navigation.py the keys.
+"""
 from __future__ import annotations
 
 import threading
@@ -8,67 +12,20 @@ from typing import Any, Callable
 from textual import work
 from textual.app import App
 from textual.binding import Binding
-from textual.reactive import var
-from textual.widgets import Input, ProgressBar, Static
+from textual.widgets import ProgressBar, Static
 
 from replaydiff.tui import details
-from replaydiff.tui.model import TraceModel, short_op
-from replaydiff.tui.runs import Cancelled, RunState, RunFailed, RunFinished, RunMessage, RunOutbox, RunUpdate
-from replaydiff.tui.screens.ancestry import AncestryScreen
-from replaydiff.tui.screens.help import HelpScreen
+from replaydiff.tui.background import Runner, Runs, _default_reference
+from replaydiff.tui.model import TraceModel
+from replaydiff.tui.navigation import Navigation
+from replaydiff.tui.runs import RunState
 from replaydiff.tui.screens.main import MainScreen
-from replaydiff.tui.screens.picker import OpPicker
-from replaydiff.tui.screens.replay_form import ReplaySettings, ReplayForm
-from replaydiff.tui.screens.trend import TrendScreen
+from replaydiff.tui.screens.replay_form import ReplaySettings
 from replaydiff.tui.widgets.heat_strip import HeatStrip
 from replaydiff.tui.widgets.module_tree import ModuleTree
 from replaydiff.tui.widgets.op_list import OpList
 
-Runner = Callable[..., Any]
-
-
-def _default_runner(path: str, settings: ReplaySettings, **callbacks: Any) -> Any:
-    from replaydiff.replay import ReplayOptions
-
-    from replaydiff.tui.replay_runner import replay_in_background
-
-    opts = ReplayOptions(device=settings.device, precision=settings.precision, repeat=settings.repeat)
-    if _ops_in(path) < IN_PROCESS_OPS:
-        # a small trace replays in a second or two: not worth starting a process that imports torch first
-        from replaydiff.replay import replay_trace
-
-        return replay_trace(path, opts, **callbacks)
-    return replay_in_background(path, opts, **callbacks)
-
-
-IN_PROCESS_OPS = 5000  # below this many ops, replay in a thread of the UI's process; above, in a worker process
-
-
-def _ops_in(path: str) -> int:
-    import replaydiff
-
-    trace = replaydiff.open_trace(path)
-    return sum(len(trace.rank(r)) for r in trace.ranks)
-
-
-def _prepare_default_runner(path: str) -> None:
-    if _ops_in(path) >= IN_PROCESS_OPS:
-        from replaydiff.tui.replay_runner import prepare
-
-        prepare()
-
-
-_default_runner.prepare = _prepare_default_runner  # type: ignore[attr-defined]
-
-
-def _default_reference(trace: Any, i: int, settings: ReplaySettings) -> list | None:
-    from replaydiff.replay import ReplayOptions
-
-    opts = ReplayOptions(device=settings.device, precision=settings.precision)
-    return details.reference_pairs(trace, i, opts)
-
-
-class ReplaydiffApp(App):
+class ReplaydiffApp(Runs, Navigation, App):
     """Browse one trace: ops coloured by a replay report (given, or run in the background as the app starts), or
     in diff mode (``diff``) by the diff of a reference trace against it, computed in the background."""
 
@@ -79,7 +36,6 @@ class ReplaydiffApp(App):
         Binding("q", "quit", "quit"),
         Binding("question_mark", "help", "help"),
     ]
-    replay_state: var[RunState] = var(RunState.NONE)  # where the rows' verdicts stand; the status line follows it
 
     def __init__(self, trace: Any, *, rank: int | None = None, report: Any = None,
                  replay: ReplaySettings | None = None, runner: Runner | None = None,
@@ -88,23 +44,15 @@ class ReplaydiffApp(App):
         super().__init__()
         # diff mode: rows are coloured by the diff of this reference trace against ``trace`` instead of a replay
         self.diff_ref: str | None = None if diff is None else str(diff)
-        self.diff_report: Any = None  # the DiffReport, once the diff is done
         self.trace = trace
         self.ranks: list[int] = list(trace.ranks)
         self.rank = rank if rank is not None else self.ranks[0]
         self.settings = replay or ReplaySettings()
         self.replay_on_start = replay is not None and diff is None
-        self.runner = runner or _default_runner
         self.reference = reference or _default_reference
         self.models: dict[int, TraceModel] = {}
-        self.results_by_rank: dict[int, list] = {}
         self.trace_lock = threading.RLock()  # RankTrace decodes lazily and is not meant for two threads at once
-        self._generation = 0  # of the run (replay or diff) under way; messages of older runs are dropped
-        self._outbox: RunOutbox | None = None  # the current run's channel from its worker thread
-        self._total = 0
-        self._done = 0
-        self.set_reactive(ReplaydiffApp.replay_state, RunState.REPORT if report is not None else RunState.NONE)
-        self.replay_message = ""
+        self._init_runs(report, runner)
         self._last_tree = self._last_heat = 0.0
         self.detail_op: int | None = None  # the op the detail pane shows (set once its content is in)
         self._main_ready = False  # the main screen is composed
@@ -130,13 +78,6 @@ class ReplaydiffApp(App):
     @property
     def model(self) -> TraceModel:
         return self.model_for(self.rank)
-
-    def _take(self, results) -> set[int]:
-        touched = set()
-        for r in results:
-            self.results_by_rank.setdefault(r.rank, []).append(r)
-            touched.add(r.rank)
-        return touched
 
     # -- app lifecycle ----------------------------------------------------------------------------------------
     def on_mount(self) -> None:
@@ -173,137 +114,6 @@ class ReplaydiffApp(App):
         import gc
 
         gc.freeze()
-
-    # -- runs in the background (a replay or a diff) -----------------------------------------------------------
-    def _new_run(self, kind: str) -> RunOutbox:
-        """Forget every verdict and stop the run that was producing them; returns the new run's outbox, whose
-        generation the app now takes messages from."""
-        if self._outbox is not None:
-            self._outbox.close()
-        self._generation += 1
-        self.results_by_rank = {}
-        for m in self.models.values():
-            m.clear_results()
-        self._total, self._done = 0, 0
-        self._outbox = RunOutbox(self, self._generation, kind)
-        return self._outbox
-
-    def start_diff(self) -> None:
-        """Diff ``diff_ref`` against the open trace in a worker thread; rows take their colour when it is done."""
-        outbox = self._new_run("diff")
-        self.replay_state = RunState.RUNNING
-        self.replay_message = ""
-        self._refresh_verdicts(full=True)
-        self._diff_worker(self.diff_ref, outbox)
-
-    @work(thread=True, exclusive=True, group="replay", exit_on_error=False)
-    def _diff_worker(self, ref: str, outbox: RunOutbox) -> None:
-        from replaydiff.diff import diff_traces
-
-        try:
-            report = diff_traces(ref, self.trace.path, progress_total=outbox.total, progress=outbox.advance)
-        except Cancelled:
-            return
-        except Exception as exc:  # an unreadable chunk, traces with no rank in common: say so, keep the UI
-            outbox.fail(f"{type(exc).__name__}: {exc}")
-            return
-        outbox.finish(report)
-
-    def start_replay(self, settings: ReplaySettings) -> None:
-        self.diff_ref = None  # a replay asked for (R) leaves diff mode
-        outbox = self._new_run("replay")
-        self.settings = settings
-        self.replay_state = RunState.RUNNING
-        self.replay_message = ""
-        self._refresh_verdicts(full=True)
-        prepare = getattr(self.runner, "prepare", None)
-        if prepare is not None:
-            try:
-                prepare(str(self.trace.path))  # here, on the main thread: it may borrow the real stderr
-            except Exception as exc:
-                self._run_failed("replay", f"{type(exc).__name__}: {exc}")
-                return
-        self._replay_worker(settings, outbox)
-
-    @work(thread=True, exclusive=True, group="replay", exit_on_error=False)
-    def _replay_worker(self, settings: ReplaySettings, outbox: RunOutbox) -> None:
-        try:
-            report = self.runner(str(self.trace.path), settings, progress_total=outbox.total,
-                                 progress=outbox.advance, on_result=outbox.result)
-        except Cancelled:
-            return
-        except Exception as exc:  # a missing device, an unreadable chunk: say so, keep the UI
-            outbox.fail(f"{type(exc).__name__}: {exc}")
-            return
-        outbox.finish(report)
-
-    def _current(self, message: RunMessage) -> bool:
-        """Whether ``message`` comes from the run under way (an older run's word is dropped)."""
-        return message.generation == self._generation
-
-    def on_run_update(self, message: RunUpdate) -> None:
-        if self._current(message):
-            self._take_update(message.outbox)
-
-    def _take_update(self, outbox: RunOutbox) -> None:
-        total, advance, results = outbox.take()
-        if total is not None:
-            self._total = total
-        self._done += advance
-        if results:
-            self._apply(results)
-            self._refresh_verdicts(full=False, ops={r.index for r in results if r.rank == self.rank})
-        else:
-            self.update_status()
-
-    def on_run_failed(self, message: RunFailed) -> None:
-        if self._current(message):
-            self._take_update(message.outbox)
-            self._run_failed(message.kind, message.text)
-
-    def _run_failed(self, kind: str, text: str) -> None:
-        self.replay_state = RunState.FAILED
-        self.replay_message = text.splitlines()[0] if text else "failed"
-        self.notify(self.replay_message, title=f"{kind} failed", severity="error", timeout=8)
-        self.update_status()
-
-    def on_run_finished(self, message: RunFinished) -> None:
-        if not self._current(message):
-            return
-        self._take_update(message.outbox)
-        if message.kind == "diff":
-            self._diff_finished(message.report)
-        else:
-            self._replay_finished(message.report)
-
-    def _diff_finished(self, report: Any) -> None:
-        from replaydiff.tui.diff_mode import diff_results
-
-        self.diff_report = report
-        self._apply(diff_results(report))
-        self.replay_state = RunState.DONE
-        self._refresh_verdicts(full=True)
-
-    def _replay_finished(self, report: Any) -> None:
-        # results normally arrived one by one; a runner that only returns a report still fills the rows
-        have = {(r.rank, r.index) for rs in self.results_by_rank.values() for r in rs}
-        late = [r for r in getattr(report, "ops", []) if (r.rank, r.index) not in have]
-        self._apply(late)
-        # collective checks and forward sources are filled in after the per-op pass: take the final word
-        final = {(r.rank, r.index): r for r in getattr(report, "ops", [])}
-        for rank, rs in self.results_by_rank.items():
-            self.results_by_rank[rank] = [final.get((r.rank, r.index), r) for r in rs]
-        for rank, m in self.models.items():
-            m.clear_results()
-            m.add_results(self.results_by_rank.get(rank, []))
-        self.replay_state = RunState.DONE
-        self._refresh_verdicts(full=True)
-
-    def _apply(self, results: list) -> None:
-        for rank in self._take(results):
-            m = self.models.get(rank)
-            if m is not None:
-                m.add_results([r for r in results if r.rank == rank])
 
     def _refresh_verdicts(self, full: bool, ops: set[int] | None = None) -> None:
         """Redraw what new verdicts change: every row (``full``) or the rows of ``ops``; the heat strip and the
@@ -486,198 +296,6 @@ class ReplaydiffApp(App):
     def _histogram_ready(self, rank: int, op: int, text: str) -> None:
         if rank == self.rank and op == self.detail_op:
             self.main.detail.show_histogram(text)
-
-    # -- keys -------------------------------------------------------------------------------------------------
-    def _jump(self, op: int | None, what: str) -> None:
-        if op is None:
-            self.notify(f"no {what}" + ("" if self.replay_state in (RunState.DONE, RunState.REPORT) else " (yet)"),
-                        timeout=3)
-            return
-        self.select(op)
-
-    def action_first_divergent(self) -> None:
-        self._jump(self.model.first_divergent(), "divergent op")
-
-    def action_next_divergent(self) -> None:
-        cur = self.selected_op if self.selected_op is not None else -1
-        self._jump(self.model.next_divergent(cur), "next divergent op")
-
-    def action_previous_divergent(self) -> None:
-        cur = self.selected_op if self.selected_op is not None else self.model.n
-        self._jump(self.model.previous_divergent(cur), "earlier divergent op")
-
-    def action_nonfinite(self) -> None:
-        self._jump(self.model.first_nonfinite(), "NaN/Inf origin")
-
-    def action_partner(self) -> None:
-        op = self.selected_op
-        if op is None:
-            return
-        m = self.model
-        other = m.partner(op)
-        kind = "forward op" if m.index.forward[op] is not None else "backward op"
-        self._jump(other, f"{kind} linked to #{op}")
-
-    def action_producer(self) -> None:
-        op = self.selected_op
-        if op is None:
-            return
-        m = self.model
-        with self.trace_lock:
-            record = m.trace[op]
-            inputs = record.inputs()
-            producers = m.trace.producers(op)
-        choices = []
-        for k, ref in enumerate(inputs):
-            p = producers.get(k)
-            where = f"#{p} {short_op(m.index.name[p])} {m.status[p] or ''}" if p is not None else "outside the trace"
-            choices.append((f"in{k} {ref.describe()}  ← {where}", p))
-        inside = [p for _, p in choices if p is not None]
-        if not inside:
-            self.notify(f"#{op}: no input was produced inside the trace", timeout=3)
-        elif len(inside) == 1:
-            self.select(inside[0])
-        else:
-            self.push_screen(OpPicker(f"#{op} {short_op(m.index.name[op])}: go to the producer of", choices),
-                             self._picked)
-
-    def action_consumers(self) -> None:
-        op = self.selected_op
-        if op is None:
-            return
-        m = self.model
-        with self.trace_lock:
-            outs = m.trace[op].outputs_refs()
-            consumers = m.trace.consumers(op)
-        choices: list[tuple[str, int | None]] = []
-        for k, ref in enumerate(outs):
-            users = consumers.get(k) or []
-            choices.append((f"out{k} {ref.describe()}: read by {len(users)} op(s)", None))
-            for u in users:
-                choices.append((f"   #{u} {short_op(m.index.name[u])}  {m.index.module[u] or ''}  {m.status[u] or ''}",
-                                u))
-        if not any(u is not None for _, u in choices):
-            self.notify(f"#{op}: no op in the trace reads its outputs", timeout=3)
-            return
-        self.push_screen(OpPicker(f"consumers of #{op} {short_op(m.index.name[op])}", choices), self._picked)
-
-    def action_ancestry(self) -> None:
-        op = self.selected_op
-        if op is None:
-            return
-        with self.trace_lock:
-            screen = AncestryScreen(self.model, op)
-        self.push_screen(screen, self._picked)
-
-    def action_trend(self) -> None:
-        """The per-module series of a multi-step trace (recorded with --steps or --flight) and its first change."""
-        from replaydiff.report.trend import NoSteps, compute_trend
-
-        trend = self._trends.get(self.rank)
-        if trend is None:
-            try:
-                with self.trace_lock:
-                    trend = compute_trend(self.model.trace)
-            except NoSteps:
-                self.notify("no trend: this trace has one step (record with --steps or --flight for many)",
-                            timeout=4)
-                return
-            self._trends[self.rank] = trend
-        self.push_screen(TrendScreen(trend), self._picked)
-
-    def _picked(self, op: int | None) -> None:
-        if op is not None:
-            self.select(op)
-
-    def action_goto(self, op: int) -> None:
-        self.select(int(op))
-        self.main.op_list.focus()
-
-    def action_toggle_cheap(self) -> None:
-        cur = self.selected_op
-        self.model.set_view(hide_cheap=not self.model.hide_cheap)
-        self._after_view_change(cur)
-
-    def action_filter(self) -> None:
-        self.main.filter_input.focus()
-
-    def on_input_changed(self, event: Input.Changed) -> None:
-        """The box echoes each key at once; the rows are filtered when typing pauses (FILTER_DELAY), so a fast typist
-        never waits for 100,000 rows to be filtered per character."""
-        if event.input.id != "filter":
-            return
-        if self._filter_timer is not None:
-            self._filter_timer.stop()
-        self._filter_due = event.value
-        self._filter_timer = self.set_timer(self.FILTER_DELAY, self._apply_filter)
-
-    def _apply_filter(self) -> None:
-        self._filter_timer = None
-        text, self._filter_due = self._filter_due, None
-        if text is None or text == self.model.filter_text:
-            return
-        cur = self.selected_op
-        self.model.set_view(filter_text=text)
-        self._after_view_change(cur)
-
-    def on_input_submitted(self, event: Input.Submitted) -> None:
-        if event.input.id == "filter":
-            if self._filter_timer is not None:
-                self._filter_timer.stop()
-                self._apply_filter()
-            self.main.op_list.focus()
-
-    def action_clear_view(self) -> None:
-        """Esc: drop the filter, then the module scope."""
-        m = self.model
-        cur = self.selected_op
-        if self._filter_timer is not None:
-            self._filter_timer.stop()
-            self._filter_timer, self._filter_due = None, None
-        if m.filter_text or self.main.filter_input.value or self.focused is self.main.filter_input:
-            self.main.filter_input.value = ""
-            m.set_view(filter_text="")
-        elif m.scope is not None:
-            m.set_view(scope=None)
-        else:
-            return
-        self._after_view_change(cur)
-        self.main.op_list.focus()
-
-    def _after_view_change(self, previous: int | None) -> None:
-        ol = self.main.op_list
-        ol.refresh_rows()
-        if self.model.visible:
-            ol.select_op(previous if previous is not None else 0)
-        else:
-            ol.cursor_row = 0
-            ol.post_message(OpList.Selected(None))
-        self.update_status()
-
-    def action_next_rank(self) -> None:
-        if len(self.ranks) < 2:
-            self.notify("this trace has one rank", timeout=3)
-            return
-        self.rank = self.ranks[(self.ranks.index(self.rank) + 1) % len(self.ranks)]
-        m = self.model
-        self.main.model = m
-        self.main.op_list.set_model(m)
-        self.main.heat.set_model(m)
-        self.main.tree.set_model(m)
-        self.main.op_list.move_to(0)
-        self.update_status()
-
-    def action_replay_form(self) -> None:
-        self.push_screen(ReplayForm(self.settings), self._replay_chosen)
-
-    def _replay_chosen(self, settings: ReplaySettings | None) -> None:
-        if settings is not None:
-            self.start_replay(settings)
-
-    def action_help(self) -> None:
-        if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen())
-
 
 def make_app(path: str | Path, *, rank: int | None = None, report_path: str | Path | None = None,
              replay: ReplaySettings | None = None, diff_ref: str | Path | None = None) -> ReplaydiffApp:
