@@ -265,7 +265,7 @@ def test_repro_files_follow_the_umask(traces, tmp_path, umask, mode):
     finally:
         os.umask(old)
     assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "r").iterdir()} == \
-        {"repro.py": mode, "inputs.safetensors": mode}
+        {"repro.py": mode, "repro.json": mode, "inputs.safetensors": mode}
 
 
 def test_repro_force_overwrites_only_a_repro(traces, tmp_path, capsys):
