@@ -25,6 +25,7 @@ torch and (when run) safetensors.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
@@ -311,13 +312,32 @@ def main(argv: list[str] | None = None, directory: str | None = None) -> int:
     for m in a.imports or ([custom] if custom and name.split(".")[0] != "aten" else []):
         sys.path.insert(0, os.getcwd())
         importlib.import_module(m)
-    r = Repro(data, load_file(os.path.join(here, INPUTS)))
-    factor = data["factor"]
-    # Reference settings, as replay uses them: deterministic algorithms, no TF32, float32 matmuls at full precision.
+    with reference_settings():
+        return _report(a.device, data, Repro(data, load_file(os.path.join(here, INPUTS))))
+
+
+@contextlib.contextmanager
+def reference_settings():
+    """The settings replay runs references under (deterministic algorithms, no TF32, float32 matmuls at full
+    precision), put back as they were afterwards: a test that imports this module and runs it keeps its own."""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.get_float32_matmul_precision())
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[2], saved[3]
+        torch.set_float32_matmul_precision(saved[4])
+
+
+def _report(device: str, data: dict, r: Repro) -> int:
+    """Run the op as ``main`` asked and print what it finds; the exit code."""
+    name, factor = data["op"], data["factor"]
     T_rec = r.tensors("cpu", False)[0]
     upcast = not (r.random or r.keep_dtypes)
     rng_device = data.get("rng_device")
@@ -325,18 +345,18 @@ def main(argv: list[str] | None = None, directory: str | None = None) -> int:
         ref = r.run("cpu", upcast)
         # the op's own error at its recorded dtypes, as replay measures it (on the CPU): an ill-conditioned op's limit
         same = r.run("cpu", False) if upcast else None
-        dev = torch.device(a.device)
+        dev = torch.device(device)
         if r.random and rng_device and torch.device(rng_device).type != dev.type:
             mine, why = None, f"a random op recorded on {rng_device}: its draw can only be redone there"
         else:
-            mine, why = r.run(a.device, False), None
+            mine, why = r.run(device, False), None
     if data.get("planted"):
         print(f"PLANTED FAULT (record --plant): {data['planted']}")
     print(f"op #{data['index']} {name} (rank {data['rank']}): reference = CPU at "
           f"{'the recorded dtypes from the recorded generator state' if r.random else 'float64'}; "
-          f"device run = {a.device} at the recorded dtypes")
+          f"device run = {device} at the recorded dtypes")
     failed = False
-    width = max(len("recorded vs reference:"), len(a.device + " run vs reference:"))
+    width = max(len("recorded vs reference:"), len(device + " run vs reference:"))
     for c in data["checks"]:
         where, sizes = c["where"], c.get("sizes")
         got = pick(*ref, where, sizes)
@@ -361,19 +381,19 @@ def main(argv: list[str] | None = None, directory: str | None = None) -> int:
         print(f"  {'recorded vs reference:':<{width}} {line}")
         failed |= over
         if mine is None:
-            print(f"  {a.device} run: not run ({why})")
+            print(f"  {device} run: not run ({why})")
             continue
         theirs = pick(*mine, where, sizes)
         # the device run against the reference: the op's own error on this device, at its recorded dtype
         line, over = describe_against(got, theirs, rec.dtype, c["limits"], exact, factor, own)
-        print(f"  {a.device + ' run vs reference:':<{width}} {line}")
+        print(f"  {device + ' run vs reference:':<{width}} {line}")
         failed |= over
         # and against what was recorded: does this device reproduce the recording (bit for bit, on its backend)?
         if isinstance(theirs, torch.Tensor) and tuple(theirs.shape) == tuple(rec.shape):
             n = mismatches(rec, theirs.detach().to("cpu", rec.dtype))
             # figures only: the recording is no reference to judge the device run by
             line, _ = figures(theirs.detach().to("cpu", rec.dtype), rec, c["limits"], exact)
-            print(f"  {a.device + ' run vs recorded:':<{width}} {line}  ({n} of {rec.numel()} elements "
+            print(f"  {device + ' run vs recorded:':<{width}} {line}  ({n} of {rec.numel()} elements "
                   f"differ bit for bit)")
     return 1 if failed else 0
 

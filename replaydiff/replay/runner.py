@@ -24,11 +24,11 @@ from replaydiff.compare.metrics import ExactMismatch, FloatError, NonfiniteMisma
 from replaydiff.compare.tolerance import reduction_length
 from replaydiff.compare.verdict import Verdict, calibrated, judge, judge_measure, scalar_verdict, with_precision
 from replaydiff.errors import TraceError
-from replaydiff.repro_script import as_recorded, pick, typed_storage
 from replaydiff.replay import references  # what to run instead of a kernel
 from replaydiff.replay.compared import compared_outputs
 from replaydiff.replay.policy import FALLBACKS, ReplayOptions, target_dtype
 from replaydiff.replay.result import OpResult, Status
+from replaydiff.repro_script import as_recorded, pick, typed_storage
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import Opaque, OpRecord, TensorRef, dtype_from_name, iter_refs
 

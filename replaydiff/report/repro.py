@@ -123,7 +123,8 @@ def _checks(c: _Collector, op: OpRecord, tol: Tolerances, recorded_dtypes: bool)
 
 
 def is_repro_file(path: Path) -> bool:
-    """Whether ``path`` is a repro's script or inputs as ``write_repro`` wrote them (so --force may replace it)."""
+    """Whether ``path`` is a repro's script, description or inputs as ``write_repro`` wrote them (so --force may
+    replace it)."""
     try:
         if path.name == DATA:
             with open(path, encoding="utf-8") as fh:
