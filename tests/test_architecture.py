@@ -1,9 +1,12 @@
 """The layering the design fixes: only the trace package knows the wire keys, the import graph has no cycle, and a
-lower layer (trace <- record, replay, compare <- report, cli <- tui) never imports a higher one."""
+lower layer (trace <- record, replay, compare <- report, cli <- tui) never imports a higher one. Each idea lives once:
+a stored tensor is rebuilt, the compared results of an op are listed and a verdict's severity is computed in one
+place each (the standalone repro script shares the first and the judging with replay by being their home)."""
 from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,19 +84,21 @@ def test_import_graph_has_no_cycle() -> None:
     assert cycles == []
 
 
+_BOTTOM = {"replaydiff.aten", "replaydiff.errors", "replaydiff.repro_script"}
 LAYERS = {  # a package may import only from these (besides itself)
     "replaydiff.aten": set(),
     "replaydiff.errors": set(),
+    # the standalone repro script runs where replaydiff is not installed: it imports nothing of replaydiff, and
+    # what it shares with replay (rebuilding a stored tensor, the verdict's judging) is defined there, at the bottom
+    "replaydiff.repro_script": set(),
     # planted faults sit at the bottom too: the recorder enters one below itself for `record --plant`
     "replaydiff.faults": {"replaydiff.aten"},
-    "replaydiff.trace": {"replaydiff.aten", "replaydiff.errors"},
-    "replaydiff.compare": {"replaydiff.aten", "replaydiff.errors"},
-    "replaydiff.record": {"replaydiff.aten", "replaydiff.errors", "replaydiff.trace", "replaydiff.faults"},
-    "replaydiff.replay": {"replaydiff.aten", "replaydiff.errors", "replaydiff.trace", "replaydiff.compare"},
-    "replaydiff.diff": {"replaydiff.aten", "replaydiff.errors", "replaydiff.trace", "replaydiff.compare",
-                        "replaydiff.replay"},
-    "replaydiff.report": {"replaydiff.aten", "replaydiff.errors", "replaydiff.trace", "replaydiff.compare",
-                          "replaydiff.replay", "replaydiff.diff"},
+    "replaydiff.trace": _BOTTOM,
+    "replaydiff.compare": _BOTTOM,
+    "replaydiff.record": _BOTTOM | {"replaydiff.trace", "replaydiff.faults"},
+    "replaydiff.replay": _BOTTOM | {"replaydiff.trace", "replaydiff.compare"},
+    "replaydiff.diff": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay"},
+    "replaydiff.report": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.diff"},
 }
 
 
@@ -154,3 +159,142 @@ def test_every_package_folder_is_installed_and_the_tui_as_replaydiff_tui() -> No
         ".".join(("replaydiff",) + p.parent.relative_to(ROOT).parts) for p in (ROOT / "tui").rglob("__init__.py")}
     assert listed == folders
     assert '"replaydiff.tui" = "tui"' in text
+
+
+# -- each idea once ----------------------------------------------------------------------------------------------
+SCRIPT = PKG / "repro_script.py"  # the standalone repro script: `replaydiff repro` copies it as DIR/repro.py
+
+
+def _rel(p: Path) -> str:
+    return p.relative_to(ROOT).as_posix()
+
+
+def test_the_repro_script_imports_only_the_standard_library_torch_and_safetensors() -> None:
+    """A kernel owner runs it with torch and safetensors alone, so what it shares with replay must be defined in it."""
+    imported = set()
+    for node in ast.walk(ast.parse(SCRIPT.read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add("." if node.level else (node.module or "").split(".")[0])
+    assert imported - set(sys.stdlib_module_names) - {"__future__", "torch", "safetensors"} == set()
+
+
+def test_a_stored_tensor_is_rebuilt_in_one_place() -> None:
+    """Strided views over a storage's elements with the conj/neg bits (the reader, the replayer and the repro each
+    had their own) are made by ``repro_script.as_recorded`` only; numpy's as_strided (recording's statistics over a
+    live tensor) is not a rebuild."""
+    copies = []
+    for p in _python_files(PKG, ROOT / "tui"):
+        if p == SCRIPT:
+            continue
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            if re.search(r"\.as_strided\(|_neg_view\(", line) and "stride_tricks" not in line:
+                copies.append(f"{_rel(p)}:{n}: {line.strip()}")
+    assert copies == []
+
+
+def _functions(p: Path) -> list[ast.AST]:
+    return [n for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def _attributes(node: ast.AST) -> set[str]:
+    return {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+
+
+def test_the_compared_results_of_an_op_are_listed_in_one_place() -> None:
+    """Which outputs and written arguments of an op are compared (runner._pairs and repro._checks each decided it)
+    is ``replay.compared.compared_outputs``: no other function walks an op's writes and outputs by storage version,
+    and none but it leaves kernel-path outputs out."""
+    owner = PKG / "replay" / "compared.py"
+    copies = []
+    for p in _python_files(PKG, ROOT / "tui"):
+        if p == owner or _rel(p).startswith(("replaydiff/trace/", "replaydiff/record/")):
+            continue  # the trace defines writes and outputs; the recorder writes them
+        if "KERNEL_PATH_OUTPUTS" in p.read_text() and p != PKG / "aten.py":
+            copies.append(f"{_rel(p)}: reads KERNEL_PATH_OUTPUTS")
+        for f in _functions(p):
+            if {"writes", "outputs", "version"} <= _attributes(f):
+                copies.append(f"{_rel(p)}:{f.lineno} {f.name}")
+    assert copies == []
+
+
+def test_the_verdicts_judging_is_defined_once_and_the_repro_script_holds_it() -> None:
+    from replaydiff import repro_script
+    from replaydiff.compare import verdict
+
+    names = ("how_far_over", "calibrated_limits", "ill_conditioned_note", "same_scalar")
+    defined = sorted(f"{_rel(p)} {f.name}" for p in _python_files(PKG, ROOT / "tui") for f in _functions(p)
+                     if f.name in names)
+    assert defined == sorted(f"replaydiff/repro_script.py {n}" for n in names)
+    assert all(getattr(verdict, n) is getattr(repro_script, n) for n in names)
+
+
+_FIGURES = {"norm_max", "norm_rel", "max_abs", "rel_l2"}  # a verdict's raw figures
+_LIMITS = {"limit_max", "limit_rel"}
+_JUDGING = {"how_far_over", "calibrated_limits"}
+
+
+def _names_read(node: ast.AST) -> set[str]:
+    """Attribute names and string keys (``m["norm_max"]``, ``getattr(x, "norm_max")``) read in ``node``."""
+    out = _attributes(node)
+    for n in ast.walk(node):
+        if isinstance(n, ast.Constant) and isinstance(n.value, str):
+            out.add(n.value)
+    return out
+
+
+def score_computations(source: str) -> list[str]:
+    """Where ``source`` computes how bad a verdict is from its raw figures: a figure divided by or compared with a
+    limit, the judging functions called, or a ranking (``key=``) by a figure or a limit."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        pairs: list[tuple[ast.AST, ast.AST]] = []
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            pairs = [(node.left, node.right)]
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            pairs = list(zip(sides, sides[1:]))
+        for a, b in pairs:
+            na, nb = _names_read(a), _names_read(b)
+            if (na & _FIGURES and nb & _LIMITS) or (na & _LIMITS and nb & _FIGURES):
+                found.append(f"{node.lineno}: a figure against a limit")
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name in _JUDGING:
+                found.append(f"{node.lineno}: calls {name}")
+            for kw in node.keywords:
+                if kw.arg == "key" and _names_read(kw.value) & (_FIGURES | _LIMITS):
+                    found.append(f"{node.lineno}: ranks by a raw figure")
+    return found
+
+
+def test_no_module_outside_compare_computes_a_severity() -> None:
+    """How far an op is over its limit is ``Verdict.severity`` (compare/verdict.py); replay, the report, the repro
+    and the TUI read it and never compute their own from norm_max, limit_max and the like (the repro script is the
+    home of the judging functions the verdict calls)."""
+    offenders = []
+    for p in _python_files(PKG, ROOT / "tui"):
+        if _rel(p).startswith("replaydiff/compare/") or p == SCRIPT:
+            continue
+        offenders += [f"{_rel(p)}:{x}" for x in score_computations(p.read_text())]
+    assert offenders == []
+
+
+def test_the_severity_check_catches_a_planted_copy() -> None:
+    planted = """
+def worst(results):
+    return max(results, key=lambda r: r.verdict.measure.norm_max)
+
+def over(v):
+    return v.measure.norm_max / v.limit_max
+
+def ok(m):
+    return m["norm_max"] <= m["limit_max"]
+
+def far(v, m):
+    return how_far_over((m.norm_max, m.norm_rel), (v.limit_max, v.limit_rel))
+"""
+    assert [x.split(": ", 1)[1] for x in score_computations(planted)] == [
+        "ranks by a raw figure", "a figure against a limit", "a figure against a limit", "calls how_far_over"]

@@ -6,6 +6,7 @@ Also `record --plant` as the public option: the manifest says a fault was plante
 from __future__ import annotations
 
 import io
+import json
 import math
 import os
 import re
@@ -108,6 +109,30 @@ def test_in_place_op_repro_compares_the_written_argument(traces, tmp_path):
     assert value == pytest.approx(res.verdict.measure.norm_max, rel=1e-3)
     # the kernel run in the script wrote into its own copy of the argument, within the limit
     assert re.search(r"cpu run vs reference:\s+max_abs/\(eps\*absmax\) \S+ .* ok\n", p.stdout), p.stdout
+
+
+def test_the_repro_script_is_a_module_that_checks_what_replay_compares(traces, tmp_path, capsys):
+    """repro.py is replaydiff/repro_script.py as it is (no template; the op is described in repro.json), it checks
+    exactly the results replay compares, and imported and run in this process on the repro's directory it prints
+    what the script prints, leaving this process's settings as they were."""
+    from replaydiff import repro_script
+    from replaydiff.replay.compared import compared_outputs
+
+    rt = replaydiff.open_trace(traces["add"]).rank(0)
+    op = _nth(rt, "aten.add_.Tensor", 1)
+    d = tmp_path / "r"
+    assert main(["repro", str(traces["add"]), str(op.index), "-o", str(d)]) == 0
+    assert (d / "repro.py").read_text() == Path(repro_script.__file__).read_text()
+    data = json.loads((d / "repro.json").read_text())
+    # add_ returns its written argument: compared once, as the argument
+    assert [c["label"] for c in data["checks"]] == [c.label for c in compared_outputs(op, False)] == \
+        ["arg 0 (written)"]
+    capsys.readouterr()
+    deterministic, precision = torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision()
+    assert repro_script.main([], directory=str(d)) == 1  # the planted write is divergent
+    assert capsys.readouterr().out == _run_script(d).stdout
+    assert (torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision()) == \
+        (deterministic, precision)
 
 
 def test_view_op_repro_rebuilds_the_view_geometry(traces, tmp_path):
@@ -265,7 +290,7 @@ def test_repro_files_follow_the_umask(traces, tmp_path, umask, mode):
     finally:
         os.umask(old)
     assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "r").iterdir()} == \
-        {"repro.py": mode, "inputs.safetensors": mode}
+        {"repro.py": mode, "repro.json": mode, "inputs.safetensors": mode}
 
 
 def test_repro_force_overwrites_only_a_repro(traces, tmp_path, capsys):

@@ -17,37 +17,12 @@ import torch
 from replaydiff.compare.metrics import (ExactMismatch, FloatError, Measure, NonfiniteMismatch, ShapeMismatch,
                                         ScalarMismatch, ViewMismatch, measure, measure_from_json)
 from replaydiff.compare.tolerance import Tolerances
+# The pure judging functions live in the standalone repro script, which a kernel owner runs without replaydiff:
+# imported from there, so replay and the script judge by one definition.
+from replaydiff.repro_script import calibrated_limits, how_far_over, ill_conditioned_note, same_scalar
 
-
-def how_far_over(errors: tuple[float, float], limits: tuple[float, float]) -> float:
-    """How far a pair of errors is over its pair of limits, in units of the limits: the larger ratio (1.0 is at the
-    limit). An error over a zero limit, or one that is NaN, is infinitely far.
-
-    Pure Python on purpose: the standalone repro script (report/repro.py) carries this function's source, so that
-    it judges exactly as replay does."""
-    worst = 0.0
-    for error, limit in zip(errors, limits):
-        if error != error:  # NaN
-            return math.inf
-        worst = max(worst, error / limit if limit > 0 else (0.0 if error == 0 else math.inf))
-    return worst
-
-
-def calibrated_limits(own: tuple[float, float], ill: bool, factor: float) -> tuple[float, float] | None:
-    """The limits on (max_abs, rel_l2) of an ill-conditioned op: ``factor`` times its own error at its recorded
-    dtype (the op run there, against the same reference). None for an op whose own error is within the fixed
-    limits (``ill`` False): it keeps those, or its rounding would hide a fault a few times that size.
-
-    Pure Python, carried by the repro script like ``how_far_over``."""
-    return (factor * own[0], factor * own[1]) if ill else None
-
-
-def ill_conditioned_note(dtype: str, own: tuple[float, float], error: tuple[float, float], factor: float) -> str:
-    """Why an output over the fixed limits is ok: it is within ``factor`` times the op's own error at ``dtype``.
-
-    Pure Python, carried by the repro script like ``how_far_over``."""
-    return (f"within its own {dtype} error (ill-conditioned: the op run at {dtype} is off by max_abs {own[0]:.3g}, "
-            f"rel_l2 {own[1]:.3g}; the recorded output by {error[0]:.3g}, {error[1]:.3g}, within {factor:g}x that)")
+__all__ = ["Calibration", "Verdict", "calibrated", "calibrated_limits", "how_far_over", "ill_conditioned_note",
+           "judge", "judge_measure", "scalar_verdict", "with_calibration", "with_precision", "within_fixed_limits"]
 
 
 @dataclass(frozen=True)
@@ -190,15 +165,32 @@ def with_calibration(v: Verdict, cal: Calibration) -> Verdict:
     return replace(c, divergent=True, reason=f"{v.reason}, {ratio} at its recorded dtype")
 
 
+def calibrated(v: Verdict, own: Measure, dtype: str, factor: float) -> Verdict:
+    """A FloatError verdict over its fixed limits, given ``own``, the op's own error at its recorded ``dtype``
+    (the op run there against the same reference): only an op whose own error already breaks the fixed limits is
+    ill-conditioned and held to ``factor`` times that error; a well-conditioned op's bf16 rounding must not hide a
+    1e-2 fault (only ~6x that rounding). Any other verdict or measure is returned as it is."""
+    if not isinstance(own, FloatError) or v.limit_max is None or v.limit_rel is None:
+        return v
+    ill = how_far_over((own.norm_max, own.norm_rel), (v.limit_max, v.limit_rel)) > 1
+    return with_calibration(v, Calibration(own.max_abs, own.rel_l2, dtype, factor, ill))
+
+
+def within_fixed_limits(v: Verdict) -> bool | None:
+    """Whether a FloatError verdict's error is within the fixed per-dtype limits (before any calibration for an
+    ill-conditioned op); None when it was judged by no such limits."""
+    m = v.measure
+    if not isinstance(m, FloatError) or v.limit_max is None or v.limit_rel is None:
+        return None
+    return how_far_over((m.norm_max, m.norm_rel), (v.limit_max, v.limit_rel)) <= 1
+
+
 def with_precision(v: Verdict, precision: str) -> Verdict:
     return replace(v, precision=precision)
 
 
 def scalar_verdict(recorded: Any, reference: Any) -> Verdict | None:
     """None when a scalar output equals its recorded value (NaN equals NaN), else a divergent verdict."""
-    if isinstance(recorded, float) and isinstance(reference, float) and recorded != recorded \
-            and reference != reference:
-        return None
-    if recorded == reference:
+    if same_scalar(recorded, reference):
         return None
     return judge_measure(ScalarMismatch(recorded, reference), "", Tolerances())

@@ -22,12 +22,13 @@ import torch
 from replaydiff import aten
 from replaydiff.compare.metrics import ExactMismatch, FloatError, NonfiniteMismatch, ViewMismatch, measure
 from replaydiff.compare.tolerance import reduction_length
-from replaydiff.compare.verdict import (Calibration, Verdict, how_far_over, judge, judge_measure, scalar_verdict,
-                                        with_calibration, with_precision)
+from replaydiff.compare.verdict import Verdict, calibrated, judge, judge_measure, scalar_verdict, with_precision
 from replaydiff.errors import TraceError
 from replaydiff.replay import references  # what to run instead of a kernel
+from replaydiff.replay.compared import compared_outputs
 from replaydiff.replay.policy import FALLBACKS, ReplayOptions, target_dtype
 from replaydiff.replay.result import OpResult, Status
+from replaydiff.repro_script import as_recorded, pick, typed_storage
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import Opaque, OpRecord, TensorRef, dtype_from_name, iter_refs
 
@@ -76,20 +77,13 @@ class _Inputs:
         key = (ref.version, ref.dtype, target)
         base = self._base.get(key)
         if base is None:
-            data = self.trace.data(ref)
-            n = data.numel() - data.numel() % rec_dtype.itemsize
+            elements = typed_storage(self.trace.data(ref), rec_dtype)
             if self.uninitialised_fill is not None and ref.uninitialised:
-                base = torch.full((n // rec_dtype.itemsize,), self.uninitialised_fill, dtype=target,
-                                  device=self.device)
+                base = torch.full((elements.numel(),), self.uninitialised_fill, dtype=target, device=self.device)
             else:
-                base = data[:n].view(rec_dtype).to(device=self.device, dtype=target, copy=True)
+                base = elements.to(device=self.device, dtype=target, copy=True)
             self._base[key] = base
-        t = base.as_strided(ref.shape, ref.stride, ref.offset)
-        if ref.conj:
-            t = t.conj()
-        if ref.neg:
-            t = torch._neg_view(t)
-        return t
+        return as_recorded(base, ref.shape, ref.stride, ref.offset, ref.conj, ref.neg)
 
     def value(self, v: Any) -> Any:
         if isinstance(v, TensorRef):
@@ -271,8 +265,7 @@ class OpReplayer:
         out, args, kwargs = runs[0]
         packet = aten.packet(op.name)
         in_shapes = [list(r.shape) for r in iter_refs(op.args)]
-        in_versions = {r.version for r in op.inputs()}
-        pairs = _pairs(op, out, args, kwargs, in_versions, keep_dtype)
+        pairs = _pairs(op, out, args, kwargs, keep_dtype)
         if not pairs:
             unsupported = [r.unsupported for r in op.outputs_refs() if r.unsupported]
             if unsupported:  # e.g. a sparse output: not recorded, so nothing can be checked
@@ -297,7 +290,7 @@ class OpReplayer:
             judged.append((n, v))
         k_of = lambda n: reduction_length(packet, in_shapes, max(1, pairs[n][1].numel()))  # noqa: E731
         # a random op's draw overwrites what it fills (and would need its generator state to run again)
-        allocators = {} if seeded else self._uninitialised(op, func, precision, keep_dtype, in_versions)
+        allocators = {} if seeded else self._uninitialised(op, func, precision, keep_dtype)
         if allocators:
             judged = [(n, self._judge_without(pairs[n], allocators[n], k_of(n), exact))
                       if n in allocators else (n, v) for n, v in judged]
@@ -305,10 +298,10 @@ class OpReplayer:
         finite = not any(_nonfinite_recorded(v.measure) for _, v in judged)
         if not keep_dtype and any(v.divergent and isinstance(v.measure, (FloatError, NonfiniteMismatch))
                                   for _, v in judged):
-            judged = self._calibrate(op, func, pairs, judged, in_versions, allocators)
+            judged = self._calibrate(op, func, pairs, judged, allocators)
         if not seeded and any(v.divergent for _, v in judged):
             judged = self._leave_out_unwritten(op, func, pairs, judged, precision, keep_dtype, exact, k_of=k_of,
-                                               in_versions=in_versions, left_out=allocators)
+                                               left_out=allocators)
         bad = [v for _, v in judged if v.divergent]
         left_out = sum(v.left_out for _, v in judged)
         if bad:
@@ -334,7 +327,7 @@ class OpReplayer:
         return pairs, (finite if len(judged) == len(pairs) else None)
 
     def _calibrate(self, op: OpRecord, func: Any, pairs: Pairs, judged: list[tuple[int, Verdict]],
-                   in_versions: set, left_out: dict[int, torch.Tensor]) -> list[tuple[int, Verdict]]:
+                   left_out: dict[int, torch.Tensor]) -> list[tuple[int, Verdict]]:
         """Is an error over the fixed limit explained by the op's own conditioning?
 
         The op is run again at its recorded dtypes (on the CPU), and that run's error against the
@@ -345,7 +338,8 @@ class OpReplayer:
         """
         # On the CPU whatever the replay device: a kernel bug on the replay GPU must not explain itself away.
         args, kwargs = _Inputs(self.trace, "same", True, torch.device("cpu"), None).build(op)
-        same_pairs = _pairs(op, func(*args, **kwargs), args, kwargs, in_versions, True)
+        # the same results as the upcast run compared (kernel-path bookkeeping left out of both), so they align
+        same_pairs = _pairs(op, func(*args, **kwargs), args, kwargs, False)
         f = self.opts.tolerances.conditioning_factor
         result = []
         for n, v in judged:
@@ -356,16 +350,8 @@ class OpReplayer:
                 same, value, recorded = same[keep], value[keep], recorded[keep.to(recorded.device)]
             if v.divergent and isinstance(v.measure, NonfiniteMismatch) and recorded is not None:
                 v = self._nonfinite_explained(recorded, same, v)
-            m = v.measure
-            if v.divergent and isinstance(m, FloatError) and recorded is not None \
-                    and v.limit_max is not None and v.limit_rel is not None:
-                ms = measure(same, value)
-                if isinstance(ms, FloatError):
-                    # Only an op whose own error at its dtype already breaks the limit is ill-conditioned; a
-                    # well-conditioned op's bf16 rounding must not hide a 1e-2 fault (only ~6x that rounding).
-                    ill = how_far_over((ms.norm_max, ms.norm_rel), (v.limit_max, v.limit_rel)) > 1
-                    v = with_calibration(v, Calibration(ms.max_abs, ms.rel_l2, str(same.dtype).removeprefix("torch."),
-                                                        f, ill))
+            if v.divergent and isinstance(v.measure, FloatError) and recorded is not None:
+                v = calibrated(v, measure(same, value), str(same.dtype).removeprefix("torch."), f)
             result.append((n, v))
         return result
 
@@ -382,8 +368,7 @@ class OpReplayer:
         finite = judge_measure(v.measure.finite, recorded.dtype, self.opts.tolerances, v.reduction_k or 1)
         return finite if finite.divergent else replace(finite, reason=None)
 
-    def _uninitialised(self, op: OpRecord, func: Any, precision: str, keep_dtype: bool,
-                       in_versions: set) -> dict[int, torch.Tensor]:
+    def _uninitialised(self, op: OpRecord, func: Any, precision: str, keep_dtype: bool) -> dict[int, torch.Tensor]:
         """Output positions that hold memory an empty* op handed out: {pair number: mask}, only where some are.
 
         An op may write only part of an uninitialised buffer it is given (FSDP2's ``all_gather_copy_in`` copies
@@ -397,7 +382,7 @@ class OpReplayer:
         try:
             for fill in (0.0, 1.0):
                 args, kwargs = _Inputs(self.trace, precision, keep_dtype, self.device, None, fill).build(op)
-                runs.append(_pairs(op, func(*args, **kwargs), args, kwargs, in_versions, keep_dtype))
+                runs.append(_pairs(op, func(*args, **kwargs), args, kwargs, keep_dtype))
         except (RuntimeError, IndexError, ValueError):  # a fill the op cannot take (garbage used as indices)
             return {}  # then every position is compared, as recorded
         masks = {}
@@ -419,7 +404,7 @@ class OpReplayer:
 
     def _leave_out_unwritten(self, op: OpRecord, func: Any, pairs: Pairs, judged: list[tuple[int, Verdict]],
                              precision: str, keep_dtype: bool, exact: bool, k_of: Any,
-                             in_versions: set, left_out: dict[int, torch.Tensor]) -> list[tuple[int, Verdict]]:
+                             left_out: dict[int, torch.Tensor]) -> list[tuple[int, Verdict]]:
         """Positions of an output that the kernel never writes (``_ctc_loss``'s log_alpha beyond each sequence)
         hold whatever the allocator handed out, recorded and replayed alike. The op is run again with uninitialised
         memory filled differently (a few times, as the allocator may hand the same NaN-filled block back);
@@ -446,7 +431,7 @@ class OpReplayer:
                     # the same).
                     bait = [torch.full_like(pairs[n][1], 1234.5) for n in floating for _ in range(3)]
                     del bait
-                    other = _pairs(op, func(*args, **kwargs), args, kwargs, in_versions, keep_dtype)
+                    other = _pairs(op, func(*args, **kwargs), args, kwargs, keep_dtype)
                 finally:
                     det.fill_uninitialized_memory = saved
             for n in floating:
@@ -498,7 +483,7 @@ class OpReplayer:
         a, b = self.trace.data(ref), self.trace.data(before)
         n = min(a.numel(), b.numel()) // size
         same = (a[:n * size].view(n, size) == b[:n * size].view(n, size)).all(1)  # per element of the storage
-        stale = same.as_strided(ref.shape, ref.stride, ref.offset).to(nonfinite.device)
+        stale = as_recorded(same, ref.shape, ref.stride, ref.offset).to(nonfinite.device)
         return bool((nonfinite & ~stale).any())
 
 
@@ -519,60 +504,23 @@ def _nonfinite_recorded(m: Any) -> int:
     return getattr(m, "nonfinite_recorded", 0) or getattr(getattr(m, "finite", None), "nonfinite_recorded", 0) or 0
 
 
-def _pairs(op: OpRecord, out: Any, args: list, kwargs: dict, in_versions: set, recorded_dtypes: bool) -> Pairs:
-    """(recorded, replayed) pairs for every output and every written argument (outputs that are kernel-path
-    bookkeeping only when the op ran at its recorded dtypes)."""
+def _pairs(op: OpRecord, out: Any, args: list, kwargs: dict, recorded_dtypes: bool) -> Pairs:
+    """(recorded, replayed) pairs for every result ``compared_outputs`` names; a view or meta output whose geometry
+    is not the recorded one is paired as a ViewMismatch, one that matches is left out (its bytes are not its own)."""
     pairs: Pairs = []
-    written = set()
-    for path, after in op.writes:
-        value = args[path.key] if path.kind == "arg" else kwargs.get(path.key)
-        for r in iter_refs(after):
-            written.add(r.version)
-        _zip(after, value, pairs)
-    outs: Pairs = []
-    outputs = op.outputs
-    skip = () if recorded_dtypes else aten.KERNEL_PATH_OUTPUTS.get(aten.packet(op.name), ())
-    if skip and isinstance(outputs, list):
-        outputs = [None if k in skip else o for k, o in enumerate(outputs)]
-    _zip(outputs, out, outs)
-    for ref, value in outs:
-        if isinstance(ref, TensorRef) and ref.meta:  # no values: the geometry is what the op computed
-            if isinstance(value, torch.Tensor) and (tuple(value.shape) != ref.shape or tuple(value.stride())
-                                                    != ref.stride):
-                pairs.append((_view_mismatch(ref, value), value))
-            continue
-        if isinstance(ref, TensorRef):
-            if ref.version in written:
-                continue  # the output is the written argument: already compared
-            if ref.version in in_versions:  # a view of an input: the bytes are the input's
-                if isinstance(value, torch.Tensor) and (tuple(value.shape) != ref.shape
-                                                        or tuple(value.stride()) != ref.stride
-                                                        or value.storage_offset() != ref.offset):
-                    pairs.append((_view_mismatch(ref, value), value))
-                continue
-            if ref.uninitialised or not ref.stored:
-                continue
-        pairs.append((ref, value))
+    for c in compared_outputs(op, recorded_dtypes):
+        value = pick(out, args, kwargs, c.where, c.sizes)
+        geometry = c.geometry
+        if geometry is None:
+            pairs.append((c.recorded, value))
+        elif isinstance(value, torch.Tensor) and {k: _geometry(value)[k] for k in geometry} != geometry:
+            pairs.append((ViewMismatch({"shape": geometry["shape"], "stride": geometry["stride"],
+                                        "offset": c.recorded.offset}, _geometry(value)), value))
     return pairs
 
 
-def _view_mismatch(ref: TensorRef, value: torch.Tensor) -> ViewMismatch:
-    return ViewMismatch({"shape": list(ref.shape), "stride": list(ref.stride or ()), "offset": ref.offset},
-                        {"shape": list(value.shape), "stride": list(value.stride()), "offset": value.storage_offset()})
-
-
-def _zip(rec: Any, value: Any, out: Pairs) -> None:
-    if isinstance(rec, list):
-        if not isinstance(value, (list, tuple)) or len(value) != len(rec):
-            raise RuntimeError(f"op returned {type(value).__name__} where {len(rec)} values were recorded")
-        for r, v in zip(rec, value):
-            _zip(r, v, out)
-    elif isinstance(rec, TensorRef):
-        out.append((rec, value))
-    elif rec is None:
-        return
-    elif isinstance(rec, (int, float, bool)):
-        out.append((rec, value))
+def _geometry(value: torch.Tensor) -> dict:
+    return {"shape": list(value.shape), "stride": list(value.stride()), "offset": value.storage_offset()}
 
 
 def _tensors(run: tuple) -> list[torch.Tensor]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from replaydiff.compare.verdict import within_fixed_limits
 from replaydiff.replay.result import OpResult, ReplayReport, Status
 from replaydiff.trace.schema import PlantedFaultInfo
 
@@ -87,9 +88,10 @@ def _why_ok(p: PlantedFaultInfo, r: OpResult) -> str:
     """Why a planted op replayed ok, in replay's own figures: its change is within the limit, or replay says why."""
     plant = f"the plant {p.effect.facts()}" if p.effect is not None else ""
     m = r.metrics or {}
-    if "norm_max" in m and m.get("limit_max") is not None:
+    within = None if r.verdict is None else within_fixed_limits(r.verdict)
+    if within is not None:
         measure = f"max_abs/(eps*absmax) {m['norm_max']:.3g}"
-        if m["norm_max"] <= m["limit_max"] and m.get("norm_rel", 0.0) <= m.get("limit_rel", float("inf")):
+        if within:
             return (f": {plant + ', and ' if plant else ''}replay's error measure for it, {measure}, is within its "
                     f"limit {m['limit_max']:.3g}: a change this small is not told apart from rounding error")
         return (f": {plant + '; ' if plant else ''}{measure} is over its limit {m['limit_max']:.3g}"

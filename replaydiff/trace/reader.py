@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import torch
 
 from replaydiff.errors import TraceError, UsageError
+from replaydiff.repro_script import as_recorded, typed_storage
 from replaydiff.trace import codec
 from replaydiff.trace.format import (
     DATA_DIR,
@@ -409,17 +410,9 @@ class RankTrace(Sequence):
 def rebuild(data: torch.Tensor, dtype: torch.dtype, ref: TensorRef, where: Path | str,
             copy: bool = True) -> torch.Tensor:
     """A tensor with the reference's size, stride, offset and conj/neg bits over a storage's bytes (or a copy)."""
-    itemsize = dtype.itemsize
     try:
-        n = data.numel() - data.numel() % itemsize
-        base = data[:n]
-        base = (base.clone() if copy else base).view(dtype)
-        t = base.as_strided(ref.shape, ref.stride, ref.offset)
-        if ref.conj:
-            t = t.conj()  # the stored bytes are the unconjugated values; the bit is lazy, as when recorded
-        if ref.neg:
-            t = torch._neg_view(t)
-        return t
+        return as_recorded(typed_storage(data.clone() if copy else data, dtype), ref.shape, ref.stride, ref.offset,
+                           ref.conj, ref.neg)
     except Exception as exc:
         raise TraceError(where, f"a tensor does not fit its storage ({exc})") from None
 
