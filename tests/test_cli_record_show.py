@@ -173,6 +173,7 @@ def test_show_one_op(recorded):
     assert "phase   forward" in out and "Sequential.2" in out
 
 
+@pytest.mark.slow
 def test_show_op_gives_the_recorded_source_text_and_says_when_the_file_changed(tmp_path):
     (tmp_path / "train.py").write_text(TRAIN)
     proc = replaydiff_cli("record", "--step", "1", "-o", "trace", "--", sys.executable, "train.py", cwd=tmp_path)
@@ -194,6 +195,7 @@ def test_show_op_gives_the_recorded_source_text_and_says_when_the_file_changed(t
            f"line {lineno} now reads: {edited.splitlines()[lineno - 1].strip()}\n" in shown.stdout
 
 
+@pytest.mark.slow
 def test_show_corrupt_trace_is_one_line_and_exit_3(recorded, tmp_path):
     cwd, _ = recorded
     shutil.copytree(cwd / "trace", tmp_path / "bad")
@@ -341,6 +343,7 @@ def test_a_file_given_as_a_trace_is_one_line_and_exit_3(recorded, tmp_path, caps
     assert script.read_text() == TRAIN and not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
 def test_a_removed_data_file_is_one_line_and_nothing_after_it(recorded, tmp_path):
     """The reader reported it, then a destructor printed `Exception ignored in: DataFile.__del__`."""
     cwd, _ = recorded
@@ -380,6 +383,7 @@ def conv_backward_plant(tmp_path_factory):
     return cwd, proc
 
 
+@pytest.mark.slow
 def test_record_says_a_plant_changed_nothing_and_where_it_landed(conv_backward_plant):
     cwd, proc = conv_backward_plant
     assert proc.returncode == 0, proc.stderr
@@ -413,6 +417,7 @@ def test_replay_of_a_plant_that_changed_nothing_says_so_and_exits_0(conv_backwar
     assert doc["plants"][0]["note"] in lines
 
 
+@pytest.mark.slow
 def test_record_warns_at_the_end_when_the_planted_op_never_ran(tmp_path):
     (tmp_path / "cnn.py").write_text(CNN)
     proc = replaydiff_cli("record", "--plant", "aten.nosuch.default", "-o", "trace", "--", sys.executable, "cnn.py",
@@ -426,6 +431,7 @@ def test_record_warns_at_the_end_when_the_planted_op_never_ran(tmp_path):
     assert (p.op, p.landed, p.calls_seen, p.index) == ("aten.nosuch.default", False, 0, None)
 
 
+@pytest.mark.slow
 def test_record_of_statistics_points_to_diff_not_replay(tmp_path):
     """A statistics trace cannot be replayed: the next command record prints fits the trace."""
     (tmp_path / "train.py").write_text(TRAIN)
@@ -437,6 +443,7 @@ def test_record_of_statistics_points_to_diff_not_replay(tmp_path):
     assert "cannot be replayed" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_record_of_a_step_the_script_never_reaches(tmp_path):
     """`--step 10` of a 3-step script recorded nothing, left an empty trace directory and exited 0."""
     (tmp_path / "train.py").write_text(TRAIN.replace("sys.exit(3)", ""))

@@ -262,6 +262,7 @@ def test_an_op_range_that_selects_nothing_is_a_usage_error(capsys):
     assert proc.stdout.startswith(f"replayed 1 ops of {path}"), proc.stdout
 
 
+@pytest.mark.slow
 def test_demo_counts_occurrences_from_1_like_plant(tmp_path):
     """`--plant OP:N` counts calls from 1; `demo --occurrence N` counts the same way."""
     from replaydiff import open_trace

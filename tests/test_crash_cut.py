@@ -3,6 +3,7 @@ flush_seconds even while the job hangs inside an op, and SIGTERM (torchrun's way
 what is recorded, then does what the process would have done without the recorder."""
 from __future__ import annotations
 
+import pytest
 import os
 import signal
 import subprocess
@@ -83,6 +84,7 @@ def test_sigterm_flushes_then_dies_as_it_would_have(tmp_path: Path) -> None:
     assert any("SIGTERM" in line for line in r.lost)
 
 
+@pytest.mark.slow
 def test_sigterm_chains_to_the_jobs_own_handler(tmp_path: Path) -> None:
     proc, hang_at = _start(tmp_path / "t", "user-handler")
     proc.send_signal(signal.SIGTERM)

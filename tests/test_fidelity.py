@@ -134,6 +134,7 @@ with replaydiff.record(sys.argv[1]):
 '''
 
 
+@pytest.mark.slow
 def test_custom_ops_replay_from_the_module_that_defines_them(tmp_path: Path) -> None:
     import os
     import subprocess
@@ -290,6 +291,7 @@ def test_sparse_tensors_are_skipped_with_the_true_reason(tmp_path: Path) -> None
     assert all(r.status is not Status.OK or "nothing to compare" not in (r.reason or "") for r in report.ops)
 
 
+@pytest.mark.slow
 def test_replay_works_after_torch_freezes_its_backend_flags(tmp_path: Path) -> None:
     import subprocess
     import sys
@@ -307,6 +309,7 @@ def test_replay_works_after_torch_freezes_its_backend_flags(tmp_path: Path) -> N
     assert out.stdout.split() == ["2", "False"]
 
 
+@pytest.mark.slow
 def test_threads_tests_whether_an_op_depends_on_the_parallel_split(tmp_path: Path) -> None:
     # CPU LayerNorm backward reduces in another order with 1 thread than with 2: bitwise
     # replay holds at the recorded thread count (the default at `same`) and breaks at another (--threads 1).

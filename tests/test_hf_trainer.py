@@ -3,6 +3,7 @@ code change through `replaydiff record --step 3 -- python train.py`, replays cle
 a fault planted with `--plant` is named exactly."""
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import subprocess
@@ -43,6 +44,7 @@ def _run(*cmd: str, cwd: Path) -> subprocess.CompletedProcess:
                           env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_trainer_step_replays_clean_and_a_planted_fault_is_named(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(TRAIN)
     rec = _run("record", "--step", "3", "-o", "trace", "--", sys.executable, "train.py", cwd=tmp_path)

@@ -288,6 +288,7 @@ def collectives(job) -> tuple[Path, Path]:
 
 
 # -- 1. FSDP2 ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_fsdp2_step_replays_clean_and_complete(fsdp) -> None:
     report = replay_trace(str(fsdp[0]), ReplayOptions())
     c = report.counts()
@@ -349,6 +350,7 @@ def test_wrong_all_to_all_chunk_names_its_peer(collectives) -> None:
 
 
 # -- 3. a hang ----------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_hung_job_says_who_never_entered_the_collective(tmp_path: Path, capsys) -> None:
     trace = tmp_path / "trace"
     procs = _start_two(_script(tmp_path, "hang.py", HANG_SCRIPT), str(trace))
@@ -435,6 +437,7 @@ def test_culprit_across_ranks_follows_collective_order(job) -> None:
 
 
 # -- 6. a subset of ranks -----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_record_a_subset_of_ranks(tmp_path: Path) -> None:
     trace = tmp_path / "trace"
     script = _script(tmp_path, "plain_ddp.py", PLAIN_DDP_SCRIPT)
@@ -450,6 +453,7 @@ def test_record_a_subset_of_ranks(tmp_path: Path) -> None:
 
 
 # -- 7. sharded replay over torchrun ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_torchrun_sharded_replay_writes_the_single_process_report(fsdp, tmp_path: Path) -> None:
     single, sharded = tmp_path / "single.json", tmp_path / "sharded.json"
     assert main(["replay", str(fsdp[1]), "--json", str(single)]) == 1  # the planted fault

@@ -131,6 +131,7 @@ def ci_results(op_db):
 
 
 @pytest.mark.parametrize("pass_name", list(sweep.PASSES))
+@pytest.mark.slow
 def test_ci_subset_replays_clean(ci_results, pass_name):
     p, res = sweep.PASSES[pass_name], ci_results[pass_name]
     assert _problems(res) == []
@@ -153,6 +154,7 @@ def test_ci_subset_replays_clean(ci_results, pass_name):
 
 
 @pytest.mark.parametrize("bug", list(BUG_CLASSES))
+@pytest.mark.slow
 def test_fixed_bug_class_replays_clean(op_db, bug):
     pass_name, names = BUG_CLASSES[bug]
     # In-process replay is faster; only the class that is about the replaying process needs a fresh one.

@@ -236,6 +236,7 @@ def test_replay_op_and_json_report_round_trip(tmp_path: Path) -> None:
     assert reference.dtype == torch.float64 and tuple(reference.shape) == recorded.shape
 
 
+@pytest.mark.slow
 def test_a_well_framed_but_malformed_record_is_a_trace_error(tmp_path: Path) -> None:
     from replaydiff.trace.format import pack_frame, read_frame, write_atomic
 

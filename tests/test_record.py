@@ -560,6 +560,7 @@ COLLECTIVE_WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_collective_recorded_on_two_gloo_ranks(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(COLLECTIVE_WORKER)
@@ -955,6 +956,7 @@ def test_filtered_out_in_place_op_still_makes_a_new_storage_version(tmp_path):
     del a, b
 
 
+@pytest.mark.slow
 def test_recording_mode_does_not_change_which_ops_run(tmp_path):
     """Holding a tensor past its op changes torch's own choices (autograd copies a gradient still referenced
     elsewhere instead of stealing it; a factory output gets an extra detach): every mode must see the same ops."""

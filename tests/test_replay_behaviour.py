@@ -457,6 +457,7 @@ _KILLED_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_trace_cut_by_sigkill_mid_backward_replays_its_prefix(tmp_path):
     out = tmp_path / "killed"
     script = tmp_path / "record_and_die.py"

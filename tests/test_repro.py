@@ -75,6 +75,7 @@ def _recorded_norm_max(stdout: str, label: str) -> tuple[float, str]:
     return float(m.group(1)), m.group(2)
 
 
+@pytest.mark.slow
 def test_plain_op_repro_prints_replays_error_and_needs_no_replaydiff(traces, tmp_path):
     rt = replaydiff.open_trace(traces["mm"]).rank(0)
     op = _nth(rt, "aten.mm.default", 2)
@@ -96,6 +97,7 @@ def test_plain_op_repro_prints_replays_error_and_needs_no_replaydiff(traces, tmp
     assert differ and int(differ.group(1)) > 0, p.stdout  # the kernel does not repeat the fault (zeros stay zeros)
 
 
+@pytest.mark.slow
 def test_in_place_op_repro_compares_the_written_argument(traces, tmp_path):
     rt = replaydiff.open_trace(traces["add"]).rank(0)
     op = _nth(rt, "aten.add_.Tensor", 1)
@@ -135,6 +137,7 @@ def test_the_repro_script_is_a_module_that_checks_what_replay_compares(traces, t
         (deterministic, precision)
 
 
+@pytest.mark.slow
 def test_view_op_repro_rebuilds_the_view_geometry(traces, tmp_path):
     rt = replaydiff.open_trace(traces["mm"]).rank(0)
     op = _nth(rt, "aten.t.default", 1)
@@ -146,6 +149,7 @@ def test_view_op_repro_rebuilds_the_view_geometry(traces, tmp_path):
             f" - as recorded") in p.stdout
 
 
+@pytest.mark.slow
 def test_random_op_repro_redraws_from_the_recorded_generator_state(traces, tmp_path):
     rt = replaydiff.open_trace(traces["mm"]).rank(0)
     op = next(o for o in rt if o.rng is not None)
@@ -222,6 +226,7 @@ for _ in range(2):
 """
 
 
+@pytest.mark.slow
 def test_record_command_plants_through_the_step_hook_and_replay_names_the_op(tmp_path, capsys):
     (tmp_path / "train.py").write_text(STEP_SCRIPT)
     trace = tmp_path / "trace"

@@ -139,6 +139,7 @@ def _walk(groups):
         yield from _walk(g.children)
 
 
+@pytest.mark.slow
 def test_repro_agrees_with_replay(traces, reports, tmp_path):
     (ill,) = _ill(reports["clean"])
     p = _run_repro(traces["clean"], ill.index, tmp_path / "ill")

@@ -76,6 +76,7 @@ def scale_weight_at(step_no: int, factor: float):
 
 # -- a sudden change: flagged at its step, in its module ------------------------------------------------------------
 @pytest.mark.parametrize("granularity", ["op", "module"])
+@pytest.mark.slow
 def test_weight_times_100_at_step_30_is_the_first_change(tmp_path, granularity):
     model = gpt2()
     # Op by op, steps 20-40 of the 60 (the whole run takes 4x longer and tells nothing more); by module, all 60.
@@ -361,6 +362,7 @@ def test_flight_dumps_on_sigusr1_and_on_an_exception(tmp_path):
 
 
 # -- the CLI -------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_record_cli_steps_and_module_granularity(tmp_path):
     (tmp_path / "train.py").write_text(textwrap.dedent("""
         import torch
@@ -385,6 +387,7 @@ def test_record_cli_steps_and_module_granularity(tmp_path):
     assert r.options["granularity"] == "module" and r.options["steps"] == "2-6:2"
 
 
+@pytest.mark.slow
 def test_record_cli_flight_dumps_on_sigterm_and_the_process_still_dies_of_it(tmp_path):
     (tmp_path / "train.py").write_text(textwrap.dedent("""
         import os, signal, torch
