@@ -25,7 +25,7 @@ from replaydiff.errors import UsageError
 from replaydiff.replay.compared import compared_outputs
 from replaydiff.trace.format import write_atomic_via
 from replaydiff.trace.reader import RankTrace
-from replaydiff.trace.schema import Opaque, OpRecord, TensorRef, iter_refs
+from replaydiff.trace.schema import Opaque, OpRecord, TensorRef, encode_value, iter_refs
 
 REPRO_FORMAT = repro_script.FORMAT
 SCRIPT = "repro.py"
@@ -85,18 +85,10 @@ class _Collector:
             if v.kind == "generator":
                 return {"generator": None}
             raise UsageError(f"op #{self.op.index} {self.op.name}: an argument of kind {v.kind!r} cannot be rebuilt")
-        if isinstance(v, torch.dtype):
-            return {"dtype": str(v).removeprefix("torch.")}
-        if isinstance(v, torch.device):
-            return {"device": str(v)}
-        if isinstance(v, torch.layout):
-            return {"layout": str(v).removeprefix("torch.")}
-        if isinstance(v, torch.memory_format):
-            return {"memory_format": str(v).removeprefix("torch.")}
-        if isinstance(v, complex):
-            return {"complex": [v.real, v.imag]}
         if v is None or isinstance(v, (bool, int, float, str)):
             return v
+        if isinstance(v, (complex, torch.dtype, torch.device, torch.layout, torch.memory_format)):
+            return encode_value(v, _no_tensor)  # the trace's own markers ({"dtype": ...}), which the script reads
         raise UsageError(f"op #{self.op.index} {self.op.name}: an argument of type {type(v).__name__} cannot be "
                          f"rebuilt")
 
@@ -217,3 +209,7 @@ def _docstring(trace: RankTrace, op: OpRecord, source_trace: str) -> str:
     lines.append(f"Recorded with torch {env.get('torch')}, CUDA {env.get('cuda')}, "
                  f"{env.get('num_threads')} CPU thread(s), devices {[d.get('name') for d in env.get('devices') or []]}.")
     return "\n".join(x for x in lines if x)
+
+
+def _no_tensor(t: torch.Tensor) -> dict:
+    raise AssertionError("tensor arguments are TensorRefs here")  # encode_value is only given plain values
