@@ -935,8 +935,6 @@ class Environment:
     variables: dict[str, str] = field(default_factory=dict)  # NCCL_*, TORCH_*, OMP_* ... as recorded
     wire: dict = field(default_factory=dict, repr=False, compare=False)  # the snapshot as stored
 
-    SCALARS = _E_SCALARS  # the top-level entries, in the order a report lists them
-
     @classmethod
     def from_wire(cls, d: Any) -> "Environment":
         d = _mapping(d)
@@ -947,10 +945,6 @@ class Environment:
         return cls(**scalars, devices=tuple(Device.from_wire(x) for x in devices) if isinstance(devices, list) else (),
                    flags=EnvFlags.from_wire(d.get(_E_FLAGS)),
                    variables={str(k): str(v) for k, v in _mapping(d.get(_E_VARIABLES)).items()}, wire=d)
-
-    def scalar(self, name: str) -> Any:
-        """A top-level entry by its name in ``SCALARS`` (for tables that list them all)."""
-        return getattr(self, name)
 
     def flat(self) -> dict[str, Any]:
         """The snapshot as dotted keys (see ``env_key``), as stored: what ``diff`` compares."""
@@ -966,7 +960,7 @@ def wire_device(index: int, name: Any, capability: list, memory: Any) -> dict:
 
 def wire_environment(scalars: dict[str, Any], flags: dict[str, Any], variables: dict[str, str],
                      devices: list[dict]) -> dict:
-    """The snapshot as stored: ``scalars`` keyed by ``Environment.SCALARS`` names, ``flags`` by EnvFlags attribute."""
+    """The snapshot as stored: ``scalars`` keyed by Environment attribute (torch, num_threads ...), ``flags`` by EnvFlags attribute."""
     unknown = set(scalars) - set(_E_SCALARS) or set(flags) - set(_FLAG_KEYS)
     if unknown:
         raise KeyError(f"not environment entries: {sorted(unknown)}")
