@@ -94,11 +94,14 @@ LAYERS = {  # a package may import only from these (besides itself)
     # planted faults sit at the bottom too: the recorder enters one below itself for `record --plant`
     "replaydiff.faults": {"replaydiff.aten"},
     "replaydiff.trace": _BOTTOM,
+    # the table of known causes (what a recorded setting does to numerics), read by diff and report
+    "replaydiff.causes": {"replaydiff.trace"},
     "replaydiff.compare": _BOTTOM,
     "replaydiff.record": _BOTTOM | {"replaydiff.trace", "replaydiff.faults"},
     "replaydiff.replay": _BOTTOM | {"replaydiff.trace", "replaydiff.compare"},
-    "replaydiff.diff": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay"},
-    "replaydiff.report": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.diff"},
+    "replaydiff.diff": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.causes"},
+    "replaydiff.report": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.diff",
+                                    "replaydiff.causes"},
 }
 
 
@@ -298,3 +301,71 @@ def far(v, m):
 """
     assert [x.split(": ", 1)[1] for x in score_computations(planted)] == [
         "ranks by a raw figure", "a figure against a limit", "a figure against a limit", "calls how_far_over"]
+
+
+# Every key of the manifest, of the environment snapshot (as record/environment.py writes it now), of the record
+# options and of a compiled region: what trace/schema.py alone may read by string.
+_MANIFEST_KEYS = {"rank", "world_size", "environment", "options", "started_at", "source_root", "compiled_regions",
+                  "unseen_writes", "ops_seen", "record_seconds", "disabled", "custom_ops", "source_files", "planted",
+                  "complete", "lost", "flight", "version", "format", "ops_written", "last_op", "written_at"}
+_REGION_KEYS = {"region", "kind", "calls", "how", "calls_by_how", "backend", "fullgraph", "ops_in_trace",
+                "fullgraph_errors_suppressed", "note"}
+
+
+def _metadata_keys() -> set[str]:
+    from dataclasses import fields
+
+    from replaydiff.record.environment import environment_snapshot
+    from replaydiff.record.options import RecordOptions
+
+    env = environment_snapshot(0, 1)
+    keys = set(env) | set(env["flags"]) | {"index", "name", "capability", "memory"}
+    return keys | {f.name for f in fields(RecordOptions)} | _MANIFEST_KEYS | _REGION_KEYS
+
+
+def test_trace_metadata_is_read_through_typed_attributes_only() -> None:
+    """RankTrace.environment, .options and .compiled_regions are typed once in trace/schema.py; no module outside the
+    trace package reads a manifest, environment, options or compiled-region key by string."""
+    keys = "|".join(re.escape(k) for k in sorted(_metadata_keys(), key=len, reverse=True))
+    holder = r"\b(manifest|environment|env|cenv|options|flags|variables|compiled_regions|regions?|devices?)"
+    use = re.compile(rf"""{holder}(\[\s*["']({keys})["']\s*\]|\.get\(\s*["']({keys})["'])""")
+    offenders = []
+    for p in _python_files(PKG, ROOT / "tui"):
+        rel = p.relative_to(ROOT).as_posix()
+        if rel.startswith("replaydiff/trace/"):
+            continue
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            if use.search(line):
+                offenders.append(f"{rel}:{n}: {line.strip()}")
+    assert offenders == []
+
+
+def _hint_texts(p: Path) -> list[tuple[int, str]]:
+    """String constants long enough to be a cause's hint or remedy (over 40 characters; an implicit concatenation
+    is one constant)."""
+    return [(node.lineno, node.value) for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and len(node.value) > 40]
+
+
+def test_known_causes_are_one_table() -> None:
+    """The hints and remedies of known causes live in replaydiff/causes.py only: the same sentence (TF32's was in both
+    the health report and diff's environment hints) in a second module is a copy that will drift."""
+    from replaydiff.causes import CAUSES, finders
+    from replaydiff.diff.environment import environment_diff
+    from replaydiff.report import health  # noqa: F401  (registers the health report's finders)
+
+    # both readers take their words from the table: the health report's causes and diff's hints
+    assert {c.kind for c, _ in finders()} == {"tf32", "nondeterministic_kernel", "threads", "rounding", "collective"}
+    (tf32,) = environment_diff({"flags": {"cudnn.allow_tf32": False}}, {"flags": {"cudnn.allow_tf32": True}})
+    assert tf32.hint == CAUSES["tf32"].hint
+    texts = {t for c in CAUSES.values() for t in (c.hint, c.remedy) if t}
+    assert any("TF32" in t for t in texts) and any("thread" in t for t in texts)  # the table holds them
+    copies = []
+    for p in _python_files(PKG, ROOT / "tui"):
+        rel = p.relative_to(ROOT).as_posix()
+        if rel == "replaydiff/causes.py":
+            continue
+        for line, text in _hint_texts(p):
+            if text in texts or any(text.startswith(t[:60]) for t in texts):
+                copies.append(f"{rel}:{line}: {text[:60]}")
+    assert copies == []

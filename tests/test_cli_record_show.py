@@ -230,7 +230,7 @@ def test_record_under_torchrun(tmp_path):
     tr = open_trace(tmp_path / "trace")
     assert sorted(tr.ranks) == [0, 1]
     for r in tr:
-        assert r.complete and r.manifest["world_size"] == 2 and r.environment["rank"] == r.rank
+        assert r.complete and r.manifest["world_size"] == 2 and r.environment.rank == r.rank
         ops = list(r)
         assert {"forward", "backward", "optimizer"} <= {o.phase for o in ops}
         coll = [o for o in ops if o.collective is not None]

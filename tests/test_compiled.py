@@ -167,7 +167,7 @@ def test_the_recorder_notes_compiled_regions_and_keeps_them_compiled(tmp_path):
     assert (backend.compiles, backend.runs) == (1, 2)  # compiled again once recording ended
     r = open_trace(tmp_path / "t").rank(0)
     (region,) = r.compiled_regions
-    assert (region["how"], region["calls"]) == ("eager", 1)
+    assert (region.how, region.calls) == ("eager", 1)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
     show = subprocess.run([sys.executable, "-m", "replaydiff", "show", str(tmp_path / "t")], capture_output=True,
                           text=True, env=env)

@@ -66,8 +66,8 @@ def test_markdown_report_names_the_planted_culprit_with_checks_top_ops_modules_a
     assert len(rows) == 10 and rows[0].startswith(f"| #{op.index} | {op.name} |")
     modules = md.split("## Error per module", 1)[1].split("## Likely causes")[0]
     assert re.search(rf"^\| {re.escape(op.module)} \| \d+ \| 1 \| ", modules, re.M)
-    assert f"- torch: {rt.environment['torch']}" in md
-    assert f"- num_threads: {rt.environment['num_threads']}" in md
+    assert f"- torch: {rt.environment.torch}" in md
+    assert f"- num_threads: {rt.environment.num_threads}" in md
     # a 1e-3 fault in a CPU float32 matmul: no cause has evidence here
     assert _causes(md) == []
     assert "None with evidence" in md
@@ -168,7 +168,7 @@ def test_tf32_flag_on_a_cpu_matmul_is_not_a_cause(tmp_path, capsys):
         trace = _record(tmp_path / "t", mlp_step(), plant="aten.mm.default:1:1e-3")
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
-    assert replaydiff.open_trace(trace).rank(0).environment["flags"]["cuda.matmul.allow_tf32"] is True
+    assert replaydiff.open_trace(trace).rank(0).environment.flags.matmul_tf32 is True
     md = _report(trace, _replay_json(trace), capsys)
     assert "- cuda.matmul.allow_tf32: True" in md
     assert "TF32 matmul / convolution" not in _causes(md)

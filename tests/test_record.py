@@ -631,18 +631,18 @@ def test_environment_snapshot(tmp_path, monkeypatch):
         torch.backends.cudnn.deterministic = saved[4]
     r = open_trace(tmp_path / "t").rank(0)
     env = r.environment
-    assert env["torch"] == torch.__version__
-    assert env["hostname"] == socket.gethostname()
-    assert env["rank"] == 0 and env["world_size"] == 1
-    assert env["num_threads"] == 1
-    assert env["cuda"] == torch.version.cuda
-    flags = env["flags"]
-    assert flags["cuda.matmul.allow_tf32"] == (not saved[1])
-    assert flags["float32_matmul_precision"] == expected_precision != saved[2]
-    assert flags["deterministic_algorithms"] == (not saved[3])
-    assert flags["cudnn.deterministic"] == (not saved[4])
-    assert "cudnn.allow_tf32" in flags
-    variables = env["variables"]
+    assert env.torch == torch.__version__
+    assert env.hostname == socket.gethostname()
+    assert env.rank == 0 and env.world_size == 1
+    assert env.num_threads == 1
+    assert env.cuda == torch.version.cuda
+    flags = env.flags
+    assert flags.matmul_tf32 == (not saved[1])
+    assert flags.float32_matmul_precision == expected_precision != saved[2]
+    assert flags.deterministic_algorithms == (not saved[3])
+    assert flags.cudnn_deterministic == (not saved[4])
+    assert flags.cudnn_tf32 is not None
+    variables = env.variables
     assert variables["NCCL_ALGO"] == "Tree"
     assert variables["TORCH_SHOW_CPP_STACKTRACES"] == "1"
     assert variables["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
@@ -658,7 +658,7 @@ def test_rank_and_world_size_from_launcher_variables(tmp_path, monkeypatch):
     assert (tmp_path / "t" / "rank3").is_dir()
     r = open_trace(tmp_path / "t").rank(3)
     assert r.manifest["rank"] == 3 and r.manifest["world_size"] == 4
-    assert r.environment["rank"] == 3 and r.environment["world_size"] == 4
+    assert r.environment.rank == 3 and r.environment.world_size == 4
 
 
 # -- 7. tensor modes and filters ---------------------------------------------------------------------------------
@@ -709,7 +709,7 @@ def test_meta_mode_stores_no_data(tmp_path, tiny_step):
     assert refs and all(ref.chunk is None and ref.stats is None for ref in refs)
     nll = only(ops, "aten.nll_loss_forward.default")
     assert nll.outputs[0].shape == tuple(loss.shape) and nll.outputs[0].dtype == "float32"
-    assert r.options["tensors"] == "meta"
+    assert r.options.tensors == "meta"
 
 
 def test_op_glob_filter_keeps_numbering(tmp_path):
@@ -921,7 +921,7 @@ def test_record_a_cuda_step(tmp_path):
     assert r.complete and r.lost == []
     assert {"forward", "backward", "optimizer"} <= {o.phase for o in ops}
     env = r.environment
-    assert env["cuda"] == torch.version.cuda and env["devices"] and env["devices"][0]["name"]
+    assert env.cuda == torch.version.cuda and env.devices and env.devices[0].name
     emb = next(o for o in ops if o.name == "aten.embedding.default")
     assert emb.args[0].device.startswith("cuda")
     assert torch.equal(r.tensor(emb.args[0]), tok_before)  # asynchronous copies landed before they were written

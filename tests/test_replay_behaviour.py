@@ -83,7 +83,7 @@ class _Interrupted(Exception):
 
 def test_reference_settings_during_replay_and_restored_after(caller_flags, monkeypatch):
     path = rh.step_trace("mlp")
-    recorded_threads = open_trace(path).rank(0).environment["num_threads"]
+    recorded_threads = open_trace(path).rank(0).environment.num_threads
     seen = _spy_flags(monkeypatch)
     report = rh.replay_trace_uncached(path, precision="same")
     assert report.counts()["error"] == 0 and report.counts()["divergent"] == 0

@@ -179,7 +179,7 @@ def test_repro_never_overwrites_without_force_and_refuses_ops_that_cannot_run_al
 
 def test_planted_fault_is_in_the_manifest_and_first_in_every_report(traces, tmp_path, capsys):
     rt = replaydiff.open_trace(traces["mm"]).rank(0)
-    assert rt.options["plant"] == PLANT_MM
+    assert rt.options.plant == PLANT_MM
     planted = rt.planted
     assert (planted.op, planted.call, planted.rel, planted.landed) == ("aten.mm.default", 2, 1e-3, True)
     # a plant that changed its result is named as it always was; the manifest also counts what it changed

@@ -384,7 +384,7 @@ def test_record_cli_steps_and_module_granularity(tmp_path):
     assert sorted({op.step for op in r}) == [2, 4, 6]
     assert {op.module for op in r} == {"Sequential", "Sequential.0", "Sequential.1", "Sequential.2"}
     assert {op.phase for op in r} == {"forward", "backward"}
-    assert r.options["granularity"] == "module" and r.options["steps"] == "2-6:2"
+    assert r.options.granularity == "module" and r.options.steps == "2-6:2"
 
 
 @pytest.mark.slow

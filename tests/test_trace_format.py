@@ -335,3 +335,32 @@ def test_damaged_trace_reads_whole_or_raises_trace_error(small_trace, data):
             assert str(exc).strip() and "\n" not in str(exc)
             return
         assert got == baseline
+
+
+def test_old_or_damaged_metadata_reads_as_unknown_and_every_verb_still_runs(tmp_path):
+    """The environment, options and compiled regions are typed once at open: an entry an older recorder did not
+    write reads as None, one of the wrong type as unknown (None), never a crash, in show, replay and report."""
+    with replaydiff.record(tmp_path / "t"):
+        torch.ones(3).mul(2)
+    path = tmp_path / "t" / "rank0" / MANIFEST
+    manifest = read_frame(path)
+    env = manifest["environment"]
+    del env["num_threads"], env["flags"]["cuda.matmul.allow_tf32"]
+    env["torch"], env["devices"], env["variables"] = 2, "a GPU", ["NCCL_ALGO"]
+    manifest["options"] = {"tensors": "full", "steps": 7}
+    manifest["compiled_regions"] = [{"region": "f", "calls": "two", "how": "eager"}, "not a region"]
+    write_atomic(path, pack_frame(manifest, None))
+
+    r = open_trace(tmp_path / "t").rank(0)
+    e = r.environment
+    assert (e.num_threads, e.torch, e.devices, e.variables) == (None, None, (), {})
+    assert e.flags.matmul_tf32 is None and e.flags.cudnn_tf32 is not None and e.rank == 0
+    assert (r.options.tensors, r.options.steps) == ("full", None)
+    (region,) = r.compiled_regions
+    assert (region.region, region.calls, region.how) == ("f", None, "eager")
+    t, j = str(tmp_path / "t"), str(tmp_path / "r.json")
+    for verb in (["show", t], ["show", t, "--json"], ["replay", t, "--json", j], ["report", t, "--replay", j],
+                 ["diff", t, t]):
+        done = subprocess.run([sys.executable, "-m", "replaydiff", *verb], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, (verb, done.stderr)

@@ -186,7 +186,7 @@ def next_commands(out: Path, shown: str) -> str:
     try:
         t = open_trace(out)
         uses = trace_uses(t.rank(t.ranks[0]))
-        tensors = t.rank(t.ranks[0]).options.get("tensors")
+        tensors = t.rank(t.ranks[0]).options.tensors
     except TraceError:  # a job killed mid-write: show says what is there
         uses, tensors = ["show"], None
     lines = [f"replaydiff show {shown}"]

@@ -14,7 +14,7 @@ from replaydiff.errors import UsageError
 from replaydiff.replay.engine import check_op_range
 from replaydiff.trace import OpRecord, RankTrace, TensorRef, TraceIndex, open_trace
 from replaydiff.trace.reader import Trace
-from replaydiff.trace.schema import PHASES
+from replaydiff.trace.schema import PHASES, Environment
 from replaydiff.trace.sync import GroupArrival, RankProgress, arrivals, progress
 
 OP_JSON_FORMAT = "replaydiff.op/1"
@@ -68,11 +68,15 @@ def rank_summary(r: RankTrace, top: int) -> dict[str, Any]:
         "most_frequent": ops.most_common(top),
         "distinct_ops": len(ops),
         "bytes_on_disk": _bytes_on_disk(r.root),
-        "tensors": r.options.get("tensors"),
+        "tensors": r.options.tensors,
         "lost": r.lost,
-        "compiled": r.compiled_regions,
+        "compiled": r.compiled_regions,  # CompiledRegion and Environment: _summary_json writes them as stored
         "environment": env,
     }
+
+
+def _summary_json(s: dict[str, Any]) -> dict[str, Any]:
+    return dict(s, compiled=[c.to_wire() for c in s["compiled"]], environment=s["environment"].to_json())
 
 
 def _render_summary(path: str, summaries: list[dict], out: TextIO) -> None:
@@ -93,16 +97,15 @@ def _render_summary(path: str, summaries: list[dict], out: TextIO) -> None:
         for lost in s["lost"]:
             out.write(f"  LOST: {lost}\n")
         for c in s["compiled"]:
-            out.write(f"  COMPILED: {c.get('region')} ran {c.get('how')} ({c.get('calls')} call(s))\n")
-    env = summaries[0]["environment"] if summaries else {}
-    flags = env.get("flags") or {}
-    out.write(f"\nenvironment (rank {summaries[0]['rank'] if summaries else 0}): torch {env.get('torch')}, "
-              f"cuda {env.get('cuda')}, cudnn {env.get('cudnn')}, nccl {env.get('nccl')}, "
-              f"host {env.get('hostname')}, world size {env.get('world_size')}, threads {env.get('num_threads')}\n")
-    for d in env.get("devices") or []:
-        out.write(f"  device {d.get('index')}: {d.get('name')} (capability {d.get('capability')})\n")
-    out.write("  flags: " + ", ".join(f"{k}={v}" for k, v in flags.items()) + "\n")
-    variables = env.get("variables") or {}
+            out.write(f"  COMPILED: {c.region} ran {c.how} ({c.calls} call(s))\n")
+    env = summaries[0]["environment"] if summaries else Environment()
+    out.write(f"\nenvironment (rank {summaries[0]['rank'] if summaries else 0}): torch {env.torch}, "
+              f"cuda {env.cuda}, cudnn {env.cudnn}, nccl {env.nccl}, "
+              f"host {env.hostname}, world size {env.world_size}, threads {env.num_threads}\n")
+    for d in env.devices:
+        out.write(f"  device {d.index}: {d.name} (capability {list(d.capability)})\n")
+    out.write("  flags: " + ", ".join(f"{k}={v}" for k, v in env.flags.recorded) + "\n")
+    variables = env.variables
     if variables:
         out.write("  variables: " + ", ".join(f"{k}={v}" for k, v in variables.items()) + "\n")
 
@@ -260,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
                           "last_op": None if p.last_op is None else p.last_op.index,
                           "entered": None if p.entered is None else {"index": p.entered.index,
                                                                     "op": p.entered.name}} for p in ranks]
-        sys.stdout.write(json.dumps({"trace": args.trace, "ranks": summaries,
+        sys.stdout.write(json.dumps({"trace": args.trace, "ranks": [_summary_json(s) for s in summaries],
                                      "collectives": [g.to_json() for g in groups], "progress": progress_json},
                                     indent=1) + "\n")
     else:

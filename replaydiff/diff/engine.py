@@ -271,7 +271,7 @@ def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: D
             if r.truncated_after is not None:
                 report.warnings.append(f"{side} rank {r.rank}: recording never finished; the trace stops after "
                                        f"op #{r.truncated_after}")
-            if r.options.get("tensors") == "meta":
+            if r.options.tensors == "meta":
                 report.warnings.append(f"{side} rank {r.rank} was recorded with tensors=meta: only shapes can be "
                                        f"compared")
     cache: dict[tuple[str, int], _Ops] = {}

@@ -41,6 +41,8 @@ import sys
 import threading
 from typing import Any
 
+from replaydiff.trace.schema import CompiledRegion, compiled_regions_from_wire
+
 log = logging.getLogger("replaydiff")
 
 EAGER, COMPILED, MIXED, UNKNOWN = "eager", "compiled", "mixed", "unknown"
@@ -94,13 +96,9 @@ class _Region:
             in_trace = False  # inductor's kernels bypass the dispatcher (only its extern kernels reach it)
         else:
             in_trace = None  # a backend replaydiff does not know, or partly eager and partly inductor
-        d = {"region": self.name, "kind": self.kind, "calls": len(self.calls), "how": how,
-             "calls_by_how": counts, "backend": backend, "fullgraph": any(c.fullgraph for c in self.calls),
-             "ops_in_trace": in_trace}
-        saved = sum(c.fullgraph_saved for c in self.calls)
-        if saved:
-            d["fullgraph_errors_suppressed"] = saved
-        return d
+        return CompiledRegion(self.name, self.kind, len(self.calls), how, counts, backend,
+                              any(c.fullgraph for c in self.calls), in_trace,
+                              sum(c.fullgraph_saved for c in self.calls)).to_wire()
 
 
 # -- the patches: installed once while any tracker is started, dispatching to the started trackers ---------------
@@ -348,7 +346,7 @@ class CompiledRegionTracker:
             log.debug("compiled-region tracker: summary: %s", exc)
             self._result = []
         if self._note:  # tracking failed: say so in the manifest rather than claim no region ran
-            self._result.append({"region": None, "kind": None, "calls": None, "how": UNKNOWN, "note": self._note})
+            self._result.append(CompiledRegion(how=UNKNOWN, note=self._note).to_wire())
         self._by_frame.clear()
         return self._result
 
@@ -514,35 +512,36 @@ def summarize(regions: list[dict] | None, limit: int = 4) -> str | None:
     or None if none ran. For ``record``'s warning and the summaries of ``show`` and ``replay``.
 
     Names at most ``limit`` regions, the ones whose ops are not (or not surely) in the trace first."""
-    if not regions:
+    typed = compiled_regions_from_wire(regions)
+    if not typed:
         return None
-    notes = [r["note"] for r in regions if r.get("note")]
-    regions = [r for r in regions if not r.get("note")]
-    if not regions:
+    notes = [r.note for r in typed if r.note]
+    typed = [r for r in typed if not r.note]
+    if not typed:
         return "; ".join(notes) + "." if notes else None
-    ordered = sorted(regions, key=lambda r: r.get("ops_in_trace") is True)  # stable: missing ops first
+    ordered = sorted(typed, key=lambda r: r.ops_in_trace is True)  # stable: missing ops first
     parts = []
     for r in ordered[:limit]:
-        n, how = r.get("calls", 0), r.get("how", UNKNOWN)
+        n, how = r.calls or 0, r.how or UNKNOWN
         times = f"{n} call{'s' if n != 1 else ''}"
-        backend = r.get("backend") or "its backend"
+        backend = r.backend or "its backend"
         if how == EAGER:
             what = "ran as eager aten ops (in the trace; not the compiled code the job runs otherwise)"
         elif how == COMPILED:
-            in_trace = r.get("ops_in_trace")
+            in_trace = r.ops_in_trace
             what = (f"ran compiled by {backend} (its graph's aten ops are in the trace)" if in_trace is True
                     else f"ran compiled by {backend} (its kernels are NOT in the trace)" if in_trace is False
                     else f"ran compiled by {backend} (whether its ops reach the trace depends on that backend)")
         elif how == MIXED:
-            what = f"ran partly eager, partly compiled by {backend} ({r.get('calls_by_how')})"
+            what = f"ran partly eager, partly compiled by {backend} ({r.calls_by_how})"
         else:
             what = "ran, but how could not be told"
         extra = ""
-        if r.get("fullgraph_errors_suppressed"):
+        if r.fullgraph_errors_suppressed:
             extra = " (fullgraph=True: torch's 'no compiled frames' error was kept out of the job)"
-        parts.append(f"{r.get('region')} [{r.get('kind', 'forward')}, {times}] {what}{extra}")
+        parts.append(f"{r.region} [{r.kind or 'forward'}, {times}] {what}{extra}")
     if len(ordered) > limit:
         parts.append(f"and {len(ordered) - limit} more (see the manifest's compiled_regions)")
     parts.extend(notes)
-    return (f"{len(regions)} torch.compile region{'s' if len(regions) != 1 else ''} ran while recording: "
+    return (f"{len(typed)} torch.compile region{'s' if len(typed) != 1 else ''} ran while recording: "
             + "; ".join(parts) + ".")

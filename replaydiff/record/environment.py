@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from replaydiff.trace.schema import wire_device, wire_environment
+
 _ENV_PREFIXES = ("NCCL_", "TORCH_", "OMP_", "MKL_", "CUDA_", "CUBLAS_", "CUDNN_", "PYTORCH_")
 
 
@@ -24,8 +26,16 @@ def _safe(fn, default: Any = None) -> Any:
 
 
 def environment_snapshot(rank: int, world_size: int) -> dict[str, Any]:
+    """The snapshot as stored (trace.schema.wire_environment names the keys; RankTrace.environment reads it)."""
     cuda = torch.cuda.is_available()
-    env: dict[str, Any] = {
+    devices = []
+    if cuda:
+        for i in range(torch.cuda.device_count()):
+            p = _safe(lambda i=i: torch.cuda.get_device_properties(i))
+            devices.append(wire_device(i, getattr(p, "name", None),
+                                       list(_safe(lambda i=i: torch.cuda.get_device_capability(i), ())),
+                                       getattr(p, "total_memory", None)))
+    scalars = {
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -37,31 +47,18 @@ def environment_snapshot(rank: int, world_size: int) -> dict[str, Any]:
         "nccl": _safe(lambda: ".".join(map(str, torch.cuda.nccl.version())) if cuda else None),
         "num_threads": torch.get_num_threads(),
         "num_interop_threads": _safe(torch.get_num_interop_threads),
-        "devices": [],
-        "driver": None,
-        "flags": {
-            "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-            "cuda.matmul.allow_bf16_reduced_precision_reduction":
-                _safe(lambda: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction),
-            "cuda.matmul.allow_fp16_reduced_precision_reduction":
-                _safe(lambda: torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction),
-            "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
-            "cudnn.benchmark": torch.backends.cudnn.benchmark,
-            "cudnn.deterministic": torch.backends.cudnn.deterministic,
-            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-            "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        },
-        "variables": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)},
+        "driver": _safe(lambda: torch._C._cuda_getDriverVersion()) if cuda else None,
     }
-    if cuda:
-        for i in range(torch.cuda.device_count()):
-            p = _safe(lambda i=i: torch.cuda.get_device_properties(i))
-            env["devices"].append({
-                "index": i,
-                "name": getattr(p, "name", None),
-                "capability": list(_safe(lambda i=i: torch.cuda.get_device_capability(i), ())),
-                "memory": getattr(p, "total_memory", None),
-            })
-        env["driver"] = _safe(lambda: torch._C._cuda_getDriverVersion())
-    return env
+    flags = {  # EnvFlags attributes
+        "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "matmul_bf16_reduced": _safe(lambda: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction),
+        "matmul_fp16_reduced": _safe(lambda: torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction),
+        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+    variables = {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)}
+    return wire_environment(scalars, flags, variables, devices)

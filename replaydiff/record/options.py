@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from replaydiff.record.step_range import StepRange
+from replaydiff.trace.schema import wire_options
 
 TENSOR_MODES = ("full", "stats", "meta")
 GRANULARITIES = ("op", "module")  # op: every aten op; module: each module call's outputs and their gradients
@@ -102,7 +103,8 @@ class RecordOptions:
         return cls(tensors=tensors, compress=level, **kw)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The options as the manifest stores them (RankTrace.options reads them back, typed)."""
+        return wire_options(asdict(self))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RecordOptions":

@@ -29,6 +29,7 @@ from replaydiff.record.options import RecordOptions
 from replaydiff.record.storage import StorageTable
 from replaydiff.trace import schema
 from replaydiff.trace.format import MANIFEST, rank_dir_name
+from replaydiff.trace.schema import wire_closing_facts, wire_manifest
 from replaydiff.trace.writer import RankWriter, Snapshot
 
 log = logging.getLogger("replaydiff")
@@ -57,7 +58,7 @@ class Recorder:
         self._prev_sigterm: Any = None
         self.custom_ops: dict[str, str] = {}  # custom op -> the Python module that defines it
         self._compiled = CompiledRegionTracker()
-        self._compiled_regions: list[dict] = []
+        self._compiled_regions: list[dict] = []  # as stored (CompiledRegionTracker.stop())
         self.failed_ops = 0
         self._failed_names: set[str] = set()
         self._sigterm_installed = False
@@ -77,14 +78,9 @@ class Recorder:
             if held:  # writing there could replace a file that is not ours, and the recorder deletes nothing of theirs
                 raise FileExistsError(f"{self.rank_dir} already holds files ({', '.join(held[:3])}"
                                       f"{', ...' if len(held) > 3 else ''}); choose another directory")
-            manifest = {
-                "rank": rank,
-                "world_size": world,
-                "environment": environment_snapshot(rank, world),
-                "options": self.options.to_dict(),
-                "started_at": time.time(),
-                "source_root": self.context.root,  # relative file names in source lines are relative to it
-            }
+            # source_root: relative file names in source lines are relative to it
+            manifest = wire_manifest(rank, world, environment_snapshot(rank, world), self.options.to_dict(),
+                                     time.time(), self.context.root)
             if self.options.flight:
                 self.writer = FlightBuffer(self.rank_dir, manifest, self.options, self._closing_facts)
             else:
@@ -148,16 +144,15 @@ class Recorder:
 
     def _closing_facts(self) -> dict:
         """What the final manifest says about the recording (also for a flight dump written mid-run)."""
-        return {
-            "compiled_regions": self._compiled_regions,
-            "unseen_writes": self._builder.unseen_writes if self._builder is not None else 0,
-            "ops_seen": self.next_index,
-            "record_seconds": time.perf_counter() - self._started if self._started else 0.0,
-            "disabled": self._disabled_reason,
-            "custom_ops": self.custom_ops,
-            "source_files": self.context.source_files(),
-            **({"planted": self._planted()} if self.options.plant else {}),
-        }
+        return wire_closing_facts(
+            compiled_regions=self._compiled_regions,
+            unseen_writes=self._builder.unseen_writes if self._builder is not None else 0,
+            ops_seen=self.next_index,
+            record_seconds=time.perf_counter() - self._started if self._started else 0.0,
+            disabled=self._disabled_reason,
+            custom_ops=self.custom_ops,
+            source_files=self.context.source_files(),
+            planted=self._planted() if self.options.plant else None)
 
     # -- many steps: attached while a chosen step runs, detached (full speed, trace open) in between -------------
     @property

@@ -92,10 +92,10 @@ def trace_uses(rt: RankTrace) -> list[str]:
     """The verbs that can use ``rt``: ``replay`` only where tensor data was stored (``--tensors full``); ``trend``
     only where statistics were stored for many steps (its series are statistics); ``diff`` and ``show`` always (a
     diff of shapes only, for ``meta``)."""
-    tensors = rt.options.get("tensors", "full")
+    tensors = rt.options.tensors or "full"
     uses = ["replay"] if tensors == "full" else []
     uses.append("diff")
-    if tensors == "stats" and (rt.options.get("steps") or rt.options.get("flight")):
+    if tensors == "stats" and (rt.options.steps or rt.options.flight):
         uses.append("trend")
     return uses + ["show"]
 
@@ -105,7 +105,7 @@ def check_replayable(rt: RankTrace, where: object) -> None:
     nearly every op skipped ("inputs not stored") and then read as "no divergent op"."""
     if "replay" in trace_uses(rt):
         return
-    mode = rt.options.get("tensors")
+    mode = rt.options.tensors
     held = "per-tensor statistics" if mode == "stats" else "shapes and dtypes"
     raise UsageError(f"{where} cannot be replayed: it was recorded with --tensors {mode} ({held}, no tensor data; "
                      f"record with --tensors full to replay); use it with " + _either(trace_uses(rt)))
@@ -147,8 +147,8 @@ def plan(trace: Trace, opts: ReplayOptions) -> ReplayPlan:
         for lost in rt.lost:
             p.warnings.append(f"rank {r}: recording lost data: {lost}")
         for region in rt.compiled_regions:
-            p.warnings.append(f"rank {r}: compiled region {region.get('region')} ran {region.get('how')} while "
-                              f"recording ({region.get('calls')} call(s))")
+            p.warnings.append(f"rank {r}: compiled region {region.region} ran {region.how} while "
+                              f"recording ({region.calls} call(s))")
         idx = rt.index
         p.shards.append(Shard(r, tuple(i for i in range(len(idx)) if idx.recorded[i]
                                        and (opts.first is None or i >= opts.first)
@@ -162,8 +162,8 @@ def replay_threads(rt: RankTrace, opts: ReplayOptions) -> int | None:
         return opts.threads
     if opts.precision == "same" and torch.device(opts.device).type == "cpu":
         # CPU reductions (LayerNorm, convolution backward) are only bitwise under the recorded parallelism
-        n = rt.environment.get("num_threads")
-        return int(n) if isinstance(n, int) and n > 0 else None
+        n = rt.environment.num_threads
+        return n if n is not None and n > 0 else None
     # Replayed ops are small and independent: an intra-op thread pool costs more in wake-ups than it saves (4x
     # slower on a busy 2-core machine), so each process replays on one thread and --workers gives parallelism.
     return 1

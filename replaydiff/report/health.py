@@ -12,14 +12,16 @@ import html
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, Optional, TextIO
 
 from replaydiff import aten
+from replaydiff.causes import finds, finders
 from replaydiff.compare.metrics import FloatError
 from replaydiff.replay.result import OpResult, ReplayReport, Status
 from replaydiff.report.plant import plant_notes
 from replaydiff.report.text import metrics_line, op_line, planted_line
 from replaydiff.trace.reader import Trace
+from replaydiff.trace.schema import Environment
 
 TOP = 10
 # An error over its limit by at most this factor is still of the size of the dtype's rounding (the limits were set at
@@ -62,7 +64,7 @@ class Health:
     culprit_kind: str = ""
     top: list[tuple[OpResult, float]] = field(default_factory=list)
     modules: list[ModuleRow] = field(default_factory=list)
-    environment: dict = field(default_factory=dict)
+    environment: Environment = field(default_factory=Environment)
     environment_rank: int | None = None
     causes: list[Cause] = field(default_factory=list)
     points: list[tuple[int, int, float, str]] = field(default_factory=list)  # (rank, index, error/limit, status)
@@ -151,8 +153,28 @@ def _checks(trace: Trace, report: ReplayReport, errs: dict) -> list[Check]:
 
 
 # -- causes ---------------------------------------------------------------------------------------------------------
+# Each cause of replaydiff/causes.py that a replayed trace can hold evidence of registers its finder here, per kind;
+# the table gives its title and remedy. A finder returns None (no evidence) or the evidence lines and the fields its
+# remedy names.
+@dataclass(frozen=True)
+class _Facts:
+    """What the finders read: the trace, the report, the culprit and (if it could be read) its op record."""
+    trace: Trace
+    report: ReplayReport
+    culprit: OpResult | None
+    op: Any  # the culprit's OpRecord, None if there is no culprit or its chunk is damaged
+    env: Environment  # of the culprit's rank (empty without an op)
+    probe: bool
+
+    @property
+    def devices(self) -> set[str]:
+        return {r.device for r in self.op.outputs_refs() if isinstance(r.device, str)}
+
+
+_Found = Optional[tuple[list[str], dict[str, Any]]]
+
+
 def _causes(trace: Trace, report: ReplayReport, h: Health, probe: bool) -> list[Cause]:
-    causes: list[Cause] = []
     culprit = h.culprit
     op = None
     if culprit is not None and culprit.rank in trace.ranks:
@@ -160,97 +182,77 @@ def _causes(trace: Trace, report: ReplayReport, h: Health, probe: bool) -> list[
             op = trace.rank(culprit.rank)[culprit.index]
         except Exception:  # a damaged chunk: the causes that need the op record are left out
             op = None
-    env = trace.rank(culprit.rank).environment if op is not None else {}
-    flags = env.get("flags") or {}
-    if culprit is not None and op is not None:
-        packet = aten.packet(culprit.op)
-        devices = {r.device for r in op.outputs_refs() if isinstance(r.device, str)}
-        dtypes = {r.dtype for r in op.inputs()}
-        on_cuda = any(d.startswith("cuda") for d in devices)
-        # TF32 -----------------------------------------------------------------------------------------------------
-        tf32_flags = []
-        if packet in aten.TF32_MATMUL_PACKETS:
-            if flags.get("cuda.matmul.allow_tf32"):
-                tf32_flags.append("torch.backends.cuda.matmul.allow_tf32 = True")
-            if flags.get("float32_matmul_precision") in ("high", "medium"):
-                tf32_flags.append(f"torch.get_float32_matmul_precision() = {flags['float32_matmul_precision']!r}")
-        if packet in aten.TF32_CONV_PACKETS and flags.get("cudnn.allow_tf32"):
-            tf32_flags.append("torch.backends.cudnn.allow_tf32 = True")
-        if tf32_flags and on_cuda and "float32" in dtypes:
-            ev = [f"recorded with {', '.join(tf32_flags)} (environment of rank {culprit.rank})",
-                  f"the culprit {op_line(culprit)} is a {'convolution' if packet in aten.TF32_CONV_PACKETS else 'matmul'}"
-                  f" on {', '.join(sorted(devices))} with float32 inputs", metrics_line(culprit)]
-            m = culprit.verdict.measure if culprit.verdict else None
-            if isinstance(m, FloatError) and 1e-4 <= m.rel_l2 <= 1e-2:
-                ev.append(f"its rel_l2 {m.rel_l2:.2g} is the size of TF32's 10-bit mantissa (~1e-3), "
-                          f"not float32's (~1e-7)")
-            causes.append(Cause("TF32 matmul / convolution", ev,
-                                "torch.backends.cuda.matmul.allow_tf32 = False; torch.backends.cudnn.allow_tf32 = "
-                                "False (or torch.set_float32_matmul_precision(\"highest\")) in the job, then record "
-                                "again"))
-        # non-deterministic kernels ---------------------------------------------------------------------------------
-        nd = [r for r in report.ops if r.repeats_disagree and r.op == culprit.op]
-        if packet in aten.CUDA_NONDETERMINISTIC_PACKETS and nd:
-            causes.append(Cause("a non-deterministic kernel", [
-                f"the culprit {culprit.op} is among the ops PyTorch documents as non-deterministic on CUDA "
-                f"(torch.use_deterministic_algorithms)",
-                f"replay --repeat {report.options.get('repeat')} on {report.options.get('device')} at "
-                f"{report.options.get('precision')}: {len(nd)} call(s) of it gave different results run to run"
-                + (" (the culprit itself)" if culprit in nd else f", first #{nd[0].index}")],
-                "torch.use_deterministic_algorithms(True) and CUBLAS_WORKSPACE_CONFIG=:4096:8 in the job (an op "
-                "without a deterministic kernel then raises and names itself), or replace the op (index_add_/"
-                "scatter_add_ by a sort-based segment sum) where the difference matters"))
-        # CPU thread count -----------------------------------------------------------------------------------------
-        if probe and devices and all(d.startswith("cpu") for d in devices):
-            c = _thread_probe(trace, culprit, env)
-            if c is not None:
-                causes.append(c)
-    # rounding level -------------------------------------------------------------------------------------------------
-    if culprit is not None and culprit.status is Status.DIVERGENT and culprit.verdict is not None:
-        v = culprit.verdict
-        m = v.measure
-        # held to the fixed limits (an ill-conditioned op's limits are its own error, not the dtype's rounding)
-        fixed = v.calibration is None or v.calibration.limits is None
-        if isinstance(m, FloatError) and v.limit_max and v.limit_rel and fixed and v.severity <= ROUNDING_FACTOR:
-            causes.append(Cause("an error at the level of the dtype's rounding", [
-                f"the culprit's error is max_abs/(eps*absmax) {m.norm_max:.3g} and rel_l2/eps {m.norm_rel:.3g}: "
-                f"within {ROUNDING_FACTOR:g}x of the limits ({v.limit_max:.3g}, {v.limit_rel:.3g}) set at 2.7x "
-                f"the largest error of healthy ops, far below a wrong kernel's (a 1e-3 fault is ~8,000 in fp32)"],
-                "most likely a valid but different summation order (another kernel, thread split or accumulation "
-                "precision), not a bug: check bit for bit with replay --precision same on the recording backend, "
-                "or widen the limit with --tolerance DTYPE=MAX,REL if such differences are expected"))
-    # collectives ----------------------------------------------------------------------------------------------------
-    bad = [r for r in report.ops if aten.is_collective(r.op) and r.status is Status.DIVERGENT]
-    if bad:
-        r = bad[0]
-        cenv = trace.rank(r.rank).environment if r.rank in trace.ranks else {}
-        nccl = {k: v for k, v in (cenv.get("variables") or {}).items() if k.startswith("NCCL_")}
-        ev = [f"rank {r.rank} {op_line(r)}: its output is not what all ranks' recorded inputs imply "
-              f"({r.reason or metrics_line(r)})",
-              f"{len(bad)} collective(s) disagree, on rank(s) {sorted({x.rank for x in bad})}; the other ranks' "
-              f"copies of the same collectives agree" if len({x.rank for x in bad}) < len(trace.ranks)
-              else f"{len(bad)} collective(s) disagree on every rank",
-              f"NCCL {cenv.get('nccl')}, variables {nccl or 'none set'} on rank {r.rank}"]
-        causes.append(Cause("a collective that disagrees across ranks", ev,
-                            "check that every rank runs the same NCCL version and NCCL_* settings (NCCL_ALGO, "
-                            "NCCL_PROTO), run nccl-tests' all_reduce_perf on that node, and look for a faulty GPU "
-                            "or link on the rank named; replay --rank R alone to confirm"))
+    facts = _Facts(trace, report, culprit, op, trace.rank(culprit.rank).environment if op is not None
+                   else Environment(), probe)
+    causes = []
+    for known, finder in finders():
+        found = finder(facts)
+        if found is not None:
+            evidence, fields = found
+            causes.append(Cause(known.title, evidence, known.remedy.format(**fields) if fields else known.remedy))
     return causes
 
 
-def _thread_probe(trace: Trace, culprit: OpResult, env: dict) -> Cause | None:
+@finds("tf32")
+def _tf32(f: _Facts) -> _Found:
+    if f.culprit is None or f.op is None:
+        return None
+    culprit, flags = f.culprit, f.env.flags
+    packet = aten.packet(culprit.op)
+    tf32_flags = []
+    if packet in aten.TF32_MATMUL_PACKETS:
+        if flags.matmul_tf32:
+            tf32_flags.append("torch.backends.cuda.matmul.allow_tf32 = True")
+        if flags.float32_matmul_precision in ("high", "medium"):
+            tf32_flags.append(f"torch.get_float32_matmul_precision() = {flags.float32_matmul_precision!r}")
+    if packet in aten.TF32_CONV_PACKETS and flags.cudnn_tf32:
+        tf32_flags.append("torch.backends.cudnn.allow_tf32 = True")
+    devices = f.devices
+    if not (tf32_flags and any(d.startswith("cuda") for d in devices) and "float32" in {r.dtype for r in f.op.inputs()}):
+        return None
+    ev = [f"recorded with {', '.join(tf32_flags)} (environment of rank {culprit.rank})",
+          f"the culprit {op_line(culprit)} is a {'convolution' if packet in aten.TF32_CONV_PACKETS else 'matmul'}"
+          f" on {', '.join(sorted(devices))} with float32 inputs", metrics_line(culprit)]
+    m = culprit.verdict.measure if culprit.verdict else None
+    if isinstance(m, FloatError) and 1e-4 <= m.rel_l2 <= 1e-2:
+        ev.append(f"its rel_l2 {m.rel_l2:.2g} is the size of TF32's 10-bit mantissa (~1e-3), not float32's (~1e-7)")
+    return ev, {}
+
+
+@finds("nondeterministic_kernel")
+def _nondeterministic(f: _Facts) -> _Found:
+    if f.culprit is None or f.op is None:
+        return None
+    culprit, report = f.culprit, f.report
+    nd = [r for r in report.ops if r.repeats_disagree and r.op == culprit.op]
+    if aten.packet(culprit.op) not in aten.CUDA_NONDETERMINISTIC_PACKETS or not nd:
+        return None
+    return [f"the culprit {culprit.op} is among the ops PyTorch documents as non-deterministic on CUDA "
+            f"(torch.use_deterministic_algorithms)",
+            f"replay --repeat {report.options.get('repeat')} on {report.options.get('device')} at "
+            f"{report.options.get('precision')}: {len(nd)} call(s) of it gave different results run to run"
+            + (" (the culprit itself)" if culprit in nd else f", first #{nd[0].index}")], {}
+
+
+@finds("threads")
+def _thread_probe(f: _Facts) -> _Found:
     """Re-run a CPU culprit at its recorded dtypes with the recorded thread count and with another: bitwise equal
     to the recording with the first and different with the second means the result depends on the thread count."""
+    if f.culprit is None or f.op is None or not f.probe:
+        return None
+    devices = f.devices
+    if not devices or not all(d.startswith("cpu") for d in devices):
+        return None
     import torch
 
     from replaydiff.replay.policy import ReplayOptions, reference_settings
     from replaydiff.replay.runner import OpReplayer
 
-    recorded = env.get("num_threads")
-    if not isinstance(recorded, int) or recorded < 1:
+    culprit, recorded = f.culprit, f.env.num_threads
+    if recorded is None or recorded < 1:
         return None
     other = 1 if recorded > 1 else 2
-    rt = trace.rank(culprit.rank)
+    rt = f.trace.rank(culprit.rank)
     op = rt[culprit.index]
     results = {}
     for n in (recorded, other):
@@ -258,14 +260,44 @@ def _thread_probe(trace: Trace, culprit: OpResult, env: dict) -> Cause | None:
             results[n] = OpReplayer(rt, ReplayOptions(precision="same")).replay(op)
     same, diff = results[recorded], results[other]
     if same.status is Status.OK and diff.status is Status.DIVERGENT:
-        return Cause("a result that depends on the CPU thread count", [
-            f"re-ran {op_line(culprit)} at its recorded dtypes: with the recorded {recorded} thread(s) it is bit for "
-            f"bit the recorded output; with {other} thread(s) {diff.reason}",
-            "so the kernel reduces in an order set by its parallel split: two runs (or ranks) with different "
-            "thread counts disagree here without any bug"],
-            f"fix the thread count (torch.set_num_threads, OMP_NUM_THREADS) across the runs you compare; replay "
-            f"--precision same --threads {recorded} checks bit for bit")
+        return [f"re-ran {op_line(culprit)} at its recorded dtypes: with the recorded {recorded} thread(s) it is bit "
+                f"for bit the recorded output; with {other} thread(s) {diff.reason}",
+                "so the kernel reduces in an order set by its parallel split: two runs (or ranks) with different "
+                "thread counts disagree here without any bug"], {"threads": recorded}
     return None
+
+
+@finds("rounding")
+def _rounding(f: _Facts) -> _Found:
+    culprit = f.culprit
+    if culprit is None or culprit.status is not Status.DIVERGENT or culprit.verdict is None:
+        return None
+    v = culprit.verdict
+    m = v.measure
+    # held to the fixed limits (an ill-conditioned op's limits are its own error, not the dtype's rounding)
+    fixed = v.calibration is None or v.calibration.limits is None
+    if isinstance(m, FloatError) and v.limit_max and v.limit_rel and fixed and v.severity <= ROUNDING_FACTOR:
+        return [f"the culprit's error is max_abs/(eps*absmax) {m.norm_max:.3g} and rel_l2/eps {m.norm_rel:.3g}: "
+                f"within {ROUNDING_FACTOR:g}x of the limits ({v.limit_max:.3g}, {v.limit_rel:.3g}) set at 2.7x "
+                f"the largest error of healthy ops, far below a wrong kernel's (a 1e-3 fault is ~8,000 in fp32)"], {}
+    return None
+
+
+@finds("collective")
+def _collective(f: _Facts) -> _Found:
+    trace = f.trace
+    bad = [r for r in f.report.ops if aten.is_collective(r.op) and r.status is Status.DIVERGENT]
+    if not bad:
+        return None
+    r = bad[0]
+    cenv = trace.rank(r.rank).environment if r.rank in trace.ranks else Environment()
+    nccl = {k: v for k, v in cenv.variables.items() if k.startswith("NCCL_")}
+    return [f"rank {r.rank} {op_line(r)}: its output is not what all ranks' recorded inputs imply "
+            f"({r.reason or metrics_line(r)})",
+            f"{len(bad)} collective(s) disagree, on rank(s) {sorted({x.rank for x in bad})}; the other ranks' "
+            f"copies of the same collectives agree" if len({x.rank for x in bad}) < len(trace.ranks)
+            else f"{len(bad)} collective(s) disagree on every rank",
+            f"NCCL {cenv.nccl}, variables {nccl or 'none set'} on rank {r.rank}"], {}
 
 
 # -- rendering ------------------------------------------------------------------------------------------------------
@@ -345,16 +377,16 @@ def _culprit_fields(r: OpResult) -> list[tuple[str, str]]:
     return rows
 
 
-def _environment_rows(env: dict) -> list[tuple[str, str]]:
-    rows = [(k, str(env.get(k))) for k in ("torch", "cuda", "cudnn", "nccl", "driver", "num_threads",
-                                           "num_interop_threads", "hostname", "rank", "world_size", "platform")
-            if k in env]
-    devices = env.get("devices") or []
-    rows.append(("devices", ", ".join(f"{d.get('name')} (sm {'.'.join(map(str, d.get('capability') or []))})"
-                                      for d in devices) or "none (CPU)"))
-    for k, v in (env.get("flags") or {}).items():
+def _environment_rows(env: Environment) -> list[tuple[str, str]]:
+    rows = [(k, str(v)) for k, v in (("torch", env.torch), ("cuda", env.cuda), ("cudnn", env.cudnn),
+                                     ("nccl", env.nccl), ("driver", env.driver), ("num_threads", env.num_threads),
+                                     ("num_interop_threads", env.num_interop_threads), ("hostname", env.hostname),
+                                     ("rank", env.rank), ("world_size", env.world_size), ("platform", env.platform))]
+    rows.append(("devices", ", ".join(f"{d.name} (sm {'.'.join(map(str, d.capability))})"
+                                      for d in env.devices) or "none (CPU)"))
+    for k, v in env.flags.recorded:
         rows.append((k, str(v)))
-    for k, v in (env.get("variables") or {}).items():
+    for k, v in env.variables.items():
         rows.append((f"${k}", str(v)))
     return rows
 

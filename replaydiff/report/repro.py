@@ -206,8 +206,8 @@ def _docstring(trace: RankTrace, op: OpRecord, source_trace: str) -> str:
     if planted is not None:
         lines.insert(0, f"PLANTED FAULT in the trace (record --plant): {planted.describe()}")
     env = trace.environment
-    lines.append(f"Recorded with torch {env.get('torch')}, CUDA {env.get('cuda')}, "
-                 f"{env.get('num_threads')} CPU thread(s), devices {[d.get('name') for d in env.get('devices') or []]}.")
+    lines.append(f"Recorded with torch {env.torch}, CUDA {env.cuda}, "
+                 f"{env.num_threads} CPU thread(s), devices {[d.name for d in env.devices]}.")
     return "\n".join(x for x in lines if x)
 
 

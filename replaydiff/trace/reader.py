@@ -40,8 +40,9 @@ from replaydiff.trace.format import (
     read_manifest_frame,
 )
 from replaydiff.trace.index import IndexBuilder, ModuleNode, TraceIndex
-from replaydiff.trace.schema import (OpRecord, PlantedFaultInfo, RngState, StoredBytes, TensorRef, check_chunk,
-                                     check_entered, plant_from_wire)
+from replaydiff.trace.schema import (CompiledRegion, Environment, OpRecord, PlantedFaultInfo, RecordedOptions,
+                                     RngState, StoredBytes, TensorRef, check_chunk, check_entered, manifest_metadata,
+                                     plant_from_wire)
 from replaydiff.trace.sources import SourceLine, locate, split_location
 
 
@@ -134,6 +135,8 @@ class RankTrace(Sequence):
         self._index: TraceIndex | None = None
         self._lock = threading.RLock()
         self.complete = bool(self.manifest.get("complete"))
+        # The metadata is parsed once: readers use attributes, and a missing or mistyped entry reads as None.
+        self._environment, self._options, self._compiled_regions = manifest_metadata(self.manifest)
 
     # -- manifest ---------------------------------------------------------------------------------------------
     def _read_manifest(self) -> dict:
@@ -152,13 +155,14 @@ class RankTrace(Sequence):
         return v if isinstance(v, dict) else {}
 
     @property
-    def environment(self) -> dict:
-        return self._manifest_dict("environment")
+    def environment(self) -> Environment:
+        """The environment snapshot the rank was recorded in (typed once, at open)."""
+        return self._environment
 
     @property
-    def options(self) -> dict:
+    def options(self) -> RecordedOptions:
         """The record options the trace was written with (see replaydiff.record.RecordOptions)."""
-        return self._manifest_dict("options")
+        return self._options
 
     @property
     def lost(self) -> list[str]:
@@ -176,7 +180,7 @@ class RankTrace(Sequence):
     @property
     def planted(self) -> "PlantedFaultInfo | None":
         """The fault planted while recording (``record --plant``), or None: a trace made to test replay itself."""
-        p = plant_from_wire(self.manifest.get("planted"), self.options.get("plant"), self.rank)
+        p = plant_from_wire(self.manifest.get("planted"), self.options.plant, self.rank)
         if p is None or not (p.landed and isinstance(p.call, int)):
             return p
         names = self.index.name
@@ -202,9 +206,9 @@ class RankTrace(Sequence):
         return locate(op.source, op.source_text, self.source_files.get(loc[0]), self.source_root)
 
     @property
-    def compiled_regions(self) -> list[dict]:
+    def compiled_regions(self) -> list[CompiledRegion]:
         """Compiled (torch.compile) regions entered while recording, and how they ran."""
-        return list(self.manifest.get("compiled_regions") or [])
+        return list(self._compiled_regions)
 
     # -- ops --------------------------------------------------------------------------------------------------
     def _chunk(self, first: int) -> list[dict]:

@@ -10,6 +10,7 @@ torch's own namespaces: it never imports or evaluates anything.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -803,3 +804,259 @@ def plant_from_wire(entry: Any, spec: str | None, rank: int) -> PlantedFaultInfo
                             call=call if isinstance(call, int) else None, rel=entry.get(_PLANT_REL), landed=landed,
                             index=None, rank=rank, calls_seen=seen if isinstance(seen, int) else None,
                             effect=PlantEffect.from_json(entry.get(_PLANT_EFFECT)) if landed else None)
+
+
+# =============================================================================================================
+# Manifest metadata: the environment snapshot, the record options and the compiled regions, typed once at open
+# =============================================================================================================
+# Manifest keys (written by record/recorder.py through wire_manifest and wire_closing_facts).
+_M_RANK, _M_WORLD, _M_ENV, _M_OPTIONS, _M_STARTED, _M_ROOT = (
+    "rank", "world_size", "environment", "options", "started_at", "source_root")
+_M_COMPILED, _M_UNSEEN, _M_OPS_SEEN, _M_SECONDS, _M_DISABLED, _M_CUSTOM, _M_SOURCES, _M_PLANTED = (
+    "compiled_regions", "unseen_writes", "ops_seen", "record_seconds", "disabled", "custom_ops", "source_files",
+    "planted")
+# Environment keys (record/environment.py builds the snapshot through wire_environment and wire_device).
+_E_FLAGS, _E_VARIABLES, _E_DEVICES = "flags", "variables", "devices"
+_E_SCALARS = ("torch", "python", "platform", "hostname", "rank", "world_size", "cuda", "cudnn", "nccl",
+              "num_threads", "num_interop_threads", "driver")
+_D_INDEX, _D_NAME, _D_CAPABILITY, _D_MEMORY = "index", "name", "capability", "memory"
+# The numerics flags: attribute of EnvFlags -> its key under "flags" (the torch setting it reads).
+_FLAG_KEYS = {
+    "matmul_tf32": "cuda.matmul.allow_tf32",
+    "matmul_bf16_reduced": "cuda.matmul.allow_bf16_reduced_precision_reduction",
+    "matmul_fp16_reduced": "cuda.matmul.allow_fp16_reduced_precision_reduction",
+    "cudnn_tf32": "cudnn.allow_tf32",
+    "cudnn_benchmark": "cudnn.benchmark",
+    "cudnn_deterministic": "cudnn.deterministic",
+    "deterministic_algorithms": "deterministic_algorithms",
+    "deterministic_warn_only": "deterministic_warn_only",
+    "float32_matmul_precision": "float32_matmul_precision",
+}
+# Compiled-region keys (record/compiled.py builds each through wire_compiled_region).
+_C_REGION, _C_KIND, _C_CALLS, _C_HOW, _C_BY_HOW, _C_BACKEND, _C_FULLGRAPH, _C_IN_TRACE, _C_SUPPRESSED, _C_NOTE = (
+    "region", "kind", "calls", "how", "calls_by_how", "backend", "fullgraph", "ops_in_trace",
+    "fullgraph_errors_suppressed", "note")
+
+
+def _typed(v: Any, kind: type | tuple[type, ...]) -> Any:
+    """``v`` if it has the type a field expects, else None: an old or damaged manifest reads as 'unknown'."""
+    return v if isinstance(v, kind) and not (kind is int and isinstance(v, bool)) else None
+
+
+def _mapping(v: Any) -> dict:
+    return v if isinstance(v, dict) else {}
+
+
+def flatten_keys(v: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested manifest entry as dotted keys ("flags.cudnn.allow_tf32", "devices.0.name"): what a diff compares."""
+    out: dict[str, Any] = {}
+
+    def walk(x: Any, p: str) -> None:
+        if isinstance(x, dict):
+            for k, y in x.items():
+                walk(y, f"{p}{k}.")
+        elif isinstance(x, list) and x and all(isinstance(y, dict) for y in x):
+            for n, y in enumerate(x):
+                walk(y, f"{p}{n}.")
+        else:
+            out[p[:-1]] = x
+
+    walk(v, prefix)
+    return out
+
+
+def env_key(name: str) -> str:
+    """The dotted key of an environment entry as ``Environment.flat()`` names it: an EnvFlags attribute
+    ("matmul_tf32" -> "flags.cuda.matmul.allow_tf32"), a variable ("$NCCL_ALGO" -> "variables.NCCL_ALGO"), the
+    devices ("devices" -> "devices", a prefix) or a top-level entry ("num_threads")."""
+    if name in _FLAG_KEYS:
+        return f"{_E_FLAGS}.{_FLAG_KEYS[name]}"
+    if name.startswith("$"):
+        return f"{_E_VARIABLES}.{name[1:]}"
+    if name in _E_SCALARS or name == _E_DEVICES:
+        return name
+    raise KeyError(f"no environment entry {name!r}")
+
+
+@dataclass(frozen=True)
+class EnvFlags:
+    """The numerics flags the job ran with; None where the trace does not say (an older recorder)."""
+    matmul_tf32: bool | None = None
+    matmul_bf16_reduced: bool | None = None
+    matmul_fp16_reduced: bool | None = None
+    cudnn_tf32: bool | None = None
+    cudnn_benchmark: bool | None = None
+    cudnn_deterministic: bool | None = None
+    deterministic_algorithms: bool | None = None
+    deterministic_warn_only: bool | None = None
+    float32_matmul_precision: str | None = None
+    recorded: tuple[tuple[str, Any], ...] = ()  # every flag as recorded (torch's name, value), for display
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "EnvFlags":
+        d = _mapping(d)
+        typed = {a: _typed(d.get(k), str if a == "float32_matmul_precision" else bool) for a, k in _FLAG_KEYS.items()}
+        return cls(**typed, recorded=tuple((str(k), v) for k, v in d.items()))
+
+
+@dataclass(frozen=True)
+class Device:
+    index: int | None
+    name: str | None
+    capability: tuple[int, ...]  # () when unknown
+    memory: int | None
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "Device":
+        d = _mapping(d)
+        cap = d.get(_D_CAPABILITY)
+        return cls(_typed(d.get(_D_INDEX), int), _typed(d.get(_D_NAME), str),
+                   tuple(c for c in cap if isinstance(c, int)) if isinstance(cap, list) else (),
+                   _typed(d.get(_D_MEMORY), int))
+
+
+@dataclass(frozen=True)
+class Environment:
+    """The environment snapshot of one rank (record/environment.py); every entry None when the trace lacks it."""
+    torch: str | None = None
+    python: str | None = None
+    platform: str | None = None
+    hostname: str | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    cuda: str | None = None
+    cudnn: int | None = None
+    nccl: str | None = None
+    num_threads: int | None = None
+    num_interop_threads: int | None = None
+    driver: int | None = None
+    devices: tuple[Device, ...] = ()
+    flags: EnvFlags = field(default_factory=EnvFlags)
+    variables: dict[str, str] = field(default_factory=dict)  # NCCL_*, TORCH_*, OMP_* ... as recorded
+    wire: dict = field(default_factory=dict, repr=False, compare=False)  # the snapshot as stored
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "Environment":
+        d = _mapping(d)
+        kinds = {"rank": int, "world_size": int, "cudnn": int, "num_threads": int, "num_interop_threads": int,
+                 "driver": int}
+        scalars = {k: _typed(d.get(k), kinds.get(k, str)) for k in _E_SCALARS}
+        devices = d.get(_E_DEVICES)
+        return cls(**scalars, devices=tuple(Device.from_wire(x) for x in devices) if isinstance(devices, list) else (),
+                   flags=EnvFlags.from_wire(d.get(_E_FLAGS)),
+                   variables={str(k): str(v) for k, v in _mapping(d.get(_E_VARIABLES)).items()}, wire=d)
+
+    def flat(self) -> dict[str, Any]:
+        """The snapshot as dotted keys (see ``env_key``), as stored: what ``diff`` compares."""
+        return flatten_keys(self.wire)
+
+    def to_json(self) -> dict:
+        return self.wire
+
+
+def wire_device(index: int, name: Any, capability: list, memory: Any) -> dict:
+    return {_D_INDEX: index, _D_NAME: name, _D_CAPABILITY: capability, _D_MEMORY: memory}
+
+
+def wire_environment(scalars: dict[str, Any], flags: dict[str, Any], variables: dict[str, str],
+                     devices: list[dict]) -> dict:
+    """The snapshot as stored: ``scalars`` keyed by Environment attribute (torch, num_threads ...), ``flags`` by EnvFlags attribute."""
+    unknown = set(scalars) - set(_E_SCALARS) or set(flags) - set(_FLAG_KEYS)
+    if unknown:
+        raise KeyError(f"not environment entries: {sorted(unknown)}")
+    out = {k: scalars.get(k) for k in _E_SCALARS if k != "driver"}
+    out[_E_DEVICES] = devices
+    out["driver"] = scalars.get("driver")
+    out[_E_FLAGS] = {_FLAG_KEYS[a]: v for a, v in flags.items()}
+    out[_E_VARIABLES] = variables
+    return out
+
+
+@dataclass(frozen=True)
+class RecordedOptions:
+    """The record options a trace was written with (replaydiff.record.RecordOptions.to_dict()); None where the trace
+    does not say. Only the ones readers act on are typed; ``wire`` holds all."""
+    tensors: str | None = None  # full / stats / meta
+    steps: str | None = None
+    flight: int | None = None
+    plant: str | None = None
+    granularity: str | None = None
+    wire: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "RecordedOptions":
+        d = _mapping(d)
+        return cls(tensors=_typed(d.get("tensors"), str), steps=_typed(d.get("steps"), str),
+                   flight=_typed(d.get("flight"), int), plant=_typed(d.get("plant"), str),
+                   granularity=_typed(d.get("granularity"), str), wire=d)
+
+    def to_json(self) -> dict:
+        return self.wire
+
+
+@dataclass(frozen=True)
+class CompiledRegion:
+    """A torch.compile region entered while recording (record/compiled.py), or a note that tracking failed."""
+    region: str | None = None
+    kind: str | None = None  # forward / backward
+    calls: int | None = None
+    how: str | None = None  # eager / compiled / mixed / unknown
+    calls_by_how: dict[str, int] = field(default_factory=dict)
+    backend: str | None = None
+    fullgraph: bool = False
+    ops_in_trace: bool | None = None
+    fullgraph_errors_suppressed: int = 0
+    note: str | None = None  # set only on the entry saying that tracking failed
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "CompiledRegion":
+        d = _mapping(d)
+        return cls(_typed(d.get(_C_REGION), str), _typed(d.get(_C_KIND), str), _typed(d.get(_C_CALLS), int),
+                   _typed(d.get(_C_HOW), str), {str(k): v for k, v in _mapping(d.get(_C_BY_HOW)).items()},
+                   _typed(d.get(_C_BACKEND), str), d.get(_C_FULLGRAPH) is True, _typed(d.get(_C_IN_TRACE), bool),
+                   _typed(d.get(_C_SUPPRESSED), int) or 0, _typed(d.get(_C_NOTE), str))
+
+    def to_wire(self) -> dict:
+        if self.note is not None:
+            return {_C_REGION: None, _C_KIND: None, _C_CALLS: None, _C_HOW: self.how, _C_NOTE: self.note}
+        d = {_C_REGION: self.region, _C_KIND: self.kind, _C_CALLS: self.calls, _C_HOW: self.how,
+             _C_BY_HOW: dict(self.calls_by_how), _C_BACKEND: self.backend, _C_FULLGRAPH: self.fullgraph,
+             _C_IN_TRACE: self.ops_in_trace}
+        if self.fullgraph_errors_suppressed:
+            d[_C_SUPPRESSED] = self.fullgraph_errors_suppressed
+        return d
+
+
+def wire_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Record options as stored (``RecordOptions.to_dict()``): KeyError if one that RecordedOptions reads back is
+    missing, so the option names and their reader cannot drift apart."""
+    missing = {f.name for f in dataclasses.fields(RecordedOptions)} - {"wire"} - set(options)
+    if missing:
+        raise KeyError(f"record options lack {sorted(missing)}")
+    return options
+
+
+def compiled_regions_from_wire(v: Any) -> list[CompiledRegion]:
+    return [CompiledRegion.from_wire(x) for x in v if isinstance(x, dict)] if isinstance(v, list) else []
+
+
+def wire_manifest(rank: int, world_size: int, environment: dict, options: dict, started_at: float,
+                  source_root: str | None) -> dict:
+    """The manifest a rank's recording starts with."""
+    return {_M_RANK: rank, _M_WORLD: world_size, _M_ENV: environment, _M_OPTIONS: options,
+            _M_STARTED: started_at, _M_ROOT: source_root}
+
+
+def wire_closing_facts(compiled_regions: list[dict], unseen_writes: int, ops_seen: int,
+                       record_seconds: float, disabled: str | None, custom_ops: dict, source_files: dict,
+                       planted: dict | None) -> dict:
+    """What the final manifest adds about the recording (``planted`` only when a fault was planted)."""
+    return {_M_COMPILED: compiled_regions, _M_UNSEEN: unseen_writes, _M_OPS_SEEN: ops_seen,
+            _M_SECONDS: record_seconds, _M_DISABLED: disabled, _M_CUSTOM: custom_ops, _M_SOURCES: source_files,
+            **({_M_PLANTED: planted} if planted is not None else {})}
+
+
+def manifest_metadata(manifest: dict) -> tuple[Environment, RecordedOptions, tuple[CompiledRegion, ...]]:
+    """The typed environment, record options and compiled regions of a manifest as read (any format version)."""
+    return (Environment.from_wire(manifest.get(_M_ENV)), RecordedOptions.from_wire(manifest.get(_M_OPTIONS)),
+            tuple(compiled_regions_from_wire(manifest.get(_M_COMPILED))))
