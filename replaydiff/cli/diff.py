@@ -23,8 +23,8 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=int, metavar="N",
                    help="diff only rank N of the multi-rank side (the target, unless it is a single process)")
     p.add_argument("--baseline", metavar="REF2",
-                   help="a second reference run: each tensor's limit is the REF-against-REF2 difference times "
-                        "--safety, instead of the fixed per-dtype limits")
+                   help="a second reference run: each tensor's limit is widened to the REF-against-REF2 difference "
+                        "times --safety where that exceeds the fixed per-dtype limits")
     p.add_argument("--safety", type=float, default=8.0, metavar="F",
                    help="baseline mode: safety factor on the reference runs' own difference (default 8)")
     add_tolerance_args(p)

@@ -3,8 +3,8 @@
 Ranks pair up by number when both traces hold the same ranks; a single-process trace pairs with every rank of the
 other (rank 0 of 8 against a single process, or each rank of a 2-rank run against it). ``--rank`` keeps one.
 With a baseline (a second reference run), the reference is first diffed against the baseline: the error of each
-tensor between the two reference runs, times a safety factor, becomes that tensor's limit in place of the fixed
-per-dtype limits (no error between the two reference runs means the target must match bit for bit).
+tensor between the two reference runs, times a safety factor, widens that tensor's limit beyond the fixed per-dtype
+limits (never narrows them: no error between the two reference runs leaves the fixed limits).
 """
 from __future__ import annotations
 
