@@ -226,6 +226,49 @@ def test_bf16_against_fp32_after_two_steps_names_no_op_whose_inputs_already_diff
     assert "first divergence" not in out and "inputs agree within tolerance" not in out
 
 
+def _mlp_run(path: Path, steps: str | None, run: int = 3) -> Path:
+    """``run`` TinyMLP steps from the same seed, recorded with ``record(steps=...)`` (None: the one-step API around
+    the first step only, no step numbers)."""
+    step = _mlp_step()
+    if steps is None:
+        return rh.record_fn(path, step)
+    with record(path, steps=steps):
+        for _ in range(run):
+            step()
+    return path
+
+
+def test_traces_of_different_steps_compare_like_with_like(tmp_path: Path, capsys) -> None:
+    many = _mlp_run(tmp_path / "many", "1-3")
+    two = _mlp_run(tmp_path / "two", "2")
+    one = _mlp_run(tmp_path / "one", None)
+    two_ops = [op.index for op in open_trace(many).rank(0) if op.step == 2]
+    # Steps 1-3 against step 2: step 2 of each is compared (the same seeded run: no difference), said first.
+    assert main(["diff", str(many), str(two), "--json", str(tmp_path / "d.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == ("comparing step 2, the only step both hold (the reference holds steps 1-3, the target "
+                        "step 2)"), lines[:3]
+    report = diff_traces(many, two)
+    rd = report.ranks[0]
+    assert rd.ref_ops == len(two_ops) and {p.ref for p in rd.pairs} <= set(two_ops)
+    assert rd.counts()["ref_only"] == rd.counts()["target_only"] == 0 and not report.found_difference
+    assert json.loads((tmp_path / "d.json").read_text())["steps"] == lines[1]
+    # Several steps against one without a step number: nothing says which is like it, so the user picks.
+    capsys.readouterr()
+    assert main(["diff", str(many), str(one)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["replaydiff: error: the reference holds steps 1-3, the target one step without a step number: "
+                   "pick the step to compare with --step N"], err
+    assert main(["diff", str(many), str(one), "--step", "1"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("comparing step 1 (the reference holds steps 1-3")
+    assert main(["diff", str(many), str(two), "--step", "3"]) == 2
+    assert "step 3 is not in the target trace: the reference holds steps 1-3, the target step 2" in \
+        capsys.readouterr().err
+    # The same steps on both sides: nothing to say.
+    assert main(["diff", str(many), str(many)]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == "environment: same"
+
+
 def test_foreach_against_for_loop_adamw() -> None:
     ref, target = rh.step_trace("mlp_forloop"), rh.step_trace("mlp_foreach")
     report = diff_traces(ref, target)

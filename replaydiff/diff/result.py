@@ -281,6 +281,7 @@ class DiffReport:
     ranks: list[RankDiff] = field(default_factory=list)
     baseline: str | None = None
     warnings: list[str] = field(default_factory=list)
+    steps: str | None = None  # which steps are compared, when the traces hold different steps (or --step picked)
 
     def candidates(self) -> list[tuple[RankDiff, PairResult]]:
         """One first divergence per rank pair, earliest (by reference op number) first."""
