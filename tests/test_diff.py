@@ -196,13 +196,66 @@ def test_inputs_of_the_step_that_already_differ_are_said_first(tmp_path: Path, c
     assert report.found_difference and report.first_divergent is None
 
     assert lines[1].startswith(f"inputs of the step already differ: 1 of {si.compared} tensors from outside the "
-                               f"trace, first float32[4, 16] (requires grad: a parameter) at ref #{first.ref} / "
+                               f"trace, first float32[4, 16] (requires grad) at ref #{first.ref} / "
                                f"target #{first.target} {first.op} input {first.position}  TinyMLP.net.2"), lines[:3]
     doc = json.loads((tmp_path / "d.json").read_text())
     assert list(doc)[:5] == ["format", "ref", "target", "baseline", "step_inputs"]
     assert doc["step_inputs"]["differ"] == 1 and doc["step_inputs"]["first"]["index"] == {
         "ref": first.ref, "target": first.target}
     assert doc["ranks"][0]["step_inputs"]["differ"] == 1
+
+
+def _second_step_after_printing_the_loss(path: Path, nudge: bool) -> Path:
+    """Step 2 of a TinyMLP loop that begins with ``loss.item()`` of step 1's loss (a print): a 0-d tensor that
+    requires grad, is no parameter, and is the first thing the step reads."""
+    torch.manual_seed(0)
+    model = rh.TinyMLP()
+    if nudge:
+        with torch.no_grad():
+            model.net[2].weight[0, 0] += 1e-3
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = model.example_batch()
+
+    def one() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(*batch)
+        loss.backward()
+        opt.step()
+        return loss
+
+    prev = one()
+
+    def step() -> None:
+        prev.item()
+        one()
+
+    return rh.record_fn(path, step)
+
+
+def test_the_first_differing_step_input_is_what_the_model_reads_not_a_printed_loss(tmp_path: Path, capsys) -> None:
+    ref = _second_step_after_printing_the_loss(tmp_path / "ref", nudge=False)
+    target = _second_step_after_printing_the_loss(tmp_path / "target", nudge=True)
+    ops = list(open_trace(ref).rank(0))
+    assert ops[0].name == "aten._local_scalar_dense.default"  # the print comes first
+    report = diff_traces(ref, target)
+    rd = report.ranks[0]
+    si = rd.step_inputs
+    printed = [d for d in si.differing if d.read_first.op == "aten._local_scalar_dense.default"]
+    assert len(printed) == 1 and printed[0].requires_grad and printed[0].tensor == "float32[]"
+    first = si.first
+    # The nudged weight (AdamW's first update hardly depends on the gradient: the other parameters agree within
+    # tolerance) where the forward reads it, which is where the step's differences are first seen.
+    assert first is not printed[0] and first.tensor == "float32[4, 16]" and first.requires_grad
+    assert first.read_first.module == "TinyMLP.net.2" and first.read_first.phase == "forward"
+    seen = rd.first_difference
+    assert seen is not None and seen.ref in (first.read_first.index, first.ref)
+    assert main(["diff", str(ref), str(target)]) == 1
+    out = capsys.readouterr().out
+    line = out.splitlines()[1]
+    assert "a parameter" not in out
+    assert line.startswith(f"inputs of the step already differ: {si.differ} of {si.compared} tensors from outside "
+                           f"the trace, first float32[4, 16] (requires grad) "), line
+    assert f"first seen at ref #{seen.ref} / target #{seen.target} {seen.op}  TinyMLP.net.2" in out, out
 
 
 def test_bf16_against_fp32_after_two_steps_names_no_op_whose_inputs_already_differ(tmp_path: Path,

@@ -203,8 +203,8 @@ def _outside(side: _Ops, index: int, pos: int, version: int | None) -> bool:
 
 def _step_inputs(ref: _Ops, target: _Ops, pairs: list[tuple[int, int]],
                  comparer: PairComparer) -> tuple[StepInputs, set[int]]:
-    """The step's inputs (read by an aligned pair, computed by no op on either side) judged between the runs, in the
-    order the reference first reads them, and the target's storage versions of those beyond tolerance."""
+    """The step's inputs (read by an aligned pair, computed by no op on either side) judged between the runs, those
+    beyond tolerance ordered by what matters (below), and the target's storage versions of those."""
     first_read: dict[int, OpPlace] = {}
     for op in ref.ops.values():
         for r in ref.inputs[op.index]:
@@ -232,7 +232,10 @@ def _step_inputs(ref: _Ops, target: _Ops, pairs: list[tuple[int, int]],
                                                t.requires_grad, v))
                 if t.version is not None:
                     versions.add(t.version)
-    out.differing.sort(key=lambda d: (d.read_first.index, d.ref))
+    # "first" is the one that matters: an input some computation reads before a value only handed to Python (the
+    # previous step's loss.item() in a print, which no op of the step depends on); then in the order the reference
+    # reads them, so that it is the input behind the first pair that differs (the forward's reads come first).
+    out.differing.sort(key=lambda d: (aten.reads_to_python(d.read_first.op), d.read_first.index, d.ref))
     return out, versions
 
 
