@@ -217,6 +217,16 @@ def is_cheap(name: str) -> bool:
     return c
 
 
+# Ops that hand a tensor's value to Python (``loss.item()``, ``if t:``, ``torch.equal``): what they read flows into no
+# later op of the trace, so a print of the previous step's loss is not where a difference matters.
+_TO_PYTHON_PACKETS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "equal"})
+
+
+def reads_to_python(name: str) -> bool:
+    """An op that hands its input's value to Python (``.item()``, ``bool(t)``) rather than computing a tensor."""
+    return namespace(name) == "aten" and packet(name) in _TO_PYTHON_PACKETS
+
+
 _RANDOM: dict[str, bool] = {}
 
 

@@ -94,6 +94,19 @@ def test_html_report_is_one_self_contained_file_with_an_svg_plot_and_is_never_ov
     assert out.read_text().startswith("<!-- PLANTED FAULT")
 
 
+def test_a_replay_of_another_trace_is_a_usage_error(planted, tmp_path, capsys):
+    """A report of one trace's replay results under another trace's name would mislead: exit 2, one line, no file."""
+    _, replay = planted
+    other = _record(tmp_path / "other", mlp_step())
+    out = tmp_path / "r.md"
+    capsys.readouterr()
+    assert main(["report", str(other), "--replay", str(replay), "-o", str(out)]) == 2
+    cap = capsys.readouterr()
+    assert not out.exists() and cap.out == ""
+    err = cap.err.strip().splitlines()
+    assert len(err) == 1 and f"is a replay of {json.loads(replay.read_text())['trace']}, not {other}" in err[0], err
+
+
 def test_rounding_level_error_is_named_with_its_figures(tmp_path, capsys):
     # 3e-6 relative in float32 is ~25 eps: over the limit of 16, within 4x of it
     trace = _record(tmp_path / "t", mlp_step(), plant="aten.mm.default:2:3e-6")

@@ -22,9 +22,11 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="trace directory to compare against the reference")
     p.add_argument("--rank", type=int, metavar="N",
                    help="diff only rank N of the multi-rank side (the target, unless it is a single process)")
+    p.add_argument("--step", type=int, metavar="N",
+                   help="compare only step N of traces recorded with step numbers (--steps, --step N)")
     p.add_argument("--baseline", metavar="REF2",
-                   help="a second reference run: each tensor's limit is the REF-against-REF2 difference times "
-                        "--safety, instead of the fixed per-dtype limits")
+                   help="a second reference run: each tensor's limit is widened to the REF-against-REF2 difference "
+                        "times --safety where that exceeds the fixed per-dtype limits")
     p.add_argument("--safety", type=float, default=8.0, metavar="F",
                    help="baseline mode: safety factor on the reference runs' own difference (default 8)")
     add_tolerance_args(p)
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     if args.safety <= 0:
         raise UsageError("--safety must be positive")
     tol = tolerances_from_args(args)
-    opts = DiffOptions(rank=args.rank, tolerances=tol, safety=args.safety)
+    opts = DiffOptions(rank=args.rank, tolerances=tol, safety=args.safety, step=args.step)
     with progress_bar("diffing") as (set_total, advance):
         report = diff_traces(args.ref, args.target, opts, baseline=args.baseline, progress_total=set_total,
                              progress=advance)

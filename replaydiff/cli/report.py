@@ -4,7 +4,8 @@ A table of checks (what, measured, limit, pass or fail), the culprit with its mo
 ops with the largest error over their limit, the error per module, the environment, and likely causes with remedies,
 each shown with its evidence from the trace (a cause without evidence is not listed). Markdown on stdout without -o;
 ``-o FILE.html`` writes one self-contained HTML file with an SVG plot of the error along the op sequence. An existing
-file is never overwritten without --force. Exit code 1 when the replay found a problem, else 0.
+file is never overwritten without --force. Exit code 1 when the replay found a problem, else 0; 2 when RESULT.json is a
+replay of another trace (one that exists at the path it names).
 """
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ def run(args: argparse.Namespace) -> int:
     report = load_replay_json(args.replay)
     trace = open_trace(args.trace)
     if report.trace and os.path.realpath(report.trace) != os.path.realpath(args.trace):
+        if os.path.isdir(report.trace):
+            # Another trace that exists here: a report of its results under this trace's name would mislead.
+            raise UsageError(f"{args.replay} is a replay of {report.trace}, not {args.trace}: replay {args.trace} "
+                             f"with --json, or report {report.trace}")
+        # The recorded path is not found from here (the trace moved, or replay ran in another folder).
         sys.stderr.write(f"replaydiff: warning: {args.replay} is a replay of {report.trace}, not {args.trace}\n")
     health = build_health(trace, report, probe=not args.no_probe)
     buf = io.StringIO()

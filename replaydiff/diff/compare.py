@@ -138,7 +138,10 @@ class Judge:
             # The two reference runs already differ this way here: nothing the target does is judged against it.
             return Verdict(False, m, None)
         if isinstance(noise, FloatError) and isinstance(m, FloatError):
-            limits = (self.safety * noise.norm_max, self.safety * noise.norm_rel)
+            # The baseline only widens the fixed limits: two reference runs equal bit for bit (no noise) say
+            # nothing about how much a correct run may differ, and a last-bit difference is not a divergence.
+            fixed_max, fixed_rel = self.tolerances.limit_for(dtype, k)
+            limits = (max(fixed_max, self.safety * noise.norm_max), max(fixed_rel, self.safety * noise.norm_rel))
             tol = Tolerances(limits={dtype: limits}, scale_reductions=False)
             return judge_measure(m, dtype, tol, k)
         return judge_measure(m, dtype, self.tolerances, k)

@@ -3,12 +3,13 @@
 Ranks pair up by number when both traces hold the same ranks; a single-process trace pairs with every rank of the
 other (rank 0 of 8 against a single process, or each rank of a 2-rank run against it). ``--rank`` keeps one.
 With a baseline (a second reference run), the reference is first diffed against the baseline: the error of each
-tensor between the two reference runs, times a safety factor, becomes that tensor's limit in place of the fixed
-per-dtype limits (no error between the two reference runs means the target must match bit for bit).
+tensor between the two reference runs, times a safety factor, widens that tensor's limit beyond the fixed per-dtype
+limits (never narrows them: no error between the two reference runs leaves the fixed limits).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Callable
 
@@ -35,10 +36,11 @@ class DiffOptions:
     rank: int | None = None  # only this rank of the multi-rank side (the target's unless it is a single process)
     tolerances: Tolerances = field(default_factory=Tolerances)
     safety: float = DEFAULT_SAFETY  # baseline mode: limit = safety x the two reference runs' own difference
+    step: int | None = None  # only this step of a trace recorded with step numbers (--steps, --step N)
 
     def to_dict(self) -> dict:
         return {"rank": self.rank, "tolerances": {k: list(v) for k, v in self.tolerances.limits.items()},
-                "scale_reductions": self.tolerances.scale_reductions, "safety": self.safety}
+                "scale_reductions": self.tolerances.scale_reductions, "safety": self.safety, "step": self.step}
 
 
 def rank_pairs(ref: list[int], target: list[int], only: int | None = None) -> list[tuple[int, int]]:
@@ -65,15 +67,68 @@ def rank_pairs(ref: list[int], target: list[int], only: int | None = None) -> li
 class _Ops:
     """One rank's recorded ops and their alignment keys, read once."""
 
-    def __init__(self, trace: RankTrace) -> None:
+    def __init__(self, trace: RankTrace, read: bool = True) -> None:
         self.trace = trace
         self.ops: dict[int, OpRecord] = {}
         self.keys: list[OpKeys] = []
         self.inputs: dict[int, list[TensorRef]] = {}  # each op's input tensors (read by several passes)
+        if not read:
+            return
         for op in trace:
             self.ops[op.index] = op
             self.keys.append(op_keys(op))
             self.inputs[op.index] = op.inputs()
+
+    @cached_property
+    def steps(self) -> list[int]:
+        """The step numbers its ops carry (none for a trace recorded without steps, from Python's record())."""
+        return sorted({op.step for op in self.ops.values() if op.step is not None})
+
+    def only(self, steps: set[int]) -> "_Ops":
+        """The ops of these steps alone: what an op of another step computed is then from outside the trace."""
+        out = _Ops(self.trace, read=False)
+        out.ops = {i: op for i, op in self.ops.items() if op.step in steps}
+        out.keys = [k for k in self.keys if k.index in out.ops]
+        out.inputs = {i: self.inputs[i] for i in out.ops}
+        return out
+
+
+def steps_text(steps: list[int]) -> str:
+    """'steps 1-5', 'step 3', 'steps 1, 3, 7', or 'one step without a step number' (no steps)."""
+    if not steps:
+        return "one step without a step number"
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    if steps == list(range(steps[0], steps[-1] + 1)):
+        return f"steps {steps[0]}-{steps[-1]}"
+    return "steps " + ", ".join(map(str, steps))
+
+
+def pick_steps(ref: list[int], target: list[int], step: int | None) -> tuple[list[int] | None, str | None]:
+    """The steps to compare of two traces holding steps ``ref`` and ``target`` (empty: one step without a number),
+    and the line that says so when the traces hold different steps (or ``--step`` picks one). None: all of them.
+    A usage error when nothing like can be compared with like."""
+    held = f"the reference holds {steps_text(ref)}, the target {steps_text(target)}"
+    if step is not None:
+        missing = [side for side, s in (("reference", ref), ("target", target)) if s and step not in s]
+        if missing or not (ref or target):
+            why = f"step {step} is not in the {' or '.join(missing)} trace" if missing else \
+                "neither trace has step numbers (recorded with --step N or --steps)"
+            raise UsageError(f"{why}: {held}")
+        return [step], f"comparing step {step} ({held})"
+    if ref == target:
+        return None, None
+    if not ref or not target:
+        many = target if not ref else ref
+        if len(many) == 1:
+            return None, f"comparing {steps_text(many)} with the other trace's one step ({held})"
+        raise UsageError(f"{held}: pick the step to compare with --step N")
+    common = sorted(set(ref) & set(target))
+    if not common:
+        raise UsageError(f"the traces share no step ({held})")
+    if len(common) == 1:
+        return common, f"comparing {steps_text(common)}, the only step both hold ({held})"
+    return common, f"comparing {steps_text(common)}, the steps both hold ({held})"
 
 
 def _runs(side: str, indices: list[int], ops: dict[int, OpRecord]) -> list[Unaligned]:
@@ -135,7 +190,7 @@ def _outside(side: _Ops, index: int, pos: int, version: int | None) -> bool:
     so a weight read after ``aten.t`` of it has the ``t`` as its producer)."""
     p = side.trace.producers(index).get(pos)
     for _ in range(64):  # views of views; a longer chain is taken as computed
-        if p is None:
+        if p is None or p not in side.inputs:  # no producer, or one in a step left out of the diff
             return True
         ins = side.inputs.get(p)
         k = None if ins is None or version is None else \
@@ -148,8 +203,8 @@ def _outside(side: _Ops, index: int, pos: int, version: int | None) -> bool:
 
 def _step_inputs(ref: _Ops, target: _Ops, pairs: list[tuple[int, int]],
                  comparer: PairComparer) -> tuple[StepInputs, set[int]]:
-    """The step's inputs (read by an aligned pair, computed by no op on either side) judged between the runs, in the
-    order the reference first reads them, and the target's storage versions of those beyond tolerance."""
+    """The step's inputs (read by an aligned pair, computed by no op on either side) judged between the runs, those
+    beyond tolerance ordered by what matters (below), and the target's storage versions of those."""
     first_read: dict[int, OpPlace] = {}
     for op in ref.ops.values():
         for r in ref.inputs[op.index]:
@@ -177,7 +232,10 @@ def _step_inputs(ref: _Ops, target: _Ops, pairs: list[tuple[int, int]],
                                                t.requires_grad, v))
                 if t.version is not None:
                     versions.add(t.version)
-    out.differing.sort(key=lambda d: (d.read_first.index, d.ref))
+    # "first" is the one that matters: an input some computation reads before a value only handed to Python (the
+    # previous step's loss.item() in a print, which no op of the step depends on); then in the order the reference
+    # reads them, so that it is the input behind the first pair that differs (the forward's reads come first).
+    out.differing.sort(key=lambda d: (aten.reads_to_python(d.read_first.op), d.read_first.index, d.ref))
     return out, versions
 
 
@@ -191,7 +249,7 @@ def _carriers(side: _Ops, versions: set[int]) -> set[int]:
         producers = side.trace.producers(j)
         for pos, t in enumerate(ins):
             p = producers.get(pos)
-            if (p in out) if p is not None else (t.version in versions):
+            if (p in out) if p is not None and p in side.inputs else (t.version in versions):
                 out.add(j)
                 break
     return out
@@ -282,14 +340,21 @@ def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: D
             cache[key] = _Ops(t.rank(rank))
         return cache[key]
 
+    # Like with like: which steps each trace holds decides which are compared (said first when they differ).
+    chosen, report.steps = pick_steps(ops("ref", rt, pairs[0][0]).steps, ops("target", tt, pairs[0][1]).steps,
+                                      opts.step)
+
+    def of_steps(o: _Ops) -> _Ops:
+        return o if chosen is None or not o.steps else o.only(set(chosen))
+
     if progress_total is not None:
         progress_total(sum(min(len(rt.rank(a)), len(tt.rank(b))) for a, b in pairs))
     for a, b in pairs:
-        r_ops, t_ops = ops("ref", rt, a), ops("target", tt, b)
+        r_ops, t_ops = of_steps(ops("ref", rt, a)), of_steps(ops("target", tt, b))
         noise = None
         if bt is not None:
             base_rank = a if a in bt.ranks else bt.ranks[0]
-            noise = _noise(r_ops, ops("baseline", bt, base_rank))
+            noise = _noise(r_ops, of_steps(ops("baseline", bt, base_rank)))
         judge = Judge(opts.tolerances, noise, opts.safety)
         report.ranks.append(diff_ranks(r_ops, t_ops, judge, progress=progress))
     return report

@@ -121,11 +121,12 @@ class StepInput:
     module: str | None
     phase: str | None
     tensor: str  # dtype[shape] in the target, e.g. "float32[4, 16]"
-    requires_grad: bool  # in the target: a parameter, when read from outside the trace
+    requires_grad: bool  # in the target (a parameter, or a loss or activation kept from a previous step)
     verdict: Verdict
 
     def describe(self) -> str:
-        what = f"{self.tensor} (requires grad: a parameter)" if self.requires_grad else self.tensor
+        # The trace does not record whether a tensor is a leaf: requires_grad alone does not make it a parameter.
+        what = f"{self.tensor} (requires grad)" if self.requires_grad else self.tensor
         pair = f"ref #{self.ref} / target #{self.target} {self.op} input {self.position}"
         where = "  ".join(x for x in (self.module or "", f"({self.phase})" if self.phase else "") if x)
         rf = self.read_first
@@ -143,7 +144,7 @@ class StepInput:
 @dataclass
 class StepInputs:
     """The step's inputs compared between the two runs: how many were judged, and those beyond tolerance, in the
-    order the reference first reads them."""
+    order the reference first reads them (a value only handed to Python, such as a printed loss, last)."""
 
     compared: int = 0
     differing: list[StepInput] = field(default_factory=list)
@@ -281,6 +282,7 @@ class DiffReport:
     ranks: list[RankDiff] = field(default_factory=list)
     baseline: str | None = None
     warnings: list[str] = field(default_factory=list)
+    steps: str | None = None  # which steps are compared, when the traces hold different steps (or --step picked)
 
     def candidates(self) -> list[tuple[RankDiff, PairResult]]:
         """One first divergence per rank pair, earliest (by reference op number) first."""

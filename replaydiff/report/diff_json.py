@@ -2,6 +2,7 @@
 
 Top level: ``format``, ``ref``, ``target``, ``baseline``, ``step_inputs`` (null, or for the first rank pair whose
 step began from inputs that already differed: ``compared``, ``differ``, ``first`` and ``differing``), ``options``,
+``steps`` (null, or the line saying which steps are compared when the traces hold different steps),
 ``warnings``, ``environment`` (one object per
 difference: ``key``, ``ref``, ``target``, ``hint``), ``summary`` (pair counts per status, ops on one side only),
 ``first_divergent`` (null or a pair: the earliest over ranks), ``ranks`` (per rank pair: ``ref_rank``,
@@ -50,6 +51,7 @@ def diff_to_json(report: DiffReport) -> dict:
         "ref": report.ref, "target": report.target, "baseline": report.baseline,
         "step_inputs": _clean(parted[0].step_inputs.to_json()) if parted else None,
         "options": _clean(report.options),
+        "steps": report.steps,
         "warnings": list(report.warnings),
         "environment": [_clean(d.to_json()) for d in report.environment],
         "summary": report.counts(),

@@ -110,6 +110,8 @@ def _step_inputs_lines(report: DiffReport) -> list[str]:
 def render_diff(report: DiffReport, out: TextIO, max_listed: int = 10) -> None:
     base = f" (tolerances from baseline {report.baseline})" if report.baseline else ""
     out.write(f"diff of {report.target} against {report.ref}{base}\n")
+    if report.steps:
+        out.write(report.steps + "\n")
     for line in _step_inputs_lines(report):
         out.write(line + "\n")
     if report.environment:
