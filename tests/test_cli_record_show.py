@@ -456,7 +456,7 @@ def test_record_of_a_step_the_script_never_reaches(tmp_path):
                           cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr  # the usage code: nothing diverged, step 10 is not in this job
     assert "Traceback" not in proc.stderr, proc.stderr
-    assert "step 10 was never reached: the script ran 3 optimizer steps" in proc.stderr, proc.stderr
+    assert "step 10 was never reached: the script ran 3 steps of its first optimizer" in proc.stderr, proc.stderr
     # neither the trace directory nor the parent made for it is left; the user's directory is
     assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())
 
@@ -527,3 +527,14 @@ def test_show_list_usage_errors(recorded, capsys):
         code, out, err = _cli_main(capsys, "show", cwd / "trace", *args)
         assert code == 2, (args, err)
         assert out == "" and err.count("\n") == 1 and said in err, (args, err)
+
+
+def test_record_help_says_steps_are_counted_on_the_first_optimizer(capsys):
+    """With two optimizers in one loop, --step N is the N-th step() of the first optimizer that steps: --help says
+    so."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["record", "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "which optimizer step to record, from 1 (default 1; with several optimizers, the steps of the first one " \
+           "to step)" in text

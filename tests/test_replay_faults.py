@@ -202,21 +202,21 @@ def test_plant_below_bf16_resolution_counts_the_elements_it_changed_and_their_ul
         where = f"aten.convolution.default call 1 x(1+{rel:g}), op #{op.index} on rank 0"
         if rel == 1e-3:  # 1e-3 is a quarter of bfloat16's spacing at most: every element rounds back
             assert changed == 0 and e.max_ulps is None
-            assert rt.planted.describe() == f"{where}: changed nothing (all 144 elements of output 0 round back to their " \
-                                            f"bfloat16 values)"
+            assert rt.planted.describe() == f"{where}: changed nothing (all 144 elements of output 0 round back to " \
+                                            f"their bfloat16 values)"
             continue
         assert 0 < changed < exact.numel()
         assert e.max_ulps == ((planted.float() - exact.float()).abs() / ulp).max().item() == 1.0
-        assert rt.planted.describe() == (f"{where}: changed {changed} of 144 elements of output 0 by at most 1 ulp of bfloat16 "
-                                         f"(one rounding: replay may not tell it from rounding error)")
+        assert rt.planted.describe() == (f"{where}: changed {changed} of 144 elements of output 0 by at most 1 ulp "
+                                         f"of bfloat16 (one rounding: replay may not tell it from rounding error)")
         code, text, doc, md = _replay_and_report(tmp_path / f"t{rel}", capsys)
         assert code == 0 and "no divergent op" in "\n".join(text)
         (r,) = [r for r in doc["ops"] if r["index"] == op.index]
         m = r["metrics"]
         note = (f"planted fault: op #{op.index} aten.convolution.default replayed ok: the plant changed {changed} of "
-                f"144 elements of output 0 by at most 1 ulp of bfloat16, and replay's error measure for it, max_abs/(eps*absmax) "
-                f"{m['norm_max']:.3g}, is within its limit {m['limit_max']:.3g}: a change this small is not told "
-                f"apart from rounding error")
+                f"144 elements of output 0 by at most 1 ulp of bfloat16, and replay's error measure for it, "
+                f"max_abs/(eps*absmax) {m['norm_max']:.3g}, is within its limit {m['limit_max']:.3g}: a change this "
+                f"small is not told apart from rounding error")
         assert note in text and note in md
         assert [q["outcome"] for q in doc["plants"]] == ["within_limit"]
 
