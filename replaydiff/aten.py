@@ -114,6 +114,24 @@ def _writes(func: Any, collective: bool) -> tuple[tuple[int, str, bool], ...]:
     return tuple(out)
 
 
+def _result_writes(func: Any, writes: tuple[tuple[int, str, bool], ...], collective: bool
+                   ) -> tuple[tuple[int, str, bool], ...]:
+    """The written arguments that *are* the op's result: those an in-place or out= op returns (``Tensor(a!)`` in
+    its returns), every written argument of an op that returns nothing (``_foreach_add_``, ``_fused_adam_``) and a
+    collective's tensors. Empty for a functional op that also updates buffers (batch norm's running statistics):
+    its result is its outputs, and what it writes is bookkeeping."""
+    schema = func._schema
+    if collective or not schema.returns:
+        return writes
+    returned: set[str] = set()
+    for r in schema.returns:
+        if _is_write(r.alias_info):
+            returned |= set(r.alias_info.before_set)
+    args = schema.arguments
+    return tuple(w for w in writes
+                 if _is_write(args[w[0]].alias_info) and returned & set(args[w[0]].alias_info.before_set))
+
+
 _BUILTIN_NAMESPACES = frozenset({"aten", "prims", "prim"}) | COLLECTIVE_NAMESPACES | NON_COMPUTE_NAMESPACES
 
 
@@ -153,7 +171,7 @@ def defining_module(func: Any) -> str | None:
 class OpFacts:
     """What the recorder and the replayer need to know of one op overload, worked out once per overload."""
 
-    __slots__ = ("name", "collective", "seeded", "uninitialised", "writes", "view", "module")
+    __slots__ = ("name", "collective", "seeded", "uninitialised", "writes", "result_writes", "view", "module")
 
     def __init__(self, func: Any) -> None:
         self.name = str(func)
@@ -163,6 +181,8 @@ class OpFacts:
         self.seeded = _SEEDED in func.tags
         self.uninitialised = func.overloadpacket.__name__ in UNINITIALISED_PACKETS
         self.writes = _writes(func, self.collective)
+        # what a planted fault perturbs: these written arguments, or (when empty) the op's outputs
+        self.result_writes = _result_writes(func, self.writes, self.collective)
         self.view = bool(getattr(func, "is_view", False))
 
 
@@ -185,10 +205,12 @@ def iter_tensors(v: Any) -> Iterator[torch.Tensor]:
             yield from iter_tensors(x)
 
 
-def written_args(f: OpFacts, args: tuple | list, kwargs: dict) -> list[tuple[tuple[str, int | str], Any]]:
-    """(("arg", i) or ("kwarg", name), value) of each argument the op writes that holds a tensor."""
+def written_args(f: OpFacts, args: tuple | list, kwargs: dict, *, result_only: bool = False
+                 ) -> list[tuple[tuple[str, int | str], Any]]:
+    """(("arg", i) or ("kwarg", name), value) of each argument the op writes that holds a tensor; with
+    ``result_only``, of those that are the op's result (``OpFacts.result_writes``)."""
     out: list[tuple[tuple[str, int | str], Any]] = []
-    for i, name, kwarg_only in f.writes:
+    for i, name, kwarg_only in (f.result_writes if result_only else f.writes):
         if i < len(args) and not kwarg_only:
             path, v = ("arg", i), args[i]
         elif name in kwargs:

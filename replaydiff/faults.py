@@ -14,11 +14,26 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from replaydiff.aten import current_rank, facts, iter_tensors, written_args
 
 
-def _result_tensors(func, args, kwargs, out) -> list[torch.Tensor]:
-    """The op's result: its first written argument (self, out=, a collective's tensors), else its first output."""
-    written = written_args(facts(func), args, kwargs)
-    first = written[0][1] if written else (out[0] if isinstance(out, (tuple, list)) and out else out)
-    return list(iter_tensors(first))
+def _result_tensors(func, args, kwargs, out) -> tuple[str | None, list[torch.Tensor]]:
+    """What a plant perturbs, and its name: the written argument that is the op's result (in-place, out=, a
+    collective's tensors: ``written argument 'self'``), else the op's first floating-point output (``output 1
+    (output 0 is None)``; batch norm's running statistics are bookkeeping, not its result). (None, []) when the op
+    returned no tensor."""
+    written = written_args(facts(func), args, kwargs, result_only=True)
+    if written:
+        (kind, where), value = written[0]
+        name = func._schema.arguments[where].name if kind == "arg" else where
+        return f"written argument {name!r}", list(iter_tensors(value))
+    outputs = list(out) if isinstance(out, (tuple, list)) else [out]
+    tensors = [(i, v) for i, v in enumerate(outputs) if isinstance(v, torch.Tensor)]
+    # the first floating-point output; an op with none (argmax) is named by its first tensor, which holds no float
+    i, t = next(((i, v) for i, v in tensors if v.is_floating_point()), tensors[0] if tensors else (None, None))
+    if t is None:
+        return None, []
+    skipped = [str(j) for j, v in enumerate(outputs[:i]) if v is None]
+    none = f" (output{'s' if len(skipped) > 1 else ''} {', '.join(skipped)} {'are' if len(skipped) > 1 else 'is'} " \
+        f"None)" if skipped else ""
+    return f"output {i}{none}", [t]
 
 
 def _completed(out, results: list[torch.Tensor]):
@@ -50,6 +65,7 @@ class PlantEffect:
     max_ulps: float | None  # largest change from a finite value to a finite value, in ulps of the result's dtype
     nonfinite: int  # elements the plant turned into NaN or Inf
     dtype: str | None  # the floating dtype(s) of the result, e.g. "bfloat16"
+    target: str | None = None  # what was perturbed: "output 0", "written argument 'self'" (None: no tensor)
 
 
 _SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -70,7 +86,7 @@ def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(same_sign, (kb - ka).abs().double(), (kb.double() - ka.double()).abs())
 
 
-def _perturb(results: list[torch.Tensor], rel: float) -> PlantEffect:
+def _perturb(results: list[torch.Tensor], rel: float, target: str | None = None) -> PlantEffect:
     """Multiply each floating result by 1 + ``rel`` in place and count what that changed."""
     elements = nonzero = changed = nonfinite = 0
     max_ulps: float | None = None
@@ -93,7 +109,8 @@ def _perturb(results: list[torch.Tensor], rel: float) -> PlantEffect:
             if name not in dtypes:
                 dtypes.append(name)
             t.copy_(new)
-    return PlantEffect(len(results), elements, nonzero, changed, max_ulps, nonfinite, ", ".join(dtypes) or None)
+    return PlantEffect(len(results), elements, nonzero, changed, max_ulps, nonfinite, ", ".join(dtypes) or None,
+                       target)
 
 
 @dataclass
@@ -129,8 +146,8 @@ class PlantedFault(TorchDispatchMode):
                 if hasattr(w, "wait") and not isinstance(w, torch.Tensor):
                     w.wait()
                     works.append(w)
-        results = _result_tensors(func, args, kwargs, out)
-        self.effect = _perturb(results, self.rel)
+        target, results = _result_tensors(func, args, kwargs, out)
+        self.effect = _perturb(results, self.rel, target)
         if works:
             # gloo copies a result into place again on every wait(): the job's own wait would undo the fault, so
             # it gets a Work that is already complete

@@ -372,14 +372,18 @@ CNN = textwrap.dedent("""
 """)
 
 
+SMALL_PLANT = "aten.convolution_backward.default:1:1e-9"
+ROUNDS_BACK = "changed nothing (all 18 elements of output 1 (output 0 is None) round back to their float32 values)"
+
+
 @pytest.fixture(scope="module")
 def conv_backward_plant(tmp_path_factory):
-    """A plant on the first conv layer's backward: its first result, the input's gradient, is None (the batch needs
-    no gradient), so the plant has nothing to perturb."""
+    """A plant on the first conv layer's backward so small that it changes nothing: its output 0, the input's
+    gradient, is None (the batch needs no gradient), so it lands on output 1, the weight's gradient, where a REL of
+    1e-9 rounds back to every float32 value."""
     cwd = tmp_path_factory.mktemp("plant")
     (cwd / "cnn.py").write_text(CNN)
-    proc = replaydiff_cli("record", "--plant", "aten.convolution_backward.default", "-o", "trace", "--",
-                          sys.executable, "cnn.py", cwd=cwd)
+    proc = replaydiff_cli("record", "--plant", SMALL_PLANT, "-o", "trace", "--", sys.executable, "cnn.py", cwd=cwd)
     return cwd, proc
 
 
@@ -392,10 +396,10 @@ def test_record_says_a_plant_changed_nothing_and_where_it_landed(conv_backward_p
     op = rt[p.index]
     assert (op.name, op.module, op.phase) == ("aten.convolution_backward.default", "Sequential.0", "backward")
     assert op.outputs[0] is None
-    assert (p.landed, p.effect.tensors, p.effect.changed) == (True, 0, 0)
-    assert (f"replaydiff: warning: the planted fault (aten.convolution_backward.default) landed on op #{op.index} "
-            f"aten.convolution_backward.default in Sequential.0 (backward) but changed nothing (its result is None: "
-            f"no tensor to perturb); replay will have nothing to find: plant another call or op\n") in proc.stderr
+    assert (p.landed, p.effect.tensors, p.effect.changed) == (True, 1, 0)
+    assert (f"replaydiff: warning: the planted fault ({SMALL_PLANT}) landed on op #{op.index} "
+            f"aten.convolution_backward.default in Sequential.0 (backward) but {ROUNDS_BACK}; replay will have "
+            f"nothing to find: plant another call or op\n") in proc.stderr
     assert "replay should name that op" not in proc.stderr
 
 
@@ -405,10 +409,10 @@ def test_replay_of_a_plant_that_changed_nothing_says_so_and_exits_0(conv_backwar
     text = replaydiff_cli("replay", "trace", cwd=cwd)
     assert text.returncode == 0, text.stdout + text.stderr
     lines = text.stdout.splitlines()
-    assert lines[0] == (f"PLANTED FAULT (record --plant): aten.convolution_backward.default call 1 x(1+0.001), "
-                        f"op #{rt.planted.index} on rank 0: changed nothing (its result is None: no tensor to perturb)")
-    assert (f"planted fault: op #{rt.planted.index} aten.convolution_backward.default changed nothing (its result is "
-            f"None: no tensor to perturb): there was nothing for replay to find") in lines
+    assert lines[0] == (f"PLANTED FAULT (record --plant): aten.convolution_backward.default call 1 x(1+1e-09), "
+                        f"op #{rt.planted.index} on rank 0: {ROUNDS_BACK}")
+    assert (f"planted fault: op #{rt.planted.index} aten.convolution_backward.default {ROUNDS_BACK}: there was "
+            f"nothing for replay to find") in lines
     assert not any(w in text.stdout for w in ("missed", "NOT", "not found"))
     js = replaydiff_cli("replay", "trace", "--json", "-", cwd=cwd)
     assert js.returncode == 0
@@ -452,7 +456,7 @@ def test_record_of_a_step_the_script_never_reaches(tmp_path):
                           cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr  # the usage code: nothing diverged, step 10 is not in this job
     assert "Traceback" not in proc.stderr, proc.stderr
-    assert "step 10 was never reached: the script ran 3 optimizer steps" in proc.stderr, proc.stderr
+    assert "step 10 was never reached: the script ran 3 steps of its first optimizer" in proc.stderr, proc.stderr
     # neither the trace directory nor the parent made for it is left; the user's directory is
     assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())
 
@@ -523,3 +527,14 @@ def test_show_list_usage_errors(recorded, capsys):
         code, out, err = _cli_main(capsys, "show", cwd / "trace", *args)
         assert code == 2, (args, err)
         assert out == "" and err.count("\n") == 1 and said in err, (args, err)
+
+
+def test_record_help_says_steps_are_counted_on_the_first_optimizer(capsys):
+    """With two optimizers in one loop, --step N is the N-th step() of the first optimizer that steps: --help says
+    so."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["record", "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "which optimizer step to record, from 1 (default 1; with several optimizers, the steps of the first one " \
+           "to step)" in text

@@ -159,11 +159,11 @@ def test_plant_on_an_all_zero_result_changed_nothing_and_every_report_says_so(tm
     assert (p.landed, p.index, p.calls_seen) == (True, op.index, 1)
     assert (p.effect.elements, p.effect.nonzero, p.effect.changed) == (32, 0, 0)
     assert p.describe() == (f"aten.relu.default call 1 x(1+0.001), op #{op.index} on rank 0: "
-                            f"changed nothing (its result is all zeros)")
+                            f"changed nothing (output 0 is all zeros)")
     code, text, doc, md = _replay_and_report(tmp_path / "t", capsys)
     assert code == 0
     assert text[0] == f"PLANTED FAULT (record --plant): {p.describe()}"
-    note = (f"planted fault: op #{op.index} aten.relu.default changed nothing (its result is all zeros): there was "
+    note = (f"planted fault: op #{op.index} aten.relu.default changed nothing (output 0 is all zeros): there was "
             f"nothing for replay to find")
     assert note in text
     assert not any(w in line for line in text for w in ("missed", "NOT", "not found", "failed to"))
@@ -202,20 +202,67 @@ def test_plant_below_bf16_resolution_counts_the_elements_it_changed_and_their_ul
         where = f"aten.convolution.default call 1 x(1+{rel:g}), op #{op.index} on rank 0"
         if rel == 1e-3:  # 1e-3 is a quarter of bfloat16's spacing at most: every element rounds back
             assert changed == 0 and e.max_ulps is None
-            assert rt.planted.describe() == f"{where}: changed nothing (all 144 elements round back to their " \
-                                            f"bfloat16 values)"
+            assert rt.planted.describe() == f"{where}: changed nothing (all 144 elements of output 0 round back to " \
+                                            f"their bfloat16 values)"
             continue
         assert 0 < changed < exact.numel()
         assert e.max_ulps == ((planted.float() - exact.float()).abs() / ulp).max().item() == 1.0
-        assert rt.planted.describe() == (f"{where}: changed {changed} of 144 elements by at most 1 ulp of bfloat16 "
-                                         f"(one rounding: replay may not tell it from rounding error)")
+        assert rt.planted.describe() == (f"{where}: changed {changed} of 144 elements of output 0 by at most 1 ulp "
+                                         f"of bfloat16 (one rounding: replay may not tell it from rounding error)")
         code, text, doc, md = _replay_and_report(tmp_path / f"t{rel}", capsys)
         assert code == 0 and "no divergent op" in "\n".join(text)
         (r,) = [r for r in doc["ops"] if r["index"] == op.index]
         m = r["metrics"]
         note = (f"planted fault: op #{op.index} aten.convolution.default replayed ok: the plant changed {changed} of "
-                f"144 elements by at most 1 ulp of bfloat16, and replay's error measure for it, max_abs/(eps*absmax) "
-                f"{m['norm_max']:.3g}, is within its limit {m['limit_max']:.3g}: a change this small is not told "
-                f"apart from rounding error")
+                f"144 elements of output 0 by at most 1 ulp of bfloat16, and replay's error measure for it, "
+                f"max_abs/(eps*absmax) {m['norm_max']:.3g}, is within its limit {m['limit_max']:.3g}: a change this "
+                f"small is not told apart from rounding error")
         assert note in text and note in md
         assert [q["outcome"] for q in doc["plants"]] == ["within_limit"]
+
+
+def _conv_bn_step(plant: str, path: Path):
+    """One training step of a tiny Conv2d -> BatchNorm2d model, recorded with ``plant``; the input needs no gradient,
+    so the conv's backward returns None for it (output 0); the conv has no bias, whose gradient before a batch norm is
+    zero but for rounding noise. Returns the trace and the model's running mean."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3, bias=False), torch.nn.BatchNorm2d(3))
+    x = torch.randn(2, 2, 5, 5)
+    with record(path, plant=plant):
+        model(x).square().mean().backward()
+    return open_trace(path).rank(0), model[1].running_mean.clone()
+
+
+def test_plant_on_batch_norm_perturbs_its_output_not_its_running_statistics(tmp_path):
+    clean, clean_mean = _conv_bn_step("aten.relu.default", tmp_path / "clean")  # relu never runs: nothing planted
+    rt, mean = _conv_bn_step("aten.native_batch_norm.default:1:1e-2", tmp_path / "bn")
+    op = rt[rt.planted.index]
+    clean_op = next(o for o in clean if o.name == op.name)
+    assert op.name == "aten.native_batch_norm.default"
+    # output 0 (the normalised activations) carries the fault; the running mean the op updates does not
+    assert torch.equal(rt.tensor(op.outputs[0]), (clean.tensor(clean_op.outputs[0]).double() * 1.01).float())
+    assert torch.equal(mean, clean_mean)
+    e = rt.planted.effect
+    assert (e.target, e.tensors, e.elements) == ("output 0", 1, 2 * 3 * 3 * 3)
+    assert rt.planted.describe().startswith(f"aten.native_batch_norm.default call 1 x(1+0.01), op #{op.index}")
+    assert e.describe() == f"changed {e.changed} of 54 elements of output 0 by at most {e.max_ulps:.0f} ulps of " \
+                           f"float32"
+    rh.assert_only_culprit(rh.replay(tmp_path / "bn"), op.index)
+
+
+def test_plant_on_a_backward_whose_first_output_is_none_perturbs_its_first_tensor_output(tmp_path):
+    rt, _ = _conv_bn_step("aten.convolution_backward.default:1:1e-2", tmp_path / "t")
+    op = rt[rt.planted.index]
+    assert op.name == "aten.convolution_backward.default" and op.outputs[0] is None
+    e = rt.planted.effect
+    assert (e.target, e.tensors, e.elements) == ("output 1 (output 0 is None)", 1, 3 * 2 * 3 * 3)
+    assert e.changed > 0 and e.describe().startswith(f"changed {e.changed} of 54 elements of output 1 (output 0 is "
+                                                     f"None)")
+    rh.assert_only_culprit(rh.replay(tmp_path / "t"), op.index)
+
+
+def test_plant_on_an_in_place_op_names_the_written_argument():
+    with PlantedFault("aten.add_.Tensor", rel=1.0) as fault:
+        x = torch.ones(3)
+        x.add_(1.0)
+    assert x.tolist() == [4.0, 4.0, 4.0] and fault.effect.target == "written argument 'self'"

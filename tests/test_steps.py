@@ -418,3 +418,23 @@ def test_record_cli_flight_dumps_on_sigterm_and_the_process_still_dies_of_it(tmp
 def test_record_cli_rejects_bad_step_options(tmp_path, capsys, bad):
     assert cli_main(["record", *bad, "-o", str(tmp_path / "t"), "--", "true"]) == 2
     assert capsys.readouterr().err
+
+
+def test_op_granularity_gradient_series_is_the_modules_backward_not_a_parameters_detach(tmp_path):
+    """A module's gradient series comes from its last backward op that computes (convolution_backward), not from
+    the detach AccumulateGrad makes of its bias gradient after it (which a batch norm makes zero)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2), torch.nn.Flatten(),
+                                torch.nn.Linear(2 * 4 * 4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 1, 6, 6), torch.tensor([0, 2, 1, 0])
+    weight_grads = []
+    with replaydiff.record(tmp_path / "t", tensors="stats", steps="1-3"):
+        for _ in range(3):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            weight_grads.append(model[0].weight.grad.norm().item())  # the conv's backward output 1 (0: x's, None)
+            opt.step()
+            opt.zero_grad()
+    (grad,) = [s for s in compute_trend(open_trace(tmp_path / "t").rank(0)).series
+               if (s.module, s.kind) == ("Sequential.0", "grad")]
+    assert grad.values["l2"] == pytest.approx(weight_grads, rel=1e-5)

@@ -31,7 +31,9 @@ HELP = "record the N-th optimizer step of a training command (or many steps: --s
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--out", default="trace", help="trace directory to write (default: trace)")
-    p.add_argument("--step", type=int, default=1, help="which optimizer step to record, from 1 (default 1)")
+    p.add_argument("--step", type=int, default=1,
+                   help="which optimizer step to record, from 1 (default 1; with several optimizers, the steps of "
+                        "the first one to step)")
     p.add_argument("--tensors", choices=TENSOR_MODES, default="full",
                    help="full: tensor data (default); stats: per-tensor statistics; meta: shapes and dtypes only")
     p.add_argument("--no-compress", action="store_true", help="store raw bytes instead of zstd")
@@ -204,7 +206,7 @@ def _why_nothing(options: RecordOptions, step: int, steps_run: int | None, code:
             return f"the command exited with code {code} before replaydiff's step hook saw it end"
         return "no process of the command ran replaydiff's step hook (is it a Python process that keeps PYTHONPATH?)"
     asked = StepRange.parse(options.steps) if options.steps else StepRange(step, step)
-    ran = f"the script ran {steps_run} optimizer step{'s' if steps_run != 1 else ''}{exited}"
+    ran = f"the script ran {steps_run} step{'s' if steps_run != 1 else ''} of its first optimizer{exited}"
     if steps_run < asked.first:
         return f"step {step} was never reached: {ran}" if not options.steps else \
             f"steps {options.steps} were never reached: {ran}"

@@ -10,7 +10,9 @@ propagates forward through the step, so the first op that changes is where it en
 
 Series are keyed by op *position*: (phase, module, op name, occurrence within that module in the step), which is the
 same op step after step in a training loop without data-dependent control flow. A module's own series are its
-output (the last forward op or ``module.output`` record in it) and its gradient (the last backward one). In module
+output (the last forward op or ``module.output`` record in it) and its gradient (the last backward one that computes:
+the detach AccumulateGrad makes of a parameter's gradient after the module's backward op is not the module's
+gradient, and a conv's bias gradient before a batch norm is zero but for rounding). In module
 granularity each parameter's ``module.param`` record is a series of its own: a weight spike that the module's
 output hides (saturated gates, a norm layer after it) is plain there.
 
@@ -116,8 +118,9 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
     """Series and the first sudden change of one rank's multi-step trace (NoSteps if it has no step numbers)."""
     # op position -> [(step, op number, name, point)]
     positions: dict[tuple, list[tuple[int, int, str, dict[str, float]]]] = {}
-    # (module, kind) -> {step: point}; the last op of that phase in the module wins
+    # (module, kind) -> {step: point}; the last op of that phase in the module wins (in backward: the last computing)
     own: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
+    computed: set[tuple[str, int]] = set()  # (module, step) whose gradient came from an op that computes
     occurrence: dict[tuple, int] = {}
     parameters: dict[int, str | None] = {}  # module.param record number -> the parameter's name
     steps: list[int] = []
@@ -145,8 +148,15 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
         positions.setdefault((*key, k), []).append((step, op.index, op.name, p))
         if op.name == MODULE_PARAM:
             parameters[op.index] = str(op.args[0]) if op.args else None
-        elif module is not None and op.phase in ("forward", "backward"):
-            own.setdefault((module, "output" if op.phase == "forward" else "grad"), {})[step] = p
+        elif module is not None and op.phase == "forward":
+            own.setdefault((module, "output"), {})[step] = p
+        elif module is not None and op.phase == "backward":
+            # a detach or view (cheap) stands for the module only where its backward computed nothing (a Flatten)
+            if not aten.is_cheap(op.name):
+                computed.add((module, step))
+            elif (module, step) in computed:
+                continue
+            own.setdefault((module, "grad"), {})[step] = p
     if not steps:
         raise NoSteps("the trace has no step numbers: record it with --steps (or --flight)")
     first: Change | None = None

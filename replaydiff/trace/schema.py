@@ -654,6 +654,7 @@ _PLANT_OP, _PLANT_CALL, _PLANT_REL, _PLANT_LANDED, _PLANT_SPEC = "op", "call", "
 _PLANT_SEEN, _PLANT_EFFECT = "calls_seen", "effect"  # absent in traces written before a plant's effect was counted
 _EFFECT_COUNTS = ("tensors", "elements", "nonzero", "changed", "nonfinite")
 _EFFECT_ULPS, _EFFECT_DTYPE = "max_ulps", "dtype"
+_EFFECT_TARGET = "target"  # absent in traces written before a plant named what it perturbed
 
 
 def _count(x: float) -> str:
@@ -673,6 +674,7 @@ class PlantEffect:
     max_ulps: float | None  # largest finite-to-finite change, in ulps of dtype (None: no such change)
     nonfinite: int  # elements the plant turned into NaN or Inf
     dtype: str | None
+    target: str | None = None  # what it perturbed: "output 0", "written argument 'self'" (None: unknown or none)
 
     @property
     def changed_nothing(self) -> bool:
@@ -693,17 +695,18 @@ class PlantEffect:
         return self.facts() + (f" ({self.hint})" if self.hint else "")
 
     def facts(self) -> str:
+        what = self.target or "its result"
         if self.changed_nothing:
             if self.tensors == 0:
                 why = "its result is None: no tensor to perturb"
             elif self.elements == 0:
-                why = "its result has no floating-point elements"
+                why = f"{what} has no floating-point elements"
             elif self.nonzero == 0:
-                why = "its result is all zeros"
+                why = f"{what} is all zeros"
             else:
-                why = f"all {self.elements} elements round back to their {self.dtype} values"
+                why = f"all {self.elements} elements of {what} round back to their {self.dtype} values"
             return f"changed nothing ({why})"
-        text = f"changed {self.changed} of {self.elements} elements"
+        text = f"changed {self.changed} of {self.elements} elements" + (f" of {self.target}" if self.target else "")
         if self.nonfinite:
             text += f" ({self.nonfinite} to NaN/Inf)"
         if self.max_ulps is not None:
@@ -711,7 +714,8 @@ class PlantEffect:
         return text
 
     def to_json(self) -> dict:
-        return {**{k: getattr(self, k) for k in _EFFECT_COUNTS}, "max_ulps": self.max_ulps, "dtype": self.dtype}
+        return {**{k: getattr(self, k) for k in _EFFECT_COUNTS}, "max_ulps": self.max_ulps, "dtype": self.dtype,
+                "target": self.target}
 
     @classmethod
     def from_json(cls, d: Any) -> "PlantEffect | None":
@@ -719,12 +723,13 @@ class PlantEffect:
         if not isinstance(d, dict):
             return None
         counts = [d.get(k) for k in _EFFECT_COUNTS]
-        ulps, dtype = d.get(_EFFECT_ULPS), d.get(_EFFECT_DTYPE)
+        ulps, dtype, target = d.get(_EFFECT_ULPS), d.get(_EFFECT_DTYPE), d.get(_EFFECT_TARGET)
         sound = all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts) \
             and (ulps is None or isinstance(ulps, (int, float))) and (dtype is None or isinstance(dtype, str))
         if not sound:
             return None
-        return cls(*counts[:4], None if ulps is None else float(ulps), counts[4], dtype)
+        return cls(*counts[:4], None if ulps is None else float(ulps), counts[4], dtype,
+                   target if isinstance(target, str) else None)
 
 
 def wire_plant(op: str, call: int, rel: float, landed: bool, calls_seen: int | None, effect: Any = None) -> dict:
@@ -734,7 +739,8 @@ def wire_plant(op: str, call: int, rel: float, landed: bool, calls_seen: int | N
     if calls_seen is not None:
         entry[_PLANT_SEEN] = int(calls_seen)
     if effect is not None:
-        entry[_PLANT_EFFECT] = {k: getattr(effect, k) for k in (*_EFFECT_COUNTS, _EFFECT_ULPS, _EFFECT_DTYPE)}
+        entry[_PLANT_EFFECT] = {k: getattr(effect, k, None)
+                                for k in (*_EFFECT_COUNTS, _EFFECT_ULPS, _EFFECT_DTYPE, _EFFECT_TARGET)}
     return entry
 
 
