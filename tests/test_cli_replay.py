@@ -278,3 +278,40 @@ def test_demo_counts_occurrences_from_1_like_plant(tmp_path):
     proc = run_cli("demo", "--occurrence", "0")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert_one_line_error(proc, "--occurrence counts from 1")
+
+
+def _run_cli_from(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """The CLI as its console script runs it (``from replaydiff.cli.main import main``, from a script outside
+    ``cwd``), with ``cwd`` as the current directory."""
+    launcher = cwd.parent / "launch_replaydiff.py"
+    launcher.write_text("import sys\nfrom replaydiff.cli.main import main\nif __name__ == '__main__':\n"
+                        "    sys.exit(main())\n")
+    return subprocess.run([sys.executable, str(launcher), *args], capture_output=True, text=True, timeout=240,
+                          stdin=subprocess.DEVNULL, cwd=cwd)
+
+
+def test_workers_import_the_parents_replaydiff_whatever_the_current_directory(mlp_fault, tmp_path):
+    """Run from a directory holding a ``replaydiff/`` folder (a checkout's parent), the workers imported that folder
+    as an empty namespace package: ImportError in every worker, then a BrokenProcessPool traceback."""
+    path, index = mlp_fault
+    cwd = tmp_path / "work"
+    (cwd / "replaydiff").mkdir(parents=True)
+    proc = _run_cli_from(cwd, "replay", str(path), "--workers", "2")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "ImportError" not in proc.stderr, proc.stderr
+    culprit = [line for line in proc.stdout.splitlines() if line.startswith("first divergent op")]
+    assert len(culprit) == 1 and f"#{index} " in culprit[0], proc.stdout
+
+
+def test_a_worker_that_dies_is_one_line_and_exit_4(mlp_fault, tmp_path):
+    """A worker process that stops (here: an --import module that leaves in worker processes only) is an
+    environment problem told in one line, not a BrokenProcessPool traceback."""
+    path, _ = mlp_fault
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    (cwd / "leave_in_workers.py").write_text(
+        "import multiprocessing, os\nif multiprocessing.parent_process() is not None:\n    os._exit(3)\n")
+    proc = _run_cli_from(cwd, "replay", str(path), "--workers", "2", "--import", "leave_in_workers")
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert_one_line_error(proc, "a replay worker process stopped", "--workers 1")
+    assert "BrokenProcessPool" not in proc.stderr
