@@ -310,10 +310,10 @@ class OpReplayer:
         if bad:
             res.status, res.reason, res.verdict = Status.DIVERGENT, bad[0].reason, bad[0]
         elif judged:
-            res.verdict = max((v for _, v in judged), key=lambda v: v.severity)
-            # why an error over the fixed limits is ok, where one is: another output may be the nearer its limit
-            res.reason = next((v.explanation for v in sorted((v for _, v in judged), key=lambda v: -v.severity)
-                               if v.explanation), None)
+            # The output nearest its limit; but an output over the fixed limits that is ok (ill-conditioned) first,
+            # so the op's figures a reader takes for a divergence come with why they are not one.
+            res.verdict = max((v for _, v in judged), key=lambda v: (v.explanation is not None, v.severity))
+            res.reason = res.verdict.explanation
         elif res.reason is None:
             res.reason = ("scalar result compared exactly" if pairs else
                           "nothing to compare (views of inputs are checked by shape and stride only)")
