@@ -315,3 +315,27 @@ def test_a_worker_that_dies_is_one_line_and_exit_4(mlp_fault, tmp_path):
     assert proc.returncode == 4, proc.stdout + proc.stderr
     assert_one_line_error(proc, "a replay worker process stopped", "--workers 1")
     assert "BrokenProcessPool" not in proc.stderr
+
+
+def test_ops_that_could_not_be_replayed_are_not_clean(tmp_path):
+    """An op whose replay raised (here: a registered reference that fails, as --reference decomp's NotImplemented
+    does) was never judged: replay exits 1 and says how many, as the health report fails its check and exits 1."""
+    path = rh.step_trace("mlp")
+    addmm = [op.index for op in rh.trace_ops(path) if op.name == "aten.addmm.default"]
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    (cwd / "failing_ref.py").write_text(
+        "import replaydiff\n\ndef fail(*args, **kwargs):\n    raise RuntimeError('no reference here')\n\n"
+        "replaydiff.register_reference('aten.addmm.default', fail)\n")
+    proc = _run_cli_from(cwd, "replay", str(path), "--reference-module", "failing_ref",
+                         "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[0].endswith(f" 0 divergent, 0 nondeterministic, 4 skipped, {len(addmm)} error"), \
+        proc.stdout
+    assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("  error ")] == \
+        [f"#{i}" for i in addmm], proc.stdout
+    assert f"not clean: {len(addmm)} op(s) could not be replayed" in proc.stdout
+    assert "every replayed op matches" not in proc.stdout
+    report = _run_cli_from(cwd, "report", str(path), "--replay", str(tmp_path / "r.json"), "--no-probe")
+    assert report.returncode == 1, report.stdout + report.stderr
+    assert f"| ops that could not be replayed | {len(addmm)} | 0 | FAIL |" in report.stdout, report.stdout
