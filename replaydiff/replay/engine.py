@@ -13,6 +13,7 @@ import importlib
 import multiprocessing as mp
 import os
 import sys
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -264,7 +265,7 @@ def replay_trace(path: str, opts: ReplayOptions, workers: int = 1,
                         on_result(r)
                 if progress:
                     progress(n)
-    except cf.process.BrokenProcessPool:
+    except BrokenProcessPool:
         # A worker died: it could not start (its own error above) or was killed (out of memory, a crashing kernel)
         raise EnvironmentProblem(f"a replay worker process stopped before finishing its ops (--workers {workers}); "
                                  f"--workers 1 replays in this process") from None
