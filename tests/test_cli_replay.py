@@ -278,3 +278,64 @@ def test_demo_counts_occurrences_from_1_like_plant(tmp_path):
     proc = run_cli("demo", "--occurrence", "0")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert_one_line_error(proc, "--occurrence counts from 1")
+
+
+def _run_cli_from(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """The CLI as its console script runs it (``from replaydiff.cli.main import main``, from a script outside
+    ``cwd``), with ``cwd`` as the current directory."""
+    launcher = cwd.parent / "launch_replaydiff.py"
+    launcher.write_text("import sys\nfrom replaydiff.cli.main import main\nif __name__ == '__main__':\n"
+                        "    sys.exit(main())\n")
+    return subprocess.run([sys.executable, str(launcher), *args], capture_output=True, text=True, timeout=240,
+                          stdin=subprocess.DEVNULL, cwd=cwd)
+
+
+def test_workers_import_the_parents_replaydiff_whatever_the_current_directory(mlp_fault, tmp_path):
+    """Run from a directory holding a ``replaydiff/`` folder (a checkout's parent), the workers imported that folder
+    as an empty namespace package: ImportError in every worker, then a BrokenProcessPool traceback."""
+    path, index = mlp_fault
+    cwd = tmp_path / "work"
+    (cwd / "replaydiff").mkdir(parents=True)
+    proc = _run_cli_from(cwd, "replay", str(path), "--workers", "2")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "ImportError" not in proc.stderr, proc.stderr
+    culprit = [line for line in proc.stdout.splitlines() if line.startswith("first divergent op")]
+    assert len(culprit) == 1 and f"#{index} " in culprit[0], proc.stdout
+
+
+def test_a_worker_that_dies_is_one_line_and_exit_4(mlp_fault, tmp_path):
+    """A worker process that stops (here: an --import module that leaves in worker processes only) is an
+    environment problem told in one line, not a BrokenProcessPool traceback."""
+    path, _ = mlp_fault
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    (cwd / "leave_in_workers.py").write_text(
+        "import multiprocessing, os\nif multiprocessing.parent_process() is not None:\n    os._exit(3)\n")
+    proc = _run_cli_from(cwd, "replay", str(path), "--workers", "2", "--import", "leave_in_workers")
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert_one_line_error(proc, "a replay worker process stopped", "--workers 1")
+    assert "BrokenProcessPool" not in proc.stderr
+
+
+def test_ops_that_could_not_be_replayed_are_not_clean(tmp_path):
+    """An op whose replay raised (here: a registered reference that fails, as --reference decomp's NotImplemented
+    does) was never judged: replay exits 1 and says how many, as the health report fails its check and exits 1."""
+    path = rh.step_trace("mlp")
+    addmm = [op.index for op in rh.trace_ops(path) if op.name == "aten.addmm.default"]
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    (cwd / "failing_ref.py").write_text(
+        "import replaydiff\n\ndef fail(*args, **kwargs):\n    raise RuntimeError('no reference here')\n\n"
+        "replaydiff.register_reference('aten.addmm.default', fail)\n")
+    proc = _run_cli_from(cwd, "replay", str(path), "--reference-module", "failing_ref",
+                         "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[0].endswith(f" 0 divergent, 0 nondeterministic, 4 skipped, {len(addmm)} error"), \
+        proc.stdout
+    assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("  error ")] == \
+        [f"#{i}" for i in addmm], proc.stdout
+    assert f"not clean: {len(addmm)} op(s) could not be replayed" in proc.stdout
+    assert "every replayed op matches" not in proc.stdout
+    report = _run_cli_from(cwd, "report", str(path), "--replay", str(tmp_path / "r.json"), "--no-probe")
+    assert report.returncode == 1, report.stdout + report.stderr
+    assert f"| ops that could not be replayed | {len(addmm)} | 0 | FAIL |" in report.stdout, report.stdout

@@ -152,3 +152,49 @@ def test_repro_agrees_with_replay(traces, reports, tmp_path):
     assert p.returncode == 1, p.stdout + p.stderr
     line = next(l for l in p.stdout.splitlines() if "recorded vs reference:" in l)
     assert "  DIVERGENT - " in line and culprit.reason.endswith(line.split("  DIVERGENT - ", 1)[1]), line
+
+
+class ConvBN(nn.Module):
+    """conv1 -> ReLU -> conv2 -> BatchNorm -> ReLU: conv2's bias gradient feeds a BatchNorm, so it is a sum that is
+    mathematically zero (its recorded float32 values are rounding noise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2, self.bn = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1), \
+            nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.conv2(torch.relu(self.conv1(x)))))
+
+
+def _conv_bn_step() -> None:
+    torch.manual_seed(0)
+    model = ConvBN()
+    x = torch.randn(8, 3, 8, 8)
+    F.mse_loss(model(x), torch.randn(8, 4, 8, 8)).backward()
+
+
+def test_fp32_replay_recognises_an_ill_conditioned_op_as_fp64_does(tmp_path):
+    """At --precision fp32 a float32 op's reference is its own dtype's run, so its own error cannot be measured
+    against it: the conv bias gradient before a BatchNorm was called divergent "while the op itself is exact".
+    It is judged against float64 instead, as at fp64; a 1e-3 fault planted in that very op is still named."""
+    with replaydiff.record(tmp_path / "clean"):
+        _conv_bn_step()
+    # call 1: the first convolution_backward of the step is conv2's (backward runs in reverse): its grad_input
+    with replaydiff.record(tmp_path / "planted", plant="aten.convolution_backward.default:1:1e-3"):
+        _conv_bn_step()
+    ops = [op for op in replaydiff.open_trace(tmp_path / "clean").rank(0)]
+    conv2 = [op.index for op in ops if op.name == "aten.convolution_backward.default"][0]
+    clean = replay_trace(str(tmp_path / "clean"), ReplayOptions(precision="fp32"))
+    assert clean.first_divergent is None, [(r.index, r.op, r.reason) for r in clean.ops if r.status is Status.DIVERGENT]
+    (r,) = [r for r in clean.ops if r.index == conv2]
+    assert r.status is Status.OK and r.module == "ConvBN.conv2"
+    assert r.reason.startswith("within its own float32 error (ill-conditioned"), r.reason
+    assert r.metrics["ill_conditioned"] is True and r.metrics["precision"] == "fp64"  # judged against float64
+    assert r.metrics["same_dtype_max_abs"] > 0 and r.metrics["norm_max"] > 1000 * r.metrics["limit_max"]
+    assert 0 < r.severity <= 1 and r.verdict.explanation == r.reason
+    planted = replay_trace(str(tmp_path / "planted"), ReplayOptions(precision="fp32"))
+    culprit = planted.first_divergent
+    assert culprit is not None and (culprit.index, culprit.module) == (conv2, "ConvBN.conv2")
+    assert [x.index for x in planted.ops if x.status is Status.DIVERGENT] == [conv2]
+    assert culprit.severity > 1

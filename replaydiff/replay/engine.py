@@ -13,6 +13,7 @@ import importlib
 import multiprocessing as mp
 import os
 import sys
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -221,10 +222,14 @@ def finish(trace: Trace, p: ReplayPlan, results: list[OpResult]) -> ReplayReport
 
 def _pool_context() -> mp.context.BaseContext:
     """Fresh processes (fork after torch has started threads is unsafe), started from a server that has already
-    imported torch and replaydiff, so each worker starts in a fraction of a second instead of seconds."""
+    imported torch, so each worker starts in a fraction of a second instead of seconds.
+
+    Not replaydiff: the server runs with the current directory first on its sys.path (Python 3.11 leaves out the
+    parent's there), so from a directory holding a ``replaydiff/`` folder it would import that as an empty namespace
+    package, which every worker would inherit. Each worker imports replaydiff itself, by the parent's sys.path."""
     try:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["replaydiff.replay.engine"])
+        ctx.set_forkserver_preload(["torch"])
         return ctx
     except ValueError:  # no forkserver on this platform
         return mp.get_context("spawn")
@@ -248,15 +253,20 @@ def replay_trace(path: str, opts: ReplayOptions, workers: int = 1,
         for shard in p.shards:
             results += run_shard(trace.rank(shard.rank), opts, shard, progress, on_result)
         return finish(trace, p, results)
-    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context()) as pool:
-        futures = [(pool.submit(_worker, str(trace.rank(s.rank).root), opts, s), len(s.indices))
-                   for s in p.split(workers)]
-        for fut, n in futures:
-            part = fut.result()
-            results += part
-            if on_result:
-                for r in part:
-                    on_result(r)
-            if progress:
-                progress(n)
+    try:
+        with cf.ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context()) as pool:
+            futures = [(pool.submit(_worker, str(trace.rank(s.rank).root), opts, s), len(s.indices))
+                       for s in p.split(workers)]
+            for fut, n in futures:
+                part = fut.result()
+                results += part
+                if on_result:
+                    for r in part:
+                        on_result(r)
+                if progress:
+                    progress(n)
+    except BrokenProcessPool:
+        # A worker died: it could not start (its own error above) or was killed (out of memory, a crashing kernel)
+        raise EnvironmentProblem(f"a replay worker process stopped before finishing its ops (--workers {workers}); "
+                                 f"--workers 1 replays in this process") from None
     return finish(trace, p, results)

@@ -126,4 +126,6 @@ class ReplayReport:
 
     @property
     def found_problem(self) -> bool:
-        return any(r.status in PROBLEMS for r in self.ops) or self.replicas is not None
+        """Not clean (exit 1): an op divergent or nondeterministic, replicas that part, or an op that could not be
+        replayed (its result was never judged; the health report fails its check too)."""
+        return any(r.status in PROBLEMS or r.status is Status.ERROR for r in self.ops) or self.replicas is not None

@@ -35,6 +35,9 @@ from replaydiff.trace.schema import Opaque, OpRecord, TensorRef, dtype_from_name
 # Held while torch.utils.deterministic.fill_uninitialized_memory is turned off (see _leave_out_unwritten).
 _UNFILLED = threading.Lock()
 
+# The finest reference: what an op's own error at its recorded dtype is measured against (see _calibrate).
+_FINEST = "fp64"
+
 COLLECTIVE_SKIP = "collective: cannot run alone; checked across ranks when all its ranks are in the trace"
 
 # (recorded TensorRef or scalar, replayed value) for each output and written argument of one run
@@ -307,8 +310,10 @@ class OpReplayer:
         if bad:
             res.status, res.reason, res.verdict = Status.DIVERGENT, bad[0].reason, bad[0]
         elif judged:
-            res.verdict = max((v for _, v in judged), key=lambda v: v.severity)
-            res.reason = res.verdict.explanation  # why an error over the fixed limits is ok, if it is
+            # The output nearest its limit; but an output over the fixed limits that is ok (ill-conditioned) first,
+            # so the op's figures a reader takes for a divergence come with why they are not one.
+            res.verdict = max((v for _, v in judged), key=lambda v: (v.explanation is not None, v.severity))
+            res.reason = res.verdict.explanation
         elif res.reason is None:
             res.reason = ("scalar result compared exactly" if pairs else
                           "nothing to compare (views of inputs are checked by shape and stride only)")
@@ -335,25 +340,55 @@ class OpReplayer:
         an input with a large mean, a gradient sum that cancels to almost zero). An output is divergent only if
         its recorded error is more than ``conditioning_factor`` times that. Positions in ``left_out`` (memory an
         empty* op handed out) are not measured.
+
+        Where the reference is no finer than the recorded dtype (a float32 op at ``--precision fp32``), the
+        reference is that dtype's own run, against which the op's own error is 0: the output is then judged, and
+        the op's own error measured, against a float64 run on the CPU instead, as at the default precision, so an
+        ill-conditioned op is recognised whatever the precision asked (the verdict's ``precision`` says fp64).
         """
         # On the CPU whatever the replay device: a kernel bug on the replay GPU must not explain itself away.
         args, kwargs = _Inputs(self.trace, "same", True, torch.device("cpu"), None).build(op)
         # the same results as the upcast run compared (kernel-path bookkeeping left out of both), so they align
         same_pairs = _pairs(op, func(*args, **kwargs), args, kwargs, False)
+        fine_pairs: Pairs | None = None  # the float64 run, made only when some output needs it
         f = self.opts.tolerances.conditioning_factor
         result = []
         for n, v in judged:
             same, value = same_pairs[n][1] if n < len(same_pairs) else None, pairs[n][1]
             recorded = self.trace.tensor(pairs[n][0]) if v.divergent and isinstance(same, torch.Tensor) else None
+            fine = None
+            if recorded is not None and isinstance(v.measure, FloatError) and value.dtype == same.dtype \
+                    and target_dtype(_FINEST, same.dtype) != same.dtype:
+                if fine_pairs is None:
+                    fine_pairs = self._fine_pairs(op, func)
+                fine = fine_pairs[n][1] if n < len(fine_pairs) else None
+                if not (isinstance(fine, torch.Tensor) and fine.shape == value.shape):
+                    fine = None  # no float64 run to judge by: the verdict stays the one at the precision asked
             if n in left_out and recorded is not None and same.shape == value.shape:
                 keep = ~left_out[n]
                 same, value, recorded = same[keep], value[keep], recorded[keep.to(recorded.device)]
+                fine = fine[keep] if fine is not None else None
             if v.divergent and isinstance(v.measure, NonfiniteMismatch) and recorded is not None:
                 v = self._nonfinite_explained(recorded, same, v)
+            if fine is not None:
+                v = with_precision(judge(recorded, fine.to(recorded.device), self.opts.tolerances,
+                                         v.reduction_k or 1), _FINEST)
+                if not v.divergent:
+                    result.append((n, v))
+                    continue
+                value = fine
             if v.divergent and isinstance(v.measure, FloatError) and recorded is not None:
                 v = calibrated(v, measure(same, value), str(same.dtype).removeprefix("torch."), f)
             result.append((n, v))
         return result
+
+    def _fine_pairs(self, op: OpRecord, func: Any) -> Pairs:
+        """The op run at float64 on the CPU, paired as the replay's run is (empty when it has no such kernel)."""
+        try:
+            args, kwargs = _Inputs(self.trace, _FINEST, False, torch.device("cpu"), None).build(op)
+            return _pairs(op, func(*args, **kwargs), args, kwargs, False)
+        except (RuntimeError, NotImplementedError):
+            return []
 
     def _nonfinite_explained(self, recorded: torch.Tensor, same: torch.Tensor, v: Verdict) -> Verdict:
         """NaN/Inf recorded where the upcast reference has none is no divergence when the op makes exactly those

@@ -50,8 +50,8 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> No
         out.write(f"  error   {op_line(r)}: {r.reason}\n")
     first = report.first_divergent
     if first is None and errors:  # ops that could not be replayed were not checked: do not call them matching
-        out.write(f"no divergent op among the ops replayed, but {len(errors)} op(s) could not be replayed "
-                  f"(listed above)\n")
+        out.write(f"not clean: {len(errors)} op(s) could not be replayed, so were not judged (listed above); no "
+                  f"divergent op among the others\n")
     elif first is None:
         out.write("no divergent op: every replayed op matches its recorded output within tolerance\n")
     else:
