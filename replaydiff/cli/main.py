@@ -46,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     try:
+        if isinstance(getattr(args, "json", None), str):  # --json FILE of any verb: refused before the work
+            from replaydiff.cli.progress import check_json_dest
+
+            check_json_dest(args.json)
         return int(args.run(args) or 0)
     except ReplaydiffError as exc:
         if args.verbose:
