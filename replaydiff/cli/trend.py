@@ -11,7 +11,7 @@ import sys
 
 from replaydiff.cli.progress import write_json
 from replaydiff.errors import UsageError
-from replaydiff.report.trend import (DEFAULT_THRESHOLD, DEFAULT_WINDOW, NoSteps, compute_trend, render_svg,
+from replaydiff.report.trend import (DEFAULT_THRESHOLD, DEFAULT_WINDOW, NoTrend, compute_trend, render_svg,
                                      render_trend)
 from replaydiff.trace import open_trace
 
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     rank = t.ranks[0] if args.rank is None else args.rank
     try:
         trend = compute_trend(t.rank(rank), args.module, args.window, args.threshold)
-    except NoSteps as exc:
+    except NoTrend as exc:
         raise UsageError(f"{args.trace}: {exc}") from None
     if args.json != "-":
         render_trend(trend, sys.stdout)
