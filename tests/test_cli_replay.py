@@ -204,6 +204,16 @@ def test_bad_option_exits_2(bad):
     assert proc.stdout == ""
 
 
+def test_a_mistyped_option_prints_the_usage_of_its_verb(capsys):
+    """`replay TRACE --bogus` printed `usage: replaydiff [-h] [--version] [-v] COMMAND ...`, not replay's usage."""
+    with pytest.raises(SystemExit) as exc:
+        run_main(capsys, "replay", str(rh.step_trace("mlp")), "--bogus")
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert err.startswith("usage: replaydiff replay ") and "--precision" in err, err
+    assert err.splitlines()[-1] == "replaydiff: error: unrecognized arguments: --bogus"
+
+
 def test_demo_names_the_planted_op():
     proc = run_cli("demo")
     assert proc.returncode == 0, proc.stdout + proc.stderr
