@@ -270,9 +270,10 @@ def _steps_text(steps: list[int]) -> str:
 
 
 def _reports(folder: str) -> tuple[int | None, list[int]]:
-    """What the job's processes reported at exit: the most optimizer steps any of them ran (None: none said) and
+    """What the job's processes reported at exit: the most optimizer steps any of them ran (None: none said, or one
+    finished recording every step asked for: the count of a launcher such as torchrun, 0, says nothing then) and
     their ranks."""
-    counts, ranks = [], set()
+    counts, ranks, finished = [], set(), False
     for p in Path(folder).glob("*.json"):
         try:
             report = json.loads(p.read_text())
@@ -280,11 +281,12 @@ def _reports(folder: str) -> tuple[int | None, list[int]]:
             continue
         if not isinstance(report, dict):
             continue
+        finished = finished or report.get("finished") is True
         if isinstance(report.get("steps"), int):
             counts.append(report["steps"])
         if isinstance(report.get("rank"), int):
             ranks.add(report["rank"])
-    return (max(counts) if counts else None), sorted(ranks)
+    return (max(counts) if counts and not finished else None), sorted(ranks)
 
 
 def _missing_dirs(path: Path) -> list[Path]:
