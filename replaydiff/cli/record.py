@@ -4,7 +4,9 @@ The child runs with replaydiff's step hook armed (also under torchrun: one rank<
 code is passed through, and the next commands that fit the trace are printed. When the script never reaches the step
 asked for (or no process has a rank of --ranks), nothing is recorded: that is said, the empty directory made for the
 trace is removed, and the exit code is 2 (a usage error: the request named a step or rank the job does not have;
-1 would claim a divergence) unless the script itself failed, whose code is passed through.
+1 would claim a divergence) unless the script itself failed, whose code is passed through. A step begun after the
+script's last one (``--step 6`` of a 5-step script) was never reached either: what the recorder wrote of the script's
+tail is removed. A range partly reached (``--steps 4-6``) names the steps recorded and those never reached, exit 0.
 """
 from __future__ import annotations
 
