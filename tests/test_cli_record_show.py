@@ -461,6 +461,57 @@ def test_record_of_a_step_the_script_never_reaches(tmp_path):
     assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())
 
 
+@pytest.mark.slow
+def test_record_of_the_step_after_the_last_is_never_reached_and_a_range_says_what_it_got(tmp_path):
+    """`--step 4` of a 3-step script said `recorded step 4` with exit 0 and wrote the script's tail after its last
+    step as a 2-op trace; `--steps 2-4` said `recorded steps 2-4`. Now the one is like `--step 10` (exit 2, no
+    directory) and the other names the steps it got and the one it never reached, exit 0."""
+    (tmp_path / "train.py").write_text(TRAIN.replace("sys.exit(3)", ""))
+    proc = replaydiff_cli("record", "--step", "4", "-o", "s4", "--", sys.executable, "train.py", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "nothing was recorded into s4: step 4 was never reached: the script ran 3 steps of its first optimizer" \
+        in proc.stderr, proc.stderr
+    assert "recorded step" not in proc.stderr and not (tmp_path / "s4").exists(), proc.stderr
+    proc = replaydiff_cli("record", "--steps", "2-4", "-o", "s24", "--", sys.executable, "train.py", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "recorded steps 2-3 into s24 (1 rank(s)). Step 4 was never reached: the script ran 3 steps of its first optimizer." \
+        in proc.stderr, proc.stderr
+    assert "recorded steps 2-4" not in proc.stderr and proc.stdout.startswith("LOSSES"), proc.stderr
+
+
+@pytest.mark.slow
+def test_record_with_no_process_of_the_ranks_asked_says_the_rank_it_ran_as(tmp_path):
+    """`--ranks 7` of a single-process job said `no process of the command ran replaydiff's step hook (is it a
+    Python process that keeps PYTHONPATH?)`: the hook ran, in rank 0."""
+    (tmp_path / "train.py").write_text(TRAIN.replace("sys.exit(3)", ""))
+    proc = replaydiff_cli("record", "--step", "2", "--ranks", "7", "-o", "rk", "--", sys.executable, "train.py",
+                          cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == \
+        "replaydiff: nothing was recorded into rk: no process of the command had a rank in --ranks 7: it ran as " \
+        "rank 0", proc.stderr
+    assert not (tmp_path / "rk").exists()
+
+
+def test_force_is_offered_only_for_a_directory_it_would_replace(recorded, tmp_path, monkeypatch, capsys):
+    """`record -o other` on a folder holding a user's file said `pass --force to replace it`, and --force then
+    refused. A trace is still offered --force; the other folder is said not to be one."""
+    cwd, _ = recorded
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    shutil.copytree(cwd / "trace", tmp_path / "old")
+    monkeypatch.chdir(tmp_path)
+    before = tree(tmp_path)
+    code, _, err = _cli_main(capsys, "record", "-o", "other", "--", sys.executable, "-c", "pass")
+    assert code == 2 and err.strip() == (
+        "replaydiff: error: other exists and is not empty, and --force would not replace it: notes.txt is not a "
+        "rank<N>/ directory of a trace (remove it yourself or choose another directory); choose another -o"), err
+    code, _, err = _cli_main(capsys, "record", "-o", "old", "--", sys.executable, "-c", "pass")
+    assert code == 2, err
+    assert err.strip() == "replaydiff: error: old exists and holds a trace; pass --force to replace it", err
+    assert tree(tmp_path) == before
+
+
 def _cli_main(capsys, *args) -> tuple[int, str, str]:
     from replaydiff.cli.main import main
 

@@ -204,6 +204,16 @@ def test_bad_option_exits_2(bad):
     assert proc.stdout == ""
 
 
+def test_a_mistyped_option_prints_the_usage_of_its_verb(capsys):
+    """`replay TRACE --bogus` printed `usage: replaydiff [-h] [--version] [-v] COMMAND ...`, not replay's usage."""
+    with pytest.raises(SystemExit) as exc:
+        run_main(capsys, "replay", str(rh.step_trace("mlp")), "--bogus")
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert err.startswith("usage: replaydiff replay ") and "--precision" in err, err
+    assert err.splitlines()[-1] == "replaydiff: error: unrecognized arguments: --bogus"
+
+
 def test_demo_names_the_planted_op():
     proc = run_cli("demo")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -260,6 +270,34 @@ def test_an_op_range_that_selects_nothing_is_a_usage_error(capsys):
     proc = run_main(capsys, "replay", path, "--from", str(last), "--to", str(last + 50))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith(f"replayed 1 ops of {path}"), proc.stdout
+
+
+def test_an_ops_glob_that_selects_nothing_is_a_usage_error(capsys):
+    """`--ops 'nosuch*'` replayed nothing ("0 ok ... N skipped") and said that every replayed op matches, exit 0."""
+    path = str(rh.step_trace("mlp"))
+    proc = run_main(capsys, "replay", path, "--ops", "nosuch*")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == f"replaydiff: error: --ops nosuch* matches no op of the trace, so nothing would be " \
+                          f"replayed (`replaydiff show {path} --list` lists the ops)\n"
+    assert proc.stdout == ""
+    proc = run_main(capsys, "replay", path, "--ops", "aten.mm*", "--from", "0", "--to", "0")
+    assert proc.returncode == 2 and "matches no op of the trace within --from/--to" in proc.stderr, proc.stderr
+    proc = run_main(capsys, "replay", path, "--ops", "nosuch*", "--ops", "aten.mm*")
+    assert proc.returncode == 0 and "skipped" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("verb", ["replay", "diff", "trend"])
+def test_a_json_file_in_a_missing_directory_is_refused_before_the_work(capsys, tmp_path, verb):
+    """`replay --json /nonexistent/dir/x.json` replayed everything, then died in a FileNotFoundError traceback."""
+    path = str(rh.step_trace("mlp"))
+    dest = str(tmp_path / "nosuch" / "x.json")
+    traces = [path, path] if verb == "diff" else [path]
+    proc = run_main(capsys, verb, *traces, "--json", dest)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == f"replaydiff: error: --json {dest}: the directory {tmp_path / 'nosuch'} does not exist\n"
+    assert proc.stdout == ""  # refused before a single op was replayed or compared
+    proc = run_main(capsys, verb, *traces, "--json", str(tmp_path))
+    assert proc.returncode == 2 and proc.stderr.endswith("is a directory: give a file name\n"), proc.stderr
 
 
 @pytest.mark.slow

@@ -208,6 +208,32 @@ def test_trend_of_a_one_step_trace_is_a_usage_error(tmp_path, capsys):
     assert "--steps" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("tensors", ["stats", "full", "meta"])
+def test_trend_says_the_true_reason_it_has_nothing_to_draw(tmp_path, capsys, tensors):
+    """`trend --module nosuch` of a --steps 1-5 trace, and trend of a full or meta multi-step trace, said `the trace
+    has no step numbers: record it with --steps`: each has steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with replaydiff.record(tmp_path / "t", tensors=tensors, steps="1-3"):
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+    t = str(tmp_path / "t")
+    assert cli_main(["trend", t, "--module", "nosuch"]) == 2
+    assert capsys.readouterr().err == f"replaydiff: error: {t}: --module nosuch matches no module of the trace " \
+                                      f"(its modules: Sequential.0, Sequential.1, Sequential.2)\n"
+    if tensors == "stats":
+        assert cli_main(["trend", t, "--json", "-"]) == 0
+        assert json.loads(capsys.readouterr().out)["steps"] == [1, 2, 3]
+        return
+    what = {"full": "tensor data (--tensors full)", "meta": "shapes and dtypes only (--tensors meta)"}[tensors]
+    assert cli_main(["trend", t]) == 2
+    assert capsys.readouterr().err == f"replaydiff: error: {t}: the trace holds {what}, not the per-tensor " \
+                                      f"statistics trend draws: record it with --tensors stats --steps A-B\n"
+
+
 # -- statistics: equal to those computed from the stored bytes ------------------------------------------------------
 def _stats_of(x: torch.Tensor) -> list[float]:
     x = x.detach().reshape(-1).to(torch.float64)

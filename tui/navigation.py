@@ -102,7 +102,7 @@ class Navigation:
 
     def action_trend(self) -> None:
         """The per-module series of a multi-step trace (recorded with --steps or --flight) and its first change."""
-        from replaydiff.report.trend import NoSteps, compute_trend
+        from replaydiff.report.trend import NoSteps, NoTrend, compute_trend
 
         trend = self._trends.get(self.rank)
         if trend is None:
@@ -112,6 +112,9 @@ class Navigation:
             except NoSteps:
                 self.notify("no trend: this trace has one step (record with --steps or --flight for many)",
                             timeout=4)
+                return
+            except NoTrend as exc:  # many steps, but nothing to draw (no statistics in the trace)
+                self.notify(f"no trend: {exc}", timeout=4)
                 return
             self._trends[self.rank] = trend
         self.push_screen(TrendScreen(trend), self._picked)

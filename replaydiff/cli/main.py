@@ -34,18 +34,24 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="show tracebacks for errors")
         mod.prepare_parser(sp)
-        sp.set_defaults(run=mod.run)
+        sp.set_defaults(run=mod.run, verb_parser=sp)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # a mistyped option: the usage of the verb it was given to, not the top-level one
+        (getattr(args, "verb_parser", None) or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "verb", None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     try:
+        if isinstance(getattr(args, "json", None), str):  # --json FILE of any verb: refused before the work
+            from replaydiff.cli.progress import check_json_dest
+
+            check_json_dest(args.json)
         return int(args.run(args) or 0)
     except ReplaydiffError as exc:
         if args.verbose:

@@ -4,7 +4,9 @@ The child runs with replaydiff's step hook armed (also under torchrun: one rank<
 code is passed through, and the next commands that fit the trace are printed. When the script never reaches the step
 asked for (or no process has a rank of --ranks), nothing is recorded: that is said, the empty directory made for the
 trace is removed, and the exit code is 2 (a usage error: the request named a step or rank the job does not have;
-1 would claim a divergence) unless the script itself failed, whose code is passed through.
+1 would claim a divergence) unless the script itself failed, whose code is passed through. A step begun after the
+script's last one (``--step 6`` of a 5-step script) was never reached either: what the recorder wrote of the script's
+tail is removed. A range partly reached (``--steps 4-6``) names the steps recorded and those never reached, exit 0.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from replaydiff.record.options import GRANULARITIES, TENSOR_MODES, RecordOptions
 from replaydiff.record.step import ENV_VAR
 from replaydiff.record.step_range import StepRange
 from replaydiff.trace import open_trace
-from replaydiff.trace.layout import remove_trace
+from replaydiff.trace.layout import NotReplaceable, remove_trace, replaceable_files
 from replaydiff.trace.schema import PlantedFaultInfo
 
 NAME = "record"
@@ -143,7 +145,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"-o {args.out} is not a directory (a file is there); a trace is a directory")
     if out.exists() and any(out.iterdir()):
         if not args.force:
-            raise UsageError(f"{args.out} exists and is not empty; pass --force to replace it")
+            try:  # offer --force only where it would replace what is there
+                replaceable_files(args.out)
+            except NotReplaceable as exc:
+                raise UsageError(f"{args.out} exists and is not empty, and --force would not replace it: "
+                                 f"{exc.why}; choose another -o") from None
+            raise UsageError(f"{args.out} exists and holds a trace; pass --force to replace it")
         remove_trace(args.out)  # a trace only, file by file; anything else is refused
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
@@ -157,16 +164,35 @@ def run(args: argparse.Namespace) -> int:
         _remove_empty(made)
         raise UsageError(f"command not found: {cmd[0]}") from None
     finally:
-        steps_run = _steps_run(status)
+        steps_run, job_ranks = _reports(status)
         shutil.rmtree(status, ignore_errors=True)
     code = code if code >= 0 else 128 - code
     ranks = sorted(p.name for p in out.iterdir() if p.is_dir() and p.name.startswith("rank"))
+    asked = StepRange.parse(options.steps) if options.steps else StepRange(args.step, args.step)
+    done, missed = _reached(asked, steps_run) if ranks and not options.flight else ([], [])
+    if ranks and not done and missed and not code:
+        # The recorder began the first step asked for after the script's last one, and the script ended: what it
+        # holds is the tail of the script after its last step, not a step. It was written by this run: removed, as
+        # when the step is never begun (the CLI says why below).
+        try:
+            remove_trace(out)
+            ranks = []
+        except UsageError:
+            pass
     if ranks and options.plant:
         sys.stderr.write("".join(line + "\n" for line in plant_lines(out, options.plant)))
     if ranks:
-        what = "the flight recorder" if options.flight else f"steps {options.steps}" if options.steps else \
-            f"step {args.step}"
-        sys.stderr.write(f"replaydiff: recorded {what} into {args.out} ({len(ranks)} rank(s)). "
+        what = "the flight recorder" if options.flight else \
+            _steps_text(done) if missed else f"steps {options.steps}" if options.steps else f"step {args.step}"
+        note = ""
+        if missed:
+            ran = _ran(steps_run, code)
+            note = f" {_steps_text(missed).capitalize()} {'was' if len(missed) == 1 else 'were'} never " \
+                   f"reached: {ran}." if done else \
+                f" {_steps_text(missed).capitalize()} {'was' if len(missed) == 1 else 'were'} not completed: " \
+                f"{ran}; the trace holds what ran of step {missed[0]} before the script ended."
+        recorded = f"recorded {what}" if done or not missed else "recorded part of a step"
+        sys.stderr.write(f"replaydiff: {recorded} into {args.out} ({len(ranks)} rank(s)).{note} "
                          + next_commands(out, args.out))
         return code
     _remove_empty(made)
@@ -175,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
                          f"(--flight-at-exit writes the last {options.flight} steps at exit)\n")
         return code
     sys.stderr.write(f"replaydiff: nothing was recorded into {args.out}: "
-                     f"{_why_nothing(options, args.step, steps_run, code)}\n")
+                     f"{_why_nothing(options, args.step, steps_run, code, job_ranks)}\n")
     return code or EXIT_USAGE
 
 
@@ -199,31 +225,72 @@ def next_commands(out: Path, shown: str) -> str:
     return f"Next{note}:\n" + "".join(f"  {line}\n" for line in lines)
 
 
-def _why_nothing(options: RecordOptions, step: int, steps_run: int | None, code: int) -> str:
+def _ran(steps_run: int | None, code: int) -> str:
     exited = f" (it exited with code {code})" if code else ""
-    if steps_run is None:  # no process of the command ran our hook to its end
+    return f"the script ran {steps_run} step{'s' if steps_run != 1 else ''} of its first optimizer{exited}"
+
+
+def _why_nothing(options: RecordOptions, step: int, steps_run: int | None, code: int,
+                 job_ranks: list[int] | None = None) -> str:
+    asked_ranks = ",".join(map(str, options.ranks or []))
+    if options.ranks is not None and job_ranks and not set(job_ranks) & set(options.ranks):
+        had = f"rank{'s' if len(job_ranks) > 1 else ''} {','.join(map(str, job_ranks))}"
+        return f"no process of the command had a rank in --ranks {asked_ranks}: the job's processes had {had}" \
+            if len(job_ranks) > 1 else f"no process of the command had a rank in --ranks {asked_ranks}: " \
+                                       f"it ran as {had}"
+    if steps_run is None:  # no process of the command told how many steps it ran
         if code:
             return f"the command exited with code {code} before replaydiff's step hook saw it end"
+        if job_ranks:
+            return "the step hook ran, but no process said how many optimizer steps it ran"
         return "no process of the command ran replaydiff's step hook (is it a Python process that keeps PYTHONPATH?)"
     asked = StepRange.parse(options.steps) if options.steps else StepRange(step, step)
-    ran = f"the script ran {steps_run} step{'s' if steps_run != 1 else ''} of its first optimizer{exited}"
+    ran = _ran(steps_run, code)
     if steps_run < asked.first:
         return f"step {step} was never reached: {ran}" if not options.steps else \
             f"steps {options.steps} were never reached: {ran}"
     if options.ranks is not None:
-        return f"{ran}, but no process had a rank in --ranks {','.join(map(str, options.ranks))}"
+        return f"{ran}, but no process had a rank in --ranks {asked_ranks}"
     return f"{ran}, and none of them was recorded"
 
 
-def _steps_run(folder: str) -> int | None:
-    """The most optimizer steps any process of the job reported (None: none reported)."""
-    counts = []
+def _reached(asked: StepRange, steps_run: int | None) -> tuple[list[int], list[int]]:
+    """The steps asked for that the script completed, and those it never completed (both empty when unknown: a
+    recorder that finished its range reports no count, and an open range has no end to miss)."""
+    if steps_run is None or asked.last is None or steps_run >= asked.last:
+        return [], []
+    chosen = range(asked.first, asked.last + 1, asked.every)
+    return [s for s in chosen if s <= steps_run], [s for s in chosen if s > steps_run]
+
+
+def _steps_text(steps: list[int]) -> str:
+    """``step 6``, ``steps 4-5``, ``steps 2,4`` or ``steps 10-2000:10`` (the syntax of --steps)."""
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    every = steps[1] - steps[0]
+    if len(steps) == 2 and every > 1:
+        return f"steps {steps[0]},{steps[1]}"
+    return f"steps {steps[0]}-{steps[-1]}" + (f":{every}" if every > 1 else "")
+
+
+def _reports(folder: str) -> tuple[int | None, list[int]]:
+    """What the job's processes reported at exit: the most optimizer steps any of them ran (None: none said, or one
+    finished recording every step asked for: the count of a launcher such as torchrun, 0, says nothing then) and
+    their ranks."""
+    counts, ranks, finished = [], set(), False
     for p in Path(folder).glob("*.json"):
         try:
-            counts.append(int(json.loads(p.read_text())["steps"]))
-        except (OSError, ValueError, KeyError, TypeError):
+            report = json.loads(p.read_text())
+        except (OSError, ValueError):
             continue
-    return max(counts) if counts else None
+        if not isinstance(report, dict):
+            continue
+        finished = finished or report.get("finished") is True
+        if isinstance(report.get("steps"), int):
+            counts.append(report["steps"])
+        if isinstance(report.get("rank"), int):
+            ranks.add(report["rank"])
+    return (max(counts) if counts and not finished else None), sorted(ranks)
 
 
 def _missing_dirs(path: Path) -> list[Path]:

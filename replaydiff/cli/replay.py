@@ -1,8 +1,9 @@
 """Replay every op of a trace alone from its recorded inputs and name the earliest divergent op.
 
 Exit code 0 when nothing diverged, 1 when something did (or was nondeterministic), 2 for a usage error (a trace
-recorded with --tensors stats or meta, which holds no data to replay; a --from/--to range with no op in it; a rank
-the trace does not hold), 3 for an unreadable trace, 4 when the device is missing.
+recorded with --tensors stats or meta, which holds no data to replay; a --from/--to range or --ops glob with no op
+in it; a --json FILE that cannot be written; a rank the trace does not hold), 3 for an unreadable trace, 4 when
+the device is missing.
 """
 from __future__ import annotations
 

@@ -7,11 +7,11 @@ Exit code 1 when a sudden change is found, 0 when none.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from replaydiff.cli.progress import write_json
 from replaydiff.errors import UsageError
-from replaydiff.report.trend import (DEFAULT_THRESHOLD, DEFAULT_WINDOW, NoSteps, compute_trend, render_svg,
+from replaydiff.report.trend import (DEFAULT_THRESHOLD, DEFAULT_WINDOW, NoTrend, compute_trend, render_svg,
                                      render_trend)
 from replaydiff.trace import open_trace
 
@@ -38,16 +38,12 @@ def run(args: argparse.Namespace) -> int:
     rank = t.ranks[0] if args.rank is None else args.rank
     try:
         trend = compute_trend(t.rank(rank), args.module, args.window, args.threshold)
-    except NoSteps as exc:
+    except NoTrend as exc:
         raise UsageError(f"{args.trace}: {exc}") from None
-    if args.json == "-":
-        json.dump(trend.to_json(), sys.stdout)
-        sys.stdout.write("\n")
-    else:
+    if args.json != "-":
         render_trend(trend, sys.stdout)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(trend.to_json(), f)
+    if args.json:
+        write_json(args.json, trend.to_json(), indent=None)
     if args.plot:
         with open(args.plot, "w") as f:
             render_svg(trend, f)

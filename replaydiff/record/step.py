@@ -21,16 +21,18 @@ _armed = False  # once per process. The recorder itself is held only by its hook
 
 
 def _report_steps(folder: str, recorder: "weakref.ref[Any]") -> None:
-    """Tell ``replaydiff record`` how many optimizer steps this process ran, so that a step the script never reaches
-    is said as such ("the script ran 4 optimizer steps"): one small file per process in a folder the CLI made. The
-    recorder is reached through a weak reference: one that finished recording is gone by now, and then its trace
-    says what was recorded."""
+    """Tell ``replaydiff record`` this process's rank and how many optimizer steps it ran, so that a step the script
+    never reaches ("the script ran 4 optimizer steps") and a job with no rank of --ranks ("it ran as rank 0") are
+    said as such: one small file per process in a folder the CLI made. The recorder is reached through a weak
+    reference: one that finished recording is gone by now: it says "finished" (every step asked for was reached),
+    not how many steps ran."""
     try:
+        from replaydiff.aten import current_rank
+
         rec = recorder()
-        if rec is None:
-            return
         with open(os.path.join(folder, f"{os.getpid()}.json"), "w") as f:
-            json.dump({"steps": rec.steps_done}, f)
+            json.dump({"steps": rec.steps_done if rec is not None else None, "finished": rec is None,
+                       "rank": current_rank()[0]}, f)
     except Exception:
         pass
 

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from replaydiff.aten import matches_any
 from replaydiff.errors import EnvironmentProblem, UsageError
 from replaydiff.replay.collectives import CollectiveChecker
 from replaydiff.replay.replicas import first_replica_break
@@ -154,7 +155,22 @@ def plan(trace: Trace, opts: ReplayOptions) -> ReplayPlan:
         p.shards.append(Shard(r, tuple(i for i in range(len(idx)) if idx.recorded[i]
                                        and (opts.first is None or i >= opts.first)
                                        and (opts.last is None or i <= opts.last))))
+    check_ops_selected(trace, opts, p.shards)
     return p
+
+
+def check_ops_selected(trace: Trace, opts: ReplayOptions, shards: list[Shard]) -> None:
+    """UsageError when ``--ops`` matches no op that would be replayed: a replay of nothing would say that every
+    replayed op matches (exit 0), as --from/--to with no op in range already refuses."""
+    if not opts.ops:
+        return
+    for shard in shards:
+        names = trace.rank(shard.rank).index.name
+        if any(matches_any(names[i], opts.ops) for i in shard.indices):
+            return
+    within = " within --from/--to" if opts.first is not None or opts.last is not None else ""
+    raise UsageError(f"--ops {' '.join(opts.ops)} matches no op of the trace{within}, so nothing would be replayed "
+                     f"(`replaydiff show {trace.path} --list` lists the ops)")
 
 
 def replay_threads(rt: RankTrace, opts: ReplayOptions) -> int | None:

@@ -96,7 +96,11 @@ def _finite_or_none(v: float | None) -> float | None:
     return v if v is None or math.isfinite(v) else None
 
 
-class NoSteps(ValueError):
+class NoTrend(ValueError):
+    """The trace has nothing ``trend`` can draw; the message says why and what would."""
+
+
+class NoSteps(NoTrend):
     """The trace has no step numbers (recorded without ``--steps`` or ``--flight``)."""
 
 
@@ -126,13 +130,19 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
     steps: list[int] = []
     current = None
     n = 0
+    stepped = matched = 0  # ops with a step, and those of them the module filter keeps: why nothing is drawn
+    modules: set[str] = set()
     for op in r:
         step = op.step
         if step is None:
             continue
+        stepped += 1
         module = op.module
         if module_glob is not None and (module is None or not fnmatch.fnmatchcase(module, module_glob)):
+            if module is not None and not matched:
+                modules.add(module)
             continue
+        matched += 1
         p = _point(op)
         if p is None:
             continue
@@ -158,7 +168,7 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
                 continue
             own.setdefault((module, "grad"), {})[step] = p
     if not steps:
-        raise NoSteps("the trace has no step numbers: record it with --steps (or --flight)")
+        raise _why_no_trend(r, stepped, matched, module_glob, modules)
     first: Change | None = None
     for (phase, module, name, _), points in positions.items():
         c = _first_change(points, phase, module, window, threshold)
@@ -175,6 +185,24 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
                 s.values[name].append(None if p is None else p[name])
         series.append(s)
     return Trend(r.rank, steps, series, first, window, threshold, module_glob, n)
+
+
+def _why_no_trend(r: RankTrace, stepped: int, matched: int, module_glob: str | None,
+                  modules: set[str]) -> NoTrend:
+    """The true reason a trace gave no series: no step numbers, a --module filter that matched nothing, or no
+    tensor statistics (a trace of tensor data or of shapes)."""
+    if not stepped:
+        return NoSteps("the trace has no step numbers: record it with --steps (or --flight)")
+    if not matched:
+        names = sorted(modules, key=lambda m: (m.count("."), m))  # the outermost first
+        more = f" and {len(names) - 6} more" if len(names) > 6 else ""
+        listed = f"its modules: {', '.join(names[:6])}{more}" if names else "its ops have no module"
+        return NoTrend(f"--module {module_glob} matches no module of the trace ({listed})")
+    tensors = r.options.tensors
+    what = {"full": "tensor data (--tensors full)", "meta": "shapes and dtypes only (--tensors meta)"}.get(
+        tensors or "", f"no tensor statistics (--tensors {tensors})")
+    return NoTrend(f"the trace holds {what}, not the per-tensor statistics trend draws: record it with "
+                   f"--tensors stats --steps A-B")
 
 
 def _log(v: float) -> float:

@@ -51,9 +51,10 @@ def trace_files(path: str | os.PathLike) -> list[Path]:
     return out
 
 
-def remove_trace(path: str | os.PathLike) -> None:
-    """Remove the trace at ``path`` file by file, leaving ``path`` itself, empty. UsageError, with nothing removed,
-    for the working directory, its parents, the home directory, and anything that is not wholly a trace."""
+def replaceable_files(path: str | os.PathLike) -> list[Path]:
+    """What ``remove_trace(path)`` would remove, deepest first, removing nothing: UsageError (saying why) for the
+    working directory, its parents, the home directory, and anything that is not wholly a trace. ``record`` asks it
+    before it offers ``--force``."""
     root = Path(path).resolve()
     cwd = Path.cwd().resolve()
     if root == cwd:
@@ -62,7 +63,13 @@ def remove_trace(path: str | os.PathLike) -> None:
         raise _refused(path, "it is a parent of the working directory")
     if root == Path.home().resolve():
         raise _refused(path, "it is the home directory")
-    for p in trace_files(path):
+    return trace_files(path)
+
+
+def remove_trace(path: str | os.PathLike) -> None:
+    """Remove the trace at ``path`` file by file, leaving ``path`` itself, empty. UsageError, with nothing removed,
+    for the working directory, its parents, the home directory, and anything that is not wholly a trace."""
+    for p in replaceable_files(path):
         try:
             if p.is_dir() and not p.is_symlink():
                 p.rmdir()  # only ever empty by now: a file that appeared since is kept, and says so below
@@ -77,8 +84,16 @@ def _entries(d: Path) -> list[os.DirEntry]:
         return sorted(it, key=lambda e: e.name)
 
 
+class NotReplaceable(UsageError):
+    """``path`` is not a trace that may be replaced; ``why`` says why in a clause ("it is the home directory")."""
+
+    def __init__(self, path: str | os.PathLike, why: str) -> None:
+        self.why = why
+        super().__init__(f"refusing to replace {path}: {why}")
+
+
 def _refused(path: str | os.PathLike, why: str) -> UsageError:
-    return UsageError(f"refusing to replace {path}: {why}")
+    return NotReplaceable(path, why)
 
 
 def _foreign(root: Path, entry: str) -> UsageError:
