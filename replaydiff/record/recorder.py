@@ -376,7 +376,8 @@ def record(path: str | os.PathLike, tensors: str = "full", compress: bool | int 
     """Record every aten op run inside the ``with`` block into the trace directory ``path``.
 
     tensors: ``full`` stores tensor data, ``stats`` per-tensor statistics, ``meta`` only shapes and dtypes.
-    compress: True for zstd at a fast level, an int for another zstd level, False for raw bytes.
+    compress: True for zstd at a fast level where it costs the job no time, an int for that zstd level on every
+    blob, False for raw bytes (see ``replaydiff.record``).
     Other options are the fields of RecordOptions: ``modules`` / ``ops`` (globs; only matching ops are stored, all
     are numbered), ``max_tensor_bytes`` (larger storages get statistics instead of data), ``verify_writes`` (notice
     writes torch's dispatcher never sees, with a CRC32 per re-read), ``source_lines``, ``shuffle``, ``chunk_ops``.

@@ -21,8 +21,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-BLOCK = 4 << 20  # bytes per mapping that small copies are carved from
-OWN = BLOCK // 4  # a copy this large gets a mapping of its own (it would leave most of a shared block unused)
+BLOCK = 4 << 20  # bytes per mapping that small copies are carved from (at most a quarter of the limit)
 _ALIGN = 64  # copies start on a cache line
 _PAGE = mmap.PAGESIZE
 # Private and anonymous; populated at once, which costs less than faulting the pages in one at a time as the copies
@@ -60,6 +59,8 @@ class Slot:
 class Staging:
     def __init__(self, limit: int, make_room: Callable[[], None]) -> None:
         self.limit = max(int(limit), 1)
+        self.block = max(_PAGE, min(BLOCK, self.limit // 4 // _PAGE * _PAGE))
+        self.own = self.block // 4  # a copy this large gets a mapping of its own (most of a shared block unused)
         self._make_room = make_room
         self._cond = threading.Condition(threading.Lock())
         self._mapped = 0  # bytes of live mappings (carved, or spare)
@@ -79,11 +80,13 @@ class Staging:
         """``n`` bytes of writable memory of the recorder's own (waits while ``limit`` would be passed)."""
         if n == 0:
             return Slot(memoryview(bytearray()), 0, 0, None)
-        size = BLOCK if n < OWN else -(-n // _PAGE) * _PAGE
+        size = self.block if n < self.own else -(-n // _PAGE) * _PAGE
         return self._wait(lambda: self._carve(n, size))
 
     def reserve(self, n: int) -> Slot:
-        """Count ``n`` bytes allocated elsewhere (pinned) against the limit, until ``release``."""
+        """Count a pinned buffer of ``n`` bytes against the limit, until ``release``. torch's pinned allocator rounds
+        each request up to a power of two, so that is what is counted."""
+        n = 1 << (n - 1).bit_length() if n > 1 else n
         return self._wait(lambda: self._reserve(n))
 
     def release(self, slot: Slot) -> None:
@@ -148,12 +151,12 @@ class Staging:
         return Slot(None, 0, n, None)
 
     def _carve(self, n: int, size: int) -> Slot | None:
-        block = self._current if n < OWN else None
+        block = self._current if n < self.own else None
         if block is None or block.size - block.used < n:
             block = self._fresh(size)
             if block is None:
                 return None
-            if n < OWN:  # a new block to carve small copies from; the old one goes spare once released
+            if n < self.own:  # a new block to carve small copies from; the old one goes spare once released
                 old, self._current = self._current, block
                 if old is not None and old.live == 0:
                     self._spare.append(old)
