@@ -73,20 +73,24 @@ class _Chunk:
     started: float = field(default_factory=time.monotonic)
 
 
+FIRST_CHUNK_BYTES = 8 << 20
+
+
 class CodecChoice:
     """Whether the writer compresses the next blob (``compress=True``): zstd costs the job nothing while the writer
-    keeps up, so then always; while the job waits for the writer (a copy waits for staging room, or the recording
-    ends and waits for the last chunks), only if zstd gets a blob to disk sooner than raw would: compressing a byte plus writing what remains of it must take less time than
-    writing the byte (``1/C + R/W < 1/W``, compression rate C, ratio R, disk rate W). Rates are this run's own,
-    measured on its blobs and data files (moving averages); while behind, one blob in ``PROBE`` is compressed
-    anyway, so that C and R follow the data.
+    keeps up, so then always; once it falls behind (a quarter of the staging memory waits to be written), only if
+    zstd gets a blob to disk sooner than raw would: compressing a byte plus writing what remains of it must take
+    less time than writing the byte (``1/C + R/W < 1/W``, compression rate C, ratio R, disk rate W). Rates are this
+    run's own, measured on its blobs and data files (moving averages; the first data chunk is small so that W is
+    known early); while behind, one blob in ``PROBE`` is compressed anyway, so that C and R follow the data (at 1 in
+    32 that costs a few percent of the raw rate).
 
     Why: measured on float data, zstd level 1 runs at 200-500 MB/s on one core and saves 8-20% of the bytes (ReLU
     outputs ~40%; negative levels save nothing on floats), while writes to the page cache run at 1 GB/s or more: a
     writer that compressed everything set the pace of a large recording at half the raw rate (issue 16, item 6).
     On a slow disk, or data that compresses well, compressing is the faster choice and is kept."""
 
-    PROBE = 8
+    PROBE = 32
     _WEIGHT = 0.25  # of the newest measurement in a moving average
 
     def __init__(self) -> None:
@@ -130,12 +134,13 @@ class RankWriter:
         self.compress_level = compress_level
         # With compress_auto, zstd only where it costs the job no time: see CodecChoice.
         self.codec_choice = CodecChoice() if compress_auto and compress_level is not None else None
-        self._closing = False  # the job waits for the last chunks to be written
         self.shuffle = shuffle
         self.chunk_ops = chunk_ops
         # A chunk goes to the writer well before the staging memory is full, so one chunk is filled while another
         # is written.
         self.chunk_bytes = max(1, min(chunk_bytes, queue_bytes // 4))
+        # The first data chunk is small, so that the rate of writes is measured before much data is waiting.
+        self._chunk_bytes_now = min(self.chunk_bytes, FIRST_CHUNK_BYTES)
         self.staging = Staging(queue_bytes, self.flush)
         self.lost: list[str] = []
         self.failed = False
@@ -176,7 +181,7 @@ class RankWriter:
         with self._lock:
             chunk = self._chunk
             chunk.ops.append(record)
-            if len(chunk.ops) >= self.chunk_ops or chunk.pending_bytes >= self.chunk_bytes \
+            if len(chunk.ops) >= self.chunk_ops or chunk.pending_bytes >= self._chunk_bytes_now \
                     or time.monotonic() - chunk.started >= self.flush_seconds:
                 self.flush()
 
@@ -237,7 +242,6 @@ class RankWriter:
             self._lock.release()
 
     def close(self, extra: dict) -> None:
-        self._closing = True
         self.flush()
         self._queue.put(None)
         self._thread.join()
@@ -326,7 +330,7 @@ class RankWriter:
             if snap.event is not None:
                 snap.event.synchronize()
             choice = self.codec_choice
-            zstd = choice is None or choice.compress(behind=self.staging.waiting or self._closing)
+            zstd = choice is None or choice.compress(behind=self.staging.behind)
             started = time.perf_counter()
             blob = codec.encode(snap.writable(), snap.itemsize, self.compress_level if zstd else None, self.shuffle)
             if choice is not None and zstd:
@@ -346,6 +350,7 @@ class RankWriter:
             size = path.stat().st_size
             if self.codec_choice is not None:
                 self.codec_choice.note_written(size, time.perf_counter() - started)
+            self._chunk_bytes_now = self.chunk_bytes
             self.bytes_written += size
         del keep_alive, specs
         self._release(chunk)  # the data file is written: its copies are free before the ops are encoded
