@@ -362,6 +362,25 @@ def test_views_share_a_storage_version_stored_once(tmp_path, record_one):
     assert len(stored) == 3
 
 
+def test_a_new_storage_at_a_freed_ones_address_is_a_new_storage(record_one):
+    """Storages are told apart by address while they live; once one is freed, the allocator hands its address to
+    the next one, which must get a version (and bytes) of its own."""
+    addresses = []
+
+    def work():
+        for k in range(40):
+            t = torch.full((4,), float(k))
+            addresses.append(t.untyped_storage()._cdata)
+            t.neg()
+            del t
+
+    _, r = record_one(work)
+    assert len(set(addresses)) < len(addresses)  # the allocator did reuse addresses
+    negs = [op for op in r if op.name == "aten.neg.default"]
+    assert len({op.args[0].version for op in negs}) == 40
+    assert [r.tensor(op.args[0]).tolist() for op in negs] == [[float(k)] * 4 for k in range(40)]
+
+
 # -- 4. random ops and uninitialised outputs ---------------------------------------------------------------------
 def test_random_ops_carry_generator_state(record_one):
     x = torch.ones(64)
