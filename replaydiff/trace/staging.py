@@ -76,11 +76,6 @@ class Staging:
     def held(self) -> int:
         return self._mapped + self._reserved
 
-    @property
-    def behind(self) -> bool:
-        """Whether the writer is behind the job: a quarter of the limit waits to be written, or a copy waits."""
-        return self.waiting or self.held * 4 > self.limit
-
     def take(self, n: int) -> Slot:
         """``n`` bytes of writable memory of the recorder's own (waits while ``limit`` would be passed)."""
         if n == 0:

@@ -78,12 +78,13 @@ FIRST_CHUNK_BYTES = 8 << 20
 
 class CodecChoice:
     """Whether the writer compresses the next blob (``compress=True``): zstd costs the job nothing while the writer
-    keeps up, so then always; once it falls behind (a quarter of the staging memory waits to be written), only if
-    zstd gets a blob to disk sooner than raw would: compressing a byte plus writing what remains of it must take
-    less time than writing the byte (``1/C + R/W < 1/W``, compression rate C, ratio R, disk rate W). Rates are this
-    run's own, measured on its blobs and data files (moving averages; the first data chunk is small so that W is
-    known early); while behind, one blob in ``PROBE`` is compressed anyway, so that C and R follow the data (at 1 in
-    32 that costs a few percent of the raw rate).
+    keeps up, so then always; once it falls behind (another chunk waits while it writes one, or the job waits for
+    it: a copy waits for staging room, the recording ends), only if zstd gets a blob to disk sooner than raw would:
+    compressing a byte plus writing what remains of it must take less time than writing the byte
+    (``1/C + R/W < 1/W``, compression rate C, ratio R, disk rate W). Rates are this run's own, measured on its blobs
+    and data files (moving averages; the first data chunk is small so that W is known early); while behind, one
+    blob in ``PROBE`` is compressed anyway, so that C and R follow the data (at 1 in 32 that costs a few percent of
+    the raw rate).
 
     Why: measured on float data, zstd level 1 runs at 200-500 MB/s on one core and saves 8-20% of the bytes (ReLU
     outputs ~40%; negative levels save nothing on floats), while writes to the page cache run at 1 GB/s or more: a
@@ -330,7 +331,9 @@ class RankWriter:
             if snap.event is not None:
                 snap.event.synchronize()
             choice = self.codec_choice
-            zstd = choice is None or choice.compress(behind=self.staging.behind)
+            # Behind: more is handed over than this chunk (or the recording ends, or a sync waits: the sentinel is
+            # queued), or a copy waits for staging room.
+            zstd = choice is None or choice.compress(behind=not self._queue.empty() or self.staging.waiting)
             started = time.perf_counter()
             blob = codec.encode(snap.writable(), snap.itemsize, self.compress_level if zstd else None, self.shuffle)
             if choice is not None and zstd:
