@@ -9,7 +9,9 @@ it, the trace's size, and the seconds of the plain step for scale.
 
 Variants: ``raw`` (``compress=False``); ``zstd`` (``compress=True``, the default: zstd level 1 while the writer keeps
 up, raw for blobs written while the job waits for room or the recording ends); ``zstd always`` (``compress=1``: every
-blob at level 1, the default before issue 16). Rounds alternate between variants; the median is reported.
+blob at level 1, the default before issue 16). Rounds alternate between variants (the order rotates: each
+variant follows a different one in each round, as dirty pages of the last trace may still be written back); the
+median is reported.
 
 Timings depend on the machine's load (printed); sizes do not.
 
@@ -73,7 +75,9 @@ def main() -> None:
             t0 = time.perf_counter()
             step()
             plain.append(time.perf_counter() - t0)
-            for name, compress in VARIANTS.items():
+            names = list(VARIANTS)
+            for name in names[r % len(names):] + names[:r % len(names)]:  # each variant first in some round
+                compress = VARIANTS[name]
                 path = os.path.join(root, f"r{r}")
                 t0 = time.perf_counter()
                 with replaydiff.record(path, tensors="full", compress=compress) as rec:
@@ -90,13 +94,13 @@ def main() -> None:
     print(f"One step storing {args.count} temporaries of {args.mb:g} MB ({data_bytes / 1e6:.0f} MB of tensor data), "
           f"{args.rounds} rounds, median; plain step {statistics.median(plain):.2f} s; torch threads 1; "
           f"CPUs {os.cpu_count()}; load average at start {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}\n")
-    print("| variant | record s (with block) | MB/s of tensor data | trace MB | vs raw bytes | blobs the default "
+    print("| variant | record s (with block; median, min-max) | MB/s of tensor data (median) | trace MB | vs raw bytes | blobs the default "
           "stored raw (per round) |")
     print("|---|---|---|---|---|---|")
     for name in VARIANTS:
         t = statistics.median(times[name])
         raw = "-" if raw_blobs[name][0] is None else ", ".join(map(str, raw_blobs[name]))
-        print(f"| {name} | {t:.2f} | {data_bytes / t / 1e6:.0f} | {sizes[name] / 1e6:.0f} | "
+        print(f"| {name} | {t:.2f} ({min(times[name]):.2f}-{max(times[name]):.2f}) | {data_bytes / t / 1e6:.0f} | {sizes[name] / 1e6:.0f} | "
               f"{sizes[name] / sizes['raw']:.3f} | {raw} |")
 
 
