@@ -119,8 +119,8 @@ class Staging:
             self._unbounded = True
             self._cond.notify_all()
 
-    # -- with the condition's lock held -------------------------------------------------------------------------
     def _wait(self, attempt: Callable[[], Slot | None]) -> Slot:
+        """``attempt()`` under the lock until it hands out a slot; the first time it cannot, ask for room."""
         asked = False
         while True:
             with self._cond:
@@ -138,6 +138,7 @@ class Staging:
             self._make_room()
             asked = True
 
+    # -- with the condition's lock held -------------------------------------------------------------------------
     def _room(self, size: int) -> bool:
         """Whether ``size`` more bytes may be held, unmapping spare mappings to make it so."""
         while self._spare and self.held + size > self.limit:
