@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from replaydiff.compare.metrics import ExactMismatch, FloatError, NonfiniteMismatch, ShapeMismatch, measure
 from replaydiff.compare.tolerance import Tolerances, reduction_length
 from replaydiff.diff.compare import stats_measure, tensor_stats
+from replaydiff.trace.writer import CodecChoice
 
 EPS32 = 2.0 ** -23  # torch.finfo(torch.float32).eps
 EPS16B = 2.0 ** -7  # bfloat16
@@ -87,3 +88,26 @@ def test_statistics_lower_bound_never_exceeds_the_full_measure(pairs: list[tuple
         assert low.rel_l2 <= full.rel_l2 + math.sqrt(len(pairs)) * slack / nb
     else:  # the reference is all zeros: any difference is infinitely large relative to it
         assert low.rel_l2 == 0 or full.rel_l2 == math.inf
+
+
+def test_codec_choice_compresses_only_where_it_costs_the_job_no_time() -> None:
+    choice = CodecChoice()
+    assert choice.compress(behind=False) and choice.compress(behind=True)  # nothing measured yet: compress, measure
+    mb = 1 << 20
+    # zstd at 400 MB/s (2.5 ns/B) to 80% of the bytes; the disk takes 1 GB/s (1 ns/B).
+    choice.note_compressed(mb, int(0.8 * mb), 2.5e-9 * mb)
+    choice.note_written(mb, 1e-9 * mb)
+    assert choice.compress(behind=False)  # the writer keeps up: compressing costs the job nothing
+    # behind: zstd takes 2.5 + 0.8 * 1 = 3.3 ns per byte against 1 ns raw: raw, except one blob in PROBE (measuring)
+    decisions = [choice.compress(behind=True) for _ in range(2 * CodecChoice.PROBE)]
+    assert decisions.count(True) == 2 and choice.raw_blobs == 2 * CodecChoice.PROBE - 2
+    # a slow disk (100 MB/s, 10 ns/B) and data that halves: 2.5 + 0.5 * 10 = 7.5 < 10 ns: zstd is the faster choice
+    slow = CodecChoice()
+    slow.note_compressed(mb, mb // 2, 2.5e-9 * mb)
+    slow.note_written(mb, 10e-9 * mb)
+    assert all(slow.compress(behind=True) for _ in range(CodecChoice.PROBE)) and slow.raw_blobs == 0
+    # ... but float data that shrinks by 20% only: 2.5 + 0.8 * 10 = 10.5 > 10 ns: raw
+    floats = CodecChoice()
+    floats.note_compressed(mb, int(0.8 * mb), 2.5e-9 * mb)
+    floats.note_written(mb, 10e-9 * mb)
+    assert not floats.compress(behind=True)

@@ -14,10 +14,13 @@ def record(path: str | os.PathLike, tensors: str = "full", compress: bool | int 
     """Record every aten op run inside the ``with`` block into the trace directory ``path``.
 
     tensors: ``full`` stores tensor data, ``stats`` per-tensor statistics, ``meta`` only shapes and dtypes.
-    compress: True for zstd at a fast level, an int for another zstd level, False for raw bytes.
+    compress: True for zstd at a fast level wherever it costs the job no time (while the job waits for the writer,
+    a blob is stored raw when that is faster, judged from the write and compression rates measured as it goes), an
+    int for that zstd level on every blob, False for raw bytes.
     Other options are the fields of RecordOptions: ``modules`` / ``ops`` (globs; only matching ops are stored, all
     are numbered), ``max_tensor_bytes`` (larger storages get statistics instead of data), ``verify_writes`` (notice
-    writes torch's dispatcher never sees, with a CRC32 per re-read), ``source_lines``, ``shuffle``, ``chunk_ops``.
+    writes torch's dispatcher never sees, with a CRC32 per re-read), ``source_lines``, ``shuffle``, ``chunk_ops``,
+    ``queue_bytes`` (host memory for copies waiting to be written, 256 MiB: the most ``full`` adds for them).
     Many steps: with ``steps="100-2000:10"`` (or ``flight=K``) the ``with`` block wraps the training loop and only
     the chosen optimizer steps are recorded, each op with its step; ``granularity="module"`` records each module
     call's outputs and gradients instead of every op; ``flight=K`` keeps the last K steps in memory and writes them

@@ -23,6 +23,9 @@ def _globs(v: Any) -> list[str] | None:
 class RecordOptions:
     tensors: str = "full"  # full: tensor data; stats: per-tensor statistics; meta: shapes and dtypes only
     compress: int | None = DEFAULT_ZSTD_LEVEL  # zstd level, None for raw bytes
+    # zstd only while the writer keeps up with the job; blobs written while the job waits for the writer are stored
+    # raw (trace/writer.py). compress=True sets it; an explicit level compresses every blob.
+    compress_auto: bool = True
     # Byte-shuffle before zstd: measured on the tiny transformer step it saves 1.6% of the bytes (13.61 -> 13.39 MB)
     # for ~0.5 ms per 128 KiB each way, so it is off unless asked for.
     shuffle: bool = False
@@ -32,6 +35,10 @@ class RecordOptions:
     source_lines: bool = True
     chunk_ops: int = 256
     chunk_bytes: int = 64 << 20
+    # Host memory for tensor copies waiting to be written (full): at most this many bytes at once, in memory of the
+    # recorder's own (trace/staging.py); a copy that would pass it waits for the writer. Copies from a GPU count their
+    # pinned memory here. A single storage larger than this is copied alone.
+    queue_bytes: int = 256 << 20
     # A chunk is also handed to the writer once this many seconds have passed since the last one, so a job killed
     # mid-step leaves a trace that reaches at most this far back.
     flush_seconds: float = 0.5
@@ -58,8 +65,8 @@ class RecordOptions:
             raise ValueError(f"tensors must be one of {TENSOR_MODES}, not {self.tensors!r}")
         if self.compress is not None and not isinstance(self.compress, int):
             raise ValueError(f"compress must be a zstd level or None, not {self.compress!r}")
-        if self.chunk_ops < 1 or self.chunk_bytes < 1:
-            raise ValueError("chunk_ops and chunk_bytes must be positive")
+        if self.chunk_ops < 1 or self.chunk_bytes < 1 or self.queue_bytes < 1:
+            raise ValueError("chunk_ops, chunk_bytes and queue_bytes must be positive")
         if self.max_tensor_bytes is not None and self.max_tensor_bytes < 0:
             raise ValueError("max_tensor_bytes must be >= 0")
         if self.ranks is not None and not all(isinstance(r, int) and r >= 0 for r in self.ranks):
@@ -84,6 +91,7 @@ class RecordOptions:
     def make(cls, tensors: str = "full", compress: bool | int | None = True, **kw: Any) -> "RecordOptions":
         """The friendly form: ``compress`` True (zstd at a fast level), False/None (raw) or a level; ``modules`` and
         ``ops`` a glob or a list of globs."""
+        auto = compress is True
         if compress is True:
             level: int | None = DEFAULT_ZSTD_LEVEL
         elif compress is False or compress is None:
@@ -100,7 +108,7 @@ class RecordOptions:
         unknown = set(kw) - {f.name for f in fields(cls)}
         if unknown:
             raise TypeError(f"unknown record option(s): {', '.join(sorted(unknown))}")
-        return cls(tensors=tensors, compress=level, **kw)
+        return cls(tensors=tensors, compress=level, compress_auto=auto, **kw)
 
     def to_dict(self) -> dict[str, Any]:
         """The options as the manifest stores them (RankTrace.options reads them back, typed)."""

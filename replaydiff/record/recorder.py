@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from replaydiff.aten import current_rank, facts, iter_tensors, written_args
 from replaydiff.record.compiled import CompiledRegionTracker
@@ -28,6 +27,7 @@ from replaydiff.record.module_stats import ModuleStatsHooks
 from replaydiff.record.options import RecordOptions
 from replaydiff.record.storage import StorageTable
 from replaydiff.trace import schema
+from replaydiff.trace.codec import tensor_bytes_view
 from replaydiff.trace.format import MANIFEST, rank_dir_name
 from replaydiff.trace.schema import wire_closing_facts, wire_manifest
 from replaydiff.trace.writer import RankWriter, Snapshot
@@ -85,7 +85,8 @@ class Recorder:
                 self.writer = FlightBuffer(self.rank_dir, manifest, self.options, self._closing_facts)
             else:
                 self.writer = RankWriter(self.rank_dir, manifest, self.options.compress, self.options.shuffle,
-                                         self.options.chunk_ops, self.options.chunk_bytes, self.options.flush_seconds)
+                                         self.options.chunk_ops, self.options.chunk_bytes, self.options.flush_seconds,
+                                         self.options.queue_bytes, self.options.compress_auto)
             self._builder = OpBuilder(self)
             if self.options.plant:  # entered first, so that it sits below the recorder and is recorded as a kernel
                 from replaydiff.faults import PlantedFault
@@ -327,10 +328,13 @@ class Recorder:
         else:
             return None
         version = self.storages.new_version_id()
-        with _disable_current_modes():
-            state = state.clone()
-        chunk = self.writer.add_snapshot(Snapshot(version, state, 1))
-        return str(device), version, chunk, state.numel()
+        # Copied into the writer's staging memory (a fresh CPU tensor of the job's heap would sit there until the
+        # chunk is written; staging.py says why that matters).
+        nbytes = state.numel()
+        slot = self.writer.staging.take(nbytes)
+        slot.view[:] = tensor_bytes_view(state.contiguous())
+        chunk = self.writer.add_snapshot(Snapshot(version, slot.view, 1, slot=slot))
+        return str(device), version, chunk, nbytes
 
     MAX_FAILED_OPS = 1000
 
@@ -384,7 +388,8 @@ def record(path: str | os.PathLike, tensors: str = "full", compress: bool | int 
     """Record every aten op run inside the ``with`` block into the trace directory ``path``.
 
     tensors: ``full`` stores tensor data, ``stats`` per-tensor statistics, ``meta`` only shapes and dtypes.
-    compress: True for zstd at a fast level, an int for another zstd level, False for raw bytes.
+    compress: True for zstd at a fast level where it costs the job no time, an int for that zstd level on every
+    blob, False for raw bytes (see ``replaydiff.record``).
     Other options are the fields of RecordOptions: ``modules`` / ``ops`` (globs; only matching ops are stored, all
     are numbered), ``max_tensor_bytes`` (larger storages get statistics instead of data), ``verify_writes`` (notice
     writes torch's dispatcher never sees, with a CRC32 per re-read), ``source_lines``, ``shuffle``, ``chunk_ops``.

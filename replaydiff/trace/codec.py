@@ -7,6 +7,7 @@ The codec string travels with the blob (``raw``, ``zstd``, ``zstd+shuffle4`` ...
 from __future__ import annotations
 
 import ctypes
+import threading
 import zlib
 from dataclasses import dataclass
 
@@ -33,10 +34,11 @@ def tensor_bytes_view(u8: torch.Tensor) -> memoryview:
     return _memory_view(u8.data_ptr(), n, _PYBUF_READ)
 
 
-def buffer_address(buf: bytes | bytearray) -> int:
-    """The address of a bytes or bytearray object's data (for memmove and safetensors' TensorSpec)."""
-    if isinstance(buf, bytearray):
-        return ctypes.addressof(ctypes.c_char.from_buffer(buf)) if buf else 0
+def buffer_address(buf: bytes | bytearray | memoryview) -> int:
+    """The address of a bytes object's, a bytearray's or a writable memoryview's data (for memmove and safetensors'
+    TensorSpec)."""
+    if isinstance(buf, (bytearray, memoryview)):
+        return ctypes.addressof(ctypes.c_char.from_buffer(buf)) if len(buf) else 0
     return ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value or 0
 
 
@@ -61,31 +63,48 @@ def bytes_to_u8(data: bytes | bytearray) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class EncodedBlob:
-    data: bytes | bytearray
+    data: memoryview  # the encoded bytes: a prefix of the buffer given to encode
     codec: str
     nbytes: int  # decoded size
     crc: int  # crc32 of the decoded bytes
 
 
-def encode(data: bytearray | torch.Tensor, itemsize: int, level: int | None, shuffle: bool) -> EncodedBlob:
-    """Encode one storage's bytes: a bytearray, or a contiguous CPU uint8 tensor (pinned, from a GPU)."""
-    if isinstance(data, torch.Tensor):
-        data = bytearray(tensor_bytes_view(data))
-    raw = memoryview(data)
+def encode(buf: memoryview, itemsize: int, level: int | None, shuffle: bool) -> EncodedBlob:
+    """Encode one storage's bytes in place: ``buf`` (writable) ends up holding the encoded bytes at its start.
+
+    In place, so that a chunk's encoded blobs, kept until its data file is written, take no memory beyond the
+    copies themselves (zstd's output for one blob lives only until it is copied back)."""
+    raw = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
     crc = zlib.crc32(raw)
-    n = len(data)
+    n = len(raw)
     if level is None or n == 0:
-        return EncodedBlob(data, "raw", n, crc)
+        return EncodedBlob(raw, "raw", n, crc)
     codec = "zstd"
     src: memoryview | bytes = raw
     if shuffle and itemsize > 1 and n % itemsize == 0:
-        shuffled = torch.frombuffer(data, dtype=torch.uint8).view(-1, itemsize).t().contiguous()
+        shuffled = torch.frombuffer(raw, dtype=torch.uint8).view(-1, itemsize).t().contiguous()
         src = bytes(tensor_bytes_view(shuffled))
         codec = f"zstd+shuffle{itemsize}"
-    packed = zstandard.ZstdCompressor(level=level).compress(src)
+    packed = compressor(level).compress(src)
     if len(packed) >= n:  # incompressible (random bits): keep it raw, decoding is then free
-        return EncodedBlob(data, "raw", n, crc)
-    return EncodedBlob(packed, codec, n, crc)
+        return EncodedBlob(raw, "raw", n, crc)
+    raw[:len(packed)] = packed
+    return EncodedBlob(raw[:len(packed)], codec, n, crc)
+
+
+_compressors = threading.local()
+
+
+def compressor(level: int) -> zstandard.ZstdCompressor:
+    """This thread's compressor for ``level`` (a compressor is not thread-safe; making one per blob costs its
+    context's allocation every time)."""
+    cache = getattr(_compressors, "by_level", None)
+    if cache is None:
+        cache = _compressors.by_level = {}
+    c = cache.get(level)
+    if c is None:
+        c = cache[level] = zstandard.ZstdCompressor(level=level)
+    return c
 
 
 def decode(data: torch.Tensor, codec: str, nbytes: int, crc: int, where: str) -> torch.Tensor:

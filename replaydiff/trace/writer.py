@@ -3,8 +3,11 @@
 The recording thread hands over full chunks (op records plus the storage snapshots first seen in them); the writer
 thread waits for any device-to-host copies, encodes, and writes the data file and then the ops file, each atomically.
 A chunk's ops file therefore never exists without its data, and a process killed mid-step leaves a readable prefix.
-The queue is bounded, so memory stays bounded: a slow disk slows the job rather than filling host memory. The
-writer thread also builds the index (``index.py``) of what it wrote, and stores it when recording ends.
+Memory stays bounded, so a slow disk slows the job rather than filling host memory: the queue holds at most two
+chunks, and the tensor copies waiting to be written live in ``staging.py``'s memory (the recorder's own mappings,
+outside the job's heap), at most ``queue_bytes`` at once. A blob is encoded into its own staging bytes, so its
+encoded form costs nothing more. The writer thread also builds the index (``index.py``) of what it wrote, and stores
+it when recording ends.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 
 from replaydiff.trace import codec
 from replaydiff.trace.index import IndexBuilder
+from replaydiff.trace.staging import Slot, Staging
 from replaydiff.trace.schema import chunk_frame, wire_index
 from replaydiff.trace.format import (
     DATA_DIR,
@@ -46,9 +50,18 @@ class Snapshot:
     """A copy of one storage version's bytes, possibly still in flight from a device."""
 
     version: int
-    data: bytearray | torch.Tensor  # the bytes (CPU), or a pinned uint8 tensor being filled from a GPU
+    # The bytes: writable memory (staging memory, a bytearray), or a CPU uint8 tensor (pinned, filled from a GPU)
+    data: memoryview | bytearray | torch.Tensor
     itemsize: int
     event: Any = None  # torch.cuda.Event to wait on before reading ``data``
+    slot: Slot | None = None  # what the writer gives back to its Staging once the bytes are written
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() if isinstance(self.data, torch.Tensor) else len(self.data)
+
+    def writable(self) -> memoryview:
+        return codec.tensor_writable_view(self.data) if isinstance(self.data, torch.Tensor) else memoryview(self.data)
 
 
 @dataclass
@@ -60,15 +73,76 @@ class _Chunk:
     started: float = field(default_factory=time.monotonic)
 
 
+FIRST_CHUNK_BYTES = 8 << 20
+
+
+class CodecChoice:
+    """Whether the writer compresses the next blob (``compress=True``): zstd costs the job nothing while the writer
+    keeps up, so then always; once it falls behind (another chunk waits while it writes one, or the job waits for
+    it: a copy waits for staging room, the recording ends), only if zstd gets a blob to disk sooner than raw would:
+    compressing a byte plus writing what remains of it must take less time than writing the byte
+    (``1/C + R/W < 1/W``, compression rate C, ratio R, disk rate W). Rates are this run's own, measured on its blobs
+    and data files (moving averages; the first data chunk is small so that W is known early); while behind, one
+    blob in ``PROBE`` is compressed anyway, so that C and R follow the data (at 1 in 32 that costs a few percent of
+    the raw rate).
+
+    Why: measured on float data, zstd level 1 runs at 200-500 MB/s on one core and saves 8-20% of the bytes (ReLU
+    outputs ~40%; negative levels save nothing on floats), while writes to the page cache run at 1 GB/s or more: a
+    writer that compressed everything set the pace of a large recording at half the raw rate (issue 16, item 6).
+    On a slow disk, or data that compresses well, compressing is the faster choice and is kept."""
+
+    PROBE = 32
+    _WEIGHT = 0.25  # of the newest measurement in a moving average
+
+    def __init__(self) -> None:
+        self.compress_s_per_byte: float | None = None
+        self.ratio: float | None = None
+        self.write_s_per_byte: float | None = None
+        self.behind_blobs = 0
+        self.raw_blobs = 0  # blobs stored raw by this choice (a benchmark prints it)
+
+    def compress(self, behind: bool) -> bool:
+        if not behind:
+            return True
+        self.behind_blobs += 1
+        c, r, w = self.compress_s_per_byte, self.ratio, self.write_s_per_byte
+        if c is None or r is None or w is None or self.behind_blobs % self.PROBE == 0:
+            return True
+        if c + r * w < w:
+            return True
+        self.raw_blobs += 1
+        return False
+
+    def note_compressed(self, nbytes: int, encoded: int, seconds: float) -> None:
+        if nbytes >= 1 << 16:  # small blobs measure call overhead, not the rate
+            self.compress_s_per_byte = self._average(self.compress_s_per_byte, seconds / nbytes)
+            self.ratio = self._average(self.ratio, encoded / nbytes)
+
+    def note_written(self, nbytes: int, seconds: float) -> None:
+        if nbytes >= 1 << 16:
+            self.write_s_per_byte = self._average(self.write_s_per_byte, seconds / nbytes)
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self._WEIGHT * (new - old)
+
+
 class RankWriter:
     def __init__(self, root: Path, manifest: dict, compress_level: int | None, shuffle: bool = True,
-                 chunk_ops: int = 256, chunk_bytes: int = 64 << 20, flush_seconds: float = 0.5) -> None:
+                 chunk_ops: int = 256, chunk_bytes: int = 64 << 20, flush_seconds: float = 0.5,
+                 queue_bytes: int = 256 << 20, compress_auto: bool = False) -> None:
         self.root = root
         self.flush_seconds = flush_seconds
         self.compress_level = compress_level
+        # With compress_auto, zstd only where it costs the job no time: see CodecChoice.
+        self.codec_choice = CodecChoice() if compress_auto and compress_level is not None else None
         self.shuffle = shuffle
         self.chunk_ops = chunk_ops
-        self.chunk_bytes = chunk_bytes
+        # A chunk goes to the writer well before the staging memory is full, so one chunk is filled while another
+        # is written.
+        self.chunk_bytes = max(1, min(chunk_bytes, queue_bytes // 4))
+        # The first data chunk is small, so that the rate of writes is measured before much data is waiting.
+        self._chunk_bytes_now = min(self.chunk_bytes, FIRST_CHUNK_BYTES)
+        self.staging = Staging(queue_bytes, self.flush)
         self.lost: list[str] = []
         self.failed = False
         self.bytes_written = 0
@@ -101,14 +175,14 @@ class RankWriter:
         with self._lock:
             chunk = self._chunk
             chunk.snapshots.append(snap)
-            chunk.pending_bytes += len(snap.data) if isinstance(snap.data, bytearray) else snap.data.numel()
+            chunk.pending_bytes += snap.nbytes
             return chunk.number
 
     def add_op(self, record: dict) -> None:
         with self._lock:
             chunk = self._chunk
             chunk.ops.append(record)
-            if len(chunk.ops) >= self.chunk_ops or chunk.pending_bytes >= self.chunk_bytes \
+            if len(chunk.ops) >= self.chunk_ops or chunk.pending_bytes >= self._chunk_bytes_now \
                     or time.monotonic() - chunk.started >= self.flush_seconds:
                 self.flush()
 
@@ -140,6 +214,8 @@ class RankWriter:
             self._chunk = _Chunk(chunk.number + 1)
             if not self.failed:
                 self._queue.put(chunk)
+            else:
+                self._release(chunk)
 
     def sync(self, timeout: float) -> bool:
         """Flush, and wait up to ``timeout`` seconds until everything handed over is on disk."""
@@ -161,6 +237,8 @@ class RankWriter:
                 self._chunk = _Chunk(chunk.number + 1)
                 if not self.failed:
                     self._queue.put_nowait(chunk)
+                else:
+                    self._release(chunk)
         finally:
             self._lock.release()
 
@@ -168,6 +246,7 @@ class RankWriter:
         self.flush()
         self._queue.put(None)
         self._thread.join()
+        self.staging.trim()
         if self._in_flight is not None:
             self._note_in_flight(force=True)  # a collective that raised (a timeout) was entered, never completed
         elif self._entered_written is not None:  # a marker of a slow collective that then completed
@@ -208,6 +287,7 @@ class RankWriter:
             warnings.warn(f"replaydiff: recording degraded: {why}", RuntimeWarning, stacklevel=2)
         self.failed = True
         self.note_lost(why)
+        self.staging.unbound()  # chunks are dropped from now on: a copy waiting for room must not wait forever
 
     def _run(self) -> None:
         while True:
@@ -216,6 +296,8 @@ class RankWriter:
             except queue.Empty:
                 self._take_stale()
                 self._note_in_flight()
+                if self._queue.empty():  # idle (between recorded steps): staging memory back to the system
+                    self.staging.trim()
                 continue
             if chunk is None:
                 return
@@ -223,6 +305,7 @@ class RankWriter:
                 chunk.set()
                 continue
             if self.failed:
+                self._release(chunk)
                 continue
             try:
                 self._write_chunk(chunk)
@@ -230,6 +313,15 @@ class RankWriter:
                 first = wire_index(chunk.ops[0]) if chunk.ops else "?"
                 self._fail(f"writing chunk {chunk.number} failed ({type(exc).__name__}: {exc}); "
                            f"ops from #{first} on were not written")
+            finally:
+                self._release(chunk)
+
+    def _release(self, chunk: _Chunk) -> None:
+        """Give the chunk's copies back to the staging memory (written, or dropped after a failure)."""
+        snapshots, chunk.snapshots = chunk.snapshots, []
+        for snap in snapshots:
+            if snap.slot is not None:
+                self.staging.release(snap.slot)
 
     def _write_chunk(self, chunk: _Chunk) -> None:
         specs: dict[str, Any] = {}
@@ -238,7 +330,14 @@ class RankWriter:
         for snap in chunk.snapshots:
             if snap.event is not None:
                 snap.event.synchronize()
-            blob = codec.encode(snap.data, snap.itemsize, self.compress_level, self.shuffle)
+            choice = self.codec_choice
+            # Behind: more is handed over than this chunk (or the recording ends, or a sync waits: the sentinel is
+            # queued), or a copy waits for staging room.
+            zstd = choice is None or choice.compress(behind=not self._queue.empty() or self.staging.waiting)
+            started = time.perf_counter()
+            blob = codec.encode(snap.writable(), snap.itemsize, self.compress_level if zstd else None, self.shuffle)
+            if choice is not None and zstd:
+                choice.note_compressed(blob.nbytes, len(blob.data), time.perf_counter() - started)
             if blob.nbytes == 0:
                 continue
             data = blob.data
@@ -249,9 +348,15 @@ class RankWriter:
             metadata[key] = f"{blob.codec};{blob.nbytes};{blob.crc}"
         if specs:
             path = self.root / DATA_DIR / data_file_name(chunk.number)
+            started = time.perf_counter()
             write_atomic_via(path, lambda tmp: safetensors.serialize_file(specs, str(tmp), metadata=metadata))
-            self.bytes_written += path.stat().st_size
-        del keep_alive
+            size = path.stat().st_size
+            if self.codec_choice is not None:
+                self.codec_choice.note_written(size, time.perf_counter() - started)
+            self._chunk_bytes_now = self.chunk_bytes
+            self.bytes_written += size
+        del keep_alive, specs
+        self._release(chunk)  # the data file is written: its copies are free before the ops are encoded
         if chunk.ops:
             frame = pack_frame(chunk_frame(chunk.ops, chunk.number), self.compress_level)
             write_atomic(self.root / OPS_DIR / ops_chunk_name(wire_index(chunk.ops[0])), frame)
