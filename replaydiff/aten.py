@@ -225,16 +225,22 @@ def written_args(f: OpFacts, args: tuple | list, kwargs: dict, *, result_only: b
 _CHEAP: dict[str, bool] = {}
 
 
+def _named_fact(name: str, fact: str) -> bool:
+    """One of ``OpFacts``' flags for an op given by name; False for a name not registered here (replaydiff's own
+    records, an op of a library not loaded)."""
+    try:
+        return bool(getattr(facts(resolve(name)), fact))
+    except UnknownOp:
+        return False
+
+
 def is_cheap(name: str) -> bool:
     """A view, alias, detach or marker: an op that costs nothing and computes no new value."""
     c = _CHEAP.get(name)
     if c is None:
         c = is_marker(name) or is_wait_only(name) or packet(name) in _CHEAP_PACKETS
         if not c and namespace(name) == "aten":
-            try:
-                c = facts(resolve(name)).view
-            except UnknownOp:
-                c = False
+            c = _named_fact(name, "view")
         _CHEAP[name] = c
     return c
 
@@ -257,11 +263,7 @@ def is_random(name: str) -> bool:
     False for names not registered here and for replaydiff's own records."""
     r = _RANDOM.get(name)
     if r is None:
-        try:
-            r = facts(resolve(name)).seeded
-        except UnknownOp:
-            r = False
-        _RANDOM[name] = r
+        r = _RANDOM[name] = _named_fact(name, "seeded")
     return r
 
 
