@@ -303,8 +303,8 @@ class Cause:
 
     def to_json(self) -> dict:
         return {"step": self.step, "index": self.index, "op": self.op, "module": self.module, "phase": self.phase,
-                "source": self.source, "source_text": self.source_text, "how": self.how, "statistic": self.statistic, "value": self.value,
-                "baseline": self.baseline, "history": self.history, "position": self.position,
+                "source": self.source, "source_text": self.source_text, "how": self.how, "statistic": self.statistic,
+                "value": self.value, "baseline": self.baseline, "history": self.history, "position": self.position,
                 "producer": self.producer}
 
 
