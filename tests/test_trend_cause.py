@@ -149,6 +149,9 @@ class FilteredOpsLinked:
     def __iter__(self):
         return iter(self._r)
 
+    def __len__(self) -> int:
+        return len(self._r)
+
     def __getitem__(self, i):
         return self._r[i]
 
@@ -181,3 +184,15 @@ def test_a_change_written_by_a_filtered_op_enters_from_it(tmp_path, tensors):
         assert (e.index, e.position, e.step, e.producer) == (reader.index, 0, SPIKE_STEP, producer)
     assert f"input 0 of op #{reader.index} aten.t.default (Sequential.2, forward) at step {SPIKE_STEP}, from op " \
            f"#{mul.index}, which the record filter left out" in e.describe()
+
+
+def test_clean_replay_of_one_zoomed_step_says_how_to_see_where_the_difference_enters(tmp_path, capsys):
+    """The issue's zoom-in, step 25 alone: nothing to compare an input with, and replay says so and what to record."""
+    with replaydiff.record(tmp_path / "z", tensors="full", steps=str(SPIKE_STEP), modules="Sequential.2"):
+        train(mlp())
+    assert find_entry(open_trace(tmp_path / "z").rank(0)) is None
+    assert cli_main(["replay", str(tmp_path / "z")]) == 0
+    assert capsys.readouterr().out.endswith(
+        f"this trace holds one step ({SPIKE_STEP}): an input that brings a difference in shows only against the step "
+        f"before; record steps 24-25 (record --steps 24-25, as trend prints it) and replay says which input of which "
+        f"op it enters through\n")

@@ -67,7 +67,7 @@ def options_from_args(args: argparse.Namespace) -> ReplayOptions:
 def run(args: argparse.Namespace) -> int:
     from replaydiff.cli.progress import progress_bar, write_json
     from replaydiff.report import render_replay, report_to_json
-    from replaydiff.report.entry import entry_of_clean_replay
+    from replaydiff.report.entry import entry_of_clean_replay, one_step_note
 
     from replaydiff.replay.distributed import launched_by_torchrun, replay_sharded
 
@@ -92,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.json, doc)
     if args.json != "-":
         render_replay(report, sys.stdout)
-        if entry is not None:
-            sys.stdout.write(entry.describe(report.counts()["skipped"]) + "\n")
+        note = entry.describe(report.counts()["skipped"]) if entry is not None else \
+            one_step_note(args.trace, report, opts)
+        if note is not None:
+            sys.stdout.write(note + "\n")
     return EXIT_DIVERGENT if report.found_problem else EXIT_OK

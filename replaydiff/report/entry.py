@@ -76,11 +76,13 @@ def _point(r: RankTrace, ref: TensorRef) -> dict[str, float] | None:
 def find_entry(r: RankTrace, threshold: float = DEFAULT_THRESHOLD) -> Entry | None:
     """The earliest external input of an op that changed against the step before (see the module docstring); None
     when the trace has fewer than two steps or nothing changed."""
+    if _one_step(r) is not None:
+        return None  # nothing to compare with (and a trace without step numbers has one step too)
     position = Positions()
     before: dict[tuple, tuple[int, dict[int, dict[str, float]]]] = {}  # op position -> (step, {input: point})
     for op in r:
         if op.step is None:
-            return None  # one step recorded without step numbers: no step before to compare with
+            return None  # recorded with --step N: one step, no step before to compare with
         if left_out_by_filter(op):
             continue  # not replayed: its inputs are not this trace's
         key = position.key(op)
@@ -106,14 +108,45 @@ def find_entry(r: RankTrace, threshold: float = DEFAULT_THRESHOLD) -> Entry | No
     return None
 
 
+def _one_step(r: RankTrace) -> int | None:
+    """The step number of a trace that holds exactly one (its first and last records have it), else None."""
+    first = next(iter(r), None)
+    if first is None or first.step is None:
+        return None
+    return first.step if r[len(r) - 1].step == first.step else None
+
+
+def _judged_whole(report: ReplayReport, options: ReplayOptions) -> bool:
+    """The replay judged every op of the trace (no --ops, --from or --to) and found none wrong."""
+    return not (report.found_problem or options.ops or options.first is not None or options.last is not None)
+
+
+def _ranks(report: ReplayReport) -> list[int]:
+    return sorted({res.rank for res in report.ops if res.status is not Status.SKIPPED})
+
+
 def entry_of_clean_replay(trace: str, report: ReplayReport, options: ReplayOptions) -> Entry | None:
-    """Where the difference enters a trace whose replay judged every op (no --ops, --from or --to) and found none
-    wrong; None for any other replay, or when the trace does not show it (see ``find_entry``)."""
-    if report.found_problem or options.ops or options.first is not None or options.last is not None:
+    """Where the difference enters a trace whose replay judged every op and found none wrong; None for any other
+    replay, or when the trace does not show it (see ``find_entry``)."""
+    if not _judged_whole(report, options):
         return None
     t = open_trace(trace)
-    for rank in sorted({res.rank for res in report.ops if res.status is not Status.SKIPPED}):
+    for rank in _ranks(report):
         e = find_entry(t.rank(rank))
         if e is not None:
             return e
     return None
+
+
+def one_step_note(trace: str, report: ReplayReport, options: ReplayOptions) -> str | None:
+    """For a clean replay of a trace of one numbered step after the first (a zoom-in on the step trend named): that
+    an input bringing a difference in shows only against the step before, and how to record it."""
+    ranks = _ranks(report)
+    if not _judged_whole(report, options) or not ranks:
+        return None
+    step = _one_step(open_trace(trace).rank(ranks[0]))
+    if step is None or step < 2:
+        return None
+    return f"this trace holds one step ({step}): an input that brings a difference in shows only against the step " \
+           f"before; record steps {step - 1}-{step} (record --steps {step - 1}-{step}, as trend prints it) and " \
+           f"replay says which input of which op it enters through"
