@@ -9,8 +9,10 @@ Each recorded op's *external* inputs (written outside the trace, or by an op the
 against the same input of the same op in the step before: the op is found by its position in the step (trend's
 ``Positions``), the input by its position in the op, and the score is trend's (``score_point``) with one value of
 history: NaN/Inf appearing where there was none, or l2/absmax moving by the threshold's worth of log10 scale (4x at
-the default of 12). An input that was all zeros the step before has no scale to jump from (a gradient buffer, an
-optimizer's first moment at step 1) and is judged by NaN/Inf only. The earliest such input, in op order, is where the
+the default of 12). An input that was all zeros the step before has no scale to jump from (a gradient buffer) and
+is judged by NaN/Inf only. The optimizer's ops are left out: its state is its memory of earlier steps and grows
+several-fold a step at first by design (AdamW's moments, measured on a 3-layer MLP: 4x from step 2 to 3); an update
+gone wrong shows in the next step's forward, through the parameter it wrote. The earliest such input, in op order, is where the
 difference enters; those after it are mostly its consequences (a larger output makes a larger gradient).
 """
 from __future__ import annotations
@@ -83,8 +85,11 @@ def find_entry(r: RankTrace, threshold: float = DEFAULT_THRESHOLD) -> Entry | No
     for op in r:
         if op.step is None:
             return None  # recorded with --step N: one step, no step before to compare with
-        if left_out_by_filter(op):
-            continue  # not replayed: its inputs are not this trace's
+        if left_out_by_filter(op) or op.phase == "optimizer":
+            # A filtered op was not replayed. An optimizer's state is its memory of earlier steps and grows several-
+            # fold a step at first by design (AdamW's moments); a wrong update shows in the next step's forward,
+            # where the parameter it wrote comes in.
+            continue
         key = position.key(op)
         producers = r.producers(op.index)
         points: dict[int, dict[str, float]] = {}
