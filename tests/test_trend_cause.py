@@ -207,7 +207,8 @@ def test_early_steps_of_plain_adamw_training_show_no_difference_entering(tmp_pat
     g = torch.Generator().manual_seed(0)
     with replaydiff.record(tmp_path / "t", tensors="full", steps="1-3"):
         for _ in range(3):
-            torch.nn.functional.mse_loss(model(torch.randn(4, 8, generator=g)), torch.randn(4, 3, generator=g)).backward()
+            x, y = torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)
+            torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
     assert find_entry(open_trace(tmp_path / "t").rank(0)) is None

@@ -12,8 +12,9 @@ history: NaN/Inf appearing where there was none, or l2/absmax moving by the thre
 the default of 12). An input that was all zeros the step before has no scale to jump from (a gradient buffer) and
 is judged by NaN/Inf only. The optimizer's ops are left out: its state is its memory of earlier steps and grows
 several-fold a step at first by design (AdamW's moments, measured on a 3-layer MLP: 4x from step 2 to 3); an update
-gone wrong shows in the next step's forward, through the parameter it wrote. The earliest such input, in op order, is where the
-difference enters; those after it are mostly its consequences (a larger output makes a larger gradient).
+gone wrong shows in the next step's forward, through the parameter it wrote. The earliest such input, in op order,
+is where the difference enters; those after it are mostly its consequences (a larger output makes a larger
+gradient).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 from replaydiff.diff.compare import tensor_stats
 from replaydiff.replay import ReplayOptions
 from replaydiff.replay.result import ReplayReport, Status
-from replaydiff.report.trend import DEFAULT_THRESHOLD, Positions, left_out_by_filter, ref_point, score_point
+from replaydiff.report.trend import (DEFAULT_THRESHOLD, Positions, left_out_by_filter, ref_point, score_point,
+                                     stats_point)
 from replaydiff.trace import RankTrace, TensorRef, open_trace
 
 
@@ -72,14 +74,14 @@ def _point(r: RankTrace, ref: TensorRef) -> dict[str, float] | None:
     if p is not None or not ref.stored or ref.meta or not ref.torch_dtype.is_floating_point:
         return p
     s = tensor_stats(r.tensor(ref))
-    return None if s is None else {"l2": s.l2, "absmax": s.absmax, "nan": s.nan, "inf": s.inf}
+    return None if s is None else stats_point(s)
 
 
 def find_entry(r: RankTrace, threshold: float = DEFAULT_THRESHOLD) -> Entry | None:
     """The earliest external input of an op that changed against the step before (see the module docstring); None
     when the trace has fewer than two steps or nothing changed."""
     if _one_step(r) is not None:
-        return None  # nothing to compare with (and a trace without step numbers has one step too)
+        return None  # one numbered step: nothing to compare with (read no tensor to learn that)
     position = Positions()
     before: dict[tuple, tuple[int, dict[int, dict[str, float]]]] = {}  # op position -> (step, {input: point})
     for op in r:

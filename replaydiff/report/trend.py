@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 from replaydiff import aten
 from replaydiff.trace import RankTrace
-from replaydiff.trace.schema import MODULE_PARAM, TensorRef
+from replaydiff.trace.schema import MODULE_PARAM, TensorRef, TensorStats
 
 FORMAT = "replaydiff.trend/1"
 STATISTICS = ("l2", "absmax", "nan", "inf")
@@ -122,6 +122,11 @@ def ref_point(ref: TensorRef) -> dict[str, float] | None:
     s = ref.stats
     if s is None or not ref.torch_dtype.is_floating_point:
         return None
+    return stats_point(s)
+
+
+def stats_point(s: TensorStats) -> dict[str, float]:
+    """The statistics a series holds of a tensor."""
     return {"l2": s.l2, "absmax": s.absmax, "nan": s.nan, "inf": s.inf}
 
 
