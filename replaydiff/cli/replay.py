@@ -67,6 +67,7 @@ def options_from_args(args: argparse.Namespace) -> ReplayOptions:
 def run(args: argparse.Namespace) -> int:
     from replaydiff.cli.progress import progress_bar, write_json
     from replaydiff.report import render_replay, report_to_json
+    from replaydiff.report.entry import entry_of_clean_replay, one_step_note
 
     from replaydiff.replay.distributed import launched_by_torchrun, replay_sharded
 
@@ -84,8 +85,15 @@ def run(args: argparse.Namespace) -> int:
                                   progress=advance)
     for w in report.warnings:
         sys.stderr.write(f"replaydiff: warning: {w}\n")
+    entry = entry_of_clean_replay(args.trace, report, opts)  # where a difference comes into a clean trace
     if args.json:
-        write_json(args.json, report_to_json(report))
+        doc = report_to_json(report)
+        doc["enters"] = None if entry is None else entry.to_json()
+        write_json(args.json, doc)
     if args.json != "-":
         render_replay(report, sys.stdout)
+        note = entry.describe(report.counts()["skipped"]) if entry is not None else \
+            one_step_note(args.trace, report, opts)
+        if note is not None:
+            sys.stdout.write(note + "\n")
     return EXIT_DIVERGENT if report.found_problem else EXIT_OK

@@ -2,6 +2,8 @@
 
 replaydiff record --tensors stats --steps 1-2000:10 -o trace/ -- python train.py
 replaydiff trend trace/ [--module 'GPT.blocks.*'] [--json -] [--plot trend.svg]
+It names the op that made the change (walking back from the first op that shows it) and prints the commands that
+record and replay a closer look: the step and the one before it, in full, for that module.
 Exit code 1 when a sudden change is found, 0 when none.
 """
 from __future__ import annotations
@@ -41,9 +43,9 @@ def run(args: argparse.Namespace) -> int:
     except NoTrend as exc:
         raise UsageError(f"{args.trace}: {exc}") from None
     if args.json != "-":
-        render_trend(trend, sys.stdout)
+        render_trend(trend, sys.stdout, trace=args.trace)
     if args.json:
-        write_json(args.json, trend.to_json(), indent=None)
+        write_json(args.json, trend.to_json(args.trace), indent=None)
     if args.plot:
         with open(args.plot, "w") as f:
             render_svg(trend, f)

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import shlex
 from dataclasses import dataclass, field, replace
 from statistics import median
 from typing import Any, TextIO
 
 from replaydiff import aten
 from replaydiff.trace import RankTrace
-from replaydiff.trace.schema import MODULE_PARAM
+from replaydiff.trace.schema import MODULE_PARAM, TensorRef, TensorStats
 
 FORMAT = "replaydiff.trend/1"
 STATISTICS = ("l2", "absmax", "nan", "inf")
@@ -84,11 +85,21 @@ class Trend:
     threshold: float
     module_glob: str | None
     ops_read: int
+    cause: "Cause | None" = None
 
-    def to_json(self) -> dict:
+    @property
+    def zoom(self) -> "Zoom | None":
+        return None if self.first_change is None else Zoom.of(self.first_change, self.cause)
+
+    def to_json(self, trace: str = "TRACE") -> dict:
+        """``trace``: the trace as the user named it, for the next commands."""
+        z = self.zoom
         return {"format": FORMAT, "rank": self.rank, "steps": self.steps, "window": self.window,
                 "threshold": self.threshold, "module": self.module_glob, "ops": self.ops_read,
                 "first_change": None if self.first_change is None else self.first_change.to_json(),
+                "cause": None if self.cause is None else self.cause.to_json(),
+                "zoom": None if z is None else z.to_json(trace),
+                "next": None if z is None else z.commands(trace),
                 "series": [s.to_json() for s in self.series]}
 
 
@@ -104,17 +115,45 @@ class NoSteps(NoTrend):
     """The trace has no step numbers (recorded without ``--steps`` or ``--flight``)."""
 
 
+def ref_point(ref: TensorRef) -> dict[str, float] | None:
+    """The statistics of a recorded floating-point tensor, as a series holds them (None: no statistics, or an
+    integer or bool tensor: labels, token ids, indices have no scale to jump on, an l2 of 0 when a step's labels are
+    all zeros)."""
+    s = ref.stats
+    if s is None or not ref.torch_dtype.is_floating_point:
+        return None
+    return stats_point(s)
+
+
+def stats_point(s: TensorStats) -> dict[str, float]:
+    """The statistics a series holds of a tensor."""
+    return {"l2": s.l2, "absmax": s.absmax, "nan": s.nan, "inf": s.inf}
+
+
 def _point(op: Any) -> dict[str, float] | None:
     """The statistics an op contributes to its series: those of its first floating-point output. A random op's
-    outputs (randint labels, dropout masks) change every step by design, and integer or bool tensors (labels, token
-    ids, indices) have no scale to jump on (an l2 of 0 when a step's labels are all zeros): neither is a change."""
+    outputs (randint labels, dropout masks) change every step by design: never a change."""
     if aten.is_random(op.name):
         return None
-    for ref in op.outputs_refs():
-        s = ref.stats
-        if s is not None and ref.torch_dtype.is_floating_point:
-            return {"l2": s.l2, "absmax": s.absmax, "nan": s.nan, "inf": s.inf}
-    return None
+    return next((p for p in map(ref_point, op.outputs_refs()) if p is not None), None)
+
+
+class Positions:
+    """Each op's position in its step: (phase, module, op name, occurrence of those three in the step so far), the
+    same op step after step in a training loop without data-dependent control flow. Ops are given in trace order."""
+
+    def __init__(self) -> None:
+        self._step: int | None = None
+        self._seen: dict[tuple, int] = {}
+
+    def key(self, op: Any) -> tuple:
+        if op.step != self._step:
+            self._step = op.step
+            self._seen.clear()
+        three = (op.phase, op.module, op.name)
+        k = self._seen.get(three, 0)
+        self._seen[three] = k + 1
+        return (*three, k)
 
 
 def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DEFAULT_WINDOW,
@@ -125,7 +164,8 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
     # (module, kind) -> {step: point}; the last op of that phase in the module wins (in backward: the last computing)
     own: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
     computed: set[tuple[str, int]] = set()  # (module, step) whose gradient came from an op that computes
-    occurrence: dict[tuple, int] = {}
+    position = Positions()
+    key_of: dict[int, tuple] = {}  # op number -> its position (what the walk back to the cause looks up)
     parameters: dict[int, str | None] = {}  # module.param record number -> the parameter's name
     steps: list[int] = []
     current = None
@@ -149,13 +189,10 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
         n += 1
         if step != current:
             current = step
-            occurrence.clear()
             if not steps or steps[-1] != step:
                 steps.append(step)
-        key = (op.phase, module, op.name)
-        k = occurrence.get(key, 0)
-        occurrence[key] = k + 1
-        positions.setdefault((*key, k), []).append((step, op.index, op.name, p))
+        key = key_of[op.index] = position.key(op)
+        positions.setdefault(key, []).append((step, op.index, op.name, p))
         if op.name == MODULE_PARAM:
             parameters[op.index] = str(op.args[0]) if op.args else None
         elif module is not None and op.phase == "forward":
@@ -176,6 +213,7 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
             first = c
     if first is not None and first.index in parameters:
         first = replace(first, parameter=parameters[first.index])
+    cause = None if first is None else find_cause(r, first, _History(positions, key_of, window), threshold)
     series = []
     for (module, kind), by_step in sorted(own.items()):
         s = Series(module, kind, steps=list(steps))
@@ -184,7 +222,7 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
             for name in STATISTICS:
                 s.values[name].append(None if p is None else p[name])
         series.append(s)
-    return Trend(r.rank, steps, series, first, window, threshold, module_glob, n)
+    return Trend(r.rank, steps, series, first, window, threshold, module_glob, n, cause)
 
 
 def _why_no_trend(r: RankTrace, stepped: int, matched: int, module_glob: str | None,
@@ -209,25 +247,187 @@ def _log(v: float) -> float:
     return math.log10(max(abs(v), LOG_FLOOR)) if math.isfinite(v) else math.log10(LOG_FLOOR)
 
 
+def score_point(p: dict[str, float], past: list[dict[str, float]], threshold: float,
+                jumps: bool = True) -> tuple[str, float, float] | None:
+    """The first statistic of ``p`` that is a sudden change against the values ``past`` (oldest first), as
+    (statistic, score, baseline), else None. NaN/Inf appearing after finite values counts from one value of history;
+    a jump of l2 or absmax (the robust z-score of the module docstring) only with ``jumps``."""
+    for s in ("nan", "inf"):
+        if past and p[s] > 0 and all(q[s] == 0 for q in past):
+            return s, float(p[s]), 0.0
+    if not jumps or not past:
+        return None
+    for s in ("l2", "absmax"):
+        logs = [_log(q[s]) for q in past]
+        med = median(logs)
+        mad = median(abs(x - med) for x in logs)
+        score = (_log(p[s]) - med) / max(1.4826 * mad, SCALE_FLOOR)
+        if abs(score) >= threshold:
+            return s, round(score, 2), 10 ** med
+    return None
+
+
 def _first_change(points: list, phase: str | None, module: str | None, window: int,
                   threshold: float) -> Change | None:
-    logs = {s: [_log(p[s]) for _, _, _, p in points] for s in ("l2", "absmax")}
     for j in range(1, len(points)):
         step, index, name, p = points[j]
-        lo = max(0, j - window)
-        for s in ("nan", "inf"):  # one finite step before is enough history for NaN/Inf appearing
-            if p[s] > 0 and all(q[s] == 0 for _, _, _, q in points[lo:j]):
-                return Change(step, module, name, index, phase, s, float(p[s]), float(p[s]), 0.0)
-        if j < MIN_HISTORY:
-            continue
-        for s in ("l2", "absmax"):
-            past = logs[s][lo:j]
-            med = median(past)
-            mad = median(abs(x - med) for x in past)
-            score = (logs[s][j] - med) / max(1.4826 * mad, SCALE_FLOOR)
-            if abs(score) >= threshold:
-                return Change(step, module, name, index, phase, s, round(score, 2), p[s], 10 ** med)
+        hit = score_point(p, [q for *_, q in points[max(0, j - window):j]], threshold, jumps=j >= MIN_HISTORY)
+        if hit is not None:
+            statistic, score, baseline = hit
+            return Change(step, module, name, index, phase, statistic, score, p[statistic], baseline)
     return None
+
+
+# -- the cause: from the first change back to the op that made it ----------------------------------------------------
+MAX_HOPS = 10_000  # producers come before their readers, so the walk ends anyway; this bounds a pathological one
+
+
+@dataclass(frozen=True)
+class Cause:
+    """The op that made the first change (``how`` "made"): the first op upstream of it whose output is out of line
+    while its inputs are not. Or, where the change was already in a tensor when the step read it (``how``
+    "entered"): the op through whose input ``position`` it came in, written outside the trace (``producer`` None)
+    or by op ``producer``, which the record filter left out. ``history``: the earlier steps the op was scored
+    against; 0 for a one-off op (it ran in no earlier recorded step), scored instead against the earlier statistics
+    of the tensor it wrote, as the ops that read that tensor saw it."""
+
+    step: int | None
+    index: int
+    op: str
+    module: str | None
+    phase: str | None
+    source: str | None
+    how: str  # made | entered
+    statistic: str
+    value: float
+    baseline: float
+    history: int
+    position: int | None = None
+    producer: int | None = None
+    source_text: str | None = None  # the source line's code, as recorded
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "index": self.index, "op": self.op, "module": self.module, "phase": self.phase,
+                "source": self.source, "source_text": self.source_text, "how": self.how, "statistic": self.statistic,
+                "value": self.value, "baseline": self.baseline, "history": self.history, "position": self.position,
+                "producer": self.producer}
+
+
+def left_out_by_filter(op: Any) -> bool:
+    """Whether the record filter (``--module``/``--op``) left this op out: its outputs come from outside what the
+    trace judges. Today such an op is a stub without inputs or outputs, so no tensor points to it as its producer;
+    once filtered ops are kept with statistics and a reason, this is the one place that tells them apart."""
+    reason = op.not_recorded_reason
+    return reason is not None and reason.startswith("filtered")
+
+
+@dataclass
+class _History:
+    """Where each op of the series sat (its position) and the points of every position, step by step."""
+
+    positions: dict[tuple, list[tuple[int, int, str, dict[str, float]]]]
+    key_of: dict[int, tuple]
+    window: int
+
+    def earlier(self, index: int) -> list[tuple[int, dict[str, float]]]:
+        """(op number, point) of the op at the same position in the ``window`` steps before op ``index``."""
+        key = self.key_of.get(index)
+        if key is None:
+            return []
+        return [(i, q) for _, i, _, q in self.positions[key] if i < index][-self.window:]
+
+
+def _numel(ref: TensorRef) -> int:
+    return math.prod(ref.shape)
+
+
+def find_cause(r: RankTrace, first: Change, history: _History, threshold: float) -> Cause:
+    """Walk back from the first change to the op that made it.
+
+    A change propagates forward, so the first op whose output jumps may only be carrying it: an ``addmm`` reads a
+    weight that a ``mul_`` before it multiplied. At each op the walk scores its floating-point inputs against the
+    same inputs of the op in earlier steps (its own history); an input out of line is followed to the op that
+    wrote it in this step (the trace's producer edges: storage versions change on every write, so the producer is
+    the last writer). A one-off op (no history: it runs in this step only, or too rarely) has its inputs of the
+    followed tensor's size scored against the earlier statistics of that tensor: a ``mul_`` whose input is in line
+    with the weight's past made the change. The walk stops at an op none of whose inputs is out of line (it made
+    the change) or at an input written outside the trace or by a filtered op (the change entered there)."""
+    op = r[first.index]
+    followed = next(ref for ref in op.outputs_refs() if ref_point(ref) is not None)
+    past = [q for _, q in history.earlier(first.index)]
+    hit = (first.statistic, first.value, first.baseline)
+    for _ in range(MAX_HOPS):
+        earlier = history.earlier(op.index)
+        inputs = op.inputs()
+        past_inputs = [r[i].inputs() for i, _ in earlier] if len(earlier) >= MIN_HISTORY else None
+        suspects = []  # (producer or -1, position, ref, its past, (statistic, value, baseline))
+        producers = r.producers(op.index)
+        for k, ref in enumerate(inputs):
+            p = ref_point(ref)
+            if p is None:
+                continue
+            if past_inputs is not None:
+                its_past = [q for q in (ref_point(x[k]) for x in past_inputs if k < len(x)) if q is not None]
+            elif _numel(ref) == _numel(followed):
+                its_past = past
+            else:
+                continue  # a one-off op's other inputs have no past to be scored against
+            found = score_point(p, its_past, threshold, jumps=len(its_past) >= MIN_HISTORY)
+            if found is not None:
+                prod = producers.get(k)
+                suspects.append((-1 if prod is None else prod, k, ref, its_past, (found[0], p[found[0]], found[2])))
+        common = dict(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, source=op.source,
+                      source_text=op.source_text, history=len(earlier))
+        if not suspects:
+            return Cause(**common, how="made", statistic=hit[0], value=hit[1], baseline=hit[2])
+        # Inputs out of line from several writers: the earliest writer is where the change began.
+        prod, k, ref, its_past, found = min(suspects, key=lambda x: (x[0], x[1]))
+        writer = None if prod < 0 else r[prod]
+        if writer is None or left_out_by_filter(writer):
+            return Cause(**common, how="entered", statistic=found[0], value=found[1], baseline=found[2],
+                         position=k, producer=None if writer is None else prod)
+        op, followed, past, hit = writer, ref, its_past, found
+    return Cause(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, source=op.source,
+                 source_text=op.source_text, how="made", statistic=hit[0], value=hit[1], baseline=hit[2], history=0)
+
+
+# -- the next command: a closer look at the change -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Zoom:
+    """The recording that looks closer at a change: full tensors of its step and the step before (replay compares
+    what enters the trace across the two, see docs/replay.md), of the module where it is (the cause's, else the
+    first change's), or of the cause's op name where neither has a module."""
+
+    steps: str
+    modules: list[str] | None
+    ops: list[str] | None
+
+    @classmethod
+    def of(cls, first: Change, cause: Cause | None) -> "Zoom":
+        step = cause.step if cause is not None and cause.step is not None else first.step
+        module = (cause.module if cause is not None else None) or first.module
+        steps = f"{step - 1}-{step}" if step > 1 else f"{step}"
+        if module is not None:
+            return cls(steps, [module], None)
+        return cls(steps, None, [cause.op if cause is not None else first.op])
+
+    def out(self, trace: str) -> str:
+        return f"{trace.rstrip('/')}-step{self.steps.rsplit('-', 1)[-1]}"
+
+    def to_json(self, trace: str) -> dict:
+        return {"tensors": "full", "steps": self.steps, "modules": self.modules, "ops": self.ops,
+                "out": self.out(trace)}
+
+    def commands(self, trace: str) -> dict[str, str]:
+        """The record and replay commands (COMMAND stands for the job's own command) and the record call in Python."""
+        out = shlex.quote(self.out(trace))
+        filters = "".join(f" --module {shlex.quote(m)}" for m in self.modules or []) + \
+            "".join(f" --op {shlex.quote(o)}" for o in self.ops or [])
+        which = "modules" if self.modules else "ops"
+        return {"record": f"replaydiff record --tensors full --steps {self.steps}{filters} -o {out} -- COMMAND",
+                "replay": f"replaydiff replay {out}",
+                "python": f"replaydiff.record({self.out(trace)!r}, tensors='full', steps={self.steps!r}, "
+                          f"{which}={self.modules or self.ops!r})"}
 
 
 # -- text -----------------------------------------------------------------------------------------------------------
@@ -271,11 +471,31 @@ def describe_change(c: Change) -> str:
     return f"step {c.step}, module {c.module or '-'}, op #{c.index} {c.op}{param} ({c.phase}): {what}"
 
 
+def describe_cause(c: Cause) -> str:
+    """One line: the op that made the change (or through whose input it entered), where in the code, and why."""
+    where = ", ".join(x for x in (c.module or "no module", c.phase) if x)
+    at = f" at {c.source}" + (f" ({c.source_text.strip()})" if c.source_text else "") if c.source else ""
+    if c.statistic in ("l2", "absmax"):
+        what = f"{c.statistic} {c.value:.4g} against {c.baseline:.4g} before"
+    else:
+        what = f"{int(c.value)} {c.statistic.upper()} value(s) where there were none"
+    if c.how == "entered":
+        whence = "from outside the trace (written where the recorder did not see it: between recorded steps, or " \
+                 "before the step's first recorded op)" if c.producer is None else \
+            f"from op #{c.producer}, which the record filter left out"
+        return f"op #{c.index} {c.op} ({where}){at}, step {c.step}: the change enters through its input " \
+               f"{c.position}, {what}, {whence}"
+    alone = "; it runs in no earlier recorded step, so it was scored against the earlier statistics of the tensor " \
+            "it wrote" if c.history == 0 else ""
+    return f"op #{c.index} {c.op} ({where}){at}, step {c.step}: made the change, {what}{alone}"
+
+
 def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.3g}"
 
 
-def render_trend(t: Trend, out: TextIO, width: int = 60) -> None:
+def render_trend(t: Trend, out: TextIO, width: int = 60, trace: str = "TRACE") -> None:
+    """The text report; ``trace``: the trace as the user named it, for the next commands."""
     out.write(f"rank {t.rank}: {len(t.steps)} steps ({t.steps[0]}..{t.steps[-1]}), {t.ops_read} records"
               f"{'' if t.module_glob is None else f', modules {t.module_glob}'}\n")
     c = t.first_change
@@ -283,12 +503,20 @@ def render_trend(t: Trend, out: TextIO, width: int = 60) -> None:
         out.write(f"no sudden change (robust z-score >= {t.threshold:g} against the {t.window} steps before)\n")
     else:
         out.write(f"first change: {describe_change(c)}\n")
-    out.write("\n")
+        if t.cause is not None and (t.cause.index != c.index or t.cause.how != "made"):
+            out.write(f"cause: {describe_cause(t.cause)}\n")
     steps = t.steps
     if len(steps) > width:  # the last `width` steps in the sparklines
         out.write(f"sparklines: log10 l2 of the last {width} steps\n")
     for line in table_lines(t, width):
         out.write(line + "\n")
+    z = t.zoom
+    if z is not None:
+        cmd = z.commands(trace)
+        out.write(f"\nNext: record steps {z.steps} in full around the change, then replay them (replay says whether "
+                  f"an op there computes wrongly, or through which input the change enters):\n"
+                  f"  {cmd['record']}\n  {cmd['replay']}\n"
+                  f"(COMMAND: the training command {trace} was recorded from; in Python: {cmd['python']})\n")
 
 
 def table_lines(t: Trend, width: int) -> list[str]:

@@ -1,0 +1,159 @@
+"""Where a difference enters a trace whose every op replays clean.
+
+A zoomed trace (``--module``/``--op``, full tensors) of the step where ``trend`` saw a change can replay clean: every
+op in it computes right from the inputs it was given, and the change came in through an input that the trace did not
+compute: a parameter written between steps, an activation made by an op the filter left out. Replay alone cannot say
+which, so the evidence is the trace's own previous step (``trend`` prints a zoom-in of steps N-1..N for this).
+
+Each recorded op's *external* inputs (written outside the trace, or by an op the record filter left out) are scored
+against the same input of the same op in the step before: the op is found by its position in the step (trend's
+``Positions``), the input by its position in the op, and the score is trend's (``score_point``) with one value of
+history: NaN/Inf appearing where there was none, or l2/absmax moving by the threshold's worth of log10 scale (4x at
+the default of 12). An input that was all zeros the step before has no scale to jump from (a gradient buffer) and
+is judged by NaN/Inf only. The optimizer's ops are left out: its state is its memory of earlier steps and grows
+several-fold a step at first by design (AdamW's moments, measured on a 3-layer MLP: 4x from step 2 to 3); an update
+gone wrong shows in the next step's forward, through the parameter it wrote. The earliest such input, in op order,
+is where the difference enters; those after it are mostly its consequences (a larger output makes a larger
+gradient).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from replaydiff.diff.compare import tensor_stats
+from replaydiff.replay import ReplayOptions
+from replaydiff.replay.result import ReplayReport, Status
+from replaydiff.report.trend import (DEFAULT_THRESHOLD, Positions, left_out_by_filter, ref_point, score_point,
+                                     stats_point)
+from replaydiff.trace import RankTrace, TensorRef, open_trace
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Input ``position`` of op ``index`` changed against the step before; it was written outside the trace
+    (``producer`` None) or by op ``producer``, which the record filter left out."""
+
+    rank: int
+    step: int
+    index: int
+    op: str
+    module: str | None
+    phase: str | None
+    position: int
+    tensor: str  # e.g. float32[3, 16]
+    producer: int | None
+    statistic: str
+    value: float
+    previous: float
+    previous_step: int
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "step": self.step, "index": self.index, "op": self.op, "module": self.module,
+                "phase": self.phase, "position": self.position, "tensor": self.tensor, "producer": self.producer,
+                "statistic": self.statistic, "value": self.value, "previous": self.previous,
+                "previous_step": self.previous_step}
+
+    def describe(self, skipped: int = 0) -> str:
+        """The replay summary's line; ``skipped``: ops the replay could not judge (then it speaks of those it did)."""
+        where = ", ".join(x for x in (self.module or "no module", self.phase) if x)
+        whence = "from outside the trace" if self.producer is None else \
+            f"from op #{self.producer}, which the record filter left out"
+        if self.statistic in ("l2", "absmax"):
+            what = f"{self.statistic} {self.value:.4g} against {self.previous:.4g} at step {self.previous_step}"
+        else:
+            what = f"{int(self.value)} {self.statistic.upper()} value(s), none at step {self.previous_step}"
+        none = "no op in this trace is wrong" if not skipped else \
+            f"no replayed op in this trace is wrong ({skipped} skipped)"
+        return f"{none}: the difference enters through input {self.position} of op " \
+               f"#{self.index} {self.op} ({where}) at step {self.step}, {whence} ({self.tensor}: {what})"
+
+
+def _point(r: RankTrace, ref: TensorRef) -> dict[str, float] | None:
+    """An input's statistics: recorded ones (a statistics trace, a filtered op's), else those of its stored data."""
+    p = ref_point(ref)
+    if p is not None or not ref.stored or ref.meta or not ref.torch_dtype.is_floating_point:
+        return p
+    s = tensor_stats(r.tensor(ref))
+    return None if s is None else stats_point(s)
+
+
+def find_entry(r: RankTrace, threshold: float = DEFAULT_THRESHOLD) -> Entry | None:
+    """The earliest external input of an op that changed against the step before (see the module docstring); None
+    when the trace has fewer than two steps or nothing changed."""
+    if _one_step(r) is not None:
+        return None  # one numbered step: nothing to compare with (read no tensor to learn that)
+    position = Positions()
+    before: dict[tuple, tuple[int, dict[int, dict[str, float]]]] = {}  # op position -> (step, {input: point})
+    for op in r:
+        if op.step is None:
+            return None  # recorded with --step N: one step, no step before to compare with
+        if left_out_by_filter(op) or op.phase == "optimizer":
+            # A filtered op was not replayed. An optimizer's state is its memory of earlier steps and grows several-
+            # fold a step at first by design (AdamW's moments); a wrong update shows in the next step's forward,
+            # where the parameter it wrote comes in.
+            continue
+        key = position.key(op)
+        producers = r.producers(op.index)
+        points: dict[int, dict[str, float]] = {}
+        for k, ref in enumerate(op.inputs()):
+            prod = producers.get(k)
+            if prod is not None and not left_out_by_filter(r[prod]):
+                continue  # computed inside the trace: replay judged the op that did it
+            p = _point(r, ref)
+            if p is None:
+                continue
+            points[k] = p
+            prev = before.get(key)
+            q = None if prev is None or prev[0] == op.step else prev[1].get(k)
+            if q is None:
+                continue
+            hit = score_point(p, [q], threshold, jumps=q["l2"] > 0)
+            if hit is not None:
+                return Entry(r.rank, op.step, op.index, op.name, op.module, op.phase, k, ref.describe(), prod,
+                             hit[0], p[hit[0]], q[hit[0]], prev[0])
+        before[key] = (op.step, points)
+    return None
+
+
+def _one_step(r: RankTrace) -> int | None:
+    """The step number of a trace that holds exactly one (its first and last records have it), else None."""
+    first = next(iter(r), None)
+    if first is None or first.step is None:
+        return None
+    return first.step if r[len(r) - 1].step == first.step else None
+
+
+def _judged_whole(report: ReplayReport, options: ReplayOptions) -> bool:
+    """The replay judged every op of the trace (no --ops, --from or --to) and found none wrong."""
+    return not (report.found_problem or options.ops or options.first is not None or options.last is not None)
+
+
+def _ranks(report: ReplayReport) -> list[int]:
+    return sorted({res.rank for res in report.ops if res.status is not Status.SKIPPED})
+
+
+def entry_of_clean_replay(trace: str, report: ReplayReport, options: ReplayOptions) -> Entry | None:
+    """Where the difference enters a trace whose replay judged every op and found none wrong; None for any other
+    replay, or when the trace does not show it (see ``find_entry``)."""
+    if not _judged_whole(report, options):
+        return None
+    t = open_trace(trace)
+    for rank in _ranks(report):
+        e = find_entry(t.rank(rank))
+        if e is not None:
+            return e
+    return None
+
+
+def one_step_note(trace: str, report: ReplayReport, options: ReplayOptions) -> str | None:
+    """For a clean replay of a trace of one numbered step after the first (a zoom-in on the step trend named): that
+    an input bringing a difference in shows only against the step before, and how to record it."""
+    ranks = _ranks(report)
+    if not _judged_whole(report, options) or not ranks:
+        return None
+    step = _one_step(open_trace(trace).rank(ranks[0]))
+    if step is None or step < 2:
+        return None
+    return f"this trace holds one step ({step}): an input that brings a difference in shows only against the step " \
+           f"before; record steps {step - 1}-{step} (record --steps {step - 1}-{step}, as trend prints it) and " \
+           f"replay says which input of which op it enters through"

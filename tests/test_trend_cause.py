@@ -1,0 +1,214 @@
+"""From statistics to the cause (issue 16 item 4): the user's path, on a 2-layer MLP.
+
+A weight is multiplied by 100 in the training loop before step 25, outside any module: a one-off ``mul_`` with no
+module and no history. ``trend`` of a ``stats`` trace of steps 1-40 must name that ``mul_`` (not the op that reads the
+weight), print the zoom-in commands, and the replay of the zoom-in (full tensors, steps 24-25, the module) must say
+that no op of it is wrong and through which input of which op the difference enters. Expected op numbers are read
+back from the traces, never typed in.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+import torch
+
+import replaydiff
+from replaydiff.cli.main import main as cli_main
+from replaydiff.report.entry import find_entry
+from replaydiff.report.trend import compute_trend, describe_cause
+from replaydiff.trace import open_trace
+
+SPIKE_STEP = 25
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors on a shared 2-core machine: one intra-op thread is faster. Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def mlp() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def train(model: torch.nn.Module, steps: int = 40, spike_step: int = SPIKE_STEP, before_update: bool = False) -> None:
+    """SGD on random regression batches; ``model[2].weight`` times 100 before step ``spike_step``'s forward, in the
+    loop and outside any module (what a bad checkpoint reload or a buggy rescaling does), or with ``before_update``
+    between its backward and its optimizer step (so that its gradients are those of the weight before)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(2)
+    for step in range(1, steps + 1):
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)
+        if step == spike_step and not before_update:
+            with torch.no_grad():
+                model[2].weight.mul_(100)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if step == spike_step and before_update:
+            with torch.no_grad():
+                model[2].weight.mul_(100)
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.fixture(scope="module")
+def stats_trace(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("cause") / "t"
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with replaydiff.record(path, tensors="stats", steps="1-40"):
+            train(mlp())
+    finally:
+        torch.set_num_threads(before)
+    return str(path)
+
+
+def test_trend_names_the_one_off_mul_that_wrote_the_weight_not_the_op_that_read_it(stats_trace):
+    r = open_trace(stats_trace).rank(0)
+    muls = [op for op in r if op.name == "aten.mul_.Tensor"]
+    # The trap is set: the mul_ runs once, outside any module, so it has no history of its own to be scored against.
+    assert [(op.step, op.module) for op in muls] == [(SPIKE_STEP, None)]
+    t = compute_trend(r)
+    first = t.first_change
+    assert first is not None and first.step == SPIKE_STEP and first.module == "Sequential.2"
+    assert r[first.index].name != "aten.mul_.Tensor"  # the first op flagged reads the weight
+    c = t.cause
+    assert c is not None
+    assert (c.index, c.op, c.step, c.module, c.how) == (muls[0].index, "aten.mul_.Tensor", SPIKE_STEP, None, "made")
+    assert c.statistic in ("l2", "absmax") and c.value > 50 * c.baseline
+    assert c.source is not None and c.source.endswith(f":{muls[0].source.rsplit(':', 1)[1]}")
+
+
+def test_trend_says_a_change_made_between_recorded_steps_enters_from_outside_the_trace(tmp_path):
+    """Steps 1-40:2 leave out step 24, whose update the weight is multiplied before: no op of the trace wrote it, so
+    the cause is the op whose input brought the change into step 25, from outside the trace."""
+    with replaydiff.record(tmp_path / "t", tensors="stats", steps="1-40:2"):
+        train(mlp(), spike_step=SPIKE_STEP - 1, before_update=True)
+    r = open_trace(tmp_path / "t").rank(0)
+    assert not any(op.name == "aten.mul_.Tensor" for op in r)
+    c = compute_trend(r).cause
+    assert c is not None and (c.step, c.how, c.producer) == (SPIKE_STEP, "entered", None)
+    # The op it names is the first of step 25 to read the spiked weight (3 x 16, as its input 0).
+    reader = next(op for op in r if op.step == SPIKE_STEP and op.inputs() and op.inputs()[0].shape == (3, 16))
+    assert r.producers(reader.index)[0] is None
+    assert (c.index, c.op, c.position, c.module) == (reader.index, reader.name, 0, "Sequential.2")
+
+
+def test_trend_prints_the_zoom_in_commands_and_the_zoom_in_replay_says_where_the_difference_enters(
+        stats_trace, tmp_path, capsys):
+    assert cli_main(["trend", stats_trace]) == 1
+    text = capsys.readouterr().out
+    zoom = f"{stats_trace}-step{SPIKE_STEP}"
+    record = f"replaydiff record --tensors full --steps 24-25 --module Sequential.2 -o {shlex.quote(zoom)} -- COMMAND"
+    assert f"\n  {record}\n" in text and f"\n  replaydiff replay {shlex.quote(zoom)}\n" in text
+    assert "cause: op #" in text and "aten.mul_.Tensor" in text
+
+    assert cli_main(["trend", stats_trace, "--json", "-"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["cause"]["op"] == "aten.mul_.Tensor" and doc["cause"]["step"] == SPIKE_STEP
+    assert doc["next"]["record"] == record and doc["next"]["replay"] == f"replaydiff replay {shlex.quote(zoom)}"
+    spec = doc["zoom"]
+    assert spec == {"tensors": "full", "steps": "24-25", "modules": ["Sequential.2"], "ops": None, "out": zoom}
+
+    # The zoom-in, recorded as the JSON says, replays clean, and replay says where the difference comes in.
+    out = tmp_path / "zoom"
+    with replaydiff.record(out, tensors=spec["tensors"], steps=spec["steps"], modules=spec["modules"]):
+        train(mlp())
+    z = open_trace(out).rank(0)
+    reader = next(op for op in z if op.step == SPIKE_STEP and op.name == "aten.t.default"
+                  and op.module == "Sequential.2" and op.phase == "forward")
+    assert cli_main(["replay", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"no op in this trace is wrong: the difference enters through input 0 of op #{reader.index} " \
+           f"aten.t.default (Sequential.2, forward) at step {SPIKE_STEP}, from outside the trace" in text
+    assert cli_main(["replay", str(out), "--json", "-"]) == 0
+    enters = json.loads(capsys.readouterr().out)["enters"]
+    assert (enters["index"], enters["position"], enters["step"], enters["producer"]) == \
+        (reader.index, 0, SPIKE_STEP, None)
+    assert enters["statistic"] in ("l2", "absmax") and enters["value"] > 50 * enters["previous"]
+
+
+class FilteredOpsLinked:
+    """A filtered trace as it reads once ops left out by ``--module`` keep their outputs (with statistics): the
+    weight's first reader points at the filtered ``mul_`` that wrote it. Today such an op is a stub without outputs,
+    so no producer edge points at it; this stands in for that edge and nothing else (every other read is the
+    trace's)."""
+
+    def __init__(self, r, reader: int, writer: int) -> None:
+        self._r, self._reader, self._writer = r, reader, writer
+
+    def __getattr__(self, name):
+        return getattr(self._r, name)
+
+    def __iter__(self):
+        return iter(self._r)
+
+    def __len__(self) -> int:
+        return len(self._r)
+
+    def __getitem__(self, i):
+        return self._r[i]
+
+    def producers(self, i: int) -> dict:
+        p = dict(self._r.producers(i))
+        return {**p, 0: self._writer} if i == self._reader else p
+
+
+@pytest.mark.parametrize("tensors", ["stats", "full"])
+def test_a_change_written_by_a_filtered_op_enters_from_it(tmp_path, tensors):
+    """Recorded with --module Sequential.2, the mul_ (no module) is left out: trend's cause (stats, steps 1-40) and
+    replay's entry (full, steps 24-25) name the reader's input 0 and, where an edge leads to it, the filtered op."""
+    steps = "1-40" if tensors == "stats" else "24-25"
+    with replaydiff.record(tmp_path / "t", tensors=tensors, steps=steps, modules="Sequential.2"):
+        train(mlp())
+    r = open_trace(tmp_path / "t").rank(0)
+    mul = next(r[i] for i in range(len(r)) if r[i].name == "aten.mul_.Tensor")
+    assert (mul.recorded, mul.step, mul.not_recorded_reason.startswith("filtered")) == (False, SPIKE_STEP, True)
+    reader = next(op for op in r if op.step == SPIKE_STEP and op.name == "aten.t.default" and op.phase == "forward")
+    assert r.producers(reader.index)[0] is None  # today: from outside the trace
+    linked = FilteredOpsLinked(r, reader.index, mul.index)
+    if tensors == "stats":
+        for trace, producer in ((r, None), (linked, mul.index)):
+            c = compute_trend(trace).cause
+            assert (c.index, c.how, c.position, c.producer) == (reader.index, "entered", 0, producer)
+        assert f"from op #{mul.index}, which the record filter left out" in describe_cause(c)
+        return
+    for trace, producer in ((r, None), (linked, mul.index)):
+        e = find_entry(trace)
+        assert (e.index, e.position, e.step, e.producer) == (reader.index, 0, SPIKE_STEP, producer)
+    assert f"input 0 of op #{reader.index} aten.t.default (Sequential.2, forward) at step {SPIKE_STEP}, from op " \
+           f"#{mul.index}, which the record filter left out" in e.describe()
+
+
+def test_clean_replay_of_one_zoomed_step_says_how_to_see_where_the_difference_enters(tmp_path, capsys):
+    """The issue's zoom-in, step 25 alone: nothing to compare an input with, and replay says so and what to record."""
+    with replaydiff.record(tmp_path / "z", tensors="full", steps=str(SPIKE_STEP), modules="Sequential.2"):
+        train(mlp())
+    assert find_entry(open_trace(tmp_path / "z").rank(0)) is None
+    assert cli_main(["replay", str(tmp_path / "z")]) == 0
+    assert capsys.readouterr().out.endswith(
+        f"this trace holds one step ({SPIKE_STEP}): an input that brings a difference in shows only against the step "
+        f"before; record steps 24-25 (record --steps 24-25, as trend prints it) and replay says which input of which "
+        f"op it enters through\n")
+
+
+def test_early_steps_of_plain_adamw_training_show_no_difference_entering(tmp_path):
+    """AdamW's moments grow several-fold a step at first, by design (seed 0: the second layer's weight's from
+    7.8e-4 to 3.2e-3, step 2 to 3): steps 1-3 of plain training have no difference to name."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with replaydiff.record(tmp_path / "t", tensors="full", steps="1-3"):
+        for _ in range(3):
+            x, y = torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert find_entry(open_trace(tmp_path / "t").rank(0)) is None
