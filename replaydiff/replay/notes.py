@@ -13,9 +13,9 @@ from replaydiff.compare.notes import Note, VerdictReason, render, verdict_reason
 from replaydiff.compare.verdict import Verdict
 from replaydiff.replay.result import Status
 
-__all__ = ["CheckFailed", "ChunksDiffer", "CollectiveDiffers", "CollectiveOk", "Failed", "FellBack", "Judgement", "LeftOut",
-           "MissedCall", "Note", "RanksMissing", "ReplayFact", "RepeatsDisagree", "Skipped", "TraceEndsBefore",
-           "VerdictReason", "render", "verdict_reason"]
+__all__ = ["CheckFailed", "ChunksDiffer", "CollectiveDiffers", "CollectiveOk", "Failed", "FellBack", "Judgement",
+           "LeftOut", "MissedCall", "Note", "RanksMissing", "ReplayFact", "RepeatsDisagree", "Skipped",
+           "TraceEndsBefore", "VerdictReason", "render", "verdict_reason"]
 
 
 class ReplayFact(Note, Enum):
