@@ -20,6 +20,15 @@ class Note:
         raise NotImplementedError
 
 
+class Fact(Note):
+    """A note that is one fixed sentence: mixed into an Enum whose members' values are the sentences."""
+
+    __slots__ = ()
+
+    def text(self) -> str:
+        return self.value  # type: ignore[attr-defined]  (the Enum's)
+
+
 @dataclass(frozen=True)
 class VerdictReason(Note):
     """A verdict's own words (``Verdict.reason`` of a divergent output, ``Verdict.explanation`` of an ok one)."""

@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from replaydiff.compare.notes import Note
+from replaydiff.compare.notes import Fact, Note
 
 
-class DiffFact(Note, Enum):
+class DiffFact(Fact, Enum):
     """A note that is one fixed sentence."""
 
     NO_OUTPUT_DATA = "no output data on either side"
@@ -24,10 +24,6 @@ class DiffFact(Note, Enum):
     INPUTS_WITHIN_TOLERANCE = "inputs agree within tolerance (not bit for bit), outputs differ"
     NO_INPUT_COMPARED = "outputs differ (no input could be compared)"
     OUTPUTS_DIFFER = "outputs differ"
-
-    def text(self) -> str:
-        return self.value
-
 
 @dataclass(frozen=True)
 class InputDiffered(Note):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from replaydiff.compare.notes import Note, VerdictReason, render, verdict_reason
+from replaydiff.compare.notes import Fact, Note, VerdictReason, render, verdict_reason
 from replaydiff.compare.verdict import Verdict
 from replaydiff.replay.result import Status
 
@@ -18,7 +18,7 @@ __all__ = ["CheckFailed", "ChunksDiffer", "CollectiveDiffers", "CollectiveOk", "
            "TraceEndsBefore", "VerdictReason", "render", "verdict_reason"]
 
 
-class ReplayFact(Note, Enum):
+class ReplayFact(Fact, Enum):
     """A note that is one fixed sentence."""
 
     SCALAR_EXACT = "scalar result compared exactly"
@@ -29,10 +29,6 @@ class ReplayFact(Note, Enum):
     GROUP_UNKNOWN = "collective: its process group is unknown, so it cannot be checked"
     MISMATCHED_ORDER = "collective: the ranks of its group called different collectives here (mismatched order)"
     EVERY_CHUNK_OK = "collective checked across ranks: every chunk vs what its peer sent"
-
-    def text(self) -> str:
-        return self.value
-
 
 @dataclass(frozen=True)
 class Skipped(Note):
