@@ -369,3 +369,48 @@ def test_known_causes_are_one_table() -> None:
             if text in texts or any(text.startswith(t[:60]) for t in texts):
                 copies.append(f"{rel}:{line}: {text[:60]}")
     assert copies == []
+
+
+_RESULT_FIELDS = {"status", "reason", "verdict"}
+
+
+def _result_writes(p: Path) -> list[tuple[int, str]]:
+    """Assignments to a ``status``, ``reason`` or ``verdict`` attribute (``res.reason = ...``, ``a.status, a.reason =
+    ...``, ``res.reason += ...``) in ``p``, with the function they are in; an object keeping its own fields
+    (``self.status = ...``: OpResult's __post_init__, the TUI model's column of statuses) is not one."""
+    found = []
+
+    def visit(node: ast.AST, func: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, child.name)
+                continue
+            if isinstance(child, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = child.targets if isinstance(child, ast.Assign) else [child.target]
+                for t in targets:
+                    for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                        if isinstance(el, ast.Attribute) and el.attr in _RESULT_FIELDS and not (
+                                isinstance(el.value, ast.Name) and el.value.id == "self"):
+                            found.append((child.lineno, func))
+            visit(child, func)
+
+    visit(ast.parse(p.read_text()), "<module>")
+    return found
+
+
+def test_results_are_built_once_from_a_judgement() -> None:
+    """Judging returns a value (status, verdict, typed notes) and the result is made from it in one place: no module
+    sets a result's status, reason or verdict field by field (replay's judging did so in about 18 places, growing the
+    reason by string concatenation). The one exception is the cross-rank check, which settles a collective's
+    result (already in the engine's list) from its judgement in one function."""
+    writes = [f"{_rel(p)}:{line} in {func}" for p in _python_files(PKG, ROOT / "tui") for line, func in
+              _result_writes(p) if (_rel(p), func) != ("replaydiff/replay/collectives.py", "settle")]
+    assert writes == []
+    # ... and each kind of result is constructed in one place in the package (a JSON report read back aside)
+    made = {kind: sorted({f"{_rel(p)}:{f.name}" for p in _python_files(PKG) for f in _functions(p)
+                          for node in ast.walk(f) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                          and node.func.id == kind})
+            for kind in ("OpResult", "PairResult")}
+    assert made == {"OpResult": ["replaydiff/replay/runner.py:_result",
+                                 "replaydiff/report/json_report.py:load_replay_json"],
+                    "PairResult": ["replaydiff/diff/compare.py:compare"]}

@@ -11,8 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replaydiff.compare.metrics import ExactMismatch, FloatError, NonfiniteMismatch, ShapeMismatch, measure
+from replaydiff.compare.notes import VerdictReason, render
 from replaydiff.compare.tolerance import Tolerances, reduction_length
 from replaydiff.diff.compare import stats_measure, tensor_stats
+from replaydiff.diff.notes import CarriedFromStep, DiffFact, InputDiffered
+from replaydiff.replay.notes import FellBack, Judgement, LeftOut, RepeatsDisagree, ReplayFact
+from replaydiff.replay.result import Status
 from replaydiff.trace.writer import CodecChoice
 
 EPS32 = 2.0 ** -23  # torch.finfo(torch.float32).eps
@@ -111,3 +115,15 @@ def test_codec_choice_compresses_only_where_it_costs_the_job_no_time() -> None:
     floats.note_compressed(mb, int(0.8 * mb), 2.5e-9 * mb)
     floats.note_written(mb, 10e-9 * mb)
     assert not floats.compress(behind=True)
+
+
+def test_notes_render_as_the_reason_line() -> None:
+    assert render(()) is None
+    assert Judgement(Status.OK, notes=(ReplayFact.SCALAR_EXACT, LeftOut(3, uninitialised=False))).reason == \
+        "scalar result compared exactly; 3 output positions the kernel leaves unwritten were not compared"
+    assert render((RepeatsDisagree(2), FellBack("fp32", "fp64", "RuntimeError: no kernel"))) == \
+        "2 replays of the op disagree with each other; replayed at fp32: at fp64 the op failed (RuntimeError: no kernel)"
+    assert render((VerdictReason("max_abs/(eps*absmax) 40 > 16"), InputDiffered(2))) == \
+        "max_abs/(eps*absmax) 40 > 16; input 2 already differed"
+    assert render((CarriedFromStep(None), DiffFact.OUTPUTS_DIFFER)) == \
+        "inputs could not be compared, and descend from step inputs that already differed; outputs differ"

@@ -27,8 +27,10 @@ import torch
 
 from replaydiff import aten
 from replaydiff.compare.metrics import ExactMismatch, FloatError, Measure, NonfiniteMismatch, ShapeMismatch, measure
+from replaydiff.compare.notes import Note, render, verdict_reason
 from replaydiff.compare.tolerance import Tolerances, reduction_length
 from replaydiff.compare.verdict import Verdict, judge_measure
+from replaydiff.diff.notes import CarriedFromStep, DiffFact, InputDiffered, PlainArgsDiffer, TensorInputCount
 from replaydiff.diff.result import Evidence, Origin, OriginKind, PairResult, PairStatus, weakest
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import Opaque, OpRecord, TensorRef, TensorStats, iter_refs
@@ -198,92 +200,121 @@ class PairComparer:
                 carries_step_inputs: bool = False) -> PairResult:
         """Judge one aligned pair; ``origin_of(target op, input position)`` says where a differing input came
         from; ``carries_step_inputs``: the target op's inputs descend from a step input that already differed."""
-        res = PairResult(ref=rop.index, target=top.index, op=rop.name, status=PairStatus.SAME, module=rop.module,
-                         phase=rop.phase, source=rop.source, forward_index=rop.forward_index,
-                         target_op=top.name if top.name != rop.name else None)
-        evidence: list[Evidence] = []
-        # Inputs first: do the two ops start from the same values?
+        ins = self._inputs(rop, top)
+        outs = self._outputs(rop, top)
+        status, notes, inherited_from = _decide(ins, outs, carries_step_inputs,
+                                                lambda pos: origin_of(top.index, pos))
+        return PairResult(ref=rop.index, target=top.index, op=rop.name, status=status, module=rop.module,
+                          phase=rop.phase, source=rop.source, forward_index=rop.forward_index,
+                          target_op=top.name if top.name != rop.name else None, evidence=weakest(outs.evidence),
+                          inputs_agree=ins.agree, verdict=outs.verdict, reason=render(notes),
+                          inherited_from=inherited_from, dtypes=outs.dtypes)
+
+    def _inputs(self, rop: OpRecord, top: OpRecord) -> "_InputsSeen":
+        """Do the two ops start from the same values (tensors first, then plain arguments and generator state)?"""
         ins_r, ins_t = rop.inputs(), top.inputs()
-        inputs_agree: bool | None = None
-        inputs_exact = True  # every compared input equal bit for bit (else: within tolerance only)
-        inputs_by_stats = False
-        first_bad_input: int | None = None
+        agree: bool | None = None
+        exact = True  # every compared input equal bit for bit (else: within tolerance only)
+        by_stats = False
+        first_bad: int | None = None
         for pos, (r, t) in enumerate(zip(ins_r, ins_t)):
             c, v = self.tensor_verdict(r, t, 1, (rop.index, "in", pos))
             if c is None or v is None:
                 continue
             if v.divergent:
-                inputs_agree = False
-                first_bad_input = pos
+                agree, first_bad = False, pos
                 break
-            inputs_agree = True
-            inputs_exact = inputs_exact and c.evidence is Evidence.FULL and _is_zero(v.measure)
-            inputs_by_stats = inputs_by_stats or c.evidence is Evidence.STATS
-        args_differ = None
+            agree = True
+            exact = exact and c.evidence is Evidence.FULL and _is_zero(v.measure)
+            by_stats = by_stats or c.evidence is Evidence.STATS
+        args_differ: Note | None = None
         if len(ins_r) != len(ins_t):
-            inputs_agree = False
-            args_differ = f"{len(ins_r)} tensor inputs against {len(ins_t)}"
-        elif inputs_agree is not False:
+            agree = False
+            args_differ = TensorInputCount(len(ins_r), len(ins_t))
+        elif agree is not False:
             pa, pt = _plain_args(rop), _plain_args(top)
             if pa != pt:
-                args_differ = "non-tensor arguments differ: " + _first_difference(pa, pt)
-        if args_differ is None and inputs_agree is not False and rop.rng is not None and top.rng is not None:
+                args_differ = PlainArgsDiffer(_first_difference(pa, pt))
+        if args_differ is None and agree is not False and rop.rng is not None and top.rng is not None:
             if not torch.equal(self.ref.rng_state(rop.rng), self.target.rng_state(top.rng)):
-                args_differ = "random op drawn from another generator state"
-        res.inputs_agree = False if args_differ else inputs_agree
+                args_differ = DiffFact.OTHER_GENERATOR_STATE
+        return _InputsSeen(agree, exact, by_stats, first_bad, args_differ)
 
-        # Outputs: the deciding verdict is the first divergent output, else the worst one.
+    def _outputs(self, rop: OpRecord, top: OpRecord) -> "_OutputsSeen":
+        """The outputs judged, with the evidence each comparison had."""
         outs_r, outs_t = rop.outputs_refs(), top.outputs_refs()
         k = reduction_length(aten.packet(rop.name), [list(r.shape) for r in iter_refs(rop.args)],
                              max(1, max((math.prod(r.shape) for r in outs_r), default=1)))
         judged: list[Verdict] = []
+        evidence: list[Evidence] = []
+        dtypes = None
         for pos, (r, t) in enumerate(zip(outs_r, outs_t)):
             c, v = self.tensor_verdict(r, t, k, (rop.index, "out", pos))
             if c is None:
                 continue
             evidence.append(c.evidence)
-            if r.dtype != t.dtype and res.dtypes is None:
-                res.dtypes = (r.dtype, t.dtype)
+            if r.dtype != t.dtype and dtypes is None:
+                dtypes = (r.dtype, t.dtype)
             if v is not None:
                 judged.append(v)
-        res.evidence = weakest(evidence)
-        bad = [v for v in judged if v.divergent]
-        if bad:
-            res.verdict = bad[0]
-        elif judged:
-            res.verdict = max(judged, key=lambda v: v.severity)
-        if not judged:
-            res.status = PairStatus.NOT_COMPARED
-            res.reason = ("no output data on either side" if evidence else "no output to compare "
-                          "(uninitialised or none)")
-            if args_differ:
-                res.reason = f"{res.reason}; {args_differ}"
-            return res
-        if not bad:
-            res.status = PairStatus.SAME
-            return res
-        if res.inputs_agree is False and not args_differ:
-            res.status = PairStatus.INHERITED
-            if first_bad_input is not None:
-                res.inherited_from = origin_of(top.index, first_bad_input)
-                res.reason = f"{bad[0].reason}; input {first_bad_input} already differed"
-            else:
-                res.reason = f"{bad[0].reason}; inputs already differed"
-        elif carries_step_inputs and not args_differ and not (res.inputs_agree and inputs_exact):
-            res.status = PairStatus.INHERITED
-            res.inherited_from = Origin(OriginKind.OUTSIDE)
-            agree = "agree within tolerance" if res.inputs_agree else "could not be compared"
-            res.reason = f"{bad[0].reason}; inputs {agree}, and descend from step inputs that already differed"
-        else:
-            res.status = PairStatus.DIVERGENT
-            # Inputs equal bit for bit make the op itself the cause; inputs that agree only within tolerance leave
-            # room for an ill-conditioned op amplifying a small earlier difference (--baseline settles which).
-            why = ("inputs agree in their statistics, outputs differ" if inputs_by_stats else
-                   "inputs equal bit for bit, outputs differ" if inputs_exact else
-                   "inputs agree within tolerance (not bit for bit), outputs differ") if res.inputs_agree else \
-                "outputs differ (no input could be compared)" if res.inputs_agree is None else "outputs differ"
-            res.reason = f"{bad[0].reason}; {args_differ or why}"
-        return res
+        return _OutputsSeen(tuple(judged), tuple(evidence), dtypes)
+
+
+@dataclass(frozen=True)
+class _InputsSeen:
+    """What comparing a pair's inputs found."""
+
+    tensors_agree: bool | None  # None: no tensor input could be compared
+    exact: bool  # every compared input equal bit for bit
+    by_stats: bool  # some input compared by its statistics only
+    first_bad: int | None  # the first tensor input beyond tolerance
+    args_differ: Note | None  # the plain arguments, the number of inputs or the generator state differ
+
+    @property
+    def agree(self) -> bool | None:
+        return False if self.args_differ else self.tensors_agree
+
+
+@dataclass(frozen=True)
+class _OutputsSeen:
+    judged: tuple[Verdict, ...]
+    evidence: tuple[Evidence, ...]
+    dtypes: tuple[str, str] | None  # (ref, target) output dtypes, when they differ
+
+    @property
+    def bad(self) -> list[Verdict]:
+        return [v for v in self.judged if v.divergent]
+
+    @property
+    def verdict(self) -> Verdict | None:
+        """The deciding output: the first divergent one, else the worst."""
+        bad = self.bad
+        return bad[0] if bad else max(self.judged, key=lambda v: v.severity) if self.judged else None
+
+
+def _decide(ins: _InputsSeen, outs: _OutputsSeen, carries_step_inputs: bool,
+            origin_of: Callable[[int], Origin]) -> tuple[PairStatus, tuple[Note, ...], Origin | None]:
+    """The pair's status, notes and (inherited) where its difference came from."""
+    if not outs.judged:
+        fact = DiffFact.NO_OUTPUT_DATA if outs.evidence else DiffFact.NO_OUTPUT
+        return PairStatus.NOT_COMPARED, (fact,) + ((ins.args_differ,) if ins.args_differ else ()), None
+    bad = outs.bad
+    if not bad:
+        return PairStatus.SAME, (), None
+    said = verdict_reason(bad[0].reason)
+    if ins.agree is False and not ins.args_differ:
+        if ins.first_bad is not None:
+            return PairStatus.INHERITED, said + (InputDiffered(ins.first_bad),), origin_of(ins.first_bad)
+        return PairStatus.INHERITED, said + (DiffFact.INPUTS_DIFFERED,), None
+    if carries_step_inputs and not ins.args_differ and not (ins.agree and ins.exact):
+        return PairStatus.INHERITED, said + (CarriedFromStep(ins.agree),), Origin(OriginKind.OUTSIDE)
+    # Inputs equal bit for bit make the op itself the cause; inputs that agree only within tolerance leave room for
+    # an ill-conditioned op amplifying a small earlier difference (--baseline settles which).
+    why = ins.args_differ or ((DiffFact.INPUTS_AGREE_IN_STATISTICS if ins.by_stats else DiffFact.INPUTS_EQUAL
+                               if ins.exact else DiffFact.INPUTS_WITHIN_TOLERANCE) if ins.agree else
+                              DiffFact.NO_INPUT_COMPARED if ins.agree is None else DiffFact.OUTPUTS_DIFFER)
+    return PairStatus.DIVERGENT, said + (why,), None
+
 
 def _is_zero(m: Measure) -> bool:
     return (isinstance(m, FloatError) and m.max_abs == 0 and m.nonfinite_recorded == m.nonfinite_reference) or \

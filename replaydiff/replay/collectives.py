@@ -12,12 +12,15 @@ checked as a sum. Both the ``c10d`` (in place, with a Work) and the ``_c10d_func
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 
 from replaydiff import aten
-from replaydiff.compare.verdict import judge
+from replaydiff.compare.tolerance import Tolerances
+from replaydiff.compare.verdict import Verdict, judge
+from replaydiff.replay.notes import (CheckFailed, ChunksDiffer, CollectiveDiffers, CollectiveOk, Judgement, MissedCall,
+                                     RanksMissing, ReplayFact, Skipped, TraceEndsBefore, render)
 from replaydiff.replay.policy import ReplayOptions
 from replaydiff.replay.result import OpResult, Status
 from replaydiff.trace.reader import RankTrace, Trace
@@ -27,6 +30,9 @@ from replaydiff.trace.sync import group_calls
 
 class NotChecked(Exception):
     """The collective is left skipped, with this reason."""
+
+
+F = TypeVar("F", bound=Callable)
 
 
 # -- where each form keeps its tensors ---------------------------------------------------------------------------
@@ -107,6 +113,176 @@ def _splits(v: Any, total: int, parts: int) -> list[int]:
     return [total // parts] * parts
 
 
+@dataclass(frozen=True)
+class Call:
+    """One collective call on one rank, as a kind's check reads it: its record, the same call on every rank of its
+    group (in group order) and where the layout puts their tensors."""
+
+    op: OpRecord
+    peers: list[OpRecord]  # peers[n]: the call on group rank n
+    group: tuple[int, ...]
+    me: int  # this rank's position in the group
+    outs: list[TensorRef]  # this rank's results
+    ins: list[list[TensorRef]]  # ins[n]: the inputs of group rank n
+    splits: tuple[int, int] | None
+    output: Callable[[TensorRef], torch.Tensor]  # one of this rank's recorded tensors
+    load: Callable[[int, TensorRef], torch.Tensor]  # one of group rank n's recorded tensors
+    tolerances: Tolerances
+
+    @property
+    def width(self) -> int:
+        return len(self.group)
+
+    def reduce_op(self) -> str:
+        reduce_op = self.op.collective.reduce_op
+        if reduce_op is None or reduce_op == "unknown":
+            raise NotChecked("collective: its reduce op could not be read when recording, so it is not checked")
+        return reduce_op
+
+
+Check = Callable[[Call], Judgement]
+# What each kind of collective (``Layout.kind``) must produce, registered per kind with ``@checks`` (as
+# ``torch.utils.flop_counter`` registers a formula per op): a kind without one is left skipped, saying so.
+_CHECKS: dict[str, Check] = {}
+
+
+def checks(*kinds: str) -> Callable[[F], F]:
+    """Register ``fn`` as the cross-rank check of the collectives of ``kinds`` (one check per kind)."""
+    def register(fn: F) -> F:
+        for kind in kinds:
+            if kind in _CHECKS:
+                raise ValueError(f"collective kind {kind!r} already has a check ({_CHECKS[kind].__qualname__})")
+            _CHECKS[kind] = fn
+        return fn
+    return register
+
+
+def check_for(kind: str) -> Check:
+    """The check registered for collectives of ``kind``; NotChecked (the collective stays skipped) if none is."""
+    check = _CHECKS.get(kind)
+    if check is None:
+        raise NotChecked(f"collective: no cross-rank check for collectives of kind {kind!r}")
+    return check
+
+
+def checked_kinds() -> frozenset[str]:
+    return frozenset(_CHECKS)
+
+
+def judge_pieces(pieces: Iterable[tuple[torch.Tensor, torch.Tensor, bool, str]], tol: Tolerances) -> Judgement:
+    """Each (received, expected, exact, what) piece judged: the first divergent piece decides; when none is, the
+    last one's verdict stands. Every piece is loaded and judged, so one that cannot be read leaves the call
+    unchecked even after a divergent one."""
+    found: Judgement | None = None
+    last: Judgement | None = None
+    for got, want, exact, what in pieces:
+        if got.shape != want.shape:
+            got, want = got.reshape(-1), want.reshape(-1)
+        v = judge(got, want, tol, 1, exact=exact or not got.is_floating_point())
+        if v.divergent and found is None:
+            found = Judgement(Status.DIVERGENT, v, (CollectiveDiffers(what, v.reason),))
+        elif found is None:
+            last = Judgement(Status.OK, v, (CollectiveOk(what),))
+    return found or last or Judgement(Status.SKIPPED, notes=(ReplayFact.COLLECTIVE,))
+
+
+# -- the checks, per kind -------------------------------------------------------------------------------------------
+@checks("all_reduce")
+def _all_reduce(c: Call) -> Judgement:
+    reduce_op = c.reduce_op()
+
+    def pieces():
+        for j, out_ref in enumerate(c.outs):
+            want = _reduce(reduce_op, [c.load(n, c.ins[n][j]) for n in range(c.width)])
+            yield c.output(out_ref), want, False, f"output vs the float64 {reduce_op} of all ranks' inputs"
+    return judge_pieces(pieces(), c.tolerances)
+
+
+@checks("reduce_scatter")
+def _reduce_scatter(c: Call) -> Judgement:
+    reduce_op, me = c.reduce_op(), c.me
+    return judge_pieces(((c.output(out_ref).reshape(-1),
+                          _reduce(reduce_op, [c.load(n, c.ins[n][j]).reshape(c.width, -1)[me] for n in range(c.width)]),
+                          False, f"output vs the float64 {reduce_op} of every rank's chunk {me}")
+                         for j, out_ref in enumerate(c.outs)), c.tolerances)
+
+
+@checks("reduce_scatter_list")
+def _reduce_scatter_list(c: Call) -> Judgement:
+    """reduce_scatter_: input_tensors[0][n] of every rank goes to rank n."""
+    reduce_op, me = c.reduce_op(), c.me
+    want = _reduce(reduce_op, [c.load(n, c.ins[n][me]) for n in range(c.width)])
+    return judge_pieces([(c.output(c.outs[0]), want, False,
+                          f"output vs the float64 {reduce_op} of every rank's chunk {me}")], c.tolerances)
+
+
+@checks("all_gather_list")
+def _all_gather_list(c: Call) -> Judgement:
+    """output_tensors[0][n] is rank n's input."""
+    return judge_pieces(((c.output(c.outs[n]), c.load(n, c.ins[n][0]), True,
+                          f"gathered slot {n} vs rank {c.group[n]}'s input") for n in range(c.width)), c.tolerances)
+
+
+@checks("all_gather")
+def _all_gather(c: Call) -> Judgement:
+    def pieces():
+        for j, out_ref in enumerate(c.outs):
+            got = c.output(out_ref).reshape(c.width, -1)
+            for n in range(c.width):
+                yield (got[n], c.load(n, c.ins[n][j]).reshape(-1), True,
+                       f"gathered chunk {n} vs rank {c.group[n]}'s input")
+    return judge_pieces(pieces(), c.tolerances)
+
+
+@checks("broadcast")
+def _broadcast(c: Call) -> Judgement:
+    # Both forms hand the process group its root as a rank within the group (c10d's Python API has already mapped
+    # src to group_src), which is what ProcessGroup::broadcast reads.
+    root_n = c.op.collective.root
+    if root_n is None or not 0 <= root_n < c.width:
+        raise NotChecked(f"collective: its root ({root_n}) is not a rank of its group of {c.width}")
+    return judge_pieces(((c.output(out_ref), c.load(root_n, c.ins[root_n][j]), True,
+                          f"output vs rank {c.group[root_n]}'s input") for j, out_ref in enumerate(c.outs)),
+                        c.tolerances)
+
+
+@checks("all_to_all_list")
+def _all_to_all_list(c: Call) -> Judgement:
+    """output_tensors[n] comes from rank n's input_tensors[me]."""
+    return _exchanged([(c.output(c.outs[n]), c.load(n, c.ins[n][c.me]), f"its input chunk {c.me}")
+                       for n in range(c.width)], c)
+
+
+@checks("all_to_all")
+def _all_to_all(c: Call) -> Judgement:
+    """One tensor cut along dim 0 by the recorded split sizes (equal chunks when none were given)."""
+    got = c.output(c.outs[0])
+    out_splits = _splits(c.op.args[c.splits[0]], got.shape[0], c.width)
+    pieces, start = [], 0
+    for n in range(c.width):
+        src = c.load(n, c.ins[n][0])
+        in_splits = _splits(c.peers[n].args[c.splits[1]], src.shape[0], c.width)
+        lo = sum(in_splits[:c.me])
+        pieces.append((got.narrow(0, start, out_splits[n]), src.narrow(0, lo, in_splits[c.me]),
+                       f"its input rows {lo}:{lo + in_splits[c.me]}"))
+        start += out_splits[n]
+    return _exchanged(pieces, c)
+
+
+def _exchanged(pieces: list[tuple[torch.Tensor, torch.Tensor, str]], c: Call) -> Judgement:
+    """All-to-all: every chunk received, (received, what the peer sent, what), judged bit for bit; the peers whose
+    chunks differ are named."""
+    wrong: list[tuple[int, str, Verdict]] = []
+    for n, (got_n, want_n, what) in enumerate(pieces):
+        v = judge(got_n, want_n, c.tolerances, 1, exact=True)
+        if v.divergent:
+            wrong.append((c.group[n], what, v))
+    if not wrong:
+        return Judgement(Status.OK, None, (ReplayFact.EVERY_CHUNK_OK,))
+    peer, what, v = wrong[0]
+    return Judgement(Status.DIVERGENT, v, (ChunksDiffer(tuple(w[0] for w in wrong), peer, what, v.reason),))
+
+
 class CollectiveChecker:
     def __init__(self, trace: Trace, opts: ReplayOptions) -> None:
         self.trace = trace
@@ -119,130 +295,62 @@ class CollectiveChecker:
 
     def check(self, results: dict[tuple[int, int], OpResult]) -> None:
         """Replace the 'skipped' results of collectives with the outcome of the cross-rank check."""
+        for key, judgement in self.judgements(results).items():
+            settle(results[key], judgement)
+
+    def judgements(self, results: dict[tuple[int, int], OpResult]) -> dict[tuple[int, int], Judgement]:
+        """The cross-rank judgement of each collective in ``results`` (keyed by (rank, op number))."""
         calls = {r: self.calls(self.trace.rank(r)) for r in self.trace.ranks}
+        found = {}
         for rank, groups in calls.items():
             for key, ops in groups.items():
-                group = key[1]
-                missing = [g for g in group if g not in calls]
                 for k, op in enumerate(ops):
-                    res = results.get((rank, op.index))
-                    if res is None:
-                        continue
-                    if not group:
-                        res.reason = "collective: its process group is unknown, so it cannot be checked"
-                        continue
-                    if missing:
-                        res.reason = f"collective: ranks {missing} of its group are not in the trace"
-                        continue
-                    peers = [calls[g].get(key, []) for g in group]
-                    short = [g for g, p in zip(group, peers) if len(p) <= k]
-                    cut = [g for g in short if not self.trace.rank(g).complete]
-                    if cut:  # a crash-cut trace: the call may have happened after its recording stopped
-                        res.reason = f"collective: the trace of rank(s) {cut} ends before call {k} of this group"
-                        continue
-                    if short:
-                        res.status, res.reason = Status.DIVERGENT, \
-                            f"collective: rank(s) {short} of its group never made call {k} of this group"
-                        continue
-                    if any(p[k].name != op.name for p in peers):
-                        res.status, res.reason = Status.DIVERGENT, "collective: the ranks of its group called " \
-                                                                   "different collectives here (mismatched order)"
-                        continue
-                    try:
-                        self._check_one(op, [p[k] for p in peers], group, res)
-                    except NotChecked as why:
-                        res.status, res.reason, res.verdict = Status.SKIPPED, str(why), None
-                    except Exception as exc:
-                        res.status, res.reason = Status.ERROR, \
-                            f"cross-rank check failed: {type(exc).__name__}: {exc}"
+                    if (rank, op.index) in results:
+                        found[(rank, op.index)] = self._judge_call(calls, rank, key, k, op)
+        return found
+
+    def _judge_call(self, calls: dict[int, dict[tuple, list[OpRecord]]], rank: int, key: tuple, k: int,
+                    op: OpRecord) -> Judgement:
+        """Call ``k`` of process group ``key`` on ``rank``, against the same call on every rank of the group."""
+        group = key[1]
+        if not group:
+            return Judgement(Status.SKIPPED, notes=(ReplayFact.GROUP_UNKNOWN,))
+        missing = [g for g in group if g not in calls]
+        if missing:
+            return Judgement(Status.SKIPPED, notes=(RanksMissing(tuple(missing)),))
+        peers = [calls[g].get(key, []) for g in group]
+        short = [g for g, p in zip(group, peers) if len(p) <= k]
+        cut = [g for g in short if not self.trace.rank(g).complete]
+        if cut:  # a crash-cut trace: the call may have happened after its recording stopped
+            return Judgement(Status.SKIPPED, notes=(TraceEndsBefore(tuple(cut), k),))
+        if short:
+            return Judgement(Status.DIVERGENT, notes=(MissedCall(tuple(short), k),))
+        if any(p[k].name != op.name for p in peers):
+            return Judgement(Status.DIVERGENT, notes=(ReplayFact.MISMATCHED_ORDER,))
+        try:
+            return self._check_one(op, [p[k] for p in peers], group, rank)
+        except NotChecked as why:
+            return Judgement(Status.SKIPPED, notes=(Skipped(str(why)),))
+        except Exception as exc:
+            return Judgement(Status.ERROR, notes=(CheckFailed(type(exc).__name__, str(exc)),))
 
     def _tensor(self, rank: int, ref: TensorRef) -> torch.Tensor:
         if not ref.stored:
             raise NotChecked("collective: inputs not stored in the trace")
         return self.trace.rank(rank).tensor(ref)
 
-    def _judge(self, res: OpResult, got: torch.Tensor, want: torch.Tensor, exact: bool, what: str) -> None:
-        if got.shape != want.shape:
-            got, want = got.reshape(-1), want.reshape(-1)
-        v = judge(got, want, self.opts.tolerances, 1, exact=exact or not got.is_floating_point())
-        if v.divergent and res.status is not Status.DIVERGENT:
-            res.status, res.reason, res.verdict = Status.DIVERGENT, f"collective: {what} ({v.reason})", v
-        elif res.status is not Status.DIVERGENT:
-            res.status, res.reason, res.verdict = Status.OK, f"collective checked across ranks: {what}", v
-
-    def _check_one(self, op: OpRecord, peers: list[OpRecord], group: tuple, res: OpResult) -> None:
+    def _check_one(self, op: OpRecord, peers: list[OpRecord], group: tuple, rank: int) -> Judgement:
         lay = layout(op.name)
         if lay is None:
             raise NotChecked(f"collective {aten.packet(op.name)}: no cross-rank check for this kind yet")
-        me = group.index(res.rank)
-        width = len(group)
-        outs = list(iter_refs(tensors_at(op, lay.outputs)))
-        ins = [list(iter_refs(tensors_at(p, lay.inputs))) for p in peers]  # ins[n]: refs of group rank n
-        load: Callable[[int, TensorRef], torch.Tensor] = lambda n, ref: self._tensor(group[n], ref)
-        kind = lay.kind
-        if kind in ("all_reduce", "reduce_scatter", "reduce_scatter_list"):
-            reduce_op = op.collective.reduce_op
-            if reduce_op is None or reduce_op == "unknown":
-                raise NotChecked("collective: its reduce op could not be read when recording, so it is not checked")
-            if kind == "all_reduce":
-                for j, out_ref in enumerate(outs):
-                    want = _reduce(reduce_op, [load(n, ins[n][j]) for n in range(width)])
-                    self._judge(res, self._tensor(res.rank, out_ref), want, False,
-                                f"output vs the float64 {reduce_op} of all ranks' inputs")
-            elif kind == "reduce_scatter":
-                for j, out_ref in enumerate(outs):
-                    parts = [load(n, ins[n][j]).reshape(width, -1)[me] for n in range(width)]
-                    self._judge(res, self._tensor(res.rank, out_ref).reshape(-1), _reduce(reduce_op, parts), False,
-                                f"output vs the float64 {reduce_op} of every rank's chunk {me}")
-            else:  # reduce_scatter_: input_tensors[0][n] of every rank goes to rank n
-                want = _reduce(reduce_op, [load(n, ins[n][me]) for n in range(width)])
-                self._judge(res, self._tensor(res.rank, outs[0]), want, False,
-                            f"output vs the float64 {reduce_op} of every rank's chunk {me}")
-        elif kind == "all_gather_list":  # output_tensors[0][n] is rank n's input
-            for n in range(width):
-                self._judge(res, self._tensor(res.rank, outs[n]), load(n, ins[n][0]), True,
-                            f"gathered slot {n} vs rank {group[n]}'s input")
-        elif kind == "all_gather":
-            for j, out_ref in enumerate(outs):
-                got = self._tensor(res.rank, out_ref).reshape(width, -1)
-                for n in range(width):
-                    self._judge(res, got[n], load(n, ins[n][j]).reshape(-1), True,
-                                f"gathered chunk {n} vs rank {group[n]}'s input")
-        elif kind == "broadcast":
-            # Both forms hand the process group its root as a rank within the group (c10d's Python API has
-            # already mapped src to group_src), which is what ProcessGroup::broadcast reads.
-            root_n = op.collective.root
-            if root_n is None or not 0 <= root_n < width:
-                raise NotChecked(f"collective: its root ({root_n}) is not a rank of its group of {width}")
-            for j, out_ref in enumerate(outs):
-                self._judge(res, self._tensor(res.rank, out_ref), load(root_n, ins[root_n][j]), True,
-                            f"output vs rank {group[root_n]}'s input")
-        elif kind in ("all_to_all", "all_to_all_list"):
-            pairs = []  # (received chunk, the chunk the peer sent, what) per peer
-            if kind == "all_to_all_list":  # output_tensors[n] comes from rank n's input_tensors[me]
-                for n in range(width):
-                    pairs.append((self._tensor(res.rank, outs[n]), load(n, ins[n][me]), f"its input chunk {me}"))
-            else:  # one tensor cut along dim 0 by the recorded split sizes (equal chunks when none were given)
-                got = self._tensor(res.rank, outs[0])
-                out_splits = _splits(op.args[lay.splits[0]], got.shape[0], width)
-                start = 0
-                for n in range(width):
-                    src = load(n, ins[n][0])
-                    in_splits = _splits(peers[n].args[lay.splits[1]], src.shape[0], width)
-                    lo = sum(in_splits[:me])
-                    pairs.append((got.narrow(0, start, out_splits[n]), src.narrow(0, lo, in_splits[me]),
-                                  f"its input rows {lo}:{lo + in_splits[me]}"))
-                    start += out_splits[n]
-            wrong = []
-            for n, (got_n, want_n, what) in enumerate(pairs):
-                v = judge(got_n, want_n, self.opts.tolerances, 1, exact=True)
-                if v.divergent:
-                    wrong.append((group[n], what, v))
-            if wrong:
-                peer, what, v = wrong[0]
-                res.status, res.verdict = Status.DIVERGENT, v
-                res.reason = (f"collective: the chunk(s) received from rank(s) {[w[0] for w in wrong]} differ from "
-                              f"what they sent (rank {peer}: {what}; {v.reason})")
-            else:
-                res.status, res.reason, res.verdict = Status.OK, \
-                    "collective checked across ranks: every chunk vs what its peer sent", None
+        check = check_for(lay.kind)
+        return check(Call(op, peers, group, group.index(rank), list(iter_refs(tensors_at(op, lay.outputs))),
+                          [list(iter_refs(tensors_at(p, lay.inputs))) for p in peers], lay.splits,
+                          lambda ref: self._tensor(rank, ref), lambda n, ref: self._tensor(group[n], ref),
+                          self.opts.tolerances))
+
+
+def settle(res: OpResult, j: Judgement) -> None:
+    """Write a collective's cross-rank judgement onto its result: the one place a result is changed after it is
+    made (the engine holds the replay's results in a list, the checked collectives among them)."""
+    res.status, res.verdict, res.reason = j.status, j.verdict, render(j.notes)

@@ -26,6 +26,8 @@ from replaydiff.compare.verdict import Verdict, calibrated, judge, judge_measure
 from replaydiff.errors import TraceError
 from replaydiff.replay import references  # what to run instead of a kernel
 from replaydiff.replay.compared import compared_outputs
+from replaydiff.replay.notes import (Failed, FellBack, Judgement, LeftOut, Note, RepeatsDisagree, ReplayFact, Skipped,
+                                     render, verdict_reason)
 from replaydiff.replay.policy import FALLBACKS, ReplayOptions, target_dtype
 from replaydiff.replay.result import OpResult, Status
 from replaydiff.repro_script import as_recorded, pick, typed_storage
@@ -37,8 +39,6 @@ _UNFILLED = threading.Lock()
 
 # The finest reference: what an op's own error at its recorded dtype is measured against (see _calibrate).
 _FINEST = "fp64"
-
-COLLECTIVE_SKIP = "collective: cannot run alone; checked across ranks when all its ranks are in the trace"
 
 # (recorded TensorRef or scalar, replayed value) for each output and written argument of one run
 Pairs = list[tuple[Any, Any]]
@@ -123,36 +123,41 @@ class OpReplayer:
 
     def replay_with_pairs(self, op: OpRecord) -> tuple[OpResult, Pairs]:
         """The result, and (recorded, reference) pairs of every output compared (TensorRef and tensor for data)."""
-        res = OpResult(rank=self.trace.rank, index=op.index, op=op.name, status=Status.OK, module=op.module,
-                       phase=op.phase, source=op.source, forward_index=op.forward_index)
         pairs: Pairs = []
         outputs_finite: bool | None = None
         try:
-            pairs, outputs_finite = self._replay(op, res)
+            judgement, pairs, outputs_finite = self._replay(op)
         except TraceError:
             raise  # a damaged trace is the user's problem to hear about (exit 3), not one op's error
         except Skip as s:
-            res.status, res.reason = Status.SKIPPED, str(s)
+            judgement = Judgement(Status.SKIPPED, notes=(Skipped(str(s)),))
         except Exception as exc:  # one failing op never stops the replay
-            first = (str(exc).strip().splitlines() or [""])[0]
-            res.status, res.reason = Status.ERROR, f"{type(exc).__name__}: {first}"[:300]
+            judgement = Judgement(Status.ERROR, notes=(Failed.of(exc),))
+        origin = False
         if outputs_finite is not True:
             try:
                 # outputs_finite False: the replay saw the op produce NaN/Inf; None: it could not tell
-                res.nonfinite_origin = self._nonfinite_origin(op, produced=outputs_finite is False)
+                origin = self._nonfinite_origin(op, produced=outputs_finite is False)
             except TraceError:
                 raise
             except Exception:
                 pass  # the origin is a hint; the op's status already says what went wrong reading it
-        return res, pairs
+        return self._result(op, judgement, origin), pairs
 
-    def _replay(self, op: OpRecord, res: OpResult) -> tuple[Pairs, bool | None]:
+    def _result(self, op: OpRecord, j: Judgement, nonfinite_origin: bool) -> OpResult:
+        """The one place an op's result is made: from its judgement, the notes written as its reason."""
+        return OpResult(rank=self.trace.rank, index=op.index, op=op.name, status=j.status, module=op.module,
+                        phase=op.phase, source=op.source, forward_index=op.forward_index, verdict=j.verdict,
+                        reason=render(j.notes), nonfinite_origin=nonfinite_origin, collective=j.collective,
+                        repeats_disagree=j.repeats_disagree)
+
+    def _replay(self, op: OpRecord) -> tuple[Judgement, Pairs, bool | None]:
+        """Replay and judge the op: its judgement, the pairs compared and whether every output was finite."""
         name = op.name
         if aten.is_collective(name):
             if aten.is_wait_only(name):
                 raise Skip("collective bookkeeping: no data of its own")
-            res.collective = True
-            raise Skip(COLLECTIVE_SKIP)
+            return Judgement(Status.SKIPPED, notes=(ReplayFact.COLLECTIVE,), collective=True), [], None
         if aten.is_marker(name):
             raise Skip(f"non-aten op ({aten.namespace(name)})")
         if op.uninitialised:
@@ -187,21 +192,21 @@ class OpReplayer:
                 if step == len(ladder) - 1:
                     raise
                 first_failure = first_failure or f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"[:200]
-        fallback = None
-        if precision != ladder[0]:
-            fallback = f"replayed at {precision}: at {ladder[0]} the op failed ({first_failure})"
+        fell_back = precision != ladder[0]
+        if fell_back:
             keep_dtype = keep
 
-        pairs, finite = self._judge(op, func, runs, exact, keep_dtype, res, precision, seeded)
-        if note and (note_always or res.status is not Status.OK):
-            res.reason = note if res.reason is None else f"{res.reason}; {note}"
-        if fallback:
-            res.reason = fallback if res.reason is None else f"{res.reason}; {fallback}"
-            if res.verdict is not None:
-                res.verdict = with_precision(res.verdict, precision)
-        return pairs, finite
+        j, pairs, finite = self._judge(op, func, runs, exact, keep_dtype, precision, seeded)
+        notes = j.notes
+        if note and (note_always or j.status is not Status.OK):
+            notes += (note,)
+        if fell_back:
+            notes += (FellBack(precision, ladder[0], first_failure),)
+            if j.verdict is not None:
+                j = replace(j, verdict=with_precision(j.verdict, precision))
+        return replace(j, notes=notes), pairs, finite
 
-    def _reference(self, name: str) -> tuple[Any, bool, str | None, bool]:
+    def _reference(self, name: str) -> tuple[Any, bool, Note | None, bool]:
         """What to run for the op: (callable, is it a random op, what the reference is, whether every result says
         so or only a problem does: under --reference decomp most ops run through one)."""
         fn = references.registered_reference(name)
@@ -210,13 +215,13 @@ class OpReplayer:
                 seeded = aten.facts(aten.resolve(name)).seeded
             except aten.UnknownOp:
                 seeded = False
-            return fn, seeded, "replayed against the reference registered for it (replaydiff.register_reference)", True
+            return fn, seeded, ReplayFact.REGISTERED_REFERENCE, True
         func = self._resolve(name)
         seeded = aten.facts(func).seeded
         if self.opts.reference == "decomp" and not seeded:  # a decomposition would draw other random numbers
             decomp = references.decomposition(func)
             if decomp is not None:
-                return decomp, False, "replayed through its torch._decomp decomposition", False
+                return decomp, False, ReplayFact.DECOMPOSITION, False
         return func, seeded, None, False
 
     def _resolve(self, name: str) -> Any:
@@ -263,8 +268,8 @@ class OpReplayer:
         return runs
 
     def _judge(self, op: OpRecord, func: Any, runs: list, exact: bool, keep_dtype: bool,
-               res: OpResult, precision: str, seeded: bool) -> tuple[Pairs, bool | None]:
-        """Set the result's status and verdict; returns the pairs compared and whether every output was finite."""
+               precision: str, seeded: bool) -> tuple[Judgement, Pairs, bool | None]:
+        """The op's judgement from its runs, the pairs compared and whether every output was finite."""
         out, args, kwargs = runs[0]
         packet = aten.packet(op.name)
         in_shapes = [list(r.shape) for r in iter_refs(op.args)]
@@ -276,16 +281,14 @@ class OpReplayer:
         judged: list[tuple[int, Verdict]] = []
         for n, (ref, value) in enumerate(pairs):
             if isinstance(ref, ViewMismatch):
-                res.status, res.verdict = Status.DIVERGENT, judge_measure(ref, "", self.opts.tolerances)
-                res.reason = res.verdict.reason
-                return pairs, None
+                v = judge_measure(ref, "", self.opts.tolerances)
+                return Judgement(Status.DIVERGENT, v, verdict_reason(v.reason)), pairs, None
             if not isinstance(value, torch.Tensor):
                 if isinstance(ref, TensorRef):
                     raise RuntimeError(f"op returned {type(value).__name__} where a tensor was recorded")
                 v = scalar_verdict(ref, value)
                 if v is not None:
-                    res.status, res.verdict, res.reason = Status.DIVERGENT, v, v.reason
-                    return pairs, None
+                    return Judgement(Status.DIVERGENT, v, verdict_reason(v.reason)), pairs, None
                 continue
             recorded = self.trace.tensor(ref)
             k = reduction_length(packet, in_shapes, max(1, recorded.numel()))
@@ -307,29 +310,26 @@ class OpReplayer:
                                                left_out=allocators)
         bad = [v for _, v in judged if v.divergent]
         left_out = sum(v.left_out for _, v in judged)
+        status, verdict = Status.OK, None
+        notes: tuple[Note, ...] = ()
         if bad:
-            res.status, res.reason, res.verdict = Status.DIVERGENT, bad[0].reason, bad[0]
+            status, verdict, notes = Status.DIVERGENT, bad[0], verdict_reason(bad[0].reason)
         elif judged:
             # The output nearest its limit; but an output over the fixed limits that is ok (ill-conditioned) first,
             # so the op's figures a reader takes for a divergence come with why they are not one.
-            res.verdict = max((v for _, v in judged), key=lambda v: (v.explanation is not None, v.severity))
-            res.reason = res.verdict.explanation
-        elif res.reason is None:
-            res.reason = ("scalar result compared exactly" if pairs else
-                          "nothing to compare (views of inputs are checked by shape and stride only)")
+            verdict = max((v for _, v in judged), key=lambda v: (v.explanation is not None, v.severity))
+            notes = verdict_reason(verdict.explanation)
+        else:
+            notes = (ReplayFact.SCALAR_EXACT if pairs else ReplayFact.NOTHING_TO_COMPARE,)
         if left_out:
-            note = f"{left_out} output positions the kernel leaves unwritten were not compared"
-            if allocators:
-                note = (f"{left_out} output positions that hold uninitialised memory (from an empty* op, not "
-                        f"written by this one) were not compared")
-            res.reason = note if res.reason is None else f"{res.reason}; {note}"
-        if len(runs) > 1 and _repeats_disagree(runs):
-            res.repeats_disagree = True  # evidence of a non-deterministic kernel, whatever the status
-            if res.status is Status.OK:
-                res.status = Status.NONDETERMINISTIC
-                res.reason = f"{len(runs)} replays of the op disagree with each other"
+            notes += (LeftOut(left_out, uninitialised=bool(allocators)),)
+        # evidence of a non-deterministic kernel, whatever the status
+        disagree = len(runs) > 1 and _repeats_disagree(runs)
+        if disagree and status is Status.OK:
+            status, notes = Status.NONDETERMINISTIC, (RepeatsDisagree(len(runs)),)
         # Outputs that are all views of inputs (whose bytes they share) count as finite: a NaN there started earlier.
-        return pairs, (finite if len(judged) == len(pairs) else None)
+        return (Judgement(status, verdict, notes, repeats_disagree=disagree), pairs,
+                (finite if len(judged) == len(pairs) else None))
 
     def _calibrate(self, op: OpRecord, func: Any, pairs: Pairs, judged: list[tuple[int, Verdict]],
                    left_out: dict[int, torch.Tensor]) -> list[tuple[int, Verdict]]:
