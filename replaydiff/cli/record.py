@@ -39,9 +39,14 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensors", choices=TENSOR_MODES, default="full",
                    help="full: tensor data (default); stats: per-tensor statistics; meta: shapes and dtypes only")
     p.add_argument("--no-compress", action="store_true", help="store raw bytes instead of zstd")
-    p.add_argument("--module", dest="modules", action="append", metavar="GLOB", help="only ops inside these modules")
-    p.add_argument("--op", dest="ops", action="append", metavar="GLOB", help="only ops whose name matches")
+    p.add_argument("--module", dest="modules", action="append", metavar="GLOB",
+                   help="tensor data only for ops inside these modules (the others: statistics)")
+    p.add_argument("--op", dest="ops", action="append", metavar="GLOB",
+                   help="tensor data only for ops whose name matches (the others: statistics)")
     p.add_argument("--max-tensor-bytes", type=int, metavar="N", help="store statistics for storages larger than N")
+    p.add_argument("--budget", metavar="SIZE",
+                   help="bytes each rank's trace may take, e.g. 500M, 2G: tensor data in step order (with --module/"
+                        "--op, those ops first) while it fits, statistics for every op")
     p.add_argument("--verify-writes", action="store_true",
                    help="checksum stored CPU tensors to notice writes torch never sees (numpy, C extensions)")
     p.add_argument("--ranks", type=_rank_list, metavar="R,R,...",
@@ -77,7 +82,8 @@ def options_from_args(args: argparse.Namespace) -> RecordOptions:
                               ops=args.ops, max_tensor_bytes=args.max_tensor_bytes, verify_writes=args.verify_writes,
                               plant=args.plant, ranks=getattr(args, "ranks", None),
                               steps=args.steps, granularity=args.granularity, flight=args.flight,
-                              flight_mib=args.flight_mib, flight_at_exit=args.flight_at_exit)
+                              flight_mib=args.flight_mib, flight_at_exit=args.flight_at_exit,
+                              budget=getattr(args, "budget", None))
 
 
 def plant_lines(out: Path, spec: str) -> list[str]:

@@ -30,7 +30,7 @@ from replaydiff.replay.policy import FALLBACKS, ReplayOptions, target_dtype
 from replaydiff.replay.result import OpResult, Status
 from replaydiff.repro_script import as_recorded, pick, typed_storage
 from replaydiff.trace.reader import RankTrace
-from replaydiff.trace.schema import Opaque, OpRecord, TensorRef, dtype_from_name, iter_refs
+from replaydiff.trace.schema import LEFT_OUT_WHY, Opaque, OpRecord, TensorRef, dtype_from_name, iter_refs
 
 # Held while torch.utils.deterministic.fill_uninitialized_memory is turned off (see _leave_out_unwritten).
 _UNFILLED = threading.Lock()
@@ -127,6 +127,7 @@ class OpReplayer:
                        phase=op.phase, source=op.source, forward_index=op.forward_index)
         pairs: Pairs = []
         outputs_finite: bool | None = None
+        res.data_left_out = op.data_left_out
         try:
             pairs, outputs_finite = self._replay(op, res)
         except TraceError:
@@ -148,6 +149,8 @@ class OpReplayer:
 
     def _replay(self, op: OpRecord, res: OpResult) -> tuple[Pairs, bool | None]:
         name = op.name
+        if op.data_left_out is not None:  # some outputs or inputs have statistics only: nothing to judge it by
+            raise Skip(f"tensor data left out: {LEFT_OUT_WHY.get(op.data_left_out, op.data_left_out)}")
         if aten.is_collective(name):
             if aten.is_wait_only(name):
                 raise Skip("collective bookkeeping: no data of its own")

@@ -1032,6 +1032,7 @@ class RecordedOptions:
     flight: int | None = None
     plant: str | None = None
     granularity: str | None = None
+    budget: int | None = None  # bytes (record --budget)
     wire: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -1039,7 +1040,7 @@ class RecordedOptions:
         d = _mapping(d)
         return cls(tensors=_typed(d.get("tensors"), str), steps=_typed(d.get("steps"), str),
                    flight=_typed(d.get("flight"), int), plant=_typed(d.get("plant"), str),
-                   granularity=_typed(d.get("granularity"), str), wire=d)
+                   granularity=_typed(d.get("granularity"), str), budget=_typed(d.get("budget"), int), wire=d)
 
     def to_json(self) -> dict:
         return self.wire
