@@ -819,7 +819,15 @@ def test_disk_full_on_data_files_is_one_warning_and_noted(tmp_path, monkeypatch)
     assert len(warned) == 1, warned
     r = open_trace(tmp_path / "t").rank(0)
     assert r.lost and any("No space left on device" in line for line in r.lost)
-    assert list(r) == []  # nothing that was written lacks its data
+    # The same case as a budget: every op is recorded, none refers to data that is not there, and those that lost
+    # data say why.
+    ops = list(r)
+    assert r.complete and len(ops) == r.manifest["ops_seen"]
+    assert all(ref.chunk is None for op in ops for ref in [*op.inputs(), *op.outputs_refs()])
+    assert {op.data_left_out for op in ops if op.inputs() or op.outputs_refs()} == {"disk full"}
+    (left,) = r.data_left_out
+    first = min(op.index for op in ops if op.inputs() or op.outputs_refs())
+    assert (left.reason, left.first, left.last) == ("disk full", first, ops[-1].index) and left.nbytes > 0
 
 
 def test_disk_full_on_ops_chunks_is_one_warning_and_noted(tmp_path, monkeypatch):
