@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import fnmatch
+import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -167,3 +169,58 @@ def test_a_zoomed_trace_keeps_statistics_for_what_its_filter_leaves_out(tmp_path
     skipped = [x for x in report.ops if x.data_left_out == "filtered"]
     assert skipped and all(x.status is Status.SKIPPED and "filter" in x.reason for x in skipped)
     assert not report.found_problem and report.counts()["ok"] >= len(inside) // 2
+
+
+SCRIPT = """
+import torch
+from replaydiff.models.tiny import TinyTransformer, make_step
+torch.manual_seed(0)
+model = TinyTransformer()
+step = make_step(model, model.example_batch(), torch.optim.AdamW(model.parameters(), lr=1e-3))
+for _ in range(2):
+    step()
+"""
+_ROW = re.compile(r"^  (\S+(?: any module\))?)\s+(forward|backward|optimizer|-)\s+(\d+)\s+([\d.]+) (MB|KB)$")
+
+
+def _written_per_place(r) -> dict[tuple[str, str], int]:
+    """Bytes a full trace stored, by the module and phase of the op that stored each storage version."""
+    seen, per = set(), {}
+    for op in r:
+        place = (op.module or "(outside any module)", op.phase)
+        for x in [*op.inputs(), *op.outputs_refs()]:
+            if x.chunk is not None and x.nbytes and (x.chunk, x.version) not in seen:
+                seen.add((x.chunk, x.version))
+                per[place] = per.get(place, 0) + x.nbytes
+        if op.rng is not None:
+            per[place] = per.get(place, 0) + op.rng.data.nbytes
+    return per
+
+
+@pytest.mark.slow
+def test_estimate_prints_what_a_full_recording_writes(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    capsys.readouterr()
+    assert main(["record", "--estimate", "--budget", "8M", "-o", str(tmp_path / "none"), "--", sys.executable,
+                 str(script)]) == 0
+    out = capsys.readouterr().out
+    assert not (tmp_path / "none").exists()  # nothing written where the trace would go
+    rows = {(m.group(1), m.group(2)): float(m.group(4)) * (1e6 if m.group(5) == "MB" else 1e3)
+            for line in out.splitlines() if (m := _ROW.match(line))}
+    assert len(rows) >= 10
+    assert re.search(r"write rate here: \d+ MB/s", out)
+
+    assert main(["record", "--no-compress", "-o", str(tmp_path / "full"), "--", sys.executable, str(script)]) == 0
+    full = open_trace(tmp_path / "full").rank(0)
+    actual = _written_per_place(full)
+    for place, estimated in rows.items():
+        assert estimated == pytest.approx(actual[place], rel=0.03), place
+    data = _bytes_on_disk(tmp_path / "full" / "rank0" / "data")
+    (said,) = re.findall(r"rank 0: \d+ ops; full would write [\d.]+ MB \(([\d.]+) MB tensor data", out)
+    assert float(said) * 1e6 == pytest.approx(data, rel=0.02)
+    # what fits the budget: in step order part of the data; whole modules listed with their globs
+    assert "--budget 8M: in step order, tensor data stops at about op #" in out
+    fits = re.findall(r"^\s+([\d.]+) MB  --module '(\S+)' --module '(\S+)'$", out, re.M)
+    assert fits and all(float(mb) * 1e6 <= 8 << 20 and star == f"{m}.*" for mb, m, star in fits)
+    assert ("TinyTransformer.blocks.0", "TinyTransformer.blocks.0.*") in {(m, s) for _, m, s in fits}
