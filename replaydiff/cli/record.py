@@ -152,7 +152,6 @@ def run(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     if getattr(args, "estimate", False):  # a meta run into a temporary directory: -o is left alone
-        _remove_empty(made)
         return run_estimate(args, cmd, options, run_recorded)
     out = Path(args.out).resolve()
     if out.exists() and not out.is_dir():
