@@ -48,7 +48,7 @@ def _tensor_refs(op):
             and not x.uninitialised]
 
 
-def test_sizes_and_the_budget_option():
+def test_sizes_and_the_budget_option(capsys):
     assert [parse_size(s) for s in ("500M", "2G", "1.5GiB", "64k", "1000", 7)] == \
         [500 << 20, 2 << 30, 3 << 29, 64 << 10, 1000, 7]
     for bad in ("lots", "-1M", "0"):
@@ -57,6 +57,8 @@ def test_sizes_and_the_budget_option():
     assert RecordOptions.make(budget="2G").budget == 2 << 30
     with pytest.raises(ValueError, match="tensors='full'"):
         RecordOptions.make(tensors="stats", budget="2G")
+    assert main(["record", "--budget", "lots", "--", sys.executable, "-c", "pass"]) == 2
+    assert "a size is a number with an optional K, M, G or T" in capsys.readouterr().err
 
 
 def test_a_budget_keeps_the_trace_under_it_with_statistics_for_the_rest(tmp_path, capsys):
