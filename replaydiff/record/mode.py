@@ -193,17 +193,12 @@ class OpBuilder:
         the storage's bytes counted as left out (once per storage version)."""
         why = self.data_off or self.refused
         if why is None:
-            if self.budget is None:
-                if entry is not None and entry.left_out is not None:  # stored now after all: not left out
+            if self.budget is None or self.budget.admit(nbytes, self.selected, self.rec.writer.records_bytes):
+                if entry is not None and entry.left_out is not None:  # left out at an earlier op, stored now
                     self.rec.writer.left_out.add_bytes(entry.left_out, -entry.nbytes)
                     entry.left_out = None
                 return True
             why = schema.LEFT_OUT_BUDGET
-            if self.budget.admit(nbytes, self.selected, self.rec.writer.records_bytes):
-                if entry is not None and entry.left_out is not None:
-                    self.rec.writer.left_out.add_bytes(entry.left_out, -entry.nbytes)
-                    entry.left_out = None
-                return True
         self.left_out = why
         if entry is not None and entry.left_out is None:
             entry.left_out = why
