@@ -89,6 +89,10 @@ def render(estimates: list[RankEstimate], what: str, rate: float | None, where: 
 
 def _fits(est: RankEstimate, budget: int, out: TextIO) -> None:
     b = format_size(budget)
+    if budget <= records_reserve(budget):
+        out.write(f"  --budget {b}: no tensor data would be stored: {format_size(records_reserve(budget))} is kept for "
+                  f"op records and statistics (statistics for every op)\n")
+        return
     stop, stored = est.budget_stop(budget)
     if stop is None:
         out.write(f"  --budget {b}: everything fits ({_mb(est.data_bytes + est.records_bytes)})\n")
