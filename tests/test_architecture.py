@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "replaydiff"
 
 # The one- and two-letter keys of op records and tensor references (replaydiff/trace/schema.py).
-_WIRE = r"i|ph|mod|fwd|src|srt|stp|a|k|w|o|u|x|coll|rng|T|dt|sh|st|of|sb|f|s|rg|cj|ng|unsupported"
+_WIRE = r"i|ph|mod|fwd|src|srt|stp|lo|a|k|w|o|u|x|coll|rng|T|dt|sh|st|of|sb|f|s|rg|cj|ng|unsupported"
 _WIRE_USE = re.compile(rf"""(\[\s*["']({_WIRE})["']\s*\]|\.get\(\s*["']({_WIRE})["']|\{{\s*["']({_WIRE})["']\s*:)""")
 
 

@@ -739,12 +739,18 @@ def test_op_glob_filter_keeps_numbering(tmp_path):
             c = a @ b
             d = (c + 1).relu()
             e = d @ a
-    ops = list(open_trace(tmp_path / "t").rank(0))
+    everything = list(open_trace(tmp_path / "t").rank(0))
+    assert [o.name for o in everything] == log.names  # every op recorded, in order
+    ops = [o for o in everything if o.data_left_out is None]
     expected = [i for i, n in enumerate(log.names) if fnmatch.fnmatchcase(n, "aten.mm*")]
     assert len(expected) == 2 and len(log.names) > 2
     assert [o.index for o in ops] == expected
     assert all(o.name == "aten.mm.default" for o in ops)
     assert torch.equal(open_trace(tmp_path / "t").rank(0).tensor(ops[1].outputs), e)
+    # the others: statistics instead of data, and the reason
+    add = next(o for o in everything if o.name == "aten.add.Tensor")
+    assert add.data_left_out == "filtered" and add.outputs.chunk is None
+    assert add.outputs.stats.mean == pytest.approx(float((a @ b + 1).mean()), rel=1e-6)
 
 
 def test_module_glob_filter(tmp_path, tiny_step):
@@ -752,9 +758,12 @@ def test_module_glob_filter(tmp_path, tiny_step):
     with replaydiff.record(tmp_path / "t", modules=glob):
         tiny_step()
     r = open_trace(tmp_path / "t").rank(0)
-    ops = list(r)
+    ops = [o for o in r if o.data_left_out is None]
     assert ops and len(ops) < r.manifest["ops_seen"]
     assert all(fnmatch.fnmatchcase(o.module or "", glob) for o in ops)
+    others = [o for o in r if o.data_left_out is not None]
+    assert all(o.data_left_out == "filtered" and not fnmatch.fnmatchcase(o.module or "", glob) for o in others)
+    assert len(ops) + len(others) == r.manifest["ops_seen"]
     phases = {o.phase for o in ops}
     assert {"forward", "backward"} <= phases
     assert any(o.module == "TinyTransformer.blocks.1.ln2" and o.phase == "backward" for o in ops)
@@ -810,7 +819,15 @@ def test_disk_full_on_data_files_is_one_warning_and_noted(tmp_path, monkeypatch)
     assert len(warned) == 1, warned
     r = open_trace(tmp_path / "t").rank(0)
     assert r.lost and any("No space left on device" in line for line in r.lost)
-    assert list(r) == []  # nothing that was written lacks its data
+    # The same case as a budget: every op is recorded, none refers to data that is not there, and those that lost
+    # data say why.
+    ops = list(r)
+    assert r.complete and len(ops) == r.manifest["ops_seen"]
+    assert all(ref.chunk is None for op in ops for ref in [*op.inputs(), *op.outputs_refs()])
+    assert {op.data_left_out for op in ops if op.inputs() or op.outputs_refs()} == {"disk full"}
+    (left,) = r.data_left_out
+    first = min(op.index for op in ops if op.inputs() or op.outputs_refs())
+    assert (left.reason, left.first, left.last) == ("disk full", first, ops[-1].index) and left.nbytes > 0
 
 
 def test_disk_full_on_ops_chunks_is_one_warning_and_noted(tmp_path, monkeypatch):

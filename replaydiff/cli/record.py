@@ -19,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from replaydiff.cli.estimate import run_estimate
 from replaydiff.errors import EXIT_USAGE, ReplaydiffError, TraceError, UsageError
 from replaydiff.record.options import GRANULARITIES, TENSOR_MODES, RecordOptions
 from replaydiff.record.step import ENV_VAR
@@ -39,9 +40,14 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensors", choices=TENSOR_MODES, default="full",
                    help="full: tensor data (default); stats: per-tensor statistics; meta: shapes and dtypes only")
     p.add_argument("--no-compress", action="store_true", help="store raw bytes instead of zstd")
-    p.add_argument("--module", dest="modules", action="append", metavar="GLOB", help="only ops inside these modules")
-    p.add_argument("--op", dest="ops", action="append", metavar="GLOB", help="only ops whose name matches")
+    p.add_argument("--module", dest="modules", action="append", metavar="GLOB",
+                   help="tensor data only for ops inside these modules (the others: statistics)")
+    p.add_argument("--op", dest="ops", action="append", metavar="GLOB",
+                   help="tensor data only for ops whose name matches (the others: statistics)")
     p.add_argument("--max-tensor-bytes", type=int, metavar="N", help="store statistics for storages larger than N")
+    p.add_argument("--budget", metavar="SIZE",
+                   help="bytes each rank's trace may take, e.g. 500M, 2G: tensor data in step order (with --module/"
+                        "--op, those ops first) while it fits, statistics for every op")
     p.add_argument("--verify-writes", action="store_true",
                    help="checksum stored CPU tensors to notice writes torch never sees (numpy, C extensions)")
     p.add_argument("--ranks", type=_rank_list, metavar="R,R,...",
@@ -59,6 +65,10 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flight-mib", type=float, default=64.0, metavar="MIB",
                    help="memory the flight recorder may hold, encoded (default 64)")
     p.add_argument("--flight-at-exit", action="store_true", help="also write the last K steps at a normal exit")
+    p.add_argument("--estimate", action="store_true",
+                   help="run the step with --tensors meta and print what --tensors full would write per rank, "
+                        "module and phase, the time writing it takes here, and (with --budget) the flags that fit; "
+                        "nothing is written to -o")
     p.add_argument("--force", action="store_true",
                    help="replace the trace in -o DIR (a replaydiff trace only: a directory holding anything else, the "
                         "working directory and the home directory are refused)")
@@ -77,7 +87,8 @@ def options_from_args(args: argparse.Namespace) -> RecordOptions:
                               ops=args.ops, max_tensor_bytes=args.max_tensor_bytes, verify_writes=args.verify_writes,
                               plant=args.plant, ranks=getattr(args, "ranks", None),
                               steps=args.steps, granularity=args.granularity, flight=args.flight,
-                              flight_mib=args.flight_mib, flight_at_exit=args.flight_at_exit)
+                              flight_mib=args.flight_mib, flight_at_exit=args.flight_at_exit,
+                              budget=getattr(args, "budget", None))
 
 
 def plant_lines(out: Path, spec: str) -> list[str]:
@@ -140,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
         options = options_from_args(args)
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
+    if getattr(args, "estimate", False):  # a meta run into a temporary directory: -o is left alone
+        return run_estimate(args, cmd, options, run_recorded)
     out = Path(args.out).resolve()
     if out.exists() and not out.is_dir():
         raise UsageError(f"-o {args.out} is not a directory (a file is there); a trace is a directory")
@@ -153,20 +166,11 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"{args.out} exists and holds a trace; pass --force to replace it")
         remove_trace(args.out)  # a trace only, file by file; anything else is refused
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    status = tempfile.mkdtemp(prefix="replaydiff-record-")  # each process of the job says how many steps it ran
-    env[ENV_VAR] = json.dumps({"out": str(out), "step": args.step, "options": options.to_dict(), "status": status})
-    autostart = str(Path(__file__).resolve().parent.parent / "record" / "autostart")
-    env["PYTHONPATH"] = os.pathsep.join([autostart] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     try:
-        code = subprocess.call(cmd, env=env)
-    except FileNotFoundError:
+        code, steps_run, job_ranks = run_recorded(cmd, out, args.step, options)
+    except UsageError:
         _remove_empty(made)
-        raise UsageError(f"command not found: {cmd[0]}") from None
-    finally:
-        steps_run, job_ranks = _reports(status)
-        shutil.rmtree(status, ignore_errors=True)
-    code = code if code >= 0 else 128 - code
+        raise
     ranks = sorted(p.name for p in out.iterdir() if p.is_dir() and p.name.startswith("rank"))
     asked = StepRange.parse(options.steps) if options.steps else StepRange(args.step, args.step)
     done, missed = _reached(asked, steps_run) if ranks and not options.flight else ([], [])
@@ -203,6 +207,24 @@ def run(args: argparse.Namespace) -> int:
     sys.stderr.write(f"replaydiff: nothing was recorded into {args.out}: "
                      f"{_why_nothing(options, args.step, steps_run, code, job_ranks)}\n")
     return code or EXIT_USAGE
+
+
+def run_recorded(cmd: list[str], out: Path, step: int, options: RecordOptions) -> tuple[int, int | None, list[int]]:
+    """Run the command with the step hook armed to record into ``out``: its exit code (a signal as 128+N), the
+    most optimizer steps a process of it ran and the ranks its processes had (``_reports``)."""
+    env = dict(os.environ)
+    status = tempfile.mkdtemp(prefix="replaydiff-record-")  # each process of the job says how many steps it ran
+    env[ENV_VAR] = json.dumps({"out": str(out), "step": step, "options": options.to_dict(), "status": status})
+    autostart = str(Path(__file__).resolve().parent.parent / "record" / "autostart")
+    env["PYTHONPATH"] = os.pathsep.join([autostart] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    try:
+        code = subprocess.call(cmd, env=env)
+    except FileNotFoundError:
+        raise UsageError(f"command not found: {cmd[0]}") from None
+    finally:
+        steps_run, job_ranks = _reports(status)
+        shutil.rmtree(status, ignore_errors=True)
+    return (code if code >= 0 else 128 - code), steps_run, job_ranks
 
 
 def next_commands(out: Path, shown: str) -> str:

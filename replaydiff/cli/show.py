@@ -70,13 +70,17 @@ def rank_summary(r: RankTrace, top: int) -> dict[str, Any]:
         "bytes_on_disk": _bytes_on_disk(r.root),
         "tensors": r.options.tensors,
         "lost": r.lost,
+        "budget": r.options.budget,
+        "left_out": r.data_left_out,  # LeftOut; _summary_json writes them as objects
         "compiled": r.compiled_regions,  # CompiledRegion and Environment: _summary_json writes them as stored
         "environment": env,
     }
 
 
 def _summary_json(s: dict[str, Any]) -> dict[str, Any]:
-    return dict(s, compiled=[c.to_wire() for c in s["compiled"]], environment=s["environment"].to_json())
+    return dict(s, compiled=[c.to_wire() for c in s["compiled"]], environment=s["environment"].to_json(),
+                left_out=[{"reason": x.reason, "ops": x.ops, "first": x.first, "last": x.last, "bytes": x.nbytes}
+                          for x in s["left_out"]])
 
 
 def _render_summary(path: str, summaries: list[dict], out: TextIO) -> None:
@@ -94,6 +98,10 @@ def _render_summary(path: str, summaries: list[dict], out: TextIO) -> None:
                   f"distinct ops:\n")
         for name, n in s["most_frequent"]:
             out.write(f"    {n:>6}  {name}\n")
+        if s["budget"]:
+            out.write(f"  budget: {_human(s['budget'])} (record --budget)\n")
+        for x in s["left_out"]:
+            out.write(f"  LEFT OUT: {x.describe()}\n")
         for lost in s["lost"]:
             out.write(f"  LOST: {lost}\n")
         for c in s["compiled"]:

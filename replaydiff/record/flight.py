@@ -24,6 +24,7 @@ log = logging.getLogger("replaydiff")
 
 
 class FlightBuffer:
+    data_refused: str | None = None  # RankWriter's: the flight recorder never stores tensor data
     def __init__(self, root: Path, manifest: dict, options: Any, closing_facts: Callable[[], dict]) -> None:
         self.root = root
         self.options = options

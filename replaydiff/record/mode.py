@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from replaydiff import aten
 from replaydiff.aten import iter_tensors, written_args
+from replaydiff.record.budget import DataBudget
 from replaydiff.record.context import BACKWARD, FORWARD, OpContext
 from replaydiff.record.options import RecordOptions
 from replaydiff.record.stats import batch_stats, cpu_values, dense, values_stats
@@ -107,6 +108,12 @@ class OpBuilder:
         self._records: list[dict] = []
         self._flushed_at = time.monotonic()
         self.autograd_versions = False  # set by module granularity (module_stats.py)
+        opts = rec.options
+        self.budget = DataBudget(opts.budget, bool(opts.modules or opts.ops)) if opts.budget else None
+        self.selected = True  # the current op is inside the --module/--op filter
+        self.data_off: str | None = None  # why the current op stores no data at all (outside the filter)
+        self.left_out: str | None = None  # why some of the current op's data is not stored (marks its record)
+        self.refused: str | None = None  # the writer refuses data (a full disk): nothing more is stored
 
     # -- tensors ----------------------------------------------------------------------------------------------
     def ref(self, t: torch.Tensor, store: bool) -> dict:
@@ -136,7 +143,8 @@ class OpBuilder:
                                 t.is_conj(), t.is_neg())
         if not store:
             return ref
-        if self.mode == "full" and (self.max_bytes is None or entry.nbytes <= self.max_bytes):
+        if self.mode == "full" and (self.max_bytes is None or entry.nbytes <= self.max_bytes) and \
+                (entry.chunk is not None or self.admit(entry.nbytes, entry)):
             if entry.chunk is None:
                 entry.chunk = self._snapshot(storage, t.element_size(), entry.version)
                 if self.verify and storage.device.type == "cpu":
@@ -179,6 +187,31 @@ class OpBuilder:
                 self._stat_refs[key] = [ref]
                 self._stat_queue.append(t)
         return ref
+
+    def admit(self, nbytes: int, entry: Any = None) -> bool:
+        """Whether bytes not stored yet may be (the filter, the budget, a full disk); when not, the op is marked and
+        the storage's bytes counted as left out (once per storage version)."""
+        why = self.data_off or self.refused
+        if why is None:
+            if self.budget is None or self.budget.admit(nbytes, self.selected, self.rec.writer.records_bytes):
+                if entry is not None and entry.left_out is not None:  # left out at an earlier op, stored now
+                    self.rec.writer.left_out.add_bytes(entry.left_out, -entry.nbytes)
+                    entry.left_out = None
+                return True
+            why = schema.LEFT_OUT_BUDGET
+        self.left_out = why
+        if entry is not None and entry.left_out is None:
+            entry.left_out = why
+            self.rec.writer.left_out.add_bytes(why, nbytes)
+        return False
+
+    def notice_refusal(self) -> None:
+        """The writer stopped taking data (a full disk): store nothing more, and forget what went to data files
+        that will never be written."""
+        self.refused = self.rec.writer.data_refused
+        first = self.rec.writer.data_lost_from
+        if first is not None:
+            self.rec.storages.forget_chunks_from(first)
 
     def _snapshot(self, storage: torch.UntypedStorage, itemsize: int, version: int) -> int:
         if storage.device.type == "cpu":
@@ -296,14 +329,12 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
         fwd, module = ctx.backward_of(node, module)
     written = written_args(info, args, kwargs) if info.writes else []
     opts = rec.options
-    if not (aten.matches_any(name, opts.ops) and (not opts.modules or aten.matches_any(module, opts.modules))):
-        # Numbered with a stub record (the index and the UI see every op), not stored. What it writes still makes
-        # new storage versions: a later stored op must not be given the bytes from before this write.
-        stub = schema.wire_op(index, name, phase, module, fwd, None)
-        if rec.step is not None:
-            schema.wire_set_step(stub, rec.step)
-        b.add_op(schema.wire_not_recorded(stub, "filtered out (record options ops/modules)"))
-        return Pending(None, written, info.uninitialised) if written or info.uninitialised else None
+    if rec.writer.data_refused is not None and b.refused is None:
+        b.notice_refusal()
+    # Outside the filter: recorded with statistics (replay then says where a difference came in), data only from
+    # what a budget leaves for such ops.
+    b.selected = aten.matches_any(name, opts.ops) and (not opts.modules or aten.matches_any(module, opts.modules))
+    b.data_off = b.left_out = None if b.selected or b.budget is not None else schema.LEFT_OUT_FILTERED
     where = ctx.source()
     source, text = where if where is not None else (None, None)
     record = schema.wire_op(index, name, phase, module, fwd, source, text)
@@ -314,7 +345,7 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
         schema.wire_set_collective(record, coll)
         if not aten.is_wait_only(name):
             rec.writer.enter_collective(schema.wire_entered(index, name, phase, module, source, coll))
-    if info.seeded and b.mode == "full":  # generator state is data: only "full" traces store any
+    if info.seeded and b.mode == "full" and b.data_off is None:  # generator state is data: "full" traces only
         state = rec.rng_state(args, kwargs)
         if state is not None:
             schema.wire_set_rng(record, *state)
@@ -339,13 +370,13 @@ def record_after(rec: RecorderLike, b: OpBuilder, p: Pending, func: Any, args: t
     if p.uninitialised:
         for t in iter_tensors(out):
             rec.storages.entry(t.untyped_storage()).uninitialised = True
-    if record is None:  # filtered out: only its writes mattered
-        return
     if p.uninitialised:
         schema.wire_set_outputs(record, b.encode(out, store=False), None, True)
     else:
         writes = [(path, b.encode(v)) for path, v in p.written] if p.written else None
         schema.wire_set_outputs(record, b.encode(out), writes, False)
+    if b.left_out is not None:
+        schema.wire_set_left_out(record, b.left_out)
     b.add_op(record)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from replaydiff.record.budget import parse_size
 from replaydiff.record.step_range import StepRange
 from replaydiff.trace.schema import wire_options
 
@@ -29,7 +30,9 @@ class RecordOptions:
     # Byte-shuffle before zstd: measured on the tiny transformer step it saves 1.6% of the bytes (13.61 -> 13.39 MB)
     # for ~0.5 ms per 128 KiB each way, so it is off unless asked for.
     shuffle: bool = False
-    modules: list[str] | None = None  # module-path globs; ops outside them are numbered but not stored
+    # Module-path globs: ops outside them are recorded with statistics only (data_left_out "filtered"); with a
+    # budget, they say which ops get data first (record/budget.py).
+    modules: list[str] | None = None
     ops: list[str] | None = None  # op-name globs, e.g. "aten.mm.*"
     max_tensor_bytes: int | None = None  # larger storages get statistics instead of data
     source_lines: bool = True
@@ -59,6 +62,9 @@ class RecordOptions:
     flight: int | None = None
     flight_mib: float = 64.0
     flight_at_exit: bool = False  # also write the last steps when the process ends normally
+    # Bytes the rank's trace may take on disk (record/budget.py): tensor data in step order (the ops of modules/ops
+    # first) while it fits, statistics for the rest. An int, or "500M", "2G" in make().
+    budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.tensors not in TENSOR_MODES:
@@ -84,6 +90,11 @@ class RecordOptions:
                 raise ValueError("flight needs a positive number of steps and flight_mib > 0")
             if self.tensors == "full":
                 raise ValueError("the flight recorder keeps statistics in memory: use tensors='stats' (or 'meta')")
+        if self.budget is not None:
+            if not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget <= 0:
+                raise ValueError(f"budget must be a positive number of bytes, not {self.budget!r}")
+            if self.tensors != "full":
+                raise ValueError("budget limits the tensor data a trace stores: use tensors='full'")
         if self.granularity == "module" and self.tensors == "full":
             raise ValueError("granularity='module' records statistics: use tensors='stats'")
 
@@ -103,6 +114,8 @@ class RecordOptions:
         for k in ("modules", "ops"):
             if k in kw:
                 kw[k] = _globs(kw[k])
+        if kw.get("budget") is not None:
+            kw["budget"] = parse_size(kw["budget"])
         if isinstance(kw.get("ranks"), int):
             kw["ranks"] = [kw["ranks"]]
         unknown = set(kw) - {f.name for f in fields(cls)}

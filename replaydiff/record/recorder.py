@@ -327,6 +327,8 @@ class Recorder:
             state = torch.cuda.get_rng_state(device)
         else:
             return None
+        if not self._builder.admit(state.numel()):  # past the budget: a random op without its draw's state
+            return None
         version = self.storages.new_version_id()
         # Copied into the writer's staging memory (a fresh CPU tensor of the job's heap would sit there until the
         # chunk is written; staging.py says why that matters).

@@ -37,6 +37,7 @@ class StorageEntry:
     chunk: int | None = None  # data file holding the current version's bytes; None until stored
     uninitialised: bool = False  # current version came out of an empty* op and was never written since
     crc: int | None = None  # CRC32 of the stored bytes, kept with verify_writes to notice writes torch never saw
+    left_out: str | None = None  # why the current version's bytes were not stored (record --budget), counted once
 
 
 @dataclass
@@ -74,6 +75,13 @@ class StorageTable:
         e.chunk = None
         e.crc = None
         e.uninitialised = False
+        e.left_out = None
+
+    def forget_chunks_from(self, first: int) -> None:
+        """Data files numbered ``first`` and up will never exist (the disk filled): their versions are not stored."""
+        for e in self._entries.values():
+            if e.chunk is not None and e.chunk >= first:
+                e.chunk = None
 
     def clear(self) -> None:
         self._entries.clear()

@@ -7,7 +7,7 @@ from enum import Enum
 from typing import Any
 
 from replaydiff.compare.verdict import Verdict
-from replaydiff.trace.schema import PlantedFaultInfo
+from replaydiff.trace.schema import LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_WHY, PlantedFaultInfo
 
 
 class Status(str, Enum):
@@ -45,6 +45,8 @@ class OpResult:
     collective: bool = False
     # With --repeat N: the N runs of the op disagreed with each other (also for an op divergent anyway).
     repeats_disagree: bool = False
+    # Why the recording left this op's tensor data out (OpRecord.data_left_out): it is skipped, never judged.
+    data_left_out: str | None = None
 
     def __post_init__(self) -> None:
         self.status = Status(self.status)
@@ -125,7 +127,33 @@ class ReplayReport:
         return next((r for r in self.ops if r.nonfinite_origin), None)
 
     @property
+    def not_judged(self) -> list[OpResult]:
+        """Ops the recording meant to store but left the data of out (record --budget, a full disk): not judged, so
+        never clean. Ops outside a --module/--op filter are left out on purpose and are not among them."""
+        return [r for r in self.ops if r.data_left_out in (LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL)]
+
+    def left_out_summary(self) -> list[str]:
+        """One line per reason the recording left data out: how many ops, and which (first and last)."""
+        groups: dict[str, list[OpResult]] = {}
+        for r in self.ops:
+            if r.data_left_out is not None:
+                groups.setdefault(r.data_left_out, []).append(r)
+        lines = []
+        for why, ops in groups.items():
+            ranks = sorted({r.rank for r in ops})
+            on = f" on rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}" if len(
+                {r.rank for r in self.ops}) > 1 else ""
+            first, last = min(r.index for r in ops), max(r.index for r in ops)
+            where = f"#{first}" if first == last else f"#{first}-#{last}"
+            lines.append(f"{len(ops)} op(s) ({where}{on}) not judged: tensor data left out, "
+                         f"{LEFT_OUT_WHY.get(why, why)}")
+        return lines
+
+    @property
     def found_problem(self) -> bool:
-        """Not clean (exit 1): an op divergent or nondeterministic, replicas that part, or an op that could not be
-        replayed (its result was never judged; the health report fails its check too)."""
-        return any(r.status in PROBLEMS or r.status is Status.ERROR for r in self.ops) or self.replicas is not None
+        """Not clean (exit 1): an op divergent or nondeterministic, replicas that part, an op that could not be
+        replayed (its result was never judged; the health report fails its check too), or one whose data the
+        recording left out for its budget or a full disk (never judged either)."""
+        return any(r.status in PROBLEMS or r.status is Status.ERROR or
+                   r.data_left_out in (LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL) for r in self.ops) \
+            or self.replicas is not None

@@ -32,7 +32,7 @@ from replaydiff.replay.policy import FALLBACKS, ReplayOptions, target_dtype
 from replaydiff.replay.result import OpResult, Status
 from replaydiff.repro_script import as_recorded, pick, typed_storage
 from replaydiff.trace.reader import RankTrace
-from replaydiff.trace.schema import Opaque, OpRecord, TensorRef, dtype_from_name, iter_refs
+from replaydiff.trace.schema import LEFT_OUT_WHY, Opaque, OpRecord, TensorRef, dtype_from_name, iter_refs
 
 # Held while torch.utils.deterministic.fill_uninitialized_memory is turned off (see _leave_out_unwritten).
 _UNFILLED = threading.Lock()
@@ -125,6 +125,7 @@ class OpReplayer:
         """The result, and (recorded, reference) pairs of every output compared (TensorRef and tensor for data)."""
         pairs: Pairs = []
         outputs_finite: bool | None = None
+        res.data_left_out = op.data_left_out
         try:
             judgement, pairs, outputs_finite = self._replay(op)
         except TraceError:
@@ -154,6 +155,8 @@ class OpReplayer:
     def _replay(self, op: OpRecord) -> tuple[Judgement, Pairs, bool | None]:
         """Replay and judge the op: its judgement, the pairs compared and whether every output was finite."""
         name = op.name
+        if op.data_left_out is not None:  # some outputs or inputs have statistics only: nothing to judge it by
+            raise Skip(f"tensor data left out: {LEFT_OUT_WHY.get(op.data_left_out, op.data_left_out)}")
         if aten.is_collective(name):
             if aten.is_wait_only(name):
                 raise Skip("collective bookkeeping: no data of its own")

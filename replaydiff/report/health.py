@@ -147,6 +147,9 @@ def _checks(trace: Trace, report: ReplayReport, errs: dict) -> list[Check]:
               if collectives else "none checked", "0", (not bad_coll) if collectives else None),
         Check("recording complete", "; ".join(incomplete) or "complete", "complete", not incomplete),
         Check("data lost while recording", str(lost), "0", lost == 0),
+        # ops the recording left the data of out for its --budget or a full disk were never judged
+        Check("ops not judged: data left out (--budget, full disk)",
+              "; ".join(report.left_out_summary()) if report.not_judged else "0", "0", not report.not_judged),
         Check("ops skipped", str(c["skipped"]), "-", None),
     ]
     return checks

@@ -8,7 +8,8 @@ Top level: ``format``, ``planted`` (faults planted while recording, one line per
 ``trace``, ``options``, ``warnings``, ``summary`` (count per status), ``first_divergent`` (null or an op object), ``first_nondeterministic``, ``nonfinite_origin`` and ``ops`` (one object per replayed op:
 ``rank``, ``index``, ``op``, ``status``, ``module``, ``phase``, ``source``, ``forward_index``, ``metrics``,
 ``severity`` (how far over its limit, in units of the limit: at most 1 within, over 1 divergent; null when not
-judged), ``reason`` (why it is divergent, skipped or, within its limits despite a large error, ok)), ``first_divergent_per_rank`` (each rank's earliest divergent op) and ``undecided`` (ranks and op
+judged), ``data_left_out`` (only when the recording left the op's tensor data out: filtered, budget or disk full;
+the op is skipped), ``reason`` (why it is divergent, skipped or, within its limits despite a large error, ok)), ``first_divergent_per_rank`` (each rank's earliest divergent op) and ``undecided`` (ranks and op
 numbers of candidates that no collective orders against ``first_divergent``), ``replicas`` (null, or where
 data-parallel replicas first stop agreeing: ``rank``, ``index``, ``other_rank``, ``other_index``, ``op``, ``what``).
 Floats that are not finite are written as the strings "inf", "-inf" and "nan" so the file stays JSON.
@@ -46,7 +47,8 @@ def op_json(r: OpResult | None) -> dict | None:
     return _clean({"rank": r.rank, "index": r.index, "op": r.op, "status": r.status.value, "module": r.module,
                    "phase": r.phase, "source": r.source, "forward_index": r.forward_index,
                    "forward_source": r.forward_source, "metrics": r.metrics, "severity": r.severity,
-                   "reason": r.reason, **({"repeats_disagree": True} if r.repeats_disagree else {})})
+                   "reason": r.reason, **({"repeats_disagree": True} if r.repeats_disagree else {}),
+                   **({"data_left_out": r.data_left_out} if r.data_left_out else {})})
 
 
 def report_to_json(report: ReplayReport) -> dict:
@@ -87,7 +89,8 @@ def load_replay_json(path: str | Path) -> ReplayReport:
                                    module=o.get("module"), phase=o.get("phase"), source=o.get("source"),
                                    forward_index=o.get("forward_index"), forward_source=o.get("forward_source"),
                                    verdict=verdict, reason=o.get("reason"),
-                                   repeats_disagree=bool(o.get("repeats_disagree"))))
+                                   repeats_disagree=bool(o.get("repeats_disagree")),
+                                   data_left_out=o.get("data_left_out")))
     first = d.get("first_divergent")
     if first:
         report.culprit = (first["rank"], first["index"])

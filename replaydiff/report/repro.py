@@ -64,7 +64,8 @@ class _Collector:
             spec.update(meta=True, stride=list(ref.stride or ()))
         elif not ref.stored:
             raise UsageError(f"op #{self.op.index} {self.op.name}: tensor {ref.describe()} is not stored in the trace "
-                             f"(recorded with --tensors stats/meta, a filter or --max-tensor-bytes): no repro")
+                             f"(recorded with --tensors stats/meta, a filter, --max-tensor-bytes or --budget, or "
+                             f"the disk was full): no repro")
         else:
             skey = f"s{ref.version}"
             if skey not in self.storages:

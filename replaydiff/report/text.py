@@ -48,10 +48,17 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> No
     errors = [r for r in report.ops if r.status is Status.ERROR]
     for r in errors[:max_listed]:
         out.write(f"  error   {op_line(r)}: {r.reason}\n")
+    for line in report.left_out_summary():  # how much the recording left out, and where
+        out.write(f"  {line}\n")
     first = report.first_divergent
+    not_judged = report.not_judged
     if first is None and errors:  # ops that could not be replayed were not checked: do not call them matching
         out.write(f"not clean: {len(errors)} op(s) could not be replayed, so were not judged (listed above); no "
                   f"divergent op among the others\n")
+    elif first is None and not_judged:  # nor were ops whose data the recording left out
+        out.write(f"not clean: {len(not_judged)} op(s) were not judged, their tensor data was left out while "
+                  f"recording (listed above); no divergent op among the others (record again with a larger "
+                  f"--budget, or --module for the part to check)\n")
     elif first is None:
         out.write("no divergent op: every replayed op matches its recorded output within tolerance\n")
     else:

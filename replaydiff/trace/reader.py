@@ -40,9 +40,9 @@ from replaydiff.trace.format import (
     read_manifest_frame,
 )
 from replaydiff.trace.index import IndexBuilder, ModuleNode, TraceIndex
-from replaydiff.trace.schema import (CompiledRegion, Environment, OpRecord, PlantedFaultInfo, RecordedOptions,
-                                     RngState, StoredBytes, TensorRef, check_chunk, check_entered, manifest_metadata,
-                                     plant_from_wire)
+from replaydiff.trace.schema import (CompiledRegion, Environment, LeftOut, OpRecord, PlantedFaultInfo,
+                                     RecordedOptions, RngState, StoredBytes, TensorRef, check_chunk, check_entered,
+                                     left_out_from_manifest, manifest_metadata, plant_from_wire)
 from replaydiff.trace.sources import SourceLine, locate, split_location
 
 
@@ -167,6 +167,13 @@ class RankTrace(Sequence):
     @property
     def lost(self) -> list[str]:
         return list(self.manifest.get("lost") or [])
+
+    @property
+    def data_left_out(self) -> list[LeftOut]:
+        """What the recording left out, per reason (record --budget, a full disk, a --module/--op filter): which
+        ops kept statistics only and how many bytes of tensor data were not stored. Empty: nothing was left out
+        (or the recording never finished; each op's ``data_left_out`` still says)."""
+        return left_out_from_manifest(self.manifest)
 
     @property
     def world_size(self) -> int:

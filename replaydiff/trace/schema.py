@@ -25,6 +25,7 @@ _ARGS, _KWARGS, _WRITES, _OUTPUTS, _UNINIT = "a", "k", "w", "o", "u"
 _COLL, _RNG, _NOT_RECORDED = "coll", "rng", "x"
 _STEP = "stp"  # optimizer step the op ran in (multi-step and flight recordings)
 _SOURCE_TEXT = "srt"  # the text of the source line when recorded (absent in older traces)
+_LEFT_OUT = "lo"  # why the op's tensor data is not in the trace although it is recorded (statistics kept instead)
 # -- tensor reference keys --------------------------------------------------------------------------------------
 _VERSION, _DTYPE, _SHAPE, _STRIDE, _OFFSET, _DEVICE = "T", "dt", "sh", "st", "of", "dev"
 _NBYTES, _CHUNK, _STATS, _REQ_GRAD, _UNSUPPORTED = "sb", "f", "s", "rg", "unsupported"
@@ -32,6 +33,13 @@ _CONJ, _NEG, _ZERO = "cj", "ng", "z"
 _PATH_ARG, _PATH_KWARG = "a", "k"
 
 PHASES = ("forward", "backward", "optimizer")
+# Why an op's tensor data was left out while the op itself was recorded (its tensors have statistics instead; with
+# --tensors meta, shapes only): OpRecord.data_left_out.
+LEFT_OUT_FILTERED = "filtered"  # outside record's --module/--op filter
+LEFT_OUT_BUDGET = "budget"  # past record's --budget
+LEFT_OUT_DISK_FULL = "disk full"  # the disk filled while recording
+LEFT_OUT_WHY = {LEFT_OUT_FILTERED: "outside the record --module/--op filter", LEFT_OUT_BUDGET: "past the record --budget",
+                LEFT_OUT_DISK_FULL: "the disk was full while recording"}
 # Record names of granularity="module" (record/module_stats.py): a module call's outputs, the gradient reaching them,
 # and one of the module's own parameters as its first call in a step found it (the parameter's name is the one arg).
 MODULE_OUTPUT, MODULE_GRAD, MODULE_PARAM = "module.output", "module.grad", "module.param"
@@ -236,6 +244,11 @@ class OpRecord:
     recorded = property(lambda self: _NOT_RECORDED not in self._w, doc="False: numbered, but not recorded")
     not_recorded_reason = property(lambda self: self._w.get(_NOT_RECORDED))
     step = property(lambda self: self._w.get(_STEP), doc="optimizer step it ran in, from 1 (multi-step traces)")
+    data_left_out = property(
+        lambda self: self._w.get(_LEFT_OUT),
+        doc="None, or why some of the op's tensor data is not in the trace although the op is recorded (its tensors "
+            "then have statistics): LEFT_OUT_FILTERED, LEFT_OUT_BUDGET or LEFT_OUT_DISK_FULL. Such an op is never "
+            "judged by replay.")
 
     @property
     def schema(self) -> str | None:
@@ -311,7 +324,7 @@ class OpRecord:
             "rank": self.rank, "index": self.index, "name": self.name, "recorded": self.recorded,
             "not_recorded_reason": self.not_recorded_reason, "phase": self.phase, "module": self.module,
             "source": self.source, "source_text": self.source_text, "forward_index": self.forward_index,
-            "schema": self.schema, "step": self.step,
+            "schema": self.schema, "step": self.step, "data_left_out": self.data_left_out,
             "uninitialised": self.uninitialised,
             "collective": None if c is None else {"group_name": c.group_name, "ranks": list(c.ranks), "size": c.size,
                                                   "group_rank": c.group_rank, "reduce_op": c.reduce_op,
@@ -487,6 +500,38 @@ def check_entered(frame: Any) -> dict:
             or not isinstance(frame.get(_COLL), dict):
         raise ValueError("not an entered-collective record")
     return frame
+
+
+def wire_set_left_out(rec: dict, why: str) -> None:
+    """Mark a recorded op whose tensor data is (partly) left out, with the reason (a LEFT_OUT_* value)."""
+    rec[_LEFT_OUT] = why
+
+
+def wire_left_out(rec: dict) -> str | None:
+    return rec.get(_LEFT_OUT)
+
+
+def wire_strip_chunks(rec: dict, first_lost: int, why: str) -> bool:
+    """Drop every reference of ``rec`` to data files numbered ``first_lost`` and up (never written: the disk filled),
+    marking the op's data left out for ``why``; whether any was dropped."""
+    todo: list = [rec.get(_ARGS), list((rec.get(_KWARGS) or {}).values()), rec.get(_OUTPUTS), rec.get(_WRITES)]
+    dropped = False
+    rng = rec.get(_RNG)
+    if isinstance(rng, dict) and isinstance(rng.get(_CHUNK), int) and rng[_CHUNK] >= first_lost:
+        del rec[_RNG]
+        dropped = True
+    while todo:
+        v = todo.pop()
+        if isinstance(v, list):
+            todo.extend(v)
+        elif isinstance(v, dict):
+            c = v.get(_CHUNK) if _VERSION in v else None  # other dicts are markers ({"dtype": ...}): no data
+            if isinstance(c, int) and c >= first_lost:
+                del v[_CHUNK]
+                dropped = True
+    if dropped and _LEFT_OUT not in rec:
+        rec[_LEFT_OUT] = why
+    return dropped
 
 
 def wire_set_collective(rec: dict, info: CollectiveInfo) -> None:
@@ -987,6 +1032,7 @@ class RecordedOptions:
     flight: int | None = None
     plant: str | None = None
     granularity: str | None = None
+    budget: int | None = None  # bytes (record --budget)
     wire: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -994,7 +1040,7 @@ class RecordedOptions:
         d = _mapping(d)
         return cls(tensors=_typed(d.get("tensors"), str), steps=_typed(d.get("steps"), str),
                    flight=_typed(d.get("flight"), int), plant=_typed(d.get("plant"), str),
-                   granularity=_typed(d.get("granularity"), str), wire=d)
+                   granularity=_typed(d.get("granularity"), str), budget=_typed(d.get("budget"), int), wire=d)
 
     def to_json(self) -> dict:
         return self.wire
@@ -1060,6 +1106,67 @@ def wire_closing_facts(compiled_regions: list[dict], unseen_writes: int, ops_see
     return {_M_COMPILED: compiled_regions, _M_UNSEEN: unseen_writes, _M_OPS_SEEN: ops_seen,
             _M_SECONDS: record_seconds, _M_DISABLED: disabled, _M_CUSTOM: custom_ops, _M_SOURCES: source_files,
             **({_M_PLANTED: planted} if planted is not None else {})}
+
+
+# -- what a recording left out (record --budget, a full disk, a --module/--op filter) ---------------------------
+_M_LEFT_OUT = "left_out"  # {reason: {"ops": n, "first": i, "last": j, "bytes": b}}
+_LO_OPS, _LO_FIRST, _LO_LAST, _LO_BYTES = "ops", "first", "last", "bytes"
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """The ops of a rank whose tensor data a recording left out for one reason (a LEFT_OUT_* value): how many,
+    the first and last of them, and the bytes of data not stored (each storage version counted once)."""
+
+    reason: str
+    ops: int
+    first: int | None
+    last: int | None
+    nbytes: int
+
+    def describe(self) -> str:
+        where = f"#{self.first}" if self.first == self.last else f"#{self.first}-#{self.last}"
+        mb = f", {self.nbytes / 1e6:.3g} MB of tensor data not stored" if self.nbytes else ""
+        return f"{self.ops} op(s) ({where}) kept with statistics only: {LEFT_OUT_WHY.get(self.reason, self.reason)}" \
+               f"{mb}"
+
+
+class LeftOutTally:
+    """Counts what is left out while a trace is written: ops (the writer thread, from the records it writes) and
+    bytes (the recording thread); two dicts, each filled by one thread, read once both are done."""
+
+    def __init__(self) -> None:
+        self._ops: dict[str, list[int]] = {}  # reason -> [ops, first, last]
+        self._bytes: dict[str, int] = {}
+
+    def add_op(self, rec: dict) -> None:
+        why = rec.get(_LEFT_OUT)
+        if why is not None:
+            t = self._ops.get(why)
+            if t is None:
+                self._ops[why] = [1, rec[_INDEX], rec[_INDEX]]
+            else:
+                t[0] += 1
+                t[2] = rec[_INDEX]
+
+    def add_bytes(self, why: str, nbytes: int) -> None:
+        self._bytes[why] = self._bytes.get(why, 0) + nbytes
+
+    def wire(self) -> dict:
+        """The manifest entry (an empty dict when nothing was left out)."""
+        out = {why: {_LO_OPS: n, _LO_FIRST: first, _LO_LAST: last, _LO_BYTES: max(0, self._bytes.get(why, 0))}
+               for why, (n, first, last) in self._ops.items()}
+        return {_M_LEFT_OUT: out} if out else {}
+
+
+def left_out_from_manifest(manifest: dict) -> list[LeftOut]:
+    v = manifest.get(_M_LEFT_OUT)
+    out = []
+    for why, d in (v.items() if isinstance(v, dict) else ()):
+        d = _mapping(d)
+        out.append(LeftOut(str(why), _typed(d.get(_LO_OPS), int) or 0, _typed(d.get(_LO_FIRST), int),
+                           _typed(d.get(_LO_LAST), int), _typed(d.get(_LO_BYTES), int) or 0))
+    return sorted(out, key=lambda x: (x.first is None, x.first))
 
 
 def manifest_metadata(manifest: dict) -> tuple[Environment, RecordedOptions, tuple[CompiledRegion, ...]]:

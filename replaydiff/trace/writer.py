@@ -11,6 +11,7 @@ it when recording ends.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import queue
 import threading
@@ -26,7 +27,8 @@ import torch
 from replaydiff.trace import codec
 from replaydiff.trace.index import IndexBuilder
 from replaydiff.trace.staging import Slot, Staging
-from replaydiff.trace.schema import chunk_frame, wire_index
+from replaydiff.trace.schema import (LEFT_OUT_DISK_FULL, LeftOutTally, chunk_frame, wire_index,
+                                     wire_strip_chunks)
 from replaydiff.trace.format import (
     DATA_DIR,
     ENTERED,
@@ -146,6 +148,15 @@ class RankWriter:
         self.lost: list[str] = []
         self.failed = False
         self.bytes_written = 0
+        # Bytes of everything but tensor data written so far (op records, data file headers): record --budget keeps
+        # room for more of them (record/budget.py).
+        self.records_bytes = 0
+        # A full disk (ENOSPC): tensor data stops (data files from chunk data_lost_from on are never written, and
+        # records lose their references into them), op records with statistics go on. data_refused says why to the
+        # recording thread, which then stores no more data.
+        self.data_refused: str | None = None
+        self.data_lost_from: int | None = None
+        self.left_out = LeftOutTally()
         self.ops_written = 0
         self.last_op_written: int | None = None
         self._manifest = dict(manifest, format=FORMAT_NAME, version=FORMAT_VERSION, complete=False)
@@ -260,6 +271,7 @@ class RankWriter:
             except Exception as exc:  # a reader rebuilds a missing index: worth a debug line, not a warning
                 log.debug("the index could not be written: %s", exc)
         self._manifest.update(extra)
+        self._manifest.update(self.left_out.wire())
         self._manifest.update(complete=True, lost=self.lost, ops_written=self.ops_written,
                               last_op=self.last_op_written, data_bytes=self.bytes_written)
         try:
@@ -323,7 +335,42 @@ class RankWriter:
             if snap.slot is not None:
                 self.staging.release(snap.slot)
 
+    def _disk_full(self, chunk: _Chunk, exc: BaseException) -> None:
+        """The disk is full: no more tensor data from this chunk on, one warning; op records go on (the same case
+        as record --budget, with the budget found the hard way)."""
+        self.data_lost_from = chunk.number
+        first = wire_index(chunk.ops[0]) if chunk.ops else "?"
+        why = (f"the disk is full ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}): tensor data "
+               f"stops at op #{first}; later ops are kept with statistics (reason: {LEFT_OUT_DISK_FULL})")
+        self.note_lost(why)
+        warnings.warn(f"replaydiff: {why}", RuntimeWarning, stacklevel=2)
+        self.data_refused = LEFT_OUT_DISK_FULL
+
     def _write_chunk(self, chunk: _Chunk) -> None:
+        if self.data_lost_from is None:
+            try:
+                self._write_data(chunk)
+            except Exception as exc:
+                if not _disk_full(exc):
+                    raise
+                self._disk_full(chunk, exc)
+        if self.data_lost_from is not None:  # this chunk's data is not on disk: neither is what refers to it
+            self.left_out.add_bytes(LEFT_OUT_DISK_FULL, sum(s.nbytes for s in chunk.snapshots))
+            for op in chunk.ops:
+                wire_strip_chunks(op, self.data_lost_from, LEFT_OUT_DISK_FULL)
+        self._release(chunk)  # the data file is written (or never will be): its copies are free
+        if chunk.ops:
+            frame = pack_frame(chunk_frame(chunk.ops, chunk.number), self.compress_level)
+            write_atomic(self.root / OPS_DIR / ops_chunk_name(wire_index(chunk.ops[0])), frame)
+            self.bytes_written += len(frame)
+            self.records_bytes += len(frame)
+            self.ops_written += len(chunk.ops)
+            self.last_op_written = wire_index(chunk.ops[-1])
+            for op in chunk.ops:
+                self._index.add(op)
+                self.left_out.add_op(op)
+
+    def _write_data(self, chunk: _Chunk) -> None:
         specs: dict[str, Any] = {}
         metadata: dict[str, str] = {}
         keep_alive: list[Any] = []
@@ -355,13 +402,19 @@ class RankWriter:
                 self.codec_choice.note_written(size, time.perf_counter() - started)
             self._chunk_bytes_now = self.chunk_bytes
             self.bytes_written += size
-        del keep_alive, specs
-        self._release(chunk)  # the data file is written: its copies are free before the ops are encoded
-        if chunk.ops:
-            frame = pack_frame(chunk_frame(chunk.ops, chunk.number), self.compress_level)
-            write_atomic(self.root / OPS_DIR / ops_chunk_name(wire_index(chunk.ops[0])), frame)
-            self.bytes_written += len(frame)
-            self.ops_written += len(chunk.ops)
-            self.last_op_written = wire_index(chunk.ops[-1])
-            for op in chunk.ops:
-                self._index.add(op)
+            self.records_bytes += size - sum(len(d) for d in keep_alive)
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """Whether a write failed for want of space: an OSError ENOSPC/EDQUOT, or safetensors' error, which carries
+    the OS error only in its text ("No space left on device (os error 28)")."""
+    seen = 0
+    e: BaseException | None = exc
+    while e is not None and seen < 5:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(e)
+        if "No space left on device" in text or "Disk quota exceeded" in text or "StorageFull" in text:
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False

@@ -1,0 +1,228 @@
+"""A trace too big to record whole (issue 16): ``record --budget``, a full disk, the statistics a zoomed trace keeps
+for what its filter leaves out, and ``record --estimate``."""
+from __future__ import annotations
+
+import errno
+import fnmatch
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import replaydiff
+import replaydiff.trace.writer as trace_writer
+from replaydiff.cli.main import main
+from replaydiff.models.tiny import TinyTransformer, make_step
+from replaydiff.record.budget import parse_size
+from replaydiff.record.options import RecordOptions
+from replaydiff.replay import ReplayOptions, Status, replay_trace
+from replaydiff.trace import open_trace
+
+BLOCK0 = "TinyTransformer.blocks.0.*"
+
+
+def _step():
+    """A fresh TinyTransformer training step (forward, backward, AdamW), the same each time it is built."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    return make_step(model, model.example_batch(), torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def _record(path: Path, **options):
+    step = _step()
+    with replaydiff.record(path, **options):
+        step()
+    return open_trace(path).rank(0)
+
+
+def _bytes_on_disk(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _tensor_refs(op):
+    """The refs of an op that have values to store or measure (not views of nothing, not empty* outputs)."""
+    return [x for x in [*op.inputs(), *op.outputs_refs()] if x.version is not None and x.nbytes and not x.zero
+            and not x.uninitialised]
+
+
+def test_sizes_and_the_budget_option(capsys):
+    assert [parse_size(s) for s in ("500M", "2G", "1.5GiB", "64k", "1000", 7)] == \
+        [500 << 20, 2 << 30, 3 << 29, 64 << 10, 1000, 7]
+    for bad in ("lots", "-1M", "0"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    assert RecordOptions.make(budget="2G").budget == 2 << 30
+    with pytest.raises(ValueError, match="tensors='full'"):
+        RecordOptions.make(tensors="stats", budget="2G")
+    assert main(["record", "--budget", "lots", "--", sys.executable, "-c", "pass"]) == 2
+    assert "a size is a number with an optional K, M, G or T" in capsys.readouterr().err
+
+
+def test_a_budget_keeps_the_trace_under_it_with_statistics_for_the_rest(tmp_path, capsys):
+    full = _record(tmp_path / "full", compress=False)
+    budget = 4 << 20
+    assert _bytes_on_disk(tmp_path / "full") > 3 * budget
+    r = _record(tmp_path / "t", budget="4M", compress=False)
+    assert _bytes_on_disk(tmp_path / "t") <= budget
+    ops = list(r)
+    assert [op.name for op in ops] == [op.name for op in full]  # every op recorded
+    left = [op for op in ops if op.data_left_out is not None]
+    kept = [op for op in ops if op.data_left_out is None and _tensor_refs(op)]
+    assert left and kept and {op.data_left_out for op in left} == {"budget"}
+    assert kept[0].index < left[0].index  # step order: data first, then statistics
+    for op in left:  # statistics for every tensor whose bytes are not there
+        refs = _tensor_refs(op)
+        assert any(not x.stored for x in refs) and all(x.stored or x.stats is not None for x in refs)
+    for op in kept:
+        assert all(x.stored for x in _tensor_refs(op))
+    (summary,) = r.data_left_out
+    assert (summary.reason, summary.ops, summary.first, summary.last) == \
+        ("budget", len(left), left[0].index, left[-1].index) and summary.nbytes > 0
+
+    report = replay_trace(str(tmp_path / "t"), ReplayOptions())
+    assert sorted(x.index for x in report.not_judged) == [op.index for op in left]
+    assert all(x.status is Status.SKIPPED and "budget" in x.reason for x in report.not_judged)
+    assert report.first_divergent is None and report.counts()["ok"] > 0 and report.found_problem
+
+    capsys.readouterr()
+    assert main(["replay", str(tmp_path / "t")]) == 1  # never clean
+    out = capsys.readouterr().out
+    assert f"{len(left)} op(s) (#{left[0].index}-#{left[-1].index}) not judged: tensor data left out, past the " \
+           f"record --budget" in out
+    assert "not clean" in out and "every replayed op matches" not in out
+    assert main(["show", str(tmp_path / "t")]) == 0
+    assert f"LEFT OUT: {len(left)} op(s) (#{left[0].index}-#{left[-1].index}) kept with statistics only: past the " \
+           f"record --budget" in capsys.readouterr().out
+
+
+def test_a_budget_gives_the_selected_modules_data_first(tmp_path):
+    def block0(r):
+        return [op for op in r if fnmatch.fnmatchcase(op.module or "", BLOCK0)]
+
+    in_order = _record(tmp_path / "order", budget="8M")
+    assert any(op.data_left_out == "budget" for op in block0(in_order))  # step order: the budget ends before it
+    r = _record(tmp_path / "first", budget="8M", modules=BLOCK0)
+    assert _bytes_on_disk(tmp_path / "first") <= 8 << 20
+    inside = block0(r)
+    assert inside and all(op.data_left_out is None for op in inside)
+    others = [op for op in r if not fnmatch.fnmatchcase(op.module or "", BLOCK0) and _tensor_refs(op)]
+    # the rest, in step order, from what the selected ops leave
+    assert {op.data_left_out for op in others} == {None, "budget"}
+
+
+def test_a_full_disk_keeps_recording_statistics_with_one_warning(tmp_path, monkeypatch):
+    real = trace_writer.write_atomic_via
+    calls = []
+
+    def fills_up(path, write):
+        calls.append(path)
+        if len(calls) > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, write)
+
+    monkeypatch.setattr(trace_writer, "write_atomic_via", fills_up)
+    plain, step = _step(), _step()
+    torch.manual_seed(1)
+    expected = plain()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with replaydiff.record(tmp_path / "t", chunk_ops=32):
+            torch.manual_seed(1)
+            loss = step()
+    assert torch.equal(loss, expected)  # the job's own results, unchanged
+    ours = [str(w.message) for w in caught if "replaydiff" in str(w.message)]
+    assert len(ours) == 1 and "disk is full" in ours[0]
+    r = open_trace(tmp_path / "t").rank(0)
+    ops = list(r)
+    assert r.complete and len(ops) == r.manifest["ops_seen"]
+    left = [op for op in ops if op.data_left_out is not None]
+    assert left and {op.data_left_out for op in left} == {"disk full"}
+    before = [op for op in ops if op.index < left[0].index and _tensor_refs(op)]
+    assert before and all(x.stored for op in before for x in _tensor_refs(op))
+    for op in ops:  # what a record says is stored reads back: no reference into a data file never written
+        for x in _tensor_refs(op):
+            if x.stored:
+                r.tensor(x)
+    # after the recorder heard of it: statistics instead of data
+    late = left[len(left) // 2:]
+    assert all(x.stats is not None for op in late for x in _tensor_refs(op) if not x.stored)
+    assert any("disk is full" in line for line in r.lost)
+    report = replay_trace(str(tmp_path / "t"), ReplayOptions())
+    assert report.found_problem and len(report.not_judged) == len(left)
+
+
+def test_a_zoomed_trace_keeps_statistics_for_what_its_filter_leaves_out(tmp_path):
+    r = _record(tmp_path / "t", modules=BLOCK0)
+    inside = [op for op in r if fnmatch.fnmatchcase(op.module or "", BLOCK0)]
+    assert inside and all(op.data_left_out is None for op in inside)
+    # block 0's first op reads what an op outside it made: that op is in the trace, with statistics
+    first = inside[0]
+    producers = [p for p in r.producers(first.index).values() if p is not None]
+    assert producers
+    made_by = r[producers[0]]
+    assert made_by.data_left_out == "filtered" and not fnmatch.fnmatchcase(made_by.module or "", BLOCK0)
+    out = made_by.outputs_refs()[0]
+    assert not out.stored and out.stats is not None and out.stats.numel == torch.Size(out.shape).numel()
+    # replay judges what is stored and says why the rest was not; a filter is a choice, not a gap: clean
+    report = replay_trace(str(tmp_path / "t"), ReplayOptions())
+    skipped = [x for x in report.ops if x.data_left_out == "filtered"]
+    assert skipped and all(x.status is Status.SKIPPED and "filter" in x.reason for x in skipped)
+    assert not report.found_problem and report.counts()["ok"] >= len(inside) // 2
+
+
+SCRIPT = """
+import torch
+from replaydiff.models.tiny import TinyTransformer, make_step
+torch.manual_seed(0)
+model = TinyTransformer()
+step = make_step(model, model.example_batch(), torch.optim.AdamW(model.parameters(), lr=1e-3))
+for _ in range(2):
+    step()
+"""
+_ROW = re.compile(r"^  (\S+(?: any module\))?)\s+(forward|backward|optimizer|-)\s+(\d+)\s+([\d.]+) (MB|KB)$")
+
+
+def _written_per_place(r) -> dict[tuple[str, str], int]:
+    """Bytes a full trace stored, by the module and phase of the op that stored each storage version."""
+    seen, per = set(), {}
+    for op in r:
+        place = (op.module or "(outside any module)", op.phase)
+        for x in [*op.inputs(), *op.outputs_refs()]:
+            if x.chunk is not None and x.nbytes and (x.chunk, x.version) not in seen:
+                seen.add((x.chunk, x.version))
+                per[place] = per.get(place, 0) + x.nbytes
+        if op.rng is not None:
+            per[place] = per.get(place, 0) + op.rng.data.nbytes
+    return per
+
+
+@pytest.mark.slow
+def test_estimate_prints_what_a_full_recording_writes(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    capsys.readouterr()
+    assert main(["record", "--estimate", "--budget", "8M", "-o", str(tmp_path / "none"), "--", sys.executable,
+                 str(script)]) == 0
+    out = capsys.readouterr().out
+    assert not (tmp_path / "none").exists()  # nothing written where the trace would go
+    rows = {(m.group(1), m.group(2)): float(m.group(4)) * (1e6 if m.group(5) == "MB" else 1e3)
+            for line in out.splitlines() if (m := _ROW.match(line))}
+    assert len(rows) >= 10
+    assert re.search(r"write rate here: \d+ MB/s", out)
+
+    assert main(["record", "--no-compress", "-o", str(tmp_path / "full"), "--", sys.executable, str(script)]) == 0
+    full = open_trace(tmp_path / "full").rank(0)
+    actual = _written_per_place(full)
+    for place, estimated in rows.items():
+        assert estimated == pytest.approx(actual[place], rel=0.03), place
+    data = _bytes_on_disk(tmp_path / "full" / "rank0" / "data")
+    (said,) = re.findall(r"rank 0: \d+ ops; full would write [\d.]+ MB \(([\d.]+) MB tensor data", out)
+    assert float(said) * 1e6 == pytest.approx(data, rel=0.02)
+    # what fits the budget: in step order part of the data; whole modules listed with their globs
+    assert "--budget 8M: in step order, tensor data stops at about op #" in out
+    fits = re.findall(r"^\s+([\d.]+) MB  --module '(\S+)' --module '(\S+)'$", out, re.M)
+    assert fits and all(float(mb) * 1e6 <= 8 << 20 and star == f"{m}.*" for mb, m, star in fits)
+    assert ("TinyTransformer.blocks.0", "TinyTransformer.blocks.0.*") in {(m, s) for _, m, s in fits}
