@@ -125,65 +125,40 @@ def test_trend_prints_the_zoom_in_commands_and_the_zoom_in_replay_says_where_the
                   and op.module == "Sequential.2" and op.phase == "forward")
     assert cli_main(["replay", str(out)]) == 0
     text = capsys.readouterr().out
-    assert f"no op in this trace is wrong: the difference enters through input 0 of op #{reader.index} " \
-           f"aten.t.default (Sequential.2, forward) at step {SPIKE_STEP}, from outside the trace" in text
+    mul = next(op for op in z if op.step == SPIKE_STEP and op.name == "aten.mul_.Tensor")
+    assert f"no replayed op in this trace is wrong ({sum(op.data_left_out is not None for op in z)} skipped): the difference enters through input 0 " \
+           f"of op #{reader.index} " \
+           f"aten.t.default (Sequential.2, forward) at step {SPIKE_STEP}, from op #{mul.index} aten.mul_.Tensor, " \
+           f"which the record filter left out" in text
     assert cli_main(["replay", str(out), "--json", "-"]) == 0
     enters = json.loads(capsys.readouterr().out)["enters"]
     assert (enters["index"], enters["position"], enters["step"], enters["producer"]) == \
-        (reader.index, 0, SPIKE_STEP, None)
+        (reader.index, 0, SPIKE_STEP, mul.index)
     assert enters["statistic"] in ("l2", "absmax") and enters["value"] > 50 * enters["previous"]
-
-
-class FilteredOpsLinked:
-    """A filtered trace as it reads once ops left out by ``--module`` keep their outputs (with statistics): the
-    weight's first reader points at the filtered ``mul_`` that wrote it. Today such an op is a stub without outputs,
-    so no producer edge points at it; this stands in for that edge and nothing else (every other read is the
-    trace's)."""
-
-    def __init__(self, r, reader: int, writer: int) -> None:
-        self._r, self._reader, self._writer = r, reader, writer
-
-    def __getattr__(self, name):
-        return getattr(self._r, name)
-
-    def __iter__(self):
-        return iter(self._r)
-
-    def __len__(self) -> int:
-        return len(self._r)
-
-    def __getitem__(self, i):
-        return self._r[i]
-
-    def producers(self, i: int) -> dict:
-        p = dict(self._r.producers(i))
-        return {**p, 0: self._writer} if i == self._reader else p
 
 
 @pytest.mark.parametrize("tensors", ["stats", "full"])
 def test_a_change_written_by_a_filtered_op_enters_from_it(tmp_path, tensors):
-    """Recorded with --module Sequential.2, the mul_ (no module) is left out: trend's cause (stats, steps 1-40) and
-    replay's entry (full, steps 24-25) name the reader's input 0 and, where an edge leads to it, the filtered op."""
+    """Recorded with --module Sequential.2, the mul_ (no module) keeps statistics only: trend's cause (stats, steps
+    1-40) and replay's entry (full, steps 24-25) name the reader's input 0 and the filtered op that wrote it."""
     steps = "1-40" if tensors == "stats" else "24-25"
     with replaydiff.record(tmp_path / "t", tensors=tensors, steps=steps, modules="Sequential.2"):
         train(mlp())
     r = open_trace(tmp_path / "t").rank(0)
     mul = next(r[i] for i in range(len(r)) if r[i].name == "aten.mul_.Tensor")
-    assert (mul.recorded, mul.step, mul.not_recorded_reason.startswith("filtered")) == (False, SPIKE_STEP, True)
-    reader = next(op for op in r if op.step == SPIKE_STEP and op.name == "aten.t.default" and op.phase == "forward")
-    assert r.producers(reader.index)[0] is None  # today: from outside the trace
-    linked = FilteredOpsLinked(r, reader.index, mul.index)
+    assert (mul.recorded, mul.step, mul.data_left_out) == (True, SPIKE_STEP, "filtered")
+    reader = next(op for op in r if op.step == SPIKE_STEP and op.name == "aten.t.default" and op.phase == "forward"
+                  and op.module == "Sequential.2")
+    assert r.producers(reader.index)[0] == mul.index  # the filtered op keeps its outputs, so the edge reaches it
     if tensors == "stats":
-        for trace, producer in ((r, None), (linked, mul.index)):
-            c = compute_trend(trace).cause
-            assert (c.index, c.how, c.position, c.producer) == (reader.index, "entered", 0, producer)
+        c = compute_trend(r).cause
+        assert (c.index, c.how, c.position, c.producer) == (reader.index, "entered", 0, mul.index)
         assert f"from op #{mul.index}, which the record filter left out" in describe_cause(c)
         return
-    for trace, producer in ((r, None), (linked, mul.index)):
-        e = find_entry(trace)
-        assert (e.index, e.position, e.step, e.producer) == (reader.index, 0, SPIKE_STEP, producer)
+    e = find_entry(r)
+    assert (e.index, e.position, e.step, e.producer) == (reader.index, 0, SPIKE_STEP, mul.index)
     assert f"input 0 of op #{reader.index} aten.t.default (Sequential.2, forward) at step {SPIKE_STEP}, from op " \
-           f"#{mul.index}, which the record filter left out" in e.describe()
+           f"#{mul.index} aten.mul_.Tensor, which the record filter left out" in e.describe()
 
 
 def test_clean_replay_of_one_zoomed_step_says_how_to_see_where_the_difference_enters(tmp_path, capsys):

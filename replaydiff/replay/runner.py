@@ -125,7 +125,6 @@ class OpReplayer:
         """The result, and (recorded, reference) pairs of every output compared (TensorRef and tensor for data)."""
         pairs: Pairs = []
         outputs_finite: bool | None = None
-        res.data_left_out = op.data_left_out
         try:
             judgement, pairs, outputs_finite = self._replay(op)
         except TraceError:
@@ -150,7 +149,7 @@ class OpReplayer:
         return OpResult(rank=self.trace.rank, index=op.index, op=op.name, status=j.status, module=op.module,
                         phase=op.phase, source=op.source, forward_index=op.forward_index, verdict=j.verdict,
                         reason=render(j.notes), nonfinite_origin=nonfinite_origin, collective=j.collective,
-                        repeats_disagree=j.repeats_disagree)
+                        repeats_disagree=j.repeats_disagree, data_left_out=op.data_left_out)
 
     def _replay(self, op: OpRecord) -> tuple[Judgement, Pairs, bool | None]:
         """Replay and judge the op: its judgement, the pairs compared and whether every output was finite."""

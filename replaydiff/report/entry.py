@@ -46,18 +46,19 @@ class Entry:
     value: float
     previous: float
     previous_step: int
+    producer_op: str | None = None  # the filtered producer's op name
 
     def to_json(self) -> dict:
         return {"rank": self.rank, "step": self.step, "index": self.index, "op": self.op, "module": self.module,
                 "phase": self.phase, "position": self.position, "tensor": self.tensor, "producer": self.producer,
                 "statistic": self.statistic, "value": self.value, "previous": self.previous,
-                "previous_step": self.previous_step}
+                "previous_step": self.previous_step, "producer_op": self.producer_op}
 
     def describe(self, skipped: int = 0) -> str:
         """The replay summary's line; ``skipped``: ops the replay could not judge (then it speaks of those it did)."""
         where = ", ".join(x for x in (self.module or "no module", self.phase) if x)
         whence = "from outside the trace" if self.producer is None else \
-            f"from op #{self.producer}, which the record filter left out"
+            f"from op #{self.producer} {self.producer_op}, which the record filter left out"
         if self.statistic in ("l2", "absmax"):
             what = f"{self.statistic} {self.value:.4g} against {self.previous:.4g} at step {self.previous_step}"
         else:
@@ -110,7 +111,7 @@ def find_entry(r: RankTrace, threshold: float = DEFAULT_THRESHOLD) -> Entry | No
             hit = score_point(p, [q], threshold, jumps=q["l2"] > 0)
             if hit is not None:
                 return Entry(r.rank, op.step, op.index, op.name, op.module, op.phase, k, ref.describe(), prod,
-                             hit[0], p[hit[0]], q[hit[0]], prev[0])
+                             hit[0], p[hit[0]], q[hit[0]], prev[0], None if prod is None else r[prod].name)
         before[key] = (op.step, points)
     return None
 

@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 from replaydiff import aten
 from replaydiff.trace import RankTrace
-from replaydiff.trace.schema import MODULE_PARAM, TensorRef, TensorStats
+from replaydiff.trace.schema import LEFT_OUT_FILTERED, MODULE_PARAM, TensorRef, TensorStats
 
 FORMAT = "replaydiff.trend/1"
 STATISTICS = ("l2", "absmax", "nan", "inf")
@@ -314,11 +314,9 @@ class Cause:
 
 
 def left_out_by_filter(op: Any) -> bool:
-    """Whether the record filter (``--module``/``--op``) left this op out: its outputs come from outside what the
-    trace judges. Today such an op is a stub without inputs or outputs, so no tensor points to it as its producer;
-    once filtered ops are kept with statistics and a reason, this is the one place that tells them apart."""
-    reason = op.not_recorded_reason
-    return reason is not None and reason.startswith("filtered")
+    """Whether the record filter (``--module``/``--op``) left this op's tensor data out: it is kept with statistics
+    only, so its outputs come from outside what the trace judges."""
+    return op.data_left_out == LEFT_OUT_FILTERED
 
 
 @dataclass
