@@ -133,10 +133,11 @@ class ReplayReport:
         return [r for r in self.ops if r.data_left_out in (LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL)]
 
     def left_out_summary(self) -> list[str]:
-        """One line per reason the recording left data out: how many ops, and which (first and last)."""
+        """One line per reason the recording left data out against its will (budget, disk full): how many ops, and
+        which (first and last). Ops outside a filter are the skipped line's to count; their range says nothing."""
         groups: dict[str, list[OpResult]] = {}
         for r in self.ops:
-            if r.data_left_out is not None:
+            if r.data_left_out in (LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL):
                 groups.setdefault(r.data_left_out, []).append(r)
         lines = []
         for why, ops in groups.items():

@@ -5,7 +5,7 @@ op in it computes right from the inputs it was given, and the change came in thr
 compute: a parameter written between steps, an activation made by an op the filter left out. Replay alone cannot say
 which, so the evidence is the trace's own previous step (``trend`` prints a zoom-in of steps N-1..N for this).
 
-Each recorded op's *external* inputs (written outside the trace, or by an op the record filter left out) are scored
+Each recorded op's *external* inputs (written outside the trace, or by an op kept with statistics only) are scored
 against the same input of the same op in the step before: the op is found by its position in the step (trend's
 ``Positions``), the input by its position in the op, and the score is trend's (``score_point``) with one value of
 history: NaN/Inf appearing where there was none, or l2/absmax moving by the threshold's worth of log10 scale (4x at
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from replaydiff.diff.compare import tensor_stats
 from replaydiff.replay import ReplayOptions
-from replaydiff.replay.result import ReplayReport, Status
-from replaydiff.report.trend import (DEFAULT_THRESHOLD, Positions, left_out_by_filter, ref_point, score_point,
+from replaydiff.replay.result import PROBLEMS, ReplayReport, Status
+from replaydiff.report.trend import (DEFAULT_THRESHOLD, Positions, left_out, ref_point, why_left_out, score_point,
                                      stats_point)
 from replaydiff.trace import RankTrace, TensorRef, open_trace
 
@@ -31,7 +31,7 @@ from replaydiff.trace import RankTrace, TensorRef, open_trace
 @dataclass(frozen=True)
 class Entry:
     """Input ``position`` of op ``index`` changed against the step before; it was written outside the trace
-    (``producer`` None) or by op ``producer``, which the record filter left out."""
+    (``producer`` None) or by op ``producer``, which the recording kept with statistics only."""
 
     rank: int
     step: int
@@ -46,7 +46,8 @@ class Entry:
     value: float
     previous: float
     previous_step: int
-    producer_op: str | None = None  # the filtered producer's op name
+    producer_op: str | None = None  # the producer's op name
+    producer_why: str | None = None  # why the recording kept it with statistics only (trend.why_left_out)
 
     def to_json(self) -> dict:
         return {"rank": self.rank, "step": self.step, "index": self.index, "op": self.op, "module": self.module,
@@ -58,7 +59,7 @@ class Entry:
         """The replay summary's line; ``skipped``: ops the replay could not judge (then it speaks of those it did)."""
         where = ", ".join(x for x in (self.module or "no module", self.phase) if x)
         whence = "from outside the trace" if self.producer is None else \
-            f"from op #{self.producer} {self.producer_op}, which the record filter left out"
+            f"from op #{self.producer} {self.producer_op}, {self.producer_why}"
         if self.statistic in ("l2", "absmax"):
             what = f"{self.statistic} {self.value:.4g} against {self.previous:.4g} at step {self.previous_step}"
         else:
@@ -88,7 +89,7 @@ def find_entry(r: RankTrace, threshold: float = DEFAULT_THRESHOLD) -> Entry | No
     for op in r:
         if op.step is None:
             return None  # recorded with --step N: one step, no step before to compare with
-        if left_out_by_filter(op) or op.phase == "optimizer":
+        if left_out(op) or op.phase == "optimizer":
             # A filtered op was not replayed. An optimizer's state is its memory of earlier steps and grows several-
             # fold a step at first by design (AdamW's moments); a wrong update shows in the next step's forward,
             # where the parameter it wrote comes in.
@@ -98,7 +99,7 @@ def find_entry(r: RankTrace, threshold: float = DEFAULT_THRESHOLD) -> Entry | No
         points: dict[int, dict[str, float]] = {}
         for k, ref in enumerate(op.inputs()):
             prod = producers.get(k)
-            if prod is not None and not left_out_by_filter(r[prod]):
+            if prod is not None and not left_out(r[prod]):
                 continue  # computed inside the trace: replay judged the op that did it
             p = _point(r, ref)
             if p is None:
@@ -111,7 +112,8 @@ def find_entry(r: RankTrace, threshold: float = DEFAULT_THRESHOLD) -> Entry | No
             hit = score_point(p, [q], threshold, jumps=q["l2"] > 0)
             if hit is not None:
                 return Entry(r.rank, op.step, op.index, op.name, op.module, op.phase, k, ref.describe(), prod,
-                             hit[0], p[hit[0]], q[hit[0]], prev[0], None if prod is None else r[prod].name)
+                             hit[0], p[hit[0]], q[hit[0]], prev[0],
+                             *((None, None) if prod is None else (r[prod].name, why_left_out(r[prod]))))
         before[key] = (op.step, points)
     return None
 
@@ -125,8 +127,10 @@ def _one_step(r: RankTrace) -> int | None:
 
 
 def _judged_whole(report: ReplayReport, options: ReplayOptions) -> bool:
-    """The replay judged every op of the trace (no --ops, --from or --to) and found none wrong."""
-    return not (report.found_problem or options.ops or options.first is not None or options.last is not None)
+    """The replay ran over the whole trace (no --ops, --from or --to) and found no op it judged wrong (ops whose data
+    the recording left out are not judged; they make the replay not clean, but say nothing against the others)."""
+    wrong = any(r.status in PROBLEMS or r.status is Status.ERROR for r in report.ops) or report.replicas is not None
+    return not (wrong or options.ops or options.first is not None or options.last is not None)
 
 
 def _ranks(report: ReplayReport) -> list[int]:

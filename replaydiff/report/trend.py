@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 from replaydiff import aten
 from replaydiff.trace import RankTrace
-from replaydiff.trace.schema import LEFT_OUT_FILTERED, MODULE_PARAM, TensorRef, TensorStats
+from replaydiff.trace.schema import LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_FILTERED, MODULE_PARAM, TensorRef, TensorStats
 
 FORMAT = "replaydiff.trend/1"
 STATISTICS = ("l2", "absmax", "nan", "inf")
@@ -313,10 +313,17 @@ class Cause:
                 "producer": self.producer}
 
 
-def left_out_by_filter(op: Any) -> bool:
-    """Whether the record filter (``--module``/``--op``) left this op's tensor data out: it is kept with statistics
-    only, so its outputs come from outside what the trace judges."""
-    return op.data_left_out == LEFT_OUT_FILTERED
+def left_out(op: Any) -> bool:
+    """Whether the recording kept this op with statistics only (outside the ``--module``/``--op`` filter, past the
+    ``--budget``, or after the disk filled): replay does not judge it, so its outputs come from outside what the trace
+    judges."""
+    return op.data_left_out is not None
+
+
+def why_left_out(op: Any) -> str:
+    """The phrase for such an op in a sentence, e.g. 'which the record filter left out'."""
+    return {LEFT_OUT_FILTERED: "which the record filter left out", LEFT_OUT_BUDGET: "whose data was past the budget",
+            LEFT_OUT_DISK_FULL: "whose data the full disk left out"}.get(op.data_left_out, "whose data was left out")
 
 
 @dataclass
@@ -381,9 +388,9 @@ def find_cause(r: RankTrace, first: Change, history: _History, threshold: float)
         # Inputs out of line from several writers: the earliest writer is where the change began.
         prod, k, ref, its_past, found = min(suspects, key=lambda x: (x[0], x[1]))
         writer = None if prod < 0 else r[prod]
-        if writer is None or left_out_by_filter(writer):
+        if writer is None:  # a writer the trace kept with statistics only (filtered, budget) has them: follow it
             return Cause(**common, how="entered", statistic=found[0], value=found[1], baseline=found[2],
-                         position=k, producer=None if writer is None else prod)
+                         position=k, producer=None)
         op, followed, past, hit = writer, ref, its_past, found
     return Cause(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, source=op.source,
                  source_text=op.source_text, how="made", statistic=hit[0], value=hit[1], baseline=hit[2], history=0)
