@@ -1154,3 +1154,25 @@ def test_device_memory_with_recording_stays_at_the_plain_steps_peak(tmp_path):
     r = open_trace(tmp_path / "t").rank(0)
     assert r.complete and r.lost == []
     assert sum(op.name == "aten.mul.Tensor" for op in r) == 200
+
+
+def test_the_fast_argument_encoder_gives_what_encode_value_gives(tmp_path: Path) -> None:
+    """Issue 19: OpBuilder.encode/encode_list (the recorder's hot path) must produce exactly schema.encode_value's
+    form, keys in the same order, for every kind of aten argument, so traces stay byte for byte the same."""
+    import msgpack
+
+    from replaydiff.trace import schema
+
+    base = torch.arange(12.0).reshape(3, 4)
+    values = [base, base.t(), base[1:], torch.nn.Parameter(torch.ones(2)), torch.zeros(0, 3), None, True, False,
+              3, -(1 << 63), (1 << 64) - 1, 1 << 70, -(1 << 64), 2.5, float("inf"), "mean", torch.float16,
+              torch.device("cpu"), torch.strided, torch.channels_last, 1 + 2j, [base, [1, None, (base, 2.0)]],
+              (4, 5), [], torch.Generator()]
+    with replaydiff.record(tmp_path / "t", tensors="meta") as rec:
+        b = rec._builder
+        fast = b.encode_list(values)
+        one_by_one = [b.encode(v) for v in values]
+        slow = [schema.encode_value(v, lambda t: b.ref(t, True)) for v in values]
+    assert msgpack.packb(fast) == msgpack.packb(slow)
+    assert msgpack.packb(one_by_one) == msgpack.packb(slow)
+    assert [list(x) if isinstance(x, dict) else x for x in fast[:3]] == [list(x) for x in slow[:3]]

@@ -33,6 +33,9 @@ log = logging.getLogger("replaydiff")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _DEVICE_NAMES: dict[torch.device, str] = {}
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
+# Values OpBuilder.encode_list keeps as they are, exactly as schema.encode_value would (ints within msgpack's range).
+_VERBATIM = frozenset({bool, float, str, type(None)})
+_INT_MIN, _INT_END = -(1 << 63), 1 << 64
 
 
 class RecorderLike(Protocol):
@@ -132,15 +135,15 @@ class OpBuilder:
             return schema.wire_unsupported(schema.wire_tensor(dtype, list(t.shape), None, 0, dev),
                                            f"{type(t).__name__}/{t.layout}/{device.type}")
         shape, stride = list(t.shape), list(t.stride())
-        ref = schema.wire_tensor(dtype, shape, stride, t.storage_offset(), dev)
         storage = t.untyped_storage()
         entry = self.rec.storages.entry(storage)
         if entry.crc is not None and zlib.crc32(address_view(storage.data_ptr(), entry.nbytes)) != entry.crc:
             # Written since it was stored, behind the dispatcher's back (numpy, a C extension): a new version.
             self.rec.storages.bump(entry)
             self.unseen_writes += 1
-        schema.wire_set_storage(ref, entry.version, entry.nbytes, t.requires_grad, entry.uninitialised,
-                                t.is_conj(), t.is_neg())
+        # One call builds the whole reference (this runs for every tensor of every op).
+        ref = schema.wire_stored_tensor(dtype, shape, stride, t.storage_offset(), dev, entry.version, entry.nbytes,
+                                        t.requires_grad, entry.uninitialised, t.is_conj(), t.is_neg())
         if not store:
             return ref
         if self.mode == "full" and (self.max_bytes is None or entry.nbytes <= self.max_bytes) and \
@@ -292,7 +295,30 @@ class OpBuilder:
             self.rec.writer.add_op(record)
 
     def encode(self, v: Any, store: bool = True) -> Any:
+        """``schema.encode_value`` of an argument or output, the same value, faster for what aten ops take and
+        return: a plain tensor, a list or tuple of them, numbers. Anything else goes to ``encode_value`` itself."""
+        cls = type(v)
+        if cls in _PLAIN:
+            return self.ref(v, store)
+        if cls is list or cls is tuple:
+            return self.encode_list(v, store)
         return schema.encode_value(v, lambda t: self.ref(t, store))
+
+    def encode_list(self, vs: list | tuple, store: bool = True) -> list:
+        """``[encode(v) for v in vs]`` in one loop: no call per plain tensor's neighbour (ints, floats, None)."""
+        out = []
+        ref = self.ref
+        for v in vs:
+            cls = type(v)
+            if cls in _PLAIN:
+                out.append(ref(v, store))
+            elif cls in _VERBATIM or (cls is int and _INT_MIN <= v < _INT_END):
+                out.append(v)  # as encode_value keeps them (bool before int there; both verbatim here)
+            elif cls is list or cls is tuple:
+                out.append(self.encode_list(v, store))
+            else:
+                out.append(schema.encode_value(v, lambda t: ref(t, store)))
+        return out
 
 
 def _fill_cells(pending: list[tuple[list, Any]]) -> None:
@@ -350,7 +376,7 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
         if state is not None:
             schema.wire_set_rng(record, *state)
     # Arguments the op writes are described as they are now, before the op.
-    schema.wire_set_inputs(record, b.encode(list(args)), {k: b.encode(v) for k, v in kwargs.items()})
+    schema.wire_set_inputs(record, b.encode_list(args), {k: b.encode(v) for k, v in kwargs.items()} if kwargs else {})
     # Inputs the op will write get their statistics now, as they are before it.
     if written:
         b.flush_stats()

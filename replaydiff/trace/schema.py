@@ -568,6 +568,23 @@ def wire_tensor(dtype: str, shape: list, stride: list | None, offset: int, devic
     return {_DTYPE: dtype, _SHAPE: shape, _STRIDE: stride, _OFFSET: offset, _DEVICE: device, _VERSION: None}
 
 
+def wire_stored_tensor(dtype: str, shape: list, stride: list, offset: int, device: str, version: int, nbytes: int,
+                       requires_grad: bool, uninitialised: bool, conj: bool, neg: bool) -> dict:
+    """``wire_tensor`` then ``wire_set_storage`` in one call (the recorder's hot path: one per tensor of every op);
+    the same dict, keys in the same order, so the same bytes on disk."""
+    ref = {_DTYPE: dtype, _SHAPE: shape, _STRIDE: stride, _OFFSET: offset, _DEVICE: device, _VERSION: version,
+           _NBYTES: nbytes}
+    if requires_grad:
+        ref[_REQ_GRAD] = True
+    if uninitialised:
+        ref[_UNINIT] = True
+    if conj:
+        ref[_CONJ] = True
+    if neg:
+        ref[_NEG] = True
+    return ref
+
+
 def wire_unsupported(ref: dict, why: str) -> dict:
     ref[_VERSION] = None
     ref[_UNSUPPORTED] = why
