@@ -67,7 +67,7 @@ class _Call:
             return MIXED
         if self.skips:
             return EAGER
-        if self.hits:
+        if self.hits or self.misses:  # a miss without a skip: dynamo compiled it and ran the compiled code
             return COMPILED
         # No frame reached dynamo: its code is marked skip already (torch's own marking from before this tracker
         # started): eager under a dispatch mode. Without a mode on the stack there is nothing to go on.
@@ -248,25 +248,38 @@ def _region_name(fn: Any) -> str:
     return f"{qual} ({_where(code)})" if code is not None else str(qual)
 
 
-def _backend_name(callback: Any) -> str | None:
-    """Follow dynamo's ``_torchdynamo_orig_backend`` chain to the user's compiler and name it."""
+def user_compiler(callback: Any) -> tuple[str | None, Any]:
+    """(name, object) of the user's compiler behind a dynamo callback: follows dynamo's
+    ``_torchdynamo_orig_backend`` chain and torch's wrapper around a backend given by name or object."""
     obj, seen = callback, 0
     while hasattr(obj, "_torchdynamo_orig_backend") and seen < 8:  # CatchErrorsWrapper, ConvertFrame, ...
         obj = obj._torchdynamo_orig_backend
         seen += 1
+    callable_ = obj  # what dynamo calls: keeps the wrapper's kwargs and inductor's config
     inner = getattr(obj, "compiler_fn", None)  # torch._TorchCompileWrapper around a backend given by name or object
     if inner is not None:
         obj = inner
     for attr in ("compiler_name", "__name__"):  # _TorchCompileInductorWrapper.compiler_name = "inductor"
         name = getattr(obj, attr, None)
         if isinstance(name, str):
-            return name
-    return type(obj).__name__ if obj is not None else None
+            return name, callable_
+    return (type(obj).__name__ if obj is not None else None), callable_
+
+
+def _backend_name(callback: Any) -> str | None:
+    """The name of the user's compiler behind a dynamo callback."""
+    return user_compiler(callback)[0]
 
 
 def _compiled_fn_backend(fn: Any) -> str | None:
     """Which compiler made an AOTAutograd backward: inductor's CompiledFxGraph (wrapped in dynamo.disable's
     ``_fn``), the aot_eager family's ``boxed_nop`` (torch/_dynamo/backends/debugging.py), or something else."""
+    for _ in range(4):  # torch._dynamo.disable's wrapper (functools.wraps) around a unit's runtime callable
+        if type(fn).__name__ == "UnitCall" or not hasattr(fn, "__wrapped__"):
+            break
+        fn = fn.__wrapped__
+    if type(fn).__name__ == "UnitCall":  # record/units.py: a graph compiled by the capture backend
+        return fn._graph.backend
     mod = getattr(fn, "__module__", None) or type(fn).__module__ or ""
     if mod.startswith("torch._inductor"):
         return "inductor"
@@ -309,6 +322,7 @@ class CompiledRegionTracker:
         self._result: list[dict] = []
         self._note: str | None = None  # why tracking could not be done, if it could not
         self._compile_patch: Any = None
+        self.on_attach: Any = None  # called (no arguments, must not raise) once dynamo is loaded and patched
         self._marked: dict[Any, None] = {}  # code objects torch marked "skip" for the dispatch mode, to put back
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
@@ -387,6 +401,8 @@ class CompiledRegionTracker:
             _install()
             if self not in _active:
                 _active.append(self)
+        if self.on_attach is not None:  # dynamo is loaded now: the recorder's unit capture can engage
+            self.on_attach()
 
     def _wrap_torch_compile(self) -> None:
         import torch

@@ -128,12 +128,29 @@ def _watched(closure: Callable[..., Any]) -> Callable[..., Any]:
     return closure_of_an_optimizer_step
 
 
+class _Tracker(ModuleTracker):
+    """ModuleTracker whose global hooks do nothing where dynamo traces them: a region compiled while recording
+    (record(compiled="capture")) must compile to the graph it has without the recorder (torch's own ModTracker
+    does the same with ``_is_in_optimized_module``). The compiled unit is attributed to the module whose call
+    entered the region; eager code is tracked as before."""
+
+    def _fw_pre_hook(self, mod: Any, input: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        super()._fw_pre_hook(mod, input)
+
+    def _fw_post_hook(self, mod: Any, input: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        super()._fw_post_hook(mod, input, output)
+
+
 class OpContext:
     """Tracks phase and module; owned by one recording, installed on enter and removed on exit."""
 
     def __init__(self, source_lines: bool) -> None:
         self.source_lines = source_lines
-        self._tracker = ModuleTracker()
+        self._tracker = _Tracker()
         self._seq_to_forward: dict[int, tuple[int, str | None]] = {}  # autograd seq nr -> (forward op, module)
         self.root = os.getcwd()  # file names under it are kept relative to it
         self._cwd = self.root + os.sep

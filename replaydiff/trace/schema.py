@@ -25,6 +25,7 @@ _ARGS, _KWARGS, _WRITES, _OUTPUTS, _UNINIT = "a", "k", "w", "o", "u"
 _COLL, _RNG, _NOT_RECORDED = "coll", "rng", "x"
 _STEP = "stp"  # optimizer step the op ran in (multi-step and flight recordings)
 _SOURCE_TEXT = "srt"  # the text of the source line when recorded (absent in older traces)
+_UNIT = "cu"  # a compiled unit's graph and where it came from (record/units.py); only on unit records
 # -- tensor reference keys --------------------------------------------------------------------------------------
 _VERSION, _DTYPE, _SHAPE, _STRIDE, _OFFSET, _DEVICE = "T", "dt", "sh", "st", "of", "dev"
 _NBYTES, _CHUNK, _STATS, _REQ_GRAD, _UNSUPPORTED = "sb", "f", "s", "rg", "unsupported"
@@ -245,6 +246,18 @@ class OpRecord:
             return None
 
     @property
+    def unit(self) -> "UnitInfo | None":
+        """The graph of a compiled unit (``compiled.unit.*`` records), decoded; None for an op."""
+        u = self._w.get(_UNIT)
+        if not isinstance(u, dict):
+            return None
+        try:
+            return UnitInfo.from_wire(u)
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            raise TraceError(self._path or "trace", f"malformed graph of unit #{self._w.get(_INDEX)} ({exc})") \
+                from None
+
+    @property
     def collective(self) -> CollectiveInfo | None:
         c = self._w.get(_COLL)
         return _collective_from_wire(c) if isinstance(c, dict) else None
@@ -321,6 +334,7 @@ class OpRecord:
             "kwargs": {k: value_json(v) for k, v in self.kwargs.items()},
             "writes": [{p.kind: p.key, "after": value_json(v)} for p, v in self.writes],
             "outputs": value_json(self.outputs),
+            **({"unit": self.unit.to_json()} if _UNIT in self._w else {}),
         }
 
     def __repr__(self) -> str:
@@ -560,6 +574,97 @@ def wire_set_stats(ref: dict, stats: list | None) -> None:
 
 def wire_stats_key(ref: dict) -> tuple:
     return (ref[_VERSION], ref[_DTYPE], tuple(ref[_SHAPE]), tuple(ref[_STRIDE]), ref[_OFFSET])
+
+
+# =============================================================================================================
+# Compiled units (record/units.py): one call of a compiled graph, its graph stored as data
+# =============================================================================================================
+# Node kinds; a graph is a list of nodes in execution order, each argument a value tree whose {"node": i} markers
+# refer to earlier nodes. Targets are names (``aten.mul.Tensor``, ``operator.getitem``): never code.
+NODE_INPUT, NODE_CONST, NODE_CALL, NODE_OUTPUT = "input", "const", "call", "output"
+_U_REGION, _U_BACKEND, _U_GRAPH, _U_KIND, _U_NODES, _U_CONSTS, _U_KERNELS, _U_NOTE = (
+    "region", "backend", "graph", "kind", "nodes", "consts", "kernels", "note")
+_NODE_REF = "node"
+
+
+class NodeRef(NamedTuple):
+    """An argument of a graph node that is the value of an earlier node (by position in the graph)."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class UnitNode:
+    kind: str  # input / const / call / output
+    name: str  # the node's name in the graph (``erf``, ``mul_1``)
+    target: str | None  # op name of a call (``aten.erf.default``); const: its position in the unit's consts
+    args: list
+    kwargs: dict
+    source: str | None = None  # the user's source line it was traced from, when torch kept one
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.target})" if self.kind == NODE_CALL else self.name
+
+
+@dataclass(frozen=True)
+class UnitInfo:
+    """What a compiled unit record holds beside its inputs and outputs."""
+
+    region: str | None  # ``Net.forward (model.py:12)``
+    backend: str | None  # inductor / aot_eager ...
+    graph_id: str | None  # one compiled graph (every call of it shares the id)
+    kind: str | None  # forward / backward / inference
+    nodes: tuple[UnitNode, ...]
+    consts: list  # TensorRefs (and scalars) the graph reads as attributes
+    kernels: tuple[str, ...] = ()  # the backend's kernel names, when it gives them
+    note: str | None = None  # why the graph is not stored, when it is not
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "UnitInfo":
+        nodes = tuple(UnitNode(str(n[0]), str(n[1]), n[2], _decode_graph_value(n[3]),
+                               {str(k): _decode_graph_value(v) for k, v in (n[4] or {}).items()},
+                               n[5] if len(n) > 5 else None) for n in d.get(_U_NODES) or [])
+        return cls(_typed(d.get(_U_REGION), str), _typed(d.get(_U_BACKEND), str), _typed(d.get(_U_GRAPH), str),
+                   _typed(d.get(_U_KIND), str), nodes, decode_value(d.get(_U_CONSTS) or []),
+                   tuple(str(k) for k in d.get(_U_KERNELS) or []), _typed(d.get(_U_NOTE), str))
+
+    def calls(self) -> list[UnitNode]:
+        return [n for n in self.nodes if n.kind == NODE_CALL]
+
+    def to_json(self) -> dict:
+        return {"region": self.region, "backend": self.backend, "graph": self.graph_id, "kind": self.kind,
+                "nodes": [{"kind": n.kind, "name": n.name, "target": n.target, "source": n.source}
+                          for n in self.nodes], "kernels": list(self.kernels), "note": self.note}
+
+
+def _decode_graph_value(v: Any) -> Any:
+    if isinstance(v, list):
+        return [_decode_graph_value(x) for x in v]
+    if isinstance(v, dict) and len(v) == 1 and _NODE_REF in v:
+        return NodeRef(int(v[_NODE_REF]))
+    return decode_value(v)
+
+
+def encode_graph_value(v: Any, node_index: Callable[[Any], int | None], tensor_ref: Callable[[torch.Tensor], dict]
+                       ) -> Any:
+    """A graph node's argument tree: nodes (``node_index`` gives their position, None for a non-node) become
+    {"node": i}; everything else as ``encode_value``."""
+    if isinstance(v, (list, tuple)):
+        return [encode_graph_value(x, node_index, tensor_ref) for x in v]
+    i = node_index(v)
+    if i is not None:
+        return {_NODE_REF: i}
+    return encode_value(v, tensor_ref)
+
+
+def wire_node(kind: str, name: str, target: Any, args: Any, kwargs: dict, source: str | None) -> list:
+    return [kind, name, target, args, kwargs, source]
+
+
+def wire_set_unit(rec: dict, region: str | None, backend: str | None, graph_id: str | None, kind: str | None,
+                  nodes: list | None, consts: list, kernels: list[str], note: str | None = None) -> None:
+    rec[_UNIT] = {_U_REGION: region, _U_BACKEND: backend, _U_GRAPH: graph_id, _U_KIND: kind,
+                  _U_NODES: nodes or [], _U_CONSTS: consts, _U_KERNELS: kernels, _U_NOTE: note}
 
 
 # =============================================================================================================
@@ -987,6 +1092,7 @@ class RecordedOptions:
     flight: int | None = None
     plant: str | None = None
     granularity: str | None = None
+    compiled: str | None = None  # capture / eager (None: recorded before units existed: eager)
     wire: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -994,7 +1100,7 @@ class RecordedOptions:
         d = _mapping(d)
         return cls(tensors=_typed(d.get("tensors"), str), steps=_typed(d.get("steps"), str),
                    flight=_typed(d.get("flight"), int), plant=_typed(d.get("plant"), str),
-                   granularity=_typed(d.get("granularity"), str), wire=d)
+                   granularity=_typed(d.get("granularity"), str), compiled=_typed(d.get("compiled"), str), wire=d)
 
     def to_json(self) -> dict:
         return self.wire
