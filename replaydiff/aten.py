@@ -265,6 +265,18 @@ def written_args(f: OpFacts, args: tuple | list, kwargs: dict, *, result_only: b
     return out
 
 
+def written_values(f: OpFacts, args: tuple | list, kwargs: dict) -> list[Any]:
+    """The arguments the op writes, whatever they hold: a graph's nodes (a unit's graph: which of its inputs an
+    in-place node writes), where ``written_args`` keeps only those holding tensors."""
+    out = []
+    for i, name, kwarg_only in f.writes:
+        if i < len(args) and not kwarg_only:
+            out.append(args[i])
+        elif name in kwargs:
+            out.append(kwargs[name])
+    return out
+
+
 _CHEAP: dict[str, bool] = {}
 
 

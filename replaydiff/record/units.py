@@ -103,8 +103,8 @@ class UnitGraph:
             elif n.op == "call_function":
                 target = n.target
                 if isinstance(target, torch._ops.OpOverload) and aten.facts(target).writes:
-                    for _, v in aten.written_args(aten.facts(target), n.args, n.kwargs):
-                        if v in inputs:
+                    for v in aten.written_values(aten.facts(target), n.args, n.kwargs):
+                        if isinstance(v, torch.fx.Node) and v in inputs:
                             self.mutated.add(inputs[v])
                 out.append(schema.wire_node(schema.NODE_CALL, n.name, aten.graph_target_name(target),
                                             enc(list(n.args)), {k: enc(v) for k, v in n.kwargs.items()}, src))

@@ -148,6 +148,9 @@ class OpReplayer:
 
     def _replay(self, op: OpRecord, res: OpResult) -> tuple[Pairs, bool | None]:
         name = op.name
+        if aten.is_unit(name):  # a compiled unit (record/units.py): its graph interpreted (replay/unit.py)
+            from replaydiff.replay.unit import UnitReplayer
+            return UnitReplayer(self).replay(op, res)
         if aten.is_collective(name):
             if aten.is_wait_only(name):
                 raise Skip("collective bookkeeping: no data of its own")
