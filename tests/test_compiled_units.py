@@ -1,0 +1,203 @@
+"""Compiled units (issue 18): torch.compile regions run compiled while recording, each call of a compiled graph one
+record, replayed by interpreting its graph at float64; bugs planted in the compiler, not the model, are named.
+
+Inductor compiles C++ on the CPU here (seconds per graph on two cores): those tests are marked slow. Inductor's FX
+graph cache is off in them, so that a kernel compiled before a lowering was wrapped is never reused."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+
+import replaydiff
+from replaydiff.trace.reader import open_trace
+
+IN, HID, OUT = 8, 16, 4
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(IN, HID), torch.nn.GELU(), torch.nn.Linear(HID, OUT))
+
+
+def _step(compiled, opt, x) -> None:
+    compiled(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _run(backend: str, path=None, compiled: str = "capture") -> list[torch.Tensor]:
+    """Two steps of a compiled MLP (the first compiles, outside any recording), the second recorded when ``path``;
+    then one more step. The parameters after it."""
+    model = _mlp()
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cm = torch.compile(model, backend=backend)
+    _step(cm, opt, x)
+    if path is None:
+        _step(cm, opt, x)
+    else:
+        with replaydiff.record(path, compiled=compiled):
+            _step(cm, opt, x)
+    _step(cm, opt, x)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
+    from replaydiff.cli.main import main
+
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["replaydiff", *args], code, out, err)
+
+
+def _units(path) -> list:
+    rt = open_trace(path).rank(0)
+    return [op for op in rt.iter_from(0) if op.name.startswith("compiled.unit.")]
+
+
+@pytest.fixture
+def no_graph_cache():
+    from torch._inductor import config
+
+    torch._dynamo.reset()
+    with config.patch(fx_graph_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+def _check_bitwise_and_units(tmp_path, backend: str) -> None:
+    plain = _run(backend)
+    torch._dynamo.reset()
+    recorded = _run(backend, tmp_path / "t")
+    assert all(torch.equal(a, b) for a, b in zip(plain, recorded))
+    units = _units(tmp_path / "t")
+    assert [u.name for u in units] == ["compiled.unit.forward", "compiled.unit.backward"]
+    fw = units[0].unit
+    assert fw.backend == backend and fw.region.startswith("Sequential.forward")
+    assert "aten.addmm.default" in [n.target for n in fw.calls()]
+
+
+def test_recorded_aot_eager_step_is_the_compiled_step_and_holds_units(tmp_path):
+    _check_bitwise_and_units(tmp_path, "aot_eager")
+
+
+@pytest.mark.slow
+def test_recorded_inductor_step_is_the_compiled_step_and_holds_units(tmp_path, no_graph_cache):
+    _check_bitwise_and_units(tmp_path, "inductor")
+    units = _units(tmp_path / "t")
+    assert any(k.startswith("cpp_fused") for k in units[0].unit.kernels)
+    # inductor's allocations and extern kernels are parts of the units, not ops of their own
+    names = [op.name for op in open_trace(tmp_path / "t").rank(0).iter_from(0)]
+    assert not any(n.endswith(".out") for n in names), names
+
+
+def test_unit_inputs_share_storage_versions_with_eager_ops(tmp_path):
+    """A parameter read by the compiled forward is the same storage version the optimizer's eager update reads."""
+    _run("aot_eager", tmp_path / "t")
+    rt = open_trace(tmp_path / "t").rank(0)
+    fw = next(op for op in rt.iter_from(0) if op.name == "compiled.unit.forward")
+    unit_versions = {r.version for r in fw.inputs()}
+    update = [op for op in rt.iter_from(0) if op.phase == "optimizer" and op.name == "aten.add_.Tensor"]
+    assert update and all(op.args[0].version in unit_versions for op in update)
+
+
+def test_compiled_eager_option_records_regions_as_eager_ops(tmp_path):
+    _run("aot_eager", tmp_path / "t", compiled="eager")
+    assert _units(tmp_path / "t") == []
+    assert open_trace(tmp_path / "t").rank(0).options.compiled == "eager"
+
+
+def test_aot_eager_units_replay_clean(tmp_path, capsys):
+    _run("aot_eager", tmp_path / "t")
+    proc = run_main(capsys, "replay", str(tmp_path / "t"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _faulty_pass(monkeypatch) -> None:
+    """A compiler bug in aot_eager's nop compiler: each gelu's result is scaled by 1 + 1e-3 in the compiled code."""
+    import torch._dynamo.backends.debugging as dbg
+
+    nop = dbg.boxed_nop
+
+    def faulty(gm, example_inputs):
+        for node in list(gm.graph.nodes):
+            if node.target is torch.ops.aten.gelu.default:
+                with gm.graph.inserting_after(node):
+                    bad = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.0 + 1e-3))
+                node.replace_all_uses_with(bad, delete_user_cb=lambda user: user is not bad)
+        gm.recompile()
+        return nop(gm, example_inputs)
+
+    monkeypatch.setattr(dbg, "boxed_nop", faulty)
+
+
+def test_fault_in_an_aot_eager_graph_is_named(tmp_path, capsys, monkeypatch):
+    _faulty_pass(monkeypatch)
+    torch._dynamo.reset()
+    _run("aot_eager", tmp_path / "t")
+    proc = run_main(capsys, "replay", str(tmp_path / "t"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "first divergent op #0 compiled.unit.forward" in proc.stdout, proc.stdout
+    assert "Sequential.forward" in proc.stdout
+    assert "earliest divergent node given its own inputs: gelu (aten.gelu.default)" in proc.stdout
+    torch._dynamo.reset()
+
+
+def _wrap_erf_lowering(monkeypatch) -> None:
+    """A bug in inductor's code generation: its lowering of aten.erf scales the result by 1 + 1e-3."""
+    from torch._inductor import lowering
+
+    aten_erf = torch.ops.aten.erf.default
+    orig = lowering.lowerings[aten_erf]
+    mul = lowering.lowerings[torch.ops.aten.mul.Tensor]
+
+    def erf(x):
+        return mul(orig(x), 1.0 + 1e-3)
+
+    monkeypatch.setitem(lowering.lowerings, aten_erf, erf)
+
+
+def _gelu_mlp_step(path) -> None:
+    model = _mlp()  # GELU(approximate="none"): erf
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(1))
+    cm = torch.compile(model, backend="inductor")
+    with replaydiff.record(path):
+        cm(x).square().mean().backward()
+
+
+@pytest.mark.slow
+def test_bug_in_inductors_erf_lowering_is_named(tmp_path, capsys, monkeypatch, no_graph_cache):
+    _wrap_erf_lowering(monkeypatch)
+    _gelu_mlp_step(tmp_path / "t")
+    proc = run_main(capsys, "replay", str(tmp_path / "t"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "first divergent op #0 compiled.unit.forward" in proc.stdout, proc.stdout
+    assert "earliest divergent node given its own inputs: erf (aten.erf.default)" in proc.stdout
+    assert "reproduces the recorded outputs bit for bit" in proc.stdout
+
+
+@pytest.mark.slow
+def test_inductor_gelu_without_the_bug_replays_clean(tmp_path, capsys, no_graph_cache):
+    _gelu_mlp_step(tmp_path / "t")
+    proc = run_main(capsys, "replay", str(tmp_path / "t"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(_units(tmp_path / "t")) == 2
+
+
+@pytest.mark.slow
+def test_gpt2_compiled_with_inductor_replays_clean(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=32,
+                                  attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    cm = torch.compile(model, backend="inductor")
+    with replaydiff.record(tmp_path / "t"):
+        cm(input_ids=ids, labels=ids).loss.backward()
+    units = _units(tmp_path / "t")
+    assert {u.name for u in units} == {"compiled.unit.forward", "compiled.unit.backward"}
+    proc = run_main(capsys, "replay", str(tmp_path / "t"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
