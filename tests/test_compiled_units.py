@@ -201,3 +201,42 @@ def test_gpt2_compiled_with_inductor_replays_clean(tmp_path, capsys):
     assert {u.name for u in units} == {"compiled.unit.forward", "compiled.unit.backward"}
     proc = run_main(capsys, "replay", str(tmp_path / "t"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+_SCRIPT = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+cm = torch.compile(model, backend="aot_eager")
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(5, 8)
+for _ in range(2):
+    cm(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["capture", "eager"])
+def test_record_cli_compiled_option(tmp_path, how):
+    import sys
+
+    (tmp_path / "train.py").write_text(_SCRIPT)
+    extra = [] if how == "capture" else ["--compiled", "eager"]
+    proc = subprocess.run([sys.executable, "-m", "replaydiff", "record", "-o", str(tmp_path / "t"), "--step", "2",
+                           *extra, "--", sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert open_trace(tmp_path / "t").rank(0).options.compiled == how
+    units = _units(tmp_path / "t")
+    assert len(units) == (2 if how == "capture" else 0)
+
+
+def test_record_cli_refuses_an_unknown_compiled_mode(tmp_path, capsys):
+    from replaydiff.cli.main import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["record", "-o", str(tmp_path / "t"), "--compiled", "fast", "--", "python", "x.py"])
+    assert exc.value.code == 2
+    assert "argument --compiled: invalid choice: 'fast'" in capsys.readouterr().err
