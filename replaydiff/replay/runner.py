@@ -150,7 +150,7 @@ class OpReplayer:
         name = op.name
         if aten.is_unit(name):  # a compiled unit (record/units.py): its graph interpreted (replay/unit.py)
             from replaydiff.replay.unit import UnitReplayer
-            return UnitReplayer(self).replay(op, res)
+            return UnitReplayer(self, _Inputs, Skip).replay(op, res)
         if aten.is_collective(name):
             if aten.is_wait_only(name):
                 raise Skip("collective bookkeeping: no data of its own")

@@ -115,16 +115,18 @@ def _shapes(args: list, kwargs: dict) -> list[list[int]]:
 class UnitReplayer:
     """Replays one unit record for an ``OpReplayer`` (its trace, options and input builder)."""
 
-    def __init__(self, replayer: Any) -> None:
+    def __init__(self, replayer: Any, inputs: type, skip: type[Exception]) -> None:
+        """``replayer``: the OpReplayer (trace, options, device); ``inputs``: its input builder class (rebuilds
+        recorded tensors at a precision); ``skip``: its exception for an op not replayed."""
         self.r = replayer
         self.trace = replayer.trace
         self.opts = replayer.opts
+        self._build = inputs
+        self._skip = skip
 
     def _inputs(self, op: OpRecord, precision: str, keep: bool, device: torch.device, info: UnitInfo
                 ) -> tuple[list, list, Callable[[Any], Any]]:
-        from replaydiff.replay.runner import _Inputs
-
-        build = _Inputs(self.trace, precision, keep, device, None)
+        build = self._build(self.trace, precision, keep, device, None)
 
         def convert(v: Any) -> Any:
             if isinstance(v, Opaque):
@@ -134,8 +136,7 @@ class UnitReplayer:
         return [build.value(a) for a in op.args], [build.value(c) for c in info.consts], convert
 
     def replay(self, op: OpRecord, res: OpResult) -> tuple[Pairs, bool | None]:
-        from replaydiff.replay.runner import Skip
-
+        Skip = self._skip
         info = op.unit
         if info is None or info.note:
             raise Skip(f"compiled unit without a replayable graph ({info.note if info else 'none stored'})")
