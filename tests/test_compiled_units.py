@@ -240,3 +240,22 @@ def test_record_cli_refuses_an_unknown_compiled_mode(tmp_path, capsys):
         main(["record", "-o", str(tmp_path / "t"), "--compiled", "fast", "--", "python", "x.py"])
     assert exc.value.code == 2
     assert "argument --compiled: invalid choice: 'fast'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_dropout_inside_a_unit_is_not_compared_and_says_so(tmp_path, capsys, backend, no_graph_cache):
+    """Random numbers drawn inside a compiled graph (inductor's own generator) cannot be drawn again: the outputs
+    that depend on them are left out, the unit says which random node, and the rest is judged."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(IN, HID), torch.nn.Dropout(0.5), torch.nn.Linear(HID, OUT))
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(1))
+    cm = torch.compile(model, backend=backend)
+    with replaydiff.record(tmp_path / "t"):
+        cm(x).square().mean().backward()
+    proc = run_main(capsys, "replay", str(tmp_path / "t"), "--json", "-")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import json
+
+    ops = json.loads(proc.stdout)["ops"]
+    fw = next(o for o in ops if o["op"] == "compiled.unit.forward")
+    assert fw["status"] == "ok" and "depend on random node" in fw["reason"], fw

@@ -63,6 +63,7 @@ class Recorder:
         self._units = UnitCapture(self) if options.compiled == "capture" else None
         if self._units is not None:
             self._compiled.on_attach = self._units.engage
+            self._compiled.capturing = self._units.engaged
         self._compiled_regions: list[dict] = []  # as stored (CompiledRegionTracker.stop())
         self.failed_ops = 0
         self._failed_names: set[str] = set()

@@ -262,8 +262,13 @@ def capture_backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
     wrapped. One object for the process, so a region recompiled for one recording is cached for the next."""
     from replaydiff.record.compiled import user_compiler
 
-    region, callback = _region_of_compile()
-    name, compiler = user_compiler(callback)
+    try:
+        region, callback = _region_of_compile()
+        name, compiler = user_compiler(callback)
+    except Exception as exc:  # never into the job: the graph runs as eager aten ops, each recorded
+        log.warning("replaydiff: a compiled region runs eager while recording (its backend could not be found: "
+                    "%s)", exc)
+        return gm.forward
 
     def wrap(compiled: Any, graph_gm: torch.fx.GraphModule, kind: str) -> Any:
         return UnitCall(compiled, UnitGraph(graph_gm, region, name or "?", kind))
@@ -289,8 +294,10 @@ def capture_backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
             return UnitCall(boxed_nop(g, ex), graph)
 
         return aot_eager(gm, example_inputs, fw_compiler=fw, bw_compiler=bw)
-    if compiler is None:
-        raise RuntimeError("replaydiff: the region's backend could not be found")
+    if compiler is None:  # the graph runs as eager aten ops, each recorded
+        log.warning("replaydiff: compiled region %s runs eager while recording (its backend could not be found)",
+                    region)
+        return gm.forward
     return compiler(gm, example_inputs)  # not captured: runs as its backend makes it
 
 
@@ -303,6 +310,9 @@ class UnitCapture:
         self.mode: CapturingMode | None = None
         self._prior: Any = None
         self.failed: str | None = None
+
+    def engaged(self) -> bool:
+        return self.mode is not None and self.mode.capturing
 
     def attach(self, mode: CapturingMode) -> None:
         self.mode = mode

@@ -49,6 +49,29 @@ class Graph:
             elif n.kind not in (NODE_INPUT, NODE_CONST, NODE_OUTPUT):
                 raise Refused(f"node {n.name} is of unknown kind {n.kind!r}")
 
+    def random_nodes(self) -> dict[int, str]:
+        """Nodes whose value depends on a random node (dropout, rand): {node position: the random node's name}.
+        The compiled code drew those numbers from the backend's own generator (inductor's seeds), which replay
+        cannot draw again."""
+        out: dict[int, str] = {}
+        for i, n in enumerate(self.info.nodes):
+            func = self.targets.get(i)
+            if isinstance(func, torch._ops.OpOverload) and aten.facts(func).seeded:
+                out[i] = n.name
+                continue
+            for ref in _refs([n.args, list(n.kwargs.values())]):
+                if ref.index in out:
+                    out[i] = out[ref.index]
+                    break
+        return out
+
+    def output_nodes(self) -> list[int | None]:
+        """The node position behind each flat output (None for a constant output)."""
+        for n in self.info.nodes:
+            if n.kind == NODE_OUTPUT:
+                return [v.index if isinstance(v, NodeRef) else None for v in _flat(n.args[0] if n.args else [])]
+        return []
+
     def mutated_inputs(self) -> set[int]:
         """Positions of the inputs the graph itself writes (in-place ops on its placeholders)."""
         inputs = {i: k for k, i in enumerate(i for i, n in enumerate(self.info.nodes) if n.kind == NODE_INPUT)}
@@ -64,6 +87,14 @@ class Graph:
 
 class Refused(Exception):
     """The unit's graph cannot be interpreted here; the message says which node and why."""
+
+
+def _refs(v: Any):
+    if isinstance(v, NodeRef):
+        yield v
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            yield from _refs(x)
 
 
 def _materialize(v: Any, env: list, convert: Callable[[Any], Any]) -> Any:
@@ -101,7 +132,7 @@ def interpret(g: Graph, inputs: list, consts: list, convert: Callable[[Any], Any
 
 
 def _flat(v: Any):
-    if isinstance(v, (list, tuple)):
+    if isinstance(v, (list, tuple)) and not isinstance(v, NodeRef):
         for x in v:
             yield from _flat(x)
     else:
@@ -123,6 +154,7 @@ class UnitReplayer:
         self.opts = replayer.opts
         self._build = inputs
         self._skip = skip
+        self.random_outputs: dict[int, str] = {}  # output position -> the random node it depends on
 
     def _inputs(self, op: OpRecord, precision: str, keep: bool, device: torch.device, info: UnitInfo
                 ) -> tuple[list, list, Callable[[Any], Any]]:
@@ -170,6 +202,10 @@ class UnitReplayer:
             if getattr(v.measure, "nonfinite_recorded", 0):
                 finite = False
         bad = [(n, v) for n, v in judged if v.divergent]
+        if self.random_outputs:
+            names = sorted(set(self.random_outputs.values()))
+            where += (f"; {len(self.random_outputs)} output(s) not compared: they depend on random node(s) "
+                      f"{', '.join(names)}, drawn by the backend's own generator, which replay cannot draw again")
         if bad:
             n, v = bad[0]
             res.status, res.verdict = Status.DIVERGENT, v
@@ -197,8 +233,14 @@ class UnitReplayer:
                 pairs.append((after, ref_ins[path.key]))
                 same_vals.append(same_ins[path.key])
         judged = []
+        random = g.random_nodes()
+        behind = g.output_nodes()
+        self.random_outputs = {n: random[behind[n]] for n in range(len(behind))
+                               if behind[n] is not None and behind[n] in random}
         for n, (rec, value) in enumerate(pairs):
             if not isinstance(rec, TensorRef) or not isinstance(value, torch.Tensor):
+                continue
+            if n in self.random_outputs:  # drawn by the backend's generator: not comparable value by value
                 continue
             if not rec.stored or rec.uninitialised:
                 continue
@@ -233,8 +275,9 @@ class UnitReplayer:
         try:
             out = _compile(g, consts, convert, backend, every_node=False)([x.clone() if isinstance(x, torch.Tensor)
                                                                           else x for x in ins])
-            same = all(r is None or (isinstance(o, torch.Tensor) and o.shape == r.shape and
-                                     torch.equal(o.to(r.device), r)) for r, o in zip(recorded, out))
+            same = all(r is None or n in self.random_outputs or (isinstance(o, torch.Tensor) and o.shape == r.shape
+                                                                 and torch.equal(o.to(r.device), r))
+                       for n, (r, o) in enumerate(zip(recorded, out)))
             repro = ("this machine's " + backend + " reproduces the recorded outputs bit for bit" if same else
                      f"this machine's {backend} (torch {torch_version}) does NOT reproduce the recorded outputs "
                      f"bit for bit (another torch, device or compiler): the nodes judged are this machine's kernels")
@@ -244,6 +287,7 @@ class UnitReplayer:
         # 2. every node's value from one compile, each judged against the node at float64 on its own inputs
         compiled_vals = _compile(g, consts, convert, backend, every_node=True)(list(ins))
         calls = [i for i, n in enumerate(info.nodes) if n.kind == NODE_CALL]
+        random = g.random_nodes()
         env: list = []
         k_in = 0
         by_node = dict(zip(calls, compiled_vals))
@@ -255,7 +299,7 @@ class UnitReplayer:
                 env.append(consts[int(n.target)])
             elif n.kind == NODE_CALL:
                 got = by_node[i]
-                verdict = self._judge_node(g, i, n, env, convert, got)
+                verdict = None if i in random else self._judge_node(g, i, n, env, convert, got)
                 if verdict is not None and verdict.divergent:
                     at = f" at {n.source}" if n.source else ""
                     return (f"earliest divergent node given its own inputs: {n.describe()}{at} "

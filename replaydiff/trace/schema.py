@@ -947,6 +947,7 @@ _FLAG_KEYS = {
 _C_REGION, _C_KIND, _C_CALLS, _C_HOW, _C_BY_HOW, _C_BACKEND, _C_FULLGRAPH, _C_IN_TRACE, _C_SUPPRESSED, _C_NOTE = (
     "region", "kind", "calls", "how", "calls_by_how", "backend", "fullgraph", "ops_in_trace",
     "fullgraph_errors_suppressed", "note")
+_C_UNITS = "units"  # calls recorded as compiled units (record(compiled="capture")); absent before units existed
 
 
 def _typed(v: Any, kind: type | tuple[type, ...]) -> Any:
@@ -1119,6 +1120,7 @@ class CompiledRegion:
     ops_in_trace: bool | None = None
     fullgraph_errors_suppressed: int = 0
     note: str | None = None  # set only on the entry saying that tracking failed
+    units: bool = False  # its compiled graphs' calls are in the trace as compiled units (record/units.py)
 
     @classmethod
     def from_wire(cls, d: Any) -> "CompiledRegion":
@@ -1126,7 +1128,7 @@ class CompiledRegion:
         return cls(_typed(d.get(_C_REGION), str), _typed(d.get(_C_KIND), str), _typed(d.get(_C_CALLS), int),
                    _typed(d.get(_C_HOW), str), {str(k): v for k, v in _mapping(d.get(_C_BY_HOW)).items()},
                    _typed(d.get(_C_BACKEND), str), d.get(_C_FULLGRAPH) is True, _typed(d.get(_C_IN_TRACE), bool),
-                   _typed(d.get(_C_SUPPRESSED), int) or 0, _typed(d.get(_C_NOTE), str))
+                   _typed(d.get(_C_SUPPRESSED), int) or 0, _typed(d.get(_C_NOTE), str), d.get(_C_UNITS) is True)
 
     def to_wire(self) -> dict:
         if self.note is not None:
@@ -1136,6 +1138,8 @@ class CompiledRegion:
              _C_IN_TRACE: self.ops_in_trace}
         if self.fullgraph_errors_suppressed:
             d[_C_SUPPRESSED] = self.fullgraph_errors_suppressed
+        if self.units:
+            d[_C_UNITS] = True
         return d
 
 
