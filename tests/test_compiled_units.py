@@ -259,3 +259,22 @@ def test_dropout_inside_a_unit_is_not_compared_and_says_so(tmp_path, capsys, bac
     ops = json.loads(proc.stdout)["ops"]
     fw = next(o for o in ops if o["op"] == "compiled.unit.forward")
     assert fw["status"] == "ok" and "depend on random node" in fw["reason"], fw
+
+
+def test_show_lists_units_with_their_nodes(tmp_path, capsys):
+    _run("aot_eager", tmp_path / "t")
+    rt = open_trace(tmp_path / "t").rank(0)
+    fw = next(op for op in rt.iter_from(0) if op.name == "compiled.unit.forward")
+    proc = run_main(capsys, "show", str(tmp_path / "t"), "--op", str(fw.index))
+    assert proc.returncode == 0, proc.stderr
+    n_calls = len(fw.unit.calls())
+    assert f"unit    forward graph {fw.unit.graph_id} of Sequential.forward" in proc.stdout
+    assert f"compiled by aot_eager: {n_calls} nodes, 0 kernels" in proc.stdout
+    assert "    gelu = aten.gelu.default" in proc.stdout
+    summary = run_main(capsys, "show", str(tmp_path / "t")).stdout
+    assert "ran compiled as compiled units (1 call(s))" in summary
+    js = run_main(capsys, "show", str(tmp_path / "t"), "--op", str(fw.index), "--json").stdout
+    import json
+
+    unit = json.loads(js)["unit"]
+    assert unit["backend"] == "aot_eager" and "aten.gelu.default" in [n["target"] for n in unit["nodes"]]
