@@ -278,3 +278,73 @@ def test_show_lists_units_with_their_nodes(tmp_path, capsys):
 
     unit = json.loads(js)["unit"]
     assert unit["backend"] == "aot_eager" and "aten.gelu.default" in [n["target"] for n in unit["nodes"]]
+
+
+@pytest.mark.slow
+def test_inductor_backward_of_a_forward_compiled_before_recording_is_a_boundary_unit(tmp_path, capsys,
+                                                                                    no_graph_cache):
+    """The forward ran (compiled) before recording: its backward's graph was never seen by the capture backend.
+    It is recorded as a unit of its boundaries (no loose extern kernels), and replay says why it is not run."""
+    model = _mlp()
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(1))
+    loss = torch.compile(model, backend="inductor")(x).square().mean()
+    with replaydiff.record(tmp_path / "t"):
+        loss.backward()
+    names = [op.name for op in open_trace(tmp_path / "t").rank(0).iter_from(0)]
+    assert not any(n.endswith(".out") for n in names), names
+    (bw,) = _units(tmp_path / "t")
+    assert bw.name == "compiled.unit.backward" and "forward was compiled before recording" in bw.unit.note
+    proc = run_main(capsys, "replay", str(tmp_path / "t"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "compiled unit without a replayable graph (graph not captured" in proc.stdout
+
+
+def _graph_break(model):
+    def f(x):
+        y = model(x).relu()
+        torch._dynamo.graph_break()
+        return (y * 2).square().mean()
+    return torch.compile(f, backend="aot_eager")
+
+
+def _whole_step(model):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    @torch.compile(backend="aot_eager")
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, units", [
+    ("graph_break", ["forward", "forward", "backward", "backward"]),
+    ("fullgraph", ["forward", "backward"]),
+    ("dynamic", ["forward", "backward"]),
+    ("whole_step", ["forward", "backward", "forward"]),  # the optimizer's update is one more graph
+])
+def test_compiled_shapes_of_jobs_are_recorded_as_units_and_replay_clean(tmp_path, capsys, case, units):
+    model = _mlp()
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(1))
+    if case == "graph_break":
+        fn = _graph_break(model)
+    elif case == "whole_step":
+        fn = _whole_step(model)
+    else:
+        cm = torch.compile(model, backend="aot_eager", fullgraph=case == "fullgraph", dynamic=case == "dynamic")
+        fn = lambda x: cm(x).square().mean()  # noqa: E731
+    out = fn(x)
+    if case != "whole_step":
+        out.backward()
+    x2 = torch.randn(7 if case == "dynamic" else 5, IN, generator=torch.Generator().manual_seed(2))
+    with replaydiff.record(tmp_path / "t"):
+        out = fn(x2)
+        if case != "whole_step":
+            out.backward()
+    assert [u.name.rsplit(".", 1)[1] for u in _units(tmp_path / "t")] == units
+    proc = run_main(capsys, "replay", str(tmp_path / "t"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -197,6 +197,8 @@ def _patch() -> None:
                     if caller.f_code.co_name == "_backward_impl":
                         for t in list(_active):
                             t._on_compiled_backward(caller, f)
+                            if t.wrap_backward is not None:  # the recorder's unit capture (record/units.py)
+                                f = t.wrap_backward(f, caller) or f
                 except Exception as exc:
                     log.debug("compiled-region tracker: backward: %s", exc)
             return orig_call(f, args, steal_args=steal_args, disable_amp=disable_amp)
@@ -339,6 +341,8 @@ class CompiledRegionTracker:
         self._compile_patch: Any = None
         self.on_attach: Any = None  # called (no arguments, must not raise) once dynamo is loaded and patched
         self.capturing: Any = None  # () -> bool: the recorder captures compiled units now (record/units.py)
+        # (compiled backward, _backward_impl frame) -> a callable to run instead, or None (record/units.py)
+        self.wrap_backward: Any = None
         self._marked: dict[Any, None] = {}  # code objects torch marked "skip" for the dispatch mode, to put back
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
@@ -531,15 +535,20 @@ class CompiledRegionTracker:
     def _on_compiled_backward(self, impl_frame: Any, compiled_bw: Any) -> None:
         if not self._mine():
             return
-        ctx = impl_frame.f_locals.get("ctx")
-        fwd_cls = getattr(type(ctx), "_forward_cls", None)
-        aot_id = getattr(fwd_cls, "_aot_id", None)
-        name = f"compiled backward of AOT graph {aot_id}" if aot_id is not None else "compiled backward"
+        name = compiled_backward_name(impl_frame)
         region = self._region(name, "backward", _compiled_fn_backend(compiled_bw))
         call = _Call(region, _mode_blocks_dynamo())
         region.units = region.units or _is_unit_call(compiled_bw)
         call.hits = 1  # it ran compiled code by definition
         region.calls.append(call)
+
+
+def compiled_backward_name(impl_frame: Any) -> str:
+    """``compiled backward of AOT graph N``, from AOTAutograd's ``_backward_impl`` frame."""
+    ctx = impl_frame.f_locals.get("ctx")
+    fwd_cls = getattr(type(ctx), "_forward_cls", None)
+    aot_id = getattr(fwd_cls, "_aot_id", None)
+    return f"compiled backward of AOT graph {aot_id}" if aot_id is not None else "compiled backward"
 
 
 def summarize(regions: list[dict] | None, limit: int = 4) -> str | None:

@@ -26,7 +26,7 @@ from replaydiff.record.mode import OpBuilder, RecordingMode, record_after, recor
 from replaydiff.record.module_stats import ModuleStatsHooks
 from replaydiff.record.options import RecordOptions
 from replaydiff.record.storage import StorageTable
-from replaydiff.record.units import CapturingMode, UnitCapture
+from replaydiff.record.units import CapturingMode, UnitCapture, boundary_backward
 from replaydiff.trace import schema
 from replaydiff.trace.codec import tensor_bytes_view
 from replaydiff.trace.format import MANIFEST, rank_dir_name
@@ -64,6 +64,7 @@ class Recorder:
         if self._units is not None:
             self._compiled.on_attach = self._units.engage
             self._compiled.capturing = self._units.engaged
+            self._compiled.wrap_backward = boundary_backward
         self._compiled_regions: list[dict] = []  # as stored (CompiledRegionTracker.stop())
         self.failed_ops = 0
         self._failed_names: set[str] = set()

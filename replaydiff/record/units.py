@@ -62,13 +62,17 @@ class UnitGraph:
     """One compiled aten graph: its nodes in wire form (built once, at compile time), its constant tensors, the
     inputs it mutates, and its kernel names once the backend gives them."""
 
-    def __init__(self, gm: torch.fx.GraphModule, region: str, backend: str, kind: str) -> None:
+    def __init__(self, gm: torch.fx.GraphModule | None, region: str, backend: str, kind: str,
+                 note: str | None = None) -> None:
         self.region, self.backend, self.kind = region, backend, kind
         self.graph_id = f"{next(_ids)}"
         self.kernels: list[str] = []
         self.consts: list[Any] = []
         self.mutated: set[int] = set()
-        self.note: str | None = None
+        self.note = note
+        self.nodes: list = []
+        if gm is None:  # boundaries only (note says why)
+            return
         try:
             self.nodes = self._encode(gm)
         except Exception as exc:  # boundaries are still recorded; replay says why the unit cannot be run
@@ -299,6 +303,22 @@ def capture_backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
                     region)
         return gm.forward
     return compiler(gm, example_inputs)  # not captured: runs as its backend makes it
+
+
+_BOUNDARY_NOTE = ("graph not captured: its forward was compiled before recording started (start recording before "
+                  "the forward, or compile the whole step)")
+
+
+def boundary_backward(f: Any, impl_frame: Any) -> Any:
+    """A compiled backward whose forward ran before recording (not under the capture backend): with inductor its
+    extern kernels would reach the recorder as loose ops, so it runs as a unit of its boundaries only. Other
+    backends (aot_eager) run their aten ops, each recorded. None: leave ``f`` as it is."""
+    from replaydiff.record.compiled import _compiled_fn_backend, _is_unit_call, compiled_backward_name
+
+    if not _capturing or _is_unit_call(f) or _compiled_fn_backend(f) != "inductor":
+        return None
+    graph = UnitGraph(None, compiled_backward_name(impl_frame), "inductor", "backward", _BOUNDARY_NOTE)
+    return UnitCall(f, graph)
 
 
 class UnitCapture:
