@@ -348,3 +348,12 @@ def test_compiled_shapes_of_jobs_are_recorded_as_units_and_replay_clean(tmp_path
     assert [u.name.rsplit(".", 1)[1] for u in _units(tmp_path / "t")] == units
     proc = run_main(capsys, "replay", str(tmp_path / "t"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_repro_of_a_unit_is_refused_with_the_way_forward(tmp_path, capsys):
+    _run("aot_eager", tmp_path / "t")
+    fw = _units(tmp_path / "t")[0]
+    proc = run_main(capsys, "repro", str(tmp_path / "t"), str(fw.index), "-o", str(tmp_path / "r"))
+    assert proc.returncode == 2
+    assert "is a compiled unit" in proc.stderr and "--compiled eager" in proc.stderr
+    assert not (tmp_path / "r").exists()
