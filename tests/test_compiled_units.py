@@ -357,3 +357,24 @@ def test_repro_of_a_unit_is_refused_with_the_way_forward(tmp_path, capsys):
     assert proc.returncode == 2
     assert "is a compiled unit" in proc.stderr and "--compiled eager" in proc.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_a_region_is_compiled_once_for_all_recordings_and_the_jobs_code_runs_after(tmp_path):
+    """The capture backend's entry is reused by every later recording (the recorder's module hooks keep their keys,
+    and dynamo's guards are told that the recording mode ignores compile internals), and between recordings the
+    job's own compiled code runs without a recompile."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = _mlp()
+    x = torch.randn(5, IN)
+    cm = torch.compile(model, backend="aot_eager")
+    cm(x).sum().backward()
+    graphs = counters["stats"]["unique_graphs"]
+    for i in range(3):
+        with replaydiff.record(tmp_path / f"t{i}"):
+            cm(x).sum().backward()
+            cm(x).sum().backward()
+        cm(x).sum().backward()
+        assert len(_units(tmp_path / f"t{i}")) == 4
+    assert counters["stats"]["unique_graphs"] == graphs + 1

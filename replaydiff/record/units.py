@@ -321,6 +321,20 @@ def boundary_backward(f: Any, impl_frame: Any) -> Any:
     return UnitCall(f, graph)
 
 
+def _sync_guard_flag() -> None:
+    """Tell dynamo's guards whether a mode that does not ignore compile internals is on the stack. torch sets this
+    when a mode is pushed (``TorchDispatchMode.__enter__``), from ``ignore_compile_internals()`` at that moment; the
+    capturing mode's answer changes when capture engages, and a stale flag makes every tensor guard fail on the
+    mode's dispatch keys (one recompile per call)."""
+    from torch._C._dynamo.guards import set_is_in_mode_without_ignore_compile_internals
+    from torch.utils import _python_dispatch as pd
+
+    flag = any(not m.ignore_compile_internals() for m in pd._get_current_dispatch_mode_stack())
+    # the Python copy too: torch sets the C flag from it again when modes are popped and pushed around a compile
+    pd._is_in_any_mode_without_ignore_compile_internals = flag
+    set_is_in_mode_without_ignore_compile_internals(flag)
+
+
 class UnitCapture:
     """A recorder's switch for units: ``attach`` when its mode is pushed, ``engage`` once dynamo is loaded (now or
     at the first torch.compile), ``detach`` when the mode is popped. Never raises."""
@@ -351,6 +365,7 @@ class UnitCapture:
             self._prior = ef._set_stance(ef.DynamoStance("default", prior.skip_guard_eval_unsafe, capture_backend))
             _capturing.append(self.rec)
             self.mode.capturing = True
+            _sync_guard_flag()
         except Exception as exc:
             self.failed = f"{type(exc).__name__}: {exc}"
             self.rec._warn(f"compiled regions run eager while recording (units could not be captured: "
@@ -360,6 +375,7 @@ class UnitCapture:
         if self.mode is not None and self.mode.capturing:
             self.mode.capturing = False
             try:
+                _sync_guard_flag()
                 if self.rec in _capturing:
                     _capturing.remove(self.rec)
                 from torch._dynamo import eval_frame as ef
