@@ -378,3 +378,45 @@ def test_a_region_is_compiled_once_for_all_recordings_and_the_jobs_code_runs_aft
         cm(x).sum().backward()
         assert len(_units(tmp_path / f"t{i}")) == 4
     assert counters["stats"]["unique_graphs"] == graphs + 1
+
+
+def test_capture_that_cannot_engage_records_eager_with_one_warning(tmp_path, monkeypatch):
+    """The recorder is a guest: if dynamo's stance cannot be set, regions run eager (each op recorded), as with
+    compiled="eager", with one warning; nothing reaches the job."""
+    import torch._dynamo.eval_frame as ef
+
+    def refuse(stance):
+        raise RuntimeError("no stance today")
+
+    model = _mlp()
+    x = torch.randn(5, IN)
+    cm = torch.compile(model, backend="aot_eager")
+    cm(x).sum().backward()
+    monkeypatch.setattr(ef, "_set_stance", refuse)
+    with pytest.warns(RuntimeWarning) as caught:
+        with replaydiff.record(tmp_path / "t"):
+            cm(x).sum().backward()
+    mine = [str(w.message) for w in caught if "units could not be captured" in str(w.message)]
+    assert mine == ["replaydiff: compiled regions run eager while recording (units could not be captured: "
+                    "RuntimeError: no stance today)"]
+    names = [op.name for op in open_trace(tmp_path / "t").rank(0).iter_from(0)]
+    assert not any(n.startswith("compiled.") for n in names) and "aten.gelu.default" in names
+
+
+def test_a_unit_that_cannot_be_described_is_a_stub_and_the_job_runs_on(tmp_path, monkeypatch):
+    from replaydiff.record import units
+
+    plain = _run("aot_eager")
+    torch._dynamo.reset()
+
+    def broken(*a, **k):
+        raise ValueError("cannot describe")
+
+    monkeypatch.setattr(units, "_unit_before", broken)
+    with pytest.warns(RuntimeWarning):
+        recorded = _run("aot_eager", tmp_path / "t")
+    assert all(torch.equal(a, b) for a, b in zip(plain, recorded))
+    rt = open_trace(tmp_path / "t").rank(0)
+    stubs = [rt[i] for i in range(len(rt.index)) if rt.index.name[i].startswith("compiled.unit")]
+    assert [op.name for op in stubs] == ["compiled.unit.forward", "compiled.unit.backward"]
+    assert all(not op.recorded and "cannot describe" in op.not_recorded_reason for op in stubs)

@@ -168,10 +168,12 @@ def record_unit(rec: Any, g: UnitGraph, args: list, run: Callable[[list], Any]) 
     """Run one compiled graph call (always, exactly once) and record it as a unit."""
     inputs = list(args)  # the boxed call may clear ``args``
     pending = None
+    index = rec.next_index
+    rec.next_index += 1
     try:
-        pending = _unit_before(rec, g, inputs)
+        pending = _unit_before(rec, g, inputs, index)
     except Exception as exc:
-        _unit_failed(rec, g, inputs, exc)
+        _unit_failed(rec, g, inputs, exc, index)
     # With every mode off: the unit stands for the allocations and extern kernels of the compiled code.
     with _disable_current_modes():
         out = run(args)
@@ -179,14 +181,12 @@ def record_unit(rec: Any, g: UnitGraph, args: list, run: Callable[[list], Any]) 
         try:
             _unit_after(rec, g, inputs, pending, out)
         except Exception as exc:
-            _unit_failed(rec, g, inputs, exc, pending[0])
+            _unit_failed(rec, g, inputs, exc, index)
     return out
 
 
-def _unit_before(rec: Any, g: UnitGraph, inputs: list) -> tuple[dict, list]:
+def _unit_before(rec: Any, g: UnitGraph, inputs: list, index: int) -> tuple[dict, list]:
     b = rec.builder
-    index = rec.next_index
-    rec.next_index += 1
     ctx = rec.context
     phase, node = ctx.phase()
     module = ctx.module()
@@ -225,16 +225,18 @@ def _unit_after(rec: Any, g: UnitGraph, inputs: list, pending: tuple[dict, list]
     b.add_op(record)
 
 
-def _unit_failed(rec: Any, g: UnitGraph, inputs: list, exc: Exception, record: dict | None = None) -> None:
+def _unit_failed(rec: Any, g: UnitGraph, inputs: list, exc: Exception, index: int) -> None:
     """A unit that could not be described: a numbered stub with the reason; what it may write gets new versions."""
     why = f"compiled unit could not be recorded ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})"
     try:
-        index = schema.wire_index(record) if record is not None else rec.next_index - 1
         stub = schema.wire_op(index, aten.unit_name(g.kind), None, None, None, None)
         rec.builder.add_op(schema.wire_not_recorded(stub, why))
         for t in inputs:
             if isinstance(t, torch.Tensor):
                 rec.storages.bump(rec.storages.entry(t.untyped_storage()))
+        if not getattr(rec, "_unit_warned", False):
+            rec._unit_warned = True
+            rec._warn(f"unit #{index} ({g.region}) {why}; recording goes on")
         rec.writer.note_lost(f"unit #{index} ({g.region}) {why}")
     except Exception as exc2:
         rec.disable(f"{why}; then {exc2}")
