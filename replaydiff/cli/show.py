@@ -216,7 +216,7 @@ def render_op(r: RankTrace, op: OpRecord, out: TextIO) -> None:
         if unit.kernels:
             out.write(f"  kernels {', '.join(unit.kernels)}\n")
         for n in calls:
-            out.write(f"    {n.name} = {n.target}{'  ' + n.source if n.source else ''}\n")
+            out.write(f"    {n.name} = {n.target}{'  in ' + n.module if n.module else ''}\n")
     c = op.collective
     if c is not None:
         out.write(f"  collective: group {c.group_name} ranks {list(c.ranks)} (size {c.size}, this rank "

@@ -44,7 +44,6 @@ _AOT_EAGER = ("aot_eager",)  # aot_eager takes fw_compiler/bw_compiler (torch/_d
 _ids = itertools.count()
 _capturing: list[Any] = []  # recorders capturing units now (innermost last)
 _KERNEL_NAME = re.compile(r"\b((?:cpp|triton)_\w+?_\d+|extern_kernels\.\w+)\b")
-_FRAME_LINE = re.compile(r'File "([^"]+)", line (\d+)')
 
 
 class CapturingMode(RecordingMode):
@@ -93,7 +92,7 @@ class UnitGraph:
 
         out = []
         for n in nodes:
-            src = _node_source(n)
+            src = _node_module(n)
             if n.op == "placeholder":
                 out.append(schema.wire_node(schema.NODE_INPUT, n.name, None, [], {}, src))
             elif n.op == "get_attr":
@@ -119,16 +118,18 @@ class UnitGraph:
         return out
 
 
-def _node_source(n: torch.fx.Node) -> str | None:
-    """'file.py:LINE' of the user's line a node was traced from (the last frame of its stack trace)."""
-    trace = n.meta.get("stack_trace") if hasattr(n, "meta") else None
-    if not trace:
+def _node_module(n: torch.fx.Node) -> str | None:
+    """The module a node was traced in, as ``Sequential.1 (GELU)``: dynamo's ``nn_module_stack`` (its innermost
+    entry, its path under the region's root module), which AOTAutograd keeps on the aten nodes."""
+    stack = n.meta.get("nn_module_stack") if hasattr(n, "meta") else None
+    if not stack:
         return None
-    found = _FRAME_LINE.findall(trace)
-    if not found:
-        return None
-    name, line = found[-1]
-    return f"{name.rsplit('/', 1)[-1]}:{line}"
+    entries = list(stack.values())
+    root_path, root_type = entries[0][0], entries[0][1]
+    path, typ = entries[-1][0], entries[-1][1]
+    suffix = path[len(root_path):] if path.startswith(root_path) else f".{path}"
+    short = lambda t: (getattr(t, "__name__", None) or str(t)).rsplit(".", 1)[-1]  # noqa: E731
+    return f"{short(root_type)}{suffix} ({short(typ)})"
 
 
 # -- the compiled graph's runtime callable ----------------------------------------------------------------------

@@ -301,7 +301,7 @@ class UnitReplayer:
                 got = by_node[i]
                 verdict = None if i in random else self._judge_node(g, i, n, env, convert, got)
                 if verdict is not None and verdict.divergent:
-                    at = f" at {n.source}" if n.source else ""
+                    at = f" in {n.module}" if n.module else ""
                     return (f"earliest divergent node given its own inputs: {n.describe()}{at} "
                             f"({verdict.reason}; kernels {', '.join(info.kernels) or 'not named'}); {repro}")
                 env.append(got)

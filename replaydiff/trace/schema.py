@@ -600,7 +600,7 @@ class UnitNode:
     target: str | None  # op name of a call (``aten.erf.default``); const: its position in the unit's consts
     args: list
     kwargs: dict
-    source: str | None = None  # the user's source line it was traced from, when torch kept one
+    module: str | None = None  # the module it was traced in, under the region's root: ``Sequential.1 (GELU)``
 
     def describe(self) -> str:
         return f"{self.name} ({self.target})" if self.kind == NODE_CALL else self.name
@@ -633,7 +633,7 @@ class UnitInfo:
 
     def to_json(self) -> dict:
         return {"region": self.region, "backend": self.backend, "graph": self.graph_id, "kind": self.kind,
-                "nodes": [{"kind": n.kind, "name": n.name, "target": n.target, "source": n.source}
+                "nodes": [{"kind": n.kind, "name": n.name, "target": n.target, "module": n.module}
                           for n in self.nodes], "kernels": list(self.kernels), "note": self.note}
 
 
@@ -657,8 +657,8 @@ def encode_graph_value(v: Any, node_index: Callable[[Any], int | None], tensor_r
     return encode_value(v, tensor_ref)
 
 
-def wire_node(kind: str, name: str, target: Any, args: Any, kwargs: dict, source: str | None) -> list:
-    return [kind, name, target, args, kwargs, source]
+def wire_node(kind: str, name: str, target: Any, args: Any, kwargs: dict, module: str | None) -> list:
+    return [kind, name, target, args, kwargs, module]
 
 
 def wire_set_unit(rec: dict, region: str | None, backend: str | None, graph_id: str | None, kind: str | None,
