@@ -267,10 +267,11 @@ class UnitReplayer:
         reproduces the recorded unit (see the module docstring)."""
         info = g.info
         backend = info.backend or "inductor"
-        ins, consts, convert = self._inputs(op, "same", True, torch.device("cpu"), info)
+        device, moved = _compile_device(op)
+        ins, consts, convert = self._inputs(op, "same", True, device, info)
         recorded = [self.trace.tensor(r) if isinstance(r, TensorRef) and r.stored else None
                     for r in _flat(op.outputs)]
-        torch_version = torch.__version__
+        torch_version = torch.__version__ + (f", on {device.type}: {moved}" if moved else "")
         # 1. this machine's compile of the unit as recorded
         try:
             out = _compile(g, consts, convert, backend, every_node=False)([x.clone() if isinstance(x, torch.Tensor)
@@ -330,6 +331,17 @@ class UnitReplayer:
                 if v.divergent:
                     return v
         return None
+
+
+def _compile_device(op: OpRecord) -> tuple[torch.device, str | None]:
+    """Where to recompile a unit: the device it was recorded on when this machine has it, else the CPU (and why)."""
+    recorded = next((r.device for r in op.inputs() if isinstance(r.device, str)), "cpu")
+    dev = torch.device(recorded)
+    if dev.type == "cpu":
+        return dev, None
+    if dev.type == "cuda" and torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count():
+        return dev, None
+    return torch.device("cpu"), f"recorded on {recorded}, which this machine does not have"
 
 
 def _map(v: Any, fn: Callable[[Any], Any]) -> Any:
