@@ -462,3 +462,15 @@ def test_cuda_bug_in_inductors_erf_lowering_is_named(tmp_path, capsys, monkeypat
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "earliest divergent node given its own inputs: erf (aten.erf.default)" in proc.stdout
     assert "reproduces the recorded outputs bit for bit" in proc.stdout
+
+
+def test_tui_detail_pane_expands_a_unit_to_its_nodes(tmp_path):
+    from replaydiff.tui.details import op_markup
+
+    _run("aot_eager", tmp_path / "t")
+    r = replaydiff.open_trace(tmp_path / "t").rank(0)
+    fw = _units(tmp_path / "t")[0]
+    text = op_markup(r, fw.index, None, [None] * len(r))
+    assert f"[b]compiled unit[/]  forward graph {fw.unit.graph_id} of Sequential.forward" in text
+    assert f"aot_eager: {len(fw.unit.calls())} nodes, 0 kernels" in text
+    assert "  gelu = aten.gelu.default  [dim]Sequential.1 (GELU)[/]" in text
