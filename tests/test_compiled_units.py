@@ -474,3 +474,19 @@ def test_tui_detail_pane_expands_a_unit_to_its_nodes(tmp_path):
     assert f"[b]compiled unit[/]  forward graph {fw.unit.graph_id} of Sequential.forward" in text
     assert f"aot_eager: {len(fw.unit.calls())} nodes, 0 kernels" in text
     assert "  gelu = aten.gelu.default  [dim]Sequential.1 (GELU)[/]" in text
+
+
+def test_recording_regions_as_units_gives_no_warning(tmp_path):
+    import warnings
+
+    model = _mlp()
+    cm = torch.compile(model, backend="aot_eager")
+    x = torch.randn(5, IN)
+    cm(x).sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with replaydiff.record(tmp_path / "t"):
+            cm(x).sum().backward()
+    assert [str(w.message) for w in caught if "replaydiff" in str(w.message)] == []
+    regions = open_trace(tmp_path / "t").rank(0).compiled_regions
+    assert regions and all(r.units and r.how == "compiled" for r in regions)

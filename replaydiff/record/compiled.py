@@ -410,6 +410,9 @@ class CompiledRegionTracker:
         if self._warned:
             return None
         regions = self._result if not self._started else self.regions()
+        typed = compiled_regions_from_wire(regions)
+        if typed and all(r.units for r in typed):  # every region is in the trace as compiled units: nothing to warn of
+            return None
         msg = summarize(regions)
         if msg is not None:
             self._warned = True
