@@ -490,3 +490,23 @@ def test_recording_regions_as_units_gives_no_warning(tmp_path):
     assert [str(w.message) for w in caught if "replaydiff" in str(w.message)] == []
     regions = open_trace(tmp_path / "t").rank(0).compiled_regions
     assert regions and all(r.units and r.how == "compiled" for r in regions)
+
+
+def test_a_unit_as_wrong_as_eager_at_its_dtype_is_not_a_fault(tmp_path, capsys):
+    """The dtype's own error is the graph run eagerly at the recorded dtype: a cancellation that float32 cannot
+    hold (far over the fixed limits against float64) is what eager makes too, so the unit is ok, with the reason."""
+    def f(x):
+        return (x + 1e3) - 1e3  # float32 keeps ~4 digits of x here
+
+    cf = torch.compile(f, backend="aot_eager")
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    cf(x)
+    with replaydiff.record(tmp_path / "t"):
+        cf(x)
+    proc = run_main(capsys, "replay", str(tmp_path / "t"), "--json", "-")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import json
+
+    (unit,) = [o for o in json.loads(proc.stdout)["ops"] if o["op"].startswith("compiled.unit")]
+    assert unit["status"] == "ok" and unit["metrics"]["norm_max"] > 16, unit
+    assert "own error at" in unit["reason"] or "ill-conditioned" in unit["reason"], unit["reason"]
