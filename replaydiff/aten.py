@@ -60,6 +60,49 @@ def is_wait_only(name: str) -> bool:
     return is_collective(name) and packet(name) in WAIT_ONLY_PACKETS
 
 
+# A compiled unit (record/units.py): one call of a torch.compile graph is one record named compiled.unit.<kind>.
+UNIT_NAMESPACE = "compiled"
+# What a unit's graph may call when replayed: registered aten/prims ops by name, and these Python operators
+# (getitem on multi-output ops, arithmetic on symbolic sizes). Nothing else is ever looked up.
+GRAPH_NAMESPACES = frozenset({"aten", "prims"})
+_GRAPH_OPERATORS = ("getitem", "add", "sub", "mul", "floordiv", "truediv", "mod", "neg", "pow", "eq", "ne", "lt",
+                    "le", "gt", "ge", "and_", "or_", "not_")
+
+
+def unit_name(kind: str) -> str:
+    """``forward`` -> ``compiled.unit.forward``."""
+    return f"{UNIT_NAMESPACE}.unit.{kind}"
+
+
+def is_unit(name: str) -> bool:
+    return namespace(name) == UNIT_NAMESPACE
+
+
+def graph_target_name(target: Any) -> str:
+    """The name a graph node's target is stored under: ``aten.erf.default``, ``operator.getitem``, or the
+    qualified name of anything else (which replay refuses)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    module = getattr(target, "__module__", None) or type(target).__module__
+    qual = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__qualname__
+    if module in ("_operator", "operator"):
+        module = "operator"
+    return f"{module}.{qual}"
+
+
+def resolve_graph_target(name: str) -> Any:
+    """A unit graph's node target by name: a registered aten/prims op or one of a few ``operator`` functions;
+    UnknownOp (with the reason) for anything else, so that a trace can never make replay call other code."""
+    import operator
+
+    ns, _, rest = name.partition(".")
+    if ns == "operator" and rest in _GRAPH_OPERATORS:
+        return getattr(operator, rest)
+    if ns not in GRAPH_NAMESPACES:
+        raise UnknownOp(f"{name} is not an aten or prims op (a unit's graph is replayed through those only)")
+    return resolve(name)
+
+
 def is_marker(name: str) -> bool:
     return namespace(name) in NON_COMPUTE_NAMESPACES
 
@@ -219,6 +262,18 @@ def written_args(f: OpFacts, args: tuple | list, kwargs: dict, *, result_only: b
             continue
         if any(True for _ in iter_tensors(v)):  # a tensor, or a (nested) list holding one: allgather's list of lists
             out.append((path, v))
+    return out
+
+
+def written_values(f: OpFacts, args: tuple | list, kwargs: dict) -> list[Any]:
+    """The arguments the op writes, whatever they hold: a graph's nodes (a unit's graph: which of its inputs an
+    in-place node writes), where ``written_args`` keeps only those holding tensors."""
+    out = []
+    for i, name, kwarg_only in f.writes:
+        if i < len(args) and not kwarg_only:
+            out.append(args[i])
+        elif name in kwargs:
+            out.append(kwargs[name])
     return out
 
 

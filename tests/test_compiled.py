@@ -120,7 +120,7 @@ def test_compiled_module_runs_eager_under_recorder_and_trace_holds_its_ops(tmp_p
     assert (backend.compiles, backend.runs) == (1, 1)
 
     tracker = CompiledRegionTracker()
-    with replaydiff.record(tmp_path / "t"):
+    with replaydiff.record(tmp_path / "t", compiled="eager"):
         tracker.start()
         y = compiled(x)
         compiled(x)
@@ -161,7 +161,7 @@ def test_the_recorder_notes_compiled_regions_and_keeps_them_compiled(tmp_path):
     x = torch.randn(3)
     fn(x)
     with pytest.warns(RuntimeWarning, match="torch.compile region ran while recording"):
-        with replaydiff.record(tmp_path / "t"):
+        with replaydiff.record(tmp_path / "t", compiled="eager"):
             fn(x)
     fn(x)
     assert (backend.compiles, backend.runs) == (1, 2)  # compiled again once recording ended
@@ -183,7 +183,7 @@ def test_tracker_keeps_a_region_compiled_after_recording(tmp_path):
     x = torch.randn(3)
     fn(x)
     tracker = CompiledRegionTracker()
-    with replaydiff.record(tmp_path / "t"):
+    with replaydiff.record(tmp_path / "t", compiled="eager"):
         tracker.start()
         fn(x)
         fn(x)
@@ -209,7 +209,7 @@ def test_tracker_restores_both_graphs_of_a_graph_broken_region(tmp_path):
     fn(x)
     assert (backend.compiles, backend.runs) == (2, 2)
     tracker = CompiledRegionTracker()
-    with replaydiff.record(tmp_path / "t"):
+    with replaydiff.record(tmp_path / "t", compiled="eager"):
         tracker.start()
         fn(x)
         fn(x)
@@ -232,7 +232,7 @@ def test_region_compiled_up_to_a_graph_break_is_mixed(tmp_path):
     fn()
     assert (backend.compiles, backend.runs) == (2, 2)
     tracker = CompiledRegionTracker()
-    with replaydiff.record(tmp_path / "t"):
+    with replaydiff.record(tmp_path / "t", compiled="eager"):
         tracker.start()
         fn()
         fn()
@@ -246,7 +246,7 @@ def test_first_call_under_recorder_is_not_compiled_at_all(tmp_path):
     backend = Counting()
     fn = torch.compile(lambda a: a.exp().sum(), backend=backend)
     tracker = CompiledRegionTracker()
-    with replaydiff.record(tmp_path / "t"):
+    with replaydiff.record(tmp_path / "t", compiled="eager"):
         tracker.start()
         fn(torch.randn(3))
         regions = tracker.stop()
@@ -267,7 +267,7 @@ def test_fullgraph_region_raises_into_the_job_without_tracker_and_not_with_it(tm
     torch._dynamo.reset()
     fn = torch.compile(lambda a: a.tanh() + 1, backend="aot_eager", fullgraph=True)
     tracker = CompiledRegionTracker()
-    with replaydiff.record(tmp_path / "t"):
+    with replaydiff.record(tmp_path / "t", compiled="eager"):
         tracker.start()
         y = fn(x)
         y2 = fn(x)
@@ -289,7 +289,7 @@ def test_cached_region_without_tensor_guards_runs_compiled_and_is_missing_from_t
     fn = torch.compile(make, backend=backend)
     fn()
     tracker = CompiledRegionTracker()
-    with replaydiff.record(tmp_path / "t"):
+    with replaydiff.record(tmp_path / "t", compiled="eager"):
         tracker.start()
         y = fn()
         regions = tracker.stop()
@@ -308,7 +308,7 @@ def test_compiled_backward_of_a_forward_compiled_before_recording(tmp_path):
     compiled = torch.compile(model, backend="aot_eager")
     loss = compiled(x).sum()  # forward compiled, outside the recording
     tracker = CompiledRegionTracker()
-    with replaydiff.record(tmp_path / "t"):
+    with replaydiff.record(tmp_path / "t", compiled="eager"):
         tracker.start()
         loss.backward()
         regions = tracker.stop()
@@ -326,7 +326,7 @@ def test_inductor_backward_kernels_are_missing_from_trace(tmp_path):
     fn = torch.compile(lambda a, b: torch.relu(a @ b).sin().sum(), backend="inductor")
     loss = fn(torch.randn(3, 4), w)
     tracker = CompiledRegionTracker()
-    with replaydiff.record(tmp_path / "t"):
+    with replaydiff.record(tmp_path / "t", compiled="eager"):
         tracker.start()
         loss.backward()
         regions = tracker.stop()
@@ -344,7 +344,7 @@ def test_tracker_errors_never_reach_the_job_and_numerics_are_unchanged(tmp_path,
     torch.manual_seed(0)
     model, x = Tiny(), torch.randn(2, 4)
     compiled = torch.compile(model, backend="aot_eager")
-    with replaydiff.record(tmp_path / "plain"):
+    with replaydiff.record(tmp_path / "plain", compiled="eager"):
         ref = compiled(x)
 
     def boom(*a, **k):
@@ -354,7 +354,7 @@ def test_tracker_errors_never_reach_the_job_and_numerics_are_unchanged(tmp_path,
     monkeypatch.setattr(compiled_mod, "_mode_blocks_dynamo", boom)
     monkeypatch.setattr(compiled_mod.CompiledRegionTracker, "_current_call", boom)
     tracker = CompiledRegionTracker()
-    with replaydiff.record(tmp_path / "t"):
+    with replaydiff.record(tmp_path / "t", compiled="eager"):
         tracker.start()
         y = compiled(x)
         regions = tracker.stop()
@@ -372,7 +372,7 @@ def test_a_tracker_that_cannot_attach_says_so_and_the_job_runs_on(tmp_path, monk
     monkeypatch.setattr(compiled_mod, "_patch", broken)
     fn = torch.compile(lambda a: a * 5, backend="aot_eager")
     tracker = CompiledRegionTracker()
-    with replaydiff.record(tmp_path / "t"):
+    with replaydiff.record(tmp_path / "t", compiled="eager"):
         tracker.start()
         y = fn(torch.ones(2))
         regions = tracker.stop()
@@ -396,7 +396,7 @@ def test_quiet_fullgraph_off_leaves_torchs_error_alone(tmp_path):
 
 def test_first_warning_once_and_nothing_when_nothing_compiled(tmp_path):
     tracker = CompiledRegionTracker()
-    with replaydiff.record(tmp_path / "a"):
+    with replaydiff.record(tmp_path / "a", compiled="eager"):
         tracker.start()
         torch.randn(2).sum()
         assert tracker.stop() == []
@@ -404,7 +404,7 @@ def test_first_warning_once_and_nothing_when_nothing_compiled(tmp_path):
 
     fn = torch.compile(lambda a: a + 1, backend="aot_eager")
     tracker = CompiledRegionTracker()
-    with replaydiff.record(tmp_path / "b"):
+    with replaydiff.record(tmp_path / "b", compiled="eager"):
         tracker.start()
         fn(torch.ones(2))
         regions = tracker.stop()
@@ -422,7 +422,7 @@ def test_tracker_attaches_when_torch_compile_is_first_called_inside_the_block(tm
         from replaydiff.record.compiled import CompiledRegionTracker
         assert "torch._dynamo.eval_frame" not in sys.modules
         t = CompiledRegionTracker()
-        with replaydiff.record({str(tmp_path / 't')!r}):
+        with replaydiff.record({str(tmp_path / 't')!r}, compiled="eager"):
             t.start()
             fn = torch.compile(lambda a: a * 3, backend="aot_eager")
             fn(torch.ones(2)); fn(torch.ones(2))
@@ -461,59 +461,3 @@ def test_stopped_tracker_restores_dynamo():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert a.stop() == [] and a.first_warning() is None
-
-
-# -- the capture-as-a-unit prototype (replaydiff/record/compiled_capture.py) ------------------------------------
-class IgnoreCompileLog(torch.utils._python_dispatch.TorchDispatchMode):
-    """A mode that, unlike the recorder's, tells dynamo to compile and run compiled code while it is on."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-def test_capture_prototype_units_replay_at_fp64_and_catch_a_planted_fault():
-    from replaydiff.record.compiled_capture import capture_backend, replay_unit
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16))
-    x = torch.randn(4, 8)
-    backend, sink = capture_backend("aot_eager", region="net")
-    compiled = torch.compile(model, backend=backend)
-    sink.enabled = False
-    compiled(x).square().sum().backward()  # compiled outside (square: sum(LayerNorm(.)) has a zero gradient)
-    model.zero_grad()
-    sink.enabled = True
-    with IgnoreCompileLog() as log:
-        y = compiled(x)
-        y.square().sum().backward()
-    assert [u.op.rsplit("/", 1)[1] for u in sink.units] == ["fw", "bw"] and not sink.errors
-    assert "aten.native_layer_norm.default" not in log.names  # the graph's ops are inside the unit, not loose
-    assert torch.equal(sink.units[0].outputs[0], y.detach())
-    fw, bw = (replay_unit(unit) for unit in sink.units)
-    assert fw["max_rel"] < 1e-6  # compiled float32 vs the same graph at float64
-    assert bw["max_rel"] < 1e-3  # (layer_norm_backward's cancellation costs float32 a few digits: ~2e-4)
-    sink.units[0].outputs[0] += 1e-2  # a wrong compiled kernel
-    assert replay_unit(sink.units[0])["max_rel"] > 1e-3  # 1e-2 against outputs up to ~2.6
-
-
-def test_capture_prototype_captures_nothing_under_the_recorder(tmp_path):
-    """The recorder's mode keeps ignore_compile_internals() False: dynamo never runs the (capturing) compiled code."""
-    from replaydiff.record.compiled_capture import capture_backend
-
-    backend, sink = capture_backend("aot_eager")
-    fn = torch.compile(lambda a: a.sin() * 2, backend=backend)
-    fn(torch.ones(3))
-    sink.units.clear()
-    with replaydiff.record(tmp_path / "t"):
-        fn(torch.ones(3))
-    assert sink.units == []
-    assert trace_ops(tmp_path / "t")[-2:] == ["aten.sin.default", "aten.mul.Tensor"]

@@ -932,6 +932,7 @@ def test_a_recording_that_cannot_start_leaves_no_writer_thread(tmp_path, monkeyp
 
     plain = train_tiny()
     monkeypatch.setattr(recorder_module, "RecordingMode", cannot_attach)
+    monkeypatch.setattr(recorder_module, "CapturingMode", cannot_attach)  # record(compiled="capture")'s mode
     recorded, warned = _record_catching(tmp_path / "t")
     assert_bitwise_same(plain, recorded)
     assert len(warned) == 1 and "no dispatch mode today" in warned[0], warned

@@ -231,6 +231,28 @@ def _value_text(value: Any, positions: dict[int, int], producers: dict, trace: A
     return "", lines
 
 
+UNIT_NODES_SHOWN = 200
+
+
+def unit_lines(op: Any) -> list[str]:
+    """A compiled unit expanded: its region and backend, the backend's kernels, and its graph's nodes."""
+    unit = getattr(op, "unit", None)
+    if unit is None:
+        return []
+    calls = unit.calls()
+    out = [f"[b]compiled unit[/]  {esc(unit.kind or '')} graph {esc(unit.graph_id or '?')} of "
+           f"{esc(unit.region or '?')}, {esc(unit.backend or '?')}: {len(calls)} nodes, {len(unit.kernels)} kernels"]
+    if unit.note:
+        out.append(f"  [dim]{esc(unit.note)}[/]")
+    if unit.kernels:
+        out.append("  kernels " + esc(", ".join(unit.kernels)))
+    for n in calls[:UNIT_NODES_SHOWN]:
+        out.append(f"  {esc(n.name)} = {esc(str(n.target))}" + (f"  [dim]{esc(n.module)}[/]" if n.module else ""))
+    if len(calls) > UNIT_NODES_SHOWN:
+        out.append(f"  [dim]... {len(calls) - UNIT_NODES_SHOWN} more nodes (replaydiff show --op {op.index})[/]")
+    return out
+
+
 def op_markup(trace: Any, i: int, result: RowResult | None, statuses: list) -> str:
     """The whole detail pane for op ``i`` as Textual markup."""
     op = trace[i]
@@ -242,6 +264,7 @@ def op_markup(trace: Any, i: int, result: RowResult | None, statuses: list) -> s
         return "\n".join(out)
     if op.schema:
         out.append(f"[dim]{esc(op.schema)}[/]")
+    out.extend(unit_lines(op))
     if op.forward_index is not None:
         out.append(f"backward of forward op {op_link(trace, op.forward_index, statuses[op.forward_index])}  [dim](b)[/]")
     out.append("")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from replaydiff.cli.estimate import run_estimate
 from replaydiff.errors import EXIT_USAGE, ReplaydiffError, TraceError, UsageError
-from replaydiff.record.options import GRANULARITIES, TENSOR_MODES, RecordOptions
+from replaydiff.record.options import COMPILED_MODES, GRANULARITIES, TENSOR_MODES, RecordOptions
 from replaydiff.record.step import ENV_VAR
 from replaydiff.record.step_range import StepRange
 from replaydiff.trace import open_trace
@@ -59,6 +59,9 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                    help="record these optimizer steps into one trace, e.g. 100-2000:10 (each op gets its step)")
     p.add_argument("--granularity", choices=GRANULARITIES, default="op",
                    help="op: every aten op (default); module: each module's outputs and gradients (much cheaper)")
+    p.add_argument("--compiled", choices=COMPILED_MODES, default="capture",
+                   help="torch.compile regions: capture (default) runs them compiled and records each compiled graph "
+                        "call as one unit; eager runs them as eager aten ops, each recorded")
     p.add_argument("--flight", type=int, metavar="K",
                    help="keep the last K steps in memory; write them when a gradient or the loss turns NaN/Inf, "
                         "on SIGTERM/SIGUSR1, or when the script raises")
@@ -88,7 +91,7 @@ def options_from_args(args: argparse.Namespace) -> RecordOptions:
                               plant=args.plant, ranks=getattr(args, "ranks", None),
                               steps=args.steps, granularity=args.granularity, flight=args.flight,
                               flight_mib=args.flight_mib, flight_at_exit=args.flight_at_exit,
-                              budget=getattr(args, "budget", None))
+                              budget=getattr(args, "budget", None), compiled=args.compiled)
 
 
 def plant_lines(out: Path, spec: str) -> list[str]:

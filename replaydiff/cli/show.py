@@ -105,7 +105,8 @@ def _render_summary(path: str, summaries: list[dict], out: TextIO) -> None:
         for lost in s["lost"]:
             out.write(f"  LOST: {lost}\n")
         for c in s["compiled"]:
-            out.write(f"  COMPILED: {c.region} ran {c.how} ({c.calls} call(s))\n")
+            units = " as compiled units" if c.units else ""
+            out.write(f"  COMPILED: {c.region} ran {c.how}{units} ({c.calls} call(s))\n")
     env = summaries[0]["environment"] if summaries else Environment()
     out.write(f"\nenvironment (rank {summaries[0]['rank'] if summaries else 0}): torch {env.torch}, "
               f"cuda {env.cuda}, cudnn {env.cudnn}, nccl {env.nccl}, "
@@ -213,6 +214,17 @@ def render_op(r: RankTrace, op: OpRecord, out: TextIO) -> None:
         out.write(f"  forward op #{fwd.index} {fwd.name} ({fwd.source})\n")
     if op.rng is not None:
         out.write(f"  random: generator state recorded ({op.rng.device})\n")
+    unit = op.unit
+    if unit is not None:  # a compiled unit: its graph's nodes and the backend's kernels
+        calls = unit.calls()
+        out.write(f"  unit    {unit.kind} graph {unit.graph_id} of {unit.region}, compiled by {unit.backend}: "
+                  f"{len(calls)} nodes, {len(unit.kernels)} kernels\n")
+        if unit.note:
+            out.write(f"          {unit.note}\n")
+        if unit.kernels:
+            out.write(f"  kernels {', '.join(unit.kernels)}\n")
+        for n in calls:
+            out.write(f"    {n.name} = {n.target}{'  in ' + n.module if n.module else ''}\n")
     c = op.collective
     if c is not None:
         out.write(f"  collective: group {c.group_name} ranks {list(c.ranks)} (size {c.size}, this rank "

@@ -26,6 +26,9 @@ def record(path: str | os.PathLike, tensors: str = "full", compress: bool | int 
     call's outputs and gradients instead of every op; ``flight=K`` keeps the last K steps in memory and writes them
     only when a gradient or the loss turns NaN/Inf, on SIGTERM/SIGUSR1 or an exception (``flight_mib``,
     ``flight_at_exit``).
+    torch.compile regions: ``compiled="capture"`` (default) runs them compiled, as the job does, and records each
+    call of a compiled graph as one unit (its inputs, outputs and aten graph); ``compiled="eager"`` runs them as eager
+    aten ops, each recorded.
     """
     opts = RecordOptions.make(tensors=tensors, compress=compress, **options)
     if opts.steps or opts.flight:

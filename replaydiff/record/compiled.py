@@ -54,12 +54,13 @@ _BACKENDS_WITH_ATEN_OPS = ("eager", "aot_eager", "aot_eager_default_partitioner"
 class _Call:
     """One entry into a compiled region: what dynamo did for its frames while it ran."""
 
-    __slots__ = ("region", "mode_on", "fullgraph", "hits", "misses", "skips", "fullgraph_saved")
+    __slots__ = ("region", "mode_on", "fullgraph", "hits", "misses", "skips", "fullgraph_saved", "captured")
 
-    def __init__(self, region: "_Region", mode_on: bool, fullgraph: bool = False) -> None:
+    def __init__(self, region: "_Region", mode_on: bool, fullgraph: bool = False, captured: bool = False) -> None:
         self.region = region
         self.mode_on = mode_on
         self.fullgraph = fullgraph
+        self.captured = captured  # entered while the recorder captured compiled units: it ran compiled
         self.hits = self.misses = self.skips = self.fullgraph_saved = 0
 
     def how(self) -> str:
@@ -67,7 +68,9 @@ class _Call:
             return MIXED
         if self.skips:
             return EAGER
-        if self.hits:
+        if self.hits or self.misses:  # a miss without a skip: dynamo compiled it and ran the compiled code
+            return COMPILED
+        if self.captured:  # its first compile under the capture backend (no guard was evaluated): compiled
             return COMPILED
         # No frame reached dynamo: its code is marked skip already (torch's own marking from before this tracker
         # started): eager under a dispatch mode. Without a mode on the stack there is nothing to go on.
@@ -75,12 +78,13 @@ class _Call:
 
 
 class _Region:
-    __slots__ = ("name", "kind", "backend", "calls", "marked")
+    __slots__ = ("name", "kind", "backend", "calls", "marked", "units")
 
     def __init__(self, name: str, kind: str, backend: str | None) -> None:
         self.name, self.kind, self.backend = name, kind, backend
         self.calls: list[_Call] = []
         self.marked = False  # one of its frames was marked "skip" by torch during this recording
+        self.units = False  # its graphs were compiled by the capture backend: its calls are compiled units
 
     def as_dict(self) -> dict:
         hows = [c.how() for c in self.calls]
@@ -88,7 +92,8 @@ class _Region:
         how = next(iter(counts)) if len(counts) == 1 else (MIXED if counts else UNKNOWN)
         backend = self.backend
         in_trace: bool | None
-        if how == EAGER:
+        units = how == COMPILED and self.units
+        if how == EAGER or units:
             in_trace = True
         elif how in (COMPILED, MIXED) and backend in _BACKENDS_WITH_ATEN_OPS:
             in_trace = True  # these backends run the graph's aten ops through the dispatcher
@@ -98,7 +103,7 @@ class _Region:
             in_trace = None  # a backend replaydiff does not know, or partly eager and partly inductor
         return CompiledRegion(self.name, self.kind, len(self.calls), how, counts, backend,
                               any(c.fullgraph for c in self.calls), in_trace,
-                              sum(c.fullgraph_saved for c in self.calls)).to_wire()
+                              sum(c.fullgraph_saved for c in self.calls), units=units).to_wire()
 
 
 # -- the patches: installed once while any tracker is started, dispatching to the started trackers ---------------
@@ -192,6 +197,8 @@ def _patch() -> None:
                     if caller.f_code.co_name == "_backward_impl":
                         for t in list(_active):
                             t._on_compiled_backward(caller, f)
+                            if t.wrap_backward is not None:  # the recorder's unit capture (record/units.py)
+                                f = t.wrap_backward(f, caller) or f
                 except Exception as exc:
                     log.debug("compiled-region tracker: backward: %s", exc)
             return orig_call(f, args, steal_args=steal_args, disable_amp=disable_amp)
@@ -248,25 +255,48 @@ def _region_name(fn: Any) -> str:
     return f"{qual} ({_where(code)})" if code is not None else str(qual)
 
 
-def _backend_name(callback: Any) -> str | None:
-    """Follow dynamo's ``_torchdynamo_orig_backend`` chain to the user's compiler and name it."""
+def user_compiler(callback: Any) -> tuple[str | None, Any]:
+    """(name, object) of the user's compiler behind a dynamo callback: follows dynamo's
+    ``_torchdynamo_orig_backend`` chain and torch's wrapper around a backend given by name or object."""
     obj, seen = callback, 0
     while hasattr(obj, "_torchdynamo_orig_backend") and seen < 8:  # CatchErrorsWrapper, ConvertFrame, ...
         obj = obj._torchdynamo_orig_backend
         seen += 1
+    callable_ = obj  # what dynamo calls: keeps the wrapper's kwargs and inductor's config
     inner = getattr(obj, "compiler_fn", None)  # torch._TorchCompileWrapper around a backend given by name or object
     if inner is not None:
         obj = inner
     for attr in ("compiler_name", "__name__"):  # _TorchCompileInductorWrapper.compiler_name = "inductor"
         name = getattr(obj, attr, None)
         if isinstance(name, str):
-            return name
-    return type(obj).__name__ if obj is not None else None
+            return name, callable_
+    return (type(obj).__name__ if obj is not None else None), callable_
+
+
+def _backend_name(callback: Any) -> str | None:
+    """The name of the user's compiler behind a dynamo callback."""
+    return user_compiler(callback)[0]
+
+
+def _unwrapped(fn: Any) -> Any:
+    """Through torch._dynamo.disable's wrapper (functools.wraps) to a unit's runtime callable, if it is one."""
+    for _ in range(4):
+        if type(fn).__name__ == "UnitCall" or not hasattr(fn, "__wrapped__"):
+            break
+        fn = fn.__wrapped__
+    return fn
+
+
+def _is_unit_call(fn: Any) -> bool:
+    return type(_unwrapped(fn)).__name__ == "UnitCall"
 
 
 def _compiled_fn_backend(fn: Any) -> str | None:
     """Which compiler made an AOTAutograd backward: inductor's CompiledFxGraph (wrapped in dynamo.disable's
     ``_fn``), the aot_eager family's ``boxed_nop`` (torch/_dynamo/backends/debugging.py), or something else."""
+    fn = _unwrapped(fn)
+    if type(fn).__name__ == "UnitCall":  # record/units.py: a graph compiled by the capture backend
+        return fn._graph.backend
     mod = getattr(fn, "__module__", None) or type(fn).__module__ or ""
     if mod.startswith("torch._inductor"):
         return "inductor"
@@ -309,6 +339,10 @@ class CompiledRegionTracker:
         self._result: list[dict] = []
         self._note: str | None = None  # why tracking could not be done, if it could not
         self._compile_patch: Any = None
+        self.on_attach: Any = None  # called (no arguments, must not raise) once dynamo is loaded and patched
+        self.capturing: Any = None  # () -> bool: the recorder captures compiled units now (record/units.py)
+        # (compiled backward, _backward_impl frame) -> a callable to run instead, or None (record/units.py)
+        self.wrap_backward: Any = None
         self._marked: dict[Any, None] = {}  # code objects torch marked "skip" for the dispatch mode, to put back
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
@@ -376,6 +410,9 @@ class CompiledRegionTracker:
         if self._warned:
             return None
         regions = self._result if not self._started else self.regions()
+        typed = compiled_regions_from_wire(regions)
+        if typed and all(r.units for r in typed):  # every region is in the trace as compiled units: nothing to warn of
+            return None
         msg = summarize(regions)
         if msg is not None:
             self._warned = True
@@ -387,6 +424,8 @@ class CompiledRegionTracker:
             _install()
             if self not in _active:
                 _active.append(self)
+        if self.on_attach is not None:  # dynamo is loaded now: the recorder's unit capture can engage
+            self.on_attach()
 
     def _wrap_torch_compile(self) -> None:
         import torch
@@ -434,7 +473,9 @@ class CompiledRegionTracker:
         loc = wrapper_frame.f_locals  # compile_wrapper's closure: fn, callback, self (the OptimizeContext)
         ctx = loc.get("self")
         region = self._region(_region_name(loc.get("fn")), "forward", _backend_name(loc.get("callback")))
-        call = _Call(region, _mode_blocks_dynamo(), bool(getattr(ctx, "fullgraph", False)))
+        captured = bool(self.capturing is not None and self.capturing())
+        call = _Call(region, _mode_blocks_dynamo(), bool(getattr(ctx, "fullgraph", False)), captured)
+        region.units = region.units or captured
         region.calls.append(call)
         self._by_frame[id(wrapper_frame)] = call
 
@@ -497,14 +538,20 @@ class CompiledRegionTracker:
     def _on_compiled_backward(self, impl_frame: Any, compiled_bw: Any) -> None:
         if not self._mine():
             return
-        ctx = impl_frame.f_locals.get("ctx")
-        fwd_cls = getattr(type(ctx), "_forward_cls", None)
-        aot_id = getattr(fwd_cls, "_aot_id", None)
-        name = f"compiled backward of AOT graph {aot_id}" if aot_id is not None else "compiled backward"
+        name = compiled_backward_name(impl_frame)
         region = self._region(name, "backward", _compiled_fn_backend(compiled_bw))
         call = _Call(region, _mode_blocks_dynamo())
+        region.units = region.units or _is_unit_call(compiled_bw)
         call.hits = 1  # it ran compiled code by definition
         region.calls.append(call)
+
+
+def compiled_backward_name(impl_frame: Any) -> str:
+    """``compiled backward of AOT graph N``, from AOTAutograd's ``_backward_impl`` frame."""
+    ctx = impl_frame.f_locals.get("ctx")
+    fwd_cls = getattr(type(ctx), "_forward_cls", None)
+    aot_id = getattr(fwd_cls, "_aot_id", None)
+    return f"compiled backward of AOT graph {aot_id}" if aot_id is not None else "compiled backward"
 
 
 def summarize(regions: list[dict] | None, limit: int = 4) -> str | None:
@@ -527,6 +574,8 @@ def summarize(regions: list[dict] | None, limit: int = 4) -> str | None:
         backend = r.backend or "its backend"
         if how == EAGER:
             what = "ran as eager aten ops (in the trace; not the compiled code the job runs otherwise)"
+        elif how == COMPILED and r.units:
+            what = f"ran compiled by {backend}, each call of its graphs recorded as a compiled unit"
         elif how == COMPILED:
             in_trace = r.ops_in_trace
             what = (f"ran compiled by {backend} (its graph's aten ops are in the trace)" if in_trace is True

@@ -128,12 +128,70 @@ def _watched(closure: Callable[..., Any]) -> Callable[..., Any]:
     return closure_of_an_optimizer_step
 
 
+# torch's global module-hook dicts as dynamo guards them: by key and function. Every recording of this process puts
+# the same two functions back under the same keys, so a region compiled while recording (record(compiled="capture"))
+# is compiled once per process, not once per recording.
+_HOOK_KEYS: dict[str, int] = {}
+_trackers: list["_Tracker"] = []
+
+
+def _forward_pre_all(mod: Any, input: Any) -> None:
+    if torch.compiler.is_compiling():  # see _Tracker
+        return
+    for t in list(_trackers):
+        ModuleTracker._fw_pre_hook(t, mod, input)
+
+
+def _forward_post_all(mod: Any, input: Any, output: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
+    for t in list(_trackers):
+        ModuleTracker._fw_post_hook(t, mod, input, output)
+
+
+def _put_hook(hooks: dict, which: str, fn: Callable[..., None]) -> None:
+    from torch.utils.hooks import RemovableHandle
+
+    key = _HOOK_KEYS.get(which)
+    if key is None:
+        key = _HOOK_KEYS[which] = RemovableHandle(hooks).id
+    hooks[key] = fn
+
+
+class _Tracker(ModuleTracker):
+    """ModuleTracker whose global hooks do nothing where dynamo traces them: a region compiled while recording
+    (record(compiled="capture")) must compile to the graph it has without the recorder (torch's own ModTracker
+    does the same with ``_is_in_optimized_module``). The compiled unit is attributed to the module whose call
+    entered the region; eager code is tracked as before. The hooks are two module-level functions under keys kept
+    for the process (see _HOOK_KEYS)."""
+
+    def __enter__(self) -> "_Tracker":
+        from torch.nn.modules import module as nn_module
+
+        _trackers.append(self)
+        _put_hook(nn_module._global_forward_pre_hooks, "pre", _forward_pre_all)
+        _put_hook(nn_module._global_forward_hooks, "post", _forward_post_all)
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        from torch.nn.modules import module as nn_module
+
+        if self in _trackers:
+            _trackers.remove(self)
+        if not _trackers:
+            nn_module._global_forward_pre_hooks.pop(_HOOK_KEYS.get("pre"), None)
+            nn_module._global_forward_hooks.pop(_HOOK_KEYS.get("post"), None)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+
 class OpContext:
     """Tracks phase and module; owned by one recording, installed on enter and removed on exit."""
 
     def __init__(self, source_lines: bool) -> None:
         self.source_lines = source_lines
-        self._tracker = ModuleTracker()
+        self._tracker = _Tracker()
         self._seq_to_forward: dict[int, tuple[int, str | None]] = {}  # autograd seq nr -> (forward op, module)
         self.root = os.getcwd()  # file names under it are kept relative to it
         self._cwd = self.root + os.sep

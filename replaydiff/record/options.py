@@ -10,6 +10,7 @@ from replaydiff.record.step_range import StepRange
 from replaydiff.trace.schema import wire_options
 
 TENSOR_MODES = ("full", "stats", "meta")
+COMPILED_MODES = ("capture", "eager")  # capture: compiled regions run compiled, each graph call one unit record
 GRANULARITIES = ("op", "module")  # op: every aten op; module: each module call's outputs and their gradients
 DEFAULT_ZSTD_LEVEL = 1
 
@@ -65,6 +66,10 @@ class RecordOptions:
     # Bytes the rank's trace may take on disk (record/budget.py): tensor data in step order (the ops of modules/ops
     # first) while it fits, statistics for the rest. An int, or "500M", "2G" in make().
     budget: int | None = None
+    # torch.compile regions (record/units.py): "capture" runs them compiled, as the job does, and records each call
+    # of a compiled graph as one unit (its inputs, outputs and aten graph); "eager" runs them as eager aten ops, each
+    # recorded (what replaydiff did before units: not the compiled code the job runs otherwise).
+    compiled: str = "capture"
 
     def __post_init__(self) -> None:
         if self.tensors not in TENSOR_MODES:
@@ -81,6 +86,8 @@ class RecordOptions:
             from replaydiff.faults import PlantSpec
 
             PlantSpec.parse(self.plant)  # ValueError with the accepted form
+        if self.compiled not in COMPILED_MODES:
+            raise ValueError(f"compiled must be one of {COMPILED_MODES}, not {self.compiled!r}")
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, not {self.granularity!r}")
         if self.steps is not None:

@@ -26,6 +26,7 @@ from replaydiff.record.mode import OpBuilder, RecordingMode, record_after, recor
 from replaydiff.record.module_stats import ModuleStatsHooks
 from replaydiff.record.options import RecordOptions
 from replaydiff.record.storage import StorageTable
+from replaydiff.record.units import CapturingMode, UnitCapture, boundary_backward
 from replaydiff.trace import schema
 from replaydiff.trace.codec import tensor_bytes_view
 from replaydiff.trace.format import MANIFEST, rank_dir_name
@@ -58,6 +59,12 @@ class Recorder:
         self._prev_sigterm: Any = None
         self.custom_ops: dict[str, str] = {}  # custom op -> the Python module that defines it
         self._compiled = CompiledRegionTracker()
+        # record(compiled="capture"): regions run compiled, each graph call a unit (units.py)
+        self._units = UnitCapture(self) if options.compiled == "capture" else None
+        if self._units is not None:
+            self._compiled.on_attach = self._units.engage
+            self._compiled.capturing = self._units.engaged
+            self._compiled.wrap_backward = boundary_backward
         self._compiled_regions: list[dict] = []  # as stored (CompiledRegionTracker.stop())
         self.failed_ops = 0
         self._failed_names: set[str] = set()
@@ -207,10 +214,14 @@ class Recorder:
             return
         self.context.install()
         self._context_installed = True
-        self._mode = RecordingMode(self)
+        self._mode = CapturingMode(self) if self._units is not None else RecordingMode(self)
         self._mode.__enter__()
+        if self._units is not None:
+            self._units.attach(self._mode)
 
     def _detach(self) -> None:
+        if self._units is not None:
+            self._units.detach()
         if self._module_hooks is not None:
             self._module_hooks.uninstall()
         if self._mode is not None:

@@ -149,6 +149,8 @@ def plan(trace: Trace, opts: ReplayOptions) -> ReplayPlan:
         for lost in rt.lost:
             p.warnings.append(f"rank {r}: recording lost data: {lost}")
         for region in rt.compiled_regions:
+            if region.units:  # recorded as compiled units: replayed as such, nothing to warn of
+                continue
             p.warnings.append(f"rank {r}: compiled region {region.region} ran {region.how} while "
                               f"recording ({region.calls} call(s))")
         idx = rt.index

@@ -15,7 +15,7 @@ from replaydiff.replay.result import Status
 
 __all__ = ["CheckFailed", "ChunksDiffer", "CollectiveDiffers", "CollectiveOk", "Failed", "FellBack", "Judgement",
            "LeftOut", "MissedCall", "Note", "RanksMissing", "ReplayFact", "RepeatsDisagree", "Skipped",
-           "TraceEndsBefore", "VerdictReason", "render", "verdict_reason"]
+           "TraceEndsBefore", "UnitDivergent", "UnitWithin", "VerdictReason", "render", "verdict_reason"]
 
 
 class ReplayFact(Fact, Enum):
@@ -53,6 +53,34 @@ class Failed(Note):
 
     def text(self) -> str:
         return f"{self.error}: {self.message}"[:300]
+
+
+@dataclass(frozen=True)
+class UnitDivergent(Note):
+    """A compiled unit's output over its limits, and where inside the unit it was localised (replay/unit.py)."""
+
+    unit: str  # "unit of REGION (graph G, BACKEND)", with any outputs not compared
+    output: int
+    reason: str  # the verdict's reason
+    localised: str  # the earliest divergent node, or why none was named
+
+    def text(self) -> str:
+        return f"{self.unit}: output {self.output} {self.reason}; {self.localised}"
+
+
+@dataclass(frozen=True)
+class UnitWithin(Note):
+    """A compiled unit whose compared outputs are all within their limits (none: nothing to compare)."""
+
+    unit: str
+    outputs: int
+    explanation: str | None = None  # why an output over the fixed limits is still ok
+
+    def text(self) -> str:
+        if not self.outputs:
+            return f"{self.unit}: nothing to compare"
+        return f"{self.unit}: {self.outputs} output(s) within limits" + (
+            f" ({self.explanation})" if self.explanation else "")
 
 
 @dataclass(frozen=True)

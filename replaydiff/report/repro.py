@@ -146,6 +146,10 @@ def write_repro(trace: RankTrace, op: OpRecord, out_dir: str | Path, source_trac
         raise UsageError(f"op #{op.index} {name} is a collective: it cannot run alone (replay checks it across ranks)")
     if aten.is_marker(name):
         raise UsageError(f"op #{op.index} {name} is a profiler marker: it computes nothing")
+    if aten.is_unit(name):
+        raise UsageError(f"op #{op.index} {name} is a compiled unit: a standalone repro of a unit is not available; "
+                         f"`replaydiff replay` names the node inside it, and a trace recorded with --compiled eager "
+                         f"holds the region's ops one by one for repro")
     if op.uninitialised:
         raise UsageError(f"op #{op.index} {name} makes uninitialised memory (empty*): nothing to compare")
     parts = name.split(".")

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TextIO
 
+from replaydiff.aten import is_unit
 from replaydiff.replay.result import OpResult, ReplayReport, Status
 from replaydiff.report.plant import plant_notes
 
@@ -66,6 +67,8 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> No
         out.write(f"first divergent op {rank}{op_line(first)}\n")
         how = "checked across ranks" if first.collective else "replayed alone from its recorded inputs"
         out.write(f"  {metrics_line(first)}  - {how}\n")
+        if is_unit(first.op) and first.reason:  # a compiled unit: its region, and the node inside it
+            out.write(f"  {first.reason}\n")
         if first.phase == "backward" and first.forward_index is not None:
             called = f"; backward() called at {first.source}" if first.source else ""
             out.write(f"  backward of forward op #{first.forward_index}{called}\n")

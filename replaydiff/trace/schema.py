@@ -26,6 +26,7 @@ _COLL, _RNG, _NOT_RECORDED = "coll", "rng", "x"
 _STEP = "stp"  # optimizer step the op ran in (multi-step and flight recordings)
 _SOURCE_TEXT = "srt"  # the text of the source line when recorded (absent in older traces)
 _LEFT_OUT = "lo"  # why the op's tensor data is not in the trace although it is recorded (statistics kept instead)
+_UNIT = "cu"  # a compiled unit's graph and where it came from (record/units.py); only on unit records
 # -- tensor reference keys --------------------------------------------------------------------------------------
 _VERSION, _DTYPE, _SHAPE, _STRIDE, _OFFSET, _DEVICE = "T", "dt", "sh", "st", "of", "dev"
 _NBYTES, _CHUNK, _STATS, _REQ_GRAD, _UNSUPPORTED = "sb", "f", "s", "rg", "unsupported"
@@ -258,6 +259,18 @@ class OpRecord:
             return None
 
     @property
+    def unit(self) -> "UnitInfo | None":
+        """The graph of a compiled unit (``compiled.unit.*`` records), decoded; None for an op."""
+        u = self._w.get(_UNIT)
+        if not isinstance(u, dict):
+            return None
+        try:
+            return UnitInfo.from_wire(u)
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            raise TraceError(self._path or "trace", f"malformed graph of unit #{self._w.get(_INDEX)} ({exc})") \
+                from None
+
+    @property
     def collective(self) -> CollectiveInfo | None:
         c = self._w.get(_COLL)
         return _collective_from_wire(c) if isinstance(c, dict) else None
@@ -334,6 +347,7 @@ class OpRecord:
             "kwargs": {k: value_json(v) for k, v in self.kwargs.items()},
             "writes": [{p.kind: p.key, "after": value_json(v)} for p, v in self.writes],
             "outputs": value_json(self.outputs),
+            **({"unit": self.unit.to_json()} if _UNIT in self._w else {}),
         }
 
     def __repr__(self) -> str:
@@ -625,6 +639,97 @@ def wire_stats_key(ref: dict) -> tuple:
 
 
 # =============================================================================================================
+# Compiled units (record/units.py): one call of a compiled graph, its graph stored as data
+# =============================================================================================================
+# Node kinds; a graph is a list of nodes in execution order, each argument a value tree whose {"node": i} markers
+# refer to earlier nodes. Targets are names (``aten.mul.Tensor``, ``operator.getitem``): never code.
+NODE_INPUT, NODE_CONST, NODE_CALL, NODE_OUTPUT = "input", "const", "call", "output"
+_U_REGION, _U_BACKEND, _U_GRAPH, _U_KIND, _U_NODES, _U_CONSTS, _U_KERNELS, _U_NOTE = (
+    "region", "backend", "graph", "kind", "nodes", "consts", "kernels", "note")
+_NODE_REF = "node"
+
+
+class NodeRef(NamedTuple):
+    """An argument of a graph node that is the value of an earlier node (by position in the graph)."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class UnitNode:
+    kind: str  # input / const / call / output
+    name: str  # the node's name in the graph (``erf``, ``mul_1``)
+    target: str | None  # op name of a call (``aten.erf.default``); const: its position in the unit's consts
+    args: list
+    kwargs: dict
+    module: str | None = None  # the module it was traced in, under the region's root: ``Sequential.1 (GELU)``
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.target})" if self.kind == NODE_CALL else self.name
+
+
+@dataclass(frozen=True)
+class UnitInfo:
+    """What a compiled unit record holds beside its inputs and outputs."""
+
+    region: str | None  # ``Net.forward (model.py:12)``
+    backend: str | None  # inductor / aot_eager ...
+    graph_id: str | None  # one compiled graph (every call of it shares the id)
+    kind: str | None  # forward / backward / inference
+    nodes: tuple[UnitNode, ...]
+    consts: list  # TensorRefs (and scalars) the graph reads as attributes
+    kernels: tuple[str, ...] = ()  # the backend's kernel names, when it gives them
+    note: str | None = None  # why the graph is not stored, when it is not
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "UnitInfo":
+        nodes = tuple(UnitNode(str(n[0]), str(n[1]), n[2], _decode_graph_value(n[3]),
+                               {str(k): _decode_graph_value(v) for k, v in (n[4] or {}).items()},
+                               n[5] if len(n) > 5 else None) for n in d.get(_U_NODES) or [])
+        return cls(_typed(d.get(_U_REGION), str), _typed(d.get(_U_BACKEND), str), _typed(d.get(_U_GRAPH), str),
+                   _typed(d.get(_U_KIND), str), nodes, decode_value(d.get(_U_CONSTS) or []),
+                   tuple(str(k) for k in d.get(_U_KERNELS) or []), _typed(d.get(_U_NOTE), str))
+
+    def calls(self) -> list[UnitNode]:
+        return [n for n in self.nodes if n.kind == NODE_CALL]
+
+    def to_json(self) -> dict:
+        return {"region": self.region, "backend": self.backend, "graph": self.graph_id, "kind": self.kind,
+                "nodes": [{"kind": n.kind, "name": n.name, "target": n.target, "module": n.module}
+                          for n in self.nodes], "kernels": list(self.kernels), "note": self.note}
+
+
+def _decode_graph_value(v: Any) -> Any:
+    if isinstance(v, list):
+        return [_decode_graph_value(x) for x in v]
+    if isinstance(v, dict) and len(v) == 1 and _NODE_REF in v:
+        return NodeRef(int(v[_NODE_REF]))
+    return decode_value(v)
+
+
+def encode_graph_value(v: Any, node_index: Callable[[Any], int | None], tensor_ref: Callable[[torch.Tensor], dict]
+                       ) -> Any:
+    """A graph node's argument tree: nodes (``node_index`` gives their position, None for a non-node) become
+    {"node": i}; everything else as ``encode_value``."""
+    if isinstance(v, (list, tuple)):
+        return [encode_graph_value(x, node_index, tensor_ref) for x in v]
+    i = node_index(v)
+    if i is not None:
+        return {_NODE_REF: i}
+    return encode_value(v, tensor_ref)
+
+
+def wire_node(kind: str, name: str, target: Any, args: Any, kwargs: dict, module: str | None) -> list:
+    return [kind, name, target, args, kwargs, module]
+
+
+def wire_set_unit(rec: dict, region: str | None, backend: str | None, graph_id: str | None, kind: str | None,
+                  nodes: list | None, consts: list, kernels: list[str], note: str | None = None) -> None:
+    rec[_UNIT] = {_U_REGION: region, _U_BACKEND: backend, _U_GRAPH: graph_id, _U_KIND: kind,
+                  _U_NODES: nodes or [], _U_CONSTS: consts, _U_KERNELS: kernels, _U_NOTE: note}
+
+
+# =============================================================================================================
 # Checking records read back (the reader's side)
 # =============================================================================================================
 class IndexRow(NamedTuple):
@@ -904,6 +1009,7 @@ _FLAG_KEYS = {
 _C_REGION, _C_KIND, _C_CALLS, _C_HOW, _C_BY_HOW, _C_BACKEND, _C_FULLGRAPH, _C_IN_TRACE, _C_SUPPRESSED, _C_NOTE = (
     "region", "kind", "calls", "how", "calls_by_how", "backend", "fullgraph", "ops_in_trace",
     "fullgraph_errors_suppressed", "note")
+_C_UNITS = "units"  # calls recorded as compiled units (record(compiled="capture")); absent before units existed
 
 
 def _typed(v: Any, kind: type | tuple[type, ...]) -> Any:
@@ -1050,6 +1156,7 @@ class RecordedOptions:
     plant: str | None = None
     granularity: str | None = None
     budget: int | None = None  # bytes (record --budget)
+    compiled: str | None = None  # capture / eager (None: recorded before units existed: eager)
     wire: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -1057,7 +1164,8 @@ class RecordedOptions:
         d = _mapping(d)
         return cls(tensors=_typed(d.get("tensors"), str), steps=_typed(d.get("steps"), str),
                    flight=_typed(d.get("flight"), int), plant=_typed(d.get("plant"), str),
-                   granularity=_typed(d.get("granularity"), str), budget=_typed(d.get("budget"), int), wire=d)
+                   granularity=_typed(d.get("granularity"), str), budget=_typed(d.get("budget"), int),
+                   compiled=_typed(d.get("compiled"), str), wire=d)
 
     def to_json(self) -> dict:
         return self.wire
@@ -1076,6 +1184,7 @@ class CompiledRegion:
     ops_in_trace: bool | None = None
     fullgraph_errors_suppressed: int = 0
     note: str | None = None  # set only on the entry saying that tracking failed
+    units: bool = False  # its compiled graphs' calls are in the trace as compiled units (record/units.py)
 
     @classmethod
     def from_wire(cls, d: Any) -> "CompiledRegion":
@@ -1083,7 +1192,7 @@ class CompiledRegion:
         return cls(_typed(d.get(_C_REGION), str), _typed(d.get(_C_KIND), str), _typed(d.get(_C_CALLS), int),
                    _typed(d.get(_C_HOW), str), {str(k): v for k, v in _mapping(d.get(_C_BY_HOW)).items()},
                    _typed(d.get(_C_BACKEND), str), d.get(_C_FULLGRAPH) is True, _typed(d.get(_C_IN_TRACE), bool),
-                   _typed(d.get(_C_SUPPRESSED), int) or 0, _typed(d.get(_C_NOTE), str))
+                   _typed(d.get(_C_SUPPRESSED), int) or 0, _typed(d.get(_C_NOTE), str), d.get(_C_UNITS) is True)
 
     def to_wire(self) -> dict:
         if self.note is not None:
@@ -1093,6 +1202,8 @@ class CompiledRegion:
              _C_IN_TRACE: self.ops_in_trace}
         if self.fullgraph_errors_suppressed:
             d[_C_SUPPRESSED] = self.fullgraph_errors_suppressed
+        if self.units:
+            d[_C_UNITS] = True
         return d
 
 

@@ -1,0 +1,384 @@
+"""Replaying a compiled unit (record/units.py): its aten graph interpreted from the recorded inputs, judged as ops are.
+
+The graph is data: each node names its target, which is looked up only among registered aten/prims ops and a few
+``operator`` functions (``aten.resolve_graph_target``); anything else is refused with the node's name, so a trace
+can never make replay run other code. Three runs of the same graph:
+
+* the reference: interpreted at the replay precision (float64 by default: floating inputs, constants and dtype
+  arguments upcast, as an op's are);
+* the dtype's own error: interpreted eagerly at the recorded dtypes on the CPU. An output over the fixed limits is
+  divergent only if it is also over ``conditioning_factor`` times this error where that error itself breaks the
+  limits (``verdict.calibrated``): a compiled output closer to float64 than eager is never a fault;
+* for a divergent unit, localisation: the graph rebuilt from its nodes with every intermediate value an output,
+  compiled with the recorded backend on this machine and run at the recorded dtypes. Each node's compiled value is
+  judged against the node run at float64 on the compiled values of its own inputs; the earliest divergent node is
+  named. Before that, the unit as recorded is recompiled and run on the recorded inputs: whether this machine
+  reproduces the recorded outputs (bit for bit, or not: another torch, device or compiler) is said, since then
+  the localisation judges this machine's kernels, not the recorded ones.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from replaydiff import aten
+from replaydiff.compare.metrics import FloatError, measure
+from replaydiff.compare.tolerance import reduction_length
+from replaydiff.compare.verdict import Verdict, calibrated, judge
+from replaydiff.replay.policy import target_dtype
+from replaydiff.replay.notes import Judgement, UnitDivergent, UnitWithin
+from replaydiff.replay.result import Status
+from replaydiff.trace.schema import (NODE_CALL, NODE_CONST, NODE_INPUT, NODE_OUTPUT, NodeRef, Opaque, OpRecord,
+                                     TensorRef, UnitInfo, UnitNode)
+
+Pairs = list[tuple[Any, Any]]
+
+
+class Graph:
+    """A unit's graph with every call target resolved (or the reason it cannot be run)."""
+
+    def __init__(self, info: UnitInfo) -> None:
+        self.info = info
+        self.targets: dict[int, Any] = {}
+        for i, n in enumerate(info.nodes):
+            if n.kind == NODE_CALL:
+                try:
+                    self.targets[i] = aten.resolve_graph_target(str(n.target))
+                except aten.UnknownOp as exc:
+                    raise Refused(f"node {n.name}: {exc}") from None
+            elif n.kind not in (NODE_INPUT, NODE_CONST, NODE_OUTPUT):
+                raise Refused(f"node {n.name} is of unknown kind {n.kind!r}")
+
+    def random_nodes(self) -> dict[int, str]:
+        """Nodes whose value depends on a random node (dropout, rand): {node position: the random node's name}.
+        The compiled code drew those numbers from the backend's own generator (inductor's seeds), which replay
+        cannot draw again."""
+        out: dict[int, str] = {}
+        for i, n in enumerate(self.info.nodes):
+            func = self.targets.get(i)
+            if isinstance(func, torch._ops.OpOverload) and aten.facts(func).seeded:
+                out[i] = n.name
+                continue
+            for ref in _refs([n.args, list(n.kwargs.values())]):
+                if ref.index in out:
+                    out[i] = out[ref.index]
+                    break
+        return out
+
+    def output_nodes(self) -> list[int | None]:
+        """The node position behind each flat output (None for a constant output)."""
+        for n in self.info.nodes:
+            if n.kind == NODE_OUTPUT:
+                return [v.index if isinstance(v, NodeRef) else None for v in _flat(n.args[0] if n.args else [])]
+        return []
+
+    def mutated_inputs(self) -> set[int]:
+        """Positions of the inputs the graph itself writes (in-place ops on its placeholders)."""
+        inputs = {i: k for k, i in enumerate(i for i, n in enumerate(self.info.nodes) if n.kind == NODE_INPUT)}
+        out = set()
+        for i, func in self.targets.items():
+            if isinstance(func, torch._ops.OpOverload) and aten.facts(func).writes:
+                n = self.info.nodes[i]
+                for v in aten.written_values(aten.facts(func), n.args, n.kwargs):
+                    if isinstance(v, NodeRef) and v.index in inputs:
+                        out.add(inputs[v.index])
+        return out
+
+
+class Refused(Exception):
+    """The unit's graph cannot be interpreted here; the message says which node and why."""
+
+
+def _refs(v: Any):
+    if isinstance(v, NodeRef):
+        yield v
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            yield from _refs(x)
+
+
+def _materialize(v: Any, env: list, convert: Callable[[Any], Any]) -> Any:
+    if isinstance(v, NodeRef):
+        return env[v.index]
+    if isinstance(v, list):
+        return [_materialize(x, env, convert) for x in v]
+    return convert(v)
+
+
+def interpret(g: Graph, inputs: list, consts: list, convert: Callable[[Any], Any],
+              on_node: Callable[[int, UnitNode, Any, list, dict], None] | None = None) -> tuple[list, list]:
+    """Run the graph node by node: (flat outputs, every node's value). ``convert`` maps constant arguments (dtype,
+    device, recorded values); ``on_node`` sees each call with its output and arguments."""
+    env: list = []
+    k = 0
+    outputs: list = []
+    for i, n in enumerate(g.info.nodes):
+        if n.kind == NODE_INPUT:
+            env.append(inputs[k])
+            k += 1
+        elif n.kind == NODE_CONST:
+            env.append(consts[int(n.target)])
+        elif n.kind == NODE_CALL:
+            args = _materialize(n.args, env, convert)
+            kwargs = {key: _materialize(v, env, convert) for key, v in n.kwargs.items()}
+            out = g.targets[i](*args, **kwargs)
+            env.append(out)
+            if on_node is not None:
+                on_node(i, n, out, args, kwargs)
+        else:
+            env.append(None)
+            outputs = list(_flat(_materialize(n.args[0] if n.args else [], env, convert)))
+    return outputs, env
+
+
+def _flat(v: Any):
+    if isinstance(v, (list, tuple)) and not isinstance(v, NodeRef):
+        for x in v:
+            yield from _flat(x)
+    else:
+        yield v
+
+
+def _shapes(args: list, kwargs: dict) -> list[list[int]]:
+    return [list(t.shape) for t in aten.iter_tensors([args, list(kwargs.values())])]
+
+
+class UnitReplayer:
+    """Replays one unit record for an ``OpReplayer`` (its trace, options and input builder)."""
+
+    def __init__(self, replayer: Any, inputs: type, skip: type[Exception]) -> None:
+        """``replayer``: the OpReplayer (trace, options, device); ``inputs``: its input builder class (rebuilds
+        recorded tensors at a precision); ``skip``: its exception for an op not replayed."""
+        self.r = replayer
+        self.trace = replayer.trace
+        self.opts = replayer.opts
+        self._build = inputs
+        self._skip = skip
+        self.random_outputs: dict[int, str] = {}  # output position -> the random node it depends on
+
+    def _inputs(self, op: OpRecord, precision: str, keep: bool, device: torch.device, info: UnitInfo
+                ) -> tuple[list, list, Callable[[Any], Any]]:
+        build = self._build(self.trace, precision, keep, device, None)
+
+        def convert(v: Any) -> Any:
+            if isinstance(v, Opaque):
+                raise Refused(f"an argument of kind {v.kind!r} cannot be rebuilt")
+            return build.value(v)
+
+        return [build.value(a) for a in op.args], [build.value(c) for c in info.consts], convert
+
+    def replay(self, op: OpRecord) -> tuple[Judgement, Pairs, bool | None]:
+        Skip = self._skip
+        info = op.unit
+        if info is None or info.note:
+            raise Skip(f"compiled unit without a replayable graph ({info.note if info else 'none stored'})")
+        if not aten.matches_any(op.name, self.opts.ops):
+            raise Skip("not selected by --ops")
+        try:
+            g = Graph(info)
+        except Refused as exc:
+            raise Skip(f"unit graph not replayed: {exc}") from None
+        where = f"unit of {info.region} (graph {info.graph_id}, {info.backend})"
+        precision = self.opts.precision
+        # The reference: the graph at the replay precision; k is the longest sum behind any node (limit scaling)
+        ks = [1]
+
+        def note_k(i: int, n: UnitNode, out: Any, args: list, kwargs: dict) -> None:
+            for t in aten.iter_tensors(out):
+                ks.append(reduction_length(aten.packet(str(n.target)), _shapes(args, kwargs), max(1, t.numel())))
+                break
+
+        try:
+            ins, consts, convert = self._inputs(op, precision, precision == "same", self.r.device, info)
+            ref_out, _ = interpret(g, ins, consts, convert, note_k)
+            same_ins, same_consts, same_convert = self._inputs(op, "same", True, torch.device("cpu"), info)
+            same_out, _ = interpret(g, same_ins, same_consts, same_convert)
+        except Refused as exc:
+            raise Skip(f"unit graph not replayed: {exc}") from None
+        k = max(ks)
+        pairs, judged = self._judge_outputs(op, g, ref_out, ins, same_out, same_ins, k)
+        finite = True
+        for _, v in judged:
+            if getattr(v.measure, "nonfinite_recorded", 0):
+                finite = False
+        bad = [(n, v) for n, v in judged if v.divergent]
+        if self.random_outputs:
+            names = sorted(set(self.random_outputs.values()))
+            where += (f"; {len(self.random_outputs)} output(s) not compared: they depend on random node(s) "
+                      f"{', '.join(names)}, drawn by the backend's own generator, which replay cannot draw again")
+        if bad:
+            n, v = bad[0]
+            try:
+                found = self.localize(op, g)
+            except Exception as exc:  # localisation is extra: the unit's verdict stands
+                found = f"not localised ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]})"
+            return Judgement(Status.DIVERGENT, v, (UnitDivergent(where, n, v.reason, found),)), pairs, finite
+        if judged:
+            verdict = max((v for _, v in judged), key=lambda v: (v.explanation is not None, v.severity))
+            return Judgement(Status.OK, verdict, (UnitWithin(where, len(judged), verdict.explanation),)), pairs, finite
+        return Judgement(Status.OK, None, (UnitWithin(where, 0, None),)), pairs, finite
+
+    def _judge_outputs(self, op: OpRecord, g: Graph, ref_out: list, ref_ins: list, same_out: list, same_ins: list,
+                       k: int) -> tuple[Pairs, list[tuple[int, Verdict]]]:
+        recorded = list(_flat(op.outputs))
+        pairs: Pairs = list(zip(recorded, ref_out))
+        same_vals = list(same_out)
+        mutated = g.mutated_inputs()
+        for path, after in op.writes:  # inputs the graph writes: judged as they are after it
+            if path.kind == "arg" and path.key in mutated:
+                pairs.append((after, ref_ins[path.key]))
+                same_vals.append(same_ins[path.key])
+        judged = []
+        random = g.random_nodes()
+        behind = g.output_nodes()
+        self.random_outputs = {n: random[behind[n]] for n in range(len(behind))
+                               if behind[n] is not None and behind[n] in random}
+        for n, (rec, value) in enumerate(pairs):
+            if not isinstance(rec, TensorRef) or not isinstance(value, torch.Tensor):
+                continue
+            if n in self.random_outputs:  # drawn by the backend's generator: not comparable value by value
+                continue
+            if not rec.stored or rec.uninitialised:
+                continue
+            same = same_vals[n] if n < len(same_vals) else None
+            judged.append((n, self._judge(self.trace.tensor(rec), value, same, k)))
+        return pairs, judged
+
+    def _judge(self, recorded: torch.Tensor, value: torch.Tensor, same: Any, k: int) -> Verdict:
+        """The verdict on one compiled value against its reference, calibrated by the eager run at its dtype."""
+        tol = self.opts.tolerances
+        value = value.to(recorded.device)
+        if not (recorded.is_floating_point() or recorded.is_complex()):
+            return judge(recorded, value.to(recorded.dtype), tol, k, exact=True)
+        v = judge(recorded, value, tol, k)
+        if v.divergent and isinstance(v.measure, FloatError) and isinstance(same, torch.Tensor) \
+                and same.shape == value.shape:
+            v = calibrated(v, measure(same.to(recorded.device), value), str(same.dtype).removeprefix("torch."),
+                           tol.conditioning_factor)
+        return v
+
+    # -- localisation ------------------------------------------------------------------------------------------
+    def localize(self, op: OpRecord, g: Graph) -> str:
+        """The earliest node whose compiled output diverges given its own inputs, with whether this machine
+        reproduces the recorded unit (see the module docstring)."""
+        info = g.info
+        backend = info.backend or "inductor"
+        device, moved = _compile_device(op)
+        ins, consts, convert = self._inputs(op, "same", True, device, info)
+        recorded = [self.trace.tensor(r) if isinstance(r, TensorRef) and r.stored else None
+                    for r in _flat(op.outputs)]
+        torch_version = torch.__version__ + (f", on {device.type}: {moved}" if moved else "")
+        # 1. this machine's compile of the unit as recorded
+        try:
+            out = _compile(g, consts, convert, backend, every_node=False)([x.clone() if isinstance(x, torch.Tensor)
+                                                                          else x for x in ins])
+            same = all(r is None or n in self.random_outputs or (isinstance(o, torch.Tensor) and o.shape == r.shape
+                                                                 and torch.equal(o.to(r.device), r))
+                       for n, (r, o) in enumerate(zip(recorded, out)))
+            repro = ("this machine's " + backend + " reproduces the recorded outputs bit for bit" if same else
+                     f"this machine's {backend} (torch {torch_version}) does NOT reproduce the recorded outputs "
+                     f"bit for bit (another torch, device or compiler): the nodes judged are this machine's kernels")
+        except Exception as exc:
+            return (f"could not recompile the unit with {backend} here ({type(exc).__name__}: "
+                    f"{(str(exc).splitlines() or [''])[0][:120]}); judged: the unit's outputs only")
+        # 2. every node's value from one compile, each judged against the node at float64 on its own inputs
+        compiled_vals = _compile(g, consts, convert, backend, every_node=True)(list(ins))
+        calls = [i for i, n in enumerate(info.nodes) if n.kind == NODE_CALL]
+        random = g.random_nodes()
+        env: list = []
+        k_in = 0
+        by_node = dict(zip(calls, compiled_vals))
+        for i, n in enumerate(info.nodes):
+            if n.kind == NODE_INPUT:
+                env.append(ins[k_in])
+                k_in += 1
+            elif n.kind == NODE_CONST:
+                env.append(consts[int(n.target)])
+            elif n.kind == NODE_CALL:
+                got = by_node[i]
+                verdict = None if i in random else self._judge_node(g, i, n, env, convert, got)
+                if verdict is not None and verdict.divergent:
+                    at = f" in {n.module}" if n.module else ""
+                    return (f"earliest divergent node given its own inputs: {n.describe()}{at} "
+                            f"({verdict.reason}; kernels {', '.join(info.kernels) or 'not named'}); {repro}")
+                env.append(got)
+            else:
+                env.append(None)
+        return f"no single node diverges given its own inputs (the error builds up across nodes); {repro}"
+
+    def _judge_node(self, g: Graph, i: int, n: UnitNode, env: list, convert: Callable[[Any], Any], got: Any
+                    ) -> Verdict | None:
+        """The node run at float64 (and at its dtype, for its own error) on the compiled values of its inputs,
+        against its compiled value: the first divergent tensor of its outputs, or None."""
+        got_t = [t for t in aten.iter_tensors(got)]
+        if not any(t.is_floating_point() or t.is_complex() for t in got_t) or aten.is_cheap(str(n.target)):
+            return None
+        func = g.targets[i]
+        args = _materialize(n.args, env, convert)
+        kwargs = {key: _materialize(v, env, convert) for key, v in n.kwargs.items()}
+        up = lambda v: v.to(target_dtype("fp64", v.dtype)) if isinstance(v, torch.Tensor) else (  # noqa: E731
+            target_dtype("fp64", v) if isinstance(v, torch.dtype) else v)
+        fine = list(aten.iter_tensors(func(*_map(args, up), **{key: _map(v, up) for key, v in kwargs.items()})))
+        same = list(aten.iter_tensors(func(*args, **kwargs)))
+        k = reduction_length(aten.packet(str(n.target)), _shapes(args, kwargs), max(1, got_t[0].numel()))
+        for c, f, s in zip(got_t, fine, same):
+            if (c.is_floating_point() or c.is_complex()) and f.shape == c.shape:
+                v = self._judge(c, f, s, k)
+                if v.divergent:
+                    return v
+        return None
+
+
+def _compile_device(op: OpRecord) -> tuple[torch.device, str | None]:
+    """Where to recompile a unit: the device it was recorded on when this machine has it, else the CPU (and why)."""
+    recorded = next((r.device for r in op.inputs() if isinstance(r.device, str)), "cpu")
+    dev = torch.device(recorded)
+    if dev.type == "cpu":
+        return dev, None
+    if dev.type == "cuda" and torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count():
+        return dev, None
+    return torch.device("cpu"), f"recorded on {recorded}, which this machine does not have"
+
+
+def _map(v: Any, fn: Callable[[Any], Any]) -> Any:
+    if isinstance(v, (list, tuple)):
+        return [_map(x, fn) for x in v]
+    return fn(v)
+
+
+def _compile(g: Graph, consts: list, convert: Callable[[Any], Any], backend: str, every_node: bool
+             ) -> Callable[[list], list]:
+    """The graph rebuilt as an FX graph from its resolved targets (never from code in the trace) and compiled
+    with ``backend``. ``every_node``: its outputs are every call node's first tensor value, in order."""
+    root = torch.nn.Module()
+    fx = torch.fx.Graph()
+    env: list = []
+    values = []
+    for i, n in enumerate(g.info.nodes):
+        if n.kind == NODE_INPUT:
+            env.append(fx.placeholder(f"in{len(env)}"))
+        elif n.kind == NODE_CONST:
+            name = f"const{n.target}"
+            root.register_buffer(name, consts[int(n.target)])
+            env.append(fx.get_attr(name))
+        elif n.kind == NODE_CALL:
+            node = fx.call_function(g.targets[i], tuple(_materialize(n.args, env, convert)),
+                                    {key: _materialize(v, env, convert) for key, v in n.kwargs.items()})
+            env.append(node)
+            values.append(node)
+        else:
+            env.append(None)
+            if not every_node:
+                fx.output(_materialize(n.args[0] if n.args else [], env, convert))
+    if every_node:
+        fx.output(values)
+    gm = torch.fx.GraphModule(root, fx)
+    compiled = torch.compile(gm, backend=backend, dynamic=False)
+
+    def run(inputs: list) -> list:
+        with torch.no_grad():
+            out = compiled(*inputs)
+        return list(_flat(out)) if not every_node else list(out)
+
+    return run

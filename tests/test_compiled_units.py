@@ -1,0 +1,512 @@
+"""Compiled units (issue 18): torch.compile regions run compiled while recording, each call of a compiled graph one
+record, replayed by interpreting its graph at float64; bugs planted in the compiler, not the model, are named.
+
+Inductor compiles C++ on the CPU here (seconds per graph on two cores): those tests are marked slow. Inductor's FX
+graph cache is off in them, so that a kernel compiled before a lowering was wrapped is never reused."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+
+import replaydiff
+from replaydiff.trace.reader import open_trace
+
+IN, HID, OUT = 8, 16, 4
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(IN, HID), torch.nn.GELU(), torch.nn.Linear(HID, OUT))
+
+
+def _step(compiled, opt, x) -> None:
+    compiled(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _run(backend: str, path=None, compiled: str = "capture") -> list[torch.Tensor]:
+    """Two steps of a compiled MLP (the first compiles, outside any recording), the second recorded when ``path``;
+    then one more step. The parameters after it."""
+    model = _mlp()
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cm = torch.compile(model, backend=backend)
+    _step(cm, opt, x)
+    if path is None:
+        _step(cm, opt, x)
+    else:
+        with replaydiff.record(path, compiled=compiled):
+            _step(cm, opt, x)
+    _step(cm, opt, x)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
+    from replaydiff.cli.main import main
+
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["replaydiff", *args], code, out, err)
+
+
+def _units(path) -> list:
+    rt = open_trace(path).rank(0)
+    return [op for op in rt.iter_from(0) if op.name.startswith("compiled.unit.")]
+
+
+@pytest.fixture
+def no_graph_cache():
+    from torch._inductor import config
+
+    torch._dynamo.reset()
+    with config.patch(fx_graph_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+def _check_bitwise_and_units(tmp_path, backend: str) -> None:
+    plain = _run(backend)
+    torch._dynamo.reset()
+    recorded = _run(backend, tmp_path / "t")
+    assert all(torch.equal(a, b) for a, b in zip(plain, recorded))
+    units = _units(tmp_path / "t")
+    assert [u.name for u in units] == ["compiled.unit.forward", "compiled.unit.backward"]
+    fw = units[0].unit
+    assert fw.backend == backend and fw.region.startswith("Sequential.forward")
+    assert "aten.addmm.default" in [n.target for n in fw.calls()]
+
+
+def test_recorded_aot_eager_step_is_the_compiled_step_and_holds_units(tmp_path):
+    _check_bitwise_and_units(tmp_path, "aot_eager")
+
+
+@pytest.mark.slow
+def test_recorded_inductor_step_is_the_compiled_step_and_holds_units(tmp_path, no_graph_cache):
+    _check_bitwise_and_units(tmp_path, "inductor")
+    units = _units(tmp_path / "t")
+    assert any(k.startswith("cpp_fused") for k in units[0].unit.kernels)
+    # inductor's allocations and extern kernels are parts of the units, not ops of their own
+    names = [op.name for op in open_trace(tmp_path / "t").rank(0).iter_from(0)]
+    assert not any(n.endswith(".out") for n in names), names
+
+
+def test_unit_inputs_share_storage_versions_with_eager_ops(tmp_path):
+    """A parameter read by the compiled forward is the same storage version the optimizer's eager update reads."""
+    _run("aot_eager", tmp_path / "t")
+    rt = open_trace(tmp_path / "t").rank(0)
+    fw = next(op for op in rt.iter_from(0) if op.name == "compiled.unit.forward")
+    unit_versions = {r.version for r in fw.inputs()}
+    update = [op for op in rt.iter_from(0) if op.phase == "optimizer" and op.name == "aten.add_.Tensor"]
+    assert update and all(op.args[0].version in unit_versions for op in update)
+
+
+def test_compiled_eager_option_records_regions_as_eager_ops(tmp_path):
+    _run("aot_eager", tmp_path / "t", compiled="eager")
+    assert _units(tmp_path / "t") == []
+    assert open_trace(tmp_path / "t").rank(0).options.compiled == "eager"
+
+
+def test_aot_eager_units_replay_clean(tmp_path, capsys):
+    _run("aot_eager", tmp_path / "t")
+    proc = run_main(capsys, "replay", str(tmp_path / "t"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _faulty_pass(monkeypatch) -> None:
+    """A compiler bug in aot_eager's nop compiler: each gelu's result is scaled by 1 + 1e-3 in the compiled code."""
+    import torch._dynamo.backends.debugging as dbg
+
+    nop = dbg.boxed_nop
+
+    def faulty(gm, example_inputs):
+        for node in list(gm.graph.nodes):
+            if node.target is torch.ops.aten.gelu.default:
+                with gm.graph.inserting_after(node):
+                    bad = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.0 + 1e-3))
+                node.replace_all_uses_with(bad, delete_user_cb=lambda user: user is not bad)
+        gm.recompile()
+        return nop(gm, example_inputs)
+
+    monkeypatch.setattr(dbg, "boxed_nop", faulty)
+
+
+def test_fault_in_an_aot_eager_graph_is_named(tmp_path, capsys, monkeypatch):
+    _faulty_pass(monkeypatch)
+    torch._dynamo.reset()
+    _run("aot_eager", tmp_path / "t")
+    proc = run_main(capsys, "replay", str(tmp_path / "t"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "first divergent op #0 compiled.unit.forward" in proc.stdout, proc.stdout
+    assert "Sequential.forward" in proc.stdout
+    assert "earliest divergent node given its own inputs: gelu (aten.gelu.default) in Sequential.1 (GELU)" \
+        in proc.stdout
+    torch._dynamo.reset()
+
+
+def _wrap_erf_lowering(monkeypatch) -> None:
+    """A bug in inductor's code generation: its lowering of aten.erf scales the result by 1 + 1e-3."""
+    from torch._inductor import lowering
+
+    aten_erf = torch.ops.aten.erf.default
+    orig = lowering.lowerings[aten_erf]
+    mul = lowering.lowerings[torch.ops.aten.mul.Tensor]
+
+    def erf(x):
+        return mul(orig(x), 1.0 + 1e-3)
+
+    monkeypatch.setitem(lowering.lowerings, aten_erf, erf)
+
+
+def _gelu_mlp_step(path) -> None:
+    model = _mlp()  # GELU(approximate="none"): erf
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(1))
+    cm = torch.compile(model, backend="inductor")
+    with replaydiff.record(path):
+        cm(x).square().mean().backward()
+
+
+@pytest.mark.slow
+def test_bug_in_inductors_erf_lowering_is_named(tmp_path, capsys, monkeypatch, no_graph_cache):
+    _wrap_erf_lowering(monkeypatch)
+    _gelu_mlp_step(tmp_path / "t")
+    proc = run_main(capsys, "replay", str(tmp_path / "t"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "first divergent op #0 compiled.unit.forward" in proc.stdout, proc.stdout
+    assert "earliest divergent node given its own inputs: erf (aten.erf.default) in Sequential.1 (GELU)" \
+        in proc.stdout
+    assert "reproduces the recorded outputs bit for bit" in proc.stdout
+
+
+@pytest.mark.slow
+def test_inductor_gelu_without_the_bug_replays_clean(tmp_path, capsys, no_graph_cache):
+    _gelu_mlp_step(tmp_path / "t")
+    proc = run_main(capsys, "replay", str(tmp_path / "t"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(_units(tmp_path / "t")) == 2
+
+
+@pytest.mark.slow
+def test_gpt2_compiled_with_inductor_replays_clean(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=32,
+                                  attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    cm = torch.compile(model, backend="inductor")
+    with replaydiff.record(tmp_path / "t"):
+        cm(input_ids=ids, labels=ids).loss.backward()
+    units = _units(tmp_path / "t")
+    assert {u.name for u in units} == {"compiled.unit.forward", "compiled.unit.backward"}
+    proc = run_main(capsys, "replay", str(tmp_path / "t"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+_SCRIPT = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+cm = torch.compile(model, backend="aot_eager")
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(5, 8)
+for _ in range(2):
+    cm(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["capture", "eager"])
+def test_record_cli_compiled_option(tmp_path, how):
+    import sys
+
+    (tmp_path / "train.py").write_text(_SCRIPT)
+    extra = [] if how == "capture" else ["--compiled", "eager"]
+    proc = subprocess.run([sys.executable, "-m", "replaydiff", "record", "-o", str(tmp_path / "t"), "--step", "2",
+                           *extra, "--", sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert open_trace(tmp_path / "t").rank(0).options.compiled == how
+    units = _units(tmp_path / "t")
+    assert len(units) == (2 if how == "capture" else 0)
+
+
+def test_record_cli_refuses_an_unknown_compiled_mode(tmp_path, capsys):
+    from replaydiff.cli.main import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["record", "-o", str(tmp_path / "t"), "--compiled", "fast", "--", "python", "x.py"])
+    assert exc.value.code == 2
+    assert "argument --compiled: invalid choice: 'fast'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_dropout_inside_a_unit_is_not_compared_and_says_so(tmp_path, capsys, backend, no_graph_cache):
+    """Random numbers drawn inside a compiled graph (inductor's own generator) cannot be drawn again: the outputs
+    that depend on them are left out, the unit says which random node, and the rest is judged."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(IN, HID), torch.nn.Dropout(0.5), torch.nn.Linear(HID, OUT))
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(1))
+    cm = torch.compile(model, backend=backend)
+    with replaydiff.record(tmp_path / "t"):
+        cm(x).square().mean().backward()
+    proc = run_main(capsys, "replay", str(tmp_path / "t"), "--json", "-")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import json
+
+    ops = json.loads(proc.stdout)["ops"]
+    fw = next(o for o in ops if o["op"] == "compiled.unit.forward")
+    assert fw["status"] == "ok" and "depend on random node" in fw["reason"], fw
+
+
+def test_show_lists_units_with_their_nodes(tmp_path, capsys):
+    _run("aot_eager", tmp_path / "t")
+    rt = open_trace(tmp_path / "t").rank(0)
+    fw = next(op for op in rt.iter_from(0) if op.name == "compiled.unit.forward")
+    proc = run_main(capsys, "show", str(tmp_path / "t"), "--op", str(fw.index))
+    assert proc.returncode == 0, proc.stderr
+    n_calls = len(fw.unit.calls())
+    assert f"unit    forward graph {fw.unit.graph_id} of Sequential.forward" in proc.stdout
+    assert f"compiled by aot_eager: {n_calls} nodes, 0 kernels" in proc.stdout
+    assert "    gelu = aten.gelu.default" in proc.stdout
+    summary = run_main(capsys, "show", str(tmp_path / "t")).stdout
+    assert "ran compiled as compiled units (1 call(s))" in summary
+    js = run_main(capsys, "show", str(tmp_path / "t"), "--op", str(fw.index), "--json").stdout
+    import json
+
+    unit = json.loads(js)["unit"]
+    assert unit["backend"] == "aot_eager" and "aten.gelu.default" in [n["target"] for n in unit["nodes"]]
+
+
+@pytest.mark.slow
+def test_inductor_backward_of_a_forward_compiled_before_recording_is_a_boundary_unit(tmp_path, capsys,
+                                                                                    no_graph_cache):
+    """The forward ran (compiled) before recording: its backward's graph was never seen by the capture backend.
+    It is recorded as a unit of its boundaries (no loose extern kernels), and replay says why it is not run."""
+    model = _mlp()
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(1))
+    loss = torch.compile(model, backend="inductor")(x).square().mean()
+    with replaydiff.record(tmp_path / "t"):
+        loss.backward()
+    names = [op.name for op in open_trace(tmp_path / "t").rank(0).iter_from(0)]
+    assert not any(n.endswith(".out") for n in names), names
+    (bw,) = _units(tmp_path / "t")
+    assert bw.name == "compiled.unit.backward" and "forward was compiled before recording" in bw.unit.note
+    proc = run_main(capsys, "replay", str(tmp_path / "t"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "compiled unit without a replayable graph (graph not captured" in proc.stdout
+
+
+def _graph_break(model):
+    def f(x):
+        y = model(x).relu()
+        torch._dynamo.graph_break()
+        return (y * 2).square().mean()
+    return torch.compile(f, backend="aot_eager")
+
+
+def _whole_step(model):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    @torch.compile(backend="aot_eager")
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, units", [
+    ("graph_break", ["forward", "forward", "backward", "backward"]),
+    ("fullgraph", ["forward", "backward"]),
+    ("dynamic", ["forward", "backward"]),
+    ("whole_step", ["forward", "backward", "forward"]),  # the optimizer's update is one more graph
+])
+def test_compiled_shapes_of_jobs_are_recorded_as_units_and_replay_clean(tmp_path, capsys, case, units):
+    model = _mlp()
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(1))
+    if case == "graph_break":
+        fn = _graph_break(model)
+    elif case == "whole_step":
+        fn = _whole_step(model)
+    else:
+        cm = torch.compile(model, backend="aot_eager", fullgraph=case == "fullgraph", dynamic=case == "dynamic")
+        fn = lambda x: cm(x).square().mean()  # noqa: E731
+    out = fn(x)
+    if case != "whole_step":
+        out.backward()
+    x2 = torch.randn(7 if case == "dynamic" else 5, IN, generator=torch.Generator().manual_seed(2))
+    with replaydiff.record(tmp_path / "t"):
+        out = fn(x2)
+        if case != "whole_step":
+            out.backward()
+    assert [u.name.rsplit(".", 1)[1] for u in _units(tmp_path / "t")] == units
+    proc = run_main(capsys, "replay", str(tmp_path / "t"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_repro_of_a_unit_is_refused_with_the_way_forward(tmp_path, capsys):
+    _run("aot_eager", tmp_path / "t")
+    fw = _units(tmp_path / "t")[0]
+    proc = run_main(capsys, "repro", str(tmp_path / "t"), str(fw.index), "-o", str(tmp_path / "r"))
+    assert proc.returncode == 2
+    assert "is a compiled unit" in proc.stderr and "--compiled eager" in proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_region_is_compiled_once_for_all_recordings_and_the_jobs_code_runs_after(tmp_path):
+    """The capture backend's entry is reused by every later recording (the recorder's module hooks keep their keys,
+    and dynamo's guards are told that the recording mode ignores compile internals), and between recordings the
+    job's own compiled code runs without a recompile."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = _mlp()
+    x = torch.randn(5, IN)
+    cm = torch.compile(model, backend="aot_eager")
+    cm(x).sum().backward()
+    graphs = counters["stats"]["unique_graphs"]
+    for i in range(3):
+        with replaydiff.record(tmp_path / f"t{i}"):
+            cm(x).sum().backward()
+            cm(x).sum().backward()
+        cm(x).sum().backward()
+        assert len(_units(tmp_path / f"t{i}")) == 4
+    assert counters["stats"]["unique_graphs"] == graphs + 1
+
+
+def test_capture_that_cannot_engage_records_eager_with_one_warning(tmp_path, monkeypatch):
+    """The recorder is a guest: if dynamo's stance cannot be set, regions run eager (each op recorded), as with
+    compiled="eager", with one warning; nothing reaches the job."""
+    import torch._dynamo.eval_frame as ef
+
+    def refuse(stance):
+        raise RuntimeError("no stance today")
+
+    model = _mlp()
+    x = torch.randn(5, IN)
+    cm = torch.compile(model, backend="aot_eager")
+    cm(x).sum().backward()
+    monkeypatch.setattr(ef, "_set_stance", refuse)
+    with pytest.warns(RuntimeWarning) as caught:
+        with replaydiff.record(tmp_path / "t"):
+            cm(x).sum().backward()
+    mine = [str(w.message) for w in caught if "units could not be captured" in str(w.message)]
+    assert mine == ["replaydiff: compiled regions run eager while recording (units could not be captured: "
+                    "RuntimeError: no stance today)"]
+    names = [op.name for op in open_trace(tmp_path / "t").rank(0).iter_from(0)]
+    assert not any(n.startswith("compiled.") for n in names) and "aten.gelu.default" in names
+
+
+def test_a_unit_that_cannot_be_described_is_a_stub_and_the_job_runs_on(tmp_path, monkeypatch):
+    from replaydiff.record import units
+
+    plain = _run("aot_eager")
+    torch._dynamo.reset()
+
+    def broken(*a, **k):
+        raise ValueError("cannot describe")
+
+    monkeypatch.setattr(units, "_unit_before", broken)
+    with pytest.warns(RuntimeWarning):
+        recorded = _run("aot_eager", tmp_path / "t")
+    assert all(torch.equal(a, b) for a, b in zip(plain, recorded))
+    rt = open_trace(tmp_path / "t").rank(0)
+    stubs = [rt[i] for i in range(len(rt.index)) if rt.index.name[i].startswith("compiled.unit")]
+    assert [op.name for op in stubs] == ["compiled.unit.forward", "compiled.unit.backward"]
+    assert all(not op.recorded and "cannot describe" in op.not_recorded_reason for op in stubs)
+
+
+# -- CUDA (not run where there is no CUDA device; written without one to check it: see docs/design/compile.md) ----
+def _cuda_gelu_step(path) -> list[torch.Tensor]:
+    model = _mlp().cuda()
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(1)).cuda()
+    cm = torch.compile(model, backend="inductor")
+    cm(x).square().mean().backward()
+    model.zero_grad()
+    if path is None:
+        cm(x).square().mean().backward()
+    else:
+        with replaydiff.record(path):
+            cm(x).square().mean().backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_cuda_inductor_units_are_the_compiled_step_and_replay_clean(tmp_path, capsys, no_graph_cache):
+    plain = _cuda_gelu_step(None)
+    torch._dynamo.reset()
+    recorded = _cuda_gelu_step(tmp_path / "t")
+    assert all(torch.equal(a, b) for a, b in zip(plain, recorded))
+    units = _units(tmp_path / "t")
+    assert [u.name for u in units] == ["compiled.unit.forward", "compiled.unit.backward"]
+    assert any(k.startswith("triton_") for k in units[0].unit.kernels)
+    proc = run_main(capsys, "replay", str(tmp_path / "t"), "--device", "cuda")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_cuda_bug_in_inductors_erf_lowering_is_named(tmp_path, capsys, monkeypatch, no_graph_cache):
+    _wrap_erf_lowering(monkeypatch)
+    _cuda_gelu_step(tmp_path / "t")
+    proc = run_main(capsys, "replay", str(tmp_path / "t"), "--device", "cuda")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "earliest divergent node given its own inputs: erf (aten.erf.default)" in proc.stdout
+    assert "reproduces the recorded outputs bit for bit" in proc.stdout
+
+
+def test_tui_detail_pane_expands_a_unit_to_its_nodes(tmp_path):
+    from replaydiff.tui.details import op_markup
+
+    _run("aot_eager", tmp_path / "t")
+    r = replaydiff.open_trace(tmp_path / "t").rank(0)
+    fw = _units(tmp_path / "t")[0]
+    text = op_markup(r, fw.index, None, [None] * len(r))
+    assert f"[b]compiled unit[/]  forward graph {fw.unit.graph_id} of Sequential.forward" in text
+    assert f"aot_eager: {len(fw.unit.calls())} nodes, 0 kernels" in text
+    assert "  gelu = aten.gelu.default  [dim]Sequential.1 (GELU)[/]" in text
+
+
+def test_recording_regions_as_units_gives_no_warning(tmp_path):
+    import warnings
+
+    model = _mlp()
+    cm = torch.compile(model, backend="aot_eager")
+    x = torch.randn(5, IN)
+    cm(x).sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with replaydiff.record(tmp_path / "t"):
+            cm(x).sum().backward()
+    assert [str(w.message) for w in caught if "replaydiff" in str(w.message)] == []
+    regions = open_trace(tmp_path / "t").rank(0).compiled_regions
+    assert regions and all(r.units and r.how == "compiled" for r in regions)
+
+
+def test_a_unit_as_wrong_as_eager_at_its_dtype_is_not_a_fault(tmp_path, capsys):
+    """The dtype's own error is the graph run eagerly at the recorded dtype: a cancellation that float32 cannot
+    hold (far over the fixed limits against float64) is what eager makes too, so the unit is ok, with the reason."""
+    def f(x):
+        return (x + 1e3) - 1e3  # float32 keeps ~4 digits of x here
+
+    cf = torch.compile(f, backend="aot_eager")
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    cf(x)
+    with replaydiff.record(tmp_path / "t"):
+        cf(x)
+    proc = run_main(capsys, "replay", str(tmp_path / "t"), "--json", "-")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import json
+
+    (unit,) = [o for o in json.loads(proc.stdout)["ops"] if o["op"].startswith("compiled.unit")]
+    assert unit["status"] == "ok" and unit["metrics"]["norm_max"] > 16, unit
+    assert "own error at" in unit["reason"] or "ill-conditioned" in unit["reason"], unit["reason"]
