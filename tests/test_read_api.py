@@ -40,8 +40,7 @@ def tiny_trace(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("doc,heading", [("README.md", "## Reading a trace from Python"),
-                                         ("docs/trace-format.md", "# Reading a trace from Python")])
+@pytest.mark.parametrize("doc,heading", [("docs/trace-format.md", "# Reading a trace from Python")])
 def test_readme_example_runs_as_written(tiny_trace: Path, tmp_path: Path, doc: str, heading: str) -> None:
     text = (ROOT / doc).read_text()
     section = text[text.index(heading):]
