@@ -69,8 +69,10 @@ def run(args: argparse.Namespace) -> int:
     from replaydiff.report import render_replay, report_to_json
 
     from replaydiff.replay.distributed import launched_by_torchrun, replay_sharded
+    from replaydiff.replay.engine import keep_freed_memory
 
     opts = options_from_args(args)
+    keep_freed_memory()  # this process is replay's own
     if launched_by_torchrun():  # one of K processes: each replays its share, process 0 writes the report
         if args.workers != 1:
             raise UsageError("--workers and torchrun do not mix: torchrun's processes are the workers")
