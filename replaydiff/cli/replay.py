@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from replaydiff.cli.tolerance_args import add_tolerance_args, tolerances_from_args
 from replaydiff.errors import EXIT_DIVERGENT, EXIT_OK, UsageError
@@ -17,6 +18,8 @@ from replaydiff.replay.policy import PRECISIONS
 
 NAME = "replay"
 HELP = "replay each op in isolation and name the first divergent one"
+# Without a terminal (a batch job's log) a line of progress, with the time left, this often.
+_PLAIN_PROGRESS_SECONDS = 30.0
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
@@ -46,6 +49,13 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference-module", dest="reference_modules", action="append", default=[], metavar="MODULE",
                    help="import MODULE first: it registers references for custom ops with "
                         "replaydiff.register_reference(op_name, fn) (repeatable)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the results an interrupted replay of this trace with the same options had judged and "
+                        "replay only the rest (the report is the same as one whole run's)")
+    p.add_argument("--journal", metavar="DIR",
+                   help="folder for the journal of judged ops that --resume reads (default: "
+                        "$XDG_CACHE_HOME/replaydiff/journals, else ~/.cache/replaydiff/journals); a finished replay "
+                        "removes its journal")
     add_tolerance_args(p)
     p.add_argument("--json", metavar="FILE|-", help="write the replaydiff.replay/1 JSON report ('-' for stdout)")
 
@@ -81,9 +91,22 @@ def run(args: argparse.Namespace) -> int:
         if report is None:
             return EXIT_OK
     else:
-        with progress_bar("replaying") as (set_total, advance):
-            report = replay_trace(args.trace, opts, workers=args.workers, progress_total=set_total,
-                                  progress=advance)
+        from replaydiff.replay.journal import default_dir
+
+        def resumed(count: int, path: Path) -> None:
+            sys.stderr.write(f"replaydiff: resuming: {count} op(s) judged by an earlier run kept ({path})\n"
+                             if count else f"replaydiff: nothing to resume ({path} holds no results of this "
+                                           f"replay): replaying every op\n")
+
+        try:
+            with progress_bar("replaying", plain_every=_PLAIN_PROGRESS_SECONDS) as (set_total, advance):
+                report = replay_trace(args.trace, opts, workers=args.workers, progress_total=set_total,
+                                      progress=advance, journal=args.journal or default_dir(), resume=args.resume,
+                                      on_resumed=resumed)
+        except KeyboardInterrupt:
+            sys.stderr.write("replaydiff: the ops judged so far are kept: the same command with --resume replays "
+                             "only the rest\n")
+            raise
     for w in report.warnings:
         sys.stderr.write(f"replaydiff: warning: {w}\n")
     if args.json:
