@@ -109,7 +109,7 @@ class OpBuilder:
         self.autograd_versions = False  # set by module granularity (module_stats.py)
 
     # -- tensors ----------------------------------------------------------------------------------------------
-    def ref(self, t: torch.Tensor, store: bool) -> dict:
+    def ref(self, t: torch.Tensor, store: bool | str) -> dict:
         device = t.device
         dev = _DEVICE_NAMES.get(device)
         if dev is None:
@@ -136,7 +136,7 @@ class OpBuilder:
                                 t.is_conj(), t.is_neg())
         if not store:
             return ref
-        if self.mode == "full" and (self.max_bytes is None or entry.nbytes <= self.max_bytes):
+        if self.mode == "full" and store is not STATS and (self.max_bytes is None or entry.nbytes <= self.max_bytes):
             if entry.chunk is None:
                 entry.chunk = self._snapshot(storage, t.element_size(), entry.version)
                 if self.verify and storage.device.type == "cpu":
@@ -258,7 +258,7 @@ class OpBuilder:
         for record in records:
             self.rec.writer.add_op(record)
 
-    def encode(self, v: Any, store: bool = True) -> Any:
+    def encode(self, v: Any, store: bool | str = True) -> Any:
         return schema.encode_value(v, lambda t: self.ref(t, store))
 
 
@@ -270,12 +270,18 @@ def _fill_cells(pending: list[tuple[list, Any]]) -> None:
 
 
 class Pending:
-    __slots__ = ("record", "written", "uninitialised")
+    __slots__ = ("record", "written", "uninitialised", "store")
 
-    def __init__(self, record: dict | None, written: list, uninitialised: bool) -> None:
+    def __init__(self, record: dict | None, written: list, uninitialised: bool, store: bool | str = True) -> None:
         self.record = record
         self.written = written
         self.uninitialised = uninitialised
+        self.store = store
+
+
+# ``store`` of an op outside the record filter when the flight recorder keeps full tensors for the filter's ops:
+# statistics, no data (what the flight recorder's NaN/Inf trigger reads, and what trend and show print).
+STATS = "stats"
 
 
 def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: tuple,
@@ -296,14 +302,18 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
         fwd, module = ctx.backward_of(node, module)
     written = written_args(info, args, kwargs) if info.writes else []
     opts = rec.options
+    store: bool | str = True
     if not (aten.matches_any(name, opts.ops) and (not opts.modules or aten.matches_any(module, opts.modules))):
-        # Numbered with a stub record (the index and the UI see every op), not stored. What it writes still makes
-        # new storage versions: a later stored op must not be given the bytes from before this write.
-        stub = schema.wire_op(index, name, phase, module, fwd, None)
-        if rec.step is not None:
-            schema.wire_set_step(stub, rec.step)
-        b.add_op(schema.wire_not_recorded(stub, "filtered out (record options ops/modules)"))
-        return Pending(None, written, info.uninitialised) if written or info.uninitialised else None
+        if opts.flight and b.mode == "full":
+            store = STATS  # the flight recorder keeps full tensors for the filter's ops, statistics for the rest
+        else:
+            # Numbered with a stub record (the index and the UI see every op), not stored. What it writes still
+            # makes new storage versions: a later stored op must not be given the bytes from before this write.
+            stub = schema.wire_op(index, name, phase, module, fwd, None)
+            if rec.step is not None:
+                schema.wire_set_step(stub, rec.step)
+            b.add_op(schema.wire_not_recorded(stub, "filtered out (record options ops/modules)"))
+            return Pending(None, written, info.uninitialised) if written or info.uninitialised else None
     where = ctx.source()
     source, text = where if where is not None else (None, None)
     record = schema.wire_op(index, name, phase, module, fwd, source, text)
@@ -314,16 +324,16 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
         schema.wire_set_collective(record, coll)
         if not aten.is_wait_only(name):
             rec.writer.enter_collective(schema.wire_entered(index, name, phase, module, source, coll))
-    if info.seeded and b.mode == "full":  # generator state is data: only "full" traces store any
+    if info.seeded and b.mode == "full" and store is True:  # generator state is data: only "full" stores any
         state = rec.rng_state(args, kwargs)
         if state is not None:
             schema.wire_set_rng(record, *state)
     # Arguments the op writes are described as they are now, before the op.
-    schema.wire_set_inputs(record, b.encode(list(args)), {k: b.encode(v) for k, v in kwargs.items()})
+    schema.wire_set_inputs(record, b.encode(list(args), store), {k: b.encode(v, store) for k, v in kwargs.items()})
     # Inputs the op will write get their statistics now, as they are before it.
     if written:
         b.flush_stats()
-    return Pending(record, written, info.uninitialised)
+    return Pending(record, written, info.uninitialised, store)
 
 
 def record_after(rec: RecorderLike, b: OpBuilder, p: Pending, func: Any, args: tuple, kwargs: dict,
@@ -344,8 +354,8 @@ def record_after(rec: RecorderLike, b: OpBuilder, p: Pending, func: Any, args: t
     if p.uninitialised:
         schema.wire_set_outputs(record, b.encode(out, store=False), None, True)
     else:
-        writes = [(path, b.encode(v)) for path, v in p.written] if p.written else None
-        schema.wire_set_outputs(record, b.encode(out), writes, False)
+        writes = [(path, b.encode(v, p.store)) for path, v in p.written] if p.written else None
+        schema.wire_set_outputs(record, b.encode(out, p.store), writes, False)
     b.add_op(record)
 
 
