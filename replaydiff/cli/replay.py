@@ -86,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
     if launched_by_torchrun():  # one of K processes: each replays its share, process 0 writes the report
         if args.workers != 1:
             raise UsageError("--workers and torchrun do not mix: torchrun's processes are the workers")
+        if args.resume:
+            raise UsageError("--resume needs the journal of one replaying process (with --workers if you like), "
+                             "not torchrun's")
         with progress_bar("replaying") as (set_total, advance):
             report = replay_sharded(args.trace, opts, set_total, advance)
         if report is None:
