@@ -164,7 +164,7 @@ def main() -> None:
             for name in ("full", "stats"):
                 v = r.get(name)
                 row.append("-" if v is None else f"{v['recorded_s'] / v['plain_s']:.1f}x / {fmt_bytes(v['bytes'])} / "
-                                                 f"+{v['added_mib']:.0f} MB")
+                                                 f"{v['added_mib']:+.0f} MB")
             m = r.get("module")
             row.append("-" if m is None else f"{m['recorded_s'] / m['plain_s']:.2f}x")
             for w in workers:
