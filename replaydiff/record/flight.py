@@ -10,8 +10,9 @@ loss (the last forward op before backward starts), once that step ends; on SIGTE
 With ``tensors="full"`` and a ``modules``/``ops`` filter (the suspect), the ops the filter matches keep their tensors'
 bytes and the others statistics (``mode.STATS``), so one run of the job catches the step where the suspect goes
 wrong, ready to replay. The copies are held in memory of the flight recorder's own (anonymous mappings, outside the
-job's heap) and count against the same ``flight_mib`` as the records: older steps go first; a copy the step in
-progress cannot fit even alone is left out, and its ops say their data is not stored. Every step is
+job's heap) and count against the same ``flight_mib`` as the records: older steps go first; a copy that does not
+fit beside what the step in progress already holds is left out (the manifest's lost list says how many), and its
+ops read as not stored. Every step is
 self-contained (the recorder forgets its storages between steps), so dropping a whole step loses nothing later
 steps need.
 """
