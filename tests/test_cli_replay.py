@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,18 @@ from replaydiff.report import report_to_json
 from replaydiff.trace.format import DATA_DIR, MANIFEST, OPS_DIR
 
 OP_KEYS = {"rank", "index", "op", "status", "module", "phase", "source", "forward_index", "metrics", "reason"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def journals_in_a_temporary_cache(tmp_path_factory):
+    """The CLI keeps a journal of judged ops in the user's cache folder: here in a temporary one."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if before is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
 
 
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:

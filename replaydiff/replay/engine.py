@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from replaydiff.aten import matches_any
-from replaydiff.errors import EnvironmentProblem, UsageError
+from replaydiff.errors import EnvironmentProblem, TraceError, UsageError
 from replaydiff.replay.collectives import CollectiveChecker
 from replaydiff.replay.replicas import first_replica_break
 from replaydiff.replay.policy import ReplayOptions, reference_settings
@@ -336,6 +336,9 @@ def replay_trace(path: str, opts: ReplayOptions, workers: int = 1,
     try:
         results = _run(trace, p, opts, workers, progress, on_result, log)
         finished = True
+    except TraceError:
+        finished = True  # a damaged trace: nothing to resume, so no journal left behind
+        raise
     finally:
         if log is not None:
             log.close(finished)

@@ -16,7 +16,7 @@ import os
 import time
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import msgpack
 
@@ -92,6 +92,7 @@ class Journal:
         self._fh: Any = None
         self._last_flush = 0.0
         self.count = 0
+        self._kept = False
 
     def judged(self) -> list[OpResult]:
         """The results an earlier, interrupted run of the same replay wrote (none if its trace or options differ,
@@ -116,7 +117,7 @@ class Journal:
             pass
         return out
 
-    def start(self, kept: Iterable[OpResult]) -> None:
+    def start(self, kept: list[OpResult]) -> None:
         """Begin the journal anew with ``kept`` (what a resumed run keeps) and open it for appending."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
@@ -127,6 +128,7 @@ class Journal:
         os.replace(tmp, self.path)
         self._fh = open(self.path, "ab")
         self._last_flush = time.monotonic()
+        self._kept = bool(kept)
 
     def add(self, r: OpResult) -> None:
         if self._fh is None:
@@ -143,10 +145,11 @@ class Journal:
             self._last_flush = now
 
     def close(self, finished: bool) -> None:
-        """Flush and close; a finished replay's journal is removed (only ours: the file we wrote)."""
+        """Flush and close. The journal is removed (only ours: the file we wrote) when the replay finished, or when
+        it holds no result to resume from."""
         if self._fh is None:
             return
         self._fh.close()
         self._fh = None
-        if finished:
+        if finished or (self.count == 0 and not self._kept):
             self.path.unlink(missing_ok=True)
