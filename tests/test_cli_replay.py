@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,18 @@ from replaydiff.report import report_to_json
 from replaydiff.trace.format import DATA_DIR, MANIFEST, OPS_DIR
 
 OP_KEYS = {"rank", "index", "op", "status", "module", "phase", "source", "forward_index", "metrics", "reason"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def journals_in_a_temporary_cache(tmp_path_factory):
+    """The CLI keeps a journal of judged ops in the user's cache folder: here in a temporary one."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if before is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
 
 
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -377,3 +390,71 @@ def test_ops_that_could_not_be_replayed_are_not_clean(tmp_path):
     report = _run_cli_from(cwd, "report", str(path), "--replay", str(tmp_path / "r.json"), "--no-probe")
     assert report.returncode == 1, report.stdout + report.stderr
     assert f"| ops that could not be replayed | {len(addmm)} | 0 | FAIL |" in report.stdout, report.stdout
+
+
+class _Interrupt(KeyboardInterrupt):
+    pass
+
+
+def test_an_interrupted_replay_resumes_from_what_it_had_judged(mlp_fault, tmp_path):
+    """Ctrl-C after 20 ops, then `replay --resume`: only the other ops are replayed, and the report is the one an
+    uninterrupted run gives (the planted op named, every status and figure the same)."""
+    from replaydiff.replay import replay_trace
+    from replaydiff.replay.policy import ReplayOptions
+
+    path, index = mlp_fault
+    journal = tmp_path / "journal"
+    seen: list[int] = []
+
+    def stop_after_20(r: OpResult) -> None:
+        seen.append(r.index)
+        if len(seen) == 20:
+            raise _Interrupt()
+
+    with pytest.raises(_Interrupt):
+        replay_trace(str(path), ReplayOptions(), journal=journal, on_result=stop_after_20)
+    assert len(list(journal.iterdir())) == 1  # the journal is kept for --resume
+
+    whole = run_cli("replay", str(path), "--json", "-", "--journal", str(tmp_path / "other"))
+    resumed = run_cli("replay", str(path), "--json", "-", "--resume", "--journal", str(journal))
+    assert resumed.returncode == whole.returncode == 1, resumed.stderr
+    assert "resuming: 20 op(s) judged by an earlier run kept" in resumed.stderr, resumed.stderr
+    assert json.loads(resumed.stdout) == json.loads(whole.stdout)
+    assert json.loads(resumed.stdout)["first_divergent"]["index"] == index
+    assert list(journal.iterdir()) == []  # a finished replay removes its journal
+
+    # Resumed in this process: the 20 judged ops are not replayed again.
+    again: list[int] = []
+    first_20 = list(seen[:20])
+    seen.clear()
+    with pytest.raises(_Interrupt):
+        replay_trace(str(path), ReplayOptions(), journal=journal, on_result=stop_after_20)
+    report = replay_trace(str(path), ReplayOptions(), journal=journal, resume=True,
+                          on_result=lambda r: again.append(r.index))
+    assert seen == first_20 and not set(again) & set(seen) and len(again) == len(report.ops) - 20
+    cli_doc = json.loads(whole.stdout)
+    assert cli_doc.pop("enters") is None  # the CLI's own field: where a difference enters a clean trace
+    assert report_to_json(report) == cli_doc
+
+
+def test_resume_ignores_a_journal_of_other_options(mlp_fault, tmp_path):
+    """A journal belongs to one trace and one set of options: --resume with other options replays every op."""
+    path, _ = mlp_fault
+    journal = tmp_path / "journal"
+    first = run_cli("replay", str(path), "--to", "5", "--journal", str(journal))
+    assert first.returncode in (0, 1)
+    proc = run_cli("replay", str(path), "--precision", "fp32", "--resume", "--journal", str(journal))
+    assert "nothing to resume" in proc.stderr, proc.stderr
+
+
+def test_progress_without_a_terminal_is_a_line_with_the_time_left(capsys):
+    from replaydiff.cli.progress import PlainProgress
+
+    now = [0.0]
+    line = PlainProgress("replaying", 30.0, clock=lambda: now[0])
+    line.set_total(1000)
+    now[0] = 10.0
+    line.advance(100)  # within the first 30 s: nothing
+    now[0] = 40.0
+    line.advance(100)  # 200 in 40 s: 5/s, 800 left: 160 s
+    assert capsys.readouterr().err == "replaydiff: replaying: 200/1000 (5/s, about 2m40s left)\n"

@@ -21,6 +21,7 @@ import transformers  # part of the `test` extra
 
 import replaydiff
 from replaydiff.cli.main import main as cli_main
+from replaydiff.replay import ReplayOptions, replay_trace
 from replaydiff.report.trend import MIN_HISTORY, compute_trend
 from replaydiff.trace import open_trace
 
@@ -387,6 +388,74 @@ def test_flight_dumps_on_sigusr1_and_on_an_exception(tmp_path):
     assert "data loader died" in r.manifest["flight"]["reason"]
 
 
+class _BadKernelAt(torch.utils._python_dispatch.TorchDispatchMode):
+    """A kernel bug below the recorder (entered before it): in step ``step`` the ``call``-th ``addmm`` puts an Inf
+    into its output. ``self.step`` is set by the training loop."""
+
+    def __init__(self, step: int, call: int) -> None:
+        super().__init__()
+        self.bad_step, self.call, self.step, self.seen = step, call, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.addmm.default and self.step == self.bad_step:
+            self.seen += 1
+            if self.seen == self.call:
+                out.view(-1)[0] = float("inf")
+        return out
+
+
+def test_flight_keeps_full_tensors_of_the_suspect_module_and_replay_names_the_bad_op(tmp_path):
+    """--flight 3 with full tensors for one module: a kernel that goes wrong in step 7 of 10 (its Inf makes the loss
+    NaN) leaves a trace of steps 5-7 with the module's tensors (statistics for the rest), and replay names the op."""
+    model = gpt2(layers=1)
+    mlp = module_path(model, model.transformer.h[0].mlp)
+    bad = _BadKernelAt(step=7, call=3)  # addmm 1 and 2 are the attention's, 3 the MLP's c_fc
+
+    def mark(step: int, model, ids) -> None:
+        bad.step = step
+
+    with bad:
+        with replaydiff.record(tmp_path / "t", tensors="full", flight=3, modules=[mlp + "*"]):
+            train(model, 10, mark)
+    r = open_trace(tmp_path / "t").rank(0)
+    assert sorted({op.step for op in r}) == [5, 6, 7] and "NaN" in r.manifest["flight"]["reason"]
+    inside = [op for op in r if op.module and op.module.startswith(mlp)]
+    outside = [op for op in r if not (op.module and op.module.startswith(mlp))]
+    assert {op.step for op in inside} == {5, 6, 7}
+    assert all(ref.stored for op in inside for ref in op.outputs_refs() if not ref.uninitialised)
+    assert not any(ref.stored for op in outside for ref in op.outputs_refs() if ref.nbytes)
+    assert all(ref.stats is not None for op in outside for ref in op.outputs_refs() if ref.version is not None)
+
+    report = replay_trace(str(tmp_path / "t"), ReplayOptions())
+    culprit = report.first_divergent
+    c_fc = [op for op in inside if op.step == 7 and op.name == "aten.addmm.default" and op.phase == "forward"]
+    assert culprit is not None and (culprit.index, culprit.op) == (c_fc[0].index, "aten.addmm.default")
+    assert culprit.module == mlp + ".c_fc"
+
+
+def test_flight_with_full_tensors_stays_within_its_memory(tmp_path):
+    """The copies count against flight_mib with the records: older steps go first, and copies that do not fit
+    beside what is held are left out (the lost list says so; their ops read as not stored, replayed as skipped)."""
+    model = gpt2(layers=1)
+    mlp = module_path(model, model.transformer.h[0].mlp)
+    budget = 0.02  # MiB: less than one step's copies of the MLP
+    with replaydiff.record(tmp_path / "t", tensors="full", flight=4, modules=[mlp + "*"], flight_at_exit=True,
+                           flight_mib=budget):
+        train(model, 5)
+    r = open_trace(tmp_path / "t").rank(0)
+    stored = {ref.version: ref.nbytes for op in r for ref in [*op.inputs(), *op.outputs_refs()]
+              if ref.chunk is not None}
+    assert 0 < sum(stored.values()) <= budget * (1 << 20)
+    assert any("left out to stay within 0.02 MiB" in line for line in r.lost), r.lost
+    assert any("older step(s) were dropped" in line for line in r.lost), r.lost
+    report = replay_trace(str(tmp_path / "t"), ReplayOptions())
+    counts = report.counts()
+    assert counts["error"] == 0 and counts["ok"] > 0
+    assert "inputs not stored in the trace (recorded with tensors=meta/stats or a filter)" in {
+        o.reason for o in report.ops if o.status.value == "skipped"}
+
+
 # -- the CLI -------------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_record_cli_steps_and_module_granularity(tmp_path):
@@ -440,7 +509,7 @@ def test_record_cli_flight_dumps_on_sigterm_and_the_process_still_dies_of_it(tmp
 
 
 @pytest.mark.parametrize("bad", [["--steps", "5-2"], ["--steps", "x"], ["--flight", "0"],
-                                 ["--flight", "3", "--tensors", "full"]])
+                                 ["--flight", "3", "--tensors", "full"]])  # full needs a filter
 def test_record_cli_rejects_bad_step_options(tmp_path, capsys, bad):
     assert cli_main(["record", *bad, "-o", str(tmp_path / "t"), "--", "true"]) == 2
     assert capsys.readouterr().err

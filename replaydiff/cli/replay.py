@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from replaydiff.cli.tolerance_args import add_tolerance_args, tolerances_from_args
 from replaydiff.errors import EXIT_DIVERGENT, EXIT_OK, UsageError
@@ -17,6 +18,8 @@ from replaydiff.replay.policy import PRECISIONS
 
 NAME = "replay"
 HELP = "replay each op in isolation and name the first divergent one"
+# Without a terminal (a batch job's log) a line of progress, with the time left, this often.
+_PLAIN_PROGRESS_SECONDS = 30.0
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
@@ -46,6 +49,13 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference-module", dest="reference_modules", action="append", default=[], metavar="MODULE",
                    help="import MODULE first: it registers references for custom ops with "
                         "replaydiff.register_reference(op_name, fn) (repeatable)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the results an interrupted replay of this trace with the same options had judged and "
+                        "replay only the rest (the report is the same as one whole run's)")
+    p.add_argument("--journal", metavar="DIR",
+                   help="folder for the journal of judged ops that --resume reads (default: "
+                        "$XDG_CACHE_HOME/replaydiff/journals, else ~/.cache/replaydiff/journals); a finished replay "
+                        "removes its journal")
     add_tolerance_args(p)
     p.add_argument("--json", metavar="FILE|-", help="write the replaydiff.replay/1 JSON report ('-' for stdout)")
 
@@ -70,19 +80,37 @@ def run(args: argparse.Namespace) -> int:
     from replaydiff.report.entry import entry_of_clean_replay, one_step_note
 
     from replaydiff.replay.distributed import launched_by_torchrun, replay_sharded
+    from replaydiff.replay.engine import keep_freed_memory
 
     opts = options_from_args(args)
+    keep_freed_memory()  # this process is replay's own
     if launched_by_torchrun():  # one of K processes: each replays its share, process 0 writes the report
         if args.workers != 1:
             raise UsageError("--workers and torchrun do not mix: torchrun's processes are the workers")
+        if args.resume:
+            raise UsageError("--resume needs the journal of one replaying process (with --workers if you like), "
+                             "not torchrun's")
         with progress_bar("replaying") as (set_total, advance):
             report = replay_sharded(args.trace, opts, set_total, advance)
         if report is None:
             return EXIT_OK
     else:
-        with progress_bar("replaying") as (set_total, advance):
-            report = replay_trace(args.trace, opts, workers=args.workers, progress_total=set_total,
-                                  progress=advance)
+        from replaydiff.replay.journal import default_dir
+
+        def resumed(count: int, path: Path) -> None:
+            sys.stderr.write(f"replaydiff: resuming: {count} op(s) judged by an earlier run kept ({path})\n"
+                             if count else f"replaydiff: nothing to resume ({path} holds no results of this "
+                                           f"replay): replaying every op\n")
+
+        try:
+            with progress_bar("replaying", plain_every=_PLAIN_PROGRESS_SECONDS) as (set_total, advance):
+                report = replay_trace(args.trace, opts, workers=args.workers, progress_total=set_total,
+                                      progress=advance, journal=args.journal or default_dir(), resume=args.resume,
+                                      on_resumed=resumed)
+        except KeyboardInterrupt:
+            sys.stderr.write("replaydiff: the ops judged so far are kept: the same command with --resume replays "
+                             "only the rest\n")
+            raise
     for w in report.warnings:
         sys.stderr.write(f"replaydiff: warning: {w}\n")
     entry = entry_of_clean_replay(args.trace, report, opts)  # where a difference comes into a clean trace

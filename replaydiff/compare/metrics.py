@@ -151,11 +151,14 @@ def measure(rec: torch.Tensor, ref: torch.Tensor, exact: bool = False) -> Measur
         # Fast path: when every difference is finite, both tensors are finite and no masking is needed.
         # Two batched norm calls give all five reductions; the dot product for the cosine follows from the norms
         # (2 a.b = |a|^2 + |b|^2 - |a-b|^2), which is exact enough for a similarity reported to a few digits.
+        # The largest magnitudes come from aminmax (one vectorised pass): _foreach_norm's inf-norm is ~15x slower
+        # on the CPU and took 60% of the replay of a large trace.
         d = a - b
         l2d, l2b, l2a = torch._foreach_norm([d, b, a], 2)
-        mx_d, mx_b = torch._foreach_norm([d, b], math.inf)
-        vals = torch.stack([mx_d, mx_b, l2d, l2b, l2a]).tolist()
-        if all(map(math.isfinite, vals)):
+        (lo_d, hi_d), (lo_b, hi_b) = torch.aminmax(d), torch.aminmax(b)
+        raw = torch.stack([lo_d, hi_d, lo_b, hi_b, l2d, l2b, l2a]).tolist()
+        if all(map(math.isfinite, raw)):
+            vals = [max(-raw[0], raw[1]), max(-raw[2], raw[3])] + raw[4:]
             dot = (vals[4] ** 2 + vals[3] ** 2 - vals[2] ** 2) / 2
             return _finish(vals + [dot, 0.0, 0.0, 0.0], eps)
     fa, fb = torch.isfinite(a), torch.isfinite(b)

@@ -6,11 +6,23 @@ at most ``flight`` steps and at most ``flight_mib`` MiB of encoded records (olde
 recorded always stays). Nothing touches the disk until ``dump()``: on the first NaN/Inf in a gradient or in the
 loss (the last forward op before backward starts), once that step ends; on SIGTERM/SIGUSR1 or an exception
 (``steps.py`` installs those triggers); at exit only with ``flight_at_exit``. One dump per recording.
+
+With ``tensors="full"`` and a ``modules``/``ops`` filter (the suspect), the ops the filter matches keep their tensors'
+bytes and the others statistics (kept with the reason "filtered", as every filtered op is), so one run of the job catches the step where the suspect goes
+wrong, ready to replay. The copies are held in memory of the flight recorder's own (anonymous mappings, outside the
+job's heap) and count against the same ``flight_mib`` as the records: older steps go first; a copy that does not
+fit beside what the step in progress already holds is left out (the manifest's lost list says how many), and its
+ops read as not stored. Every step is
+self-contained (the recorder forgets its storages between steps), so dropping a whole step loses nothing later
+steps need.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,9 +30,42 @@ import msgpack
 
 from replaydiff.trace import schema
 from replaydiff.trace.schema import OpRecord
-from replaydiff.trace.writer import RankWriter
+from replaydiff.trace.writer import RankWriter, Snapshot
 
 log = logging.getLogger("replaydiff")
+
+
+class _Copy:
+    """Memory for one tensor copy (what ``trace.staging.Slot`` is to the writer): an anonymous mapping of its own,
+    or, for a copy left out to keep within the budget, a scratch mapping dropped right after the copy."""
+
+    __slots__ = ("view", "address", "nbytes", "dropped", "_mm", "_anchor")
+
+    def __init__(self, nbytes: int, dropped: bool, pinned: bool = False) -> None:
+        self.nbytes = nbytes
+        self.dropped = dropped
+        self._mm = self._anchor = None
+        self.view: memoryview | None = None if pinned else memoryview(bytearray())
+        self.address = 0
+        if nbytes and not pinned:  # pinned: a reservation (a GPU copy goes to torch's pinned memory)
+            self._mm = mmap.mmap(-1, nbytes)
+            self._anchor = ctypes.c_char.from_buffer(self._mm)
+            self.address = ctypes.addressof(self._anchor)
+            self.view = memoryview(self._mm)
+
+
+@dataclass
+class _Step:
+    step: int | None
+    ops: int
+    blob: bytes  # the step's op records, msgpack
+    snapshots: list = field(default_factory=list)  # Snapshot of each copy kept
+    data: int = 0  # bytes of those copies
+    left_out: int = 0  # copies left out (over the budget)
+
+    @property
+    def held(self) -> int:
+        return len(self.blob) + self.data
 
 
 class FlightBuffer:
@@ -32,10 +77,13 @@ class FlightBuffer:
         self._closing_facts = closing_facts
         self.budget = int(options.flight_mib * (1 << 20))
         self.keep = int(options.flight)
-        self._ring: deque[tuple[int | None, int, bytes]] = deque()  # (step, ops, encoded records)
-        self._held = 0  # encoded bytes in the ring
+        self._ring: deque[_Step] = deque()
+        self._held = 0  # bytes of the finished steps in the ring (records and copies)
         self._step: int | None = None
         self._current: list[dict] = []
+        self._snapshots: list[Snapshot] = []  # copies of the step in progress
+        self._data = 0  # their bytes
+        self._left_out = 0  # copies of the step in progress left out
         self._last_forward: dict | None = None
         self._seen_backward = False
         self.dropped_for_budget = 0
@@ -43,6 +91,10 @@ class FlightBuffer:
         self.failed = False
         self.trigger: str | None = None  # why a dump is due
         self.dumped_to: Path | None = None
+        # RankWriter's accounts that the recorder's data budget reads: ops kept with statistics only (the filter's
+        # others), and bytes of records (no --budget with the flight recorder, so never compared with one).
+        self.left_out = schema.LeftOutTally()
+        self.records_bytes = 0
 
     # -- what the recorder calls (RankWriter's interface) ------------------------------------------------------
     def add_op(self, record: dict) -> None:
@@ -69,8 +121,43 @@ class FlightBuffer:
             self._last_forward = record
         self._current.append(record)
 
-    def add_snapshot(self, snap: Any) -> int:
-        raise ValueError("the flight recorder keeps statistics only; it stores no tensor data")
+    # -- copies (full tensors of the filter's ops): the recorder's OpBuilder calls staging.take/reserve, then
+    # add_snapshot; this buffer is its own staging memory.
+    @property
+    def staging(self) -> "FlightBuffer":
+        return self
+
+    def take(self, n: int) -> _Copy:
+        return _Copy(n, dropped=not self._room(n))
+
+    def reserve(self, n: int) -> _Copy:
+        return _Copy(n, dropped=not self._room(n), pinned=True)
+
+    def release(self, slot: Any) -> None:
+        """A copy the recorder gave up on (its op failed): counted no more."""
+        if isinstance(slot, _Copy) and not slot.dropped:
+            self._data -= slot.nbytes
+            slot.dropped = True
+
+    def _room(self, n: int) -> bool:
+        """Count ``n`` more bytes of the step in progress, dropping the oldest finished steps to fit; False when
+        they cannot fit even so (the copy is then left out)."""
+        while self._ring and self._held + self._data + n > self.budget:
+            self._drop_oldest(for_budget=True)
+        if self._held + self._data + n > self.budget:
+            return False
+        self._data += n
+        return True
+
+    def add_snapshot(self, snap: Snapshot) -> int:
+        """Keep a copy with the step in progress. The number returned stands for a data file until ``dump`` writes
+        them (then every record is pointed at the file that holds its bytes: schema.wire_rechunk)."""
+        slot = snap.slot
+        if isinstance(slot, _Copy) and slot.dropped:
+            self._left_out += 1
+            return -1
+        self._snapshots.append(snap)
+        return 0
 
     def note_lost(self, what: str) -> None:
         if len(self.lost) < 100:
@@ -104,25 +191,38 @@ class FlightBuffer:
             return
         if self._current:
             blob = msgpack.packb(self._current, use_bin_type=True)
-            self._ring.append((self._step, len(self._current), blob))
-            self._held += len(blob)
-        self._current = []
+            done = _Step(self._step, len(self._current), blob, self._snapshots, self._data, self._left_out)
+            self._ring.append(done)
+            self._held += done.held
+        else:
+            self._free(self._snapshots)
+        self._current, self._snapshots, self._data, self._left_out = [], [], 0, 0
         while len(self._ring) > self.keep or (self._held > self.budget and len(self._ring) > 1):
-            step, _, blob = self._ring.popleft()
-            self._held -= len(blob)
-            if len(self._ring) < self.keep:
-                self.dropped_for_budget += 1
+            self._drop_oldest(for_budget=len(self._ring) <= self.keep)
         if self.trigger is not None:
             self.dump(self.trigger)
 
+    def _drop_oldest(self, for_budget: bool) -> None:
+        old = self._ring.popleft()
+        self._held -= old.held
+        self._free(old.snapshots)
+        if for_budget:
+            self.dropped_for_budget += 1
+
+    @staticmethod
+    def _free(snapshots: list[Snapshot]) -> None:
+        for snap in snapshots:
+            snap.data = None  # the mapping goes with its last view  # type: ignore[assignment]
+
     @property
     def held_bytes(self) -> int:
-        """Encoded bytes of the finished steps held (one step over the budget alone is kept)."""
+        """Bytes of the finished steps held: encoded records and tensor copies (one step over the budget alone is
+        kept)."""
         return self._held
 
     @property
     def steps_held(self) -> list[int | None]:
-        return [s for s, _, _ in self._ring]
+        return [s.step for s in self._ring]
 
     # -- writing -------------------------------------------------------------------------------------------------
     def dump(self, reason: str) -> Path | None:
@@ -133,27 +233,42 @@ class FlightBuffer:
         try:
             # The last K steps, the one in progress included.
             while self._ring and len(self._ring) + (1 if self._current else 0) > self.keep:
-                self._held -= len(self._ring.popleft()[2])
-            steps = [s for s, _, _ in self._ring] + ([self._step] if self._current else [])
+                self._drop_oldest(for_budget=False)
+            steps = list(self._ring)
+            if self._current:
+                steps.append(_Step(self._step, len(self._current), b"", self._snapshots, self._data, self._left_out))
             manifest = dict(self._manifest, flight={
-                "reason": reason, "steps": steps, "keep": self.keep, "budget_mib": o.flight_mib,
+                "reason": reason, "steps": [s.step for s in steps], "keep": self.keep, "budget_mib": o.flight_mib,
                 "held_bytes": self._held, "dropped_for_budget": self.dropped_for_budget})
             writer = RankWriter(self.root, manifest, o.compress, o.shuffle, o.chunk_ops, o.chunk_bytes,
                                 o.flush_seconds)
-            for _, _, blob in self._ring:
-                for record in msgpack.unpackb(blob, raw=False, strict_map_key=False):
+            left_out = 0
+            for st in steps:
+                # Each copy goes to the writer's data files (not its staging memory: the bytes are ours, freed
+                # after the writer closes); each record is pointed at the file that holds its copies.
+                chunks = {snap.version: writer.add_snapshot(Snapshot(snap.version, snap.data, snap.itemsize,
+                                                                     snap.event))
+                          for snap in st.snapshots}
+                records = msgpack.unpackb(st.blob, raw=False, strict_map_key=False) if st.blob else self._current
+                for record in records:
+                    if chunks or st.left_out:
+                        schema.wire_rechunk(record, chunks)
                     writer.add_op(record)
-            for record in self._current:
-                writer.add_op(record)
+                left_out += st.left_out
             if self.dropped_for_budget:
                 writer.note_lost(f"{self.dropped_for_budget} older step(s) were dropped to stay within "
                                  f"{o.flight_mib} MiB")
+            if left_out:
+                writer.note_lost(f"{left_out} tensor copies were left out to stay within {o.flight_mib} MiB: "
+                                 f"their ops keep no data")
             for line in self.lost:
                 writer.note_lost(line)
             writer.close(self._closing_facts())
             self.dumped_to = self.root
+            for st in steps:
+                self._free(st.snapshots)
             self._ring.clear()
-            self._current = []
+            self._current, self._snapshots, self._data = [], [], 0
             self._held = 0
         except Exception as exc:  # never into the job: one warning
             self.failed = True

@@ -59,7 +59,8 @@ class RecordOptions:
     steps: str | None = None
     granularity: str = "op"
     # Flight recorder (flight.py): keep the last `flight` steps in memory (at most flight_mib MiB, encoded) and write
-    # them only when a gradient or the loss turns NaN/Inf, on SIGTERM/SIGUSR1, or when the script raises.
+    # them only when a gradient or the loss turns NaN/Inf, on SIGTERM/SIGUSR1, or when the script raises. With
+    # tensors="full" and a modules/ops filter: full tensors of the matching ops, statistics of the others.
     flight: int | None = None
     flight_mib: float = 64.0
     flight_at_exit: bool = False  # also write the last steps when the process ends normally
@@ -95,8 +96,9 @@ class RecordOptions:
         if self.flight is not None:
             if self.flight < 1 or self.flight_mib <= 0:
                 raise ValueError("flight needs a positive number of steps and flight_mib > 0")
-            if self.tensors == "full":
-                raise ValueError("the flight recorder keeps statistics in memory: use tensors='stats' (or 'meta')")
+            if self.tensors == "full" and not (self.modules or self.ops):
+                raise ValueError("the flight recorder keeps full tensors only for a filter (modules= or ops=: the "
+                                 "suspect), statistics for the rest; without one use tensors='stats' (or 'meta')")
         if self.budget is not None:
             if not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget <= 0:
                 raise ValueError(f"budget must be a positive number of bytes, not {self.budget!r}")

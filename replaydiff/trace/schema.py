@@ -630,6 +630,38 @@ def wire_set_chunk(ref: dict, chunk: int) -> None:
     ref[_CHUNK] = chunk
 
 
+def wire_rechunk(rec: dict, chunks: dict[int, int]) -> int:
+    """Point every stored tensor of an op record (and its generator state) at the data file ``chunks`` names for its
+    storage version; a version ``chunks`` lacks has no bytes any more (the flight recorder left it out to stay
+    within its memory) and is marked not stored (a generator state: dropped). Returns how many were left out."""
+    left_out = 0
+    rng = rec.get(_RNG)
+    if isinstance(rng, dict) and _CHUNK in rng:
+        chunk = chunks.get(rng.get(_VERSION))
+        if chunk is None:
+            del rec[_RNG]
+            left_out += 1
+        else:
+            rng[_CHUNK] = chunk
+    todo: list = [rec.get(_ARGS), rec.get(_KWARGS), rec.get(_OUTPUTS), [v for _, v in rec.get(_WRITES) or []]]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, list):
+            todo.extend(v)
+        elif isinstance(v, dict):
+            if _VERSION in v and _DTYPE in v:  # a tensor reference
+                if _CHUNK in v:
+                    chunk = chunks.get(v[_VERSION])
+                    if chunk is None:
+                        del v[_CHUNK]
+                        left_out += 1
+                    else:
+                        v[_CHUNK] = chunk
+            else:  # kwargs, or a marker of a torch object (holds no tensors, cheap to look through)
+                todo.extend(v.values())
+    return left_out
+
+
 def wire_set_stats(ref: dict, stats: list | None) -> None:
     ref[_STATS] = stats
 
