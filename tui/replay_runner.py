@@ -26,21 +26,15 @@ def _replay_shard(path: str, opts: Any, shard: Any) -> list:
             os.nice(10)
         except OSError:
             pass
-    from replaydiff.replay import run_shard
-    from replaydiff.replay.engine import import_modules
-    from replaydiff.trace import open_trace
+    from replaydiff.replay.engine import replay_piece
 
-    import_modules(opts.imports)  # modules that register the trace's custom ops, as replay_trace's workers do
-    return run_shard(open_trace(path).rank(shard.rank), opts, shard)
+    return replay_piece(path, opts, shard)  # what replay_trace's workers run
 
 
 def _context() -> mp.context.BaseContext:
-    try:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["replaydiff.replay"])
-        return ctx
-    except ValueError:  # no forkserver on this platform
-        return mp.get_context("spawn")
+    from replaydiff.replay.engine import pool_context
+
+    return pool_context()
 
 
 def prepare() -> None:

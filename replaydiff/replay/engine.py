@@ -266,7 +266,7 @@ def finish(trace: Trace, p: ReplayPlan, results: list[OpResult]) -> ReplayReport
     return report
 
 
-def _pool_context() -> mp.context.BaseContext:
+def pool_context() -> mp.context.BaseContext:
     """Fresh processes (fork after torch has started threads is unsafe), started from a server that has already
     imported torch, so each worker starts in a fraction of a second instead of seconds.
 
@@ -286,7 +286,8 @@ def _pool_context() -> mp.context.BaseContext:
 _OPEN: dict[str, Trace] = {}
 
 
-def _worker(path: str, opts: ReplayOptions, shard: Shard) -> list[OpResult]:
+def replay_piece(path: str, opts: ReplayOptions, shard: Shard) -> list[OpResult]:
+    """A pool worker's job (``pool_context``): one shard of the trace at ``path``, the trace kept open for the next."""
     keep_freed_memory()
     import_modules(opts.imports + opts.reference_modules)
     trace = _OPEN.get(path)
@@ -362,9 +363,9 @@ def _run(trace: Trace, p: ReplayPlan, opts: ReplayOptions, workers: int, progres
         return results
     pieces = [piece for s in p.shards if s.indices
               for piece in s.split(max(1, min(workers * _PIECES_PER_WORKER, len(s.indices) // _MIN_PIECE)))]
-    pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context())
+    pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=pool_context())
     try:
-        futures = {pool.submit(_worker, str(trace.rank(s.rank).root), opts, s): len(s.indices) for s in pieces}
+        futures = {pool.submit(replay_piece, str(trace.rank(s.rank).root), opts, s): len(s.indices) for s in pieces}
         for fut in cf.as_completed(futures):
             part = fut.result()
             results += part
