@@ -510,3 +510,77 @@ def test_a_unit_as_wrong_as_eager_at_its_dtype_is_not_a_fault(tmp_path, capsys):
     (unit,) = [o for o in json.loads(proc.stdout)["ops"] if o["op"].startswith("compiled.unit")]
     assert unit["status"] == "ok" and unit["metrics"]["norm_max"] > 16, unit
     assert "own error at" in unit["reason"] or "ill-conditioned" in unit["reason"], unit["reason"]
+
+
+# -- diff: a compiled unit against the eager ops of its region --------------------------------------------------
+def _one_step(path, backend: str | None) -> None:
+    """One recorded forward and backward of the MLP, eager (``backend`` None) or compiled inside the recording."""
+    model = _mlp()
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(1))
+    f = model if backend is None else torch.compile(model, backend=backend)
+    with replaydiff.record(path):
+        f(x).square().mean().backward()
+
+
+def _diff_both_ways(tmp_path, capsys) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    eager, compiled = str(tmp_path / "eager"), str(tmp_path / "compiled")
+    return run_main(capsys, "diff", eager, compiled), run_main(capsys, "diff", compiled, eager)
+
+
+def test_diff_pairs_an_aot_eager_unit_with_the_eager_ops_of_its_region(tmp_path, capsys):
+    _one_step(tmp_path / "eager", None)
+    torch._dynamo.reset()
+    _one_step(tmp_path / "compiled", "aot_eager")
+    torch._dynamo.reset()
+    forward, backward = _diff_both_ways(tmp_path, capsys)
+    for proc, unit_side, eager_side in ((forward, "target", "ref"), (backward, "ref", "target")):
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert (f"compiled unit {unit_side} #0 compiled.unit.forward  Sequential.forward (torch/nn/modules/"
+                f"container.py:") in proc.stdout, proc.stdout
+        assert f"aot_eager  (forward), against {eager_side} ops #0-#4 (5 of 5 nodes mapped): same" in proc.stdout
+        assert "compiled.unit.backward" in proc.stdout and "gelu_backward" not in proc.stdout
+        assert "no difference" in proc.stdout
+
+
+def test_diff_names_the_node_where_a_faulty_aot_eager_unit_parts_from_eager(tmp_path, capsys, monkeypatch):
+    _one_step(tmp_path / "eager", None)
+    _faulty_pass(monkeypatch)
+    torch._dynamo.reset()
+    _one_step(tmp_path / "compiled", "aot_eager")
+    forward, backward = _diff_both_ways(tmp_path, capsys)
+    torch._dynamo.reset()
+    for proc, unit_side, eager_side in ((forward, "target", "ref"), (backward, "ref", "target")):
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert (f"compiled unit {unit_side} #0 compiled.unit.forward  Sequential.forward (torch/nn/modules/"
+                f"container.py:") in proc.stdout, proc.stdout
+        assert "(5 of 5 nodes mapped): divergent" in proc.stdout
+        assert (f"they part at node gelu (aten.gelu.default) in Sequential.1 (GELU) = {eager_side} #2 "
+                f"aten.gelu.default") in proc.stdout, proc.stdout
+        assert "recompiled here with aot_eager, every node kept, gives the recorded outputs bit for bit" \
+            in proc.stdout
+        assert "differences enter from compiled unit compiled.unit.forward" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", [True, False])
+def test_diff_of_eager_against_inductor_names_the_erf_node_of_a_faulty_lowering(tmp_path, capsys, monkeypatch,
+                                                                                no_graph_cache, bug):
+    _one_step(tmp_path / "eager", None)
+    if bug:
+        _wrap_erf_lowering(monkeypatch)
+    _one_step(tmp_path / "compiled", "inductor")
+    proc = run_main(capsys, "diff", str(tmp_path / "eager"), str(tmp_path / "compiled"))
+    if not bug:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "compiled unit target #0 compiled.unit.forward" in proc.stdout and ": same" in proc.stdout
+        assert "no difference" in proc.stdout
+        return
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "compiled unit target #0 compiled.unit.forward  Sequential.forward (torch/nn/modules/container.py:" \
+        in proc.stdout, proc.stdout
+    assert "inductor  (forward), against ref ops #0-#4" in proc.stdout and "): divergent" in proc.stdout
+    part = next(line for line in proc.stdout.splitlines() if "they part at" in line)
+    assert part.startswith("    they part at nodes mul (aten.mul.Tensor), mul_1 (aten.mul.Tensor), erf (aten.erf.default), "
+                           "add (aten.add.Tensor), mul_2 (aten.mul.Tensor) in Sequential.1 (GELU) = ref #2 "
+                           "aten.gelu.default; of these, erf (aten.erf.default) diverges given its own inputs"), part
+    assert "recompiled here with inductor, every node kept" in proc.stdout
