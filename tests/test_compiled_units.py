@@ -352,13 +352,83 @@ def test_compiled_shapes_of_jobs_are_recorded_as_units_and_replay_clean(tmp_path
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_repro_of_a_unit_is_refused_with_the_way_forward(tmp_path, capsys):
+def _unit_repros(tmp_path, capsys) -> tuple:
+    """`repro` of the recorded forward and backward units into tmp_path/fw and tmp_path/bw; the two units."""
+    import json
+
+    fw, bw = _units(tmp_path / "t")
+    for unit, d in ((fw, tmp_path / "fw"), (bw, tmp_path / "bw")):
+        proc = run_main(capsys, "repro", str(tmp_path / "t"), str(unit.index), "-o", str(d))
+        assert proc.returncode == 0, proc.stderr
+        data = json.loads((d / "repro.json").read_text())
+        assert [n["target"] for n in data["unit"]["nodes"] if n["kind"] == "call"] == \
+            [n.target for n in unit.unit.calls()]
+    return fw, bw
+
+
+def _script_here(capsys, d) -> tuple[int, list[str]]:
+    """The repro script imported and run in this process on directory ``d``: (exit code, lines printed)."""
+    from replaydiff import repro_script
+
+    capsys.readouterr()
+    code = repro_script.main([], directory=str(d))
+    return code, capsys.readouterr().out.splitlines()
+
+
+def _output0(lines: list[str]) -> tuple[str, str]:
+    """The first output's lines: recorded against the reference, and the device run against the reference."""
+    at = lines.index("output 0 torch.float32[5, 4]:")
+    return lines[at + 1], lines[at + 2]
+
+
+def _faulty_unit_repros(tmp_path, capsys, monkeypatch) -> tuple:
+    _faulty_pass(monkeypatch)
+    torch._dynamo.reset()
     _run("aot_eager", tmp_path / "t")
-    fw = _units(tmp_path / "t")[0]
-    proc = run_main(capsys, "repro", str(tmp_path / "t"), str(fw.index), "-o", str(tmp_path / "r"))
-    assert proc.returncode == 2
-    assert "is a compiled unit" in proc.stderr and "--compiled eager" in proc.stderr
-    assert not (tmp_path / "r").exists()
+    torch._dynamo.reset()
+    return _unit_repros(tmp_path, capsys)
+
+
+def test_repro_of_a_unit_rebuilds_its_graph_from_data_and_recompiles_it(tmp_path, capsys, monkeypatch):
+    """`repro` of a unit writes the graph as a node list; the script builds it, runs it at float64 and recompiled
+    with the recorded backend, and judges as replay does. With the compiler's fault still in this process, both the
+    recorded outputs and the script's compile are divergent; the backward, given its own inputs, is not."""
+    fw, _ = _faulty_unit_repros(tmp_path, capsys, monkeypatch)
+    code, here = _script_here(capsys, tmp_path / "fw")
+    assert code == 1, here
+    assert here[0] == (f"unit #{fw.index} compiled.unit.forward (rank 0) of {fw.unit.region}: reference = its graph "
+                       f"run eagerly on the CPU at float64; device run = the graph compiled with aot_eager on cpu at "
+                       f"the recorded dtypes")
+    recorded, device = _output0(here)
+    assert recorded.startswith("  recorded vs reference:") and "DIVERGENT" in recorded, here
+    assert device.startswith("  cpu run vs reference:") and "DIVERGENT" in device, here
+    code, here = _script_here(capsys, tmp_path / "bw")
+    assert code == 0 and "output 1 torch.float32[16, 8]:" in here, here
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_repro_script_of_a_unit_runs_alone_and_its_own_compile_is_clean(tmp_path, capsys, monkeypatch):
+    """`python -I repro.py` (no replaydiff): the recorded outputs of the faulty compile are divergent, the script's
+    compile in a fresh process (where the compiler has no fault) is not."""
+    import sys
+
+    _faulty_unit_repros(tmp_path, capsys, monkeypatch)
+    torch._dynamo.reset()
+    script = subprocess.run([sys.executable, "-I", "repro.py"], cwd=tmp_path / "fw", capture_output=True, text=True,
+                            timeout=300)
+    assert script.returncode == 1, script.stdout + script.stderr
+    recorded, device = _output0(script.stdout.splitlines())
+    assert "DIVERGENT" in recorded and device.startswith("  cpu run vs reference:") and device.endswith("ok")
+
+
+def test_repro_of_a_clean_unit_is_ok(tmp_path, capsys):
+    torch._dynamo.reset()
+    _run("aot_eager", tmp_path / "t")
+    _unit_repros(tmp_path, capsys)
+    for d in ("fw", "bw"):
+        code, here = _script_here(capsys, tmp_path / d)
+        assert code == 0 and not any("DIVERGENT" in line for line in here), here
 
 
 def test_a_region_is_compiled_once_for_all_recordings_and_the_jobs_code_runs_after(tmp_path):

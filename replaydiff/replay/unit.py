@@ -140,6 +140,13 @@ def _flat(v: Any):
         yield v
 
 
+def node_k(n: UnitNode, out: Any, args: list, kwargs: dict) -> int:
+    """The longest sum behind a call node's value (its first tensor), for scaling the limits: 1 for none."""
+    for t in aten.iter_tensors(out):
+        return reduction_length(aten.packet(str(n.target)), _shapes(args, kwargs), max(1, t.numel()))
+    return 1
+
+
 def _shapes(args: list, kwargs: dict) -> list[list[int]]:
     return [list(t.shape) for t in aten.iter_tensors([args, list(kwargs.values())])]
 
@@ -185,9 +192,7 @@ class UnitReplayer:
         ks = [1]
 
         def note_k(i: int, n: UnitNode, out: Any, args: list, kwargs: dict) -> None:
-            for t in aten.iter_tensors(out):
-                ks.append(reduction_length(aten.packet(str(n.target)), _shapes(args, kwargs), max(1, t.numel())))
-                break
+            ks.append(node_k(n, out, args, kwargs))
 
         try:
             ins, consts, convert = self._inputs(op, precision, precision == "same", self.r.device, info)
