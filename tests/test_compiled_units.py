@@ -654,3 +654,44 @@ def test_diff_of_eager_against_inductor_names_the_erf_node_of_a_faulty_lowering(
                            "add (aten.add.Tensor), mul_2 (aten.mul.Tensor) in Sequential.1 (GELU) = ref #2 "
                            "aten.gelu.default; of these, erf (aten.erf.default) diverges given its own inputs"), part
     assert "recompiled here with inductor, every node kept" in proc.stdout
+
+
+# -- trend: units' outputs have statistics like ops ---------------------------------------------------------------
+def _train_compiled(steps: int, spike: int) -> None:
+    """SGD on a compiled MLP (aot_eager); its last layer's weight times 100 before step ``spike``, in the loop."""
+    model = _mlp()
+    cm = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(2)
+    for step in range(1, steps + 1):
+        x = torch.randn(4, IN, generator=g)
+        if step == spike:
+            with torch.no_grad():
+                model[2].weight.mul_(100)
+        cm(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_trend_of_a_stats_trace_scores_units_and_its_zoom_in_records_them_in_full(tmp_path):
+    """A unit's outputs have statistics like an op's: trend's first change is the forward unit at the spike step,
+    under its module; recording the zoom-in trend prints (full tensors, that module) stores the units' tensors."""
+    from replaydiff.report.trend import compute_trend
+
+    torch._dynamo.reset()
+    with replaydiff.record(tmp_path / "t", tensors="stats", steps="1-16"):
+        _train_compiled(16, spike=12)
+    t = compute_trend(open_trace(tmp_path / "t").rank(0))
+    first = t.first_change
+    assert first is not None and (first.step, first.op, first.module) == (12, "compiled.unit.forward",
+                                                                          "OptimizedModule")
+    assert t.cause is not None and t.cause.op == "aten.mul_.Tensor" and t.cause.step == 12
+    zoom = t.zoom
+    assert zoom is not None and zoom.modules == ["OptimizedModule"]
+    torch._dynamo.reset()
+    with replaydiff.record(tmp_path / "z", tensors="full", steps=zoom.steps, modules=zoom.modules):
+        _train_compiled(12, spike=12)
+    units = _units(tmp_path / "z")
+    assert len(units) == 4 and all(r.stored for u in units for r in u.inputs() + u.outputs_refs()), \
+        [(u.name, [r.stored for r in u.inputs()]) for u in units]
+    torch._dynamo.reset()
