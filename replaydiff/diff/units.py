@@ -239,7 +239,7 @@ def diff_unit(op: OpRecord, eager: list[OpRecord], side: _Sides) -> tuple[UnitPa
         notes += verdict_reason(bad[0][1].reason)
         part, found = _localise(op, info, matches, by_index, side)
         if part is None and isinstance(found, str):
-            first = info.nodes[bad[0][0]]
+            first = info.nodes[min(i for i, _ in bad)]  # the earliest in graph order
             notes.append(UnitNotLocalised(found, first.describe()))
         elif part is None:
             notes += [found, DiffFact.NO_NODE_PARTS]
