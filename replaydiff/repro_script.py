@@ -15,6 +15,12 @@ output over those limits is still ok when the op run at its recorded dtypes on t
 FACTOR times: the op is ill-conditioned). Exit code 1 when the recorded output or the device run is divergent, as
 replay judges it, 4 when --device is not available here.
 
+A compiled unit (one call of a torch.compile graph) is described by its graph: repro.json's "unit" holds the node
+list (each node's kind, name, target op name and arguments, {"node": i} naming an earlier node's value). The script
+builds an FX graph from that list, resolving each target by name among aten and prims ops and the ``operator``
+module's built-in functions only, runs it eagerly on the CPU at float64 (the reference) and at the recorded dtypes
+(its own error), and compiled with the recorded backend on --device at the recorded dtypes (the device run).
+
 This file is also the one definition of what the script shares with replaydiff, so that it cannot rebuild or judge
 otherwise than replay: how a stored tensor is rebuilt over its storage's bytes (``typed_storage``,
 ``as_recorded``), how a result is picked out of an op's outputs and arguments (``pick``), and the verdict's pure
@@ -29,8 +35,10 @@ import contextlib
 import importlib
 import json
 import math
+import operator
 import os
 import sys
+import types
 from typing import Any
 
 import torch
@@ -173,8 +181,11 @@ class Repro:
             return gen
         raise ValueError(f"{DATA}: unknown argument kind {kind!r}")
 
-    def run(self, device: str, upcast: bool) -> tuple:
-        """(result, args, kwargs) of one run of the op on ``device``, at float64 if ``upcast``."""
+    def run(self, device: str, upcast: bool, compiled: bool = False) -> tuple:
+        """(result, args, kwargs) of one run of the op on ``device``, at float64 if ``upcast``; a compiled unit's
+        graph is run eagerly, or ``compiled`` with its recorded backend (its result: the flat list of outputs)."""
+        if "unit" in self.data:
+            return self.run_unit(device, upcast, compiled)
         T, target = self.tensors(device, upcast)
         gen = None
         if self.random and self.explicit_generator:
@@ -191,6 +202,76 @@ class Repro:
                     torch.cuda.set_rng_state(self.storages["rng_state"].clone(), dev)
                 return self.op()(*args, **kwargs), args, kwargs
         return self.op()(*args, **kwargs), args, kwargs
+
+
+    # -- a compiled unit: its graph rebuilt from the node list in repro.json ---------------------------------------
+    def graph(self, T: Any, target: Any, device: str) -> torch.fx.GraphModule:
+        """The unit's graph as an FX graph built from repro.json's node list (inputs, constants as buffers, one call
+        per node by its target's name, the output); constant arguments as ``value`` reads them."""
+        root = torch.nn.Module()
+        g = torch.fx.Graph()
+        env: list = []
+
+        def arg(v: Any) -> Any:
+            if isinstance(v, list):
+                return [arg(x) for x in v]
+            if isinstance(v, dict) and set(v) == {"node"}:
+                return env[v["node"]]
+            return self.value(v, T, target, device, None)
+
+        unit = self.data["unit"]
+        for n in unit["nodes"]:
+            kind = n["kind"]
+            if kind == "input":
+                env.append(g.placeholder(f"in{len(env)}"))
+            elif kind == "const":
+                name = f"const{n['target']}"
+                value = arg(unit["consts"][int(n["target"])])
+                if isinstance(value, torch.Tensor):
+                    root.register_buffer(name, value)
+                    env.append(g.get_attr(name))
+                else:
+                    env.append(value)
+            elif kind == "call":
+                env.append(g.call_function(graph_target(n["target"]), tuple(arg(n["args"])),
+                                           {k: arg(v) for k, v in n["kwargs"].items()}))
+            elif kind == "output":
+                env.append(None)
+                g.output(arg(n["args"][0] if n["args"] else []))
+            else:
+                raise ValueError(f"{DATA}: node {n['name']} is of unknown kind {kind!r}")
+        return torch.fx.GraphModule(root, g)
+
+    def run_unit(self, device: str, upcast: bool, compiled: bool) -> tuple:
+        T, target = self.tensors(device, upcast)
+        args = [self.value(a, T, target, device, None) for a in self.data["args"]]
+        fn: Any = self.graph(T, target, device)
+        if compiled:
+            torch._dynamo.reset()  # a fresh compile of this graph, not one cached by an earlier run
+            fn = torch.compile(fn, backend=self.data["unit"]["backend"] or "inductor", dynamic=False)
+        with torch.no_grad():
+            out = fn(*args)
+        return list(_flat(out)), args, {}
+
+
+def graph_target(name: str) -> Any:
+    """A graph node's target by its name: an aten or prims op, or a built-in function of the ``operator`` module
+    (getitem, arithmetic on sizes). Nothing else is looked up: the graph is data, never code to run."""
+    ns, _, rest = name.partition(".")
+    if ns in ("aten", "prims"):
+        packet, _, overload = rest.partition(".")
+        return getattr(getattr(getattr(torch.ops, ns), packet), overload or "default")
+    if ns == "operator":
+        f = getattr(operator, rest, None)
+        if isinstance(f, types.BuiltinFunctionType) and not rest.startswith("_"):
+            return f
+    raise ValueError(f"{DATA}: node target {name!r} is not an aten or prims op or an operator function")
+
+
+def _flat(v: Any) -> list:
+    if isinstance(v, (list, tuple)):
+        return [x for item in v for x in _flat(item)]
+    return [v]
 
 
 def _uses_generator(v: Any) -> bool:
@@ -349,12 +430,18 @@ def _report(device: str, data: dict, r: Repro) -> int:
         if r.random and rng_device and torch.device(rng_device).type != dev.type:
             mine, why = None, f"a random op recorded on {rng_device}: its draw can only be redone there"
         else:
-            mine, why = r.run(device, False), None
+            mine, why = r.run(device, False, compiled=True), None
     if data.get("planted"):
         print(f"PLANTED FAULT (record --plant): {data['planted']}")
-    print(f"op #{data['index']} {name} (rank {data['rank']}): reference = CPU at "
-          f"{'the recorded dtypes from the recorded generator state' if r.random else 'float64'}; "
-          f"device run = {device} at the recorded dtypes")
+    unit = data.get("unit")
+    if unit is not None:
+        print(f"unit #{data['index']} {name} (rank {data['rank']}) of {unit['region']}: reference = its graph run "
+              f"eagerly on the CPU at float64; device run = the graph compiled with {unit['backend']} on {device} "
+              f"at the recorded dtypes")
+    else:
+        print(f"op #{data['index']} {name} (rank {data['rank']}): reference = CPU at "
+              f"{'the recorded dtypes from the recorded generator state' if r.random else 'float64'}; "
+              f"device run = {device} at the recorded dtypes")
     failed = False
     width = max(len("recorded vs reference:"), len(device + " run vs reference:"))
     for c in data["checks"]:

@@ -352,13 +352,83 @@ def test_compiled_shapes_of_jobs_are_recorded_as_units_and_replay_clean(tmp_path
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_repro_of_a_unit_is_refused_with_the_way_forward(tmp_path, capsys):
+def _unit_repros(tmp_path, capsys) -> tuple:
+    """`repro` of the recorded forward and backward units into tmp_path/fw and tmp_path/bw; the two units."""
+    import json
+
+    fw, bw = _units(tmp_path / "t")
+    for unit, d in ((fw, tmp_path / "fw"), (bw, tmp_path / "bw")):
+        proc = run_main(capsys, "repro", str(tmp_path / "t"), str(unit.index), "-o", str(d))
+        assert proc.returncode == 0, proc.stderr
+        data = json.loads((d / "repro.json").read_text())
+        assert [n["target"] for n in data["unit"]["nodes"] if n["kind"] == "call"] == \
+            [n.target for n in unit.unit.calls()]
+    return fw, bw
+
+
+def _script_here(capsys, d) -> tuple[int, list[str]]:
+    """The repro script imported and run in this process on directory ``d``: (exit code, lines printed)."""
+    from replaydiff import repro_script
+
+    capsys.readouterr()
+    code = repro_script.main([], directory=str(d))
+    return code, capsys.readouterr().out.splitlines()
+
+
+def _output0(lines: list[str]) -> tuple[str, str]:
+    """The first output's lines: recorded against the reference, and the device run against the reference."""
+    at = lines.index("output 0 torch.float32[5, 4]:")
+    return lines[at + 1], lines[at + 2]
+
+
+def _faulty_unit_repros(tmp_path, capsys, monkeypatch) -> tuple:
+    _faulty_pass(monkeypatch)
+    torch._dynamo.reset()
     _run("aot_eager", tmp_path / "t")
-    fw = _units(tmp_path / "t")[0]
-    proc = run_main(capsys, "repro", str(tmp_path / "t"), str(fw.index), "-o", str(tmp_path / "r"))
-    assert proc.returncode == 2
-    assert "is a compiled unit" in proc.stderr and "--compiled eager" in proc.stderr
-    assert not (tmp_path / "r").exists()
+    torch._dynamo.reset()
+    return _unit_repros(tmp_path, capsys)
+
+
+def test_repro_of_a_unit_rebuilds_its_graph_from_data_and_recompiles_it(tmp_path, capsys, monkeypatch):
+    """`repro` of a unit writes the graph as a node list; the script builds it, runs it at float64 and recompiled
+    with the recorded backend, and judges as replay does. With the compiler's fault still in this process, both the
+    recorded outputs and the script's compile are divergent; the backward, given its own inputs, is not."""
+    fw, _ = _faulty_unit_repros(tmp_path, capsys, monkeypatch)
+    code, here = _script_here(capsys, tmp_path / "fw")
+    assert code == 1, here
+    assert here[0] == (f"unit #{fw.index} compiled.unit.forward (rank 0) of {fw.unit.region}: reference = its graph "
+                       f"run eagerly on the CPU at float64; device run = the graph compiled with aot_eager on cpu at "
+                       f"the recorded dtypes")
+    recorded, device = _output0(here)
+    assert recorded.startswith("  recorded vs reference:") and "DIVERGENT" in recorded, here
+    assert device.startswith("  cpu run vs reference:") and "DIVERGENT" in device, here
+    code, here = _script_here(capsys, tmp_path / "bw")
+    assert code == 0 and "output 1 torch.float32[16, 8]:" in here, here
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_repro_script_of_a_unit_runs_alone_and_its_own_compile_is_clean(tmp_path, capsys, monkeypatch):
+    """`python -I repro.py` (no replaydiff): the recorded outputs of the faulty compile are divergent, the script's
+    compile in a fresh process (where the compiler has no fault) is not."""
+    import sys
+
+    _faulty_unit_repros(tmp_path, capsys, monkeypatch)
+    torch._dynamo.reset()
+    script = subprocess.run([sys.executable, "-I", "repro.py"], cwd=tmp_path / "fw", capture_output=True, text=True,
+                            timeout=300)
+    assert script.returncode == 1, script.stdout + script.stderr
+    recorded, device = _output0(script.stdout.splitlines())
+    assert "DIVERGENT" in recorded and device.startswith("  cpu run vs reference:") and device.endswith("ok")
+
+
+def test_repro_of_a_clean_unit_is_ok(tmp_path, capsys):
+    torch._dynamo.reset()
+    _run("aot_eager", tmp_path / "t")
+    _unit_repros(tmp_path, capsys)
+    for d in ("fw", "bw"):
+        code, here = _script_here(capsys, tmp_path / d)
+        assert code == 0 and not any("DIVERGENT" in line for line in here), here
 
 
 def test_a_region_is_compiled_once_for_all_recordings_and_the_jobs_code_runs_after(tmp_path):
@@ -510,3 +580,118 @@ def test_a_unit_as_wrong_as_eager_at_its_dtype_is_not_a_fault(tmp_path, capsys):
     (unit,) = [o for o in json.loads(proc.stdout)["ops"] if o["op"].startswith("compiled.unit")]
     assert unit["status"] == "ok" and unit["metrics"]["norm_max"] > 16, unit
     assert "own error at" in unit["reason"] or "ill-conditioned" in unit["reason"], unit["reason"]
+
+
+# -- diff: a compiled unit against the eager ops of its region --------------------------------------------------
+def _one_step(path, backend: str | None) -> None:
+    """One recorded forward and backward of the MLP, eager (``backend`` None) or compiled inside the recording."""
+    model = _mlp()
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(1))
+    f = model if backend is None else torch.compile(model, backend=backend)
+    with replaydiff.record(path):
+        f(x).square().mean().backward()
+
+
+def _diff_both_ways(tmp_path, capsys) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    eager, compiled = str(tmp_path / "eager"), str(tmp_path / "compiled")
+    return run_main(capsys, "diff", eager, compiled), run_main(capsys, "diff", compiled, eager)
+
+
+def test_diff_pairs_an_aot_eager_unit_with_the_eager_ops_of_its_region(tmp_path, capsys):
+    _one_step(tmp_path / "eager", None)
+    torch._dynamo.reset()
+    _one_step(tmp_path / "compiled", "aot_eager")
+    torch._dynamo.reset()
+    forward, backward = _diff_both_ways(tmp_path, capsys)
+    for proc, unit_side, eager_side in ((forward, "target", "ref"), (backward, "ref", "target")):
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert (f"compiled unit {unit_side} #0 compiled.unit.forward  Sequential.forward (torch/nn/modules/"
+                f"container.py:") in proc.stdout, proc.stdout
+        assert f"aot_eager  (forward), against {eager_side} ops #0-#4 (5 of 5 nodes mapped): same" in proc.stdout
+        assert "compiled.unit.backward" in proc.stdout and "gelu_backward" not in proc.stdout
+        assert "no difference" in proc.stdout
+
+
+def test_diff_names_the_node_where_a_faulty_aot_eager_unit_parts_from_eager(tmp_path, capsys, monkeypatch):
+    _one_step(tmp_path / "eager", None)
+    _faulty_pass(monkeypatch)
+    torch._dynamo.reset()
+    _one_step(tmp_path / "compiled", "aot_eager")
+    forward, backward = _diff_both_ways(tmp_path, capsys)
+    torch._dynamo.reset()
+    for proc, unit_side, eager_side in ((forward, "target", "ref"), (backward, "ref", "target")):
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert (f"compiled unit {unit_side} #0 compiled.unit.forward  Sequential.forward (torch/nn/modules/"
+                f"container.py:") in proc.stdout, proc.stdout
+        assert "(5 of 5 nodes mapped): divergent" in proc.stdout
+        assert (f"they part at node gelu (aten.gelu.default) in Sequential.1 (GELU) = {eager_side} #2 "
+                f"aten.gelu.default") in proc.stdout, proc.stdout
+        assert "recompiled here with aot_eager, every node kept, gives the recorded outputs bit for bit" \
+            in proc.stdout
+        assert "differences enter from compiled unit compiled.unit.forward" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", [True, False])
+def test_diff_of_eager_against_inductor_names_the_erf_node_of_a_faulty_lowering(tmp_path, capsys, monkeypatch,
+                                                                                no_graph_cache, bug):
+    _one_step(tmp_path / "eager", None)
+    if bug:
+        _wrap_erf_lowering(monkeypatch)
+    _one_step(tmp_path / "compiled", "inductor")
+    proc = run_main(capsys, "diff", str(tmp_path / "eager"), str(tmp_path / "compiled"))
+    if not bug:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "compiled unit target #0 compiled.unit.forward" in proc.stdout and ": same" in proc.stdout
+        assert "no difference" in proc.stdout
+        return
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "compiled unit target #0 compiled.unit.forward  Sequential.forward (torch/nn/modules/container.py:" \
+        in proc.stdout, proc.stdout
+    assert "inductor  (forward), against ref ops #0-#4" in proc.stdout and "): divergent" in proc.stdout
+    part = next(line for line in proc.stdout.splitlines() if "they part at" in line)
+    assert part.startswith("    they part at nodes mul (aten.mul.Tensor), mul_1 (aten.mul.Tensor), erf (aten.erf.default), "
+                           "add (aten.add.Tensor), mul_2 (aten.mul.Tensor) in Sequential.1 (GELU) = ref #2 "
+                           "aten.gelu.default; of these, erf (aten.erf.default) diverges given its own inputs"), part
+    assert "recompiled here with inductor, every node kept" in proc.stdout
+
+
+# -- trend: units' outputs have statistics like ops ---------------------------------------------------------------
+def _train_compiled(steps: int, spike: int) -> None:
+    """SGD on a compiled MLP (aot_eager); its last layer's weight times 100 before step ``spike``, in the loop."""
+    model = _mlp()
+    cm = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(2)
+    for step in range(1, steps + 1):
+        x = torch.randn(4, IN, generator=g)
+        if step == spike:
+            with torch.no_grad():
+                model[2].weight.mul_(100)
+        cm(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_trend_of_a_stats_trace_scores_units_and_its_zoom_in_records_them_in_full(tmp_path):
+    """A unit's outputs have statistics like an op's: trend's first change is the forward unit at the spike step,
+    under its module; recording the zoom-in trend prints (full tensors, that module) stores the units' tensors."""
+    from replaydiff.report.trend import compute_trend
+
+    torch._dynamo.reset()
+    with replaydiff.record(tmp_path / "t", tensors="stats", steps="1-16"):
+        _train_compiled(16, spike=12)
+    t = compute_trend(open_trace(tmp_path / "t").rank(0))
+    first = t.first_change
+    assert first is not None and (first.step, first.op, first.module) == (12, "compiled.unit.forward",
+                                                                          "OptimizedModule")
+    assert t.cause is not None and t.cause.op == "aten.mul_.Tensor" and t.cause.step == 12
+    zoom = t.zoom
+    assert zoom is not None and zoom.modules == ["OptimizedModule"]
+    torch._dynamo.reset()
+    with replaydiff.record(tmp_path / "z", tensors="full", steps=zoom.steps, modules=zoom.modules):
+        _train_compiled(12, spike=12)
+    units = _units(tmp_path / "z")
+    assert len(units) == 4 and all(r.stored for u in units for r in u.inputs() + u.outputs_refs()), \
+        [(u.name, [r.stored for r in u.inputs()]) for u in units]
+    torch._dynamo.reset()

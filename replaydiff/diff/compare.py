@@ -95,11 +95,22 @@ def stats_measure(target: TensorStats, ref: TensorStats, dtype: str) -> Measure:
     return NonfiniteMismatch(bad, fe) if bad else fe
 
 
+def coarser_dtype(target: str, ref: str) -> str:
+    """The dtype whose limits apply to a pair of tensors: the coarser side's (its rounding explains the difference)."""
+    return target if _eps(target) >= _eps(ref) else ref
+
+
+def op_reduction_k(op: OpRecord) -> int:
+    """The longest sum behind an op's outputs (replay's limit scaling), from its name and shapes."""
+    return reduction_length(aten.packet(op.name), [list(r.shape) for r in iter_refs(op.args)],
+                            max(1, max((math.prod(r.shape) for r in op.outputs_refs()), default=1)))
+
+
 def compare_refs(ref_trace: RankTrace, r: TensorRef, target_trace: RankTrace, t: TensorRef) -> Compared | None:
     """Compare the tensor ``r`` of the reference with ``t`` of the target; None when neither has anything to show."""
     if r.uninitialised or t.uninitialised:
         return None
-    coarse = t.dtype if _eps(t.dtype) >= _eps(r.dtype) else r.dtype
+    coarse = coarser_dtype(t.dtype, r.dtype)
     if tuple(r.shape) != tuple(t.shape):
         return Compared(Evidence.SHAPES, ShapeMismatch(list(t.shape), list(r.shape)), coarse)
     if r.stored and t.stored and not r.meta and not t.meta:
@@ -243,8 +254,7 @@ class PairComparer:
     def _outputs(self, rop: OpRecord, top: OpRecord) -> "_OutputsSeen":
         """The outputs judged, with the evidence each comparison had."""
         outs_r, outs_t = rop.outputs_refs(), top.outputs_refs()
-        k = reduction_length(aten.packet(rop.name), [list(r.shape) for r in iter_refs(rop.args)],
-                             max(1, max((math.prod(r.shape) for r in outs_r), default=1)))
+        k = op_reduction_k(rop)
         judged: list[Verdict] = []
         evidence: list[Evidence] = []
         dtypes = None

@@ -22,6 +22,7 @@ from replaydiff.compare.tolerance import Tolerances
 from replaydiff.diff.align import Alignment, OpKeys, align, op_keys
 from replaydiff.diff.compare import Judge, PairComparer, Where, compare_refs
 from replaydiff.diff.environment import environment_diff
+from replaydiff.diff.units import pair_units
 from replaydiff.diff.result import (DiffReport, OpPlace, Origin, OriginKind, PairStatus, RankDiff, StepInput,
                                     StepInputs, Unaligned)
 from replaydiff.errors import UsageError
@@ -259,9 +260,12 @@ def diff_ranks(ref: _Ops, target: _Ops, judge: Judge, alignment: Alignment | Non
                progress: Callable[[int], None] | None = None) -> RankDiff:
     al = alignment or align(ref.keys, target.keys)
     rd = RankDiff(ref.trace.rank, target.trace.rank, ref_ops=len(ref.keys), target_ops=len(target.keys))
-    rd.ref_only = _runs("ref", al.ref_only, ref.ops)
-    rd.target_only = _runs("target", al.target_only, target.ops)
-    target_only = set(al.target_only)
+    comparer = PairComparer(ref.trace, target.trace, judge)
+    # Compiled units left unaligned against the eager ops of their region on the other side (one side compiled)
+    rd.units, in_units = pair_units(ref.trace, ref.ops, target.trace, target.ops, al, comparer)
+    rd.ref_only = _runs("ref", [i for i in al.ref_only if ("ref", i) not in in_units], ref.ops)
+    rd.target_only = _runs("target", [j for j in al.target_only if ("target", j) not in in_units], target.ops)
+    target_only = {j for j in al.target_only if ("target", j) not in in_units}
     producers_of = target.trace.producers
 
     def origin_of(target_index: int, pos: int) -> Origin:
@@ -271,12 +275,14 @@ def diff_ranks(ref: _Ops, target: _Ops, judge: Judge, alignment: Alignment | Non
         pair = rd.by_target.get(p)
         if pair is not None:
             return Origin(OriginKind.PAIR, pair.ref, pair.target)
+        unit = in_units.get(("target", p))
+        if unit is not None:
+            return Origin(OriginKind.UNIT, unit.ref, unit.target, op=unit.op)
         if p in target_only:
             return Origin(OriginKind.TARGET_ONLY, target=p, op=target.ops[p].name,
                           collective=_collective_behind(p, target, target_only))
         return Origin(OriginKind.OUTSIDE)
 
-    comparer = PairComparer(ref.trace, target.trace, judge)
     # The step's inputs first: when they already differ, an op downstream of them whose own inputs agree only
     # within tolerance carries that difference on (an ill-conditioned op amplifies it); it did not introduce one.
     rd.step_inputs, differing = _step_inputs(ref, target, al.pairs, comparer)

@@ -24,6 +24,11 @@ class DiffFact(Fact, Enum):
     INPUTS_WITHIN_TOLERANCE = "inputs agree within tolerance (not bit for bit), outputs differ"
     NO_INPUT_COMPARED = "outputs differ (no input could be compared)"
     OUTPUTS_DIFFER = "outputs differ"
+    # A compiled unit against the eager ops of its region
+    NO_UNIT_OUTPUT_MATCHED = "no output of the unit maps onto an eager op's output"
+    NO_NODE_PARTS = ("no matched node's output differs from its eager op's while its inputs agree (the difference "
+                     "builds up across nodes, or lies in nodes without an eager counterpart)")
+
 
 @dataclass(frozen=True)
 class InputDiffered(Note):
@@ -66,3 +71,58 @@ class PlainArgsDiffer(Note):
 
     def text(self) -> str:
         return "non-tensor arguments differ: " + self.difference
+
+
+@dataclass(frozen=True)
+class UnitInputDiffered(Note):
+    """A compiled unit's recorded input already differed from the eager op's input it stands for."""
+
+    position: int
+    side: str  # the eager op's side: "ref" or "target"
+    eager: int
+
+    def text(self) -> str:
+        return f"unit input {self.position} already differed ({self.side} #{self.eager}'s input)"
+
+
+@dataclass(frozen=True)
+class UnitRecompiled(Note):
+    """Where a unit and the eager ops part was found on this machine's compile of the unit's graph."""
+
+    backend: str
+    reproduces: bool
+
+    def text(self) -> str:
+        how = ("gives the recorded outputs bit for bit" if self.reproduces else
+               "does NOT give the recorded outputs bit for bit (another torch, device or compiler): the nodes judged "
+               "are this machine's kernels")
+        return f"the unit's graph recompiled here with {self.backend}, every node kept, {how}"
+
+
+@dataclass(frozen=True)
+class UnitNotLocalised(Note):
+    """The unit could not be recompiled here: only its boundaries were judged; ``first`` the first differing
+    output's node."""
+
+    why: str
+    first: str
+
+    def text(self) -> str:
+        return f"not localised inside the unit ({self.why}); the first differing output is node {self.first}"
+
+
+@dataclass(frozen=True)
+class NodesUnmatched(Note):
+    """Nodes of the unit that no eager op stands for, and eager ops of the region that no node stands for."""
+
+    nodes: tuple[str, ...]
+    eager: int
+
+    def text(self) -> str:
+        parts = []
+        if self.nodes:
+            shown = ", ".join(self.nodes[:6]) + (f", +{len(self.nodes) - 6} more" if len(self.nodes) > 6 else "")
+            parts.append(f"{len(self.nodes)} node(s) without an eager counterpart ({shown})")
+        if self.eager:
+            parts.append(f"{self.eager} eager op(s) of the region without a node (listed as structural)")
+        return "; ".join(parts) + ": not judged"

@@ -53,6 +53,7 @@ class OriginKind(str, Enum):
     PAIR = "pair"  # an earlier aligned pair
     TARGET_ONLY = "target_only"  # an op present in the target only
     OUTSIDE = "outside"  # not produced inside the trace: a parameter, the batch, a buffer
+    UNIT = "unit"  # a compiled unit on one side, diffed against the eager ops of its region on the other
 
     def __str__(self) -> str:
         return self.value
@@ -74,6 +75,8 @@ class Origin:
     def to_json(self) -> dict:
         if self.kind is OriginKind.PAIR:
             return {"pair": {"ref": self.ref, "target": self.target}}
+        if self.kind is OriginKind.UNIT:
+            return {"unit": {"ref": self.ref, "target": self.target}, "op": self.op}
         if self.kind is OriginKind.TARGET_ONLY:
             d: dict = {"target_only": self.target, "op": self.op}
             if self.collective is not None:
@@ -88,6 +91,8 @@ class Origin:
             via = f", which depends on target-only collective #{self.collective[0]} {self.collective[1]}" \
                 if self.collective is not None else ""
             return f"target-only op #{self.target} {self.op}{via}"
+        if self.kind is OriginKind.UNIT:
+            return f"compiled unit {self.op} (ref #{self.ref} / target #{self.target})"
         return "an input from outside the trace (parameter, batch or buffer)"
 
 
@@ -197,6 +202,67 @@ class PairResult:
 
 
 @dataclass(frozen=True)
+class UnitPart:
+    """Where a compiled unit and the eager ops of its region part: the unit's node(s) standing for one eager op
+    (several for a decomposition: inductor's GELU is mul, erf, add...) and that op of the other trace."""
+
+    nodes: tuple[str, ...]  # ``erf (aten.erf.default)``, in graph order
+    module: str | None  # the nodes' module, ``Sequential.1 (GELU)``
+    eager: int  # the eager op's number in the other trace
+    eager_op: str
+    verdict: Verdict
+    within: str | None = None  # of several nodes, the earliest whose value diverges from float64 on its own inputs
+
+    def describe(self, eager_side: str = "eager") -> str:
+        where = f" in {self.module}" if self.module else ""
+        node = "node" if len(self.nodes) == 1 else "nodes"
+        within = f"; of these, {self.within} diverges given its own inputs (against float64)" if self.within else ""
+        return f"{node} {', '.join(self.nodes)}{where} = {eager_side} #{self.eager} {self.eager_op}{within}"
+
+    def to_json(self) -> dict:
+        return {"nodes": list(self.nodes), "module": self.module, "eager": self.eager, "eager_op": self.eager_op,
+                "within": self.within, "metrics": self.verdict.to_json(), "reason": self.verdict.reason}
+
+
+@dataclass(frozen=True)
+class UnitPair:
+    """A compiled unit of one trace diffed against the eager ops of the same region in the other: its boundaries
+    (recorded inputs and outputs) against the eager ops its graph's nodes map onto, and where they part."""
+
+    side: str  # the side holding the unit: "ref" or "target"
+    unit: int  # its op number there
+    op: str  # compiled.unit.forward / backward / inference
+    region: str | None
+    backend: str | None
+    phase: str | None
+    status: PairStatus
+    eager: tuple[int, ...]  # the other side's ops its nodes map onto, in op order
+    nodes: int  # the unit's call nodes
+    matched: int  # of which mapped onto an eager op
+    unmatched_nodes: tuple[str, ...]  # node names no eager op stands for
+    unmatched_eager: tuple[int, ...]  # eager ops of the region no node stands for (left in the structural list)
+    verdict: Verdict | None = None  # the deciding boundary output (the first divergent one, else the worst)
+    part: UnitPart | None = None  # where they part (divergent units, when localised)
+    reason: str | None = None
+
+    @property
+    def ref(self) -> int | None:
+        return self.unit if self.side == "ref" else (self.eager[0] if self.eager else None)
+
+    @property
+    def target(self) -> int | None:
+        return self.unit if self.side == "target" else (self.eager[0] if self.eager else None)
+
+    def to_json(self) -> dict:
+        return {"side": self.side, "unit": self.unit, "op": self.op, "region": self.region, "backend": self.backend,
+                "phase": self.phase, "status": self.status.value, "eager": list(self.eager), "nodes": self.nodes,
+                "matched": self.matched, "unmatched_nodes": list(self.unmatched_nodes),
+                "unmatched_eager": list(self.unmatched_eager),
+                "metrics": None if self.verdict is None else self.verdict.to_json(),
+                "part": None if self.part is None else self.part.to_json(), "reason": self.reason}
+
+
+@dataclass(frozen=True)
 class Unaligned:
     """A run of consecutive ops present on one side only (``side`` is "ref" or "target")."""
 
@@ -225,6 +291,7 @@ class RankDiff:
     ref_ops: int = 0
     target_ops: int = 0
     step_inputs: StepInputs = field(default_factory=StepInputs)
+    units: list[UnitPair] = field(default_factory=list)  # compiled units against eager ops of their region
 
     def __post_init__(self) -> None:
         self._index()
@@ -256,6 +323,8 @@ class RankDiff:
             c[p.status.value] += 1
         c["ref_only"] = sum(len(u.ops) for u in self.ref_only)
         c["target_only"] = sum(len(u.ops) for u in self.target_only)
+        c["units"] = len(self.units)
+        c["units_divergent"] = sum(u.status is PairStatus.DIVERGENT for u in self.units)
         return c
 
     @property
@@ -298,7 +367,9 @@ class DiffReport:
     def found_difference(self) -> bool:
         """The runs part ways: some aligned op's outputs differ (introduced or inherited), or the step's inputs
         already did."""
-        return any(rd.first_difference is not None or rd.step_inputs.differ for rd in self.ranks)
+        return any(rd.first_difference is not None or rd.step_inputs.differ or
+                   any(u.status in (PairStatus.DIVERGENT, PairStatus.INHERITED) for u in rd.units)
+                   for rd in self.ranks)
 
     @property
     def step_inputs_differ(self) -> list[RankDiff]:
@@ -310,4 +381,5 @@ class DiffReport:
         for rd in self.ranks:
             for k, v in rd.counts().items():
                 total[k] = total.get(k, 0) + v
-        return total or {**{s.value: 0 for s in PairStatus}, "ref_only": 0, "target_only": 0}
+        return total or {**{s.value: 0 for s in PairStatus}, "ref_only": 0, "target_only": 0, "units": 0,
+                         "units_divergent": 0}

@@ -337,6 +337,13 @@ class Pending:
         self.uninitialised = uninitialised
 
 
+def select(b: OpBuilder, opts: Any, name: str, module: str | None) -> None:
+    """Whether the op (or compiled unit) about to be recorded is inside the --module/--op filter. Outside it: recorded
+    with statistics (replay then says where a difference came in), data only from what a budget leaves for such ops."""
+    b.selected = aten.matches_any(name, opts.ops) and (not opts.modules or aten.matches_any(module, opts.modules))
+    b.data_off = b.left_out = None if b.selected or b.budget is not None else schema.LEFT_OUT_FILTERED
+
+
 def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: tuple,
                   kwargs: dict) -> Pending | None:
     index = rec.next_index
@@ -357,10 +364,7 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
     opts = rec.options
     if rec.writer.data_refused is not None and b.refused is None:
         b.notice_refusal()
-    # Outside the filter: recorded with statistics (replay then says where a difference came in), data only from
-    # what a budget leaves for such ops.
-    b.selected = aten.matches_any(name, opts.ops) and (not opts.modules or aten.matches_any(module, opts.modules))
-    b.data_off = b.left_out = None if b.selected or b.budget is not None else schema.LEFT_OUT_FILTERED
+    select(b, opts, name, module)
     where = ctx.source()
     source, text = where if where is not None else (None, None)
     record = schema.wire_op(index, name, phase, module, fwd, source, text)

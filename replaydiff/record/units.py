@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from replaydiff import aten
 from replaydiff.record.context import BACKWARD, FORWARD
-from replaydiff.record.mode import RecordingMode
+from replaydiff.record.mode import RecordingMode, select
 from replaydiff.trace import schema
 
 log = logging.getLogger("replaydiff")
@@ -198,7 +198,9 @@ def _unit_before(rec: Any, g: UnitGraph, inputs: list, index: int) -> tuple[dict
         fwd, module = ctx.backward_of(node, module)
     where = ctx.source()
     source, text = where if where is not None else (None, None)
-    record = schema.wire_op(index, aten.unit_name(g.kind), phase, module, fwd, source, text)
+    name = aten.unit_name(g.kind)
+    select(b, rec.options, name, module)  # its own --module/--op decision, not the previous op's
+    record = schema.wire_op(index, name, phase, module, fwd, source, text)
     if rec.step is not None:
         schema.wire_set_step(record, rec.step)
     schema.wire_set_inputs(record, b.encode(inputs), {})

@@ -140,6 +140,13 @@ def _flat(v: Any):
         yield v
 
 
+def node_k(n: UnitNode, out: Any, args: list, kwargs: dict) -> int:
+    """The longest sum behind a call node's value (its first tensor), for scaling the limits: 1 for none."""
+    for t in aten.iter_tensors(out):
+        return reduction_length(aten.packet(str(n.target)), _shapes(args, kwargs), max(1, t.numel()))
+    return 1
+
+
 def _shapes(args: list, kwargs: dict) -> list[list[int]]:
     return [list(t.shape) for t in aten.iter_tensors([args, list(kwargs.values())])]
 
@@ -185,9 +192,7 @@ class UnitReplayer:
         ks = [1]
 
         def note_k(i: int, n: UnitNode, out: Any, args: list, kwargs: dict) -> None:
-            for t in aten.iter_tensors(out):
-                ks.append(reduction_length(aten.packet(str(n.target)), _shapes(args, kwargs), max(1, t.numel())))
-                break
+            ks.append(node_k(n, out, args, kwargs))
 
         try:
             ins, consts, convert = self._inputs(op, precision, precision == "same", self.r.device, info)
@@ -264,15 +269,15 @@ class UnitReplayer:
         reproduces the recorded unit (see the module docstring)."""
         info = g.info
         backend = info.backend or "inductor"
-        device, moved = _compile_device(op)
+        device, moved = compile_device(op)
         ins, consts, convert = self._inputs(op, "same", True, device, info)
         recorded = [self.trace.tensor(r) if isinstance(r, TensorRef) and r.stored else None
                     for r in _flat(op.outputs)]
         torch_version = torch.__version__ + (f", on {device.type}: {moved}" if moved else "")
         # 1. this machine's compile of the unit as recorded
         try:
-            out = _compile(g, consts, convert, backend, every_node=False)([x.clone() if isinstance(x, torch.Tensor)
-                                                                          else x for x in ins])
+            run = compile_graph(g, consts, convert, backend, every_node=False)
+            out = run([x.clone() if isinstance(x, torch.Tensor) else x for x in ins])
             same = all(r is None or n in self.random_outputs or (isinstance(o, torch.Tensor) and o.shape == r.shape
                                                                  and torch.equal(o.to(r.device), r))
                        for n, (r, o) in enumerate(zip(recorded, out)))
@@ -283,7 +288,7 @@ class UnitReplayer:
             return (f"could not recompile the unit with {backend} here ({type(exc).__name__}: "
                     f"{(str(exc).splitlines() or [''])[0][:120]}); judged: the unit's outputs only")
         # 2. every node's value from one compile, each judged against the node at float64 on its own inputs
-        compiled_vals = _compile(g, consts, convert, backend, every_node=True)(list(ins))
+        compiled_vals = compile_graph(g, consts, convert, backend, every_node=True)(list(ins))
         calls = [i for i, n in enumerate(info.nodes) if n.kind == NODE_CALL]
         random = g.random_nodes()
         env: list = []
@@ -330,7 +335,7 @@ class UnitReplayer:
         return None
 
 
-def _compile_device(op: OpRecord) -> tuple[torch.device, str | None]:
+def compile_device(op: OpRecord) -> tuple[torch.device, str | None]:
     """Where to recompile a unit: the device it was recorded on when this machine has it, else the CPU (and why)."""
     recorded = next((r.device for r in op.inputs() if isinstance(r.device, str)), "cpu")
     dev = torch.device(recorded)
@@ -347,7 +352,7 @@ def _map(v: Any, fn: Callable[[Any], Any]) -> Any:
     return fn(v)
 
 
-def _compile(g: Graph, consts: list, convert: Callable[[Any], Any], backend: str, every_node: bool
+def compile_graph(g: Graph, consts: list, convert: Callable[[Any], Any], backend: str, every_node: bool
              ) -> Callable[[list], list]:
     """The graph rebuilt as an FX graph from its resolved targets (never from code in the trace) and compiled
     with ``backend``. ``every_node``: its outputs are every call node's first tensor value, in order."""

@@ -6,7 +6,8 @@ step began from inputs that already differed: ``compared``, ``differ``, ``first`
 ``warnings``, ``environment`` (one object per
 difference: ``key``, ``ref``, ``target``, ``hint``), ``summary`` (pair counts per status, ops on one side only),
 ``first_divergent`` (null or a pair: the earliest over ranks), ``ranks`` (per rank pair: ``ref_rank``,
-``target_rank``, ``evidence``, ``step_inputs``, ``summary``, ``first_divergent``, ``first_difference``),
+``target_rank``, ``evidence``, ``step_inputs``, ``summary``, ``first_divergent``, ``first_difference``, ``units``:
+compiled units of one side diffed against the eager ops of their region in the other),
 ``structural`` (runs of ops on
 one side only) and ``pairs`` (one object per aligned pair). Non-finite floats are written as "inf", "-inf", "nan".
 """
@@ -60,7 +61,8 @@ def diff_to_json(report: DiffReport) -> dict:
                    "target_ops": rd.target_ops, "evidence": [e.value for e in rd.evidence],
                    "step_inputs": _clean(rd.step_inputs.to_json()),
                    "summary": rd.counts(), "first_divergent": pair_json(rd, rd.first_divergent),
-                   "first_difference": pair_json(rd, rd.first_difference)} for rd in report.ranks],
+                   "first_difference": pair_json(rd, rd.first_difference),
+                   "units": [_clean(u.to_json()) for u in rd.units]} for rd in report.ranks],
         "structural": [_unaligned_json(rd, u) for rd in report.ranks
                        for u in sorted(rd.ref_only + rd.target_only, key=lambda u: (u.side, u.first))],
         "pairs": [pair_json(rd, p) for rd in report.ranks for p in rd.pairs],

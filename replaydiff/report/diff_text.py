@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TextIO
 
-from replaydiff.diff.result import DiffReport, PairResult, PairStatus, RankDiff, Unaligned
+from replaydiff.diff.result import DiffReport, PairResult, PairStatus, RankDiff, Unaligned, UnitPair
 
 
 def _value(v: object) -> str:
@@ -51,6 +51,28 @@ def _unaligned_line(u: Unaligned) -> str:
     return f"{u.side + ' only':<12}{span:<13}{len(u.ops):>4} op(s)  {what}  {where}".rstrip()
 
 
+def unit_line(u: UnitPair) -> str:
+    """A compiled unit of one side and the eager ops of its region in the other, on one line."""
+    other = "ref" if u.side == "target" else "target"
+    span = f"#{u.eager[0]}" if len(u.eager) == 1 else f"#{u.eager[0]}-#{u.eager[-1]}"
+    where = "  ".join(x for x in (u.region or "", u.backend or "", f"({u.phase})" if u.phase else "") if x)
+    return (f"compiled unit {u.side} #{u.unit} {u.op}  {where}, against {other} ops {span} "
+            f"({u.matched} of {u.nodes} nodes mapped): {u.status}")
+
+
+def _unit_lines(u: UnitPair) -> list[str]:
+    lines = [unit_line(u)]
+    if u.part is not None:
+        eager_side = "ref" if u.side == "target" else "target"
+        lines.append(f"  they part at {u.part.describe(eager_side)}")
+        lines.append(f"    {_verdict_figures(u.part.verdict.to_json())}")
+    elif u.verdict is not None and u.verdict.divergent:
+        lines.append(f"  outputs: {_verdict_figures(u.verdict.to_json())}")
+    if u.reason:
+        lines.append(f"  {u.reason}")
+    return lines
+
+
 def _rank_block(rd: RankDiff, many: bool, out: TextIO, max_listed: int) -> None:
     c = rd.counts()
     label = f"ref rank {rd.ref_rank} / target rank {rd.target_rank}" if many else "ops"
@@ -58,6 +80,9 @@ def _rank_block(rd: RankDiff, many: bool, out: TextIO, max_listed: int) -> None:
     out.write(f"{label}: {rd.ref_ops} ref ops, {rd.target_ops} target ops, {len(rd.pairs)} aligned ({evidence}): "
               f"{c['same']} same, {c['divergent']} divergent, {c['inherited']} inherited, "
               f"{c['not_compared']} not compared; {c['ref_only']} ref only, {c['target_only']} target only\n")
+    for u in rd.units:
+        for line in _unit_lines(u):
+            out.write(f"  {line}\n")
     first = rd.first_divergent
     if first is not None:
         out.write(f"  first divergence {pair_line(first)}\n")
@@ -79,7 +104,7 @@ def _rank_block(rd: RankDiff, many: bool, out: TextIO, max_listed: int) -> None:
             origin = diff.inherited_from.describe() if diff.inherited_from else "inputs that already differed"
             out.write(f"  no aligned op introduced a difference; differences enter from {origin}, first seen at "
                       f"{pair_line(diff)}\n")
-        else:
+        elif not any(u.status in (PairStatus.DIVERGENT, PairStatus.INHERITED) for u in rd.units):
             out.write("  no difference: every compared op pair agrees within tolerance\n")
     runs = sorted(rd.ref_only + rd.target_only, key=lambda u: (u.first, u.side))  # roughly in step order
     if runs:

@@ -23,9 +23,10 @@ from replaydiff import aten, repro_script
 from replaydiff.compare.tolerance import Tolerances, reduction_length
 from replaydiff.errors import UsageError
 from replaydiff.replay.compared import compared_outputs
+from replaydiff.replay.unit import Graph, Refused, interpret, node_k
 from replaydiff.trace.format import write_atomic_via
 from replaydiff.trace.reader import RankTrace
-from replaydiff.trace.schema import Opaque, OpRecord, TensorRef, encode_value, iter_refs
+from replaydiff.trace.schema import NodeRef, Opaque, OpRecord, TensorRef, encode_value, iter_refs
 
 REPRO_FORMAT = repro_script.FORMAT
 SCRIPT = "repro.py"
@@ -137,8 +138,6 @@ def write_repro(trace: RankTrace, op: OpRecord, out_dir: str | Path, source_trac
                 tolerances: Tolerances | None = None) -> ReproFiles:
     """Write ``out_dir/repro.py``, ``repro.json`` and ``inputs.safetensors`` for ``op``; UsageError if it cannot run
     alone."""
-    from safetensors.torch import save_file
-
     name = op.name
     if not op.recorded:
         raise UsageError(f"op #{op.index} was not recorded ({op.not_recorded_reason})")
@@ -147,9 +146,7 @@ def write_repro(trace: RankTrace, op: OpRecord, out_dir: str | Path, source_trac
     if aten.is_marker(name):
         raise UsageError(f"op #{op.index} {name} is a profiler marker: it computes nothing")
     if aten.is_unit(name):
-        raise UsageError(f"op #{op.index} {name} is a compiled unit: a standalone repro of a unit is not available; "
-                         f"`replaydiff replay` names the node inside it, and a trace recorded with --compiled eager "
-                         f"holds the region's ops one by one for repro")
+        return _write_unit_repro(trace, op, out_dir, source_trace, tolerances or Tolerances())
     if op.uninitialised:
         raise UsageError(f"op #{op.index} {name} makes uninitialised memory (empty*): nothing to compare")
     parts = name.split(".")
@@ -190,10 +187,18 @@ def write_repro(trace: RankTrace, op: OpRecord, out_dir: str | Path, source_trac
         # What is compared (where in a run, as repro_script.pick reads it) and the limits replay applies.
         "checks": checks,
     }
+    return _write(out_dir, trace, op, data, tensors)
+
+
+def _write(out_dir: str | Path, trace: RankTrace, op: OpRecord, data: dict, tensors: dict[str, torch.Tensor]
+           ) -> ReproFiles:
+    """The three files of a repro: the tensors, repro.json and the script (repro_script.py as it is)."""
+    from safetensors.torch import save_file
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     inputs = out / INPUTS
-    meta = {"format": REPRO_FORMAT, "op": name, "index": str(op.index), "rank": str(trace.rank)}
+    meta = {"format": REPRO_FORMAT, "op": op.name, "index": str(op.index), "rank": str(trace.rank)}
     write_atomic_via(inputs, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
                                                    metadata=meta))
     data_file = out / DATA
@@ -201,6 +206,98 @@ def write_repro(trace: RankTrace, op: OpRecord, out_dir: str | Path, source_trac
     script = out / SCRIPT
     script.write_text(Path(repro_script.__file__).read_text(encoding="utf-8"), encoding="utf-8")
     return ReproFiles(script, inputs, data_file, sum(t.numel() for t in tensors.values()))
+
+
+def _write_unit_repro(trace: RankTrace, op: OpRecord, out_dir: str | Path, source_trace: str, tol: Tolerances
+                      ) -> ReproFiles:
+    """A compiled unit's repro: its graph as the node list in repro.json (the script builds an FX graph from it,
+    resolving each target by name among aten/prims ops and ``operator`` functions), its recorded inputs, constants
+    and outputs; the script runs the graph eagerly at float64 (the reference) and at the recorded dtypes (the
+    graph's own error), and compiled with the recorded backend at the recorded dtypes, and judges as replay does."""
+    info = op.unit
+    if info is None or info.note or not info.nodes:
+        raise UsageError(f"op #{op.index} {op.name} is a compiled unit without a stored graph "
+                         f"({info.note if info else 'none stored'}): no repro")
+    try:
+        g = Graph(info)  # every target resolvable among aten/prims ops and the allowed operators, or refused
+    except Refused as exc:
+        raise UsageError(f"op #{op.index} {op.name}: the unit's graph cannot be rebuilt ({exc})") from None
+    c = _Collector(trace, op)
+
+    def node_value(v: Any) -> Any:
+        if isinstance(v, NodeRef):
+            return {"node": v.index}
+        if isinstance(v, list):
+            return [node_value(x) for x in v]
+        return c.value(v)
+
+    nodes = [{"kind": n.kind, "name": n.name, "target": n.target, "args": node_value(n.args),
+              "kwargs": {k: node_value(v) for k, v in n.kwargs.items()}, "module": n.module} for n in info.nodes]
+    args = [c.value(a) for a in op.args]
+    consts = [c.value(x) for x in info.consts]
+    # The limits replay applies: the longest sum behind any node (the graph run once at its recorded dtypes here)
+    ks = [1]
+
+    def convert(v: Any) -> Any:
+        if isinstance(v, TensorRef):
+            return trace.tensor(v, copy=True)
+        if isinstance(v, Opaque):
+            raise UsageError(f"op #{op.index} {op.name}: an argument of kind {v.kind!r} cannot be rebuilt")
+        return v
+
+    unscaled = None
+    try:
+        interpret(g, [convert(a) for a in op.args], [convert(x) for x in info.consts], convert,
+                  lambda i, n, out, a, kw: ks.append(node_k(n, out, a, kw)))
+    except UsageError:
+        raise
+    except Exception as exc:  # the script still runs the graph; its limits are then those of no long sum
+        unscaled = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"
+    k = max(ks)
+    random, behind = g.random_nodes(), g.output_nodes()
+    outputs = [x for x in _flat(op.outputs)]
+    checks: list[dict] = []
+    left_out: list[str] = []
+    for pos, ref in enumerate(outputs):
+        if not isinstance(ref, TensorRef) or not ref.stored or ref.uninitialised:
+            continue
+        if pos < len(behind) and behind[pos] in random:
+            left_out.append(f"output {pos} (depends on random node {random[behind[pos]]})")
+            continue
+        lmax, lrel = tol.limit_for(ref.dtype, k)
+        checks.append({"label": f"output {pos}", "where": ["out", pos], "sizes": [len(outputs)],
+                       "tensor": c.tensor(ref, "rec"), "limits": [round(lmax, 6), round(lrel, 6)], "k": k})
+    about = _docstring(trace, op, source_trace).splitlines()
+    about.append(f"Compiled unit: {info.kind} graph {info.graph_id} of {info.region}, compiled by {info.backend} "
+                 f"({len(info.calls())} nodes; kernels {', '.join(info.kernels) or 'not named'}).")
+    if left_out:
+        about.append("Not compared (drawn by the backend's own generator, which cannot be drawn again): "
+                     + ", ".join(left_out) + ".")
+    if unscaled is not None:
+        about.append(f"Limits not scaled for long sums: the graph did not run where the repro was written "
+                     f"({unscaled}).")
+    if g.mutated_inputs():
+        about.append("Inputs the graph writes in place are not compared (only its outputs).")
+    data = {
+        "format": REPRO_FORMAT, "about": about, "op": op.name, "index": op.index, "rank": trace.rank,
+        "random": False, "keep_dtypes": False, "rng_device": None, "custom_module": None,
+        "planted": trace.planted.describe() if trace.planted is not None else None,
+        "factor": tol.conditioning_factor,
+        "tensors": c.tensors, "args": args, "kwargs": {},
+        # The graph as data: nodes in order; an argument {"node": i} is node i's value, targets are op names.
+        "unit": {"backend": info.backend, "region": info.region, "kind": info.kind, "nodes": nodes,
+                 "consts": consts},
+        "checks": checks,
+    }
+    return _write(out_dir, trace, op, data, dict(c.storages))
+
+
+def _flat(v: Any):
+    if isinstance(v, (list, tuple)) and not isinstance(v, NodeRef):
+        for x in v:
+            yield from _flat(x)
+    else:
+        yield v
 
 
 def _docstring(trace: RankTrace, op: OpRecord, source_trace: str) -> str:
