@@ -314,3 +314,52 @@ def test_estimate_json_and_the_ranks_that_fit_a_budget(tmp_path, monkeypatch, ca
 def test_json_is_the_estimates(capsys):
     assert main(["record", "--json", "-", "--", sys.executable, "-c", "pass"]) == 2
     assert "--json writes the estimate" in capsys.readouterr().err
+
+
+def _two_linears(path: Path, **options) -> None:
+    """Forward and backward of two 256x256 Linear layers (256 KiB weights): a 1M budget holds only some of it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+    x = torch.randn(64, 256)
+    with replaydiff.record(path, **options):
+        model(x).sum().backward()
+
+
+@pytest.mark.parametrize("case", ["budget", "disk full", "filtered"])
+def test_replay_tells_each_fact_of_left_out_data_once(tmp_path, monkeypatch, capsys, case):
+    options = {"budget": {"budget": "1M"}, "filtered": {"modules": "Sequential.2"}}.get(case, {"chunk_ops": 4})
+    if case == "disk full":
+        real, calls = trace_writer.write_atomic_via, []
+
+        def fills_up(path, write):
+            calls.append(path)
+            if len(calls) > 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            real(path, write)
+
+        monkeypatch.setattr(trace_writer, "write_atomic_via", fills_up)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the full disk's warning: test_a_full_disk_keeps_recording_...
+        _two_linears(tmp_path / "t", **options)
+    r = open_trace(tmp_path / "t").rank(0)
+    left = [op.index for op in r if op.data_left_out is not None]
+    assert left and {r[i].data_left_out for i in left} == {case}
+    capsys.readouterr()
+    code = main(["replay", str(tmp_path / "t")])
+    lines = capsys.readouterr().out.splitlines()
+    judged = sum(x.status in (Status.OK, Status.DIVERGENT, Status.NONDETERMINISTIC)
+                 for x in replay_trace(str(tmp_path / "t"), ReplayOptions()).ops)
+    why = {"budget": "past the record --budget", "disk full": "the disk was full while recording",
+           "filtered": "outside the record --module/--op filter"}[case]
+    told = [line for line in lines if why in line]
+    if case == "filtered":  # a choice, not a gap: counted with the skipped ops, and the trace is clean
+        assert code == 0 and told == [f"  skipped {len(left):>5}  tensor data left out: {why}"]
+        assert lines[-1] == "no divergent op: every replayed op matches its recorded output within tolerance"
+        return
+    assert code == 1
+    # one line for the ops left out (how many, where, why), one for the verdict and what to do
+    assert told == [f"  {len(left)} op(s) (#{left[0]}-#{left[-1]}) not judged: tensor data left out, {why}"]
+    again = "with a larger --budget, or --module for the part to check" if case == "budget" else \
+        "on a disk with room, or with a --budget that fits it"
+    assert lines[-1] == f"not clean: no divergent op among the {judged} judged; record again {again}"
+    assert f"{judged} ok" in lines[0]

@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from replaydiff.trace.schema import LEFT_OUT_DISK_FULL, LEFT_OUT_FILTERED, LEFT_OUT_WHY
+from replaydiff.report.text import record_again
+from replaydiff.trace.schema import LEFT_OUT_FILTERED, LEFT_OUT_WHY
 from replaydiff.tui.model import PROBLEMS, RowResult, short_op
 
 STATUS_STYLE = {
@@ -179,11 +180,9 @@ def left_out_lines(op: Any, result: RowResult | None) -> list[str]:
     if why == LEFT_OUT_FILTERED:
         return [f"[dim]NOT JUDGED[/]  tensor data left out: {esc(LEFT_OUT_WHY[why])}",
                 "  [dim]statistics only (below); replay judges the ops the filter kept[/]"]
-    again = "on a disk with room, or with a --budget that fits it" if why == LEFT_OUT_DISK_FULL else \
-        "with a larger --budget, or --module for the part to check"
     return [f"[bold yellow]NOT JUDGED[/]  tensor data left out: {esc(LEFT_OUT_WHY.get(why, why))}",
             f"  statistics only (below), so replay cannot judge this op and a replay of this trace is never clean; "
-            f"record again {again}"]
+            f"{esc(record_again({why}))}"]
 
 
 def diff_lines(result: RowResult) -> list[str]:
