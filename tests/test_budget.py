@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import errno
 import fnmatch
+import json
 import re
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -14,10 +16,12 @@ import torch
 
 import replaydiff
 import replaydiff.trace.writer as trace_writer
-from replaydiff.cli.main import main
-from replaydiff.models.tiny import TinyTransformer, make_step
+from replaydiff.cli.estimate import run_estimate
+from replaydiff.cli.main import build_parser, main
+from replaydiff.cli.record import options_from_args
+from replaydiff.models.tiny import TinyCNN, TinyTransformer, make_step
 from replaydiff.record.budget import parse_size
-from replaydiff.record.options import RecordOptions
+from replaydiff.record import Recorder, RecordOptions
 from replaydiff.replay import ReplayOptions, Status, replay_trace
 from replaydiff.trace import open_trace
 
@@ -226,3 +230,136 @@ def test_estimate_prints_what_a_full_recording_writes(tmp_path, capsys):
     fits = re.findall(r"^\s+([\d.]+) MB  --module '(\S+)' --module '(\S+)'$", out, re.M)
     assert fits and all(float(mb) * 1e6 <= 8 << 20 and star == f"{m}.*" for mb, m, star in fits)
     assert ("TinyTransformer.blocks.0", "TinyTransformer.blocks.0.*") in {(m, s) for _, m, s in fits}
+
+
+def _cnn_step():
+    torch.manual_seed(0)
+    model = TinyCNN()
+    return make_step(model, model.example_batch(), torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _two_ranks(monkeypatch, cache: Path):
+    """A stand-in for cli/record.py's run_recorded: the "job" runs in this process as two ranks of different sizes
+    (rank 0 a small CNN, rank 1 the transformer), each recorded with the options the estimate asks for. The job is
+    the same each time: recorded once into ``cache``, copied after."""
+    asked = []
+
+    def run_recorded(cmd, out, step, options, stdout=None):
+        asked.append(options)
+        if not cache.exists():
+            for rank, make in ((0, _cnn_step), (1, _step)):
+                monkeypatch.setenv("RANK", str(rank))
+                monkeypatch.setenv("WORLD_SIZE", "2")
+                train = make()
+                with Recorder(cache, options):
+                    train()
+        shutil.copytree(cache, out, dirs_exist_ok=True)
+        return 0, 1, [0, 1]
+
+    return run_recorded, asked
+
+
+def _estimate(argv: list[str], run_recorded) -> int:
+    args = build_parser().parse_args(["record", "--estimate", *argv, "--", "python", "train.py"])
+    return run_estimate(args, args.command[1:], options_from_args(args), run_recorded)
+
+
+def test_estimate_json_and_the_ranks_that_fit_a_budget(tmp_path, monkeypatch, capsys):
+    run_recorded, asked = _two_ranks(monkeypatch, tmp_path / "job")
+    dest = tmp_path / "estimate.json"
+    capsys.readouterr()
+    assert _estimate(["--budget", "8M", "--json", str(dest), "-o", str(tmp_path / "none")], run_recorded) == 0
+    assert [(o.tensors, o.budget) for o in asked] == [("meta", None)] and not (tmp_path / "none").exists()
+    doc = json.loads(dest.read_text())
+    assert doc["format"] == "replaydiff.estimate/1" and doc["what"] == "step 1"
+    assert doc["write_rate"]["bytes_per_s"] > 0 and doc["write_rate"]["measured"] == \
+        f"64 MiB written and synced to disk in {tmp_path}"
+    r0, r1 = doc["ranks"]
+    assert (r0["rank"], r1["rank"]) == (0, 1)
+    for r in (r0, r1):  # per module/phase rows add up to the rank's data; the rank's bytes are data and records
+        assert sum(p["bytes"] for p in r["places"]) == r["data_bytes"] > 0
+        assert sum(p["ops"] for p in r["places"]) == r["ops"]
+        assert r["bytes"] == r["data_bytes"] + r["records_bytes"]
+        assert r["write_seconds"] == pytest.approx(r["bytes"] / doc["write_rate"]["bytes_per_s"])
+    assert {p["module"] for p in r1["places"]} >= {"TinyTransformer.blocks.0.attn", "(outside any module)"}
+    assert doc["total"] == {"ranks": 2, "bytes": r0["bytes"] + r1["bytes"],
+                            "write_seconds": pytest.approx((r0["bytes"] + r1["bytes"]) /
+                                                           doc["write_rate"]["bytes_per_s"])}
+    # the budget is per rank: the small rank fits it whole, the transformer's data would stop part way
+    assert r0["budget"]["fits"] and r0["budget"]["data_stops_at_op"] is None
+    assert not r1["budget"]["fits"] and r1["budget"]["data_stops_at_op"] > 0
+    assert r1["budget"]["fitting_modules"] and all(
+        m["bytes"] <= (8 << 20) - doc["budget"]["reserve"] and m["flags"] == ["--module", m["module"], "--module",
+                                                                             f"{m['module']}.*"]
+        for m in r1["budget"]["fitting_modules"])
+    assert doc["budget"] == {"bytes": 8 << 20, "per": "rank", "reserve": 838860, "ranks_that_fit": [0],
+                             "flags": ["--ranks", "0", "--budget", "8M"]}
+    out = capsys.readouterr().out  # with --json FILE the text is printed too
+    assert "--budget 8M fits rank 0 whole, not rank 1: `record --ranks 0 --budget 8M` records it complete" in out
+
+    # what the estimate says fits does: rank 0 recorded for real under the budget leaves nothing out (that the
+    # transformer's step does not fit 8M: test_a_budget_gives_the_selected_modules_data_first)
+    train = _cnn_step()
+    with replaydiff.record(tmp_path / "cnn", budget="8M"):
+        train()
+    (rt,) = open_trace(tmp_path / "cnn")
+    assert all(op.data_left_out is None for op in rt) and any(x.stored for op in rt for x in op.inputs())
+
+    # --json -: stdout is the document alone
+    assert _estimate(["--budget", "64M", "--json", "-", "-o", str(tmp_path / "none")], run_recorded) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["budget"]["ranks_that_fit"] == [0, 1] and doc["budget"]["flags"] == ["--budget", "64M"]
+
+
+def test_json_is_the_estimates(capsys):
+    assert main(["record", "--json", "-", "--", sys.executable, "-c", "pass"]) == 2
+    assert "--json writes the estimate" in capsys.readouterr().err
+
+
+def _two_linears(path: Path, **options) -> None:
+    """Forward and backward of two 256x256 Linear layers (256 KiB weights): a 1M budget holds only some of it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+    x = torch.randn(64, 256)
+    with replaydiff.record(path, **options):
+        model(x).sum().backward()
+
+
+@pytest.mark.parametrize("case", ["budget", "disk full", "filtered"])
+def test_replay_tells_each_fact_of_left_out_data_once(tmp_path, monkeypatch, capsys, case):
+    options = {"budget": {"budget": "1M"}, "filtered": {"modules": "Sequential.2"}}.get(case, {"chunk_ops": 4})
+    if case == "disk full":
+        real, calls = trace_writer.write_atomic_via, []
+
+        def fills_up(path, write):
+            calls.append(path)
+            if len(calls) > 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            real(path, write)
+
+        monkeypatch.setattr(trace_writer, "write_atomic_via", fills_up)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the full disk's warning: test_a_full_disk_keeps_recording_...
+        _two_linears(tmp_path / "t", **options)
+    r = open_trace(tmp_path / "t").rank(0)
+    left = [op.index for op in r if op.data_left_out is not None]
+    assert left and {r[i].data_left_out for i in left} == {case}
+    capsys.readouterr()
+    code = main(["replay", str(tmp_path / "t")])
+    lines = capsys.readouterr().out.splitlines()
+    judged = sum(x.status in (Status.OK, Status.DIVERGENT, Status.NONDETERMINISTIC)
+                 for x in replay_trace(str(tmp_path / "t"), ReplayOptions()).ops)
+    why = {"budget": "past the record --budget", "disk full": "the disk was full while recording",
+           "filtered": "outside the record --module/--op filter"}[case]
+    told = [line for line in lines if why in line]
+    if case == "filtered":  # a choice, not a gap: counted with the skipped ops, and the trace is clean
+        assert code == 0 and told == [f"  skipped {len(left):>5}  tensor data left out: {why}"]
+        assert lines[-1] == "no divergent op: every replayed op matches its recorded output within tolerance"
+        return
+    assert code == 1
+    # one line for the ops left out (how many, where, why), one for the verdict and what to do
+    assert told == [f"  {len(left)} op(s) (#{left[0]}-#{left[-1]}) not judged: tensor data left out, {why}"]
+    again = "with a larger --budget, or --module for the part to check" if case == "budget" else \
+        "on a disk with room, or with a --budget that fits it"
+    assert lines[-1] == f"not clean: no divergent op among the {judged} judged; record again {again}"
+    assert f"{judged} ok" in lines[0]

@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 import threading
@@ -916,3 +917,79 @@ def test_replay_and_diff_rows_are_one_row_type(traced, diffed):
     divergent = [r for r in rows if r.status is Status.DIVERGENT]
     assert len(divergent) == 1 and divergent[0].pair.status is PairStatus.DIVERGENT
     assert divergent[0].index == divergent[0].pair.target
+
+
+@sync
+async def test_t_shows_the_cause_and_the_next_commands_and_c_selects_the_causing_op(multistep):
+    from replaydiff.tui.screens.trend import TrendScreen
+
+    path, changed = multistep
+    r = replaydiff.open_trace(path).rank(0)
+    # the op that made the change: the x100 mul_ before step 8's forward, outside any module (no history of its own)
+    (made,) = [op.index for op in r if op.name == "aten.mul_.Tensor" and op.step == PLANT_STEP
+               and op.module is None and op.phase != "optimizer"]
+    out = shlex.quote(f"{path}-step{PLANT_STEP}")
+    record = f"replaydiff record --tensors full --steps {PLANT_STEP - 1}-{PLANT_STEP} --module {changed} -o {out} " \
+             f"-- COMMAND"
+    app = ReplaydiffApp(replaydiff.open_trace(path))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await press(app, pilot, "t")
+        screen = app.screen
+        assert isinstance(screen, TrendScreen)
+        lines = screen.text.splitlines()
+        assert lines[0].startswith(f"▶ first change: step {PLANT_STEP}, module {changed}")
+        assert lines[1].startswith(f"▶ cause: op #{made} aten.mul_.Tensor (no module, forward)") and \
+            f"step {PLANT_STEP}: made the change" in lines[1] and lines[1].endswith(f"(Enter or c: go to #{made})")
+        assert lines[2].startswith(f"Next: record steps {PLANT_STEP - 1}-{PLANT_STEP} in full around the change")
+        assert lines[3:5] == [f"  {record}", f"  replaydiff replay {out}"]
+        assert lines[6].split() == ["module", "kind", "l2", "first", "l2", "last", "absmax", "max", "nan+inf", "l2",
+                                    "by", "step", "(log)"]
+        # Enter on the record command copies it
+        await press(app, pilot, "down", "down", "down", "enter")
+        assert app.clipboard == record and isinstance(app.screen, TrendScreen)
+        await press(app, pilot, "c")
+        assert not isinstance(app.screen, TrendScreen)
+        assert app.selected_op == made
+
+
+def _left_out_trace(path, **options) -> None:
+    """Forward and backward of two 256x256 Linear layers (256 KiB weights): a 1M budget holds only some of it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+    x = torch.randn(64, 256)
+    with replaydiff.record(path, **options):
+        model(x).sum().backward()
+
+
+@sync
+async def test_ops_whose_data_was_left_out_say_why_and_never_look_clean(tmp_path):
+    for name, options, reason, label, said in (
+            ("budget", {"budget": "1M"}, "budget", "budget", "past the record --budget"),
+            ("filter", {"modules": "Sequential.2"}, "filtered", "filter", "outside the record --module/--op filter")):
+        path = tmp_path / name
+        _left_out_trace(path, **options)
+        r = replaydiff.open_trace(path).rank(0)
+        left = [op.index for op in r if op.data_left_out is not None]
+        assert left and {r[i].data_left_out for i in left} == {reason}
+        report = replay_trace(str(path), ReplayOptions())
+        ok = [x.index for x in report.ops if x.status is Status.OK]
+        assert ok and not problems(report)
+        app = ReplaydiffApp(replaydiff.open_trace(path), report=report)
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(app, pilot)
+            status = str(app.main.query_one("#status").visual)
+            assert "0 divergent" in status
+            what = "outside the record filter" if reason == "filtered" else f"data left out: {reason}"
+            assert f"{len(left)} not judged ({what})" in status
+            app.select(left[0])
+            await settle(app, pilot)
+            row = _row_text(app, left[0]).split()
+            assert label in row and "skip" not in row
+            text = app.main.detail.text
+            assert f"NOT JUDGED  tensor data left out: {said}" in text and "SKIPPED" not in text
+            if reason == "budget":
+                assert "a replay of this trace is never clean; record again with a larger --budget" in text
+            app.select(ok[0])
+            await settle(app, pilot)
+            assert "ok" in _row_text(app, ok[0]).split() and "NOT JUDGED" not in app.main.detail.text

@@ -166,7 +166,7 @@ class ReplaydiffApp(Runs, Navigation, App):
             parts.append(f"in {m.scope[0]}" + (f" {m.scope[1]}" if m.scope[1] else ""))
         c = m.counts()
         verdicts = f"{c['divergent']} divergent · {c['nondeterministic']} nondet · {c['error']} err · " \
-                   f"{c['ok']} ok · {c['skipped']} skip"
+                   f"{c['ok']} ok · {c['skipped']} skip" + left_out_status(m.trace)
         if self.diff_ref is not None:
             verdicts = self._diff_status(c)
         elif self.replay_state is RunState.RUNNING:
@@ -296,6 +296,18 @@ class ReplaydiffApp(Runs, Navigation, App):
     def _histogram_ready(self, rank: int, op: int, text: str) -> None:
         if rank == self.rank and op == self.detail_op:
             self.main.detail.show_histogram(text)
+
+def left_out_status(trace: Any) -> str:
+    """What the status line adds for ops whose tensor data the recording left out: never judged, so a replay with
+    nothing divergent is still not clean (the op list marks each such row with its reason)."""
+    from replaydiff.trace.schema import LEFT_OUT_FILTERED
+
+    parts = []
+    for lo in getattr(trace, "data_left_out", []):
+        what = "outside the record filter" if lo.reason == LEFT_OUT_FILTERED else f"data left out: {lo.reason}"
+        parts.append(f"{lo.ops} not judged ({what})")
+    return "".join(f" · {p}" for p in parts)
+
 
 def make_app(path: str | Path, *, rank: int | None = None, report_path: str | Path | None = None,
              replay: ReplaySettings | None = None, diff_ref: str | Path | None = None) -> ReplaydiffApp:

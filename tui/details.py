@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+from replaydiff.report.text import record_again
+from replaydiff.trace.schema import LEFT_OUT_FILTERED, LEFT_OUT_WHY
 from replaydiff.tui.model import PROBLEMS, RowResult, short_op
 
 STATUS_STYLE = {
@@ -167,6 +169,22 @@ def verdict_lines(result: RowResult | None) -> list[str]:
     return lines
 
 
+def left_out_lines(op: Any, result: RowResult | None) -> list[str]:
+    """The verdict of an op whose tensor data the recording left out (``OpRecord.data_left_out``), in place of
+    verdict_lines: replay does not judge it, replayed or not. Past the budget or after a full disk is a gap, so never
+    clean; outside the --module/--op filter is the user's choice. Empty for any other op, and in diff mode (a diff
+    compares statistics too)."""
+    why = getattr(op, "data_left_out", None)
+    if why is None or (result is not None and result.in_diff):
+        return []
+    if why == LEFT_OUT_FILTERED:
+        return [f"[dim]NOT JUDGED[/]  tensor data left out: {esc(LEFT_OUT_WHY[why])}",
+                "  [dim]statistics only (below); replay judges the ops the filter kept[/]"]
+    return [f"[bold yellow]NOT JUDGED[/]  tensor data left out: {esc(LEFT_OUT_WHY.get(why, why))}",
+            f"  statistics only (below), so replay cannot judge this op and a replay of this trace is never clean; "
+            f"{esc(record_again({why}))}"]
+
+
 def diff_lines(result: RowResult) -> list[str]:
     """Diff mode: the aligned reference op and the pair's verdict, evidence, reason and inherited origin."""
     s = result.status
@@ -268,7 +286,7 @@ def op_markup(trace: Any, i: int, result: RowResult | None, statuses: list) -> s
     if op.forward_index is not None:
         out.append(f"backward of forward op {op_link(trace, op.forward_index, statuses[op.forward_index])}  [dim](b)[/]")
     out.append("")
-    out.append("[b]verdict[/]  " + "\n".join(verdict_lines(result)))
+    out.append("[b]verdict[/]  " + "\n".join(left_out_lines(op, result) or verdict_lines(result)))
     # a backward op's own line is the backward() call; its forward op's line says which code it differentiates
     source_op, called = op, None
     if op.forward_index is not None:

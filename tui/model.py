@@ -81,6 +81,8 @@ class RowResult:
     nonfinite_origin: bool = False
     source: Any = None
     ref_rank: int | None = None
+    # why the recording left this op's tensor data out (a LEFT_OUT_* value: filtered, budget, disk full), else None
+    left_out: str | None = None
 
     @property
     def in_diff(self) -> bool:
@@ -97,7 +99,7 @@ class RowResult:
         """The row of a replay's OpResult."""
         severity, error = verdict_figures(r)
         return cls(r.rank, r.index, row_status(r.status), severity, error, r.metrics, r.reason,  # type: ignore[arg-type]
-                   bool(r.nonfinite_origin), r)
+                   bool(r.nonfinite_origin), r, left_out=getattr(r, "data_left_out", None))
 
     @classmethod
     def of_pair(cls, rank: int, pair: Any, status: RowStatus, ref_rank: int) -> "RowResult":

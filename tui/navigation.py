@@ -117,7 +117,7 @@ class Navigation:
                 self.notify(f"no trend: {exc}", timeout=4)
                 return
             self._trends[self.rank] = trend
-        self.push_screen(TrendScreen(trend), self._picked)
+        self.push_screen(TrendScreen(trend, str(self.trace.path)), self._picked)
 
     def _picked(self, op: int | None) -> None:
         if op is not None:

@@ -72,6 +72,9 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                    help="run the step with --tensors meta and print what --tensors full would write per rank, "
                         "module and phase, the time writing it takes here, and (with --budget) the flags that fit; "
                         "nothing is written to -o")
+    p.add_argument("--json", metavar="FILE|-",
+                   help="with --estimate: write the estimate as JSON (format replaydiff.estimate/1) to FILE, or - for "
+                        "stdout (the job's own output then goes to stderr)")
     p.add_argument("--force", action="store_true",
                    help="replace the trace in -o DIR (a replaydiff trace only: a directory holding anything else, the "
                         "working directory and the home directory are refused)")
@@ -154,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
         options = options_from_args(args)
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
+    if getattr(args, "json", None) and not getattr(args, "estimate", False):
+        raise UsageError("--json writes the estimate: record --estimate --json FILE|- -- COMMAND")
     if getattr(args, "estimate", False):  # a meta run into a temporary directory: -o is left alone
         return run_estimate(args, cmd, options, run_recorded)
     out = Path(args.out).resolve()
@@ -212,16 +217,18 @@ def run(args: argparse.Namespace) -> int:
     return code or EXIT_USAGE
 
 
-def run_recorded(cmd: list[str], out: Path, step: int, options: RecordOptions) -> tuple[int, int | None, list[int]]:
+def run_recorded(cmd: list[str], out: Path, step: int, options: RecordOptions,
+                 stdout: int | None = None) -> tuple[int, int | None, list[int]]:
     """Run the command with the step hook armed to record into ``out``: its exit code (a signal as 128+N), the
-    most optimizer steps a process of it ran and the ranks its processes had (``_reports``)."""
+    most optimizer steps a process of it ran and the ranks its processes had (``_reports``). ``stdout``: a file
+    descriptor for the command's standard output (None: ours)."""
     env = dict(os.environ)
     status = tempfile.mkdtemp(prefix="replaydiff-record-")  # each process of the job says how many steps it ran
     env[ENV_VAR] = json.dumps({"out": str(out), "step": step, "options": options.to_dict(), "status": status})
     autostart = str(Path(__file__).resolve().parent.parent / "record" / "autostart")
     env["PYTHONPATH"] = os.pathsep.join([autostart] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     try:
-        code = subprocess.call(cmd, env=env)
+        code = subprocess.call(cmd, env=env, stdout=stdout)
     except FileNotFoundError:
         raise UsageError(f"command not found: {cmd[0]}") from None
     finally:

@@ -5,8 +5,9 @@ A meta trace holds every tensor's storage version and size, so the recorder's ow
 store: each storage version once, at the first op that reads or writes it (outputs of empty* ops are not stored
 there: their bytes are the allocator's), plus a header entry per storage and the generator state of random ops.
 The same rule with a --module/--op selection gives what a zoomed recording would store; the budget's rule
-(record/budget.py) gives where data would stop in step order. Bytes are raw: zstd saves 8-20% of float data, and
-is used only where it costs the job no time.
+(record/budget.py) gives where data would stop in step order (``RankEstimate.fit``), and, the budget being per
+rank, which ranks of a multi-process job fit it whole (``ranks_that_fit``). Bytes are raw: zstd saves 8-20% of
+float data, and is used only where it costs the job no time.
 """
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ from pathlib import Path
 from typing import Iterable
 
 from replaydiff import aten
-from replaydiff.record.budget import BLOB_OVERHEAD, records_reserve
+from replaydiff.record.budget import BLOB_OVERHEAD, format_size, records_reserve
 from replaydiff.trace.format import OPS_DIR
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import OpRecord
 
 RNG_STATE_BYTES = {"cpu": 5056, "cuda": 16}  # torch.get_rng_state() / torch.cuda.get_rng_state() sizes
 OUTSIDE = "(outside any module)"
+FITS = 8  # module selections listed as fitting a budget, largest first
 
 
 @dataclass
@@ -37,6 +39,32 @@ class OpData:
     phase: str | None
     storages: list[tuple[int, int]]
     extra: int  # bytes stored with the op itself (a random op's generator state)
+
+
+@dataclass
+class ModuleFit:
+    """A module whose ops' tensor data, with every op's record, fits a budget whole: ``flags`` select it."""
+
+    module: str
+    nbytes: int
+    flags: list[str]
+
+
+@dataclass
+class BudgetFit:
+    """What ``--budget`` would keep of one rank's full recording."""
+
+    budget: int
+    reserve: int  # kept for op records and statistics
+    fits: bool  # every storage would be stored
+    stop: int | None  # in step order, the first op that would get statistics instead of data
+    stored: int  # tensor data stored in step order
+    modules: list[ModuleFit]  # the largest --module selections that fit whole (empty when everything fits)
+
+    @property
+    def no_room(self) -> bool:
+        """The reserve takes the whole budget: no tensor data at all."""
+        return self.budget <= self.reserve
 
 
 @dataclass
@@ -63,6 +91,24 @@ class RankEstimate:
             used += n
         return first, used
 
+    def fit(self, budget: int) -> BudgetFit:
+        """Where ``--budget`` would stop this rank's data, and the module selections that fit it whole."""
+        reserve = records_reserve(budget)
+        if budget <= reserve:
+            return BudgetFit(budget, reserve, False, None, 0, [])
+        stop, stored = self.budget_stop(budget)
+        if stop is None:
+            return BudgetFit(budget, reserve, True, None, stored, [])
+        fitting = []
+        for module in self.module_subtrees():
+            globs = module_globs(module)
+            n = self.stored(globs) + self.records_bytes
+            if n <= budget - reserve:
+                fitting.append(ModuleFit(module, n, [f for g in globs for f in ("--module", g)]))
+        # the largest selections that fit whole are the useful ones; nested modules of one that fits fit too
+        fitting.sort(key=lambda f: -f.nbytes)
+        return BudgetFit(budget, reserve, False, stop, stored, fitting[:FITS])
+
     def module_subtrees(self, depth: int = 3) -> list[str]:
         """Modules (and their ancestors) down to ``depth`` levels below the root, each once."""
         found: set[str] = set()
@@ -72,6 +118,18 @@ class RankEstimate:
                 for k in range(1, min(len(parts), depth + 1) + 1):
                     found.add(".".join(parts[:k]))
         return sorted(found)
+
+
+def ranks_that_fit(estimates: list[RankEstimate], budget: int) -> list[int]:
+    """The ranks whose whole full recording fits ``--budget`` (which is per rank)."""
+    if budget <= records_reserve(budget):
+        return []
+    return [e.rank for e in estimates if e.budget_stop(budget)[0] is None]
+
+
+def ranks_flags(ranks: list[int], budget: int) -> list[str]:
+    """``record`` flags that record only these ranks, each under the budget."""
+    return ["--ranks", ",".join(map(str, ranks)), "--budget", format_size(budget)]
 
 
 def module_globs(module: str) -> list[str]:
@@ -119,7 +177,10 @@ def estimate_rank(rt: RankTrace, max_tensor_bytes: int | None = None) -> RankEst
     return est
 
 
-def measure_write_rate(directory: Path, nbytes: int = 64 << 20) -> float:
+PROBE_BYTES = 64 << 20  # written by measure_write_rate: enough to pass the page cache's first burst
+
+
+def measure_write_rate(directory: Path, nbytes: int = PROBE_BYTES) -> float:
     """Bytes per second of writing a file in ``directory`` and syncing it to disk (the probe file is removed)."""
     block = os.urandom(1 << 20) * 4  # 4 MiB, incompressible, like float data
     fd, name = tempfile.mkstemp(prefix=".replaydiff-write-probe-", dir=directory)

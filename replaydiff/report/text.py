@@ -7,6 +7,16 @@ from typing import TextIO
 from replaydiff.aten import is_unit
 from replaydiff.replay.result import OpResult, ReplayReport, Status
 from replaydiff.report.plant import plant_notes
+from replaydiff.trace.schema import LEFT_OUT_DISK_FULL
+
+# What to record instead, per reason the recording left tensor data out against its will (the TUI says it too).
+_AGAIN = {LEFT_OUT_DISK_FULL: "on a disk with room, or with a --budget that fits it"}
+_AGAIN_BUDGET = "with a larger --budget, or --module for the part to check"
+
+
+def record_again(reasons: set[str]) -> str:
+    """'record again ...' for ops left out for these reasons (budget, disk full)."""
+    return "record again " + "; or ".join(sorted({_AGAIN.get(r, _AGAIN_BUDGET) for r in reasons}))
 
 
 def op_line(r: OpResult) -> str:
@@ -43,7 +53,11 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> No
         rank_note = f" ({len(ranks)} ranks)"
     out.write(f"replayed {len(report.ops)} ops of {report.trace}{rank_note} on {opts['device']} at "
               f"{opts['precision']}: " + ", ".join(f"{n} {s}" for s, n in c.items()) + "\n")
-    skipped = Counter(r.reason for r in report.ops if r.status is Status.SKIPPED)
+    not_judged = report.not_judged
+    # Ops left out for the budget or a full disk are skipped too; their own line below says how many and where,
+    # so they are not counted again among the skipped reasons.
+    told = {id(r) for r in not_judged}
+    skipped = Counter(r.reason for r in report.ops if r.status is Status.SKIPPED and id(r) not in told)
     for reason, n in skipped.most_common(6):
         out.write(f"  skipped {n:>5}  {reason}\n")
     errors = [r for r in report.ops if r.status is Status.ERROR]
@@ -52,14 +66,13 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> No
     for line in report.left_out_summary():  # how much the recording left out, and where
         out.write(f"  {line}\n")
     first = report.first_divergent
-    not_judged = report.not_judged
     if first is None and errors:  # ops that could not be replayed were not checked: do not call them matching
         out.write(f"not clean: {len(errors)} op(s) could not be replayed, so were not judged (listed above); no "
                   f"divergent op among the others\n")
     elif first is None and not_judged:  # nor were ops whose data the recording left out
-        out.write(f"not clean: {len(not_judged)} op(s) were not judged, their tensor data was left out while "
-                  f"recording (listed above); no divergent op among the others (record again with a larger "
-                  f"--budget, or --module for the part to check)\n")
+        judged = sum(r.status in (Status.OK, Status.DIVERGENT, Status.NONDETERMINISTIC) for r in report.ops)
+        out.write(f"not clean: no divergent op among the {judged} judged; "
+                  f"{record_again({r.data_left_out for r in not_judged})}\n")
     elif first is None:
         out.write("no divergent op: every replayed op matches its recorded output within tolerance\n")
     else:

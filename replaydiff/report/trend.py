@@ -91,6 +91,15 @@ class Trend:
     def zoom(self) -> "Zoom | None":
         return None if self.first_change is None else Zoom.of(self.first_change, self.cause)
 
+    @property
+    def cause_to_tell(self) -> "Cause | None":
+        """The cause, where it says more than the first change: another op made it, or it entered through an
+        input (the text report and the TUI's trend screen print it under the first change)."""
+        c, cause = self.first_change, self.cause
+        if c is None or cause is None or (cause.index == c.index and cause.how == "made"):
+            return None
+        return cause
+
     def to_json(self, trace: str = "TRACE") -> dict:
         """``trace``: the trace as the user named it, for the next commands."""
         z = self.zoom
@@ -508,20 +517,29 @@ def render_trend(t: Trend, out: TextIO, width: int = 60, trace: str = "TRACE") -
         out.write(f"no sudden change (robust z-score >= {t.threshold:g} against the {t.window} steps before)\n")
     else:
         out.write(f"first change: {describe_change(c)}\n")
-        if t.cause is not None and (t.cause.index != c.index or t.cause.how != "made"):
-            out.write(f"cause: {describe_cause(t.cause)}\n")
+        if t.cause_to_tell is not None:
+            out.write(f"cause: {describe_cause(t.cause_to_tell)}\n")
     steps = t.steps
     if len(steps) > width:  # the last `width` steps in the sparklines
         out.write(f"sparklines: log10 l2 of the last {width} steps\n")
     for line in table_lines(t, width):
         out.write(line + "\n")
+    lines = next_lines(t, trace)
+    if lines:
+        out.write("\n" + "".join(line + "\n" for line in lines))
+
+
+def next_lines(t: Trend, trace: str = "TRACE") -> list[str]:
+    """What to run next, as lines (none without a change): record its steps in full, then replay them. The text
+    report and the TUI's trend screen both show them."""
     z = t.zoom
-    if z is not None:
-        cmd = z.commands(trace)
-        out.write(f"\nNext: record steps {z.steps} in full around the change, then replay them (replay says whether "
-                  f"an op there computes wrongly, or through which input the change enters):\n"
-                  f"  {cmd['record']}\n  {cmd['replay']}\n"
-                  f"(COMMAND: the training command {trace} was recorded from; in Python: {cmd['python']})\n")
+    if z is None:
+        return []
+    cmd = z.commands(trace)
+    return [f"Next: record steps {z.steps} in full around the change, then replay them (replay says whether an op "
+            f"there computes wrongly, or through which input the change enters):",
+            f"  {cmd['record']}", f"  {cmd['replay']}",
+            f"(COMMAND: the training command {trace} was recorded from; in Python: {cmd['python']})"]
 
 
 def table_lines(t: Trend, width: int) -> list[str]:

@@ -11,6 +11,7 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
+from replaydiff.trace.schema import LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_FILTERED
 from replaydiff.tui.model import PHASE_SHORT, TraceModel, shorten_left, short_op
 
 STATUS_LABEL = {None: "", "ok": "ok", "divergent": "DIVERG", "nondeterministic": "NONDET", "skipped": "skip",
@@ -26,6 +27,11 @@ STATUS_STYLE = {
     "inherited": Style(color="#d9822b", dim=True),  # diff mode: carried an earlier difference forward
     "target_only": Style(color="cyan", italic=True),  # diff mode: no aligned op in the reference
 }
+# An op whose tensor data the recording left out is skipped by replay: its row says why instead of "skip". Past the
+# budget or after a full disk is a gap (never clean): in yellow; outside the --module/--op filter is a choice: dim.
+LEFT_OUT_LABEL = {LEFT_OUT_FILTERED: "filter", LEFT_OUT_BUDGET: "budget", LEFT_OUT_DISK_FULL: "disk"}
+LEFT_OUT_STYLE = {LEFT_OUT_FILTERED: Style(dim=True), LEFT_OUT_BUDGET: Style(color="yellow", bold=True),
+                  LEFT_OUT_DISK_FULL: Style(color="yellow", bold=True)}
 PHASE_STYLE = {"forward": Style(color="blue"), "backward": Style(color="magenta"), "optimizer": Style(color="cyan")}
 DIM = Style(dim=True)
 MODULE_STYLE = Style(color="cyan")
@@ -210,6 +216,10 @@ class OpList(ScrollView, can_focus=True):
         cheap = ix.cheap[op]
         err = m.error[op]
         name_style = DIM if cheap else Style()
+        result = m.results[op]
+        left_out = result.left_out if result is not None else None
+        label = LEFT_OUT_LABEL.get(left_out) or STATUS_LABEL.get(status, status or "")  # type: ignore[arg-type]
+        label_style = LEFT_OUT_STYLE.get(left_out) or STATUS_STYLE.get(status, DIM)  # type: ignore[arg-type]
         segs = [
             Segment(str(op).rjust(w_idx) + " ", DIM),
             Segment(PHASE_SHORT.get(phase, (phase or "")[:3]).ljust(w_phase)[:w_phase] + " ",
@@ -217,8 +227,7 @@ class OpList(ScrollView, can_focus=True):
             Segment(shorten_left(mod, w_mod).ljust(w_mod) + " " if w_mod else "", MODULE_STYLE),
             Segment(_fit(short_op(ix.name[op]), w_op) + " ", name_style),
             Segment(_fit(out, w_out) + " " if w_out else "", DIM),
-            Segment(STATUS_LABEL.get(status, status or "").ljust(w_status)[:w_status] + " ",
-                    STATUS_STYLE.get(status, DIM)),
+            Segment(label.ljust(w_status)[:w_status] + " ", label_style),
             Segment(err.rjust(w_err)[:w_err], STATUS_STYLE.get(status, DIM) if status != "ok" else Style()),
         ]
         strip = Strip(segs).adjust_cell_length(width)
