@@ -31,6 +31,7 @@ from replaydiff.replay.notes import (Failed, FellBack, Judgement, LeftOut, Note,
 from replaydiff.replay.policy import FALLBACKS, ReplayOptions, target_dtype
 from replaydiff.replay.result import OpResult, Status
 from replaydiff.repro_script import as_recorded, pick, typed_storage
+from replaydiff.trace.codec import copy_bytes
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import LEFT_OUT_WHY, Opaque, OpRecord, TensorRef, dtype_from_name, iter_refs
 
@@ -80,11 +81,17 @@ class _Inputs:
         key = (ref.version, ref.dtype, target)
         base = self._base.get(key)
         if base is None:
-            elements = typed_storage(self.trace.data(ref), rec_dtype)
+            raw = self.trace.data(ref)
             if self.uninitialised_fill is not None and ref.uninitialised:
-                base = torch.full((elements.numel(),), self.uninitialised_fill, dtype=target, device=self.device)
+                n = typed_storage(raw, rec_dtype).numel()
+                base = torch.full((n,), self.uninitialised_fill, dtype=target, device=self.device)
+            elif target == rec_dtype and self.device.type == "cpu":
+                # The same bytes, copied outside torch: a torch copy is an intra-op parallel region, and at
+                # --precision same the engine runs the recorded thread count, whose wake-ups cost more than small
+                # copies. Allocated by torch, so aligned as a torch copy is (MKL's results may depend on alignment).
+                base = typed_storage(copy_bytes(raw), rec_dtype)
             else:
-                base = elements.to(device=self.device, dtype=target, copy=True)
+                base = typed_storage(raw, rec_dtype).to(device=self.device, dtype=target, copy=True)
             self._base[key] = base
         return as_recorded(base, ref.shape, ref.stride, ref.offset, ref.conj, ref.neg)
 
