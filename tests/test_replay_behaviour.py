@@ -306,6 +306,41 @@ def test_foreach_fault_is_caught_on_the_lists_it_wrote():
     rh.assert_only_culprit(rh.replay(path), index)
 
 
+def _weight_read_twice_then_written():
+    w = torch.randn(16, 16)
+    x = torch.randn(4, 16)
+    a = x @ w
+    b = x @ w  # the same version of w: its input base is rebuilt once and kept for this op
+    w.mul_(2.0)  # writes w: it gets a copy of its own, so the kept base stays as recorded
+    c = x @ w
+    (a + b + c).sum()
+
+
+def test_an_input_read_by_several_ops_is_rebuilt_once_and_never_written(tmp_path, monkeypatch):
+    """Replay keeps the inputs it rebuilt (decoded, upcast) for the next ops that read them (issue 19): only ops that
+    write none of their arguments are given those, so an op that writes in place never changes what others read."""
+    from replaydiff.replay import ReplayOptions
+    from replaydiff.replay.policy import reference_settings
+
+    path = rh.record_fn(tmp_path / "trace", _weight_read_twice_then_written)
+    rt = open_trace(path).rank(0)
+    ops = [op for op in rt if op.name in ("aten.mm.default", "aten.mul_.Tensor")]
+    assert [op.name for op in ops] == ["aten.mm.default"] * 2 + ["aten.mul_.Tensor", "aten.mm.default"]
+    w0 = ops[0].args[1].version
+    assert ops[1].args[1].version == w0 == ops[2].args[0].version != ops[3].args[1].version
+    reads = []
+    data = RankTrace.data
+    monkeypatch.setattr(RankTrace, "data", lambda self, ref: reads.append(ref.version) or data(self, ref))
+    replayer = OpReplayer(rt, ReplayOptions())
+    with reference_settings(1), torch.inference_mode():
+        results = [replayer.replay(op) for op in ops]
+        again = replayer.replay(ops[0])  # after the in-place op replayed: w's kept base is still as recorded
+    assert [r.status for r in results] == [Status.OK] * 4, [r.reason for r in results]
+    # w as recorded: read by the first mm, then by mul_, which must have a copy of its own; not by the second mm
+    assert reads.count(w0) == 2
+    assert again.status is Status.OK and again.verdict == results[0].verdict
+
+
 class _TransposeWithOtherStrides(TorchDispatchMode):
     """Below the recorder, a transpose kernel that returns its view of the input with the other (row-major) strides:
     the recorded view's geometry is not what aten.t computes."""

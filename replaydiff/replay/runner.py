@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import math
 import threading
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
@@ -31,6 +32,7 @@ from replaydiff.replay.notes import (Failed, FellBack, Judgement, LeftOut, Note,
 from replaydiff.replay.policy import FALLBACKS, ReplayOptions, target_dtype
 from replaydiff.replay.result import OpResult, Status
 from replaydiff.repro_script import as_recorded, pick, typed_storage
+from replaydiff.trace.codec import copy_bytes
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import LEFT_OUT_WHY, Opaque, OpRecord, TensorRef, dtype_from_name, iter_refs
 
@@ -52,7 +54,8 @@ class _Inputs:
     """The arguments of one run of one op: recorded tensors rebuilt at a precision on a device."""
 
     def __init__(self, trace: RankTrace, precision: str, keep_dtype: bool, device: torch.device,
-                 generator: torch.Generator | None, uninitialised_fill: float | None = None) -> None:
+                 generator: torch.Generator | None, uninitialised_fill: float | None = None,
+                 shared: "SharedBases | None" = None) -> None:
         self.trace = trace
         self.precision = precision
         self.keep_dtype = keep_dtype
@@ -62,6 +65,9 @@ class _Inputs:
         # bytes: which outputs follow the fill tells which positions are the allocator's (see _uninitialised).
         self.uninitialised_fill = uninitialised_fill
         self._base: dict[tuple, torch.Tensor] = {}
+        # Bases kept from earlier ops (a weight read by many): given only for an op that writes none of its
+        # arguments, so that no op can change a base another op then reads.
+        self.shared = shared
 
     def tensor(self, ref: TensorRef) -> torch.Tensor:
         if ref.zero:
@@ -79,13 +85,26 @@ class _Inputs:
         target = rec_dtype if self.keep_dtype else target_dtype(self.precision, rec_dtype)
         key = (ref.version, ref.dtype, target)
         base = self._base.get(key)
+        shared = self.shared if self.uninitialised_fill is None else None
+        if base is None and shared is not None:
+            base = shared.get(key, self.device)
+            if base is not None:
+                self._base[key] = base
         if base is None:
-            elements = typed_storage(self.trace.data(ref), rec_dtype)
+            raw = self.trace.data(ref)
             if self.uninitialised_fill is not None and ref.uninitialised:
-                base = torch.full((elements.numel(),), self.uninitialised_fill, dtype=target, device=self.device)
+                n = typed_storage(raw, rec_dtype).numel()
+                base = torch.full((n,), self.uninitialised_fill, dtype=target, device=self.device)
+            elif target == rec_dtype and self.device.type == "cpu":
+                # The same bytes, copied outside torch: a torch copy is an intra-op parallel region, and at
+                # --precision same the engine runs the recorded thread count, whose wake-ups cost more than small
+                # copies. Allocated by torch, so aligned as a torch copy is (MKL's results may depend on alignment).
+                base = typed_storage(copy_bytes(raw), rec_dtype)
             else:
-                base = elements.to(device=self.device, dtype=target, copy=True)
+                base = typed_storage(raw, rec_dtype).to(device=self.device, dtype=target, copy=True)
             self._base[key] = base
+            if shared is not None:
+                shared.put(key, self.device, base)
         return as_recorded(base, ref.shape, ref.stride, ref.offset, ref.conj, ref.neg)
 
     def value(self, v: Any) -> Any:
@@ -109,6 +128,35 @@ class _Inputs:
         return [self.value(a) for a in op.args], {k: self.value(v) for k, v in op.kwargs.items()}
 
 
+class SharedBases:
+    """Input bases (one storage version at one dtype on one device) kept across the ops of one replayer, newest
+    last, at most ``limit`` bytes: the weights and activations a step reads many times are decoded and upcast once.
+
+    Only ops that write none of their arguments (by their schema) are given these, so a base is never written."""
+
+    def __init__(self, limit: int = 64 << 20) -> None:
+        self.limit = limit
+        self._bases: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, key: tuple, device: torch.device) -> torch.Tensor | None:
+        k = key + (device,)
+        base = self._bases.get(k)
+        if base is not None:
+            self._bases.move_to_end(k)
+        return base
+
+    def put(self, key: tuple, device: torch.device, base: torch.Tensor) -> None:
+        size = base.numel() * base.element_size()
+        if size > self.limit // 4:
+            return  # one large tensor would push out every other
+        self._bases[key + (device,)] = base
+        self._bytes += size
+        while self._bytes > self.limit:
+            _, old = self._bases.popitem(last=False)
+            self._bytes -= old.numel() * old.element_size()
+
+
 class OpReplayer:
     UNWRITTEN_TRIES = 4  # runs to find the positions a kernel leaves unwritten (see _leave_out_unwritten)
 
@@ -116,6 +164,7 @@ class OpReplayer:
         self.trace = trace
         self.opts = options
         self.device = torch.device(options.device)
+        self.shared = SharedBases()
 
     # -- one op -----------------------------------------------------------------------------------------------
     def replay(self, op: OpRecord) -> OpResult:
@@ -209,7 +258,7 @@ class OpReplayer:
             notes += (FellBack(precision, ladder[0], first_failure),)
             if j.verdict is not None:
                 j = replace(j, verdict=with_precision(j.verdict, precision))
-        return replace(j, notes=notes), pairs, finite
+        return (j if notes is j.notes else replace(j, notes=notes)), pairs, finite  # replace() costs ~5 us
 
     def _reference(self, name: str) -> tuple[Any, bool, Note | None, bool]:
         """What to run for the op: (callable, is it a random op, what the reference is, whether every result says
@@ -256,9 +305,13 @@ class OpReplayer:
 
     def _runs(self, op: OpRecord, func: Any, seeded: bool, precision: str, keep_dtype: bool) -> list[tuple]:
         runs = []
+        # Inputs kept from earlier ops only for an aten op that writes none of its arguments (a Python reference
+        # or decomposition could write anything); each repeat then runs on the same inputs, as it does anyway.
+        shared = self.shared if isinstance(func, torch._ops.OpOverload) and not aten.facts(func).writes \
+            and not seeded else None
         for _ in range(max(1, self.opts.repeat)):
             gen = self._generator(op) if seeded else None
-            args, kwargs = _Inputs(self.trace, precision, keep_dtype, self.device, gen).build(op)
+            args, kwargs = _Inputs(self.trace, precision, keep_dtype, self.device, gen, shared=shared).build(op)
             if seeded and gen is None:
                 with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
                     state = self.trace.rng_state(op.rng)

@@ -100,7 +100,7 @@ class DataFile:
             raise ValueError(f"storage {key} has a malformed entry")
         if not self._close.alive:
             raise ValueError(f"{self.path} is closed")
-        out = torch.empty(end - begin, dtype=torch.uint8)
+        out = codec.empty_bytes(end - begin)
         got = os.preadv(self.fd, [codec.tensor_writable_view(out)], self.data_start + begin) if end > begin else 0
         if got != end - begin:
             raise ValueError(f"storage {key}: file ends early")

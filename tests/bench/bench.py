@@ -715,6 +715,8 @@ def goals_table(record: dict[str, dict[str, VariantResult]], byte_ratio: dict[st
     for goal, kind, model, limit in GOALS:
         models = [m for m in ([model] if model else list(record)) if m in record]
         for m in models:
+            if kind != "replay" and not record[m]:  # --replay-only: nothing recorded to judge by
+                continue
             if kind == "record":
                 for key in ("full", "full+zstd"):
                     add(goal, f"{key} on {m}: {ratio(m, key):.2f}x", ratio(m, key), limit)
@@ -758,6 +760,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     p.add_argument("--record-only", action="store_true",
                    help="sections 1 and 2 only (no peak RSS, no replay): the overhead table in a few minutes")
+    p.add_argument("--replay-only", action="store_true",
+                   help="section 4 only (record the trace, then the replay throughput table); "
+                        "tests/bench/bench_replay.py gives medians of many rounds and us/op by part")
     p.add_argument("--profile", action="store_true",
                    help="also print cProfile tables for full+zstd recording and fp64 replay of the tiny model")
     p.add_argument("--_rss-child", nargs=2, metavar=("MODEL", "VARIANT"), dest="rss_child", help=argparse.SUPPRESS)
@@ -831,6 +836,8 @@ def run_model(name: str, args: argparse.Namespace, tmp: str) -> tuple[dict[str, 
     cfg = MODELS[name]
     print(f"\n## {name}: TransformerConfig({cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, "
           f"seq {cfg.seq}, batch {cfg.batch}, dropout {cfg.dropout}), AdamW\n", flush=True)
+    if args.replay_only:
+        return {}, {}, section_replay(name, args, os.path.join(tmp, f"{name}-trace"))
     rec = section_record(name, args)
     ratios = section_bytes(name, rec)
     if args.record_only:
