@@ -826,6 +826,42 @@ async def test_diff_mode_shows_a_compiled_unit_paired_with_eager_ops_as_diff_pri
             assert f"compiled unit ref #{unit.unit}" in app.main.detail.text
 
 
+@sync
+async def test_x_expands_a_compiled_unit_in_the_op_list_to_its_nodes_and_collapses_it(tmp_path):
+    _mlp_step(tmp_path / "t", compiled=True)
+    r = replaydiff.open_trace(tmp_path / "t").rank(0)
+    fw = next(op for op in r if op.name == "compiled.unit.forward")
+    calls = fw.unit.calls()
+    app = ReplaydiffApp(replaydiff.open_trace(tmp_path / "t"))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        ol = app.main.op_list
+        n = ol.row_count
+        app.select(fw.index)
+        await settle(app, pilot)
+        await press(app, pilot, "x")
+        assert ol.row_count == n + len(calls)  # aot_eager names no kernels: a row per node
+        row = ol.model.row_of(fw.index) + 1 - int(ol.scroll_y)
+        lines = [ol.render_line(row + 1 + k).text for k in range(len(calls))]
+        assert [line.split("├ ")[-1].split("└ ")[-1].rstrip() for line in lines] == [
+            f"{c.name} = {c.target}  {c.module}" if c.module else f"{c.name} = {c.target}" for c in calls]
+        await press(app, pilot, "j", "j")  # onto the unit's node rows: the unit stays selected
+        assert app.selected_op == fw.index and "compiled unit" in app.main.detail.text
+        last = len(r) - 1  # jumps land on their op's own row past the expanded unit
+        app.select(last)
+        await settle(app, pilot)
+        assert app.selected_op == last and ol.entry(ol.cursor_row) == (last, -1)
+        app.select(fw.index)
+        await settle(app, pilot)
+        await press(app, pilot, "x")
+        assert ol.row_count == n and app.selected_op == fw.index
+        nxt = fw.index + 1  # after collapsing, rows are ops again
+        await press(app, pilot, "j")
+        assert app.selected_op == nxt
+        await press(app, pilot, "x")  # not a unit: nothing expands
+        assert ol.row_count == n
+
+
 # -- trend of a multi-step trace (t) ------------------------------------------------------------------------------
 PLANT_STEP = 8  # of 12 recorded steps: a weight is multiplied by 100 just before this step's forward
 

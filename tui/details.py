@@ -270,9 +270,27 @@ def unit_lines(op: Any) -> list[str]:
     if unit.kernels:
         out.append("  kernels " + esc(", ".join(unit.kernels)))
     for n in calls[:UNIT_NODES_SHOWN]:
-        out.append(f"  {esc(n.name)} = {esc(str(n.target))}" + (f"  [dim]{esc(n.module)}[/]" if n.module else ""))
+        out.append(f"  {esc(node_text(n))}" + (f"  [dim]{esc(n.module)}[/]" if n.module else ""))
     if len(calls) > UNIT_NODES_SHOWN:
         out.append(f"  [dim]... {len(calls) - UNIT_NODES_SHOWN} more nodes (replaydiff show --op {op.index})[/]")
+    return out
+
+
+def node_text(n: Any) -> str:
+    """A unit's call node as the detail pane and the op list show it: ``gelu = aten.gelu.default``."""
+    return f"{n.name} = {n.target}"
+
+
+def unit_rows(op: Any) -> list[str]:
+    """A compiled unit expanded in the op list, as plain text lines: its kernels, then its call nodes with their
+    modules (all of them: the list draws only the rows on screen). Empty for an op that is not a unit."""
+    unit = getattr(op, "unit", None)
+    if unit is None:
+        return []
+    out = [f"kernels {', '.join(unit.kernels)}"] if unit.kernels else []
+    if unit.note:
+        out.append(unit.note)
+    out.extend(node_text(n) + (f"  {n.module}" if n.module else "") for n in unit.calls())
     return out
 
 
