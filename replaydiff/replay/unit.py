@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 
@@ -52,7 +52,7 @@ class Graph:
             elif n.kind not in (NODE_INPUT, NODE_CONST, NODE_OUTPUT):
                 raise Refused(f"node {n.name} is of unknown kind {n.kind!r}")
 
-    def random_nodes(self, cut: set[int] = frozenset()) -> dict[int, str]:  # type: ignore[assignment]
+    def random_nodes(self, cut: Collection[int] = ()) -> dict[int, str]:
         """Nodes whose value depends on a random node (dropout, rand): {node position: the random node's name}.
         The compiled code drew those numbers from the backend's own generator (inductor's seeds), which replay
         cannot draw again. Nodes in ``cut`` are given values (recovered draws): nothing flows through them."""
@@ -261,7 +261,6 @@ class UnitReplayer:
         self.opts = replayer.opts
         self._build = inputs
         self._skip = skip
-        self.random_outputs: dict[int, str] = {}  # output position -> the random node it depends on
 
     def _inputs(self, op: OpRecord, precision: str, keep: bool, device: torch.device, info: UnitInfo
                 ) -> tuple[list, list, Callable[[Any], Any]]:
@@ -290,8 +289,6 @@ class UnitReplayer:
         draws = g.draws({n for n, r in enumerate(recorded) if isinstance(r, TensorRef) and r.stored
                          and not r.uninitialised})
         behind = g.output_nodes()
-        random = g.random_nodes()
-        self.random_outputs = {n: random[b] for n, b in enumerate(behind) if b is not None and b in random}
         precision = self.opts.precision
         # The reference: the graph at the replay precision; k is the longest sum behind any node (limit scaling)
         ks = [1]
@@ -515,7 +512,7 @@ def _map(v: Any, fn: Callable[[Any], Any]) -> Any:
 
 
 def compile_graph(g: Graph, consts: list, convert: Callable[[Any], Any], backend: str, every_node: bool,
-                  held: list[int] = ()) -> Callable[[list], list]:  # type: ignore[assignment]
+                  held: Sequence[int] = ()) -> Callable[[list], list]:
     """The graph rebuilt as an FX graph from its resolved targets (never from code in the trace) and compiled
     with ``backend``. ``every_node``: its outputs are every call node's first tensor value, in order. ``held``:
     call nodes that become inputs instead (given after the graph's own inputs, in this order)."""
