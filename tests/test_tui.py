@@ -820,7 +820,7 @@ async def test_diff_mode_shows_a_compiled_unit_paired_with_eager_ops_as_diff_pri
             assert "gelu = aten.gelu.default" in text  # the unit expanded: its nodes
         else:  # the other eager ops of the region: compared as part of the unit, not one by one
             other = next(i for i in unit.eager if i != row)
-            assert app.model.status[other] == "skipped"
+            assert app.model.status[other] == "skipped" and app.model.severity[other] is None  # no heat
             app.select(other)
             await settle(app, pilot)
             assert f"compiled unit ref #{unit.unit}" in app.main.detail.text

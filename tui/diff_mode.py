@@ -46,7 +46,8 @@ def unit_rows(rank: int, unit: UnitPair, ref_rank: int) -> list[RowResult]:
     if unit.side == "target":
         return [RowResult.of_unit(rank, unit.unit, unit, status, ref_rank)]
     lead = unit_lead(unit)
-    return [RowResult.of_unit(rank, i, unit, status if i == lead else Status.SKIPPED, ref_rank) for i in unit.eager]
+    return [RowResult.of_unit(rank, i, unit, status, ref_rank) if i == lead else
+            RowResult.of_unit(rank, i, unit, Status.SKIPPED, ref_rank, lead=False) for i in unit.eager]
 
 
 def unit_lead(unit: UnitPair) -> int | None:

@@ -115,10 +115,14 @@ class RowResult:
         return self.source if self.in_diff and isinstance(self.source, UnitPair) else None
 
     @classmethod
-    def of_unit(cls, rank: int, index: int, unit: Any, status: RowStatus, ref_rank: int) -> "RowResult":
-        """Diff mode: the row of target op ``index`` that a compiled unit pair covers, with ``status`` as its row's:
-        where the unit and the eager ops part, the figures are that node's; elsewhere the unit's boundaries'."""
-        verdict = unit.part.verdict if unit.part is not None and status is Status.DIVERGENT else unit.verdict
+    def of_unit(cls, rank: int, index: int, unit: Any, status: RowStatus, ref_rank: int, lead: bool = True
+                ) -> "RowResult":
+        """Diff mode: the row of target op ``index`` that a compiled unit pair covers, with ``status`` as its row's.
+        The ``lead`` row carries the figures: where the unit and the eager ops part, that node's; else the unit's
+        boundaries'. The region's other eager ops carry none (they were not compared one by one)."""
+        verdict = None
+        if lead:
+            verdict = unit.part.verdict if unit.part is not None and status is Status.DIVERGENT else unit.verdict
         severity = None if verdict is None else verdict.severity
         if status is PairStatus.INHERITED and severity is not None:
             severity = min(severity, INHERITED_SEVERITY)
