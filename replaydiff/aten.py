@@ -374,6 +374,18 @@ def dropout_args(name: str, args: list) -> tuple[Any, float] | None:
 DROPOUT_MASK_OUTPUT = 1  # native_dropout's outputs: (value, mask)
 
 
+def applies_mask(name: str) -> bool:
+    """The op multiplies its two tensor arguments (a decomposed dropout applies its mask so: mask * x)."""
+    return name == "aten.mul.Tensor"
+
+
+def scales_by_constant(name: str, args: list) -> bool:
+    """The op multiplies or divides its first argument by a nonzero constant (a decomposed dropout's 1 / (1 - p)):
+    zero stays zero and nonzero stays nonzero."""
+    return (name in ("aten.mul.Tensor", "aten.div.Tensor") and len(args) == 2 and not isinstance(args[1], bool)
+            and isinstance(args[1], (int, float)) and args[1] != 0)
+
+
 def dropout_value(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
     """What native_dropout computes from its input and a given mask (all zeros for p = 1)."""
     if p >= 1.0:

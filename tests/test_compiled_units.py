@@ -341,12 +341,12 @@ def test_a_dropout_that_keeps_the_wrong_fraction_is_divergent(tmp_path, capsys, 
     torch._dynamo.reset()
 
 
-def _dropout_of_a_product(path) -> None:
+def _dropout_of_a_product(path, backend: str = "aot_eager") -> None:
     """A compiled function that ends in a dropout, called under no_grad: its value is the only output (no mask)."""
     def f(x, w):
         return torch.nn.functional.dropout(x @ w, 0.5, training=True)
 
-    cf = torch.compile(f, backend="aot_eager")
+    cf = torch.compile(f, backend=backend)
     x = torch.randn(16, IN, generator=torch.Generator().manual_seed(1))
     w = torch.randn(IN, HID, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -388,6 +388,20 @@ def test_a_dropout_mask_is_recovered_from_its_value_output(tmp_path, capsys, mon
     else:
         assert code == 0 and unit["status"] == "ok" and "1 output(s) within limits" in unit["reason"], unit
     torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_an_inductor_dropout_mask_is_recovered_from_the_value_it_was_applied_to(tmp_path, capsys, no_graph_cache):
+    """Inductor decomposes dropout (gt(inductor_random, p) * x * 2): under no_grad only the value is an output,
+    so the mask is where it is non-zero, and the value is judged with it."""
+    _dropout_of_a_product(tmp_path / "t", "inductor")
+    code, units = _replayed_units(capsys, tmp_path / "t")
+    (unit,) = units.values()
+    value = open_trace(tmp_path / "t").rank(0).tensor(_units(tmp_path / "t")[0].outputs[0])
+    kept = int((value != 0).sum())
+    assert code == 0 and unit["status"] == "ok" and "1 output(s) within limits" in unit["reason"], unit
+    assert f"gt from output 0 (its mask: where the value is non-zero): kept {kept} of {16 * HID}, 128 ± 48 " \
+           f"expected at keep probability 0.5" in unit["reason"], unit
 
 
 @pytest.mark.slow

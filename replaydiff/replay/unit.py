@@ -73,12 +73,62 @@ class Graph:
     def draws(self, stored: set[int]) -> "Draws":
         """How the unit's random draws can be replayed, given the output positions whose recorded tensors are
         stored: a draw is recovered where a recorded output holds it (a mask computed from draws alone, or a
-        dropout op's mask or value output); outputs behind a draw no output holds stay random."""
+        dropout op's mask or value output, or the value of a decomposed dropout: mask * x, scaled);
+        outputs behind a draw no output holds stay random."""
+        d = self._draws(stored, {})
+        found = self._masks_from_values(d, stored)
+        return self._draws(stored, found) if found else d
+
+    def _masks_from_values(self, d: "Draws", stored: set[int]) -> dict[int, "Pin"]:
+        """Masks (random-only comparisons of a uniform draw) not recovered, whose product with a value ``x`` is
+        held, after scaling by constants, by a recorded output: the mask is where that output is non-zero."""
         nodes = self.info.nodes
-        recorded: dict[int, int] = {}  # node -> the first stored output position that holds its value
+        recorded = self._recorded(stored)
+        users: dict[int, list[int]] = {}
+        for i, n in enumerate(nodes):
+            if n.kind == NODE_CALL:
+                for r in {r.index for r in _refs([n.args, list(n.kwargs.values())])}:
+                    users.setdefault(r, []).append(i)
+
+        def uniform(v: Any) -> bool:
+            return isinstance(v, NodeRef) and aten.uniform_draw(str(nodes[v.index].target), nodes[v.index].args)
+
+        out: dict[int, Pin] = {}
+        for m in d.random:
+            n = nodes[m]
+            keep = aten.threshold_keep(str(n.target), n.args, uniform) if m in d.only else None
+            if keep is None:
+                continue
+            for u in users.get(m, []):
+                un = nodes[u]
+                if not aten.applies_mask(str(un.target)) or len(un.args) != 2:
+                    continue
+                x = un.args[1] if un.args[0] == NodeRef(m) else un.args[0]
+                if not isinstance(x, NodeRef) or x.index in d.random or x.index in d.only:
+                    continue
+                y = u
+                while y not in recorded:
+                    nxt = [v for v in users.get(y, []) if nodes[v].args and nodes[v].args[0] == NodeRef(y)
+                           and aten.scales_by_constant(str(nodes[v].target), nodes[v].args)]
+                    if len(nxt) != 1:
+                        break
+                    y = nxt[0]
+                if y in recorded:
+                    out[m] = Pin(n.name, recorded[y], keep, None, True, x.index)
+                    break
+        return out
+
+    def _recorded(self, stored: set[int]) -> dict[int, int]:
+        """Node -> the first stored output position that holds its value."""
+        recorded: dict[int, int] = {}
         for pos, node in enumerate(self.output_nodes()):
             if node is not None and pos in stored:
                 recorded.setdefault(node, pos)
+        return recorded
+
+    def _draws(self, stored: set[int], found: dict[int, "Pin"]) -> "Draws":
+        nodes = self.info.nodes
+        recorded = self._recorded(stored)
         items = {(n.args[0].index, n.args[1]): i for i, n in enumerate(nodes)
                  if n.kind == NODE_CALL and n.target == "operator.getitem" and len(n.args) == 2
                  and isinstance(n.args[0], NodeRef) and isinstance(n.args[1], int)}
@@ -104,8 +154,9 @@ class Graph:
                 mask_at = recorded.get(items.get((i, aten.DROPOUT_MASK_OUTPUT), -1))
                 value_at = recorded.get(items.get((i, 0), -1))
                 if drop is not None and src is None and (mask_at is not None or value_at is not None):
+                    x = n.args[0].index if isinstance(n.args[0], NodeRef) else None
                     d.pins[i] = Pin(n.name, mask_at if mask_at is not None else value_at, 1.0 - drop[1], drop[1],
-                                    mask_at is None)
+                                    mask_at is None, x)
                     if mask_at is not None:
                         d.own.add(items[(i, aten.DROPOUT_MASK_OUTPUT)])
                     continue
@@ -120,6 +171,9 @@ class Graph:
                 if src is not None and i in recorded:  # a mask computed from draws alone, held by an output
                     d.pins[i] = Pin(n.name, recorded[i], aten.threshold_keep(name, n.args, uniform), None, False)
                     d.own.add(i)
+                    continue
+                if src is not None and i in found:  # such a mask, read off the value it was applied to
+                    d.pins[i] = found[i]
                     continue
             if src is not None:
                 d.random[i] = src
@@ -153,7 +207,8 @@ class Pin:
     output: int  # the recorded output that holds the draw
     keep: float | None  # the probability that a mask position is kept (None: unknown, no binomial check)
     p: float | None = None  # a dropout op's p; None for a node computed from draws alone (its value is the output)
-    from_value: bool = False  # dropout: the mask is where the recorded value output is non-zero (no mask output)
+    from_value: bool = False  # the mask is where a recorded value output is non-zero (no mask output)
+    input: int | None = None  # from_value: the node the mask multiplies (where it is 0, the value says nothing)
 
 
 @dataclass
@@ -176,6 +231,11 @@ def binomial_within(kept: int, n: int, q: float) -> tuple[bool, float]:
     """Whether ``kept`` of ``n`` positions is a plausible draw with keep probability ``q``; and the allowed spread."""
     spread = _BINOMIAL_Z * math.sqrt(n * q * (1.0 - q)) + 0.5
     return abs(kept - n * q) <= spread, spread
+
+
+def _mask_of(held: Any, pin: Pin) -> Any:
+    """A recovered mask node's value from the recorded output that holds it (itself, or a value it was applied to)."""
+    return held != 0 if pin.from_value and isinstance(held, torch.Tensor) else held
 
 
 def _seeded(func: Any) -> bool:
@@ -337,7 +397,7 @@ class UnitReplayer:
         for i, pin in draws.pins.items():
             held = recorded[pin.output]
             if pin.p is None:
-                out[i] = lambda args, held=held: convert(held)
+                out[i] = lambda args, held=held, pin=pin: _mask_of(convert(held), pin)
             else:
                 def dropout(args: list, held: Any = held, pin: Pin = pin) -> tuple:
                     mask = convert(held)
@@ -355,8 +415,8 @@ class UnitReplayer:
             node = g.info.nodes[i]
             mask = self.trace.tensor(recorded[pin.output])
             how = f"{node.name} from output {pin.output}"
-            if pin.from_value:  # where the dropout's input is 0, the value says nothing of the mask
-                x = env[node.args[0].index] if isinstance(node.args[0], NodeRef) else None
+            if pin.from_value:  # where the masked input is 0, the value says nothing of the mask
+                x = env[pin.input] if pin.input is not None else None
                 valid = ((x != 0).to(mask.device) if isinstance(x, torch.Tensor)
                          else torch.ones_like(mask, dtype=torch.bool))
                 mask, how = (mask != 0) & valid, how + " (its mask: where the value is non-zero)"
@@ -427,7 +487,7 @@ class UnitReplayer:
         flat = list(_flat(op.outputs))
         recorded = [self.trace.tensor(r) if isinstance(r, TensorRef) and r.stored else None for r in flat]
         held = sorted(i for i, pin in draws.pins.items() if pin.p is None)
-        ins = list(ins) + [convert(flat[draws.pins[i].output]) for i in held]
+        ins = list(ins) + [_mask_of(convert(flat[draws.pins[i].output]), draws.pins[i]) for i in held]
         fresh = g.random_nodes(cut=set(held))  # still drawn anew by the recompiled graph
         behind = g.output_nodes()
         torch_version = torch.__version__ + (f", on {device.type}: {moved}" if moved else "")
