@@ -755,7 +755,8 @@ async def test_diff_mode_marks_ops_present_in_the_target_only(tmp_path):
 
 
 def _mlp_step(out, compiled: bool) -> None:
-    """One recorded step of a small MLP, eager or compiled with aot_eager (compiled inside the recording)."""
+    """One recorded step of a small MLP, eager or compiled with aot_eager (compiled inside the recording; callers
+    reset dynamo after, so that no later test's module reuses this one's compiled code)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
     x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
@@ -786,7 +787,8 @@ def eager_and_faulty_unit(tmp_path, monkeypatch):
     torch._dynamo.reset()
     _mlp_step(tmp_path / "compiled", True)
     torch._dynamo.reset()
-    return tmp_path / "eager", tmp_path / "compiled"
+    yield tmp_path / "eager", tmp_path / "compiled"
+    torch._dynamo.reset()  # no graph compiled by the faulty pass (the diff recompiles the unit) outlives the test
 
 
 @pytest.mark.parametrize("unit_side", ["target", "ref"])
@@ -860,6 +862,7 @@ async def test_x_expands_a_compiled_unit_in_the_op_list_to_its_nodes_and_collaps
         assert app.selected_op == nxt
         await press(app, pilot, "x")  # not a unit: nothing expands
         assert ol.row_count == n
+    torch._dynamo.reset()
 
 
 # -- trend of a multi-step trace (t) ------------------------------------------------------------------------------
