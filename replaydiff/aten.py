@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -100,6 +100,10 @@ def resolve_graph_target(name: str) -> Any:
         return getattr(operator, rest)
     if ns not in GRAPH_NAMESPACES:
         raise UnknownOp(f"{name} is not an aten or prims op (a unit's graph is replayed through those only)")
+    if ns == "prims" and rest.startswith("inductor_"):
+        # inductor's own prims (its random seeds and draws) are registered when inductor is imported, which a
+        # replay of an inductor unit in a fresh process has not done yet
+        import torch._inductor.inductor_prims  # noqa: F401
     return resolve(name)
 
 
@@ -320,6 +324,73 @@ def is_random(name: str) -> bool:
     if r is None:
         r = _RANDOM[name] = _named_fact(name, "seeded")
     return r
+
+
+# -- random draws inside a compiled unit, recovered from its recorded outputs (replay/unit.py) ----------------------
+# A compiled graph draws with the backend's own generator (inductor's seeds), which replay cannot draw again; what
+# the draw decided (a dropout mask) is often among the unit's recorded outputs (saved for the backward).
+
+def draw_reads_input_values(name: str) -> bool:
+    """False for a random op whose tensor arguments give only a shape (``rand_like``, ``randn_like``...): its draw
+    depends on no input value. True for the others (dropout, bernoulli of a probability tensor)."""
+    return not packet(name).endswith("_like")
+
+
+# uniform draws on [0, 1): op name -> (argument position, value) that must hold (inductor_random's mode), or None
+_UNIFORM_DRAWS: dict[str, tuple[int, str] | None] = {
+    "aten.rand.default": None, "aten.rand_like.default": None, "prims.inductor_random.default": (2, "rand")}
+# comparisons of a draw against a constant: True when the draw must be above it (rand > p keeps with 1 - p)
+_THRESHOLDS = {"gt": True, "ge": True, "lt": False, "le": False}
+
+
+def uniform_draw(name: str, args: list) -> bool:
+    """The op draws uniformly on [0, 1)."""
+    if name not in _UNIFORM_DRAWS:
+        return False
+    need = _UNIFORM_DRAWS[name]
+    return need is None or (len(args) > need[0] and args[need[0]] == need[1])
+
+
+def threshold_keep(name: str, args: list, is_uniform: Callable[[Any], bool]) -> float | None:
+    """The probability that ``draw OP c`` is True, for a uniform draw on [0, 1) (``is_uniform`` of the argument)
+    and a constant ``c``: a mask made as ``rand > p`` (inductor's dropout). None when the op is not that."""
+    if namespace(name) != "aten" or packet(name) not in _THRESHOLDS or len(args) < 2:
+        return None
+    draw, c = args[0], args[1]
+    if not is_uniform(draw) or isinstance(c, bool) or not isinstance(c, (int, float)):
+        return None
+    c = min(max(float(c), 0.0), 1.0)
+    return 1.0 - c if _THRESHOLDS[packet(name)] else c
+
+
+def dropout_args(name: str, args: list) -> tuple[Any, float] | None:
+    """(input, p) of a dropout op that returns (value, mask) with value = input * mask / (1 - p), in training mode;
+    None for any other op."""
+    if name != "aten.native_dropout.default" or len(args) < 2 or (len(args) > 2 and args[2] is False):
+        return None
+    return args[0], float(args[1])
+
+
+DROPOUT_MASK_OUTPUT = 1  # native_dropout's outputs: (value, mask)
+
+
+def applies_mask(name: str) -> bool:
+    """The op multiplies its two tensor arguments (a decomposed dropout applies its mask so: mask * x)."""
+    return name == "aten.mul.Tensor"
+
+
+def scales_by_constant(name: str, args: list) -> bool:
+    """The op multiplies or divides its first argument by a nonzero constant (a decomposed dropout's 1 / (1 - p)):
+    zero stays zero and nonzero stays nonzero."""
+    return (name in ("aten.mul.Tensor", "aten.div.Tensor") and len(args) == 2 and not isinstance(args[1], bool)
+            and isinstance(args[1], (int, float)) and args[1] != 0)
+
+
+def dropout_value(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    """What native_dropout computes from its input and a given mask (all zeros for p = 1)."""
+    if p >= 1.0:
+        return torch.zeros_like(x)
+    return x * mask * (1.0 / (1.0 - p))
 
 
 _WRAPS: dict[tuple, bool] = {}

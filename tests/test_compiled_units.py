@@ -244,23 +244,177 @@ def test_record_cli_refuses_an_unknown_compiled_mode(tmp_path, capsys):
     assert "argument --compiled: invalid choice: 'fast'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_dropout_inside_a_unit_is_not_compared_and_says_so(tmp_path, capsys, backend, no_graph_cache):
-    """Random numbers drawn inside a compiled graph (inductor's own generator) cannot be drawn again: the outputs
-    that depend on them are left out, the unit says which random node, and the rest is judged."""
+# -- random draws inside a unit: recovered from the recorded outputs and checked by statistics -----------------------
+def _dropout_step(path, backend: str, rows: int = 5, grad: bool = True) -> None:
+    """A recorded step of Linear -> Dropout(0.5) -> GELU -> Linear, compiled (the first call compiles, outside the
+    recording); ``grad`` False: a forward under no_grad in training mode (no mask is saved for a backward)."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(IN, HID), torch.nn.Dropout(0.5), torch.nn.Linear(HID, OUT))
-    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(1))
+    model = torch.nn.Sequential(torch.nn.Linear(IN, HID), torch.nn.Dropout(0.5), torch.nn.GELU(),
+                                torch.nn.Linear(HID, OUT))
+    x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(1))
     cm = torch.compile(model, backend=backend)
-    with replaydiff.record(tmp_path / "t"):
-        cm(x).square().mean().backward()
-    proc = run_main(capsys, "replay", str(tmp_path / "t"), "--json", "-")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with torch.set_grad_enabled(grad):
+        cm(x).square().mean().backward() if grad else cm(x)
+        with replaydiff.record(path):
+            cm(x).square().mean().backward() if grad else cm(x)
+
+
+def _replayed_units(capsys, path) -> tuple[int, dict]:
     import json
 
-    ops = json.loads(proc.stdout)["ops"]
-    fw = next(o for o in ops if o["op"] == "compiled.unit.forward")
-    assert fw["status"] == "ok" and "depend on random node" in fw["reason"], fw
+    proc = run_main(capsys, "replay", str(path), "--json", "-")
+    return proc.returncode, {o["op"]: o for o in json.loads(proc.stdout)["ops"] if o["op"].startswith("compiled")}
+
+
+def _kept(path) -> int:
+    """How many positions the recorded dropout mask kept: the forward's boolean output (saved for the backward)."""
+    rt = open_trace(path).rank(0)
+    fw = _units(path)[0]
+    (mask,) = [rt.tensor(r) for r in fw.outputs if getattr(r, "dtype", None) == "bool"]
+    return int(mask.sum())
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_dropout_inside_a_unit_is_compared_by_statistics_and_replays_clean(tmp_path, capsys, backend,
+                                                                           no_graph_cache):
+    """The compiled dropout drew with the backend's generator (inductor's seeds). Its mask is a recorded output
+    (saved for the backward): replay takes the draw from there, checks its kept count against p, and judges every
+    value after it with that mask, so no output is left out."""
+    _dropout_step(tmp_path / "t", backend)
+    code, units = _replayed_units(capsys, tmp_path / "t")
+    assert code == 0, units
+    fw = units["compiled.unit.forward"]
+    n_out = len(_units(tmp_path / "t")[0].outputs)
+    # every output but the mask itself (the draw is its own reference) is judged by value
+    assert fw["status"] == "ok" and f"{n_out - 1} output(s) within limits" in fw["reason"], fw
+    kept = _kept(tmp_path / "t")
+    assert f"kept {kept} of {5 * HID}, 40 ± 27 expected at keep probability 0.5" in fw["reason"], fw["reason"]
+    assert "compared by statistics" in fw["reason"] and "not compared" not in fw["reason"]
+
+
+def test_a_draw_no_recorded_output_holds_is_not_compared_and_says_so(tmp_path, capsys):
+    """Under no_grad no mask is saved: the output after the dropout depends on a draw replay cannot recover."""
+    _dropout_step(tmp_path / "t", "aot_eager", grad=False)
+    code, units = _replayed_units(capsys, tmp_path / "t")
+    assert code == 0, units
+    (unit,) = units.values()
+    assert unit["status"] == "ok" and unit["reason"].endswith(
+        ": nothing to compare; 1 output(s) not compared: they depend on random node(s) native_dropout, drawn by the "
+        "backend's own generator, which replay cannot draw again, and no recorded output holds the draw"), unit
+
+
+def test_fault_after_a_dropout_in_an_aot_eager_graph_is_named(tmp_path, capsys, monkeypatch):
+    _faulty_pass(monkeypatch)
+    torch._dynamo.reset()
+    _dropout_step(tmp_path / "t", "aot_eager")
+    proc = run_main(capsys, "replay", str(tmp_path / "t"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "first divergent op #0 compiled.unit.forward" in proc.stdout, proc.stdout
+    assert "earliest divergent node given its own inputs: gelu (aten.gelu.default) in Sequential.2 (GELU)" \
+        in proc.stdout
+    torch._dynamo.reset()
+
+
+def test_a_dropout_that_keeps_the_wrong_fraction_is_divergent(tmp_path, capsys, monkeypatch):
+    """A compiler bug that drops with 1 - p instead of p: the mask's kept count is outside the binomial bound."""
+    import torch._dynamo.backends.debugging as dbg
+
+    nop = dbg.boxed_nop
+
+    def faulty(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.target is torch.ops.aten.native_dropout.default:
+                node.args = (node.args[0], 1.0 - 0.9, *node.args[2:])  # keeps 90% where 50% was asked
+        gm.recompile()
+        return nop(gm, example_inputs)
+
+    monkeypatch.setattr(dbg, "boxed_nop", faulty)
+    torch._dynamo.reset()
+    _dropout_step(tmp_path / "t", "aot_eager", rows=64)
+    code, units = _replayed_units(capsys, tmp_path / "t")
+    assert code == 1, units
+    fw = units["compiled.unit.forward"]
+    kept = _kept(tmp_path / "t")
+    assert fw["status"] == "divergent" and (
+        f"random draw native_dropout kept {kept} of {64 * HID}, 512 ± 96 expected at keep probability 0.5 "
+        f"(binomial bound)") in fw["reason"], fw
+    torch._dynamo.reset()
+
+
+def _dropout_of_a_product(path, backend: str = "aot_eager") -> None:
+    """A compiled function that ends in a dropout, called under no_grad: its value is the only output (no mask)."""
+    def f(x, w):
+        return torch.nn.functional.dropout(x @ w, 0.5, training=True)
+
+    cf = torch.compile(f, backend=backend)
+    x = torch.randn(16, IN, generator=torch.Generator().manual_seed(1))
+    w = torch.randn(IN, HID, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        cf(x, w)
+        with replaydiff.record(path):
+            cf(x, w)
+
+
+@pytest.mark.parametrize("fault", [False, True])
+def test_a_dropout_mask_is_recovered_from_its_value_output(tmp_path, capsys, monkeypatch, fault):
+    """Only the dropout's value is recorded: the mask is where it is non-zero, and the kept values are judged
+    against input * 2 (a compiled value off by 1e-3 at the kept positions is divergent)."""
+    if fault:
+        import torch._dynamo.backends.debugging as dbg
+
+        nop = dbg.boxed_nop
+
+        def faulty(gm, example_inputs):
+            (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+            value = out.args[0][0]
+            with gm.graph.inserting_before(out):
+                bad = gm.graph.call_function(torch.ops.aten.mul.Tensor, (value, 1.0 + 1e-3))
+            out.args = ((bad,),)
+            gm.recompile()
+            return nop(gm, example_inputs)
+
+        monkeypatch.setattr(dbg, "boxed_nop", faulty)
+    torch._dynamo.reset()
+    _dropout_of_a_product(tmp_path / "t")
+    code, units = _replayed_units(capsys, tmp_path / "t")
+    (unit,) = units.values()
+    rt = open_trace(tmp_path / "t").rank(0)
+    value = rt.tensor(_units(tmp_path / "t")[0].outputs[0])
+    kept = int((value != 0).sum())
+    assert f"native_dropout from output 0 (its mask: where the value is non-zero): kept {kept} of {16 * HID}, " \
+           f"128 ± 48 expected at keep probability 0.5" in unit["reason"], unit
+    if fault:
+        assert code == 1 and unit["status"] == "divergent" and "output 0 max_abs/(eps*absmax)" in unit["reason"]
+    else:
+        assert code == 0 and unit["status"] == "ok" and "1 output(s) within limits" in unit["reason"], unit
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_an_inductor_dropout_mask_is_recovered_from_the_value_it_was_applied_to(tmp_path, capsys, no_graph_cache):
+    """Inductor decomposes dropout (gt(inductor_random, p) * x * 2): under no_grad only the value is an output,
+    so the mask is where it is non-zero, and the value is judged with it."""
+    _dropout_of_a_product(tmp_path / "t", "inductor")
+    code, units = _replayed_units(capsys, tmp_path / "t")
+    (unit,) = units.values()
+    value = open_trace(tmp_path / "t").rank(0).tensor(_units(tmp_path / "t")[0].outputs[0])
+    kept = int((value != 0).sum())
+    assert code == 0 and unit["status"] == "ok" and "1 output(s) within limits" in unit["reason"], unit
+    assert f"gt from output 0 (its mask: where the value is non-zero): kept {kept} of {16 * HID}, 128 ± 48 " \
+           f"expected at keep probability 0.5" in unit["reason"], unit
+
+
+@pytest.mark.slow
+def test_bug_in_inductors_erf_lowering_after_a_dropout_is_named(tmp_path, capsys, monkeypatch, no_graph_cache):
+    _wrap_erf_lowering(monkeypatch)
+    _dropout_step(tmp_path / "t", "inductor")
+    proc = run_main(capsys, "replay", str(tmp_path / "t"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "first divergent op #0 compiled.unit.forward" in proc.stdout, proc.stdout
+    assert "earliest divergent node given its own inputs: erf (aten.erf.default) in Sequential.2 (GELU)" \
+        in proc.stdout
+    # the recorded mask is an input of the recompiled graph: every output is reproduced, the dropped ones too
+    assert "reproduces the recorded outputs bit for bit" in proc.stdout
 
 
 def test_show_lists_units_with_their_nodes(tmp_path, capsys):

@@ -755,6 +755,117 @@ async def test_diff_mode_marks_ops_present_in_the_target_only(tmp_path):
         assert "1 target-only" in str(app.main.query_one("#status").visual)
 
 
+def _mlp_step(out, compiled: bool) -> None:
+    """One recorded step of a small MLP, eager or compiled with aot_eager (compiled inside the recording; callers
+    reset dynamo after, so that no later test's module reuses this one's compiled code)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    f = torch.compile(model, backend="aot_eager") if compiled else model
+    with replaydiff.record(out):
+        f(x).square().mean().backward()
+
+
+@pytest.fixture
+def eager_and_faulty_unit(tmp_path, monkeypatch):
+    """(eager trace, compiled trace): the compiled one's aot_eager graph scales each gelu by 1 + 1e-3 (a compiler
+    bug: the graph stored in the unit is the right one)."""
+    import torch._dynamo.backends.debugging as dbg
+
+    nop = dbg.boxed_nop
+
+    def faulty(gm, example_inputs):
+        for node in list(gm.graph.nodes):
+            if node.target is torch.ops.aten.gelu.default:
+                with gm.graph.inserting_after(node):
+                    bad = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.0 + 1e-3))
+                node.replace_all_uses_with(bad, delete_user_cb=lambda user: user is not bad)
+        gm.recompile()
+        return nop(gm, example_inputs)
+
+    _mlp_step(tmp_path / "eager", False)
+    monkeypatch.setattr(dbg, "boxed_nop", faulty)
+    torch._dynamo.reset()
+    _mlp_step(tmp_path / "compiled", True)
+    torch._dynamo.reset()
+    yield tmp_path / "eager", tmp_path / "compiled"
+    torch._dynamo.reset()  # no graph compiled by the faulty pass (the diff recompiles the unit) outlives the test
+
+
+@pytest.mark.parametrize("unit_side", ["target", "ref"])
+@sync
+async def test_diff_mode_shows_a_compiled_unit_paired_with_eager_ops_as_diff_prints_it(eager_and_faulty_unit,
+                                                                                      unit_side):
+    """A compiled unit on one side, the eager ops of its region on the other: f selects the row where they part
+    (the unit in the target, or the target's eager op the node stands for), whose detail is the unit pair as
+    `replaydiff diff` prints it, with the unit's nodes and kernels when the unit is the target's."""
+    from replaydiff.report.diff_text import unit_pair_lines
+
+    eager, compiled = eager_and_faulty_unit
+    ref, target = (eager, compiled) if unit_side == "target" else (compiled, eager)
+    app = make_app(target, diff_ref=ref)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        await app.workers_done(replay=True)
+        await settle(app, pilot)
+        (unit,) = [u for u in app.diff_report.ranks[0].units if u.op == "compiled.unit.forward"]
+        assert str(unit.status) == "divergent" and unit.part is not None and unit.side == unit_side
+        row = unit.unit if unit_side == "target" else unit.part.eager
+        assert app.model.divergent == [row]
+        assert "1 divergent" in str(app.main.query_one("#status").visual)
+        await press(app, pilot, "f")
+        assert app.selected_op == row and "DIVERG" in _row_text(app, row)
+        text = app.main.detail.text
+        for line in unit_pair_lines(unit):
+            assert line in text, (line, text)
+        assert "they part at node gelu (aten.gelu.default) in Sequential.1 (GELU)" in text
+        if unit_side == "target":
+            assert "gelu = aten.gelu.default" in text  # the unit expanded: its nodes
+        else:  # the other eager ops of the region: compared as part of the unit, not one by one
+            other = next(i for i in unit.eager if i != row)
+            assert app.model.status[other] == "skipped" and app.model.severity[other] is None  # no heat
+            app.select(other)
+            await settle(app, pilot)
+            assert f"compiled unit ref #{unit.unit}" in app.main.detail.text
+
+
+@sync
+async def test_x_expands_a_compiled_unit_in_the_op_list_to_its_nodes_and_collapses_it(tmp_path):
+    _mlp_step(tmp_path / "t", compiled=True)
+    r = replaydiff.open_trace(tmp_path / "t").rank(0)
+    fw = next(op for op in r if op.name == "compiled.unit.forward")
+    calls = fw.unit.calls()
+    app = ReplaydiffApp(replaydiff.open_trace(tmp_path / "t"))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        ol = app.main.op_list
+        n = ol.row_count
+        app.select(fw.index)
+        await settle(app, pilot)
+        await press(app, pilot, "x")
+        assert ol.row_count == n + len(calls)  # aot_eager names no kernels: a row per node
+        row = ol.model.row_of(fw.index) + 1 - int(ol.scroll_y)
+        lines = [ol.render_line(row + 1 + k).text for k in range(len(calls))]
+        assert [line.split("├ ")[-1].split("└ ")[-1].rstrip() for line in lines] == [
+            f"{c.name} = {c.target}  {c.module}" if c.module else f"{c.name} = {c.target}" for c in calls]
+        await press(app, pilot, "j", "j")  # onto the unit's node rows: the unit stays selected
+        assert app.selected_op == fw.index and "compiled unit" in app.main.detail.text
+        last = len(r) - 1  # jumps land on their op's own row past the expanded unit
+        app.select(last)
+        await settle(app, pilot)
+        assert app.selected_op == last and ol.entry(ol.cursor_row) == (last, -1)
+        app.select(fw.index)
+        await settle(app, pilot)
+        await press(app, pilot, "x")
+        assert ol.row_count == n and app.selected_op == fw.index
+        nxt = fw.index + 1  # after collapsing, rows are ops again
+        await press(app, pilot, "j")
+        assert app.selected_op == nxt
+        await press(app, pilot, "x")  # not a unit: nothing expands
+        assert ol.row_count == n
+    torch._dynamo.reset()
+
+
 # -- trend of a multi-step trace (t) ------------------------------------------------------------------------------
 PLANT_STEP = 8  # of 12 recorded steps: a weight is multiplied by 100 just before this step's forward
 

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from replaydiff.report.text import record_again
 from replaydiff.trace.schema import LEFT_OUT_FILTERED, LEFT_OUT_WHY
+from replaydiff.tui.diff_mode import unit_lead
 from replaydiff.tui.model import PROBLEMS, RowResult, short_op
 
 STATUS_STYLE = {
@@ -188,6 +189,8 @@ def left_out_lines(op: Any, result: RowResult | None) -> list[str]:
 def diff_lines(result: RowResult) -> list[str]:
     """Diff mode: the aligned reference op and the pair's verdict, evidence, reason and inherited origin."""
     s = result.status
+    if result.unit is not None:
+        return unit_pair_markup(result)
     pair = result.pair
     if pair is None:
         return [f"[cyan]TARGET ONLY[/]  no aligned op in the reference (rank {result.ref_rank})"]
@@ -214,6 +217,26 @@ def diff_lines(result: RowResult) -> list[str]:
         if getattr(origin, "target", None) is not None:
             link = f"  [@click=app.goto({origin.target})][underline]go to #{origin.target}[/underline][/]"
         lines.append(f"  inherited from {esc(origin.describe())}{link}")
+    return lines
+
+
+def unit_pair_markup(result: RowResult) -> list[str]:
+    """Diff mode, a row a compiled unit pair covers: the pair as ``replaydiff diff`` prints it, with a link to the
+    target's op where they part when that is an eager op of the target."""
+    from replaydiff.report.diff_text import unit_pair_lines
+
+    u = result.unit
+    style = {"inherited": "#d9822b", "same": "green"}.get(str(u.status), STATUS_STYLE.get(str(u.status), "dim"))
+    own = u.side == "target" and result.index == u.unit
+    what = ("this compiled unit against the reference's eager ops of its region" if own else
+            f"compared as part of compiled unit ref #{u.unit} ({esc(u.op)}), against this trace's eager ops of its "
+            f"region" if u.side == "ref" else f"part of compiled unit target #{u.unit}")
+    lines = [f"[{style}]{esc(str(u.status).upper())}[/]  {what} (rank {result.ref_rank})"]
+    lines.extend("  " + esc(line) for line in unit_pair_lines(u))
+    lead = unit_lead(u)
+    if u.side == "ref" and lead is not None and lead != result.index:
+        where = "where they part" if u.part is not None else "which carries the unit's verdict"
+        lines.append(f"  [@click=app.goto({lead})][underline]go to #{lead}[/underline][/] {where}")
     return lines
 
 
@@ -265,9 +288,27 @@ def unit_lines(op: Any) -> list[str]:
     if unit.kernels:
         out.append("  kernels " + esc(", ".join(unit.kernels)))
     for n in calls[:UNIT_NODES_SHOWN]:
-        out.append(f"  {esc(n.name)} = {esc(str(n.target))}" + (f"  [dim]{esc(n.module)}[/]" if n.module else ""))
+        out.append(f"  {esc(node_text(n))}" + (f"  [dim]{esc(n.module)}[/]" if n.module else ""))
     if len(calls) > UNIT_NODES_SHOWN:
         out.append(f"  [dim]... {len(calls) - UNIT_NODES_SHOWN} more nodes (replaydiff show --op {op.index})[/]")
+    return out
+
+
+def node_text(n: Any) -> str:
+    """A unit's call node as the detail pane and the op list show it: ``gelu = aten.gelu.default``."""
+    return f"{n.name} = {n.target}"
+
+
+def unit_rows(op: Any) -> list[str]:
+    """A compiled unit expanded in the op list, as plain text lines: its kernels, then its call nodes with their
+    modules (all of them: the list draws only the rows on screen). Empty for an op that is not a unit."""
+    unit = getattr(op, "unit", None)
+    if unit is None:
+        return []
+    out = [f"kernels {', '.join(unit.kernels)}"] if unit.kernels else []
+    if unit.note:
+        out.append(unit.note)
+    out.extend(node_text(n) + (f"  {n.module}" if n.module else "") for n in unit.calls())
     return out
 
 

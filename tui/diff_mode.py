@@ -3,13 +3,14 @@
 Headless (no textual). ``replaydiff tui TARGET --diff REF`` colours TARGET's rows by the diff of REF against it
 instead of by a replay: each aligned pair becomes one row on its target op number, with the pair's status as the
 row's status (``divergent`` walks with f/n/N like a divergent replay; ``inherited`` only carried an earlier
-difference forward), and ops present in the target only get a row of their own.
+difference forward), and ops present in the target only get a row of their own. A compiled unit paired with the
+eager ops of its region (diff/units.py) gives rows too: the unit's own in the target, or the target's eager ops.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from replaydiff.diff.result import PairStatus
+from replaydiff.diff.result import PairStatus, UnitPair
 from replaydiff.replay.result import Status
 from replaydiff.tui.model import RowResult, RowStatus
 
@@ -32,4 +33,26 @@ def diff_results(report: Any) -> list[RowResult]:
             out.append(RowResult.of_pair(rd.target_rank, p, ROW_STATUS.get(p.status, Status.SKIPPED), rd.ref_rank))
         for i in sorted(rd.target_only_ops):
             out.append(RowResult.target_only(rd.target_rank, i, rd.ref_rank))
+        for u in rd.units:
+            out.extend(unit_rows(rd.target_rank, u, rd.ref_rank))
     return out
+
+
+def unit_rows(rank: int, unit: UnitPair, ref_rank: int) -> list[RowResult]:
+    """The target's rows a compiled unit pair covers. A unit in the target: its own row, with the pair's status.
+    A unit in the reference: the target's eager op where they part (else the first one) carries the pair's status;
+    the region's other eager ops were compared as part of the unit, not one by one (not compared)."""
+    status = ROW_STATUS.get(unit.status, Status.SKIPPED)
+    if unit.side == "target":
+        return [RowResult.of_unit(rank, unit.unit, unit, status, ref_rank)]
+    lead = unit_lead(unit)
+    return [RowResult.of_unit(rank, i, unit, status, ref_rank) if i == lead else
+            RowResult.of_unit(rank, i, unit, Status.SKIPPED, ref_rank, lead=False) for i in unit.eager]
+
+
+def unit_lead(unit: UnitPair) -> int | None:
+    """A unit in the reference: the target's eager op that carries the pair's status (where they part, else the
+    region's first); None for a unit in the target."""
+    if unit.side == "target" or not unit.eager:
+        return None
+    return unit.part.eager if unit.part is not None else unit.eager[0]

@@ -11,6 +11,7 @@ KEYS: tuple[tuple[str, str], ...] = (
     ("b", "between a backward op and its forward op"),
     ("g", "ancestry: the producers of the inputs, recursively, with verdicts"),
     ("v", "hide / show views, detaches and other zero-cost ops"),
+    ("x", "compiled unit: show / hide kernels and nodes"),
     ("/", "filter rows by op or module name (Esc clears)"),
     ("Enter on a tree node", "narrow the list to that module and phase (the root shows all)"),
     ("Tab", "move focus: op list, module tree, detail pane"),

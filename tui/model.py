@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Iterable, Union
 
-from replaydiff.diff.result import PairStatus
+from replaydiff.diff.result import PairStatus, UnitPair
 from replaydiff.replay.result import Status
 
 PHASES = ("forward", "backward", "optimizer")
@@ -91,8 +91,9 @@ class RowResult:
 
     @property
     def pair(self) -> Any:
-        """Diff mode: the PairResult (None for an op of the target only, and in a replay)."""
-        return self.source if self.in_diff else None
+        """Diff mode: the PairResult (None for an op of the target only or of a compiled unit pair, and in a
+        replay)."""
+        return self.source if self.in_diff and not isinstance(self.source, UnitPair) else None
 
     @classmethod
     def of_replay(cls, r: Any) -> "RowResult":
@@ -109,10 +110,41 @@ class RowResult:
             severity = min(severity, INHERITED_SEVERITY)
         return cls(rank, pair.target, status, severity, error, pair.metrics, pair.reason, False, pair, ref_rank)
 
+    @property
+    def unit(self) -> Any:
+        """Diff mode: the UnitPair of a compiled unit and the eager ops of its region that this row belongs to (the
+        unit's own row, or an eager op of its region in the target); None otherwise."""
+        return self.source if self.in_diff and isinstance(self.source, UnitPair) else None
+
+    @classmethod
+    def of_unit(cls, rank: int, index: int, unit: Any, status: RowStatus, ref_rank: int, lead: bool = True
+                ) -> "RowResult":
+        """Diff mode: the row of target op ``index`` that a compiled unit pair covers, with ``status`` as its row's.
+        The ``lead`` row carries the figures: where the unit and the eager ops part, that node's; else the unit's
+        boundaries'. The region's other eager ops carry none (they were not compared one by one)."""
+        verdict = None
+        if lead:
+            verdict = unit.part.verdict if unit.part is not None and status is Status.DIVERGENT else unit.verdict
+        severity = None if verdict is None else verdict.severity
+        if status is PairStatus.INHERITED and severity is not None:
+            severity = min(severity, INHERITED_SEVERITY)
+        _, error = verdict_figures(_Figures(verdict, severity))
+        return cls(rank, index, status, severity, error, None if verdict is None else verdict.to_json(), unit.reason,
+                   False, unit, ref_rank)
+
     @classmethod
     def target_only(cls, rank: int, index: int, ref_rank: int) -> "RowResult":
         """Diff mode: the row of an op of the target that no reference op aligns with."""
         return cls(rank, index, Presence.TARGET_ONLY, None, "", None, None, False, None, ref_rank)
+
+
+@dataclass(frozen=True)
+class _Figures:
+    """A verdict and severity in the shape ``verdict_figures`` reads (a unit pair's part has no result of its own)."""
+
+    verdict: Any
+    severity: float | None
+    metrics: dict | None = None
 
 
 def as_row(result: Any) -> RowResult:

@@ -15,7 +15,7 @@ from replaydiff.replay.result import Status
 
 __all__ = ["CheckFailed", "ChunksDiffer", "CollectiveDiffers", "CollectiveOk", "Failed", "FellBack", "Judgement",
            "LeftOut", "MissedCall", "Note", "RanksMissing", "ReplayFact", "RepeatsDisagree", "Skipped",
-           "TraceEndsBefore", "UnitDivergent", "UnitWithin", "VerdictReason", "render", "verdict_reason"]
+           "TraceEndsBefore", "UnitDivergent", "UnitDraws", "UnitWithin", "VerdictReason", "render", "verdict_reason"]
 
 
 class ReplayFact(Fact, Enum):
@@ -81,6 +81,28 @@ class UnitWithin(Note):
             return f"{self.unit}: nothing to compare"
         return f"{self.unit}: {self.outputs} output(s) within limits" + (
             f" ({self.explanation})" if self.explanation else "")
+
+
+@dataclass(frozen=True)
+class UnitDraws(Note):
+    """How a compiled unit's outputs that depend on random draws inside it were compared (replay/unit.py): draws
+    recovered from recorded outputs are checked by statistics and the outputs after them judged with them; the
+    rest are not compared."""
+
+    recovered: tuple[str, ...]  # one sentence per recovered draw: which node, from which output, what was checked
+    not_compared: int  # outputs that still depend on a draw no recorded output holds
+    nodes: tuple[str, ...]  # the random nodes behind those
+
+    def text(self) -> str:
+        parts = []
+        if self.recovered:
+            parts.append("random draws inside the unit compared by statistics (" + "; ".join(self.recovered)
+                         + "), the outputs computed from them judged with the recorded draws")
+        if self.not_compared:
+            parts.append(f"{self.not_compared} output(s) not compared: they depend on random node(s) "
+                         f"{', '.join(self.nodes)}, drawn by the backend's own generator, which replay cannot draw "
+                         f"again, and no recorded output holds the draw")
+        return "; ".join(parts)
 
 
 @dataclass(frozen=True)

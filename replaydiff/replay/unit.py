@@ -18,16 +18,18 @@ can never make replay run other code. Three runs of the same graph:
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 
 from replaydiff import aten
-from replaydiff.compare.metrics import FloatError, measure
+from replaydiff.compare.metrics import FloatError, ScalarMismatch, measure
 from replaydiff.compare.tolerance import reduction_length
 from replaydiff.compare.verdict import Verdict, calibrated, judge
 from replaydiff.replay.policy import target_dtype
-from replaydiff.replay.notes import Judgement, UnitDivergent, UnitWithin
+from replaydiff.replay.notes import Judgement, UnitDivergent, UnitDraws, UnitWithin
 from replaydiff.replay.result import Status
 from replaydiff.trace.schema import (NODE_CALL, NODE_CONST, NODE_INPUT, NODE_OUTPUT, NodeRef, Opaque, OpRecord,
                                      TensorRef, UnitInfo, UnitNode)
@@ -50,14 +52,16 @@ class Graph:
             elif n.kind not in (NODE_INPUT, NODE_CONST, NODE_OUTPUT):
                 raise Refused(f"node {n.name} is of unknown kind {n.kind!r}")
 
-    def random_nodes(self) -> dict[int, str]:
+    def random_nodes(self, cut: Collection[int] = ()) -> dict[int, str]:
         """Nodes whose value depends on a random node (dropout, rand): {node position: the random node's name}.
         The compiled code drew those numbers from the backend's own generator (inductor's seeds), which replay
-        cannot draw again."""
+        cannot draw again. Nodes in ``cut`` are given values (recovered draws): nothing flows through them."""
         out: dict[int, str] = {}
         for i, n in enumerate(self.info.nodes):
+            if i in cut:
+                continue
             func = self.targets.get(i)
-            if isinstance(func, torch._ops.OpOverload) and aten.facts(func).seeded:
+            if _seeded(func):
                 out[i] = n.name
                 continue
             for ref in _refs([n.args, list(n.kwargs.values())]):
@@ -65,6 +69,115 @@ class Graph:
                     out[i] = out[ref.index]
                     break
         return out
+
+    def draws(self, stored: set[int]) -> "Draws":
+        """How the unit's random draws can be replayed, given the output positions whose recorded tensors are
+        stored: a draw is recovered where a recorded output holds it (a mask computed from draws alone, or a
+        dropout op's mask or value output, or the value of a decomposed dropout: mask * x, scaled);
+        outputs behind a draw no output holds stay random."""
+        d = self._draws(stored, {})
+        found = self._masks_from_values(d, stored)
+        return self._draws(stored, found) if found else d
+
+    def _masks_from_values(self, d: "Draws", stored: set[int]) -> dict[int, "Pin"]:
+        """Masks (random-only comparisons of a uniform draw) not recovered, whose product with a value ``x`` is
+        held, after scaling by constants, by a recorded output: the mask is where that output is non-zero."""
+        nodes = self.info.nodes
+        recorded = self._recorded(stored)
+        users: dict[int, list[int]] = {}
+        for i, n in enumerate(nodes):
+            if n.kind == NODE_CALL:
+                for r in {r.index for r in _refs([n.args, list(n.kwargs.values())])}:
+                    users.setdefault(r, []).append(i)
+
+        def uniform(v: Any) -> bool:
+            return isinstance(v, NodeRef) and aten.uniform_draw(str(nodes[v.index].target), nodes[v.index].args)
+
+        out: dict[int, Pin] = {}
+        for m in d.random:
+            n = nodes[m]
+            keep = aten.threshold_keep(str(n.target), n.args, uniform) if m in d.only else None
+            if keep is None:
+                continue
+            for u in users.get(m, []):
+                un = nodes[u]
+                if not aten.applies_mask(str(un.target)) or len(un.args) != 2:
+                    continue
+                x = un.args[1] if un.args[0] == NodeRef(m) else un.args[0]
+                if not isinstance(x, NodeRef) or x.index in d.random or x.index in d.only:
+                    continue
+                y = u
+                while y not in recorded:
+                    nxt = [v for v in users.get(y, []) if nodes[v].args and nodes[v].args[0] == NodeRef(y)
+                           and aten.scales_by_constant(str(nodes[v].target), nodes[v].args)]
+                    if len(nxt) != 1:
+                        break
+                    y = nxt[0]
+                if y in recorded:
+                    out[m] = Pin(n.name, recorded[y], keep, None, True, x.index)
+                    break
+        return out
+
+    def _recorded(self, stored: set[int]) -> dict[int, int]:
+        """Node -> the first stored output position that holds its value."""
+        recorded: dict[int, int] = {}
+        for pos, node in enumerate(self.output_nodes()):
+            if node is not None and pos in stored:
+                recorded.setdefault(node, pos)
+        return recorded
+
+    def _draws(self, stored: set[int], found: dict[int, "Pin"]) -> "Draws":
+        nodes = self.info.nodes
+        recorded = self._recorded(stored)
+        items = {(n.args[0].index, n.args[1]): i for i, n in enumerate(nodes)
+                 if n.kind == NODE_CALL and n.target == "operator.getitem" and len(n.args) == 2
+                 and isinstance(n.args[0], NodeRef) and isinstance(n.args[1], int)}
+        d = Draws({}, {}, set())
+        fed: set[int] = set()  # nodes whose value depends on an input's value
+
+        def uniform(v: Any) -> bool:
+            return isinstance(v, NodeRef) and aten.uniform_draw(str(nodes[v.index].target), nodes[v.index].args)
+
+        for i, n in enumerate(nodes):
+            if n.kind == NODE_INPUT:
+                fed.add(i)
+            if n.kind != NODE_CALL:
+                continue
+            name = str(n.target)
+            refs = [r.index for r in _refs([n.args, list(n.kwargs.values())])]
+            src = next((d.random[r] for r in refs if r in d.random), None)
+            seeded = _seeded(self.targets[i])
+            if any(r in fed for r in refs) and (not seeded or aten.draw_reads_input_values(name)):
+                fed.add(i)
+            if seeded:
+                drop = aten.dropout_args(name, n.args)
+                mask_at = recorded.get(items.get((i, aten.DROPOUT_MASK_OUTPUT), -1))
+                value_at = recorded.get(items.get((i, 0), -1))
+                if drop is not None and src is None and (mask_at is not None or value_at is not None):
+                    x = n.args[0].index if isinstance(n.args[0], NodeRef) else None
+                    d.pins[i] = Pin(n.name, mask_at if mask_at is not None else value_at, 1.0 - drop[1], drop[1],
+                                    mask_at is None, x)
+                    if mask_at is not None:
+                        d.own.add(items[(i, aten.DROPOUT_MASK_OUTPUT)])
+                    continue
+                d.random[i] = n.name
+                if i not in fed:
+                    d.only.add(i)
+                continue
+            if src is None and not any(r in d.only for r in refs):
+                continue  # no draw behind it, or only recovered ones
+            if i not in fed:
+                d.only.add(i)
+                if src is not None and i in recorded:  # a mask computed from draws alone, held by an output
+                    d.pins[i] = Pin(n.name, recorded[i], aten.threshold_keep(name, n.args, uniform), None, False)
+                    d.own.add(i)
+                    continue
+                if src is not None and i in found:  # such a mask, read off the value it was applied to
+                    d.pins[i] = found[i]
+                    continue
+            if src is not None:
+                d.random[i] = src
+        return d
 
     def output_nodes(self) -> list[int | None]:
         """The node position behind each flat output (None for a constant output)."""
@@ -84,6 +197,49 @@ class Graph:
                     if isinstance(v, NodeRef) and v.index in inputs:
                         out.add(inputs[v.index])
         return out
+
+
+@dataclass(frozen=True)
+class Pin:
+    """A random node whose draw is recovered from one recorded output of the unit."""
+
+    name: str  # the node's name
+    output: int  # the recorded output that holds the draw
+    keep: float | None  # the probability that a mask position is kept (None: unknown, no binomial check)
+    p: float | None = None  # a dropout op's p; None for a node computed from draws alone (its value is the output)
+    from_value: bool = False  # the mask is where a recorded value output is non-zero (no mask output)
+    input: int | None = None  # from_value: the node the mask multiplies (where it is 0, the value says nothing)
+
+
+@dataclass
+class Draws:
+    """A unit's random draws: those recovered from recorded outputs, and the nodes still behind an unknown one."""
+
+    pins: dict[int, Pin]  # node position -> how its draw is recovered
+    random: dict[int, str]  # node position -> the random node (not recovered) its value depends on
+    only: set[int]  # nodes computed from draws and constants alone (seeds, uniform draws, masks)
+    own: set[int] = field(default_factory=set)  # nodes whose recorded value is the draw itself (a recovered mask)
+
+
+# Binomial bound on a mask's kept count: |kept - n*q| <= Z * sqrt(n*q*(1-q)) + 1/2. At 6 standard deviations a
+# correct dropout fails it about once in 10^9 masks; a wrong keep probability (p for 1 - p) fails it once the mask
+# holds a few hundred positions.
+_BINOMIAL_Z = 6.0
+
+
+def binomial_within(kept: int, n: int, q: float) -> tuple[bool, float]:
+    """Whether ``kept`` of ``n`` positions is a plausible draw with keep probability ``q``; and the allowed spread."""
+    spread = _BINOMIAL_Z * math.sqrt(n * q * (1.0 - q)) + 0.5
+    return abs(kept - n * q) <= spread, spread
+
+
+def _mask_of(held: Any, pin: Pin) -> Any:
+    """A recovered mask node's value from the recorded output that holds it (itself, or a value it was applied to)."""
+    return held != 0 if pin.from_value and isinstance(held, torch.Tensor) else held
+
+
+def _seeded(func: Any) -> bool:
+    return isinstance(func, torch._ops.OpOverload) and aten.facts(func).seeded
 
 
 class Refused(Exception):
@@ -107,9 +263,12 @@ def _materialize(v: Any, env: list, convert: Callable[[Any], Any]) -> Any:
 
 
 def interpret(g: Graph, inputs: list, consts: list, convert: Callable[[Any], Any],
-              on_node: Callable[[int, UnitNode, Any, list, dict], None] | None = None) -> tuple[list, list]:
+              on_node: Callable[[int, UnitNode, Any, list, dict], None] | None = None,
+              pinned: dict[int, Callable[[list], Any]] | None = None) -> tuple[list, list]:
     """Run the graph node by node: (flat outputs, every node's value). ``convert`` maps constant arguments (dtype,
-    device, recorded values); ``on_node`` sees each call with its output and arguments."""
+    device, recorded values); ``on_node`` sees each call with its output and arguments; ``pinned`` computes the
+    nodes whose draws were recovered (from their arguments) instead of drawing."""
+    pinned = pinned or {}
     env: list = []
     k = 0
     outputs: list = []
@@ -122,7 +281,7 @@ def interpret(g: Graph, inputs: list, consts: list, convert: Callable[[Any], Any
         elif n.kind == NODE_CALL:
             args = _materialize(n.args, env, convert)
             kwargs = {key: _materialize(v, env, convert) for key, v in n.kwargs.items()}
-            out = g.targets[i](*args, **kwargs)
+            out = pinned[i](args) if i in pinned else g.targets[i](*args, **kwargs)
             env.append(out)
             if on_node is not None:
                 on_node(i, n, out, args, kwargs)
@@ -162,7 +321,6 @@ class UnitReplayer:
         self.opts = replayer.opts
         self._build = inputs
         self._skip = skip
-        self.random_outputs: dict[int, str] = {}  # output position -> the random node it depends on
 
     def _inputs(self, op: OpRecord, precision: str, keep: bool, device: torch.device, info: UnitInfo
                 ) -> tuple[list, list, Callable[[Any], Any]]:
@@ -187,6 +345,10 @@ class UnitReplayer:
         except Refused as exc:
             raise Skip(f"unit graph not replayed: {exc}") from None
         where = f"unit of {info.region} (graph {info.graph_id}, {info.backend})"
+        recorded = list(_flat(op.outputs))
+        draws = g.draws({n for n, r in enumerate(recorded) if isinstance(r, TensorRef) and r.stored
+                         and not r.uninitialised})
+        behind = g.output_nodes()
         precision = self.opts.precision
         # The reference: the graph at the replay precision; k is the longest sum behind any node (limit scaling)
         ks = [1]
@@ -196,36 +358,85 @@ class UnitReplayer:
 
         try:
             ins, consts, convert = self._inputs(op, precision, precision == "same", self.r.device, info)
-            ref_out, _ = interpret(g, ins, consts, convert, note_k)
+            ref_out, ref_env = interpret(g, ins, consts, convert, note_k, self._pinned(draws, recorded, convert))
             same_ins, same_consts, same_convert = self._inputs(op, "same", True, torch.device("cpu"), info)
-            same_out, _ = interpret(g, same_ins, same_consts, same_convert)
+            same_out, _ = interpret(g, same_ins, same_consts, same_convert, None,
+                                    self._pinned(draws, recorded, same_convert))
         except Refused as exc:
             raise Skip(f"unit graph not replayed: {exc}") from None
         k = max(ks)
-        pairs, judged = self._judge_outputs(op, g, ref_out, ins, same_out, same_ins, k)
+        pairs, judged = self._judge_outputs(op, g, draws, ref_out, ins, same_out, same_ins, k)
         finite = True
         for _, v in judged:
             if getattr(v.measure, "nonfinite_recorded", 0):
                 finite = False
-        bad = [(n, v) for n, v in judged if v.divergent]
-        if self.random_outputs:
-            names = sorted(set(self.random_outputs.values()))
-            where += (f"; {len(self.random_outputs)} output(s) not compared: they depend on random node(s) "
-                      f"{', '.join(names)}, drawn by the backend's own generator, which replay cannot draw again")
+        checked, odd = self._check_draws(g, draws, recorded, ref_env)
+        unknown = {n: draws.random[b] for n, b in enumerate(behind) if b is not None and b in draws.random}
+        notes: tuple = ()
+        if draws.pins or unknown:
+            notes = (UnitDraws(tuple(checked), len(unknown), tuple(sorted(set(unknown.values())))),)
+        bad = odd + [(n, v) for n, v in judged if v.divergent]  # a wrong draw first: the values follow from it
         if bad:
             n, v = bad[0]
             try:
-                found = self.localize(op, g)
+                found = self.localize(op, g, draws)
             except Exception as exc:  # localisation is extra: the unit's verdict stands
                 found = f"not localised ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]})"
-            return Judgement(Status.DIVERGENT, v, (UnitDivergent(where, n, v.reason, found),)), pairs, finite
+            return Judgement(Status.DIVERGENT, v, (UnitDivergent(where, n, v.reason, found),) + notes), pairs, finite
         if judged:
             verdict = max((v for _, v in judged), key=lambda v: (v.explanation is not None, v.severity))
-            return Judgement(Status.OK, verdict, (UnitWithin(where, len(judged), verdict.explanation),)), pairs, finite
-        return Judgement(Status.OK, None, (UnitWithin(where, 0, None),)), pairs, finite
+            return (Judgement(Status.OK, verdict, (UnitWithin(where, len(judged), verdict.explanation),) + notes),
+                    pairs, finite)
+        return Judgement(Status.OK, None, (UnitWithin(where, 0, None),) + notes), pairs, finite
 
-    def _judge_outputs(self, op: OpRecord, g: Graph, ref_out: list, ref_ins: list, same_out: list, same_ins: list,
-                       k: int) -> tuple[Pairs, list[tuple[int, Verdict]]]:
+    def _pinned(self, draws: Draws, recorded: list, convert: Callable[[Any], Any]
+                ) -> dict[int, Callable[[list], Any]]:
+        """For each recovered draw, its node computed from the recorded output that holds it (at the run's
+        precision): a mask is the recorded mask; a dropout op is its input times the recorded mask, scaled."""
+        out: dict[int, Callable[[list], Any]] = {}
+        for i, pin in draws.pins.items():
+            held = recorded[pin.output]
+            if pin.p is None:
+                out[i] = lambda args, held=held, pin=pin: _mask_of(convert(held), pin)
+            else:
+                def dropout(args: list, held: Any = held, pin: Pin = pin) -> tuple:
+                    mask = convert(held)
+                    mask = mask != 0 if pin.from_value else mask.to(torch.bool)
+                    return aten.dropout_value(args[0], mask.to(args[0].device), pin.p), mask
+                out[i] = dropout
+        return out
+
+    def _check_draws(self, g: Graph, draws: Draws, recorded: list, env: list
+                     ) -> tuple[list[str], list[tuple[int, Verdict]]]:
+        """The statistics of each recovered mask: its kept count against its keep probability (a binomial bound).
+        A sentence per draw, and a divergent verdict (at the output holding it) for each count out of bounds."""
+        said, bad = [], []
+        for i, pin in draws.pins.items():
+            node = g.info.nodes[i]
+            mask = self.trace.tensor(recorded[pin.output])
+            how = f"{node.name} from output {pin.output}"
+            if pin.from_value:  # where the masked input is 0, the value says nothing of the mask
+                x = env[pin.input] if pin.input is not None else None
+                valid = ((x != 0).to(mask.device) if isinstance(x, torch.Tensor)
+                         else torch.ones_like(mask, dtype=torch.bool))
+                mask, how = (mask != 0) & valid, how + " (its mask: where the value is non-zero)"
+                n = int(valid.sum())
+            else:
+                n = mask.numel()
+            if pin.keep is None:
+                said.append(f"{how}: kept fraction not checked (its keep probability is unknown)")
+                continue
+            kept = int((mask != 0).sum())
+            ok, spread = binomial_within(kept, n, pin.keep)
+            figure = f"kept {kept} of {n}, {n * pin.keep:.0f} ± {spread:.0f} expected at keep probability {pin.keep:g}"
+            said.append(f"{how}: {figure}")
+            if not ok:
+                bad.append((pin.output, Verdict(True, ScalarMismatch(kept, round(n * pin.keep)),
+                                                f"random draw {node.name} {figure} (binomial bound)")))
+        return said, bad
+
+    def _judge_outputs(self, op: OpRecord, g: Graph, draws: Draws, ref_out: list, ref_ins: list, same_out: list,
+                       same_ins: list, k: int) -> tuple[Pairs, list[tuple[int, Verdict]]]:
         recorded = list(_flat(op.outputs))
         pairs: Pairs = list(zip(recorded, ref_out))
         same_vals = list(same_out)
@@ -235,14 +446,14 @@ class UnitReplayer:
                 pairs.append((after, ref_ins[path.key]))
                 same_vals.append(same_ins[path.key])
         judged = []
-        random = g.random_nodes()
         behind = g.output_nodes()
-        self.random_outputs = {n: random[behind[n]] for n in range(len(behind))
-                               if behind[n] is not None and behind[n] in random}
         for n, (rec, value) in enumerate(pairs):
             if not isinstance(rec, TensorRef) or not isinstance(value, torch.Tensor):
                 continue
-            if n in self.random_outputs:  # drawn by the backend's generator: not comparable value by value
+            node = behind[n] if n < len(behind) else None
+            # drawn by the backend's generator and not recovered: not comparable value by value; a draw itself
+            # (a recovered mask) is its own reference, checked by statistics instead
+            if node is not None and (node in draws.random or node in draws.own):
                 continue
             if not rec.stored or rec.uninitialised:
                 continue
@@ -264,22 +475,28 @@ class UnitReplayer:
         return v
 
     # -- localisation ------------------------------------------------------------------------------------------
-    def localize(self, op: OpRecord, g: Graph) -> str:
+    def localize(self, op: OpRecord, g: Graph, draws: Draws | None = None) -> str:
         """The earliest node whose compiled output diverges given its own inputs, with whether this machine
-        reproduces the recorded unit (see the module docstring)."""
+        reproduces the recorded unit (see the module docstring). Masks recovered from recorded outputs are inputs
+        of the recompiled graph, so that its values after them are the recorded unit's, not a new draw's."""
         info = g.info
+        draws = draws or Draws({}, {}, set())
         backend = info.backend or "inductor"
         device, moved = compile_device(op)
         ins, consts, convert = self._inputs(op, "same", True, device, info)
-        recorded = [self.trace.tensor(r) if isinstance(r, TensorRef) and r.stored else None
-                    for r in _flat(op.outputs)]
+        flat = list(_flat(op.outputs))
+        recorded = [self.trace.tensor(r) if isinstance(r, TensorRef) and r.stored else None for r in flat]
+        held = sorted(i for i, pin in draws.pins.items() if pin.p is None)
+        ins = list(ins) + [_mask_of(convert(flat[draws.pins[i].output]), draws.pins[i]) for i in held]
+        fresh = g.random_nodes(cut=set(held))  # still drawn anew by the recompiled graph
+        behind = g.output_nodes()
         torch_version = torch.__version__ + (f", on {device.type}: {moved}" if moved else "")
         # 1. this machine's compile of the unit as recorded
         try:
-            run = compile_graph(g, consts, convert, backend, every_node=False)
+            run = compile_graph(g, consts, convert, backend, every_node=False, held=held)
             out = run([x.clone() if isinstance(x, torch.Tensor) else x for x in ins])
-            same = all(r is None or n in self.random_outputs or (isinstance(o, torch.Tensor) and o.shape == r.shape
-                                                                 and torch.equal(o.to(r.device), r))
+            same = all(r is None or (n < len(behind) and behind[n] in fresh)
+                       or (isinstance(o, torch.Tensor) and o.shape == r.shape and torch.equal(o.to(r.device), r))
                        for n, (r, o) in enumerate(zip(recorded, out)))
             repro = ("this machine's " + backend + " reproduces the recorded outputs bit for bit" if same else
                      f"this machine's {backend} (torch {torch_version}) does NOT reproduce the recorded outputs "
@@ -287,13 +504,15 @@ class UnitReplayer:
         except Exception as exc:
             return (f"could not recompile the unit with {backend} here ({type(exc).__name__}: "
                     f"{(str(exc).splitlines() or [''])[0][:120]}); judged: the unit's outputs only")
-        # 2. every node's value from one compile, each judged against the node at float64 on its own inputs
-        compiled_vals = compile_graph(g, consts, convert, backend, every_node=True)(list(ins))
-        calls = [i for i, n in enumerate(info.nodes) if n.kind == NODE_CALL]
-        random = g.random_nodes()
+        # 2. every node's value from one compile, each judged against the node at float64 on its own inputs; a
+        # draw (a random op, a value computed from draws alone) is not judged: the backend's generator is not eager's
+        compiled_vals = compile_graph(g, consts, convert, backend, every_node=True, held=held)(list(ins))
+        calls = [i for i, n in enumerate(info.nodes) if n.kind == NODE_CALL and i not in held]
+        drawn = set(g.random_nodes()) & (draws.only | {i for i in calls if _seeded(g.targets[i])})
         env: list = []
         k_in = 0
         by_node = dict(zip(calls, compiled_vals))
+        by_node.update(zip(held, ins[len(ins) - len(held):]))
         for i, n in enumerate(info.nodes):
             if n.kind == NODE_INPUT:
                 env.append(ins[k_in])
@@ -302,7 +521,7 @@ class UnitReplayer:
                 env.append(consts[int(n.target)])
             elif n.kind == NODE_CALL:
                 got = by_node[i]
-                verdict = None if i in random else self._judge_node(g, i, n, env, convert, got)
+                verdict = None if i in drawn else self._judge_node(g, i, n, env, convert, got)
                 if verdict is not None and verdict.divergent:
                     at = f" in {n.module}" if n.module else ""
                     return (f"earliest divergent node given its own inputs: {n.describe()}{at} "
@@ -352,17 +571,20 @@ def _map(v: Any, fn: Callable[[Any], Any]) -> Any:
     return fn(v)
 
 
-def compile_graph(g: Graph, consts: list, convert: Callable[[Any], Any], backend: str, every_node: bool
-             ) -> Callable[[list], list]:
+def compile_graph(g: Graph, consts: list, convert: Callable[[Any], Any], backend: str, every_node: bool,
+                  held: Sequence[int] = ()) -> Callable[[list], list]:
     """The graph rebuilt as an FX graph from its resolved targets (never from code in the trace) and compiled
-    with ``backend``. ``every_node``: its outputs are every call node's first tensor value, in order."""
+    with ``backend``. ``every_node``: its outputs are every call node's first tensor value, in order. ``held``:
+    call nodes that become inputs instead (given after the graph's own inputs, in this order)."""
     root = torch.nn.Module()
     fx = torch.fx.Graph()
     env: list = []
     values = []
+    placeholders = {i: fx.placeholder(f"in{k}") for k, i in
+                    enumerate([i for i, n in enumerate(g.info.nodes) if n.kind == NODE_INPUT] + list(held))}
     for i, n in enumerate(g.info.nodes):
-        if n.kind == NODE_INPUT:
-            env.append(fx.placeholder(f"in{len(env)}"))
+        if n.kind == NODE_INPUT or i in held:
+            env.append(placeholders[i])
         elif n.kind == NODE_CONST:
             name = f"const{n.target}"
             root.register_buffer(name, consts[int(n.target)])

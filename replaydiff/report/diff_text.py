@@ -60,7 +60,8 @@ def unit_line(u: UnitPair) -> str:
             f"({u.matched} of {u.nodes} nodes mapped): {u.status}")
 
 
-def _unit_lines(u: UnitPair) -> list[str]:
+def unit_pair_lines(u: UnitPair) -> list[str]:
+    """A compiled unit paired with eager ops as the diff report prints it (the TUI's diff mode shows the same)."""
     lines = [unit_line(u)]
     if u.part is not None:
         eager_side = "ref" if u.side == "target" else "target"
@@ -81,7 +82,7 @@ def _rank_block(rd: RankDiff, many: bool, out: TextIO, max_listed: int) -> None:
               f"{c['same']} same, {c['divergent']} divergent, {c['inherited']} inherited, "
               f"{c['not_compared']} not compared; {c['ref_only']} ref only, {c['target_only']} target only\n")
     for u in rd.units:
-        for line in _unit_lines(u):
+        for line in unit_pair_lines(u):
             out.write(f"  {line}\n")
     first = rd.first_divergent
     if first is not None:

@@ -1,4 +1,8 @@
-"""Provides OpList: the virtualised op list (Textual's line API: only the rows on screen are ever drawn)."""
+"""Provides OpList: the virtualised op list (Textual's line API: only the rows on screen are ever drawn).
+
+A compiled unit's row expands (x) to its kernels and graph nodes, one row each under it; those rows belong to the
+unit (the cursor on one selects the unit). With no unit expanded a row is an op of ``model.visible``; with one,
+the list keeps its own table of rows."""
 from __future__ import annotations
 
 from rich.segment import Segment
@@ -35,6 +39,7 @@ LEFT_OUT_STYLE = {LEFT_OUT_FILTERED: Style(dim=True), LEFT_OUT_BUDGET: Style(col
 PHASE_STYLE = {"forward": Style(color="blue"), "backward": Style(color="magenta"), "optimizer": Style(color="cyan")}
 DIM = Style(dim=True)
 MODULE_STYLE = Style(color="cyan")
+UNIT_ROW_STYLE = Style(color="bright_black", italic=True)
 
 
 class OpList(ScrollView, can_focus=True):
@@ -47,6 +52,7 @@ class OpList(ScrollView, can_focus=True):
         Binding("pagedown", "page(1)", "page down", show=False),
         Binding("home", "edge(0)", "first", show=False),
         Binding("end", "edge(1)", "last", show=False),
+        Binding("x", "expand", "expand unit", show=False),
     ]
 
     DEFAULT_CSS = """
@@ -71,30 +77,55 @@ class OpList(ScrollView, can_focus=True):
         self.model = model
         self._cache: dict[tuple, Strip] = {}
         self._paint: tuple | None = None
+        self.expanded: dict[int, list[str]] = {}  # op number of an expanded unit -> the text of its rows
+        self._rows: list[tuple[int, int]] | None = None  # with a unit expanded: (op, its row k, or -1 for the op)
+        self._first: dict[int, int] = {}  # with a unit expanded: op -> its row
         self.refresh_rows()
 
     # -- data -------------------------------------------------------------------------------------------------
     @property
     def selected_op(self) -> int | None:
+        return self.entry(self.cursor_row)[0]
+
+    @property
+    def row_count(self) -> int:
+        return len(self.model.visible) if self._rows is None else len(self._rows)
+
+    def entry(self, row: int) -> tuple[int | None, int]:
+        """(op, k) of a row: k is -1 for the op's own row, else the k-th row of an expanded unit; op None past the
+        end."""
+        if self._rows is not None:
+            return self._rows[row] if 0 <= row < len(self._rows) else (None, -1)
         v = self.model.visible
-        return v[self.cursor_row] if 0 <= self.cursor_row < len(v) else None
+        return (v[row], -1) if 0 <= row < len(v) else (None, -1)
+
+    def _row_of_visible(self, k: int) -> int:
+        return k if self._rows is None else self._first[self.model.visible[k]]
 
     def refresh_rows(self) -> None:
         """Call after the model's rows or verdicts changed."""
         self._cache.clear()
-        self.virtual_size = Size(0, len(self.model.visible) + 1)  # +1: the header line
+        if self.expanded:
+            self._rows, self._first = [], {}
+            for op in self.model.visible:
+                self._first[op] = len(self._rows)
+                self._rows.append((op, -1))
+                self._rows.extend((op, k) for k in range(len(self.expanded.get(op, ()))))
+        else:
+            self._rows, self._first = None, {}
+        self.virtual_size = Size(0, self.row_count + 1)  # +1: the header line
         self.refresh()
 
     def refresh_ops(self, ops: set[int]) -> None:
         """Redraw the rows of these ops that are on screen (new verdicts came in for them)."""
-        v = self.model.visible
         top = int(self.scroll_y)
-        for row in range(top, min(len(v), top + self.scrollable_content_region.height)):
-            if v[row] in ops:
+        for row in range(top, min(self.row_count, top + self.scrollable_content_region.height)):
+            if self.entry(row)[0] in ops:
                 self._refresh_row(row)
 
     def set_model(self, model: TraceModel) -> None:
         self.model = model
+        self.expanded = {}
         self.cursor_row = 0
         self.refresh_rows()
         self.scroll_to(y=0, animate=False)
@@ -106,11 +137,30 @@ class OpList(ScrollView, can_focus=True):
             if exact or not self.model.visible:
                 return False
             row = self.model.nearest_row(op)
-        self.move_to(row, center=True)
+        self.move_to(self._row_of_visible(row), center=True)
         return True
 
+    def action_expand(self) -> None:
+        """Expand the compiled unit under the cursor to its kernels and nodes, or collapse it."""
+        op = self.selected_op
+        if op is None:
+            return
+        if op in self.expanded:
+            del self.expanded[op]
+        else:
+            from replaydiff.tui.details import unit_rows
+
+            with self.app.trace_lock:  # the trace decodes lazily and a background run may be reading it
+                rows = unit_rows(self.model.trace[op])
+            if not rows:
+                self.app.notify(f"#{op} is not a compiled unit: nothing to expand", timeout=3)
+                return
+            self.expanded[op] = rows
+        self.refresh_rows()
+        self.move_to(self._first.get(op, self.model.row_of(op) or 0))
+
     def move_to(self, row: int, center: bool = False) -> None:
-        n = len(self.model.visible)
+        n = self.row_count
         row = max(0, min(row, n - 1)) if n else 0
         old = self.cursor_row
         self.cursor_row = row
@@ -141,13 +191,13 @@ class OpList(ScrollView, can_focus=True):
         self.move_to(self.cursor_row + direction * max(1, self.scrollable_content_region.height - 2))
 
     def action_edge(self, end: int) -> None:
-        self.move_to(len(self.model.visible) - 1 if end else 0)
+        self.move_to(self.row_count - 1 if end else 0)
 
     def on_click(self, event: events.Click) -> None:
         if event.y == 0:
             return
         row = int(self.scroll_y) + event.y - 1
-        if 0 <= row < len(self.model.visible):
+        if 0 <= row < self.row_count:
             self.focus()
             self.move_to(row)
 
@@ -183,15 +233,14 @@ class OpList(ScrollView, can_focus=True):
         if y == 0:
             return self._header(width)
         row = int(self.scroll_y) + y - 1
-        v = self.model.visible
-        if row >= len(v):
+        op, k = self.entry(row)
+        if op is None:
             return Strip.blank(width, base)
-        op = v[row]
         selected = row == self.cursor_row
-        key = (op, selected and (1 + self.has_focus), width, id(self.model.results[op]))
+        key = (op, k, selected and (1 + self.has_focus), width, id(self.model.results[op]))
         strip = self._cache.get(key)
         if strip is None:
-            strip = self._row(op, width, base, selected)
+            strip = self._row(op, width, base, selected) if k < 0 else self._unit_row(op, k, width, base, selected)
             if len(self._cache) > 2000:
                 self._cache.clear()
             self._cache[key] = strip
@@ -235,9 +284,20 @@ class OpList(ScrollView, can_focus=True):
             strip = strip.apply_style(self.get_component_rich_style("oplist--cursor"))
         return strip.apply_style(base) if not selected else strip
 
+    def _unit_row(self, op: int, k: int, width: int, base: Style, selected: bool) -> Strip:
+        """The k-th row of an expanded unit: a kernel line or a node, indented under the op column."""
+        w_idx, w_phase, w_mod = self.columns(width)[:3]
+        rows = self.expanded[op]
+        branch = "└ " if k == len(rows) - 1 else "├ "
+        strip = Strip([Segment(" " * (w_idx + w_phase + 2) + (" " * (w_mod + 1) if w_mod else "") + branch, DIM),
+                       Segment(rows[k], UNIT_ROW_STYLE)]).adjust_cell_length(width)
+        if selected:
+            return strip.apply_style(self.get_component_rich_style("oplist--cursor"))
+        return strip.apply_style(base)
+
     def on_resize(self) -> None:
         self._cache.clear()
-        self.virtual_size = Size(0, len(self.model.visible) + 1)
+        self.virtual_size = Size(0, self.row_count + 1)
 
     def watch_has_focus(self, value: bool) -> None:  # the cursor's colour depends on focus
         self._refresh_row(self.cursor_row)
