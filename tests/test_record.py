@@ -233,6 +233,69 @@ def test_gradient_accumulation_ops_belong_to_the_parameters_module(record_one):
     assert {m for _, m, _ in checked} >= {"SmallCNN.fc", "SmallCNN.conv", "TinyGRU.emb", "TinyGRU.gru"}
 
 
+class _Doubled(torch.autograd.Function):
+    """A custom autograd Function: its forward runs without grad, so no recorded forward op makes its node."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.head = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x))
+
+
+class _WithFunction(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Doubled.apply(x).sum()
+
+
+def test_recording_puts_no_hooks_on_the_jobs_tensors(record_one):
+    """Module paths are tracked with forward hooks alone: no hook on the tensors a module takes or returns (hooks
+    there run in the job's backward and cost ~5 us per op of a small step), and backward ops still carry the module
+    of the forward op that made their node."""
+    torch.manual_seed(0)
+    model = _Outer()
+    x = torch.randn(2, 3, requires_grad=True)
+    outs: list[torch.Tensor] = []
+    handle = model.inner.register_forward_hook(lambda mod, inp, out: outs.append(out))
+    hooked: list[int] = []
+
+    def step():
+        y = model(x)
+        hooked.extend(len(t._backward_hooks or {}) for t in (x, outs[0], y))  # as backward begins
+        y.sum().backward()
+
+    try:
+        _, r = record_one(step)
+    finally:
+        handle.remove()
+    assert hooked == [0, 0, 0], "the recorder hooked tensors of the job"
+    assert {o.module for o in r if o.phase == "backward" and o.name == "aten.mm.default"} == {"_Outer.inner",
+                                                                                            "_Outer.head"}
+
+
+def test_backward_ops_of_a_custom_function_belong_to_the_module_that_called_it(record_one):
+    torch.manual_seed(0)
+    model = _WithFunction()
+    x = torch.randn(4, requires_grad=True)
+    _, r = record_one(lambda: model(x).backward())
+    ops = list(r)
+    doubled = [o for o in ops if o.phase == "backward" and o.name == "aten.mul.Tensor"]
+    assert len(doubled) == 1 and doubled[0].forward_index is None  # the Function's backward: g * 2
+    assert doubled[0].module == "_WithFunction"
+    assert [o.module for o in ops if o.phase == "forward" and o.name == "aten.mul.Tensor"] == ["_WithFunction"]
+
+
 def test_backward_ops_point_to_their_forward_op(record_one, tiny_step):
     _, r = record_one(tiny_step)
     ops = list(r)
@@ -715,6 +778,20 @@ def test_stats_mode_matches_hand_computed_statistics(tmp_path, record_one):
     for o in ops:
         assert all(ref.chunk is None for ref in all_refs(o))
     assert data_keys(tmp_path / "trace" / "rank0") == []
+
+
+def test_statistics_of_a_broadcast_view_are_of_its_values_when_the_op_ran(record_one):
+    """An expanded scalar (every stride 0, as autograd expands a loss's gradient) is measured as it was at its op,
+    not as its memory is when the batch of statistics is computed (written or freed by then)."""
+    def work():
+        a = torch.ones(())
+        b = a.expand(4, 4)
+        a.fill_(5.0)  # the storage behind b changes before the batch is measured
+        return b
+
+    _, r = record_one(work, tensors="stats")
+    expand = only(list(r), "aten.expand.default")
+    assert stats_of(expand.outputs) == [16, 1.0, 1.0, 4.0, 0.0, 0, 0]
 
 
 def test_meta_mode_stores_no_data(tmp_path, tiny_step):

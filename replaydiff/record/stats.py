@@ -85,7 +85,9 @@ def cpu_values(t: torch.Tensor, is_dense: bool, copy: bool = True) -> np.ndarray
     base = np.frombuffer(buf, dtype=npdt)
     view = np.lib.stride_tricks.as_strided(base[t.storage_offset():], shape=tuple(t.shape),
                                            strides=tuple(s * itemsize for s in t.stride()), writeable=False)
-    return view.reshape(-1)  # a copy: the view is not flat
+    # flatten() always copies; reshape(-1) would return a view where it can (every stride 0: an expanded scalar), and
+    # the batch would then read memory the job has since written or freed.
+    return view.flatten()
 
 
 _CHUNK = 1 << 16  # values per pass over a large tensor: float64 scratch that stays in cache
