@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import math
 import os
 import socket
 import subprocess
@@ -792,6 +793,32 @@ def test_statistics_of_a_broadcast_view_are_of_its_values_when_the_op_ran(record
     _, r = record_one(work, tensors="stats")
     expand = only(list(r), "aten.expand.default")
     assert stats_of(expand.outputs) == [16, 1.0, 1.0, 4.0, 0.0, 0, 0]
+
+
+def test_statistics_are_float64_sums_and_the_exact_absmax(record_one):
+    """The values trend compares across traces: sums of float64 values (a large tensor in chunks of 65,536 values,
+    in order), and the largest magnitude exactly, +0.0 for zeros of either sign, 128 for int8's -128."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(3)
+    large = torch.randn(70_000, generator=g) * 3 - 1  # over 256 KiB: measured in place, in chunks
+    small = torch.randn(50, generator=g).to(torch.bfloat16)
+    tensors = [large, small, -torch.zeros(8), torch.tensor([-128, 5], dtype=torch.int8), -large[:1000]]
+
+    _, r = record_one(lambda: [t.clone() for t in tensors], tensors="stats")
+    clones = [o for o in r if o.name == "aten.clone.default"]
+    assert len(clones) == len(tensors)
+    for op, t in zip(clones, tensors):
+        v = t.float().numpy().astype(np.float64)
+        chunks = [v[i:i + 65_536] for i in range(0, v.size, 65_536)]
+        s = ss = 0.0
+        for c in chunks:
+            s += float(c.sum()) if len(chunks) > 1 else 0.0
+            ss += float((c * c).sum()) if len(chunks) > 1 else 0.0
+        got = stats_of(op.outputs)
+        assert got[2] == float(np.abs(v).max()) and math.copysign(1.0, got[2]) == 1.0, (t.dtype, got)
+        if len(chunks) > 1:
+            assert got[1] == s / v.size and got[3] == math.sqrt(ss), got
 
 
 def test_meta_mode_stores_no_data(tmp_path, tiny_step):
