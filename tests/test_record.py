@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import math
 import os
 import socket
 import subprocess
@@ -231,6 +232,69 @@ def test_gradient_accumulation_ops_belong_to_the_parameters_module(record_one):
     wrong = [c for c in checked if c[1] != c[2]]
     assert not wrong, wrong
     assert {m for _, m, _ in checked} >= {"SmallCNN.fc", "SmallCNN.conv", "TinyGRU.emb", "TinyGRU.gru"}
+
+
+class _Doubled(torch.autograd.Function):
+    """A custom autograd Function: its forward runs without grad, so no recorded forward op makes its node."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.head = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x))
+
+
+class _WithFunction(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Doubled.apply(x).sum()
+
+
+def test_recording_puts_no_hooks_on_the_jobs_tensors(record_one):
+    """Module paths are tracked with forward hooks alone: no hook on the tensors a module takes or returns (hooks
+    there run in the job's backward and cost ~5 us per op of a small step), and backward ops still carry the module
+    of the forward op that made their node."""
+    torch.manual_seed(0)
+    model = _Outer()
+    x = torch.randn(2, 3, requires_grad=True)
+    outs: list[torch.Tensor] = []
+    handle = model.inner.register_forward_hook(lambda mod, inp, out: outs.append(out))
+    hooked: list[int] = []
+
+    def step():
+        y = model(x)
+        hooked.extend(len(t._backward_hooks or {}) for t in (x, outs[0], y))  # as backward begins
+        y.sum().backward()
+
+    try:
+        _, r = record_one(step)
+    finally:
+        handle.remove()
+    assert hooked == [0, 0, 0], "the recorder hooked tensors of the job"
+    assert {o.module for o in r if o.phase == "backward" and o.name == "aten.mm.default"} == {"_Outer.inner",
+                                                                                            "_Outer.head"}
+
+
+def test_backward_ops_of_a_custom_function_belong_to_the_module_that_called_it(record_one):
+    torch.manual_seed(0)
+    model = _WithFunction()
+    x = torch.randn(4, requires_grad=True)
+    _, r = record_one(lambda: model(x).backward())
+    ops = list(r)
+    doubled = [o for o in ops if o.phase == "backward" and o.name == "aten.mul.Tensor"]
+    assert len(doubled) == 1 and doubled[0].forward_index is None  # the Function's backward: g * 2
+    assert doubled[0].module == "_WithFunction"
+    assert [o.module for o in ops if o.phase == "forward" and o.name == "aten.mul.Tensor"] == ["_WithFunction"]
 
 
 def test_backward_ops_point_to_their_forward_op(record_one, tiny_step):
@@ -715,6 +779,46 @@ def test_stats_mode_matches_hand_computed_statistics(tmp_path, record_one):
     for o in ops:
         assert all(ref.chunk is None for ref in all_refs(o))
     assert data_keys(tmp_path / "trace" / "rank0") == []
+
+
+def test_statistics_of_a_broadcast_view_are_of_its_values_when_the_op_ran(record_one):
+    """An expanded scalar (every stride 0, as autograd expands a loss's gradient) is measured as it was at its op,
+    not as its memory is when the batch of statistics is computed (written or freed by then)."""
+    def work():
+        a = torch.ones(())
+        b = a.expand(4, 4)
+        a.fill_(5.0)  # the storage behind b changes before the batch is measured
+        return b
+
+    _, r = record_one(work, tensors="stats")
+    expand = only(list(r), "aten.expand.default")
+    assert stats_of(expand.outputs) == [16, 1.0, 1.0, 4.0, 0.0, 0, 0]
+
+
+def test_statistics_are_float64_sums_and_the_exact_absmax(record_one):
+    """The values trend compares across traces: sums of float64 values (a large tensor in chunks of 65,536 values,
+    in order), and the largest magnitude exactly, +0.0 for zeros of either sign, 128 for int8's -128."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(3)
+    large = torch.randn(70_000, generator=g) * 3 - 1  # over 256 KiB: measured in place, in chunks
+    small = torch.randn(50, generator=g).to(torch.bfloat16)
+    tensors = [large, small, -torch.zeros(8), torch.tensor([-128, 5], dtype=torch.int8), -large[:1000]]
+
+    _, r = record_one(lambda: [t.clone() for t in tensors], tensors="stats")
+    clones = [o for o in r if o.name == "aten.clone.default"]
+    assert len(clones) == len(tensors)
+    for op, t in zip(clones, tensors):
+        v = t.float().numpy().astype(np.float64)
+        chunks = [v[i:i + 65_536] for i in range(0, v.size, 65_536)]
+        s = ss = 0.0
+        for c in chunks:
+            s += float(c.sum()) if len(chunks) > 1 else 0.0
+            ss += float((c * c).sum()) if len(chunks) > 1 else 0.0
+        got = stats_of(op.outputs)
+        assert got[2] == float(np.abs(v).max()) and math.copysign(1.0, got[2]) == 1.0, (t.dtype, got)
+        if len(chunks) > 1:
+            assert got[1] == s / v.size and got[3] == math.sqrt(ss), got
 
 
 def test_meta_mode_stores_no_data(tmp_path, tiny_step):

@@ -1,7 +1,7 @@
 """Where an op happens: phase, module path, source line, and the forward op a backward op belongs to.
 
-All of it is read from state torch already keeps (the current autograd node, ModuleTracker, the optimizer step hooks,
-the Python stack) so that tracking costs a few attribute reads per op.
+All of it is read from state torch already keeps (the current autograd node, the optimizer step hooks, the Python
+stack) or that two global module forward hooks keep, so that tracking costs a few attribute reads per op.
 
 The phase says what an op is, not which call it is nested in: an op of an autograd node is backward; inside
 ``optimizer.step()`` only the optimizer's own update is optimizer, while the closure a step may call (LBFGS, and
@@ -11,8 +11,10 @@ as anywhere else, and so is a module's forward.
 from __future__ import annotations
 
 import logging
+import bisect
 import os
 import sys
+import threading
 import weakref
 from types import CodeType, FrameType
 from typing import Any, Callable
@@ -27,7 +29,7 @@ log = logging.getLogger("replaydiff")
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 _CLOSURE = "closure"
 # The node type whose ops store a parameter's gradient into ``.grad`` (detach of a stolen gradient, add_ when
-# accumulating): it has no forward op, and ModuleTracker's module at that moment is whichever one backward left last.
+# accumulating): it has no forward op; its module is the one holding the parameter.
 _ACCUMULATE_GRAD = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", None)
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the replaydiff package
@@ -139,14 +141,14 @@ def _forward_pre_all(mod: Any, input: Any) -> None:
     if torch.compiler.is_compiling():  # see _Tracker
         return
     for t in list(_trackers):
-        ModuleTracker._fw_pre_hook(t, mod, input)
+        t._fw_pre_hook(mod, input)
 
 
 def _forward_post_all(mod: Any, input: Any, output: Any) -> None:
     if torch.compiler.is_compiling():
         return
     for t in list(_trackers):
-        ModuleTracker._fw_post_hook(t, mod, input, output)
+        t._fw_post_hook(mod, input, output)
 
 
 def _put_hook(hooks: dict, which: str, fn: Callable[..., None]) -> None:
@@ -158,16 +160,88 @@ def _put_hook(hooks: dict, which: str, fn: Callable[..., None]) -> None:
     hooks[key] = fn
 
 
+def _deeper(a: str, b: str | None) -> bool:
+    """Whether module path ``a`` is inner to ``b``: the longer dotted path; ties broken by name, so that the choice
+    does not depend on a set's order (which changes from process to process)."""
+    return b is None or (a.count("."), len(a), a) > (b.count("."), len(b), b)
+
+
 class _Tracker(ModuleTracker):
-    """ModuleTracker whose global hooks do nothing where dynamo traces them: a region compiled while recording
-    (record(compiled="capture")) must compile to the graph it has without the recorder (torch's own ModTracker
-    does the same with ``_is_in_optimized_module``). The compiled unit is attributed to the module whose call
-    entered the region; eager code is tracked as before. The hooks are two module-level functions under keys kept
-    for the process (see _HOOK_KEYS)."""
+    """The modules whose forward is running, from two global forward hooks: ModuleTracker's names and ``parents``
+    (the set of open modules' paths, "Global" always in it), without its backward tracking.
+
+    Why not ModuleTracker itself: it also follows modules through backward, with a multi-grad hook on every module
+    call's inputs and outputs (a pytree walk, hook objects, and callbacks the engine runs in backward), ~5 us per op
+    of the tiny step. A backward op gets its module from the forward op that made its autograd node instead
+    (``OpContext.backward_of``); for a node no recorded forward op made, from ``module_at(seq)``: the innermost
+    module open when that node was made, read from marks kept here (one per module call boundary, by autograd
+    sequence number).
+
+    The hooks do nothing where dynamo traces them: a region compiled while recording (record(compiled="capture"))
+    must compile to the graph it has without the recorder (torch's own ModTracker does the same with
+    ``_is_in_optimized_module``). The compiled unit is attributed to the module whose call entered the region. The
+    hooks are two module-level functions under keys kept for the process (see _HOOK_KEYS)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner: str | None = None  # the innermost open module (see module()), kept as modules open and close
+        # (autograd sequence number of the next node, innermost module from then on), in sequence order; only the
+        # thread that installed the tracker marks (sequence numbers are counted per thread)
+        self._mark_seqs: list[int] = []
+        self._mark_modules: list[str | None] = []
+        self._thread: int | None = None
+
+    def _fw_pre_hook(self, mod: Any, input: Any) -> None:
+        name = self._get_mod_name(mod)
+        self.parents.add(name)
+        if _deeper(name, self.inner):
+            self.inner = name
+            self._mark(name)
+
+    def _fw_post_hook(self, mod: Any, input: Any, output: Any) -> None:
+        name = self._get_mod_name(mod)
+        parents = self.parents
+        parents.discard(name)
+        if name == self.inner:
+            inner = None
+            for p in parents:
+                if p != "Global" and _deeper(p, inner):
+                    inner = p
+            self.inner = inner
+            self._mark(inner)
+
+    def _mark(self, module: str | None) -> None:
+        """Nodes made from now on are made inside ``module``."""
+        if threading.get_ident() != self._thread:
+            return
+        seq = torch._C._autograd._get_sequence_nr()
+        seqs = self._mark_seqs
+        if seqs and seqs[-1] >= seq:  # no node made since the last mark: it is replaced
+            if seqs[-1] == seq:
+                self._mark_modules[-1] = module
+            return
+        seqs.append(seq)
+        self._mark_modules.append(module)
+
+    def reset(self) -> None:
+        """No module open: what a backward pass ends with (ModuleTracker's rule; it also forgets a module whose
+        forward raised, whose post hook never ran)."""
+        self.parents = {"Global"}
+        if self.inner is not None:
+            self.inner = None
+            self._mark(None)
+
+    def module_at(self, seq: int) -> str | None:
+        """The innermost module open when the autograd node with sequence number ``seq`` was made (None: none, or
+        made before the tracker was installed)."""
+        i = bisect.bisect_right(self._mark_seqs, seq)
+        return self._mark_modules[i - 1] if i else None
 
     def __enter__(self) -> "_Tracker":
         from torch.nn.modules import module as nn_module
 
+        self._thread = threading.get_ident()
+        self._mark(self.inner)
         _trackers.append(self)
         _put_hook(nn_module._global_forward_pre_hooks, "pre", _forward_pre_all)
         _put_hook(nn_module._global_forward_hooks, "post", _forward_post_all)
@@ -176,14 +250,13 @@ class _Tracker(ModuleTracker):
     def __exit__(self, *args: Any) -> None:
         from torch.nn.modules import module as nn_module
 
+        self._mark(None)  # nodes made while uninstalled: no module known
+        self._thread = None
         if self in _trackers:
             _trackers.remove(self)
         if not _trackers:
             nn_module._global_forward_pre_hooks.pop(_HOOK_KEYS.get("pre"), None)
             nn_module._global_forward_hooks.pop(_HOOK_KEYS.get("post"), None)
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
 
 
 class OpContext:
@@ -198,6 +271,7 @@ class OpContext:
         # parameter id -> (weak reference, path of the module holding it), built from the modules ModuleTracker named
         self._param_modules: dict[int, tuple[weakref.ref, str]] = {}
         self._params_indexed_in: int | None = None  # the backward pass (graph task) the map was last rebuilt in
+        self._reset_queued_in: int | None = None  # the backward pass whose end resets the module tracker
         # (code, line) -> ("file.py:LINE", the line's text); file name -> its SHA-256 (None: not readable) and lines
         self._lines: dict[tuple[CodeType, int], tuple[str, str | None]] = {}
         self._files: dict[str, tuple[str | None, list[str]]] = {}
@@ -223,20 +297,38 @@ class OpContext:
         node = torch._C._current_autograd_node()
         if node is not None:
             return BACKWARD, node
-        if _optimizer_calls and _optimizer_calls[-1] == OPTIMIZER and len(self._tracker.parents) <= 1:
+        if _optimizer_calls and _optimizer_calls[-1] == OPTIMIZER and self._tracker.inner is None:
             return OPTIMIZER, None  # in step() itself, outside its closure and outside any module's forward
         return FORWARD, None
 
     def backward_of(self, node: Any, module: str | None) -> tuple[int | None, str | None]:
         """(the forward op that made ``node``, the module its backward ops belong to) for an op running in
-        ``node``; ``module`` (ModuleTracker's) stands when nothing better is known."""
+        ``node``; ``module`` (the modules open now) stands when nothing better is known."""
+        task = torch._C._current_graph_task_id()
+        if task != self._reset_queued_in:
+            self._reset_queued_in = task
+            self._queue_reset()
         if _ACCUMULATE_GRAD is not None and type(node) is _ACCUMULATE_GRAD:
             return None, self._parameter_module(node)
-        found = self._seq_to_forward.get(node._sequence_nr())
-        # A backward op belongs to the module of the forward op that made its autograd node. ModuleTracker alone
-        # cannot tell sibling modules apart in backward (it never leaves a module whose inputs need no grad, e.g.
-        # two embeddings, and picks one of them at random).
-        return (None, module) if found is None else found
+        seq = node._sequence_nr()
+        found = self._seq_to_forward.get(seq)
+        if found is not None:
+            # A backward op belongs to the module of the forward op that made its autograd node. (ModuleTracker's
+            # backward tracking cannot tell sibling modules apart: it never leaves a module whose inputs need no
+            # grad, e.g. two embeddings.)
+            return found
+        # No recorded forward op made it (a custom autograd Function's node: its forward runs without grad): the
+        # module that was open when it was made.
+        made_in = self._tracker.module_at(seq)
+        return None, made_in if made_in is not None else module
+
+    def _queue_reset(self) -> None:
+        """At the end of this backward pass, forget the open modules, as ModuleTracker did: a module whose forward
+        raised stays open otherwise, and every later op would be put inside it."""
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._tracker.reset)
+        except Exception as exc:
+            log.debug("module tracker not reset after backward: %s", exc)
 
     def _parameter_module(self, node: Any) -> str | None:
         """The path of the module holding the parameter whose gradient an AccumulateGrad node stores (None: a leaf
@@ -278,15 +370,8 @@ class OpContext:
             self._seq_to_forward.setdefault(seq, (index, module))
 
     def module(self) -> str | None:
-        parents = self._tracker.parents
-        if len(parents) <= 1:
-            return None
-        best = None
-        for p in parents:  # the innermost module has the longest dotted path; ties broken by name, since parents
-            # is a set and its order changes from process to process (two sibling embeddings in backward)
-            if p != "Global" and (best is None or (p.count("."), len(p), p) > (best.count("."), len(best), best)):
-                best = p
-        return best
+        """The innermost module open: the longest dotted path among them (see _deeper), kept by the tracker."""
+        return self._tracker.inner
 
     def source(self) -> tuple[str, str | None] | None:
         """("file.py:LINE", the line's text) of the innermost frame of the user's code, or None."""

@@ -353,7 +353,7 @@ def main() -> int:
         rest = {v: cols[v].get("total", 0) - sum(cols[v].get(k, 0) for k in CONTEXT)
                 - cols[v].get("tensor description (ref, inclusive)", 0) - cols[v].get(hand, 0) for v in variants}
         rows.append(["  the rest: argument walk, record dicts, glue", *(f"{rest[v]:.1f}" for v in variants)])
-        rows.append(["mode entry, ModuleTracker hooks, set-up and exit (step - floor - per-op work)",
+        rows.append(["mode entry, module hooks, set-up and exit (step - floor - per-op work)",
                      *(f"{(t[v] - t['noop']) / n_ops * 1e6 - cols[v].get('total', 0):.1f}" for v in variants)])
         print(md_table(["us per op", *variants], rows))
         if args.top:
