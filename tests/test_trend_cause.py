@@ -187,3 +187,33 @@ def test_early_steps_of_plain_adamw_training_show_no_difference_entering(tmp_pat
             opt.step()
             opt.zero_grad()
     assert find_entry(open_trace(tmp_path / "t").rank(0)) is None
+
+
+NAN_STEP = 8
+
+
+def test_trend_names_the_log_that_made_inf_when_the_code_path_changes(tmp_path):
+    """From step NAN_STEP on, the loss takes an extra path, ``log`` of a tensor of zeros: -Inf, then NaN everywhere
+    downstream. The ops of the new path (and a ``detach`` of another tensor than before) must not be scored against
+    the old path's ops; the cause is the ``log``, the first op that made a non-finite value from finite inputs."""
+    path = tmp_path / "nan"
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(2)
+    with replaydiff.record(path, tensors="stats", steps="1-12"):
+        for step in range(1, 13):
+            x, y = torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)
+            out = model(x)
+            loss = torch.nn.functional.mse_loss(out, y)
+            if step >= NAN_STEP:
+                loss = loss + 0 * torch.log(out - out).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    r = open_trace(path).rank(0)
+    logs = [op.index for op in r if op.name == "aten.log.default"]
+    t = compute_trend(r)
+    assert (t.first_change.step, t.first_change.index, t.first_change.statistic) == (NAN_STEP, logs[0], "inf")
+    cause = t.cause_to_tell
+    assert cause is not None and (cause.index, cause.op, cause.how) == (logs[0], "aten.log.default", "made")
+    assert "made 12 INF value(s) from inputs that had none" in describe_cause(cause)
