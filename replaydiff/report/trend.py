@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 from replaydiff import aten
 from replaydiff.trace import RankTrace
-from replaydiff.trace.schema import LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_FILTERED, MODULE_PARAM, TensorRef, TensorStats
+from replaydiff.trace.schema import LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_FILTERED, MODULE_PARAM, TensorRef, TensorStats, iter_refs
 
 FORMAT = "replaydiff.trend/1"
 STATISTICS = ("l2", "absmax", "nan", "inf")
@@ -96,7 +96,8 @@ class Trend:
         """The cause, where it says more than the first change: another op made it, or it entered through an
         input (the text report and the TUI's trend screen print it under the first change)."""
         c, cause = self.first_change, self.cause
-        if c is None or cause is None or (cause.index == c.index and cause.how == "made" and not cause.from_finite):
+        if c is None or cause is None or (cause.index == c.index and cause.how == "made" and not cause.from_finite
+                                          and not cause.changed_args and cause.phase != "optimizer"):
             return None
         return cause
 
@@ -368,12 +369,14 @@ class Cause:
     producer: int | None = None
     source_text: str | None = None  # the source line's code, as recorded
     from_finite: bool = False  # it made NaN/Inf from inputs that had none
+    changed_args: tuple[str, ...] = ()  # its non-tensor arguments that differ from earlier steps: "alpha=-10 (-0.01)"
 
     def to_json(self) -> dict:
         return {"step": self.step, "index": self.index, "op": self.op, "module": self.module, "phase": self.phase,
                 "source": self.source, "source_text": self.source_text, "how": self.how, "statistic": self.statistic,
                 "value": self.value, "baseline": self.baseline, "history": self.history, "position": self.position,
-                "producer": self.producer, "from_finite": self.from_finite}
+                "producer": self.producer, "from_finite": self.from_finite,
+                "changed_args": list(self.changed_args)}
 
 
 def left_out(op: Any) -> bool:
@@ -447,7 +450,8 @@ def find_cause(r: RankTrace, first: Change, history: _History, threshold: float)
         common = dict(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, source=op.source,
                       source_text=op.source_text, history=len(earlier))
         if not suspects:
-            return Cause(**common, how="made", statistic=hit[0], value=hit[1], baseline=hit[2])
+            return Cause(**common, how="made", statistic=hit[0], value=hit[1], baseline=hit[2],
+                         changed_args=changed_args(op, [r[i] for i, _ in earlier]))
         # Inputs out of line from several writers: the earliest writer is where the change began.
         prod, k, ref, its_past, found = min(suspects, key=lambda x: (x[0], x[1]))
         writer = None if prod < 0 else r[prod]
@@ -457,6 +461,25 @@ def find_cause(r: RankTrace, first: Change, history: _History, threshold: float)
         op, followed, past, hit = writer, ref, its_past, found
     return Cause(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, source=op.source,
                  source_text=op.source_text, how="made", statistic=hit[0], value=hit[1], baseline=hit[2], history=0)
+
+
+def _scalar_args(op: Any) -> dict[str, Any]:
+    """An op's arguments that hold no tensor, by name ("arg K" for a positional one)."""
+    named = {f"arg {k}": v for k, v in enumerate(op.args)} | dict(op.kwargs)
+    return {k: v for k, v in named.items() if next(iter_refs(v), None) is None}
+
+
+def changed_args(op: Any, earlier: list[Any]) -> tuple[str, ...]:
+    """Op ``op``'s non-tensor arguments whose value it had in none of the ``earlier`` steps' ops at its position, as
+    "name=value (value before)": the optimizer's ``add_`` with ``alpha=-10.0`` where it was ``-0.01`` (a learning
+    rate changed) made a change that no input shows."""
+    past = [_scalar_args(e) for e in earlier]
+    out = []
+    for name, v in _scalar_args(op).items():
+        before = [a[name] for a in past if name in a]
+        if before and all(b != v for b in before):
+            out.append(f"{name}={v!r} ({before[-1]!r} before)")
+    return tuple(out)
 
 
 # -- the next command: a closer look at the change -------------------------------------------------------------------
@@ -557,6 +580,13 @@ def describe_cause(c: Cause) -> str:
         new = "; it runs in no earlier recorded step" if c.history == 0 else ""
         return f"op #{c.index} {c.op} ({where}){at}, step {c.step}: made {int(c.value)} {c.statistic.upper()} " \
                f"value(s) from inputs that had none{new}"
+    if c.phase == "optimizer" and c.how == "made":
+        args = f"; its arguments differ from earlier steps: {', '.join(c.changed_args)} (a learning rate or other " \
+               f"hyperparameter changed)" if c.changed_args else "; its arguments are those of earlier steps"
+        return f"op #{c.index} {c.op} ({where}){at}, step {c.step}: the optimizer's update made the change, " \
+               f"{what}{args}"
+    if c.changed_args:
+        what += f"; its arguments differ from earlier steps: {', '.join(c.changed_args)}"
     alone = "; it runs in no earlier recorded step, so it was scored against the earlier statistics of the tensor " \
             "it wrote" if c.history == 0 else ""
     return f"op #{c.index} {c.op} ({where}){at}, step {c.step}: made the change, {what}{alone}"
