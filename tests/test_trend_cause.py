@@ -192,15 +192,17 @@ def test_early_steps_of_plain_adamw_training_show_no_difference_entering(tmp_pat
 NAN_STEP = 8
 
 
-def test_trend_names_the_log_that_made_inf_when_the_code_path_changes(tmp_path):
+@pytest.mark.parametrize("how", [{"steps": "1-12"}, {"flight": 4}], ids=["steps", "flight"])
+def test_trend_names_the_log_that_made_inf_when_the_code_path_changes(tmp_path, how):
     """From step NAN_STEP on, the loss takes an extra path, ``log`` of a tensor of zeros: -Inf, then NaN everywhere
     downstream. The ops of the new path (and a ``detach`` of another tensor than before) must not be scored against
-    the old path's ops; the cause is the ``log``, the first op that made a non-finite value from finite inputs."""
+    the old path's ops; the cause is the ``log``, the first op that made a non-finite value from finite inputs. The
+    same in a flight recording, which ends at that step."""
     path = tmp_path / "nan"
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(2)
-    with replaydiff.record(path, tensors="stats", steps="1-12"):
+    with replaydiff.record(path, tensors="stats", **how):
         for step in range(1, 13):
             x, y = torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)
             out = model(x)
@@ -213,6 +215,7 @@ def test_trend_names_the_log_that_made_inf_when_the_code_path_changes(tmp_path):
     r = open_trace(path).rank(0)
     logs = [op.index for op in r if op.name == "aten.log.default"]
     t = compute_trend(r)
+    assert r[logs[0]].step == NAN_STEP
     assert (t.first_change.step, t.first_change.index, t.first_change.statistic) == (NAN_STEP, logs[0], "inf")
     cause = t.cause_to_tell
     assert cause is not None and (cause.index, cause.op, cause.how) == (logs[0], "aten.log.default", "made")
