@@ -521,3 +521,34 @@ def test_rank_pairing() -> None:
         rank_pairs([0, 1], [2, 3])
     with pytest.raises(UsageError):
         rank_pairs([0, 1], [0, 1], only=4)
+
+
+def _batches_run(path: Path, scale_step: int | None) -> Path:
+    """Four recorded SGD steps of a tiny MLP on batches made before the recording (tensors from outside the trace);
+    the batch of step ``scale_step`` times 1.5."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, foreach=False)
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)) for _ in range(4)]
+    if scale_step is not None:
+        batches[scale_step - 1] = (batches[scale_step - 1][0] * 1.5, batches[scale_step - 1][1])
+    with record(path, tensors="stats", steps="1-4"):
+        for x, y in batches:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return path
+
+
+def test_multi_step_traces_that_part_inside_name_the_step_not_an_earlier_recording(tmp_path: Path, capsys) -> None:
+    """Both traces begin at step 1 and a tensor from outside them (the batch) differs from step 3: the diff says
+    step 3, and does not ask for an earlier step to be recorded."""
+    ref, target = _batches_run(tmp_path / "ref", None), _batches_run(tmp_path / "target", 3)
+    si = diff_traces(ref, target).ranks[0].step_inputs
+    assert (si.first_step, si.first.step, si.first.tensor) == (1, 3, "float32[4, 8]")
+    assert main(["diff", str(ref), str(target)]) == 1
+    out = capsys.readouterr().out
+    assert "  (parameters, optimizer state, batch or buffers: they first differ at step 3, inside the traces (which " \
+           "begin at step 1): written between recorded ops, or by the steps before it (see the ops below))\n" in out
+    assert "record an earlier step" not in out and "record from an earlier step" not in out

@@ -187,3 +187,63 @@ def test_early_steps_of_plain_adamw_training_show_no_difference_entering(tmp_pat
             opt.step()
             opt.zero_grad()
     assert find_entry(open_trace(tmp_path / "t").rank(0)) is None
+
+
+NAN_STEP = 8
+
+
+@pytest.mark.parametrize("how", [{"steps": "1-12"}, {"flight": 4}], ids=["steps", "flight"])
+def test_trend_names_the_log_that_made_inf_when_the_code_path_changes(tmp_path, how):
+    """From step NAN_STEP on, the loss takes an extra path, ``log`` of a tensor of zeros: -Inf, then NaN everywhere
+    downstream. The ops of the new path (and a ``detach`` of another tensor than before) must not be scored against
+    the old path's ops; the cause is the ``log``, the first op that made a non-finite value from finite inputs. The
+    same in a flight recording, which ends at that step."""
+    path = tmp_path / "nan"
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(2)
+    with replaydiff.record(path, tensors="stats", **how):
+        for step in range(1, 13):
+            x, y = torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)
+            out = model(x)
+            loss = torch.nn.functional.mse_loss(out, y)
+            if step >= NAN_STEP:
+                loss = loss + 0 * torch.log(out - out).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    r = open_trace(path).rank(0)
+    logs = [op.index for op in r if op.name == "aten.log.default"]
+    t = compute_trend(r)
+    assert r[logs[0]].step == NAN_STEP
+    assert (t.first_change.step, t.first_change.index, t.first_change.statistic) == (NAN_STEP, logs[0], "inf")
+    cause = t.cause_to_tell
+    assert cause is not None and (cause.index, cause.op, cause.how) == (logs[0], "aten.log.default", "made")
+    assert "made 12 INF value(s) from inputs that had none" in describe_cause(cause)
+
+
+LR_STEP = 15
+
+
+def test_trend_says_the_optimizer_update_made_an_lr_spike_and_names_the_argument_that_changed(tmp_path):
+    """The learning rate is 1000x at step LR_STEP only: the change is made by the optimizer's ``add_``, whose inputs
+    (parameter, gradient) are in line; what differs is its ``alpha`` (minus the learning rate)."""
+    path = tmp_path / "lr"
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, foreach=False)
+    g = torch.Generator().manual_seed(2)
+    with replaydiff.record(path, tensors="stats", steps="1-20"):
+        for step in range(1, 21):
+            for group in opt.param_groups:
+                group["lr"] = 10.0 if step == LR_STEP else 0.01
+            x, y = torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    t = compute_trend(open_trace(path).rank(0))
+    cause = t.cause_to_tell
+    assert cause is not None
+    assert (cause.step, cause.op, cause.phase, cause.how) == (LR_STEP, "aten.add_.Tensor", "optimizer", "made")
+    assert cause.changed_args == ("alpha=-10.0 (-0.01 before)",)
+    text = describe_cause(cause)
+    assert "the optimizer's update made the change" in text and "alpha=-10.0 (-0.01 before)" in text

@@ -211,7 +211,7 @@ def _step_inputs(ref: _Ops, target: _Ops, pairs: list[tuple[int, int]],
         for r in ref.inputs[op.index]:
             if r.version is not None and r.version not in first_read:
                 first_read[r.version] = OpPlace(op.index, op.name, op.module, op.phase)
-    out = StepInputs()
+    out = StepInputs(first_step=min((op.step for op in ref.ops.values() if op.step is not None), default=None))
     versions: set[int] = set()
     seen: set[tuple] = set()
     for i, j in pairs:
@@ -230,7 +230,7 @@ def _step_inputs(ref: _Ops, target: _Ops, pairs: list[tuple[int, int]],
             if v.divergent:
                 read = first_read.get(r.version) or OpPlace(i, rop.name, rop.module, rop.phase)
                 out.differing.append(StepInput(read, i, j, rop.name, pos, rop.module, rop.phase, t.describe(),
-                                               t.requires_grad, v))
+                                               t.requires_grad, v, ref.ops[read.index].step))
                 if t.version is not None:
                     versions.add(t.version)
     # "first" is the one that matters: an input some computation reads before a value only handed to Python (the

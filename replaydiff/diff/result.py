@@ -128,6 +128,7 @@ class StepInput:
     tensor: str  # dtype[shape] in the target, e.g. "float32[4, 16]"
     requires_grad: bool  # in the target (a parameter, or a loss or activation kept from a previous step)
     verdict: Verdict
+    step: int | None = None  # the step of the reference op that first reads it (None: a trace without steps)
 
     def describe(self) -> str:
         # The trace does not record whether a tensor is a leaf: requires_grad alone does not make it a parameter.
@@ -143,7 +144,7 @@ class StepInput:
         return {"read_first": self.read_first.to_json(), "index": {"ref": self.ref, "target": self.target},
                 "op": self.op, "position": self.position, "module": self.module, "phase": self.phase,
                 "tensor": self.tensor, "requires_grad": self.requires_grad, "metrics": self.verdict.to_json(),
-                "reason": self.verdict.reason}
+                "reason": self.verdict.reason, "step": self.step}
 
 
 @dataclass
@@ -153,6 +154,7 @@ class StepInputs:
 
     compared: int = 0
     differing: list[StepInput] = field(default_factory=list)
+    first_step: int | None = None  # the reference trace's first recorded step (None: no step numbers)
 
     @property
     def differ(self) -> int:
@@ -163,7 +165,7 @@ class StepInputs:
         return self.differing[0] if self.differing else None
 
     def to_json(self) -> dict:
-        return {"compared": self.compared, "differ": self.differ,
+        return {"compared": self.compared, "differ": self.differ, "first_step": self.first_step,
                 "first": None if self.first is None else self.first.to_json(),
                 "differing": [d.to_json() for d in self.differing]}
 

@@ -119,6 +119,7 @@ def _rank_block(rd: RankDiff, many: bool, out: TextIO, max_listed: int) -> None:
 def _step_inputs_lines(report: DiffReport) -> list[str]:
     """One line per rank pair whose step began from inputs that already differed."""
     lines = []
+    advice = None
     many = len(report.ranks) > 1
     for rd in report.step_inputs_differ:
         si = rd.step_inputs
@@ -127,10 +128,25 @@ def _step_inputs_lines(report: DiffReport) -> list[str]:
         ranks = f"ref rank {rd.ref_rank} / target rank {rd.target_rank}: " if many else ""
         lines.append(f"{ranks}inputs of the step already differ: {si.differ} of {si.compared} tensors from outside "
                      f"the trace, first {first.describe()}: {_verdict_figures(first.verdict.to_json())}")
-    if lines:
-        lines.append("  (parameters, optimizer state, batch or buffers: the runs had parted before this step; "
-                     "record an earlier step, or the first, to find where)")
+        advice = advice or _parted_advice(first.step, si.first_step)
+    if advice:
+        lines.append(f"  (parameters, optimizer state, batch or buffers: {advice})")
     return lines
+
+
+def _parted_advice(step: int | None, first_step: int | None) -> str:
+    """Where to look for a step input that differs: it first differs at ``step`` of traces that begin at
+    ``first_step``. Only a difference already there at the trace's first step, a step after the first, calls for an
+    earlier recording."""
+    if step is None or first_step is None:
+        return "the runs had parted before this step; record an earlier step, or the first, to find where"
+    if step > first_step:
+        return f"they first differ at step {step}, inside the traces (which begin at step {first_step}): written " \
+               f"between recorded ops, or by the steps before it (see the ops below)"
+    if first_step <= 1:
+        return f"they differ from step {step}, the first: the runs began apart (initial weights, seed, first batch)"
+    return f"they differ from step {step}, the traces' first: the runs had parted before it; record from an " \
+           f"earlier step, or the first, to find where"
 
 
 def render_diff(report: DiffReport, out: TextIO, max_listed: int = 10) -> None:

@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 from replaydiff import aten
 from replaydiff.trace import RankTrace
-from replaydiff.trace.schema import LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_FILTERED, MODULE_PARAM, TensorRef, TensorStats
+from replaydiff.trace.schema import LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_FILTERED, MODULE_PARAM, TensorRef, TensorStats, iter_refs
 
 FORMAT = "replaydiff.trend/1"
 STATISTICS = ("l2", "absmax", "nan", "inf")
@@ -96,7 +96,8 @@ class Trend:
         """The cause, where it says more than the first change: another op made it, or it entered through an
         input (the text report and the TUI's trend screen print it under the first change)."""
         c, cause = self.first_change, self.cause
-        if c is None or cause is None or (cause.index == c.index and cause.how == "made"):
+        if c is None or cause is None or (cause.index == c.index and cause.how == "made" and not cause.from_finite
+                                          and not cause.changed_args and cause.phase != "optimizer"):
             return None
         return cause
 
@@ -149,20 +150,42 @@ def _point(op: Any) -> dict[str, float] | None:
 
 class Positions:
     """Each op's position in its step: (phase, module, op name, occurrence of those three in the step so far), the
-    same op step after step in a training loop without data-dependent control flow. Ops are given in trace order."""
+    same op step after step in a training loop without data-dependent control flow. Ops are given in trace order.
 
-    def __init__(self) -> None:
+    A view or detach computes nothing: its statistics are its input's, so it is the same op from step to step only
+    when its input comes from the same op. Its key also holds the names of the ops that wrote its inputs: where a code
+    path changes (a ``softmax`` and ``log`` in place of ``log_softmax``), the ``detach`` of the new path's tensor is
+    not the ``detach`` of the old one's. Without a trace ``r`` the key leaves producers out (``report.entry`` looks
+    for an input whose writer changed, so it must pair the op across that change)."""
+
+    def __init__(self, r: RankTrace | None = None) -> None:
         self._step: int | None = None
         self._seen: dict[tuple, int] = {}
+        self._r = r
+        self._names: dict[int, str] = {}  # op number -> name, of the producers looked up
+
+    def _producer_names(self, op: Any) -> tuple:
+        if self._r is None:
+            return ()
+        names = []
+        for prod in self._r.producers(op.index).values():
+            if prod is None:
+                names.append(None)
+                continue
+            name = self._names.get(prod)
+            if name is None:
+                name = self._names[prod] = self._r[prod].name
+            names.append(name)
+        return tuple(names)
 
     def key(self, op: Any) -> tuple:
         if op.step != self._step:
             self._step = op.step
             self._seen.clear()
-        three = (op.phase, op.module, op.name)
+        three = (op.phase, op.module, op.name) + ((self._producer_names(op),) if aten.is_cheap(op.name) else ())
         k = self._seen.get(three, 0)
         self._seen[three] = k + 1
-        return (*three, k)
+        return (*three[:3], k) if len(three) == 3 else (*three[:3], k, three[3])
 
 
 def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DEFAULT_WINDOW,
@@ -173,10 +196,11 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
     # (module, kind) -> {step: point}; the last op of that phase in the module wins (in backward: the last computing)
     own: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
     computed: set[tuple[str, int]] = set()  # (module, step) whose gradient came from an op that computes
-    position = Positions()
+    position = Positions(r)
     key_of: dict[int, tuple] = {}  # op number -> its position (what the walk back to the cause looks up)
     parameters: dict[int, str | None] = {}  # module.param record number -> the parameter's name
     steps: list[int] = []
+    birth: Change | None = None  # the first op that made NaN/Inf from finite inputs (after the first step)
     current = None
     n = 0
     stepped = matched = 0  # ops with a step, and those of them the module filter keeps: why nothing is drawn
@@ -201,7 +225,10 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
             if not steps or steps[-1] != step:
                 steps.append(step)
         key = key_of[op.index] = position.key(op)
-        positions.setdefault(key, []).append((step, op.index, op.name, p))
+        points = positions.setdefault(key, [])
+        if birth is None and step != steps[0] and _makes_nonfinite(op, p, [q for *_, q in points[-window:]]):
+            birth = _birth(op, p)
+        points.append((step, op.index, op.name, p))
         if op.name == MODULE_PARAM:
             parameters[op.index] = str(op.args[0]) if op.args else None
         elif module is not None and op.phase == "forward":
@@ -216,13 +243,22 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
     if not steps:
         raise _why_no_trend(r, stepped, matched, module_glob, modules)
     first: Change | None = None
-    for (phase, module, name, _), points in positions.items():
+    for (phase, module, name, *_), points in positions.items():
         c = _first_change(points, phase, module, window, threshold)
         if c is not None and (first is None or (c.step, c.index) < (first.step, first.index)):
             first = c
     if first is not None and first.index in parameters:
         first = replace(first, parameter=parameters[first.index])
-    cause = None if first is None else find_cause(r, first, _History(positions, key_of, window), threshold)
+    if birth is not None and (first is None or (birth.step, birth.index) <= (first.step, first.index)):
+        # NaN/Inf appearing: the op that made it from finite inputs is the cause, whatever its history
+        first = birth
+        op = r[birth.index]
+        cause = Cause(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, source=op.source,
+                      source_text=op.source_text, how="made", statistic=birth.statistic, value=birth.value,
+                      baseline=0.0, history=len(_History(positions, key_of, window).earlier(op.index)),
+                      from_finite=True)
+    else:
+        cause = None if first is None else find_cause(r, first, _History(positions, key_of, window), threshold)
     series = []
     for (module, kind), by_step in sorted(own.items()):
         s = Series(module, kind, steps=list(steps))
@@ -232,6 +268,24 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
                 s.values[name].append(None if p is None else p[name])
         series.append(s)
     return Trend(r.rank, steps, series, first, window, threshold, module_glob, n, cause)
+
+
+def _nonfinite(p: dict[str, float]) -> bool:
+    return p["nan"] > 0 or p["inf"] > 0
+
+
+def _makes_nonfinite(op: Any, p: dict[str, float], past: list[dict[str, float]]) -> bool:
+    """Op ``op`` (output point ``p``) made NaN/Inf: its output has some, none of its floating-point inputs has any,
+    and its own earlier steps (``past``; none for an op new in this step) had none (a mask filled with -inf every
+    step is by design)."""
+    if not _nonfinite(p) or any(_nonfinite(q) for q in past):
+        return False
+    return not any(q is not None and _nonfinite(q) for q in map(ref_point, op.inputs()))
+
+
+def _birth(op: Any, p: dict[str, float]) -> Change:
+    statistic = "nan" if p["nan"] > 0 else "inf"
+    return Change(op.step, op.module, op.name, op.index, op.phase, statistic, float(p[statistic]), p[statistic], 0.0)
 
 
 def _why_no_trend(r: RankTrace, stepped: int, matched: int, module_glob: str | None,
@@ -314,12 +368,15 @@ class Cause:
     position: int | None = None
     producer: int | None = None
     source_text: str | None = None  # the source line's code, as recorded
+    from_finite: bool = False  # it made NaN/Inf from inputs that had none
+    changed_args: tuple[str, ...] = ()  # its non-tensor arguments that differ from earlier steps: "alpha=-10 (-0.01)"
 
     def to_json(self) -> dict:
         return {"step": self.step, "index": self.index, "op": self.op, "module": self.module, "phase": self.phase,
                 "source": self.source, "source_text": self.source_text, "how": self.how, "statistic": self.statistic,
                 "value": self.value, "baseline": self.baseline, "history": self.history, "position": self.position,
-                "producer": self.producer}
+                "producer": self.producer, "from_finite": self.from_finite,
+                "changed_args": list(self.changed_args)}
 
 
 def left_out(op: Any) -> bool:
@@ -393,7 +450,8 @@ def find_cause(r: RankTrace, first: Change, history: _History, threshold: float)
         common = dict(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, source=op.source,
                       source_text=op.source_text, history=len(earlier))
         if not suspects:
-            return Cause(**common, how="made", statistic=hit[0], value=hit[1], baseline=hit[2])
+            return Cause(**common, how="made", statistic=hit[0], value=hit[1], baseline=hit[2],
+                         changed_args=changed_args(op, [r[i] for i, _ in earlier]))
         # Inputs out of line from several writers: the earliest writer is where the change began.
         prod, k, ref, its_past, found = min(suspects, key=lambda x: (x[0], x[1]))
         writer = None if prod < 0 else r[prod]
@@ -403,6 +461,25 @@ def find_cause(r: RankTrace, first: Change, history: _History, threshold: float)
         op, followed, past, hit = writer, ref, its_past, found
     return Cause(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, source=op.source,
                  source_text=op.source_text, how="made", statistic=hit[0], value=hit[1], baseline=hit[2], history=0)
+
+
+def _scalar_args(op: Any) -> dict[str, Any]:
+    """An op's arguments that hold no tensor, by name ("arg K" for a positional one)."""
+    named = {f"arg {k}": v for k, v in enumerate(op.args)} | dict(op.kwargs)
+    return {k: v for k, v in named.items() if next(iter_refs(v), None) is None}
+
+
+def changed_args(op: Any, earlier: list[Any]) -> tuple[str, ...]:
+    """Op ``op``'s non-tensor arguments whose value it had in none of the ``earlier`` steps' ops at its position, as
+    "name=value (value before)": the optimizer's ``add_`` with ``alpha=-10.0`` where it was ``-0.01`` (a learning
+    rate changed) made a change that no input shows."""
+    past = [_scalar_args(e) for e in earlier]
+    out = []
+    for name, v in _scalar_args(op).items():
+        before = [a[name] for a in past if name in a]
+        if before and all(b != v for b in before):
+            out.append(f"{name}={v!r} ({before[-1]!r} before)")
+    return tuple(out)
 
 
 # -- the next command: a closer look at the change -------------------------------------------------------------------
@@ -499,6 +576,17 @@ def describe_cause(c: Cause) -> str:
             f"from op #{c.producer}, which the record filter left out"
         return f"op #{c.index} {c.op} ({where}){at}, step {c.step}: the change enters through its input " \
                f"{c.position}, {what}, {whence}"
+    if c.from_finite:
+        new = "; it runs in no earlier recorded step" if c.history == 0 else ""
+        return f"op #{c.index} {c.op} ({where}){at}, step {c.step}: made {int(c.value)} {c.statistic.upper()} " \
+               f"value(s) from inputs that had none{new}"
+    if c.phase == "optimizer" and c.how == "made":
+        args = f"; its arguments differ from earlier steps: {', '.join(c.changed_args)} (a learning rate or other " \
+               f"hyperparameter changed)" if c.changed_args else "; its arguments are those of earlier steps"
+        return f"op #{c.index} {c.op} ({where}){at}, step {c.step}: the optimizer's update made the change, " \
+               f"{what}{args}"
+    if c.changed_args:
+        what += f"; its arguments differ from earlier steps: {', '.join(c.changed_args)}"
     alone = "; it runs in no earlier recorded step, so it was scored against the earlier statistics of the tensor " \
             "it wrote" if c.history == 0 else ""
     return f"op #{c.index} {c.op} ({where}){at}, step {c.step}: made the change, {what}{alone}"
