@@ -494,3 +494,24 @@ def test_a_module_filter_that_matches_nothing_warns_and_judges_nothing(tmp_path)
     ok = _run_cli_from(tmp_path, "record", "--step", "2", "--module", "Sequential.0", "-o", "t2", "--",
                        sys.executable, "train.py")
     assert ok.returncode == 0 and "matched no op" not in ok.stderr, ok.stderr
+
+
+def test_a_clean_replay_of_one_whole_step_ends_with_the_verdict(tmp_path, capsys):
+    """A healthy step 2 recorded whole replays clean: the summary ends there. It ended with a paragraph on recording
+    steps 1-2 to see where a difference enters, which is for a zoom-in (a --module/--op filter) on a step trend named,
+    not for every clean one-step trace."""
+    import replaydiff
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    with replaydiff.record(tmp_path / "t", steps="2"):
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    proc = run_main(capsys, "replay", str(tmp_path / "t"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[-1] == \
+        "no divergent op: every replayed op matches its recorded output within tolerance", proc.stdout
