@@ -483,6 +483,11 @@ def test_a_module_filter_that_matches_nothing_warns_and_judges_nothing(tmp_path)
     assert rec.stderr.splitlines()[-1] == (
         "replaydiff: warning: --module 'Sequentail.0' matched no op (the trace holds no tensor data to replay); "
         "modules seen: Sequential.0, Sequential.2, Sequential.1"), rec.stderr
+    from replaydiff import open_trace
+
+    (left,) = open_trace(tmp_path / "t").rank(0).data_left_out  # the manifest notes it; show prints it
+    assert (left.reason, left.every_op) == ("filtered", True)
+    assert "outside the record --module/--op filter (the filter matched no op)," in left.describe()
     proc = _run_cli_from(tmp_path, "replay", "t", "--json", str(tmp_path / "r.json"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     n = int(proc.stdout.split()[1])
@@ -494,6 +499,7 @@ def test_a_module_filter_that_matches_nothing_warns_and_judges_nothing(tmp_path)
     ok = _run_cli_from(tmp_path, "record", "--step", "2", "--module", "Sequential.0", "-o", "t2", "--",
                        sys.executable, "train.py")
     assert ok.returncode == 0 and "matched no op" not in ok.stderr, ok.stderr
+    assert [x.every_op for x in open_trace(tmp_path / "t2").rank(0).data_left_out] == [False]
 
 
 def test_a_clean_replay_of_one_whole_step_ends_with_the_verdict(tmp_path, capsys):
