@@ -458,3 +458,66 @@ def test_progress_without_a_terminal_is_a_line_with_the_time_left(capsys):
     now[0] = 40.0
     line.advance(100)  # 200 in 40 s: 5/s, 800 left: 160 s
     assert capsys.readouterr().err == "replaydiff: replaying: 200/1000 (5/s, about 2m40s left)\n"
+
+
+TINY_TRAIN = (
+    "import torch\n"
+    "torch.manual_seed(0)\n"
+    "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))\n"
+    "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+    "x = torch.randn(8, 4)\n"
+    "for _ in range(2):\n"
+    "    opt.zero_grad()\n"
+    "    model(x).sum().backward()\n"
+    "    opt.step()\n")
+
+
+def test_a_module_filter_that_matches_nothing_warns_and_judges_nothing(tmp_path):
+    """`record --module` with a typo stored no tensor data: record said nothing and replay called the trace clean
+    ("every replayed op matches", exit 0), the health report passed every check. Now record names the nearest module
+    paths, replay says nothing was judged and exits 1, and the report fails its "ops judged" check."""
+    (tmp_path / "train.py").write_text(TINY_TRAIN)
+    rec = _run_cli_from(tmp_path, "record", "--step", "2", "--module", "Sequentail.0", "-o", "t", "--",
+                        sys.executable, "train.py")
+    assert rec.returncode == 0, rec.stderr
+    assert rec.stderr.splitlines()[-1] == (
+        "replaydiff: warning: --module 'Sequentail.0' matched no op (the trace holds no tensor data to replay); "
+        "modules seen: Sequential.0, Sequential.2, Sequential.1"), rec.stderr
+    from replaydiff import open_trace
+
+    (left,) = open_trace(tmp_path / "t").rank(0).data_left_out  # the manifest notes it; show prints it
+    assert (left.reason, left.every_op) == ("filtered", True)
+    assert "outside the record --module/--op filter (the filter matched no op)," in left.describe()
+    proc = _run_cli_from(tmp_path, "replay", "t", "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    n = int(proc.stdout.split()[1])
+    assert proc.stdout.splitlines()[-1] == f"nothing was judged: all {n} ops were skipped (reasons above)"
+    assert "every replayed op matches" not in proc.stdout
+    report = _run_cli_from(tmp_path, "report", "t", "--replay", str(tmp_path / "r.json"), "--no-probe")
+    assert report.returncode == 1, report.stdout + report.stderr
+    assert f"| ops judged | 0 of {n} | at least 1 | FAIL |" in report.stdout, report.stdout
+    ok = _run_cli_from(tmp_path, "record", "--step", "2", "--module", "Sequential.0", "-o", "t2", "--",
+                       sys.executable, "train.py")
+    assert ok.returncode == 0 and "matched no op" not in ok.stderr, ok.stderr
+    assert [x.every_op for x in open_trace(tmp_path / "t2").rank(0).data_left_out] == [False]
+
+
+def test_a_clean_replay_of_one_whole_step_ends_with_the_verdict(tmp_path, capsys):
+    """A healthy step 2 recorded whole replays clean: the summary ends there. It ended with a paragraph on recording
+    steps 1-2 to see where a difference enters, which is for a zoom-in (a --module/--op filter) on a step trend named,
+    not for every clean one-step trace."""
+    import replaydiff
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    with replaydiff.record(tmp_path / "t", steps="2"):
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    proc = run_main(capsys, "replay", str(tmp_path / "t"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[-1] == \
+        "no divergent op: every replayed op matches its recorded output within tolerance", proc.stdout

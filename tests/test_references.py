@@ -132,3 +132,20 @@ def test_decomp_replay_of_a_healthy_step_is_clean(tmp_path):
     assert report.first_divergent is None
     assert not [r for r in report.ops if r.status is Status.ERROR]
     assert report.counts()["ok"] > 700
+
+
+def test_a_decomposition_that_declines_the_arguments_falls_back_to_the_kernel(tmp_path):
+    """max_pool2d_with_indices_backward's decomposition returns NotImplemented for arguments it does not cover (here:
+    the ones a CNN's pooling gives it): that is no decomposition for this call, so the op is replayed through its own
+    kernel, as an op without one is; it was an error ("op returned NotImplementedType") and made a healthy step not
+    clean."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 2))
+    with replaydiff.record(tmp_path / "t"):
+        model(torch.randn(2, 1, 4, 4)).sum().backward()
+    pool_bw = _index_of(tmp_path / "t", "aten.max_pool2d_with_indices_backward.default")
+    report = replay_trace(str(tmp_path / "t"), ReplayOptions(reference="decomp"))
+    assert [(r.index, r.reason) for r in report.ops if r.status is Status.ERROR] == []
+    (r,) = [r for r in report.ops if r.index == pool_bw]
+    assert r.status is Status.OK
+    assert not report.found_problem

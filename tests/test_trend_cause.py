@@ -168,9 +168,7 @@ def test_clean_replay_of_one_zoomed_step_says_how_to_see_where_the_difference_en
     assert find_entry(open_trace(tmp_path / "z").rank(0)) is None
     assert cli_main(["replay", str(tmp_path / "z")]) == 0
     assert capsys.readouterr().out.endswith(
-        f"this trace holds one step ({SPIKE_STEP}): an input that brings a difference in shows only against the step "
-        f"before; record steps 24-25 (record --steps 24-25, as trend prints it) and replay says which input of which "
-        f"op it enters through\n")
+        f"one step ({SPIKE_STEP}) in this trace: record --steps 24-25 to see which input a difference enters through\n")
 
 
 def test_early_steps_of_plain_adamw_training_show_no_difference_entering(tmp_path):

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from replaydiff.cli.estimate import run_estimate
+from replaydiff.cli.filter_check import unmatched_filter_line
 from replaydiff.errors import EXIT_USAGE, ReplaydiffError, TraceError, UsageError
 from replaydiff.record.options import COMPILED_MODES, GRANULARITIES, TENSOR_MODES, RecordOptions
 from replaydiff.record.step import ENV_VAR
@@ -206,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
         recorded = f"recorded {what}" if done or not missed else "recorded part of a step"
         sys.stderr.write(f"replaydiff: {recorded} into {args.out} ({len(ranks)} rank(s)).{note} "
                          + next_commands(out, args.out))
+        sys.stderr.write(unmatched_filter_line(out, options.modules, options.ops))  # a --module typo, said last
         return code
     _remove_empty(made)
     if options.flight:

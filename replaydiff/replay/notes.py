@@ -25,6 +25,8 @@ class ReplayFact(Fact, Enum):
     NOTHING_TO_COMPARE = "nothing to compare (views of inputs are checked by shape and stride only)"
     REGISTERED_REFERENCE = "replayed against the reference registered for it (replaydiff.register_reference)"
     DECOMPOSITION = "replayed through its torch._decomp decomposition"
+    DECOMPOSITION_DECLINED = "replayed through its own kernel: its torch._decomp decomposition does not cover these " \
+                             "arguments (returned NotImplemented)"
     COLLECTIVE = "collective: cannot run alone; checked across ranks when all its ranks are in the trace"
     GROUP_UNKNOWN = "collective: its process group is unknown, so it cannot be checked"
     MISMATCHED_ORDER = "collective: the ranks of its group called different collectives here (mismatched order)"

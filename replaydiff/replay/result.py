@@ -151,10 +151,16 @@ class ReplayReport:
         return lines
 
     @property
+    def nothing_judged(self) -> bool:
+        """No op was judged at all (every one skipped: a --module filter that matched nothing, a trace of shapes):
+        a replay that checked nothing is not clean."""
+        return not any(r.status is not Status.SKIPPED for r in self.ops) and self.replicas is None
+
+    @property
     def found_problem(self) -> bool:
         """Not clean (exit 1): an op divergent or nondeterministic, replicas that part, an op that could not be
-        replayed (its result was never judged; the health report fails its check too), or one whose data the
-        recording left out for its budget or a full disk (never judged either)."""
-        return any(r.status in PROBLEMS or r.status is Status.ERROR or
+        replayed (its result was never judged; the health report fails its check too), one whose data the
+        recording left out for its budget or a full disk (never judged either), or no op judged at all."""
+        return self.nothing_judged or any(r.status in PROBLEMS or r.status is Status.ERROR or
                    r.data_left_out in (LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL) for r in self.ops) \
             or self.replicas is not None

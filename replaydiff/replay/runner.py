@@ -241,6 +241,11 @@ class OpReplayer:
             keep = keep_dtype or precision == "same"
             try:
                 runs = self._runs(op, func, seeded, precision, keep)
+                if note is ReplayFact.DECOMPOSITION and runs[0][0] is NotImplemented:
+                    # The decomposition does not cover these arguments: no decomposition for this call, so the op's
+                    # own kernel, as for an op without one (say so only where a problem is reported).
+                    func, note = self._resolve(name), ReplayFact.DECOMPOSITION_DECLINED
+                    runs = self._runs(op, func, seeded, precision, keep)
                 break
             except (RuntimeError, NotImplementedError) as exc:
                 if step == len(ladder) - 1:

@@ -26,6 +26,7 @@ from replaydiff.replay.result import PROBLEMS, ReplayReport, Status
 from replaydiff.report.trend import (DEFAULT_THRESHOLD, Positions, left_out, ref_point, why_left_out, score_point,
                                      stats_point)
 from replaydiff.trace import RankTrace, TensorRef, open_trace
+from replaydiff.trace.schema import LEFT_OUT_FILTERED
 
 
 @dataclass(frozen=True)
@@ -151,14 +152,15 @@ def entry_of_clean_replay(trace: str, report: ReplayReport, options: ReplayOptio
 
 
 def one_step_note(trace: str, report: ReplayReport, options: ReplayOptions) -> str | None:
-    """For a clean replay of a trace of one numbered step after the first (a zoom-in on the step trend named): that
-    an input bringing a difference in shows only against the step before, and how to record it."""
+    """For a clean replay of a zoom-in on one numbered step after the first (recorded with a --module/--op filter,
+    as one looks at the step trend named): that the step before is needed to see where a difference comes in. A
+    clean one-step trace of a whole step is a healthy step: nothing more to say."""
     ranks = _ranks(report)
-    if not _judged_whole(report, options) or not ranks:
+    if not _judged_whole(report, options) or not ranks or \
+            not any(r.data_left_out == LEFT_OUT_FILTERED for r in report.ops):
         return None
     step = _one_step(open_trace(trace).rank(ranks[0]))
     if step is None or step < 2:
         return None
-    return f"this trace holds one step ({step}): an input that brings a difference in shows only against the step " \
-           f"before; record steps {step - 1}-{step} (record --steps {step - 1}-{step}, as trend prints it) and " \
-           f"replay says which input of which op it enters through"
+    return f"one step ({step}) in this trace: record --steps {step - 1}-{step} to see which input a difference " \
+           f"enters through"

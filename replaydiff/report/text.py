@@ -69,6 +69,8 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> No
     if first is None and errors:  # ops that could not be replayed were not checked: do not call them matching
         out.write(f"not clean: {len(errors)} op(s) could not be replayed, so were not judged (listed above); no "
                   f"divergent op among the others\n")
+    elif first is None and report.nothing_judged:  # a filter that matched nothing: checking nothing is not clean
+        out.write(f"nothing was judged: all {len(report.ops)} ops were skipped (reasons above)\n")
     elif first is None and not_judged:  # nor were ops whose data the recording left out
         judged = sum(r.status in (Status.OK, Status.DIVERGENT, Status.NONDETERMINISTIC) for r in report.ops)
         out.write(f"not clean: no divergent op among the {judged} judged; "

@@ -1271,6 +1271,7 @@ def wire_closing_facts(compiled_regions: list[dict], unseen_writes: int, ops_see
 # -- what a recording left out (record --budget, a full disk, a --module/--op filter) ---------------------------
 _M_LEFT_OUT = "left_out"  # {reason: {"ops": n, "first": i, "last": j, "bytes": b}}
 _LO_OPS, _LO_FIRST, _LO_LAST, _LO_BYTES = "ops", "first", "last", "bytes"
+_LO_EVERY = "every_op"  # true when the reason covers every op written: a --module/--op filter that matched no op
 
 
 @dataclass(frozen=True)
@@ -1283,12 +1284,14 @@ class LeftOut:
     first: int | None
     last: int | None
     nbytes: int
+    every_op: bool = False  # every op the trace holds (for the filter: it matched no op)
 
     def describe(self) -> str:
         where = f"#{self.first}" if self.first == self.last else f"#{self.first}-#{self.last}"
         mb = f", {self.nbytes / 1e6:.3g} MB of tensor data not stored" if self.nbytes else ""
+        none = " (the filter matched no op)" if self.every_op and self.reason == LEFT_OUT_FILTERED else ""
         return f"{self.ops} op(s) ({where}) kept with statistics only: {LEFT_OUT_WHY.get(self.reason, self.reason)}" \
-               f"{mb}"
+               f"{none}{mb}"
 
 
 class LeftOutTally:
@@ -1298,8 +1301,10 @@ class LeftOutTally:
     def __init__(self) -> None:
         self._ops: dict[str, list[int]] = {}  # reason -> [ops, first, last]
         self._bytes: dict[str, int] = {}
+        self._seen = 0  # ops written, left out or not
 
     def add_op(self, rec: dict) -> None:
+        self._seen += 1
         why = rec.get(_LEFT_OUT)
         if why is not None:
             t = self._ops.get(why)
@@ -1314,7 +1319,8 @@ class LeftOutTally:
 
     def wire(self) -> dict:
         """The manifest entry (an empty dict when nothing was left out)."""
-        out = {why: {_LO_OPS: n, _LO_FIRST: first, _LO_LAST: last, _LO_BYTES: max(0, self._bytes.get(why, 0))}
+        out = {why: {_LO_OPS: n, _LO_FIRST: first, _LO_LAST: last, _LO_BYTES: max(0, self._bytes.get(why, 0)),
+                     **({_LO_EVERY: True} if n == self._seen else {})}
                for why, (n, first, last) in self._ops.items()}
         return {_M_LEFT_OUT: out} if out else {}
 
@@ -1325,7 +1331,8 @@ def left_out_from_manifest(manifest: dict) -> list[LeftOut]:
     for why, d in (v.items() if isinstance(v, dict) else ()):
         d = _mapping(d)
         out.append(LeftOut(str(why), _typed(d.get(_LO_OPS), int) or 0, _typed(d.get(_LO_FIRST), int),
-                           _typed(d.get(_LO_LAST), int), _typed(d.get(_LO_BYTES), int) or 0))
+                           _typed(d.get(_LO_LAST), int), _typed(d.get(_LO_BYTES), int) or 0,
+                           _typed(d.get(_LO_EVERY), bool) or False))
     return sorted(out, key=lambda x: (x.first is None, x.first))
 
 
