@@ -589,3 +589,21 @@ def test_record_help_says_steps_are_counted_on_the_first_optimizer(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "which optimizer step to record, from 1 (default 1; with several optimizers, the steps of the first one " \
            "to step)" in text
+
+
+def test_record_says_when_the_recording_stopped_part_way(tmp_path):
+    """A recorder that stopped part-way (here: its module statistics fail) said `recorded steps 1-3` as if it had
+    recorded them; now the summary line and show say it stopped, and why. The job's exit code is passed through."""
+    (tmp_path / "train.py").write_text(
+        "from replaydiff.record.module_stats import ModuleStatsHooks\n"
+        "def boom(*a, **k):\n    raise RuntimeError('injected')\n"
+        "ModuleStatsHooks._record = boom\n" + TRAIN)
+    proc = replaydiff_cli("record", "--tensors", "stats", "--granularity", "module", "--steps", "1-3", "-o", "t",
+                          "--", sys.executable, "train.py", cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr
+    assert "recorded steps 1-3" not in proc.stderr, proc.stderr
+    assert "replaydiff: recording STOPPED part-way: parameter statistics failed (RuntimeError: injected). The trace " \
+           "t (1 rank(s)) holds what was recorded before that, not all of steps 1-3." in proc.stderr, proc.stderr
+    show = replaydiff_cli("show", "t", cwd=tmp_path)
+    assert "STOPPED part-way: parameter statistics failed (RuntimeError: injected)" in show.stdout, show.stdout
+    assert "complete" not in show.stdout, show.stdout

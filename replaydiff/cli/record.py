@@ -204,8 +204,13 @@ def run(args: argparse.Namespace) -> int:
                 f" {_steps_text(missed).capitalize()} {'was' if len(missed) == 1 else 'were'} not completed: " \
                 f"{ran}; the trace holds what ran of step {missed[0]} before the script ended."
         recorded = f"recorded {what}" if done or not missed else "recorded part of a step"
-        sys.stderr.write(f"replaydiff: {recorded} into {args.out} ({len(ranks)} rank(s)).{note} "
-                         + next_commands(out, args.out))
+        stopped = _stopped(out)
+        if stopped:  # the recorder gave up part-way: what was asked for is not all in the trace
+            summary = f"recording STOPPED part-way: {stopped}. The trace {args.out} ({len(ranks)} rank(s)) holds " \
+                      f"what was recorded before that, not all of {what}."
+        else:
+            summary = f"{recorded} into {args.out} ({len(ranks)} rank(s))."
+        sys.stderr.write(f"replaydiff: {summary}{note} " + next_commands(out, args.out))
         return code
     _remove_empty(made)
     if options.flight:
@@ -293,6 +298,21 @@ def _reached(asked: StepRange, steps_run: int | None) -> tuple[list[int], list[i
         return [], []
     chosen = range(asked.first, asked.last + 1, asked.every)
     return [s for s in chosen if s <= steps_run], [s for s in chosen if s > steps_run]
+
+
+def _stopped(out: Path) -> str | None:
+    """Why the recording of some rank stopped part-way ("rank 1: REASON" when the ranks differ), or None."""
+    try:
+        t = open_trace(out)
+        why = {r: t.rank(r).stopped for r in t.ranks}
+    except ReplaydiffError:
+        return None
+    reasons = {w for w in why.values() if w}
+    if not reasons:
+        return None
+    if len(reasons) == 1 and len(why) == 1:
+        return reasons.pop()
+    return "; ".join(f"rank {r}: {w}" for r, w in sorted(why.items()) if w)
 
 
 def _steps_text(steps: list[int]) -> str:
