@@ -607,3 +607,20 @@ def test_record_says_when_the_recording_stopped_part_way(tmp_path):
     show = replaydiff_cli("show", "t", cwd=tmp_path)
     assert "STOPPED part-way: parameter statistics failed (RuntimeError: injected)" in show.stdout, show.stdout
     assert "complete" not in show.stdout, show.stdout
+
+
+def test_record_of_a_step_the_script_raises_in_says_it_was_cut_short(tmp_path):
+    """`--step 3` of a script that raises during step 3 ended in a traceback of replaydiff's own (IndexError in
+    _steps_text) and show called the cut step `complete`."""
+    (tmp_path / "train.py").write_text(TRAIN.replace("    loss = F.mse_loss(model(x), y)\n",
+                                                     "    loss = F.mse_loss(model(x), y)\n"
+                                                     "    if step == 2:\n        raise ValueError('shape bug')\n"))
+    proc = replaydiff_cli("record", "--step", "3", "-o", "t", "--", sys.executable, "train.py", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr  # the script's own code
+    assert "IndexError" not in proc.stderr and proc.stderr.count("Traceback") == 1, proc.stderr
+    assert "replaydiff: recording STOPPED part-way: step 3 was cut short by the script's exception (ValueError: " \
+           "shape bug). The trace t (1 rank(s)) holds what was recorded before that, not all of step 3." \
+           in proc.stderr, proc.stderr
+    show = replaydiff_cli("show", "t", cwd=tmp_path)
+    assert "STOPPED part-way: step 3 was cut short by the script's exception (ValueError: shape bug)" in show.stdout
+    assert "complete" not in show.stdout, show.stdout

@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write("".join(line + "\n" for line in plant_lines(out, options.plant)))
     if ranks:
         what = "the flight recorder" if options.flight else \
-            _steps_text(done) if missed else f"steps {options.steps}" if options.steps else f"step {args.step}"
+            _steps_text(done or missed) if missed else f"steps {options.steps}" if options.steps else f"step {args.step}"
         note = ""
         if missed:
             ran = _ran(steps_run, code)
