@@ -624,3 +624,35 @@ def test_record_of_a_step_the_script_raises_in_says_it_was_cut_short(tmp_path):
     show = replaydiff_cli("show", "t", cwd=tmp_path)
     assert "STOPPED part-way: step 3 was cut short by the script's exception (ValueError: shape bug)" in show.stdout
     assert "complete" not in show.stdout, show.stdout
+
+
+@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM", "SIGINT"])
+def test_record_passes_signals_on_to_the_command_and_waits_for_it(tmp_path, sig):
+    """`kill -USR1 <replaydiff record's pid>` ended replaydiff with 138 and left the job running orphaned, its
+    flight recorder never told. Now the signal reaches the command, replaydiff waits for it and passes its exit
+    code through."""
+    import signal
+    import time
+
+    (tmp_path / "child.py").write_text(textwrap.dedent(f"""
+        import os, signal, sys, time
+        def got(signum, frame):
+            open("got", "w").write(signal.Signals(signum).name)
+            sys.exit(7)
+        signal.signal(signal.{sig}, got)
+        open("pid", "w").write(str(os.getpid()))
+        time.sleep(60)
+    """))
+    proc = subprocess.Popen([sys.executable, "-m", "replaydiff", "record", "-o", "t", "--", sys.executable,
+                             "child.py"], cwd=tmp_path, stderr=subprocess.PIPE, text=True, env=child_env())
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # the child's handler is installed before it writes its pid
+    proc.send_signal(getattr(signal, sig))
+    _, err = proc.communicate(timeout=60)
+    assert (tmp_path / "got").read_text() == sig, err
+    assert proc.returncode == 7, err  # the command's own code, after it ended
+    child = int((tmp_path / "pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)

@@ -233,13 +233,55 @@ def run_recorded(cmd: list[str], out: Path, step: int, options: RecordOptions,
     autostart = str(Path(__file__).resolve().parent.parent / "record" / "autostart")
     env["PYTHONPATH"] = os.pathsep.join([autostart] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     try:
-        code = subprocess.call(cmd, env=env, stdout=stdout)
+        code = _run_forwarding_signals(cmd, env, stdout)
     except FileNotFoundError:
         raise UsageError(f"command not found: {cmd[0]}") from None
     finally:
         steps_run, job_ranks = _reports(status)
         shutil.rmtree(status, ignore_errors=True)
     return (code if code >= 0 else 128 - code), steps_run, job_ranks
+
+
+_FORWARDED = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+
+
+def _run_forwarding_signals(cmd: list[str], env: dict, stdout: int | None) -> int:
+    """Run the command and wait for it; the signals above, sent to this process, are passed on to it (so that
+    ``kill -USR1`` / ``kill -TERM`` of ``replaydiff record``'s pid reaches the job and its flight recorder, and the
+    job is never left running orphaned). A SIGINT is not passed on while this process group has the terminal:
+    Ctrl-C reached the command from the terminal already, and a second one would cut its recorder's last write."""
+    import signal
+    import threading
+
+    proc = subprocess.Popen(cmd, env=env, stdout=stdout)
+
+    def forward(signum: int, frame: object) -> None:
+        if signum == signal.SIGINT and _terminal_is_ours():
+            return
+        try:
+            proc.send_signal(signum)
+        except OSError:  # it has just ended
+            pass
+
+    before = {}
+    if threading.current_thread() is threading.main_thread():
+        for name in _FORWARDED:
+            if hasattr(signal, name):
+                before[name] = signal.signal(getattr(signal, name), forward)
+    try:
+        return proc.wait()
+    finally:
+        for name, handler in before.items():
+            signal.signal(getattr(signal, name), handler)
+
+
+def _terminal_is_ours() -> bool:
+    """Whether this process group is the foreground group of the terminal on stdin (so the terminal's Ctrl-C went to
+    the whole group, the command included)."""
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def next_commands(out: Path, shown: str) -> str:
