@@ -193,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
             pass
     if ranks and options.plant:
         sys.stderr.write("".join(line + "\n" for line in plant_lines(out, options.plant)))
+    if ranks and options.budget:
+        sys.stderr.write(_budget_warning(out, args.budget))
     if ranks:
         what = "the flight recorder" if options.flight else \
             _steps_text(done or missed) if missed else f"steps {options.steps}" if options.steps else f"step {args.step}"
@@ -340,6 +342,32 @@ def _reached(asked: StepRange, steps_run: int | None) -> tuple[list[int], list[i
         return [], []
     chosen = range(asked.first, asked.last + 1, asked.every)
     return [s for s in chosen if s <= steps_run], [s for s in chosen if s > steps_run]
+
+
+def _budget_warning(out: Path, budget: str) -> str:
+    """One warning when ``--budget`` left tensor data out: how much (all ranks together), and a budget that fits
+    everything (for the rank that needs the most): what it wrote plus what it left out."""
+    from replaydiff.record.budget import budget_that_fits, format_size
+    from replaydiff.trace.schema import LEFT_OUT_BUDGET, LeftOut
+
+    try:
+        t = open_trace(out)
+        per_rank = {r: [x for x in t.rank(r).data_left_out if x.reason == LEFT_OUT_BUDGET] for r in t.ranks}
+    except ReplaydiffError:
+        return ""
+    left = [x for xs in per_rank.values() for x in xs]
+    if not left:
+        return ""
+    need = max(sum(p.stat().st_size for p in (out / f"rank{r}").rglob("*") if p.is_file()) +
+               sum(x.nbytes for x in xs) for r, xs in per_rank.items() if xs)
+    firsts = [x.first for x in left if x.first is not None]
+    lasts = [x.last for x in left if x.last is not None]
+    total = LeftOut(LEFT_OUT_BUDGET, sum(x.ops for x in left), min(firsts, default=None), max(lasts, default=None),
+                    sum(x.nbytes for x in left))
+    ranks = f" (ranks {','.join(str(r) for r, xs in per_rank.items() if xs)})" if len(per_rank) > 1 else ""
+    return f"replaydiff: warning: --budget {budget} was reached{ranks}: " \
+           f"{total.describe()}; --budget " \
+           f"{format_size(budget_that_fits(need))} would fit everything (replay judges only the ops with data)\n"
 
 
 def _stopped(out: Path) -> str | None:

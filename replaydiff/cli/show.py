@@ -14,7 +14,7 @@ from replaydiff.errors import UsageError
 from replaydiff.replay.engine import check_op_range
 from replaydiff.trace import OpRecord, RankTrace, TensorRef, TraceIndex, open_trace
 from replaydiff.trace.reader import Trace
-from replaydiff.trace.schema import PHASES, Environment
+from replaydiff.trace.schema import LEFT_OUT_BUDGET, PHASES, Environment
 from replaydiff.trace.sync import GroupArrival, RankProgress, arrivals, progress
 
 OP_JSON_FORMAT = "replaydiff.op/1"
@@ -90,6 +90,8 @@ def _state(s: dict[str, Any]) -> str:
         return f"TRUNCATED after op {s['truncated_after']}"
     if s["stopped"]:
         return f"STOPPED part-way: {s['stopped']}"
+    if any(x.reason == LEFT_OUT_BUDGET for x in s["left_out"]):
+        return "budget reached"
     return "complete"
 
 
