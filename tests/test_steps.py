@@ -509,10 +509,12 @@ def test_record_cli_flight_dumps_on_sigterm_and_the_process_still_dies_of_it(tmp
 
 
 @pytest.mark.parametrize("bad", [["--steps", "5-2"], ["--steps", "x"], ["--flight", "0"],
-                                 ["--flight", "3", "--tensors", "full"]])  # full needs a filter
+                                 ["--flight", "3", "--tensors", "full"],  # full needs a filter
+                                 ["--step", "3", "--steps", "1-2"], ["--step", "3", "--flight", "2"]])
 def test_record_cli_rejects_bad_step_options(tmp_path, capsys, bad):
     assert cli_main(["record", *bad, "-o", str(tmp_path / "t"), "--", "true"]) == 2
-    assert capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("replaydiff: ") and err.count("\n") == 1 and "nothing was recorded" not in err, err
 
 
 def test_op_granularity_gradient_series_is_the_modules_backward_not_a_parameters_detach(tmp_path):

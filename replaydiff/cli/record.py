@@ -34,7 +34,7 @@ HELP = "record the N-th optimizer step of a training command (or many steps: --s
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--out", default="trace", help="trace directory to write (default: trace)")
-    p.add_argument("--step", type=int, default=1,
+    p.add_argument("--step", type=int, default=None,
                    help="which optimizer step to record, from 1 (default 1; with several optimizers, the steps of "
                         "the first one to step)")
     p.add_argument("--tensors", choices=TENSOR_MODES, default="full",
@@ -150,6 +150,10 @@ def run(args: argparse.Namespace) -> int:
         cmd = cmd[1:]
     if not cmd:
         raise UsageError("no command to record: replaydiff record [options] -- python train.py ARGS")
+    if args.step is not None and (args.steps or args.flight):
+        raise UsageError(f"--step {args.step} records one step, --{'steps' if args.steps else 'flight'} chooses "
+                         f"the steps itself: give one of them")
+    args.step = 1 if args.step is None else args.step
     if args.step < 1:
         raise UsageError("--step counts from 1")
     made = _missing_dirs(Path(args.out).resolve())  # removed again if nothing is recorded into them
