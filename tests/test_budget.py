@@ -365,6 +365,7 @@ def test_replay_tells_each_fact_of_left_out_data_once(tmp_path, monkeypatch, cap
     assert f"{judged} ok" in lines[0]
 
 
+@pytest.mark.slow
 def test_record_warns_once_when_the_budget_left_data_out_and_show_says_so(tmp_path, capsys):
     """`record --budget` that left tensor data out said nothing, and show called the trace `complete`. Now record
     warns once at the end with what was left out and a --budget that fits it all, and show says `budget reached`;

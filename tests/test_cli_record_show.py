@@ -591,6 +591,7 @@ def test_record_help_says_steps_are_counted_on_the_first_optimizer(capsys):
            "to step)" in text
 
 
+@pytest.mark.slow
 def test_record_says_when_the_recording_stopped_part_way(tmp_path):
     """A recorder that stopped part-way (here: its module statistics fail) said `recorded steps 1-3` as if it had
     recorded them; now the summary line and show say it stopped, and why. The job's exit code is passed through."""
@@ -609,6 +610,7 @@ def test_record_says_when_the_recording_stopped_part_way(tmp_path):
     assert "complete" not in show.stdout, show.stdout
 
 
+@pytest.mark.slow
 def test_record_of_a_step_the_script_raises_in_says_it_was_cut_short(tmp_path):
     """`--step 3` of a script that raises during step 3 ended in a traceback of replaydiff's own (IndexError in
     _steps_text) and show called the cut step `complete`."""
@@ -626,6 +628,7 @@ def test_record_of_a_step_the_script_raises_in_says_it_was_cut_short(tmp_path):
     assert "complete" not in show.stdout, show.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM", "SIGINT"])
 def test_record_passes_signals_on_to_the_command_and_waits_for_it(tmp_path, sig):
     """`kill -USR1 <replaydiff record's pid>` ended replaydiff with 138 and left the job running orphaned, its

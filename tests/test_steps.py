@@ -537,6 +537,7 @@ def test_op_granularity_gradient_series_is_the_modules_backward_not_a_parameters
     assert grad.values["l2"] == pytest.approx(weight_grads, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_module_granularity_leaves_a_compiled_model_compiled_and_bitwise_unchanged(tmp_path, recwarn):
     """The module-statistics hooks are global: without a guard they run while dynamo traces the compiled region,
     dynamo traces the recorder's own numpy code, fails, the recording stops and the region falls back to eager."""

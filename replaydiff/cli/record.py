@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from replaydiff.cli.estimate import run_estimate
 from replaydiff.errors import EXIT_USAGE, ReplaydiffError, TraceError, UsageError
@@ -34,7 +35,7 @@ HELP = "record the N-th optimizer step of a training command (or many steps: --s
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--out", default="trace", help="trace directory to write (default: trace)")
-    p.add_argument("--step", type=int, default=None,
+    p.add_argument("--step", type=int, default=1, action=_Given,
                    help="which optimizer step to record, from 1 (default 1; with several optimizers, the steps of "
                         "the first one to step)")
     p.add_argument("--tensors", choices=TENSOR_MODES, default="full",
@@ -79,6 +80,16 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                    help="replace the trace in -o DIR (a replaydiff trace only: a directory holding anything else, the "
                         "working directory and the home directory are refused)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run, e.g. python train.py")
+
+
+class _Given(argparse.Action):
+    """Stores the value and notes that the option was given (``--step 1`` too), for options whose default is a
+    value: --step with --steps or --flight is refused, not ignored."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
 
 
 def _rank_list(text: str) -> list[int]:
@@ -150,10 +161,9 @@ def run(args: argparse.Namespace) -> int:
         cmd = cmd[1:]
     if not cmd:
         raise UsageError("no command to record: replaydiff record [options] -- python train.py ARGS")
-    if args.step is not None and (args.steps or args.flight):
+    if getattr(args, "step_given", False) and (args.steps or args.flight):
         raise UsageError(f"--step {args.step} records one step, --{'steps' if args.steps else 'flight'} chooses "
                          f"the steps itself: give one of them")
-    args.step = 1 if args.step is None else args.step
     if args.step < 1:
         raise UsageError("--step counts from 1")
     made = _missing_dirs(Path(args.out).resolve())  # removed again if nothing is recorded into them
