@@ -363,3 +363,33 @@ def test_replay_tells_each_fact_of_left_out_data_once(tmp_path, monkeypatch, cap
         "on a disk with room, or with a --budget that fits it"
     assert lines[-1] == f"not clean: no divergent op among the {judged} judged; record again {again}"
     assert f"{judged} ok" in lines[0]
+
+
+@pytest.mark.slow
+def test_record_warns_once_when_the_budget_left_data_out_and_show_says_so(tmp_path, capsys):
+    """`record --budget` that left tensor data out said nothing, and show called the trace `complete`. Now record
+    warns once at the end with what was left out and a --budget that fits it all, and show says `budget reached`;
+    recorded again with that budget, nothing is left out."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    capsys.readouterr()
+    assert main(["record", "--budget", "1M", "--no-compress", "-o", str(tmp_path / "t"), "--", sys.executable,
+                 str(script)]) == 0
+    err = capsys.readouterr().err
+    (lo,) = open_trace(tmp_path / "t").rank(0).data_left_out
+    assert lo.reason == "budget" and lo.ops > 0
+    said = re.findall(r"replaydiff: warning: --budget 1M was reached: (\d+) op\(s\) \(#(\d+)-#(\d+)\) kept with "
+                      r"statistics only: past the record --budget, ([\d.]+) MB of tensor data not stored; --budget (\S+) would fit everything",
+                      err)
+    assert len(said) == 1, err
+    ops, first, last, mb, fits = said[0]
+    assert (int(ops), int(first), int(last)) == (lo.ops, lo.first, lo.last)
+    assert float(mb) == pytest.approx(lo.nbytes / 1e6, rel=0.01)
+    assert main(["show", str(tmp_path / "t")]) == 0
+    out = capsys.readouterr().out
+    assert "budget reached" in out and "complete" not in out, out
+
+    assert main(["record", "--budget", fits, "--no-compress", "-o", str(tmp_path / "fits"), "--", sys.executable,
+                 str(script)]) == 0
+    assert "was reached" not in capsys.readouterr().err
+    assert open_trace(tmp_path / "fits").rank(0).data_left_out == []

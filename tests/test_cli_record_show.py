@@ -589,3 +589,73 @@ def test_record_help_says_steps_are_counted_on_the_first_optimizer(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "which optimizer step to record, from 1 (default 1; with several optimizers, the steps of the first one " \
            "to step)" in text
+
+
+@pytest.mark.slow
+def test_record_says_when_the_recording_stopped_part_way(tmp_path):
+    """A recorder that stopped part-way (here: its module statistics fail) said `recorded steps 1-3` as if it had
+    recorded them; now the summary line and show say it stopped, and why. The job's exit code is passed through."""
+    (tmp_path / "train.py").write_text(
+        "from replaydiff.record.module_stats import ModuleStatsHooks\n"
+        "def boom(*a, **k):\n    raise RuntimeError('injected')\n"
+        "ModuleStatsHooks._record = boom\n" + TRAIN)
+    proc = replaydiff_cli("record", "--tensors", "stats", "--granularity", "module", "--steps", "1-3", "-o", "t",
+                          "--", sys.executable, "train.py", cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr
+    assert "recorded steps 1-3" not in proc.stderr, proc.stderr
+    assert "replaydiff: recording STOPPED part-way: parameter statistics failed (RuntimeError: injected). The trace " \
+           "t (1 rank(s)) holds what was recorded before that, not all of steps 1-3." in proc.stderr, proc.stderr
+    show = replaydiff_cli("show", "t", cwd=tmp_path)
+    assert "STOPPED part-way: parameter statistics failed (RuntimeError: injected)" in show.stdout, show.stdout
+    assert "complete" not in show.stdout, show.stdout
+
+
+@pytest.mark.slow
+def test_record_of_a_step_the_script_raises_in_says_it_was_cut_short(tmp_path):
+    """`--step 3` of a script that raises during step 3 ended in a traceback of replaydiff's own (IndexError in
+    _steps_text) and show called the cut step `complete`."""
+    (tmp_path / "train.py").write_text(TRAIN.replace("    loss = F.mse_loss(model(x), y)\n",
+                                                     "    loss = F.mse_loss(model(x), y)\n"
+                                                     "    if step == 2:\n        raise ValueError('shape bug')\n"))
+    proc = replaydiff_cli("record", "--step", "3", "-o", "t", "--", sys.executable, "train.py", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr  # the script's own code
+    assert "IndexError" not in proc.stderr and proc.stderr.count("Traceback") == 1, proc.stderr
+    assert "replaydiff: recording STOPPED part-way: step 3 was cut short by the script's exception (ValueError: " \
+           "shape bug). The trace t (1 rank(s)) holds what was recorded before that, not all of step 3." \
+           in proc.stderr, proc.stderr
+    show = replaydiff_cli("show", "t", cwd=tmp_path)
+    assert "STOPPED part-way: step 3 was cut short by the script's exception (ValueError: shape bug)" in show.stdout
+    assert "complete" not in show.stdout, show.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM", "SIGINT"])
+def test_record_passes_signals_on_to_the_command_and_waits_for_it(tmp_path, sig):
+    """`kill -USR1 <replaydiff record's pid>` ended replaydiff with 138 and left the job running orphaned, its
+    flight recorder never told. Now the signal reaches the command, replaydiff waits for it and passes its exit
+    code through."""
+    import signal
+    import time
+
+    (tmp_path / "child.py").write_text(textwrap.dedent(f"""
+        import os, signal, sys, time
+        def got(signum, frame):
+            open("got", "w").write(signal.Signals(signum).name)
+            sys.exit(7)
+        signal.signal(signal.{sig}, got)
+        open("pid", "w").write(str(os.getpid()))
+        time.sleep(60)
+    """))
+    proc = subprocess.Popen([sys.executable, "-m", "replaydiff", "record", "-o", "t", "--", sys.executable,
+                             "child.py"], cwd=tmp_path, stderr=subprocess.PIPE, text=True, env=child_env())
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # the child's handler is installed before it writes its pid
+    proc.send_signal(getattr(signal, sig))
+    _, err = proc.communicate(timeout=60)
+    assert (tmp_path / "got").read_text() == sig, err
+    assert proc.returncode == 7, err  # the command's own code, after it ended
+    child = int((tmp_path / "pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)

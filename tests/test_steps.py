@@ -509,10 +509,12 @@ def test_record_cli_flight_dumps_on_sigterm_and_the_process_still_dies_of_it(tmp
 
 
 @pytest.mark.parametrize("bad", [["--steps", "5-2"], ["--steps", "x"], ["--flight", "0"],
-                                 ["--flight", "3", "--tensors", "full"]])  # full needs a filter
+                                 ["--flight", "3", "--tensors", "full"],  # full needs a filter
+                                 ["--step", "3", "--steps", "1-2"], ["--step", "3", "--flight", "2"]])
 def test_record_cli_rejects_bad_step_options(tmp_path, capsys, bad):
     assert cli_main(["record", *bad, "-o", str(tmp_path / "t"), "--", "true"]) == 2
-    assert capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("replaydiff: ") and err.count("\n") == 1 and "nothing was recorded" not in err, err
 
 
 def test_op_granularity_gradient_series_is_the_modules_backward_not_a_parameters_detach(tmp_path):
@@ -533,3 +535,40 @@ def test_op_granularity_gradient_series_is_the_modules_backward_not_a_parameters
     (grad,) = [s for s in compute_trend(open_trace(tmp_path / "t").rank(0)).series
                if (s.module, s.kind) == ("Sequential.0", "grad")]
     assert grad.values["l2"] == pytest.approx(weight_grads, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_module_granularity_leaves_a_compiled_model_compiled_and_bitwise_unchanged(tmp_path, recwarn):
+    """The module-statistics hooks are global: without a guard they run while dynamo traces the compiled region,
+    dynamo traces the recorder's own numpy code, fails, the recording stops and the region falls back to eager."""
+    def run(record_to=None) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.GELU(),
+                                    torch.nn.Linear(8, 1))
+        compiled = torch.compile(model, backend="aot_eager")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(1)
+        def steps() -> None:
+            for _ in range(4):
+                compiled(torch.randn(3, 4, generator=g)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        if record_to is None:
+            steps()
+        else:
+            with replaydiff.record(record_to, tensors="stats", steps="1-3", granularity="module"):
+                steps()
+        return model
+
+    torch._dynamo.reset()
+    plain = run()
+    torch._dynamo.reset()
+    watched = run(tmp_path / "t")
+    for (name, a), (_, b) in zip(plain.named_parameters(), watched.named_parameters()):
+        assert torch.equal(a, b), name
+    assert not [w for w in recwarn if "recording stopped" in str(w.message)]
+    r = open_trace(tmp_path / "t").rank(0)
+    assert sorted({op.step for op in r}) == [1, 2, 3]
+    modules = {op.module for op in r}
+    assert "OptimizedModule" in modules  # the call that enters the region; the modules inside it are in its graph
+    assert not [m for m in modules if m.startswith("OptimizedModule._orig_mod")]

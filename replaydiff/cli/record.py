@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from replaydiff.cli.estimate import run_estimate
 from replaydiff.cli.filter_check import unmatched_filter_line
@@ -35,7 +36,7 @@ HELP = "record the N-th optimizer step of a training command (or many steps: --s
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--out", default="trace", help="trace directory to write (default: trace)")
-    p.add_argument("--step", type=int, default=1,
+    p.add_argument("--step", type=int, default=1, action=_Given,
                    help="which optimizer step to record, from 1 (default 1; with several optimizers, the steps of "
                         "the first one to step)")
     p.add_argument("--tensors", choices=TENSOR_MODES, default="full",
@@ -80,6 +81,16 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                    help="replace the trace in -o DIR (a replaydiff trace only: a directory holding anything else, the "
                         "working directory and the home directory are refused)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run, e.g. python train.py")
+
+
+class _Given(argparse.Action):
+    """Stores the value and notes that the option was given (``--step 1`` too), for options whose default is a
+    value: --step with --steps or --flight is refused, not ignored."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
 
 
 def _rank_list(text: str) -> list[int]:
@@ -151,6 +162,9 @@ def run(args: argparse.Namespace) -> int:
         cmd = cmd[1:]
     if not cmd:
         raise UsageError("no command to record: replaydiff record [options] -- python train.py ARGS")
+    if getattr(args, "step_given", False) and (args.steps or args.flight):
+        raise UsageError(f"--step {args.step} records one step, --{'steps' if args.steps else 'flight'} chooses "
+                         f"the steps itself: give one of them")
     if args.step < 1:
         raise UsageError("--step counts from 1")
     made = _missing_dirs(Path(args.out).resolve())  # removed again if nothing is recorded into them
@@ -194,9 +208,11 @@ def run(args: argparse.Namespace) -> int:
             pass
     if ranks and options.plant:
         sys.stderr.write("".join(line + "\n" for line in plant_lines(out, options.plant)))
+    if ranks and options.budget:
+        sys.stderr.write(_budget_warning(out, args.budget))
     if ranks:
         what = "the flight recorder" if options.flight else \
-            _steps_text(done) if missed else f"steps {options.steps}" if options.steps else f"step {args.step}"
+            _steps_text(done or missed) if missed else f"steps {options.steps}" if options.steps else f"step {args.step}"
         note = ""
         if missed:
             ran = _ran(steps_run, code)
@@ -205,8 +221,13 @@ def run(args: argparse.Namespace) -> int:
                 f" {_steps_text(missed).capitalize()} {'was' if len(missed) == 1 else 'were'} not completed: " \
                 f"{ran}; the trace holds what ran of step {missed[0]} before the script ended."
         recorded = f"recorded {what}" if done or not missed else "recorded part of a step"
-        sys.stderr.write(f"replaydiff: {recorded} into {args.out} ({len(ranks)} rank(s)).{note} "
-                         + next_commands(out, args.out))
+        stopped = _stopped(out)
+        if stopped:  # the recorder gave up part-way: what was asked for is not all in the trace
+            summary = f"recording STOPPED part-way: {stopped}. The trace {args.out} ({len(ranks)} rank(s)) holds " \
+                      f"what was recorded before that, not all of {what}."
+        else:
+            summary = f"{recorded} into {args.out} ({len(ranks)} rank(s))."
+        sys.stderr.write(f"replaydiff: {summary}{note} " + next_commands(out, args.out))
         sys.stderr.write(unmatched_filter_line(out, options.modules, options.ops))  # a --module typo, said last
         return code
     _remove_empty(made)
@@ -230,13 +251,55 @@ def run_recorded(cmd: list[str], out: Path, step: int, options: RecordOptions,
     autostart = str(Path(__file__).resolve().parent.parent / "record" / "autostart")
     env["PYTHONPATH"] = os.pathsep.join([autostart] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     try:
-        code = subprocess.call(cmd, env=env, stdout=stdout)
+        code = _run_forwarding_signals(cmd, env, stdout)
     except FileNotFoundError:
         raise UsageError(f"command not found: {cmd[0]}") from None
     finally:
         steps_run, job_ranks = _reports(status)
         shutil.rmtree(status, ignore_errors=True)
     return (code if code >= 0 else 128 - code), steps_run, job_ranks
+
+
+_FORWARDED = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+
+
+def _run_forwarding_signals(cmd: list[str], env: dict, stdout: int | None) -> int:
+    """Run the command and wait for it; the signals above, sent to this process, are passed on to it (so that
+    ``kill -USR1`` / ``kill -TERM`` of ``replaydiff record``'s pid reaches the job and its flight recorder, and the
+    job is never left running orphaned). A SIGINT is not passed on while this process group has the terminal:
+    Ctrl-C reached the command from the terminal already, and a second one would cut its recorder's last write."""
+    import signal
+    import threading
+
+    proc = subprocess.Popen(cmd, env=env, stdout=stdout)
+
+    def forward(signum: int, frame: object) -> None:
+        if signum == signal.SIGINT and _terminal_is_ours():
+            return
+        try:
+            proc.send_signal(signum)
+        except OSError:  # it has just ended
+            pass
+
+    before = {}
+    if threading.current_thread() is threading.main_thread():
+        for name in _FORWARDED:
+            if hasattr(signal, name):
+                before[name] = signal.signal(getattr(signal, name), forward)
+    try:
+        return proc.wait()
+    finally:
+        for name, handler in before.items():
+            signal.signal(getattr(signal, name), handler)
+
+
+def _terminal_is_ours() -> bool:
+    """Whether this process group is the foreground group of the terminal on stdin (so the terminal's Ctrl-C went to
+    the whole group, the command included)."""
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def next_commands(out: Path, shown: str) -> str:
@@ -295,6 +358,47 @@ def _reached(asked: StepRange, steps_run: int | None) -> tuple[list[int], list[i
         return [], []
     chosen = range(asked.first, asked.last + 1, asked.every)
     return [s for s in chosen if s <= steps_run], [s for s in chosen if s > steps_run]
+
+
+def _budget_warning(out: Path, budget: str) -> str:
+    """One warning when ``--budget`` left tensor data out: how much (all ranks together), and a budget that fits
+    everything (for the rank that needs the most): what it wrote plus what it left out."""
+    from replaydiff.record.budget import budget_that_fits, format_size
+    from replaydiff.trace.schema import LEFT_OUT_BUDGET, LeftOut
+
+    try:
+        t = open_trace(out)
+        per_rank = {r: [x for x in t.rank(r).data_left_out if x.reason == LEFT_OUT_BUDGET] for r in t.ranks}
+    except ReplaydiffError:
+        return ""
+    left = [x for xs in per_rank.values() for x in xs]
+    if not left:
+        return ""
+    need = max(sum(p.stat().st_size for p in (out / f"rank{r}").rglob("*") if p.is_file()) +
+               sum(x.nbytes for x in xs) for r, xs in per_rank.items() if xs)
+    firsts = [x.first for x in left if x.first is not None]
+    lasts = [x.last for x in left if x.last is not None]
+    total = LeftOut(LEFT_OUT_BUDGET, sum(x.ops for x in left), min(firsts, default=None), max(lasts, default=None),
+                    sum(x.nbytes for x in left))
+    ranks = f" (ranks {','.join(str(r) for r, xs in per_rank.items() if xs)})" if len(per_rank) > 1 else ""
+    return f"replaydiff: warning: --budget {budget} was reached{ranks}: " \
+           f"{total.describe()}; --budget " \
+           f"{format_size(budget_that_fits(need))} would fit everything (replay judges only the ops with data)\n"
+
+
+def _stopped(out: Path) -> str | None:
+    """Why the recording of some rank stopped part-way ("rank 1: REASON" when the ranks differ), or None."""
+    try:
+        t = open_trace(out)
+        why = {r: t.rank(r).stopped for r in t.ranks}
+    except ReplaydiffError:
+        return None
+    reasons = {w for w in why.values() if w}
+    if not reasons:
+        return None
+    if len(reasons) == 1 and len(why) == 1:
+        return reasons.pop()
+    return "; ".join(f"rank {r}: {w}" for r, w in sorted(why.items()) if w)
 
 
 def _steps_text(steps: list[int]) -> str:

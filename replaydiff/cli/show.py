@@ -14,7 +14,7 @@ from replaydiff.errors import UsageError
 from replaydiff.replay.engine import check_op_range
 from replaydiff.trace import OpRecord, RankTrace, TensorRef, TraceIndex, open_trace
 from replaydiff.trace.reader import Trace
-from replaydiff.trace.schema import PHASES, Environment
+from replaydiff.trace.schema import LEFT_OUT_BUDGET, PHASES, Environment
 from replaydiff.trace.sync import GroupArrival, RankProgress, arrivals, progress
 
 OP_JSON_FORMAT = "replaydiff.op/1"
@@ -62,6 +62,7 @@ def rank_summary(r: RankTrace, top: int) -> dict[str, Any]:
         "rank": r.rank,
         "ops": n,
         "complete": r.complete,
+        "stopped": r.stopped,
         "planted": r.planted.describe() if r.planted is not None else None,
         "truncated_after": r.truncated_after,
         "phases": dict(phases),
@@ -83,6 +84,17 @@ def _summary_json(s: dict[str, Any]) -> dict[str, Any]:
                           for x in s["left_out"]])
 
 
+def _state(s: dict[str, Any]) -> str:
+    """How the recording of a rank ended: read to the end, or why not."""
+    if not s["complete"]:
+        return f"TRUNCATED after op {s['truncated_after']}"
+    if s["stopped"]:
+        return f"STOPPED part-way: {s['stopped']}"
+    if any(x.reason == LEFT_OUT_BUDGET for x in s["left_out"]):
+        return "budget reached"
+    return "complete"
+
+
 def _render_summary(path: str, summaries: list[dict], out: TextIO) -> None:
     total = sum(s["bytes_on_disk"] for s in summaries)
     planted = [s["planted"] for s in summaries if s.get("planted")]
@@ -91,7 +103,7 @@ def _render_summary(path: str, summaries: list[dict], out: TextIO) -> None:
     out.write(f"trace {path}: {len(summaries)} rank(s), {sum(s['ops'] for s in summaries)} ops, "
               f"{_human(total)} on disk\n")
     for s in summaries:
-        state = "complete" if s["complete"] else f"TRUNCATED after op {s['truncated_after']}"
+        state = _state(s)
         phases = ", ".join(f"{k} {v}" for k, v in sorted(s["phases"].items()))
         out.write(f"\nrank {s['rank']}: {s['ops']} ops ({state}; tensors={s['tensors']}; "
                   f"{_human(s['bytes_on_disk'])})\n  phases: {phases}\n  most frequent of {s['distinct_ops']} "

@@ -53,6 +53,14 @@ def records_reserve(budget: int) -> int:
     return max(MIN_RESERVE, budget // 10)
 
 
+def budget_that_fits(nbytes: int) -> int:
+    """The smallest ``--budget`` (rounded up to a size format_size writes exactly) whose room for tensor data and
+    records, the budget less its reserve, holds ``nbytes``."""
+    need = max(nbytes + MIN_RESERVE, -(-nbytes * 10 // 9))
+    unit = next((_UNITS[u] for u in ("T", "G", "M", "K") if need >= 10 * _UNITS[u]), _UNITS["K"])
+    return -(-need // unit) * unit
+
+
 class DataBudget:
     """The data allowance of one rank's recording; ``admit`` charges a storage that fits."""
 

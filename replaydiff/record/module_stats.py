@@ -60,6 +60,8 @@ class ModuleStatsHooks:
 
     def enter_module(self, module: torch.nn.Module, inputs: Any) -> None:
         """A module call begins: name it, and at its first call in the step record its own parameters."""
+        if torch.compiler.is_compiling():  # a compiled region's modules: see _after_forward
+            return
         name = self._name(module)
         if id(module) not in self._measured and self.rec.active:
             self._measured.add(id(module))
@@ -88,8 +90,12 @@ class ModuleStatsHooks:
             rec.disable(f"parameter statistics failed ({type(exc).__name__}: {exc})")
 
     def _after_forward(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        # Global hooks run while dynamo traces a compiled region too: what they did would be traced into its graph
+        # (dynamo fails on the statistics' numpy, the recording stops, the region runs eager). The modules inside a
+        # region get no records; the module whose call enters it (OptimizedModule) gets its output's, as the op
+        # recorder's module tracker does (context._Tracker).
         rec = self.rec
-        if not rec.active:
+        if torch.compiler.is_compiling() or not rec.active:
             return
         try:
             tensors = list(output_tensors(output))

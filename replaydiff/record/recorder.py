@@ -379,6 +379,12 @@ class Recorder:
             if len(self._failed_names) <= 5:
                 self._warn(f"op #{index} {name} {why}; recording goes on")
 
+    def cut_short(self, why: str) -> None:
+        """The recording ends before what was asked for, for a reason outside the recorder (the script raised): the
+        manifest says why, as for ``disable``; no warning (the script's own traceback said it)."""
+        if self._disabled_reason is None:
+            self._disabled_reason = why
+
     def disable(self, why: str) -> None:
         if self._disabled_reason is None:
             self._disabled_reason = why

@@ -84,7 +84,7 @@ class MultiStepRecorder:
     def __exit__(self, typ: Any, value: Any, tb: Any) -> None:
         if typ is not None and self.options.flight:
             self.dump(f"the script raised {typ.__name__}: {value} at step {self.steps_done + 1}")
-        self.finish()
+        self.finish(value)
 
     # -- hooks ------------------------------------------------------------------------------------------------
     def _first_forward(self, module: Any, inputs: Any) -> None:
@@ -132,7 +132,9 @@ class MultiStepRecorder:
         w = self.recorder.writer
         return w if isinstance(w, FlightBuffer) else None
 
-    def finish(self) -> None:
+    def finish(self, raised: BaseException | None = None) -> None:
+        """End the recording. ``raised``: the exception that ended the script (at exit: the one Python reported,
+        ``sys.last_value``); a step it cut short is said so in the manifest."""
         if self.done:
             return
         self.done = True
@@ -142,6 +144,10 @@ class MultiStepRecorder:
             if self.range.last is not None and self.steps_done < self.range.last and self._flight() is None:
                 rec.writer.note_lost(f"the recording ended after {self.steps_done} optimizer steps, before step "
                                      f"{self.range.last}")
+                raised = raised if raised is not None else getattr(sys, "last_value", None)
+                if self.recording and raised is not None:
+                    rec.cut_short(f"step {self.steps_done + 1} was cut short by the script's exception "
+                                  f"({type(raised).__name__}: {raised})")
             rec.stop()
         self.recording = False
 

@@ -42,7 +42,7 @@ from replaydiff.trace.format import (
 from replaydiff.trace.index import IndexBuilder, ModuleNode, TraceIndex
 from replaydiff.trace.schema import (CompiledRegion, Environment, LeftOut, OpRecord, PlantedFaultInfo,
                                      RecordedOptions, RngState, StoredBytes, TensorRef, check_chunk, check_entered,
-                                     left_out_from_manifest, manifest_metadata, plant_from_wire)
+                                     left_out_from_manifest, manifest_stopped, manifest_metadata, plant_from_wire)
 from replaydiff.trace.sources import SourceLine, locate, split_location
 
 
@@ -163,6 +163,11 @@ class RankTrace(Sequence):
     def options(self) -> RecordedOptions:
         """The record options the trace was written with (see replaydiff.record.RecordOptions)."""
         return self._options
+
+    @property
+    def stopped(self) -> str | None:
+        """Why the recording stopped part-way (the recorder's own failure: it warned "recording stopped"), or None."""
+        return manifest_stopped(self.manifest)
 
     @property
     def lost(self) -> list[str]:

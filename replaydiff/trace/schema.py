@@ -1325,6 +1325,11 @@ class LeftOutTally:
         return {_M_LEFT_OUT: out} if out else {}
 
 
+def manifest_stopped(manifest: dict) -> str | None:
+    """Why the recording stopped before the end it was asked for (None: it did not)."""
+    return _typed(manifest.get(_M_DISABLED), str)
+
+
 def left_out_from_manifest(manifest: dict) -> list[LeftOut]:
     v = manifest.get(_M_LEFT_OUT)
     out = []
