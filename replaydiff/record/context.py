@@ -363,6 +363,18 @@ class OpContext:
                     table[id(p)] = (weakref.ref(p), name)
         self._param_modules = table
 
+    def place(self, index: int) -> tuple[str, str | None, int | None]:
+        """Where op ``index`` runs: its phase, its module and (backward) the forward op it belongs to; a forward op is
+        noted as such for the backward ops to find."""
+        phase, node = self.phase()
+        module = self.module()
+        fwd = None
+        if phase == FORWARD:
+            self.note_forward(index, module)
+        elif phase == BACKWARD:
+            fwd, module = self.backward_of(node, module)
+        return phase, module, fwd
+
     def note_forward(self, index: int, module: str | None = None) -> None:
         """Remember the first forward op seen after each autograd node was made: the op that made it."""
         if torch.is_grad_enabled():

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from replaydiff import aten
 from replaydiff.aten import iter_tensors, written_args
 from replaydiff.record.budget import DataBudget
-from replaydiff.record.context import BACKWARD, FORWARD, OpContext
+from replaydiff.record.context import OpContext
 from replaydiff.record.options import RecordOptions
 from replaydiff.record.stats import batch_stats, cpu_values, dense, values_stats
 from replaydiff.record.storage import StorageTable
@@ -353,13 +353,7 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
     if info.module is not None and name not in rec.custom_ops:
         rec.custom_ops[name] = info.module
     ctx = rec.context
-    phase, node = ctx.phase()
-    module = ctx.module()
-    fwd = None
-    if phase == FORWARD:
-        ctx.note_forward(index, module)
-    elif phase == BACKWARD:
-        fwd, module = ctx.backward_of(node, module)
+    phase, module, fwd = ctx.place(index)
     written = written_args(info, args, kwargs) if info.writes else []
     opts = rec.options
     if rec.writer.data_refused is not None and b.refused is None:

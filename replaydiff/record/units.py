@@ -34,7 +34,6 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from replaydiff import aten
-from replaydiff.record.context import BACKWARD, FORWARD
 from replaydiff.record.mode import RecordingMode, select
 from replaydiff.trace import schema
 
@@ -189,13 +188,7 @@ def record_unit(rec: Any, g: UnitGraph, args: list, run: Callable[[list], Any]) 
 def _unit_before(rec: Any, g: UnitGraph, inputs: list, index: int) -> tuple[dict, list]:
     b = rec.builder
     ctx = rec.context
-    phase, node = ctx.phase()
-    module = ctx.module()
-    fwd = None
-    if phase == FORWARD:
-        ctx.note_forward(index, module)
-    elif phase == BACKWARD:
-        fwd, module = ctx.backward_of(node, module)
+    phase, module, fwd = ctx.place(index)
     where = ctx.source()
     source, text = where if where is not None else (None, None)
     name = aten.unit_name(g.kind)

@@ -183,7 +183,7 @@ class Graph:
         """The node position behind each flat output (None for a constant output)."""
         for n in self.info.nodes:
             if n.kind == NODE_OUTPUT:
-                return [v.index if isinstance(v, NodeRef) else None for v in _flat(n.args[0] if n.args else [])]
+                return [v.index if isinstance(v, NodeRef) else None for v in flat(n.args[0] if n.args else [])]
         return []
 
     def mutated_inputs(self) -> set[int]:
@@ -287,14 +287,15 @@ def interpret(g: Graph, inputs: list, consts: list, convert: Callable[[Any], Any
                 on_node(i, n, out, args, kwargs)
         else:
             env.append(None)
-            outputs = list(_flat(_materialize(n.args[0] if n.args else [], env, convert)))
+            outputs = list(flat(_materialize(n.args[0] if n.args else [], env, convert)))
     return outputs, env
 
 
-def _flat(v: Any):
+def flat(v: Any):
+    """The leaves of a nested list/tuple of values or node references, in order."""
     if isinstance(v, (list, tuple)) and not isinstance(v, NodeRef):
         for x in v:
-            yield from _flat(x)
+            yield from flat(x)
     else:
         yield v
 
@@ -345,7 +346,7 @@ class UnitReplayer:
         except Refused as exc:
             raise Skip(f"unit graph not replayed: {exc}") from None
         where = f"unit of {info.region} (graph {info.graph_id}, {info.backend})"
-        recorded = list(_flat(op.outputs))
+        recorded = list(flat(op.outputs))
         draws = g.draws({n for n, r in enumerate(recorded) if isinstance(r, TensorRef) and r.stored
                          and not r.uninitialised})
         behind = g.output_nodes()
@@ -437,7 +438,7 @@ class UnitReplayer:
 
     def _judge_outputs(self, op: OpRecord, g: Graph, draws: Draws, ref_out: list, ref_ins: list, same_out: list,
                        same_ins: list, k: int) -> tuple[Pairs, list[tuple[int, Verdict]]]:
-        recorded = list(_flat(op.outputs))
+        recorded = list(flat(op.outputs))
         pairs: Pairs = list(zip(recorded, ref_out))
         same_vals = list(same_out)
         mutated = g.mutated_inputs()
@@ -484,7 +485,7 @@ class UnitReplayer:
         backend = info.backend or "inductor"
         device, moved = compile_device(op)
         ins, consts, convert = self._inputs(op, "same", True, device, info)
-        flat = list(_flat(op.outputs))
+        flat = list(flat(op.outputs))
         recorded = [self.trace.tensor(r) if isinstance(r, TensorRef) and r.stored else None for r in flat]
         held = sorted(i for i, pin in draws.pins.items() if pin.p is None)
         ins = list(ins) + [_mask_of(convert(flat[draws.pins[i].output]), draws.pins[i]) for i in held]
@@ -606,6 +607,6 @@ def compile_graph(g: Graph, consts: list, convert: Callable[[Any], Any], backend
     def run(inputs: list) -> list:
         with torch.no_grad():
             out = compiled(*inputs)
-        return list(_flat(out)) if not every_node else list(out)
+        return list(flat(out)) if not every_node else list(out)
 
     return run

@@ -23,7 +23,7 @@ from replaydiff import aten, repro_script
 from replaydiff.compare.tolerance import Tolerances, reduction_length
 from replaydiff.errors import UsageError
 from replaydiff.replay.compared import compared_outputs
-from replaydiff.replay.unit import Graph, Refused, interpret, node_k
+from replaydiff.replay.unit import Graph, Refused, flat, interpret, node_k
 from replaydiff.trace.format import write_atomic_via
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import NodeRef, Opaque, OpRecord, TensorRef, encode_value, iter_refs
@@ -255,7 +255,7 @@ def _write_unit_repro(trace: RankTrace, op: OpRecord, out_dir: str | Path, sourc
         unscaled = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"
     k = max(ks)
     random, behind = g.random_nodes(), g.output_nodes()
-    outputs = [x for x in _flat(op.outputs)]
+    outputs = [x for x in flat(op.outputs)]
     checks: list[dict] = []
     left_out: list[str] = []
     for pos, ref in enumerate(outputs):
@@ -290,14 +290,6 @@ def _write_unit_repro(trace: RankTrace, op: OpRecord, out_dir: str | Path, sourc
         "checks": checks,
     }
     return _write(out_dir, trace, op, data, dict(c.storages))
-
-
-def _flat(v: Any):
-    if isinstance(v, (list, tuple)) and not isinstance(v, NodeRef):
-        for x in v:
-            yield from _flat(x)
-    else:
-        yield v
 
 
 def _docstring(trace: RankTrace, op: OpRecord, source_trace: str) -> str:

@@ -584,8 +584,8 @@ def wire_tensor(dtype: str, shape: list, stride: list | None, offset: int, devic
 
 def wire_stored_tensor(dtype: str, shape: list, stride: list, offset: int, device: str, version: int, nbytes: int,
                        requires_grad: bool, uninitialised: bool, conj: bool, neg: bool) -> dict:
-    """``wire_tensor`` then ``wire_set_storage`` in one call (the recorder's hot path: one per tensor of every op);
-    the same dict, keys in the same order, so the same bytes on disk."""
+    """A stored tensor's reference in one call (the recorder's hot path: one per tensor of every op): ``wire_tensor``'s
+    keys, then the storage's version and size, then the flags that are set."""
     ref = {_DTYPE: dtype, _SHAPE: shape, _STRIDE: stride, _OFFSET: offset, _DEVICE: device, _VERSION: version,
            _NBYTES: nbytes}
     if requires_grad:
@@ -610,20 +610,6 @@ def wire_zero(ref: dict) -> dict:
     ref[_VERSION] = None
     ref[_ZERO] = True
     return ref
-
-
-def wire_set_storage(ref: dict, version: int, nbytes: int, requires_grad: bool, uninitialised: bool,
-                     conj: bool, neg: bool) -> None:
-    ref[_VERSION] = version
-    ref[_NBYTES] = nbytes
-    if requires_grad:
-        ref[_REQ_GRAD] = True
-    if uninitialised:
-        ref[_UNINIT] = True
-    if conj:
-        ref[_CONJ] = True
-    if neg:
-        ref[_NEG] = True
 
 
 def wire_set_chunk(ref: dict, chunk: int) -> None:
