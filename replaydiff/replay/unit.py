@@ -485,10 +485,10 @@ class UnitReplayer:
         backend = info.backend or "inductor"
         device, moved = compile_device(op)
         ins, consts, convert = self._inputs(op, "same", True, device, info)
-        flat = list(flat(op.outputs))
-        recorded = [self.trace.tensor(r) if isinstance(r, TensorRef) and r.stored else None for r in flat]
+        leaves = list(flat(op.outputs))
+        recorded = [self.trace.tensor(r) if isinstance(r, TensorRef) and r.stored else None for r in leaves]
         held = sorted(i for i, pin in draws.pins.items() if pin.p is None)
-        ins = list(ins) + [_mask_of(convert(flat[draws.pins[i].output]), draws.pins[i]) for i in held]
+        ins = list(ins) + [_mask_of(convert(leaves[draws.pins[i].output]), draws.pins[i]) for i in held]
         fresh = g.random_nodes(cut=set(held))  # still drawn anew by the recompiled graph
         behind = g.output_nodes()
         torch_version = torch.__version__ + (f", on {device.type}: {moved}" if moved else "")
