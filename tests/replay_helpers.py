@@ -199,3 +199,21 @@ def assert_only_culprit(report: ReplayReport, index: int) -> None:
         f"first divergent #{report.first_divergent.index}, planted #{index}: {describe(divergent)}"
     assert [r.index for r in divergent] == [index], f"other ops diverged too: {describe(divergent)}"
     assert not by_status(report, Status.ERROR), describe(by_status(report, Status.ERROR))
+
+
+def faulty_gelu_pass(monkeypatch) -> None:
+    """A compiler bug in aot_eager's nop compiler: each gelu's result is scaled by 1 + 1e-3 in the compiled code."""
+    import torch._dynamo.backends.debugging as dbg
+
+    nop = dbg.boxed_nop
+
+    def faulty(gm, example_inputs):
+        for node in list(gm.graph.nodes):
+            if node.target is torch.ops.aten.gelu.default:
+                with gm.graph.inserting_after(node):
+                    bad = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.0 + 1e-3))
+                node.replace_all_uses_with(bad, delete_user_cb=lambda user: user is not bad)
+        gm.recompile()
+        return nop(gm, example_inputs)
+
+    monkeypatch.setattr(dbg, "boxed_nop", faulty)

@@ -117,17 +117,22 @@ def test_a_budget_gives_the_selected_modules_data_first(tmp_path):
     assert {op.data_left_out for op in others} == {None, "budget"}
 
 
-def test_a_full_disk_keeps_recording_statistics_with_one_warning(tmp_path, monkeypatch):
-    real = trace_writer.write_atomic_via
-    calls = []
+def _disk_fills_after(writes: int, monkeypatch) -> list:
+    """The trace writer's files: the first ``writes`` are written, every later one fails with ENOSPC; the paths tried."""
+    real, calls = trace_writer.write_atomic_via, []
 
     def fills_up(path, write):
         calls.append(path)
-        if len(calls) > 2:
+        if len(calls) > writes:
             raise OSError(errno.ENOSPC, "No space left on device")
         real(path, write)
 
     monkeypatch.setattr(trace_writer, "write_atomic_via", fills_up)
+    return calls
+
+
+def test_a_full_disk_keeps_recording_statistics_with_one_warning(tmp_path, monkeypatch):
+    calls = _disk_fills_after(2, monkeypatch)
     plain, step = _step(), _step()
     torch.manual_seed(1)
     expected = plain()
@@ -329,15 +334,7 @@ def _two_linears(path: Path, **options) -> None:
 def test_replay_tells_each_fact_of_left_out_data_once(tmp_path, monkeypatch, capsys, case):
     options = {"budget": {"budget": "1M"}, "filtered": {"modules": "Sequential.2"}}.get(case, {"chunk_ops": 4})
     if case == "disk full":
-        real, calls = trace_writer.write_atomic_via, []
-
-        def fills_up(path, write):
-            calls.append(path)
-            if len(calls) > 2:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            real(path, write)
-
-        monkeypatch.setattr(trace_writer, "write_atomic_via", fills_up)
+        calls = _disk_fills_after(2, monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the full disk's warning: test_a_full_disk_keeps_recording_...
         _two_linears(tmp_path / "t", **options)

@@ -10,6 +10,7 @@ import subprocess
 import pytest
 import torch
 
+from tests.replay_helpers import faulty_gelu_pass
 import replaydiff
 from replaydiff.trace.reader import open_trace
 
@@ -115,26 +116,8 @@ def test_aot_eager_units_replay_clean(tmp_path, capsys):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def _faulty_pass(monkeypatch) -> None:
-    """A compiler bug in aot_eager's nop compiler: each gelu's result is scaled by 1 + 1e-3 in the compiled code."""
-    import torch._dynamo.backends.debugging as dbg
-
-    nop = dbg.boxed_nop
-
-    def faulty(gm, example_inputs):
-        for node in list(gm.graph.nodes):
-            if node.target is torch.ops.aten.gelu.default:
-                with gm.graph.inserting_after(node):
-                    bad = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.0 + 1e-3))
-                node.replace_all_uses_with(bad, delete_user_cb=lambda user: user is not bad)
-        gm.recompile()
-        return nop(gm, example_inputs)
-
-    monkeypatch.setattr(dbg, "boxed_nop", faulty)
-
-
 def test_fault_in_an_aot_eager_graph_is_named(tmp_path, capsys, monkeypatch):
-    _faulty_pass(monkeypatch)
+    faulty_gelu_pass(monkeypatch)
     torch._dynamo.reset()
     _run("aot_eager", tmp_path / "t")
     proc = run_main(capsys, "replay", str(tmp_path / "t"))
@@ -304,7 +287,7 @@ def test_a_draw_no_recorded_output_holds_is_not_compared_and_says_so(tmp_path, c
 
 
 def test_fault_after_a_dropout_in_an_aot_eager_graph_is_named(tmp_path, capsys, monkeypatch):
-    _faulty_pass(monkeypatch)
+    faulty_gelu_pass(monkeypatch)
     torch._dynamo.reset()
     _dropout_step(tmp_path / "t", "aot_eager")
     proc = run_main(capsys, "replay", str(tmp_path / "t"))
@@ -536,7 +519,7 @@ def _output0(lines: list[str]) -> tuple[str, str]:
 
 
 def _faulty_unit_repros(tmp_path, capsys, monkeypatch) -> tuple:
-    _faulty_pass(monkeypatch)
+    faulty_gelu_pass(monkeypatch)
     torch._dynamo.reset()
     _run("aot_eager", tmp_path / "t")
     torch._dynamo.reset()
@@ -768,7 +751,7 @@ def test_diff_pairs_an_aot_eager_unit_with_the_eager_ops_of_its_region(tmp_path,
 
 def test_diff_names_the_node_where_a_faulty_aot_eager_unit_parts_from_eager(tmp_path, capsys, monkeypatch):
     _one_step(tmp_path / "eager", None)
-    _faulty_pass(monkeypatch)
+    faulty_gelu_pass(monkeypatch)
     torch._dynamo.reset()
     _one_step(tmp_path / "compiled", "aot_eager")
     forward, backward = _diff_both_ways(tmp_path, capsys)

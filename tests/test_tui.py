@@ -770,21 +770,10 @@ def _mlp_step(out, compiled: bool) -> None:
 def eager_and_faulty_unit(tmp_path, monkeypatch):
     """(eager trace, compiled trace): the compiled one's aot_eager graph scales each gelu by 1 + 1e-3 (a compiler
     bug: the graph stored in the unit is the right one)."""
-    import torch._dynamo.backends.debugging as dbg
-
-    nop = dbg.boxed_nop
-
-    def faulty(gm, example_inputs):
-        for node in list(gm.graph.nodes):
-            if node.target is torch.ops.aten.gelu.default:
-                with gm.graph.inserting_after(node):
-                    bad = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.0 + 1e-3))
-                node.replace_all_uses_with(bad, delete_user_cb=lambda user: user is not bad)
-        gm.recompile()
-        return nop(gm, example_inputs)
+    from tests.replay_helpers import faulty_gelu_pass
 
     _mlp_step(tmp_path / "eager", False)
-    monkeypatch.setattr(dbg, "boxed_nop", faulty)
+    faulty_gelu_pass(monkeypatch)
     torch._dynamo.reset()
     _mlp_step(tmp_path / "compiled", True)
     torch._dynamo.reset()
