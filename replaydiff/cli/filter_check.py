@@ -2,24 +2,24 @@
 
 Such a trace stores no tensor data, so its replay judges nothing; the recording itself ran fine, which is why the
 CLI says so at the end of ``record`` in one line, with the module paths the trace does have that come nearest to the
-glob. The check reads the finished trace and applies the recorder's own test (``record.mode.select``'s:
-``aten.matches_any`` over each op's name and module path).
+glob. The check reads the finished trace and applies the recorder's own test (``RecordOptions.selects``).
 """
 from __future__ import annotations
 
 import difflib
 from pathlib import Path
 
-from replaydiff import aten
 from replaydiff.errors import TraceError
+from replaydiff.record.options import RecordOptions
 from replaydiff.trace import open_trace
 
 _NEAREST = 5  # module paths named in the warning
 
 
-def unmatched_filter(out: Path, modules: list[str] | None, ops: list[str] | None) -> str | None:
+def unmatched_filter(out: Path, options: RecordOptions) -> str | None:
     """The warning for a --module/--op filter under which no op of the trace at ``out`` came, else None (no filter,
     an op matched, or the trace cannot be read: ``show`` says what is there)."""
+    modules, ops = options.modules, options.ops
     if not modules and not ops:
         return None
     seen: dict[str, None] = {}  # module paths in first-seen order
@@ -28,7 +28,7 @@ def unmatched_filter(out: Path, modules: list[str] | None, ops: list[str] | None
         t = open_trace(out)
         for rank in t.ranks:
             for op in t.rank(rank):
-                if aten.matches_any(op.name, ops) and (not modules or aten.matches_any(op.module, modules)):
+                if options.selects(op.name, op.module):
                     return None
                 if op.module:
                     seen.setdefault(op.module, None)
@@ -47,7 +47,7 @@ def unmatched_filter(out: Path, modules: list[str] | None, ops: list[str] | None
     return f"{what} matched no op (the trace holds no tensor data to replay); {kind} seen: {listed}"
 
 
-def unmatched_filter_line(out: Path, modules: list[str] | None, ops: list[str] | None) -> str:
+def unmatched_filter_line(out: Path, options: RecordOptions) -> str:
     """``unmatched_filter``'s warning as record's last line on stderr, or '' when there is none."""
-    w = unmatched_filter(out, modules, ops)
+    w = unmatched_filter(out, options)
     return "" if w is None else f"replaydiff: warning: {w}\n"

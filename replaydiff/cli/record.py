@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             summary = f"{recorded} into {args.out} ({len(ranks)} rank(s))."
         sys.stderr.write(f"replaydiff: {summary}{note} " + next_commands(out, args.out))
-        sys.stderr.write(unmatched_filter_line(out, options.modules, options.ops))  # a --module typo, said last
+        sys.stderr.write(unmatched_filter_line(out, options))  # a --module typo, said last
         return code
     _remove_empty(made)
     if options.flight:

@@ -20,6 +20,7 @@ from typing import Iterable
 
 from replaydiff import aten
 from replaydiff.record.budget import BLOB_OVERHEAD, format_size, records_reserve
+from replaydiff.record.options import in_filter
 from replaydiff.trace.format import OPS_DIR
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import OpRecord
@@ -138,7 +139,7 @@ def module_globs(module: str) -> list[str]:
 
 
 def _selected(o: OpData, modules: list[str] | None, ops: list[str] | None) -> bool:
-    return aten.matches_any(o.name, ops) and (not modules or aten.matches_any(o.module, modules))
+    return in_filter(o.name, o.module, modules, ops)
 
 
 def _first_stores(ops: Iterable[OpData]) -> Iterable[tuple[OpData, int]]:

@@ -340,7 +340,7 @@ class Pending:
 def select(b: OpBuilder, opts: Any, name: str, module: str | None) -> None:
     """Whether the op (or compiled unit) about to be recorded is inside the --module/--op filter. Outside it: recorded
     with statistics (replay then says where a difference came in), data only from what a budget leaves for such ops."""
-    b.selected = aten.matches_any(name, opts.ops) and (not opts.modules or aten.matches_any(module, opts.modules))
+    b.selected = opts.selects(name, module)
     b.data_off = b.left_out = None if b.selected or b.budget is not None else schema.LEFT_OUT_FILTERED
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from replaydiff import aten
 from replaydiff.record.budget import parse_size
 from replaydiff.record.step_range import StepRange
 from replaydiff.trace.schema import wire_options
@@ -19,6 +20,12 @@ def _globs(v: Any) -> list[str] | None:
     if v is None or v == [] or v == ():
         return None
     return [v] if isinstance(v, str) else [str(x) for x in v]
+
+
+def in_filter(name: str, module: str | None, modules: list[str] | None, ops: list[str] | None) -> bool:
+    """The --module/--op rule: the op name matches an --op glob (any, without one) and, with --module globs, its
+    module path matches one."""
+    return aten.matches_any(name, ops) and (not modules or aten.matches_any(module, modules))
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,10 @@ class RecordOptions:
     # of a compiled graph as one unit (its inputs, outputs and aten graph); "eager" runs them as eager aten ops, each
     # recorded (what replaydiff did before units: not the compiled code the job runs otherwise).
     compiled: str = "capture"
+
+    def selects(self, name: str, module: str | None) -> bool:
+        """Whether an op (or compiled unit) of this name and module path is inside the --module/--op filter."""
+        return in_filter(name, module, self.modules, self.ops)
 
     def __post_init__(self) -> None:
         if self.tensors not in TENSOR_MODES:
