@@ -461,3 +461,43 @@ def test_stopped_tracker_restores_dynamo():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert a.stop() == [] and a.first_warning() is None
+
+
+_HOOK_WARNING = "when there are global hooks on modules"
+
+
+def _hook_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if _HOOK_WARNING in str(w.message)]
+
+
+@pytest.mark.parametrize("granularity", ["op", "module"])
+def test_recording_a_compiled_module_adds_no_torch_warning_about_its_own_hooks(tmp_path, granularity):
+    """torch warns when a compiled module is called while global module hooks exist: while recording those are the
+    recorder's own, so the job sees no such warning, and its warning filters are as they were afterwards."""
+    torch.manual_seed(0)
+    compiled = torch.compile(Tiny(), backend="eager")
+    x = torch.randn(2, 4)
+    compiled(x)
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with replaydiff.record(tmp_path / "t", tensors="stats", granularity=granularity):
+            compiled(x).sum().backward()
+    assert _hook_warnings(caught) == []
+    assert warnings.filters == before
+
+
+def test_the_jobs_own_global_hook_still_gets_torchs_warning(tmp_path):
+    torch.manual_seed(0)
+    compiled = torch.compile(Tiny(), backend="eager")
+    x = torch.randn(2, 4)
+    compiled(x)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with replaydiff.record(tmp_path / "t", tensors="stats"):
+                compiled(x)
+    finally:
+        handle.remove()
+    assert len(_hook_warnings(caught)) >= 1

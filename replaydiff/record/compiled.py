@@ -39,7 +39,8 @@ import logging
 import os
 import sys
 import threading
-from typing import Any
+import warnings
+from typing import Any, Callable
 
 from replaydiff.trace.schema import CompiledRegion, compiled_regions_from_wire
 
@@ -111,6 +112,36 @@ _lock = threading.Lock()
 _active: list["CompiledRegionTracker"] = []
 _patches: dict[str, Any] = {}  # what was replaced, to put back
 _COMPILE_WRAPPER = "compile_wrapper"
+
+
+# torch warns at every call of a torch.compile'd module while any global module hook is installed
+# (torch/_dynamo/eval_frame.py, OptimizedModule.__call__). While recording, the hooks are the recorder's own (its module
+# tracker and module statistics), which expect the OptimizedModule's extra call: the warning would be about
+# replaydiff, not about the job.
+_GLOBAL_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
+
+
+def quiet_global_hook_warning() -> Callable[[], None]:
+    """Filter torch's global-hook warning for compiled modules while recording, only when the job has installed no
+    global module hook of its own (then the warning still reaches it); returns what undoes exactly that filter."""
+    try:
+        from torch.nn.modules.module import _has_any_global_hook
+
+        if _has_any_global_hook():
+            return lambda: None
+        warnings.filterwarnings("ignore", message=_GLOBAL_HOOK_WARNING, category=UserWarning)
+        entry = warnings.filters[0]
+    except Exception as exc:
+        log.debug("torch's global-hook warning not filtered: %s", exc)
+        return lambda: None
+
+    def undo() -> None:
+        try:
+            warnings.filters.remove(entry)
+            warnings._filters_mutated()  # type: ignore[attr-defined]  # what filterwarnings itself calls
+        except (ValueError, AttributeError):
+            pass  # the job's own catch_warnings() already put its filters back
+    return undo
 
 
 def _eval_frame_file() -> str | None:

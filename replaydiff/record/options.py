@@ -106,17 +106,18 @@ class RecordOptions:
             StepRange.parse(self.steps)  # ValueError with the reason
         if self.flight is not None:
             if self.flight < 1 or self.flight_mib <= 0:
-                raise ValueError("flight needs a positive number of steps and flight_mib > 0")
+                raise ValueError("flight needs a positive number of steps and flight_mib > 0 (--flight K, --flight-mib MIB)")
             if self.tensors == "full" and not (self.modules or self.ops):
-                raise ValueError("the flight recorder keeps full tensors only for a filter (modules= or ops=: the "
-                                 "suspect), statistics for the rest; without one use tensors='stats' (or 'meta')")
+                raise ValueError("the flight recorder keeps full tensors only for a filter (modules=/ops=, --module/--op: "
+                                 "the suspect), statistics for the rest; without one use tensors='stats' "
+                                 "(--tensors stats) or 'meta'")
         if self.budget is not None:
             if not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget <= 0:
                 raise ValueError(f"budget must be a positive number of bytes, not {self.budget!r}")
             if self.tensors != "full":
-                raise ValueError("budget limits the tensor data a trace stores: use tensors='full'")
+                raise ValueError("budget limits the tensor data a trace stores: use tensors='full' (--tensors full)")
         if self.granularity == "module" and self.tensors == "full":
-            raise ValueError("granularity='module' records statistics: use tensors='stats'")
+            raise ValueError("granularity='module' records statistics: use tensors='stats' (--tensors stats)")
 
     @classmethod
     def make(cls, tensors: str = "full", compress: bool | int | None = True, **kw: Any) -> "RecordOptions":

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from replaydiff.aten import current_rank, facts, iter_tensors, written_args
-from replaydiff.record.compiled import CompiledRegionTracker
+from replaydiff.record.compiled import CompiledRegionTracker, quiet_global_hook_warning
 from replaydiff.record.context import OpContext
 from replaydiff.record.environment import environment_snapshot
 from replaydiff.record.flight import FlightBuffer
@@ -71,6 +71,7 @@ class Recorder:
         self._sigterm_installed = False
         self._trace_closed = False
         self._plant = None  # the PlantedFault of options.plant, a mode below the recording mode
+        self._unquiet = _nothing  # undoes the filter of torch's global-hook warning (compiled.quiet_global_hook_warning)
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> "Recorder":
@@ -208,6 +209,7 @@ class Recorder:
             self.context.enter_module(module, inputs)
 
     def _attach(self) -> None:
+        self._unquiet = quiet_global_hook_warning()  # before the recorder's own global hooks go in
         if self.options.granularity == "module":
             self._module_hooks = self._module_hooks or ModuleStatsHooks(self)
             self._module_hooks.install()
@@ -220,6 +222,8 @@ class Recorder:
             self._units.attach(self._mode)
 
     def _detach(self) -> None:
+        self._unquiet()
+        self._unquiet = _nothing
         if self._units is not None:
             self._units.detach()
         if self._module_hooks is not None:
@@ -395,6 +399,10 @@ class Recorder:
 
     def _warn(self, msg: str) -> None:
         warnings.warn(f"replaydiff: {msg}", RuntimeWarning, stacklevel=3)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _active_modes() -> list:

@@ -12,6 +12,7 @@ counted only when a sum says there are some (the common all-finite case costs no
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 
@@ -76,12 +77,15 @@ def cpu_values(t: torch.Tensor, is_dense: bool, copy: bool = True) -> np.ndarray
     if npdt is None:
         return None
     n = t.numel()
-    storage = t.untyped_storage()
     itemsize = t.element_size()
+    if is_dense and copy:
+        # The flat range copied by one C call into a bytes object: ~0.4 us against ~2 us for a memoryview, a numpy
+        # view of it and its copy (most tensors of a step are small, and this runs for each one).
+        return np.frombuffer(ctypes.string_at(t.data_ptr(), n * itemsize), dtype=npdt)
+    storage = t.untyped_storage()
     buf = address_view(storage.data_ptr(), storage.nbytes())
     if is_dense:  # the flat range: no strided view to build (as_strided alone costs ~7 us)
-        flat = np.frombuffer(buf, dtype=npdt, count=n, offset=t.storage_offset() * itemsize)
-        return flat.copy() if copy else flat
+        return np.frombuffer(buf, dtype=npdt, count=n, offset=t.storage_offset() * itemsize)
     base = np.frombuffer(buf, dtype=npdt)
     view = np.lib.stride_tricks.as_strided(base[t.storage_offset():], shape=tuple(t.shape),
                                            strides=tuple(s * itemsize for s in t.stride()), writeable=False)
