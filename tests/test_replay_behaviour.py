@@ -294,6 +294,24 @@ def test_ops_that_write_are_compared_on_what_they_wrote(tmp_path):
         assert r.status is Status.OK and r.metrics is not None and "norm_max" in r.metrics, (name, r)
 
 
+
+@pytest.mark.parametrize("precision", ["same", "fp64"])
+def test_an_in_place_op_that_grows_its_argument_replays(tmp_path, precision):
+    """addbmm_ of a [1] tensor resizes it to [5, 10] (torch allows it, with a warning): its rebuilt input must be a
+    storage torch can grow, at either precision (op_db's addbmm inplace sample)."""
+    torch.manual_seed(0)
+    b1, b2 = torch.randn(5, 5, 5), torch.randn(5, 5, 10)
+
+    def fn():
+        x = torch.ones(1)
+        x.addbmm_(b1, b2)
+        return x
+
+    path = rh.record_fn(tmp_path / "trace", fn)
+    report = rh.replay_trace_uncached(path, precision=precision)
+    (r,) = [x for x in report.ops if x.op == "aten.addbmm_.default"]
+    assert r.status is Status.OK, r
+
 def test_foreach_fault_is_caught_on_the_lists_it_wrote():
     op = "aten._foreach_mul_.Scalar"
     clean = rh.trace_ops(rh.step_trace("mlp_foreach"))

@@ -67,7 +67,10 @@ def copy_bytes(u8: torch.Tensor) -> torch.Tensor:
     """A copy of a contiguous uint8 CPU tensor (as ``empty_bytes``, and copied by numpy: no parallel region)."""
     out = empty_bytes(u8.numel())
     if u8.numel():
-        numpy.copyto(out.numpy(), u8.numpy())
+        # Through memoryviews of the data pointers, not Tensor.numpy(): that marks a storage not resizable for
+        # good, and an op that grows its in-place argument (addbmm_ of a [1] tensor into [5, 10]) then fails.
+        numpy.copyto(numpy.frombuffer(tensor_writable_view(out), dtype=numpy.uint8),
+                      numpy.frombuffer(address_view(u8.data_ptr(), u8.numel()), dtype=numpy.uint8))
     return out
 
 
