@@ -36,6 +36,8 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {}
 # Values OpBuilder.encode_list keeps as they are, exactly as schema.encode_value would (ints within msgpack's range).
 _VERBATIM = frozenset({bool, float, str, type(None)})
 _INT_MIN, _INT_END = -(1 << 63), 1 << 64
+# dtype names (as ref() spells them) of the tensors that can carry the conj bit
+_COMPLEX = frozenset(str(d).removeprefix("torch.") for d in (torch.complex32, torch.complex64, torch.complex128))
 
 
 class RecorderLike(Protocol):
@@ -142,8 +144,10 @@ class OpBuilder:
             self.rec.storages.bump(entry)
             self.unseen_writes += 1
         # One call builds the whole reference (this runs for every tensor of every op).
+        # Only a complex tensor can carry the conj bit (conj() of a real one is itself): one torch call fewer.
         ref = schema.wire_stored_tensor(dtype, shape, stride, t.storage_offset(), dev, entry.version, entry.nbytes,
-                                        t.requires_grad, entry.uninitialised, t.is_conj(), t.is_neg())
+                                        t.requires_grad, entry.uninitialised, dtype in _COMPLEX and t.is_conj(),
+                                        t.is_neg())
         if not store:
             return ref
         if self.mode == "full" and (self.max_bytes is None or entry.nbytes <= self.max_bytes) and \
