@@ -147,6 +147,7 @@ def test_a_full_disk_keeps_recording_statistics_with_one_warning(tmp_path, monke
     r = open_trace(tmp_path / "t").rank(0)
     ops = list(r)
     assert r.complete and len(ops) == r.manifest["ops_seen"]
+    assert r.bytes_missing == 0  # what the full disk refused was never counted as written: not "damaged"
     left = [op for op in ops if op.data_left_out is not None]
     assert left and {op.data_left_out for op in left} == {"disk full"}
     before = [op for op in ops if op.index < left[0].index and _tensor_refs(op)]

@@ -356,6 +356,21 @@ def test_a_removed_data_file_is_one_line_and_nothing_after_it(recorded, tmp_path
     assert proc.returncode == 3, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "missing" in lines[0] and ".safetensors" in lines[0], proc.stderr
+
+
+def test_show_says_a_trace_copied_in_part_is_damaged(recorded, tmp_path, capsys):
+    """A deleted or cut data file: show said "complete" (the manifest's word) and replay then stopped with exit 3."""
+    cwd, _ = recorded
+    assert main(["show", str(cwd / "trace")]) == 0
+    assert "DAMAGED" not in capsys.readouterr().out
+    shutil.copytree(cwd / "trace", tmp_path / "t")
+    data = sorted((tmp_path / "t" / "rank0" / "data").glob("*.safetensors"))
+    size = data[0].stat().st_size
+    with open(data[0], "r+b") as f:
+        f.truncate(size - 10)
+    assert main(["show", str(tmp_path / "t")]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0: " in out and "(DAMAGED: 10 B of its op and data files are missing" in out, out
 CNN = textwrap.dedent("""
     import torch
     import torch.nn.functional as F

@@ -337,7 +337,7 @@ def test_nan_at_step_12_dumps_the_last_k_steps(tmp_path, granularity):
         loss = train(gpt2(layers=1), 16, nan_row_at(12))
     assert math.isnan(loss.item())  # training went on, unchanged, after the dump
     r = open_trace(tmp_path / "t").rank(0)
-    assert r.complete
+    assert r.complete and r.bytes_missing == 0
     assert sorted({op.step for op in r}) == list(range(12 - k + 1, 13))
     assert "NaN" in r.manifest["flight"]["reason"]
     change = compute_trend(r).first_change

@@ -65,6 +65,7 @@ def rank_summary(r: RankTrace, top: int) -> dict[str, Any]:
         "stopped": r.stopped,
         "planted": r.planted.describe() if r.planted is not None else None,
         "truncated_after": r.truncated_after,
+        "bytes_missing": r.bytes_missing,
         "phases": dict(phases),
         "most_frequent": ops.most_common(top),
         "distinct_ops": len(ops),
@@ -88,6 +89,9 @@ def _state(s: dict[str, Any]) -> str:
     """How the recording of a rank ended: read to the end, or why not."""
     if not s["complete"]:
         return f"TRUNCATED after op {s['truncated_after']}"
+    if s["bytes_missing"]:
+        return (f"DAMAGED: {_human(s['bytes_missing'])} of its op and data files are missing or cut short since it "
+                f"was written (copied in part?); replay stops at the first op that reads them")
     if s["stopped"]:
         return f"STOPPED part-way: {s['stopped']}"
     if any(x.reason == LEFT_OUT_BUDGET for x in s["left_out"]):

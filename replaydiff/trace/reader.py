@@ -42,7 +42,8 @@ from replaydiff.trace.format import (
 from replaydiff.trace.index import IndexBuilder, ModuleNode, TraceIndex
 from replaydiff.trace.schema import (CompiledRegion, Environment, LeftOut, OpRecord, PlantedFaultInfo,
                                      RecordedOptions, RngState, StoredBytes, TensorRef, check_chunk, check_entered,
-                                     left_out_from_manifest, manifest_stopped, manifest_metadata, plant_from_wire)
+                                     left_out_from_manifest, manifest_bytes_written, manifest_stopped, manifest_metadata,
+                                     plant_from_wire)
 from replaydiff.trace.sources import SourceLine, locate, split_location
 
 
@@ -59,7 +60,8 @@ class DataFile:
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            raise TraceError(path, "missing") from None
+            raise TraceError(path, "missing: ops of this trace read tensors from it (was the trace copied whole? "
+                                   "`replaydiff show` says what is missing)") from None
         except OSError as exc:
             raise TraceError(path, f"unreadable ({exc.strerror or exc})") from None
         # The one place the descriptor is closed, at most once: by close(), on a bad header, or when the object is
@@ -168,6 +170,23 @@ class RankTrace(Sequence):
     def stopped(self) -> str | None:
         """Why the recording stopped part-way (the recorder's own failure: it warned "recording stopped"), or None."""
         return manifest_stopped(self.manifest)
+
+    @property
+    def bytes_missing(self) -> int:
+        """Bytes of the op chunks and data files the writer wrote (its final manifest counts them) that are not on disk
+        now: a file deleted or cut short since, e.g. a trace copied in part. 0 when all are there, or when the
+        manifest does not say (a recording that never finished)."""
+        written = manifest_bytes_written(self.manifest) if self.complete else None
+        if written is None:
+            return 0
+        on_disk = 0
+        for sub in (OPS_DIR, DATA_DIR):
+            try:
+                on_disk += sum(p.stat().st_size for p in (self.root / sub).iterdir()
+                               if p.is_file() and not p.name.endswith(".tmp"))
+            except OSError:
+                pass  # a directory that is gone holds nothing
+        return max(written - on_disk, 0)
 
     @property
     def lost(self) -> list[str]:

@@ -1017,6 +1017,7 @@ _M_RANK, _M_WORLD, _M_ENV, _M_OPTIONS, _M_STARTED, _M_ROOT = (
 _M_COMPILED, _M_UNSEEN, _M_OPS_SEEN, _M_SECONDS, _M_DISABLED, _M_CUSTOM, _M_SOURCES, _M_PLANTED = (
     "compiled_regions", "unseen_writes", "ops_seen", "record_seconds", "disabled", "custom_ops", "source_files",
     "planted")
+_M_DATA_BYTES = "data_bytes"  # what the writer wrote into ops/ and data/ (trace/writer.py RankWriter.close)
 # Environment keys (record/environment.py builds the snapshot through wire_environment and wire_device).
 _E_FLAGS, _E_VARIABLES, _E_DEVICES = "flags", "variables", "devices"
 _E_SCALARS = ("torch", "python", "platform", "hostname", "rank", "world_size", "cuda", "cudnn", "nccl",
@@ -1320,6 +1321,11 @@ class LeftOutTally:
                      **({_LO_EVERY: True} if n == self._seen else {})}
                for why, (n, first, last) in self._ops.items()}
         return {_M_LEFT_OUT: out} if out else {}
+
+
+def manifest_bytes_written(manifest: dict) -> int | None:
+    """Bytes of op chunks and data files the writer wrote, as its final manifest counts them (None: not said)."""
+    return _typed(manifest.get(_M_DATA_BYTES), int)
 
 
 def manifest_stopped(manifest: dict) -> str | None:
