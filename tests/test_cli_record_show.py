@@ -371,6 +371,9 @@ def test_show_says_a_trace_copied_in_part_is_damaged(recorded, tmp_path, capsys)
     assert main(["show", str(tmp_path / "t")]) == 0
     out = capsys.readouterr().out
     assert "rank 0: " in out and "(DAMAGED: 10 B of its op and data files are missing" in out, out
+    assert main(["show", str(tmp_path / "t"), "--json"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    assert js["format"] == "replaydiff.show/1" and js["ranks"][0]["bytes_missing"] == 10
 CNN = textwrap.dedent("""
     import torch
     import torch.nn.functional as F

@@ -18,6 +18,7 @@ from replaydiff.trace.schema import LEFT_OUT_BUDGET, PHASES, Environment
 from replaydiff.trace.sync import GroupArrival, RankProgress, arrivals, progress
 
 OP_JSON_FORMAT = "replaydiff.op/1"
+SUMMARY_FORMAT = "replaydiff.show/1"  # `show --json` of a whole trace
 
 NAME = "show"
 HELP = "summarise a trace, print one op with --op N, or list ops with --list"
@@ -299,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
                           "last_op": None if p.last_op is None else p.last_op.index,
                           "entered": None if p.entered is None else {"index": p.entered.index,
                                                                     "op": p.entered.name}} for p in ranks]
-        sys.stdout.write(json.dumps({"trace": args.trace, "ranks": [_summary_json(s) for s in summaries],
+        sys.stdout.write(json.dumps({"format": SUMMARY_FORMAT, "trace": args.trace, "ranks": [_summary_json(s) for s in summaries],
                                      "collectives": [g.to_json() for g in groups], "progress": progress_json},
                                     indent=1) + "\n")
     else:
