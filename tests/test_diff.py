@@ -199,7 +199,7 @@ def test_inputs_of_the_step_that_already_differ_are_said_first(tmp_path: Path, c
                                f"trace, first float32[4, 16] (requires grad) at ref #{first.ref} / "
                                f"target #{first.target} {first.op} input {first.position}  TinyMLP.net.2"), lines[:3]
     doc = json.loads((tmp_path / "d.json").read_text())
-    assert list(doc)[:5] == ["format", "ref", "target", "baseline", "step_inputs"]
+    assert list(doc)[:6] == ["format", "planted", "ref", "target", "baseline", "step_inputs"]
     assert doc["step_inputs"]["differ"] == 1 and doc["step_inputs"]["first"]["index"] == {
         "ref": first.ref, "target": first.target}
     assert doc["ranks"][0]["step_inputs"]["differ"] == 1
