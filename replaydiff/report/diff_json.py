@@ -1,8 +1,9 @@
 """The JSON diff report, schema ``replaydiff.diff/1`` (documented in docs/diff.md, beside the replay schema).
 
 Top level: ``format``, ``planted`` (faults planted while recording, one line per trace and rank: "in the target
-trace, ..."; empty for real traces), ``ref``, ``target``, ``baseline``, ``step_inputs`` (null, or for the first rank pair whose
-step began from inputs that already differed: ``compared``, ``differ``, ``first`` and ``differing``), ``options``,
+trace, ..."; empty for real traces), ``ref``, ``target``, ``baseline``, ``step_inputs`` (null, or for the first
+rank pair whose step began from inputs that already differed: ``compared``, ``differ``, ``first`` and
+``differing``), ``options``,
 ``steps`` (null, or the line saying which steps are compared when the traces hold different steps),
 ``warnings``, ``environment`` (one object per
 difference: ``key``, ``ref``, ``target``, ``hint``), ``summary`` (pair counts per status, ops on one side only),
