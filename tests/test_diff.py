@@ -199,7 +199,7 @@ def test_inputs_of_the_step_that_already_differ_are_said_first(tmp_path: Path, c
                                f"trace, first float32[4, 16] (requires grad) at ref #{first.ref} / "
                                f"target #{first.target} {first.op} input {first.position}  TinyMLP.net.2"), lines[:3]
     doc = json.loads((tmp_path / "d.json").read_text())
-    assert list(doc)[:5] == ["format", "ref", "target", "baseline", "step_inputs"]
+    assert list(doc)[:6] == ["format", "planted", "ref", "target", "baseline", "step_inputs"]
     assert doc["step_inputs"]["differ"] == 1 and doc["step_inputs"]["first"]["index"] == {
         "ref": first.ref, "target": first.target}
     assert doc["ranks"][0]["step_inputs"]["differ"] == 1
@@ -521,6 +521,66 @@ def test_rank_pairing() -> None:
         rank_pairs([0, 1], [2, 3])
     with pytest.raises(UsageError):
         rank_pairs([0, 1], [0, 1], only=4)
+    # A trace of rank 1 of a 2-rank job (record --ranks 1) is no single process: it pairs with rank 1 alone
+    assert rank_pairs([0, 1], [1], ref_world=2, target_world=2) == [(1, 1)]
+    assert rank_pairs([1], [0, 1], ref_world=2, target_world=2) == [(1, 1)]
+    assert rank_pairs([0], [1], ref_world=1, target_world=2) == [(0, 1)]  # a single process still pairs with any
+    with pytest.raises(UsageError, match="rank 0 is not in both traces"):
+        rank_pairs([0, 1], [1], only=0, ref_world=2, target_world=2)
+    with pytest.raises(UsageError, match="share no rank"):
+        rank_pairs([0], [1], ref_world=2, target_world=2)
+
+
+def _mlp_rank_step(rank: int):
+    """A data-parallel rank's step: the same model, the rank's own batch."""
+    torch.manual_seed(0)
+    model = rh.TinyMLP()
+    return make_step(model, model.example_batch(seed=rank), torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def test_a_trace_of_one_rank_of_a_job_pairs_with_that_rank(tmp_path: Path, monkeypatch, capsys) -> None:
+    """`record --ranks 1` of a 2-rank job against both ranks of it: rank 1 is diffed against rank 1 (not rank 0
+    too, as though the one-rank trace were a single process) and the planted op is the only culprit; rank 0, in
+    the reference only, is said once."""
+    ref, target = tmp_path / "both", tmp_path / "rank1"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        rh.record_fn(ref, _mlp_rank_step(rank))
+    rh.record_fn(target, _mlp_rank_step(1), PlantedFault("aten.addmm.default", call=2))
+    assert open_trace(ref).ranks == [0, 1] and open_trace(target).ranks == [1]
+
+    report = diff_traces(ref, target)
+    assert [(rd.ref_rank, rd.target_rank) for rd in report.ranks] == [(1, 1)]
+    assert report.warnings == [f"rank 0 is only in {ref}: not compared"]
+    rd, first = report.first_divergent
+    planted = _index(target, "aten.addmm.default", 1, rank=1)
+    assert (first.ref, first.target, first.inputs_agree) == (planted, planted, True)
+    assert [rd for rd in report.ranks if rd.step_inputs.differ] == []
+
+    assert main(["diff", str(ref), str(target)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.count("rank 0 is only in") == 1
+    assert f"ref rank 1 / target rank 1: " in captured.out and "ref rank 0" not in captured.out
+    assert f"first divergence ref #{planted} / target #{planted} aten.addmm.default" in captured.out
+    assert main(["diff", str(ref), str(target), "--rank", "0"]) == 2
+    assert "rank 0 is not in both traces" in capsys.readouterr().err
+
+
+def test_a_planted_fault_is_said_first(tmp_path: Path, capsys) -> None:
+    """A trace with a planted fault: diff's first line says so (as replay's does) and its JSON has ``planted``."""
+    ref = rh.record_fn(tmp_path / "ref", rh.STEPS["mlp"]())
+    target = rh.record_fn(tmp_path / "target", rh.STEPS["mlp"](), plant="aten.addmm.default:1:1e-3")
+    index = _index(target, "aten.addmm.default")
+    line = f"PLANTED FAULT (record --plant): in the target trace, aten.addmm.default call 1 x(1+0.001), op #{index} " \
+           f"on rank 0"
+    assert diff_traces(ref, target).planted == [line[len("PLANTED FAULT (record --plant): "):]]
+    assert main(["diff", str(ref), str(target)]) == 1
+    assert capsys.readouterr().out.splitlines()[0] == line
+    assert main(["diff", str(ref), str(target), "--json", "-"]) == 1
+    assert json.loads(capsys.readouterr().out)["planted"] == [line[len("PLANTED FAULT (record --plant): "):]]
+    assert main(["diff", str(ref), str(ref), "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["planted"] == []
 
 
 def _batches_run(path: Path, scale_step: int | None) -> Path:

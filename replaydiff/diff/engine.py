@@ -1,7 +1,8 @@
 """Diffing two traces: pair their ranks, align each pair's op streams, compare the aligned pairs, diff environments.
 
-Ranks pair up by number when both traces hold the same ranks; a single-process trace pairs with every rank of the
-other (rank 0 of 8 against a single process, or each rank of a 2-rank run against it). ``--rank`` keeps one.
+Ranks pair up by number; a single-process trace (one rank, world size 1) pairs with every rank of the other (rank 0
+of 8 against a single process, or each rank of a 2-rank run against it), while a trace of some ranks of a larger job
+(``record --ranks 1``) keeps pairing by number. ``--rank`` keeps one.
 With a baseline (a second reference run), the reference is first diffed against the baseline: the error of each
 tensor between the two reference runs, times a safety factor, widens that tensor's limit beyond the fixed per-dtype
 limits (never narrows them: no error between the two reference runs leaves the fixed limits).
@@ -44,11 +45,17 @@ class DiffOptions:
                 "scale_reductions": self.tolerances.scale_reductions, "safety": self.safety, "step": self.step}
 
 
-def rank_pairs(ref: list[int], target: list[int], only: int | None = None) -> list[tuple[int, int]]:
-    """(reference rank, target rank) pairs to diff."""
-    if len(ref) == 1 and ref != target:
+def rank_pairs(ref: list[int], target: list[int], only: int | None = None, ref_world: int = 1,
+               target_world: int = 1) -> list[tuple[int, int]]:
+    """(reference rank, target rank) pairs to diff, given the ranks each trace holds and the world size of the job
+    that recorded it. A trace is a single process when it holds one rank of a job of world size 1 (a trace that
+    does not know its world size counts as one): it pairs with every rank of the other. Otherwise ranks pair by
+    number: a ``record --ranks 1`` trace of a 2-rank job holds rank 1 of 2, and pairs with rank 1 alone."""
+    ref_single = len(ref) == 1 and ref_world <= 1
+    target_single = len(target) == 1 and target_world <= 1
+    if ref_single:
         pairs = [(ref[0], t) for t in target]
-    elif len(target) == 1 and ref != target:
+    elif target_single:
         pairs = [(r, target[0]) for r in ref]
     else:
         pairs = [(r, r) for r in target if r in ref]
@@ -56,10 +63,12 @@ def rank_pairs(ref: list[int], target: list[int], only: int | None = None) -> li
         raise UsageError(f"the traces share no rank (reference ranks {ref}, target ranks {target})")
     if only is not None:
         # N names a rank of the multi-rank side: the target's, or the reference's against a single-process target.
-        side, ranks = (0, ref) if len(target) == 1 and len(ref) > 1 else (1, target)
+        side, ranks = (0, ref) if target_single and not ref_single else (1, target)
         kept = [p for p in pairs if p[side] == only]
         if not kept:
             which = "reference" if side == 0 else "target"
+            if not (ref_single or target_single) and (only in ref or only in target):  # paired by number
+                raise UsageError(f"rank {only} is not in both traces (reference ranks {ref}, target ranks {target})")
             raise UsageError(f"rank {only} is not in the {which} trace (ranks: {ranks})")
         pairs = kept
     return pairs
@@ -312,6 +321,11 @@ def diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: Di
         torch.set_num_threads(threads)
 
 
+def _world_size(t: Trace) -> int:
+    """The world size of the job that recorded ``t`` (its manifests say; 1 when they do not)."""
+    return max(r.world_size for r in t)
+
+
 def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: DiffOptions | None,
                  baseline: str | Path | Trace | None, progress_total: Callable[[int], None] | None,
                  progress: Callable[[int], None] | None) -> DiffReport:
@@ -319,19 +333,21 @@ def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: D
     rt = ref if isinstance(ref, Trace) else open_trace(ref)
     tt = target if isinstance(target, Trace) else open_trace(target)
     bt = None if baseline is None else (baseline if isinstance(baseline, Trace) else open_trace(baseline))
-    pairs = rank_pairs(rt.ranks, tt.ranks, opts.rank)
+    pairs = rank_pairs(rt.ranks, tt.ranks, opts.rank, _world_size(rt), _world_size(tt))
     report = DiffReport(ref=str(rt.path), target=str(tt.path), options=opts.to_dict(),
                         baseline=None if bt is None else str(bt.path))
     if opts.rank is None:
-        for side, ranks, used in (("reference", rt.ranks, {a for a, _ in pairs}),
-                                  ("target", tt.ranks, {b for _, b in pairs})):
-            left = [r for r in ranks if r not in used]
+        for t, used in ((rt, {a for a, _ in pairs}), (tt, {b for _, b in pairs})):
+            left = [r for r in t.ranks if r not in used]
             if left:
-                report.warnings.append(f"{side} rank(s) {left} have no counterpart in the other trace: not diffed")
+                said = f"rank {left[0]} is" if len(left) == 1 else f"ranks {', '.join(map(str, left))} are"
+                report.warnings.append(f"{said} only in {t.path}: not compared")
     first_ref, first_target = rt.rank(pairs[0][0]), tt.rank(pairs[0][1])
     report.environment = environment_diff(first_ref.environment, first_target.environment)
     for side, t in (("reference", rt), ("target", tt)):
         for r in t:
+            if r.planted is not None:
+                report.planted.append(f"in the {side} trace, {r.planted.describe()}")
             if r.truncated_after is not None:
                 report.warnings.append(f"{side} rank {r.rank}: recording never finished; the trace stops after "
                                        f"op #{r.truncated_after}")

@@ -354,6 +354,8 @@ class DiffReport:
     baseline: str | None = None
     warnings: list[str] = field(default_factory=list)
     steps: str | None = None  # which steps are compared, when the traces hold different steps (or --step picked)
+    # Faults planted while recording (record --plant), one line per side and rank: every report says so first.
+    planted: list[str] = field(default_factory=list)
 
     def candidates(self) -> list[tuple[RankDiff, PairResult]]:
         """One first divergence per rank pair, earliest (by reference op number) first."""

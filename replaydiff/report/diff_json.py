@@ -1,7 +1,9 @@
 """The JSON diff report, schema ``replaydiff.diff/1`` (documented in docs/diff.md, beside the replay schema).
 
-Top level: ``format``, ``ref``, ``target``, ``baseline``, ``step_inputs`` (null, or for the first rank pair whose
-step began from inputs that already differed: ``compared``, ``differ``, ``first`` and ``differing``), ``options``,
+Top level: ``format``, ``planted`` (faults planted while recording, one line per trace and rank: "in the target
+trace, ..."; empty for real traces), ``ref``, ``target``, ``baseline``, ``step_inputs`` (null, or for the first
+rank pair whose step began from inputs that already differed: ``compared``, ``differ``, ``first`` and
+``differing``), ``options``,
 ``steps`` (null, or the line saying which steps are compared when the traces hold different steps),
 ``warnings``, ``environment`` (one object per
 difference: ``key``, ``ref``, ``target``, ``hint``), ``summary`` (pair counts per status, ops on one side only),
@@ -49,6 +51,7 @@ def diff_to_json(report: DiffReport) -> dict:
     parted = report.step_inputs_differ
     return {
         "format": DIFF_FORMAT,
+        "planted": list(report.planted),
         "ref": report.ref, "target": report.target, "baseline": report.baseline,
         "step_inputs": _clean(parted[0].step_inputs.to_json()) if parted else None,
         "options": _clean(report.options),

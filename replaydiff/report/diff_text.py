@@ -8,6 +8,7 @@ from collections import Counter
 from typing import TextIO
 
 from replaydiff.diff.result import DiffReport, PairResult, PairStatus, RankDiff, Unaligned, UnitPair
+from replaydiff.report.text import planted_line
 
 
 def _value(v: object) -> str:
@@ -116,11 +117,17 @@ def _rank_block(rd: RankDiff, many: bool, out: TextIO, max_listed: int) -> None:
             out.write(f"    ... {len(runs) - max_listed} more (--json for all)\n")
 
 
+def _rank_labels(report: DiffReport) -> bool:
+    """Whether each rank pair's lines name its ranks: more than one pair, or one that is not rank 0 of both (a
+    ``record --ranks 1`` trace of a 2-rank job diffed alone)."""
+    return len(report.ranks) > 1 or any((rd.ref_rank, rd.target_rank) != (0, 0) for rd in report.ranks)
+
+
 def _step_inputs_lines(report: DiffReport) -> list[str]:
     """One line per rank pair whose step began from inputs that already differed."""
     lines = []
     advice = None
-    many = len(report.ranks) > 1
+    many = _rank_labels(report)
     for rd in report.step_inputs_differ:
         si = rd.step_inputs
         first = si.first
@@ -150,6 +157,8 @@ def _parted_advice(step: int | None, first_step: int | None) -> str:
 
 
 def render_diff(report: DiffReport, out: TextIO, max_listed: int = 10) -> None:
+    if report.planted:
+        out.write(planted_line(report.planted) + "\n")
     base = f" (tolerances from baseline {report.baseline})" if report.baseline else ""
     out.write(f"diff of {report.target} against {report.ref}{base}\n")
     if report.steps:
@@ -164,11 +173,10 @@ def render_diff(report: DiffReport, out: TextIO, max_listed: int = 10) -> None:
                 out.write(f"    hint: {d.hint}\n")
     else:
         out.write("environment: same\n")
-    many = len(report.ranks) > 1
     for rd in report.ranks:
-        _rank_block(rd, many, out, max_listed)
+        _rank_block(rd, _rank_labels(report), out, max_listed)
     cands = report.candidates()
-    if many and cands:
+    if len(report.ranks) > 1 and cands:
         out.write("first divergences, earliest first:\n")
         for rd, p in cands:
             out.write(f"  target rank {rd.target_rank}: {pair_line(p)}\n")
