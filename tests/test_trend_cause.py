@@ -245,3 +245,40 @@ def test_trend_says_the_optimizer_update_made_an_lr_spike_and_names_the_argument
     assert cause.changed_args == ("alpha=-10.0 (-0.01 before)",)
     text = describe_cause(cause)
     assert "the optimizer's update made the change" in text and "alpha=-10.0 (-0.01 before)" in text
+
+
+BATCH_NAN_STEP = 7
+
+
+@pytest.mark.parametrize("how", [{"steps": "1-9"}, {"flight": 4}], ids=["steps", "flight"])
+def test_trend_says_a_nan_from_the_batch_enters_through_the_copy_that_wrote_it(tmp_path, how):
+    """The trial's nan.py: ``x[1, 2] = nan`` at step BATCH_NAN_STEP, in the loop and outside any module (lift_fresh
+    of a tensor made outside the dispatcher, then copy_ into the batch). The first op flagged is the first Linear's
+    addmm, which only carries the NaN; no op made it, so the cause is the copy_ through whose input 1 it came in
+    from outside the trace ("entered", not "made"), with a flight recording's few steps of history too."""
+    path = tmp_path / "nan"
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(2)
+    with replaydiff.record(path, tensors="stats", **how):
+        for step in range(1, 10):
+            x, y = torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)
+            if step == BATCH_NAN_STEP:
+                x[1, 2] = float("nan")
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if "flight" in how and step == BATCH_NAN_STEP:
+                break
+    r = open_trace(path).rank(0)
+    copy = next(op for op in r if op.name == "aten.copy_.default" and op.step == BATCH_NAN_STEP)
+    t = compute_trend(r)
+    assert (t.first_change.step, t.first_change.op, t.first_change.module) == \
+        (BATCH_NAN_STEP, "aten.addmm.default", "Sequential.0")
+    c = t.cause_to_tell
+    assert c is not None
+    assert (c.index, c.op, c.how, c.position, c.producer, c.statistic, c.value) == \
+        (copy.index, "aten.copy_.default", "entered", 1, None, "nan", 1)
+    assert f"op #{copy.index} aten.copy_.default (no module, forward) at {copy.source}" in describe_cause(c)
+    assert "the change enters through its input 1, 1 NAN value(s) where there were none, from outside the trace" \
+        in describe_cause(c)

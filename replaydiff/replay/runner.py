@@ -590,18 +590,11 @@ class OpReplayer:
                        for x in _scalars([op.args, list(op.kwargs.values())])), None
 
     def _entered_from(self, producer: int | None) -> tuple[bool, int | None]:
-        """Did an input that op ``producer`` made come from outside what replay computes? Ops that compute no new
-        value (a view, ``lift_fresh`` of a tensor made outside the dispatcher, ``detach``) are followed back to what
-        they read. (True, None): written outside the trace; (True, p): by op p, whose data the recording left out
-        (not replayed); (False, p): by op p, replayed, whose own result says where its NaN/Inf came from."""
-        while producer is not None:
-            rec = self.trace[producer]
-            if rec.data_left_out is not None:
-                return True, producer
-            if not aten.is_cheap(rec.name):
-                return False, producer
-            producer = self.trace.producers(producer).get(0)
-        return True, None
+        """Did an input that op ``producer`` made come from outside what replay computes (see ``computed_by``)?
+        (True, None): written outside the trace; (True, p): by op p, whose data the recording left out (not
+        replayed); (False, p): by op p, replayed, whose own result says where its NaN/Inf came from."""
+        p = computed_by(self.trace, producer)
+        return (p is None or self.trace[p].data_left_out is not None), p
 
     def _made_nonfinite(self, op: OpRecord, ref: TensorRef) -> bool:
         """Does recorded output ``ref`` hold a NaN/Inf other than bytes of uninitialised memory left as they were?"""
@@ -617,6 +610,15 @@ class OpReplayer:
         same = (a[:n * size].view(n, size) == b[:n * size].view(n, size)).all(1)  # per element of the storage
         stale = as_recorded(same, ref.shape, ref.stride, ref.offset).to(nonfinite.device)
         return bool((nonfinite & ~stale).any())
+
+
+def computed_by(trace: RankTrace, producer: int | None) -> int | None:
+    """The op that computed the value op ``producer`` wrote: ops that compute no new value (a view, ``detach``,
+    ``lift_fresh`` of a tensor made outside the dispatcher) are followed back to what they read. None: the value was
+    written outside the trace."""
+    while producer is not None and aten.is_cheap(trace[producer].name):
+        producer = trace.producers(producer).get(0)
+    return producer
 
 
 def _uninitialised_before(op: OpRecord) -> dict[Any, TensorRef]:

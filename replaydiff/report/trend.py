@@ -30,6 +30,7 @@ from statistics import median
 from typing import Any, TextIO
 
 from replaydiff import aten
+from replaydiff.replay.runner import computed_by
 from replaydiff.trace import RankTrace
 from replaydiff.trace.schema import LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_FILTERED, MODULE_PARAM, TensorRef, TensorStats, iter_refs
 
@@ -422,7 +423,10 @@ def find_cause(r: RankTrace, first: Change, history: _History, threshold: float)
     the last writer). A one-off op (no history: it runs in this step only, or too rarely) has its inputs of the
     followed tensor's size scored against the earlier statistics of that tensor: a ``mul_`` whose input is in line
     with the weight's past made the change. The walk stops at an op none of whose inputs is out of line (it made
-    the change) or at an input written outside the trace or by a filtered op (the change entered there)."""
+    the change) or at an input written outside the trace or by a filtered op (the change entered there). NaN/Inf
+    appearing are followed by their counts instead (``_nonfinite_cause``)."""
+    if first.statistic in ("nan", "inf"):
+        return _nonfinite_cause(r, first, history)
     op = r[first.index]
     followed = next(ref for ref in op.outputs_refs() if ref_point(ref) is not None)
     past = [q for _, q in history.earlier(first.index)]
@@ -461,6 +465,40 @@ def find_cause(r: RankTrace, first: Change, history: _History, threshold: float)
         op, followed, past, hit = writer, ref, its_past, found
     return Cause(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, source=op.source,
                  source_text=op.source_text, how="made", statistic=hit[0], value=hit[1], baseline=hit[2], history=0)
+
+
+def _nonfinite_cause(r: RankTrace, first: Change, history: _History) -> Cause:
+    """Where NaN/Inf that no op made from finite inputs in a scored step (``compute_trend``'s birth) come from: the
+    first op to show them may only carry them. The walk follows the inputs whose statistics hold NaN/Inf back to
+    the ops that wrote them (through views and other ops that compute no new value, as replay does: ``computed_by``)
+    and stops at an op none of whose inputs holds any (it made them: "made") or at an input written outside the
+    trace (the batch, a tensor written outside the dispatcher: "entered" through that input). Of several such
+    inputs, one from outside the trace first, then the one of the earliest writer. A writer the recording kept
+    with statistics only (outside a --module filter) has them, so the walk goes on through it."""
+    op = r[first.index]
+    for _ in range(MAX_HOPS):
+        producers = r.producers(op.index)
+        held = []  # (writer, or -1 for outside the trace; input position; its point)
+        for k, ref in enumerate(op.inputs()):
+            p = ref_point(ref)
+            if p is not None and _nonfinite(p):
+                writer = computed_by(r, producers.get(k))
+                held.append((-1 if writer is None else writer, k, p))
+        common = dict(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, source=op.source,
+                      source_text=op.source_text, history=len(history.earlier(op.index)), baseline=0.0)
+        if not held:
+            p = _point(op)
+            s = first.statistic if p is None or not _nonfinite(p) else ("nan" if p["nan"] > 0 else "inf")
+            return Cause(**common, how="made", statistic=s, value=first.value if p is None else p[s],
+                         from_finite=True)
+        writer, k, p = min(held, key=lambda h: (h[0], h[1]))
+        if writer < 0:
+            s = "nan" if p["nan"] > 0 else "inf"
+            return Cause(**common, how="entered", statistic=s, value=p[s], position=k, producer=None)
+        op = r[writer]
+    return Cause(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, source=op.source,
+                 source_text=op.source_text, how="made", statistic=first.statistic, value=first.value, baseline=0.0,
+                 history=0)
 
 
 def _scalar_args(op: Any) -> dict[str, Any]:
@@ -571,8 +609,9 @@ def describe_cause(c: Cause) -> str:
     else:
         what = f"{int(c.value)} {c.statistic.upper()} value(s) where there were none"
     if c.how == "entered":
-        whence = "from outside the trace (written where the recorder did not see it: between recorded steps, or " \
-                 "before the step's first recorded op)" if c.producer is None else \
+        whence = "from outside the trace (written where the recorder did not see it: between recorded steps, " \
+                 "before the step's first recorded op, or as a tensor made from a Python number)" \
+            if c.producer is None else \
             f"from op #{c.producer}, which the record filter left out"
         return f"op #{c.index} {c.op} ({where}){at}, step {c.step}: the change enters through its input " \
                f"{c.position}, {what}, {whence}"
