@@ -563,15 +563,17 @@ class Zoom:
 _BARS = "▁▂▃▄▅▆▇█"
 
 
-def sparkline(values: list[float | None]) -> str:
-    """log10-scaled bars; a space where a step has no value, ``!`` where it has NaN/Inf."""
-    logs = [None if v is None else _log(v) for v in values]
+def sparkline(values: list[float | None], held: list[float | None] | None = None) -> str:
+    """log10-scaled bars; a space where a step has no value, ``!`` where the tensor held NaN/Inf (``held``: their
+    count per step): its l2 is that of the finite values only (0 when there are none), so it is no bar and no part
+    of the scale."""
+    marks = [bool(h) for h in held] if held is not None else [False] * len(values)
+    logs = [None if v is None or bad else _log(v) for v, bad in zip(values, marks)]
     real = [x for x in logs if x is not None]
-    if not real:
-        return " " * len(values)
-    lo, hi = min(real), max(real)
+    lo, hi = (min(real), max(real)) if real else (0.0, 0.0)
     span = hi - lo or 1.0
-    return "".join(" " if x is None else _BARS[min(7, int((x - lo) / span * 7.999))] for x in logs)
+    return "".join("!" if bad else " " if x is None else _BARS[min(7, int((x - lo) / span * 7.999))]
+                   for x, bad in zip(logs, marks))
 
 
 @dataclass(frozen=True)
@@ -582,14 +584,30 @@ class SeriesSummary:
     last_l2: float | None
     absmax_max: float | None
     nonfinite: int  # NaN and Inf values over all steps
+    # The NaN/Inf the tensor held at the step of first_l2 / last_l2 ("16 NaN", "" for none): the l2 of a tensor of
+    # NaN is that of its finite values, 0 when it has none, which is no zero tensor.
+    first_held: str = ""
+    last_held: str = ""
+
+
+def nonfinite_per_step(s: Series) -> list[float | None]:
+    """NaN and Inf values of the series' tensor at each step (None where the step has no such op)."""
+    return [None if n is None and i is None else (n or 0) + (i or 0) for n, i in zip(s.values["nan"], s.values["inf"])]
+
+
+def _held(s: Series, k: int) -> str:
+    """'16 NaN', '1 NaN and 2 Inf': what the series' tensor held at step position ``k`` ('' for none)."""
+    counts = [(int(s.values[name][k] or 0), word) for name, word in (("nan", "NaN"), ("inf", "Inf"))]
+    return " and ".join(f"{n} {word}" for n, word in counts if n)
 
 
 def summarise(s: Series) -> SeriesSummary:
     l2 = s.values["l2"]
-    return SeriesSummary(first_l2=next((v for v in l2 if v is not None), None),
-                         last_l2=next((v for v in reversed(l2) if v is not None), None),
+    at = [k for k, v in enumerate(l2) if v is not None]
+    return SeriesSummary(first_l2=l2[at[0]] if at else None, last_l2=l2[at[-1]] if at else None,
                          absmax_max=max((v for v in s.values["absmax"] if v is not None), default=None),
-                         nonfinite=sum(int(v or 0) for k in ("nan", "inf") for v in s.values[k]))
+                         nonfinite=sum(int(v or 0) for k in ("nan", "inf") for v in s.values[k]),
+                         first_held=_held(s, at[0]) if at else "", last_held=_held(s, at[-1]) if at else "")
 
 
 def describe_change(c: Change) -> str:
@@ -635,6 +653,12 @@ def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.3g}"
 
 
+def _fmt_held(v: float | None, held: str) -> str:
+    """An l2 of a tensor that held NaN/Inf (``held``: '16 NaN'): that of its finite values, with the count; '-'
+    for none of them (0: there were no finite values, which is no zero tensor)."""
+    return _fmt(v) if not held else f"{_fmt(v or None)} ({held})"
+
+
 def render_trend(t: Trend, out: TextIO, width: int = 60, trace: str = "TRACE") -> None:
     """The text report; ``trace``: the trace as the user named it, for the next commands."""
     out.write(f"rank {t.rank}: {len(t.steps)} steps ({t.steps[0]}..{t.steps[-1]}), {t.ops_read} records"
@@ -677,8 +701,9 @@ def table_lines(t: Trend, width: int) -> list[str]:
     for s in t.series:
         m = summarise(s)
         mark = "*" if c is not None and c.module == s.module else " "
-        rows.append((mark + s.module, s.kind, _fmt(m.first_l2), _fmt(m.last_l2), _fmt(m.absmax_max),
-                     str(m.nonfinite), sparkline(s.values["l2"][-width:])))
+        rows.append((mark + s.module, s.kind, _fmt_held(m.first_l2, m.first_held),
+                     _fmt_held(m.last_l2, m.last_held), _fmt(m.absmax_max if m.absmax_max or not m.nonfinite else None),
+                     str(m.nonfinite), sparkline(s.values["l2"][-width:], nonfinite_per_step(s)[-width:])))
     headers = (" module", "kind", "l2 first", "l2 last", "absmax max", "nan+inf", "l2 by step (log)")
     widths = [max(len(h), *(len(r[k]) for r in rows)) if rows else len(h) for k, h in enumerate(headers)]
     return ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in (headers, *rows)]
