@@ -5,13 +5,17 @@ Top level: ``format``, ``planted`` (faults planted while recording, one line per
 ``effect`` (what the plant changed: ``tensors``, ``elements``, ``nonzero``, ``changed``, ``max_ulps``, ``nonfinite``,
 ``dtype``), ``summary``, ``outcome`` (found, not_run, no_effect, within_limit, not_checked, not_replayed) and
 ``note``),
-``trace``, ``options``, ``warnings``, ``summary`` (count per status), ``first_divergent`` (null or an op object), ``first_nondeterministic``, ``nonfinite_origin`` (the first op that made NaN/Inf from finite inputs), ``nonfinite_entry`` (null, or, when no op made them before it, the first op that read NaN/Inf no replayed op computed: its op object's ``nonfinite_input`` says which) and ``ops`` (one object per replayed op:
+``trace``, ``options``, ``warnings``, ``summary`` (count per status), ``first_divergent`` (null or an op object),
+``first_nondeterministic``, ``nonfinite_origin`` (the first op that made NaN/Inf from finite inputs),
+``nonfinite_entry`` (null, or, when no op made them before it, the first op that read NaN/Inf that no replayed op
+computed: its ``nonfinite_input`` says which input) and ``ops`` (one object per replayed op:
 ``rank``, ``index``, ``op``, ``status``, ``module``, ``phase``, ``source``, ``forward_index``, ``metrics``,
 ``severity`` (how far over its limit, in units of the limit: at most 1 within, over 1 divergent; null when not
 judged), ``data_left_out`` (only when the recording left the op's tensor data out: filtered, budget or disk full;
 the op is skipped), ``nonfinite_input`` (only when an input already held NaN/Inf that came from outside the trace
 or from an op whose data was left out: ``position``, ``nan``, ``inf``, ``producer`` (null: outside the trace),
-``producer_op``), ``reason`` (why it is divergent, skipped or, within its limits despite a large error, ok)), ``first_divergent_per_rank`` (each rank's earliest divergent op) and ``undecided`` (ranks and op
+``producer_op``), ``reason`` (why it is divergent, skipped or, within its limits despite a large error, ok)),
+``first_divergent_per_rank`` (each rank's earliest divergent op) and ``undecided`` (ranks and op
 numbers of candidates that no collective orders against ``first_divergent``), ``replicas`` (null, or where
 data-parallel replicas first stop agreeing: ``rank``, ``index``, ``other_rank``, ``other_index``, ``op``, ``what``).
 Floats that are not finite are written as the strings "inf", "-inf" and "nan" so the file stays JSON.

@@ -489,8 +489,8 @@ def _nonfinite_cause(r: RankTrace, first: Change, history: _History) -> Cause:
         if not held:
             p = _point(op)
             s = first.statistic if p is None or not _nonfinite(p) else ("nan" if p["nan"] > 0 else "inf")
-            return Cause(**common, how="made", statistic=s, value=first.value if p is None else p[s],
-                         from_finite=True)
+            return Cause(**common, how="made", statistic=s,
+                         value=p[s] if p is not None and _nonfinite(p) else first.value, from_finite=True)
         writer, k, p = min(held, key=lambda h: (h[0], h[1]))
         if writer < 0:
             s = "nan" if p["nan"] > 0 else "inf"
@@ -592,7 +592,8 @@ class SeriesSummary:
 
 def nonfinite_per_step(s: Series) -> list[float | None]:
     """NaN and Inf values of the series' tensor at each step (None where the step has no such op)."""
-    return [None if n is None and i is None else (n or 0) + (i or 0) for n, i in zip(s.values["nan"], s.values["inf"])]
+    return [None if n is None and i is None else (n or 0) + (i or 0)
+            for n, i in zip(s.values["nan"], s.values["inf"])]
 
 
 def _held(s: Series, k: int) -> str:
