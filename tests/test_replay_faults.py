@@ -164,6 +164,30 @@ def test_nan_from_the_batch_is_named_where_it_enters_the_step(tmp_path, capsys, 
     assert load_replay_json(doc_path).nonfinite_entry.nonfinite_input == entry.nonfinite_input
 
 
+def test_nan_written_by_an_op_outside_the_module_filter_enters_from_that_op(tmp_path, capsys):
+    """Recorded with --module Linear, the copy_ that writes the NaN into the batch keeps statistics only (not
+    replayed): the NaN enters through the addmm's input 1, from that copy_."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 2)
+    path = tmp_path / "t"
+    with record(path, modules="Linear"):
+        x = torch.randn(3, 4)
+        x[1, 2] = float("nan")
+        lin(x).sum().backward()
+    ops = rh.trace_ops(path)
+    copy = next(op for op in ops if op.name == "aten.copy_.default")
+    addmm = next(op for op in ops if op.name == "aten.addmm.default")
+    assert copy.data_left_out == "filtered" and addmm.data_left_out is None
+    report = rh.replay(path)
+    entry = report.nonfinite_entry
+    assert (entry.index, entry.nonfinite_input.position, entry.nonfinite_input.producer,
+            entry.nonfinite_input.producer_op) == (addmm.index, 1, copy.index, "aten.copy_.default")
+    assert main(["replay", str(path)]) == 0
+    assert f"NaN/Inf enter the step from op #{copy.index} aten.copy_.default, which was not replayed (its data " \
+           f"left out): input 1 of op #{addmm.index} aten.addmm.default (Linear, forward) already holds 1 NaN" \
+           in capsys.readouterr().out
+
+
 # -- plants that change nothing, or less than replay can tell from rounding -------------------------------------------
 # A plant made through the public option (record(plant=...), as `record --plant`): the manifest says where it landed
 # and what it did, and replay and the health report say so instead of reading like a fault replay failed to find.
