@@ -164,6 +164,21 @@ def test_nan_from_the_batch_is_named_where_it_enters_the_step(tmp_path, capsys, 
     assert load_replay_json(doc_path).nonfinite_entry.nonfinite_input == entry.nonfinite_input
 
 
+def test_an_additive_mask_of_minus_inf_made_before_the_step_is_named_as_such(tmp_path, capsys):
+    """nn.Transformer's causal mask, made once before the steps: -inf comes in from outside on every healthy step.
+    The line says where, and that an additive mask does this by design; the replay is clean."""
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(4)
+    q = torch.randn(4, 4, requires_grad=True)
+    with record(tmp_path / "t"):
+        (q @ q.t() + mask).softmax(-1).sum().backward()
+    add = next(op for op in rh.trace_ops(tmp_path / "t") if op.name == "aten.add.Tensor")
+    capsys.readouterr()
+    assert main(["replay", str(tmp_path / "t")]) == 0
+    assert f"from outside the trace: input 1 of op #{add.index} aten.add.Tensor (no module, forward) already holds " \
+           f"6 Inf (Inf only: an additive mask of -inf made before the step is such an input by design)" \
+           in capsys.readouterr().out
+
+
 def test_nan_written_by_an_op_outside_the_module_filter_enters_from_that_op(tmp_path, capsys):
     """Recorded with --module Linear, the copy_ that writes the NaN into the batch keeps statistics only (not
     replayed): the NaN enters through the addmm's input 1, from that copy_."""
