@@ -162,6 +162,10 @@ def test_nan_from_the_batch_is_named_where_it_enters_the_step(tmp_path, capsys, 
         (index, {"position": position, "nan": 1, "inf": 0, "producer": None, "producer_op": None})
     from replaydiff.report.json_report import load_replay_json
     assert load_replay_json(doc_path).nonfinite_entry.nonfinite_input == entry.nonfinite_input
+    # the health report's NaN/Inf row says it too (and fails: the step holds NaN), read back from the JSON
+    main(["report", str(path), "--replay", str(doc_path)])
+    assert f"| NaN/Inf origin | none made; 1 NaN enter through input {position} of #{index} {name} (from outside " \
+           f"the trace) | none | FAIL |" in capsys.readouterr().out
 
 
 def test_an_additive_mask_of_minus_inf_made_before_the_step_is_named_as_such(tmp_path, capsys):
