@@ -225,6 +225,7 @@ def test_uninitialised_part_of_an_all_gather_buffer_is_no_nan_origin_and_not_com
     copy_in = next(r for r in report.ops if r.index == op.index)
     assert copy_in.status is Status.OK and not copy_in.nonfinite_origin, copy_in
     assert report.nonfinite_origin is None
+    assert report.nonfinite_entry is None  # nor did NaN come in: the garbage is the allocator's, in the trace
     assert copy_in.verdict.left_out == 16  # rank 0's half of the buffer: 12 + 4 elements, not compared
     assert copy_in.verdict.measure.nonfinite_recorded == 0
     # an op the replay skips (here: not selected) is no origin either: the part the op left as it was is no value

@@ -306,6 +306,7 @@ def test_fsdp2_step_replays_clean_and_complete(fsdp) -> None:
     assert report.replicas is None
     # all_gather_copy_in leaves the other rank's slots of the all-gather buffer as torch.empty made them: no origin
     assert report.nonfinite_origin is None
+    assert report.nonfinite_entry is None
 
 
 def test_fsdp2_reduce_scatter_fault_is_first_divergent_on_its_rank(fsdp) -> None:

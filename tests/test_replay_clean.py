@@ -87,6 +87,7 @@ def test_clean_transformer_fp64_replay_has_no_false_alarm(transformer):
     # The attention mask fills -inf from a Python scalar: that is not where a NaN/Inf came from.
     assert any(op.name == "aten.masked_fill.Scalar" for op in ops)
     assert report.nonfinite_origin is None
+    assert report.nonfinite_entry is None  # nor does a -inf that no tensor brought in
     # Compared in float64, each op well within the fp32 limits (brief: healthy fp32 ops reach ~6).
     worst = max(r.metrics["norm_max"] for r in report.ops if r.metrics and "norm_max" in r.metrics)
     assert worst < 16

@@ -118,6 +118,93 @@ def test_nan_origin_is_the_op_that_made_the_nan():
     rh.assert_only_culprit(report, index)
     assert report.first_divergent.metrics["nonfinite_mismatch"] > 0
     assert not math.isnan(report.first_divergent.metrics["max_abs"])
+    assert report.nonfinite_entry is None  # made inside the step: nothing came in with NaN
+
+
+@pytest.mark.parametrize("written_inside", [False, True])
+def test_nan_from_the_batch_is_named_where_it_enters_the_step(tmp_path, capsys, written_inside):
+    """No op makes the NaN: it comes in with the batch. Written before the step, the first op to read the batch
+    holds it; written inside (``x[1, 2] = nan``: lift_fresh of a tensor made outside the dispatcher, then copy_), the
+    copy_ that reads it through lift_fresh (a view, no new value) is where it enters. The replay stays clean (exit 0)
+    and says so in one line; the JSON names the op, the input and the count."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    if not written_inside:
+        x[1, 2] = float("nan")
+    path = tmp_path / "t"
+    with record(path):
+        if written_inside:
+            x[1, 2] = float("nan")
+        lin(x).sum().backward()
+    ops = rh.trace_ops(path)
+    name, module = ("aten.copy_.default", "no module") if written_inside else ("aten.addmm.default", "Linear")
+    position = 1  # copy_(self, src); addmm(bias, input, weight.t())
+    index = next(op.index for op in ops if op.name == name)
+    report = rh.replay(path)
+    assert report.nonfinite_origin is None and report.first_divergent is None
+    entry = report.nonfinite_entry
+    assert entry is not None and (entry.index, entry.op) == (index, name)
+    assert (entry.nonfinite_input.position, entry.nonfinite_input.nan, entry.nonfinite_input.inf,
+            entry.nonfinite_input.producer) == (position, 1, 0, None)
+    # later ops that read the same batch (the weight's gradient) hold it too; the entry is the first of them
+    assert min(r.index for r in report.ops if r.nonfinite_input is not None) == index
+
+    doc_path = tmp_path / "t.json"
+    capsys.readouterr()
+    assert main(["replay", str(path), "--json", str(doc_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"NaN/Inf enter the step from outside the trace: input {position} of op #{index} {name} " \
+           f"({module}, forward) already holds 1 NaN" in out, out
+    doc = json.loads(doc_path.read_text())
+    assert doc["nonfinite_origin"] is None
+    assert (doc["nonfinite_entry"]["index"], doc["nonfinite_entry"]["nonfinite_input"]) == \
+        (index, {"position": position, "nan": 1, "inf": 0, "producer": None, "producer_op": None})
+    from replaydiff.report.json_report import load_replay_json
+    assert load_replay_json(doc_path).nonfinite_entry.nonfinite_input == entry.nonfinite_input
+    # the health report's NaN/Inf row says it too (and fails: the step holds NaN), read back from the JSON
+    main(["report", str(path), "--replay", str(doc_path)])
+    assert f"| NaN/Inf origin | none made; 1 NaN enter through input {position} of #{index} {name} (from outside " \
+           f"the trace) | none | FAIL |" in capsys.readouterr().out
+
+
+def test_an_additive_mask_of_minus_inf_made_before_the_step_is_named_as_such(tmp_path, capsys):
+    """nn.Transformer's causal mask, made once before the steps: -inf comes in from outside on every healthy step.
+    The line says where, and that an additive mask does this by design; the replay is clean."""
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(4)
+    q = torch.randn(4, 4, requires_grad=True)
+    with record(tmp_path / "t"):
+        (q @ q.t() + mask).softmax(-1).sum().backward()
+    add = next(op for op in rh.trace_ops(tmp_path / "t") if op.name == "aten.add.Tensor")
+    capsys.readouterr()
+    assert main(["replay", str(tmp_path / "t")]) == 0
+    assert f"from outside the trace: input 1 of op #{add.index} aten.add.Tensor (no module, forward) already holds " \
+           f"6 Inf (Inf only: an additive mask of -inf made before the step is such an input by design)" \
+           in capsys.readouterr().out
+
+
+def test_nan_written_by_an_op_outside_the_module_filter_enters_from_that_op(tmp_path, capsys):
+    """Recorded with --module Linear, the copy_ that writes the NaN into the batch keeps statistics only (not
+    replayed): the NaN enters through the addmm's input 1, from that copy_."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 2)
+    path = tmp_path / "t"
+    with record(path, modules="Linear"):
+        x = torch.randn(3, 4)
+        x[1, 2] = float("nan")
+        lin(x).sum().backward()
+    ops = rh.trace_ops(path)
+    copy = next(op for op in ops if op.name == "aten.copy_.default")
+    addmm = next(op for op in ops if op.name == "aten.addmm.default")
+    assert copy.data_left_out == "filtered" and addmm.data_left_out is None
+    report = rh.replay(path)
+    entry = report.nonfinite_entry
+    assert (entry.index, entry.nonfinite_input.position, entry.nonfinite_input.producer,
+            entry.nonfinite_input.producer_op) == (addmm.index, 1, copy.index, "aten.copy_.default")
+    assert main(["replay", str(path)]) == 0
+    assert f"NaN/Inf enter the step from op #{copy.index} aten.copy_.default, which was not replayed (its data " \
+           f"left out): input 1 of op #{addmm.index} aten.addmm.default (Linear, forward) already holds 1 NaN" \
+           in capsys.readouterr().out
 
 
 # -- plants that change nothing, or less than replay can tell from rounding -------------------------------------------

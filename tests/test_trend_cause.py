@@ -245,3 +245,66 @@ def test_trend_says_the_optimizer_update_made_an_lr_spike_and_names_the_argument
     assert cause.changed_args == ("alpha=-10.0 (-0.01 before)",)
     text = describe_cause(cause)
     assert "the optimizer's update made the change" in text and "alpha=-10.0 (-0.01 before)" in text
+
+
+BATCH_NAN_STEP = 7
+
+
+def _batch_nan_trace(path, **how) -> str:
+    """The trial's nan.py: ``x[1, 2] = nan`` at step BATCH_NAN_STEP, in the loop and outside any module (lift_fresh
+    of a tensor made outside the dispatcher, then copy_ into the batch); the steps after it train on NaN weights.
+    A flight recording stops at that step."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(2)
+    with replaydiff.record(path, tensors="stats", **how):
+        for step in range(1, 10):
+            x, y = torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)
+            if step == BATCH_NAN_STEP:
+                x[1, 2] = float("nan")
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if "flight" in how and step == BATCH_NAN_STEP:
+                break
+    return str(path)
+
+
+@pytest.mark.parametrize("how", [{"steps": "1-9"}, {"flight": 4}], ids=["steps", "flight"])
+def test_trend_says_a_nan_from_the_batch_enters_through_the_copy_that_wrote_it(tmp_path, how):
+    """The first op flagged is the first Linear's addmm, which only carries the batch's NaN; no op made it, so the
+    cause is the copy_ through whose input 1 it came in from outside the trace ("entered", not "made"), with a flight
+    recording's few steps of history too."""
+    r = open_trace(_batch_nan_trace(tmp_path / "nan", **how)).rank(0)
+    copy = next(op for op in r if op.name == "aten.copy_.default" and op.step == BATCH_NAN_STEP)
+    t = compute_trend(r)
+    assert (t.first_change.step, t.first_change.op, t.first_change.module) == \
+        (BATCH_NAN_STEP, "aten.addmm.default", "Sequential.0")
+    c = t.cause_to_tell
+    assert c is not None
+    assert (c.index, c.op, c.how, c.position, c.producer, c.statistic, c.value) == \
+        (copy.index, "aten.copy_.default", "entered", 1, None, "nan", 1)
+    assert f"op #{copy.index} aten.copy_.default (no module, forward) at {copy.source}" in describe_cause(c)
+    assert "the change enters through its input 1, 1 NAN value(s) where there were none, from outside the trace" \
+        in describe_cause(c)
+
+
+def test_trend_table_marks_a_tensor_of_nan_instead_of_showing_an_l2_of_zero(tmp_path, capsys):
+    """After the NaN batch every gradient is NaN: its statistics of the finite values are l2 0 and absmax 0, which
+    the table must not show as a zero gradient. The cell says '-' and the count, the sparkline '!' at such a step;
+    the JSON keeps the numbers beside the counts."""
+    path = _batch_nan_trace(tmp_path / "nan", steps="1-9")
+    t = compute_trend(open_trace(path).rank(0))
+    grad = next(s for s in t.series if (s.module, s.kind) == ("Sequential.0", "grad"))
+    nan, l2 = grad.values["nan"], grad.values["l2"]
+    assert l2[-1] == 0 and nan[-1] > 0 and grad.values["inf"][-1] == 0  # statistics of the finite values: none
+    assert cli_main(["trend", path]) == 1
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line[1:].split()[:2] == ["Sequential.0", "grad"])
+    first_nan = next(k for k, v in enumerate(nan) if v)
+    assert f"- ({int(nan[-1])} NaN)" in row and row.endswith("!" * (len(nan) - first_nan)), row
+    assert " 0 " not in row
+    assert cli_main(["trend", path, "--json", "-"]) == 1
+    doc = next(s for s in json.loads(capsys.readouterr().out)["series"]
+               if (s["module"], s["kind"]) == ("Sequential.0", "grad"))
+    assert (doc["l2"][-1], doc["nan"][-1]) == (0.0, nan[-1])

@@ -23,14 +23,14 @@ import msgpack
 from replaydiff.compare import metrics
 from replaydiff.compare.verdict import Calibration, Verdict
 from replaydiff.replay.policy import ReplayOptions
-from replaydiff.replay.result import OpResult, Status
+from replaydiff.replay.result import NonfiniteInput, OpResult, Status
 from replaydiff.trace.format import MANIFEST
 from replaydiff.trace.reader import Trace
 
 _VERSION = 1
 _TYPES: dict[str, type] = {c.__name__: c for c in (
-    OpResult, Verdict, Calibration, metrics.FloatError, metrics.NonfiniteMismatch, metrics.ExactMismatch,
-    metrics.ShapeMismatch, metrics.ViewMismatch, metrics.ScalarMismatch)}
+    OpResult, NonfiniteInput, Verdict, Calibration, metrics.FloatError, metrics.NonfiniteMismatch,
+    metrics.ExactMismatch, metrics.ShapeMismatch, metrics.ViewMismatch, metrics.ScalarMismatch)}
 _FLUSH_SECONDS = 1.0
 
 

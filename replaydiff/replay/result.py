@@ -28,6 +28,23 @@ PROBLEMS = (Status.DIVERGENT, Status.NONDETERMINISTIC)
 
 
 @dataclass
+class NonfiniteInput:
+    """An input that already held NaN/Inf when the op read it, and that no replayed op computed: written outside the
+    trace (the batch, a parameter, a tensor written outside the dispatcher; ``producer`` None) or by op ``producer``,
+    whose tensor data the recording left out. Where NaN/Inf enter a step that makes none of its own."""
+
+    position: int  # among the op's tensor inputs, as ``replaydiff show --op`` numbers them
+    nan: int
+    inf: int
+    producer: int | None = None
+    producer_op: str | None = None
+
+    def counts(self) -> str:
+        """e.g. '32 NaN', '1 NaN and 2 Inf'."""
+        return " and ".join(f"{n} {what}" for n, what in ((self.nan, "NaN"), (self.inf, "Inf")) if n)
+
+
+@dataclass
 class OpResult:
     rank: int
     index: int
@@ -41,6 +58,8 @@ class OpResult:
     verdict: Verdict | None = None  # the deciding output's verdict (the worst one when all are within limits)
     reason: str | None = None
     nonfinite_origin: bool = False
+    # NaN/Inf came into the op through this input from outside what replay computed (see NonfiniteInput).
+    nonfinite_input: NonfiniteInput | None = None
     # A collective: not run alone, but checked across ranks once every rank's results are in (engine.finish).
     collective: bool = False
     # With --repeat N: the N runs of the op disagreed with each other (also for an op divergent anyway).
@@ -125,6 +144,16 @@ class ReplayReport:
     @property
     def nonfinite_origin(self) -> OpResult | None:
         return next((r for r in self.ops if r.nonfinite_origin), None)
+
+    @property
+    def nonfinite_entry(self) -> OpResult | None:
+        """The first op that read NaN/Inf from outside what replay computed (``OpResult.nonfinite_input``), when no
+        op made NaN/Inf from finite inputs before it: where they enter the step (None when an origin comes first)."""
+        entry = next((r for r in self.ops if r.nonfinite_input is not None), None)
+        origin = self.nonfinite_origin
+        if entry is None or (origin is not None and (origin.rank, origin.index) < (entry.rank, entry.index)):
+            return None
+        return entry
 
     @property
     def not_judged(self) -> list[OpResult]:

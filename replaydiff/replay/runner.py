@@ -30,7 +30,7 @@ from replaydiff.replay.compared import compared_outputs
 from replaydiff.replay.notes import (Failed, FellBack, Judgement, LeftOut, Note, RepeatsDisagree, ReplayFact, Skipped,
                                      render, verdict_reason)
 from replaydiff.replay.policy import FALLBACKS, ReplayOptions, target_dtype
-from replaydiff.replay.result import OpResult, Status
+from replaydiff.replay.result import NonfiniteInput, OpResult, Status
 from replaydiff.repro_script import as_recorded, pick, typed_storage
 from replaydiff.trace.codec import copy_bytes
 from replaydiff.trace.reader import RankTrace
@@ -182,7 +182,7 @@ class OpReplayer:
             judgement = Judgement(Status.SKIPPED, notes=(Skipped(str(s)),))
         except Exception as exc:  # one failing op never stops the replay
             judgement = Judgement(Status.ERROR, notes=(Failed.of(exc),))
-        origin = False
+        origin: tuple[bool, NonfiniteInput | None] = (False, None)
         if outputs_finite is not True:
             try:
                 # outputs_finite False: the replay saw the op produce NaN/Inf; None: it could not tell
@@ -191,14 +191,15 @@ class OpReplayer:
                 raise
             except Exception:
                 pass  # the origin is a hint; the op's status already says what went wrong reading it
-        return self._result(op, judgement, origin), pairs
+        return self._result(op, judgement, *origin), pairs
 
-    def _result(self, op: OpRecord, j: Judgement, nonfinite_origin: bool) -> OpResult:
+    def _result(self, op: OpRecord, j: Judgement, nonfinite_origin: bool,
+                nonfinite_input: NonfiniteInput | None = None) -> OpResult:
         """The one place an op's result is made: from its judgement, the notes written as its reason."""
         return OpResult(rank=self.trace.rank, index=op.index, op=op.name, status=j.status, module=op.module,
                         phase=op.phase, source=op.source, forward_index=op.forward_index, verdict=j.verdict,
-                        reason=render(j.notes), nonfinite_origin=nonfinite_origin, collective=j.collective,
-                        repeats_disagree=j.repeats_disagree, data_left_out=op.data_left_out)
+                        reason=render(j.notes), nonfinite_origin=nonfinite_origin, nonfinite_input=nonfinite_input,
+                        collective=j.collective, repeats_disagree=j.repeats_disagree, data_left_out=op.data_left_out)
 
     def _replay(self, op: OpRecord) -> tuple[Judgement, Pairs, bool | None]:
         """Replay and judge the op: its judgement, the pairs compared and whether every output was finite."""
@@ -552,22 +553,48 @@ class OpReplayer:
         return result
 
     # -- NaN / Inf origin -------------------------------------------------------------------------------------
-    def _nonfinite_origin(self, op: OpRecord, produced: bool = False) -> bool:
-        """Finite inputs, a non-finite recorded output: the op where NaN/Inf entered the step.
+    def _nonfinite_origin(self, op: OpRecord, produced: bool = False) -> tuple[bool, NonfiniteInput | None]:
+        """For an op with a non-finite recorded output: (True, None) when its inputs are finite, the op where NaN/Inf
+        entered the step; (False, input) when an input already held NaN/Inf that no replayed op computed (the first
+        such input, see ``_entered_from``): where they came into the step from outside; else (False, None).
 
         ``produced``: the replay saw the op itself produce the non-finite values. Without that, the recorded outputs
         are read, and a position the op left as an empty* op handed it out (its bytes as they were before the op)
         is no value the op produced."""
         if not produced and not any(self._made_nonfinite(op, r) for r in op.outputs_refs()
                                     if not r.uninitialised and r.stored and _floating(r.dtype)):
-            return False
-        if any(isinstance(x, float) and not math.isfinite(x) for x in _scalars([op.args, list(op.kwargs.values())])):
-            return False  # a NaN/Inf passed in as a scalar (masked_fill(-inf) in attention): not an origin
-        for r in op.inputs():
-            if _floating(r.dtype) and not r.uninitialised:
-                if not r.stored or not bool(torch.isfinite(self.trace.tensor(r)).all()):
-                    return False
-        return True
+            return False, None
+        finite = True
+        producers: dict[int, int | None] | None = None
+        for k, r in enumerate(op.inputs()):
+            if not _floating(r.dtype) or r.uninitialised:
+                continue
+            if not r.stored:
+                finite = False  # cannot tell what it held: not an origin
+                continue
+            t = self.trace.tensor(r)
+            bad = ~torch.isfinite(t)
+            if not bool(bad.any()):
+                continue
+            finite = False
+            producers = self.trace.producers(op.index) if producers is None else producers
+            outside, producer = self._entered_from(producers.get(k))
+            if outside:
+                nan = int(torch.isnan(t).sum())
+                return False, NonfiniteInput(k, nan, int(bad.sum()) - nan, producer,
+                                             None if producer is None else self.trace[producer].name)
+        if not finite:
+            return False, None
+        # a NaN/Inf passed in as a scalar (masked_fill(-inf) in attention): not an origin
+        return not any(isinstance(x, float) and not math.isfinite(x)
+                       for x in _scalars([op.args, list(op.kwargs.values())])), None
+
+    def _entered_from(self, producer: int | None) -> tuple[bool, int | None]:
+        """Did an input that op ``producer`` made come from outside what replay computes (see ``computed_by``)?
+        (True, None): written outside the trace; (True, p): by op p, whose data the recording left out (not
+        replayed); (False, p): by op p, replayed, whose own result says where its NaN/Inf came from."""
+        p = computed_by(self.trace, producer)
+        return (p is None or self.trace[p].data_left_out is not None), p
 
     def _made_nonfinite(self, op: OpRecord, ref: TensorRef) -> bool:
         """Does recorded output ``ref`` hold a NaN/Inf other than bytes of uninitialised memory left as they were?"""
@@ -583,6 +610,15 @@ class OpReplayer:
         same = (a[:n * size].view(n, size) == b[:n * size].view(n, size)).all(1)  # per element of the storage
         stale = as_recorded(same, ref.shape, ref.stride, ref.offset).to(nonfinite.device)
         return bool((nonfinite & ~stale).any())
+
+
+def computed_by(trace: RankTrace, producer: int | None) -> int | None:
+    """The op that computed the value op ``producer`` wrote: ops that compute no new value (a view, ``detach``,
+    ``lift_fresh`` of a tensor made outside the dispatcher) are followed back to what they read. None: the value was
+    written outside the trace."""
+    while producer is not None and aten.is_cheap(trace[producer].name):
+        producer = trace.producers(producer).get(0)
+    return producer
 
 
 def _uninitialised_before(op: OpRecord) -> dict[Any, TensorRef]:

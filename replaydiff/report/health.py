@@ -125,11 +125,25 @@ def _modules(report: ReplayReport, errs: dict) -> list[ModuleRow]:
     return sorted(rows, key=lambda m: (-(m.worst if m.worst is not None else -1), m.module))
 
 
+def _nonfinite_check(report: ReplayReport) -> Check:
+    """The op that made NaN/Inf from finite inputs; where none did, the op they entered the step through (the
+    batch, a parameter: replay's nonfinite_entry). Inf alone entering passes: an additive -inf mask made before the
+    step is such an input by design."""
+    origin, entry = report.nonfinite_origin, report.nonfinite_entry
+    if origin is not None:
+        return Check("NaN/Inf origin", f"#{origin.index} {origin.op}", "none", False)
+    held = entry.nonfinite_input if entry is not None else None
+    if held is None:
+        return Check("NaN/Inf origin", "none", "none", True)
+    whence = "outside the trace" if held.producer is None else f"op #{held.producer}, not replayed"
+    return Check("NaN/Inf origin", f"none made; {held.counts()} enter through input {held.position} of "
+                                   f"#{entry.index} {entry.op} (from {whence})", "none", not held.nan)
+
+
 def _checks(trace: Trace, report: ReplayReport, errs: dict) -> list[Check]:
     c = report.counts()
     repeat = int(report.options.get("repeat") or 1)
     worst = max((e for e in errs.values() if e is not None), default=None)
-    origin = report.nonfinite_origin
     collectives = [r for r in report.ops if aten.is_collective(r.op) and r.status is not Status.SKIPPED]
     bad_coll = [r for r in collectives if r.status is Status.DIVERGENT]
     ranks = [trace.rank(r) for r in sorted({r.rank for r in report.ops} or set(trace.ranks)) if r in trace.ranks]
@@ -142,7 +156,7 @@ def _checks(trace: Trace, report: ReplayReport, errs: dict) -> list[Check]:
         Check("ops whose repeated runs disagree", str(c["nondeterministic"]) if repeat > 1 else
               "not checked (replay --repeat N)", "0", (c["nondeterministic"] == 0) if repeat > 1 else None),
         Check("ops that could not be replayed", str(c["error"]), "0", c["error"] == 0),
-        Check("NaN/Inf origin", f"#{origin.index} {origin.op}" if origin else "none", "none", origin is None),
+        _nonfinite_check(report),
         Check("collectives consistent across ranks", f"{len(bad_coll)} of {len(collectives)} disagree"
               if collectives else "none checked", "0", (not bad_coll) if collectives else None),
         Check("recording complete", "; ".join(incomplete) or "complete", "complete", not incomplete),

@@ -5,17 +5,24 @@ Top level: ``format``, ``planted`` (faults planted while recording, one line per
 ``effect`` (what the plant changed: ``tensors``, ``elements``, ``nonzero``, ``changed``, ``max_ulps``, ``nonfinite``,
 ``dtype``), ``summary``, ``outcome`` (found, not_run, no_effect, within_limit, not_checked, not_replayed) and
 ``note``),
-``trace``, ``options``, ``warnings``, ``summary`` (count per status), ``first_divergent`` (null or an op object), ``first_nondeterministic``, ``nonfinite_origin`` and ``ops`` (one object per replayed op:
+``trace``, ``options``, ``warnings``, ``summary`` (count per status), ``first_divergent`` (null or an op object),
+``first_nondeterministic``, ``nonfinite_origin`` (the first op that made NaN/Inf from finite inputs),
+``nonfinite_entry`` (null, or, when no op made them before it, the first op that read NaN/Inf that no replayed op
+computed: its ``nonfinite_input`` says which input) and ``ops`` (one object per replayed op:
 ``rank``, ``index``, ``op``, ``status``, ``module``, ``phase``, ``source``, ``forward_index``, ``metrics``,
 ``severity`` (how far over its limit, in units of the limit: at most 1 within, over 1 divergent; null when not
 judged), ``data_left_out`` (only when the recording left the op's tensor data out: filtered, budget or disk full;
-the op is skipped), ``reason`` (why it is divergent, skipped or, within its limits despite a large error, ok)), ``first_divergent_per_rank`` (each rank's earliest divergent op) and ``undecided`` (ranks and op
+the op is skipped), ``nonfinite_input`` (only when an input already held NaN/Inf that came from outside the trace
+or from an op whose data was left out: ``position``, ``nan``, ``inf``, ``producer`` (null: outside the trace),
+``producer_op``), ``reason`` (why it is divergent, skipped or, within its limits despite a large error, ok)),
+``first_divergent_per_rank`` (each rank's earliest divergent op) and ``undecided`` (ranks and op
 numbers of candidates that no collective orders against ``first_divergent``), ``replicas`` (null, or where
 data-parallel replicas first stop agreeing: ``rank``, ``index``, ``other_rank``, ``other_index``, ``op``, ``what``).
 Floats that are not finite are written as the strings "inf", "-inf" and "nan" so the file stays JSON.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -24,7 +31,7 @@ from typing import Any
 from replaydiff.compare.verdict import Verdict
 from replaydiff.errors import UsageError
 
-from replaydiff.replay.result import OpResult, ReplayReport, Status
+from replaydiff.replay.result import NonfiniteInput, OpResult, ReplayReport, Status
 from replaydiff.report.plant import plant_reports
 from replaydiff.trace.schema import PlantedFaultInfo
 
@@ -48,7 +55,8 @@ def op_json(r: OpResult | None) -> dict | None:
                    "phase": r.phase, "source": r.source, "forward_index": r.forward_index,
                    "forward_source": r.forward_source, "metrics": r.metrics, "severity": r.severity,
                    "reason": r.reason, **({"repeats_disagree": True} if r.repeats_disagree else {}),
-                   **({"data_left_out": r.data_left_out} if r.data_left_out else {})})
+                   **({"data_left_out": r.data_left_out} if r.data_left_out else {}),
+                   **({"nonfinite_input": dataclasses.asdict(r.nonfinite_input)} if r.nonfinite_input else {})})
 
 
 def report_to_json(report: ReplayReport) -> dict:
@@ -66,6 +74,7 @@ def report_to_json(report: ReplayReport) -> dict:
         "replicas": None if report.replicas is None else report.replicas.to_json(),
         "first_nondeterministic": op_json(report.first_nondeterministic),
         "nonfinite_origin": op_json(report.nonfinite_origin),
+        "nonfinite_entry": op_json(report.nonfinite_entry),
         "ops": [op_json(r) for r in report.ops],
     }
 
@@ -90,7 +99,9 @@ def load_replay_json(path: str | Path) -> ReplayReport:
                                    forward_index=o.get("forward_index"), forward_source=o.get("forward_source"),
                                    verdict=verdict, reason=o.get("reason"),
                                    repeats_disagree=bool(o.get("repeats_disagree")),
-                                   data_left_out=o.get("data_left_out")))
+                                   data_left_out=o.get("data_left_out"),
+                                   nonfinite_input=NonfiniteInput(**o["nonfinite_input"])
+                                   if isinstance(o.get("nonfinite_input"), dict) else None))
     first = d.get("first_divergent")
     if first:
         report.culprit = (first["rank"], first["index"])

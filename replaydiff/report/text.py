@@ -5,7 +5,7 @@ from collections import Counter
 from typing import TextIO
 
 from replaydiff.aten import is_unit
-from replaydiff.replay.result import OpResult, ReplayReport, Status
+from replaydiff.replay.result import NonfiniteInput, OpResult, ReplayReport, Status
 from replaydiff.report.plant import plant_notes
 from replaydiff.trace.schema import LEFT_OUT_DISK_FULL
 
@@ -24,6 +24,19 @@ def op_line(r: OpResult) -> str:
     source = r.forward_source if (r.phase == "backward" and r.forward_source) else r.source
     where = "  ".join(x for x in (r.module or "", f"({r.phase})" if r.phase else "", source or "") if x)
     return f"#{r.index} {r.op}  {where}".rstrip()
+
+
+def nonfinite_entry_line(r: OpResult, held: NonfiniteInput) -> str:
+    """Where NaN/Inf that no replayed op made come into the step: the op, its input, and where that was written."""
+    whence = "from outside the trace" if held.producer is None else \
+        f"from op #{held.producer} {held.producer_op}, which was not replayed (its data left out)"
+    where = ", ".join(x for x in (r.module or "no module", r.phase) if x)
+    source = r.forward_source if (r.phase == "backward" and r.forward_source) else r.source
+    # Inf alone from outside is what an additive attention mask of -inf made once before the steps looks like
+    mask = " (Inf only: an additive mask of -inf made before the step is such an input by design)" \
+        if not held.nan else ""
+    return f"NaN/Inf enter the step {whence}: input {held.position} of op #{r.index} {r.op} ({where}) already " \
+           f"holds {held.counts()}{mask}" + (f"  {source}" if source else "")
 
 
 def planted_line(planted: list[str]) -> str:
@@ -120,3 +133,6 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> No
     origin = report.nonfinite_origin
     if origin is not None:
         out.write(f"NaN/Inf origin: {op_line(origin)} (finite inputs, non-finite recorded output)\n")
+    entry = report.nonfinite_entry
+    if entry is not None and entry.nonfinite_input is not None:  # no op made them: they came in with an input
+        out.write(nonfinite_entry_line(entry, entry.nonfinite_input) + "\n")

@@ -30,6 +30,7 @@ from statistics import median
 from typing import Any, TextIO
 
 from replaydiff import aten
+from replaydiff.replay.runner import computed_by
 from replaydiff.trace import RankTrace
 from replaydiff.trace.schema import LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_FILTERED, MODULE_PARAM, TensorRef, TensorStats, iter_refs
 
@@ -422,7 +423,10 @@ def find_cause(r: RankTrace, first: Change, history: _History, threshold: float)
     the last writer). A one-off op (no history: it runs in this step only, or too rarely) has its inputs of the
     followed tensor's size scored against the earlier statistics of that tensor: a ``mul_`` whose input is in line
     with the weight's past made the change. The walk stops at an op none of whose inputs is out of line (it made
-    the change) or at an input written outside the trace or by a filtered op (the change entered there)."""
+    the change) or at an input written outside the trace or by a filtered op (the change entered there). NaN/Inf
+    appearing are followed by their counts instead (``_nonfinite_cause``)."""
+    if first.statistic in ("nan", "inf"):
+        return _nonfinite_cause(r, first, history)
     op = r[first.index]
     followed = next(ref for ref in op.outputs_refs() if ref_point(ref) is not None)
     past = [q for _, q in history.earlier(first.index)]
@@ -461,6 +465,40 @@ def find_cause(r: RankTrace, first: Change, history: _History, threshold: float)
         op, followed, past, hit = writer, ref, its_past, found
     return Cause(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, source=op.source,
                  source_text=op.source_text, how="made", statistic=hit[0], value=hit[1], baseline=hit[2], history=0)
+
+
+def _nonfinite_cause(r: RankTrace, first: Change, history: _History) -> Cause:
+    """Where NaN/Inf that no op made from finite inputs in a scored step (``compute_trend``'s birth) come from: the
+    first op to show them may only carry them. The walk follows the inputs whose statistics hold NaN/Inf back to
+    the ops that wrote them (through views and other ops that compute no new value, as replay does: ``computed_by``)
+    and stops at an op none of whose inputs holds any (it made them: "made") or at an input written outside the
+    trace (the batch, a tensor written outside the dispatcher: "entered" through that input). Of several such
+    inputs, one from outside the trace first, then the one of the earliest writer. A writer the recording kept
+    with statistics only (outside a --module filter) has them, so the walk goes on through it."""
+    op = r[first.index]
+    for _ in range(MAX_HOPS):
+        producers = r.producers(op.index)
+        held = []  # (writer, or -1 for outside the trace; input position; its point)
+        for k, ref in enumerate(op.inputs()):
+            p = ref_point(ref)
+            if p is not None and _nonfinite(p):
+                writer = computed_by(r, producers.get(k))
+                held.append((-1 if writer is None else writer, k, p))
+        common = dict(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, source=op.source,
+                      source_text=op.source_text, history=len(history.earlier(op.index)), baseline=0.0)
+        if not held:
+            p = _point(op)
+            s = first.statistic if p is None or not _nonfinite(p) else ("nan" if p["nan"] > 0 else "inf")
+            return Cause(**common, how="made", statistic=s,
+                         value=p[s] if p is not None and _nonfinite(p) else first.value, from_finite=True)
+        writer, k, p = min(held, key=lambda h: (h[0], h[1]))
+        if writer < 0:
+            s = "nan" if p["nan"] > 0 else "inf"
+            return Cause(**common, how="entered", statistic=s, value=p[s], position=k, producer=None)
+        op = r[writer]
+    return Cause(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, source=op.source,
+                 source_text=op.source_text, how="made", statistic=first.statistic, value=first.value, baseline=0.0,
+                 history=0)
 
 
 def _scalar_args(op: Any) -> dict[str, Any]:
@@ -525,15 +563,17 @@ class Zoom:
 _BARS = "▁▂▃▄▅▆▇█"
 
 
-def sparkline(values: list[float | None]) -> str:
-    """log10-scaled bars; a space where a step has no value, ``!`` where it has NaN/Inf."""
-    logs = [None if v is None else _log(v) for v in values]
+def sparkline(values: list[float | None], held: list[float | None] | None = None) -> str:
+    """log10-scaled bars; a space where a step has no value, ``!`` where the tensor held NaN/Inf (``held``: their
+    count per step): its l2 is that of the finite values only (0 when there are none), so it is no bar and no part
+    of the scale."""
+    marks = [bool(h) for h in held] if held is not None else [False] * len(values)
+    logs = [None if v is None or bad else _log(v) for v, bad in zip(values, marks)]
     real = [x for x in logs if x is not None]
-    if not real:
-        return " " * len(values)
-    lo, hi = min(real), max(real)
+    lo, hi = (min(real), max(real)) if real else (0.0, 0.0)
     span = hi - lo or 1.0
-    return "".join(" " if x is None else _BARS[min(7, int((x - lo) / span * 7.999))] for x in logs)
+    return "".join("!" if bad else " " if x is None else _BARS[min(7, int((x - lo) / span * 7.999))]
+                   for x, bad in zip(logs, marks))
 
 
 @dataclass(frozen=True)
@@ -544,14 +584,31 @@ class SeriesSummary:
     last_l2: float | None
     absmax_max: float | None
     nonfinite: int  # NaN and Inf values over all steps
+    # The NaN/Inf the tensor held at the step of first_l2 / last_l2 ("16 NaN", "" for none): the l2 of a tensor of
+    # NaN is that of its finite values, 0 when it has none, which is no zero tensor.
+    first_held: str = ""
+    last_held: str = ""
+
+
+def nonfinite_per_step(s: Series) -> list[float | None]:
+    """NaN and Inf values of the series' tensor at each step (None where the step has no such op)."""
+    return [None if n is None and i is None else (n or 0) + (i or 0)
+            for n, i in zip(s.values["nan"], s.values["inf"])]
+
+
+def _held(s: Series, k: int) -> str:
+    """'16 NaN', '1 NaN and 2 Inf': what the series' tensor held at step position ``k`` ('' for none)."""
+    counts = [(int(s.values[name][k] or 0), word) for name, word in (("nan", "NaN"), ("inf", "Inf"))]
+    return " and ".join(f"{n} {word}" for n, word in counts if n)
 
 
 def summarise(s: Series) -> SeriesSummary:
     l2 = s.values["l2"]
-    return SeriesSummary(first_l2=next((v for v in l2 if v is not None), None),
-                         last_l2=next((v for v in reversed(l2) if v is not None), None),
+    at = [k for k, v in enumerate(l2) if v is not None]
+    return SeriesSummary(first_l2=l2[at[0]] if at else None, last_l2=l2[at[-1]] if at else None,
                          absmax_max=max((v for v in s.values["absmax"] if v is not None), default=None),
-                         nonfinite=sum(int(v or 0) for k in ("nan", "inf") for v in s.values[k]))
+                         nonfinite=sum(int(v or 0) for k in ("nan", "inf") for v in s.values[k]),
+                         first_held=_held(s, at[0]) if at else "", last_held=_held(s, at[-1]) if at else "")
 
 
 def describe_change(c: Change) -> str:
@@ -571,8 +628,9 @@ def describe_cause(c: Cause) -> str:
     else:
         what = f"{int(c.value)} {c.statistic.upper()} value(s) where there were none"
     if c.how == "entered":
-        whence = "from outside the trace (written where the recorder did not see it: between recorded steps, or " \
-                 "before the step's first recorded op)" if c.producer is None else \
+        whence = "from outside the trace (written where the recorder did not see it: between recorded steps, " \
+                 "before the step's first recorded op, or as a tensor made from a Python number)" \
+            if c.producer is None else \
             f"from op #{c.producer}, which the record filter left out"
         return f"op #{c.index} {c.op} ({where}){at}, step {c.step}: the change enters through its input " \
                f"{c.position}, {what}, {whence}"
@@ -594,6 +652,12 @@ def describe_cause(c: Cause) -> str:
 
 def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.3g}"
+
+
+def _fmt_held(v: float | None, held: str) -> str:
+    """An l2 of a tensor that held NaN/Inf (``held``: '16 NaN'): that of its finite values, with the count; '-'
+    for none of them (0: there were no finite values, which is no zero tensor)."""
+    return _fmt(v) if not held else f"{_fmt(v or None)} ({held})"
 
 
 def render_trend(t: Trend, out: TextIO, width: int = 60, trace: str = "TRACE") -> None:
@@ -638,8 +702,9 @@ def table_lines(t: Trend, width: int) -> list[str]:
     for s in t.series:
         m = summarise(s)
         mark = "*" if c is not None and c.module == s.module else " "
-        rows.append((mark + s.module, s.kind, _fmt(m.first_l2), _fmt(m.last_l2), _fmt(m.absmax_max),
-                     str(m.nonfinite), sparkline(s.values["l2"][-width:])))
+        rows.append((mark + s.module, s.kind, _fmt_held(m.first_l2, m.first_held),
+                     _fmt_held(m.last_l2, m.last_held), _fmt(m.absmax_max if m.absmax_max or not m.nonfinite else None),
+                     str(m.nonfinite), sparkline(s.values["l2"][-width:], nonfinite_per_step(s)[-width:])))
     headers = (" module", "kind", "l2 first", "l2 last", "absmax max", "nan+inf", "l2 by step (log)")
     widths = [max(len(h), *(len(r[k]) for r in rows)) if rows else len(h) for k, h in enumerate(headers)]
     return ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in (headers, *rows)]
