@@ -154,7 +154,7 @@ def test_nan_from_the_batch_is_named_where_it_enters_the_step(tmp_path, capsys, 
     capsys.readouterr()
     assert main(["replay", str(path), "--json", str(doc_path)]) == 0
     out = capsys.readouterr().out
-    assert f"NaN/Inf enter the step from outside the trace: input {position} of op #{index} {name} " \
+    assert f"NaN enter the step from outside the trace: input {position} of op #{index} {name} " \
            f"({module}, forward) already holds 1 NaN" in out, out
     doc = json.loads(doc_path.read_text())
     assert doc["nonfinite_origin"] is None
@@ -178,8 +178,9 @@ def test_an_additive_mask_of_minus_inf_made_before_the_step_is_named_as_such(tmp
     add = next(op for op in rh.trace_ops(tmp_path / "t") if op.name == "aten.add.Tensor")
     capsys.readouterr()
     assert main(["replay", str(tmp_path / "t")]) == 0
-    assert f"from outside the trace: input 1 of op #{add.index} aten.add.Tensor (no module, forward) already holds " \
-           f"6 Inf (Inf only: an additive mask of -inf made before the step is such an input by design)" \
+    assert f"Inf enter the step from outside the trace: input 1 of op #{add.index} aten.add.Tensor (no module, " \
+           f"forward) already holds 6 Inf (an additive attention mask of -inf made before the step looks like this, " \
+           f"and is harmless there)" \
            in capsys.readouterr().out
 
 
@@ -202,7 +203,7 @@ def test_nan_written_by_an_op_outside_the_module_filter_enters_from_that_op(tmp_
     assert (entry.index, entry.nonfinite_input.position, entry.nonfinite_input.producer,
             entry.nonfinite_input.producer_op) == (addmm.index, 1, copy.index, "aten.copy_.default")
     assert main(["replay", str(path)]) == 0
-    assert f"NaN/Inf enter the step from op #{copy.index} aten.copy_.default, which was not replayed (its data " \
+    assert f"NaN enter the step from op #{copy.index} aten.copy_.default, which was not replayed (its data " \
            f"left out): input 1 of op #{addmm.index} aten.addmm.default (Linear, forward) already holds 1 NaN" \
            in capsys.readouterr().out
 

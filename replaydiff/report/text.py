@@ -33,9 +33,10 @@ def nonfinite_entry_line(r: OpResult, held: NonfiniteInput) -> str:
     where = ", ".join(x for x in (r.module or "no module", r.phase) if x)
     source = r.forward_source if (r.phase == "backward" and r.forward_source) else r.source
     # Inf alone from outside is what an additive attention mask of -inf made once before the steps looks like
-    mask = " (Inf only: an additive mask of -inf made before the step is such an input by design)" \
+    mask = " (an additive attention mask of -inf made before the step looks like this, and is harmless there)" \
         if not held.nan else ""
-    return f"NaN/Inf enter the step {whence}: input {held.position} of op #{r.index} {r.op} ({where}) already " \
+    kinds = "NaN and Inf" if held.nan and held.inf else "NaN" if held.nan else "Inf"
+    return f"{kinds} enter the step {whence}: input {held.position} of op #{r.index} {r.op} ({where}) already " \
            f"holds {held.counts()}{mask}" + (f"  {source}" if source else "")
 
 
