@@ -83,6 +83,28 @@ def test_wide_tolerance_silences_the_planted_fault(mlp_fault):
     assert "0 divergent" in proc.stdout
 
 
+
+def test_tolerance_takes_the_short_dtype_names_of_precision(mlp_fault, capsys):
+    """`--tolerance fp32=...` (the name --precision uses) set a limit nothing read: the fault still diverged."""
+    path, _ = mlp_fault
+    proc = run_main(capsys, "replay", str(path), "--tolerance", "fp32=1e9,1e9", "--json", "-")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tolerances = json.loads(proc.stdout)["options"]["tolerances"]
+    assert tolerances["float32"] == [1e9, 1e9] and "fp32" not in tolerances
+
+
+@pytest.mark.parametrize("item, names", [("float33=1", ["'float33'", "float32", "fp32", "bf16"]),
+                                         ("int32=1", ["'int32'", "float32"]),
+                                         ("float32=abc", ["float32=abc", "must be numbers"])],
+                         ids=["misspelled", "integer", "not-a-number"])
+def test_a_bad_tolerance_is_a_usage_error_naming_the_flag(capsys, item, names):
+    """`--tolerance float33=1` ran as if no tolerance were given; `float32=abc` said only "could not convert string
+    to float"."""
+    proc = run_main(capsys, "replay", str(rh.step_trace("mlp")), "--tolerance", item)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert_one_line_error(proc, "--tolerance", *names)
+    assert proc.stdout == ""
+
 def test_json_report_on_stdout():
     name, occurrence, _ = rh.first_in_phase(rh.trace_ops(rh.step_trace("transformer")), rh.MATMULS, "forward")
     path = rh.step_trace("transformer", name, rel=1e-3, occurrence=occurrence)
