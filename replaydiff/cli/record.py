@@ -225,10 +225,15 @@ def run(args: argparse.Namespace) -> int:
         if stopped:  # the recorder gave up part-way: what was asked for is not all in the trace
             summary = f"recording STOPPED part-way: {stopped}. The trace {args.out} ({len(ranks)} rank(s)) holds " \
                       f"what was recorded before that, not all of {what}."
+        elif code and not _all_complete(out):  # killed or crashed inside the recording: not a whole step
+            summary = f"recording cut short: the command {_ended(code)} before the recording finished. The trace " \
+                      f"{args.out} ({len(ranks)} rank(s)) holds the ops recorded before that, not all of {what}."
         else:
-            summary = f"{recorded} into {args.out} ({len(ranks)} rank(s))."
+            summary = f"{recorded} into {args.out} ({len(ranks)} rank(s))" + \
+                      (f", but then the command {_ended(code)}." if code else ".")
         sys.stderr.write(f"replaydiff: {summary}{note} " + next_commands(out, args.out))
         sys.stderr.write(unmatched_filter_line(out, options))  # a --module typo, said last
+        sys.stderr.write(_exit_line(code))
         return code
     _remove_empty(made)
     if options.flight:
@@ -322,8 +327,34 @@ def next_commands(out: Path, shown: str) -> str:
     return f"Next{note}:\n" + "".join(f"  {line}\n" for line in lines)
 
 
+def _ended(code: int) -> str:
+    """How the command ended, from a non-zero exit code (128+N: killed by signal N)."""
+    import signal
+
+    try:
+        name = signal.Signals(code - 128).name if code > 128 else None
+    except ValueError:
+        name = None
+    return f"was stopped by {name} (exit code {code})" if name else f"exited with code {code}"
+
+
+def _exit_line(code: int) -> str:
+    """The last line of a recording whose command failed: record's exit code is the command's (as a wrapper's is),
+    which may be one replaydiff gives a meaning of its own (3: unreadable trace), so it is said whose it is."""
+    return f"replaydiff: the command {_ended(code)}; record exits with the command's code\n" if code else ""
+
+
+def _all_complete(out: Path) -> bool:
+    """Whether every rank's recording finished (its manifest was completed); False when the trace cannot be read."""
+    try:
+        t = open_trace(out)
+        return all(t.rank(r).complete for r in t.ranks)
+    except ReplaydiffError:
+        return False
+
+
 def _ran(steps_run: int | None, code: int) -> str:
-    exited = f" (it exited with code {code})" if code else ""
+    exited = f" (the command {_ended(code)})" if code else ""
     return f"the script ran {steps_run} step{'s' if steps_run != 1 else ''} of its first optimizer{exited}"
 
 
@@ -337,11 +368,17 @@ def _why_nothing(options: RecordOptions, step: int, steps_run: int | None, code:
                                        f"it ran as {had}"
     if steps_run is None:  # no process of the command told how many steps it ran
         if code:
-            return f"the command exited with code {code} before replaydiff's step hook saw it end"
+            return f"the command {_ended(code)} before replaydiff's step hook saw it end"
         if job_ranks:
             return "the step hook ran, but no process said how many optimizer steps it ran"
         return "no process of the command ran replaydiff's step hook (is it a Python process that keeps PYTHONPATH?)"
     asked = StepRange.parse(options.steps) if options.steps else StepRange(step, step)
+    if steps_run == 0 and code:  # it failed (a missing file, an exception) before any step: its error is above
+        return f"the command {_ended(code)} before its first optimizer step (its own error is above)"
+    if steps_run == 0:  # an inference loop, a hand-written update: no torch.optim step to count
+        return "record --step/--steps count optimizer steps (torch.optim's step hooks) and the command ran none; " \
+               "to record code without an optimizer step, put `with replaydiff.record(\"trace/\"):` around it " \
+               "(README, \"record: one step\")"
     ran = _ran(steps_run, code)
     if steps_run < asked.first:
         return f"step {step} was never reached: {ran}" if not options.steps else \
