@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import replaydiff
 from replaydiff import open_trace
 from replaydiff.cli.main import main
 from replaydiff.trace import TensorRef, iter_refs
@@ -650,6 +651,26 @@ def test_record_of_a_step_killed_by_a_signal_says_it_was_cut_short(tmp_path):
     assert proc.stderr.splitlines()[-1] == \
         "replaydiff: the command was stopped by SIGKILL (exit code 137); record exits with the command's code"
 
+
+
+def test_a_plant_in_a_compiled_region_warns_in_one_line_why_the_region_ran_eager(tmp_path, monkeypatch, capsys):
+    """`record --plant gelu` of a torch.compile'd model printed a raw `.../recorder.py:126: RuntimeWarning:` saying
+    the region 'ran as eager aten ops', not why (without --plant the same region is recorded as compiled units). In
+    a child of `replaydiff record` (its variable set) recorder warnings are now one `replaydiff: warning:` line."""
+    from replaydiff.record.step import ENV_VAR
+
+    fn = torch.compile(lambda a: (a * 2).cos(), backend="aot_eager")
+    monkeypatch.setenv(ENV_VAR, "{}")
+    with replaydiff.record(tmp_path / "t", plant="cos"):
+        fn(torch.randn(3))
+    lines = [line for line in capsys.readouterr().err.splitlines() if "torch.compile region" in line]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("replaydiff: warning: 1 torch.compile region ran while recording: "), lines
+    assert lines[0].endswith("ran as eager aten ops (in the trace; not the compiled code the job runs otherwise). "
+                             "--plant is a dispatch mode below the recorder's, and under it torch runs compiled "
+                             "regions as eager aten ops, so the fault is planted in (and the trace holds) those "
+                             "eager ops; without --plant the compiled regions are recorded as compiled units."), lines
+    assert open_trace(tmp_path / "t").rank(0).planted.landed
 
 SCRIPT_WITHOUT_STEP = textwrap.dedent("""
     import torch
