@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -257,6 +258,11 @@ def test_demo_names_the_planted_op():
     assert "named the planted op" in proc.stdout
     assert "did NOT" not in proc.stdout
     assert "replaying" not in proc.stderr
+    # the report names the trace's temporary directory: the last line says it is gone and how to keep one
+    tmp = re.search(r"^replayed \d+ ops of (\S+) ", proc.stdout, re.M).group(1)
+    assert proc.stdout.splitlines()[-1] == f"(the trace {tmp} was temporary and is deleted now: `replaydiff demo -o " \
+                                           f"DIR` keeps it for show, replay, repro and tui)"
+    assert not Path(tmp).exists()
 
 
 def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
