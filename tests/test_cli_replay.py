@@ -106,6 +106,20 @@ def test_a_bad_tolerance_is_a_usage_error_naming_the_flag(capsys, item, names):
     assert_one_line_error(proc, "--tolerance", *names)
     assert proc.stdout == ""
 
+
+def test_the_culprit_of_a_trace_of_one_rank_other_than_0_names_its_rank(tmp_path, monkeypatch, capsys):
+    """A trace recorded with --ranks 1 printed "first divergent op #20 ..." without the rank (its JSON said 1)."""
+    from replaydiff.faults import PlantedFault
+
+    name, occurrence, _ = rh.first_in_phase(rh.trace_ops(rh.step_trace("mlp")), rh.MATMULS, "forward")
+    monkeypatch.setenv("RANK", "1")
+    path = rh.record_fn(tmp_path / "t", rh.mlp_step(), PlantedFault(name, rel=1e-3, call=occurrence + 1))
+    index = rh.occurrence_index(rh.trace_ops(path, rank=1), name, occurrence)
+    proc = run_main(capsys, "replay", str(path))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    culprit = [line for line in proc.stdout.splitlines() if line.startswith("first divergent op")]
+    assert len(culprit) == 1 and culprit[0].startswith(f"first divergent op rank 1 #{index} {name}"), proc.stdout
+
 def test_json_report_on_stdout():
     name, occurrence, _ = rh.first_in_phase(rh.trace_ops(rh.step_trace("transformer")), rh.MATMULS, "forward")
     path = rh.step_trace("transformer", name, rel=1e-3, occurrence=occurrence)
