@@ -210,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write("".join(line + "\n" for line in plant_lines(out, options.plant)))
     if ranks and options.budget:
         sys.stderr.write(_budget_warning(out, args.budget))
+    if ranks and options.ranks is not None:
+        sys.stderr.write(_absent_ranks_warning(out, options.ranks))
     if ranks:
         what = "the flight recorder" if options.flight else \
             _steps_text(done or missed) if missed else f"steps {options.steps}" if options.steps else f"step {args.step}"
@@ -421,6 +423,25 @@ def _budget_warning(out: Path, budget: str) -> str:
     return f"replaydiff: warning: --budget {budget} was reached{ranks}: " \
            f"{total.describe()}; --budget " \
            f"{format_size(budget_that_fits(need))} would fit everything (replay judges only the ops with data)\n"
+
+
+def _absent_ranks_warning(out: Path, asked: list[int]) -> str:
+    """One warning when --ranks names ranks the job does not have (``--ranks 0,3`` of a 2-process job), which
+    would otherwise record rank 0 alone without a word."""
+    try:
+        t = open_trace(out)
+        world = t.rank(t.ranks[0]).world_size
+        recorded = t.ranks
+    except (ReplaydiffError, IndexError):
+        return ""
+    absent = [r for r in asked if r >= world]
+    if not absent:
+        return ""
+    names = f"rank{'s' if len(absent) > 1 else ''} {','.join(map(str, absent))} {'are' if len(absent) > 1 else 'is'}"
+    job = f"ranks 0-{world - 1}" if world > 1 else "rank 0"
+    return f"replaydiff: warning: --ranks {','.join(map(str, asked))}: {names} not in this job of {world} " \
+           f"process{'es' if world > 1 else ''} ({job}); recorded rank{'s' if len(recorded) > 1 else ''} " \
+           f"{','.join(map(str, recorded))}\n"
 
 
 def _stopped(out: Path) -> str | None:
