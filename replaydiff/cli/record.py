@@ -1,7 +1,8 @@
 """Record one optimizer step of an unmodified training script: replaydiff record --step 3 -o trace/ -- python train.py
 
 The child runs with replaydiff's step hook armed (also under torchrun: one rank<N>/ directory per process), its exit
-code is passed through, and the next commands that fit the trace are printed. When the script never reaches the step
+code is passed through (a non-zero one is said on the last line, since it may be one of replaydiff's own
+codes), and the next commands that fit the trace are printed. When the script never reaches the step
 asked for (or no process has a rank of --ranks), nothing is recorded: that is said, the empty directory made for the
 trace is removed, and the exit code is 2 (a usage error: the request named a step or rank the job does not have;
 1 would claim a divergence) unless the script itself failed, whose code is passed through. A step begun after the
