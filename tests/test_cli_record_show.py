@@ -699,7 +699,7 @@ SCRIPT_WITHOUT_STEP = textwrap.dedent("""
     ("infer.py", "record --step/--steps count optimizer steps (torch.optim's step hooks) and the command ran none; to "
                  "record code without an optimizer step, put `with replaydiff.record(\"trace/\"):` around it "
                  "(README, \"record: one step\")"),
-    ("nosuch.py", "the command exited with code 2 before its first optimizer step (its own error is above)")],
+    ("nosuch.py", "the command exited with code 2 before its first optimizer step (its output above may say why)")],
     ids=["no-optimizer", "missing-script"])
 def test_record_of_a_command_without_any_optimizer_step_says_why(tmp_path, script, why):
     """An inference loop and a missing script both said `the script ran 0 steps of its first optimizer`: there is

@@ -377,7 +377,7 @@ def _why_nothing(options: RecordOptions, step: int, steps_run: int | None, code:
         return "no process of the command ran replaydiff's step hook (is it a Python process that keeps PYTHONPATH?)"
     asked = StepRange.parse(options.steps) if options.steps else StepRange(step, step)
     if steps_run == 0 and code:  # it failed (a missing file, an exception) before any step: its error is above
-        return f"the command {_ended(code)} before its first optimizer step (its own error is above)"
+        return f"the command {_ended(code)} before its first optimizer step (its output above may say why)"
     if steps_run == 0:  # an inference loop, a hand-written update: no torch.optim step to count
         return "record --step/--steps count optimizer steps (torch.optim's step hooks) and the command ran none; " \
                "to record code without an optimizer step, put `with replaydiff.record(\"trace/\"):` around it " \
