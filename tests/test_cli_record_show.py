@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import replaydiff
 from replaydiff import open_trace
 from replaydiff.cli.main import main
 from replaydiff.trace import TensorRef, iter_refs
@@ -460,6 +461,10 @@ def test_record_of_statistics_points_to_diff_not_replay(tmp_path):
     proc = replaydiff_cli("record", "--step", "2", "--tensors", "stats", "-o", "trace", "--", sys.executable,
                           "train.py", cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr  # the script's own exit code
+    # 3 is also replaydiff's "unreadable trace": the summary and the last line say it is the command's
+    assert "recorded step 2 into trace (1 rank(s)), but then the command exited with code 3. Next" in proc.stderr
+    assert proc.stderr.splitlines()[-1] == "replaydiff: the command exited with code 3; record exits with the " \
+                                           "command's code", proc.stderr
     assert "replaydiff replay" not in proc.stderr, proc.stderr
     assert "replaydiff diff" in proc.stderr and "replaydiff show trace" in proc.stderr, proc.stderr
     assert "cannot be replayed" in proc.stderr, proc.stderr
@@ -645,6 +650,83 @@ def test_record_of_a_step_the_script_raises_in_says_it_was_cut_short(tmp_path):
     assert "STOPPED part-way: step 3 was cut short by the script's exception (ValueError: shape bug)" in show.stdout
     assert "complete" not in show.stdout, show.stdout
 
+
+
+@pytest.mark.slow
+def test_record_of_a_step_killed_by_a_signal_says_it_was_cut_short(tmp_path):
+    """A recording killed by SIGTERM inside step 3 still said `recorded step 3 into ...` as if all went well; now it
+    says the command was stopped, that the trace holds part of the step, and (last) whose exit code record returns."""
+    (tmp_path / "train.py").write_text(TRAIN.replace("    loss = F.mse_loss(model(x), y)\n",
+                                                     "    loss = F.mse_loss(model(x), y)\n"
+                                                     "    if step == 2:\n        import os, signal\n"
+                                                     "        os.kill(os.getpid(), signal.SIGKILL)\n"))
+    proc = replaydiff_cli("record", "--step", "3", "-o", "t", "--", sys.executable, "train.py", cwd=tmp_path)
+    assert proc.returncode == 128 + 9, proc.stderr
+    assert "recorded step 3" not in proc.stderr, proc.stderr
+    assert "replaydiff: recording cut short: the command was stopped by SIGKILL (exit code 137) before the " \
+           "recording finished. The trace t (1 rank(s)) holds the ops recorded before that, not all of step 3." \
+           in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1] == \
+        "replaydiff: the command was stopped by SIGKILL (exit code 137); record exits with the command's code"
+
+
+
+def test_a_plant_in_a_compiled_region_warns_in_one_line_why_the_region_ran_eager(tmp_path, monkeypatch, capsys):
+    """`record --plant gelu` of a torch.compile'd model printed a raw `.../recorder.py:126: RuntimeWarning:` saying
+    the region 'ran as eager aten ops', not why (without --plant the same region is recorded as compiled units). In
+    a child of `replaydiff record` (its variable set) recorder warnings are now one `replaydiff: warning:` line."""
+    from replaydiff.record.step import ENV_VAR
+
+    fn = torch.compile(lambda a: (a * 2).cos(), backend="aot_eager")
+    monkeypatch.setenv(ENV_VAR, "{}")
+    with replaydiff.record(tmp_path / "t", plant="cos"):
+        fn(torch.randn(3))
+    lines = [line for line in capsys.readouterr().err.splitlines() if "torch.compile region" in line]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("replaydiff: warning: 1 torch.compile region ran while recording: "), lines
+    assert lines[0].endswith("ran as eager aten ops (in the trace; not the compiled code the job runs otherwise). "
+                             "--plant is a dispatch mode below the recorder's, and under it torch runs compiled "
+                             "regions as eager aten ops, so the fault is planted in (and the trace holds) those "
+                             "eager ops; without --plant the compiled regions are recorded as compiled units."), lines
+    assert open_trace(tmp_path / "t").rank(0).planted.landed
+
+
+@pytest.mark.slow
+def test_record_warns_of_ranks_the_job_does_not_have(tmp_path):
+    """`--ranks 0,3` of a 2-process job recorded rank 0 alone without a word; here a 1-process job (rank 0 of 1)."""
+    (tmp_path / "train.py").write_text(TRAIN.replace("sys.exit(3)", ""))
+    proc = replaydiff_cli("record", "--step", "2", "--ranks", "0,3", "-o", "t", "--", sys.executable, "train.py",
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("replaydiff: warning:")]
+    assert warnings == ["replaydiff: warning: --ranks 0,3: rank 3 is not in this job of 1 process (rank 0); "
+                        "recorded rank 0"], proc.stderr
+    assert open_trace(tmp_path / "t").ranks == [0]
+
+SCRIPT_WITHOUT_STEP = textwrap.dedent("""
+    import torch
+    model = torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(2, 4))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, why", [
+    ("infer.py", "record --step/--steps count optimizer steps (torch.optim's step hooks) and the command ran none; to "
+                 "record code without an optimizer step, put `with replaydiff.record(\"trace/\"):` around it "
+                 "(README, \"record: one step\")"),
+    ("nosuch.py", "the command exited with code 2 before its first optimizer step (its output above may say why)")],
+    ids=["no-optimizer", "missing-script"])
+def test_record_of_a_command_without_any_optimizer_step_says_why(tmp_path, script, why):
+    """An inference loop and a missing script both said `the script ran 0 steps of its first optimizer`: there is
+    no optimizer, nothing pointed to replaydiff.record(), and the missing file's failure read like a count."""
+    (tmp_path / "infer.py").write_text(SCRIPT_WITHOUT_STEP)
+    proc = replaydiff_cli("record", "--step", "3", "-o", "t", "--", sys.executable, script, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-1] == f"replaydiff: nothing was recorded into t: {why}", proc.stderr
+    assert not (tmp_path / "t").exists()
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM", "SIGINT"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -82,6 +83,42 @@ def test_wide_tolerance_silences_the_planted_fault(mlp_fault):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0 divergent" in proc.stdout
 
+
+
+def test_tolerance_takes_the_short_dtype_names_of_precision(mlp_fault, capsys):
+    """`--tolerance fp32=...` (the name --precision uses) set a limit nothing read: the fault still diverged."""
+    path, _ = mlp_fault
+    proc = run_main(capsys, "replay", str(path), "--tolerance", "fp32=1e9,1e9", "--json", "-")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tolerances = json.loads(proc.stdout)["options"]["tolerances"]
+    assert tolerances["float32"] == [1e9, 1e9] and "fp32" not in tolerances
+
+
+@pytest.mark.parametrize("item, names", [("float33=1", ["'float33'", "float32", "fp32", "bf16"]),
+                                         ("int32=1", ["'int32'", "float32"]),
+                                         ("float32=abc", ["float32=abc", "must be numbers"])],
+                         ids=["misspelled", "integer", "not-a-number"])
+def test_a_bad_tolerance_is_a_usage_error_naming_the_flag(capsys, item, names):
+    """`--tolerance float33=1` ran as if no tolerance were given; `float32=abc` said only "could not convert string
+    to float"."""
+    proc = run_main(capsys, "replay", str(rh.step_trace("mlp")), "--tolerance", item)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert_one_line_error(proc, "--tolerance", *names)
+    assert proc.stdout == ""
+
+
+def test_the_culprit_of_a_trace_of_one_rank_other_than_0_names_its_rank(tmp_path, monkeypatch, capsys):
+    """A trace recorded with --ranks 1 printed "first divergent op #20 ..." without the rank (its JSON said 1)."""
+    from replaydiff.faults import PlantedFault
+
+    name, occurrence, _ = rh.first_in_phase(rh.trace_ops(rh.step_trace("mlp")), rh.MATMULS, "forward")
+    monkeypatch.setenv("RANK", "1")
+    path = rh.record_fn(tmp_path / "t", rh.mlp_step(), PlantedFault(name, rel=1e-3, call=occurrence + 1))
+    index = rh.occurrence_index(rh.trace_ops(path, rank=1), name, occurrence)
+    proc = run_main(capsys, "replay", str(path))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    culprit = [line for line in proc.stdout.splitlines() if line.startswith("first divergent op")]
+    assert len(culprit) == 1 and culprit[0].startswith(f"first divergent op rank 1 #{index} {name}"), proc.stdout
 
 def test_json_report_on_stdout():
     name, occurrence, _ = rh.first_in_phase(rh.trace_ops(rh.step_trace("transformer")), rh.MATMULS, "forward")
@@ -235,6 +272,11 @@ def test_demo_names_the_planted_op():
     assert "named the planted op" in proc.stdout
     assert "did NOT" not in proc.stdout
     assert "replaying" not in proc.stderr
+    # the report names the trace's temporary directory: the last line says it is gone and how to keep one
+    tmp = re.search(r"^replayed \d+ ops of (\S+) ", proc.stdout, re.M).group(1)
+    assert proc.stdout.splitlines()[-1] == f"(the trace {tmp} was temporary and is deleted now: `replaydiff demo -o " \
+                                           f"DIR` keeps it for show, replay, repro and tui)"
+    assert not Path(tmp).exists()
 
 
 def run_main(capsys, *args: str) -> subprocess.CompletedProcess:

@@ -592,6 +592,17 @@ def test_cli_unreadable_trace_is_exit_3_and_a_missing_device_exit_4(traced, tmp_
     assert main(["tui", str(traced[0]), "--device", "nonsense"]) == 2
 
 
+
+def test_cli_without_a_terminal_is_a_usage_error(traced, capsys):
+    """`replaydiff tui TRACE < /dev/null > file` wrote escape codes into the file until killed."""
+    from replaydiff.cli.main import main
+
+    assert main(["tui", str(traced[0])]) == 2  # pytest's stdin/stdout are not terminals
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        "replaydiff: error: tui needs a terminal: its standard input and output must both be one (for a report in a "
+        "file or pipe: replaydiff replay TRACE, or show TRACE --list)"]
+
 def test_replaydiff_never_imports_textual_or_tui_until_the_ui_starts():
     code = ("import sys, replaydiff, replaydiff.cli.main, replaydiff.cli.tui, replaydiff.replay, replaydiff.report; "
             "p = replaydiff.cli.main.build_parser(); p.parse_args(['tui', 'x']); "

@@ -72,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"culprit found:      {op_line(culprit) if culprit else 'none'}")
         hit = culprit is not None and planted_op is not None and culprit.index == planted_op.index
         print("=> replaydiff named the planted op" if hit else "=> replaydiff did NOT name the planted op")
+        if tmp:  # the path above is gone once the demo returns
+            print(f"(the trace {tmp} was temporary and is deleted now: `replaydiff demo -o DIR` keeps it for show, "
+                  f"replay, repro and tui)")
         return 0 if hit else 1
     finally:
         if tmp:

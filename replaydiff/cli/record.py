@@ -1,7 +1,8 @@
 """Record one optimizer step of an unmodified training script: replaydiff record --step 3 -o trace/ -- python train.py
 
 The child runs with replaydiff's step hook armed (also under torchrun: one rank<N>/ directory per process), its exit
-code is passed through, and the next commands that fit the trace are printed. When the script never reaches the step
+code is passed through (a non-zero one is said on the last line, since it may be one of replaydiff's own
+codes), and the next commands that fit the trace are printed. When the script never reaches the step
 asked for (or no process has a rank of --ranks), nothing is recorded: that is said, the empty directory made for the
 trace is removed, and the exit code is 2 (a usage error: the request named a step or rank the job does not have;
 1 would claim a divergence) unless the script itself failed, whose code is passed through. A step begun after the
@@ -210,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write("".join(line + "\n" for line in plant_lines(out, options.plant)))
     if ranks and options.budget:
         sys.stderr.write(_budget_warning(out, args.budget))
+    if ranks and options.ranks is not None:
+        sys.stderr.write(_absent_ranks_warning(out, options.ranks))
     if ranks:
         what = "the flight recorder" if options.flight else \
             _steps_text(done or missed) if missed else f"steps {options.steps}" if options.steps else f"step {args.step}"
@@ -225,10 +228,15 @@ def run(args: argparse.Namespace) -> int:
         if stopped:  # the recorder gave up part-way: what was asked for is not all in the trace
             summary = f"recording STOPPED part-way: {stopped}. The trace {args.out} ({len(ranks)} rank(s)) holds " \
                       f"what was recorded before that, not all of {what}."
+        elif code and not _all_complete(out):  # killed or crashed inside the recording: not a whole step
+            summary = f"recording cut short: the command {_ended(code)} before the recording finished. The trace " \
+                      f"{args.out} ({len(ranks)} rank(s)) holds the ops recorded before that, not all of {what}."
         else:
-            summary = f"{recorded} into {args.out} ({len(ranks)} rank(s))."
+            summary = f"{recorded} into {args.out} ({len(ranks)} rank(s))" + \
+                      (f", but then the command {_ended(code)}." if code else ".")
         sys.stderr.write(f"replaydiff: {summary}{note} " + next_commands(out, args.out))
         sys.stderr.write(unmatched_filter_line(out, options))  # a --module typo, said last
+        sys.stderr.write(_exit_line(code))
         return code
     _remove_empty(made)
     if options.flight:
@@ -322,8 +330,34 @@ def next_commands(out: Path, shown: str) -> str:
     return f"Next{note}:\n" + "".join(f"  {line}\n" for line in lines)
 
 
+def _ended(code: int) -> str:
+    """How the command ended, from a non-zero exit code (128+N: killed by signal N)."""
+    import signal
+
+    try:
+        name = signal.Signals(code - 128).name if code > 128 else None
+    except ValueError:
+        name = None
+    return f"was stopped by {name} (exit code {code})" if name else f"exited with code {code}"
+
+
+def _exit_line(code: int) -> str:
+    """The last line of a recording whose command failed: record's exit code is the command's (as a wrapper's is),
+    which may be one replaydiff gives a meaning of its own (3: unreadable trace), so it is said whose it is."""
+    return f"replaydiff: the command {_ended(code)}; record exits with the command's code\n" if code else ""
+
+
+def _all_complete(out: Path) -> bool:
+    """Whether every rank's recording finished (its manifest was completed); False when the trace cannot be read."""
+    try:
+        t = open_trace(out)
+        return all(t.rank(r).complete for r in t.ranks)
+    except ReplaydiffError:
+        return False
+
+
 def _ran(steps_run: int | None, code: int) -> str:
-    exited = f" (it exited with code {code})" if code else ""
+    exited = f" (the command {_ended(code)})" if code else ""
     return f"the script ran {steps_run} step{'s' if steps_run != 1 else ''} of its first optimizer{exited}"
 
 
@@ -337,11 +371,17 @@ def _why_nothing(options: RecordOptions, step: int, steps_run: int | None, code:
                                        f"it ran as {had}"
     if steps_run is None:  # no process of the command told how many steps it ran
         if code:
-            return f"the command exited with code {code} before replaydiff's step hook saw it end"
+            return f"the command {_ended(code)} before replaydiff's step hook saw it end"
         if job_ranks:
             return "the step hook ran, but no process said how many optimizer steps it ran"
         return "no process of the command ran replaydiff's step hook (is it a Python process that keeps PYTHONPATH?)"
     asked = StepRange.parse(options.steps) if options.steps else StepRange(step, step)
+    if steps_run == 0 and code:  # it failed (a missing file, an exception) before any step: its error is above
+        return f"the command {_ended(code)} before its first optimizer step (its output above may say why)"
+    if steps_run == 0:  # an inference loop, a hand-written update: no torch.optim step to count
+        return "record --step/--steps count optimizer steps (torch.optim's step hooks) and the command ran none; " \
+               "to record code without an optimizer step, put `with replaydiff.record(\"trace/\"):` around it " \
+               "(README, \"record: one step\")"
     ran = _ran(steps_run, code)
     if steps_run < asked.first:
         return f"step {step} was never reached: {ran}" if not options.steps else \
@@ -384,6 +424,25 @@ def _budget_warning(out: Path, budget: str) -> str:
     return f"replaydiff: warning: --budget {budget} was reached{ranks}: " \
            f"{total.describe()}; --budget " \
            f"{format_size(budget_that_fits(need))} would fit everything (replay judges only the ops with data)\n"
+
+
+def _absent_ranks_warning(out: Path, asked: list[int]) -> str:
+    """One warning when --ranks names ranks the job does not have (``--ranks 0,3`` of a 2-process job), which
+    would otherwise record rank 0 alone without a word."""
+    try:
+        t = open_trace(out)
+        world = t.rank(t.ranks[0]).world_size
+        recorded = t.ranks
+    except (ReplaydiffError, IndexError):
+        return ""
+    absent = [r for r in asked if r >= world]
+    if not absent:
+        return ""
+    names = f"rank{'s' if len(absent) > 1 else ''} {','.join(map(str, absent))} {'are' if len(absent) > 1 else 'is'}"
+    job = f"ranks 0-{world - 1}" if world > 1 else "rank 0"
+    return f"replaydiff: warning: --ranks {','.join(map(str, asked))}: {names} not in this job of {world} " \
+           f"process{'es' if world > 1 else ''} ({job}); recorded rank{'s' if len(recorded) > 1 else ''} " \
+           f"{','.join(map(str, recorded))}\n"
 
 
 def _stopped(out: Path) -> str | None:

@@ -8,6 +8,7 @@ is imported only when this command runs.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from replaydiff.errors import EXIT_OK, UsageError
 from replaydiff.replay.policy import PRECISIONS
@@ -45,5 +46,10 @@ def run(args: argparse.Namespace) -> int:
 
     app = make_app(args.trace, rank=args.rank, report_path=args.replay, diff_ref=args.diff,
                    replay=ReplaySettings(device=args.device, precision=args.precision))
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        # said after make_app, so that an unreadable trace is still exit 3; run, Textual would write escape codes
+        # into the file or pipe until killed
+        raise UsageError("tui needs a terminal: its standard input and output must both be one (for a report in a "
+                         "file or pipe: replaydiff replay TRACE, or show TRACE --list)")
     app.run()
     return EXIT_OK

@@ -60,14 +60,37 @@ class Tolerances:
 
     @classmethod
     def parse_overrides(cls, items: list[str] | None, scale_reductions: bool = True) -> "Tolerances":
-        """``DTYPE=MAX[,REL]`` items, e.g. ``float32=32,16``."""
+        """``DTYPE=MAX[,REL]`` items, e.g. ``float32=32,16``; DTYPE is a floating dtype's name or one of the short
+        names --precision uses (``fp32``). Raises ValueError for any other name (a misspelled dtype would otherwise
+        set a limit nothing reads) and for a MAX or REL that is not a number."""
         tol = cls(scale_reductions=scale_reductions)
         for item in items or []:
             name, _, vals = item.partition("=")
             parts = vals.split(",")
             if not name or not vals or len(parts) > 2:
-                raise ValueError(f"tolerance {item!r} is not DTYPE=MAX[,REL]")
-            mx = float(parts[0])
-            rel = float(parts[1]) if len(parts) == 2 else mx / 2
-            tol.limits[name.removeprefix("torch.")] = (mx, rel)
+                raise ValueError(f"{item!r} is not DTYPE=MAX[,REL]")
+            dtype = tolerance_dtype(name)
+            try:
+                mx = float(parts[0])
+                rel = float(parts[1]) if len(parts) == 2 else mx / 2
+            except ValueError:
+                raise ValueError(f"{item!r}: MAX and REL must be numbers, e.g. float32=32,16") from None
+            tol.limits[dtype] = (mx, rel)
         return tol
+
+
+# The short names --precision and the docs use, as aliases of torch's dtype names.
+DTYPE_ALIASES = {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def tolerance_dtype(name: str) -> str:
+    """The torch dtype name a --tolerance DTYPE means: a floating or complex torch dtype (``float32``,
+    ``torch.float32``, ``float8_e4m3fn``) or an alias of DTYPE_ALIASES; ValueError names the accepted ones."""
+    name = name.strip().removeprefix("torch.")
+    name = DTYPE_ALIASES.get(name, name)
+    dtype = getattr(torch, name, None)
+    if isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex):
+        return str(dtype).removeprefix("torch.")  # torch.half -> float16: the name limit_for looks up
+    accepted = ", ".join([*DEFAULT_LIMITS, *DTYPE_ALIASES])
+    raise ValueError(f"unknown dtype {name!r}: use one of {accepted} (or another floating dtype such as "
+                     f"float8_e4m3fn)")

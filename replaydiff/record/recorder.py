@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -137,6 +138,11 @@ class Recorder:
                 self._warn(f"{unseen} storage(s) were written outside torch's dispatcher (numpy, a C extension) "
                            f"while recording; they were stored again as new versions")
             msg = self._compiled.first_warning()
+            if msg and self.options.plant and self._units is not None:
+                # capture was asked for, yet a region ran eager: the plant's mode is the reason, not the recorder's
+                msg += " --plant is a dispatch mode below the recorder's, and under it torch runs compiled regions " \
+                       "as eager aten ops, so the fault is planted in (and the trace holds) those eager ops; " \
+                       "without --plant the compiled regions are recorded as compiled units."
             if msg:
                 self._warn(msg)
             self.writer.close(self._closing_facts())
@@ -398,7 +404,18 @@ class Recorder:
         self.active = False
 
     def _warn(self, msg: str) -> None:
-        warnings.warn(f"replaydiff: {msg}", RuntimeWarning, stacklevel=3)
+        if os.environ.get(_CLI_CHILD_VAR):  # a child of `replaydiff record`: one line, like the CLI's own warnings
+            try:
+                sys.stderr.write(f"replaydiff: warning: {msg}\n")
+            except Exception:  # a closed stderr is no reason to raise into the job
+                pass
+            return
+        warnings.warn(f"replaydiff: {msg}", RuntimeWarning, stacklevel=3)  # the Python API: filterable, catchable
+
+
+
+# Set in the children of `replaydiff record` (record.step.ENV_VAR; step imports this module, so not imported here).
+_CLI_CHILD_VAR = "REPLAYDIFF_RECORD"
 
 
 def _nothing() -> None:
