@@ -208,6 +208,29 @@ def test_nan_written_by_an_op_outside_the_module_filter_enters_from_that_op(tmp_
            in capsys.readouterr().out
 
 
+
+def test_a_zoom_in_that_names_where_the_nan_enters_says_it_once(tmp_path, capsys):
+    """Two steps recorded with --module Linear, NaN written into the batch at the second: the zoom-in's "the difference
+    enters through" line and the NaN entry line named the same input of the same op; only the first is printed."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    path = tmp_path / "t"
+    with record(path, modules="Linear", steps="1-2"):
+        for step in (1, 2):
+            x = torch.randn(3, 4)
+            if step == 2:
+                x[1, 2] = float("nan")
+            lin(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    capsys.readouterr()
+    assert main(["replay", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "the difference enters through input 1 of op #" in out, out
+    assert "NaN enter the step" not in out, out
+
+
 # -- plants that change nothing, or less than replay can tell from rounding -------------------------------------------
 # A plant made through the public option (record(plant=...), as `record --plant`): the manifest says where it landed
 # and what it did, and replay and the health report say so instead of reading like a fault replay failed to find.

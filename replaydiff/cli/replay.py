@@ -119,7 +119,10 @@ def run(args: argparse.Namespace) -> int:
         doc["enters"] = None if entry is None else entry.to_json()
         write_json(args.json, doc)
     if args.json != "-":
-        render_replay(report, sys.stdout)
+        nf = report.nonfinite_entry
+        same_entry = entry is not None and nf is not None and nf.nonfinite_input is not None and \
+            (nf.rank, nf.index, nf.nonfinite_input.position) == (entry.rank, entry.index, entry.position)
+        render_replay(report, sys.stdout, entry_said=same_entry)
         note = entry.describe(report.counts()["skipped"]) if entry is not None else \
             one_step_note(args.trace, report, opts)
         if note is not None:

@@ -56,7 +56,9 @@ def metrics_line(r: OpResult) -> str:
     return r.reason or ""
 
 
-def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> None:
+def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry_said: bool = False) -> None:
+    """The replay summary; ``entry_said``: the caller prints a richer line on the same NaN/Inf entry (a zoom-in's
+    "the difference enters through"), so this one leaves its own out."""
     c = report.counts()
     opts = report.options
     if report.planted:
@@ -135,5 +137,5 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10) -> No
     if origin is not None:
         out.write(f"NaN/Inf origin: {op_line(origin)} (finite inputs, non-finite recorded output)\n")
     entry = report.nonfinite_entry
-    if entry is not None and entry.nonfinite_input is not None:  # no op made them: they came in with an input
+    if entry is not None and entry.nonfinite_input is not None and not entry_said:  # they came in with an input
         out.write(nonfinite_entry_line(entry, entry.nonfinite_input) + "\n")
