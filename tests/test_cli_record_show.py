@@ -418,7 +418,7 @@ def test_record_says_a_plant_changed_nothing_and_where_it_landed(conv_backward_p
     assert (p.landed, p.effect.tensors, p.effect.changed) == (True, 1, 0)
     assert (f"replaydiff: warning: the planted fault ({SMALL_PLANT}) landed on op #{op.index} "
             f"aten.convolution_backward.default in Sequential.0 (backward) but {ROUNDS_BACK}; replay will have "
-            f"nothing to find: plant another call or op\n") in proc.stderr
+            f"nothing to find: plant a larger REL (--plant OP:N:REL), or another call or op\n") in proc.stderr
     assert "replay should name that op" not in proc.stderr
 
 

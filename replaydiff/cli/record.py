@@ -148,8 +148,12 @@ def _plant_line(spec: str, p: PlantedFaultInfo, where: tuple[str, str | None] | 
         at += f" in {where[0]}" + (f" ({where[1]})" if where[1] else "")
     e = p.effect
     if e is not None and e.changed_nothing:
+        # Values that round back to themselves (bf16 with rel 1e-3) need a larger REL; zeros or no floats need
+        # another call or op.
+        fix = "a larger REL (--plant OP:N:REL), or another call or op" if e.nonzero and e.elements else \
+            "another call or op"
         return f"warning: the planted fault ({spec}) landed on {at}{on} but {e.describe()}; replay will have " \
-               f"nothing to find: plant another call or op"
+               f"nothing to find: plant {fix}"
     if e is not None and e.hint:
         return f"warning: the planted fault ({spec}) landed on {at}{on} and {e.describe()}; a larger REL makes a " \
                f"fault replay can tell apart"
