@@ -1,5 +1,9 @@
-"""Shared fixtures: a seeded tiny-transformer training step, and recording one step into tmp_path."""
+"""Shared fixtures: a seeded tiny-transformer training step, recording one step into tmp_path, and the CLI run in
+this process."""
 from __future__ import annotations
+
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,5 +47,24 @@ def record_one(tmp_path):
         with replaydiff.record(path, **options):
             result = fn()
         return result, open_trace(path).rank(0)
+
+    return run
+
+
+@pytest.fixture
+def cli_here(capfd, monkeypatch):
+    """cli_here(*args, cwd=None) -> CompletedProcess: ``replaydiff *args`` run by ``replaydiff.cli.main.main`` in this
+    process, from ``cwd``; its output and that of the processes it starts (``record``'s job) captured as a
+    subprocess's would be. For tests that are not about the CLI's own process: ``python -m replaydiff`` spends ~3 s
+    importing torch before it starts."""
+    from replaydiff.cli.main import main
+
+    def run(*args: str | Path, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        capfd.readouterr()
+        code = main([str(a) for a in args])
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(["replaydiff", *map(str, args)], code, out, err)
 
     return run
