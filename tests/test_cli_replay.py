@@ -472,13 +472,13 @@ TINY_TRAIN = (
     "    opt.step()\n")
 
 
-def test_a_module_filter_that_matches_nothing_warns_and_judges_nothing(tmp_path):
+def test_a_module_filter_that_matches_nothing_warns_and_judges_nothing(tmp_path, cli_here):
     """`record --module` with a typo stored no tensor data: record said nothing and replay called the trace clean
     ("every replayed op matches", exit 0), the health report passed every check. Now record names the nearest module
     paths, replay says nothing was judged and exits 1, and the report fails its "ops judged" check."""
     (tmp_path / "train.py").write_text(TINY_TRAIN)
-    rec = _run_cli_from(tmp_path, "record", "--step", "2", "--module", "Sequentail.0", "-o", "t", "--",
-                        sys.executable, "train.py")
+    rec = cli_here("record", "--step", "2", "--module", "Sequentail.0", "-o", "t", "--", sys.executable, "train.py",
+                   cwd=tmp_path)
     assert rec.returncode == 0, rec.stderr
     assert rec.stderr.splitlines()[-1] == (
         "replaydiff: warning: --module 'Sequentail.0' matched no op (the trace holds no tensor data to replay); "
@@ -488,16 +488,16 @@ def test_a_module_filter_that_matches_nothing_warns_and_judges_nothing(tmp_path)
     (left,) = open_trace(tmp_path / "t").rank(0).data_left_out  # the manifest notes it; show prints it
     assert (left.reason, left.every_op) == ("filtered", True)
     assert "outside the record --module/--op filter (the filter matched no op)," in left.describe()
-    proc = _run_cli_from(tmp_path, "replay", "t", "--json", str(tmp_path / "r.json"))
+    proc = cli_here("replay", "t", "--json", str(tmp_path / "r.json"), cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     n = int(proc.stdout.split()[1])
     assert proc.stdout.splitlines()[-1] == f"nothing was judged: all {n} ops were skipped (reasons above)"
     assert "every replayed op matches" not in proc.stdout
-    report = _run_cli_from(tmp_path, "report", "t", "--replay", str(tmp_path / "r.json"), "--no-probe")
+    report = cli_here("report", "t", "--replay", str(tmp_path / "r.json"), "--no-probe", cwd=tmp_path)
     assert report.returncode == 1, report.stdout + report.stderr
     assert f"| ops judged | 0 of {n} | at least 1 | FAIL |" in report.stdout, report.stdout
-    ok = _run_cli_from(tmp_path, "record", "--step", "2", "--module", "Sequential.0", "-o", "t2", "--",
-                       sys.executable, "train.py")
+    ok = cli_here("record", "--step", "2", "--module", "Sequential.0", "-o", "t2", "--", sys.executable, "train.py",
+                  cwd=tmp_path)
     assert ok.returncode == 0 and "matched no op" not in ok.stderr, ok.stderr
     assert [x.every_op for x in open_trace(tmp_path / "t2").rank(0).data_left_out] == [False]
 
