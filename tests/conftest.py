@@ -3,6 +3,8 @@ this process."""
 from __future__ import annotations
 
 import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -57,14 +59,30 @@ def cli_here(capfd, monkeypatch):
     process, from ``cwd``; its output and that of the processes it starts (``record``'s job) captured as a
     subprocess's would be. For tests that are not about the CLI's own process: ``python -m replaydiff`` spends ~3 s
     importing torch before it starts."""
-    from replaydiff.cli.main import main
-
     def run(*args: str | Path, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+        from replaydiff.cli.main import main
+
         if cwd is not None:
             monkeypatch.chdir(cwd)
         capfd.readouterr()
-        code = main([str(a) for a in args])
+        with warnings.catch_warnings():
+            _warn_as_a_process_would()
+            code = main([str(a) for a in args])
         out, err = capfd.readouterr()
         return subprocess.CompletedProcess(["replaydiff", *map(str, args)], code, out, err)
 
     return run
+
+
+def _warn_as_a_process_would() -> None:
+    """Inside catch_warnings: warnings printed to stderr under the filters of a plain ``python`` (pytest would
+    otherwise collect them where a test of the CLI's stderr cannot see them)."""
+    warnings.resetwarnings()
+    warnings.showwarning = _print_warning  # in place of the recorder pytest installed
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+    for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+        warnings.simplefilter("ignore", category, append=True)
+
+
+def _print_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
