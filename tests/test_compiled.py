@@ -13,7 +13,6 @@ import sys
 import textwrap
 import warnings
 
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
