@@ -1,5 +1,6 @@
 """`replaydiff replay` and `replaydiff demo` as a user runs them: a subprocess, exit codes, one-line errors, the
-replaydiff.replay/1 JSON document, and nothing on stderr meant for a terminal when output is piped."""
+replaydiff.replay/1 JSON document, and nothing on stderr meant for a terminal when output is piped. Where the process
+is not the subject (the JSON document, tolerances, --resume), the CLI runs in this process (conftest's cli_here)."""
 from __future__ import annotations
 
 import json
@@ -76,20 +77,20 @@ def test_planted_fault_exits_1_and_names_the_op(mlp_fault):
     assert "replaying" not in proc.stderr
 
 
-def test_wide_tolerance_silences_the_planted_fault(mlp_fault):
+def test_wide_tolerance_silences_the_planted_fault(mlp_fault, cli_here):
     path, _ = mlp_fault
-    proc = run_cli("replay", str(path), "--tolerance", "float32=1e9,1e9")
+    proc = cli_here("replay", str(path), "--tolerance", "float32=1e9,1e9")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0 divergent" in proc.stdout
 
 
-def test_json_report_on_stdout():
+def test_json_report_on_stdout(cli_here):
     name, occurrence, _ = rh.first_in_phase(rh.trace_ops(rh.step_trace("transformer")), rh.MATMULS, "forward")
     path = rh.step_trace("transformer", name, rel=1e-3, occurrence=occurrence)
     ops = rh.trace_ops(path)
     index = rh.occurrence_index(ops, name, occurrence)
 
-    proc = run_cli("replay", str(path), "--json", "-")
+    proc = cli_here("replay", str(path), "--json", "-")
     assert proc.returncode == 1, proc.stderr
     assert "replaying" not in proc.stderr
     doc = json.loads(proc.stdout, parse_constant=_no_constants)  # the whole of stdout is the document
@@ -125,12 +126,12 @@ def test_json_report_on_stdout():
     assert doc["ops"][[o["index"] for o in doc["ops"]].index(index)] == first
 
 
-def test_json_report_to_a_file_with_a_nan_origin(tmp_path):
+def test_json_report_to_a_file_with_a_nan_origin(tmp_path, cli_here):
     name, occurrence, _ = rh.first_in_phase(rh.trace_ops(rh.step_trace("mlp")), rh.MATMULS, "forward")
     path = rh.step_trace("mlp", name, rel=float("nan"), occurrence=occurrence)
     index = rh.occurrence_index(rh.trace_ops(path), name, occurrence)
     out = tmp_path / "report.json"
-    proc = run_cli("replay", str(path), "--json", str(out))
+    proc = cli_here("replay", str(path), "--json", str(out))
     assert proc.returncode == 1, proc.stderr
     assert "first divergent op" in proc.stdout and "NaN/Inf origin" in proc.stdout  # text still on stdout
     text = out.read_text()
@@ -396,7 +397,7 @@ class _Interrupt(KeyboardInterrupt):
     pass
 
 
-def test_an_interrupted_replay_resumes_from_what_it_had_judged(mlp_fault, tmp_path):
+def test_an_interrupted_replay_resumes_from_what_it_had_judged(mlp_fault, tmp_path, cli_here):
     """Ctrl-C after 20 ops, then `replay --resume`: only the other ops are replayed, and the report is the one an
     uninterrupted run gives (the planted op named, every status and figure the same)."""
     from replaydiff.replay import replay_trace
@@ -415,8 +416,8 @@ def test_an_interrupted_replay_resumes_from_what_it_had_judged(mlp_fault, tmp_pa
         replay_trace(str(path), ReplayOptions(), journal=journal, on_result=stop_after_20)
     assert len(list(journal.iterdir())) == 1  # the journal is kept for --resume
 
-    whole = run_cli("replay", str(path), "--json", "-", "--journal", str(tmp_path / "other"))
-    resumed = run_cli("replay", str(path), "--json", "-", "--resume", "--journal", str(journal))
+    whole = cli_here("replay", str(path), "--json", "-", "--journal", str(tmp_path / "other"))
+    resumed = cli_here("replay", str(path), "--json", "-", "--resume", "--journal", str(journal))
     assert resumed.returncode == whole.returncode == 1, resumed.stderr
     assert "resuming: 20 op(s) judged by an earlier run kept" in resumed.stderr, resumed.stderr
     assert json.loads(resumed.stdout) == json.loads(whole.stdout)
@@ -437,13 +438,13 @@ def test_an_interrupted_replay_resumes_from_what_it_had_judged(mlp_fault, tmp_pa
     assert report_to_json(report) == cli_doc
 
 
-def test_resume_ignores_a_journal_of_other_options(mlp_fault, tmp_path):
+def test_resume_ignores_a_journal_of_other_options(mlp_fault, tmp_path, cli_here):
     """A journal belongs to one trace and one set of options: --resume with other options replays every op."""
     path, _ = mlp_fault
     journal = tmp_path / "journal"
-    first = run_cli("replay", str(path), "--to", "5", "--journal", str(journal))
+    first = cli_here("replay", str(path), "--to", "5", "--journal", str(journal))
     assert first.returncode in (0, 1)
-    proc = run_cli("replay", str(path), "--precision", "fp32", "--resume", "--journal", str(journal))
+    proc = cli_here("replay", str(path), "--precision", "fp32", "--resume", "--journal", str(journal))
     assert "nothing to resume" in proc.stderr, proc.stderr
 
 
