@@ -53,6 +53,16 @@ def record_one(tmp_path):
     return run
 
 
+@pytest.fixture(scope="session")
+def ddp_step_with_rank1_allreduce_fault(tmp_path_factory) -> Path:
+    """A 2-rank gloo DDP step recorded with rank 1's all-reduce corrupted (replay_helpers.record_ddp_step), recorded
+    once and read by the collective tests of test_collectives_replay and test_health_report: read it, never write
+    into its directory."""
+    from replay_helpers import record_ddp_step
+
+    return record_ddp_step(tmp_path_factory.mktemp("ddp_step"), fault_rank=1)
+
+
 @pytest.fixture
 def cli_here(capfd, monkeypatch):
     """cli_here(*args, cwd=None) -> CompletedProcess: ``replaydiff *args`` run by ``replaydiff.cli.main.main`` in this
