@@ -315,11 +315,11 @@ def test_a_json_file_in_a_missing_directory_is_refused_before_the_work(capsys, t
 
 
 @pytest.mark.slow
-def test_demo_counts_occurrences_from_1_like_plant(tmp_path):
+def test_demo_counts_occurrences_from_1_like_plant(tmp_path, cli_here):
     """`--plant OP:N` counts calls from 1; `demo --occurrence N` counts the same way."""
     from replaydiff import open_trace
 
-    proc = run_cli("demo", "--occurrence", "2", "-o", str(tmp_path / "t"))
+    proc = cli_here("demo", "--occurrence", "2", "-o", str(tmp_path / "t"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = open_trace(tmp_path / "t").rank(0)
     calls = [i for i in range(len(r)) if r.index.name[i] == "aten.native_layer_norm_backward.default"]
