@@ -67,8 +67,10 @@ def ddp_step_with_rank1_allreduce_fault(tmp_path_factory) -> Path:
 def cli_here(capfd, monkeypatch):
     """cli_here(*args, cwd=None) -> CompletedProcess: ``replaydiff *args`` run by ``replaydiff.cli.main.main`` in this
     process, from ``cwd``; its output and that of the processes it starts (``record``'s job) captured as a
-    subprocess's would be. For tests that are not about the CLI's own process: ``python -m replaydiff`` spends ~3 s
-    importing torch before it starts."""
+    subprocess's would be, warnings printed to stderr as a plain interpreter prints them. For tests that are not about
+    the CLI's own process (its imports, exit, signals, a pipe): ``python -m replaydiff`` spends ~3 s importing torch
+    before it starts."""
+
     def run(*args: str | Path, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
         from replaydiff.cli.main import main
 
