@@ -1,5 +1,11 @@
-"""Shared fixtures: a seeded tiny-transformer training step, and recording one step into tmp_path."""
+"""Shared fixtures: a seeded tiny-transformer training step, recording one step into tmp_path, and the CLI run in
+this process."""
 from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,3 +51,50 @@ def record_one(tmp_path):
         return result, open_trace(path).rank(0)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def ddp_step_with_rank1_allreduce_fault(tmp_path_factory) -> Path:
+    """A 2-rank gloo DDP step recorded with rank 1's all-reduce corrupted (replay_helpers.record_ddp_step), recorded
+    once and read by the collective tests of test_collectives_replay and test_health_report: read it, never write
+    into its directory."""
+    from replay_helpers import record_ddp_step
+
+    return record_ddp_step(tmp_path_factory.mktemp("ddp_step"), fault_rank=1)
+
+
+@pytest.fixture
+def cli_here(capfd, monkeypatch):
+    """cli_here(*args, cwd=None) -> CompletedProcess: ``replaydiff *args`` run by ``replaydiff.cli.main.main`` in this
+    process, from ``cwd``; its output and that of the processes it starts (``record``'s job) captured as a
+    subprocess's would be, warnings printed to stderr as a plain interpreter prints them. For tests that are not about
+    the CLI's own process (its imports, exit, signals, a pipe): ``python -m replaydiff`` spends ~3 s importing torch
+    before it starts."""
+
+    def run(*args: str | Path, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+        from replaydiff.cli.main import main
+
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        capfd.readouterr()
+        with warnings.catch_warnings():
+            _warn_as_a_process_would()
+            code = main([str(a) for a in args])
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(["replaydiff", *map(str, args)], code, out, err)
+
+    return run
+
+
+def _warn_as_a_process_would() -> None:
+    """Inside catch_warnings: warnings printed to stderr under the filters of a plain ``python`` (pytest would
+    otherwise collect them where a test of the CLI's stderr cannot see them)."""
+    warnings.resetwarnings()
+    warnings.showwarning = _print_warning  # in place of the recorder pytest installed
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+    for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+        warnings.simplefilter("ignore", category, append=True)
+
+
+def _print_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))

@@ -13,7 +13,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import shutil
+import subprocess
+import sys
 import tempfile
+import textwrap
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -96,6 +99,43 @@ def record_fn(path: str | Path, fn: Callable[[], Any], fault: PlantedFault | Non
     if fault is not None:
         assert fault.planted, f"the step never ran {fault.op} (call {fault.call}): nothing was planted"
     return Path(path)
+
+
+DDP_STEP = textwrap.dedent('''
+    import sys, torch, torch.distributed as dist
+    from replaydiff import record
+    from replaydiff.faults import PlantedFault
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters())
+    torch.manual_seed(dist.get_rank())
+    x = torch.randn(4, 8)
+    fault_rank = int(sys.argv[2])
+    with PlantedFault("c10d.allreduce_.default", rel=1e-3, rank=fault_rank), record(sys.argv[1]):
+        loss = ddp(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        t = torch.arange(3, dtype=torch.float32) + dist.get_rank()
+        dist.all_reduce(t)
+        out = [torch.zeros(2) for _ in range(2)]
+        dist.all_gather(out, torch.ones(2) * dist.get_rank())
+    dist.barrier()  # gloo aborts a rank that destroys its group while the other still talks to it
+    dist.destroy_process_group()
+''')
+
+
+def record_ddp_step(directory: Path, fault_rank: int) -> Path:
+    """DDP_STEP run by torchrun on two gloo ranks, ``fault_rank``'s all-reduce corrupted: the trace
+    ``directory/trace``."""
+    script = directory / "ddp_step.py"
+    script.write_text(DDP_STEP)
+    trace = directory / "trace"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    subprocess.run(torchrun + [str(script), str(trace), str(fault_rank)], check=True, capture_output=True,
+                   timeout=120)
+    return trace
 
 
 _dir: Path | None = None

@@ -1,4 +1,7 @@
-"""``replaydiff record`` and ``replaydiff show``, run as a user would: subprocesses of ``python -m replaydiff``."""
+"""``replaydiff record`` and ``replaydiff show``, run as a user would: the recorded jobs are processes of their own;
+``replaydiff`` itself is a subprocess of ``python -m replaydiff`` in the tests about its process (the shared recording,
+a closed pipe, one-line errors, signals) and ``main`` in this process (the ``cli`` fixture) in the others, which
+spares a torch import per call."""
 from __future__ import annotations
 
 import json
@@ -73,6 +76,16 @@ def replaydiff_cli(*args, cwd: Path, timeout: float = 120) -> subprocess.Complet
                           text=True, timeout=timeout, env=child_env())
 
 
+@pytest.fixture
+def cli(cli_here, monkeypatch):
+    """replaydiff_cli's twin in this process (conftest's cli_here), under child_env's environment."""
+    env = child_env()
+    for name in set(os.environ) - set(env):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PATH", env["PATH"])
+    return cli_here
+
+
 def tree(d: Path) -> dict[str, bytes | None]:
     """Every path under ``d`` with its bytes (None for a directory): what a refused command must leave as it was."""
     return {str(p.relative_to(d)): (None if p.is_dir() else p.read_bytes()) for p in sorted(d.rglob("*"))}
@@ -109,9 +122,9 @@ def test_record_step_of_a_script(recorded):
     assert not any(o.name == "aten.zeros_like.default" for o in ops)
 
 
-def test_record_first_step_module_paths(tmp_path):
+def test_record_first_step_module_paths(tmp_path, cli):
     (tmp_path / "train.py").write_text(TRAIN)
-    proc = replaydiff_cli("record", "--step", "1", "-o", "trace", "--", sys.executable, "train.py", cwd=tmp_path)
+    proc = cli("record", "--step", "1", "-o", "trace", "--", sys.executable, "train.py", cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     ops = list(open_trace(tmp_path / "trace").rank(0))
@@ -122,18 +135,18 @@ def test_record_first_step_module_paths(tmp_path):
     assert any(o.name == "aten.zeros_like.default" and o.phase == "optimizer" for o in ops)
 
 
-def test_record_refuses_an_existing_directory(recorded):
+def test_record_refuses_an_existing_directory(recorded, cli):
     cwd, _ = recorded
     before = sorted(p.name for p in (cwd / "trace").rglob("*"))
-    proc = replaydiff_cli("record", "-o", "trace", "--", sys.executable, "train.py", cwd=cwd)
+    proc = cli("record", "-o", "trace", "--", sys.executable, "train.py", cwd=cwd)
     assert proc.returncode == 2
     assert "--force" in proc.stderr and "Traceback" not in proc.stderr
     assert sorted(p.name for p in (cwd / "trace").rglob("*")) == before
 
 
-def test_show_summary(recorded):
+def test_show_summary(recorded, cli):
     cwd, _ = recorded
-    proc = replaydiff_cli("show", "trace", cwd=cwd)
+    proc = cli("show", "trace", cwd=cwd)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     r = open_trace(cwd / "trace").rank(0)
@@ -149,7 +162,7 @@ def test_show_summary(recorded):
     assert f"torch {torch.__version__}" in out and "threads" in out and "flags:" in out
 
 
-def test_show_one_op(recorded):
+def test_show_one_op(recorded, cli):
     cwd, _ = recorded
     r = open_trace(cwd / "trace").rank(0)
     ops = list(r)
@@ -162,7 +175,7 @@ def test_show_one_op(recorded):
     made = [producer[a.version] for a in target.args if isinstance(a, TensorRef) and a.version in producer
             and producer[a.version] < target.index]
     assert made
-    proc = replaydiff_cli("show", "trace", "--op", target.index, cwd=cwd)
+    proc = cli("show", "trace", "--op", target.index, cwd=cwd)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert f"op #{target.index} aten.addmm.default" in out
@@ -175,21 +188,21 @@ def test_show_one_op(recorded):
 
 
 @pytest.mark.slow
-def test_show_op_gives_the_recorded_source_text_and_says_when_the_file_changed(tmp_path):
+def test_show_op_gives_the_recorded_source_text_and_says_when_the_file_changed(tmp_path, cli):
     (tmp_path / "train.py").write_text(TRAIN)
-    proc = replaydiff_cli("record", "--step", "1", "-o", "trace", "--", sys.executable, "train.py", cwd=tmp_path)
+    proc = cli("record", "--step", "1", "-o", "trace", "--", sys.executable, "train.py", cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr
     mse = next(o for o in open_trace(tmp_path / "trace").rank(0) if o.name == "aten.mse_loss.default")
     lineno = TRAIN.splitlines().index("    loss = F.mse_loss(model(x), y)") + 1
     assert mse.source == f"train.py:{lineno}"
-    shown = replaydiff_cli("show", "trace", "--op", mse.index, cwd=tmp_path)
+    shown = cli("show", "trace", "--op", mse.index, cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert f"  source  train.py:{lineno}  loss = F.mse_loss(model(x), y)\n" in shown.stdout
     assert "changed" not in shown.stdout
     # The user edits train.py: the recorded text is still shown, with a warning saying where that line is now.
     edited = "# tuned\n" + TRAIN.replace("F.mse_loss(model(x), y)", "F.l1_loss(model(x), y)")
     (tmp_path / "train.py").write_text(edited)
-    shown = replaydiff_cli("show", "trace", "--op", mse.index, cwd=tmp_path)
+    shown = cli("show", "trace", "--op", mse.index, cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert f"  source  train.py:{lineno}  loss = F.mse_loss(model(x), y)\n" in shown.stdout
     assert "train.py has changed since it was recorded; the recorded line is no longer in it; " \
@@ -219,12 +232,12 @@ def test_show_corrupt_trace_is_one_line_and_exit_3(recorded, tmp_path):
 
 
 @pytest.mark.slow
-def test_record_under_torchrun(tmp_path):
+def test_record_under_torchrun(tmp_path, cli):
     (tmp_path / "train_ddp.py").write_text(TRAIN_DDP)
     torchrun = Path(sys.executable).with_name("torchrun")
     launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    proc = replaydiff_cli("record", "--step", "1", "-o", "trace", "--", *launcher, "--standalone",
-                          "--nproc-per-node", "2", "train_ddp.py", cwd=tmp_path, timeout=90)
+    proc = cli("record", "--step", "1", "-o", "trace", "--", *launcher, "--standalone",
+               "--nproc-per-node", "2", "train_ddp.py", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 rank(s)" in proc.stderr
     assert (tmp_path / "trace" / "rank0").is_dir() and (tmp_path / "trace" / "rank1").is_dir()
@@ -309,7 +322,7 @@ def test_force_refuses_whatever_is_not_wholly_a_trace(recorded, tmp_path, monkey
 
 
 @pytest.mark.slow
-def test_force_replaces_a_trace_file_by_file(recorded, tmp_path):
+def test_force_replaces_a_trace_file_by_file(recorded, tmp_path, cli):
     """A real trace is replaced: its rank directories (a rank the new job no longer has included) and the
     temporary files a killed writer leaves go; the new recording is what the directory then holds."""
     cwd, _ = recorded
@@ -317,8 +330,8 @@ def test_force_replaces_a_trace_file_by_file(recorded, tmp_path):
     shutil.copytree(cwd / "trace" / "rank0", tmp_path / "trace" / "rank1")  # an earlier two-rank job
     (tmp_path / "trace" / "rank0" / "manifest.rdt.tmp").write_bytes(b"RDT\x01")  # a writer killed mid-rename
     (tmp_path / "train.py").write_text(TRAIN)
-    proc = replaydiff_cli("record", "--step", "1", "--force", "-o", "trace", "--", sys.executable, "train.py",
-                          cwd=tmp_path)
+    proc = cli("record", "--step", "1", "--force", "-o", "trace", "--", sys.executable, "train.py",
+               cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr  # the script's own exit code
     assert "Traceback" not in proc.stderr, proc.stderr
     assert sorted(p.name for p in (tmp_path / "trace").iterdir()) == ["rank0"]
@@ -422,10 +435,10 @@ def test_record_says_a_plant_changed_nothing_and_where_it_landed(conv_backward_p
     assert "replay should name that op" not in proc.stderr
 
 
-def test_replay_of_a_plant_that_changed_nothing_says_so_and_exits_0(conv_backward_plant):
+def test_replay_of_a_plant_that_changed_nothing_says_so_and_exits_0(conv_backward_plant, cli):
     cwd, _ = conv_backward_plant
     rt = open_trace(cwd / "trace").rank(0)
-    text = replaydiff_cli("replay", "trace", cwd=cwd)
+    text = cli("replay", "trace", cwd=cwd)
     assert text.returncode == 0, text.stdout + text.stderr
     lines = text.stdout.splitlines()
     assert lines[0] == (f"PLANTED FAULT (record --plant): aten.convolution_backward.default call 1 x(1+1e-09), "
@@ -433,7 +446,7 @@ def test_replay_of_a_plant_that_changed_nothing_says_so_and_exits_0(conv_backwar
     assert (f"planted fault: op #{rt.planted.index} aten.convolution_backward.default {ROUNDS_BACK}: there was "
             f"nothing for replay to find") in lines
     assert not any(w in text.stdout for w in ("missed", "NOT", "not found"))
-    js = replaydiff_cli("replay", "trace", "--json", "-", cwd=cwd)
+    js = cli("replay", "trace", "--json", "-", cwd=cwd)
     assert js.returncode == 0
     doc = json.loads(js.stdout)
     assert [(q["index"], q["outcome"], q["landed"]) for q in doc["plants"]] == [(rt.planted.index, "no_effect", True)]
@@ -441,10 +454,10 @@ def test_replay_of_a_plant_that_changed_nothing_says_so_and_exits_0(conv_backwar
 
 
 @pytest.mark.slow
-def test_record_warns_at_the_end_when_the_planted_op_never_ran(tmp_path):
+def test_record_warns_at_the_end_when_the_planted_op_never_ran(tmp_path, cli):
     (tmp_path / "cnn.py").write_text(CNN)
-    proc = replaydiff_cli("record", "--plant", "aten.nosuch.default", "-o", "trace", "--", sys.executable, "cnn.py",
-                          cwd=tmp_path)
+    proc = cli("record", "--plant", "aten.nosuch.default", "-o", "trace", "--", sys.executable, "cnn.py",
+               cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     warning = ("replaydiff: warning: --plant aten.nosuch.default planted nothing: the recording never ran "
                "aten.nosuch.default (`replaydiff show` lists the ops it ran)")
@@ -455,11 +468,11 @@ def test_record_warns_at_the_end_when_the_planted_op_never_ran(tmp_path):
 
 
 @pytest.mark.slow
-def test_record_of_statistics_points_to_diff_not_replay(tmp_path):
+def test_record_of_statistics_points_to_diff_not_replay(tmp_path, cli):
     """A statistics trace cannot be replayed: the next command record prints fits the trace."""
     (tmp_path / "train.py").write_text(TRAIN)
-    proc = replaydiff_cli("record", "--step", "2", "--tensors", "stats", "-o", "trace", "--", sys.executable,
-                          "train.py", cwd=tmp_path)
+    proc = cli("record", "--step", "2", "--tensors", "stats", "-o", "trace", "--", sys.executable,
+               "train.py", cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr  # the script's own exit code
     # 3 is also replaydiff's "unreadable trace": the summary and the last line say it is the command's
     assert "recorded step 2 into trace (1 rank(s)), but then the command exited with code 3. Next" in proc.stderr
@@ -471,12 +484,12 @@ def test_record_of_statistics_points_to_diff_not_replay(tmp_path):
 
 
 @pytest.mark.slow
-def test_record_of_a_step_the_script_never_reaches(tmp_path):
+def test_record_of_a_step_the_script_never_reaches(tmp_path, cli):
     """`--step 10` of a 3-step script recorded nothing, left an empty trace directory and exited 0."""
     (tmp_path / "train.py").write_text(TRAIN.replace("sys.exit(3)", ""))
     (tmp_path / "mine").mkdir()  # the user's (empty) directory: it was there before, it stays
-    proc = replaydiff_cli("record", "--step", "10", "-o", "mine/runs/trace", "--", sys.executable, "train.py",
-                          cwd=tmp_path)
+    proc = cli("record", "--step", "10", "-o", "mine/runs/trace", "--", sys.executable, "train.py",
+               cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr  # the usage code: nothing diverged, step 10 is not in this job
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "step 10 was never reached: the script ran 3 steps of its first optimizer" in proc.stderr, proc.stderr
@@ -485,17 +498,17 @@ def test_record_of_a_step_the_script_never_reaches(tmp_path):
 
 
 @pytest.mark.slow
-def test_record_of_the_step_after_the_last_is_never_reached_and_a_range_says_what_it_got(tmp_path):
+def test_record_of_the_step_after_the_last_is_never_reached_and_a_range_says_what_it_got(tmp_path, cli):
     """`--step 4` of a 3-step script said `recorded step 4` with exit 0 and wrote the script's tail after its last
     step as a 2-op trace; `--steps 2-4` said `recorded steps 2-4`. Now the one is like `--step 10` (exit 2, no
     directory) and the other names the steps it got and the one it never reached, exit 0."""
     (tmp_path / "train.py").write_text(TRAIN.replace("sys.exit(3)", ""))
-    proc = replaydiff_cli("record", "--step", "4", "-o", "s4", "--", sys.executable, "train.py", cwd=tmp_path)
+    proc = cli("record", "--step", "4", "-o", "s4", "--", sys.executable, "train.py", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "nothing was recorded into s4: step 4 was never reached: the script ran 3 steps of its first optimizer" \
         in proc.stderr, proc.stderr
     assert "recorded step" not in proc.stderr and not (tmp_path / "s4").exists(), proc.stderr
-    proc = replaydiff_cli("record", "--steps", "2-4", "-o", "s24", "--", sys.executable, "train.py", cwd=tmp_path)
+    proc = cli("record", "--steps", "2-4", "-o", "s24", "--", sys.executable, "train.py", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "recorded steps 2-3 into s24 (1 rank(s)). Step 4 was never reached: the script ran 3 steps of its first optimizer." \
         in proc.stderr, proc.stderr
@@ -503,12 +516,12 @@ def test_record_of_the_step_after_the_last_is_never_reached_and_a_range_says_wha
 
 
 @pytest.mark.slow
-def test_record_with_no_process_of_the_ranks_asked_says_the_rank_it_ran_as(tmp_path):
+def test_record_with_no_process_of_the_ranks_asked_says_the_rank_it_ran_as(tmp_path, cli):
     """`--ranks 7` of a single-process job said `no process of the command ran replaydiff's step hook (is it a
     Python process that keeps PYTHONPATH?)`: the hook ran, in rank 0."""
     (tmp_path / "train.py").write_text(TRAIN.replace("sys.exit(3)", ""))
-    proc = replaydiff_cli("record", "--step", "2", "--ranks", "7", "-o", "rk", "--", sys.executable, "train.py",
-                          cwd=tmp_path)
+    proc = cli("record", "--step", "2", "--ranks", "7", "-o", "rk", "--", sys.executable, "train.py",
+               cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == \
         "replaydiff: nothing was recorded into rk: no process of the command had a rank in --ranks 7: it ran as " \
@@ -615,38 +628,38 @@ def test_record_help_says_steps_are_counted_on_the_first_optimizer(capsys):
 
 
 @pytest.mark.slow
-def test_record_says_when_the_recording_stopped_part_way(tmp_path):
+def test_record_says_when_the_recording_stopped_part_way(tmp_path, cli):
     """A recorder that stopped part-way (here: its module statistics fail) said `recorded steps 1-3` as if it had
     recorded them; now the summary line and show say it stopped, and why. The job's exit code is passed through."""
     (tmp_path / "train.py").write_text(
         "from replaydiff.record.module_stats import ModuleStatsHooks\n"
         "def boom(*a, **k):\n    raise RuntimeError('injected')\n"
         "ModuleStatsHooks._record = boom\n" + TRAIN)
-    proc = replaydiff_cli("record", "--tensors", "stats", "--granularity", "module", "--steps", "1-3", "-o", "t",
-                          "--", sys.executable, "train.py", cwd=tmp_path)
+    proc = cli("record", "--tensors", "stats", "--granularity", "module", "--steps", "1-3", "-o", "t",
+               "--", sys.executable, "train.py", cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr
     assert "recorded steps 1-3" not in proc.stderr, proc.stderr
     assert "replaydiff: recording STOPPED part-way: parameter statistics failed (RuntimeError: injected). The trace " \
            "t (1 rank(s)) holds what was recorded before that, not all of steps 1-3." in proc.stderr, proc.stderr
-    show = replaydiff_cli("show", "t", cwd=tmp_path)
+    show = cli("show", "t", cwd=tmp_path)
     assert "STOPPED part-way: parameter statistics failed (RuntimeError: injected)" in show.stdout, show.stdout
     assert "complete" not in show.stdout, show.stdout
 
 
 @pytest.mark.slow
-def test_record_of_a_step_the_script_raises_in_says_it_was_cut_short(tmp_path):
+def test_record_of_a_step_the_script_raises_in_says_it_was_cut_short(tmp_path, cli):
     """`--step 3` of a script that raises during step 3 ended in a traceback of replaydiff's own (IndexError in
     _steps_text) and show called the cut step `complete`."""
     (tmp_path / "train.py").write_text(TRAIN.replace("    loss = F.mse_loss(model(x), y)\n",
                                                      "    loss = F.mse_loss(model(x), y)\n"
                                                      "    if step == 2:\n        raise ValueError('shape bug')\n"))
-    proc = replaydiff_cli("record", "--step", "3", "-o", "t", "--", sys.executable, "train.py", cwd=tmp_path)
+    proc = cli("record", "--step", "3", "-o", "t", "--", sys.executable, "train.py", cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr  # the script's own code
     assert "IndexError" not in proc.stderr and proc.stderr.count("Traceback") == 1, proc.stderr
     assert "replaydiff: recording STOPPED part-way: step 3 was cut short by the script's exception (ValueError: " \
            "shape bug). The trace t (1 rank(s)) holds what was recorded before that, not all of step 3." \
            in proc.stderr, proc.stderr
-    show = replaydiff_cli("show", "t", cwd=tmp_path)
+    show = cli("show", "t", cwd=tmp_path)
     assert "STOPPED part-way: step 3 was cut short by the script's exception (ValueError: shape bug)" in show.stdout
     assert "complete" not in show.stdout, show.stdout
 

@@ -1,5 +1,6 @@
 """`replaydiff replay` and `replaydiff demo` as a user runs them: a subprocess, exit codes, one-line errors, the
-replaydiff.replay/1 JSON document, and nothing on stderr meant for a terminal when output is piped."""
+replaydiff.replay/1 JSON document, and nothing on stderr meant for a terminal when output is piped. Where the process
+is not the subject (the JSON document, tolerances, --resume), the CLI runs in this process (conftest's cli_here)."""
 from __future__ import annotations
 
 import json
@@ -77,9 +78,9 @@ def test_planted_fault_exits_1_and_names_the_op(mlp_fault):
     assert "replaying" not in proc.stderr
 
 
-def test_wide_tolerance_silences_the_planted_fault(mlp_fault):
+def test_wide_tolerance_silences_the_planted_fault(mlp_fault, cli_here):
     path, _ = mlp_fault
-    proc = run_cli("replay", str(path), "--tolerance", "float32=1e9,1e9")
+    proc = cli_here("replay", str(path), "--tolerance", "float32=1e9,1e9")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0 divergent" in proc.stdout
 
@@ -120,13 +121,14 @@ def test_the_culprit_of_a_trace_of_one_rank_other_than_0_names_its_rank(tmp_path
     culprit = [line for line in proc.stdout.splitlines() if line.startswith("first divergent op")]
     assert len(culprit) == 1 and culprit[0].startswith(f"first divergent op rank 1 #{index} {name}"), proc.stdout
 
-def test_json_report_on_stdout():
+
+def test_json_report_on_stdout(cli_here):
     name, occurrence, _ = rh.first_in_phase(rh.trace_ops(rh.step_trace("transformer")), rh.MATMULS, "forward")
     path = rh.step_trace("transformer", name, rel=1e-3, occurrence=occurrence)
     ops = rh.trace_ops(path)
     index = rh.occurrence_index(ops, name, occurrence)
 
-    proc = run_cli("replay", str(path), "--json", "-")
+    proc = cli_here("replay", str(path), "--json", "-")
     assert proc.returncode == 1, proc.stderr
     assert "replaying" not in proc.stderr
     doc = json.loads(proc.stdout, parse_constant=_no_constants)  # the whole of stdout is the document
@@ -162,12 +164,12 @@ def test_json_report_on_stdout():
     assert doc["ops"][[o["index"] for o in doc["ops"]].index(index)] == first
 
 
-def test_json_report_to_a_file_with_a_nan_origin(tmp_path):
+def test_json_report_to_a_file_with_a_nan_origin(tmp_path, cli_here):
     name, occurrence, _ = rh.first_in_phase(rh.trace_ops(rh.step_trace("mlp")), rh.MATMULS, "forward")
     path = rh.step_trace("mlp", name, rel=float("nan"), occurrence=occurrence)
     index = rh.occurrence_index(rh.trace_ops(path), name, occurrence)
     out = tmp_path / "report.json"
-    proc = run_cli("replay", str(path), "--json", str(out))
+    proc = cli_here("replay", str(path), "--json", str(out))
     assert proc.returncode == 1, proc.stderr
     assert "first divergent op" in proc.stdout and "NaN/Inf origin" in proc.stdout  # text still on stdout
     text = out.read_text()
@@ -356,11 +358,11 @@ def test_a_json_file_in_a_missing_directory_is_refused_before_the_work(capsys, t
 
 
 @pytest.mark.slow
-def test_demo_counts_occurrences_from_1_like_plant(tmp_path):
+def test_demo_counts_occurrences_from_1_like_plant(tmp_path, cli_here):
     """`--plant OP:N` counts calls from 1; `demo --occurrence N` counts the same way."""
     from replaydiff import open_trace
 
-    proc = run_cli("demo", "--occurrence", "2", "-o", str(tmp_path / "t"))
+    proc = cli_here("demo", "--occurrence", "2", "-o", str(tmp_path / "t"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = open_trace(tmp_path / "t").rank(0)
     calls = [i for i in range(len(r)) if r.index.name[i] == "aten.native_layer_norm_backward.default"]
@@ -438,7 +440,7 @@ class _Interrupt(KeyboardInterrupt):
     pass
 
 
-def test_an_interrupted_replay_resumes_from_what_it_had_judged(mlp_fault, tmp_path):
+def test_an_interrupted_replay_resumes_from_what_it_had_judged(mlp_fault, tmp_path, cli_here):
     """Ctrl-C after 20 ops, then `replay --resume`: only the other ops are replayed, and the report is the one an
     uninterrupted run gives (the planted op named, every status and figure the same)."""
     from replaydiff.replay import replay_trace
@@ -457,8 +459,8 @@ def test_an_interrupted_replay_resumes_from_what_it_had_judged(mlp_fault, tmp_pa
         replay_trace(str(path), ReplayOptions(), journal=journal, on_result=stop_after_20)
     assert len(list(journal.iterdir())) == 1  # the journal is kept for --resume
 
-    whole = run_cli("replay", str(path), "--json", "-", "--journal", str(tmp_path / "other"))
-    resumed = run_cli("replay", str(path), "--json", "-", "--resume", "--journal", str(journal))
+    whole = cli_here("replay", str(path), "--json", "-", "--journal", str(tmp_path / "other"))
+    resumed = cli_here("replay", str(path), "--json", "-", "--resume", "--journal", str(journal))
     assert resumed.returncode == whole.returncode == 1, resumed.stderr
     assert "resuming: 20 op(s) judged by an earlier run kept" in resumed.stderr, resumed.stderr
     assert json.loads(resumed.stdout) == json.loads(whole.stdout)
@@ -479,13 +481,13 @@ def test_an_interrupted_replay_resumes_from_what_it_had_judged(mlp_fault, tmp_pa
     assert report_to_json(report) == cli_doc
 
 
-def test_resume_ignores_a_journal_of_other_options(mlp_fault, tmp_path):
+def test_resume_ignores_a_journal_of_other_options(mlp_fault, tmp_path, cli_here):
     """A journal belongs to one trace and one set of options: --resume with other options replays every op."""
     path, _ = mlp_fault
     journal = tmp_path / "journal"
-    first = run_cli("replay", str(path), "--to", "5", "--journal", str(journal))
+    first = cli_here("replay", str(path), "--to", "5", "--journal", str(journal))
     assert first.returncode in (0, 1)
-    proc = run_cli("replay", str(path), "--precision", "fp32", "--resume", "--journal", str(journal))
+    proc = cli_here("replay", str(path), "--precision", "fp32", "--resume", "--journal", str(journal))
     assert "nothing to resume" in proc.stderr, proc.stderr
 
 
@@ -514,13 +516,13 @@ TINY_TRAIN = (
     "    opt.step()\n")
 
 
-def test_a_module_filter_that_matches_nothing_warns_and_judges_nothing(tmp_path):
+def test_a_module_filter_that_matches_nothing_warns_and_judges_nothing(tmp_path, cli_here):
     """`record --module` with a typo stored no tensor data: record said nothing and replay called the trace clean
     ("every replayed op matches", exit 0), the health report passed every check. Now record names the nearest module
     paths, replay says nothing was judged and exits 1, and the report fails its "ops judged" check."""
     (tmp_path / "train.py").write_text(TINY_TRAIN)
-    rec = _run_cli_from(tmp_path, "record", "--step", "2", "--module", "Sequentail.0", "-o", "t", "--",
-                        sys.executable, "train.py")
+    rec = cli_here("record", "--step", "2", "--module", "Sequentail.0", "-o", "t", "--", sys.executable, "train.py",
+                   cwd=tmp_path)
     assert rec.returncode == 0, rec.stderr
     assert rec.stderr.splitlines()[-1] == (
         "replaydiff: warning: --module 'Sequentail.0' matched no op (the trace holds no tensor data to replay); "
@@ -530,16 +532,16 @@ def test_a_module_filter_that_matches_nothing_warns_and_judges_nothing(tmp_path)
     (left,) = open_trace(tmp_path / "t").rank(0).data_left_out  # the manifest notes it; show prints it
     assert (left.reason, left.every_op) == ("filtered", True)
     assert "outside the record --module/--op filter (the filter matched no op)," in left.describe()
-    proc = _run_cli_from(tmp_path, "replay", "t", "--json", str(tmp_path / "r.json"))
+    proc = cli_here("replay", "t", "--json", str(tmp_path / "r.json"), cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     n = int(proc.stdout.split()[1])
     assert proc.stdout.splitlines()[-1] == f"nothing was judged: all {n} ops were skipped (reasons above)"
     assert "every replayed op matches" not in proc.stdout
-    report = _run_cli_from(tmp_path, "report", "t", "--replay", str(tmp_path / "r.json"), "--no-probe")
+    report = cli_here("report", "t", "--replay", str(tmp_path / "r.json"), "--no-probe", cwd=tmp_path)
     assert report.returncode == 1, report.stdout + report.stderr
     assert f"| ops judged | 0 of {n} | at least 1 | FAIL |" in report.stdout, report.stdout
-    ok = _run_cli_from(tmp_path, "record", "--step", "2", "--module", "Sequential.0", "-o", "t2", "--",
-                       sys.executable, "train.py")
+    ok = cli_here("record", "--step", "2", "--module", "Sequential.0", "-o", "t2", "--", sys.executable, "train.py",
+                  cwd=tmp_path)
     assert ok.returncode == 0 and "matched no op" not in ok.stderr, ok.stderr
     assert [x.every_op for x in open_trace(tmp_path / "t2").rank(0).data_left_out] == [False]
 

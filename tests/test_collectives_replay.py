@@ -2,9 +2,6 @@
 kind of collective reaches the check registered for it, and that check names a wrong result."""
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,44 +12,9 @@ from replaydiff.compare.tolerance import Tolerances
 from replaydiff.replay import ReplayOptions, Status, replay_trace
 from replaydiff.replay.collectives import Call, NotChecked, check_for, checked_kinds, checks, layout
 
-SCRIPT = textwrap.dedent('''
-    import sys, torch, torch.distributed as dist
-    from replaydiff import record
-    from replaydiff.faults import PlantedFault
-    dist.init_process_group("gloo")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(ddp.parameters())
-    torch.manual_seed(dist.get_rank())
-    x = torch.randn(4, 8)
-    fault_rank = int(sys.argv[2])
-    with PlantedFault("c10d.allreduce_.default", rel=1e-3, rank=fault_rank), record(sys.argv[1]):
-        loss = ddp(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        t = torch.arange(3, dtype=torch.float32) + dist.get_rank()
-        dist.all_reduce(t)
-        out = [torch.zeros(2) for _ in range(2)]
-        dist.all_gather(out, torch.ones(2) * dist.get_rank())
-    dist.barrier()  # gloo aborts a rank that destroys its group while the other still talks to it
-    dist.destroy_process_group()
-''')
-
-
-def _run(tmp_path: Path, fault_rank: int) -> Path:
-    script = tmp_path / "ddp_step.py"
-    script.write_text(SCRIPT)
-    trace = tmp_path / "trace"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    subprocess.run(torchrun + [str(script), str(trace), str(fault_rank)], check=True, capture_output=True,
-                   timeout=120)
-    return trace
-
-
 @pytest.mark.slow
-def test_corrupted_allreduce_is_named_on_its_rank_only(tmp_path: Path) -> None:
-    trace = _run(tmp_path, fault_rank=1)
+def test_corrupted_allreduce_is_named_on_its_rank_only(ddp_step_with_rank1_allreduce_fault: Path) -> None:
+    trace = ddp_step_with_rank1_allreduce_fault
     report = replay_trace(str(trace), ReplayOptions())
     divergent = [r for r in report.ops if r.status is Status.DIVERGENT]
     assert [(r.rank, r.op) for r in divergent] == [(1, "c10d.allreduce_.default")]

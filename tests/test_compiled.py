@@ -8,13 +8,10 @@ See docs/design/compile.md for the torch source behind each expectation.
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 import warnings
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -155,7 +152,7 @@ def test_without_tracker_torch_leaves_a_region_eager_after_recording(tmp_path):
     assert (backend.compiles, backend.runs) == (1, 1)  # the cached compiled code never runs again
 
 
-def test_the_recorder_notes_compiled_regions_and_keeps_them_compiled(tmp_path):
+def test_the_recorder_notes_compiled_regions_and_keeps_them_compiled(tmp_path, cli_here):
     backend = Counting()
     fn = torch.compile(lambda a: (a * 2).cos(), backend=backend)
     x = torch.randn(3)
@@ -168,12 +165,9 @@ def test_the_recorder_notes_compiled_regions_and_keeps_them_compiled(tmp_path):
     r = open_trace(tmp_path / "t").rank(0)
     (region,) = r.compiled_regions
     assert (region.how, region.calls) == ("eager", 1)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    show = subprocess.run([sys.executable, "-m", "replaydiff", "show", str(tmp_path / "t")], capture_output=True,
-                          text=True, env=env)
+    show = cli_here("show", tmp_path / "t")
     assert "COMPILED:" in show.stdout and "ran eager" in show.stdout
-    replay = subprocess.run([sys.executable, "-m", "replaydiff", "replay", str(tmp_path / "t")], capture_output=True,
-                            text=True, env=env)
+    replay = cli_here("replay", tmp_path / "t")
     assert replay.returncode == 0 and "compiled region" in replay.stderr and "ran eager" in replay.stderr
 
 

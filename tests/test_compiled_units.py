@@ -204,14 +204,13 @@ for _ in range(2):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["capture", "eager"])
-def test_record_cli_compiled_option(tmp_path, how):
+def test_record_cli_compiled_option(tmp_path, how, cli_here):
     import sys
 
     (tmp_path / "train.py").write_text(_SCRIPT)
     extra = [] if how == "capture" else ["--compiled", "eager"]
-    proc = subprocess.run([sys.executable, "-m", "replaydiff", "record", "-o", str(tmp_path / "t"), "--step", "2",
-                           *extra, "--", sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600)
+    proc = cli_here("record", "-o", tmp_path / "t", "--step", "2", *extra, "--", sys.executable, "train.py",
+                    cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert open_trace(tmp_path / "t").rank(0).options.compiled == how
     units = _units(tmp_path / "t")

@@ -311,13 +311,9 @@ def test_replay_works_after_torch_freezes_its_backend_flags(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
-def test_threads_tests_whether_an_op_depends_on_the_parallel_split(tmp_path: Path) -> None:
+def test_threads_tests_whether_an_op_depends_on_the_parallel_split(tmp_path: Path, cli_here) -> None:
     # CPU LayerNorm backward reduces in another order with 1 thread than with 2: bitwise
     # replay holds at the recorded thread count (the default at `same`) and breaks at another (--threads 1).
-    import os
-    import subprocess
-    import sys
-
     from replaydiff.models.tiny import TinyTransformer, make_step
 
     torch.manual_seed(0)
@@ -330,13 +326,12 @@ def test_threads_tests_whether_an_op_depends_on_the_parallel_split(tmp_path: Pat
             step()
     finally:
         torch.set_num_threads(saved)
-    root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PYTHONPATH=str(root))
-    cli = [sys.executable, "-m", "replaydiff", "replay", str(tmp_path / "t"), "--precision", "same", "--json", "-"]
+    cli = ["replay", tmp_path / "t", "--precision", "same", "--json", "-"]
     import json
 
-    recorded = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=300)
-    one = subprocess.run(cli + ["--threads", "1"], capture_output=True, text=True, env=env, timeout=300)
+    recorded = cli_here(*cli)
+    one = cli_here(*cli, "--threads", "1")
+    assert torch.get_num_threads() == saved  # replay set the thread count back
     assert recorded.returncode == 0, recorded.stderr
     assert one.returncode == 1, one.stderr
     divergent = {o["op"] for o in json.loads(one.stdout)["ops"] if o["status"] == "divergent"}

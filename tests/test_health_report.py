@@ -25,8 +25,9 @@ def _record(path: Path, step, **options) -> Path:
     return path
 
 
-def _replay_json(trace: Path, *flags: str) -> Path:
-    out = trace.parent / (trace.name + "-" + "-".join(f.strip("-") for f in flags) + ".json")
+def _replay_json(trace: Path, *flags: str, into: Path | None = None) -> Path:
+    """The replay's JSON report, written into ``into`` (default: beside the trace)."""
+    out = (into or trace.parent) / (trace.name + "-" + "-".join(f.strip("-") for f in flags) + ".json")
     main(["replay", str(trace), "--json", str(out), *flags])
     return out
 
@@ -204,11 +205,10 @@ def test_tf32_on_a_cuda_matmul_is_named_with_the_flag_as_evidence(tmp_path, caps
 
 
 @pytest.mark.slow
-def test_collective_disagreeing_across_ranks_is_named_with_its_rank(tmp_path, capsys):
-    from tests.test_collectives_replay import _run  # a 2-rank gloo DDP step with rank 1's all-reduce corrupted
-
-    trace = _run(tmp_path, fault_rank=1)
-    md = _report(trace, _replay_json(trace), capsys)
+def test_collective_disagreeing_across_ranks_is_named_with_its_rank(ddp_step_with_rank1_allreduce_fault, tmp_path,
+                                                                    capsys):
+    trace = ddp_step_with_rank1_allreduce_fault  # shared: the replay's JSON goes into tmp_path, not beside it
+    md = _report(trace, _replay_json(trace, into=tmp_path), capsys)
     assert "a collective that disagrees across ranks" in _causes(md)
     ev = md.split("### a collective that disagrees across ranks", 1)[1]
     assert "rank 1 #" in ev and "c10d.allreduce_.default" in ev and "on rank(s) [1]" in ev

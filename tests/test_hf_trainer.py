@@ -1,16 +1,15 @@
 """A real training loop as users run it: Hugging Face's Trainer (tiny GPT-2, random weights, CPU), recorded with no
 code change through `replaydiff record --step 3 -- python train.py`, replays clean at fp64 and bit for bit at same;
-a fault planted with `--plant` is named exactly."""
+a fault planted with `--plant` is named exactly. The job is a process of its own, as a user's is; the CLI runs in this
+process (``cli_here``), which spares four torch imports."""
 from __future__ import annotations
 
-import pytest
 import json
-import os
-import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import pytest
 
 TRAIN = '''
 import torch
@@ -38,28 +37,23 @@ Trainer(model=model, args=args, train_dataset=Toy()).train()
 '''
 
 
-def _run(*cmd: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "replaydiff", *cmd], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=300)
-
-
 @pytest.mark.slow
-def test_trainer_step_replays_clean_and_a_planted_fault_is_named(tmp_path: Path) -> None:
+def test_trainer_step_replays_clean_and_a_planted_fault_is_named(tmp_path: Path, cli_here) -> None:
     (tmp_path / "train.py").write_text(TRAIN)
-    rec = _run("record", "--step", "3", "-o", "trace", "--", sys.executable, "train.py", cwd=tmp_path)
+    _run = partial(cli_here, cwd=tmp_path)
+    rec = _run("record", "--step", "3", "-o", "trace", "--", sys.executable, "train.py")
     assert rec.returncode == 0, rec.stderr
     for precision in ("fp64", "same"):
-        out = _run("replay", "trace", "--precision", precision, "--json", "-", cwd=tmp_path)
+        out = _run("replay", "trace", "--precision", precision, "--json", "-")
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr
         report = json.loads(out.stdout)
         assert report["summary"]["divergent"] == report["summary"]["error"] == 0
         phases = {o["phase"] for o in report["ops"]}
         assert {"forward", "backward", "optimizer"} <= phases  # the whole step: Trainer's optimizer step included
     rec = _run("record", "--step", "3", "--plant", "aten.addmm.default:5", "-o", "planted", "--", sys.executable,
-               "train.py", cwd=tmp_path)
+               "train.py")
     assert rec.returncode == 0, rec.stderr
-    out = _run("replay", "planted", "--json", "-", cwd=tmp_path)
+    out = _run("replay", "planted", "--json", "-")
     assert out.returncode == 1
     report = json.loads(out.stdout)
     planted = [o for o in report["ops"] if o["op"] == "aten.addmm.default"][4]  # the 5th call, read back

@@ -439,11 +439,12 @@ def test_culprit_across_ranks_follows_collective_order(job) -> None:
 
 # -- 6. a subset of ranks -----------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_record_a_subset_of_ranks(tmp_path: Path) -> None:
+def test_record_a_subset_of_ranks(tmp_path: Path, cli_here, monkeypatch) -> None:
     trace = tmp_path / "trace"
     script = _script(tmp_path, "plain_ddp.py", PLAIN_DDP_SCRIPT)
-    run = subprocess.run([sys.executable, "-m", "replaydiff", "record", "--ranks", "1", "-o", str(trace), "--",
-                          *TORCHRUN, str(script)], capture_output=True, text=True, env=_env(), timeout=120)
+    for name in ("PYTHONPATH", "OMP_NUM_THREADS"):  # the job's environment, as _env() gives a subprocess
+        monkeypatch.setenv(name, _env()[name])
+    run = cli_here("record", "--ranks", "1", "-o", trace, "--", *TORCHRUN, script)
     assert run.returncode == 0, run.stderr
     assert sorted(p.name for p in trace.iterdir()) == ["rank1"]
     report = replay_trace(str(trace), ReplayOptions())

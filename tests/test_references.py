@@ -126,7 +126,7 @@ def test_decomp_reference_finds_a_wrong_aten_kernel_the_reference_device_shares(
 
 
 def test_decomp_replay_of_a_healthy_step_is_clean(tmp_path):
-    from tests.replay_helpers import replay, step_trace
+    from replay_helpers import replay, step_trace  # the module the other tests share its trace cache with
 
     report = replay(step_trace("transformer"), reference="decomp")
     assert report.first_divergent is None

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -65,10 +64,16 @@ def _ill(report):
             and r.metrics["norm_max"] > r.metrics["limit_max"]]
 
 
-def _run_repro(trace: Path, index: int, out: Path) -> subprocess.CompletedProcess:
+def _run_repro(trace: Path, index: int, out: Path, capsys) -> subprocess.CompletedProcess:
+    """`repro` of op ``index`` into ``out``, and its script run on ``out`` in this process (the script's code is
+    replaydiff.repro_script; test_repro runs the written scripts alone, as ``python -I repro.py``)."""
+    from replaydiff import repro_script
+
     assert main(["repro", str(trace), str(index), "-o", str(out)]) == 0
-    return subprocess.run([sys.executable, "-I", str(out / "repro.py")], capture_output=True, text=True, cwd=out,
-                          timeout=120)
+    capsys.readouterr()
+    code = repro_script.main([], directory=str(out))
+    stdout, stderr = capsys.readouterr()
+    return subprocess.CompletedProcess(["repro.py"], code, stdout, stderr)
 
 
 def test_an_ill_conditioned_op_is_ok_with_its_reason_and_below_its_limit(reports):
@@ -140,15 +145,15 @@ def _walk(groups):
 
 
 @pytest.mark.slow
-def test_repro_agrees_with_replay(traces, reports, tmp_path):
+def test_repro_agrees_with_replay(traces, reports, tmp_path, capsys):
     (ill,) = _ill(reports["clean"])
-    p = _run_repro(traces["clean"], ill.index, tmp_path / "ill")
+    p = _run_repro(traces["clean"], ill.index, tmp_path / "ill", capsys)
     assert p.returncode == 0, p.stdout + p.stderr
     line = next(l for l in p.stdout.splitlines() if "recorded vs reference:" in l)
     assert line.endswith(ill.reason) and "  ok " in line, line
     assert re.search(r"cpu run vs reference:.*  ok", p.stdout), p.stdout
     culprit = reports["planted"].first_divergent
-    p = _run_repro(traces["planted"], culprit.index, tmp_path / "culprit")
+    p = _run_repro(traces["planted"], culprit.index, tmp_path / "culprit", capsys)
     assert p.returncode == 1, p.stdout + p.stderr
     line = next(l for l in p.stdout.splitlines() if "recorded vs reference:" in l)
     assert "  DIVERGENT - " in line and culprit.reason.endswith(line.split("  DIVERGENT - ", 1)[1]), line

@@ -458,7 +458,7 @@ def test_flight_with_full_tensors_stays_within_its_memory(tmp_path):
 
 # -- the CLI -------------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_record_cli_steps_and_module_granularity(tmp_path):
+def test_record_cli_steps_and_module_granularity(tmp_path, cli_here, monkeypatch):
     (tmp_path / "train.py").write_text(textwrap.dedent("""
         import torch
         torch.manual_seed(0)
@@ -469,10 +469,9 @@ def test_record_cli_steps_and_module_granularity(tmp_path):
             opt.step()
             opt.zero_grad()
     """))
-    env = {k: v for k, v in os.environ.items() if k != "REPLAYDIFF_RECORD"}
-    proc = subprocess.run([sys.executable, "-m", "replaydiff", "record", "--tensors", "stats", "--steps", "2-6:2",
-                           "--granularity", "module", "-o", "trace", "--", sys.executable, "train.py"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    monkeypatch.delenv("REPLAYDIFF_RECORD", raising=False)
+    proc = cli_here("record", "--tensors", "stats", "--steps", "2-6:2", "--granularity", "module", "-o", "trace", "--",
+                    sys.executable, "train.py", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "replaydiff trend trace" in proc.stderr
     r = open_trace(tmp_path / "trace").rank(0)

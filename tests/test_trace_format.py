@@ -149,7 +149,7 @@ def test_a_data_file_closes_its_descriptor_exactly_once(tmp_path):
         f.read(next(iter(f.entries)))
 
 
-def test_a_trace_from_before_source_texts_reads_and_shows_without_them(tmp_path):
+def test_a_trace_from_before_source_texts_reads_and_shows_without_them(tmp_path, cli_here):
     """Source texts and file hashes are optional: a trace written without them reads as before (no text, no
     warning, today's line shown) and ``show --op`` works."""
     user = tmp_path / "old_script.py"
@@ -177,8 +177,7 @@ def test_a_trace_from_before_source_texts_reads_and_shows_without_them(tmp_path)
     assert mul.source == f"{user}:5" and mul.source_text is None and r.source_files == {}
     line = r.source_line(mul)
     assert (line.recorded, line.changed, line.warning(), line.current) == (None, None, None, "return torch.mul(x, 3)")
-    shown = subprocess.run([sys.executable, "-m", "replaydiff", "show", str(tmp_path / "t"), "--op", "0"],
-                           capture_output=True, text=True, timeout=120)
+    shown = cli_here("show", tmp_path / "t", "--op", "0")
     assert shown.returncode == 0, shown.stderr
     assert f"  source  {user}:5\n  schema" in shown.stdout
 
@@ -337,7 +336,7 @@ def test_damaged_trace_reads_whole_or_raises_trace_error(small_trace, data):
         assert got == baseline
 
 
-def test_old_or_damaged_metadata_reads_as_unknown_and_every_verb_still_runs(tmp_path):
+def test_old_or_damaged_metadata_reads_as_unknown_and_every_verb_still_runs(tmp_path, cli_here):
     """The environment, options and compiled regions are typed once at open: an entry an older recorder did not
     write reads as None, one of the wrong type as unknown (None), never a crash, in show, replay and report."""
     with replaydiff.record(tmp_path / "t"):
@@ -361,6 +360,5 @@ def test_old_or_damaged_metadata_reads_as_unknown_and_every_verb_still_runs(tmp_
     t, j = str(tmp_path / "t"), str(tmp_path / "r.json")
     for verb in (["show", t], ["show", t, "--json"], ["replay", t, "--json", j], ["report", t, "--replay", j],
                  ["diff", t, t]):
-        done = subprocess.run([sys.executable, "-m", "replaydiff", *verb], capture_output=True, text=True,
-                              timeout=120)
+        done = cli_here(*verb)
         assert done.returncode == 0, (verb, done.stderr)
