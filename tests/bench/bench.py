@@ -30,6 +30,12 @@ oversubscribed machine every intra-op parallel region (two threads by default) c
 """
 from __future__ import annotations
 
+import os
+import sys
+
+if os.environ.get("REPLAYDIFF_SRC"):  # an A/B: the replaydiff of another tree (``git archive``) in this process
+    sys.path.insert(0, os.environ["REPLAYDIFF_SRC"])
+
 import argparse
 import concurrent.futures as cf
 import contextlib
@@ -37,14 +43,12 @@ import cProfile
 import gc
 import json
 import multiprocessing as mp
-import os
 import platform
 import pstats
 import resource
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import warnings
