@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from replaydiff.compare.metrics import ExactMismatch, FloatError, NonfiniteMismatch, ShapeMismatch, measure
@@ -127,3 +127,25 @@ def test_notes_render_as_the_reason_line() -> None:
         "max_abs/(eps*absmax) 40 > 16; input 2 already differed"
     assert render((CarriedFromStep(None), DiffFact.OUTPUTS_DIFFER)) == \
         "inputs could not be compared, and descend from step inputs that already differed; outputs differ"
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 13)), max_size=4), st.booleans())
+def test_dense_is_true_exactly_when_a_view_covers_numel_consecutive_elements(dims, row_major) -> None:
+    """``record.stats.dense``: its statistics are those of the flat range. Oracle: the element offsets the view
+    reaches, written out (a row-major view as strides would be computed, or arbitrary strides)."""
+    import itertools
+
+    from replaydiff.record.stats import dense
+
+    shape = [d for d, _ in dims]
+    stride = [s for _, s in dims]
+    if row_major:
+        step = 1
+        for i in range(len(shape) - 1, -1, -1):
+            stride[i] = step
+            step *= max(shape[i], 1)
+    numel = math.prod(shape)
+    assume(numel > 0)  # an empty tensor's statistics are the same either way
+    offsets = {sum(i * s for i, s in zip(idx, stride)) for idx in itertools.product(*(range(d) for d in shape))}
+    assert dense(shape, stride) == (offsets == set(range(numel)))
