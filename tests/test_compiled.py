@@ -495,3 +495,27 @@ def test_the_jobs_own_global_hook_still_gets_torchs_warning(tmp_path):
     finally:
         handle.remove()
     assert len(_hook_warnings(caught)) >= 1
+
+
+@pytest.mark.parametrize("granularity", ["op", "module"])
+def test_recording_many_steps_of_a_compiled_module_compiles_it_once_more_not_once_per_step(tmp_path, granularity):
+    """dynamo guards torch's global module-hook dicts: module statistics put new hook objects under new keys at each
+    recorded step, so the model recompiled every step until torch's recompile limit (8), then ran eager and its
+    numbers changed (a new user's trend recording of a compiled CNN). The recorder's hooks are the same functions under
+    the same keys at every step: one compile without them, one with, whatever the number of steps. The step-1 hook
+    that starts a multi-step recording brings no warning about global hooks either."""
+    torch.manual_seed(0)
+    model = Tiny()
+    counting = Counting()
+    compiled = torch.compile(model, backend=counting)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with replaydiff.record(tmp_path / "t", tensors="stats", granularity=granularity, steps="1-12"):
+            for _ in range(12):
+                compiled(torch.randn(2, 4, generator=g)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    assert counting.compiles <= 2, counting.compiles
+    assert _hook_warnings(caught) == []

@@ -613,7 +613,12 @@ def summarize(regions: list[dict] | None, limit: int = 4) -> str | None:
                     else f"ran compiled by {backend} (its kernels are NOT in the trace)" if in_trace is False
                     else f"ran compiled by {backend} (whether its ops reach the trace depends on that backend)")
         elif how == MIXED:
-            what = f"ran partly eager, partly compiled by {backend} ({r.calls_by_how})"
+            # Say each kind with its count: "mixed" may be compiled calls beside one whose way was not told, with no
+            # eager call at all.
+            ways = {EAGER: "as eager aten ops", COMPILED: f"compiled by {backend}",
+                    MIXED: f"partly eager, partly compiled by {backend}", UNKNOWN: "in a way that could not be told"}
+            what = "ran " + ", ".join(f"{k} call{'s' if k != 1 else ''} {ways.get(h, h)}"
+                                      for h, k in (r.calls_by_how or {}).items())
         else:
             what = "ran, but how could not be told"
         extra = ""

@@ -151,13 +151,18 @@ def _forward_post_all(mod: Any, input: Any, output: Any) -> None:
         t._fw_post_hook(mod, input, output)
 
 
-def _put_hook(hooks: dict, which: str, fn: Callable[..., None]) -> None:
+def put_global_hook(hooks: dict, which: str, fn: Callable[..., None]) -> None:
+    """Put ``fn`` into one of torch's global module-hook dicts under the key this process keeps for ``which``."""
     from torch.utils.hooks import RemovableHandle
 
     key = _HOOK_KEYS.get(which)
     if key is None:
         key = _HOOK_KEYS[which] = RemovableHandle(hooks).id
     hooks[key] = fn
+
+
+def drop_global_hook(hooks: dict, which: str) -> None:
+    hooks.pop(_HOOK_KEYS.get(which), None)
 
 
 def _deeper(a: str, b: str | None) -> bool:
@@ -243,8 +248,8 @@ class _Tracker(ModuleTracker):
         self._thread = threading.get_ident()
         self._mark(self.inner)
         _trackers.append(self)
-        _put_hook(nn_module._global_forward_pre_hooks, "pre", _forward_pre_all)
-        _put_hook(nn_module._global_forward_hooks, "post", _forward_post_all)
+        put_global_hook(nn_module._global_forward_pre_hooks, "pre", _forward_pre_all)
+        put_global_hook(nn_module._global_forward_hooks, "post", _forward_post_all)
         return self
 
     def __exit__(self, *args: Any) -> None:
@@ -255,8 +260,8 @@ class _Tracker(ModuleTracker):
         if self in _trackers:
             _trackers.remove(self)
         if not _trackers:
-            nn_module._global_forward_pre_hooks.pop(_HOOK_KEYS.get("pre"), None)
-            nn_module._global_forward_hooks.pop(_HOOK_KEYS.get("post"), None)
+            drop_global_hook(nn_module._global_forward_pre_hooks, "pre")
+            drop_global_hook(nn_module._global_forward_hooks, "post")
 
 
 class OpContext:

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import torch
 
+from replaydiff.record.context import drop_global_hook, put_global_hook
 from replaydiff.trace import schema
 
 log = logging.getLogger("replaydiff")
@@ -36,27 +37,48 @@ def output_tensors(v: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from output_tensors(x, depth + 1)
 
 
+_installed: list["ModuleStatsHooks"] = []
+
+
+def _enter_all(module: torch.nn.Module, inputs: Any) -> None:
+    for h in list(_installed):
+        h.enter_module(module, inputs)
+
+
+def _after_all(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+    for h in list(_installed):
+        h._after_forward(module, inputs, output)
+
+
 class ModuleStatsHooks:
     """Installed for a recorded step, removed when it ends; records through the recorder's builder and writer."""
 
     def __init__(self, rec: Any) -> None:
         self.rec = rec
-        self._handles: list = []
         self._names: dict[int, str] = {}
         self._measured: set[int] = set()  # modules whose parameters this step has recorded
 
     def install(self) -> None:
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        from torch.nn.modules import module as nn_module
 
         self._names.clear()  # ids of modules freed since the last step may have been reused
         self._measured.clear()  # installed once per recorded step: each step measures the parameters again
-        self._handles = [register_module_forward_pre_hook(self.enter_module),
-                         register_module_forward_hook(self._after_forward)]
+        if self not in _installed:
+            _installed.append(self)
+        # The same two functions under the same keys at every recorded step (as context._Tracker's): dynamo guards
+        # torch's global hook dicts, so a new hook object each step recompiled a torch.compile'd model every recorded
+        # step until its recompile limit, after which it ran eager and its numbers changed.
+        put_global_hook(nn_module._global_forward_pre_hooks, "stats-pre", _enter_all)
+        put_global_hook(nn_module._global_forward_hooks, "stats-post", _after_all)
 
     def uninstall(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        from torch.nn.modules import module as nn_module
+
+        if self in _installed:
+            _installed.remove(self)
+        if not _installed:
+            drop_global_hook(nn_module._global_forward_pre_hooks, "stats-pre")
+            drop_global_hook(nn_module._global_forward_hooks, "stats-post")
 
     def enter_module(self, module: torch.nn.Module, inputs: Any) -> None:
         """A module call begins: name it, and at its first call in the step record its own parameters."""

@@ -15,10 +15,15 @@ import signal
 import sys
 import threading
 import warnings
-from typing import Any
+from typing import Any, Callable
 
+from replaydiff.record.compiled import quiet_global_hook_warning
 from replaydiff.record.recorder import Recorder
 from replaydiff.record.step_range import StepRange
+
+
+def _nothing() -> None:
+    pass
 
 class MultiStepRecorder:
     """Records the chosen steps of a training loop run inside it: ``with replaydiff.record(p, steps="1-60"): train()``.
@@ -36,6 +41,7 @@ class MultiStepRecorder:
         self.done = False
         self.recording = False
         self._fwd: Any = None
+        self._unquiet: Callable[[], None] = _nothing  # undoes the warning filter put in with self._fwd
         self._prev_usr1: Any = None
         self._prev_excepthook: Any = None
         self._armed = False
@@ -59,6 +65,8 @@ class MultiStepRecorder:
             self._armed = True
             add_step_listener(self._after_step)
             if 1 in self.range:
+                # A global hook: torch.compile'd modules would warn about it (see record.compiled)
+                self._unquiet = quiet_global_hook_warning()
                 self._fwd = torch.nn.modules.module.register_module_forward_pre_hook(self._first_forward)
             if self.options.flight:
                 self._install_flight_triggers()
@@ -87,10 +95,15 @@ class MultiStepRecorder:
         self.finish(value)
 
     # -- hooks ------------------------------------------------------------------------------------------------
-    def _first_forward(self, module: Any, inputs: Any) -> None:
+    def _drop_first_forward_hook(self) -> None:
         if self._fwd is not None:
             self._fwd.remove()
             self._fwd = None
+            self._unquiet()
+            self._unquiet = _nothing
+
+    def _first_forward(self, module: Any, inputs: Any) -> None:
+        self._drop_first_forward_hook()
         if self.done or self.steps_done > 0:
             return
         self._resume(1)
@@ -163,9 +176,7 @@ class MultiStepRecorder:
                 self._armed = False
             remove_step_listener(self._after_step)
             atexit.unregister(self.finish)
-            if self._fwd is not None:
-                self._fwd.remove()  # torch calls global forward pre hooks from a copy of its table
-                self._fwd = None
+            self._drop_first_forward_hook()  # torch calls global forward pre hooks from a copy of its table
         except Exception as exc:
             warnings.warn(f"replaydiff: a step-recording hook could not be removed: {exc}", RuntimeWarning,
                           stacklevel=2)
