@@ -97,8 +97,9 @@ def test_tolerance_takes_the_short_dtype_names_of_precision(mlp_fault, capsys):
 
 @pytest.mark.parametrize("item, names", [("float33=1", ["'float33'", "float32", "fp32", "bf16"]),
                                          ("int32=1", ["'int32'", "float32"]),
-                                         ("float32=abc", ["float32=abc", "must be numbers"])],
-                         ids=["misspelled", "integer", "not-a-number"])
+                                         ("float32=abc", ["float32=abc", "must be numbers"]),
+                                         ("fp32=-1", ["fp32=-1", "must be positive"])],
+                         ids=["misspelled", "integer", "not-a-number", "negative"])
 def test_a_bad_tolerance_is_a_usage_error_naming_the_flag(capsys, item, names):
     """`--tolerance float33=1` ran as if no tolerance were given; `float32=abc` said only "could not convert string
     to float"."""

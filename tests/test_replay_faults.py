@@ -297,6 +297,19 @@ def test_plant_past_the_last_call_planted_nothing_and_every_report_says_so(tmp_p
     assert [q["outcome"] for q in doc["plants"]] == ["not_run"]
 
 
+
+def test_a_plant_within_a_limit_the_user_raised_says_the_tolerance_hid_it(tmp_path, capsys):
+    """replay --tolerance fp32=1e9 of a 1e-3 plant said its error "is within its limit 1e+09: a change this small is
+    not told apart from rounding error" (a new user's trial): the change is not small, the user's limit hid it."""
+    torch.manual_seed(0)
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    _record_plant(tmp_path / "t", lambda: a @ b, "mm")
+    capsys.readouterr()
+    assert main(["replay", str(tmp_path / "t"), "--tolerance", "fp32=1e9"]) == 0
+    out = capsys.readouterr().out
+    assert "limit 1e+09, which --tolerance set for float32 (by default 16)" in out, out
+    assert "a change this small" not in out
+
 def test_plant_below_bf16_resolution_counts_the_elements_it_changed_and_their_ulps(tmp_path, capsys):
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(1, 2, 8, 8, generator=g).bfloat16(), torch.randn(4, 2, 3, 3, generator=g).bfloat16()

@@ -75,6 +75,8 @@ class Tolerances:
                 rel = float(parts[1]) if len(parts) == 2 else mx / 2
             except ValueError:
                 raise ValueError(f"{item!r}: MAX and REL must be numbers, e.g. float32=32,16") from None
+            if not (mx > 0 and rel > 0):  # a limit of 0 or less makes every rounding a divergence (NaN: nothing)
+                raise ValueError(f"{item!r}: MAX and REL must be positive numbers of epsilons, e.g. float32=32,16")
             tol.limits[dtype] = (mx, rel)
         return tol
 

@@ -94,8 +94,8 @@ class UnitRecompiled(Note):
 
     def text(self) -> str:
         how = ("gives the recorded outputs bit for bit" if self.reproduces else
-               "does NOT give the recorded outputs bit for bit (another torch, device or compiler): the nodes judged "
-               "are this machine's kernels")
+               "does NOT give the recorded outputs bit for bit (keeping every node can change how the backend "
+               "fuses them; or another torch, device or compiler): the nodes judged are this machine's kernels")
         return f"the unit's graph recompiled here with {self.backend}, every node kept, {how}"
 
 

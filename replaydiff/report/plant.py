@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from replaydiff.compare.tolerance import DEFAULT_LIMITS
 from replaydiff.compare.verdict import within_fixed_limits
 from replaydiff.replay.result import OpResult, ReplayReport, Status
 from replaydiff.trace.schema import PlantedFaultInfo
@@ -40,14 +41,17 @@ class PlantReport:
 def plant_reports(report: ReplayReport, plants: list[PlantedFaultInfo] | None = None) -> list[PlantReport]:
     """What became of each plant (``report.plants`` unless given) in ``report``."""
     results = {(r.rank, r.index): r for r in report.ops}
-    return [_judge(p, results.get((p.rank, p.index))) for p in (report.plants if plants is None else plants)]
+    limits = (report.options or {}).get("tolerances") or {}  # dtype -> [MAX, REL], as ReplayOptions.to_dict says
+    # dtypes whose limit the user's --tolerance moved from the default: a plant within such a limit is theirs to see
+    moved = {d for d, lim in limits.items() if d in DEFAULT_LIMITS and tuple(lim) != DEFAULT_LIMITS[d]}
+    return [_judge(p, results.get((p.rank, p.index)), moved) for p in (report.plants if plants is None else plants)]
 
 
 def plant_notes(report: ReplayReport, plants: list[PlantedFaultInfo] | None = None) -> list[str]:
     return [pr.note for pr in plant_reports(report, plants) if pr.note]
 
 
-def _judge(p: PlantedFaultInfo, r: OpResult | None) -> PlantReport:
+def _judge(p: PlantedFaultInfo, r: OpResult | None, moved: set[str]) -> PlantReport:
     head = "planted fault:"
     effect = p.effect
     if not p.landed and p.call is None:  # only the options name the plant: the manifest was never finished
@@ -79,19 +83,25 @@ def _judge(p: PlantedFaultInfo, r: OpResult | None) -> PlantReport:
         return PlantReport(p, PlantOutcome.NOT_REPLAYED,
                            f"{head} {where} was not replayed (outside the ops this replay was asked for)")
     if r.status is Status.OK:
-        return PlantReport(p, PlantOutcome.WITHIN_LIMIT, f"{head} {where} replayed ok{_why_ok(p, r)}")
+        return PlantReport(p, PlantOutcome.WITHIN_LIMIT, f"{head} {where} replayed ok{_why_ok(p, r, moved)}")
     return PlantReport(p, PlantOutcome.NOT_CHECKED,
                        f"{head} {where} was {r.status.value}" + (f": {r.reason}" if r.reason else ""))
 
 
-def _why_ok(p: PlantedFaultInfo, r: OpResult) -> str:
-    """Why a planted op replayed ok, in replay's own figures: its change is within the limit, or replay says why."""
+def _why_ok(p: PlantedFaultInfo, r: OpResult, moved: set[str]) -> str:
+    """Why a planted op replayed ok, in replay's own figures: its change is within the limit (one the user's
+    --tolerance set, when it did), or replay says why."""
     plant = f"the plant {p.effect.facts()}" if p.effect is not None else ""
     m = r.metrics or {}
     within = None if r.verdict is None else within_fixed_limits(r.verdict)
     if within is not None:
         measure = f"max_abs/(eps*absmax) {m['norm_max']:.3g}"
         if within:
+            dtype = p.effect.dtype if p.effect is not None else None
+            if dtype in moved:
+                return (f": {plant + ', and ' if plant else ''}replay's error measure for it, {measure}, is within "
+                        f"its limit {m['limit_max']:.3g}, which --tolerance set for {dtype} (by default "
+                        f"{DEFAULT_LIMITS[dtype][0]:.3g})")
             return (f": {plant + ', and ' if plant else ''}replay's error measure for it, {measure}, is within its "
                     f"limit {m['limit_max']:.3g}: a change this small is not told apart from rounding error")
         return (f": {plant + '; ' if plant else ''}{measure} is over its limit {m['limit_max']:.3g}"
