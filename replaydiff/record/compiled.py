@@ -121,6 +121,10 @@ _COMPILE_WRAPPER = "compile_wrapper"
 _GLOBAL_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
 
 
+def no_filter() -> None:
+    """What ``quiet_global_hook_warning`` returns when it put in no filter: nothing to undo."""
+
+
 def quiet_global_hook_warning() -> Callable[[], None]:
     """Filter torch's global-hook warning for compiled modules while recording, only when the job has installed no
     global module hook of its own (then the warning still reaches it); returns what undoes exactly that filter."""
@@ -128,12 +132,12 @@ def quiet_global_hook_warning() -> Callable[[], None]:
         from torch.nn.modules.module import _has_any_global_hook
 
         if _has_any_global_hook():
-            return lambda: None
+            return no_filter
         warnings.filterwarnings("ignore", message=_GLOBAL_HOOK_WARNING, category=UserWarning)
         entry = warnings.filters[0]
     except Exception as exc:
         log.debug("torch's global-hook warning not filtered: %s", exc)
-        return lambda: None
+        return no_filter
 
     def undo() -> None:
         try:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from replaydiff.aten import current_rank, facts, iter_tensors, written_args
-from replaydiff.record.compiled import CompiledRegionTracker, quiet_global_hook_warning
+from replaydiff.record.compiled import CompiledRegionTracker, no_filter, quiet_global_hook_warning
 from replaydiff.record.context import OpContext
 from replaydiff.record.environment import environment_snapshot
 from replaydiff.record.flight import FlightBuffer
@@ -72,7 +72,7 @@ class Recorder:
         self._sigterm_installed = False
         self._trace_closed = False
         self._plant = None  # the PlantedFault of options.plant, a mode below the recording mode
-        self._unquiet = _nothing  # undoes the filter of torch's global-hook warning (compiled.quiet_global_hook_warning)
+        self._unquiet = no_filter  # undoes the filter of torch's global-hook warning (compiled.quiet_global_hook_warning)
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> "Recorder":
@@ -229,7 +229,7 @@ class Recorder:
 
     def _detach(self) -> None:
         self._unquiet()
-        self._unquiet = _nothing
+        self._unquiet = no_filter
         if self._units is not None:
             self._units.detach()
         if self._module_hooks is not None:
@@ -413,13 +413,9 @@ class Recorder:
         warnings.warn(f"replaydiff: {msg}", RuntimeWarning, stacklevel=3)  # the Python API: filterable, catchable
 
 
-
-# Set in the children of `replaydiff record` (record.step.ENV_VAR; step imports this module, so not imported here).
+# Set in the children of `replaydiff record`: record.step.ENV_VAR, which cannot be imported here (step arms this
+# module's recorder, and the import graph stays acyclic); a test checks the two are the same.
 _CLI_CHILD_VAR = "REPLAYDIFF_RECORD"
-
-
-def _nothing() -> None:
-    pass
 
 
 def _active_modes() -> list:

@@ -17,13 +17,9 @@ import threading
 import warnings
 from typing import Any, Callable
 
-from replaydiff.record.compiled import quiet_global_hook_warning
+from replaydiff.record.compiled import no_filter, quiet_global_hook_warning
 from replaydiff.record.recorder import Recorder
 from replaydiff.record.step_range import StepRange
-
-
-def _nothing() -> None:
-    pass
 
 class MultiStepRecorder:
     """Records the chosen steps of a training loop run inside it: ``with replaydiff.record(p, steps="1-60"): train()``.
@@ -41,7 +37,7 @@ class MultiStepRecorder:
         self.done = False
         self.recording = False
         self._fwd: Any = None
-        self._unquiet: Callable[[], None] = _nothing  # undoes the warning filter put in with self._fwd
+        self._unquiet: Callable[[], None] = no_filter  # undoes the warning filter put in with self._fwd
         self._prev_usr1: Any = None
         self._prev_excepthook: Any = None
         self._armed = False
@@ -100,7 +96,7 @@ class MultiStepRecorder:
             self._fwd.remove()
             self._fwd = None
             self._unquiet()
-            self._unquiet = _nothing
+            self._unquiet = no_filter
 
     def _first_forward(self, module: Any, inputs: Any) -> None:
         self._drop_first_forward_hook()

@@ -40,8 +40,12 @@ class NonfiniteInput:
     producer_op: str | None = None
 
     def counts(self) -> str:
-        """e.g. '32 NaN', '1 NaN and 2 Inf'."""
-        return " and ".join(f"{n} {what}" for n, what in ((self.nan, "NaN"), (self.inf, "Inf")) if n)
+        return nonfinite_counts(self.nan, self.inf)
+
+
+def nonfinite_counts(nan: int, inf: int) -> str:
+    """e.g. '32 NaN', '1 NaN and 2 Inf' ('' for none)."""
+    return " and ".join(f"{n} {what}" for n, what in ((nan, "NaN"), (inf, "Inf")) if n)
 
 
 @dataclass

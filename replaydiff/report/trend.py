@@ -30,6 +30,7 @@ from statistics import median
 from typing import Any, TextIO
 
 from replaydiff import aten
+from replaydiff.replay.result import nonfinite_counts
 from replaydiff.replay.runner import computed_by
 from replaydiff.trace import RankTrace
 from replaydiff.trace.schema import LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_FILTERED, MODULE_PARAM, TensorRef, TensorStats, iter_refs
@@ -598,8 +599,7 @@ def nonfinite_per_step(s: Series) -> list[float | None]:
 
 def _held(s: Series, k: int) -> str:
     """'16 NaN', '1 NaN and 2 Inf': what the series' tensor held at step position ``k`` ('' for none)."""
-    counts = [(int(s.values[name][k] or 0), word) for name, word in (("nan", "NaN"), ("inf", "Inf"))]
-    return " and ".join(f"{n} {word}" for n, word in counts if n)
+    return nonfinite_counts(int(s.values["nan"][k] or 0), int(s.values["inf"][k] or 0))
 
 
 def summarise(s: Series) -> SeriesSummary:
