@@ -248,6 +248,11 @@ def test_a_well_framed_but_malformed_record_is_a_trace_error(tmp_path: Path) -> 
     # the checksum is right (re-packed), the content is not
     frame["ops"][0]["a"][1] = {"bogus": 1}  # wire-ok: damages a record on purpose
     write_atomic(chunk, pack_frame(frame, 1))
+    # as a trace whose manifest lists no ops files would be (else the chunk's new size alone names it damaged)
+    manifest_path = tmp_path / "t" / "rank0" / "manifest.rdt"
+    manifest = read_frame(manifest_path)
+    del manifest["ops_files"]  # wire-ok: damages a record on purpose
+    write_atomic(manifest_path, pack_frame(manifest, None))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     for verb in (["replay", str(tmp_path / "t")], ["show", str(tmp_path / "t"), "--op", "0"]):
         out = subprocess.run([sys.executable, "-m", "replaydiff", *verb], capture_output=True, text=True, env=env,

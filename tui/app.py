@@ -175,6 +175,10 @@ class ReplaydiffApp(Runs, Navigation, App):
             verdicts = f"replay failed: {self.replay_message}"
         elif self.replay_state is RunState.NONE:
             verdicts = "not replayed (R runs a replay)"
+        gone = getattr(m.trace, "missing_ops", ())
+        if gone:  # a damaged trace is never shown as if whole: its missing ops first (`replaydiff show` lists files)
+            spans = ", ".join(g.span for g in gone[:3]) + (", ..." if len(gone) > 3 else "")
+            verdicts = f"DAMAGED: {sum(g.count for g in gone)} ops missing ({spans}) · {verdicts}"
         text = verdicts + "  │ " + " · ".join(parts)  # verdicts first: they matter most on a narrow screen
         if text != self._status_text:
             self._status_text = text

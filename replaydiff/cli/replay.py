@@ -2,8 +2,8 @@
 
 Exit code 0 when nothing diverged, 1 when something did (or was nondeterministic), 2 for a usage error (a trace
 recorded with --tensors stats or meta, which holds no data to replay; a --from/--to range or --ops glob with no op
-in it; a --json FILE that cannot be written; a rank the trace does not hold), 3 for an unreadable trace, 4 when
-the device is missing.
+in it; a --json FILE that cannot be written; a rank the trace does not hold), 3 for an unreadable trace (and for a
+damaged one whose ops that are there show no divergence: the missing ops are listed), 4 when the device is missing.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from replaydiff.cli.tolerance_args import add_tolerance_args, tolerances_from_args
-from replaydiff.errors import EXIT_DIVERGENT, EXIT_OK, UsageError
+from replaydiff.errors import EXIT_DIVERGENT, EXIT_OK, EXIT_TRACE, UsageError
 from replaydiff.replay import ReplayOptions, replay_trace
 from replaydiff.replay.policy import PRECISIONS
 
@@ -127,4 +127,6 @@ def run(args: argparse.Namespace) -> int:
             one_step_note(args.trace, report, opts)
         if note is not None:
             sys.stdout.write(note + "\n")
+    if report.missing and report.first_divergent is None:
+        return EXIT_TRACE  # judged what was there; the rest of the trace is gone (listed in the report)
     return EXIT_DIVERGENT if report.found_problem else EXIT_OK

@@ -5,7 +5,8 @@ ops with the largest error over their limit, the error per module, the environme
 each shown with its evidence from the trace (a cause without evidence is not listed). Markdown on stdout without -o;
 ``-o FILE.html`` writes one self-contained HTML file with an SVG plot of the error along the op sequence. An existing
 file is never overwritten without --force. Exit code 1 when the replay found a problem, else 0; 2 when RESULT.json is a
-replay of another trace (one that exists at the path it names).
+replay of another trace (one that exists at the path it names); 3 when ops are missing from the trace (a file deleted
+or cut short since it was written) and the replay named no divergent op.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from replaydiff.errors import EXIT_DIVERGENT, EXIT_OK, UsageError
+from replaydiff.errors import EXIT_DIVERGENT, EXIT_OK, EXIT_TRACE, UsageError
 
 NAME = "report"
 HELP = "write a health report (markdown or HTML) from a trace and its replay JSON"
@@ -57,4 +58,6 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"replaydiff: wrote {args.out}\n")
     else:
         sys.stdout.write(buf.getvalue())
+    if trace.missing_ops and not report.first_divergent:
+        return EXIT_TRACE  # a damaged trace is never reported healthy (its check says which ops are missing)
     return EXIT_DIVERGENT if report.found_problem else EXIT_OK

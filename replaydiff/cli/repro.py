@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from replaydiff.errors import UsageError
-from replaydiff.trace import open_trace
+from replaydiff.trace import describe_missing, open_trace
 
 NAME = "repro"
 HELP = "write a standalone script (torch + safetensors only) that re-runs one recorded op"
@@ -33,6 +33,8 @@ def run(args: argparse.Namespace) -> int:
     trace = open_trace(args.trace)
     rank = trace.ranks[0] if args.rank is None else args.rank
     rt = trace.rank(rank)  # UsageError for a rank the trace does not hold
+    for line in describe_missing(rt.missing_ops):  # the op asked for reads (or raises, naming its file) below
+        sys.stderr.write(f"replaydiff: warning: the trace is damaged: {line}\n")
     if not 0 <= args.op < len(rt):
         raise UsageError(f"op {args.op} is not in rank {rank} (ops 0..{len(rt) - 1})")
     out = Path(args.out)

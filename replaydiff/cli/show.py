@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from replaydiff.aten import matches_any
-from replaydiff.errors import UsageError
+from replaydiff.errors import EXIT_OK, EXIT_TRACE, UsageError
 from replaydiff.replay.engine import check_op_range
-from replaydiff.trace import OpRecord, RankTrace, TensorRef, TraceIndex, open_trace
+from replaydiff.trace import OpRecord, RankTrace, TensorRef, TraceIndex, describe_missing, open_trace
 from replaydiff.trace.reader import Trace
 from replaydiff.trace.schema import LEFT_OUT_BUDGET, PHASES, Environment
 from replaydiff.trace.sync import GroupArrival, RankProgress, arrivals, progress
@@ -67,6 +67,7 @@ def rank_summary(r: RankTrace, top: int) -> dict[str, Any]:
         "planted": r.planted.describe() if r.planted is not None else None,
         "truncated_after": r.truncated_after,
         "bytes_missing": r.bytes_missing,
+        "missing_ops": list(r.missing_ops),
         "phases": dict(phases),
         "most_frequent": ops.most_common(top),
         "distinct_ops": len(ops),
@@ -82,6 +83,7 @@ def rank_summary(r: RankTrace, top: int) -> dict[str, Any]:
 
 def _summary_json(s: dict[str, Any]) -> dict[str, Any]:
     return dict(s, compiled=[c.to_wire() for c in s["compiled"]], environment=s["environment"].to_json(),
+                missing_ops=[m.to_json() for m in s["missing_ops"]],
                 left_out=[{"reason": x.reason, "ops": x.ops, "first": x.first, "last": x.last, "bytes": x.nbytes}
                           for x in s["left_out"]])
 
@@ -90,6 +92,9 @@ def _state(s: dict[str, Any]) -> str:
     """How the recording of a rank ended: read to the end, or why not."""
     if not s["complete"]:
         return f"TRUNCATED after op {s['truncated_after']}"
+    if s["missing_ops"]:
+        return "DAMAGED: " + "; ".join(describe_missing(s["missing_ops"], most=3)) + \
+            "; replay judges the other ops and lists these, other verbs refuse the trace"
     if s["bytes_missing"]:
         return (f"DAMAGED: {_human(s['bytes_missing'])} of its op and data files are missing or cut short since it "
                 f"was written (copied in part?); replay stops at the first op that reads them")
@@ -306,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         _render_summary(args.trace, summaries, sys.stdout)
         render_hang(groups, ranks, sys.stdout)
-    return 0
+    return EXIT_TRACE if any(s["missing_ops"] for s in summaries) else EXIT_OK
 
 
 # -- show --list: one line per op, read from the index alone ---------------------------------------------------------

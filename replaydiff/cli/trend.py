@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     if args.window < 2 or args.threshold <= 0:
         raise UsageError("--window must be >= 2 and --threshold > 0")
     t = open_trace(args.trace)
+    t.check_whole()  # a step with ops gone would read as a change: name the missing file instead
     rank = t.ranks[0] if args.rank is None else args.rank
     try:
         trend = compute_trend(t.rank(rank), args.module, args.window, args.threshold)

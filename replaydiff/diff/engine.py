@@ -333,6 +333,8 @@ def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: D
     rt = ref if isinstance(ref, Trace) else open_trace(ref)
     tt = target if isinstance(target, Trace) else open_trace(target)
     bt = None if baseline is None else (baseline if isinstance(baseline, Trace) else open_trace(baseline))
+    for t in (rt, tt) if bt is None else (rt, tt, bt):
+        t.check_whole()  # ops gone from either trace would shift the alignment: name the file, exit 3
     pairs = rank_pairs(rt.ranks, tt.ranks, opts.rank, _world_size(rt), _world_size(tt))
     report = DiffReport(ref=str(rt.path), target=str(tt.path), options=opts.to_dict(),
                         baseline=None if bt is None else str(bt.path))

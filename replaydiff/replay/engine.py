@@ -27,6 +27,7 @@ from replaydiff.replay.replicas import first_replica_break
 from replaydiff.replay.policy import ReplayOptions, reference_settings
 from replaydiff.replay.result import OpResult, ReplayReport, Status
 from replaydiff.replay.runner import OpReplayer
+from replaydiff.trace.damage import MissingOps
 from replaydiff.trace.reader import RankTrace, Trace, open_trace
 from replaydiff.trace.schema import PlantedFaultInfo
 from replaydiff.trace.sync import earliest
@@ -96,6 +97,8 @@ class ReplayPlan:
     warnings: list[str] = field(default_factory=list)
     planted: list[str] = field(default_factory=list)
     plants: list[PlantedFaultInfo] = field(default_factory=list)
+    # Ops asked for whose records are gone (an ops file deleted or cut short): never judged, never clean.
+    missing: list[MissingOps] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -182,9 +185,12 @@ def plan(trace: Trace, opts: ReplayOptions) -> ReplayPlan:
             p.warnings.append(f"rank {r}: compiled region {region.region} ran {region.how} while "
                               f"recording ({region.calls} call(s))")
         idx = rt.index
+        gone = [c for c in (m.clip(opts.first, opts.last) for m in rt.missing_ops) if c is not None]
+        p.missing += gone
         p.shards.append(Shard(r, tuple(i for i in range(len(idx)) if idx.recorded[i]
                                        and (opts.first is None or i >= opts.first)
-                                       and (opts.last is None or i <= opts.last))))
+                                       and (opts.last is None or i <= opts.last)
+                                       and not any(m.first <= i <= m.last for m in gone))))
     check_ops_selected(trace, opts, p.shards)
     return p
 
@@ -241,7 +247,7 @@ def run_shard(rt: RankTrace, opts: ReplayOptions, shard: Shard, progress: Progre
 
 def finish(trace: Trace, p: ReplayPlan, results: list[OpResult]) -> ReplayReport:
     report = ReplayReport(trace=p.path, options=p.options.as_dict(), warnings=list(p.warnings),
-                          planted=list(p.planted), plants=list(p.plants))
+                          planted=list(p.planted), plants=list(p.plants), missing=list(p.missing))
     report.ops = sorted(results, key=lambda r: (r.rank, r.index))
     pending = {(r.rank, r.index): r for r in report.ops if r.collective and r.status is Status.SKIPPED}
     if pending:

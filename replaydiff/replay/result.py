@@ -7,6 +7,7 @@ from enum import Enum
 from typing import Any
 
 from replaydiff.compare.verdict import Verdict
+from replaydiff.trace.damage import MissingOps
 from replaydiff.trace.schema import LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_WHY, PlantedFaultInfo
 
 
@@ -116,6 +117,9 @@ class ReplayReport:
     # The same faults as read from the trace (where each landed, what it changed): report.plant says what became
     # of each in this replay.
     plants: list[PlantedFaultInfo] = field(default_factory=list)
+    # Ops this replay was asked for whose records are gone from the trace (RankTrace.missing_ops): never judged,
+    # so the replay is never clean; the earliest divergent op among the others may not be the culprit.
+    missing: list[MissingOps] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         c = {s.value: 0 for s in Status}
@@ -183,6 +187,10 @@ class ReplayReport:
                          f"{LEFT_OUT_WHY.get(why, why)}")
         return lines
 
+    def missing_before(self, r: OpResult) -> list[MissingOps]:
+        """Missing ops of ``r``'s rank numbered before it: an earlier culprit may be among them."""
+        return [m for m in self.missing if m.rank == r.rank and m.first < r.index]
+
     @property
     def nothing_judged(self) -> bool:
         """No op was judged at all (every one skipped: a --module filter that matched nothing, a trace of shapes):
@@ -193,7 +201,8 @@ class ReplayReport:
     def found_problem(self) -> bool:
         """Not clean (exit 1): an op divergent or nondeterministic, replicas that part, an op that could not be
         replayed (its result was never judged; the health report fails its check too), one whose data the
-        recording left out for its budget or a full disk (never judged either), or no op judged at all."""
-        return self.nothing_judged or any(r.status in PROBLEMS or r.status is Status.ERROR or
+        recording left out for its budget or a full disk (never judged either), ops missing from a damaged trace,
+        or no op judged at all."""
+        return self.nothing_judged or bool(self.missing) or any(r.status in PROBLEMS or r.status is Status.ERROR or
                    r.data_left_out in (LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL) for r in self.ops) \
             or self.replicas is not None

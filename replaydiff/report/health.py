@@ -20,6 +20,7 @@ from replaydiff.compare.metrics import FloatError
 from replaydiff.replay.result import OpResult, ReplayReport, Status
 from replaydiff.report.plant import plant_notes
 from replaydiff.report.text import metrics_line, op_line, planted_line
+from replaydiff.trace.damage import describe_missing
 from replaydiff.trace.reader import Trace
 from replaydiff.trace.schema import Environment
 
@@ -149,6 +150,11 @@ def _checks(trace: Trace, report: ReplayReport, errs: dict) -> list[Check]:
     ranks = [trace.rank(r) for r in sorted({r.rank for r in report.ops} or set(trace.ranks)) if r in trace.ranks]
     incomplete = [f"rank {rt.rank} truncated after op {rt.truncated_after}" for rt in ranks
                   if rt.truncated_after is not None or not rt.complete]
+    # ops gone from the trace since it was written (an ops file deleted or cut short), as the trace and the replay
+    # each saw them: a report of a replay made before the damage still says the trace is damaged
+    seen = {(m.rank, m.first) for m in report.missing}
+    gone = list(report.missing) + [m for rt in ranks for m in rt.missing_ops if (m.rank, m.first) not in seen]
+    incomplete += [f"DAMAGED: {line}" for line in describe_missing(gone, most=2)]
     lost = sum(len(rt.lost) for rt in ranks)
     checks = [
         Check("ops divergent from the reference", str(c["divergent"]), "0", c["divergent"] == 0),

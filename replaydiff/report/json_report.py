@@ -17,7 +17,9 @@ or from an op whose data was left out: ``position``, ``nan``, ``inf``, ``produce
 ``producer_op``), ``reason`` (why it is divergent, skipped or, within its limits despite a large error, ok)),
 ``first_divergent_per_rank`` (each rank's earliest divergent op) and ``undecided`` (ranks and op
 numbers of candidates that no collective orders against ``first_divergent``), ``replicas`` (null, or where
-data-parallel replicas first stop agreeing: ``rank``, ``index``, ``other_rank``, ``other_index``, ``op``, ``what``).
+data-parallel replicas first stop agreeing: ``rank``, ``index``, ``other_rank``, ``other_index``, ``op``, ``what``),
+``missing_ops`` (runs of ops asked for whose records are gone from a damaged trace, never judged: ``rank``,
+``first``, ``last``, ``count``, ``file`` (the ops file that held them, null if unknown), ``problem``).
 Floats that are not finite are written as the strings "inf", "-inf" and "nan" so the file stays JSON.
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ from replaydiff.errors import UsageError
 
 from replaydiff.replay.result import NonfiniteInput, OpResult, ReplayReport, Status
 from replaydiff.report.plant import plant_reports
+from replaydiff.trace.damage import MissingOps
 from replaydiff.trace.schema import PlantedFaultInfo
 
 JSON_FORMAT = "replaydiff.replay/1"
@@ -75,6 +78,7 @@ def report_to_json(report: ReplayReport) -> dict:
         "first_nondeterministic": op_json(report.first_nondeterministic),
         "nonfinite_origin": op_json(report.nonfinite_origin),
         "nonfinite_entry": op_json(report.nonfinite_entry),
+        "missing_ops": [m.to_json() for m in report.missing],
         "ops": [op_json(r) for r in report.ops],
     }
 
@@ -89,7 +93,10 @@ def load_replay_json(path: str | Path) -> ReplayReport:
         raise UsageError(f"{path}: not a {JSON_FORMAT} report")
     report = ReplayReport(trace=d.get("trace", ""), options=d.get("options") or {}, warnings=d.get("warnings") or [],
                           planted=[str(x) for x in d.get("planted") or []],
-                          plants=[PlantedFaultInfo.from_json(x) for x in d.get("plants") or [] if isinstance(x, dict)])
+                          plants=[PlantedFaultInfo.from_json(x) for x in d.get("plants") or [] if isinstance(x, dict)],
+                          missing=[MissingOps(m["rank"], m["first"], m["last"], Path(m.get("file") or ""), m["problem"],
+                                              m.get("file") is not None)
+                                   for m in d.get("missing_ops") or [] if isinstance(m, dict)])
     for o in d.get("ops") or []:
         status = Status(o["status"])
         m = o.get("metrics")

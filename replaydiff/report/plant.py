@@ -13,6 +13,7 @@ from enum import Enum
 from replaydiff.compare.tolerance import DEFAULT_LIMITS
 from replaydiff.compare.verdict import within_fixed_limits
 from replaydiff.replay.result import OpResult, ReplayReport, Status
+from replaydiff.trace.damage import MissingOps
 from replaydiff.trace.schema import PlantedFaultInfo
 
 
@@ -44,14 +45,15 @@ def plant_reports(report: ReplayReport, plants: list[PlantedFaultInfo] | None = 
     limits = (report.options or {}).get("tolerances") or {}  # dtype -> [MAX, REL], as ReplayOptions.to_dict says
     # dtypes whose limit the user's --tolerance moved from the default: a plant within such a limit is theirs to see
     moved = {d for d, lim in limits.items() if d in DEFAULT_LIMITS and tuple(lim) != DEFAULT_LIMITS[d]}
-    return [_judge(p, results.get((p.rank, p.index)), moved) for p in (report.plants if plants is None else plants)]
+    return [_judge(p, results.get((p.rank, p.index)), moved, report.missing)
+            for p in (report.plants if plants is None else plants)]
 
 
 def plant_notes(report: ReplayReport, plants: list[PlantedFaultInfo] | None = None) -> list[str]:
     return [pr.note for pr in plant_reports(report, plants) if pr.note]
 
 
-def _judge(p: PlantedFaultInfo, r: OpResult | None, moved: set[str]) -> PlantReport:
+def _judge(p: PlantedFaultInfo, r: OpResult | None, moved: set[str], missing: list[MissingOps]) -> PlantReport:
     head = "planted fault:"
     effect = p.effect
     if not p.landed and p.call is None:  # only the options name the plant: the manifest was never finished
@@ -79,6 +81,10 @@ def _judge(p: PlantedFaultInfo, r: OpResult | None, moved: set[str]) -> PlantRep
         return PlantReport(p, PlantOutcome.NOT_CHECKED,
                            f"{head} {where} landed on an op the trace does not hold (record --op/--module left it "
                            f"out): replay could not check it")
+    gone = next((m for m in missing if m.rank == p.rank and m.first <= p.index <= m.last), None)
+    if r is None and gone is not None:
+        return PlantReport(p, PlantOutcome.NOT_CHECKED,
+                           f"{head} {where} is among the ops missing from the trace, not judged: {gone.describe()}")
     if r is None:
         return PlantReport(p, PlantOutcome.NOT_REPLAYED,
                            f"{head} {where} was not replayed (outside the ops this replay was asked for)")

@@ -7,6 +7,7 @@ from typing import TextIO
 from replaydiff.aten import is_unit
 from replaydiff.replay.result import NonfiniteInput, OpResult, ReplayReport, Status
 from replaydiff.report.plant import plant_notes
+from replaydiff.trace.damage import describe_missing
 from replaydiff.trace.schema import LEFT_OUT_DISK_FULL
 
 # What to record instead, per reason the recording left tensor data out against its will (the TUI says it too).
@@ -81,8 +82,13 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
         out.write(f"  error   {op_line(r)}: {r.reason}\n")
     for line in report.left_out_summary():  # how much the recording left out, and where
         out.write(f"  {line}\n")
+    for line in describe_missing(report.missing):  # a damaged trace: which ops were never judged, and why
+        out.write(f"  {line}\n")
     first = report.first_divergent
-    if first is None and errors:  # ops that could not be replayed were not checked: do not call them matching
+    if first is None and report.missing:  # ops that are gone were not judged: never call the trace clean
+        out.write(f"not clean: {sum(m.count for m in report.missing)} op(s) are missing from the trace (listed "
+                  f"above), so were not judged; no divergent op among the {len(report.ops)} read\n")
+    elif first is None and errors:  # ops that could not be replayed were not checked: do not call them matching
         out.write(f"not clean: {len(errors)} op(s) could not be replayed, so were not judged (listed above); no "
                   f"divergent op among the others\n")
     elif first is None and report.nothing_judged:  # a filter that matched nothing: checking nothing is not clean
@@ -103,6 +109,10 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
         if first.phase == "backward" and first.forward_index is not None:
             called = f"; backward() called at {first.source}" if first.source else ""
             out.write(f"  backward of forward op #{first.forward_index}{called}\n")
+        before = report.missing_before(first)
+        if before:  # the earliest among the ops read: an earlier culprit may be among those that are gone
+            out.write(f"  the earliest among the ops read: {sum(m.count for m in before)} op(s) before it are "
+                      f"missing (listed above), an earlier divergent op may be among them\n")
         per_rank = report.first_per_rank
         if len(per_rank) > 1:
             out.write("  earliest divergent op of each rank (the culprit is the earliest by collective order):\n")

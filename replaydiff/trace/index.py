@@ -60,6 +60,10 @@ class IndexBuilder:
         while self.count < index:  # numbers with no record (gaps in older traces)
             self._row(OpRecord.absent(self.count).index_row())
 
+    def pad_to(self, count: int) -> None:
+        """Number ops up to ``count`` without a record (the reader, for ops of a chunk that is missing)."""
+        self._pad_to(count)
+
     def add(self, op: OpRecord | dict) -> None:
         """Add the next op (an OpRecord, or a wire record as the writer holds it)."""
         row = op.index_row() if isinstance(op, OpRecord) else index_row(op)

@@ -39,11 +39,12 @@ from replaydiff.trace.format import (
     read_frame,
     read_manifest_frame,
 )
+from replaydiff.trace.damage import MissingOps, find_missing
 from replaydiff.trace.index import IndexBuilder, ModuleNode, TraceIndex
 from replaydiff.trace.schema import (CompiledRegion, Environment, LeftOut, OpRecord, PlantedFaultInfo,
                                      RecordedOptions, RngState, StoredBytes, TensorRef, check_chunk, check_entered,
-                                     left_out_from_manifest, manifest_bytes_written, manifest_stopped, manifest_metadata,
-                                     plant_from_wire)
+                                     left_out_from_manifest, manifest_bytes_written, manifest_last_op,
+                                     manifest_metadata, manifest_ops_files, manifest_stopped, plant_from_wire)
 from replaydiff.trace.sources import SourceLine, locate, split_location
 
 
@@ -139,6 +140,7 @@ class RankTrace(Sequence):
         self.complete = bool(self.manifest.get("complete"))
         # The metadata is parsed once: readers use attributes, and a missing or mistyped entry reads as None.
         self._environment, self._options, self._compiled_regions = manifest_metadata(self.manifest)
+        self._missing = self._find_missing()
 
     # -- manifest ---------------------------------------------------------------------------------------------
     def _read_manifest(self) -> dict:
@@ -187,6 +189,26 @@ class RankTrace(Sequence):
             except OSError:
                 pass  # a directory that is gone holds nothing
         return max(written - on_disk, 0)
+
+    def _find_missing(self) -> tuple[MissingOps, ...]:
+        written = manifest_ops_files(self.manifest)
+        missing = find_missing(self.rank, self.root / OPS_DIR, written, self.complete, manifest_last_op(self.manifest),
+                               None if written is not None else self._last_on_disk())
+        # A chunk on disk but not as written (cut short) is never read: its ops are missing, named as such.
+        damaged = {m.first for m in missing if m.file_known}
+        self._firsts = [f for f in self._firsts if f not in damaged]
+        return missing
+
+    @property
+    def missing_ops(self) -> tuple[MissingOps, ...]:
+        """Runs of ops whose records are gone since the trace was written (an ops file deleted, never copied or cut
+        short), in op order; empty for a whole trace. Reading one of them (``r[i]``) raises a TraceError naming its
+        file, and so does iterating past one; ``iter_from`` skips them (a replay judges what is there)."""
+        return self._missing
+
+    def missing_at(self, index: int) -> MissingOps | None:
+        """The run of missing ops that holds op ``index``, or None."""
+        return next((m for m in self._missing if m.first <= index <= m.last), None)
 
     @property
     def lost(self) -> list[str]:
@@ -281,6 +303,9 @@ class RankTrace(Sequence):
                 j = next((n for n, w in enumerate(ops) if OpRecord(w).index == index), -1)
             if j >= 0:
                 return OpRecord(ops[j], self.rank, self.root / OPS_DIR / f"{self._firsts[k]:09d}{FRAME_SUFFIX}")
+        gone = self.missing_at(index)
+        if gone is not None:
+            raise gone.error()
         if 0 <= index < len(self):
             return OpRecord.absent(index, self.rank)
         raise KeyError(index)
@@ -297,18 +322,35 @@ class RankTrace(Sequence):
 
     def __iter__(self) -> Iterator[OpRecord]:
         """Every recorded op in order (numbers without a record, or with only a stub, are left out: ``r[i]`` gives
-        them)."""
-        return (op for op in self._records() if op.recorded)
+        them). On a damaged trace the TraceError of its first missing ops is raised where they would have come."""
+        if not self._missing:
+            return (op for op in self._records() if op.recorded)
+        return self._iter_to_damage()
+
+    def _iter_to_damage(self) -> Iterator[OpRecord]:
+        gone = self._missing[0]
+        for op in self._records():
+            if op.index > gone.first:
+                raise gone.error()
+            if op.recorded:
+                yield op
+        raise gone.error()
 
     def iter_from(self, index: int) -> Iterator[OpRecord]:
-        """Recorded ops numbered ``index`` and up, reading only the chunks that hold them."""
+        """Recorded ops numbered ``index`` and up, reading only the chunks that hold them; ops in missing files
+        (``missing_ops``) are passed over: the caller says they are missing."""
         return (op for op in self._records(index) if op.recorded)
 
-    @property
-    def last_index(self) -> int | None:
+    def _last_on_disk(self) -> int | None:
         if not self._firsts:
             return None
         return OpRecord(self._chunk(self._firsts[-1])[-1]).index
+
+    @property
+    def last_index(self) -> int | None:
+        last = self._last_on_disk()
+        gone = max((m.last for m in self._missing), default=None)
+        return last if gone is None or (last is not None and last > gone) else gone
 
     @property
     def entered(self) -> OpRecord | None:
@@ -363,6 +405,7 @@ class RankTrace(Sequence):
         except (ValueError, KeyError, TypeError) as exc:
             where = f" (op #{op.index})" if op is not None else ""
             raise TraceError(self.root / OPS_DIR, f"malformed op record{where}: {exc}") from None
+        builder.pad_to(n)  # ops of a missing last chunk are numbered, without a record
         return builder.build()
 
     def producers(self, i: int) -> dict[int, int | None]:
@@ -486,6 +529,21 @@ class Trace:
 
     def __iter__(self) -> Iterator[RankTrace]:
         return iter(self._ranks[r] for r in self.ranks)
+
+    @property
+    def missing_ops(self) -> list[MissingOps]:
+        """Every rank's ops whose records are gone since the trace was written (RankTrace.missing_ops)."""
+        return [m for r in self.ranks for m in self._ranks[r].missing_ops]
+
+    def check_whole(self) -> None:
+        """A TraceError for the first missing ops (naming their file), for a verb that needs every op."""
+        missing = self.missing_ops
+        if missing:
+            first = missing[0]
+            more = sum(m.count for m in missing[1:])
+            also = f"; {more} more op(s) in {len(missing) - 1} more file(s)" if more else ""
+            err = first.error()
+            raise TraceError(err.path, f"{err.problem}{also} (`replaydiff show {self.path}` says what is missing)")
 
 
 def open_trace(path: str | os.PathLike) -> Trace:

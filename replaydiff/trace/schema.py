@@ -1018,6 +1018,7 @@ _M_COMPILED, _M_UNSEEN, _M_OPS_SEEN, _M_SECONDS, _M_DISABLED, _M_CUSTOM, _M_SOUR
     "compiled_regions", "unseen_writes", "ops_seen", "record_seconds", "disabled", "custom_ops", "source_files",
     "planted")
 _M_DATA_BYTES = "data_bytes"  # what the writer wrote into ops/ and data/ (trace/writer.py RankWriter.close)
+_M_OPS_WRITTEN, _M_LAST_OP = "ops_written", "last_op"  # op records written, and the last one's number
 # Environment keys (record/environment.py builds the snapshot through wire_environment and wire_device).
 _E_FLAGS, _E_VARIABLES, _E_DEVICES = "flags", "variables", "devices"
 _E_SCALARS = ("torch", "python", "platform", "hostname", "rank", "world_size", "cuda", "cudnn", "nccl",
@@ -1326,6 +1327,51 @@ class LeftOutTally:
 def manifest_bytes_written(manifest: dict) -> int | None:
     """Bytes of op chunks and data files the writer wrote, as its final manifest counts them (None: not said)."""
     return _typed(manifest.get(_M_DATA_BYTES), int)
+
+
+# Every ops chunk the writer wrote: [[first op, last op, bytes], ...], in the final manifest (and in one rewritten
+# before a process dies). A reader holds the ops directory against it: a chunk deleted or cut short since is named.
+_M_OPS_FILES = "ops_files"
+
+
+@dataclass(frozen=True)
+class OpsFileWritten:
+    """One ops chunk as the writer wrote it: the op numbers it holds and its size in bytes."""
+
+    first: int
+    last: int
+    nbytes: int
+
+
+def wire_writer_totals(ops_written: int, last_op: int | None, ops_files: list[tuple[int, int, int]],
+                       data_bytes: int | None = None) -> dict:
+    """What the writer says of what it wrote: op records, the last one's number, each ops chunk (``(first, last,
+    nbytes)``) and, in the final manifest, the bytes of ops and data files."""
+    out = {_M_OPS_WRITTEN: ops_written, _M_LAST_OP: last_op, _M_OPS_FILES: [list(f) for f in ops_files]}
+    if data_bytes is not None:
+        out[_M_DATA_BYTES] = data_bytes
+    return out
+
+
+def manifest_ops_files(manifest: dict) -> list[OpsFileWritten] | None:
+    """The ops chunks the writer says it wrote, in order; None when the manifest does not say (older traces, or a
+    recording that never wrote its final manifest)."""
+    v = manifest.get(_M_OPS_FILES)
+    if not isinstance(v, list):
+        return None
+    out = []
+    for x in v:
+        if isinstance(x, list) and len(x) == 3 and all(isinstance(y, int) and not isinstance(y, bool) for y in x) \
+                and 0 <= x[0] <= x[1] and x[2] >= 0:
+            out.append(OpsFileWritten(x[0], x[1], x[2]))
+        else:
+            return None  # hand-edited or damaged: nothing to hold the directory against
+    return out
+
+
+def manifest_last_op(manifest: dict) -> int | None:
+    """The number of the last op the writer wrote (None: not said)."""
+    return _typed(manifest.get(_M_LAST_OP), int)
 
 
 def manifest_stopped(manifest: dict) -> str | None:

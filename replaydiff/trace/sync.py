@@ -64,6 +64,10 @@ def progress(rt: RankTrace) -> RankProgress:
     if rt.last_index is not None:
         i = rt.last_index
         while i >= 0 and last is None:
+            gone = rt.missing_at(i)
+            if gone is not None:  # a damaged trace: the last op that is there
+                i = gone.first - 1
+                continue
             op = rt.op(i)
             last = op if op.recorded else None
             i -= 1

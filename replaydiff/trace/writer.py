@@ -28,7 +28,7 @@ from replaydiff.trace import codec
 from replaydiff.trace.index import IndexBuilder
 from replaydiff.trace.staging import Slot, Staging
 from replaydiff.trace.schema import (LEFT_OUT_DISK_FULL, LeftOutTally, chunk_frame, wire_index,
-                                     wire_strip_chunks)
+                                     wire_strip_chunks, wire_writer_totals)
 from replaydiff.trace.format import (
     DATA_DIR,
     ENTERED,
@@ -159,6 +159,9 @@ class RankWriter:
         self.left_out = LeftOutTally()
         self.ops_written = 0
         self.last_op_written: int | None = None
+        # (first op, last op, bytes) of each ops chunk written: the final manifest lists them, so a reader can name
+        # a chunk deleted or cut short since (a trace copied in part).
+        self.ops_files: list[tuple[int, int, int]] = []
         self._manifest = dict(manifest, format=FORMAT_NAME, version=FORMAT_VERSION, complete=False)
         (root / OPS_DIR).mkdir(parents=True, exist_ok=True)
         (root / DATA_DIR).mkdir(parents=True, exist_ok=True)
@@ -272,8 +275,8 @@ class RankWriter:
                 log.debug("the index could not be written: %s", exc)
         self._manifest.update(extra)
         self._manifest.update(self.left_out.wire())
-        self._manifest.update(complete=True, lost=self.lost, ops_written=self.ops_written,
-                              last_op=self.last_op_written, data_bytes=self.bytes_written)
+        self._manifest.update(complete=True, lost=self.lost, **wire_writer_totals(
+            self.ops_written, self.last_op_written, list(self.ops_files), self.bytes_written))
         try:
             self._write_manifest()
         except Exception as exc:
@@ -281,7 +284,8 @@ class RankWriter:
 
     def write_manifest_now(self) -> None:
         """Rewrite the manifest as it stands (still incomplete), e.g. with a ``lost`` line before the process dies."""
-        self._manifest.update(lost=self.lost, ops_written=self.ops_written, last_op=self.last_op_written)
+        self._manifest.update(lost=self.lost, **wire_writer_totals(self.ops_written, self.last_op_written,
+                                                                    list(self.ops_files)))
         self._write_manifest()
         self._note_in_flight(force=True)
 
@@ -366,6 +370,7 @@ class RankWriter:
             self.records_bytes += len(frame)
             self.ops_written += len(chunk.ops)
             self.last_op_written = wire_index(chunk.ops[-1])
+            self.ops_files.append((wire_index(chunk.ops[0]), self.last_op_written, len(frame)))
             for op in chunk.ops:
                 self._index.add(op)
                 self.left_out.add_op(op)
