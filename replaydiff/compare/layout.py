@@ -1,0 +1,150 @@
+"""How the ranks of a parallel run hold one value of the single-process step: its layout, found from the tensors.
+
+A data-, fully-sharded or tensor-parallel step holds each value of the single-process step in one of a few layouts
+across its ranks:
+
+- replicated: every rank holds the whole value (parameters under DDP, gradients after their all-reduce);
+- sharded along a dimension: each rank holds a slice, in rank order, even or uneven (the batch under data
+  parallelism, FSDP's parameter shards, column- and row-parallel weights and activations, sequence parallelism);
+- partial: the sum over the ranks is the value (local gradients before their all-reduce, row-parallel outputs
+  before theirs);
+
+each of them up to a known factor: a per-rank mean over a slice of the batch is the reference's mean times the world
+size over the ranks' average, so a value computed from it (a local gradient) is the reference divided by the world
+size in sum. ``infer_layout`` tries the layouts the shapes allow, the plainest first (replicated, then sharded, then
+partial; factor 1 before 1/world and world), and returns the first whose mapped value fits the reference by the
+caller's test of closeness, or None when none does: the ranks' values cannot be the reference's in any layout.
+
+Pure functions of tensors: no trace, no tolerance policy (the caller's ``close`` decides), so the diff of a parallel
+run against the single-process run, the step-input check and tests share one definition.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from fractions import Fraction
+from typing import Callable, Sequence
+
+import torch
+
+Close = Callable[[torch.Tensor, torch.Tensor], bool]  # close(mapped value, reference) -> fits
+
+
+class LayoutKind(str, Enum):
+    REPLICATED = "replicated"
+    SHARDED = "sharded"
+    PARTIAL = "partial"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How ``world`` ranks hold a value: the kind, the dimension split (sharded) with each rank's extent along it,
+    and the factor the mapped value is multiplied by to give the reference (1: none)."""
+
+    kind: LayoutKind
+    world: int
+    dim: int | None = None
+    sizes: tuple[int, ...] | None = None
+    factor: Fraction = Fraction(1)
+
+    def assemble(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The value the ranks' tensors stand for (before the factor), in float64: rank 0's for a replicated
+        value, the slices joined in rank order for a sharded one, the sum for a partial one."""
+        xs = [p.detach().to(torch.float64) for p in parts]
+        if self.kind is LayoutKind.REPLICATED:
+            return xs[0]
+        if self.kind is LayoutKind.SHARDED:
+            return torch.cat(xs, dim=self.dim)
+        return torch.stack(xs).sum(0)
+
+    def mapped(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The reference as the ranks hold it: ``assemble`` times the factor."""
+        x = self.assemble(parts)
+        return x if self.factor == 1 else x * float(self.factor)
+
+    def describe(self) -> str:
+        """e.g. 'sharded on dim 0 over 2 ranks (4+4)', 'partial over 2 ranks: the reference is their average',
+        'replicated on 2 ranks at 2x the reference'."""
+        scale = "" if self.factor == 1 else f" at {_ratio(1 / self.factor)}x the reference"
+        if self.kind is LayoutKind.REPLICATED:
+            return f"replicated on {self.world} ranks{scale}"
+        if self.kind is LayoutKind.SHARDED:
+            even = self.sizes is not None and len(set(self.sizes)) == 1
+            split = "" if self.sizes is None else f" ({'+'.join(map(str, self.sizes))}{'' if even else ', uneven'})"
+            return f"sharded on dim {self.dim} over {self.world} ranks{split}{scale}"
+        if self.factor == 1:
+            return f"partial over {self.world} ranks: the reference is their sum"
+        if self.factor == Fraction(1, self.world):
+            return f"partial over {self.world} ranks: the reference is their average (a per-rank mean)"
+        return f"partial over {self.world} ranks: their sum is {_ratio(1 / self.factor)}x the reference"
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind.value, "world": self.world, "dim": self.dim,
+                "sizes": None if self.sizes is None else list(self.sizes),
+                "factor": str(self.factor)}
+
+
+def _ratio(f: Fraction) -> str:
+    return str(f.numerator) if f.denominator == 1 else f"{f.numerator}/{f.denominator}"
+
+
+def candidates(ref_shape: Sequence[int], shapes: Sequence[Sequence[int]]) -> list[Layout]:
+    """The layouts the shapes allow, plainest first, each at factor 1, 1/world and world (one rank: replicated)."""
+    world = len(shapes)
+    ref_shape, shapes = tuple(ref_shape), [tuple(s) for s in shapes]
+    kinds: list[Layout] = []
+    if world == 0:
+        return []
+    same = all(s == ref_shape for s in shapes)
+    if same:
+        kinds.append(Layout(LayoutKind.REPLICATED, world))
+    if world > 1 and all(len(s) == len(ref_shape) for s in shapes):
+        for d in range(len(ref_shape)):
+            others_equal = all(s[:d] + s[d + 1:] == ref_shape[:d] + ref_shape[d + 1:] for s in shapes)
+            sizes = tuple(s[d] for s in shapes)
+            if others_equal and sum(sizes) == ref_shape[d] and not all(x == ref_shape[d] for x in sizes):
+                kinds.append(Layout(LayoutKind.SHARDED, world, d, sizes))
+    if same and world > 1:
+        kinds.append(Layout(LayoutKind.PARTIAL, world))
+    if world == 1:
+        return kinds
+    factors = (Fraction(1), Fraction(1, world), Fraction(world))
+    return [Layout(k.kind, k.world, k.dim, k.sizes, f) for f in factors for k in kinds]
+
+
+def infer_layout(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close) -> Layout | None:
+    """The plainest layout under which ``parts`` (one tensor per rank, in rank order) stand for ``ref``, by
+    ``close(mapped, ref)``; None when no layout the shapes allow fits."""
+    for layout in candidates(ref.shape, [p.shape for p in parts]):
+        if layout.kind is LayoutKind.REPLICATED:
+            # every rank must hold it, not rank 0 alone
+            x = [p.detach().to(torch.float64) * float(layout.factor) for p in parts]
+            if all(close(v, ref) for v in x):
+                return layout
+            continue
+        if close(layout.mapped(parts), ref):
+            return layout
+    return None
+
+
+def rel_l2_close(limit: float) -> Close:
+    """A closeness test on the relative L2 error, in float64 (NaN/Inf must sit at the same places with the same
+    values): for tests and quick checks; the diff engine passes its per-dtype verdict instead."""
+
+    def close(x: torch.Tensor, ref: torch.Tensor) -> bool:
+        a, b = x.to(torch.float64), ref.detach().to(torch.float64)
+        if a.shape != b.shape:
+            return False
+        fa, fb = torch.isfinite(a), torch.isfinite(b)
+        if not torch.equal(torch.isnan(a), torch.isnan(b)) or not torch.equal(torch.isinf(a), torch.isinf(b)) \
+                or not torch.equal(a[torch.isinf(a)], b[torch.isinf(b)]):
+            return False
+        a, b = a[fa], b[fb]
+        scale = torch.linalg.vector_norm(b)
+        err = torch.linalg.vector_norm(a - b)
+        return bool(err <= limit * scale) if scale > 0 else bool(err == 0)
+
+    return close

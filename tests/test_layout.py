@@ -1,0 +1,103 @@
+"""replaydiff.compare.layout: which layout maps the ranks' tensors onto the single-process reference.
+
+The ranks' tensors are made from a reference the way a parallel step makes them (a batch split, a per-rank mean, a
+sum to be all-reduced), then the layout is found back without being told. And a value no layout explains (a shard
+at the wrong offset, a sum whose parts were not all reduced) is found to be none.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replaydiff.compare.layout import Layout, LayoutKind, candidates, infer_layout, rel_l2_close
+
+CLOSE = rel_l2_close(1e-6)
+
+
+def _split(ref: torch.Tensor, dim: int, sizes: list[int]) -> list[torch.Tensor]:
+    return list(torch.split(ref, sizes, dim=dim))
+
+
+@settings(max_examples=60, deadline=None)
+@given(world=st.integers(2, 8), rows=st.integers(1, 12), cols=st.integers(2, 5), seed=st.integers(0, 2**16),
+       dim=st.integers(0, 1), data=st.data())
+def test_a_value_split_along_a_dimension_is_found_sharded_there(world, rows, cols, seed, dim, data):
+    ref = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    n = ref.shape[dim]
+    cuts = sorted(data.draw(st.lists(st.integers(0, n), min_size=world - 1, max_size=world - 1)))
+    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, n])]
+    if any(s == n for s in sizes):  # one rank holding all of it is a replicated shape, not a split
+        return
+    got = infer_layout(ref, _split(ref, dim, sizes), CLOSE)
+    assert got is not None and got.kind is LayoutKind.SHARDED
+    assert got.dim == dim and got.sizes == tuple(sizes) and got.factor == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(world=st.integers(2, 8), seed=st.integers(0, 2**16))
+def test_parts_that_sum_to_the_value_are_partial(world, seed):
+    g = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(3, 4, generator=g, dtype=torch.float64) for _ in range(world)]
+    ref = torch.stack(parts).sum(0)
+    got = infer_layout(ref, parts, CLOSE)
+    assert got == Layout(LayoutKind.PARTIAL, world)
+
+
+def test_a_data_parallel_step_maps_batch_loss_gradient_and_reduced_gradient():
+    """A linear layer and a mean loss on a batch of 8: single process against 2 ranks of 4 rows each."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+
+    def step(xs, ys):
+        out = xs @ w.t()
+        loss = ((out - ys) ** 2).mean()
+        (g,) = torch.autograd.grad(loss, w)
+        return out.detach(), loss.detach(), g
+
+    out, loss, grad = step(x, y)
+    ranks = [step(x[r * 4:(r + 1) * 4], y[r * 4:(r + 1) * 4]) for r in range(2)]
+    assert infer_layout(x, [x[:4], x[4:]], CLOSE).describe() == "sharded on dim 0 over 2 ranks (4+4)"
+    assert infer_layout(out, [r[0] for r in ranks], CLOSE).kind is LayoutKind.SHARDED
+    lay = infer_layout(loss, [r[1] for r in ranks], CLOSE)
+    assert (lay.kind, lay.factor) == (LayoutKind.PARTIAL, Fraction(1, 2))
+    assert lay.describe() == "partial over 2 ranks: the reference is their average (a per-rank mean)"
+    local = [r[2] for r in ranks]
+    assert (infer_layout(grad, local, CLOSE).kind, infer_layout(grad, local, CLOSE).factor) == \
+        (LayoutKind.PARTIAL, Fraction(1, 2))
+    averaged = [sum(local) / 2] * 2  # all-reduce, then divide by the world size: every rank holds the reference
+    assert infer_layout(grad, averaged, CLOSE) == Layout(LayoutKind.REPLICATED, 2)
+    doubled = [sum(local)] * 2  # the loss scaled by the world size a second time: every rank holds 2x
+    lay = infer_layout(grad, doubled, CLOSE)
+    assert (lay.kind, lay.factor) == (LayoutKind.REPLICATED, Fraction(1, 2))
+    assert lay.describe() == "replicated on 2 ranks at 2x the reference"
+
+
+def test_values_no_layout_explains_are_none():
+    torch.manual_seed(1)
+    ref = torch.randn(8, 3, dtype=torch.float64)
+    assert infer_layout(ref, [ref[4:], ref[:4]], CLOSE) is None  # shards at each other's offsets
+    parts = [torch.randn(8, 3, dtype=torch.float64) for _ in range(2)]
+    assert infer_layout(parts[0] + parts[1], [parts[0], parts[0]], CLOSE) is None  # one part never reduced
+    assert infer_layout(ref, [ref, ref * (1 + 1e-3)], CLOSE) is None  # a replica that drifted
+    assert infer_layout(ref, [ref[:3], ref[3:7]], CLOSE) is None  # rows missing
+
+
+def test_shapes_decide_the_candidates_plainest_first():
+    kinds = [(c.kind, c.dim, c.factor) for c in candidates((8, 3), [(8, 3), (8, 3)])]
+    assert kinds[:2] == [(LayoutKind.REPLICATED, None, 1), (LayoutKind.PARTIAL, None, 1)]
+    assert [(c.kind, c.dim) for c in candidates((8, 3), [(4, 3), (4, 3)])][0] == (LayoutKind.SHARDED, 0)
+    assert candidates((8, 3), [(4, 3), (3, 3)]) == []  # rows do not add up
+    assert candidates((8, 3), [(8, 3)]) == [Layout(LayoutKind.REPLICATED, 1)]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_values_must_match_in_place(bad):
+    ref = torch.tensor([1.0, bad, 3.0, 4.0], dtype=torch.float64)
+    assert infer_layout(ref, [ref[:2], ref[2:]], CLOSE).kind is LayoutKind.SHARDED
+    moved = torch.tensor([bad, 1.0, 3.0, 4.0], dtype=torch.float64)
+    assert infer_layout(ref, [moved[:2], moved[2:]], CLOSE) is None
