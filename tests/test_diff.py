@@ -389,23 +389,18 @@ def test_two_rank_run_against_one_process(tmp_path: Path, capsys) -> None:
     assert open_trace(two).ranks == [0, 1] and open_trace(one).ranks == [0]
 
     report = diff_traces(one, two)
-    by_rank = {rd.target_rank: rd for rd in report.ranks}
-    assert set(by_rank) == {0, 1} and all(rd.ref_rank == 0 for rd in report.ranks)
-    # module paths match through the DDP wrapper, so the whole single-process step is aligned
-    ref_count = len(rh.trace_ops(one))
-    assert all(len(rd.pairs) == ref_count for rd in report.ranks)
-    # the fault planted on rank 1 is rank 1's first divergence, and the only candidate
-    planted = by_rank[1].first_divergent
-    assert (planted.ref, planted.target) == (_index(one, "aten.addmm.default"),
-                                             _index(two, "aten.addmm.default", rank=1))
-    assert [(rd.target_rank, p.key) for rd, p in report.candidates()] == [(1, planted.key)]
-    # rank 0 computed nothing wrong itself: its differences enter through the gradient all-reduce, which the
-    # single process does not have
-    assert by_rank[0].first_divergent is None
-    enter = by_rank[0].first_difference.inherited_from
-    assert enter.kind is OriginKind.TARGET_ONLY and enter.collective is not None
-    assert enter.collective[1] == "c10d.allreduce_.default"
-    assert all("c10d.allreduce_.default" in {n for u in rd.target_only for n in u.names} for rd in report.ranks)
+    # every rank at once, mapped onto the single process (each rank holds the whole batch here: replicated)
+    pd = report.parallel
+    assert pd is not None and pd.world == 2 and not report.ranks
+    # module paths match through the DDP wrapper, so the whole single-process step is aligned on both ranks
+    assert pd.aligned == len(rh.trace_ops(one)) and not pd.not_aligned
+    assert pd.layout_ops["c10d.allreduce_.default"] >= 2  # DDP's bucket all-reduce: a layout op, not a difference
+    # the fault planted on rank 1 is where the runs part, and rank 0 is said to hold the reference's value there
+    d = pd.departure
+    assert (d.op.ref, d.op.targets) == (_index(one, "aten.addmm.default"),
+                                        (_index(two, "aten.addmm.default", rank=0),
+                                         _index(two, "aten.addmm.default", rank=1)))
+    assert "rank 0 holds the reference's value, rank 1 does not" in d.why
     world = [d for d in report.environment if d.key == "world_size"]
     assert world and (world[0].ref, world[0].target) == (1, 2) and world[0].hint
 

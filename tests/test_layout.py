@@ -84,12 +84,14 @@ def test_values_no_layout_explains_are_none():
     parts = [torch.randn(8, 3, dtype=torch.float64) for _ in range(2)]
     assert infer_layout(parts[0] + parts[1], [parts[0], parts[0]], CLOSE) is None  # one part never reduced
     assert infer_layout(ref, [ref, ref * (1 + 1e-3)], CLOSE) is None  # a replica that drifted
+    assert infer_layout(ref, [ref * 1.37, ref * 1.37], CLOSE) is None  # no simple factor
+    assert infer_layout(ref, [ref * 3, ref * 3], CLOSE).factor == Fraction(1, 3)
     assert infer_layout(ref, [ref[:3], ref[3:7]], CLOSE) is None  # rows missing
 
 
 def test_shapes_decide_the_candidates_plainest_first():
     kinds = [(c.kind, c.dim, c.factor) for c in candidates((8, 3), [(8, 3), (8, 3)])]
-    assert kinds[:2] == [(LayoutKind.REPLICATED, None, 1), (LayoutKind.PARTIAL, None, 1)]
+    assert kinds == [(LayoutKind.REPLICATED, None, 1), (LayoutKind.PARTIAL, None, 1)]
     assert [(c.kind, c.dim) for c in candidates((8, 3), [(4, 3), (4, 3)])][0] == (LayoutKind.SHARDED, 0)
     assert candidates((8, 3), [(4, 3), (3, 3)]) == []  # rows do not add up
     assert candidates((8, 3), [(8, 3)]) == [Layout(LayoutKind.REPLICATED, 1)]

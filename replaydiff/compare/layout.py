@@ -12,8 +12,10 @@ across its ranks:
 each of them up to a known factor: a per-rank mean over a slice of the batch is the reference's mean times the world
 size over the ranks' average, so a value computed from it (a local gradient) is the reference divided by the world
 size in sum. ``infer_layout`` tries the layouts the shapes allow, the plainest first (replicated, then sharded, then
-partial; factor 1 before 1/world and world), and returns the first whose mapped value fits the reference by the
-caller's test of closeness, or None when none does: the ranks' values cannot be the reference's in any layout.
+partial), each at the simple factor (a ratio of small integers) that brings it closest to the reference, and
+returns the first whose mapped value fits the reference by the caller's test of closeness, or None when none does:
+the ranks' values cannot be the reference's in any layout. Which factors are right is the caller's to judge (a
+per-rank mean gives 1/world; a gradient scaled twice gives 1/world of that).
 
 Pure functions of tensors: no trace, no tolerance policy (the caller's ``close`` decides), so the diff of a parallel
 run against the single-process run, the step-input check and tests share one definition.
@@ -92,15 +94,13 @@ def _ratio(f: Fraction) -> str:
 
 
 def candidates(ref_shape: Sequence[int], shapes: Sequence[Sequence[int]]) -> list[Layout]:
-    """The layouts the shapes allow, plainest first, each at factor 1, 1/world and world (one rank: replicated)."""
+    """The layouts the shapes allow, plainest first (replicated, sharded by dimension, partial), at factor 1."""
     world = len(shapes)
     ref_shape, shapes = tuple(ref_shape), [tuple(s) for s in shapes]
-    kinds: list[Layout] = []
     if world == 0:
         return []
     same = all(s == ref_shape for s in shapes)
-    if same:
-        kinds.append(Layout(LayoutKind.REPLICATED, world))
+    kinds: list[Layout] = [Layout(LayoutKind.REPLICATED, world)] if same else []
     if world > 1 and all(len(s) == len(ref_shape) for s in shapes):
         for d in range(len(ref_shape)):
             others_equal = all(s[:d] + s[d + 1:] == ref_shape[:d] + ref_shape[d + 1:] for s in shapes)
@@ -109,24 +109,67 @@ def candidates(ref_shape: Sequence[int], shapes: Sequence[Sequence[int]]) -> lis
                 kinds.append(Layout(LayoutKind.SHARDED, world, d, sizes))
     if same and world > 1:
         kinds.append(Layout(LayoutKind.PARTIAL, world))
-    if world == 1:
-        return kinds
-    factors = (Fraction(1), Fraction(1, world), Fraction(world))
-    return [Layout(k.kind, k.world, k.dim, k.sizes, f) for f in factors for k in kinds]
+    return kinds
+
+
+def fit_scale(x: torch.Tensor, ref: torch.Tensor, most: int = 64) -> Fraction | None:
+    """The simple ratio c (numerator and denominator at most ``most``) with c * x closest to ``ref``, by least
+    squares over the finite values; None when there is none (one side all zeros and the other not, or a ratio that
+    is not simple: then no factor explains the difference). 1 when both are all zeros."""
+    a, b = x.to(torch.float64), ref.detach().to(torch.float64)
+    keep = torch.isfinite(a) & torch.isfinite(b)
+    a, b = a[keep], b[keep]
+    aa = float((a * a).sum())
+    bb = float((b * b).sum())
+    if aa == 0 or bb == 0:
+        return Fraction(1) if aa == bb else None
+    c = float((a * b).sum()) / aa
+    if not c > 0:
+        return None
+    snapped = Fraction(c).limit_denominator(most)
+    if snapped == 0 or snapped.numerator > most or abs(float(snapped) - c) > 1e-3 * c:
+        return None
+    return snapped
 
 
 def infer_layout(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close) -> Layout | None:
     """The plainest layout under which ``parts`` (one tensor per rank, in rank order) stand for ``ref``, by
-    ``close(mapped, ref)``; None when no layout the shapes allow fits."""
+    ``close(mapped, ref)``, with the simple factor it takes (``Layout.factor``: 1 when the ranks hold the reference
+    itself); None when no layout the shapes allow fits at any simple factor."""
     for layout in candidates(ref.shape, [p.shape for p in parts]):
         if layout.kind is LayoutKind.REPLICATED:
-            # every rank must hold it, not rank 0 alone
-            x = [p.detach().to(torch.float64) * float(layout.factor) for p in parts]
-            if all(close(v, ref) for v in x):
-                return layout
+            # every rank must hold it at the same factor, not rank 0 alone
+            x = [p.detach().to(torch.float64) for p in parts]
+            c = fit_scale(x[0], ref)
+            if c is not None and all(close(v * float(c), ref) for v in x):
+                return Layout(layout.kind, layout.world, factor=c)
             continue
-        if close(layout.mapped(parts), ref):
-            return layout
+        a = layout.assemble(parts)
+        c = fit_scale(a, ref)
+        if c is not None and close(a * float(c), ref):
+            return Layout(layout.kind, layout.world, layout.dim, layout.sizes, c)
+    return None
+
+
+def shard_offsets(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close) -> tuple[int, list[int]] | None:
+    """For parts that each equal a slice of ``ref`` along one dimension but do not join into it in rank order: the
+    dimension and the offset each rank's part was taken at (a shard taken at the wrong offset, ranks swapped).
+    None when some part is no slice of the reference along a dimension the shapes allow."""
+    for layout in candidates(ref.shape, [p.shape for p in parts]):
+        if layout.kind is not LayoutKind.SHARDED or layout.dim is None:
+            continue
+        d, n = layout.dim, ref.shape[layout.dim]
+        offsets = []
+        for p in parts:
+            size = p.shape[d]
+            step = size if size and n % size == 0 else 1
+            at = next((o for o in range(0, n - size + 1, step)
+                       if close(p.detach().to(torch.float64), ref.narrow(d, o, size))), None)
+            if at is None:
+                break
+            offsets.append(at)
+        else:
+            return d, offsets
     return None
 
 

@@ -23,6 +23,7 @@ from replaydiff.compare.tolerance import Tolerances
 from replaydiff.diff.align import Alignment, OpKeys, align, op_keys
 from replaydiff.diff.compare import Judge, PairComparer, Where, compare_refs
 from replaydiff.diff.environment import environment_diff
+from replaydiff.diff.parallel import diff_parallel, is_parallel_pair
 from replaydiff.diff.units import pair_units
 from replaydiff.diff.result import (DiffReport, OpPlace, Origin, OriginKind, PairStatus, RankDiff, StepInput,
                                     StepInputs, Unaligned)
@@ -326,6 +327,13 @@ def _world_size(t: Trace) -> int:
     return max(r.world_size for r in t)
 
 
+def _say_planted(report: DiffReport, rt: Trace, tt: Trace) -> None:
+    for side, t in (("reference", rt), ("target", tt)):
+        for r in t:
+            if r.planted is not None:
+                report.planted.append(f"in the {side} trace, {r.planted.describe()}")
+
+
 def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: DiffOptions | None,
                  baseline: str | Path | Trace | None, progress_total: Callable[[int], None] | None,
                  progress: Callable[[int], None] | None) -> DiffReport:
@@ -346,10 +354,17 @@ def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: D
                 report.warnings.append(f"{said} only in {t.path}: not compared")
     first_ref, first_target = rt.rank(pairs[0][0]), tt.rank(pairs[0][1])
     report.environment = environment_diff(first_ref.environment, first_target.environment)
+    if opts.rank is None and bt is None and \
+            is_parallel_pair(_world_size(rt), rt.ranks, _world_size(tt), tt.ranks):
+        # every rank at once, mapped onto the single process through the layout of each value
+        if progress_total is not None:
+            progress_total(len(first_ref))
+        report.parallel = diff_parallel(first_ref, [tt.rank(r) for r in tt.ranks], progress)
+        _say_planted(report, rt, tt)
+        return report
+    _say_planted(report, rt, tt)
     for side, t in (("reference", rt), ("target", tt)):
         for r in t:
-            if r.planted is not None:
-                report.planted.append(f"in the {side} trace, {r.planted.describe()}")
             if r.truncated_after is not None:
                 report.warnings.append(f"{side} rank {r.rank}: recording never finished; the trace stops after "
                                        f"op #{r.truncated_after}")

@@ -356,6 +356,9 @@ class DiffReport:
     steps: str | None = None  # which steps are compared, when the traces hold different steps (or --step picked)
     # Faults planted while recording (record --plant), one line per side and rank: every report says so first.
     planted: list[str] = field(default_factory=list)
+    # A parallel run against the single process: its ranks mapped onto it op by op (diff/parallel.py), in place
+    # of rank-by-rank pairs.
+    parallel: Any = None
 
     def candidates(self) -> list[tuple[RankDiff, PairResult]]:
         """One first divergence per rank pair, earliest (by reference op number) first."""
@@ -371,6 +374,8 @@ class DiffReport:
     def found_difference(self) -> bool:
         """The runs part ways: some aligned op's outputs differ (introduced or inherited), or the step's inputs
         already did."""
+        if self.parallel is not None and self.parallel.departed:
+            return True
         return any(rd.first_difference is not None or rd.step_inputs.differ or
                    any(u.status in (PairStatus.DIVERGENT, PairStatus.INHERITED) for u in rd.units)
                    for rd in self.ranks)

@@ -60,6 +60,7 @@ def diff_to_json(report: DiffReport) -> dict:
         "environment": [_clean(d.to_json()) for d in report.environment],
         "summary": report.counts(),
         "first_divergent": None if first is None else pair_json(*first),
+        "parallel": None if report.parallel is None else report.parallel.to_json(),
         "ranks": [{"ref_rank": rd.ref_rank, "target_rank": rd.target_rank, "ref_ops": rd.ref_ops,
                    "target_ops": rd.target_ops, "evidence": [e.value for e in rd.evidence],
                    "step_inputs": _clean(rd.step_inputs.to_json()),

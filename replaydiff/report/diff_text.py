@@ -173,6 +173,8 @@ def render_diff(report: DiffReport, out: TextIO, max_listed: int = 10) -> None:
                 out.write(f"    hint: {d.hint}\n")
     else:
         out.write("environment: same\n")
+    if report.parallel is not None:
+        render_parallel(report.parallel, out)
     for rd in report.ranks:
         _rank_block(rd, _rank_labels(report), out, max_listed)
     cands = report.candidates()
@@ -180,3 +182,41 @@ def render_diff(report: DiffReport, out: TextIO, max_listed: int = 10) -> None:
         out.write("first divergences, earliest first:\n")
         for rd, p in cands:
             out.write(f"  target rank {rd.target_rank}: {pair_line(p)}\n")
+
+
+def _parallel_op_line(op) -> str:
+    where = "  ".join(x for x in (op.module or "", f"({op.phase})" if op.phase else "", op.source or "") if x)
+    ranks = "/".join(f"#{t}" for t in op.targets)
+    return f"ref #{op.ref} / ranks {ranks} {op.name}  {where}".rstrip()
+
+
+def render_parallel(pd, out: TextIO) -> None:
+    """A parallel run mapped onto the single process (diff/parallel.py): the layouts seen, then the verdict."""
+    out.write(f"{pd.world} ranks against one process: each aligned op's values mapped onto the single process's "
+              f"through their layout\n")
+    out.write(f"ops: {pd.ref_ops} ref ops, {pd.aligned} run by every rank, {pd.compared} compared"
+              + (f", {len(pd.not_aligned)} not run by every rank" if pd.not_aligned else "")
+              + (f", {pd.random_ops} random (not compared: each rank draws its own)" if pd.random_ops else "")
+              + (f", {pd.not_stored} without tensor data (record --tensors full)" if pd.not_stored else "") + "\n")
+    for phase in ("forward", "backward", "optimizer", "?"):
+        fam = pd.families.get(phase)
+        if fam:
+            what = ", ".join(f"{n} {f}" for f, n in fam.most_common())
+            out.write(f"  {phase if phase != '?' else 'other'} outputs: {what}\n")
+    if pd.layout_ops:
+        names = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in pd.layout_ops.most_common(6))
+        more = len(pd.layout_ops) - 6
+        out.write(f"  layout ops (on the ranks only, all ranks together): {names}"
+                  + (f", +{more} more" if more > 0 else "") + "\n")
+    d = pd.departure
+    if d is None:
+        if pd.compared:
+            out.write(f"agree: every compared op maps onto the single process (worst rel_l2 {pd.worst:.3g} eps of "
+                      f"the recorded dtype: a reordered sum)\n")
+        else:
+            out.write("nothing compared: no aligned op has tensor data on both sides\n")
+        return
+    out.write(f"the runs part at {_parallel_op_line(d.op)}\n")
+    out.write(f"  {d.why}\n")
+    if d.inherited:
+        out.write(f"  {d.inherited} later op(s) part from the reference too (they read what it made)\n")

@@ -1,0 +1,415 @@
+"""Diffing a parallel run against the single-process run: every aligned op's values mapped through their layout.
+
+Under data, fully-sharded or tensor parallelism no rank holds the single process's values: rank r holds its slice
+of the batch, its shard of a weight, or its share of a gradient that an all-reduce sums later. Comparing rank r's
+op with the single process's op by op (as ``engine.diff_ranks`` does for two runs of one layout) calls every such
+value a difference. Here each op of the reference that every rank runs (aligned per rank, as ``align`` does) is
+compared once for all ranks: its outputs on the W ranks are mapped onto the reference's through the layout that
+fits (``compare.layout``: replicated, sharded on a dimension, partial), and the step's inputs the ops read
+(parameters, the batch) the same way. What is not computation is not compared: the ops one side alone runs (the
+collectives, DDP's bucket copies, FSDP's copy-in and copy-out, the slicing of the batch) are how layouts are made and
+rejoined, and are listed as layout ops.
+
+A correct parallel run maps everywhere at factor 1, except partial values that are the sum of per-rank means (the
+loss, and the local gradients before their all-reduce: the reference is their average, factor 1/world). The first
+op, in the reference's order, whose outputs map under no layout, or only at another factor, and whose inputs did
+map, is where the runs part: a scale applied on every rank (a loss scaled by the world size twice), partial sums
+used without their all-reduce, per-rank statistics that should be global (BatchNorm without SyncBatchNorm, a mean
+over uneven token counts), a shard taken at the wrong offset. Ops after it that read what it made inherit it.
+
+Random ops (dropout) are not compared: each rank draws its own numbers, so their outputs and what reads them are
+judged only if they map anyway.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import Enum
+from fractions import Fraction
+from typing import Callable
+
+import torch
+
+from replaydiff import aten
+from replaydiff.compare.layout import Close, Layout, LayoutKind, infer_layout, rel_l2_close, shard_offsets
+from replaydiff.diff.align import OpKeys, align, op_keys
+from replaydiff.trace.reader import RankTrace
+from replaydiff.trace.schema import OpRecord, TensorRef
+
+
+class Departure(str, Enum):
+    NO_LAYOUT = "no_layout"  # the ranks' outputs map onto the reference's under no layout
+    SCALED = "scaled"  # they map, at a factor a correct parallel run does not have there
+    UNREDUCED = "unreduced"  # an input is partial (its sum over ranks is the value) and no layout fits the output
+    INPUTS = "inputs"  # a tensor from outside the step (parameter, batch) maps under no layout at factor 1
+    SHARD_OFFSET = "shard_offset"  # each rank holds a slice of the reference, but not the slice of its rank
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """One tensor of an aligned op (an output, or an input from outside the step) and how the ranks hold it."""
+
+    kind: str  # "out" or "in"
+    position: int
+    describe: str  # the reference's dtype and shape
+    layout: Layout | None  # None: no layout fits
+    error: float | None  # rel_l2 / eps(recorded dtype) of the mapped value against the reference's (None: no layout)
+    # No layout, and every rank holds the reference's shape: the ranks that do not hold the reference's value
+    # (the others do: a fault on some ranks); empty when none holds it.
+    off: tuple[int, ...] = ()
+    # No layout, and each rank holds a slice of the reference along dim ``offsets[0]``, but not in rank order: the
+    # offset of each rank's slice.
+    offsets: tuple[int, tuple[int, ...]] | None = None
+
+
+@dataclass(frozen=True)
+class MappedOp:
+    ref: int
+    targets: tuple[int, ...]  # its op number on each rank, in rank order
+    name: str
+    module: str | None
+    phase: str | None
+    source: str | None  # a backward op: the source line of the forward op it belongs to, where known
+    tensors: tuple[Mapped, ...]
+
+
+@dataclass(frozen=True)
+class ParallelDeparture:
+    op: MappedOp
+    tensor: Mapped
+    kind: Departure
+    why: str  # one line for people
+    inherited: int  # later aligned ops that read what it made and part from the reference too
+
+
+@dataclass
+class ParallelDiff:
+    """A run of ``world`` ranks mapped onto a single process, op by op (see the module docstring)."""
+
+    world: int
+    ref_ops: int
+    aligned: int  # reference ops every rank runs
+    compared: int  # of those, ops with at least one tensor compared
+    not_aligned: list[int] = field(default_factory=list)  # reference ops some rank does not run
+    layout_ops: Counter = field(default_factory=Counter)  # target-only op names, all ranks together
+    families: dict[str, Counter] = field(default_factory=dict)  # phase -> Counter(layout family) of outputs
+    random_ops: int = 0  # aligned random ops, not compared
+    not_stored: int = 0  # aligned ops whose tensors the traces do not hold (stats or meta traces)
+    worst: float = 0.0  # the largest rel_l2 / eps among the tensors that map
+    departure: ParallelDeparture | None = None
+    ops: list[MappedOp] = field(default_factory=list)
+
+    @property
+    def departed(self) -> bool:
+        return self.departure is not None
+
+    def to_json(self) -> dict:
+        d = self.departure
+        return {
+            "world": self.world, "ref_ops": self.ref_ops, "aligned": self.aligned, "compared": self.compared,
+            "not_aligned": list(self.not_aligned), "layout_ops": dict(self.layout_ops),
+            "families": {k: dict(v) for k, v in self.families.items()}, "random_ops": self.random_ops,
+            "not_stored": self.not_stored, "worst_rel_l2_over_eps": self.worst,
+            "departure": None if d is None else {
+                "kind": d.kind.value, "why": d.why, "inherited": d.inherited, "ref": d.op.ref,
+                "targets": list(d.op.targets), "op": d.op.name, "module": d.op.module, "phase": d.op.phase,
+                "source": d.op.source, "tensor": {"kind": d.tensor.kind, "position": d.tensor.position,
+                                                  "describe": d.tensor.describe,
+                                                  "layout": None if d.tensor.layout is None else
+                                                  d.tensor.layout.to_json()}},
+        }
+
+
+def is_parallel_pair(ref_world: int, ref_ranks: list[int], target_world: int, target_ranks: list[int]) -> bool:
+    """A single-process reference against every rank of a job of world size > 1: the case mapped here."""
+    return ref_world <= 1 and len(ref_ranks) == 1 and target_world > 1 and target_ranks == list(range(target_world))
+
+
+def close_for(dtype: torch.dtype) -> Close:
+    """Whether a mapped value is the reference's: rel_l2 within sqrt(eps) of the recorded dtype (half its digits:
+    a reordered sum, a gradient reduced in another order and what they feed stay orders of magnitude inside; a
+    scale, an unreduced sum or per-rank statistics fall far outside); integers and booleans exactly."""
+    if dtype.is_floating_point:
+        return rel_l2_close(math.sqrt(torch.finfo(dtype).eps))
+
+    def exact(x: torch.Tensor, ref: torch.Tensor) -> bool:
+        return tuple(x.shape) == tuple(ref.shape) and torch.equal(x.to(torch.float64), ref.to(torch.float64))
+
+    return exact
+
+
+def _family(layout: Layout, legit: bool) -> str:
+    """The summary line's name of a layout: its kind, and a factor a correct run has named for what it is."""
+    if layout.kind is LayoutKind.PARTIAL:
+        if layout.factor == 1:
+            return "partial (a sum)"
+        if layout.factor == Fraction(1, layout.world):
+            return "partial (a per-rank mean)"
+        return f"partial at {_times(layout)}x"
+    text = f"sharded on dim {layout.dim}" if layout.kind is LayoutKind.SHARDED else "replicated"
+    if layout.factor == 1:
+        return text
+    return f"{text} (of a per-rank mean)" if legit and layout.factor == Fraction(1, layout.world) else \
+        f"{text} at {_times(layout)}x"
+
+
+def _times(layout: Layout) -> str:
+    f = 1 / layout.factor
+    return str(f.numerator) if f.denominator == 1 else f"{f.numerator}/{f.denominator}"
+
+
+def _legit_factors(layout: Layout, phase: str | None, loss: Fraction | None) -> tuple[Fraction, ...]:
+    """The factors a correct parallel run has: 1; 1/world for a per-rank mean in the forward (a partial value: the
+    loss of a rank's slice of the batch); and in the backward the factor of the loss it differentiates (``loss``:
+    each rank's gradients are of its own loss, 1/world of the reference's in sum when that is a per-rank mean), until
+    the gradients' all-reduce divides by the world size."""
+    if phase == "backward":
+        return (Fraction(1),) if loss is None or loss == 1 else (Fraction(1), loss)
+    if layout.kind is LayoutKind.PARTIAL and phase != "optimizer":
+        return Fraction(1), Fraction(1, layout.world)
+    return (Fraction(1),)
+
+
+def _rel_l2(layout: Layout, parts: list[torch.Tensor], ref: torch.Tensor) -> float:
+    m = layout.mapped(parts) if layout.kind is not LayoutKind.REPLICATED else \
+        parts[0].to(torch.float64) * float(layout.factor)
+    b = ref.to(torch.float64)
+    keep = torch.isfinite(m) & torch.isfinite(b)
+    den = float(torch.linalg.vector_norm(b[keep]))
+    num = float(torch.linalg.vector_norm((m - b)[keep]))
+    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+class _Side:
+    """One rank's recorded ops and their alignment keys, read once."""
+
+    def __init__(self, trace: RankTrace) -> None:
+        self.trace = trace
+        self.ops: dict[int, OpRecord] = {}
+        self.keys: list[OpKeys] = []
+        for op in trace:
+            self.ops[op.index] = op
+            self.keys.append(op_keys(op))
+
+
+def diff_parallel(ref: RankTrace, targets: list[RankTrace],
+                  progress: Callable[[int], None] | None = None) -> ParallelDiff:
+    """Map every rank of ``targets`` (rank order, world size ``len(targets)``) onto the single-process ``ref``."""
+    world = len(targets)
+    r_side = _Side(ref)
+    t_sides = [_Side(t) for t in targets]
+    maps = []
+    out = ParallelDiff(world, len(r_side.keys), 0, 0)
+    for side in t_sides:
+        al = align(r_side.keys, side.keys)
+        m = _follow_data(ref, r_side, side, dict(al.pairs))
+        maps.append(m)
+        mine = set(m.values())
+        out.layout_ops.update(op.name for j, op in side.ops.items() if j not in mine and not aten.is_marker(op.name))
+    departed: set[int] = set()  # reference ops that part from the reference, the first and what inherits it
+    seen_inputs: set = set()
+    first: tuple[MappedOp, Mapped, Departure, str] | None = None
+    inherited = 0
+    # The factor of the loss the backward differentiates: that of the last partial value the forward made before
+    # it (a per-rank mean: 1/world; a summed loss: 1); none (a loss every rank computes whole): 1. Not simply the
+    # last forward value: backward() makes the gradient's seed (ones_like) first, recorded in the forward.
+    last_forward: Fraction | None = None
+    loss: Fraction | None = None
+    in_backward = False
+    for n, i in enumerate(sorted(r_side.ops)):
+        if progress is not None and n % 64 == 63:
+            progress(64)
+        if not all(i in m for m in maps):
+            out.not_aligned.append(i)
+            continue
+        out.aligned += 1
+        rop = r_side.ops[i]
+        tops = [t_sides[r].ops[maps[r][i]] for r in range(world)]
+        if aten.is_random(rop.name):
+            out.random_ops += 1
+            departed.add(i)  # its draws are each rank's own: what reads them is judged only if it maps anyway
+            continue
+        producers = ref.producers(i)
+        from_departed = [p for p in producers.values() if p is not None and p in departed]
+        tensors: list[Mapped] = []
+        # the step's inputs this op reads first (parameters, the batch): each storage once
+        r_ins, t_ins = rop.inputs(), [t.inputs() for t in tops]
+        for pos, rref in enumerate(r_ins):
+            if producers.get(pos) is not None or rref.version in seen_inputs:
+                continue
+            if any(pos >= len(ti) or targets[r].producers(tops[r].index).get(pos) is not None
+                   for r, ti in enumerate(t_ins)):
+                continue  # on some rank the op reads what a rank's own op made (a slice of the batch, a copy)
+            seen_inputs.add(rref.version)
+            m = _map(ref, targets, rref, [ti[pos] for ti in t_ins], "in", pos)
+            if m is not None:
+                tensors.append(m)
+        r_outs, t_outs = rop.outputs_refs(), [t.outputs_refs() for t in tops]
+        for pos, rref in enumerate(r_outs):
+            if any(pos >= len(to) for to in t_outs):
+                continue
+            m = _map(ref, targets, rref, [to[pos] for to in t_outs], "out", pos)
+            if m is not None:
+                tensors.append(m)
+        fwd = r_side.ops.get(rop.forward_index) if rop.phase == "backward" and rop.forward_index is not None else None
+        mop = MappedOp(i, tuple(t.index for t in tops), rop.name, rop.module, rop.phase,
+                       fwd.source if fwd is not None and fwd.source else rop.source, tuple(tensors))
+        out.ops.append(mop)
+        if not tensors:
+            if r_outs and not any(r.stored for r in r_outs):
+                out.not_stored += 1
+            continue
+        out.compared += 1
+        if rop.phase == "backward" and not in_backward:
+            in_backward, loss = True, last_forward
+        elif rop.phase == "forward":
+            in_backward = False
+            outs = [m.layout for m in tensors if m.kind == "out" and m.layout is not None
+                    and m.layout.kind is LayoutKind.PARTIAL]
+            if outs:
+                last_forward = outs[-1].factor
+        bad = [m for m in tensors if m.layout is None or m.layout.factor not in _legit_factors(
+            m.layout, rop.phase if m.kind == "out" else None, loss)]
+        for m in tensors:
+            if m.layout is not None and m.kind == "out":
+                out.families.setdefault(rop.phase or "?", Counter())[_family(m.layout, m not in bad)] += 1
+            if m.error is not None and m.layout is not None and m not in bad:
+                out.worst = max(out.worst, m.error)
+        if not bad:
+            continue
+        departed.add(i)
+        if first is not None or from_departed:
+            inherited += first is not None
+            continue
+        m = bad[0]
+        partial_in = _partial_input(r_side, producers, out.ops)
+        if m.kind == "in" and m.offsets is None:
+            kind, why = Departure.INPUTS, _why_inputs(m)
+        elif m.layout is not None:
+            kind, why = Departure.SCALED, _why_scaled(m.layout, _legit_factors(m.layout, rop.phase, loss))
+        elif partial_in is not None:
+            kind, why = Departure.UNREDUCED, (
+                f"input {partial_in[0]} holds partial sums over {world} ranks (the reference is their "
+                f"{'average' if partial_in[1].factor != 1 else 'sum'}, made by #{partial_in[2]}) and is used without "
+                f"a reduction: an all-reduce is missing before this op")
+        elif m.offsets is not None:
+            dim, at = m.offsets
+            kind, why = Departure.SHARD_OFFSET, (
+                f"{'input' if m.kind == 'in' else 'output'} {m.position} ({m.describe}): each rank holds a slice of the "
+                f"reference on dim {dim}, at offsets {', '.join(f'rank {r}: {o}' for r, o in enumerate(at))}, not in "
+                f"rank order: a shard taken at the wrong offset")
+        elif m.off and len(m.off) < world:
+            held = [r for r in range(world) if r not in m.off]
+            kind, why = Departure.NO_LAYOUT, (
+                f"output {m.position} ({m.describe}): rank{'s' if len(held) > 1 else ''} "
+                f"{', '.join(map(str, held))} hold{'s' if len(held) == 1 else ''} the reference's value, rank"
+                f"{'s' if len(m.off) > 1 else ''} {', '.join(map(str, m.off))} "
+                f"{'do' if len(m.off) > 1 else 'does'} not: this op went wrong there")
+        else:
+            kind, why = Departure.NO_LAYOUT, (
+                f"output {m.position} ({m.describe}) maps onto the reference's under no layout (replicated, sharded "
+                f"on a dimension, or partial over {world} ranks, at any simple factor): the ranks compute something "
+                f"else here (per-rank statistics that should be global, a shard at the wrong offset, a different "
+                f"input)")
+        behind = _collective_behind(t_sides[0], maps[0], tops[0].index)
+        if behind is not None and kind in (Departure.SCALED, Departure.NO_LAYOUT):
+            why += f"; on the ranks it reads what {behind[1]} (#{behind[0]} on rank 0) made, which the single " \
+                   f"process does not run"
+        first = (mop, m, kind, why)
+    if progress is not None:
+        progress(len(r_side.ops) % 64)
+    if first is not None:
+        out.departure = ParallelDeparture(first[0], first[1], first[2], first[3], inherited)
+    return out
+
+
+def _follow_data(ref: RankTrace, r_side: _Side, side: _Side, pairs: dict[int, int]) -> dict[int, int]:
+    """The alignment corrected by the data flow: when the op a rank's counterpart of reference op ``c`` reads an
+    input from is not the counterpart of the reference's producer of that input, but an op of the same name the
+    rank runs on its own, that op is the counterpart. A rank that splits the batch into every rank's piece
+    (``tensor_split(x, world)[rank]``) runs one slice per rank; the one it reads is its counterpart of the single
+    process's slice, which the alignment by position alone pairs with the first."""
+    taken = set(pairs.values())
+    for c in sorted(pairs):
+        rp = ref.producers(c)
+        tp = side.trace.producers(pairs[c])
+        for pos, p in rp.items():
+            q = tp.get(pos)
+            if p is None or q is None or p not in pairs or pairs[p] == q or q in taken:
+                continue
+            if side.ops.get(q) is None or side.ops[q].name != r_side.ops[p].name:
+                continue
+            taken.discard(pairs[p])
+            pairs[p] = q
+            taken.add(q)
+    return pairs
+
+
+def _map(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs: list[TensorRef], kind: str,
+         pos: int) -> Mapped | None:
+    """How the ranks hold one tensor of an aligned op; None when it cannot be compared (no data, uninitialised)."""
+    if not rref.stored or rref.meta or rref.uninitialised or not all(t.stored and not t.meta for t in trefs):
+        return None
+    r = ref.tensor(rref)
+    parts = [targets[k].tensor(t) for k, t in enumerate(trefs)]
+    layout = infer_layout(r, parts, close_for(r.dtype))
+    eps = torch.finfo(r.dtype).eps if r.dtype.is_floating_point else 1.0
+    error = None if layout is None else _rel_l2(layout, parts, r) / eps
+    off: tuple[int, ...] = ()
+    offsets = None
+    if layout is None:
+        close = close_for(r.dtype)
+        if all(tuple(p.shape) == tuple(r.shape) for p in parts):
+            off = tuple(k for k, p in enumerate(parts) if not close(p.to(torch.float64), r))
+        found = shard_offsets(r, parts, close)
+        offsets = None if found is None else (found[0], tuple(found[1]))
+    return Mapped(kind, pos, rref.describe(), layout, error, off, offsets)
+
+
+def _collective_behind(side: _Side, aligned: dict[int, int], index: int, limit: int = 32) -> tuple[int, str] | None:
+    """The nearest collective a rank's op reads from through ops the single process does not run (its inputs'
+    producers, walked back while they are the rank's own ops)."""
+    mine = set(side.ops) - set(aligned.values())
+    todo, seen = [index], {index}
+    while todo and len(seen) <= limit:
+        i = todo.pop(0)
+        for p in side.trace.producers(i).values():
+            if p is None or p in seen or p not in mine:
+                continue
+            if aten.is_collective(side.ops[p].name):
+                return p, side.ops[p].name
+            seen.add(p)
+            todo.append(p)
+    return None
+
+
+def _partial_input(ref: _Side, producers: dict[int, int | None],
+                   done: list[MappedOp]) -> tuple[int, Layout, int] | None:
+    """The first input of an op that a partial output of an earlier aligned op feeds: (position, layout, op)."""
+    by_ref = {m.ref: m for m in done[-256:]}  # producers are near: the op that made an input is seldom far back
+    for pos, p in sorted(producers.items()):
+        if p is None or p not in by_ref:
+            continue
+        for t in by_ref[p].tensors:
+            if t.kind == "out" and t.layout is not None and t.layout.kind is LayoutKind.PARTIAL:
+                return pos, t.layout, p
+    return None
+
+
+def _why_scaled(layout: Layout, legit: tuple[Fraction, ...]) -> str:
+    right = min(legit, key=lambda f: abs(math.log(f / layout.factor)))
+    times = right / layout.factor
+    scale = str(times) if times.denominator == 1 else f"{times.numerator}/{times.denominator}"
+    return (f"{layout.describe()}: {scale}x what a correct parallel run holds here (a scale applied on every rank "
+            f"that the single process does not apply: a loss or gradient scaled by the world size twice, or not "
+            f"at all)")
+
+
+def _why_inputs(m: Mapped) -> str:
+    at = "" if m.layout is None else f" ({m.layout.describe()})"
+    return (f"input {m.position} ({m.describe}) comes from outside the step and maps onto the reference's under no "
+            f"layout at factor 1{at}: the runs began apart (initial weights, seed, or not the same global batch)")

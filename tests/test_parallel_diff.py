@@ -1,0 +1,227 @@
+"""A parallel run diffed against the single-process run of the same script: correct data- and tensor-parallel steps
+agree (exit 0), and a parallelism bug planted in the training script (not in the tool) is named at the op and line
+that brings it in.
+
+One script holds every variant; each process records all of them, so one plain run (world size 1, the reference)
+and one torchrun launch per world size make every trace. The lines the departures name are read from the script,
+never written down.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from replaydiff.cli.main import main
+from replaydiff.diff import diff_traces
+from replaydiff.diff.parallel import Departure
+
+pytestmark = pytest.mark.slow
+
+STEPS = r'''
+"""Variants of one training step at any world size; world size 1 is the single-process reference."""
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import replaydiff
+
+out, modes = Path(sys.argv[1]), sys.argv[2].split(",")
+world = int(os.environ.get("WORLD_SIZE", "1"))
+rank = int(os.environ.get("RANK", "0"))
+if world > 1:
+    dist.init_process_group("gloo")
+
+
+class AllReduce(torch.autograd.Function):
+    """Sum over the ranks in forward, the gradient passed through (a row-parallel layer's reduction)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        if world > 1:
+            dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def batch(rows):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(rows, 6, generator=g), torch.randn(rows, 3, generator=g)
+
+
+def data_parallel(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = batch(7 if mode.startswith("uneven") else 8)
+    if mode == "ddp" and world > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    with replaydiff.record(out / mode):
+        xs, ys = torch.tensor_split(x, world)[rank], torch.tensor_split(y, world)[rank]
+        if mode == "uneven_sum":  # the right way with uneven shards: each rank's sum over the global count
+            loss = F.mse_loss(model(xs), ys, reduction="sum") / y.numel()
+        else:
+            loss = F.mse_loss(model(xs), ys)
+        if mode == "double":
+            loss = loss * world  # BUG: the gradients are averaged below as well
+        loss.backward()
+        if mode != "ddp":
+            for p in model.parameters():
+                if world > 1:
+                    dist.all_reduce(p.grad)
+                if mode != "uneven_sum":
+                    p.grad /= world
+        opt.step()
+
+
+def tensor_parallel(mode):
+    """Each rank holds its shards as parameters, as tensor parallelism does: the first Linear's rows (column
+    parallel), the second's columns (row parallel), whose partial sums an all-reduce adds up."""
+    torch.manual_seed(0)
+    w1, b1 = torch.randn(8, 6) * 0.3, torch.randn(8) * 0.1
+    w2, b2 = torch.randn(3, 8) * 0.3, torch.randn(3) * 0.1
+    h = 8 // world
+    mine = (rank + 1) % world if mode == "tp_offset" else rank  # BUG in tp_offset: another rank's shard of w1
+    params = [w1[mine * h:(mine + 1) * h].clone(), b1[rank * h:(rank + 1) * h].clone(),
+              w2[:, rank * h:(rank + 1) * h].clone(), b2.clone()]
+    c1, cb, r2, b2 = [p.requires_grad_() for p in params]
+    opt = torch.optim.SGD(params, lr=0.1)
+    x, y = batch(8)
+    with replaydiff.record(out / mode):
+        a = F.gelu(F.linear(x, c1, cb))
+        part = a @ r2.t()
+        if mode == "tp_nn":
+            part = torch.distributed.nn.functional.all_reduce(part) if world > 1 else part  # BUG: backward too
+        elif mode != "tp_noreduce":  # BUG in tp_noreduce: the partial sums used as they are
+            part = AllReduce.apply(part)
+        loss = F.mse_loss(part + b2, y)
+        loss.backward()
+        opt.step()
+
+
+for mode in modes:
+    (tensor_parallel if mode.startswith("tp") else data_parallel)(mode)
+if world > 1:
+    dist.barrier()  # gloo aborts a rank that destroys its group while another still talks to it
+    dist.destroy_process_group()
+'''
+DP_MODES = ["manual", "ddp", "double", "uneven_sum", "uneven_mean"]
+TP_MODES = ["tp", "tp_noreduce", "tp_nn", "tp_offset"]
+
+
+def _run(script: Path, out: Path, world: int, modes: list[str]) -> None:
+    cmd = [sys.executable, str(script), str(out), ",".join(modes)]
+    if world > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)] + cmd[1:]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[int, Path]:
+    """The traces of every variant: {world size: directory holding one trace per variant}."""
+    root = tmp_path_factory.mktemp("parallel")
+    script = root / "steps.py"
+    script.write_text(STEPS)
+    dirs = {w: root / f"world{w}" for w in (1, 2, 4)}
+    _run(script, dirs[1], 1, DP_MODES + TP_MODES)
+    _run(script, dirs[2], 2, DP_MODES + TP_MODES)
+    _run(script, dirs[4], 4, ["manual", "uneven_sum", "double"])
+    return dirs
+
+
+def _line(marker: str) -> int:
+    """The script's line number of the line holding ``marker``."""
+    return next(n for n, line in enumerate(STEPS.splitlines(), 1) if marker in line)
+
+
+@pytest.mark.parametrize("world,mode", [(2, "manual"), (2, "ddp"), (2, "uneven_sum"), (2, "tp"), (4, "manual"),
+                                        (4, "uneven_sum")])
+def test_a_correct_parallel_run_agrees_with_the_single_process(runs, world, mode, capsys):
+    ref, target = runs[1] / mode, runs[world] / mode
+    report = diff_traces(ref, target)
+    pd = report.parallel
+    assert pd is not None and pd.world == world and pd.departure is None, pd.departure
+    assert pd.aligned == pd.ref_ops and not pd.not_aligned  # every op of the single process is run by every rank
+    assert pd.compared >= pd.aligned - 3  # all but what holds no tensor (profiler markers, the loss's seed)
+    assert not report.found_difference
+    capsys.readouterr()
+    assert main(["diff", str(ref), str(target)]) == 0
+    text = capsys.readouterr().out
+    assert f"{world} ranks against one process" in text and "agree: every compared op maps" in text
+    assert "inputs of the step already differ" not in text and "structural differences" not in text
+
+
+def test_data_parallel_layouts_are_said_per_phase(runs, capsys):
+    capsys.readouterr()
+    main(["diff", str(runs[1] / "manual"), str(runs[2] / "manual")])
+    text = capsys.readouterr().out
+    assert "forward outputs:" in text and "sharded on dim 0" in text
+    assert "partial (a per-rank mean)" in text  # the loss, and the local gradients before their all-reduce
+    assert "optimizer outputs:" in text and "c10d.allreduce_.default" in text  # layout ops, not differences
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_loss_scaled_twice_is_named_at_its_line(runs, world):
+    pd = diff_traces(runs[1] / "double", runs[world] / "double").parallel
+    d = pd.departure
+    assert d is not None and d.kind is Departure.SCALED
+    assert d.op.name == "aten.mul.Tensor" and d.op.source.endswith(f"steps.py:{_line('BUG: the gradients')}")
+    assert f"{world}x what a correct parallel run holds here" in d.why
+
+
+def test_a_per_rank_mean_over_uneven_shards_is_named_at_the_loss(runs):
+    d = diff_traces(runs[1] / "uneven_mean", runs[2] / "uneven_mean").parallel.departure
+    assert d is not None and d.kind is Departure.NO_LAYOUT
+    assert d.op.name == "aten.mse_loss.default"
+    assert d.op.source.endswith(f"steps.py:{_line('loss = F.mse_loss(model(xs), ys)')}")
+
+
+def test_partial_sums_used_without_their_all_reduce_are_named(runs):
+    d = diff_traces(runs[1] / "tp_noreduce", runs[2] / "tp_noreduce").parallel.departure
+    assert d is not None and d.kind is Departure.UNREDUCED
+    assert d.op.source.endswith(f"steps.py:{_line('loss = F.mse_loss(part + b2, y)')}")
+    assert "used without a reduction" in d.why
+
+
+def test_a_gradient_all_reduced_in_backward_too_is_named_with_the_collective(runs):
+    d = diff_traces(runs[1] / "tp_nn", runs[2] / "tp_nn").parallel.departure
+    assert d is not None and d.kind is Departure.SCALED and d.op.phase == "backward"
+    assert "2x what a correct parallel run holds here" in d.why and "c10d.allreduce_" in d.why
+
+
+def test_a_shard_taken_at_the_wrong_offset_is_named_at_the_slice(runs):
+    d = diff_traces(runs[1] / "tp_offset", runs[2] / "tp_offset").parallel.departure
+    assert d is not None and d.kind is Departure.SHARD_OFFSET
+    assert d.op.source.endswith(f"steps.py:{_line('a = F.gelu(F.linear(x, c1, cb))')}")
+    assert "rank 0: 4, rank 1: 0" in d.why
+
+
+def test_the_json_report_carries_the_mapping(runs, tmp_path):
+    out = tmp_path / "d.json"
+    assert main(["diff", str(runs[1] / "double"), str(runs[2] / "double"), "--json", str(out)]) == 1
+    import json
+
+    doc = json.loads(out.read_text())["parallel"]
+    assert doc["world"] == 2 and doc["departure"]["kind"] == "scaled"
+    assert doc["departure"]["tensor"]["layout"]["kind"] == "partial"
+
+
+def test_rank_picks_one_rank_op_by_op_without_mapping(runs):
+    report = diff_traces(runs[1] / "manual", runs[2] / "manual", options=None)
+    assert report.parallel is not None
+    from replaydiff.diff import DiffOptions
+
+    one = diff_traces(runs[1] / "manual", runs[2] / "manual", DiffOptions(rank=1))
+    assert one.parallel is None and [rd.target_rank for rd in one.ranks] == [1]
