@@ -225,3 +225,46 @@ def test_nan_planted_in_t5_is_still_named_at_the_op_that_made_it(t5_trace, tmp_p
     assert doc["nonfinite_origin"]["index"] == index
     assert _nonfinite_row(md).startswith(f"| NaN/Inf origin | #{index} {name}; made and discarded: #{logs[0]} ")
     assert _nonfinite_row(md).endswith("| none | FAIL |")
+
+
+# -- the TUI -----------------------------------------------------------------------------------------------------------
+def test_tui_jumps_to_the_kept_nan_and_shows_the_discarded_one_as_information(tmp_path):
+    """``e`` goes to the origin of NaN the step keeps, past a log(0) selected away earlier; that op's detail pane
+    says made and discarded, with no NaN/Inf origin line."""
+    import asyncio
+
+    import replaydiff
+    from replaydiff.tui.app import ReplaydiffApp
+
+    w = torch.nn.Parameter(torch.randn(4))
+    x = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    with record(tmp_path / "t"):
+        feats = torch.where(x > 0, torch.log(x), torch.zeros_like(x))
+        (w * feats).sum().add(torch.sqrt(w - 10.0).sum()).backward()
+    ops = rh.trace_ops(tmp_path / "t")
+    log = next(op for op in ops if op.name == "aten.log.default")
+    sqrt = next(op for op in ops if op.name == "aten.sqrt.default")
+    report = rh.replay(tmp_path / "t")
+    assert report.nonfinite_origin.index == sqrt.index
+
+    async def run() -> None:
+        app = ReplaydiffApp(replaydiff.open_trace(tmp_path / "t"), report=report)
+
+        async def settle() -> None:  # the detail pane is filled by a worker
+            await pilot.pause()
+            await app.workers_done()
+            await pilot.pause()
+
+        async with app.run_test(size=(120, 36)) as pilot:
+            await settle()
+            await pilot.press("e")
+            await settle()
+            assert app.selected_op == sqrt.index
+            assert "NaN/Inf origin" in app.main.detail.text
+            app.action_goto(log.index)
+            await settle()
+            assert app.selected_op == log.index
+            text = app.main.detail.text
+            assert "NaN/Inf made and discarded" in text and "NaN/Inf origin" not in text
+
+    asyncio.run(run())

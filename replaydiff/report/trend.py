@@ -27,7 +27,7 @@ import math
 import shlex
 from dataclasses import dataclass, field, replace
 from statistics import median
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 from replaydiff import aten
 from replaydiff.replay.flow import follow_nonfinite, stats_slots
@@ -253,11 +253,19 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
             own.setdefault((module, "grad"), {})[step] = p
     if not steps:
         raise _why_no_trend(r, stepped, matched, module_glob, modules)
-    first: Change | None = None
-    for (phase, module, name, *_), points in positions.items():
-        c = _first_change(points, phase, module, window, threshold, lambda i: _kept(r, i))
-        if c is not None and (first is None or (c.step, c.index) < (first.step, first.index)):
-            first = c
+    # NaN/Inf appearing that no op keeps are no change: the earliest change is followed forward, and if its NaN/Inf
+    # are discarded they are left out and the earliest is sought again (one walk per discarded candidate, not one per
+    # series: a NaN that spreads through the step shows in every series).
+    discarded_at: set[int] = set()
+    while True:
+        first = None
+        for (phase, module, name, *_), points in positions.items():
+            c = _first_change(points, phase, module, window, threshold, discarded_at)
+            if c is not None and (first is None or (c.step, c.index) < (first.step, first.index)):
+                first = c
+        if first is None or first.statistic not in ("nan", "inf") or _kept(r, first.index):
+            break
+        discarded_at.add(first.index)
     if first is not None and first.index in parameters:
         first = replace(first, parameter=parameters[first.index])
     if birth is not None and (first is None or (birth.step, birth.index) <= (first.step, first.index)):
@@ -350,15 +358,14 @@ def score_point(p: dict[str, float], past: list[dict[str, float]], threshold: fl
 
 
 def _first_change(points: list, phase: str | None, module: str | None, window: int,
-                  threshold: float, kept: Callable[[int], bool] = lambda i: True) -> Change | None:
-    """The first point of an op position's series that changes suddenly; NaN/Inf appearing count only where the
-    step keeps them (``kept``: they reach the loss, a gradient, a parameter or an output, see ``_kept``)."""
+                  threshold: float, discarded_at: set[int] | frozenset[int] = frozenset()) -> Change | None:
+    """The first point of an op position's series that changes suddenly; the NaN/Inf of the ops in
+    ``discarded_at`` (selected away, see ``_kept``) do not count."""
     for j in range(1, len(points)):
         step, index, name, p = points[j]
+        if index in discarded_at:
+            p = dict(p, nan=0, inf=0)
         hit = score_point(p, [q for *_, q in points[max(0, j - window):j]], threshold, jumps=j >= MIN_HISTORY)
-        if hit is not None and hit[0] in ("nan", "inf") and not kept(index):
-            hit = score_point(dict(p, nan=0, inf=0), [q for *_, q in points[max(0, j - window):j]], threshold,
-                              jumps=j >= MIN_HISTORY)
         if hit is not None:
             statistic, score, baseline = hit
             return Change(step, module, name, index, phase, statistic, score, p[statistic], baseline)
