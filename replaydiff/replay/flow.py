@@ -25,7 +25,7 @@ import torch
 
 from replaydiff import aten
 from replaydiff.trace.reader import RankTrace
-from replaydiff.trace.schema import OpRecord, TensorRef, iter_refs
+from replaydiff.trace.schema import OpRecord, TensorRef
 
 # Ops visited by one walk before it gives up and counts the values as kept: a NaN that reaches the loss is found
 # within the forward pass; discarded values end within a few ops.

@@ -17,7 +17,8 @@ judged), ``data_left_out`` (only when the recording left the op's tensor data ou
 the op is skipped), ``nonfinite_input`` (only when an input already held NaN/Inf that came from outside the trace
 or from an op whose data was left out: ``position``, ``nan``, ``inf``, ``producer`` (null: outside the trace),
 ``producer_op``), ``nonfinite_origin`` (true when it made NaN/Inf from finite inputs), ``nonfinite_discarded_by``
-(only when the NaN/Inf it made or let in are discarded: the ops that end them), ``reason`` (why it is divergent, skipped or, within its limits despite a large error, ok)),
+(only when the NaN/Inf it made or let in are discarded: the ops that end them), ``reason`` (why it is divergent,
+skipped or, within its limits despite a large error, ok)),
 ``first_divergent_per_rank`` (each rank's earliest divergent op) and ``undecided`` (ranks and op
 numbers of candidates that no collective orders against ``first_divergent``), ``replicas`` (null, or where
 data-parallel replicas first stop agreeing: ``rank``, ``index``, ``other_rank``, ``other_index``, ``op``, ``what``).

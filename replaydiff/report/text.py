@@ -28,7 +28,7 @@ def op_line(r: OpResult) -> str:
 
 def nonfinite_entry_line(r: OpResult, held: NonfiniteInput, ended: str | None = None) -> str:
     """Where NaN/Inf that no replayed op made come into the step: the op, its input, and where that was written.
-    ``ended``: they are discarded, and this names the ops that end them (``discarded_line``)."""
+    ``ended``: they are discarded, and this says where they end (``ended_by``)."""
     whence = "from outside the trace" if held.producer is None else \
         f"from op #{held.producer} {held.producer_op}, which was not replayed (its data left out)"
     where = ", ".join(x for x in (r.module or "no module", r.phase) if x)
@@ -51,7 +51,7 @@ def ended_by(report: ReplayReport, r: OpResult, most: int = 3) -> str:
     listed = ", ".join(f"#{i} {names[i]}" if i in names else f"#{i}" for i in ops[:most])
     more = f" and {len(ops) - most} more" if len(ops) > most else ""
     return f"followed forward, they end at {listed}{more} (finite output), {_NEVER_KEPT}" if ops else \
-        f"no op reads them, {_NEVER_KEPT}"
+        f"no op keeps them, {_NEVER_KEPT}"
 
 
 def discarded_lines(report: ReplayReport) -> list[str]:
