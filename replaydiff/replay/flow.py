@@ -103,15 +103,38 @@ def _same_view(op: OpRecord) -> bool:
     return bool(outs) and all(r.geometry in ins for r in outs)
 
 
-def follow_nonfinite(trace: RankTrace, start: int, nonfinite_slots: NonfiniteSlots) -> Flow:
+def remembered(nonfinite_slots: NonfiniteSlots) -> NonfiniteSlots:
+    """``nonfinite_slots`` reading each op's outputs once: walks from several ops of one trace (every op that reads a
+    NaN parameter lets it in) cross the same readers."""
+    memo: dict[int, set[int] | None] = {}
+
+    def slots(op: OpRecord) -> set[int] | None:
+        if op.index not in memo:
+            memo[op.index] = nonfinite_slots(op)
+        return memo[op.index]
+    return slots
+
+
+def follow_nonfinite(trace: RankTrace, start: int, nonfinite_slots: NonfiniteSlots,
+                     kept: set[int] | None = None) -> Flow:
     """Follow the NaN/Inf in op ``start``'s recorded outputs forward to an output that leaves the step, or to the ops
-    that end them (see the module docstring)."""
+    that end them (see the module docstring). ``kept``: ops whose NaN/Inf earlier walks over the same trace found
+    kept; a walk that reaches one stops there, and adds the ops on its own way to what it found kept."""
     first = nonfinite_slots(trace[start])
     if not first:
         return Flow(start)  # none to follow (or the trace cannot tell): nothing shows them discarded
     frontier: list[tuple[int, frozenset[int]]] = [(start, frozenset(first))]
-    seen = {start}
+    came_from: dict[int, int | None] = {start: None}
     ended: list[int] = []
+
+    def found(at: int) -> Flow:
+        if kept is not None:
+            step: int | None = at
+            while step is not None:  # every op between start and ``at`` passes the NaN/Inf on to where they stay
+                kept.add(step)
+                step = came_from.get(step)
+        return Flow(at, tuple(sorted(ended)))
+
     while frontier:
         i, slots = heapq.heappop(frontier)
         readers = trace.consumers(i)
@@ -121,18 +144,20 @@ def follow_nonfinite(trace: RankTrace, start: int, nonfinite_slots: NonfiniteSlo
             computing = [(c, trace[c]) for c in readers.get(slot, []) if aten.reads_values(trace.index.name[c])]
             computing = [(c, reader) for c, reader in computing if not _same_view(reader)]
             if not computing:
-                return Flow(i, tuple(sorted(ended)))  # read by no op of the step: it leaves the step
+                return found(i)  # read by no op of the step: it leaves the step
             for c, reader in computing:
-                if c in seen:
+                if c in came_from:
                     continue
-                seen.add(c)
-                if len(seen) > MAX_VISITS:
-                    return Flow(c, tuple(sorted(ended)))
+                came_from[c] = i
+                if len(came_from) > MAX_VISITS:
+                    return found(c)
                 if _python_nonfinite(reader.outputs):
-                    return Flow(c, tuple(sorted(ended)))  # handed to Python: the user's code sees them
+                    return found(c)  # handed to Python: the user's code sees them
                 held = nonfinite_slots(reader)
                 if held is None:
-                    return Flow(c, tuple(sorted(ended)))
+                    return found(c)
+                if held and kept is not None and c in kept:
+                    return found(c)
                 if held:
                     heapq.heappush(frontier, (c, frozenset(held)))
                 else:

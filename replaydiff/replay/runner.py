@@ -27,7 +27,7 @@ from replaydiff.compare.verdict import Verdict, calibrated, judge, judge_measure
 from replaydiff.errors import TraceError
 from replaydiff.replay import references  # what to run instead of a kernel
 from replaydiff.replay.compared import compared_outputs
-from replaydiff.replay.flow import data_slots, follow_nonfinite
+from replaydiff.replay.flow import data_slots, follow_nonfinite, remembered
 from replaydiff.replay.notes import (Failed, FellBack, Judgement, LeftOut, Note, RepeatsDisagree, ReplayFact, Skipped,
                                      render, verdict_reason)
 from replaydiff.replay.policy import FALLBACKS, ReplayOptions, target_dtype
@@ -166,6 +166,10 @@ class OpReplayer:
         self.opts = options
         self.device = torch.device(options.device)
         self.shared = SharedBases()
+        # What following NaN/Inf forward (replay/flow.py) learnt, kept for the next op that makes or lets in some:
+        # each op's non-finite outputs, and the ops known to pass them on to where the step keeps them.
+        self._nonfinite_slots = remembered(data_slots(trace))
+        self._nonfinite_kept: set[int] = set()
 
     # -- one op -----------------------------------------------------------------------------------------------
     def replay(self, op: OpRecord) -> OpResult:
@@ -191,7 +195,7 @@ class OpReplayer:
                 origin = self._nonfinite_origin(op, produced=outputs_finite is False)
                 if origin[0] or origin[1] is not None:
                     # made or let in here: are they used, or selected away (T5's log(0) under a where)?
-                    flow = follow_nonfinite(self.trace, op.index, data_slots(self.trace))
+                    flow = follow_nonfinite(self.trace, op.index, self._nonfinite_slots, self._nonfinite_kept)
                     discarded_by = list(flow.ended_at) if flow.discarded else None
             except TraceError:
                 raise
