@@ -318,6 +318,18 @@ def reads_to_python(name: str) -> bool:
     return namespace(name) == "aten" and packet(name) in _TO_PYTHON_PACKETS
 
 
+# Factories that read only the shape, dtype and device of their tensor argument, never its values (the backward of a
+# loss starts with ``ones_like(loss)``): a NaN in that argument flows into no value they make.
+_SHAPE_ONLY_PACKETS = frozenset({"ones_like", "zeros_like", "full_like", "empty_like", "rand_like", "randn_like",
+                                 "randint_like", "new_ones", "new_zeros", "new_full", "new_empty", "new_empty_strided",
+                                 "sym_size", "sym_stride", "sym_numel", "sym_storage_offset"})
+
+
+def reads_values(name: str) -> bool:
+    """False for an op that reads only the shape of its tensor arguments (``ones_like``, ``new_zeros``...)."""
+    return not (namespace(name) == "aten" and packet(name) in _SHAPE_ONLY_PACKETS)
+
+
 _RANDOM: dict[str, bool] = {}
 
 

@@ -168,19 +168,28 @@ def test_nan_from_the_batch_is_named_where_it_enters_the_step(tmp_path, capsys, 
            f"the trace) | none | FAIL |" in capsys.readouterr().out
 
 
-def test_an_additive_mask_of_minus_inf_made_before_the_step_is_named_as_such(tmp_path, capsys):
-    """nn.Transformer's causal mask, made once before the steps: -inf comes in from outside on every healthy step.
-    The line says where, and that an additive mask does this by design; the replay is clean."""
+def test_an_additive_mask_of_minus_inf_made_before_the_step_is_let_in_and_discarded(tmp_path, capsys):
+    """nn.Transformer's causal mask, made once before the steps: -inf comes in from outside on every healthy step and
+    the softmax ends it. The line says where it enters and where it ends; no entry is reported, the replay is clean
+    and the health report passes its NaN/Inf row."""
     mask = torch.nn.Transformer.generate_square_subsequent_mask(4)
     q = torch.randn(4, 4, requires_grad=True)
     with record(tmp_path / "t"):
         (q @ q.t() + mask).softmax(-1).sum().backward()
-    add = next(op for op in rh.trace_ops(tmp_path / "t") if op.name == "aten.add.Tensor")
+    ops = rh.trace_ops(tmp_path / "t")
+    add = next(op for op in ops if op.name == "aten.add.Tensor")
+    softmax = next(op for op in ops if op.name == "aten._softmax.default")
+    report = rh.replay(tmp_path / "t")
+    assert report.nonfinite_entry is None and report.nonfinite_origin is None
+    assert [(r.index, r.nonfinite_discarded_by) for r in report.nonfinite_discarded] == [(add.index, [softmax.index])]
     capsys.readouterr()
-    assert main(["replay", str(tmp_path / "t")]) == 0
-    assert f"Inf enter the step from outside the trace: input 1 of op #{add.index} aten.add.Tensor (no module, " \
-           f"forward) already holds 6 Inf (an additive attention mask of -inf made before the step looks like this, " \
-           f"and is harmless there)" \
+    assert main(["replay", str(tmp_path / "t"), "--json", str(tmp_path / "r.json")]) == 0
+    assert f"Inf enter the step from outside the trace and are discarded: input 1 of op #{add.index} aten.add.Tensor " \
+           f"(no module, forward) already holds 6 Inf: followed forward, they end at #{softmax.index} " \
+           f"aten._softmax.default (finite output), so they reach no loss, gradient, parameter or output of the step " \
+           f"(information, not a fault)" in capsys.readouterr().out
+    main(["report", str(tmp_path / "t"), "--replay", str(tmp_path / "r.json")])
+    assert f"| NaN/Inf origin | none; let in and discarded: #{add.index} aten.add.Tensor | none | pass |" \
            in capsys.readouterr().out
 
 

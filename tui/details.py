@@ -167,6 +167,11 @@ def verdict_lines(result: RowResult | None) -> list[str]:
         lines.append(f"  [dim]{esc(result.reason)}[/]")
     if result.nonfinite_origin:
         lines.append("  [bold red]NaN/Inf origin[/]: finite inputs, non-finite recorded output")
+    ended = getattr(result.source, "nonfinite_discarded_by", None)
+    if ended is not None and getattr(result.source, "nonfinite_origin", False):
+        at = ", ".join(f"#{i}" for i in ended[:3]) + (" ..." if len(ended) > 3 else "")
+        lines.append(f"  [dim]NaN/Inf made and discarded: they end at {at} (finite output) and reach no loss, "
+                     f"gradient, parameter or output[/]")
     return lines
 
 

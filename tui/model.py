@@ -100,7 +100,9 @@ class RowResult:
         """The row of a replay's OpResult."""
         severity, error = verdict_figures(r)
         return cls(r.rank, r.index, row_status(r.status), severity, error, r.metrics, r.reason,  # type: ignore[arg-type]
-                   bool(r.nonfinite_origin), r, left_out=getattr(r, "data_left_out", None))
+                   # an origin of NaN/Inf the step keeps; made and discarded ones are information (details)
+                   bool(r.nonfinite_origin) and getattr(r, "nonfinite_discarded_by", None) is None, r,
+                   left_out=getattr(r, "data_left_out", None))
 
     @classmethod
     def of_pair(cls, rank: int, pair: Any, status: RowStatus, ref_rank: int) -> "RowResult":

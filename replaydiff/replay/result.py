@@ -65,6 +65,10 @@ class OpResult:
     nonfinite_origin: bool = False
     # NaN/Inf came into the op through this input from outside what replay computed (see NonfiniteInput).
     nonfinite_input: NonfiniteInput | None = None
+    # The NaN/Inf this op made (nonfinite_origin) or let in (nonfinite_input) reach no loss, gradient, parameter or
+    # output of the step: every op that reads them makes finite values (these ops; replay/flow.py). None: they do
+    # reach one (or the trace cannot tell), or the op made and let in none.
+    nonfinite_discarded_by: list[int] | None = None
     # A collective: not run alone, but checked across ranks once every rank's results are in (engine.finish).
     collective: bool = False
     # With --repeat N: the N runs of the op disagreed with each other (also for an op divergent anyway).
@@ -151,13 +155,24 @@ class ReplayReport:
 
     @property
     def nonfinite_origin(self) -> OpResult | None:
-        return next((r for r in self.ops if r.nonfinite_origin), None)
+        """The first op that made NaN/Inf from finite inputs that reach the loss, a gradient, a parameter or an
+        output of the step (made and discarded ones are ``nonfinite_discarded``)."""
+        return next((r for r in self.ops if r.nonfinite_origin and r.nonfinite_discarded_by is None), None)
+
+    @property
+    def nonfinite_discarded(self) -> list[OpResult]:
+        """Ops that made NaN/Inf from finite inputs, or let them into the step, that no op keeps: selected away (a
+        where, masked_fill, index, an additive -inf mask through softmax). Information, never a fault."""
+        return [r for r in self.ops if r.nonfinite_discarded_by is not None
+                and (r.nonfinite_origin or r.nonfinite_input is not None)]
 
     @property
     def nonfinite_entry(self) -> OpResult | None:
-        """The first op that read NaN/Inf from outside what replay computed (``OpResult.nonfinite_input``), when no
-        op made NaN/Inf from finite inputs before it: where they enter the step (None when an origin comes first)."""
-        entry = next((r for r in self.ops if r.nonfinite_input is not None), None)
+        """The first op that read NaN/Inf from outside what replay computed (``OpResult.nonfinite_input``) that reach
+        the loss, a gradient, a parameter or an output, when no op made such NaN/Inf from finite inputs before it:
+        where they enter the step (None when an origin comes first)."""
+        entry = next((r for r in self.ops if r.nonfinite_input is not None and r.nonfinite_discarded_by is None),
+                     None)
         origin = self.nonfinite_origin
         if entry is None or (origin is not None and (origin.rank, origin.index) < (entry.rank, entry.index)):
             return None

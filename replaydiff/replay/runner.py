@@ -27,6 +27,7 @@ from replaydiff.compare.verdict import Verdict, calibrated, judge, judge_measure
 from replaydiff.errors import TraceError
 from replaydiff.replay import references  # what to run instead of a kernel
 from replaydiff.replay.compared import compared_outputs
+from replaydiff.replay.flow import data_slots, follow_nonfinite, remembered
 from replaydiff.replay.notes import (Failed, FellBack, Judgement, LeftOut, Note, RepeatsDisagree, ReplayFact, Skipped,
                                      render, verdict_reason)
 from replaydiff.replay.policy import FALLBACKS, ReplayOptions, target_dtype
@@ -165,6 +166,10 @@ class OpReplayer:
         self.opts = options
         self.device = torch.device(options.device)
         self.shared = SharedBases()
+        # What following NaN/Inf forward (replay/flow.py) learnt, kept for the next op that makes or lets in some:
+        # each op's non-finite outputs, and the ops known to pass them on to where the step keeps them.
+        self._nonfinite_slots = remembered(data_slots(trace))
+        self._nonfinite_kept: set[int] = set()
 
     # -- one op -----------------------------------------------------------------------------------------------
     def replay(self, op: OpRecord) -> OpResult:
@@ -183,23 +188,29 @@ class OpReplayer:
         except Exception as exc:  # one failing op never stops the replay
             judgement = Judgement(Status.ERROR, notes=(Failed.of(exc),))
         origin: tuple[bool, NonfiniteInput | None] = (False, None)
+        discarded_by: list[int] | None = None
         if outputs_finite is not True:
             try:
                 # outputs_finite False: the replay saw the op produce NaN/Inf; None: it could not tell
                 origin = self._nonfinite_origin(op, produced=outputs_finite is False)
+                if origin[0] or origin[1] is not None:
+                    # made or let in here: are they used, or selected away (T5's log(0) under a where)?
+                    flow = follow_nonfinite(self.trace, op.index, self._nonfinite_slots, self._nonfinite_kept)
+                    discarded_by = list(flow.ended_at) if flow.discarded else None
             except TraceError:
                 raise
             except Exception:
                 pass  # the origin is a hint; the op's status already says what went wrong reading it
-        return self._result(op, judgement, *origin), pairs
+        return self._result(op, judgement, *origin, discarded_by), pairs
 
     def _result(self, op: OpRecord, j: Judgement, nonfinite_origin: bool,
-                nonfinite_input: NonfiniteInput | None = None) -> OpResult:
+                nonfinite_input: NonfiniteInput | None = None, discarded_by: list[int] | None = None) -> OpResult:
         """The one place an op's result is made: from its judgement, the notes written as its reason."""
         return OpResult(rank=self.trace.rank, index=op.index, op=op.name, status=j.status, module=op.module,
                         phase=op.phase, source=op.source, forward_index=op.forward_index, verdict=j.verdict,
                         reason=render(j.notes), nonfinite_origin=nonfinite_origin, nonfinite_input=nonfinite_input,
-                        collective=j.collective, repeats_disagree=j.repeats_disagree, data_left_out=op.data_left_out)
+                        nonfinite_discarded_by=discarded_by, collective=j.collective,
+                        repeats_disagree=j.repeats_disagree, data_left_out=op.data_left_out)
 
     def _replay(self, op: OpRecord) -> tuple[Judgement, Pairs, bool | None]:
         """Replay and judge the op: its judgement, the pairs compared and whether every output was finite."""

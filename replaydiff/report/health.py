@@ -127,18 +127,25 @@ def _modules(report: ReplayReport, errs: dict) -> list[ModuleRow]:
 
 
 def _nonfinite_check(report: ReplayReport) -> Check:
-    """The op that made NaN/Inf from finite inputs; where none did, the op they entered the step through (the
-    batch, a parameter: replay's nonfinite_entry). Inf alone entering passes: an additive -inf mask made before the
-    step is such an input by design."""
+    """The op that made NaN/Inf from finite inputs that reach the loss, a gradient, a parameter or an output of the
+    step; where none did, the op such NaN/Inf entered the step through (the batch, a parameter: replay's
+    nonfinite_entry). NaN/Inf the step makes or lets in and then selects away (T5's log(0) under a where, an additive
+    -inf mask through softmax) pass, and are named as made and discarded."""
     origin, entry = report.nonfinite_origin, report.nonfinite_entry
+    aside = ""
+    for how, ops in (("made", [r for r in report.nonfinite_discarded if r.nonfinite_origin]),
+                     ("let in", [r for r in report.nonfinite_discarded if not r.nonfinite_origin])):
+        if ops:
+            aside += f"; {how} and discarded: " + ", ".join(f"#{r.index} {r.op}" for r in ops[:3]) + \
+                (f" and {len(ops) - 3} more" if len(ops) > 3 else "")
     if origin is not None:
-        return Check("NaN/Inf origin", f"#{origin.index} {origin.op}", "none", False)
+        return Check("NaN/Inf origin", f"#{origin.index} {origin.op}{aside}", "none", False)
     held = entry.nonfinite_input if entry is not None else None
     if held is None:
-        return Check("NaN/Inf origin", "none", "none", True)
+        return Check("NaN/Inf origin", f"none{aside}", "none", True)
     whence = "outside the trace" if held.producer is None else f"op #{held.producer}, not replayed"
     return Check("NaN/Inf origin", f"none made; {held.counts()} enter through input {held.position} of "
-                                   f"#{entry.index} {entry.op} (from {whence})", "none", not held.nan)
+                                   f"#{entry.index} {entry.op} (from {whence}){aside}", "none", False)
 
 
 def _checks(trace: Trace, report: ReplayReport, errs: dict) -> list[Check]:

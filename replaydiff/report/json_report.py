@@ -6,15 +6,19 @@ Top level: ``format``, ``planted`` (faults planted while recording, one line per
 ``dtype``), ``summary``, ``outcome`` (found, not_run, no_effect, within_limit, not_checked, not_replayed) and
 ``note``),
 ``trace``, ``options``, ``warnings``, ``summary`` (count per status), ``first_divergent`` (null or an op object),
-``first_nondeterministic``, ``nonfinite_origin`` (the first op that made NaN/Inf from finite inputs),
-``nonfinite_entry`` (null, or, when no op made them before it, the first op that read NaN/Inf that no replayed op
-computed: its ``nonfinite_input`` says which input) and ``ops`` (one object per replayed op:
+``first_nondeterministic``, ``nonfinite_origin`` (the first op that made NaN/Inf from finite inputs that reach the
+loss, a gradient, a parameter or an output of the step), ``nonfinite_entry`` (null, or, when no op made such NaN/Inf
+before it, the first op that read NaN/Inf that no replayed op computed and that reach one: its ``nonfinite_input``
+says which input), ``nonfinite_discarded`` (the ops that made or let in NaN/Inf that every op reading them
+selected away: information, never a fault) and ``ops`` (one object per replayed op:
 ``rank``, ``index``, ``op``, ``status``, ``module``, ``phase``, ``source``, ``forward_index``, ``metrics``,
 ``severity`` (how far over its limit, in units of the limit: at most 1 within, over 1 divergent; null when not
 judged), ``data_left_out`` (only when the recording left the op's tensor data out: filtered, budget or disk full;
 the op is skipped), ``nonfinite_input`` (only when an input already held NaN/Inf that came from outside the trace
 or from an op whose data was left out: ``position``, ``nan``, ``inf``, ``producer`` (null: outside the trace),
-``producer_op``), ``reason`` (why it is divergent, skipped or, within its limits despite a large error, ok)),
+``producer_op``), ``nonfinite_origin`` (true when it made NaN/Inf from finite inputs), ``nonfinite_discarded_by``
+(only when the NaN/Inf it made or let in are discarded: the ops that end them), ``reason`` (why it is divergent,
+skipped or, within its limits despite a large error, ok)),
 ``first_divergent_per_rank`` (each rank's earliest divergent op) and ``undecided`` (ranks and op
 numbers of candidates that no collective orders against ``first_divergent``), ``replicas`` (null, or where
 data-parallel replicas first stop agreeing: ``rank``, ``index``, ``other_rank``, ``other_index``, ``op``, ``what``),
@@ -59,7 +63,10 @@ def op_json(r: OpResult | None) -> dict | None:
                    "forward_source": r.forward_source, "metrics": r.metrics, "severity": r.severity,
                    "reason": r.reason, **({"repeats_disagree": True} if r.repeats_disagree else {}),
                    **({"data_left_out": r.data_left_out} if r.data_left_out else {}),
-                   **({"nonfinite_input": dataclasses.asdict(r.nonfinite_input)} if r.nonfinite_input else {})})
+                   **({"nonfinite_origin": True} if r.nonfinite_origin else {}),
+                   **({"nonfinite_input": dataclasses.asdict(r.nonfinite_input)} if r.nonfinite_input else {}),
+                   **({"nonfinite_discarded_by": list(r.nonfinite_discarded_by)}
+                      if r.nonfinite_discarded_by is not None else {})})
 
 
 def report_to_json(report: ReplayReport) -> dict:
@@ -78,6 +85,7 @@ def report_to_json(report: ReplayReport) -> dict:
         "first_nondeterministic": op_json(report.first_nondeterministic),
         "nonfinite_origin": op_json(report.nonfinite_origin),
         "nonfinite_entry": op_json(report.nonfinite_entry),
+        "nonfinite_discarded": [op_json(r) for r in report.nonfinite_discarded],
         "missing_ops": [m.to_json() for m in report.missing],
         "ops": [op_json(r) for r in report.ops],
     }
@@ -107,8 +115,11 @@ def load_replay_json(path: str | Path) -> ReplayReport:
                                    verdict=verdict, reason=o.get("reason"),
                                    repeats_disagree=bool(o.get("repeats_disagree")),
                                    data_left_out=o.get("data_left_out"),
+                                   nonfinite_origin=o.get("nonfinite_origin") is True,
                                    nonfinite_input=NonfiniteInput(**o["nonfinite_input"])
-                                   if isinstance(o.get("nonfinite_input"), dict) else None))
+                                   if isinstance(o.get("nonfinite_input"), dict) else None,
+                                   nonfinite_discarded_by=[int(i) for i in o["nonfinite_discarded_by"]]
+                                   if isinstance(o.get("nonfinite_discarded_by"), list) else None))
     first = d.get("first_divergent")
     if first:
         report.culprit = (first["rank"], first["index"])

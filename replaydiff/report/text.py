@@ -27,18 +27,50 @@ def op_line(r: OpResult) -> str:
     return f"#{r.index} {r.op}  {where}".rstrip()
 
 
-def nonfinite_entry_line(r: OpResult, held: NonfiniteInput) -> str:
-    """Where NaN/Inf that no replayed op made come into the step: the op, its input, and where that was written."""
+def nonfinite_entry_line(r: OpResult, held: NonfiniteInput, ended: str | None = None) -> str:
+    """Where NaN/Inf that no replayed op made come into the step: the op, its input, and where that was written.
+    ``ended``: they are discarded, and this says where they end (``ended_by``)."""
     whence = "from outside the trace" if held.producer is None else \
         f"from op #{held.producer} {held.producer_op}, which was not replayed (its data left out)"
     where = ", ".join(x for x in (r.module or "no module", r.phase) if x)
     source = r.forward_source if (r.phase == "backward" and r.forward_source) else r.source
-    # Inf alone from outside is what an additive attention mask of -inf made once before the steps looks like
-    mask = " (an additive attention mask of -inf made before the step looks like this, and is harmless there)" \
-        if not held.nan else ""
     kinds = "NaN and Inf" if held.nan and held.inf else "NaN" if held.nan else "Inf"
-    return f"{kinds} enter the step {whence}: input {held.position} of op #{r.index} {r.op} ({where}) already " \
-           f"holds {held.counts()}{mask}" + (f"  {source}" if source else "")
+    fate = f": {ended}" if ended is not None else ""
+    return f"{kinds} enter the step {whence}{' and are discarded' if ended is not None else ''}: input " \
+           f"{held.position} of op #{r.index} {r.op} ({where}) already holds {held.counts()}{fate}" + \
+           (f"  {source}" if source else "")
+
+
+_NEVER_KEPT = "so they reach no loss, gradient, parameter or output of the step (information, not a fault)"
+
+
+def ended_by(report: ReplayReport, r: OpResult, most: int = 3) -> str:
+    """'followed forward, they end at #43 aten._to_copy.default (finite output), so ...' for an op whose NaN/Inf are
+    discarded (``OpResult.nonfinite_discarded_by``: the ops that read them and made only finite values)."""
+    names = {x.index: x.op for x in report.ops if x.rank == r.rank}
+    ops = r.nonfinite_discarded_by or []
+    listed = ", ".join(f"#{i} {names[i]}" if i in names else f"#{i}" for i in ops[:most])
+    more = f" and {len(ops) - most} more" if len(ops) > most else ""
+    return f"followed forward, they end at {listed}{more} (finite output), {_NEVER_KEPT}" if ops else \
+        f"no op keeps them, {_NEVER_KEPT}"
+
+
+def discarded_lines(report: ReplayReport) -> list[str]:
+    """NaN/Inf the step makes, or lets in, and then selects away (T5's log(0) under a where, an additive -inf mask
+    through softmax): one line for those made and one for those let in, naming the first of each."""
+    lines = []
+    made = [r for r in report.nonfinite_discarded if r.nonfinite_origin]
+    if made:
+        first, others = made[0], made[1:]
+        more = f"; {len(others)} more op(s) like it: " + ", ".join(f"#{r.index}" for r in others[:5]) + \
+            (" ..." if len(others) > 5 else "") if others else ""
+        lines.append(f"NaN/Inf made and discarded: {op_line(first)}: {ended_by(report, first)}{more}")
+    let_in = [r for r in report.nonfinite_discarded if not r.nonfinite_origin and r.nonfinite_input is not None]
+    if let_in:
+        first = let_in[0]
+        more = f" ({len(let_in) - 1} more op(s) read such inputs)" if len(let_in) > 1 else ""
+        lines.append(nonfinite_entry_line(first, first.nonfinite_input, ended_by(report, first)) + more)
+    return lines
 
 
 def planted_line(planted: list[str]) -> str:
@@ -149,3 +181,5 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
     entry = report.nonfinite_entry
     if entry is not None and entry.nonfinite_input is not None and not entry_said:  # they came in with an input
         out.write(nonfinite_entry_line(entry, entry.nonfinite_input) + "\n")
+    for line in discarded_lines(report):
+        out.write(line + "\n")

@@ -30,6 +30,7 @@ from statistics import median
 from typing import Any, TextIO
 
 from replaydiff import aten
+from replaydiff.replay.flow import follow_nonfinite, stats_slots
 from replaydiff.replay.result import nonfinite_counts
 from replaydiff.replay.runner import computed_by
 from replaydiff.trace import RankTrace
@@ -88,6 +89,9 @@ class Trend:
     module_glob: str | None
     ops_read: int
     cause: "Cause | None" = None
+    # The first op (after the first step) that made NaN/Inf from finite inputs which no op keeps: they reach no
+    # loss, gradient, parameter or output (a where over a log(0)). Said as information, never a change.
+    discarded: Change | None = None
 
     @property
     def zoom(self) -> "Zoom | None":
@@ -110,6 +114,7 @@ class Trend:
                 "threshold": self.threshold, "module": self.module_glob, "ops": self.ops_read,
                 "first_change": None if self.first_change is None else self.first_change.to_json(),
                 "cause": None if self.cause is None else self.cause.to_json(),
+                "nonfinite_discarded": None if self.discarded is None else self.discarded.to_json(),
                 "zoom": None if z is None else z.to_json(trace),
                 "next": None if z is None else z.commands(trace),
                 "series": [s.to_json() for s in self.series]}
@@ -203,6 +208,7 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
     parameters: dict[int, str | None] = {}  # module.param record number -> the parameter's name
     steps: list[int] = []
     birth: Change | None = None  # the first op that made NaN/Inf from finite inputs (after the first step)
+    discarded: Change | None = None  # the first that made NaN/Inf no op keeps (selected away): not a change
     current = None
     n = 0
     stepped = matched = 0  # ops with a step, and those of them the module filter keeps: why nothing is drawn
@@ -229,7 +235,10 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
         key = key_of[op.index] = position.key(op)
         points = positions.setdefault(key, [])
         if birth is None and step != steps[0] and _makes_nonfinite(op, p, [q for *_, q in points[-window:]]):
-            birth = _birth(op, p)
+            if _kept(r, op.index):
+                birth = _birth(op, p)
+            elif discarded is None:
+                discarded = _birth(op, p)
         points.append((step, op.index, op.name, p))
         if op.name == MODULE_PARAM:
             parameters[op.index] = str(op.args[0]) if op.args else None
@@ -244,11 +253,19 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
             own.setdefault((module, "grad"), {})[step] = p
     if not steps:
         raise _why_no_trend(r, stepped, matched, module_glob, modules)
-    first: Change | None = None
-    for (phase, module, name, *_), points in positions.items():
-        c = _first_change(points, phase, module, window, threshold)
-        if c is not None and (first is None or (c.step, c.index) < (first.step, first.index)):
-            first = c
+    # NaN/Inf appearing that no op keeps are no change: the earliest change is followed forward, and if its NaN/Inf
+    # are discarded they are left out and the earliest is sought again (one walk per discarded candidate, not one per
+    # series: a NaN that spreads through the step shows in every series).
+    discarded_at: set[int] = set()
+    while True:
+        first = None
+        for (phase, module, name, *_), points in positions.items():
+            c = _first_change(points, phase, module, window, threshold, discarded_at)
+            if c is not None and (first is None or (c.step, c.index) < (first.step, first.index)):
+                first = c
+        if first is None or first.statistic not in ("nan", "inf") or _kept(r, first.index):
+            break
+        discarded_at.add(first.index)
     if first is not None and first.index in parameters:
         first = replace(first, parameter=parameters[first.index])
     if birth is not None and (first is None or (birth.step, birth.index) <= (first.step, first.index)):
@@ -269,7 +286,7 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
             for name in STATISTICS:
                 s.values[name].append(None if p is None else p[name])
         series.append(s)
-    return Trend(r.rank, steps, series, first, window, threshold, module_glob, n, cause)
+    return Trend(r.rank, steps, series, first, window, threshold, module_glob, n, cause, discarded)
 
 
 def _nonfinite(p: dict[str, float]) -> bool:
@@ -283,6 +300,14 @@ def _makes_nonfinite(op: Any, p: dict[str, float], past: list[dict[str, float]])
     if not _nonfinite(p) or any(_nonfinite(q) for q in past):
         return False
     return not any(q is not None and _nonfinite(q) for q in map(ref_point, op.inputs()))
+
+
+def _kept(r: RankTrace, index: int) -> bool:
+    """Do the NaN/Inf in op ``index``'s outputs reach the loss, a gradient, a parameter or an output of the step,
+    followed forward by the statistics of the ops that read them (replay/flow.py)? NaN/Inf selected away (a where
+    over a log(0), an additive -inf mask through softmax) are made and discarded: no change. True when the trace
+    cannot tell."""
+    return not follow_nonfinite(r, index, stats_slots).discarded
 
 
 def _birth(op: Any, p: dict[str, float]) -> Change:
@@ -333,9 +358,13 @@ def score_point(p: dict[str, float], past: list[dict[str, float]], threshold: fl
 
 
 def _first_change(points: list, phase: str | None, module: str | None, window: int,
-                  threshold: float) -> Change | None:
+                  threshold: float, discarded_at: set[int] | frozenset[int] = frozenset()) -> Change | None:
+    """The first point of an op position's series that changes suddenly; the NaN/Inf of the ops in
+    ``discarded_at`` (selected away, see ``_kept``) do not count."""
     for j in range(1, len(points)):
         step, index, name, p = points[j]
+        if index in discarded_at:
+            p = dict(p, nan=0, inf=0)
         hit = score_point(p, [q for *_, q in points[max(0, j - window):j]], threshold, jumps=j >= MIN_HISTORY)
         if hit is not None:
             statistic, score, baseline = hit
@@ -671,6 +700,10 @@ def render_trend(t: Trend, out: TextIO, width: int = 60, trace: str = "TRACE") -
         out.write(f"first change: {describe_change(c)}\n")
         if t.cause_to_tell is not None:
             out.write(f"cause: {describe_cause(t.cause_to_tell)}\n")
+    d = t.discarded
+    if d is not None:
+        out.write(f"NaN/Inf made and discarded (not a change): {describe_change(d)}, and no op keeps them: they reach "
+                  f"no loss, gradient, parameter or output\n")
     steps = t.steps
     if len(steps) > width:  # the last `width` steps in the sparklines
         out.write(f"sparklines: log10 l2 of the last {width} steps\n")
