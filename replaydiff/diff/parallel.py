@@ -193,7 +193,10 @@ class _Side:
         self.keys: list[OpKeys] = []
         for op in trace:
             self.ops[op.index] = op
-            self.keys.append(op_keys(op))
+            # profiler markers compute nothing, and as anchors they pair FSDP's and DDP's record_function ranges with
+            # the single process's few, pulling the ops between them apart: they are left out of the alignment
+            if not aten.is_marker(op.name):
+                self.keys.append(op_keys(op))
 
 
 def diff_parallel(ref: RankTrace, targets: list[RankTrace],
@@ -223,6 +226,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     for n, i in enumerate(sorted(r_side.ops)):
         if progress is not None and n % 64 == 63:
             progress(64)
+        if aten.is_marker(r_side.ops[i].name):
+            continue
         if not all(i in m for m in maps):
             out.not_aligned.append(i)
             continue
