@@ -53,7 +53,9 @@ def install() -> None:
         step = int(config.get("step", 1))
         # --steps and --flight say which steps themselves; --step N alone is the one step N
         steps = None if (options.steps or options.flight) else StepRange(step, step, 1)
-        rec = MultiStepRecorder(config["out"], options, steps).start().finish_at_exit()
+        command = config.get("command")
+        command = [str(x) for x in command] if isinstance(command, list) else None
+        rec = MultiStepRecorder(config["out"], options, steps, command).start().finish_at_exit()
         if config.get("status"):
             atexit.register(_report_steps, config["status"], weakref.ref(rec))
     except Exception as exc:

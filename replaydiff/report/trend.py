@@ -33,7 +33,8 @@ from replaydiff import aten
 from replaydiff.replay.result import nonfinite_counts
 from replaydiff.replay.runner import computed_by
 from replaydiff.trace import RankTrace
-from replaydiff.trace.schema import LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_FILTERED, MODULE_PARAM, TensorRef, TensorStats, iter_refs
+from replaydiff.trace.schema import (LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_FILTERED, MODULE_PARAM, FlightDump,
+                                     TensorRef, TensorStats, iter_refs)
 
 FORMAT = "replaydiff.trend/1"
 STATISTICS = ("l2", "absmax", "nan", "inf")
@@ -88,10 +89,38 @@ class Trend:
     module_glob: str | None
     ops_read: int
     cause: "Cause | None" = None
+    command: tuple[str, ...] | None = None  # the command line the trace was recorded from (None: from Python)
+    flight: FlightDump | None = None  # the flight recorder's dump (None: not a flight trace)
 
     @property
     def zoom(self) -> "Zoom | None":
         return None if self.first_change is None else Zoom.of(self.first_change, self.cause)
+
+    @property
+    def late_window(self) -> "LateWindow | None":
+        """For a flight trace whose change is at the earliest step of the window where a change of its kind can be
+        seen at all (NaN/Inf: the second step, against the first; a jump: the step after the MIN_HISTORY steps it is
+        scored against), the window may have begun after the change did, which then hides in the steps it was
+        compared with or before the window. Then: the --flight K that also keeps the ``window`` steps before the
+        window. None otherwise (no change, not a flight trace, a change later in the window, or a window that
+        starts at step 1)."""
+        z, c, f = self.zoom, self.first_change, self.flight
+        if z is None or c is None or f is None:
+            return None
+        held = self.steps  # those of the dump that hold records (a dump at exit lists the empty step in progress)
+        first = held[0]
+        nonfinite = c.statistic in ("nan", "inf")
+        earliest = held[min(1 if nonfinite else MIN_HISTORY, len(held) - 1)]
+        if z.step > earliest or first <= 1:
+            return None
+        gap = min((b - a for a, b in zip(held, held[1:])), default=1) or 1  # flight with --steps A-B:EVERY
+        before = min(self.window, (first - 1) // gap)
+        keep = max(f.keep or 0, len(held)) + before
+        mib = None
+        if f.dropped_for_budget and f.budget_mib:  # memory, not K, cut the window: it needs more of both
+            mib = math.ceil(f.budget_mib * keep / len(held))
+        return LateWindow(z.step, first, held[-1], nonfinite, f.keep, keep, before, f.budget_mib, mib,
+                          f.dropped_for_budget)
 
     @property
     def cause_to_tell(self) -> "Cause | None":
@@ -111,7 +140,8 @@ class Trend:
                 "first_change": None if self.first_change is None else self.first_change.to_json(),
                 "cause": None if self.cause is None else self.cause.to_json(),
                 "zoom": None if z is None else z.to_json(trace),
-                "next": None if z is None else z.commands(trace),
+                "next": None if z is None else z.commands(trace, self.command),
+                "late_window": None if self.late_window is None else self.late_window.to_json(),
                 "series": [s.to_json() for s in self.series]}
 
 
@@ -269,7 +299,7 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
             for name in STATISTICS:
                 s.values[name].append(None if p is None else p[name])
         series.append(s)
-    return Trend(r.rank, steps, series, first, window, threshold, module_glob, n, cause)
+    return Trend(r.rank, steps, series, first, window, threshold, module_glob, n, cause, r.command, r.flight)
 
 
 def _nonfinite(p: dict[str, float]) -> bool:
@@ -531,6 +561,7 @@ class Zoom:
     steps: str
     modules: list[str] | None
     ops: list[str] | None
+    step: int  # the step of the change (the last of ``steps``)
 
     @classmethod
     def of(cls, first: Change, cause: Cause | None) -> "Zoom":
@@ -538,8 +569,8 @@ class Zoom:
         module = (cause.module if cause is not None else None) or first.module
         steps = f"{step - 1}-{step}" if step > 1 else f"{step}"
         if module is not None:
-            return cls(steps, [module], None)
-        return cls(steps, None, [cause.op if cause is not None else first.op])
+            return cls(steps, [module], None, step)
+        return cls(steps, None, [cause.op if cause is not None else first.op], step)
 
     def out(self, trace: str) -> str:
         return f"{trace.rstrip('/')}-step{self.steps.rsplit('-', 1)[-1]}"
@@ -548,16 +579,61 @@ class Zoom:
         return {"tensors": "full", "steps": self.steps, "modules": self.modules, "ops": self.ops,
                 "out": self.out(trace)}
 
-    def commands(self, trace: str) -> dict[str, str]:
-        """The record and replay commands (COMMAND stands for the job's own command) and the record call in Python."""
-        out = shlex.quote(self.out(trace))
+    def record_options(self, trace: str) -> str:
+        """The record command up to its ``--``, which the job's command follows."""
         filters = "".join(f" --module {shlex.quote(m)}" for m in self.modules or []) + \
             "".join(f" --op {shlex.quote(o)}" for o in self.ops or [])
+        return f"replaydiff record --tensors full --steps {self.steps}{filters} -o {shlex.quote(self.out(trace))} --"
+
+    def commands(self, trace: str, command: tuple[str, ...] | list[str] | None = None) -> dict[str, str | None]:
+        """The record command (None where the job's ``command`` is not known: a trace recorded from Python), the
+        replay command and the record call in Python."""
+        out = shlex.quote(self.out(trace))
         which = "modules" if self.modules else "ops"
-        return {"record": f"replaydiff record --tensors full --steps {self.steps}{filters} -o {out} -- COMMAND",
+        return {"record": f"{self.record_options(trace)} {shlex.join(command)}" if command else None,
                 "replay": f"replaydiff replay {out}",
                 "python": f"replaydiff.record({self.out(trace)!r}, tensors='full', steps={self.steps!r}, "
                           f"{which}={self.modules or self.ops!r})"}
+
+
+@dataclass(frozen=True)
+class LateWindow:
+    """A flight window (steps ``first``..``last``) that may have begun after the change: the change, at ``step``,
+    is at the earliest step of the window where one of its kind can be seen (Trend.late_window). ``keep``: the
+    --flight K that also holds the ``before`` steps ahead of the window; ``mib``: the --flight-mib that holds them,
+    where memory (not K) dropped older steps."""
+
+    step: int
+    first: int
+    last: int
+    nonfinite: bool  # the change is NaN/Inf appearing (else a jump of l2 or absmax)
+    was: int | None  # the --flight K recorded with
+    keep: int
+    before: int
+    was_mib: float | None
+    mib: int | None
+    dropped: int
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "first_step": self.first, "last_step": self.last, "flight": self.keep,
+                "steps_before": self.before, "flight_mib": self.mib}
+
+    def describe(self) -> str:
+        was = f" (it was {self.was})" if self.was else ""
+        flags = f"--flight {self.keep}{was}"
+        if self.mib is not None:
+            flags += f" --flight-mib {self.mib} ({self.dropped} older step(s) were dropped to stay within " \
+                     f"{self.was_mib:g} MiB)"
+        if self.step == self.first:
+            where = "its first step, so nothing before it was compared"
+        elif self.nonfinite:
+            where = "the earliest step where trend can see NaN/Inf appear (against the step before)"
+        else:
+            where = f"the earliest step where trend can see a jump (it compares a step with the {MIN_HISTORY} or " \
+                    f"more before it)"
+        return f"the flight window ({self.first}..{self.last}) may have begun too late: the change is at step " \
+               f"{self.step}, {where}; record again with {flags} to keep the {self.before} " \
+               f"step{'' if self.before == 1 else 's'} before step {self.first} as well"
 
 
 # -- text -----------------------------------------------------------------------------------------------------------
@@ -671,6 +747,8 @@ def render_trend(t: Trend, out: TextIO, width: int = 60, trace: str = "TRACE") -
         out.write(f"first change: {describe_change(c)}\n")
         if t.cause_to_tell is not None:
             out.write(f"cause: {describe_cause(t.cause_to_tell)}\n")
+        if t.late_window is not None:
+            out.write(t.late_window.describe() + "\n")
     steps = t.steps
     if len(steps) > width:  # the last `width` steps in the sparklines
         out.write(f"sparklines: log10 l2 of the last {width} steps\n")
@@ -687,11 +765,15 @@ def next_lines(t: Trend, trace: str = "TRACE") -> list[str]:
     z = t.zoom
     if z is None:
         return []
-    cmd = z.commands(trace)
-    return [f"Next: record steps {z.steps} in full around the change, then replay them (replay says whether an op "
-            f"there computes wrongly, or through which input the change enters):",
-            f"  {cmd['record']}", f"  {cmd['replay']}",
-            f"(COMMAND: the training command {trace} was recorded from; in Python: {cmd['python']})"]
+    cmd = z.commands(trace, t.command)
+    lines = [f"Next: record steps {z.steps} in full around the change, then replay them (replay says whether an op "
+             f"there computes wrongly, or through which input the change enters):"]
+    if cmd["record"] is not None:
+        return lines + [f"  {cmd['record']}", f"  {cmd['replay']}"]
+    return lines + [f"  {z.record_options(trace)}", f"  {cmd['replay']}",
+                    f"(after the record command's `--`, type the command that runs your training: {trace} holds none, "
+                    f"as it was recorded from Python (or by an older replaydiff); or record from Python: "
+                    f"{cmd['python']})"]
 
 
 def table_lines(t: Trend, width: int) -> list[str]:
