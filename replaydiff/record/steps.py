@@ -157,7 +157,9 @@ class MultiStepRecorder:
                                      f"{self.range.last}")
                 raised = raised if raised is not None else getattr(sys, "last_value", None)
                 if self.recording and raised is not None:
-                    rec.cut_short(f"step {self.steps_done + 1} was cut short by the script's exception "
+                    rec.cut_short(f"step {self.steps_done + 1} was cut short: the script was interrupted "
+                                  f"(KeyboardInterrupt)" if isinstance(raised, KeyboardInterrupt) else
+                                  f"step {self.steps_done + 1} was cut short by the script's exception "
                                   f"({type(raised).__name__}: {raised})")
             rec.stop()
         self.recording = False
