@@ -191,3 +191,64 @@ def test_a_steps_trace_never_says_its_window_began_too_late(tmp_path):
             opt.step()
     t = compute_trend(open_trace(path).rank(0))
     assert t.first_change is not None and t.first_change.step == 18 and t.late_window is None
+
+
+def _sgd_lr_jump(path, lr: float, steps: str, schedule: float = 1.0, **options) -> None:
+    """24 SGD steps whose learning rate is multiplied by 40 at step LR_JUMP (``schedule`` < 1: a decay instead, by
+    that factor every step), recorded from Python."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=lr, foreach=False)
+    g = torch.Generator().manual_seed(1)
+    with replaydiff.record(path, steps=steps, **options):
+        for step in range(1, 25):
+            for group in opt.param_groups:
+                group["lr"] *= (40 if step == LR_JUMP else 1) if schedule == 1.0 else schedule
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+def test_the_zoom_in_of_a_learning_rate_jump_replays_to_the_argument_it_entered_through(tmp_path, capsys):
+    """The update that shows the jump (step 13) runs a step after the learning rate changed (step 12): trend's cause
+    says since when its argument differs, the zoom-in is of that step and the one before, and its replay says the
+    difference enters through the optimizer's argument (not "no divergent op" and nothing more)."""
+    stats = tmp_path / "s"
+    _sgd_lr_jump(stats, 0.05, "1-24", tensors="stats")
+    t = compute_trend(open_trace(stats).rank(0))
+    cause = t.cause_to_tell
+    assert cause is not None and (cause.phase, cause.op, cause.how) == ("optimizer", "aten.add_.Tensor", "made")
+    assert cause.step == LR_JUMP + 1 and cause.args_since == LR_JUMP
+    assert cause.changed_args == ("alpha=-2.0 from step 12 on (-0.05 before)",)
+    zoom = t.to_json(str(stats))["zoom"]
+    assert (zoom["steps"], zoom["ops"]) == (f"{LR_JUMP - 1}-{LR_JUMP}", ["aten.add_.Tensor"])
+
+    out = tmp_path / "zoom"
+    _sgd_lr_jump(out, 0.05, zoom["steps"], tensors="full", ops=zoom["ops"])
+    z = open_trace(out).rank(0)
+    first = next(op for op in z if op.step == LR_JUMP and op.name == "aten.add_.Tensor")
+    assert cli_main(["replay", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"the difference enters through argument alpha of op #{first.index} aten.add_.Tensor (no module, " \
+           f"optimizer) at step {LR_JUMP}: -2.0 where step {LR_JUMP - 1} had -0.05 (a learning rate or other " \
+           f"hyperparameter changed)" in text, text
+    assert cli_main(["replay", str(out), "--json", "-"]) == 0
+    enters = json.loads(capsys.readouterr().out)["enters"]
+    assert (enters["index"], enters["argument"], enters["value"], enters["previous"], enters["position"]) == \
+        (first.index, "alpha", -2.0, -0.05, None)
+
+
+def test_a_decaying_learning_rate_is_no_entry_and_a_clean_zoom_in_says_what_it_looked_for(tmp_path, capsys):
+    """A schedule's small steps (x0.9 a step) are no entry; a zoom-in where nothing changed 4x says what it looked
+    for instead of ending at "no divergent op"."""
+    out = tmp_path / "zoom"
+    _sgd_lr_jump(out, 0.05, "11-12", schedule=0.9, tensors="full", modules=["Sequential.2"])
+    assert cli_main(["replay", str(out), "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["enters"] is None
+    assert cli_main(["replay", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "no input from outside the replayed ops, and no optimizer argument, changed 4x or more from one step to the "
+        "next (steps 11-12): a change that builds up from smaller ones enters unseen here (trend's table and cause "
+        "line show how it grew)")

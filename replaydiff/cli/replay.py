@@ -79,7 +79,7 @@ def options_from_args(args: argparse.Namespace) -> ReplayOptions:
 def run(args: argparse.Namespace) -> int:
     from replaydiff.cli.progress import progress_bar, write_json
     from replaydiff.report import render_replay, report_to_json
-    from replaydiff.report.entry import entry_of_clean_replay, one_step_note
+    from replaydiff.report.entry import entry_of_clean_replay, no_entry_note, one_step_note
 
     from replaydiff.replay.distributed import launched_by_torchrun, replay_sharded
     from replaydiff.replay.engine import keep_freed_memory
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             (nf.rank, nf.index, nf.nonfinite_input.position) == (entry.rank, entry.index, entry.position)
         render_replay(report, sys.stdout, entry_said=same_entry)
         note = entry.describe(report.counts()["skipped"]) if entry is not None else \
-            one_step_note(args.trace, report, opts)
+            one_step_note(args.trace, report, opts) or no_entry_note(args.trace, report, opts)
         if note is not None:
             sys.stdout.write(note + "\n")
     return EXIT_DIVERGENT if report.found_problem else EXIT_OK

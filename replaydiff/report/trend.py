@@ -402,13 +402,14 @@ class Cause:
     source_text: str | None = None  # the source line's code, as recorded
     from_finite: bool = False  # it made NaN/Inf from inputs that had none
     changed_args: tuple[str, ...] = ()  # its non-tensor arguments that differ from earlier steps: "alpha=-10 (-0.01)"
+    args_since: int | None = None  # the step from which those arguments have held their new values
 
     def to_json(self) -> dict:
         return {"step": self.step, "index": self.index, "op": self.op, "module": self.module, "phase": self.phase,
                 "source": self.source, "source_text": self.source_text, "how": self.how, "statistic": self.statistic,
                 "value": self.value, "baseline": self.baseline, "history": self.history, "position": self.position,
                 "producer": self.producer, "from_finite": self.from_finite,
-                "changed_args": list(self.changed_args)}
+                "changed_args": list(self.changed_args), "args_since": self.args_since}
 
 
 def left_out(op: Any) -> bool:
@@ -485,8 +486,9 @@ def find_cause(r: RankTrace, first: Change, history: _History, threshold: float)
         common = dict(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, source=op.source,
                       source_text=op.source_text, history=len(earlier))
         if not suspects:
+            before = [r[i] for i, _ in earlier]
             return Cause(**common, how="made", statistic=hit[0], value=hit[1], baseline=hit[2],
-                         changed_args=changed_args(op, [r[i] for i, _ in earlier]))
+                         changed_args=changed_args(op, before), args_since=args_changed_at(op, before))
         # Inputs out of line from several writers: the earliest writer is where the change began.
         prod, k, ref, its_past, found = min(suspects, key=lambda x: (x[0], x[1]))
         writer = None if prod < 0 else r[prod]
@@ -532,23 +534,45 @@ def _nonfinite_cause(r: RankTrace, first: Change, history: _History) -> Cause:
                  history=0)
 
 
-def _scalar_args(op: Any) -> dict[str, Any]:
+def scalar_args(op: Any) -> dict[str, Any]:
     """An op's arguments that hold no tensor, by name ("arg K" for a positional one)."""
     named = {f"arg {k}": v for k, v in enumerate(op.args)} | dict(op.kwargs)
     return {k: v for k, v in named.items() if next(iter_refs(v), None) is None}
 
 
 def changed_args(op: Any, earlier: list[Any]) -> tuple[str, ...]:
-    """Op ``op``'s non-tensor arguments whose value it had in none of the ``earlier`` steps' ops at its position, as
-    "name=value (value before)": the optimizer's ``add_`` with ``alpha=-10.0`` where it was ``-0.01`` (a learning
-    rate changed) made a change that no input shows."""
-    past = [_scalar_args(e) for e in earlier]
+    """Op ``op``'s non-tensor arguments whose value differs from the ``earlier`` steps' ops at its position, as
+    "name=value (value before)" where it had that value in none of them, or "name=value from step S on (value
+    before)" where it took that value at step S and kept it: the optimizer's ``add_`` with ``alpha=-10.0`` where it
+    was ``-0.01`` (a learning rate changed) made a change that no input shows, and an update's effect can show a step
+    after the learning rate changed."""
     out = []
-    for name, v in _scalar_args(op).items():
-        before = [a[name] for a in past if name in a]
-        if before and all(b != v for b in before):
-            out.append(f"{name}={v!r} ({before[-1]!r} before)")
+    for name, v, before, since in _arg_changes(op, earlier):
+        out.append(f"{name}={v!r} ({before!r} before)" if since == op.step else
+                   f"{name}={v!r} from step {since} on ({before!r} before)")
     return tuple(out)
+
+
+def args_changed_at(op: Any, earlier: list[Any]) -> int | None:
+    """The earliest step from which op ``op``'s changed non-tensor arguments (``changed_args``) have held their
+    value; None when none changed."""
+    return min((since for *_, since in _arg_changes(op, earlier) if since is not None), default=None)
+
+
+def _arg_changes(op: Any, earlier: list[Any]) -> list[tuple[str, Any, Any, int | None]]:
+    """(name, value, the value before, the step it took this value) of each changed non-tensor argument."""
+    past = [(e.step, scalar_args(e)) for e in earlier]
+    out = []
+    for name, v in scalar_args(op).items():
+        before = [(step, a[name]) for step, a in past if name in a]
+        if not before or before[-1][1] == v and all(b == v for _, b in before):
+            continue
+        if all(b != v for _, b in before):
+            out.append((name, v, before[-1][1], op.step))
+            continue
+        k = max(i for i, (_, b) in enumerate(before) if b != v)  # the last step with another value
+        out.append((name, v, before[k][1], before[k + 1][0] if k + 1 < len(before) else op.step))
+    return out
 
 
 # -- the next command: a closer look at the change -------------------------------------------------------------------
@@ -556,7 +580,9 @@ def changed_args(op: Any, earlier: list[Any]) -> tuple[str, ...]:
 class Zoom:
     """The recording that looks closer at a change: full tensors of its step and the step before (replay compares
     what enters the trace across the two, see docs/replay.md), of the module where it is (the cause's, else the
-    first change's), or of the cause's op name where neither has a module."""
+    first change's), or of the cause's op name where neither has a module. Where the cause is an op whose arguments
+    took new values at an earlier step (a learning rate raised a step before its update showed), that step and the
+    one before it."""
 
     steps: str
     modules: list[str] | None
@@ -566,6 +592,8 @@ class Zoom:
     @classmethod
     def of(cls, first: Change, cause: Cause | None) -> "Zoom":
         step = cause.step if cause is not None and cause.step is not None else first.step
+        if cause is not None and cause.args_since is not None and cause.args_since < step:
+            step = cause.args_since  # an argument (a learning rate) changed there: replay names it across the two
         module = (cause.module if cause is not None else None) or first.module
         steps = f"{step - 1}-{step}" if step > 1 else f"{step}"
         if module is not None:
@@ -767,7 +795,8 @@ def next_lines(t: Trend, trace: str = "TRACE") -> list[str]:
         return []
     cmd = z.commands(trace, t.command)
     lines = [f"Next: record steps {z.steps} in full around the change, then replay them (replay says whether an op "
-             f"there computes wrongly, or through which input the change enters):"]
+             f"there computes wrongly, else through which input or optimizer argument a change of 4x or more from "
+             f"one step to the next enters):"]
     if cmd["record"] is not None:
         return lines + [f"  {cmd['record']}", f"  {cmd['replay']}"]
     return lines + [f"  {z.record_options(trace)}", f"  {cmd['replay']}",
