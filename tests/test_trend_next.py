@@ -161,6 +161,10 @@ def test_a_flight_window_that_began_after_the_change_says_so_and_the_flight_k_it
     assert json.loads(capsys.readouterr().out)["late_window"] == {
         "step": 18, "first_step": 13, "last_step": 19, "flight": 18, "steps_before": 10, "flight_mib": None}
 
+    from replaydiff.tui.screens.trend import LATE_ID, TrendScreen
+
+    assert (late.describe(), LATE_ID) in TrendScreen(t, str(short)).lines()  # the TUI's trend screen says it too
+
     longer = tmp_path / "longer"
     _adamw_lr_jump(longer, flight=late.keep)
     t = compute_trend(open_trace(longer).rank(0))
