@@ -307,7 +307,7 @@ def far(v, m):
 # options and of a compiled region: what trace/schema.py alone may read by string.
 _MANIFEST_KEYS = {"rank", "world_size", "environment", "options", "started_at", "source_root", "compiled_regions",
                   "unseen_writes", "ops_seen", "record_seconds", "disabled", "custom_ops", "source_files", "planted",
-                  "complete", "lost", "flight", "version", "format", "ops_written", "last_op", "written_at"}
+                  "complete", "lost", "flight", "version", "format", "ops_written", "last_op", "written_at", "command"}
 _REGION_KEYS = {"region", "kind", "calls", "how", "calls_by_how", "backend", "fullgraph", "ops_in_trace",
                 "fullgraph_errors_suppressed", "note"}
 

@@ -492,6 +492,48 @@ def test_resume_ignores_a_journal_of_other_options(mlp_fault, tmp_path, cli_here
     assert "nothing to resume" in proc.stderr, proc.stderr
 
 
+def test_an_interrupted_replay_says_where_its_journal_is_and_resume_reads_it_there(mlp_fault, tmp_path, cli_here,
+                                                                                    monkeypatch):
+    """Ctrl-C said "the ops judged so far are kept" without saying where: the message names the journal's file (in
+    the user's cache folder by default), which is where --resume then finds them."""
+    import replaydiff.cli.replay as verb
+
+    path, _ = mlp_fault
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    real = verb.replay_trace
+
+    def interrupted_after_20(*args, **kwargs):
+        seen: list[OpResult] = []
+
+        def stop(r: OpResult) -> None:
+            seen.append(r)
+            if len(seen) == 20:
+                raise _Interrupt()
+
+        return real(*args, on_result=stop, **kwargs)
+
+    monkeypatch.setattr(verb, "replay_trace", interrupted_after_20)
+    proc = cli_here("replay", str(path))
+    assert proc.returncode == 130, proc.stderr
+    (journal,) = (tmp_path / "cache" / "replaydiff" / "journals").iterdir()
+    assert f"replaydiff: the ops judged so far are kept in {journal}: the same command with --resume replays only " \
+           f"the rest (a finished replay removes that file)\n" in proc.stderr, proc.stderr
+    monkeypatch.setattr(verb, "replay_trace", real)
+    resumed = cli_here("replay", str(path), "--resume")
+    assert f"resuming: 20 op(s) judged by an earlier run kept ({journal})" in resumed.stderr, resumed.stderr
+    assert not journal.exists()
+
+
+def test_replay_help_says_where_resume_finds_the_judged_ops(capsys):
+    from replaydiff.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["replay", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    resume = text[text.index("--resume "):text.index("--journal DIR folder")]
+    assert "~/.cache/replaydiff/journals" in resume and "--journal DIR" in resume, resume
+
+
 def test_progress_without_a_terminal_is_a_line_with_the_time_left(capsys):
     from replaydiff.cli.progress import PlainProgress
 

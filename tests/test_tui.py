@@ -1040,8 +1040,8 @@ async def test_t_shows_the_cause_and_the_next_commands_and_c_selects_the_causing
     (made,) = [op.index for op in r if op.name == "aten.mul_.Tensor" and op.step == PLANT_STEP
                and op.module is None and op.phase != "optimizer"]
     out = shlex.quote(f"{path}-step{PLANT_STEP}")
-    record = f"replaydiff record --tensors full --steps {PLANT_STEP - 1}-{PLANT_STEP} --module {changed} -o {out} " \
-             f"-- COMMAND"
+    # recorded from Python: the record command stops at `--` (the line after it says what goes there)
+    record = f"replaydiff record --tensors full --steps {PLANT_STEP - 1}-{PLANT_STEP} --module {changed} -o {out} --"
     app = ReplaydiffApp(replaydiff.open_trace(path))
     async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)

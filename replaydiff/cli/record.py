@@ -229,7 +229,12 @@ def run(args: argparse.Namespace) -> int:
                 f"{ran}; the trace holds what ran of step {missed[0]} before the script ended."
         recorded = f"recorded {what}" if done or not missed else "recorded part of a step"
         stopped = _stopped(out)
-        if stopped:  # the recorder gave up part-way: what was asked for is not all in the trace
+        if code == _INTERRUPTED and (stopped or not _all_complete(out)):  # Ctrl-C inside a recorded step
+            summary = f"the command was interrupted (Ctrl-C or SIGINT; exit code {code}) before the recording " \
+                      f"finished. The trace {args.out} holds {_held_when_cut(out, args.step)}: it reads up to " \
+                      f"there."
+            note = ""
+        elif stopped:  # the recorder gave up part-way: what was asked for is not all in the trace
             summary = f"recording STOPPED part-way: {stopped}. The trace {args.out} ({len(ranks)} rank(s)) holds " \
                       f"what was recorded before that, not all of {what}."
         elif code and not _all_complete(out):  # killed or crashed inside the recording: not a whole step
@@ -240,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
                       (f", but then the command {_ended(code)}." if code else ".")
         sys.stderr.write(f"replaydiff: {summary}{note} " + next_commands(out, args.out))
         sys.stderr.write(unmatched_filter_line(out, options))  # a --module typo, said last
-        sys.stderr.write(_exit_line(code))
+        if not summary.startswith("the command was interrupted"):  # that line gave the exit code already
+            sys.stderr.write(_exit_line(code))
         return code
     _remove_empty(made)
     if options.flight:
@@ -259,7 +265,8 @@ def run_recorded(cmd: list[str], out: Path, step: int, options: RecordOptions,
     descriptor for the command's standard output (None: ours)."""
     env = dict(os.environ)
     status = tempfile.mkdtemp(prefix="replaydiff-record-")  # each process of the job says how many steps it ran
-    env[ENV_VAR] = json.dumps({"out": str(out), "step": step, "options": options.to_dict(), "status": status})
+    env[ENV_VAR] = json.dumps({"out": str(out), "step": step, "options": options.to_dict(), "status": status,
+                               "command": list(cmd)})
     autostart = str(Path(__file__).resolve().parent.parent / "record" / "autostart")
     env["PYTHONPATH"] = os.pathsep.join([autostart] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     try:
@@ -273,6 +280,7 @@ def run_recorded(cmd: list[str], out: Path, step: int, options: RecordOptions,
 
 
 _FORWARDED = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+_INTERRUPTED = 130  # 128 + SIGINT: how a command that Ctrl-C ended exits
 
 
 def _run_forwarding_signals(cmd: list[str], env: dict, stdout: int | None) -> int:
@@ -338,11 +346,38 @@ def _ended(code: int) -> str:
     """How the command ended, from a non-zero exit code (128+N: killed by signal N)."""
     import signal
 
+    if code == _INTERRUPTED:
+        return f"was interrupted (Ctrl-C or SIGINT; exit code {code})"
     try:
         name = signal.Signals(code - 128).name if code > 128 else None
     except ValueError:
         name = None
     return f"was stopped by {name} (exit code {code})" if name else f"exited with code {code}"
+
+
+def _held_when_cut(out: Path, step: int) -> str:
+    """What a trace whose command was interrupted mid-step holds, per rank: the step cut short, up to its last
+    complete op, after the steps recorded before it. ``step``: record --step (ops of a one-step trace carry none)."""
+    try:
+        t = open_trace(out)
+        held = []
+        for rank in t.ranks:
+            r = t.rank(rank)
+            last = r.last_index if r.complete else r.truncated_after
+            first = next(iter(r), None)
+            if last is None or last < 0 or first is None:
+                held.append((rank, "no complete op"))
+                continue
+            cut = r[last].step
+            before = f", after the steps recorded from step {first.step}" if first.step is not None and \
+                cut is not None and first.step < cut else ""
+            held.append((rank, f"step {cut if cut is not None else step} up to op #{last}, its last complete op"
+                               f"{before}"))
+    except ReplaydiffError:
+        return "what was recorded before the interrupt (`replaydiff show` says what reads back)"
+    if len(held) == 1:
+        return held[0][1]
+    return "; ".join(f"rank {rank}: {what}" for rank, what in held)
 
 
 def _exit_line(code: int) -> str:

@@ -51,7 +51,9 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                         "replaydiff.register_reference(op_name, fn) (repeatable)")
     p.add_argument("--resume", action="store_true",
                    help="keep the results an interrupted replay of this trace with the same options had judged and "
-                        "replay only the rest (the report is the same as one whole run's)")
+                        "replay only the rest (the report is the same as one whole run's); they are in a journal "
+                        "file in $XDG_CACHE_HOME/replaydiff/journals, else ~/.cache/replaydiff/journals, or in "
+                        "--journal DIR")
     p.add_argument("--journal", metavar="DIR",
                    help="folder for the journal of judged ops that --resume reads (default: "
                         "$XDG_CACHE_HOME/replaydiff/journals, else ~/.cache/replaydiff/journals); a finished replay "
@@ -77,7 +79,7 @@ def options_from_args(args: argparse.Namespace) -> ReplayOptions:
 def run(args: argparse.Namespace) -> int:
     from replaydiff.cli.progress import progress_bar, write_json
     from replaydiff.report import render_replay, report_to_json
-    from replaydiff.report.entry import entry_of_clean_replay, one_step_note
+    from replaydiff.report.entry import entry_of_clean_replay, no_entry_note, one_step_note
 
     from replaydiff.replay.distributed import launched_by_torchrun, replay_sharded
     from replaydiff.replay.engine import keep_freed_memory
@@ -102,14 +104,18 @@ def run(args: argparse.Namespace) -> int:
                              if count else f"replaydiff: nothing to resume ({path} holds no results of this "
                                            f"replay): replaying every op\n")
 
+        journal: list[Path] = []  # the journal's file, once the replay has opened it
         try:
             with progress_bar("replaying", plain_every=_PLAIN_PROGRESS_SECONDS) as (set_total, advance):
                 report = replay_trace(args.trace, opts, workers=args.workers, progress_total=set_total,
                                       progress=advance, journal=args.journal or default_dir(), resume=args.resume,
-                                      on_resumed=resumed)
+                                      on_resumed=resumed, on_journal=journal.append)
         except KeyboardInterrupt:
-            sys.stderr.write("replaydiff: the ops judged so far are kept: the same command with --resume replays "
-                             "only the rest\n")
+            if journal and journal[0].exists():  # a replay that judged no op leaves no journal
+                sys.stderr.write(f"replaydiff: the ops judged so far are kept in {journal[0]}: the same command "
+                                 f"with --resume replays only the rest (a finished replay removes that file)\n")
+            else:
+                sys.stderr.write("replaydiff: no op was judged yet: there is nothing for --resume to keep\n")
             raise
     for w in report.warnings:
         sys.stderr.write(f"replaydiff: warning: {w}\n")
@@ -124,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             (nf.rank, nf.index, nf.nonfinite_input.position) == (entry.rank, entry.index, entry.position)
         render_replay(report, sys.stdout, entry_said=same_entry)
         note = entry.describe(report.counts()["skipped"]) if entry is not None else \
-            one_step_note(args.trace, report, opts)
+            one_step_note(args.trace, report, opts) or no_entry_note(args.trace, report, opts)
         if note is not None:
             sys.stdout.write(note + "\n")
     if report.missing and report.first_divergent is None:

@@ -237,9 +237,8 @@ class FlightBuffer:
             steps = list(self._ring)
             if self._current:
                 steps.append(_Step(self._step, len(self._current), b"", self._snapshots, self._data, self._left_out))
-            manifest = dict(self._manifest, flight={
-                "reason": reason, "steps": [s.step for s in steps], "keep": self.keep, "budget_mib": o.flight_mib,
-                "held_bytes": self._held, "dropped_for_budget": self.dropped_for_budget})
+            manifest = dict(self._manifest, **schema.wire_flight(reason, [s.step for s in steps], self.keep,
+                                                                 o.flight_mib, self._held, self.dropped_for_budget))
             writer = RankWriter(self.root, manifest, o.compress, o.shuffle, o.chunk_ops, o.chunk_bytes,
                                 o.flush_seconds)
             left_out = 0

@@ -40,9 +40,12 @@ log = logging.getLogger("replaydiff")
 class Recorder:
     """Records one block of a job into ``path/rank<N>/``. Use as a context manager, or ``start()``/``stop()``."""
 
-    def __init__(self, path: str | os.PathLike, options: RecordOptions) -> None:
+    def __init__(self, path: str | os.PathLike, options: RecordOptions, command: list[str] | None = None) -> None:
+        """``command``: the job's command line, stored in the manifest when ``replaydiff record -- CMD`` armed this
+        recorder (the next commands ``trend`` prints then hold it)."""
         self.path = Path(path)
         self.options = options
+        self.command = command
         self.active = False
         self.paused = False  # between recorded steps: nothing attached, the trace still open (pause/resume)
         self.step: int | None = None  # optimizer step being recorded, stamped on each record (multi-step)
@@ -89,7 +92,7 @@ class Recorder:
                                       f"{', ...' if len(held) > 3 else ''}); choose another directory")
             # source_root: relative file names in source lines are relative to it
             manifest = wire_manifest(rank, world, environment_snapshot(rank, world), self.options.to_dict(),
-                                     time.time(), self.context.root)
+                                     time.time(), self.context.root, self.command)
             if self.options.flight:
                 self.writer = FlightBuffer(self.rank_dir, manifest, self.options, self._closing_facts)
             else:

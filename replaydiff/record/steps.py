@@ -26,12 +26,14 @@ class MultiStepRecorder:
 
     Also what ``replaydiff record --steps/--flight`` arms in the child process. ``start()``/``stop()`` or ``with``."""
 
-    def __init__(self, path: str | os.PathLike, options: Any, steps: StepRange | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, options: Any, steps: StepRange | None = None,
+                 command: list[str] | None = None) -> None:
+        """``command``: the job's command line (``replaydiff record -- CMD``), kept in the trace's manifest."""
         self.options = options
         if steps is None:
             steps = StepRange.parse(options.steps) if options.steps else StepRange(1, None, 1)
         self.range = steps
-        self.recorder = Recorder(path, options)
+        self.recorder = Recorder(path, options, command)
         self.steps_done = 0
         self.optimizer_id: int | None = None
         self.done = False
@@ -155,7 +157,9 @@ class MultiStepRecorder:
                                      f"{self.range.last}")
                 raised = raised if raised is not None else getattr(sys, "last_value", None)
                 if self.recording and raised is not None:
-                    rec.cut_short(f"step {self.steps_done + 1} was cut short by the script's exception "
+                    rec.cut_short(f"step {self.steps_done + 1} was cut short: the script was interrupted "
+                                  f"(KeyboardInterrupt)" if isinstance(raised, KeyboardInterrupt) else
+                                  f"step {self.steps_done + 1} was cut short by the script's exception "
                                   f"({type(raised).__name__}: {raised})")
             rec.stop()
         self.recording = False

@@ -313,12 +313,14 @@ _MIN_PIECE = 32
 def replay_trace(path: str, opts: ReplayOptions, workers: int = 1,
                  progress_total: Callable[[int], None] | None = None, progress: Progress | None = None,
                  on_result: OnResult | None = None, journal: str | os.PathLike | None = None,
-                 resume: bool = False, on_resumed: Callable[[int, Path], None] | None = None) -> ReplayReport:
+                 resume: bool = False, on_resumed: Callable[[int, Path], None] | None = None,
+                 on_journal: Callable[[Path], None] | None = None) -> ReplayReport:
     """Replay every selected op of every selected rank; ``on_result`` sees each OpResult as it is made.
 
     ``journal``: a folder where each op's result is written as it is judged (removed when the replay finishes);
     with ``resume`` the results an interrupted run of the same replay left there are kept and only the other ops
-    are replayed (``on_resumed(count, file)`` is told how many), which gives the same report as one whole run."""
+    are replayed (``on_resumed(count, file)`` is told how many), which gives the same report as one whole run.
+    ``on_journal(file)`` is told the journal's file once it is open (what an interrupted replay leaves there)."""
     from replaydiff.replay.journal import Journal
 
     trace = open_trace(path)
@@ -339,6 +341,8 @@ def replay_trace(path: str, opts: ReplayOptions, workers: int = 1,
             p.warnings.append(f"no journal of judged ops ({log.path.parent}: {exc.strerror or exc}): an interrupted "
                               f"replay cannot be resumed")
             log = None
+        if log is not None and on_journal:
+            on_journal(log.path)
     if progress_total:
         progress_total(p.total)
     finished = False

@@ -10,21 +10,26 @@ against the same input of the same op in the step before: the op is found by its
 ``Positions``), the input by its position in the op, and the score is trend's (``score_point``) with one value of
 history: NaN/Inf appearing where there was none, or l2/absmax moving by the threshold's worth of log10 scale (4x at
 the default of 12). An input that was all zeros the step before has no scale to jump from (a gradient buffer) and
-is judged by NaN/Inf only. The optimizer's ops are left out: its state is its memory of earlier steps and grows
-several-fold a step at first by design (AdamW's moments, measured on a 3-layer MLP: 4x from step 2 to 3); an update
-gone wrong shows in the next step's forward, through the parameter it wrote. The earliest such input, in op order,
-is where the difference enters; those after it are mostly its consequences (a larger output makes a larger
-gradient).
+is judged by NaN/Inf only. The optimizer's tensor inputs are left out: its state is its memory of earlier steps and
+grows several-fold a step at first by design (AdamW's moments, measured on a 3-layer MLP: 4x from step 2 to 3); an
+update gone wrong shows in the next step's forward, through the parameter it wrote. Its numeric arguments are
+looked at instead (recorded for every op, also those the filter kept with statistics only): a learning rate raised
+40x enters through the ``alpha`` of its ``add_`` (or the ``value`` of AdamW's ``addcdiv_``), by the same 4x
+threshold, so that a schedule's small step-to-step changes are not an entry. The earliest such input or argument,
+in op order, is where the difference enters; those after it are mostly its consequences (a larger output makes a
+larger gradient).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 from replaydiff.diff.compare import tensor_stats
 from replaydiff.replay import ReplayOptions
 from replaydiff.replay.result import PROBLEMS, ReplayReport, Status
-from replaydiff.report.trend import (DEFAULT_THRESHOLD, Positions, left_out, ref_point, why_left_out, score_point,
-                                     stats_point)
+from replaydiff.report.trend import (DEFAULT_THRESHOLD, SCALE_FLOOR, Positions, left_out, ref_point, scalar_args,
+                                     score_point, stats_point, why_left_out)
 from replaydiff.trace import RankTrace, TensorRef, open_trace
 from replaydiff.trace.schema import LEFT_OUT_FILTERED
 
@@ -32,7 +37,8 @@ from replaydiff.trace.schema import LEFT_OUT_FILTERED
 @dataclass(frozen=True)
 class Entry:
     """Input ``position`` of op ``index`` changed against the step before; it was written outside the trace
-    (``producer`` None) or by op ``producer``, which the recording kept with statistics only."""
+    (``producer`` None) or by op ``producer``, which the recording kept with statistics only. Or, with ``argument``
+    (``position`` None, ``statistic`` "argument"), that non-tensor argument of an optimizer op changed."""
 
     rank: int
     step: int
@@ -40,8 +46,8 @@ class Entry:
     op: str
     module: str | None
     phase: str | None
-    position: int
-    tensor: str  # e.g. float32[3, 16]
+    position: int | None
+    tensor: str | None  # e.g. float32[3, 16]
     producer: int | None
     statistic: str
     value: float
@@ -49,24 +55,29 @@ class Entry:
     previous_step: int
     producer_op: str | None = None  # the producer's op name
     producer_why: str | None = None  # why the recording kept it with statistics only (trend.why_left_out)
+    argument: str | None = None  # the non-tensor argument that changed ("alpha"), for an optimizer op
 
     def to_json(self) -> dict:
         return {"rank": self.rank, "step": self.step, "index": self.index, "op": self.op, "module": self.module,
                 "phase": self.phase, "position": self.position, "tensor": self.tensor, "producer": self.producer,
                 "statistic": self.statistic, "value": self.value, "previous": self.previous,
-                "previous_step": self.previous_step, "producer_op": self.producer_op}
+                "previous_step": self.previous_step, "producer_op": self.producer_op, "argument": self.argument}
 
     def describe(self, skipped: int = 0) -> str:
         """The replay summary's line; ``skipped``: ops the replay could not judge (then it speaks of those it did)."""
         where = ", ".join(x for x in (self.module or "no module", self.phase) if x)
+        none = "no op in this trace is wrong" if not skipped else \
+            f"no replayed op in this trace is wrong ({skipped} skipped)"
+        if self.argument is not None:
+            return f"{none}: the difference enters through argument {self.argument} of op #{self.index} {self.op} " \
+                   f"({where}) at step {self.step}: {self.value!r} where step {self.previous_step} had " \
+                   f"{self.previous!r} (a learning rate or other hyperparameter changed)"
         whence = "from outside the trace" if self.producer is None else \
             f"from op #{self.producer} {self.producer_op}, {self.producer_why}"
         if self.statistic in ("l2", "absmax"):
             what = f"{self.statistic} {self.value:.4g} against {self.previous:.4g} at step {self.previous_step}"
         else:
             what = f"{int(self.value)} {self.statistic.upper()} value(s), none at step {self.previous_step}"
-        none = "no op in this trace is wrong" if not skipped else \
-            f"no replayed op in this trace is wrong ({skipped} skipped)"
         return f"{none}: the difference enters through input {self.position} of op " \
                f"#{self.index} {self.op} ({where}) at step {self.step}, {whence} ({self.tensor}: {what})"
 
@@ -87,9 +98,21 @@ def find_entry(r: RankTrace, threshold: float = DEFAULT_THRESHOLD) -> Entry | No
         return None  # one numbered step: nothing to compare with (read no tensor to learn that)
     position = Positions()
     before: dict[tuple, tuple[int, dict[int, dict[str, float]]]] = {}  # op position -> (step, {input: point})
+    args_before: dict[tuple, tuple[int, dict[str, Any]]] = {}  # optimizer op position -> (step, its arguments)
     for op in r:
         if op.step is None:
             return None  # recorded with --step N: one step, no step before to compare with
+        if op.phase == "optimizer":
+            key = position.key(op)
+            args = scalar_args(op)
+            prev = args_before.get(key)
+            if prev is not None and prev[0] != op.step:
+                for name, v in args.items():
+                    w = prev[1].get(name)
+                    if _argument_jumped(v, w, threshold):
+                        return Entry(r.rank, op.step, op.index, op.name, op.module, op.phase, None, None, None,
+                                     "argument", v, w, prev[0], argument=name)
+            args_before[key] = (op.step, args)
         if left_out(op) or op.phase == "optimizer":
             # A filtered op was not replayed. An optimizer's state is its memory of earlier steps and grows several-
             # fold a step at first by design (AdamW's moments); a wrong update shows in the next step's forward,
@@ -117,6 +140,17 @@ def find_entry(r: RankTrace, threshold: float = DEFAULT_THRESHOLD) -> Entry | No
                              *((None, None) if prod is None else (r[prod].name, why_left_out(r[prod]))))
         before[key] = (op.step, points)
     return None
+
+
+def _argument_jumped(v: Any, w: Any, threshold: float) -> bool:
+    """A numeric argument that changed from ``w`` (the step before) to ``v`` by the threshold's worth of log10
+    scale (4x at the default), changed sign, or became zero, NaN or Inf (a learning rate schedule's small steps do
+    not count)."""
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (v, w)) or v == w:
+        return False
+    if not (math.isfinite(v) and math.isfinite(w)) or (v == 0) != (w == 0) or (v < 0) != (w < 0):
+        return True
+    return v != 0 and abs(math.log10(abs(v)) - math.log10(abs(w))) >= threshold * SCALE_FLOOR
 
 
 def _one_step(r: RankTrace) -> int | None:
@@ -165,3 +199,22 @@ def one_step_note(trace: str, report: ReplayReport, options: ReplayOptions) -> s
         return None
     return f"one step ({step}) in this trace: record --steps {step - 1}-{step} to see which input a difference " \
            f"enters through"
+
+
+def no_entry_note(trace: str, report: ReplayReport, options: ReplayOptions,
+                  threshold: float = DEFAULT_THRESHOLD) -> str | None:
+    """For a clean replay of a zoom-in over several numbered steps (recorded with a --module/--op filter, as ``trend``
+    prints it) in which ``find_entry`` found nothing: what it looked for, so that the replay is not read as "nothing
+    changed here". None for any other replay."""
+    ranks = _ranks(report)
+    if not _judged_whole(report, options) or not ranks or \
+            not any(r.data_left_out == LEFT_OUT_FILTERED for r in report.ops):
+        return None
+    r = open_trace(trace).rank(ranks[0])
+    first = next(iter(r), None)
+    if first is None or first.step is None or _one_step(r) is not None:
+        return None
+    factor = 10 ** (threshold * SCALE_FLOOR)
+    return f"no input from outside the replayed ops, and no optimizer argument, changed {factor:.0f}x or more " \
+           f"from one step to the next (steps {first.step}-{r[len(r) - 1].step}): a change that builds up from " \
+           f"smaller ones enters unseen here (trend's table and cause line show how it grew)"

@@ -34,7 +34,8 @@ from replaydiff.replay.flow import follow_nonfinite, stats_slots
 from replaydiff.replay.result import nonfinite_counts
 from replaydiff.replay.runner import computed_by
 from replaydiff.trace import RankTrace
-from replaydiff.trace.schema import LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_FILTERED, MODULE_PARAM, TensorRef, TensorStats, iter_refs
+from replaydiff.trace.schema import (LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_FILTERED, MODULE_PARAM, FlightDump,
+                                     TensorRef, TensorStats, iter_refs)
 
 FORMAT = "replaydiff.trend/1"
 STATISTICS = ("l2", "absmax", "nan", "inf")
@@ -92,10 +93,38 @@ class Trend:
     # The first op (after the first step) that made NaN/Inf from finite inputs which no op keeps: they reach no
     # loss, gradient, parameter or output (a where over a log(0)). Said as information, never a change.
     discarded: Change | None = None
+    command: tuple[str, ...] | None = None  # the command line the trace was recorded from (None: from Python)
+    flight: FlightDump | None = None  # the flight recorder's dump (None: not a flight trace)
 
     @property
     def zoom(self) -> "Zoom | None":
         return None if self.first_change is None else Zoom.of(self.first_change, self.cause)
+
+    @property
+    def late_window(self) -> "LateWindow | None":
+        """For a flight trace whose change is at the earliest step of the window where a change of its kind can be
+        seen at all (NaN/Inf: the second step, against the first; a jump: the step after the MIN_HISTORY steps it is
+        scored against), the window may have begun after the change did, which then hides in the steps it was
+        compared with or before the window. Then: the --flight K that also keeps the ``window`` steps before the
+        window. None otherwise (no change, not a flight trace, a change later in the window, or a window that
+        starts at step 1)."""
+        z, c, f = self.zoom, self.first_change, self.flight
+        if z is None or c is None or f is None:
+            return None
+        held = self.steps  # those of the dump that hold records (a dump at exit lists the empty step in progress)
+        first = held[0]
+        nonfinite = c.statistic in ("nan", "inf")
+        earliest = held[min(1 if nonfinite else MIN_HISTORY, len(held) - 1)]
+        if z.step > earliest or first <= 1:
+            return None
+        gap = min((b - a for a, b in zip(held, held[1:])), default=1) or 1  # flight with --steps A-B:EVERY
+        before = min(self.window, (first - 1) // gap)
+        keep = max(f.keep or 0, len(held)) + before
+        mib = None
+        if f.dropped_for_budget and f.budget_mib:  # memory, not K, cut the window: it needs more of both
+            mib = math.ceil(f.budget_mib * keep / len(held))
+        return LateWindow(z.step, first, held[-1], nonfinite, f.keep, keep, before, f.budget_mib, mib,
+                          f.dropped_for_budget)
 
     @property
     def cause_to_tell(self) -> "Cause | None":
@@ -116,7 +145,8 @@ class Trend:
                 "cause": None if self.cause is None else self.cause.to_json(),
                 "nonfinite_discarded": None if self.discarded is None else self.discarded.to_json(),
                 "zoom": None if z is None else z.to_json(trace),
-                "next": None if z is None else z.commands(trace),
+                "next": None if z is None else z.commands(trace, self.command),
+                "late_window": None if self.late_window is None else self.late_window.to_json(),
                 "series": [s.to_json() for s in self.series]}
 
 
@@ -286,7 +316,8 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
             for name in STATISTICS:
                 s.values[name].append(None if p is None else p[name])
         series.append(s)
-    return Trend(r.rank, steps, series, first, window, threshold, module_glob, n, cause, discarded)
+    return Trend(r.rank, steps, series, first, window, threshold, module_glob, n, cause, discarded, r.command,
+                 r.flight)
 
 
 def _nonfinite(p: dict[str, float]) -> bool:
@@ -401,13 +432,14 @@ class Cause:
     source_text: str | None = None  # the source line's code, as recorded
     from_finite: bool = False  # it made NaN/Inf from inputs that had none
     changed_args: tuple[str, ...] = ()  # its non-tensor arguments that differ from earlier steps: "alpha=-10 (-0.01)"
+    args_since: int | None = None  # the step from which those arguments have held their new values
 
     def to_json(self) -> dict:
         return {"step": self.step, "index": self.index, "op": self.op, "module": self.module, "phase": self.phase,
                 "source": self.source, "source_text": self.source_text, "how": self.how, "statistic": self.statistic,
                 "value": self.value, "baseline": self.baseline, "history": self.history, "position": self.position,
                 "producer": self.producer, "from_finite": self.from_finite,
-                "changed_args": list(self.changed_args)}
+                "changed_args": list(self.changed_args), "args_since": self.args_since}
 
 
 def left_out(op: Any) -> bool:
@@ -484,8 +516,9 @@ def find_cause(r: RankTrace, first: Change, history: _History, threshold: float)
         common = dict(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, source=op.source,
                       source_text=op.source_text, history=len(earlier))
         if not suspects:
+            before = [r[i] for i, _ in earlier]
             return Cause(**common, how="made", statistic=hit[0], value=hit[1], baseline=hit[2],
-                         changed_args=changed_args(op, [r[i] for i, _ in earlier]))
+                         changed_args=changed_args(op, before), args_since=args_changed_at(op, before))
         # Inputs out of line from several writers: the earliest writer is where the change began.
         prod, k, ref, its_past, found = min(suspects, key=lambda x: (x[0], x[1]))
         writer = None if prod < 0 else r[prod]
@@ -531,23 +564,45 @@ def _nonfinite_cause(r: RankTrace, first: Change, history: _History) -> Cause:
                  history=0)
 
 
-def _scalar_args(op: Any) -> dict[str, Any]:
+def scalar_args(op: Any) -> dict[str, Any]:
     """An op's arguments that hold no tensor, by name ("arg K" for a positional one)."""
     named = {f"arg {k}": v for k, v in enumerate(op.args)} | dict(op.kwargs)
     return {k: v for k, v in named.items() if next(iter_refs(v), None) is None}
 
 
 def changed_args(op: Any, earlier: list[Any]) -> tuple[str, ...]:
-    """Op ``op``'s non-tensor arguments whose value it had in none of the ``earlier`` steps' ops at its position, as
-    "name=value (value before)": the optimizer's ``add_`` with ``alpha=-10.0`` where it was ``-0.01`` (a learning
-    rate changed) made a change that no input shows."""
-    past = [_scalar_args(e) for e in earlier]
+    """Op ``op``'s non-tensor arguments whose value differs from the ``earlier`` steps' ops at its position, as
+    "name=value (value before)" where it had that value in none of them, or "name=value from step S on (value
+    before)" where it took that value at step S and kept it: the optimizer's ``add_`` with ``alpha=-10.0`` where it
+    was ``-0.01`` (a learning rate changed) made a change that no input shows, and an update's effect can show a step
+    after the learning rate changed."""
     out = []
-    for name, v in _scalar_args(op).items():
-        before = [a[name] for a in past if name in a]
-        if before and all(b != v for b in before):
-            out.append(f"{name}={v!r} ({before[-1]!r} before)")
+    for name, v, before, since in _arg_changes(op, earlier):
+        out.append(f"{name}={v!r} ({before!r} before)" if since == op.step else
+                   f"{name}={v!r} from step {since} on ({before!r} before)")
     return tuple(out)
+
+
+def args_changed_at(op: Any, earlier: list[Any]) -> int | None:
+    """The earliest step from which op ``op``'s changed non-tensor arguments (``changed_args``) have held their
+    value; None when none changed."""
+    return min((since for *_, since in _arg_changes(op, earlier) if since is not None), default=None)
+
+
+def _arg_changes(op: Any, earlier: list[Any]) -> list[tuple[str, Any, Any, int | None]]:
+    """(name, value, the value before, the step it took this value) of each changed non-tensor argument."""
+    past = [(e.step, scalar_args(e)) for e in earlier]
+    out = []
+    for name, v in scalar_args(op).items():
+        before = [(step, a[name]) for step, a in past if name in a]
+        if not before or before[-1][1] == v and all(b == v for _, b in before):
+            continue
+        if all(b != v for _, b in before):
+            out.append((name, v, before[-1][1], op.step))
+            continue
+        k = max(i for i, (_, b) in enumerate(before) if b != v)  # the last step with another value
+        out.append((name, v, before[k][1], before[k + 1][0] if k + 1 < len(before) else op.step))
+    return out
 
 
 # -- the next command: a closer look at the change -------------------------------------------------------------------
@@ -555,20 +610,25 @@ def changed_args(op: Any, earlier: list[Any]) -> tuple[str, ...]:
 class Zoom:
     """The recording that looks closer at a change: full tensors of its step and the step before (replay compares
     what enters the trace across the two, see docs/replay.md), of the module where it is (the cause's, else the
-    first change's), or of the cause's op name where neither has a module."""
+    first change's), or of the cause's op name where neither has a module. Where the cause is an op whose arguments
+    took new values at an earlier step (a learning rate raised a step before its update showed), that step and the
+    one before it."""
 
     steps: str
     modules: list[str] | None
     ops: list[str] | None
+    step: int  # the step of the change (the last of ``steps``)
 
     @classmethod
     def of(cls, first: Change, cause: Cause | None) -> "Zoom":
         step = cause.step if cause is not None and cause.step is not None else first.step
+        if cause is not None and cause.args_since is not None and cause.args_since < step:
+            step = cause.args_since  # an argument (a learning rate) changed there: replay names it across the two
         module = (cause.module if cause is not None else None) or first.module
         steps = f"{step - 1}-{step}" if step > 1 else f"{step}"
         if module is not None:
-            return cls(steps, [module], None)
-        return cls(steps, None, [cause.op if cause is not None else first.op])
+            return cls(steps, [module], None, step)
+        return cls(steps, None, [cause.op if cause is not None else first.op], step)
 
     def out(self, trace: str) -> str:
         return f"{trace.rstrip('/')}-step{self.steps.rsplit('-', 1)[-1]}"
@@ -577,16 +637,61 @@ class Zoom:
         return {"tensors": "full", "steps": self.steps, "modules": self.modules, "ops": self.ops,
                 "out": self.out(trace)}
 
-    def commands(self, trace: str) -> dict[str, str]:
-        """The record and replay commands (COMMAND stands for the job's own command) and the record call in Python."""
-        out = shlex.quote(self.out(trace))
+    def record_options(self, trace: str) -> str:
+        """The record command up to its ``--``, which the job's command follows."""
         filters = "".join(f" --module {shlex.quote(m)}" for m in self.modules or []) + \
             "".join(f" --op {shlex.quote(o)}" for o in self.ops or [])
+        return f"replaydiff record --tensors full --steps {self.steps}{filters} -o {shlex.quote(self.out(trace))} --"
+
+    def commands(self, trace: str, command: tuple[str, ...] | list[str] | None = None) -> dict[str, str | None]:
+        """The record command (None where the job's ``command`` is not known: a trace recorded from Python), the
+        replay command and the record call in Python."""
+        out = shlex.quote(self.out(trace))
         which = "modules" if self.modules else "ops"
-        return {"record": f"replaydiff record --tensors full --steps {self.steps}{filters} -o {out} -- COMMAND",
+        return {"record": f"{self.record_options(trace)} {shlex.join(command)}" if command else None,
                 "replay": f"replaydiff replay {out}",
                 "python": f"replaydiff.record({self.out(trace)!r}, tensors='full', steps={self.steps!r}, "
                           f"{which}={self.modules or self.ops!r})"}
+
+
+@dataclass(frozen=True)
+class LateWindow:
+    """A flight window (steps ``first``..``last``) that may have begun after the change: the change, at ``step``,
+    is at the earliest step of the window where one of its kind can be seen (Trend.late_window). ``keep``: the
+    --flight K that also holds the ``before`` steps ahead of the window; ``mib``: the --flight-mib that holds them,
+    where memory (not K) dropped older steps."""
+
+    step: int
+    first: int
+    last: int
+    nonfinite: bool  # the change is NaN/Inf appearing (else a jump of l2 or absmax)
+    was: int | None  # the --flight K recorded with
+    keep: int
+    before: int
+    was_mib: float | None
+    mib: int | None
+    dropped: int
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "first_step": self.first, "last_step": self.last, "flight": self.keep,
+                "steps_before": self.before, "flight_mib": self.mib}
+
+    def describe(self) -> str:
+        was = f" (it was {self.was})" if self.was else ""
+        flags = f"--flight {self.keep}{was}"
+        if self.mib is not None:
+            flags += f" --flight-mib {self.mib} ({self.dropped} older step(s) were dropped to stay within " \
+                     f"{self.was_mib:g} MiB)"
+        if self.step == self.first:
+            where = "its first step, so nothing before it was compared"
+        elif self.nonfinite:
+            where = "the earliest step where trend can see NaN/Inf appear (against the step before)"
+        else:
+            where = f"the earliest step where trend can see a jump (it compares a step with the {MIN_HISTORY} or " \
+                    f"more before it)"
+        return f"the flight window ({self.first}..{self.last}) may have begun too late: the change is at step " \
+               f"{self.step}, {where}; record again with {flags} to keep the {self.before} " \
+               f"step{'' if self.before == 1 else 's'} before step {self.first} as well"
 
 
 # -- text -----------------------------------------------------------------------------------------------------------
@@ -700,6 +805,8 @@ def render_trend(t: Trend, out: TextIO, width: int = 60, trace: str = "TRACE") -
         out.write(f"first change: {describe_change(c)}\n")
         if t.cause_to_tell is not None:
             out.write(f"cause: {describe_cause(t.cause_to_tell)}\n")
+        if t.late_window is not None:
+            out.write(t.late_window.describe() + "\n")
     d = t.discarded
     if d is not None:
         out.write(f"NaN/Inf made and discarded (not a change): {describe_change(d)}, and no op keeps them: they reach "
@@ -720,11 +827,16 @@ def next_lines(t: Trend, trace: str = "TRACE") -> list[str]:
     z = t.zoom
     if z is None:
         return []
-    cmd = z.commands(trace)
-    return [f"Next: record steps {z.steps} in full around the change, then replay them (replay says whether an op "
-            f"there computes wrongly, or through which input the change enters):",
-            f"  {cmd['record']}", f"  {cmd['replay']}",
-            f"(COMMAND: the training command {trace} was recorded from; in Python: {cmd['python']})"]
+    cmd = z.commands(trace, t.command)
+    lines = [f"Next: record steps {z.steps} in full around the change, then replay them (replay says whether an op "
+             f"there computes wrongly, else through which input or optimizer argument a change of 4x or more from "
+             f"one step to the next enters):"]
+    if cmd["record"] is not None:
+        return lines + [f"  {cmd['record']}", f"  {cmd['replay']}"]
+    return lines + [f"  {z.record_options(trace)}", f"  {cmd['replay']}",
+                    f"(after the record command's `--`, type the command that runs your training: {trace} holds none, "
+                    f"as it was recorded from Python (or by an older replaydiff); or record from Python: "
+                    f"{cmd['python']})"]
 
 
 def table_lines(t: Trend, width: int) -> list[str]:

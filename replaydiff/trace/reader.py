@@ -41,10 +41,11 @@ from replaydiff.trace.format import (
 )
 from replaydiff.trace.damage import MissingOps, find_missing
 from replaydiff.trace.index import IndexBuilder, ModuleNode, TraceIndex
-from replaydiff.trace.schema import (CompiledRegion, Environment, LeftOut, OpRecord, PlantedFaultInfo,
+from replaydiff.trace.schema import (CompiledRegion, Environment, FlightDump, LeftOut, OpRecord, PlantedFaultInfo,
                                      RecordedOptions, RngState, StoredBytes, TensorRef, check_chunk, check_entered,
-                                     left_out_from_manifest, manifest_bytes_written, manifest_last_op,
-                                     manifest_metadata, manifest_ops_files, manifest_stopped, plant_from_wire)
+                                     left_out_from_manifest, manifest_bytes_written, manifest_command,
+                                     manifest_flight, manifest_last_op, manifest_metadata, manifest_ops_files,
+                                     manifest_stopped, plant_from_wire)
 from replaydiff.trace.sources import SourceLine, locate, split_location
 
 
@@ -220,6 +221,18 @@ class RankTrace(Sequence):
         ops kept statistics only and how many bytes of tensor data were not stored. Empty: nothing was left out
         (or the recording never finished; each op's ``data_left_out`` still says)."""
         return left_out_from_manifest(self.manifest)
+
+    @property
+    def command(self) -> tuple[str, ...] | None:
+        """The command line the trace was recorded from (``replaydiff record -- python train.py``), or None: recorded
+        from Python (``with replaydiff.record(...)``), or by an older replaydiff."""
+        return manifest_command(self.manifest)
+
+    @property
+    def flight(self) -> FlightDump | None:
+        """What the flight recorder said of its dump (why it wrote, the steps it held, its K), or None: the trace was
+        not written by the flight recorder."""
+        return manifest_flight(self.manifest)
 
     @property
     def world_size(self) -> int:

@@ -1019,6 +1019,9 @@ _M_COMPILED, _M_UNSEEN, _M_OPS_SEEN, _M_SECONDS, _M_DISABLED, _M_CUSTOM, _M_SOUR
     "planted")
 _M_DATA_BYTES = "data_bytes"  # what the writer wrote into ops/ and data/ (trace/writer.py RankWriter.close)
 _M_OPS_WRITTEN, _M_LAST_OP = "ops_written", "last_op"  # op records written, and the last one's number
+# The job's command line, as given to `replaydiff record -- CMD` (absent from the Python API and from older traces):
+# what `trend` puts in the record command of its zoom-in.
+_M_COMMAND = "command"
 # Environment keys (record/environment.py builds the snapshot through wire_environment and wire_device).
 _E_FLAGS, _E_VARIABLES, _E_DEVICES = "flags", "variables", "devices"
 _E_SCALARS = ("torch", "python", "platform", "hostname", "rank", "world_size", "cuda", "cudnn", "nccl",
@@ -1252,10 +1255,56 @@ def compiled_regions_from_wire(v: Any) -> list[CompiledRegion]:
 
 
 def wire_manifest(rank: int, world_size: int, environment: dict, options: dict, started_at: float,
-                  source_root: str | None) -> dict:
-    """The manifest a rank's recording starts with."""
+                  source_root: str | None, command: list[str] | None = None) -> dict:
+    """The manifest a rank's recording starts with; ``command``: the job's command line where the recording was
+    made by ``replaydiff record -- CMD`` (None: from Python, where there is no such line)."""
     return {_M_RANK: rank, _M_WORLD: world_size, _M_ENV: environment, _M_OPTIONS: options,
-            _M_STARTED: started_at, _M_ROOT: source_root}
+            _M_STARTED: started_at, _M_ROOT: source_root,
+            **({_M_COMMAND: list(command)} if command is not None else {})}
+
+
+# The flight recorder's entry (record/flight.py writes it through wire_flight when it dumps its ring).
+_M_FLIGHT = "flight"
+_F_REASON, _F_STEPS, _F_KEEP, _F_MIB, _F_HELD, _F_DROPPED = (
+    "reason", "steps", "keep", "budget_mib", "held_bytes", "dropped_for_budget")
+
+
+def wire_flight(reason: str, steps: list[int], keep: int, budget_mib: float, held_bytes: int,
+                dropped_for_budget: int) -> dict:
+    """The manifest entry of a flight recorder's dump: why it wrote, the steps it held, its K and memory."""
+    return {_M_FLIGHT: {_F_REASON: reason, _F_STEPS: steps, _F_KEEP: keep, _F_MIB: budget_mib, _F_HELD: held_bytes,
+                        _F_DROPPED: dropped_for_budget}}
+
+
+@dataclass(frozen=True)
+class FlightDump:
+    """What a flight recorder's trace says of its dump (None where a field is absent or mistyped)."""
+    reason: str | None
+    steps: tuple[int, ...]
+    keep: int | None  # --flight K
+    budget_mib: float | None  # --flight-mib
+    dropped_for_budget: int  # older steps dropped to stay within budget_mib
+
+
+def manifest_flight(manifest: dict) -> FlightDump | None:
+    """The flight recorder's entry of a manifest; None for a trace not written by the flight recorder."""
+    d = manifest.get(_M_FLIGHT)
+    if not isinstance(d, dict):
+        return None
+    steps = d.get(_F_STEPS)
+    return FlightDump(_typed(d.get(_F_REASON), str),
+                      tuple(x for x in steps if _typed(x, int) is not None) if isinstance(steps, list) else (),
+                      _typed(d.get(_F_KEEP), int), _typed(d.get(_F_MIB), (int, float)),
+                      _typed(d.get(_F_DROPPED), int) or 0)
+
+
+def manifest_command(manifest: dict) -> tuple[str, ...] | None:
+    """The command line the trace was recorded from (``replaydiff record -- CMD``); None when the trace does not hold
+    one (recorded from Python, or by a replaydiff that did not store it)."""
+    v = manifest.get(_M_COMMAND)
+    if not isinstance(v, list) or not v or not all(isinstance(x, str) for x in v):
+        return None
+    return tuple(v)
 
 
 def wire_closing_facts(compiled_regions: list[dict], unseen_writes: int, ops_seen: int,

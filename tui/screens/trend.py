@@ -19,9 +19,11 @@ from replaydiff.report.trend import Trend, describe_cause, describe_change, next
 
 CHANGE_ID = "first-change"
 CAUSE_ID = "cause"
+LATE_ID = "late-window"  # a flight window that may have begun after the change
 HEADER_ID = "table-header"
 COMMAND_IDS = ("next-1", "next-2")  # next_lines: the explanation (next-0), record, replay, the note (next-3)
-STYLES = {CHANGE_ID: "bold red", CAUSE_ID: "bold yellow", HEADER_ID: "bold", **{i: "cyan" for i in COMMAND_IDS}}
+STYLES = {CHANGE_ID: "bold red", CAUSE_ID: "bold yellow", LATE_ID: "yellow", HEADER_ID: "bold",
+          **{i: "cyan" for i in COMMAND_IDS}}
 SPARK_WIDTH = 40  # the last this many steps in a row's sparkline
 
 
@@ -43,8 +45,8 @@ class TrendScreen(ModalScreen[int | None]):
         self.trace = trace
 
     def lines(self) -> list[tuple[str, str | None]]:
-        """(text, option id) of every line of the list: the first change, its cause, the next commands, the header,
-        one row per series."""
+        """(text, option id) of every line of the list: the first change, its cause, a flight window that may have
+        begun too late, the next commands, the header, one row per series."""
         t, c = self.trend, self.trend.first_change
         if c is None:
             top = [(f"no sudden change (robust z-score >= {t.threshold:g} against the {t.window} steps before)", None)]
@@ -53,6 +55,8 @@ class TrendScreen(ModalScreen[int | None]):
         cause = t.cause_to_tell
         if cause is not None:
             top.append((f"▶ cause: {describe_cause(cause)}  (Enter or c: go to #{cause.index})", CAUSE_ID))
+        if t.late_window is not None:
+            top.append((t.late_window.describe(), LATE_ID))
         nxt = [(line, f"next-{k}") for k, line in enumerate(next_lines(t, self.trace))]
         header, *rows = table_lines(t, SPARK_WIDTH)
         return [*top, *nxt, (header, HEADER_ID), *((line, None) for line in rows)]
