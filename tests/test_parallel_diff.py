@@ -237,3 +237,23 @@ def test_rank_picks_one_rank_op_by_op_without_mapping(runs):
 
     one = diff_traces(runs[1] / "manual", runs[2] / "manual", DiffOptions(rank=1))
     assert one.parallel is None and [rd.target_rank for rd in one.ranks] == [1]
+
+
+def test_the_tui_s_diff_mode_colours_every_rank_s_rows_from_the_mapping(runs):
+    from replaydiff.replay.result import Status
+    from replaydiff.tui.diff_mode import diff_results
+
+    report = diff_traces(runs[1] / "double", runs[2] / "double")
+    d = report.parallel.departure
+    rows = diff_results(report)
+    divergent = sorted((r.rank, r.index) for r in rows if r.status is Status.DIVERGENT)
+    assert divergent == [(rank, index) for rank, index in enumerate(d.op.targets)]
+    ok = diff_results(diff_traces(runs[1] / "manual", runs[2] / "manual"))
+    assert ok and {r.rank for r in ok} == {0, 1} and all(r.status is Status.OK for r in ok)
+
+
+def test_two_parallel_runs_of_different_world_sizes_are_refused_in_one_line(runs, capsys):
+    capsys.readouterr()
+    assert main(["diff", str(runs[2] / "manual"), str(runs[4] / "manual")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a 2-rank run against a 4-rank run is not mapped" in err

@@ -23,6 +23,8 @@ ROW_STATUS: dict[PairStatus, RowStatus] = {PairStatus.SAME: Status.OK, PairStatu
 def diff_results(report: Any) -> list[RowResult]:
     """Rows for every target rank the report diffed (the first rank pair per target rank wins: a single-process
     target diffed against several reference ranks shows the lowest)."""
+    if getattr(report, "parallel", None) is not None:
+        return parallel_rows(report.parallel)
     out: list[RowResult] = []
     seen: set[int] = set()
     for rd in report.ranks:
@@ -56,3 +58,24 @@ def unit_lead(unit: UnitPair) -> int | None:
     if unit.side == "target" or not unit.eager:
         return None
     return unit.part.eager if unit.part is not None else unit.eager[0]
+
+
+def parallel_rows(pd: Any) -> list[RowResult]:
+    """A parallel run mapped onto the single process: each aligned op's row on every rank, ok when its values fit
+    a layout a correct run has, divergent where the runs part, inherited after; the layout is the row's figure."""
+    out: list[RowResult] = []
+    first = pd.departure.op.ref if pd.departure is not None else None
+    for op in pd.ops:
+        if not op.tensors:
+            continue
+        if op.ref == first:
+            status, reason = Status.DIVERGENT, pd.departure.why
+        elif op.ref in pd.parted:
+            status, reason = PairStatus.INHERITED, "parts from the reference after the first op that does"
+        else:
+            status, reason = Status.OK, None
+        shown = next((t for t in op.tensors if t.kind == "out"), op.tensors[0])
+        figure = shown.layout.describe() if shown.layout is not None else "no layout"
+        for rank, index in enumerate(op.targets):
+            out.append(RowResult(rank, index, status, None, figure, None, reason or figure, False, None, 0))
+    return out

@@ -343,7 +343,14 @@ def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: D
     bt = None if baseline is None else (baseline if isinstance(baseline, Trace) else open_trace(baseline))
     for t in (rt, tt) if bt is None else (rt, tt, bt):
         t.check_whole()  # ops gone from either trace would shift the alignment: name the file, exit 3
-    pairs = rank_pairs(rt.ranks, tt.ranks, opts.rank, _world_size(rt), _world_size(tt))
+    rw, tw = _world_size(rt), _world_size(tt)
+    if opts.rank is None and 1 < rw != tw > 1:
+        # rank r of one layout holds other slices and shards than rank r of the other: pairing by number would
+        # call every one of them a difference
+        raise UsageError(f"a {rw}-rank run against a {tw}-rank run is not mapped onto each other (only a "
+                         f"single-process run against a parallel one is): diff each against a single-process run of "
+                         f"the same script, or compare one rank op by op with --rank N")
+    pairs = rank_pairs(rt.ranks, tt.ranks, opts.rank, rw, tw)
     report = DiffReport(ref=str(rt.path), target=str(tt.path), options=opts.to_dict(),
                         baseline=None if bt is None else str(bt.path))
     if opts.rank is None:

@@ -102,6 +102,7 @@ class ParallelDiff:
     worst: float = 0.0  # the largest rel_l2 / eps among the tensors that map
     departure: ParallelDeparture | None = None
     ops: list[MappedOp] = field(default_factory=list)
+    parted: set[int] = field(default_factory=set)  # reference ops whose tensors fit no layout a correct run has
 
     @property
     def departed(self) -> bool:
@@ -287,6 +288,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         if not bad:
             continue
         departed.add(i)
+        out.parted.add(i)
         if first is not None or from_departed:
             inherited += first is not None
             continue
