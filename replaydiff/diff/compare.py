@@ -20,7 +20,7 @@ the op the cause.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -30,8 +30,13 @@ from replaydiff.compare.metrics import ExactMismatch, FloatError, Measure, Nonfi
 from replaydiff.compare.notes import Note, render, verdict_reason
 from replaydiff.compare.tolerance import Tolerances, reduction_length
 from replaydiff.compare.verdict import Verdict, judge_measure
-from replaydiff.diff.notes import CarriedFromStep, DiffFact, InputDiffered, PlainArgsDiffer, TensorInputCount
+from replaydiff.diff.notes import (CarriedFromStep, DiffFact, InputDiffered, PlainArgsDiffer, RightGivenOwnInputs,
+                                   TensorInputCount, WrongGivenOwnInputs)
 from replaydiff.diff.result import Evidence, Origin, OriginKind, PairResult, PairStatus, weakest
+from replaydiff.replay.compared import named_output
+from replaydiff.replay.policy import ReplayOptions
+from replaydiff.replay.result import OpResult, Status
+from replaydiff.replay.runner import OpReplayer
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import Opaque, OpRecord, TensorRef, TensorStats, iter_refs
 
@@ -190,14 +195,22 @@ class PairComparer:
     """Compares aligned op pairs of one rank pair, in op order, remembering tensor comparisons already made (an
     op's input is usually an earlier op's output, judged there)."""
 
-    def __init__(self, ref: RankTrace, target: RankTrace, judge: Judge) -> None:
+    def __init__(self, ref: RankTrace, target: RankTrace, judge: Judge,
+                 cast_from: tuple[dict[int, TensorRef], dict[int, TensorRef]] = ({}, {})) -> None:
         self.ref = ref
         self.target = target
         self.judge = judge
+        # Per side, storage versions made by casting a coarser tensor up (autocast's cast back to float32, on one
+        # side only): the cast is exact, so such a tensor is compared as the coarser one it was cast from.
+        self.cast_from = cast_from
         self._seen: dict[tuple, tuple[Compared | None, Verdict | None]] = {}
+        self._replayers: tuple[OpReplayer, OpReplayer] | None = None
 
     def tensor_verdict(self, r: TensorRef, t: TensorRef, k: int, where: Where) -> tuple[Compared | None,
                                                                                          Verdict | None]:
+        src_r, src_t = self.cast_from[0].get(r.version), self.cast_from[1].get(t.version)
+        if (src_r is not None or src_t is not None) and tuple((src_r or r).shape) == tuple((src_t or t).shape):
+            return self.tensor_verdict(src_r or r, src_t or t, k, where)
         key = (r.geometry, t.geometry)
         hit = self._seen.get(key)
         if hit is not None:
@@ -215,11 +228,45 @@ class PairComparer:
         outs = self._outputs(rop, top)
         status, notes, inherited_from = _decide(ins, outs, carries_step_inputs,
                                                 lambda pos: origin_of(top.index, pos))
+        verdict, explained = outs.verdict, False
+        if status is PairStatus.DIVERGENT and ins.agree and outs.evidence and \
+                all(e is Evidence.FULL for e in outs.evidence):
+            replayed = self._replayed(rop, top)
+            if replayed is not None and all(r.status is Status.OK for r in replayed):
+                status, notes, explained = PairStatus.SAME, (RightGivenOwnInputs(ins.exact),), True
+                verdict = replace(verdict, divergent=False, reason=None) if verdict is not None else None
+                self._agree(rop, top)
+            elif replayed is not None:
+                wrong = [(side, r) for side, r in zip(("ref", "target"), replayed) if r.status is Status.DIVERGENT]
+                if wrong:
+                    said = next((r.reason for _, r in wrong if r.reason), "over its limits")
+                    notes = notes[:-1] + (WrongGivenOwnInputs("both" if len(wrong) == 2 else wrong[0][0], said),
+                                          notes[-1])
         return PairResult(ref=rop.index, target=top.index, op=rop.name, status=status, module=rop.module,
                           phase=rop.phase, source=rop.source, forward_index=rop.forward_index,
                           target_op=top.name if top.name != rop.name else None, evidence=weakest(outs.evidence),
-                          inputs_agree=ins.agree, verdict=outs.verdict, reason=render(notes),
-                          inherited_from=inherited_from, dtypes=outs.dtypes)
+                          inputs_agree=ins.agree, verdict=verdict, reason=render(notes),
+                          inherited_from=inherited_from, dtypes=outs.dtypes, explained=explained)
+
+    def _replayed(self, rop: OpRecord, top: OpRecord) -> tuple[OpResult, OpResult] | None:
+        """Each side's op replayed alone from its own recorded inputs, as ``replay`` does (CPU, float64, the diff's
+        limits, an ill-conditioned op judged against its own error at its dtype); None when either cannot be."""
+        if self._replayers is None:
+            opts = ReplayOptions(device="cpu", precision="fp64", tolerances=self.judge.tolerances)
+            self._replayers = (OpReplayer(self.ref, opts), OpReplayer(self.target, opts))
+        results = (self._replayers[0].replay(rop), self._replayers[1].replay(top))
+        if any(r.status not in (Status.OK, Status.DIVERGENT) for r in results):  # skipped, error: not judged
+            return None
+        return results
+
+    def _agree(self, rop: OpRecord, top: OpRecord) -> None:
+        """The pair's outputs count as agreeing from here on: the ops reading them start from values that differ
+        only as two right ops' results may."""
+        for r, t in zip(rop.outputs_refs(), top.outputs_refs()):
+            key = (r.geometry, t.geometry)
+            c, v = self._seen.get(key, (None, None))
+            if v is not None and v.divergent:
+                self._seen[key] = (c, replace(v, divergent=False, reason=None))
 
     def _inputs(self, rop: OpRecord, top: OpRecord) -> "_InputsSeen":
         """Do the two ops start from the same values (tensors first, then plain arguments and generator state)?"""
@@ -266,7 +313,7 @@ class PairComparer:
             if r.dtype != t.dtype and dtypes is None:
                 dtypes = (r.dtype, t.dtype)
             if v is not None:
-                judged.append(v)
+                judged.append(named_output(v, rop, pos))
         return _OutputsSeen(tuple(judged), tuple(evidence), dtypes)
 
 

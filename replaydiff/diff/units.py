@@ -35,6 +35,7 @@ from replaydiff.diff.align import Alignment, module_key
 from replaydiff.diff.compare import PairComparer, coarser_dtype, op_reduction_k
 from replaydiff.diff.notes import (DiffFact, NodesUnmatched, UnitInputDiffered, UnitNotLocalised, UnitRecompiled)
 from replaydiff.diff.result import PairStatus, UnitPair, UnitPart
+from replaydiff.replay.compared import named_output
 from replaydiff.replay.policy import target_dtype
 from replaydiff.replay.unit import Graph, Refused, compile_device, compile_graph
 from replaydiff.trace.reader import RankTrace
@@ -69,6 +70,27 @@ def _flat(v: Any) -> Iterator[Any]:
         yield v
 
 
+def _getitem(n: UnitNode) -> tuple[int, int] | None:
+    """(the node it reads, which output) for ``operator.getitem`` of a multi-output node, else None."""
+    if n.kind == NODE_CALL and n.target == "operator.getitem" and len(n.args) == 2 and \
+            isinstance(n.args[0], NodeRef) and isinstance(n.args[1], int):
+        return n.args[0].index, n.args[1]
+    return None
+
+
+def _held(info: UnitInfo, value_of: dict[int, "Match"], g: Any) -> tuple["Match", int] | None:
+    """Which eager op's output the graph value ``g`` (a NodeRef) is: (the match, output position). A getitem of a
+    multi-output node (aot_eager's native_layer_norm) is that node's output k; a match's value node is output 0."""
+    if not isinstance(g, NodeRef):
+        return None
+    item = _getitem(info.nodes[g.index])
+    if item is not None:
+        m = value_of.get(item[0])
+        return None if m is None else (m, item[1])
+    m = value_of.get(g.index)
+    return None if m is None else (m, 0)
+
+
 def _tensor_args(info: UnitInfo, nodes: tuple[int, ...]) -> list[int]:
     """The graph positions a run of nodes reads from outside itself (inputs, constants, earlier nodes), in the order
     of first reading: the eager op's tensor inputs, in its input order."""
@@ -85,7 +107,8 @@ def _tensor_args(info: UnitInfo, nodes: tuple[int, ...]) -> list[int]:
 def map_nodes(info: UnitInfo, eager: list[OpRecord]) -> tuple[list[Match], list[int], list[int]]:
     """The unit's call nodes mapped onto eager ops: (matches in graph order, unmatched node positions, unmatched
     eager op numbers). See the module docstring, step 2."""
-    calls = [i for i, n in enumerate(info.nodes) if n.kind == NODE_CALL]
+    # A getitem picks an output of the node before it: it stands for no eager op of its own (see _held)
+    calls = [i for i, n in enumerate(info.nodes) if n.kind == NODE_CALL and _getitem(n) is None]
     names_n = [str(info.nodes[i].target) for i in calls]
     names_e = [op.name for op in eager]
     matches: list[Match] = []
@@ -125,6 +148,8 @@ def map_nodes(info: UnitInfo, eager: list[OpRecord]) -> tuple[list[Match], list[
                 left_e.append(op.index)
         left_n.extend(run[pos:])
     matches.sort(key=lambda m: m.value)
+    values = {m.value for m in matches}
+    left_n += [i for i, n in enumerate(info.nodes) if (item := _getitem(n)) is not None and item[0] not in values]
     return matches, sorted(left_n), sorted(left_e)
 
 
@@ -213,16 +238,17 @@ def diff_unit(op: OpRecord, eager: list[OpRecord], side: _Sides) -> tuple[UnitPa
     recorded_out = list(_flat(op.outputs))
     judged: list[tuple[int, Verdict]] = []  # (node position, verdict)
     for pos, (ref, rec) in enumerate(zip(outs, recorded_out)):
-        m = value_of.get(ref.index) if isinstance(ref, NodeRef) else None
-        if m is None or not isinstance(rec, TensorRef):
+        held = _held(info, value_of, ref)
+        if held is None or not isinstance(rec, TensorRef):
             continue
+        m, k = held
         e = by_index[m.eager]
         e_outs = e.outputs_refs()
-        if len(e_outs) != 1:  # which of several outputs the node is, is not known
+        if k >= len(e_outs):
             continue
-        v = side.refs(rec, e_outs[0], op_reduction_k(e), _eager_where(side, e.index, "out", 0))
+        v = side.refs(rec, e_outs[k], op_reduction_k(e), _eager_where(side, e.index, "out", k))
         if v is not None:
-            judged.append((ref.index, v))
+            judged.append((ref.index, named_output(v, e, k)))
     bad = [(i, v) for i, v in judged if v.divergent]
     part: UnitPart | None = None
     verdict = bad[0][1] if bad else max((v for _, v in judged), key=lambda v: v.severity) if judged else None
@@ -250,7 +276,9 @@ def diff_unit(op: OpRecord, eager: list[OpRecord], side: _Sides) -> tuple[UnitPa
     pair = UnitPair(side="ref" if side.unit_is_ref else "target", unit=op.index, op=op.name, region=info.region,
                     backend=info.backend, phase=op.phase, status=status,
                     eager=tuple(sorted(m.eager for m in matches)), nodes=len(info.calls()), matched=sum(
-                        len(m.nodes) for m in matches), unmatched_nodes=tuple(info.nodes[i].name for i in left_n),
+                        len(m.nodes) for m in matches) + sum(_held(info, value_of, NodeRef(i)) is not None for i, n in
+                                                           enumerate(info.nodes) if _getitem(n) is not None),
+                    unmatched_nodes=tuple(info.nodes[i].name for i in left_n),
                     unmatched_eager=tuple(left_e), verdict=verdict, part=part, reason=render(notes))
     return pair, matches
 
@@ -311,10 +339,18 @@ def _localise(op: OpRecord, info: UnitInfo, matches: list[Match], by_index: dict
                     inputs_agree = False
                     break
         e_outs = e.outputs_refs()
-        if not inputs_agree or len(e_outs) != 1:
+        if not inputs_agree:
             continue
-        v = side.live(_first_tensor(env.get(m.value)), e_outs[0], op_reduction_k(e),
-                      _eager_where(side, e.index, "out", 0))
+        # A multi-output node (aot_eager's native_layer_norm) holds a value per eager output; a decomposed run's
+        # last node holds the eager op's output 0.
+        got = env.get(m.value)
+        values = list(got) if isinstance(got, (list, tuple)) else [got]
+        v = None
+        for k, (value, e_out) in enumerate(zip(values, e_outs)):
+            v = side.live(_first_tensor(value), e_out, op_reduction_k(e), _eager_where(side, e.index, "out", k))
+            if v is not None and v.divergent:
+                v = named_output(v, e, k)
+                break
         if v is not None and v.divergent:
             module = next((info.nodes[i].module for i in m.nodes if info.nodes[i].module), None)
             within = _earliest_node(g, m.nodes, env, convert, side.comparer.judge.tolerances) \
