@@ -117,7 +117,8 @@ def _rank_block(rd: RankDiff, many: bool, out: TextIO, max_listed: int) -> None:
             out.write(f"  no aligned op introduced a difference; differences enter from {origin}, first seen at "
                       f"{pair_line(diff)}\n")
         elif not any(u.status in (PairStatus.DIVERGENT, PairStatus.INHERITED) for u in rd.units):
-            out.write("  no difference: every compared op pair agrees within tolerance\n")
+            out.write("  no op introduced a difference: every other compared op pair agrees within tolerance\n" if explained
+                      else "  no difference: every compared op pair agrees within tolerance\n")
     runs = sorted(rd.ref_only + rd.target_only, key=lambda u: (u.first, u.side))  # roughly in step order
     if runs:
         out.write(f"  structural differences ({len(runs)} run(s) of unaligned ops):\n")
