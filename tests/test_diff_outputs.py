@@ -111,7 +111,7 @@ def test_replay_and_diff_name_the_output_of_a_planted_layer_norm_backward(tmp_pa
     assert lines[at].startswith(f"first divergent op #{culprit} {LN_BACKWARD}"), lines[at]
     assert lines[at + 1].startswith("  output 0 (grad_input): max_abs/(eps*absmax) "), lines[at + 1]
     op = next(o for o in json.loads((tmp_path / "r.json").read_text())["ops"] if o["index"] == culprit)
-    assert op["metrics"]["output"] == {"index": 0, "role": "grad_input", "of": 3}
+    assert op["metrics"]["output"] == {"index": 0, "role": "grad_input", "outputs": 3}
 
     proc = _run(capsys, "diff", str(clean), str(faulty), "--json", str(tmp_path / "d.json"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -121,7 +121,7 @@ def test_replay_and_diff_name_the_output_of_a_planted_layer_norm_backward(tmp_pa
     assert lines[at + 1].startswith("    output 0 (grad_input): max_abs/(eps*absmax) "), lines[at + 1]
     first = json.loads((tmp_path / "d.json").read_text())["first_divergent"]
     assert first["index"]["target"] == culprit
-    assert first["metrics"]["output"] == {"index": 0, "role": "grad_input", "of": 3}
+    assert first["metrics"]["output"] == {"index": 0, "role": "grad_input", "outputs": 3}
 
 
 def test_a_fault_in_one_output_is_named_with_that_output(tmp_path, capsys):

@@ -149,7 +149,7 @@ def source_context(trace: Any, op: Any, around: int = 2) -> list[str]:
 def _output_line(m: dict) -> list[str]:
     """Which of the op's results the figures below judge, when it has several (``output 1 (mean) of 3``)."""
     said = output_said(m)
-    return [f"  judged: [bold]{esc(said.rstrip(': '))}[/] of {m['output']['of']}"] if said else []
+    return [f"  judged: [bold]{esc(said.rstrip(': '))}[/] of {m['output']['outputs']}"] if said else []
 
 
 def verdict_lines(result: RowResult | None) -> list[str]:

@@ -53,7 +53,7 @@ class OutputName:
 
     index: int
     role: str | None
-    of: int
+    outputs: int
 
     def label(self) -> str:
         """``output 1 (mean)``."""
@@ -61,14 +61,14 @@ class OutputName:
 
     def said(self) -> str:
         """The label as a line's prefix (``output 1 (mean): ``), empty for an op with a single result."""
-        return f"{self.label()}: " if self.of > 1 else ""
+        return f"{self.label()}: " if self.outputs > 1 else ""
 
     def to_json(self) -> dict:
-        return {"index": self.index, "role": self.role, "of": self.of}
+        return {"index": self.index, "role": self.role, "outputs": self.outputs}
 
     @classmethod
     def from_json(cls, d: Any) -> "OutputName | None":
-        return cls(d["index"], d.get("role"), d.get("of", 1)) if isinstance(d, dict) and "index" in d else None
+        return cls(d["index"], d.get("role"), d.get("outputs", 1)) if isinstance(d, dict) and "index" in d else None
 
 
 @dataclass(frozen=True)

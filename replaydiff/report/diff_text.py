@@ -89,7 +89,7 @@ def _rank_block(rd: RankDiff, many: bool, out: TextIO, max_listed: int) -> None:
     if explained:
         e = explained[0]
         judged = f"  {e.verdict.output.label()}" if e.verdict is not None and e.verdict.output is not None and \
-            e.verdict.output.of > 1 else ""
+            e.verdict.output.outputs > 1 else ""
         out.write(f"  {len(explained)} pair(s) differ beyond the fixed limits yet each side's op, replayed here from "
                   f"its own inputs, is right (counted same); first {pair_line(e)}{judged}\n")
     for u in rd.units:
