@@ -384,10 +384,10 @@ class OpReplayer:
             # so the op's figures a reader takes for a divergence come with why they are not one.
             n, verdict = max(judged, key=lambda nv: (nv[1].explanation is not None, nv[1].severity))
             notes = verdict_reason(verdict.explanation)
-        if verdict is not None and len(pairs) > 1:  # which of the op's results the figures are of
-            verdict = replace(verdict, output=output_name(op, pairs[n][0]))
         else:
             notes = (ReplayFact.SCALAR_EXACT if pairs else ReplayFact.NOTHING_TO_COMPARE,)
+        if verdict is not None and len(pairs) > 1:  # which of the op's results the figures are of
+            verdict = replace(verdict, output=output_name(op, pairs[n][0]))
         if left_out:
             notes += (LeftOut(left_out, uninitialised=bool(allocators)),)
         # evidence of a non-deterministic kernel, whatever the status
