@@ -8,6 +8,7 @@ read back from the traces.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 from pathlib import Path
@@ -314,3 +315,34 @@ def test_an_eager_layer_norm_of_an_inductor_centred_input_is_no_divergence(tmp_p
     assert "first divergence" not in proc.stdout
     ln = diff_traces(eager, compiled).ranks[0].by_target[_index(compiled, LN)]
     assert ln.status is PairStatus.SAME and ln.verdict.output.role in ("out", "mean", "rstd")
+
+
+def test_a_compiled_layer_norm_of_a_differently_rounded_centred_input_is_no_divergence(tmp_path, capsys):
+    """The LayerNorm compiled alone (aot_eager: one unit per call, its mean a getitem of native_layer_norm), the
+    centring before it summing the other way round in the target (its mean rounds otherwise): the unit's mean output,
+    ~1e-8, differs far beyond the fixed limits from the eager mean, and the unit and the eager op are each right
+    given their own inputs."""
+    def step(path: Path, compiled: bool) -> Path:
+        model = _Centred()
+        ln = torch.compile(model.ln, backend="aot_eager") if compiled else model.ln
+        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+        torch._dynamo.reset()
+        try:
+            with record(path):
+                h = model.inp(x)
+                centre = h.flip(-1).mean(-1, keepdim=True) if compiled else h.mean(-1, keepdim=True)
+                model.head(ln(h - centre)).square().mean().backward()
+        finally:
+            torch._dynamo.reset()
+        return path
+
+    eager, compiled = step(tmp_path / "eager", False), step(tmp_path / "compiled", True)
+    rd = diff_traces(eager, compiled).ranks[0]
+    fw = next(u for u in rd.units if u.op == "compiled.unit.forward")
+    assert fw.eager == (_index(eager, LN),) and fw.status is PairStatus.SAME, (fw.status, fw.reason)
+    assert fw.verdict.output.role == "mean" and fw.verdict.measure.norm_max > 1e4, fw.verdict
+    assert "each side's op replayed here from its own inputs is right" in fw.reason
+    bw = next(u for u in rd.units if u.op == "compiled.unit.backward")
+    assert bw.eager == (_index(eager, LN_BACKWARD),) and bw.status is PairStatus.SAME, (bw.status, bw.reason)
+    proc = _run(capsys, "diff", str(eager), str(compiled))
+    assert proc.returncode == 0, proc.stdout

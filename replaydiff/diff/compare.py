@@ -251,13 +251,22 @@ class PairComparer:
     def _replayed(self, rop: OpRecord, top: OpRecord) -> tuple[OpResult, OpResult] | None:
         """Each side's op replayed alone from its own recorded inputs, as ``replay`` does (CPU, float64, the diff's
         limits, an ill-conditioned op judged against its own error at its dtype); None when either cannot be."""
-        if self._replayers is None:
-            opts = ReplayOptions(device="cpu", precision="fp64", tolerances=self.judge.tolerances)
-            self._replayers = (OpReplayer(self.ref, opts), OpReplayer(self.target, opts))
-        results = (self._replayers[0].replay(rop), self._replayers[1].replay(top))
+        results = (self.replayed("ref", rop), self.replayed("target", top))
         if any(r.status not in (Status.OK, Status.DIVERGENT) for r in results):  # skipped, error: not judged
             return None
         return results
+
+    def replayed(self, side: str, op: OpRecord) -> OpResult:
+        """One op of one side ("ref" or "target") replayed alone from its own recorded inputs (a compiled unit: its
+        graph interpreted, as replay does)."""
+        if self._replayers is None:
+            opts = ReplayOptions(device="cpu", precision="fp64", tolerances=self.judge.tolerances)
+            self._replayers = (OpReplayer(self.ref, opts), OpReplayer(self.target, opts))
+        return self._replayers[0 if side == "ref" else 1].replay(op)
+
+    def right_given_own_inputs(self, side: str, op: OpRecord) -> bool:
+        """Whether ``op`` of ``side``, replayed alone from its own inputs, is right (not skipped, not divergent)."""
+        return self.replayed(side, op).status is Status.OK
 
     def _agree(self, rop: OpRecord, top: OpRecord) -> None:
         """The pair's outputs count as agreeing from here on: the ops reading them start from values that differ

@@ -133,12 +133,15 @@ class RightGivenOwnInputs(Note):
     """Outputs beyond the fixed limits, but each side's op, replayed here alone from its own recorded inputs (at
     float64, with replay's calibration of an ill-conditioned op), is right: the op introduced no difference."""
 
-    inputs_exact: bool  # the two sides' inputs are equal bit for bit
+    inputs_exact: bool | None  # the two sides' inputs are equal bit for bit (None: not known, a compiled unit)
 
     def text(self) -> str:
         why = ("the op is ill-conditioned here: its own rounding at its dtype is that large (a mean or sum that "
                "cancels to almost zero)") if self.inputs_exact else \
-            ("its inputs' difference (within tolerance) carried through it, as its conditioning allows")
+            ("its inputs' difference (within tolerance) carried through it, as its conditioning allows") \
+            if self.inputs_exact is False else \
+            "an ill-conditioned result (a mean or sum that cancels to almost zero), or its inputs' small difference " \
+            "carried through"
         return f"outputs differ beyond the fixed limits, yet each side's op replayed here from its own inputs is " \
                f"right: {why}"
 
