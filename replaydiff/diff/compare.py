@@ -15,7 +15,14 @@ introduced the difference. ``inherited`` when an input already differed; its ori
 differing input (an aligned pair, an op on one side only, or outside the trace). Also ``inherited`` when its inputs
 agree only within tolerance and descend from a step input (parameter, optimizer state, batch, buffer) that already
 differed beyond it: the difference came in with the step, the op carried it on. Inputs equal bit for bit always make
-the op the cause.
+the op the cause, unless each side's op is right given its own inputs.
+
+The fixed limits are made for one rounding of a value the size of the output; an output whose size is set by
+cancellation (the mean of an input already centred) or a difference carried through many ops (bf16 against fp32)
+breaks them with no op at fault. So a pair that would be ``divergent`` and whose tensors both traces hold is judged
+once more: each side's op is replayed alone from its own recorded inputs, as replay does (its calibration scales
+an ill-conditioned op's limit by its own error at its dtype). Both right: the pair is ``same`` (``explained``), and
+its outputs count as agreeing for the ops that read them. One wrong: it stays ``divergent``, and says which side.
 """
 from __future__ import annotations
 
@@ -29,11 +36,11 @@ from replaydiff import aten
 from replaydiff.compare.metrics import ExactMismatch, FloatError, Measure, NonfiniteMismatch, ShapeMismatch, measure
 from replaydiff.compare.notes import Note, render, verdict_reason
 from replaydiff.compare.tolerance import Tolerances, reduction_length
-from replaydiff.compare.verdict import Verdict, judge_measure
+from replaydiff.compare.verdict import OutputName, Verdict, judge_measure
 from replaydiff.diff.notes import (CarriedFromStep, DiffFact, InputDiffered, PlainArgsDiffer, RightGivenOwnInputs,
                                    TensorInputCount, WrongGivenOwnInputs)
 from replaydiff.diff.result import Evidence, Origin, OriginKind, PairResult, PairStatus, weakest
-from replaydiff.replay.compared import named_output
+from replaydiff.replay.compared import output_names
 from replaydiff.replay.policy import ReplayOptions
 from replaydiff.replay.result import OpResult, Status
 from replaydiff.replay.runner import OpReplayer
@@ -312,6 +319,7 @@ class PairComparer:
         outs_r, outs_t = rop.outputs_refs(), top.outputs_refs()
         k = op_reduction_k(rop)
         judged: list[Verdict] = []
+        names: list[OutputName] | None = None  # which result each is, for an op with several
         evidence: list[Evidence] = []
         dtypes = None
         for pos, (r, t) in enumerate(zip(outs_r, outs_t)):
@@ -322,7 +330,9 @@ class PairComparer:
             if r.dtype != t.dtype and dtypes is None:
                 dtypes = (r.dtype, t.dtype)
             if v is not None:
-                judged.append(named_output(v, rop, pos))
+                if names is None and len(outs_r) > 1:
+                    names = output_names(rop)
+                judged.append(replace(v, output=names[pos]) if names is not None and pos < len(names) else v)
         return _OutputsSeen(tuple(judged), tuple(evidence), dtypes)
 
 
