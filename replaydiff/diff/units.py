@@ -249,14 +249,17 @@ def diff_unit(op: OpRecord, eager: list[OpRecord], side: _Sides) -> tuple[UnitPa
     recorded_out = list(_flat(op.outputs))
     judged: list[tuple[int, Verdict]] = []  # (node position, verdict)
     judged_eager: list[OpRecord] = []  # the eager op each was judged against
-    # A node inside a decomposed run (not its value) may hold another output of the eager op: inductor's LayerNorm
-    # keeps the mean and rstd for the backward, its backward returns the weight's and bias's gradients.
-    inside = {i: m for m in matches for i in m.nodes[:-1]}
+    # A node of a decomposed run may hold another output of the eager op than its value does: inductor's LayerNorm
+    # keeps the mean and rstd for the backward, its backward returns the input's, weight's and bias's gradients.
+    inside = {i: m for m in matches for i in m.nodes}
     taken: set[tuple[int, int]] = set()
     for pos, (ref, rec) in enumerate(zip(outs, recorded_out)):
         if not isinstance(rec, TensorRef):
             continue
         held = _held(info, value_of, ref)
+        if held is not None and _getitem(info.nodes[ref.index]) is None and \
+                [tuple(r.shape) for r in by_index[held[0].eager].outputs_refs()[:1]] != [tuple(rec.shape)]:
+            held = None  # a run's last node that is not the op's output 0 (the bias gradient of a backward)
         if held is None and isinstance(ref, NodeRef):
             item = _getitem(info.nodes[ref.index])
             m = inside.get(item[0] if item is not None else ref.index)
@@ -325,8 +328,7 @@ def _other_output(m: Match, rec: TensorRef, e: OpRecord, taken: set[tuple[int, i
     """Which output of eager op ``e`` a unit output held inside ``m``'s decomposed run is: the one output of its
     shape; of several (mean and rstd are both [N, 1]), the one it agrees with when exactly one does (else it is not
     judged: a guess could call a right value wrong)."""
-    same = [k for k, r in enumerate(e.outputs_refs()) if k and (e.index, k) not in taken
-            and tuple(r.shape) == tuple(rec.shape)]
+    same = [k for k, r in enumerate(e.outputs_refs()) if (e.index, k) not in taken and tuple(r.shape) == tuple(rec.shape)]
     if len(same) == 1:
         return m, same[0]
     agree = [k for k in same if (v := side.refs(rec, e.outputs_refs()[k], op_reduction_k(e),
