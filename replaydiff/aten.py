@@ -475,3 +475,47 @@ CUDA_NONDETERMINISTIC_PACKETS = frozenset({
     "replication_pad1d_backward", "replication_pad2d_backward", "replication_pad3d_backward",
     "grid_sampler_2d_backward", "grid_sampler_3d_backward", "native_layer_norm_backward",
 })
+
+
+# What each result of a multi-result op is, for ops whose schema leaves its returns unnamed (max.dim names
+# ``values, indices``; native_layer_norm names none): said with an output's index wherever an output is judged.
+_RETURN_ROLES: dict[str, tuple[str, ...]] = {
+    **{p: ("out", "mean", "rstd") for p in ("native_layer_norm", "native_group_norm")},
+    **{p: ("grad_input", "grad_weight", "grad_bias") for p in (
+        "native_layer_norm_backward", "native_group_norm_backward", "native_batch_norm_backward")},
+    **{p: ("out", "save_mean", "save_invstd") for p in (
+        "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training")},
+    "_native_batch_norm_legit_functional": ("out", "save_mean", "save_invstd", "running_mean", "running_var"),
+    "var_mean": ("var", "mean"),
+    "std_mean": ("std", "mean"),
+    "native_dropout": ("out", "mask"),
+    "_fused_rms_norm": ("out", "rstd"),
+}
+
+
+def return_roles(name: str) -> tuple[str | None, ...]:
+    """The role of each return of op ``name`` (``aten.native_layer_norm.default`` -> ``(out, mean, rstd)``): the
+    schema's return names where it has them, else the table above; None for a return known by neither (or an op not
+    registered here)."""
+    try:
+        returns = resolve(name)._schema.returns
+    except (UnknownOp, AttributeError):
+        return _RETURN_ROLES.get(packet(name), ())
+    named = tuple(r.name or None for r in returns)
+    if all(named):
+        return named
+    table = _RETURN_ROLES.get(packet(name))
+    if table is not None and len(table) == len(named):
+        return table
+    return named
+
+
+def argument_name(name: str, position: int | str) -> str | None:
+    """The schema name of argument ``position`` of op ``name`` (a keyword argument is its own name)."""
+    if isinstance(position, str):
+        return position
+    try:
+        args = resolve(name)._schema.arguments
+    except (UnknownOp, AttributeError):
+        return None
+    return args[position].name if 0 <= position < len(args) else None

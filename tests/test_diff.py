@@ -154,9 +154,10 @@ def test_bf16_autocast_against_fp32_alignment_survives_the_casts() -> None:
     assert rd.counts()["target_only"] >= len(matmuls)
     bf16_pairs = [p for p in rd.pairs if p.dtypes == ("float32", "bfloat16")]
     assert bf16_pairs and all(p.ref in ref_ops for p in bf16_pairs)
-    # the runs do part ways, and the first op to differ is a bf16 one
-    rdf, first = report.first_divergent
-    assert first.dtypes == ("float32", "bfloat16") and first.phase == "forward"
+    # bf16 rounding carried through ops that are each right given their own inputs: no op introduced a difference,
+    # and the pairs beyond bf16's fixed limits that say so are bf16 ones
+    assert report.first_divergent is None
+    assert rd.explained and rd.explained[0].dtypes == ("float32", "bfloat16")
 
 
 def _mlp_step(autocast_dtype: torch.dtype | None = None, nudge: bool = False, steps_before: int = 0):

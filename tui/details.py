@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+from replaydiff.compare.verdict import output_said
 from replaydiff.report.text import record_again
 from replaydiff.trace.schema import LEFT_OUT_FILTERED, LEFT_OUT_WHY
 from replaydiff.tui.diff_mode import unit_lead
@@ -145,6 +146,12 @@ def source_context(trace: Any, op: Any, around: int = 2) -> list[str]:
     return out
 
 
+def _output_line(m: dict) -> list[str]:
+    """Which of the op's results the figures below judge, when it has several (``output 1 (mean) of 3``)."""
+    said = output_said(m)
+    return [f"  judged: [bold]{esc(said.rstrip(': '))}[/] of {m['output']['outputs']}"] if said else []
+
+
 def verdict_lines(result: RowResult | None) -> list[str]:
     if result is None:
         return ["[dim]not replayed (yet)[/]"]
@@ -155,8 +162,10 @@ def verdict_lines(result: RowResult | None) -> list[str]:
     m = result.metrics or {}
     lines = [head]
     if "mismatches" in m:
+        lines.extend(_output_line(m))
         lines.append(f"  exact comparison: {m['mismatches']} mismatched element(s)")
     elif "norm_max" in m:
+        lines.extend(_output_line(m))
         lines.append(f"  max_abs/(eps·absmax) [bold]{_fmt(m.get('norm_max'))}[/]  limit {_fmt(m.get('limit_max'))}")
         lines.append(f"  rel_l2/eps           [bold]{_fmt(m.get('norm_rel'))}[/]  limit {_fmt(m.get('limit_rel'))}")
         extra = [f"{k} {_fmt(m[k])}" for k in ("max_abs", "rel_l2", "cosine", "reduction_k", "nonfinite_mismatch")
@@ -210,8 +219,10 @@ def diff_lines(result: RowResult) -> list[str]:
         lines.append(f"  output dtypes differ: ref {esc(pair.dtypes[0])}, target {esc(pair.dtypes[1])}")
     m = pair.metrics or {}
     if "mismatches" in m:
+        lines.extend(_output_line(m))
         lines.append(f"  exact comparison: {m['mismatches']} mismatched element(s)")
     elif "norm_max" in m:
+        lines.extend(_output_line(m))
         lines.append(f"  max_abs/(eps·absmax) [bold]{_fmt(m.get('norm_max'))}[/]  limit {_fmt(m.get('limit_max'))}")
         lines.append(f"  rel_l2/eps           [bold]{_fmt(m.get('norm_rel'))}[/]  limit {_fmt(m.get('limit_rel'))}")
     if pair.reason:

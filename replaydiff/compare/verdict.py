@@ -21,8 +21,8 @@ from replaydiff.compare.tolerance import Tolerances
 # imported from there, so replay and the script judge by one definition.
 from replaydiff.repro_script import calibrated_limits, how_far_over, ill_conditioned_note, same_scalar
 
-__all__ = ["Calibration", "Verdict", "calibrated", "calibrated_limits", "how_far_over", "ill_conditioned_note",
-           "judge", "judge_measure", "scalar_verdict", "with_calibration", "with_precision", "within_fixed_limits"]
+__all__ = ["Calibration", "OutputName", "Verdict", "calibrated", "calibrated_limits", "how_far_over", "ill_conditioned_note",
+           "judge", "judge_measure", "output_said", "scalar_verdict", "with_calibration", "with_precision", "within_fixed_limits"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,32 @@ class Calibration:
 
 
 @dataclass(frozen=True)
+class OutputName:
+    """Which result of an op a verdict judges: its position among the op's results (its outputs, then the arguments
+    it writes that are not among them), its role (``mean``: the schema's return name, or the written argument's
+    name) and how many results the op has. A reader is told which output was judged whenever there are several."""
+
+    index: int
+    role: str | None
+    outputs: int
+
+    def label(self) -> str:
+        """``output 1 (mean)``."""
+        return f"output {self.index}" + (f" ({self.role})" if self.role else "")
+
+    def said(self) -> str:
+        """The label as a line's prefix (``output 1 (mean): ``), empty for an op with a single result."""
+        return f"{self.label()}: " if self.outputs > 1 else ""
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "role": self.role, "outputs": self.outputs}
+
+    @classmethod
+    def from_json(cls, d: Any) -> "OutputName | None":
+        return cls(d["index"], d.get("role"), d.get("outputs", 1)) if isinstance(d, dict) and "index" in d else None
+
+
+@dataclass(frozen=True)
 class Verdict:
     divergent: bool
     measure: Measure
@@ -56,6 +82,7 @@ class Verdict:
     calibration: Calibration | None = None  # set when the output was over its fixed limits and the op was re-run
     precision: str | None = None  # set when the op was replayed at another precision than asked
     left_out: int = 0  # positions not compared: the kernel leaves them unwritten (their value is the allocator's)
+    output: OutputName | None = None  # which result of the op was judged (set where the op is known)
 
     @property
     def severity(self) -> float:
@@ -111,7 +138,14 @@ class Verdict:
             d["precision"] = self.precision
         if self.left_out:
             d["left_out"] = self.left_out
+        if self.output is not None:
+            d["output"] = self.output.to_json()
         return d
+
+    @property
+    def output_said(self) -> str:
+        """``output 1 (mean): `` before a verdict's figures when the op has several results, else empty."""
+        return self.output.said() if self.output is not None else ""
 
     @classmethod
     def from_json(cls, d: dict, divergent: bool = False, reason: str | None = None) -> "Verdict":
@@ -122,7 +156,14 @@ class Verdict:
                               d.get("conditioning_factor", Tolerances().conditioning_factor),
                               d.get("ill_conditioned", not divergent))
         return cls(divergent, measure_from_json(d), reason, d.get("limit_max"), d.get("limit_rel"),
-                   d.get("reduction_k"), cal, d.get("precision"), d.get("left_out", 0))
+                   d.get("reduction_k"), cal, d.get("precision"), d.get("left_out", 0),
+                   OutputName.from_json(d.get("output")))
+
+
+def output_said(metrics: dict) -> str:
+    """``output 1 (mean): `` for a verdict's JSON figures of one result of an op with several, else empty."""
+    name = OutputName.from_json(metrics.get("output"))
+    return name.said() if name is not None else ""
 
 
 def judge_measure(m: Measure, dtype: torch.dtype | str, tolerances: Tolerances, k: int = 1) -> Verdict:

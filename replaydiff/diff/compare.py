@@ -15,12 +15,19 @@ introduced the difference. ``inherited`` when an input already differed; its ori
 differing input (an aligned pair, an op on one side only, or outside the trace). Also ``inherited`` when its inputs
 agree only within tolerance and descend from a step input (parameter, optimizer state, batch, buffer) that already
 differed beyond it: the difference came in with the step, the op carried it on. Inputs equal bit for bit always make
-the op the cause.
+the op the cause, unless each side's op is right given its own inputs.
+
+The fixed limits are made for one rounding of a value the size of the output; an output whose size is set by
+cancellation (the mean of an input already centred) or a difference carried through many ops (bf16 against fp32)
+breaks them with no op at fault. So a pair that would be ``divergent`` and whose tensors both traces hold is judged
+once more: each side's op is replayed alone from its own recorded inputs, as replay does (its calibration scales
+an ill-conditioned op's limit by its own error at its dtype). Both right: the pair is ``same`` (``explained``), and
+its outputs count as agreeing for the ops that read them. One wrong: it stays ``divergent``, and says which side.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -29,9 +36,14 @@ from replaydiff import aten
 from replaydiff.compare.metrics import ExactMismatch, FloatError, Measure, NonfiniteMismatch, ShapeMismatch, measure
 from replaydiff.compare.notes import Note, render, verdict_reason
 from replaydiff.compare.tolerance import Tolerances, reduction_length
-from replaydiff.compare.verdict import Verdict, judge_measure
-from replaydiff.diff.notes import CarriedFromStep, DiffFact, InputDiffered, PlainArgsDiffer, TensorInputCount
+from replaydiff.compare.verdict import OutputName, Verdict, judge_measure
+from replaydiff.diff.notes import (CarriedFromStep, DiffFact, InputDiffered, PlainArgsDiffer, RightGivenOwnInputs,
+                                   TensorInputCount, WrongGivenOwnInputs)
 from replaydiff.diff.result import Evidence, Origin, OriginKind, PairResult, PairStatus, weakest
+from replaydiff.replay.compared import output_names
+from replaydiff.replay.policy import ReplayOptions
+from replaydiff.replay.result import OpResult, Status
+from replaydiff.replay.runner import OpReplayer
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import Opaque, OpRecord, TensorRef, TensorStats, iter_refs
 
@@ -190,14 +202,22 @@ class PairComparer:
     """Compares aligned op pairs of one rank pair, in op order, remembering tensor comparisons already made (an
     op's input is usually an earlier op's output, judged there)."""
 
-    def __init__(self, ref: RankTrace, target: RankTrace, judge: Judge) -> None:
+    def __init__(self, ref: RankTrace, target: RankTrace, judge: Judge,
+                 cast_from: tuple[dict[int, TensorRef], dict[int, TensorRef]] = ({}, {})) -> None:
         self.ref = ref
         self.target = target
         self.judge = judge
+        # Per side, storage versions made by casting a coarser tensor up (autocast's cast back to float32, on one
+        # side only): the cast is exact, so such a tensor is compared as the coarser one it was cast from.
+        self.cast_from = cast_from
         self._seen: dict[tuple, tuple[Compared | None, Verdict | None]] = {}
+        self._replayers: tuple[OpReplayer, OpReplayer] | None = None
 
     def tensor_verdict(self, r: TensorRef, t: TensorRef, k: int, where: Where) -> tuple[Compared | None,
                                                                                          Verdict | None]:
+        src_r, src_t = self.cast_from[0].get(r.version), self.cast_from[1].get(t.version)
+        if (src_r is not None or src_t is not None) and tuple((src_r or r).shape) == tuple((src_t or t).shape):
+            return self.tensor_verdict(src_r or r, src_t or t, k, where)
         key = (r.geometry, t.geometry)
         hit = self._seen.get(key)
         if hit is not None:
@@ -215,11 +235,54 @@ class PairComparer:
         outs = self._outputs(rop, top)
         status, notes, inherited_from = _decide(ins, outs, carries_step_inputs,
                                                 lambda pos: origin_of(top.index, pos))
+        verdict, explained = outs.verdict, False
+        if status is PairStatus.DIVERGENT and ins.agree and outs.evidence and \
+                all(e is Evidence.FULL for e in outs.evidence):
+            replayed = self._replayed(rop, top)
+            if replayed is not None and all(r.status is Status.OK for r in replayed):
+                status, notes, explained = PairStatus.SAME, (RightGivenOwnInputs(ins.exact),), True
+                verdict = replace(verdict, divergent=False, reason=None) if verdict is not None else None
+                self._agree(rop, top)
+            elif replayed is not None:
+                wrong = [(side, r) for side, r in zip(("ref", "target"), replayed) if r.status is Status.DIVERGENT]
+                if wrong:
+                    said = next((r.reason for _, r in wrong if r.reason), "over its limits")
+                    notes = notes[:-1] + (WrongGivenOwnInputs("both" if len(wrong) == 2 else wrong[0][0], said),
+                                          notes[-1])
         return PairResult(ref=rop.index, target=top.index, op=rop.name, status=status, module=rop.module,
                           phase=rop.phase, source=rop.source, forward_index=rop.forward_index,
                           target_op=top.name if top.name != rop.name else None, evidence=weakest(outs.evidence),
-                          inputs_agree=ins.agree, verdict=outs.verdict, reason=render(notes),
-                          inherited_from=inherited_from, dtypes=outs.dtypes)
+                          inputs_agree=ins.agree, verdict=verdict, reason=render(notes),
+                          inherited_from=inherited_from, dtypes=outs.dtypes, explained=explained)
+
+    def _replayed(self, rop: OpRecord, top: OpRecord) -> tuple[OpResult, OpResult] | None:
+        """Each side's op replayed alone from its own recorded inputs, as ``replay`` does (CPU, float64, the diff's
+        limits, an ill-conditioned op judged against its own error at its dtype); None when either cannot be."""
+        results = (self.replayed("ref", rop), self.replayed("target", top))
+        if any(r.status not in (Status.OK, Status.DIVERGENT) for r in results):  # skipped, error: not judged
+            return None
+        return results
+
+    def replayed(self, side: str, op: OpRecord) -> OpResult:
+        """One op of one side ("ref" or "target") replayed alone from its own recorded inputs (a compiled unit: its
+        graph interpreted, as replay does)."""
+        if self._replayers is None:
+            opts = ReplayOptions(device="cpu", precision="fp64", tolerances=self.judge.tolerances)
+            self._replayers = (OpReplayer(self.ref, opts), OpReplayer(self.target, opts))
+        return self._replayers[0 if side == "ref" else 1].replay(op)
+
+    def right_given_own_inputs(self, side: str, op: OpRecord) -> bool:
+        """Whether ``op`` of ``side``, replayed alone from its own inputs, is right (not skipped, not divergent)."""
+        return self.replayed(side, op).status is Status.OK
+
+    def _agree(self, rop: OpRecord, top: OpRecord) -> None:
+        """The pair's outputs count as agreeing from here on: the ops reading them start from values that differ
+        only as two right ops' results may."""
+        for r, t in zip(rop.outputs_refs(), top.outputs_refs()):
+            key = (r.geometry, t.geometry)
+            c, v = self._seen.get(key, (None, None))
+            if v is not None and v.divergent:
+                self._seen[key] = (c, replace(v, divergent=False, reason=None))
 
     def _inputs(self, rop: OpRecord, top: OpRecord) -> "_InputsSeen":
         """Do the two ops start from the same values (tensors first, then plain arguments and generator state)?"""
@@ -256,6 +319,7 @@ class PairComparer:
         outs_r, outs_t = rop.outputs_refs(), top.outputs_refs()
         k = op_reduction_k(rop)
         judged: list[Verdict] = []
+        names: list[OutputName] | None = None  # which result each is, for an op with several
         evidence: list[Evidence] = []
         dtypes = None
         for pos, (r, t) in enumerate(zip(outs_r, outs_t)):
@@ -266,7 +330,9 @@ class PairComparer:
             if r.dtype != t.dtype and dtypes is None:
                 dtypes = (r.dtype, t.dtype)
             if v is not None:
-                judged.append(v)
+                if names is None and len(outs_r) > 1:
+                    names = output_names(rop)
+                judged.append(replace(v, output=names[pos]) if names is not None and pos < len(names) else v)
         return _OutputsSeen(tuple(judged), tuple(evidence), dtypes)
 
 

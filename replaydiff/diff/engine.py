@@ -21,12 +21,12 @@ from replaydiff import aten
 from replaydiff.compare.metrics import Measure
 from replaydiff.compare.tolerance import Tolerances
 from replaydiff.diff.align import Alignment, OpKeys, align, op_keys
-from replaydiff.diff.compare import Judge, PairComparer, Where, compare_refs
+from replaydiff.diff.compare import Judge, PairComparer, Where, coarser_dtype, compare_refs
 from replaydiff.diff.environment import environment_diff
 from replaydiff.diff.parallel import diff_parallel, is_parallel_pair
 from replaydiff.diff.units import pair_units
-from replaydiff.diff.result import (DiffReport, OpPlace, Origin, OriginKind, PairStatus, RankDiff, StepInput,
-                                    StepInputs, Unaligned)
+from replaydiff.diff.result import (DiffReport, OpPlace, Origin, OriginKind, PairResult, PairStatus, Precision,
+                                    RankDiff, StepInput, StepInputs, Unaligned)
 from replaydiff.errors import UsageError
 from replaydiff.trace.reader import RankTrace, Trace, open_trace
 from replaydiff.trace.schema import OpRecord, TensorRef
@@ -266,11 +266,28 @@ def _carriers(side: _Ops, versions: set[int]) -> set[int]:
     return out
 
 
+def _upcasts(side: _Ops, only: set[int]) -> dict[int, TensorRef]:
+    """The tensors that ops on one side only made by casting a coarser floating tensor up (autocast's casts back to
+    float32, before a log_softmax or in the backward): {storage version: the coarser tensor it was cast from}. The
+    cast is exact, so the values are that tensor's, with its dtype's rounding."""
+    out: dict[int, TensorRef] = {}
+    for i in sorted(only):
+        op = side.ops.get(i)
+        if op is None or aten.packet(op.name) != "_to_copy":
+            continue
+        ins, outs = side.inputs[i], op.outputs_refs()
+        if len(ins) == 1 and len(outs) == 1 and outs[0].version is not None and \
+                coarser_dtype(ins[0].dtype, outs[0].dtype) == ins[0].dtype != outs[0].dtype:
+            out[outs[0].version] = out.get(ins[0].version, ins[0]) if ins[0].version is not None else ins[0]
+    return out
+
+
 def diff_ranks(ref: _Ops, target: _Ops, judge: Judge, alignment: Alignment | None = None,
                progress: Callable[[int], None] | None = None) -> RankDiff:
     al = alignment or align(ref.keys, target.keys)
     rd = RankDiff(ref.trace.rank, target.trace.rank, ref_ops=len(ref.keys), target_ops=len(target.keys))
-    comparer = PairComparer(ref.trace, target.trace, judge)
+    comparer = PairComparer(ref.trace, target.trace, judge,
+                            (_upcasts(ref, set(al.ref_only)), _upcasts(target, set(al.target_only))))
     # Compiled units left unaligned against the eager ops of their region on the other side (one side compiled)
     rd.units, in_units = pair_units(ref.trace, ref.ops, target.trace, target.ops, al, comparer)
     rd.ref_only = _runs("ref", [i for i in al.ref_only if ("ref", i) not in in_units], ref.ops)
@@ -304,7 +321,21 @@ def diff_ranks(ref: _Ops, target: _Ops, judge: Judge, alignment: Alignment | Non
         rd.add(p)
         if progress is not None and n % 64 == 63:
             progress(64)
+    rd.precision = _precision(rd.pairs, judge.tolerances)
     return rd
+
+
+def _precision(pairs: list[PairResult], tolerances: Tolerances) -> list[Precision]:
+    """The pairs computed at different dtypes, per (ref, target) dtype pair, most first, with the limits applied."""
+    counts: dict[tuple[str, str], int] = {}
+    for p in pairs:
+        if p.dtypes is not None:
+            counts[p.dtypes] = counts.get(p.dtypes, 0) + 1
+    out = []
+    for (a, b), n in sorted(counts.items(), key=lambda x: -x[1]):
+        coarse = coarser_dtype(b, a)
+        out.append(Precision(a, b, coarse, n, *tolerances.limit_for(coarse, 1)))
+    return out
 
 
 def diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: DiffOptions | None = None,

@@ -126,3 +126,34 @@ class NodesUnmatched(Note):
         if self.eager:
             parts.append(f"{self.eager} eager op(s) of the region without a node (listed as structural)")
         return "; ".join(parts) + ": not judged"
+
+
+@dataclass(frozen=True)
+class RightGivenOwnInputs(Note):
+    """Outputs beyond the fixed limits, but each side's op, replayed here alone from its own recorded inputs (at
+    float64, with replay's calibration of an ill-conditioned op), is right: the op introduced no difference."""
+
+    inputs_exact: bool | None  # the two sides' inputs are equal bit for bit (None: not known, a compiled unit)
+
+    def text(self) -> str:
+        why = ("the op is ill-conditioned here: its own rounding at its dtype is that large (a mean or sum that "
+               "cancels to almost zero)") if self.inputs_exact else \
+            ("its inputs' difference (within tolerance) carried through it, as its conditioning allows") \
+            if self.inputs_exact is False else \
+            "an ill-conditioned result (a mean or sum that cancels to almost zero), or its inputs' small difference " \
+            "carried through"
+        return f"outputs differ beyond the fixed limits, yet each side's op replayed here from its own inputs is " \
+               f"right: {why}"
+
+
+@dataclass(frozen=True)
+class WrongGivenOwnInputs(Note):
+    """Replayed alone from its own recorded inputs, one side's op (or both) is divergent: ``said`` is replay's
+    reason."""
+
+    side: str  # "ref", "target" or "both"
+    said: str
+
+    def text(self) -> str:
+        who = "both sides' ops are" if self.side == "both" else f"the {self.side}'s op is"
+        return f"replayed here from its own inputs, {who} divergent ({self.said})"

@@ -188,6 +188,8 @@ class PairResult:
     reason: str | None = None
     inherited_from: Origin | None = None
     dtypes: tuple[str, str] | None = None  # (ref, target) output dtypes, when they differ (autocast on one side)
+    # outputs beyond the fixed limits, but each side's op, replayed alone from its own inputs, is right (status same)
+    explained: bool = False
 
     @property
     def key(self) -> tuple[int, int]:
@@ -201,6 +203,27 @@ class PairResult:
     def severity(self) -> float | None:
         """How far over its limit the pair's deciding output is (Verdict.severity); None when nothing was compared."""
         return None if self.verdict is None else self.verdict.severity
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Aligned pairs that compute at different dtypes (autocast on one side): how many, and the limits they were
+    judged at (the coarser dtype's)."""
+
+    ref: str  # output dtype in the reference, e.g. "float32"
+    target: str
+    judged_at: str  # the coarser of the two
+    pairs: int
+    limit_max: float  # on max_abs/(eps*absmax), before any scaling for a long reduction
+    limit_rel: float  # on rel_l2/eps
+
+    def describe(self) -> str:
+        return (f"{self.pairs} aligned pair(s) compute in {self.ref} in ref, {self.target} in target: judged at "
+                f"{self.judged_at}'s limits (max_abs/(eps*absmax) {self.limit_max:g}, rel_l2/eps {self.limit_rel:g})")
+
+    def to_json(self) -> dict:
+        return {"ref": self.ref, "target": self.target, "judged_at": self.judged_at, "pairs": self.pairs,
+                "limit_max": self.limit_max, "limit_rel": self.limit_rel}
 
 
 @dataclass(frozen=True)
@@ -294,6 +317,7 @@ class RankDiff:
     target_ops: int = 0
     step_inputs: StepInputs = field(default_factory=StepInputs)
     units: list[UnitPair] = field(default_factory=list)  # compiled units against eager ops of their region
+    precision: list[Precision] = field(default_factory=list)  # pairs computed at different dtypes, per dtype pair
 
     def __post_init__(self) -> None:
         self._index()
@@ -338,6 +362,11 @@ class RankDiff:
     def first_difference(self) -> PairResult | None:
         """The earliest aligned op whose outputs differ, introduced there or not."""
         return next((p for p in self.pairs if p.status in (PairStatus.DIVERGENT, PairStatus.INHERITED)), None)
+
+    @property
+    def explained(self) -> list[PairResult]:
+        """Pairs whose outputs differ beyond the fixed limits while each side's op is right given its own inputs."""
+        return [p for p in self.pairs if p.explained]
 
     @property
     def evidence(self) -> list[Evidence]:

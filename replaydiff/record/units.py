@@ -90,8 +90,9 @@ class UnitGraph:
                                              no_tensor)
 
         out = []
+        root = _region_class(self.region)
         for n in nodes:
-            src = _node_module(n)
+            src = _node_module(n, root)
             if n.op == "placeholder":
                 out.append(schema.wire_node(schema.NODE_INPUT, n.name, None, [], {}, src))
             elif n.op == "get_attr":
@@ -117,18 +118,34 @@ class UnitGraph:
         return out
 
 
-def _node_module(n: torch.fx.Node) -> str | None:
-    """The module a node was traced in, as ``Sequential.1 (GELU)``: dynamo's ``nn_module_stack`` (its innermost
-    entry, its path under the region's root module), which AOTAutograd keeps on the aten nodes."""
+def _node_module(n: torch.fx.Node, root: str | None = None) -> str | None:
+    """The module a node was traced in, as ``Sequential.1 (GELU)`` or ``Net.block.ln1 (LayerNorm)``: dynamo's
+    ``nn_module_stack`` (its innermost entry, its path under the region's root module), which AOTAutograd keeps on
+    the aten nodes. Dynamo names a module by how the region reached it: ``L['fn'].1`` for a module the region calls
+    (the stack then begins at the root, ``L['fn']``), ``L['self'].block.ln1`` for a region that is the root's own
+    forward, whose stack holds only the submodules: the root's class is then ``root`` (the region's class)."""
     stack = n.meta.get("nn_module_stack") if hasattr(n, "meta") else None
     if not stack:
         return None
     entries = list(stack.values())
-    root_path, root_type = entries[0][0], entries[0][1]
     path, typ = entries[-1][0], entries[-1][1]
-    suffix = path[len(root_path):] if path.startswith(root_path) else f".{path}"
     short = lambda t: (getattr(t, "__name__", None) or str(t)).rsplit(".", 1)[-1]  # noqa: E731
-    return f"{short(root_type)}{suffix} ({short(typ)})"
+    bracket = path.find("]")
+    dot = path.find(".", bracket if bracket >= 0 else 0)
+    head = path if dot < 0 else path[:dot]  # L['self'], L['fn']
+    if entries[0][0] == head:
+        name = short(entries[0][1])
+    elif root:
+        name = root
+    else:  # no root known: the path as dynamo wrote it
+        return f"{path} ({short(typ)})"
+    return f"{name}{path[len(head):]} ({short(typ)})"
+
+
+def _region_class(region: str) -> str | None:
+    """The class of a region that is a module's forward (``Net.forward (model.py:12)`` -> ``Net``), else None."""
+    qual = region.split(" (")[0]
+    return qual.rsplit(".", 1)[0].rsplit(".", 1)[-1] if qual.endswith(".forward") and "." in qual else None
 
 
 # -- the compiled graph's runtime callable ----------------------------------------------------------------------

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from replaydiff import aten
+from dataclasses import replace
+
+from replaydiff.compare.verdict import OutputName, Verdict
 from replaydiff.trace.schema import OpRecord, TensorRef, iter_refs
 
 VALUES, VIEW, META = "values", "view", "meta"  # how a result is compared
@@ -82,3 +85,40 @@ def _walk(rec: Any, where: tuple, sizes: tuple, label: str, found: list[Compared
         found.append(Compared(where, sizes, rec, label))
     elif isinstance(rec, (int, float, bool)):
         found.append(Compared(where, sizes, rec, label))
+
+
+def output_names(op: OpRecord) -> list[OutputName]:
+    """The name of each of the op's results, in the order of ``op.outputs_refs()`` (outputs, then written arguments
+    not among them): index, role from the op's schema (``native_layer_norm``: out, mean, rstd) or the written
+    argument's name, and how many there are."""
+    roles: list[str | None] = []
+    outputs = op.outputs
+    top = outputs if isinstance(outputs, list) else [outputs]
+    returns = aten.return_roles(op.name)
+    for k, o in enumerate(top):
+        role = returns[k] if len(returns) == len(top) else (returns[0] if len(returns) == 1 and not k else None)
+        roles += [role] * sum(1 for _ in iter_refs(o))
+    seen = {r.geometry for r in iter_refs(outputs)}
+    for path, after in op.writes:
+        for r in iter_refs(after):
+            if r.geometry not in seen:
+                seen.add(r.geometry)
+                roles.append(aten.argument_name(op.name, path.key))
+    return [OutputName(i, role, len(roles)) for i, role in enumerate(roles)]
+
+
+def named_output(v: Verdict, op: OpRecord, position: int) -> Verdict:
+    """``v`` saying which result of ``op`` it judges (position in ``op.outputs_refs()``), when the op has several."""
+    names = output_names(op)
+    return replace(v, output=names[position]) if len(names) > 1 and position < len(names) else v
+
+
+def output_name(op: OpRecord, ref: Any) -> OutputName | None:
+    """The name of the result ``ref`` (a recorded TensorRef of the op), or None when it is none of them."""
+    if not isinstance(ref, TensorRef):
+        return None
+    names = output_names(op)
+    for name, r in zip(names, op.outputs_refs()):
+        if r.geometry == ref.geometry:
+            return name
+    return None

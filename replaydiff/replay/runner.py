@@ -26,7 +26,7 @@ from replaydiff.compare.tolerance import reduction_length
 from replaydiff.compare.verdict import Verdict, calibrated, judge, judge_measure, scalar_verdict, with_precision
 from replaydiff.errors import TraceError
 from replaydiff.replay import references  # what to run instead of a kernel
-from replaydiff.replay.compared import compared_outputs
+from replaydiff.replay.compared import compared_outputs, output_name
 from replaydiff.replay.flow import data_slots, follow_nonfinite, remembered
 from replaydiff.replay.notes import (Failed, FellBack, Judgement, LeftOut, Note, RepeatsDisagree, ReplayFact, Skipped,
                                      render, verdict_reason)
@@ -383,19 +383,22 @@ class OpReplayer:
         if not seeded and any(v.divergent for _, v in judged):
             judged = self._leave_out_unwritten(op, func, pairs, judged, precision, keep_dtype, exact, k_of=k_of,
                                                left_out=allocators)
-        bad = [v for _, v in judged if v.divergent]
+        bad = [(n, v) for n, v in judged if v.divergent]
         left_out = sum(v.left_out for _, v in judged)
         status, verdict = Status.OK, None
         notes: tuple[Note, ...] = ()
         if bad:
-            status, verdict, notes = Status.DIVERGENT, bad[0], verdict_reason(bad[0].reason)
+            status, (n, verdict) = Status.DIVERGENT, bad[0]
+            notes = verdict_reason(verdict.reason)
         elif judged:
             # The output nearest its limit; but an output over the fixed limits that is ok (ill-conditioned) first,
             # so the op's figures a reader takes for a divergence come with why they are not one.
-            verdict = max((v for _, v in judged), key=lambda v: (v.explanation is not None, v.severity))
+            n, verdict = max(judged, key=lambda nv: (nv[1].explanation is not None, nv[1].severity))
             notes = verdict_reason(verdict.explanation)
         else:
             notes = (ReplayFact.SCALAR_EXACT if pairs else ReplayFact.NOTHING_TO_COMPARE,)
+        if verdict is not None and len(pairs) > 1:  # which of the op's results the figures are of
+            verdict = replace(verdict, output=output_name(op, pairs[n][0]))
         if left_out:
             notes += (LeftOut(left_out, uninitialised=bool(allocators)),)
         # evidence of a non-deterministic kernel, whatever the status

@@ -9,7 +9,9 @@ rank pair whose step began from inputs that already differed: ``compared``, ``di
 difference: ``key``, ``ref``, ``target``, ``hint``), ``summary`` (pair counts per status, ops on one side only),
 ``first_divergent`` (null or a pair: the earliest over ranks), ``ranks`` (per rank pair: ``ref_rank``,
 ``target_rank``, ``evidence``, ``step_inputs``, ``summary``, ``first_divergent``, ``first_difference``, ``units``:
-compiled units of one side diffed against the eager ops of their region in the other),
+compiled units of one side diffed against the eager ops of their region in the other; ``precision``: pairs that
+compute at different dtypes, per dtype pair, and the limits they were judged at; ``explained``: how many pairs
+differ beyond the fixed limits while each side's op, replayed from its own inputs, is right),
 ``structural`` (runs of ops on
 one side only) and ``pairs`` (one object per aligned pair). Non-finite floats are written as "inf", "-inf", "nan".
 """
@@ -35,6 +37,7 @@ def pair_json(rd: RankDiff, p: PairResult | None) -> dict | None:
         "inputs_agree": p.inputs_agree, "metrics": p.metrics, "reason": p.reason,
         "inherited_from": None if p.inherited_from is None else p.inherited_from.to_json(),
         "dtypes": None if p.dtypes is None else {"ref": p.dtypes[0], "target": p.dtypes[1]},
+        "explained": p.explained,
     })
 
 
@@ -66,7 +69,9 @@ def diff_to_json(report: DiffReport) -> dict:
                    "step_inputs": _clean(rd.step_inputs.to_json()),
                    "summary": rd.counts(), "first_divergent": pair_json(rd, rd.first_divergent),
                    "first_difference": pair_json(rd, rd.first_difference),
-                   "units": [_clean(u.to_json()) for u in rd.units]} for rd in report.ranks],
+                   "units": [_clean(u.to_json()) for u in rd.units],
+                   "precision": [_clean(x.to_json()) for x in rd.precision],
+                   "explained": len(rd.explained)} for rd in report.ranks],
         "structural": [_unaligned_json(rd, u) for rd in report.ranks
                        for u in sorted(rd.ref_only + rd.target_only, key=lambda u: (u.side, u.first))],
         "pairs": [pair_json(rd, p) for rd in report.ranks for p in rd.pairs],

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TextIO
 
+from replaydiff.compare.verdict import output_said
 from replaydiff.diff.result import DiffReport, PairResult, PairStatus, RankDiff, Unaligned, UnitPair
 from replaydiff.report.text import planted_line
 
@@ -33,9 +34,9 @@ def _verdict_figures(m: dict) -> str:
                  f"rel_l2 {_num(m['rel_l2'])}", f"max_abs {_num(m['max_abs'])}"]
         if m.get("nonfinite_mismatch"):
             parts.append(f"{m['nonfinite_mismatch']} NaN/Inf mismatches")
-        return "  ".join(parts)
+        return output_said(m) + "  ".join(parts)
     if "mismatches" in m:
-        return f"{m['mismatches']} elements differ"
+        return f"{output_said(m)}{m['mismatches']} elements differ"
     return ""
 
 
@@ -82,6 +83,15 @@ def _rank_block(rd: RankDiff, many: bool, out: TextIO, max_listed: int) -> None:
     out.write(f"{label}: {rd.ref_ops} ref ops, {rd.target_ops} target ops, {len(rd.pairs)} aligned ({evidence}): "
               f"{c['same']} same, {c['divergent']} divergent, {c['inherited']} inherited, "
               f"{c['not_compared']} not compared; {c['ref_only']} ref only, {c['target_only']} target only\n")
+    if rd.precision:  # autocast on one side: the limits that apply, said once
+        out.write("  precision: " + "; ".join(x.describe() for x in rd.precision) + "\n")
+    explained = rd.explained
+    if explained:
+        e = explained[0]
+        judged = f"  {e.verdict.output.label()}" if e.verdict is not None and e.verdict.output is not None and \
+            e.verdict.output.outputs > 1 else ""
+        out.write(f"  {len(explained)} pair(s) differ beyond the fixed limits yet each side's op, replayed here from "
+                  f"its own inputs, is right (counted same); first {pair_line(e)}{judged}\n")
     for u in rd.units:
         for line in unit_pair_lines(u):
             out.write(f"  {line}\n")
@@ -107,7 +117,8 @@ def _rank_block(rd: RankDiff, many: bool, out: TextIO, max_listed: int) -> None:
             out.write(f"  no aligned op introduced a difference; differences enter from {origin}, first seen at "
                       f"{pair_line(diff)}\n")
         elif not any(u.status in (PairStatus.DIVERGENT, PairStatus.INHERITED) for u in rd.units):
-            out.write("  no difference: every compared op pair agrees within tolerance\n")
+            out.write("  no op introduced a difference: every other compared op pair agrees within tolerance\n" if explained
+                      else "  no difference: every compared op pair agrees within tolerance\n")
     runs = sorted(rd.ref_only + rd.target_only, key=lambda u: (u.first, u.side))  # roughly in step order
     if runs:
         out.write(f"  structural differences ({len(runs)} run(s) of unaligned ops):\n")

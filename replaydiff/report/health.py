@@ -310,7 +310,7 @@ def _rounding(f: _Facts) -> _Found:
     # held to the fixed limits (an ill-conditioned op's limits are its own error, not the dtype's rounding)
     fixed = v.calibration is None or v.calibration.limits is None
     if isinstance(m, FloatError) and v.limit_max and v.limit_rel and fixed and v.severity <= ROUNDING_FACTOR:
-        return [f"the culprit's error is max_abs/(eps*absmax) {m.norm_max:.3g} and rel_l2/eps {m.norm_rel:.3g}: "
+        return [f"the culprit's error{' in ' + v.output.label() if v.output and v.output.outputs > 1 else ''} is max_abs/(eps*absmax) {m.norm_max:.3g} and rel_l2/eps {m.norm_rel:.3g}: "
                 f"within {ROUNDING_FACTOR:g}x of the limits ({v.limit_max:.3g}, {v.limit_rel:.3g}) set at 2.7x "
                 f"the largest error of healthy ops, far below a wrong kernel's (a 1e-3 fault is ~8,000 in fp32)"], {}
     return None

@@ -5,6 +5,7 @@ from collections import Counter
 from typing import TextIO
 
 from replaydiff.aten import is_unit
+from replaydiff.compare.verdict import output_said
 from replaydiff.replay.result import NonfiniteInput, OpResult, ReplayReport, Status
 from replaydiff.report.plant import plant_notes
 from replaydiff.trace.damage import describe_missing
@@ -85,7 +86,9 @@ def metrics_line(r: OpResult) -> str:
                  f"rel_l2 {m['rel_l2']:.3g}", f"max_abs {m['max_abs']:.3g}"]
         if m.get("nonfinite_mismatch"):
             parts.append(f"{m['nonfinite_mismatch']} NaN/Inf mismatches")
-        return "  ".join(parts)
+        return output_said(m) + "  ".join(parts)
+    if "mismatches" in m and output_said(m):
+        return f"{output_said(m)}{m['mismatches']} elements differ" + (f"; {r.reason}" if r.reason else "")
     return r.reason or ""
 
 
