@@ -395,7 +395,7 @@ def _culprit_fields(r: OpResult) -> list[tuple[str, str]]:
     rows = [("module", r.module or "-"), ("phase", r.phase or "-"), ("source line", r.source or "-")]
     if r.forward_index is not None:
         rows.append(("forward op", f"#{r.forward_index}" + (f" at {r.forward_source}" if r.forward_source else "")))
-    rows.append(("error", metrics_line(r)))
+    rows.append(("figures", metrics_line(r)))
     if r.reason:
         rows.append(("reason", r.reason))
     return rows
