@@ -34,7 +34,8 @@ try:  # how dynamo marks a code object it must not compile, nor anything it call
     from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 
     _SKIP_ALL: Any = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
-except (ImportError, AttributeError):  # another torch: keep torch's own wrapper (RecordingMode._should_skip_dynamo)
+    set_code_exec_strategy((lambda: None).__code__, _SKIP_ALL)  # marking works in this torch
+except Exception:  # another torch: keep torch's own wrapper (RecordingMode._should_skip_dynamo)
     _SKIP_ALL = None
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
