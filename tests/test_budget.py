@@ -94,12 +94,14 @@ def test_a_budget_keeps_the_trace_under_it_with_statistics_for_the_rest(tmp_path
     capsys.readouterr()
     assert main(["replay", str(tmp_path / "t")]) == 1  # never clean
     out = capsys.readouterr().out
-    assert f"{len(left)} op(s) (#{left[0].index}-#{left[-1].index}) not judged: tensor data left out, past the " \
-           f"record --budget" in out
+    (told,) = [ln for ln in out.splitlines() if "not judged: tensor data left out, past the record --budget" in ln]
     assert "not clean" in out and "every replayed op matches" not in out
     assert main(["show", str(tmp_path / "t")]) == 0
-    assert f"LEFT OUT: {len(left)} op(s) (#{left[0].index}-#{left[-1].index}) kept with statistics only: past the " \
-           f"record --budget" in capsys.readouterr().out
+    (shown,) = [ln for ln in capsys.readouterr().out.splitlines()
+                if "LEFT OUT:" in ln and "kept with statistics only: past the record --budget" in ln]
+    for line in (told, shown):  # how many, and exactly which (test_budget_with_module_names_exactly_the_ops_...)
+        named, n = _named_ops(line)
+        assert n == len(left) and named <= {op.index for op in left} and left[-1].index in named, line
 
 
 def test_a_budget_gives_the_selected_modules_data_first(tmp_path):
@@ -356,11 +358,49 @@ def test_replay_tells_each_fact_of_left_out_data_once(tmp_path, monkeypatch, cap
         return
     assert code == 1
     # one line for the ops left out (how many, where, why), one for the verdict and what to do
-    assert told == [f"  {len(left)} op(s) (#{left[0]}-#{left[-1]}) not judged: tensor data left out, {why}"]
+    assert len(told) == 1 and told[0].startswith(f"  {len(left)} op(s) (") and \
+        told[0].endswith(f") not judged: tensor data left out, {why}")
+    named, _ = _named_ops(told[0])
+    assert named <= set(left) and left[-1] in named
     again = "with a larger --budget, or --module for the part to check" if case == "budget" else \
         "on a disk with room, or with a --budget that fits it"
     assert lines[-1] == f"not clean: no divergent op among the {judged} judged; record again {again}"
     assert f"{judged} ok" in lines[0]
+
+
+def _named_ops(line: str) -> tuple[set[int], int]:
+    """The op numbers a line's "N op(s) (#a-#b, #c ...)" names, and N; a shortened list ("and K more runs up to
+    #L") adds only its last op."""
+    m = re.search(r"(\d+) op\(s\) \(([^)]*)\)", line)
+    assert m, line
+    named = set()
+    for part in re.findall(r"#(\d+)(?:-#(\d+))?", m.group(2)):
+        named |= set(range(int(part[0]), int(part[1] or part[0]) + 1))
+    return named, int(m.group(1))
+
+
+def test_budget_with_module_names_exactly_the_ops_not_judged(tmp_path, capsys):
+    """--budget with --module: the ops left out for the budget are interleaved with ops that were judged. record,
+    replay and show named them "(#7-#719)" while ops inside that range were judged; each now names exact runs."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    capsys.readouterr()
+    assert main(["record", "--budget", "1M", "--module", "TinyTransformer.blocks.1*", "-o", str(tmp_path / "t"),
+                 "--", sys.executable, str(script)]) == 0
+    warned = [ln for ln in capsys.readouterr().err.splitlines() if "--budget 1M was reached" in ln]
+    r = open_trace(tmp_path / "t").rank(0)
+    left = {op.index for op in r if op.data_left_out == "budget"}
+    report = replay_trace(str(tmp_path / "t"), ReplayOptions())
+    judged = {x.index for x in report.ops if x.status is not Status.SKIPPED}
+    assert left and judged and min(left) < max(judged) < max(left)  # judged ops lie between the left-out ones
+    assert main(["replay", str(tmp_path / "t")]) == 1
+    (replayed,) = [ln for ln in capsys.readouterr().out.splitlines() if "not judged: tensor data left out" in ln]
+    assert main(["show", str(tmp_path / "t")]) == 0
+    (shown,) = [ln for ln in capsys.readouterr().out.splitlines() if "LEFT OUT:" in ln]
+    for line in (*warned, replayed, shown):
+        named, n = _named_ops(line)
+        assert n == len(left) and named <= left and max(left) in named and not named & judged, line
+    assert len(warned) == 1
 
 
 @pytest.mark.slow
@@ -376,12 +416,12 @@ def test_record_warns_once_when_the_budget_left_data_out_and_show_says_so(tmp_pa
     err = capsys.readouterr().err
     (lo,) = open_trace(tmp_path / "t").rank(0).data_left_out
     assert lo.reason == "budget" and lo.ops > 0
-    said = re.findall(r"replaydiff: warning: --budget 1M was reached: (\d+) op\(s\) \(#(\d+)-#(\d+)\) kept with "
+    said = re.findall(r"replaydiff: warning: --budget 1M was reached: (\d+) op\(s\) \(#(\d+)[^)]*?#?(\d*)\) kept with "
                       r"statistics only: past the record --budget, ([\d.]+) MB of tensor data not stored; --budget (\S+) would fit everything",
                       err)
     assert len(said) == 1, err
     ops, first, last, mb, fits = said[0]
-    assert (int(ops), int(first), int(last)) == (lo.ops, lo.first, lo.last)
+    assert (int(ops), int(first), int(last or first)) == (lo.ops, lo.first, lo.last)
     assert float(mb) == pytest.approx(lo.nbytes / 1e6, rel=0.01)
     assert main(["show", str(tmp_path / "t")]) == 0
     out = capsys.readouterr().out

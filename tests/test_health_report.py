@@ -118,6 +118,36 @@ def test_rounding_level_error_is_named_with_its_figures(tmp_path, capsys):
     assert m and 16 < float(m.group(1)) <= 64
 
 
+def test_one_figure_for_the_culprit_in_replay_report_html_and_json(tmp_path, capsys):
+    """2e-6 relative in float32 is ~16.7 eps: just over the max_abs limit of 16 but twice the rel_l2 limit of 8, so
+    the severity (the larger ratio) is ~2.1. The headline said 2.09 while the culprit line showed only
+    max_abs/(eps*absmax) 16.4 (limit 16); every place now gives the verdict's severity, the same number."""
+    trace = _record(tmp_path / "t", mlp_step(), plant="aten.mm.default:2:2e-6")
+    replay = _replay_json(trace)
+    doc = json.loads(replay.read_text())
+    (culprit,) = [o for o in doc["ops"] if o["status"] == "divergent"]
+    m = culprit["metrics"]
+    assert m["norm_rel"] / m["limit_rel"] > m["norm_max"] / m["limit_max"]  # the rel_l2 figure decides
+    figure = f"{culprit['severity']:.3g}"
+    assert culprit["severity"] == pytest.approx(m["norm_rel"] / m["limit_rel"]) and culprit["severity"] > 1.5
+
+    capsys.readouterr()
+    assert main(["replay", str(trace)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    line = out[out.index(next(ln for ln in out if ln.startswith("first divergent op"))) + 1]
+    assert line.startswith(f"  error / limit {figure}  ") and f"rel_l2/eps {m['norm_rel']:.3g} (limit " in line, line
+
+    md = _report(trace, replay, capsys)
+    assert f"| largest error / limit | {figure} (#{culprit['index']}) | 1 | FAIL |" in md
+    culprit_md = md.split("## Culprit", 1)[1].split("## The", 1)[0]
+    assert f"error / limit {figure}  " in culprit_md
+    assert re.findall(r"error / limit (\S+)", culprit_md) == [figure]
+    html = tmp_path / "r.html"
+    assert main(["report", str(trace), "--replay", str(replay), "-o", str(html)]) == 1
+    page = html.read_text()
+    assert f"{figure} (#{culprit['index']})" in page and f"error / limit {figure}  " in page
+
+
 def test_thread_count_dependence_is_shown_by_rerunning_the_culprit(tmp_path, capsys):
     saved = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -1281,3 +1281,47 @@ def test_the_fast_argument_encoder_gives_what_encode_value_gives(tmp_path: Path)
     assert msgpack.packb(fast) == msgpack.packb(slow)
     assert msgpack.packb(one_by_one) == msgpack.packb(slow)
     assert [list(x) if isinstance(x, dict) else x for x in fast[:3]] == [list(x) for x in slow[:3]]
+
+
+
+_PLAIN_STEP = textwrap.dedent("""
+    import sys, torch, replaydiff
+    x = torch.randn(64)
+    with replaydiff.record(sys.argv[1]):
+        (x * 2 + 1).sum()
+    print("dynamo imported by recording:", "torch._dynamo" in sys.modules)
+""")
+
+_COMPILED_UNDER_MODE = textwrap.dedent("""
+    import sys, torch, replaydiff
+    x = torch.randn(64)
+    graphs = []
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+    f = torch.compile(lambda a: (a * 2).sin(), backend=backend)
+    with replaydiff.record(sys.argv[1], compiled="eager"):
+        y = f(x)
+    print("graphs compiled under the recorder's mode:", len(graphs), bool(torch.equal(y, (x * 2).sin())))
+""")
+
+
+def _run(script: str, *args: str) -> list[str]:
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
+def test_recording_does_not_import_dynamo(tmp_path):
+    """torch wraps every dispatch mode's __torch_dispatch__ in torch._disable_dynamo, whose first call imports
+    torch._dynamo: ~70 MiB of host memory that the recorder added to a job that had not imported it (the README's
+    bound for `full` was exceeded by that much; tests/bench/bench_memory.py). The recorder keeps dynamo out of its
+    mode by a mark on its code instead, and recording imports nothing."""
+    assert _run(_PLAIN_STEP, str(tmp_path / "t")) == ["dynamo imported by recording: False"]
+
+
+@pytest.mark.slow
+def test_dynamo_compiles_no_frame_of_the_recorders_mode(tmp_path):
+    """The mark does what torch's wrapper did: a compiled function run under the recorder (its regions eager) has
+    no frame of the mode, nor of what it calls, compiled into a graph, and its result is the eager one."""
+    assert _run(_COMPILED_UNDER_MODE, str(tmp_path / "t")) == ["graphs compiled under the recorder's mode: 0 True"]

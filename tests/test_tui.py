@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import io
 import importlib.util
 import json
 import os
@@ -1104,3 +1105,56 @@ async def test_ops_whose_data_was_left_out_say_why_and_never_look_clean(tmp_path
             app.select(ok[0])
             await settle(app, pilot)
             assert "ok" in _row_text(app, ok[0]).split() and "NOT JUDGED" not in app.main.detail.text
+
+
+@sync
+async def test_the_figures_are_labelled_and_are_the_severity_replay_gives(traced):
+    """The tree's `backward 2.4×` and the op list's unlabelled error column were explained nowhere, and the column
+    gave max_abs/(eps·absmax) while the tree gave how far over the limit. Both now give the severity (err/lim),
+    each under a header, and `?` explains them."""
+    path, report = traced
+    culprit = planted_backward(report)
+    app = new_app(traced)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        ol = app.main.op_list
+        assert ol.render_line(0).text.split()[-1] == "err/lim"
+        assert str(app.main.query_one("#tree-header").visual).startswith("module  worst err/lim")
+        app.select(culprit.index)
+        await settle(app, pilot)
+        figure = f"{culprit.severity:.3g}".replace("e+0", "e").replace("e+", "e")
+        assert _row_text(app, culprit.index).split()[-1] == figure + "×"
+        assert f"error / limit        {figure}  " in app.main.detail.text
+        node = app.main.tree.node_for("backward", "")
+        worst = max(r.severity for r in report.ops if r.rank == 0 and r.phase == "backward"
+                    and r.severity is not None)
+        assert str(node.label).split()[1] == f"{worst:.2g}".replace("e+0", "e").replace("e+", "e") + "×"
+        await press(app, pilot, "question_mark")
+        from rich.console import Console
+
+        console = Console(width=200, record=True, file=io.StringIO())
+        console.print(app.screen.query_one("#help-figures").content)
+        legend = {ln.split()[0]: ln for ln in console.export_text().splitlines() if ln.strip()}
+        assert "how far the op's error is over its divergence limit" in legend["err/lim"]
+        assert "the worst err/lim of its ops" in legend["0.31×"]
+
+
+@sync
+async def test_a_stats_trace_says_it_is_never_replayed_and_what_to_record_instead(tmp_path):
+    """A --tensors stats trace showed "verdict not replayed (yet)" and a failed background replay; it holds no
+    tensor data, so it says so, starts no replay, and names what to record instead."""
+    path = tmp_path / "stats"
+    _left_out_trace(path, tensors="stats")
+    app = make_app(path)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await app.workers_done(replay=True)
+        await settle(app, pilot)
+        status = str(app.main.query_one("#status").visual)
+        assert status.startswith("--tensors stats: statistics only, never replayed (record --tensors full to "
+                                 "judge ops)"), status
+        assert "failed" not in status and not [w for w in app.workers if w.group == "replay"]
+        text = app.main.detail.text
+        assert "not replayed (yet)" not in text
+        assert "NOT REPLAYABLE  recorded with --tensors stats: per-tensor statistics" in text
+        assert "record with --tensors full (the default) to judge each op" in text

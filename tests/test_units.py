@@ -17,6 +17,7 @@ from replaydiff.diff.compare import stats_measure, tensor_stats
 from replaydiff.diff.notes import CarriedFromStep, DiffFact, InputDiffered
 from replaydiff.replay.notes import FellBack, Judgement, LeftOut, RepeatsDisagree, ReplayFact
 from replaydiff.replay.result import Status
+from replaydiff.trace.op_runs import OpRuns, op_runs
 from replaydiff.trace.writer import CodecChoice
 
 EPS32 = 2.0 ** -23  # torch.finfo(torch.float32).eps
@@ -149,3 +150,29 @@ def test_dense_is_true_exactly_when_a_view_covers_numel_consecutive_elements(dim
     assume(numel > 0)  # an empty tensor's statistics are the same either way
     offsets = {sum(i * s for i, s in zip(idx, stride)) for idx in itertools.product(*(range(d) for d in shape))}
     assert dense(shape, stride) == (offsets == set(range(numel)))
+
+
+def test_op_runs_are_exact_and_a_long_list_is_counted_never_widened() -> None:
+    assert op_runs([]) == ""
+    assert op_runs([7]) == "#7"
+    # 695..701 and 900..903 are runs; 710 stands alone; order and repeats do not matter
+    assert op_runs([903, 710, 695, 696, 697, 698, 699, 700, 701, 900, 901, 902, 710]) == "#695-#701, #710, #900-#903"
+    # seven runs (every other number from 4 to 14, and 20-21): six written out, the seventh counted, and the last op
+    assert op_runs([4, 6, 8, 10, 12, 14, 20, 21], shown=6) == "#4, #6, #8, #10, #12, #14 and 1 more run up to #21"
+    assert op_runs(range(0, 40, 2), shown=3) == "#0, #2, #4 and 17 more runs up to #38"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sets(st.integers(0, 300), min_size=1))
+def test_op_runs_never_name_an_op_outside_the_set(ops: set[int]) -> None:
+    text = op_runs(ops, shown=1000)  # every run written out: they give back exactly the set
+    named = set()
+    for part in text.split(", "):
+        a, _, b = part.partition("-")
+        named |= set(range(int(a[1:]), int((b or a)[1:]) + 1))
+    assert named == ops
+    runs = OpRuns(keep=2)  # kept in constant memory, the same count and last op
+    for i in sorted(ops):
+        runs.add(i)
+    assert runs.ops == len(ops) and runs.last == max(ops) and len(runs.runs) <= 2
+    assert runs.count == sum(1 for i in ops if i - 1 not in ops)

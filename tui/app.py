@@ -14,6 +14,7 @@ from textual.app import App
 from textual.binding import Binding
 from textual.widgets import ProgressBar, Static
 
+from replaydiff.replay.engine import trace_uses
 from replaydiff.tui import details
 from replaydiff.tui.background import Runner, Runs, _default_reference
 from replaydiff.tui.model import TraceModel
@@ -48,7 +49,9 @@ class ReplaydiffApp(Runs, Navigation, App):
         self.ranks: list[int] = list(trace.ranks)
         self.rank = rank if rank is not None else self.ranks[0]
         self.settings = replay or ReplaySettings()
-        self.replay_on_start = replay is not None and diff is None
+        # a trace of statistics or shapes (record --tensors stats|meta) holds nothing to replay: it is never started
+        self.uses = trace_uses(trace.rank(self.rank))
+        self.replay_on_start = replay is not None and diff is None and "replay" in self.uses
         self.reference = reference or _default_reference
         self.models: dict[int, TraceModel] = {}
         self.trace_lock = threading.RLock()  # RankTrace decodes lazily and is not meant for two threads at once
@@ -173,6 +176,10 @@ class ReplaydiffApp(Runs, Navigation, App):
             verdicts = f"replaying on {self.settings.device} at {self.settings.precision}: {verdicts}"
         elif self.replay_state is RunState.FAILED:
             verdicts = f"replay failed: {self.replay_message}"
+        elif self.replay_state is RunState.NONE and "replay" not in self.uses:
+            mode = m.trace.options.tensors
+            verdicts = f"--tensors {mode}: {'statistics' if mode == 'stats' else 'shapes'} only, never replayed " \
+                       f"(record --tensors full to judge ops)"
         elif self.replay_state is RunState.NONE:
             verdicts = "not replayed (R runs a replay)"
         gone = getattr(m.trace, "missing_ops", ())

@@ -9,10 +9,11 @@ import math
 from typing import Any, Callable
 
 from replaydiff.compare.verdict import output_said
+from replaydiff.replay.engine import trace_uses
 from replaydiff.report.text import record_again
 from replaydiff.trace.schema import LEFT_OUT_FILTERED, LEFT_OUT_WHY
 from replaydiff.tui.diff_mode import unit_lead
-from replaydiff.tui.model import PROBLEMS, RowResult, short_op
+from replaydiff.tui.model import PROBLEMS, RowResult, severity_text, short_op
 
 STATUS_STYLE = {
     "ok": "green",
@@ -165,6 +166,7 @@ def verdict_lines(result: RowResult | None) -> list[str]:
         lines.extend(_output_line(m))
         lines.append(f"  exact comparison: {m['mismatches']} mismatched element(s)")
     elif "norm_max" in m:
+        lines.append(severity_line(result.severity))
         lines.extend(_output_line(m))
         lines.append(f"  max_abs/(eps·absmax) [bold]{_fmt(m.get('norm_max'))}[/]  limit {_fmt(m.get('limit_max'))}")
         lines.append(f"  rel_l2/eps           [bold]{_fmt(m.get('norm_rel'))}[/]  limit {_fmt(m.get('limit_rel'))}")
@@ -182,6 +184,31 @@ def verdict_lines(result: RowResult | None) -> list[str]:
         lines.append(f"  [dim]NaN/Inf made and discarded: they end at {at} (finite output) and reach no loss, "
                      f"gradient, parameter or output[/]")
     return lines
+
+
+def severity_line(severity: float | None) -> str:
+    """The op's one figure, as the op list's err/lim column, the tree and replay's culprit line give it."""
+    return f"  error / limit        [bold]{esc(severity_text(severity).rstrip('×') or '-')}[/]  [dim](the larger " \
+           f"figure below over its limit; over 1 is divergent)[/]"
+
+
+def unreplayable_lines(trace: Any, result: RowResult | None) -> list[str]:
+    """The verdict of an op in a trace that holds no tensor data (record --tensors stats or meta), in place of
+    verdict_lines: no op of it is ever replayed, so none is judged. Empty for a trace replay can run, and for a row
+    with a verdict (diff mode compares statistics too)."""
+    if result is not None:
+        return []
+    uses = trace_uses(trace)
+    if "replay" in uses:
+        return []
+    mode = trace.options.tensors
+    held = "per-tensor statistics (numel, mean, absmax, l2, var, NaN/Inf counts)" if mode == "stats" \
+        else "shapes and dtypes"
+    other = "; t shows its trend" if "trend" in uses else ""
+    return [f"[bold yellow]NOT REPLAYABLE[/]  recorded with --tensors {esc(mode)}: {held}, no tensor data, so no op "
+            f"of this trace is ever replayed or judged",
+            f"  record with --tensors full (the default) to judge each op; or compare two runs: replaydiff tui "
+            f"TRACE --diff REF{other}"]
 
 
 def left_out_lines(op: Any, result: RowResult | None) -> list[str]:
@@ -222,6 +249,7 @@ def diff_lines(result: RowResult) -> list[str]:
         lines.extend(_output_line(m))
         lines.append(f"  exact comparison: {m['mismatches']} mismatched element(s)")
     elif "norm_max" in m:
+        lines.append(severity_line(pair.severity))
         lines.extend(_output_line(m))
         lines.append(f"  max_abs/(eps·absmax) [bold]{_fmt(m.get('norm_max'))}[/]  limit {_fmt(m.get('limit_max'))}")
         lines.append(f"  rel_l2/eps           [bold]{_fmt(m.get('norm_rel'))}[/]  limit {_fmt(m.get('limit_rel'))}")
@@ -343,7 +371,8 @@ def op_markup(trace: Any, i: int, result: RowResult | None, statuses: list) -> s
     if op.forward_index is not None:
         out.append(f"backward of forward op {op_link(trace, op.forward_index, statuses[op.forward_index])}  [dim](b)[/]")
     out.append("")
-    out.append("[b]verdict[/]  " + "\n".join(left_out_lines(op, result) or verdict_lines(result)))
+    out.append("[b]verdict[/]  " + "\n".join(left_out_lines(op, result) or unreplayable_lines(trace, result)
+                                             or verdict_lines(result)))
     # a backward op's own line is the backward() call; its forward op's line says which code it differentiates
     source_op, called = op, None
     if op.forward_index is not None:

@@ -49,20 +49,12 @@ def row_status(status: Any) -> RowStatus | None:
 def verdict_figures(result: Any) -> tuple[float | None, str]:
     """(severity, error text) of a replay's OpResult or a diff's PairResult. The severity is the result's own (the
     verdict's measure of how far over its limit the op is, which the report and the repro read too); the text is
-    the figure the op list shows."""
+    the figure the op list shows: that severity (``error_text``)."""
     verdict = result.verdict
-    if verdict is None:
-        return result.severity, error_text(result.metrics)
-    m = verdict.measure
-    finite = getattr(m, "finite", None)  # a NaN/Inf mismatch measures its finite positions too
-    fe = finite if finite is not None else m
-    nm = getattr(fe, "norm_max", None)
-    mismatches = getattr(m, "mismatches", None)
-    if mismatches is not None:
-        text = f"≠{mismatches}" if mismatches else "exact"
-    else:
-        text = error_text({"norm_max": nm}) if nm is not None else ""
-    return result.severity, text
+    if verdict is None:  # a report built by hand, or an op judged without figures
+        m = result.metrics or {}
+        return result.severity, error_text(result.severity, m.get("mismatches"), bool(m))
+    return result.severity, error_text(result.severity, getattr(verdict.measure, "mismatches", None))
 
 
 @dataclass(frozen=True)
@@ -128,9 +120,9 @@ class RowResult:
         if lead:
             verdict = unit.part.verdict if unit.part is not None and status is Status.DIVERGENT else unit.verdict
         severity = None if verdict is None else verdict.severity
+        _, error = verdict_figures(_Figures(verdict, severity))  # the text gives the pair's own figure
         if status is PairStatus.INHERITED and severity is not None:
             severity = min(severity, INHERITED_SEVERITY)
-        _, error = verdict_figures(_Figures(verdict, severity))
         return cls(rank, index, status, severity, error, None if verdict is None else verdict.to_json(), unit.reason,
                    False, unit, ref_rank)
 
@@ -154,30 +146,25 @@ def as_row(result: Any) -> RowResult:
     return result if isinstance(result, RowResult) else RowResult.of_replay(result)
 
 
-def _num(x: Any) -> float | None:
-    if isinstance(x, (int, float)):
-        return float(x)
-    if isinstance(x, str):  # JSON reports spell non-finite floats as strings
-        try:
-            return float(x)
-        except ValueError:
-            return None
-    return None
-
-
-def error_text(metrics: dict | None) -> str:
-    """The normalised error shown in the op list: max_abs/(eps*absmax), or the mismatch count of an exact check."""
-    m = metrics or {}
-    if "mismatches" in m:
-        return f"≠{m['mismatches']}" if m["mismatches"] else "exact"
-    nm = _num(m.get("norm_max"))
-    if nm is None:
+def severity_text(severity: float | None, digits: int = 3) -> str:
+    """A severity as the TUI writes it, in units of the op's divergence limit: ``0.31×``, ``1.05e3×`` (over 1 is
+    divergent), ``✗`` for a divergence without a figure (NaN/Inf where the reference has none, a wrong shape)."""
+    if severity is None:
         return ""
-    if nm == 0:
-        return "0"
-    if math.isinf(nm) or math.isnan(nm):
-        return str(nm)
-    return f"{nm:.3g}" if nm < 1000 else f"{nm:.2e}".replace("e+0", "e").replace("e+", "e")
+    if math.isinf(severity):
+        return "✗"
+    return f"{severity:.{digits}g}".replace("e+0", "e").replace("e+", "e") + "×"
+
+
+def error_text(severity: float | None, mismatches: int | None = None, figures: bool = True) -> str:
+    """The op list's error column (``err/lim``): the op's severity, its error over its limit (the figure the module
+    tree, the heat strip, replay and the report give too), or the mismatch count of an exact comparison. Empty for
+    an op judged without ``figures`` (a view) unless it is divergent all the same."""
+    if mismatches is not None:
+        return f"≠{mismatches}" if mismatches else "exact"
+    if not figures and not (severity is not None and math.isinf(severity)):
+        return ""
+    return severity_text(severity)
 
 
 def short_op(name: str) -> str:

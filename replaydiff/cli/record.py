@@ -440,10 +440,10 @@ def _reached(asked: StepRange, steps_run: int | None) -> tuple[list[int], list[i
 
 
 def _budget_warning(out: Path, budget: str) -> str:
-    """One warning when ``--budget`` left tensor data out: how much (all ranks together), and a budget that fits
-    everything (for the rank that needs the most): what it wrote plus what it left out."""
+    """One warning when ``--budget`` left tensor data out: which ops, and a budget that fits
+    everything (for the rank that needs the most): what it wrote plus what it left out. Each rank names its own ops."""
     from replaydiff.record.budget import budget_that_fits, format_size
-    from replaydiff.trace.schema import LEFT_OUT_BUDGET, LeftOut
+    from replaydiff.trace.schema import LEFT_OUT_BUDGET
 
     try:
         t = open_trace(out)
@@ -455,13 +455,11 @@ def _budget_warning(out: Path, budget: str) -> str:
         return ""
     need = max(sum(p.stat().st_size for p in (out / f"rank{r}").rglob("*") if p.is_file()) +
                sum(x.nbytes for x in xs) for r, xs in per_rank.items() if xs)
-    firsts = [x.first for x in left if x.first is not None]
-    lasts = [x.last for x in left if x.last is not None]
-    total = LeftOut(LEFT_OUT_BUDGET, sum(x.ops for x in left), min(firsts, default=None), max(lasts, default=None),
-                    sum(x.nbytes for x in left))
-    ranks = f" (ranks {','.join(str(r) for r, xs in per_rank.items() if xs)})" if len(per_rank) > 1 else ""
-    return f"replaydiff: warning: --budget {budget} was reached{ranks}: " \
-           f"{total.describe()}; --budget " \
+    if len(per_rank) > 1:  # each rank's ops by number: one range over several ranks would say nothing
+        what = "; ".join(f"rank {r}: {x.describe()}" for r, xs in per_rank.items() for x in xs)
+    else:
+        what = left[0].describe()
+    return f"replaydiff: warning: --budget {budget} was reached: {what}; --budget " \
            f"{format_size(budget_that_fits(need))} would fit everything (replay judges only the ops with data)\n"
 
 

@@ -84,7 +84,8 @@ def rank_summary(r: RankTrace, top: int) -> dict[str, Any]:
 def _summary_json(s: dict[str, Any]) -> dict[str, Any]:
     return dict(s, compiled=[c.to_wire() for c in s["compiled"]], environment=s["environment"].to_json(),
                 missing_ops=[m.to_json() for m in s["missing_ops"]],
-                left_out=[{"reason": x.reason, "ops": x.ops, "first": x.first, "last": x.last, "bytes": x.nbytes}
+                left_out=[{"reason": x.reason, "ops": x.ops, "first": x.first, "last": x.last, "bytes": x.nbytes,
+                           "runs": [list(r) for r in x.runs], "runs_in_all": x.nruns}
                           for x in s["left_out"]])
 
 

@@ -30,6 +30,14 @@ from replaydiff.trace.writer import RankWriter, Snapshot
 
 log = logging.getLogger("replaydiff")
 
+try:  # how dynamo marks a code object it must not compile, nor anything it calls (a C extension: no torch._dynamo)
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+
+    _SKIP_ALL: Any = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
+    set_code_exec_strategy((lambda: None).__code__, _SKIP_ALL)  # marking works in this torch
+except Exception:  # another torch: keep torch's own wrapper (RecordingMode._should_skip_dynamo)
+    _SKIP_ALL = None
+
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _DEVICE_NAMES: dict[torch.device, str] = {}
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
@@ -64,6 +72,14 @@ class RecordingMode(TorchDispatchMode):
         super().__init__()
         self.rec = recorder
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch keeps dynamo out of a mode's __torch_dispatch__ by wrapping it in torch._disable_dynamo, whose first
+        # call imports torch._dynamo: ~70 MiB of host memory in a job that has not imported it (one that never
+        # compiles nor steps a torch.optim optimizer), and two Python frames more on every op. The mark set below
+        # the class keeps dynamo out of the mode's frames the same way (recursively), without the import.
+        return _SKIP_ALL is None
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         rec = self.rec
@@ -88,6 +104,10 @@ class RecordingMode(TorchDispatchMode):
             except Exception as exc:
                 rec.op_failed(func, args, kwargs, exc)
         return out
+
+
+if _SKIP_ALL is not None:  # dynamo never compiles the mode's frames nor those they call (see _should_skip_dynamo)
+    set_code_exec_strategy(RecordingMode.__torch_dispatch__.__code__, _SKIP_ALL)
 
 
 class OpBuilder:

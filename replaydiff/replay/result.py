@@ -9,6 +9,7 @@ from typing import Any
 from replaydiff.compare.verdict import Verdict
 from replaydiff.trace.damage import MissingOps
 from replaydiff.trace.schema import LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_WHY, PlantedFaultInfo
+from replaydiff.trace.op_runs import op_runs
 
 
 class Status(str, Enum):
@@ -186,7 +187,8 @@ class ReplayReport:
 
     def left_out_summary(self) -> list[str]:
         """One line per reason the recording left data out against its will (budget, disk full): how many ops, and
-        which (first and last). Ops outside a filter are the skipped line's to count; their range says nothing."""
+        which (their exact runs per rank: judged ops lie between them). Ops outside a filter are the skipped line's
+        to count."""
         groups: dict[str, list[OpResult]] = {}
         for r in self.ops:
             if r.data_left_out in (LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL):
@@ -194,11 +196,11 @@ class ReplayReport:
         lines = []
         for why, ops in groups.items():
             ranks = sorted({r.rank for r in ops})
-            on = f" on rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}" if len(
-                {r.rank for r in self.ops}) > 1 else ""
-            first, last = min(r.index for r in ops), max(r.index for r in ops)
-            where = f"#{first}" if first == last else f"#{first}-#{last}"
-            lines.append(f"{len(ops)} op(s) ({where}{on}) not judged: tensor data left out, "
+            if len({r.rank for r in self.ops}) > 1:
+                where = "; ".join(f"rank {k} {op_runs(r.index for r in ops if r.rank == k)}" for k in ranks)
+            else:
+                where = op_runs(r.index for r in ops)
+            lines.append(f"{len(ops)} op(s) ({where}) not judged: tensor data left out, "
                          f"{LEFT_OUT_WHY.get(why, why)}")
         return lines
 

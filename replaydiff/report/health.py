@@ -151,7 +151,9 @@ def _nonfinite_check(report: ReplayReport) -> Check:
 def _checks(trace: Trace, report: ReplayReport, errs: dict) -> list[Check]:
     c = report.counts()
     repeat = int(report.options.get("repeat") or 1)
-    worst = max((e for e in errs.values() if e is not None), default=None)
+    # the op with the largest severity (the culprit's own when it is the worst), named beside its figure
+    scored = [(e, k) for k, e in errs.items() if e is not None]
+    worst, at = max(scored, key=lambda p: (p[0], -p[1][0], -p[1][1]), default=(None, None))
     collectives = [r for r in report.ops if aten.is_collective(r.op) and r.status is not Status.SKIPPED]
     bad_coll = [r for r in collectives if r.status is Status.DIVERGENT]
     ranks = [trace.rank(r) for r in sorted({r.rank for r in report.ops} or set(trace.ranks)) if r in trace.ranks]
@@ -165,7 +167,9 @@ def _checks(trace: Trace, report: ReplayReport, errs: dict) -> list[Check]:
     lost = sum(len(rt.lost) for rt in ranks)
     checks = [
         Check("ops divergent from the reference", str(c["divergent"]), "0", c["divergent"] == 0),
-        Check("largest error / limit", _fmt(worst), "1", None if worst is None else worst <= 1.0),
+        Check("largest error / limit", _fmt(worst) + (f" (#{at[1]}{f' rank {at[0]}' if len(ranks) > 1 else ''})"
+                                                      if at is not None and worst else ""),
+              "1", None if worst is None else worst <= 1.0),
         Check("ops whose repeated runs disagree", str(c["nondeterministic"]) if repeat > 1 else
               "not checked (replay --repeat N)", "0", (c["nondeterministic"] == 0) if repeat > 1 else None),
         Check("ops that could not be replayed", str(c["error"]), "0", c["error"] == 0),
@@ -404,7 +408,7 @@ def _culprit_fields(r: OpResult) -> list[tuple[str, str]]:
     rows = [("module", r.module or "-"), ("phase", r.phase or "-"), ("source line", r.source or "-")]
     if r.forward_index is not None:
         rows.append(("forward op", f"#{r.forward_index}" + (f" at {r.forward_source}" if r.forward_source else "")))
-    rows.append(("error", metrics_line(r)))
+    rows.append(("figures", metrics_line(r)))
     if r.reason:
         rows.append(("reason", r.reason))
     return rows

@@ -79,14 +79,28 @@ def planted_line(planted: list[str]) -> str:
     return "PLANTED FAULT (record --plant): " + "; ".join(planted)
 
 
+def severity_text(r: OpResult) -> str:
+    """``error / limit 2.05``: the op's severity (its verdict's, the one figure every report ranks and labels by),
+    with what its limits are when they are not the dtype's fixed ones (an ill-conditioned op's own error)."""
+    s = r.severity
+    if s is None:
+        return ""
+    cal = r.verdict.calibration if r.verdict is not None else None
+    own = f" (limits {cal.factor:g}x the op's own error at {cal.dtype})" if cal is not None and cal.limits else ""
+    return f"error / limit {s:.3g}{own}"
+
+
 def metrics_line(r: OpResult) -> str:
+    """The op's severity first, then both figures it is the larger of, each against its fixed limit."""
     m = r.metrics or {}
     if "norm_max" in m:
-        parts = [f"max_abs/(eps*absmax) {m['norm_max']:.3g} (limit {m.get('limit_max', float('nan')):.3g})",
+        parts = [severity_text(r),
+                 f"max_abs/(eps*absmax) {m['norm_max']:.3g} (limit {m.get('limit_max', float('nan')):.3g})",
+                 f"rel_l2/eps {m['norm_rel']:.3g} (limit {m.get('limit_rel', float('nan')):.3g})",
                  f"rel_l2 {m['rel_l2']:.3g}", f"max_abs {m['max_abs']:.3g}"]
         if m.get("nonfinite_mismatch"):
             parts.append(f"{m['nonfinite_mismatch']} NaN/Inf mismatches")
-        return output_said(m) + "  ".join(parts)
+        return output_said(m) + "  ".join(p for p in parts if p)
     if "mismatches" in m and output_said(m):
         return f"{output_said(m)}{m['mismatches']} elements differ" + (f"; {r.reason}" if r.reason else "")
     return r.reason or ""

@@ -18,6 +18,7 @@ import torch
 
 from replaydiff import aten
 from replaydiff.errors import TraceError
+from replaydiff.trace.op_runs import OpRuns, describe_runs
 
 # -- op record keys ---------------------------------------------------------------------------------------------
 _INDEX, _NAME, _PHASE, _MODULE, _FORWARD, _SOURCE = "i", "op", "ph", "mod", "fwd", "src"
@@ -1317,8 +1318,9 @@ def wire_closing_facts(compiled_regions: list[dict], unseen_writes: int, ops_see
 
 
 # -- what a recording left out (record --budget, a full disk, a --module/--op filter) ---------------------------
-_M_LEFT_OUT = "left_out"  # {reason: {"ops": n, "first": i, "last": j, "bytes": b}}
+_M_LEFT_OUT = "left_out"  # {reason: {"ops": n, "first": i, "last": j, "bytes": b, "runs": [[a, b], ...], "nruns": r}}
 _LO_OPS, _LO_FIRST, _LO_LAST, _LO_BYTES = "ops", "first", "last", "bytes"
+_LO_RUNS, _LO_NRUNS = "runs", "nruns"  # the first runs of consecutive op numbers (op_runs.SHOWN), and how many in all
 _LO_EVERY = "every_op"  # true when the reason covers every op written: a --module/--op filter that matched no op
 
 
@@ -1333,9 +1335,19 @@ class LeftOut:
     last: int | None
     nbytes: int
     every_op: bool = False  # every op the trace holds (for the filter: it matched no op)
+    runs: tuple[tuple[int, int], ...] = ()  # the first runs of consecutive op numbers; () in a trace that has none
+    nruns: int = 0  # runs in all
+
+    @property
+    def where(self) -> str:
+        """Which ops, exactly: their runs (``#7-#18, #20-#25 and 4 more runs up to #719``). A trace written before
+        the runs were kept has the first and last only, and ops between them may have kept their data."""
+        if self.runs:
+            return describe_runs(list(self.runs), self.nruns, self.last)
+        return f"#{self.first}" if self.first == self.last else f"between #{self.first} and #{self.last}"
 
     def describe(self) -> str:
-        where = f"#{self.first}" if self.first == self.last else f"#{self.first}-#{self.last}"
+        where = self.where
         mb = f", {self.nbytes / 1e6:.3g} MB of tensor data not stored" if self.nbytes else ""
         none = " (the filter matched no op)" if self.every_op and self.reason == LEFT_OUT_FILTERED else ""
         return f"{self.ops} op(s) ({where}) kept with statistics only: {LEFT_OUT_WHY.get(self.reason, self.reason)}" \
@@ -1348,6 +1360,7 @@ class LeftOutTally:
 
     def __init__(self) -> None:
         self._ops: dict[str, list[int]] = {}  # reason -> [ops, first, last]
+        self._runs: dict[str, OpRuns] = {}  # reason -> its ops as runs of consecutive numbers
         self._bytes: dict[str, int] = {}
         self._seen = 0  # ops written, left out or not
 
@@ -1358,9 +1371,11 @@ class LeftOutTally:
             t = self._ops.get(why)
             if t is None:
                 self._ops[why] = [1, rec[_INDEX], rec[_INDEX]]
+                self._runs[why] = OpRuns()
             else:
                 t[0] += 1
                 t[2] = rec[_INDEX]
+            self._runs[why].add(rec[_INDEX])
 
     def add_bytes(self, why: str, nbytes: int) -> None:
         self._bytes[why] = self._bytes.get(why, 0) + nbytes
@@ -1368,6 +1383,7 @@ class LeftOutTally:
     def wire(self) -> dict:
         """The manifest entry (an empty dict when nothing was left out)."""
         out = {why: {_LO_OPS: n, _LO_FIRST: first, _LO_LAST: last, _LO_BYTES: max(0, self._bytes.get(why, 0)),
+                     _LO_RUNS: self._runs[why].runs, _LO_NRUNS: self._runs[why].count,
                      **({_LO_EVERY: True} if n == self._seen else {})}
                for why, (n, first, last) in self._ops.items()}
         return {_M_LEFT_OUT: out} if out else {}
@@ -1433,9 +1449,13 @@ def left_out_from_manifest(manifest: dict) -> list[LeftOut]:
     out = []
     for why, d in (v.items() if isinstance(v, dict) else ()):
         d = _mapping(d)
+        runs = d.get(_LO_RUNS)
+        runs = tuple((a, b) for a, b in runs if isinstance(a, int) and isinstance(b, int)) \
+            if isinstance(runs, list) and all(isinstance(x, list) and len(x) == 2 for x in runs) else ()
         out.append(LeftOut(str(why), _typed(d.get(_LO_OPS), int) or 0, _typed(d.get(_LO_FIRST), int),
                            _typed(d.get(_LO_LAST), int), _typed(d.get(_LO_BYTES), int) or 0,
-                           _typed(d.get(_LO_EVERY), bool) or False))
+                           _typed(d.get(_LO_EVERY), bool) or False, runs,
+                           (_typed(d.get(_LO_NRUNS), int) or len(runs)) if runs else 0))
     return sorted(out, key=lambda x: (x.first is None, x.first))
 
 

@@ -16,9 +16,10 @@ Steps: ``chain``: x = randn(size); then x = x * 1.0001, n times (each op makes o
 ``mixed``: random temporaries of 1 to 8 MB in turn (the mean is about ``--mb``), each also summed into a small
 running total.
 
-The first recording in a process imports ``torch._dynamo`` (the compiled-region tracker, ``record/compiled.py``):
-about 70 MiB, once, whatever the step. ``--preimport`` imports it before the warm-up step, as a job that uses
-``torch.compile`` has, so that what remains is the recorder's own memory.
+Recording imports nothing into the job: torch wraps every dispatch mode's ``__torch_dispatch__`` in a wrapper whose
+first call imports ``torch._dynamo`` (about 70 MiB), and the recorder's mode marks its code for dynamo instead
+(``record/mode.py``). ``--preimport`` imports it before the warm-up step, as a job that uses ``torch.compile`` or
+steps a ``torch.optim`` optimizer has.
 
 Peak RSS does not depend on how loaded the machine is (timings do; none are printed here).
 
@@ -134,7 +135,7 @@ def main() -> None:
         results = {k: f.result() for k, f in futures.items()}
     print(f"Peak RSS added by one step (MiB; VmHWM after the step minus after a plain warm-up step), pattern "
           f"{args.pattern}, {args.mb:g} MB temporaries, queue_bytes {f'{args.queue_mib:g} MiB' if args.queue_mib else 'default'}, torch._dynamo "
-          f"{'imported before' if args.preimport else 'imported by the recording'}, one fresh process per cell "
+          f"{'imported before' if args.preimport else 'not imported'}, one fresh process per cell "
           f"({time.time() - started:.0f} s)\n")
     print("| mode | " + " | ".join(f"{c} temporaries" for c in counts) + " | trace MB (largest count) |")
     print("|---|" + "---|" * len(counts) + "---|")

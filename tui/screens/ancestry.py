@@ -10,7 +10,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Static, Tree
 
-from replaydiff.tui.model import TraceModel, error_text, short_op
+from replaydiff.tui.model import TraceModel, short_op
 
 MAX_NODES = 300
 
@@ -65,7 +65,7 @@ def node_label(model: TraceModel, n: dict[str, Any]) -> Text:
     t.append(f"  {s or 'pending'}", style=style)
     r = model.results[i]
     if r is not None:
-        err = error_text(r.metrics)
+        err = r.error
         if err:
             t.append(f" {err}", style=style)
     if n.get("seen"):

@@ -10,7 +10,7 @@ from textual.widgets import Input, ProgressBar, Static
 from replaydiff.tui.model import TraceModel
 from replaydiff.tui.widgets.detail import DetailPane
 from replaydiff.tui.widgets.heat_strip import HeatStrip
-from replaydiff.tui.widgets.module_tree import ModuleTree
+from replaydiff.tui.widgets.module_tree import TREE_HEADER, ModuleTree
 from replaydiff.tui.widgets.op_list import OpList
 
 
@@ -49,7 +49,9 @@ class MainScreen(Screen):
     def compose(self) -> ComposeResult:
         yield HeatStrip(self.model, id="heat")
         with Horizontal(id="body"):
-            yield ModuleTree(self.model, id="modules")
+            with Vertical(id="left"):
+                yield Static(TREE_HEADER, id="tree-header")
+                yield ModuleTree(self.model, id="modules")
             with Vertical(id="right"):
                 yield OpList(self.model, id="ops")
                 yield DetailPane(id="detail")

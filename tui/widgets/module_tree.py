@@ -5,19 +5,22 @@ from rich.text import Text
 from textual.message import Message
 from textual.widgets import Tree
 
-from replaydiff.tui.model import ModuleGroup, TraceModel
+from replaydiff.tui.model import ModuleGroup, TraceModel, severity_text
 from replaydiff.tui.widgets.heat_strip import heat_colour
+
+
+TREE_HEADER = "module  worst err/lim (ops)"  # over the tree, as the op list's header is over its rows
 
 
 def worst_text(worst: float | None) -> Text:
     """A module's worst error as a multiple of the divergence limit: ``0.31×``, ``1e3×`` (divergent, in red),
-    ``✗`` (a divergence with no figure: NaN/Inf or exact mismatches)."""
+    ``✗`` (a divergence with no figure: NaN/Inf or exact mismatches). Two digits: the tree is narrow, and the op's
+    own row gives three."""
     if worst is None:
         return Text("")
     if worst == float("inf"):
         return Text(" ✗", style="bold red")
-    figure = f"{worst:.2g}".replace("e+0", "e").replace("e+", "e") + "×"
-    return Text(" " + figure, style="bold red" if worst >= 1.0 else heat_colour(worst))
+    return Text(" " + severity_text(worst, 2), style="bold red" if worst >= 1.0 else heat_colour(worst))
 
 
 class ModuleTree(Tree[ModuleGroup]):

@@ -43,7 +43,8 @@ UNIT_ROW_STYLE = Style(color="bright_black", italic=True)
 
 
 class OpList(ScrollView, can_focus=True):
-    """Rows of ops: number, phase, module (shortened from the left), op, output, status, normalised error."""
+    """Rows of ops: number, phase, module (shortened from the left), op, output, status, and error over the op's
+    divergence limit (err/lim: its severity, as the module tree and the heat strip give it)."""
 
     BINDINGS = [
         Binding("up,k", "cursor(-1)", "up", show=False),
@@ -250,7 +251,7 @@ class OpList(ScrollView, can_focus=True):
         w_idx, w_phase, w_mod, w_op, w_out, w_status, w_err = self.columns(width)
         style = self.get_component_rich_style("oplist--header")
         cells = ["#".rjust(w_idx), "ph ", "module".ljust(w_mod)[:w_mod], "op".ljust(w_op)[:w_op],
-                 "output".ljust(w_out)[:w_out], "status".ljust(w_status), "error".rjust(w_err)]
+                 "output".ljust(w_out)[:w_out], "status".ljust(w_status), "err/lim".rjust(w_err)]
         text = " ".join(c for c in cells if c)
         return Strip([Segment(text.ljust(width)[:width], style)], width)
 
