@@ -257,3 +257,32 @@ def test_two_parallel_runs_of_different_world_sizes_are_refused_in_one_line(runs
     assert main(["diff", str(runs[2] / "manual"), str(runs[4] / "manual")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "a 2-rank run against a 4-rank run is not mapped" in err
+
+
+def test_the_readme_s_diff_example_is_what_the_documented_commands_print(tmp_path, capsys):
+    """docs/examples/data_parallel.py's commands, run as its docstring says (from a folder holding the script at the
+    same relative path, so the source lines read as in the README), print the README's diff example."""
+    root = Path(__file__).resolve().parents[1]
+    here = tmp_path / "docs" / "examples"
+    here.mkdir(parents=True)
+    script = here / "data_parallel.py"
+    script.write_text((root / "docs" / "examples" / "data_parallel.py").read_text())
+    rel = "docs/examples/data_parallel.py"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    for cmd in ([sys.executable, rel, "single-double/", "--mode", "double"],
+                torchrun + [rel, "double/", "--mode", "double"]):
+        done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    import os
+
+    capsys.readouterr()
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert main(["diff", "single-double/", "double/"]) == 1
+    finally:
+        os.chdir(old)
+    printed = capsys.readouterr().out
+    readme = (root / "README.md").read_text()
+    block = readme.split("$ replaydiff diff single-double/ double/\n...\n", 1)[1].split("```", 1)[0]
+    assert block and block in printed
