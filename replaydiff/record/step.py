@@ -53,6 +53,10 @@ def install() -> None:
         step = int(config.get("step", 1))
         # --steps and --flight say which steps themselves; --step N alone is the one step N
         steps = None if (options.steps or options.flight) else StepRange(step, step, 1)
+        if options.compiled == "capture":  # graphs compiled before the recorded step stay replayable
+            from replaydiff.record.units import watch_compiles
+
+            watch_compiles()
         rec = MultiStepRecorder(config["out"], options, steps).start().finish_at_exit()
         if config.get("status"):
             atexit.register(_report_steps, config["status"], weakref.ref(rec))

@@ -338,13 +338,14 @@ class UnitReplayer:
         Skip = self._skip
         info = op.unit
         if info is None or info.note:
-            raise Skip(f"compiled unit without a replayable graph ({info.note if info else 'none stored'})")
+            raise Skip(f"compiled unit without a replayable graph ({info.note if info else 'none stored'})",
+                       unjudged=True)
         if not aten.matches_any(op.name, self.opts.ops):
             raise Skip("not selected by --ops")
         try:
             g = Graph(info)
         except Refused as exc:
-            raise Skip(f"unit graph not replayed: {exc}") from None
+            raise Skip(f"unit graph not replayed: {exc}", unjudged=True) from None
         where = f"unit of {info.region} (graph {info.graph_id}, {info.backend})"
         recorded = list(flat(op.outputs))
         draws = g.draws({n for n, r in enumerate(recorded) if isinstance(r, TensorRef) and r.stored
@@ -364,7 +365,7 @@ class UnitReplayer:
             same_out, _ = interpret(g, same_ins, same_consts, same_convert, None,
                                     self._pinned(draws, recorded, same_convert))
         except Refused as exc:
-            raise Skip(f"unit graph not replayed: {exc}") from None
+            raise Skip(f"unit graph not replayed: {exc}", unjudged=True) from None
         k = max(ks)
         pairs, judged = self._judge_outputs(op, g, draws, ref_out, ins, same_out, same_ins, k)
         finite = True

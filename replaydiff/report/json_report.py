@@ -12,7 +12,8 @@ computed: its ``nonfinite_input`` says which input) and ``ops`` (one object per 
 ``rank``, ``index``, ``op``, ``status``, ``module``, ``phase``, ``source``, ``forward_index``, ``metrics``,
 ``severity`` (how far over its limit, in units of the limit: at most 1 within, over 1 divergent; null when not
 judged), ``data_left_out`` (only when the recording left the op's tensor data out: filtered, budget or disk full;
-the op is skipped), ``nonfinite_input`` (only when an input already held NaN/Inf that came from outside the trace
+the op is skipped), ``unjudged`` (only when true: skipped though it computed something replay could not run, a
+compiled unit without a replayable graph; the replay is not clean), ``nonfinite_input`` (only when an input already held NaN/Inf that came from outside the trace
 or from an op whose data was left out: ``position``, ``nan``, ``inf``, ``producer`` (null: outside the trace),
 ``producer_op``), ``reason`` (why it is divergent, skipped or, within its limits despite a large error, ok)),
 ``first_divergent_per_rank`` (each rank's earliest divergent op) and ``undecided`` (ranks and op
@@ -56,6 +57,7 @@ def op_json(r: OpResult | None) -> dict | None:
                    "forward_source": r.forward_source, "metrics": r.metrics, "severity": r.severity,
                    "reason": r.reason, **({"repeats_disagree": True} if r.repeats_disagree else {}),
                    **({"data_left_out": r.data_left_out} if r.data_left_out else {}),
+                   **({"unjudged": True} if r.unjudged else {}),
                    **({"nonfinite_input": dataclasses.asdict(r.nonfinite_input)} if r.nonfinite_input else {})})
 
 
@@ -99,7 +101,7 @@ def load_replay_json(path: str | Path) -> ReplayReport:
                                    forward_index=o.get("forward_index"), forward_source=o.get("forward_source"),
                                    verdict=verdict, reason=o.get("reason"),
                                    repeats_disagree=bool(o.get("repeats_disagree")),
-                                   data_left_out=o.get("data_left_out"),
+                                   data_left_out=o.get("data_left_out"), unjudged=bool(o.get("unjudged")),
                                    nonfinite_input=NonfiniteInput(**o["nonfinite_input"])
                                    if isinstance(o.get("nonfinite_input"), dict) else None))
     first = d.get("first_divergent")
