@@ -367,7 +367,7 @@ class UnitReplayer:
         except Refused as exc:
             raise Skip(f"unit graph not replayed: {exc}", unjudged=True) from None
         k = max(ks)
-        pairs, judged = self._judge_outputs(op, g, draws, ref_out, ins, same_out, same_ins, k)
+        pairs, judged, same_vals = self._judge_outputs(op, g, draws, ref_out, ins, same_out, same_ins, k)
         finite = True
         for _, v in judged:
             if getattr(v.measure, "nonfinite_recorded", 0):
@@ -381,7 +381,7 @@ class UnitReplayer:
         if bad:
             n, v = bad[0]
             try:
-                found = self.localize(op, g, draws)
+                found = self.localize(op, g, draws, Outputs(bad, pairs, same_vals, k, self._judge))
             except Exception as exc:  # localisation is extra: the unit's verdict stands
                 found = f"not localised ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]})"
             return Judgement(Status.DIVERGENT, v, (UnitDivergent(where, n, v.reason, found),) + notes), pairs, finite
@@ -438,7 +438,7 @@ class UnitReplayer:
         return said, bad
 
     def _judge_outputs(self, op: OpRecord, g: Graph, draws: Draws, ref_out: list, ref_ins: list, same_out: list,
-                       same_ins: list, k: int) -> tuple[Pairs, list[tuple[int, Verdict]]]:
+                       same_ins: list, k: int) -> tuple[Pairs, list[tuple[int, Verdict]], list]:
         recorded = list(flat(op.outputs))
         pairs: Pairs = list(zip(recorded, ref_out))
         same_vals = list(same_out)
@@ -461,7 +461,7 @@ class UnitReplayer:
                 continue
             same = same_vals[n] if n < len(same_vals) else None
             judged.append((n, self._judge(self.trace.tensor(rec), value, same, k)))
-        return pairs, judged
+        return pairs, judged, same_vals
 
     def _judge(self, recorded: torch.Tensor, value: torch.Tensor, same: Any, k: int) -> Verdict:
         """The verdict on one compiled value against its reference, calibrated by the eager run at its dtype."""
@@ -477,10 +477,14 @@ class UnitReplayer:
         return v
 
     # -- localisation ------------------------------------------------------------------------------------------
-    def localize(self, op: OpRecord, g: Graph, draws: Draws | None = None) -> str:
-        """The earliest node whose compiled output diverges given its own inputs, with whether this machine
-        reproduces the recorded unit (see the module docstring). Masks recovered from recorded outputs are inputs
-        of the recompiled graph, so that its values after them are the recorded unit's, not a new draw's."""
+    def localize(self, op: OpRecord, g: Graph, draws: Draws | None = None, judged: "Outputs | None" = None) -> str:
+        """Where inside the unit its error comes from (see the module docstring). When this machine's recompile of
+        the unit reproduces the recording, or is as wrong as it, the earliest node whose compiled output diverges
+        given its own inputs. When it does not reproduce it and its own outputs are within limits (``judged``: the
+        unit's outputs as judged, to judge this machine's against), the fault is in the recorded compiled code,
+        which this machine does not run: the recorded outputs that diverge and the nodes behind them are named from
+        the trace instead. Masks recovered from recorded outputs are inputs of the recompiled graph, so that its
+        values after them are the recorded unit's, not a new draw's."""
         info = g.info
         draws = draws or Draws({}, {}, set())
         backend = info.backend or "inductor"
@@ -500,6 +504,8 @@ class UnitReplayer:
             same = all(r is None or (n < len(behind) and behind[n] in fresh)
                        or (isinstance(o, torch.Tensor) and o.shape == r.shape and torch.equal(o.to(r.device), r))
                        for n, (r, o) in enumerate(zip(recorded, out)))
+            if not same and judged is not None and judged.within(out):
+                return self._recorded_code_at_fault(g, judged, backend, torch_version)
             repro = ("this machine's " + backend + " reproduces the recorded outputs bit for bit" if same else
                      f"this machine's {backend} (torch {torch_version}) does NOT reproduce the recorded outputs "
                      f"bit for bit (another torch, device or compiler): the nodes judged are this machine's kernels")
@@ -533,6 +539,32 @@ class UnitReplayer:
                 env.append(None)
         return f"no single node diverges given its own inputs (the error builds up across nodes); {repro}"
 
+    def _recorded_code_at_fault(self, g: Graph, judged: "Outputs", backend: str, torch_version: str) -> str:
+        """The sentence for a unit whose recorded outputs diverge while this machine's compile of it does not: the
+        fault is in the compiled code that ran when recording; the divergent recorded outputs (those saved for the
+        backward among them) with the nodes that produced them, earliest node first."""
+        behind = g.output_nodes()
+        nodes = g.info.nodes
+        by_node: dict[int | None, list[tuple[int, Verdict]]] = {}
+        for n, v in judged.bad:
+            by_node.setdefault(behind[n] if n < len(behind) else None, []).append((n, v))
+        parts = []
+        for node in sorted(by_node, key=lambda i: (i is None, i or 0)):
+            outs = ", ".join(f"output {n}" if n < len(behind) else f"written input (output {n})"
+                             for n, _ in by_node[node])
+            reason = by_node[node][0][1].reason
+            if node is None:
+                parts.append(f"{outs} ({reason})")
+                continue
+            nd = nodes[node]
+            at = f" in {nd.module}" if nd.module else ""
+            parts.append(f"{nd.describe()}{at}: {outs} ({reason})")
+        kernels = ", ".join(g.info.kernels) or "not named"
+        return (f"the fault is in the recorded compiled code: this machine's {backend} (torch {torch_version}) "
+                f"recompiles the unit with outputs within limits, not bit for bit the recorded ones (the recorded "
+                f"kernels: {kernels}); recorded outputs that diverge from the float64 graph, by the node that "
+                f"produced them, earliest first: " + "; ".join(parts))
+
     def _judge_node(self, g: Graph, i: int, n: UnitNode, env: list, convert: Callable[[Any], Any], got: Any
                     ) -> Verdict | None:
         """The node run at float64 (and at its dtype, for its own error) on the compiled values of its inputs,
@@ -554,6 +586,33 @@ class UnitReplayer:
                 if v.divergent:
                     return v
         return None
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """A unit's outputs as judged against the float64 graph: the divergent ones, and what judges any value of them
+    (the reference, the eager run at the recorded dtype and the reduction length), for this machine's recompile."""
+
+    bad: list[tuple[int, Verdict]]  # (output position, verdict), divergent
+    pairs: Pairs  # (recorded, reference) per output and written input
+    same: list  # the graph run eagerly at the recorded dtypes, per output and written input
+    k: int
+    judge: Callable[[torch.Tensor, torch.Tensor, Any, int], Verdict] | None = None
+
+    def within(self, values: list) -> bool:
+        """Whether every output that diverges in the recording is within limits in ``values`` (a recompile's
+        outputs, in the same order)."""
+        judge = self.judge
+        if judge is None:
+            return False
+        for n, _ in self.bad:
+            if n >= len(values) or n >= len(self.pairs) or not isinstance(values[n], torch.Tensor):
+                return False
+            ref = self.pairs[n][1]
+            same = self.same[n] if n < len(self.same) else None
+            if not isinstance(ref, torch.Tensor) or judge(values[n], ref, same, self.k).divergent:
+                return False
+        return True
 
 
 def compile_device(op: OpRecord) -> tuple[torch.device, str | None]:
