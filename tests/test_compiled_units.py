@@ -454,7 +454,15 @@ cm = torch.compile(model, backend="inductor")
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
 for step in (1, 2, 3):
-    loss = cm(x).square().mean()
+    if step == 2 and len(sys.argv) > 2 and sys.argv[2] == "step":  # the Python API: step 2 recorded whole
+        with replaydiff.record(sys.argv[1]):
+            cm(input=x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        continue
+    # called by keyword, as transformers models are: the graph recompiled while recording is then the one compiled
+    # at step 1 (the recorder's module hooks see no positional input), which AOTAutograd's cache holds
+    loss = cm(input=x).square().mean()
     if step == 2 and len(sys.argv) > 1:  # the Python API: the backward of step 2 alone is recorded
         with replaydiff.record(sys.argv[1]):
             loss.backward()
@@ -492,6 +500,25 @@ def test_units_of_a_step_after_the_compile_are_replayed_under_record_cli(tmp_pat
     code, out, judged = _judged_units(cli_here, tmp_path / "t")
     assert code == 0 and [u["status"] for u in judged] == ["ok", "ok"], judged
     assert all("within limits" in u["reason"] for u in judged), judged
+
+
+@pytest.mark.slow
+def test_a_whole_step_recorded_after_the_compile_holds_units_with_graphs(tmp_path, capsys):
+    """The Python API around a whole step after the compile, no watch_compiles(): the regions are compiled again
+    for the recording (AOTAutograd's cache would hand back the step-1 code without a graph), so both units replay."""
+    import os
+    import sys
+
+    (tmp_path / "train.py").write_text(_LN_DROPOUT)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache"), "WATCH": ""}
+    job = subprocess.run([sys.executable, "train.py", str(tmp_path / "t"), "step"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert job.returncode == 0, job.stderr
+    units = _units(tmp_path / "t")
+    assert [u.name for u in units] == ["compiled.unit.forward", "compiled.unit.backward"]
+    assert all(u.unit.note is None and u.unit.calls() for u in units), [u.unit.note for u in units]
+    code, out, judged = _judged_units(lambda *a: run_main(capsys, *a), tmp_path / "t")
+    assert code == 0 and [u["status"] for u in judged] == ["ok", "ok"], judged
 
 
 @pytest.mark.slow
