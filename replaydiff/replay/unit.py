@@ -597,14 +597,12 @@ class Outputs:
     pairs: Pairs  # (recorded, reference) per output and written input
     same: list  # the graph run eagerly at the recorded dtypes, per output and written input
     k: int
-    judge: Callable[[torch.Tensor, torch.Tensor, Any, int], Verdict] | None = None
+    judge: Callable[[torch.Tensor, torch.Tensor, Any, int], Verdict]  # (value, reference, eager value, k)
 
     def within(self, values: list) -> bool:
         """Whether every output that diverges in the recording is within limits in ``values`` (a recompile's
         outputs, in the same order)."""
         judge = self.judge
-        if judge is None:
-            return False
         for n, _ in self.bad:
             if n >= len(values) or n >= len(self.pairs) or not isinstance(values[n], torch.Tensor):
                 return False

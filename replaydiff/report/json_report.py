@@ -12,8 +12,8 @@ computed: its ``nonfinite_input`` says which input) and ``ops`` (one object per 
 ``rank``, ``index``, ``op``, ``status``, ``module``, ``phase``, ``source``, ``forward_index``, ``metrics``,
 ``severity`` (how far over its limit, in units of the limit: at most 1 within, over 1 divergent; null when not
 judged), ``data_left_out`` (only when the recording left the op's tensor data out: filtered, budget or disk full;
-the op is skipped), ``unjudged`` (only when true: skipped though it computed something replay could not run, a
-compiled unit without a replayable graph; the replay is not clean), ``nonfinite_input`` (only when an input already held NaN/Inf that came from outside the trace
+the op is skipped), ``unjudged`` (only when true: a compiled unit replay could not run, its computation unchecked;
+never clean), ``nonfinite_input`` (only when an input already held NaN/Inf that came from outside the trace
 or from an op whose data was left out: ``position``, ``nan``, ``inf``, ``producer`` (null: outside the trace),
 ``producer_op``), ``reason`` (why it is divergent, skipped or, within its limits despite a large error, ok)),
 ``first_divergent_per_rank`` (each rank's earliest divergent op) and ``undecided`` (ranks and op
