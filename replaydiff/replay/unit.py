@@ -381,7 +381,8 @@ class UnitReplayer:
         if bad:
             n, v = bad[0]
             try:
-                found = self.localize(op, g, draws, Outputs(bad, pairs, same_vals, k, self._judge))
+                within = {m for m, w in judged if not w.divergent}
+                found = self.localize(op, g, draws, Outputs(bad, within, pairs, same_vals, k, self._judge))
             except Exception as exc:  # localisation is extra: the unit's verdict stands
                 found = f"not localised ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]})"
             return Judgement(Status.DIVERGENT, v, (UnitDivergent(where, n, v.reason, found),) + notes), pairs, finite
@@ -505,7 +506,7 @@ class UnitReplayer:
                        or (isinstance(o, torch.Tensor) and o.shape == r.shape and torch.equal(o.to(r.device), r))
                        for n, (r, o) in enumerate(zip(recorded, out)))
             if not same and judged is not None and judged.within(out):
-                return self._recorded_code_at_fault(g, judged, backend, torch_version)
+                return self._recorded_code_at_fault(g, judged, set(draws.pins) | draws.own, backend, torch_version)
             repro = ("this machine's " + backend + " reproduces the recorded outputs bit for bit" if same else
                      f"this machine's {backend} (torch {torch_version}) does NOT reproduce the recorded outputs "
                      f"bit for bit (another torch, device or compiler): the nodes judged are this machine's kernels")
@@ -539,31 +540,56 @@ class UnitReplayer:
                 env.append(None)
         return f"no single node diverges given its own inputs (the error builds up across nodes); {repro}"
 
-    def _recorded_code_at_fault(self, g: Graph, judged: "Outputs", backend: str, torch_version: str) -> str:
+    def _recorded_code_at_fault(self, g: Graph, judged: "Outputs", drawn: set[int], backend: str,
+                                torch_version: str) -> str:
         """The sentence for a unit whose recorded outputs diverge while this machine's compile of it does not: the
-        fault is in the compiled code that ran when recording; the divergent recorded outputs (those saved for the
-        backward among them) with the nodes that produced them, earliest node first."""
+        fault is in the compiled code that ran when recording. Localised from what the trace holds: the earliest
+        divergent recorded output (those saved for the backward are outputs too), the node behind it and the nodes
+        that computed it from values known to be right (the unit's inputs, recorded outputs within limits); then
+        the later divergent outputs, which may only carry its error. ``drawn``: random nodes whose draws were
+        recovered from the recording (known too)."""
         behind = g.output_nodes()
         nodes = g.info.nodes
-        by_node: dict[int | None, list[tuple[int, Verdict]]] = {}
-        for n, v in judged.bad:
-            by_node.setdefault(behind[n] if n < len(behind) else None, []).append((n, v))
-        parts = []
-        for node in sorted(by_node, key=lambda i: (i is None, i or 0)):
-            outs = ", ".join(f"output {n}" if n < len(behind) else f"written input (output {n})"
-                             for n, _ in by_node[node])
-            reason = by_node[node][0][1].reason
-            if node is None:
-                parts.append(f"{outs} ({reason})")
+        node_of = lambda n: behind[n] if n < len(behind) else None  # noqa: E731  (None: a written input)
+        bad = sorted(judged.bad, key=lambda nv: (node_of(nv[0]) is None, node_of(nv[0]) or 0, nv[0]))
+        good = ({node_of(n) for n in judged.good} - {None}) | drawn
+        head = (f"the fault is in the recorded compiled code: this machine's {backend} (torch {torch_version}) "
+                f"recompiles the unit with outputs within limits, not bit for bit the recorded ones; of the recorded "
+                f"outputs, {len(bad)} diverge from the float64 graph")
+        first, verdict = bad[0]
+        node = node_of(first)
+        if node is None:
+            return f"{head}, the earliest written input {first} ({verdict.reason})"
+        nd = nodes[node]
+        at = f" in {nd.module}" if nd.module else ""
+        made = [nodes[i].name for i in sorted(self._computed_by(g, node, good))
+                if not aten.is_cheap(str(nodes[i].target)) and not aten.is_graph_plumbing(str(nodes[i].target))]
+        out = (f"{head}, earliest output {first}: {nd.describe()}{at} ({verdict.reason}), computed inside the unit "
+               f"by {', '.join(made) or nd.name} from the unit's inputs and recorded values within limits")
+        later = []
+        for n, _ in bad[1:]:
+            i = node_of(n)
+            later.append(f"output {n}" + (f" {nodes[i].name}" + (f" in {nodes[i].module}" if nodes[i].module else "")
+                                          if i is not None else " (a written input)"))
+        if later:
+            more = f" and {len(later) - 4} more" if len(later) > 4 else ""
+            out += f"; later: {'; '.join(later[:4])}{more}"
+        return out
+
+    @staticmethod
+    def _computed_by(g: Graph, node: int, known: set[int]) -> set[int]:
+        """The call nodes ``node`` is computed from (itself included), walking back to the unit's inputs,
+        constants and the nodes in ``known``."""
+        nodes = g.info.nodes
+        seen: set[int] = set()
+        todo = [node]
+        while todo:
+            i = todo.pop()
+            if i in seen or nodes[i].kind != NODE_CALL or (i in known and i != node):
                 continue
-            nd = nodes[node]
-            at = f" in {nd.module}" if nd.module else ""
-            parts.append(f"{nd.describe()}{at}: {outs} ({reason})")
-        kernels = ", ".join(g.info.kernels) or "not named"
-        return (f"the fault is in the recorded compiled code: this machine's {backend} (torch {torch_version}) "
-                f"recompiles the unit with outputs within limits, not bit for bit the recorded ones (the recorded "
-                f"kernels: {kernels}); recorded outputs that diverge from the float64 graph, by the node that "
-                f"produced them, earliest first: " + "; ".join(parts))
+            seen.add(i)
+            todo.extend(r.index for r in _refs([nodes[i].args, list(nodes[i].kwargs.values())]))
+        return seen
 
     def _judge_node(self, g: Graph, i: int, n: UnitNode, env: list, convert: Callable[[Any], Any], got: Any
                     ) -> Verdict | None:
@@ -594,6 +620,7 @@ class Outputs:
     (the reference, the eager run at the recorded dtype and the reduction length), for this machine's recompile."""
 
     bad: list[tuple[int, Verdict]]  # (output position, verdict), divergent
+    good: set[int]  # output positions judged within limits
     pairs: Pairs  # (recorded, reference) per output and written input
     same: list  # the graph run eagerly at the recorded dtypes, per output and written input
     k: int
