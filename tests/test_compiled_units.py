@@ -470,6 +470,7 @@ for step in (1, 2, 3):
         loss.backward()
     opt.step()
     opt.zero_grad()
+    print("loss", step, loss.item().hex())
 """
 
 
@@ -488,10 +489,19 @@ def test_units_of_a_step_after_the_compile_are_replayed_under_record_cli(tmp_pat
     backward, LayerNorm and dropout inside) is a unit with its graph, judged by replay (none skipped)."""
     import sys
 
+    import os
+
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))  # no kernel from another run
     (tmp_path / "train.py").write_text(_LN_DROPOUT)
     proc = cli_here("record", "-o", tmp_path / "t", "--step", "2", "--", sys.executable, "train.py", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # every region compiled through the capture backend from the start: the job's numerics are its own, bit for bit
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "plain-cache")}
+    plain = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=600)
+    losses = [line for line in proc.stdout.splitlines() if line.startswith("loss ")]
+    assert len(losses) == 3 and losses == [x for x in plain.stdout.splitlines() if x.startswith("loss ")], \
+        (losses, plain.stdout, plain.stderr)
     units = _units(tmp_path / "t")
     assert [u.name for u in units] == ["compiled.unit.forward", "compiled.unit.backward"]
     assert all(u.unit.note is None and u.unit.calls() for u in units), [u.unit.note for u in units]
