@@ -413,7 +413,8 @@ def watch_compiles() -> None:
         orig = torch.compile
 
         def compile(*args: Any, **kwargs: Any) -> Any:  # noqa: A001  (stands in for torch.compile)
-            _watch_now()
+            if "compile" in _watch:  # the first call (a stand-in wrapped over this one may outlive it)
+                _watch_now()
             return orig(*args, **kwargs)
 
         compile.__wrapped__ = orig  # type: ignore[attr-defined]
