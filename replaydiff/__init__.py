@@ -2,8 +2,9 @@
 __version__ = "0.1.0"
 
 from replaydiff.errors import TraceError  # noqa: E402
-from replaydiff.record import record  # noqa: E402
+from replaydiff.record import record, watch_compiles  # noqa: E402
 from replaydiff.replay.references import register_reference, unregister_reference  # noqa: E402
 from replaydiff.trace import open_trace  # noqa: E402
 
-__all__ = ["TraceError", "open_trace", "record", "register_reference", "unregister_reference", "__version__"]
+__all__ = ["TraceError", "open_trace", "record", "register_reference", "unregister_reference", "watch_compiles",
+           "__version__"]

@@ -107,6 +107,11 @@ def resolve_graph_target(name: str) -> Any:
     return resolve(name)
 
 
+def is_graph_plumbing(name: str) -> bool:
+    """A unit graph's ``operator`` node (getitem of a tuple, arithmetic on sizes): no new tensor value of its own."""
+    return namespace(name) == "operator"
+
+
 def is_marker(name: str) -> bool:
     return namespace(name) in NON_COMPUTE_NAMESPACES
 

@@ -3,5 +3,6 @@ from replaydiff.record.options import RecordOptions
 from replaydiff.record.api import record
 from replaydiff.record.recorder import Recorder
 from replaydiff.record.steps import MultiStepRecorder
+from replaydiff.record.units import watch_compiles
 
-__all__ = ["MultiStepRecorder", "RecordOptions", "Recorder", "record"]
+__all__ = ["MultiStepRecorder", "RecordOptions", "Recorder", "record", "watch_compiles"]

@@ -115,6 +115,10 @@ def install() -> None:
         steps = None if (options.steps or options.flight) else StepRange(step, step, 1)
         command = config.get("command")
         command = [str(x) for x in command] if isinstance(command, list) else None
+        if options.compiled == "capture":  # graphs compiled before the recorded step stay replayable
+            from replaydiff.record.units import watch_compiles
+
+            watch_compiles()
         rec = MultiStepRecorder(config["out"], options, steps, command).start().finish_at_exit()
         if config.get("status"):
             atexit.register(_report_steps, config["status"], weakref.ref(rec))

@@ -300,7 +300,13 @@ def capture_backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
             return UnitCall(compile_fx_inner(g, ex, **kw), graph)
 
         config = getattr(compiler, "config", None) or None
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config)
+        # AOTAutograd's cache, on a hit (the region compiled before, in this process or an earlier one), hands back
+        # compiled code without calling inner_compile: no graph would be kept, and the unit could not be replayed.
+        # Inductor's own FX graph cache (inside compile_fx_inner) still serves the kernels.
+        from torch._functorch import config as aot_config
+
+        with aot_config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config)
     if name in _AOT_EAGER:
         from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
@@ -320,8 +326,9 @@ def capture_backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
     return compiler(gm, example_inputs)  # not captured: runs as its backend makes it
 
 
-_BOUNDARY_NOTE = ("graph not captured: its forward was compiled before recording started (start recording before "
-                  "the forward, or compile the whole step)")
+_BOUNDARY_NOTE = ("graph not captured: its forward was compiled before recording started (call "
+                  "replaydiff.watch_compiles() before the model is compiled, or record with replaydiff record -- CMD, "
+                  "which does)")
 
 
 def boundary_backward(f: Any, impl_frame: Any) -> Any:
@@ -375,7 +382,7 @@ class UnitCapture:
             from torch._dynamo import eval_frame as ef
 
             prior = ef._stance
-            if prior.stance != "default" or prior.backend is not None:
+            if prior.stance != "default" or prior.backend not in (None, capture_backend):  # capture_backend: watched
                 raise RuntimeError(f"torch.compile's stance is {prior.stance!r} (backend {prior.backend!r})")
             self._prior = ef._set_stance(ef.DynamoStance("default", prior.skip_guard_eval_unsafe, capture_backend))
             _capturing.append(self.rec)
@@ -399,3 +406,57 @@ class UnitCapture:
             except Exception as exc:
                 log.debug("could not restore torch.compile's stance: %s", exc)
         self.mode = None
+
+
+# -- watching compiles before any recording -----------------------------------------------------------------------
+_watch: dict[str, Any] = {}  # "compile": torch.compile as it was before watch_compiles wrapped it
+
+
+def watch_compiles() -> None:
+    """Compile every ``torch.compile`` region from now on through ``capture_backend`` (the region's own backend,
+    the same compiled code, each aten graph also kept as data), so that a later recording can replay the graphs
+    compiled before it started: a compiled backward whose forward ran before recording (``loss = model(x)``, then
+    ``with record(...): loss.backward()``), or regions compiled at step 1 of a job recorded at step 2 (no recompile
+    then). ``replaydiff record -- CMD`` calls it at the start of the command. Call it early in the script, before
+    the first compiled call; idempotent; never raises. Costs: each graph's nodes are encoded once, at compile time,
+    and AOTAutograd's cache is bypassed (inductor's FX graph cache still serves the kernels)."""
+    try:
+        if "torch._dynamo.eval_frame" in sys.modules:
+            _watch_now()
+            return
+        if "compile" in _watch:
+            return
+        # dynamo is not loaded yet (importing it costs about a second): set the stance at the first torch.compile
+        orig = torch.compile
+
+        def compile(*args: Any, **kwargs: Any) -> Any:  # noqa: A001  (stands in for torch.compile)
+            if "compile" in _watch:  # the first call (a stand-in wrapped over this one may outlive it)
+                _watch_now()
+            return orig(*args, **kwargs)
+
+        compile.__wrapped__ = orig  # type: ignore[attr-defined]
+        compile.__doc__ = orig.__doc__
+        _watch["compile"] = (orig, compile)
+        torch.compile = compile
+    except Exception as exc:  # a guest: the job runs on, compiled as it asked
+        log.warning("replaydiff: compiles not watched (%s: %s); graphs compiled before a recording starts will not "
+                    "be replayable", type(exc).__name__, exc)
+
+
+def _watch_now() -> None:
+    """Force ``capture_backend`` through dynamo's stance (once; only over torch's default stance)."""
+    try:
+        entry = _watch.pop("compile", None)
+        if entry is not None and torch.compile is entry[1]:
+            torch.compile = entry[0]
+        from torch._dynamo import eval_frame as ef
+
+        prior = ef._stance
+        if prior.stance == "default" and prior.backend is capture_backend:
+            return
+        if prior.stance != "default" or prior.backend is not None:
+            raise RuntimeError(f"torch.compile's stance is {prior.stance!r} (backend {prior.backend!r})")
+        ef._set_stance(ef.DynamoStance("default", prior.skip_guard_eval_unsafe, capture_backend))
+    except Exception as exc:
+        log.warning("replaydiff: compiles not watched (%s: %s); graphs compiled before a recording starts will not "
+                    "be replayable", type(exc).__name__, exc)

@@ -221,6 +221,7 @@ class Judgement:
     notes: tuple[Note, ...] = ()
     repeats_disagree: bool = False  # with --repeat N: the runs disagreed (whatever the status)
     collective: bool = False  # a collective, left to the cross-rank check
+    unjudged: bool = False  # skipped, though it computed something replay could not check (see runner.Skip)
 
     @property
     def reason(self) -> str | None:

@@ -76,6 +76,9 @@ class OpResult:
     repeats_disagree: bool = False
     # Why the recording left this op's tensor data out (OpRecord.data_left_out): it is skipped, never judged.
     data_left_out: str | None = None
+    # Skipped, though it did real computation that replay could not run (a compiled unit without a replayable
+    # graph): what it computed is unchecked, so the replay is not clean.
+    unjudged: bool = False
 
     def __post_init__(self) -> None:
         self.status = Status(self.status)
@@ -209,6 +212,25 @@ class ReplayReport:
         return [m for m in self.missing if m.rank == r.rank and m.first < r.index]
 
     @property
+    def unjudged(self) -> list[OpResult]:
+        """Ops skipped although they computed something (``OpResult.unjudged``): never clean."""
+        return [r for r in self.ops if r.unjudged]
+
+    def unjudged_summary(self) -> list[str]:
+        """One line per reason ops were skipped though they computed something: 'not judged  N  #A, #B (OP): WHY'."""
+        groups: dict[str, list[OpResult]] = {}
+        for r in self.unjudged:
+            groups.setdefault(r.reason or "", []).append(r)
+        many = len({r.rank for r in self.ops}) > 1
+        lines = []
+        for why, ops in groups.items():
+            which = ", ".join(f"{f'rank {r.rank} ' if many else ''}#{r.index}" for r in ops[:8])
+            more = f" and {len(ops) - 8} more" if len(ops) > 8 else ""
+            names = ", ".join(sorted({r.op for r in ops}))
+            lines.append(f"not judged {len(ops):>3}  {which}{more} ({names}): {why}")
+        return lines
+
+    @property
     def nothing_judged(self) -> bool:
         """No op was judged at all (every one skipped: a --module filter that matched nothing, a trace of shapes):
         a replay that checked nothing is not clean."""
@@ -218,8 +240,10 @@ class ReplayReport:
     def found_problem(self) -> bool:
         """Not clean (exit 1): an op divergent or nondeterministic, replicas that part, an op that could not be
         replayed (its result was never judged; the health report fails its check too), one whose data the
-        recording left out for its budget or a full disk (never judged either), ops missing from a damaged trace,
-        or no op judged at all."""
+        recording left out for its budget or a full disk (never judged either), one skipped though it computed
+        something (a compiled unit without a replayable graph), ops missing from a damaged trace, or no op judged
+        at all."""
         return self.nothing_judged or bool(self.missing) or any(r.status in PROBLEMS or r.status is Status.ERROR or
+                                                                 r.unjudged or
                    r.data_left_out in (LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL) for r in self.ops) \
             or self.replicas is not None

@@ -48,7 +48,12 @@ Pairs = list[tuple[Any, Any]]
 
 
 class Skip(Exception):
-    """This op is not replayed; the message is the reason."""
+    """This op is not replayed; the message is the reason. ``unjudged``: the op did real computation that replay
+    could not run (a compiled unit without a replayable graph), so what it computed is unchecked: never clean."""
+
+    def __init__(self, why: str, unjudged: bool = False) -> None:
+        super().__init__(why)
+        self.unjudged = unjudged
 
 
 class _Inputs:
@@ -184,7 +189,7 @@ class OpReplayer:
         except TraceError:
             raise  # a damaged trace is the user's problem to hear about (exit 3), not one op's error
         except Skip as s:
-            judgement = Judgement(Status.SKIPPED, notes=(Skipped(str(s)),))
+            judgement = Judgement(Status.SKIPPED, notes=(Skipped(str(s)),), unjudged=s.unjudged)
         except Exception as exc:  # one failing op never stops the replay
             judgement = Judgement(Status.ERROR, notes=(Failed.of(exc),))
         origin: tuple[bool, NonfiniteInput | None] = (False, None)
@@ -210,7 +215,7 @@ class OpReplayer:
                         phase=op.phase, source=op.source, forward_index=op.forward_index, verdict=j.verdict,
                         reason=render(j.notes), nonfinite_origin=nonfinite_origin, nonfinite_input=nonfinite_input,
                         nonfinite_discarded_by=discarded_by, collective=j.collective,
-                        repeats_disagree=j.repeats_disagree, data_left_out=op.data_left_out)
+                        repeats_disagree=j.repeats_disagree, data_left_out=op.data_left_out, unjudged=j.unjudged)
 
     def _replay(self, op: OpRecord) -> tuple[Judgement, Pairs, bool | None]:
         """Replay and judge the op: its judgement, the pairs compared and whether every output was finite."""

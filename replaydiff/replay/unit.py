@@ -338,13 +338,14 @@ class UnitReplayer:
         Skip = self._skip
         info = op.unit
         if info is None or info.note:
-            raise Skip(f"compiled unit without a replayable graph ({info.note if info else 'none stored'})")
+            raise Skip(f"compiled unit without a replayable graph ({info.note if info else 'none stored'})",
+                       unjudged=True)
         if not aten.matches_any(op.name, self.opts.ops):
             raise Skip("not selected by --ops")
         try:
             g = Graph(info)
         except Refused as exc:
-            raise Skip(f"unit graph not replayed: {exc}") from None
+            raise Skip(f"unit graph not replayed: {exc}", unjudged=True) from None
         where = f"unit of {info.region} (graph {info.graph_id}, {info.backend})"
         recorded = list(flat(op.outputs))
         draws = g.draws({n for n, r in enumerate(recorded) if isinstance(r, TensorRef) and r.stored
@@ -364,9 +365,9 @@ class UnitReplayer:
             same_out, _ = interpret(g, same_ins, same_consts, same_convert, None,
                                     self._pinned(draws, recorded, same_convert))
         except Refused as exc:
-            raise Skip(f"unit graph not replayed: {exc}") from None
+            raise Skip(f"unit graph not replayed: {exc}", unjudged=True) from None
         k = max(ks)
-        pairs, judged = self._judge_outputs(op, g, draws, ref_out, ins, same_out, same_ins, k)
+        pairs, judged, same_vals = self._judge_outputs(op, g, draws, ref_out, ins, same_out, same_ins, k)
         finite = True
         for _, v in judged:
             if getattr(v.measure, "nonfinite_recorded", 0):
@@ -380,7 +381,8 @@ class UnitReplayer:
         if bad:
             n, v = bad[0]
             try:
-                found = self.localize(op, g, draws)
+                within = {m for m, w in judged if not w.divergent}
+                found = self.localize(op, g, draws, Outputs(bad, within, pairs, same_vals, k, self._judge))
             except Exception as exc:  # localisation is extra: the unit's verdict stands
                 found = f"not localised ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]})"
             return Judgement(Status.DIVERGENT, v, (UnitDivergent(where, n, v.reason, found),) + notes), pairs, finite
@@ -437,7 +439,7 @@ class UnitReplayer:
         return said, bad
 
     def _judge_outputs(self, op: OpRecord, g: Graph, draws: Draws, ref_out: list, ref_ins: list, same_out: list,
-                       same_ins: list, k: int) -> tuple[Pairs, list[tuple[int, Verdict]]]:
+                       same_ins: list, k: int) -> tuple[Pairs, list[tuple[int, Verdict]], list]:
         recorded = list(flat(op.outputs))
         pairs: Pairs = list(zip(recorded, ref_out))
         same_vals = list(same_out)
@@ -460,7 +462,7 @@ class UnitReplayer:
                 continue
             same = same_vals[n] if n < len(same_vals) else None
             judged.append((n, self._judge(self.trace.tensor(rec), value, same, k)))
-        return pairs, judged
+        return pairs, judged, same_vals
 
     def _judge(self, recorded: torch.Tensor, value: torch.Tensor, same: Any, k: int) -> Verdict:
         """The verdict on one compiled value against its reference, calibrated by the eager run at its dtype."""
@@ -476,10 +478,14 @@ class UnitReplayer:
         return v
 
     # -- localisation ------------------------------------------------------------------------------------------
-    def localize(self, op: OpRecord, g: Graph, draws: Draws | None = None) -> str:
-        """The earliest node whose compiled output diverges given its own inputs, with whether this machine
-        reproduces the recorded unit (see the module docstring). Masks recovered from recorded outputs are inputs
-        of the recompiled graph, so that its values after them are the recorded unit's, not a new draw's."""
+    def localize(self, op: OpRecord, g: Graph, draws: Draws | None = None, judged: "Outputs | None" = None) -> str:
+        """Where inside the unit its error comes from (see the module docstring). When this machine's recompile of
+        the unit reproduces the recording, or is as wrong as it, the earliest node whose compiled output diverges
+        given its own inputs. When it does not reproduce it and its own outputs are within limits (``judged``: the
+        unit's outputs as judged, to judge this machine's against), the fault is in the recorded compiled code,
+        which this machine does not run: the recorded outputs that diverge and the nodes behind them are named from
+        the trace instead. Masks recovered from recorded outputs are inputs of the recompiled graph, so that its
+        values after them are the recorded unit's, not a new draw's."""
         info = g.info
         draws = draws or Draws({}, {}, set())
         backend = info.backend or "inductor"
@@ -499,6 +505,8 @@ class UnitReplayer:
             same = all(r is None or (n < len(behind) and behind[n] in fresh)
                        or (isinstance(o, torch.Tensor) and o.shape == r.shape and torch.equal(o.to(r.device), r))
                        for n, (r, o) in enumerate(zip(recorded, out)))
+            if not same and judged is not None and judged.within(out):
+                return self._recorded_code_at_fault(g, judged, set(draws.pins) | draws.own, backend, torch_version)
             repro = ("this machine's " + backend + " reproduces the recorded outputs bit for bit" if same else
                      f"this machine's {backend} (torch {torch_version}) does NOT reproduce the recorded outputs "
                      f"bit for bit (another torch, device or compiler): the nodes judged are this machine's kernels")
@@ -532,6 +540,57 @@ class UnitReplayer:
                 env.append(None)
         return f"no single node diverges given its own inputs (the error builds up across nodes); {repro}"
 
+    def _recorded_code_at_fault(self, g: Graph, judged: "Outputs", drawn: set[int], backend: str,
+                                torch_version: str) -> str:
+        """The sentence for a unit whose recorded outputs diverge while this machine's compile of it does not: the
+        fault is in the compiled code that ran when recording. Localised from what the trace holds: the earliest
+        divergent recorded output (those saved for the backward are outputs too), the node behind it and the nodes
+        that computed it from values known to be right (the unit's inputs, recorded outputs within limits); then
+        the later divergent outputs, which may only carry its error. ``drawn``: random nodes whose draws were
+        recovered from the recording (known too)."""
+        behind = g.output_nodes()
+        nodes = g.info.nodes
+        node_of = lambda n: behind[n] if n < len(behind) else None  # noqa: E731  (None: a written input)
+        bad = sorted(judged.bad, key=lambda nv: (node_of(nv[0]) is None, node_of(nv[0]) or 0, nv[0]))
+        good = ({node_of(n) for n in judged.good} - {None}) | drawn
+        head = (f"the fault is in the recorded compiled code: this machine's {backend} (torch {torch_version}) "
+                f"recompiles the unit with outputs within limits, not bit for bit the recorded ones; of the recorded "
+                f"outputs, {len(bad)} diverge from the float64 graph")
+        first, verdict = bad[0]
+        node = node_of(first)
+        if node is None:
+            return f"{head}, the earliest written input {first} ({verdict.reason})"
+        nd = nodes[node]
+        at = f" in {nd.module}" if nd.module else ""
+        made = [nodes[i].name for i in sorted(self._computed_by(g, node, good))
+                if not aten.is_cheap(str(nodes[i].target)) and not aten.is_graph_plumbing(str(nodes[i].target))]
+        out = (f"{head}, earliest output {first}: {nd.describe()}{at} ({verdict.reason}), computed inside the unit "
+               f"by {', '.join(made) or nd.name} from the unit's inputs and recorded values within limits")
+        later = []
+        for n, _ in bad[1:]:
+            i = node_of(n)
+            later.append(f"output {n}" + (f" {nodes[i].name}" + (f" in {nodes[i].module}" if nodes[i].module else "")
+                                          if i is not None else " (a written input)"))
+        if later:
+            more = f" and {len(later) - 4} more" if len(later) > 4 else ""
+            out += f"; later: {'; '.join(later[:4])}{more}"
+        return out
+
+    @staticmethod
+    def _computed_by(g: Graph, node: int, known: set[int]) -> set[int]:
+        """The call nodes ``node`` is computed from (itself included), walking back to the unit's inputs,
+        constants and the nodes in ``known``."""
+        nodes = g.info.nodes
+        seen: set[int] = set()
+        todo = [node]
+        while todo:
+            i = todo.pop()
+            if i in seen or nodes[i].kind != NODE_CALL or (i in known and i != node):
+                continue
+            seen.add(i)
+            todo.extend(r.index for r in _refs([nodes[i].args, list(nodes[i].kwargs.values())]))
+        return seen
+
     def _judge_node(self, g: Graph, i: int, n: UnitNode, env: list, convert: Callable[[Any], Any], got: Any
                     ) -> Verdict | None:
         """The node run at float64 (and at its dtype, for its own error) on the compiled values of its inputs,
@@ -553,6 +612,32 @@ class UnitReplayer:
                 if v.divergent:
                     return v
         return None
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """A unit's outputs as judged against the float64 graph: the divergent ones, and what judges any value of them
+    (the reference, the eager run at the recorded dtype and the reduction length), for this machine's recompile."""
+
+    bad: list[tuple[int, Verdict]]  # (output position, verdict), divergent
+    good: set[int]  # output positions judged within limits
+    pairs: Pairs  # (recorded, reference) per output and written input
+    same: list  # the graph run eagerly at the recorded dtypes, per output and written input
+    k: int
+    judge: Callable[[torch.Tensor, torch.Tensor, Any, int], Verdict]  # (value, reference, eager value, k)
+
+    def within(self, values: list) -> bool:
+        """Whether every output that diverges in the recording is within limits in ``values`` (a recompile's
+        outputs, in the same order)."""
+        judge = self.judge
+        for n, _ in self.bad:
+            if n >= len(values) or n >= len(self.pairs) or not isinstance(values[n], torch.Tensor):
+                return False
+            ref = self.pairs[n][1]
+            same = self.same[n] if n < len(self.same) else None
+            if not isinstance(ref, torch.Tensor) or judge(values[n], ref, same, self.k).divergent:
+                return False
+        return True
 
 
 def compile_device(op: OpRecord) -> tuple[torch.device, str | None]:

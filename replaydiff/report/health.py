@@ -181,6 +181,9 @@ def _checks(trace: Trace, report: ReplayReport, errs: dict) -> list[Check]:
         # ops the recording left the data of out for its --budget or a full disk were never judged
         Check("ops not judged: data left out (--budget, full disk)",
               "; ".join(report.left_out_summary()) if report.not_judged else "0", "0", not report.not_judged),
+        # ops skipped though they computed part of the step (a compiled unit without a replayable graph)
+        Check("ops not judged: computed, but not replayable", "; ".join(report.unjudged_summary()) or "0", "0",
+              not report.unjudged),
         # a replay that skipped every op (a --module filter that matched nothing) checked nothing: not a pass
         Check("ops judged", f"{len(report.ops) - c['skipped']} of {len(report.ops)}", "at least 1",
               not report.nothing_judged),

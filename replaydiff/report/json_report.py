@@ -14,7 +14,8 @@ selected away: information, never a fault) and ``ops`` (one object per replayed 
 ``rank``, ``index``, ``op``, ``status``, ``module``, ``phase``, ``source``, ``forward_index``, ``metrics``,
 ``severity`` (how far over its limit, in units of the limit: at most 1 within, over 1 divergent; null when not
 judged), ``data_left_out`` (only when the recording left the op's tensor data out: filtered, budget or disk full;
-the op is skipped), ``nonfinite_input`` (only when an input already held NaN/Inf that came from outside the trace
+the op is skipped), ``unjudged`` (only when true: a compiled unit replay could not run, its computation unchecked;
+never clean), ``nonfinite_input`` (only when an input already held NaN/Inf that came from outside the trace
 or from an op whose data was left out: ``position``, ``nan``, ``inf``, ``producer`` (null: outside the trace),
 ``producer_op``), ``nonfinite_origin`` (true when it made NaN/Inf from finite inputs), ``nonfinite_discarded_by``
 (only when the NaN/Inf it made or let in are discarded: the ops that end them), ``reason`` (why it is divergent,
@@ -64,6 +65,7 @@ def op_json(r: OpResult | None) -> dict | None:
                    "reason": r.reason, **({"repeats_disagree": True} if r.repeats_disagree else {}),
                    **({"data_left_out": r.data_left_out} if r.data_left_out else {}),
                    **({"nonfinite_origin": True} if r.nonfinite_origin else {}),
+                   **({"unjudged": True} if r.unjudged else {}),
                    **({"nonfinite_input": dataclasses.asdict(r.nonfinite_input)} if r.nonfinite_input else {}),
                    **({"nonfinite_discarded_by": list(r.nonfinite_discarded_by)}
                       if r.nonfinite_discarded_by is not None else {})})
@@ -114,7 +116,7 @@ def load_replay_json(path: str | Path) -> ReplayReport:
                                    forward_index=o.get("forward_index"), forward_source=o.get("forward_source"),
                                    verdict=verdict, reason=o.get("reason"),
                                    repeats_disagree=bool(o.get("repeats_disagree")),
-                                   data_left_out=o.get("data_left_out"),
+                                   data_left_out=o.get("data_left_out"), unjudged=bool(o.get("unjudged")),
                                    nonfinite_origin=o.get("nonfinite_origin") is True,
                                    nonfinite_input=NonfiniteInput(**o["nonfinite_input"])
                                    if isinstance(o.get("nonfinite_input"), dict) else None,

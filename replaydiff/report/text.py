@@ -122,7 +122,7 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
     not_judged = report.not_judged
     # Ops left out for the budget or a full disk are skipped too; their own line below says how many and where,
     # so they are not counted again among the skipped reasons.
-    told = {id(r) for r in not_judged}
+    told = {id(r) for r in not_judged + report.unjudged}
     skipped = Counter(r.reason for r in report.ops if r.status is Status.SKIPPED and id(r) not in told)
     for reason, n in skipped.most_common(6):
         out.write(f"  skipped {n:>5}  {reason}\n")
@@ -130,6 +130,8 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
     for r in errors[:max_listed]:
         out.write(f"  error   {op_line(r)}: {r.reason}\n")
     for line in report.left_out_summary():  # how much the recording left out, and where
+        out.write(f"  {line}\n")
+    for line in report.unjudged_summary():  # skipped, yet they computed something: said apart, never clean
         out.write(f"  {line}\n")
     for line in describe_missing(report.missing):  # a damaged trace: which ops were never judged, and why
         out.write(f"  {line}\n")
@@ -142,6 +144,10 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
                   f"divergent op among the others\n")
     elif first is None and report.nothing_judged:  # a filter that matched nothing: checking nothing is not clean
         out.write(f"nothing was judged: all {len(report.ops)} ops were skipped (reasons above)\n")
+    elif first is None and report.unjudged:  # what they computed is unchecked: never "every op matches"
+        judged = sum(r.status in (Status.OK, Status.DIVERGENT, Status.NONDETERMINISTIC) for r in report.ops)
+        out.write(f"not clean: no divergent op among the {judged} judged, but {len(report.unjudged)} op(s) that "
+                  f"computed part of the step were not judged (listed above)\n")
     elif first is None and not_judged:  # nor were ops whose data the recording left out
         judged = sum(r.status in (Status.OK, Status.DIVERGENT, Status.NONDETERMINISTIC) for r in report.ops)
         out.write(f"not clean: no divergent op among the {judged} judged; "
