@@ -65,6 +65,8 @@ def batch(rows):
 def data_parallel(mode):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3))
+    if mode == "dropout":
+        model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Dropout(0.5), nn.Linear(8, 3))
     x, y = batch(7 if mode.startswith("uneven") else 8)
     if mode == "ddp" and world > 1:
         model = nn.parallel.DistributedDataParallel(model)
@@ -124,7 +126,7 @@ if world > 1:
     dist.barrier()  # gloo aborts a rank that destroys its group while another still talks to it
     dist.destroy_process_group()
 '''
-DP_MODES = ["manual", "ddp", "fsdp", "double", "uneven_sum", "uneven_mean"]
+DP_MODES = ["manual", "ddp", "fsdp", "double", "uneven_sum", "uneven_mean", "dropout"]
 TP_MODES = ["tp", "tp_noreduce", "tp_nn", "tp_offset"]
 
 
@@ -286,3 +288,13 @@ def test_the_readme_s_diff_example_is_what_the_documented_commands_print(tmp_pat
     readme = (root / "README.md").read_text()
     block = readme.split("$ replaydiff diff single-double/ double/\n...\n", 1)[1].split("```", 1)[0]
     assert block and block in printed
+
+
+def test_ops_after_dropout_are_not_judged_and_the_diff_is_not_clean(runs, capsys):
+    pd = diff_traces(runs[1] / "dropout", runs[2] / "dropout").parallel
+    assert pd.departure is None and pd.random_ops >= 1 and pd.random_parted
+    capsys.readouterr()
+    assert main(["diff", str(runs[1] / "dropout"), str(runs[2] / "dropout")]) == 1
+    text = capsys.readouterr().out
+    assert "read random draws (dropout) that each rank makes its own" in text and "record with dropout off" in text
+    assert "agree: every compared op" not in text

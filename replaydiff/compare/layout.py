@@ -132,23 +132,32 @@ def fit_scale(x: torch.Tensor, ref: torch.Tensor, most: int = 64) -> Fraction | 
     return snapped
 
 
-def infer_layout(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close) -> Layout | None:
-    """The plainest layout under which ``parts`` (one tensor per rank, in rank order) stand for ``ref``, by
-    ``close(mapped, ref)``, with the simple factor it takes (``Layout.factor``: 1 when the ranks hold the reference
-    itself); None when no layout the shapes allow fits at any simple factor."""
+def infer_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close) -> list[Layout]:
+    """Every layout the shapes allow under which ``parts`` (one tensor per rank, in rank order) stand for ``ref``
+    by ``close(mapped, ref)``, plainest first, each with the simple factor it takes (``Layout.factor``: 1 when the
+    ranks hold the reference itself). Several can fit: ranks that each hold a quarter of a count are a value
+    replicated at 1/4 and a partial one at 1; which factor is right is the caller's to judge."""
+    out = []
     for layout in candidates(ref.shape, [p.shape for p in parts]):
         if layout.kind is LayoutKind.REPLICATED:
             # every rank must hold it at the same factor, not rank 0 alone
             x = [p.detach().to(torch.float64) for p in parts]
             c = fit_scale(x[0], ref)
             if c is not None and all(close(v * float(c), ref) for v in x):
-                return Layout(layout.kind, layout.world, factor=c)
+                out.append(Layout(layout.kind, layout.world, factor=c))
             continue
         a = layout.assemble(parts)
         c = fit_scale(a, ref)
         if c is not None and close(a * float(c), ref):
-            return Layout(layout.kind, layout.world, layout.dim, layout.sizes, c)
-    return None
+            out.append(Layout(layout.kind, layout.world, layout.dim, layout.sizes, c))
+    return out
+
+
+def infer_layout(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close) -> Layout | None:
+    """The plainest layout under which ``parts`` stand for ``ref`` (``infer_layouts``'s first), or None when no
+    layout the shapes allow fits at any simple factor."""
+    fits = infer_layouts(ref, parts, close)
+    return fits[0] if fits else None
 
 
 def shard_offsets(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close) -> tuple[int, list[int]] | None:

@@ -22,6 +22,7 @@ judged only if they map anyway.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from typing import Callable
 import torch
 
 from replaydiff import aten
-from replaydiff.compare.layout import Close, Layout, LayoutKind, infer_layout, rel_l2_close, shard_offsets
+from replaydiff.compare.layout import Close, Layout, LayoutKind, infer_layouts, rel_l2_close, shard_offsets
 from replaydiff.diff.align import OpKeys, align, op_keys
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import OpRecord, TensorRef
@@ -56,7 +57,7 @@ class Mapped:
     kind: str  # "out" or "in"
     position: int
     describe: str  # the reference's dtype and shape
-    layout: Layout | None  # None: no layout fits
+    layout: Layout | None  # None: no layout fits; else the first of ``fits`` at a factor a correct run has there
     error: float | None  # rel_l2 / eps(recorded dtype) of the mapped value against the reference's (None: no layout)
     # No layout, and every rank holds the reference's shape: the ranks that do not hold the reference's value
     # (the others do: a fault on some ranks); empty when none holds it.
@@ -64,6 +65,7 @@ class Mapped:
     # No layout, and each rank holds a slice of the reference along dim ``offsets[0]``, but not in rank order: the
     # offset of each rank's slice.
     offsets: tuple[int, tuple[int, ...]] | None = None
+    fits: tuple[Layout, ...] = ()  # every layout that fits, plainest first
 
 
 @dataclass(frozen=True)
@@ -103,10 +105,17 @@ class ParallelDiff:
     departure: ParallelDeparture | None = None
     ops: list[MappedOp] = field(default_factory=list)
     parted: set[int] = field(default_factory=set)  # reference ops whose tensors fit no layout a correct run has
+    # ops that fit no layout only because they read random draws (dropout masks), each rank's own: not judged
+    random_parted: list[int] = field(default_factory=list)
 
     @property
     def departed(self) -> bool:
         return self.departure is not None
+
+    @property
+    def not_clean(self) -> bool:
+        """The runs part, or some ops could not be judged (they read random draws the ranks make their own)."""
+        return self.departure is not None or bool(self.random_parted)
 
     def to_json(self) -> dict:
         d = self.departure
@@ -115,6 +124,7 @@ class ParallelDiff:
             "not_aligned": list(self.not_aligned), "layout_ops": dict(self.layout_ops),
             "families": {k: dict(v) for k, v in self.families.items()}, "random_ops": self.random_ops,
             "not_stored": self.not_stored, "worst_rel_l2_over_eps": self.worst,
+            "not_judged_random": list(self.random_parted),
             "departure": None if d is None else {
                 "kind": d.kind.value, "why": d.why, "inherited": d.inherited, "ref": d.op.ref,
                 "targets": list(d.op.targets), "op": d.op.name, "module": d.op.module, "phase": d.op.phase,
@@ -158,6 +168,15 @@ def _family(layout: Layout, legit: bool) -> str:
         f"{text} at {_times(layout)}x"
 
 
+def _pick(m: Mapped, phase: str | None, loss: Fraction | None) -> Mapped:
+    """Of the layouts that fit, the first at a factor a correct run has there (a count each rank holds a quarter of
+    is partial, not replicated at 1/4), else the plainest."""
+    good = next((f for f in m.fits if f.factor in _legit_factors(f, phase, loss)), None)
+    if good is None or good is m.layout:
+        return m
+    return dataclasses.replace(m, layout=good)
+
+
 def _times(layout: Layout) -> str:
     f = 1 / layout.factor
     return str(f.numerator) if f.denominator == 1 else f"{f.numerator}/{f.denominator}"
@@ -185,6 +204,16 @@ def _rel_l2(layout: Layout, parts: list[torch.Tensor], ref: torch.Tensor) -> flo
     return num / den if den > 0 else (0.0 if num == 0 else math.inf)
 
 
+def _layout_keys(op: OpRecord) -> OpKeys:
+    """Alignment keys that hold across layouts: the strict key has each tensor's number of dimensions where
+    ``op_keys`` has its shape (a rank's shard and the single process's whole tensor differ in shape, and a square
+    shard would pair with an unrelated op of that square shape)."""
+    k = op_keys(op)
+    ins = tuple(len(r.shape) for r in op.inputs())
+    outs = tuple(len(r.shape) for r in op.outputs_refs())
+    return OpKeys(k.index, (*k.loose, ins, outs), k.loose)
+
+
 class _Side:
     """One rank's recorded ops and their alignment keys, read once."""
 
@@ -197,7 +226,7 @@ class _Side:
             # profiler markers compute nothing, and as anchors they pair FSDP's and DDP's record_function ranges with
             # the single process's few, pulling the ops between them apart: they are left out of the alignment
             if not aten.is_marker(op.name):
-                self.keys.append(op_keys(op))
+                self.keys.append(_layout_keys(op))
 
 
 def diff_parallel(ref: RankTrace, targets: list[RankTrace],
@@ -215,6 +244,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         mine = set(m.values())
         out.layout_ops.update(op.name for j, op in side.ops.items() if j not in mine and not aten.is_marker(op.name))
     departed: set[int] = set()  # reference ops that part from the reference, the first and what inherits it
+    drawn: set[int] = set()  # random ops, and ops that part only because they read what random ops drew
     seen_inputs: set = set()
     first: tuple[MappedOp, Mapped, Departure, str] | None = None
     inherited = 0
@@ -237,10 +267,11 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         tops = [t_sides[r].ops[maps[r][i]] for r in range(world)]
         if aten.is_random(rop.name):
             out.random_ops += 1
-            departed.add(i)  # its draws are each rank's own: what reads them is judged only if it maps anyway
+            drawn.add(i)  # its draws are each rank's own: what reads them is judged only if it maps anyway
             continue
         producers = ref.producers(i)
         from_departed = [p for p in producers.values() if p is not None and p in departed]
+        from_drawn = [p for p in producers.values() if p is not None and p in drawn]
         tensors: list[Mapped] = []
         # the step's inputs this op reads first (parameters, the batch): each storage once
         r_ins, t_ins = rop.inputs(), [t.inputs() for t in tops]
@@ -272,12 +303,23 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         out.compared += 1
         if rop.phase == "backward" and not in_backward:
             in_backward, loss = True, last_forward
-        elif rop.phase == "forward":
+        elif rop.phase == "forward" and aten.reads_values(rop.name):  # not ones_like: backward()'s seed
             in_backward = False
-            outs = [m.layout for m in tensors if m.kind == "out" and m.layout is not None
-                    and m.layout.kind is LayoutKind.PARTIAL]
-            if outs:
-                last_forward = outs[-1].factor
+            # the op's value (its first output; others are auxiliary, such as nll_loss's count) if it is partial
+            # (a value every rank holds whole, such as a loss of the whole batch, is replicated, though half of it
+            # on each of 2 ranks would be a partial one as well)
+            value = next((m for m in tensors if m.kind == "out"), None)
+            if value is not None and value.fits and value.fits[0].factor == 1 and \
+                    value.fits[0].kind is LayoutKind.REPLICATED:
+                last_forward = Fraction(1)
+            else:
+                partial = None if value is None else next(
+                    (f for f in value.fits if f.kind is LayoutKind.PARTIAL), None)
+                if partial is not None:
+                    last_forward = partial.factor
+        tensors = [_pick(m, rop.phase if m.kind == "out" else None, loss) for m in tensors]
+        mop = dataclasses.replace(mop, tensors=tuple(tensors))
+        out.ops[-1] = mop
         bad = [m for m in tensors if m.layout is None or m.layout.factor not in _legit_factors(
             m.layout, rop.phase if m.kind == "out" else None, loss)]
         for m in tensors:
@@ -286,6 +328,10 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             if m.error is not None and m.layout is not None and m not in bad:
                 out.worst = max(out.worst, m.error)
         if not bad:
+            continue
+        if from_drawn and not from_departed:  # it reads another rank's dropout mask than the reference's
+            drawn.add(i)
+            out.random_parted.append(i)
             continue
         departed.add(i)
         out.parted.add(i)
@@ -363,7 +409,8 @@ def _map(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs: list[
         return None
     r = ref.tensor(rref)
     parts = [targets[k].tensor(t) for k, t in enumerate(trefs)]
-    layout = infer_layout(r, parts, close_for(r.dtype))
+    fits = infer_layouts(r, parts, close_for(r.dtype))
+    layout = fits[0] if fits else None
     eps = torch.finfo(r.dtype).eps if r.dtype.is_floating_point else 1.0
     error = None if layout is None else _rel_l2(layout, parts, r) / eps
     off: tuple[int, ...] = ()
@@ -374,7 +421,7 @@ def _map(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs: list[
             off = tuple(k for k, p in enumerate(parts) if not close(p.to(torch.float64), r))
         found = shard_offsets(r, parts, close)
         offsets = None if found is None else (found[0], tuple(found[1]))
-    return Mapped(kind, pos, rref.describe(), layout, error, off, offsets)
+    return Mapped(kind, pos, rref.describe(), layout, error, off, offsets, tuple(fits))
 
 
 def _collective_behind(side: _Side, aligned: dict[int, int], index: int, limit: int = 32) -> tuple[int, str] | None:

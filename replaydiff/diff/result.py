@@ -403,7 +403,7 @@ class DiffReport:
     def found_difference(self) -> bool:
         """The runs part ways: some aligned op's outputs differ (introduced or inherited), or the step's inputs
         already did."""
-        if self.parallel is not None and self.parallel.departed:
+        if self.parallel is not None and self.parallel.not_clean:
             return True
         return any(rd.first_difference is not None or rd.step_inputs.differ or
                    any(u.status in (PairStatus.DIVERGENT, PairStatus.INHERITED) for u in rd.units)

@@ -220,8 +220,15 @@ def render_parallel(pd, out: TextIO) -> None:
         out.write(f"  layout ops (on the ranks only, all ranks together): {names}"
                   + (f", +{more} more" if more > 0 else "") + "\n")
     d = pd.departure
+    if pd.random_parted:
+        n = len(pd.random_parted)
+        out.write(f"not judged: {n} op(s) read random draws (dropout) that each rank makes its own and part from the "
+                  f"reference there, first ref #{pd.random_parted[0]}: record with dropout off (p=0) to compare them\n")
     if d is None:
-        if pd.compared:
+        if pd.random_parted:
+            out.write(f"no op parts from the reference among the others ({pd.compared - n} compared); not clean: "
+                      f"the ops above were not judged\n")
+        elif pd.compared:
             out.write(f"agree: every compared op maps onto the single process (worst rel_l2 {pd.worst:.3g} eps of "
                       f"the recorded dtype: a reordered sum)\n")
         else:
