@@ -57,28 +57,25 @@ def data_slots(trace: RankTrace) -> NonfiniteSlots:
     """The output positions holding NaN/Inf, read from the stored tensor data (a tensor stored as statistics only:
     from their NaN and Inf counts)."""
     def slots(op: OpRecord) -> set[int] | None:
-        out: set[int] = set()
-        for k, ref in enumerate(op.outputs_refs()):
-            if not _floating(ref) or ref.uninitialised or ref.zero:
-                continue
-            if ref.stored and not ref.meta:
-                if not bool(torch.isfinite(trace.tensor(ref)).all()):
-                    out.add(k)
-                continue
-            s = ref.stats
-            if s is None:
-                return None
-            if s.nan or s.inf:
-                out.add(k)
-        return out
+        return _held_slots(op, trace)
     return slots
 
 
 def stats_slots(op: OpRecord) -> set[int] | None:
     """The output positions holding NaN/Inf, from the recorded statistics (``--tensors stats``)."""
+    return _held_slots(op, None)
+
+
+def _held_slots(op: OpRecord, trace: RankTrace | None) -> set[int] | None:
+    """The floating output positions holding NaN/Inf: from the stored tensor where ``trace`` is given and holds it,
+    else from the statistics; None when an output has neither (the trace cannot tell)."""
     out: set[int] = set()
     for k, ref in enumerate(op.outputs_refs()):
         if not _floating(ref) or ref.uninitialised or ref.zero:
+            continue
+        if trace is not None and ref.stored and not ref.meta:
+            if not bool(torch.isfinite(trace.tensor(ref)).all()):
+                out.add(k)
             continue
         s = ref.stats
         if s is None:
