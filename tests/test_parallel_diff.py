@@ -120,14 +120,43 @@ def tensor_parallel(mode):
         opt.step()
 
 
+def torch_parallel(mode):
+    """torch's own: DTensor tensor parallelism (parallelize_module), or data parallelism with a BatchNorm whose
+    statistics stay per rank (BUG in bn: no SyncBatchNorm)."""
+    torch.manual_seed(0)
+    if mode == "bn":
+        model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.GELU(), nn.Linear(8, 3))
+    else:
+        model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3))
+    x, y = batch(8)
+    if mode == "dtensor" and world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (world,))
+        model = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    if mode == "bn":
+        x, y = torch.tensor_split(x, world)[rank], torch.tensor_split(y, world)[rank]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with replaydiff.record(out / mode):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        if mode == "bn" and world > 1:
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        opt.step()
+
+
 for mode in modes:
-    (tensor_parallel if mode.startswith("tp") else data_parallel)(mode)
+    run = tensor_parallel if mode.startswith("tp") else torch_parallel if mode in ("dtensor", "bn") else data_parallel
+    run(mode)
 if world > 1:
     dist.barrier()  # gloo aborts a rank that destroys its group while another still talks to it
     dist.destroy_process_group()
 '''
 DP_MODES = ["manual", "ddp", "fsdp", "double", "uneven_sum", "uneven_mean", "dropout"]
-TP_MODES = ["tp", "tp_noreduce", "tp_nn", "tp_offset"]
+TP_MODES = ["tp", "tp_noreduce", "tp_nn", "tp_offset", "dtensor", "bn"]
 
 
 def _run(script: Path, out: Path, world: int, modes: list[str]) -> None:
@@ -157,6 +186,7 @@ def _line(marker: str) -> int:
 
 
 @pytest.mark.parametrize("world,mode", [(2, "manual"), (2, "ddp"), (2, "fsdp"), (2, "uneven_sum"), (2, "tp"),
+                                        (2, "dtensor"),
                                         (4, "manual"),
                                         (4, "uneven_sum")])
 def test_a_correct_parallel_run_agrees_with_the_single_process(runs, world, mode, capsys):
@@ -298,3 +328,10 @@ def test_ops_after_dropout_are_not_judged_and_the_diff_is_not_clean(runs, capsys
     text = capsys.readouterr().out
     assert "read random draws (dropout) that each rank makes its own" in text and "record with dropout off" in text
     assert "agree: every compared op" not in text
+
+
+def test_a_batch_norm_with_per_rank_statistics_is_named_at_the_batch_norm(runs):
+    d = diff_traces(runs[1] / "bn", runs[2] / "bn").parallel.departure
+    assert d is not None and d.kind is Departure.NO_LAYOUT
+    assert d.op.name == "aten.native_batch_norm.default" and d.op.module.endswith(".1")
+    assert "per-rank statistics that should be global" in d.why
