@@ -79,6 +79,11 @@ def data_parallel(mode):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with replaydiff.record(out / mode):
         xs, ys = torch.tensor_split(x, world)[rank], torch.tensor_split(y, world)[rank]
+        if mode == "accumulate" and world == 1:  # the reference as two micro-batches, gradients accumulated
+            for k in range(2):
+                (F.mse_loss(model(x[k * 4:(k + 1) * 4]), y[k * 4:(k + 1) * 4]) / 2).backward()
+            opt.step()
+            return
         if mode == "uneven_sum":  # the right way with uneven shards: each rank's sum over the global count
             loss = F.mse_loss(model(xs), ys, reduction="sum") / y.numel()
         else:
@@ -155,7 +160,7 @@ if world > 1:
     dist.barrier()  # gloo aborts a rank that destroys its group while another still talks to it
     dist.destroy_process_group()
 '''
-DP_MODES = ["manual", "ddp", "fsdp", "double", "uneven_sum", "uneven_mean", "dropout"]
+DP_MODES = ["manual", "ddp", "fsdp", "double", "uneven_sum", "uneven_mean", "dropout", "accumulate"]
 TP_MODES = ["tp", "tp_noreduce", "tp_nn", "tp_offset", "dtensor", "bn"]
 
 
@@ -335,3 +340,10 @@ def test_a_batch_norm_with_per_rank_statistics_is_named_at_the_batch_norm(runs):
     assert d is not None and d.kind is Departure.NO_LAYOUT
     assert d.op.name == "aten.native_batch_norm.default" and d.op.module.endswith(".1")
     assert "per-rank statistics that should be global" in d.why
+
+
+def test_a_reference_of_micro_batches_is_refused_in_one_line_not_given_a_verdict(runs, capsys):
+    capsys.readouterr()
+    assert main(["diff", str(runs[1] / "accumulate"), str(runs[2] / "accumulate")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "gradient accumulation over micro-batches, which is not mapped" in err

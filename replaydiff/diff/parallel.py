@@ -35,6 +35,7 @@ import torch
 from replaydiff import aten
 from replaydiff.compare.layout import Close, Layout, LayoutKind, infer_layouts, rel_l2_close, shard_offsets
 from replaydiff.diff.align import OpKeys, align, op_keys
+from replaydiff.errors import UsageError
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import OpRecord, TensorRef
 
@@ -375,6 +376,14 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         first = (mop, m, kind, why)
     if progress is not None:
         progress(len(r_side.ops) % 64)
+    computing = [i for i in out.not_aligned if not aten.is_cheap(r_side.ops[i].name)]
+    if len(computing) * 4 > out.ref_ops:
+        # not the same program on every rank as in the single process: no verdict on a mapping of what is left
+        raise UsageError(
+            f"the single process runs {len(computing)} of its {out.ref_ops} ops with no counterpart on every rank "
+            f"(first #{computing[0]} {r_side.ops[computing[0]].name}): another program than each rank's, such as "
+            f"gradient accumulation over micro-batches, which is not mapped onto ranks yet; diff one rank op by op "
+            f"with --rank N")
     if first is not None:
         out.departure = ParallelDeparture(first[0], first[1], first[2], first[3], inherited)
     return out
