@@ -91,7 +91,12 @@ def data_parallel(mode):
         if mode == "double":
             loss = loss * world  # BUG: the gradients are averaged below as well
         loss.backward()
-        if mode not in ("ddp", "fsdp"):
+        if mode == "subgroups" and world > 1:  # a second mesh dimension: gradients reduced within pairs of ranks
+            pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=pairs[rank // 2])
+                p.grad /= 2
+        elif mode not in ("ddp", "fsdp"):
             for p in model.parameters():
                 if world > 1:
                     dist.all_reduce(p.grad)
@@ -181,7 +186,8 @@ def runs(tmp_path_factory) -> dict[int, Path]:
     dirs = {w: root / f"world{w}" for w in (1, 2, 4)}
     _run(script, dirs[1], 1, DP_MODES + TP_MODES)
     _run(script, dirs[2], 2, DP_MODES + TP_MODES)
-    _run(script, dirs[4], 4, ["manual", "uneven_sum", "double"])
+    _run(script, dirs[1], 1, ["subgroups"])
+    _run(script, dirs[4], 4, ["manual", "uneven_sum", "double", "subgroups"])
     return dirs
 
 
@@ -347,3 +353,10 @@ def test_a_reference_of_micro_batches_is_refused_in_one_line_not_given_a_verdict
     assert main(["diff", str(runs[1] / "accumulate"), str(runs[2] / "accumulate")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "gradient accumulation over micro-batches, which is not mapped" in err
+
+
+def test_collectives_over_groups_of_some_ranks_are_refused_in_one_line(runs, capsys):
+    capsys.readouterr()
+    assert main(["diff", str(runs[1] / "subgroups"), str(runs[4] / "subgroups")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a mesh of more than one dimension" in err

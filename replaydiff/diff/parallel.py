@@ -236,6 +236,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     world = len(targets)
     r_side = _Side(ref)
     t_sides = [_Side(t) for t in targets]
+    _refuse_sub_groups(t_sides[0], world)
     maps = []
     out = ParallelDiff(world, len(r_side.keys), 0, 0)
     for side in t_sides:
@@ -387,6 +388,18 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     if first is not None:
         out.departure = ParallelDeparture(first[0], first[1], first[2], first[3], inherited)
     return out
+
+
+def _refuse_sub_groups(side: _Side, world: int) -> None:
+    """A UsageError when the ranks' collectives run over groups of some of them: a mesh of more than one
+    dimension (FSDP x TP, pipeline stages), whose values this mapping over one dimension of ranks would misread."""
+    for op in side.ops.values():
+        info = op.collective
+        if info is not None and info.ranks and 1 < len(info.ranks) < world:
+            raise UsageError(
+                f"the ranks' collectives run over groups of some of them (#{op.index} {op.name} over ranks "
+                f"{list(info.ranks)} of {world}): a mesh of more than one dimension (FSDP x TP, pipeline stages), "
+                f"which is not mapped onto the single process yet; diff one rank op by op with --rank N")
 
 
 def _follow_data(ref: RankTrace, r_side: _Side, side: _Side, pairs: dict[int, int]) -> dict[int, int]:
