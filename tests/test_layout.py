@@ -91,7 +91,8 @@ def test_values_no_layout_explains_are_none():
 
 def test_shapes_decide_the_candidates_plainest_first():
     kinds = [(c.kind, c.dim, c.factor) for c in candidates((8, 3), [(8, 3), (8, 3)])]
-    assert kinds == [(LayoutKind.REPLICATED, None, 1), (LayoutKind.PARTIAL, None, 1)]
+    assert kinds == [(LayoutKind.REPLICATED, None, 1), (LayoutKind.PARTIAL, None, 1), (LayoutKind.MAX, None, 1),
+                     (LayoutKind.MIN, None, 1)]
     assert [(c.kind, c.dim) for c in candidates((8, 3), [(4, 3), (4, 3)])][0] == (LayoutKind.SHARDED, 0)
     assert candidates((8, 3), [(4, 3), (3, 3)]) == []  # rows do not add up
     assert candidates((8, 3), [(8, 3)]) == [Layout(LayoutKind.REPLICATED, 1)]
@@ -103,3 +104,21 @@ def test_non_finite_values_must_match_in_place(bad):
     assert infer_layout(ref, [ref[:2], ref[2:]], CLOSE).kind is LayoutKind.SHARDED
     moved = torch.tensor([bad, 1.0, 3.0, 4.0], dtype=torch.float64)
     assert infer_layout(ref, [moved[:2], moved[2:]], CLOSE) is None
+
+
+def test_a_sharded_dim_flattened_with_an_outer_one_is_found_in_interleaved_blocks():
+    """[seq, batch, d] with the batch sharded, viewed as [seq * batch, d] (as attention does): each rank's rows come
+    in seq interleaved blocks."""
+    torch.manual_seed(2)
+    ref = torch.randn(12, 8, 32, dtype=torch.float64)
+    parts = [ref[:, r * 4:(r + 1) * 4].reshape(48, 32) for r in range(2)]
+    got = infer_layout(ref.reshape(96, 32), parts, CLOSE)
+    assert (got.kind, got.dim, got.blocks) == (LayoutKind.SHARDED, 0, 12)
+    assert "in 12 interleaved blocks" in got.describe()
+
+
+def test_a_per_rank_max_reduced_by_a_max_is_the_max_layout():
+    torch.manual_seed(3)
+    parts = [torch.randn(5, dtype=torch.float64) for _ in range(3)]
+    ref = torch.stack(parts).amax(0)
+    assert infer_layout(ref, parts, CLOSE).kind is LayoutKind.MAX

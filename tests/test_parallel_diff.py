@@ -57,6 +57,19 @@ class AllReduce(torch.autograd.Function):
         return g
 
 
+class Encoder(nn.Module):
+    """Six tokens of one feature each, embedded, one encoder layer (batch_first), pooled, projected."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(1, 8)
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.layer(self.embed(x.unsqueeze(-1))).mean(1))
+
+
 def batch(rows):
     g = torch.Generator().manual_seed(1)
     return torch.randn(rows, 6, generator=g), torch.randn(rows, 3, generator=g)
@@ -67,6 +80,8 @@ def data_parallel(mode):
     model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3))
     if mode == "dropout":
         model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Dropout(0.5), nn.Linear(8, 3))
+    if mode == "encoder":  # stock attention (which flattens batch and sequence together), AdamW
+        model = Encoder()
     x, y = batch(7 if mode.startswith("uneven") else 8)
     if mode == "ddp" and world > 1:
         model = nn.parallel.DistributedDataParallel(model)
@@ -76,7 +91,8 @@ def data_parallel(mode):
         for layer in (model[0], model[2]):
             fully_shard(layer)
         fully_shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if mode != "encoder" else \
+        torch.optim.AdamW(model.parameters(), lr=1e-3)
     with replaydiff.record(out / mode):
         xs, ys = torch.tensor_split(x, world)[rank], torch.tensor_split(y, world)[rank]
         if mode == "accumulate" and world == 1:  # the reference as two micro-batches, gradients accumulated
@@ -97,7 +113,9 @@ def data_parallel(mode):
                 dist.all_reduce(p.grad, group=pairs[rank // 2])
                 p.grad /= 2
         elif mode not in ("ddp", "fsdp"):
-            for p in model.parameters():
+            for i, p in enumerate(model.parameters()):
+                if mode == "skip_ar" and i == 2:
+                    continue  # BUG: this parameter's gradient is never all-reduced
                 if world > 1:
                     dist.all_reduce(p.grad)
                 if mode != "uneven_sum":
@@ -165,7 +183,8 @@ if world > 1:
     dist.barrier()  # gloo aborts a rank that destroys its group while another still talks to it
     dist.destroy_process_group()
 '''
-DP_MODES = ["manual", "ddp", "fsdp", "double", "uneven_sum", "uneven_mean", "dropout", "accumulate"]
+DP_MODES = ["manual", "ddp", "fsdp", "double", "uneven_sum", "uneven_mean", "dropout", "accumulate", "encoder",
+            "skip_ar"]
 TP_MODES = ["tp", "tp_noreduce", "tp_nn", "tp_offset", "dtensor", "bn"]
 
 
@@ -197,7 +216,7 @@ def _line(marker: str) -> int:
 
 
 @pytest.mark.parametrize("world,mode", [(2, "manual"), (2, "ddp"), (2, "fsdp"), (2, "uneven_sum"), (2, "tp"),
-                                        (2, "dtensor"),
+                                        (2, "dtensor"), (2, "encoder"),
                                         (4, "manual"),
                                         (4, "uneven_sum")])
 def test_a_correct_parallel_run_agrees_with_the_single_process(runs, world, mode, capsys):
@@ -209,7 +228,7 @@ def test_a_correct_parallel_run_agrees_with_the_single_process(runs, world, mode
     ref_ops = open_trace(ref).rank(0)
     assert all(aten.is_cheap(ref_ops[i].name) for i in pd.not_aligned)
     assert pd.aligned + len(pd.not_aligned) == pd.ref_ops
-    assert pd.compared >= pd.aligned - 3  # all but what holds no tensor (profiler markers, the loss's seed)
+    assert pd.compared >= 0.9 * pd.aligned  # all but ops that hold no tensor to compare (uninitialised outputs)
     assert not report.found_difference
     capsys.readouterr()
     assert main(["diff", str(ref), str(target)]) == 0
@@ -238,9 +257,10 @@ def test_a_loss_scaled_twice_is_named_at_its_line(runs, world):
 
 def test_a_per_rank_mean_over_uneven_shards_is_named_at_the_loss(runs):
     d = diff_traces(runs[1] / "uneven_mean", runs[2] / "uneven_mean").parallel.departure
-    assert d is not None and d.kind is Departure.NO_LAYOUT
+    assert d is not None and d.kind in (Departure.SCALED, Departure.NO_LAYOUT)
     assert d.op.name == "aten.mse_loss.default"
     assert d.op.source.endswith(f"steps.py:{_line('loss = F.mse_loss(model(xs), ys)')}")
+    assert "means over shards of unequal size" in d.why and "scaled by the world size" not in d.why
 
 
 def test_partial_sums_used_without_their_all_reduce_are_named(runs):
@@ -337,7 +357,8 @@ def test_ops_after_dropout_are_not_judged_and_the_diff_is_not_clean(runs, capsys
     capsys.readouterr()
     assert main(["diff", str(runs[1] / "dropout"), str(runs[2] / "dropout")]) == 1
     text = capsys.readouterr().out
-    assert "read random draws (dropout) that each rank makes its own" in text and "record with dropout off" in text
+    assert "read random draws (dropout, a batch drawn inside the step) that each rank makes its own" in text
+    assert "record with dropout off" in text
     assert "agree: every compared op" not in text
 
 
@@ -360,3 +381,9 @@ def test_collectives_over_groups_of_some_ranks_are_refused_in_one_line(runs, cap
     assert main(["diff", str(runs[1] / "subgroups"), str(runs[4] / "subgroups")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "a mesh of more than one dimension" in err
+
+
+def test_a_gradient_never_all_reduced_is_named_where_it_reaches_the_optimizer(runs):
+    d = diff_traces(runs[1] / "skip_ar", runs[2] / "skip_ar").parallel.departure
+    assert d is not None and d.kind is Departure.UNREDUCED and d.op.phase == "optimizer"
+    assert "reaches the optimizer without its all-reduce" in d.why and "Sequential.2" in d.why

@@ -36,6 +36,8 @@ class LayoutKind(str, Enum):
     REPLICATED = "replicated"
     SHARDED = "sharded"
     PARTIAL = "partial"
+    MAX = "max"  # the largest over the ranks is the value (a per-rank max the program reduces with a max)
+    MIN = "min"
 
     def __str__(self) -> str:
         return self.value
@@ -51,6 +53,9 @@ class Layout:
     dim: int | None = None
     sizes: tuple[int, ...] | None = None
     factor: Fraction = Fraction(1)
+    # sharded only: the dim holds ``blocks`` runs of every rank's slices in turn (a batch dim flattened with an outer
+    # one: rows [S, B, D] viewed as [S*B, D] with B sharded hold each rank's rows in S interleaved blocks); 1: not
+    blocks: int = 1
 
     def assemble(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """The value the ranks' tensors stand for (before the factor), in float64: rank 0's for a replicated
@@ -59,7 +64,15 @@ class Layout:
         if self.kind is LayoutKind.REPLICATED:
             return xs[0]
         if self.kind is LayoutKind.SHARDED:
-            return torch.cat(xs, dim=self.dim)
+            if self.blocks == 1:
+                return torch.cat(xs, dim=self.dim)
+            d = self.dim
+            split = [x.unflatten(d, (self.blocks, x.shape[d] // self.blocks)) for x in xs]
+            return torch.cat(split, dim=d + 1).flatten(d, d + 1)
+        if self.kind is LayoutKind.MAX:
+            return torch.stack(xs).amax(0)
+        if self.kind is LayoutKind.MIN:
+            return torch.stack(xs).amin(0)
         return torch.stack(xs).sum(0)
 
     def mapped(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -76,7 +89,10 @@ class Layout:
         if self.kind is LayoutKind.SHARDED:
             even = self.sizes is not None and len(set(self.sizes)) == 1
             split = "" if self.sizes is None else f" ({'+'.join(map(str, self.sizes))}{'' if even else ', uneven'})"
-            return f"sharded on dim {self.dim} over {self.world} ranks{split}{scale}"
+            turns = "" if self.blocks == 1 else f" in {self.blocks} interleaved blocks (a sharded dim flattened)"
+            return f"sharded on dim {self.dim} over {self.world} ranks{split}{turns}{scale}"
+        if self.kind in (LayoutKind.MAX, LayoutKind.MIN):
+            return f"the {self.kind.value} over {self.world} ranks is the reference{scale}"
         if self.factor == 1:
             return f"partial over {self.world} ranks: the reference is their sum"
         if self.factor == Fraction(1, self.world):
@@ -85,7 +101,7 @@ class Layout:
 
     def to_json(self) -> dict:
         return {"kind": self.kind.value, "world": self.world, "dim": self.dim,
-                "sizes": None if self.sizes is None else list(self.sizes),
+                "sizes": None if self.sizes is None else list(self.sizes), "blocks": self.blocks,
                 "factor": str(self.factor)}
 
 
@@ -109,6 +125,16 @@ def candidates(ref_shape: Sequence[int], shapes: Sequence[Sequence[int]]) -> lis
                 kinds.append(Layout(LayoutKind.SHARDED, world, d, sizes))
     if same and world > 1:
         kinds.append(Layout(LayoutKind.PARTIAL, world))
+        kinds += [Layout(LayoutKind.MAX, world), Layout(LayoutKind.MIN, world)]
+    # a sharded dim flattened with an outer one: equal slices, each made of several interleaved blocks
+    if world > 1 and all(len(s) == len(ref_shape) for s in shapes):
+        for d in range(len(ref_shape)):
+            k = shapes[0][d]
+            if any(s[:d] + s[d + 1:] != ref_shape[:d] + ref_shape[d + 1:] or s[d] != k for s in shapes) or \
+                    k * world != ref_shape[d]:
+                continue
+            kinds += [Layout(LayoutKind.SHARDED, world, d, tuple(s[d] for s in shapes), blocks=b)
+                      for b in range(2, min(k, 64) + 1) if k % b == 0]
     return kinds
 
 
@@ -149,7 +175,7 @@ def infer_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close
         a = layout.assemble(parts)
         c = fit_scale(a, ref)
         if c is not None and close(a * float(c), ref):
-            out.append(Layout(layout.kind, layout.world, layout.dim, layout.sizes, c))
+            out.append(Layout(layout.kind, layout.world, layout.dim, layout.sizes, c, layout.blocks))
     return out
 
 
@@ -165,7 +191,7 @@ def shard_offsets(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close
     dimension and the offset each rank's part was taken at (a shard taken at the wrong offset, ranks swapped).
     None when some part is no slice of the reference along a dimension the shapes allow."""
     for layout in candidates(ref.shape, [p.shape for p in parts]):
-        if layout.kind is not LayoutKind.SHARDED or layout.dim is None:
+        if layout.kind is not LayoutKind.SHARDED or layout.dim is None or layout.blocks != 1:
             continue
         d, n = layout.dim, ref.shape[layout.dim]
         offsets = []

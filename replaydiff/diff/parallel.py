@@ -108,6 +108,9 @@ class ParallelDiff:
     parted: set[int] = field(default_factory=set)  # reference ops whose tensors fit no layout a correct run has
     # ops that fit no layout only because they read random draws (dropout masks), each rank's own: not judged
     random_parted: list[int] = field(default_factory=list)
+    # ops whose inputs every rank holds whole and alike, right given them, whose outputs part from the reference's
+    # only as far as the inputs' rounding, amplified, takes them: no departure
+    amplified: list[int] = field(default_factory=list)
 
     @property
     def departed(self) -> bool:
@@ -125,7 +128,7 @@ class ParallelDiff:
             "not_aligned": list(self.not_aligned), "layout_ops": dict(self.layout_ops),
             "families": {k: dict(v) for k, v in self.families.items()}, "random_ops": self.random_ops,
             "not_stored": self.not_stored, "worst_rel_l2_over_eps": self.worst,
-            "not_judged_random": list(self.random_parted),
+            "not_judged_random": list(self.random_parted), "amplified": list(self.amplified),
             "departure": None if d is None else {
                 "kind": d.kind.value, "why": d.why, "inherited": d.inherited, "ref": d.op.ref,
                 "targets": list(d.op.targets), "op": d.op.name, "module": d.op.module, "phase": d.op.phase,
@@ -162,6 +165,8 @@ def _family(layout: Layout, legit: bool) -> str:
         if layout.factor == Fraction(1, layout.world):
             return "partial (a per-rank mean)"
         return f"partial at {_times(layout)}x"
+    if layout.kind in (LayoutKind.MAX, LayoutKind.MIN):
+        return f"{layout.kind.value} over ranks"
     text = f"sharded on dim {layout.dim}" if layout.kind is LayoutKind.SHARDED else "replicated"
     if layout.factor == 1:
         return text
@@ -335,6 +340,12 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             drawn.add(i)
             out.random_parted.append(i)
             continue
+        if not from_departed and first is None and all(m.layout is None for m in bad) and \
+                _amplifies(rop, tops, tensors, producers, out.ops, targets, set(out.amplified), maps[0]):
+            # every rank computes from the same inputs, right given them; they differ from the reference's by a
+            # reordered sum's rounding, which this op amplifies (AdamW's first update of a near-zero gradient)
+            out.amplified.append(i)
+            continue
         departed.add(i)
         out.parted.add(i)
         if first is not None or from_departed:
@@ -344,6 +355,13 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         partial_in = _partial_input(r_side, producers, out.ops)
         if m.kind == "in" and m.offsets is None:
             kind, why = Departure.INPUTS, _why_inputs(m)
+        elif partial_in is not None and rop.phase == "optimizer":
+            made = r_side.ops[partial_in[2]]
+            where = ", ".join(x for x in (made.module or "no module", made.phase) if x)
+            kind, why = Departure.UNREDUCED, (
+                f"input {partial_in[0]} is partial over {world} ranks (each rank's own gradient, made by "
+                f"#{partial_in[2]} {made.name}, {where}) and reaches the optimizer without its all-reduce: each rank "
+                f"steps with its own")
         elif m.layout is not None:
             kind, why = Departure.SCALED, _why_scaled(m.layout, _legit_factors(m.layout, rop.phase, loss))
         elif partial_in is not None:
@@ -390,6 +408,42 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     return out
 
 
+def _amplifies(rop: OpRecord, tops: list[OpRecord], tensors: list[Mapped], producers: dict[int, int | None],
+               done: list[MappedOp], ranks: list[RankTrace], amplified: set[int], aligned0: dict[int, int]) -> bool:
+    """Whether an op's outputs part from the reference's only by amplifying a rounding difference of its inputs:
+    every input it reads is replicated at factor 1 (as mapped: from an earlier aligned op, or from outside the step),
+    every rank's outputs have the reference's shapes, and every rank's op, replayed alone from its own recorded
+    inputs, is right. Then each rank computed the reference's op from the reference's values up to rounding."""
+    by_ref = {m.ref: m for m in done[-512:]}
+    mine = ranks[0].producers(tops[0].index)
+    for pos, p in producers.items():
+        if mine.get(pos) != (None if p is None else aligned0.get(p)):
+            return False  # on rank 0 the input comes from an op of its own (a collective): not the reference's value
+        if p is None or p in amplified:  # an amplified value: every rank holds it alike, as its maker made sure
+            continue
+        made = by_ref.get(p)
+        lay = None if made is None else next((t.layout for t in made.tensors if t.kind == "out"), None)
+        if lay is None or lay.kind is not LayoutKind.REPLICATED or lay.factor != 1:
+            return False
+    if any(t.kind == "in" and (t.layout is None or t.layout.kind is not LayoutKind.REPLICATED or t.layout.factor != 1)
+           for t in tensors):
+        return False
+    outs0 = tops[0].outputs_refs()
+    for top in tops[1:]:
+        for a, b in zip(outs0, top.outputs_refs()):
+            if a.shape != b.shape:
+                return False
+    from replaydiff.replay.policy import ReplayOptions
+    from replaydiff.replay.result import Status
+    from replaydiff.replay.runner import OpReplayer
+
+    opts = ReplayOptions(device="cpu", precision="fp64")
+    try:
+        return all(OpReplayer(rt, opts).replay(top).status is Status.OK for rt, top in zip(ranks, tops))
+    except Exception:  # an op replay cannot run: no evidence that it is right
+        return False
+
+
 def _refuse_sub_groups(side: _Side, world: int) -> None:
     """A UsageError when the ranks' collectives run over groups of some of them: a mesh of more than one
     dimension (FSDP x TP, pipeline stages), whose values this mapping over one dimension of ranks would misread."""
@@ -409,18 +463,23 @@ def _follow_data(ref: RankTrace, r_side: _Side, side: _Side, pairs: dict[int, in
     (``tensor_split(x, world)[rank]``) runs one slice per rank; the one it reads is its counterpart of the single
     process's slice, which the alignment by position alone pairs with the first."""
     taken = set(pairs.values())
-    for c in sorted(pairs):
-        rp = ref.producers(c)
-        tp = side.trace.producers(pairs[c])
-        for pos, p in rp.items():
-            q = tp.get(pos)
-            if p is None or q is None or p not in pairs or pairs[p] == q or q in taken:
-                continue
-            if side.ops.get(q) is None or side.ops[q].name != r_side.ops[p].name:
-                continue
-            taken.discard(pairs[p])
-            pairs[p] = q
-            taken.add(q)
+    for _ in range(4):  # to a fixed point: a correction can free the op an earlier one wanted
+        moved = False
+        for c in sorted(pairs):
+            rp = ref.producers(c)
+            tp = side.trace.producers(pairs[c])
+            for pos, p in rp.items():
+                q = tp.get(pos)
+                if p is None or q is None or p not in pairs or pairs[p] == q or q in taken:
+                    continue
+                if side.ops.get(q) is None or side.ops[q].name != r_side.ops[p].name:
+                    continue
+                taken.discard(pairs[p])
+                pairs[p] = q
+                taken.add(q)
+                moved = True
+        if not moved:
+            break
     return pairs
 
 
@@ -480,6 +539,11 @@ def _why_scaled(layout: Layout, legit: tuple[Fraction, ...]) -> str:
     right = min(legit, key=lambda f: abs(math.log(f / layout.factor)))
     times = right / layout.factor
     scale = str(times) if times.denominator == 1 else f"{times.numerator}/{times.denominator}"
+    powers = {Fraction(layout.world) ** k for k in range(-3, 4)}
+    if times not in powers:  # no scale by the world size: the ranks' values are weighted otherwise
+        return (f"{layout.describe()}: {scale}x what a correct parallel run holds here, a factor no scale by the "
+                f"world size gives: per-rank values weighted differently from the reference's, such as means over "
+                f"shards of unequal size averaged as if equal")
     return (f"{layout.describe()}: {scale}x what a correct parallel run holds here (a scale applied on every rank "
             f"that the single process does not apply: a loss or gradient scaled by the world size twice, or not "
             f"at all)")

@@ -222,8 +222,12 @@ def render_parallel(pd, out: TextIO) -> None:
     d = pd.departure
     if pd.random_parted:
         n = len(pd.random_parted)
-        out.write(f"not judged: {n} op(s) read random draws (dropout) that each rank makes its own and part from the "
-                  f"reference there, first ref #{pd.random_parted[0]}: record with dropout off (p=0) to compare them\n")
+        out.write(f"not judged: {n} op(s) read random draws (dropout, a batch drawn inside the step) that each rank makes its own and part from the "
+                  f"reference there, first ref #{pd.random_parted[0]}: record with dropout off (p=0), and the batch made before the step, to compare them\n")
+    if pd.amplified:
+        out.write(f"  {len(pd.amplified)} op(s) part from the reference only by amplifying their inputs' rounding (every "
+                  f"rank holds the same inputs, and its op is right given them: ill-conditioned, such as AdamW's first "
+                  f"update of a near-zero gradient), first ref #{pd.amplified[0]}\n")
     if d is None:
         if pd.random_parted:
             out.write(f"no op parts from the reference among the others ({pd.compared - n} compared); not clean: "
