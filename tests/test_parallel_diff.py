@@ -387,3 +387,15 @@ def test_a_gradient_never_all_reduced_is_named_where_it_reaches_the_optimizer(ru
     d = diff_traces(runs[1] / "skip_ar", runs[2] / "skip_ar").parallel.departure
     assert d is not None and d.kind is Departure.UNREDUCED and d.op.phase == "optimizer"
     assert "reaches the optimizer without its all-reduce" in d.why and "Sequential.2" in d.why
+
+
+def test_the_tui_detail_of_a_mapped_row_lists_the_layouts_and_the_reason(runs):
+    from replaydiff.tui.details import diff_lines
+    from replaydiff.tui.diff_mode import diff_results
+
+    report = diff_traces(runs[1] / "double", runs[2] / "double")
+    d = report.parallel.departure
+    row = next(r for r in diff_results(report) if (r.rank, r.index) == (1, d.op.targets[1]))
+    text = "\n".join(diff_lines(row))
+    assert "PARTS HERE" in text and f"ref #{d.op.ref}" in text and "TARGET ONLY" not in text
+    assert "partial over 2 ranks" in text and "2x what a correct parallel run holds here" in text

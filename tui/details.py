@@ -9,6 +9,7 @@ import math
 from typing import Any, Callable
 
 from replaydiff.compare.verdict import output_said
+from replaydiff.diff.parallel import MappedOp
 from replaydiff.replay.engine import trace_uses
 from replaydiff.report.text import record_again
 from replaydiff.trace.schema import LEFT_OUT_FILTERED, LEFT_OUT_WHY
@@ -227,11 +228,28 @@ def left_out_lines(op: Any, result: RowResult | None) -> list[str]:
             f"{esc(record_again({why}))}"]
 
 
+def mapped_lines(result: RowResult, op: MappedOp) -> list[str]:
+    """Diff mode of a parallel run against one process: the reference op every rank's op maps onto, each tensor's
+    layout, and why it parts (the departure) or that it reads what did."""
+    s = result.status
+    word = {"ok": "MAPS", "divergent": "PARTS HERE", "inherited": "INHERITED"}.get(str(s), str(s).upper())
+    lines = [f"[{STATUS_STYLE.get(s, 'dim')}]{word}[/]  mapped onto reference op [bold]ref #{op.ref}[/] with every "
+             f"rank's op ({', '.join(f'rank {r} #{i}' for r, i in enumerate(op.targets))})"]
+    for t in op.tensors:
+        what = t.layout.describe() if t.layout is not None else "no layout fits"
+        lines.append(f"  {'input' if t.kind == 'in' else 'output'} {t.position} {esc(t.describe)}: {esc(what)}")
+    if result.reason and s != "ok":
+        lines.append(f"  [dim]{esc(result.reason)}[/]")
+    return lines
+
+
 def diff_lines(result: RowResult) -> list[str]:
     """Diff mode: the aligned reference op and the pair's verdict, evidence, reason and inherited origin."""
     s = result.status
     if result.unit is not None:
         return unit_pair_markup(result)
+    if isinstance(result.source, MappedOp):
+        return mapped_lines(result, result.source)
     pair = result.pair
     if pair is None:
         return [f"[cyan]TARGET ONLY[/]  no aligned op in the reference (rank {result.ref_rank})"]

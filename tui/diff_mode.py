@@ -74,8 +74,7 @@ def parallel_rows(pd: Any) -> list[RowResult]:
             status, reason = PairStatus.INHERITED, "parts from the reference after the first op that does"
         else:
             status, reason = Status.OK, None
-        shown = next((t for t in op.tensors if t.kind == "out"), op.tensors[0])
-        figure = shown.layout.describe() if shown.layout is not None else "no layout"
         for rank, index in enumerate(op.targets):
-            out.append(RowResult(rank, index, status, None, figure, None, reason or figure, False, None, 0))
+            # the figure column holds a number (err/lim): a mapping has none; the detail pane shows each layout
+            out.append(RowResult(rank, index, status, None, "", None, reason, False, op, 0))
     return out

@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Any, Iterable, Union
 
 from replaydiff.diff.result import PairStatus, UnitPair
+from replaydiff.diff.parallel import MappedOp
 from replaydiff.replay.result import Status
 
 PHASES = ("forward", "backward", "optimizer")
@@ -85,7 +86,7 @@ class RowResult:
     def pair(self) -> Any:
         """Diff mode: the PairResult (None for an op of the target only or of a compiled unit pair, and in a
         replay)."""
-        return self.source if self.in_diff and not isinstance(self.source, UnitPair) else None
+        return self.source if self.in_diff and not isinstance(self.source, (UnitPair, MappedOp)) else None
 
     @classmethod
     def of_replay(cls, r: Any) -> "RowResult":
