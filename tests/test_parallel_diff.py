@@ -94,7 +94,12 @@ def data_parallel(mode):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if mode != "encoder" else \
         torch.optim.AdamW(model.parameters(), lr=1e-3)
     with replaydiff.record(out / mode):
-        xs, ys = torch.tensor_split(x, world)[rank], torch.tensor_split(y, world)[rank]
+        if mode == "overlap":  # BUG: each rank's slice starts 2 rows early, so neighbours share rows
+            n = len(x) // world
+            lo = max(rank * n - 2, 0)
+            xs, ys = x[lo:lo + n], y[lo:lo + n]
+        else:
+            xs, ys = torch.tensor_split(x, world)[rank], torch.tensor_split(y, world)[rank]
         if mode == "accumulate" and world == 1:  # the reference as two micro-batches, gradients accumulated
             for k in range(2):
                 (F.mse_loss(model(x[k * 4:(k + 1) * 4]), y[k * 4:(k + 1) * 4]) / 2).backward()
@@ -184,7 +189,7 @@ if world > 1:
     dist.destroy_process_group()
 '''
 DP_MODES = ["manual", "ddp", "fsdp", "double", "uneven_sum", "uneven_mean", "dropout", "accumulate", "encoder",
-            "skip_ar"]
+            "skip_ar", "overlap"]
 TP_MODES = ["tp", "tp_noreduce", "tp_nn", "tp_offset", "dtensor", "bn"]
 
 
@@ -399,3 +404,9 @@ def test_the_tui_detail_of_a_mapped_row_lists_the_layouts_and_the_reason(runs):
     text = "\n".join(diff_lines(row))
     assert "PARTS HERE" in text and f"ref #{d.op.ref}" in text and "TARGET ONLY" not in text
     assert "partial over 2 ranks" in text and "2x what a correct parallel run holds here" in text
+
+
+def test_overlapping_batch_slices_are_named_with_their_offsets(runs):
+    d = diff_traces(runs[1] / "overlap", runs[2] / "overlap").parallel.departure
+    assert d is not None and d.kind is Departure.SHARD_OFFSET
+    assert "rank 0: 0, rank 1: 2" in d.why and "slices that overlap" in d.why

@@ -174,6 +174,8 @@ def infer_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close
             continue
         a = layout.assemble(parts)
         c = fit_scale(a, ref)
+        if layout.kind in (LayoutKind.MAX, LayoutKind.MIN) and c != 1:
+            continue  # a max of scaled values is no reduction a program makes
         if c is not None and close(a * float(c), ref):
             out.append(Layout(layout.kind, layout.world, layout.dim, layout.sizes, c, layout.blocks))
     return out
@@ -197,7 +199,7 @@ def shard_offsets(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close
         offsets = []
         for p in parts:
             size = p.shape[d]
-            step = size if size and n % size == 0 else 1
+            step = 1 if n <= 1024 or not size or n % size else size  # any offset where the dim is short
             at = next((o for o in range(0, n - size + 1, step)
                        if close(p.detach().to(torch.float64), ref.narrow(d, o, size))), None)
             if at is None:

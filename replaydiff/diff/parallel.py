@@ -67,6 +67,7 @@ class Mapped:
     # offset of each rank's slice.
     offsets: tuple[int, tuple[int, ...]] | None = None
     fits: tuple[Layout, ...] = ()  # every layout that fits, plainest first
+    sizes: tuple[int, ...] | None = None  # with ``offsets``: each rank's extent along that dim
 
 
 @dataclass(frozen=True)
@@ -272,10 +273,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         out.aligned += 1
         rop = r_side.ops[i]
         tops = [t_sides[r].ops[maps[r][i]] for r in range(world)]
-        if aten.is_random(rop.name):
-            out.random_ops += 1
-            drawn.add(i)  # its draws are each rank's own: what reads them is judged only if it maps anyway
-            continue
+        random = aten.is_random(rop.name)
         producers = ref.producers(i)
         from_departed = [p for p in producers.values() if p is not None and p in departed]
         from_drawn = [p for p in producers.values() if p is not None and p in drawn]
@@ -303,6 +301,13 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         mop = MappedOp(i, tuple(t.index for t in tops), rop.name, rop.module, rop.phase,
                        fwd.source if fwd is not None and fwd.source else rop.source, tuple(tensors))
         out.ops.append(mop)
+        if random:
+            out.random_ops += 1
+            if not tensors or any(m.layout is None or m.layout.factor != 1 for m in tensors):
+                # each rank drew its own numbers: what reads them is judged only if it maps anyway
+                drawn.add(i)
+                continue
+            # every rank drew what the single process drew (one seed, a batch drawn in the step): compared as any op
         if not tensors:
             if r_outs and not any(r.stored for r in r_outs):
                 out.not_stored += 1
@@ -371,10 +376,14 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 f"a reduction: an all-reduce is missing before this op")
         elif m.offsets is not None:
             dim, at = m.offsets
+            sizes = [p for p in _part_sizes(m, dim)]
+            spans = sorted(zip(at, sizes))
+            overlap = any(a + n > b for (a, n), (b, _) in zip(spans, spans[1:]))
+            what = "slices that overlap (some of it on two ranks, some on none)" if overlap else \
+                "not in rank order: a shard taken at the wrong offset"
             kind, why = Departure.SHARD_OFFSET, (
                 f"{'input' if m.kind == 'in' else 'output'} {m.position} ({m.describe}): each rank holds a slice of the "
-                f"reference on dim {dim}, at offsets {', '.join(f'rank {r}: {o}' for r, o in enumerate(at))}, not in "
-                f"rank order: a shard taken at the wrong offset")
+                f"reference on dim {dim}, at offsets {', '.join(f'rank {r}: {o}' for r, o in enumerate(at))}: {what}")
         elif m.off and len(m.off) < world:
             held = [r for r in range(world) if r not in m.off]
             kind, why = Departure.NO_LAYOUT, (
@@ -386,8 +395,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             kind, why = Departure.NO_LAYOUT, (
                 f"output {m.position} ({m.describe}) maps onto the reference's under no layout (replicated, sharded "
                 f"on a dimension, or partial over {world} ranks, at any simple factor): the ranks compute something "
-                f"else here (per-rank statistics that should be global, a shard at the wrong offset, a different "
-                f"input)")
+                f"else here (per-rank statistics that should be global, such as BatchNorm's without SyncBatchNorm or "
+                f"means over shards of unequal size averaged as if equal; a different input)")
         behind = _collective_behind(t_sides[0], maps[0], tops[0].index)
         if behind is not None and kind in (Departure.SCALED, Departure.NO_LAYOUT):
             why += f"; on the ranks it reads what {behind[1]} (#{behind[0]} on rank 0) made, which the single " \
@@ -428,11 +437,9 @@ def _amplifies(rop: OpRecord, tops: list[OpRecord], tensors: list[Mapped], produ
     if any(t.kind == "in" and (t.layout is None or t.layout.kind is not LayoutKind.REPLICATED or t.layout.factor != 1)
            for t in tensors):
         return False
-    outs0 = tops[0].outputs_refs()
-    for top in tops[1:]:
-        for a, b in zip(outs0, top.outputs_refs()):
-            if a.shape != b.shape:
-                return False
+    shapes = [r.shape for r in rop.outputs_refs()]
+    if any([r.shape for r in top.outputs_refs()] != shapes for top in tops):
+        return False  # a rank holds a part of the reference's value, not all of it
     from replaydiff.replay.policy import ReplayOptions
     from replaydiff.replay.result import Status
     from replaydiff.replay.runner import OpReplayer
@@ -502,7 +509,13 @@ def _map(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs: list[
             off = tuple(k for k, p in enumerate(parts) if not close(p.to(torch.float64), r))
         found = shard_offsets(r, parts, close)
         offsets = None if found is None else (found[0], tuple(found[1]))
-    return Mapped(kind, pos, rref.describe(), layout, error, off, offsets, tuple(fits))
+    sizes = None if offsets is None else tuple(int(p.shape[offsets[0]]) for p in parts)
+    return Mapped(kind, pos, rref.describe(), layout, error, off, offsets, tuple(fits), sizes)
+
+
+def _part_sizes(m: Mapped, dim: int) -> list[int]:
+    """Each rank's extent along ``dim`` of a tensor whose slices were placed (``Mapped.offsets``)."""
+    return list(m.sizes) if m.sizes is not None else []
 
 
 def _collective_behind(side: _Side, aligned: dict[int, int], index: int, limit: int = 32) -> tuple[int, str] | None:

@@ -207,7 +207,8 @@ def render_parallel(pd, out: TextIO) -> None:
               f"through their layout\n")
     out.write(f"ops: {pd.ref_ops} ref ops, {pd.aligned} run by every rank, {pd.compared} compared"
               + (f", {len(pd.not_aligned)} not run by every rank" if pd.not_aligned else "")
-              + (f", {pd.random_ops} random (not compared: each rank draws its own)" if pd.random_ops else "")
+              + (f", {pd.random_ops} random (compared only where every rank drew the single process's numbers)"
+                 if pd.random_ops else "")
               + (f", {pd.not_stored} without tensor data (record --tensors full)" if pd.not_stored else "") + "\n")
     for phase in ("forward", "backward", "optimizer", "?"):
         fam = pd.families.get(phase)
