@@ -64,6 +64,9 @@ class OpResult:
     verdict: Verdict | None = None  # the deciding output's verdict (the worst one when all are within limits)
     reason: str | None = None
     nonfinite_origin: bool = False
+    # The NaN this op made (nonfinite_origin) it made of inputs that hold Inf but no NaN (a softmax over a row of
+    # nothing but -inf, inf - inf), not of finite inputs.
+    nonfinite_from_inf: bool = False
     # NaN/Inf came into the op through this input from outside what replay computed (see NonfiniteInput).
     nonfinite_input: NonfiniteInput | None = None
     # The NaN/Inf this op made (nonfinite_origin) or let in (nonfinite_input) reach no loss, gradient, parameter or
