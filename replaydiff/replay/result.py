@@ -162,8 +162,9 @@ class ReplayReport:
 
     @property
     def nonfinite_origin(self) -> OpResult | None:
-        """The first op that made NaN/Inf from finite inputs that reach the loss, a gradient, a parameter or an
-        output of the step (made and discarded ones are ``nonfinite_discarded``)."""
+        """The first op that made NaN/Inf from finite inputs, or NaN from inputs holding Inf but no NaN, that reach
+        the loss, a gradient, a parameter or an output of the step (made and discarded ones are
+        ``nonfinite_discarded``)."""
         return next((r for r in self.ops if r.nonfinite_origin and r.nonfinite_discarded_by is None), None)
 
     @property

@@ -30,7 +30,7 @@ def op_line(r: OpResult) -> str:
 
 def origin_how(r: OpResult) -> str:
     """How an op made the NaN/Inf it is the origin of (``OpResult.nonfinite_origin``)."""
-    return "inputs hold Inf but no NaN, NaN in recorded output" if r.nonfinite_from_inf else \
+    return "inputs hold Inf but no NaN, NaN in recorded output" if getattr(r, "nonfinite_from_inf", False) else \
         "finite inputs, non-finite recorded output"
 
 
