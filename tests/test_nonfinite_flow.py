@@ -216,8 +216,14 @@ def test_nan_of_a_softmax_over_a_row_masked_whole_that_reaches_the_parameter_is_
     assert doc["nonfinite_origin"]["index"] == softmax.index and doc["nonfinite_origin"]["nonfinite_from_inf"]
     assert _nonfinite_row(md) == f"| NaN/Inf origin | #{softmax.index} aten._softmax.default | none | FAIL |"
     entry = report.nonfinite_entry
-    if mask_in_step:
-        assert entry is None and doc["nonfinite_entry"] is None
+    if mask_in_step:  # the -inf come in as masked_fill's number argument
+        fill = next(op for op in ops if op.name == "aten.masked_fill.Scalar")
+        assert entry is not None and entry.index == fill.index < softmax.index
+        assert (entry.nonfinite_input.argument, entry.nonfinite_input.position) == ("-inf", 2)
+        assert (entry.nonfinite_input.nan, entry.nonfinite_input.inf) == (0, 4)
+        assert doc["nonfinite_entry"]["nonfinite_input"]["argument"] == "-inf"
+        assert f"Inf enter the step as a number passed to an op: argument 2 (-inf) of op #{fill.index} " \
+               f"aten.masked_fill.Scalar (no module, forward) puts 4 Inf in its output" in text
     else:
         assert entry is not None and (entry.index, entry.nonfinite_input.position) == (add.index, 1)
         # row 1 whole, and the causal triangle's -inf outside it (3 in row 0, 1 in row 2)
@@ -253,6 +259,31 @@ def test_causal_minus_inf_mask_with_no_row_masked_whole_stays_clean_through_back
     code, text, doc, md = _replay_cli(path, capsys)
     assert code == 0 and "NaN/Inf origin" not in text and "enter the step" not in text
     assert _nonfinite_row(md).endswith("| none | pass |")
+
+
+def test_minus_inf_passed_as_a_number_that_reaches_the_loss_is_named_where_it_enters(tmp_path, capsys):
+    """masked_fill(-inf) over a whole row, then a max over that row: the loss is -inf. No op made the Inf from
+    finite values (the -inf is the argument's), so it is named as where they enter, never left unsaid; the same
+    -inf selected away (the causal test above) is said nowhere."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    rows = torch.tensor([False, True, False, False])
+    with record(tmp_path / "t"):
+        loss = lin(torch.randn(4, 4)).masked_fill(rows[:, None], float("-inf")).amax(-1).sum()
+        loss.backward()
+        loss.item()
+    assert loss.item() == float("-inf")
+    fill = next(op for op in rh.trace_ops(tmp_path / "t") if op.name == "aten.masked_fill.Scalar")
+    report = rh.replay(tmp_path / "t")
+    assert report.nonfinite_origin is None and report.nonfinite_discarded == []
+    entry = report.nonfinite_entry
+    assert entry is not None and entry.index == fill.index and entry.nonfinite_input.argument == "-inf"
+    code, text, doc, md = _replay_cli(tmp_path / "t", capsys)
+    assert f"Inf enter the step as a number passed to an op: argument 2 (-inf) of op #{fill.index} " \
+           f"aten.masked_fill.Scalar (no module, forward) puts 4 Inf in its output" in text
+    assert doc["nonfinite_entry"]["index"] == fill.index
+    assert _nonfinite_row(md) == f"| NaN/Inf origin | none made; 4 Inf enter as argument 2 (-inf) of " \
+                                 f"#{fill.index} aten.masked_fill.Scalar | none | FAIL |"
 
 
 def test_nan_inf_origin_line_of_an_op_in_no_module_says_no_module(tmp_path, capsys):

@@ -33,13 +33,18 @@ PROBLEMS = (Status.DIVERGENT, Status.NONDETERMINISTIC)
 class NonfiniteInput:
     """An input that already held NaN/Inf when the op read it, and that no replayed op computed: written outside the
     trace (the batch, a parameter, a tensor written outside the dispatcher; ``producer`` None) or by op ``producer``,
-    whose tensor data the recording left out. Where NaN/Inf enter a step that makes none of its own."""
+    whose tensor data the recording left out; or a NaN/Inf number argument (``argument``). Where NaN/Inf enter a step
+    that makes none of its own."""
 
     position: int  # among the op's tensor inputs, as ``replaydiff show --op`` numbers them
     nan: int
     inf: int
     producer: int | None = None
     producer_op: str | None = None
+    # They came in as a number the op was passed ("-inf": masked_fill(mask, -inf)), not in a tensor: ``position`` is
+    # that argument's among the op's positional arguments (-1: a keyword argument), and the counts are of the
+    # NaN/Inf it put in the op's outputs.
+    argument: str | None = None
 
     def counts(self) -> str:
         return nonfinite_counts(self.nan, self.inf)

@@ -202,6 +202,8 @@ class OpReplayer:
                     # made or let in here: are they used, or selected away (T5's log(0) under a where)?
                     flow = follow_nonfinite(self.trace, op.index, self._nonfinite_slots, self._nonfinite_kept)
                     discarded_by = list(flow.ended_at) if flow.discarded else None
+                    if flow.discarded and origin[1] is not None and origin[1].argument is not None:
+                        origin, discarded_by = (False, None, False), None  # a mask's -inf, meant and ended
             except TraceError:
                 raise
             except Exception:
@@ -578,8 +580,9 @@ class OpReplayer:
         """For an op with a non-finite recorded output: (True, None, False) when its inputs are finite, the op where
         NaN/Inf entered the step; (True, None, True) when its inputs hold Inf but no NaN and it made NaN of them (a
         softmax over a row masked whole with -inf, inf - inf): the op where NaN entered the step; (False, input, False)
-        when an input already held NaN/Inf that no replayed op computed (the first such input, see ``_entered_from``):
-        where they came into the step from outside; else (False, None, False).
+        when an input already held NaN/Inf that no replayed op computed (the first such input, see ``_entered_from``),
+        or its inputs are finite and it was passed a NaN/Inf number (``NonfiniteInput.argument``): where they came
+        into the step from outside; else (False, None, False).
 
         ``produced``: the replay saw the op itself produce the non-finite values. Without that, the recorded outputs
         are read, and a position the op left as an empty* op handed it out (its bytes as they were before the op)
@@ -609,8 +612,18 @@ class OpReplayer:
                                              None if producer is None else self.trace[producer].name), False
         scalars = [x for x in _scalars([op.args, list(op.kwargs.values())]) if isinstance(x, float)]
         if finite:
-            # a NaN/Inf passed in as a scalar (masked_fill(-inf) in attention): not an origin
-            return not any(not math.isfinite(x) for x in scalars), None, False
+            # a NaN/Inf passed in as a number (masked_fill(-inf) in attention): not made here but let in, as a
+            # tensor from outside the trace is; said only where the step keeps them
+            arg = next((x for x in scalars if not math.isfinite(x)), None)
+            if arg is None:
+                return True, None, False
+            position = next((k for k, x in enumerate(op.args) if isinstance(x, float) and not math.isfinite(x)), -1)
+            nan = inf = 0
+            for r in outputs:
+                t = self.trace.tensor(r)
+                nan, inf = nan + int(torch.isnan(t).sum()), inf + int(torch.isinf(t).sum())
+            held = NonfiniteInput(position, nan, inf, argument=str(arg))
+            return False, (held if nan or inf else None), False
         if nan_in or any(math.isnan(x) for x in scalars):
             return False, None, False
         # Inf in, NaN out: the NaN are this op's own, whatever made the Inf (a mask's -inf is meant; the NaN of a

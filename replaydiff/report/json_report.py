@@ -17,7 +17,9 @@ judged), ``data_left_out`` (only when the recording left the op's tensor data ou
 the op is skipped), ``unjudged`` (only when true: a compiled unit replay could not run, its computation unchecked;
 never clean), ``nonfinite_input`` (only when an input already held NaN/Inf that came from outside the trace
 or from an op whose data was left out: ``position``, ``nan``, ``inf``, ``producer`` (null: outside the trace),
-``producer_op``), ``nonfinite_origin`` (true when it made NaN/Inf from finite inputs, or NaN from inputs holding
+``producer_op``; or, when they came in as a number argument such as ``masked_fill``'s -inf: ``argument``, its
+value, ``position`` its index among the positional arguments and ``nan``/``inf`` what it put in the outputs),
+``nonfinite_origin`` (true when it made NaN/Inf from finite inputs, or NaN from inputs holding
 Inf but no NaN), ``nonfinite_from_inf`` (only when true: the latter), ``nonfinite_discarded_by``
 (only when the NaN/Inf it made or let in are discarded: the ops that end them), ``reason`` (why it is divergent,
 skipped or, within its limits despite a large error, ok)),
@@ -68,7 +70,8 @@ def op_json(r: OpResult | None) -> dict | None:
                    **({"nonfinite_origin": True} if r.nonfinite_origin else {}),
                    **({"nonfinite_from_inf": True} if r.nonfinite_from_inf else {}),
                    **({"unjudged": True} if r.unjudged else {}),
-                   **({"nonfinite_input": dataclasses.asdict(r.nonfinite_input)} if r.nonfinite_input else {}),
+                   **({"nonfinite_input": {k: v for k, v in dataclasses.asdict(r.nonfinite_input).items()
+                                           if k != "argument" or v is not None}} if r.nonfinite_input else {}),
                    **({"nonfinite_discarded_by": list(r.nonfinite_discarded_by)}
                       if r.nonfinite_discarded_by is not None else {})})
 

@@ -43,9 +43,18 @@ def nonfinite_entry_line(r: OpResult, held: NonfiniteInput, ended: str | None = 
     source = r.forward_source if (r.phase == "backward" and r.forward_source) else r.source
     kinds = "NaN and Inf" if held.nan and held.inf else "NaN" if held.nan else "Inf"
     fate = f": {ended}" if ended is not None else ""
+    if held.argument is not None:
+        return f"{kinds} enter the step as a number passed to an op: {argument_text(held)} of op #{r.index} {r.op} " \
+               f"({where}) puts {held.counts()} in its output{fate}" + (f"  {source}" if source else "")
     return f"{kinds} enter the step {whence}{' and are discarded' if ended is not None else ''}: input " \
            f"{held.position} of op #{r.index} {r.op} ({where}) already holds {held.counts()}{fate}" + \
            (f"  {source}" if source else "")
+
+
+def argument_text(held: NonfiniteInput) -> str:
+    """'argument 2 (-inf)': the number argument NaN/Inf came in as (``NonfiniteInput.argument``)."""
+    return f"argument {held.position} ({held.argument})" if held.position >= 0 else \
+        f"a keyword argument ({held.argument})"
 
 
 _NEVER_KEPT = "so they reach no loss, gradient, parameter or output of the step (information, not a fault)"
