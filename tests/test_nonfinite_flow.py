@@ -165,6 +165,137 @@ def test_trend_does_not_call_nan_inf_selected_away_a_change(tmp_path, capsys):
     assert (t.cause.index, t.cause.how, t.cause.from_finite) == (sqrt.index, "made", True)
 
 
+# -- a softmax over a row masked whole: NaN made of -inf, read again by the backward ---------------------------------
+def _masked_attention_step(tmp: Path, mask_in_step: bool, rows: list[bool], backward: bool = True) -> Path:
+    """Scores from a Linear, an additive mask whose ``rows`` are -inf throughout (made inside the recorded step or
+    before it), a softmax, and a masked_fill that sets those rows to 0 in the forward; then the loss, its backward and
+    an SGD step. ``_softmax_backward_data`` reads the softmax's saved output, NaN rows included."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    x = torch.randn(4, 4)
+    masked = torch.tensor(rows)
+
+    def mask() -> torch.Tensor:
+        m = torch.zeros(4, 4).masked_fill(masked[:, None], float("-inf"))
+        return m + torch.triu(torch.full((4, 4), float("-inf")), 1)  # causal too: no row of it is -inf throughout
+
+    before = None if mask_in_step else mask()
+    with record(tmp / "t"):
+        p = (lin(x) + (mask() if mask_in_step else before)).softmax(-1).masked_fill(masked[:, None], 0.0)
+        loss = p.pow(2).sum()
+        if backward:
+            loss.backward()
+            opt.step()
+    assert torch.isnan(lin.weight).any() == (any(rows) and backward)
+    return tmp / "t"
+
+
+@pytest.mark.parametrize("mask_in_step", [True, False], ids=["mask-made-in-step", "mask-made-before-step"])
+def test_nan_of_a_softmax_over_a_row_masked_whole_that_reaches_the_parameter_is_the_origin(tmp_path, capsys,
+                                                                                            mask_in_step):
+    """The forward's masked_fill selects the NaN rows away, but the softmax's backward reads its saved output and
+    the NaN reach the weight's gradient and the weight: the softmax made NaN of inputs that hold -inf but no NaN, so
+    it is the origin; a mask made before the step is also where its -inf enter (at the add)."""
+    path = _masked_attention_step(tmp_path, mask_in_step, [False, True, False, False])
+    ops = rh.trace_ops(path)
+    softmax = next(op for op in ops if op.name == "aten._softmax.default")
+    add = next(op for op in ops if op.name == "aten.add.Tensor" and op.index < softmax.index
+               and op.index in open_trace(path).rank(0).producers(softmax.index).values())
+    sbd = next(op for op in ops if op.name == "aten._softmax_backward_data.default")
+    rt = open_trace(path).rank(0)
+    assert sbd.index in rt.consumers(softmax.index)[0]  # the backward reads the saved output
+    report = rh.replay(path)
+    origin = report.nonfinite_origin
+    assert origin is not None and (origin.index, origin.op) == (softmax.index, "aten._softmax.default")
+    assert origin.nonfinite_from_inf and origin.nonfinite_discarded_by is None
+    assert report.nonfinite_discarded == []
+    code, text, doc, md = _replay_cli(path, capsys)
+    assert f"NaN/Inf origin: #{softmax.index} aten._softmax.default  no module  (forward)" in text
+    assert "(inputs hold Inf but no NaN, NaN in recorded output)" in text and "discarded" not in text
+    assert doc["nonfinite_origin"]["index"] == softmax.index and doc["nonfinite_origin"]["nonfinite_from_inf"]
+    assert _nonfinite_row(md) == f"| NaN/Inf origin | #{softmax.index} aten._softmax.default | none | FAIL |"
+    entry = report.nonfinite_entry
+    if mask_in_step:  # the -inf come in as masked_fill's number argument
+        fill = next(op for op in ops if op.name == "aten.masked_fill.Scalar")
+        assert entry is not None and entry.index == fill.index < softmax.index
+        assert (entry.nonfinite_input.argument, entry.nonfinite_input.position) == ("-inf", 2)
+        assert (entry.nonfinite_input.nan, entry.nonfinite_input.inf) == (0, 4)
+        assert doc["nonfinite_entry"]["nonfinite_input"]["argument"] == "-inf"
+        assert f"Inf enter the step as a number passed to an op: argument 2 (-inf) of op #{fill.index} " \
+               f"aten.masked_fill.Scalar (no module, forward) puts 4 Inf in its output" in text
+    else:
+        assert entry is not None and (entry.index, entry.nonfinite_input.position) == (add.index, 1)
+        # row 1 whole, and the causal triangle's -inf outside it (3 in row 0, 1 in row 2)
+        assert (entry.nonfinite_input.nan, entry.nonfinite_input.inf) == (0, 4 + 3 + 1)
+        assert f"Inf enter the step from outside the trace: input 1 of op #{add.index} aten.add.Tensor" in text
+
+
+def test_nan_of_a_softmax_over_a_row_masked_whole_selected_away_in_a_forward_only_step_is_made_and_discarded(
+        tmp_path, capsys):
+    """No backward: the masked_fill is the softmax's only reader and ends its NaN, so they are made and discarded
+    (said once, as information, never a FAIL)."""
+    path = _masked_attention_step(tmp_path, True, [False, True, False, False], backward=False)
+    ops = rh.trace_ops(path)
+    softmax = next(op for op in ops if op.name == "aten._softmax.default")
+    fill = next(op for op in ops if op.name == "aten.masked_fill.Scalar" and op.index > softmax.index)
+    report = rh.replay(path)
+    assert report.nonfinite_origin is None and report.nonfinite_entry is None
+    assert [(r.index, r.nonfinite_discarded_by) for r in report.nonfinite_discarded] == \
+           [(softmax.index, [fill.index])]
+    code, text, doc, md = _replay_cli(path, capsys)
+    assert code == 0 and "NaN/Inf origin" not in text
+    assert f"NaN/Inf made and discarded: #{softmax.index} aten._softmax.default  no module  (forward)" in text
+    assert _nonfinite_row(md) == f"| NaN/Inf origin | none; made and discarded: #{softmax.index} " \
+                                 f"aten._softmax.default | none | pass |"
+
+
+def test_causal_minus_inf_mask_with_no_row_masked_whole_stays_clean_through_backward_and_step(tmp_path, capsys):
+    """Every row keeps a finite score: the softmax makes no NaN, the mask's -inf end there, and a whole training
+    step (backward, SGD) names no NaN/Inf origin or entry."""
+    path = _masked_attention_step(tmp_path, True, [False, False, False, False])
+    report = rh.replay(path)
+    assert report.nonfinite_origin is None and report.nonfinite_entry is None
+    code, text, doc, md = _replay_cli(path, capsys)
+    assert code == 0 and "NaN/Inf origin" not in text and "enter the step" not in text
+    assert _nonfinite_row(md).endswith("| none | pass |")
+
+
+def test_minus_inf_passed_as_a_number_that_reaches_the_loss_is_named_where_it_enters(tmp_path, capsys):
+    """masked_fill(-inf) over a whole row, then a max over that row: the loss is -inf. No op made the Inf from
+    finite values (the -inf is the argument's), so it is named as where they enter, never left unsaid; the same
+    -inf selected away (the causal test above) is said nowhere."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    rows = torch.tensor([False, True, False, False])
+    with record(tmp_path / "t"):
+        loss = lin(torch.randn(4, 4)).masked_fill(rows[:, None], float("-inf")).amax(-1).sum()
+        loss.backward()
+        loss.item()
+    assert loss.item() == float("-inf")
+    fill = next(op for op in rh.trace_ops(tmp_path / "t") if op.name == "aten.masked_fill.Scalar")
+    report = rh.replay(tmp_path / "t")
+    assert report.nonfinite_origin is None and report.nonfinite_discarded == []
+    entry = report.nonfinite_entry
+    assert entry is not None and entry.index == fill.index and entry.nonfinite_input.argument == "-inf"
+    code, text, doc, md = _replay_cli(tmp_path / "t", capsys)
+    assert f"Inf enter the step as a number passed to an op: argument 2 (-inf) of op #{fill.index} " \
+           f"aten.masked_fill.Scalar (no module, forward) puts 4 Inf in its output" in text
+    assert doc["nonfinite_entry"]["index"] == fill.index
+    assert _nonfinite_row(md) == f"| NaN/Inf origin | none made; 4 Inf enter as argument 2 (-inf) of " \
+                                 f"#{fill.index} aten.masked_fill.Scalar | none | FAIL |"
+
+
+def test_nan_inf_origin_line_of_an_op_in_no_module_says_no_module(tmp_path, capsys):
+    """As the entry and every other line does, rather than leaving the module's slot empty."""
+    x = torch.tensor([-1.0, 4.0])
+    with record(tmp_path / "t"):
+        torch.sqrt(x)
+    sqrt = next(op for op in rh.trace_ops(tmp_path / "t") if op.name == "aten.sqrt.default")
+    code, text, doc, md = _replay_cli(tmp_path / "t", capsys)
+    assert f"NaN/Inf origin: #{sqrt.index} aten.sqrt.default  no module  (forward)  " in text
+
+
 # -- T5 from transformers: a tiny config, random weights, no download -------------------------------------------------
 def _t5_step(tmp: Path, fault: PlantedFault | None = None) -> Path:
     """One training step of a tiny T5ForConditionalGeneration, recorded (``fault``: planted below the recorder)."""

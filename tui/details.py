@@ -11,7 +11,7 @@ from typing import Any, Callable
 from replaydiff.compare.verdict import output_said
 from replaydiff.diff.parallel import MappedOp
 from replaydiff.replay.engine import trace_uses
-from replaydiff.report.text import record_again
+from replaydiff.report.text import origin_how, record_again
 from replaydiff.trace.schema import LEFT_OUT_FILTERED, LEFT_OUT_WHY
 from replaydiff.tui.diff_mode import unit_lead
 from replaydiff.tui.model import PROBLEMS, RowResult, severity_text, short_op
@@ -178,7 +178,7 @@ def verdict_lines(result: RowResult | None) -> list[str]:
     if result.reason:
         lines.append(f"  [dim]{esc(result.reason)}[/]")
     if result.nonfinite_origin:
-        lines.append("  [bold red]NaN/Inf origin[/]: finite inputs, non-finite recorded output")
+        lines.append(f"  [bold red]NaN/Inf origin[/]: {origin_how(result.source)}")
     ended = getattr(result.source, "nonfinite_discarded_by", None)
     if ended is not None and getattr(result.source, "nonfinite_origin", False):
         at = ", ".join(f"#{i}" for i in ended[:3]) + (" ..." if len(ended) > 3 else "")

@@ -127,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json != "-":
         nf = report.nonfinite_entry
         same_entry = entry is not None and nf is not None and nf.nonfinite_input is not None and \
+            nf.nonfinite_input.argument is None and \
             (nf.rank, nf.index, nf.nonfinite_input.position) == (entry.rank, entry.index, entry.position)
         render_replay(report, sys.stdout, entry_said=same_entry)
         note = entry.describe(report.counts()["skipped"]) if entry is not None else \

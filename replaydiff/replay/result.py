@@ -33,13 +33,18 @@ PROBLEMS = (Status.DIVERGENT, Status.NONDETERMINISTIC)
 class NonfiniteInput:
     """An input that already held NaN/Inf when the op read it, and that no replayed op computed: written outside the
     trace (the batch, a parameter, a tensor written outside the dispatcher; ``producer`` None) or by op ``producer``,
-    whose tensor data the recording left out. Where NaN/Inf enter a step that makes none of its own."""
+    whose tensor data the recording left out; or a NaN/Inf number argument (``argument``). Where NaN/Inf enter a step
+    that makes none of its own."""
 
     position: int  # among the op's tensor inputs, as ``replaydiff show --op`` numbers them
     nan: int
     inf: int
     producer: int | None = None
     producer_op: str | None = None
+    # They came in as a number the op was passed ("-inf": masked_fill(mask, -inf)), not in a tensor: ``position`` is
+    # that argument's among the op's positional arguments (-1: a keyword argument), and the counts are of the
+    # NaN/Inf it put in the op's outputs.
+    argument: str | None = None
 
     def counts(self) -> str:
         return nonfinite_counts(self.nan, self.inf)
@@ -64,6 +69,9 @@ class OpResult:
     verdict: Verdict | None = None  # the deciding output's verdict (the worst one when all are within limits)
     reason: str | None = None
     nonfinite_origin: bool = False
+    # The NaN this op made (nonfinite_origin) it made of inputs that hold Inf but no NaN (a softmax over a row of
+    # nothing but -inf, inf - inf), not of finite inputs.
+    nonfinite_from_inf: bool = False
     # NaN/Inf came into the op through this input from outside what replay computed (see NonfiniteInput).
     nonfinite_input: NonfiniteInput | None = None
     # The NaN/Inf this op made (nonfinite_origin) or let in (nonfinite_input) reach no loss, gradient, parameter or
@@ -159,8 +167,9 @@ class ReplayReport:
 
     @property
     def nonfinite_origin(self) -> OpResult | None:
-        """The first op that made NaN/Inf from finite inputs that reach the loss, a gradient, a parameter or an
-        output of the step (made and discarded ones are ``nonfinite_discarded``)."""
+        """The first op that made NaN/Inf from finite inputs, or NaN from inputs holding Inf but no NaN, that reach
+        the loss, a gradient, a parameter or an output of the step (made and discarded ones are
+        ``nonfinite_discarded``)."""
         return next((r for r in self.ops if r.nonfinite_origin and r.nonfinite_discarded_by is None), None)
 
     @property

@@ -192,7 +192,7 @@ class OpReplayer:
             judgement = Judgement(Status.SKIPPED, notes=(Skipped(str(s)),), unjudged=s.unjudged)
         except Exception as exc:  # one failing op never stops the replay
             judgement = Judgement(Status.ERROR, notes=(Failed.of(exc),))
-        origin: tuple[bool, NonfiniteInput | None] = (False, None)
+        origin: tuple[bool, NonfiniteInput | None, bool] = (False, None, False)
         discarded_by: list[int] | None = None
         if outputs_finite is not True:
             try:
@@ -202,6 +202,8 @@ class OpReplayer:
                     # made or let in here: are they used, or selected away (T5's log(0) under a where)?
                     flow = follow_nonfinite(self.trace, op.index, self._nonfinite_slots, self._nonfinite_kept)
                     discarded_by = list(flow.ended_at) if flow.discarded else None
+                    if flow.discarded and origin[1] is not None and origin[1].argument is not None:
+                        origin, discarded_by = (False, None, False), None  # a mask's -inf, meant and ended
             except TraceError:
                 raise
             except Exception:
@@ -209,12 +211,14 @@ class OpReplayer:
         return self._result(op, judgement, *origin, discarded_by), pairs
 
     def _result(self, op: OpRecord, j: Judgement, nonfinite_origin: bool,
-                nonfinite_input: NonfiniteInput | None = None, discarded_by: list[int] | None = None) -> OpResult:
+                nonfinite_input: NonfiniteInput | None = None, from_inf: bool = False,
+                discarded_by: list[int] | None = None) -> OpResult:
         """The one place an op's result is made: from its judgement, the notes written as its reason."""
         return OpResult(rank=self.trace.rank, index=op.index, op=op.name, status=j.status, module=op.module,
                         phase=op.phase, source=op.source, forward_index=op.forward_index, verdict=j.verdict,
                         reason=render(j.notes), nonfinite_origin=nonfinite_origin, nonfinite_input=nonfinite_input,
-                        nonfinite_discarded_by=discarded_by, collective=j.collective,
+                        nonfinite_from_inf=from_inf, nonfinite_discarded_by=discarded_by,
+                        collective=j.collective,
                         repeats_disagree=j.repeats_disagree, data_left_out=op.data_left_out, unjudged=j.unjudged)
 
     def _replay(self, op: OpRecord) -> tuple[Judgement, Pairs, bool | None]:
@@ -572,41 +576,60 @@ class OpReplayer:
         return result
 
     # -- NaN / Inf origin -------------------------------------------------------------------------------------
-    def _nonfinite_origin(self, op: OpRecord, produced: bool = False) -> tuple[bool, NonfiniteInput | None]:
-        """For an op with a non-finite recorded output: (True, None) when its inputs are finite, the op where NaN/Inf
-        entered the step; (False, input) when an input already held NaN/Inf that no replayed op computed (the first
-        such input, see ``_entered_from``): where they came into the step from outside; else (False, None).
+    def _nonfinite_origin(self, op: OpRecord, produced: bool = False) -> tuple[bool, NonfiniteInput | None, bool]:
+        """For an op with a non-finite recorded output: (True, None, False) when its inputs are finite, the op where
+        NaN/Inf entered the step; (True, None, True) when its inputs hold Inf but no NaN and it made NaN of them (a
+        softmax over a row masked whole with -inf, inf - inf): the op where NaN entered the step; (False, input, False)
+        when an input already held NaN/Inf that no replayed op computed (the first such input, see ``_entered_from``),
+        or its inputs are finite and it was passed a NaN/Inf number (``NonfiniteInput.argument``): where they came
+        into the step from outside; else (False, None, False).
 
         ``produced``: the replay saw the op itself produce the non-finite values. Without that, the recorded outputs
         are read, and a position the op left as an empty* op handed it out (its bytes as they were before the op)
         is no value the op produced."""
-        if not produced and not any(self._made_nonfinite(op, r) for r in op.outputs_refs()
-                                    if not r.uninitialised and r.stored and _floating(r.dtype)):
-            return False, None
-        finite = True
+        outputs = [r for r in op.outputs_refs() if not r.uninitialised and r.stored and _floating(r.dtype)]
+        if not produced and not any(self._made_nonfinite(op, r) for r in outputs):
+            return False, None, False
+        finite, nan_in = True, False
         producers: dict[int, int | None] | None = None
         for k, r in enumerate(op.inputs()):
             if not _floating(r.dtype) or r.uninitialised:
                 continue
             if not r.stored:
-                finite = False  # cannot tell what it held: not an origin
+                finite, nan_in = False, True  # cannot tell what it held: not an origin
                 continue
             t = self.trace.tensor(r)
             bad = ~torch.isfinite(t)
             if not bool(bad.any()):
                 continue
             finite = False
+            nan = int(torch.isnan(t).sum())
+            nan_in = nan_in or nan > 0
             producers = self.trace.producers(op.index) if producers is None else producers
             outside, producer = self._entered_from(producers.get(k))
             if outside:
-                nan = int(torch.isnan(t).sum())
                 return False, NonfiniteInput(k, nan, int(bad.sum()) - nan, producer,
-                                             None if producer is None else self.trace[producer].name)
-        if not finite:
-            return False, None
-        # a NaN/Inf passed in as a scalar (masked_fill(-inf) in attention): not an origin
-        return not any(isinstance(x, float) and not math.isfinite(x)
-                       for x in _scalars([op.args, list(op.kwargs.values())])), None
+                                             None if producer is None else self.trace[producer].name), False
+        scalars = [x for x in _scalars([op.args, list(op.kwargs.values())]) if isinstance(x, float)]
+        if finite:
+            # a NaN/Inf passed in as a number (masked_fill(-inf) in attention): not made here but let in, as a
+            # tensor from outside the trace is; said only where the step keeps them
+            arg = next((x for x in scalars if not math.isfinite(x)), None)
+            if arg is None:
+                return True, None, False
+            position = next((k for k, x in enumerate(op.args) if isinstance(x, float) and not math.isfinite(x)), -1)
+            nan = inf = 0
+            for r in outputs:
+                t = self.trace.tensor(r)
+                nan, inf = nan + int(torch.isnan(t).sum()), inf + int(torch.isinf(t).sum())
+            held = NonfiniteInput(position, nan, inf, argument=str(arg))
+            return False, (held if nan or inf else None), False
+        if nan_in or any(math.isnan(x) for x in scalars):
+            return False, None, False
+        # Inf in, NaN out: the NaN are this op's own, whatever made the Inf (a mask's -inf is meant; the NaN of a
+        # softmax over a row of nothing but -inf is not, and its backward reads them from the saved output)
+        made = any(self._made_nonfinite(op, r, nan_only=True) for r in outputs)
+        return made, None, made
 
     def _entered_from(self, producer: int | None) -> tuple[bool, int | None]:
         """Did an input that op ``producer`` made come from outside what replay computes (see ``computed_by``)?
@@ -615,9 +638,11 @@ class OpReplayer:
         p = computed_by(self.trace, producer)
         return (p is None or self.trace[p].data_left_out is not None), p
 
-    def _made_nonfinite(self, op: OpRecord, ref: TensorRef) -> bool:
-        """Does recorded output ``ref`` hold a NaN/Inf other than bytes of uninitialised memory left as they were?"""
-        nonfinite = ~torch.isfinite(self.trace.tensor(ref))
+    def _made_nonfinite(self, op: OpRecord, ref: TensorRef, nan_only: bool = False) -> bool:
+        """Does recorded output ``ref`` hold a NaN/Inf (``nan_only``: a NaN) other than bytes of uninitialised memory
+        left as they were?"""
+        t = self.trace.tensor(ref)
+        nonfinite = torch.isnan(t) if nan_only else ~torch.isfinite(t)
         if not bool(nonfinite.any()):
             return False
         before = _uninitialised_before(op).get(ref.version)

@@ -19,7 +19,7 @@ from replaydiff.causes import finds, finders
 from replaydiff.compare.metrics import FloatError
 from replaydiff.replay.result import OpResult, ReplayReport, Status
 from replaydiff.report.plant import plant_notes
-from replaydiff.report.text import metrics_line, op_line, planted_line
+from replaydiff.report.text import argument_text, metrics_line, op_line, planted_line
 from replaydiff.trace.damage import describe_missing
 from replaydiff.trace.reader import Trace
 from replaydiff.trace.schema import Environment
@@ -143,6 +143,9 @@ def _nonfinite_check(report: ReplayReport) -> Check:
     held = entry.nonfinite_input if entry is not None else None
     if held is None:
         return Check("NaN/Inf origin", f"none{aside}", "none", True)
+    if held.argument is not None:
+        return Check("NaN/Inf origin", f"none made; {held.counts()} enter as {argument_text(held)} of "
+                                       f"#{entry.index} {entry.op}{aside}", "none", False)
     whence = "outside the trace" if held.producer is None else f"op #{held.producer}, not replayed"
     return Check("NaN/Inf origin", f"none made; {held.counts()} enter through input {held.position} of "
                                    f"#{entry.index} {entry.op} (from {whence}){aside}", "none", False)

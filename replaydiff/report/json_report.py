@@ -6,8 +6,8 @@ Top level: ``format``, ``planted`` (faults planted while recording, one line per
 ``dtype``), ``summary``, ``outcome`` (found, not_run, no_effect, within_limit, not_checked, not_replayed) and
 ``note``),
 ``trace``, ``options``, ``warnings``, ``summary`` (count per status), ``first_divergent`` (null or an op object),
-``first_nondeterministic``, ``nonfinite_origin`` (the first op that made NaN/Inf from finite inputs that reach the
-loss, a gradient, a parameter or an output of the step), ``nonfinite_entry`` (null, or, when no op made such NaN/Inf
+``first_nondeterministic``, ``nonfinite_origin`` (the first op that made NaN/Inf from finite inputs, or NaN from
+inputs holding Inf but no NaN, that reach the loss, a gradient, a parameter or an output of the step), ``nonfinite_entry`` (null, or, when no op made such NaN/Inf
 before it, the first op that read NaN/Inf that no replayed op computed and that reach one: its ``nonfinite_input``
 says which input), ``nonfinite_discarded`` (the ops that made or let in NaN/Inf that every op reading them
 selected away: information, never a fault) and ``ops`` (one object per replayed op:
@@ -17,7 +17,10 @@ judged), ``data_left_out`` (only when the recording left the op's tensor data ou
 the op is skipped), ``unjudged`` (only when true: a compiled unit replay could not run, its computation unchecked;
 never clean), ``nonfinite_input`` (only when an input already held NaN/Inf that came from outside the trace
 or from an op whose data was left out: ``position``, ``nan``, ``inf``, ``producer`` (null: outside the trace),
-``producer_op``), ``nonfinite_origin`` (true when it made NaN/Inf from finite inputs), ``nonfinite_discarded_by``
+``producer_op``; or, when they came in as a number argument such as ``masked_fill``'s -inf: ``argument``, its
+value, ``position`` its index among the positional arguments and ``nan``/``inf`` what it put in the outputs),
+``nonfinite_origin`` (true when it made NaN/Inf from finite inputs, or NaN from inputs holding
+Inf but no NaN), ``nonfinite_from_inf`` (only when true: the latter), ``nonfinite_discarded_by``
 (only when the NaN/Inf it made or let in are discarded: the ops that end them), ``reason`` (why it is divergent,
 skipped or, within its limits despite a large error, ok)),
 ``first_divergent_per_rank`` (each rank's earliest divergent op) and ``undecided`` (ranks and op
@@ -65,8 +68,10 @@ def op_json(r: OpResult | None) -> dict | None:
                    "reason": r.reason, **({"repeats_disagree": True} if r.repeats_disagree else {}),
                    **({"data_left_out": r.data_left_out} if r.data_left_out else {}),
                    **({"nonfinite_origin": True} if r.nonfinite_origin else {}),
+                   **({"nonfinite_from_inf": True} if r.nonfinite_from_inf else {}),
                    **({"unjudged": True} if r.unjudged else {}),
-                   **({"nonfinite_input": dataclasses.asdict(r.nonfinite_input)} if r.nonfinite_input else {}),
+                   **({"nonfinite_input": {k: v for k, v in dataclasses.asdict(r.nonfinite_input).items()
+                                           if k != "argument" or v is not None}} if r.nonfinite_input else {}),
                    **({"nonfinite_discarded_by": list(r.nonfinite_discarded_by)}
                       if r.nonfinite_discarded_by is not None else {})})
 
@@ -118,6 +123,7 @@ def load_replay_json(path: str | Path) -> ReplayReport:
                                    repeats_disagree=bool(o.get("repeats_disagree")),
                                    data_left_out=o.get("data_left_out"), unjudged=bool(o.get("unjudged")),
                                    nonfinite_origin=o.get("nonfinite_origin") is True,
+                                   nonfinite_from_inf=o.get("nonfinite_from_inf") is True,
                                    nonfinite_input=NonfiniteInput(**o["nonfinite_input"])
                                    if isinstance(o.get("nonfinite_input"), dict) else None,
                                    nonfinite_discarded_by=[int(i) for i in o["nonfinite_discarded_by"]]

@@ -24,8 +24,14 @@ def record_again(reasons: set[str]) -> str:
 def op_line(r: OpResult) -> str:
     # A backward op's own source line is the backward() call; the forward op's line says which code it is.
     source = r.forward_source if (r.phase == "backward" and r.forward_source) else r.source
-    where = "  ".join(x for x in (r.module or "", f"({r.phase})" if r.phase else "", source or "") if x)
+    where = "  ".join(x for x in (r.module or "no module", f"({r.phase})" if r.phase else "", source or "") if x)
     return f"#{r.index} {r.op}  {where}".rstrip()
+
+
+def origin_how(r: OpResult) -> str:
+    """How an op made the NaN/Inf it is the origin of (``OpResult.nonfinite_origin``)."""
+    return "inputs hold Inf but no NaN, NaN in recorded output" if getattr(r, "nonfinite_from_inf", False) else \
+        "finite inputs, non-finite recorded output"
 
 
 def nonfinite_entry_line(r: OpResult, held: NonfiniteInput, ended: str | None = None) -> str:
@@ -37,9 +43,18 @@ def nonfinite_entry_line(r: OpResult, held: NonfiniteInput, ended: str | None = 
     source = r.forward_source if (r.phase == "backward" and r.forward_source) else r.source
     kinds = "NaN and Inf" if held.nan and held.inf else "NaN" if held.nan else "Inf"
     fate = f": {ended}" if ended is not None else ""
+    if held.argument is not None:
+        return f"{kinds} enter the step as a number passed to an op: {argument_text(held)} of op #{r.index} {r.op} " \
+               f"({where}) puts {held.counts()} in its output{fate}" + (f"  {source}" if source else "")
     return f"{kinds} enter the step {whence}{' and are discarded' if ended is not None else ''}: input " \
            f"{held.position} of op #{r.index} {r.op} ({where}) already holds {held.counts()}{fate}" + \
            (f"  {source}" if source else "")
+
+
+def argument_text(held: NonfiniteInput) -> str:
+    """'argument 2 (-inf)': the number argument NaN/Inf came in as (``NonfiniteInput.argument``)."""
+    return f"argument {held.position} ({held.argument})" if held.position >= 0 else \
+        f"a keyword argument ({held.argument})"
 
 
 _NEVER_KEPT = "so they reach no loss, gradient, parameter or output of the step (information, not a fault)"
@@ -200,7 +215,7 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
         out.write(f"nondeterministic: {n} op(s), first {op_line(nd)}\n")
     origin = report.nonfinite_origin
     if origin is not None:
-        out.write(f"NaN/Inf origin: {op_line(origin)} (finite inputs, non-finite recorded output)\n")
+        out.write(f"NaN/Inf origin: {op_line(origin)} ({origin_how(origin)})\n")
     entry = report.nonfinite_entry
     if entry is not None and entry.nonfinite_input is not None and not entry_said:  # they came in with an input
         out.write(nonfinite_entry_line(entry, entry.nonfinite_input) + "\n")
