@@ -1,0 +1,102 @@
+"""A trace whose recording stopped part-way (the script raised or was interrupted mid-step) is partial: replay says
+which rank, where it stops and why, and never calls it clean (exit 3); the health report's "recording complete" row
+FAILs; diff says the side stopped and never exits 0 on it; and a report with any FAIL row exits non-zero."""
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import replaydiff
+
+from test_cli_record_show import child_env  # noqa: F401  (the environment record's child runs in)
+
+# Three optimizer steps; at step 2, after the first layer's forward, the script ends: by an exception (a crash) or by
+# a real SIGINT it sends itself (Ctrl-C, as a terminal delivers it).
+SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(1, 4):
+        h = model[0](torch.randn(8, 4))
+        if step == 2 and sys.argv[1] == "crash":
+            raise RuntimeError("boom mid-step")
+        if step == 2 and sys.argv[1] == "ctrl-c":
+            os.kill(os.getpid(), signal.SIGINT)
+        loss = model[2](model[1](h)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+""")
+
+
+def _record(cli, tmp_path: Path, how: str, *flags: str) -> Path:
+    (tmp_path / "train.py").write_text(SCRIPT)
+    out = tmp_path / f"t-{how}"
+    proc = cli("record", *flags, "-o", out, "--", sys.executable, "train.py", how, cwd=tmp_path)
+    assert proc.returncode != 0 or how == "whole", proc.stderr
+    return out
+
+
+@pytest.fixture
+def cli(cli_here, monkeypatch):
+    import os
+
+    env = child_env()
+    for name in set(os.environ) - set(env):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PATH", env["PATH"])
+    return cli_here
+
+
+@pytest.mark.parametrize("how, why", [("crash", "step 2 was cut short by the script's exception (RuntimeError: "
+                                                "boom mid-step)"),
+                                      ("ctrl-c", "step 2 was cut short: the script was interrupted "
+                                                 "(KeyboardInterrupt)")])
+def test_replay_of_a_recording_stopped_mid_step_is_partial_not_clean(cli, tmp_path, how, why):
+    trace = _record(cli, tmp_path, how, "--steps", "1-3")
+    rt = replaydiff.open_trace(trace).rank(0)
+    assert rt.stopped == why
+    last = rt.last_index
+    assert rt[last].step == 2  # the trace holds step 1 whole and step 2 up to where the script ended
+
+    proc = cli("replay", trace, "--json", tmp_path / "r.json")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "no divergent op: every replayed op matches" not in proc.stdout
+    assert f"  rank 0's recording stopped part-way after op #{last}: {why}\n" in proc.stdout
+    assert f"not clean: the trace is partial: the recording stopped part-way (rank 0's after op #{last}; why " \
+           f"above)" in proc.stdout
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["cut_short"] == [{"rank": 0, "last": last, "why": why}]
+
+    proc = cli("report", trace, "--replay", tmp_path / "r.json", "--no-probe")
+    assert proc.returncode == 3, proc.stderr
+    row = next(x for x in proc.stdout.splitlines() if x.startswith("| recording complete |"))
+    assert row == f"| recording complete | rank 0's recording stopped part-way after op #{last}: {why} | complete " \
+                  f"| FAIL |"
+
+
+def test_a_whole_recording_is_not_partial(cli, tmp_path):
+    trace = _record(cli, tmp_path, "whole", "--steps", "1-3")
+    assert replaydiff.open_trace(trace).rank(0).cut_short is None
+    proc = cli("replay", trace)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "partial" not in proc.stdout
+
+
+def test_a_block_of_the_python_api_that_raises_leaves_a_partial_trace(tmp_path):
+    import torch
+
+    lin = torch.nn.Linear(4, 2)
+    with pytest.raises(ValueError):
+        with replaydiff.record(tmp_path / "t"):
+            y = lin(torch.randn(3, 4))
+            raise ValueError("the script's own error")
+    cut = replaydiff.open_trace(tmp_path / "t").rank(0).cut_short
+    assert cut is not None and cut.why == "the recorded block raised ValueError: the script's own error"
+    assert y.shape == (3, 2)
