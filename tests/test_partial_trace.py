@@ -100,3 +100,64 @@ def test_a_block_of_the_python_api_that_raises_leaves_a_partial_trace(tmp_path):
     cut = replaydiff.open_trace(tmp_path / "t").rank(0).cut_short
     assert cut is not None and cut.why == "the recorded block raised ValueError: the script's own error"
     assert y.shape == (3, 2)
+
+
+def test_diff_against_a_trace_stopped_mid_step_says_so_and_is_not_clean(cli, tmp_path):
+    whole = _record(cli, tmp_path, "whole", "--step", "2")
+    crash = _record(cli, tmp_path, "crash", "--step", "2")
+    last = replaydiff.open_trace(crash).rank(0).last_index
+    proc = cli("diff", whole, crash, "--json", tmp_path / "d.json")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "no difference: every compared op pair agrees" not in proc.stdout
+    assert "  no difference among the ops both traces hold; not clean: a trace is partial (below)\n" in proc.stdout
+    assert f"not clean: the target trace is partial: rank 0's recording stopped part-way after op #{last}: step 2 " \
+           f"was cut short by the script's exception (RuntimeError: boom mid-step); what came after was never " \
+           f"recorded, so not compared\n" in proc.stdout
+    doc = json.loads((tmp_path / "d.json").read_text())
+    assert doc["cut_short"] == [{"side": "target", "rank": 0, "last": last, "why": "step 2 was cut short by the "
+                                 "script's exception (RuntimeError: boom mid-step)"}]
+    assert cli("diff", whole, whole).returncode == 0  # a whole trace against itself agrees
+
+
+# A replicated forward on every rank (no collective needed to map it onto one process); with "stop" the recorded
+# block then raises, on every rank, as a crash mid-step would: the ops both hold are the same.
+PARALLEL = textwrap.dedent("""
+    import os, sys
+    import torch
+    import torch.distributed as dist
+    import replaydiff
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    x = torch.randn(8, 6)
+    try:
+        with replaydiff.record(sys.argv[1]):
+            loss = model(x).square().mean()
+            if sys.argv[2] == "stop":
+                raise RuntimeError("crashed mid-step")
+    except RuntimeError:
+        pass
+    if dist.is_initialized():
+        dist.destroy_process_group()
+""")
+
+
+@pytest.mark.slow
+def test_parallel_diff_against_a_trace_stopped_mid_step_says_so_and_is_not_clean(cli, tmp_path):
+    import subprocess
+
+    (tmp_path / "p.py").write_text(PARALLEL)
+    subprocess.run([sys.executable, "p.py", "single", "whole"], cwd=tmp_path, check=True, env=child_env(),
+                   timeout=120)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "p.py",
+                    "multi", "stop"], cwd=tmp_path, check=True, env=child_env(), capture_output=True, timeout=180)
+    multi = replaydiff.open_trace(tmp_path / "multi")
+    assert [c.rank for c in multi.cut_short] == [0, 1]
+    proc = cli("diff", tmp_path / "single", tmp_path / "multi", "--json", tmp_path / "d.json")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "ranks against one process" in proc.stdout  # the parallel diff, not rank by rank
+    assert "agree: every compared op maps" not in proc.stdout
+    for c in multi.cut_short:
+        assert f"not clean: the target trace is partial: {c.describe()}" in proc.stdout
+    assert [d["rank"] for d in json.loads((tmp_path / "d.json").read_text())["cut_short"]] == [0, 1]
