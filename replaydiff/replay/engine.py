@@ -28,6 +28,7 @@ from replaydiff.replay.policy import ReplayOptions, reference_settings
 from replaydiff.replay.result import OpResult, ReplayReport, Status
 from replaydiff.replay.runner import OpReplayer
 from replaydiff.trace.damage import CutShort, MissingOps
+from replaydiff.trace.sync import calls_unknown_from
 from replaydiff.trace.reader import RankTrace, Trace, open_trace
 from replaydiff.trace.schema import PlantedFaultInfo
 from replaydiff.trace.sync import earliest
@@ -195,6 +196,12 @@ def plan(trace: Trace, opts: ReplayOptions) -> ReplayPlan:
                                        and (opts.first is None or i >= opts.first)
                                        and (opts.last is None or i <= opts.last)
                                        and not any(m.first <= i <= m.last for m in gone))))
+    for r in trace.ranks:
+        # a rank not replayed (--ranks) whose missing ops held collectives: the replayed ranks' calls of its groups
+        # cannot be checked against it, so the replay is not clean either
+        rt = trace.rank(r)
+        if r not in ranks and calls_unknown_from(rt) is not None:
+            p.missing += rt.missing_ops
     check_ops_selected(trace, opts, p.shards)
     return p
 
