@@ -161,3 +161,39 @@ def test_parallel_diff_against_a_trace_stopped_mid_step_says_so_and_is_not_clean
     for c in multi.cut_short:
         assert f"not clean: the target trace is partial: {c.describe()}" in proc.stdout
     assert [d["rank"] for d in json.loads((tmp_path / "d.json").read_text())["cut_short"]] == [0, 1]
+
+
+NAN = textwrap.dedent("""
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(1, 4):
+        loss = torch.log(torch.relu(model(torch.randn(8, 4)))).mean()  # log(0) = -inf reaches the loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+""")
+
+
+def _fail_rows(markdown: str) -> list[str]:
+    return [x for x in markdown.splitlines() if x.startswith("| ") and x.endswith(" | FAIL |")]
+
+
+def test_report_exits_1_when_a_check_fails_though_the_replay_found_no_divergent_op(cli, tmp_path):
+    # steps 2-5 of a 3-step script: steps 2 and 3 whole, the recording ended before step 5 (a lost line, no stop)
+    trace = _record(cli, tmp_path, "whole", "--steps", "2-5")
+    assert replaydiff.open_trace(trace).rank(0).cut_short is None
+    assert cli("replay", trace, "--json", tmp_path / "r.json").returncode == 0
+    proc = cli("report", trace, "--replay", tmp_path / "r.json", "--no-probe")
+    assert _fail_rows(proc.stdout) == ["| data lost while recording | 1 | 0 | FAIL |"]
+    assert proc.returncode == 1, proc.stdout
+
+    (tmp_path / "nan.py").write_text(NAN)
+    assert cli("record", "-o", tmp_path / "n", "--", sys.executable, "nan.py", cwd=tmp_path).returncode == 0
+    assert cli("replay", tmp_path / "n", "--json", tmp_path / "n.json").returncode == 0
+    proc = cli("report", tmp_path / "n", "--replay", tmp_path / "n.json", "--no-probe")
+    origin = next(op.index for op in replaydiff.open_trace(tmp_path / "n").rank(0) if op.name == "aten.log.default")
+    fails = _fail_rows(proc.stdout)
+    assert len(fails) == 1 and fails[0].startswith(f"| NaN/Inf origin | #{origin} aten.log.default"), fails
+    assert proc.returncode == 1, proc.stdout
