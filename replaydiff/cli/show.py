@@ -403,7 +403,11 @@ def render_list(idx: TraceIndex, rows: list[int], out: TextIO, gone: dict[int, M
     w_mod = max(len(modules[k] or "-") for k in ks)
     w_phase = max(len(phases[k] or "-") for k in ks)
     gone = gone or {}
+
+    def last(k: int) -> str:
+        if lo + k in gone:
+            return _missing_cell(gone[lo + k])
+        return (outputs[k] or "-") if recorded[k] else "not recorded"
+
     out.writelines(f"{lo + k:>{w_num}}  {names[k]:<{w_name}}  {modules[k] or '-':<{w_mod}}  "
-                   f"{phases[k] or '-':<{w_phase}}  "
-                   f"{_missing_cell(gone[lo + k]) if lo + k in gone else (outputs[k] or '-') if recorded[k] else 'not recorded'}\n"
-                   for k in ks)
+                   f"{phases[k] or '-':<{w_phase}}  {last(k)}\n" for k in ks)

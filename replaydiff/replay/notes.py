@@ -14,8 +14,9 @@ from replaydiff.compare.verdict import Verdict
 from replaydiff.replay.result import Status
 
 __all__ = ["CheckFailed", "ChunksDiffer", "CollectiveDiffers", "CollectiveOk", "Failed", "FellBack", "Judgement",
-           "LeftOut", "MissedCall", "Note", "RanksMissing", "RecordsMissing", "ReplayFact", "RepeatsDisagree", "Skipped",
-           "TraceEndsBefore", "UnitDivergent", "UnitDraws", "UnitWithin", "VerdictReason", "render", "verdict_reason"]
+           "LeftOut", "MissedCall", "Note", "RanksMissing", "RecordsMissing", "ReplayFact", "RepeatsDisagree",
+           "Skipped", "TraceEndsBefore", "UnitDivergent", "UnitDraws", "UnitWithin", "VerdictReason", "render",
+           "verdict_reason"]
 
 
 class ReplayFact(Fact, Enum):

@@ -246,7 +246,6 @@ class ReplayReport:
         recording left out for its budget or a full disk (never judged either), one skipped though it computed
         something (a compiled unit without a replayable graph), ops missing from a damaged trace, a recording that
         stopped part-way (a partial trace), or no op judged at all."""
-        return self.nothing_judged or bool(self.missing) or bool(self.cut_short) or any(r.status in PROBLEMS or r.status is Status.ERROR or
-                                                                 r.unjudged or
-                   r.data_left_out in (LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL) for r in self.ops) \
-            or self.replicas is not None
+        return self.nothing_judged or bool(self.missing or self.cut_short) or self.replicas is not None or any(
+            r.status in PROBLEMS or r.status is Status.ERROR or r.unjudged or
+            r.data_left_out in (LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL) for r in self.ops)
