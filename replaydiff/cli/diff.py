@@ -3,7 +3,8 @@ whose outputs do not.
 
 REF and TARGET may differ in length and order (extra casts, other kernels, autocast on one side, foreach against
 for-loop optimizers, another world size); unaligned ops are listed as structural differences. Exit code 0 when the
-runs agree, 1 when they part ways, 2 for a usage error, 3 for an unreadable trace.
+runs agree, 1 when they part ways, 2 for a usage error, 3 for an unreadable trace, and for a partial one (a side whose
+recording stopped part-way: said where and why) where the ops both hold agree.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import argparse
 import sys
 
 from replaydiff.cli.tolerance_args import add_tolerance_args, tolerances_from_args
-from replaydiff.errors import EXIT_DIVERGENT, EXIT_OK, UsageError
+from replaydiff.errors import EXIT_DIVERGENT, EXIT_OK, EXIT_TRACE, UsageError
 
 NAME = "diff"
 HELP = "diff two traces of a step and name the op where the runs part ways"
@@ -52,4 +53,6 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.json, diff_to_json(report))
     if args.json != "-":
         render_diff(report, sys.stdout)
-    return EXIT_DIVERGENT if report.found_difference else EXIT_OK
+    if report.found_difference:
+        return EXIT_DIVERGENT
+    return EXIT_TRACE if report.cut_short else EXIT_OK  # a partial trace is never said to agree

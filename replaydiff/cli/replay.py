@@ -3,7 +3,8 @@
 Exit code 0 when nothing diverged, 1 when something did (or was nondeterministic), 2 for a usage error (a trace
 recorded with --tensors stats or meta, which holds no data to replay; a --from/--to range or --ops glob with no op
 in it; a --json FILE that cannot be written; a rank the trace does not hold), 3 for an unreadable trace (and for a
-damaged one whose ops that are there show no divergence: the missing ops are listed), 4 when the device is missing.
+damaged one whose ops that are there show no divergence: the missing ops are listed, and for a partial one, whose
+recording stopped part-way: where and why are said), 4 when the device is missing.
 """
 from __future__ import annotations
 
@@ -134,6 +135,6 @@ def run(args: argparse.Namespace) -> int:
             one_step_note(args.trace, report, opts) or no_entry_note(args.trace, report, opts)
         if note is not None:
             sys.stdout.write(note + "\n")
-    if report.missing and report.first_divergent is None:
-        return EXIT_TRACE  # judged what was there; the rest of the trace is gone (listed in the report)
+    if (report.missing or report.cut_short) and report.first_divergent is None:
+        return EXIT_TRACE  # judged what was there; the rest of the trace is gone or never recorded (listed)
     return EXIT_DIVERGENT if report.found_problem else EXIT_OK

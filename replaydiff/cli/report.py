@@ -4,9 +4,10 @@ A table of checks (what, measured, limit, pass or fail), the culprit with its mo
 ops with the largest error over their limit, the error per module, the environment, and likely causes with remedies,
 each shown with its evidence from the trace (a cause without evidence is not listed). Markdown on stdout without -o;
 ``-o FILE.html`` writes one self-contained HTML file with an SVG plot of the error along the op sequence. An existing
-file is never overwritten without --force. Exit code 1 when the replay found a problem, else 0; 2 when RESULT.json is a
-replay of another trace (one that exists at the path it names); 3 when ops are missing from the trace (a file deleted
-or cut short since it was written) and the replay named no divergent op.
+file is never overwritten without --force. Exit code 1 when any check FAILs (the replay found a problem), else 0; 2
+when RESULT.json is a replay of another trace (one that exists at the path it names); 3 when ops are missing from the
+trace (a file deleted or cut short since it was written) or its recording stopped part-way, and the replay named no
+divergent op.
 """
 from __future__ import annotations
 
@@ -58,6 +59,6 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"replaydiff: wrote {args.out}\n")
     else:
         sys.stdout.write(buf.getvalue())
-    if trace.missing_ops and not report.first_divergent:
-        return EXIT_TRACE  # a damaged trace is never reported healthy (its check says which ops are missing)
-    return EXIT_DIVERGENT if report.found_problem else EXIT_OK
+    if (trace.missing_ops or trace.cut_short or report.cut_short) and not report.first_divergent:
+        return EXIT_TRACE  # a damaged or partial trace is never reported healthy (its check says what and where)
+    return EXIT_DIVERGENT if report.found_problem or health.failed else EXIT_OK

@@ -13,6 +13,7 @@ from replaydiff.aten import matches_any
 from replaydiff.errors import EXIT_OK, EXIT_TRACE, UsageError
 from replaydiff.replay.engine import check_op_range
 from replaydiff.trace import OpRecord, RankTrace, TensorRef, TraceIndex, describe_missing, open_trace
+from replaydiff.trace.damage import MissingOps
 from replaydiff.trace.reader import Trace
 from replaydiff.trace.schema import LEFT_OUT_BUDGET, PHASES, Environment
 from replaydiff.trace.sync import GroupArrival, RankProgress, arrivals, progress
@@ -365,20 +366,32 @@ def run_list(trace: Trace, args: argparse.Namespace) -> int:
         sys.stderr.write(f"replaydiff: listing rank {r.rank} of ranks {trace.ranks} (--rank R for another)\n")
     idx = r.index
     rows = list_rows(idx, args.op, args.module, args.phase, args.first, args.last)
+    gone = {i: m for m in r.missing_ops for i in range(m.first, m.last + 1)}  # ops whose records are gone
     if args.json:
         doc = {"format": OP_LIST_FORMAT, "trace": args.trace, "rank": r.rank,
                "ops": [{"index": i, "op": idx.name[i], "module": idx.module[i], "phase": idx.phase[i],
-                        "output": idx.output[i], "recorded": idx.recorded[i]} for i in rows]}
+                        "output": idx.output[i], "recorded": idx.recorded[i],
+                        "missing": _missing_cell(gone[i]) if i in gone else None} for i in rows]}
         sys.stdout.write(json.dumps(doc) + "\n")  # compact: a list can hold 100,000 ops
     else:
-        render_list(idx, rows, sys.stdout)
+        render_list(idx, rows, sys.stdout, gone)
     if not rows:
         sys.stderr.write(f"replaydiff: no op of rank {r.rank} passes these filters\n")
+    if r.missing_ops:  # a damaged trace is never listed as whole
+        for line in describe_missing(r.missing_ops):
+            sys.stderr.write(f"replaydiff: rank {r.rank} is damaged: {line}\n")
+        return EXIT_TRACE
     return 0
 
 
-def render_list(idx: TraceIndex, rows: list[int], out: TextIO) -> None:
-    """Columns: number, op, module ('-': none), phase, first output ('not recorded' for an op a filter left out)."""
+def _missing_cell(m: MissingOps) -> str:
+    """The last column of a missing op's row: 'missing: ops file F (deleted or never copied)'."""
+    return f"missing: ops file {m.path} ({m.problem})" if m.file_known else f"missing: {m.problem}"
+
+
+def render_list(idx: TraceIndex, rows: list[int], out: TextIO, gone: dict[int, MissingOps] | None = None) -> None:
+    """Columns: number, op, module ('-': none), phase, first output ('not recorded' for an op a filter left out;
+    'missing: ops file F' for an op whose record is gone from a damaged trace, ``gone``)."""
     if not rows:
         return
     lo, hi = rows[0], rows[-1] + 1
@@ -389,6 +402,12 @@ def render_list(idx: TraceIndex, rows: list[int], out: TextIO) -> None:
     w_name = max(len(names[k]) for k in ks)
     w_mod = max(len(modules[k] or "-") for k in ks)
     w_phase = max(len(phases[k] or "-") for k in ks)
+    gone = gone or {}
+
+    def last(k: int) -> str:
+        if lo + k in gone:
+            return _missing_cell(gone[lo + k])
+        return (outputs[k] or "-") if recorded[k] else "not recorded"
+
     out.writelines(f"{lo + k:>{w_num}}  {names[k]:<{w_name}}  {modules[k] or '-':<{w_mod}}  "
-                   f"{phases[k] or '-':<{w_phase}}  {(outputs[k] or '-') if recorded[k] else 'not recorded'}\n"
-                   for k in ks)
+                   f"{phases[k] or '-':<{w_phase}}  {last(k)}\n" for k in ks)

@@ -392,6 +392,8 @@ def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: D
                 report.warnings.append(f"{said} only in {t.path}: not compared")
     first_ref, first_target = rt.rank(pairs[0][0]), tt.rank(pairs[0][1])
     report.environment = environment_diff(first_ref.environment, first_target.environment)
+    # a side whose recording stopped part-way: said whichever way the traces are compared
+    report.cut_short = [(side, c) for side, t in (("reference", rt), ("target", tt)) for c in t.cut_short]
     if opts.rank is None and bt is None and \
             is_parallel_pair(_world_size(rt), rt.ranks, _world_size(tt), tt.ranks):
         # every rank at once, mapped onto the single process through the layout of each value
@@ -403,9 +405,6 @@ def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: D
     _say_planted(report, rt, tt)
     for side, t in (("reference", rt), ("target", tt)):
         for r in t:
-            if r.truncated_after is not None:
-                report.warnings.append(f"{side} rank {r.rank}: recording never finished; the trace stops after "
-                                       f"op #{r.truncated_after}")
             if r.options.tensors == "meta":
                 report.warnings.append(f"{side} rank {r.rank} was recorded with tensors=meta: only shapes can be "
                                        f"compared")

@@ -15,6 +15,7 @@ from typing import Any
 
 from replaydiff.compare.verdict import Verdict
 from replaydiff.diff.environment import EnvDifference
+from replaydiff.trace.damage import CutShort
 
 
 class PairStatus(str, Enum):
@@ -388,6 +389,9 @@ class DiffReport:
     # A parallel run against the single process: its ranks mapped onto it op by op (diff/parallel.py), in place
     # of rank-by-rank pairs.
     parallel: Any = None
+    # Sides whose recording stopped part-way ("reference" or "target", and where: RankTrace.cut_short): what came after
+    # was never recorded, so never compared, and the diff is never clean.
+    cut_short: list[tuple[str, CutShort]] = field(default_factory=list)
 
     def candidates(self) -> list[tuple[RankDiff, PairResult]]:
         """One first divergence per rank pair, earliest (by reference op number) first."""

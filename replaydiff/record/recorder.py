@@ -317,7 +317,11 @@ class Recorder:
     def __enter__(self) -> "Recorder":
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, typ: Any, value: Any, tb: Any) -> None:
+        if value is not None and (self.active or self.paused):
+            # the recorded block ended by an exception: what it would have run after it was never recorded
+            self.cut_short("the recorded block was interrupted (KeyboardInterrupt)" if isinstance(
+                value, KeyboardInterrupt) else f"the recorded block raised {type(value).__name__}: {value}")
         self.stop()
 
     # -- called by the mode -----------------------------------------------------------------------------------

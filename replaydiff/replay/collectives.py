@@ -20,12 +20,14 @@ from replaydiff import aten
 from replaydiff.compare.tolerance import Tolerances
 from replaydiff.compare.verdict import Verdict, judge
 from replaydiff.replay.notes import (CheckFailed, ChunksDiffer, CollectiveDiffers, CollectiveOk, Judgement, MissedCall,
-                                     RanksMissing, ReplayFact, Skipped, TraceEndsBefore, render)
+                                     RanksMissing, RecordsMissing, ReplayFact, Skipped, TraceEndsBefore,
+                                     render)
 from replaydiff.replay.policy import ReplayOptions
 from replaydiff.replay.result import OpResult, Status
+from replaydiff.trace.damage import MissingOps
 from replaydiff.trace.reader import RankTrace, Trace
 from replaydiff.trace.schema import OpRecord, TensorRef, iter_refs
-from replaydiff.trace.sync import group_calls
+from replaydiff.trace.sync import calls_unknown_from, group_calls
 
 
 class NotChecked(Exception):
@@ -301,13 +303,27 @@ class CollectiveChecker:
     def judgements(self, results: dict[tuple[int, int], OpResult]) -> dict[tuple[int, int], Judgement]:
         """The cross-rank judgement of each collective in ``results`` (keyed by (rank, op number))."""
         calls = {r: self.calls(self.trace.rank(r)) for r in self.trace.ranks}
+        gaps = {r: g for r in self.trace.ranks if (g := calls_unknown_from(self.trace.rank(r))) is not None}
         found = {}
         for rank, groups in calls.items():
             for key, ops in groups.items():
                 for k, op in enumerate(ops):
                     if (rank, op.index) in results:
-                        found[(rank, op.index)] = self._judge_call(calls, rank, key, k, op)
+                        found[(rank, op.index)] = self._unknown_call(calls, gaps, key, k) or \
+                            self._judge_call(calls, rank, key, k, op)
         return found
+
+    @staticmethod
+    def _unknown_call(calls: dict[int, dict[tuple, list[OpRecord]]], gaps: dict[int, MissingOps], key: tuple,
+                      k: int) -> Judgement | None:
+        """Not checked when, on some rank of the group, call ``k`` lies past collectives whose records are missing:
+        which of its calls is the k-th is unknown there."""
+        gone = []
+        for g in key[1] or ():
+            gap = gaps.get(g)
+            if gap is not None and k >= sum(op.index < gap.first for op in calls.get(g, {}).get(key, [])):
+                gone.append(gap.describe(with_rank=True))
+        return Judgement(Status.SKIPPED, notes=(RecordsMissing(tuple(gone)),)) if gone else None
 
     def _judge_call(self, calls: dict[int, dict[tuple, list[OpRecord]]], rank: int, key: tuple, k: int,
                     op: OpRecord) -> Judgement:

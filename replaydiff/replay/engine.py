@@ -27,7 +27,8 @@ from replaydiff.replay.replicas import first_replica_break
 from replaydiff.replay.policy import ReplayOptions, reference_settings
 from replaydiff.replay.result import OpResult, ReplayReport, Status
 from replaydiff.replay.runner import OpReplayer
-from replaydiff.trace.damage import MissingOps
+from replaydiff.trace.damage import CutShort, MissingOps
+from replaydiff.trace.sync import calls_unknown_from
 from replaydiff.trace.reader import RankTrace, Trace, open_trace
 from replaydiff.trace.schema import PlantedFaultInfo
 from replaydiff.trace.sync import earliest
@@ -99,6 +100,8 @@ class ReplayPlan:
     plants: list[PlantedFaultInfo] = field(default_factory=list)
     # Ops asked for whose records are gone (an ops file deleted or cut short): never judged, never clean.
     missing: list[MissingOps] = field(default_factory=list)
+    # Ranks whose recording ended before what it was asked for: the trace is partial, never clean.
+    cut_short: list[CutShort] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -173,6 +176,8 @@ def plan(trace: Trace, opts: ReplayOptions) -> ReplayPlan:
         if rt.truncated_after is not None:
             p.warnings.append(f"rank {r}: the recording did not finish (truncated after op {rt.truncated_after}); "
                               f"replaying the complete prefix")
+        if rt.cut_short is not None:
+            p.cut_short.append(rt.cut_short)
         planted = rt.planted
         if planted is not None:
             p.planted.append(planted.describe())
@@ -191,6 +196,12 @@ def plan(trace: Trace, opts: ReplayOptions) -> ReplayPlan:
                                        and (opts.first is None or i >= opts.first)
                                        and (opts.last is None or i <= opts.last)
                                        and not any(m.first <= i <= m.last for m in gone))))
+    for r in trace.ranks:
+        # a rank not replayed (--ranks) whose missing ops held collectives: the replayed ranks' calls of its groups
+        # cannot be checked against it, so the replay is not clean either
+        rt = trace.rank(r)
+        if r not in ranks and calls_unknown_from(rt) is not None:
+            p.missing += rt.missing_ops
     check_ops_selected(trace, opts, p.shards)
     return p
 
@@ -247,7 +258,8 @@ def run_shard(rt: RankTrace, opts: ReplayOptions, shard: Shard, progress: Progre
 
 def finish(trace: Trace, p: ReplayPlan, results: list[OpResult]) -> ReplayReport:
     report = ReplayReport(trace=p.path, options=p.options.as_dict(), warnings=list(p.warnings),
-                          planted=list(p.planted), plants=list(p.plants), missing=list(p.missing))
+                          planted=list(p.planted), plants=list(p.plants), missing=list(p.missing),
+                          cut_short=list(p.cut_short))
     report.ops = sorted(results, key=lambda r: (r.rank, r.index))
     pending = {(r.rank, r.index): r for r in report.ops if r.collective and r.status is Status.SKIPPED}
     if pending:

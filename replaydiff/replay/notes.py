@@ -14,8 +14,9 @@ from replaydiff.compare.verdict import Verdict
 from replaydiff.replay.result import Status
 
 __all__ = ["CheckFailed", "ChunksDiffer", "CollectiveDiffers", "CollectiveOk", "Failed", "FellBack", "Judgement",
-           "LeftOut", "MissedCall", "Note", "RanksMissing", "ReplayFact", "RepeatsDisagree", "Skipped",
-           "TraceEndsBefore", "UnitDivergent", "UnitDraws", "UnitWithin", "VerdictReason", "render", "verdict_reason"]
+           "LeftOut", "MissedCall", "Note", "RanksMissing", "RecordsMissing", "ReplayFact", "RepeatsDisagree",
+           "Skipped", "TraceEndsBefore", "UnitDivergent", "UnitDraws", "UnitWithin", "VerdictReason", "render",
+           "verdict_reason"]
 
 
 class ReplayFact(Fact, Enum):
@@ -159,6 +160,17 @@ class TraceEndsBefore(Note):
 
     def text(self) -> str:
         return f"collective: the trace of rank(s) {list(self.ranks)} ends before call {self.call} of this group"
+
+
+@dataclass(frozen=True)
+class RecordsMissing(Note):
+    """A damaged trace: collectives of these ranks are missing from some op on, so which call is which is unknown."""
+
+    missing: tuple[str, ...]  # per rank: which ops are missing, and their file
+
+    def text(self) -> str:
+        return f"collective: not checked: records of collectives of its group are missing " \
+               f"({'; '.join(self.missing)}), so which call on each rank is this one is unknown"
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from enum import Enum
 from typing import Any
 
 from replaydiff.compare.verdict import Verdict
-from replaydiff.trace.damage import MissingOps
+from replaydiff.trace.damage import CutShort, MissingOps
 from replaydiff.trace.schema import LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_WHY, PlantedFaultInfo
 from replaydiff.trace.op_runs import op_runs
 
@@ -136,6 +136,9 @@ class ReplayReport:
     # Ops this replay was asked for whose records are gone from the trace (RankTrace.missing_ops): never judged,
     # so the replay is never clean; the earliest divergent op among the others may not be the culprit.
     missing: list[MissingOps] = field(default_factory=list)
+    # Ranks whose recording ended before what it was asked for (RankTrace.cut_short): the trace is partial (what came
+    # after was never recorded, the culprit may be there), so the replay is never clean.
+    cut_short: list[CutShort] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         c = {s.value: 0 for s in Status}
@@ -250,9 +253,8 @@ class ReplayReport:
         """Not clean (exit 1): an op divergent or nondeterministic, replicas that part, an op that could not be
         replayed (its result was never judged; the health report fails its check too), one whose data the
         recording left out for its budget or a full disk (never judged either), one skipped though it computed
-        something (a compiled unit without a replayable graph), ops missing from a damaged trace, or no op judged
-        at all."""
-        return self.nothing_judged or bool(self.missing) or any(r.status in PROBLEMS or r.status is Status.ERROR or
-                                                                 r.unjudged or
-                   r.data_left_out in (LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL) for r in self.ops) \
-            or self.replicas is not None
+        something (a compiled unit without a replayable graph), ops missing from a damaged trace, a recording that
+        stopped part-way (a partial trace), or no op judged at all."""
+        return self.nothing_judged or bool(self.missing or self.cut_short) or self.replicas is not None or any(
+            r.status in PROBLEMS or r.status is Status.ERROR or r.unjudged or
+            r.data_left_out in (LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL) for r in self.ops)

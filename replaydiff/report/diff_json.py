@@ -5,7 +5,8 @@ trace, ..."; empty for real traces), ``ref``, ``target``, ``baseline``, ``step_i
 rank pair whose step began from inputs that already differed: ``compared``, ``differ``, ``first`` and
 ``differing``), ``options``,
 ``steps`` (null, or the line saying which steps are compared when the traces hold different steps),
-``warnings``, ``environment`` (one object per
+``warnings``, ``cut_short`` (sides whose recording stopped part-way, so the trace is partial: ``side``
+("reference" or "target"), ``rank``, ``last`` (the last op that reads back), ``why``), ``environment`` (one object per
 difference: ``key``, ``ref``, ``target``, ``hint``), ``summary`` (pair counts per status, ops on one side only),
 ``first_divergent`` (null or a pair: the earliest over ranks), ``ranks`` (per rank pair: ``ref_rank``,
 ``target_rank``, ``evidence``, ``step_inputs``, ``summary``, ``first_divergent``, ``first_difference``, ``units``:
@@ -60,6 +61,7 @@ def diff_to_json(report: DiffReport) -> dict:
         "options": _clean(report.options),
         "steps": report.steps,
         "warnings": list(report.warnings),
+        "cut_short": [{"side": side, **c.to_json()} for side, c in report.cut_short],
         "environment": [_clean(d.to_json()) for d in report.environment],
         "summary": report.counts(),
         "first_divergent": None if first is None else pair_json(*first),

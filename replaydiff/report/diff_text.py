@@ -76,7 +76,7 @@ def unit_pair_lines(u: UnitPair) -> list[str]:
     return lines
 
 
-def _rank_block(rd: RankDiff, many: bool, out: TextIO, max_listed: int) -> None:
+def _rank_block(rd: RankDiff, many: bool, out: TextIO, max_listed: int, partial: bool = False) -> None:
     c = rd.counts()
     label = f"ref rank {rd.ref_rank} / target rank {rd.target_rank}" if many else "ops"
     evidence = ", ".join(e.value for e in rd.evidence) or "nothing to compare"
@@ -116,6 +116,8 @@ def _rank_block(rd: RankDiff, many: bool, out: TextIO, max_listed: int) -> None:
             origin = diff.inherited_from.describe() if diff.inherited_from else "inputs that already differed"
             out.write(f"  no aligned op introduced a difference; differences enter from {origin}, first seen at "
                       f"{pair_line(diff)}\n")
+        elif partial and not any(u.status in (PairStatus.DIVERGENT, PairStatus.INHERITED) for u in rd.units):
+            out.write("  no difference among the ops both traces hold; not clean: a trace is partial (below)\n")
         elif not any(u.status in (PairStatus.DIVERGENT, PairStatus.INHERITED) for u in rd.units):
             out.write("  no op introduced a difference: every other compared op pair agrees within tolerance\n" if explained
                       else "  no difference: every compared op pair agrees within tolerance\n")
@@ -184,10 +186,14 @@ def render_diff(report: DiffReport, out: TextIO, max_listed: int = 10) -> None:
                 out.write(f"    hint: {d.hint}\n")
     else:
         out.write("environment: same\n")
+    partial = bool(report.cut_short)
     if report.parallel is not None:
-        render_parallel(report.parallel, out)
+        render_parallel(report.parallel, out, partial)
     for rd in report.ranks:
-        _rank_block(rd, _rank_labels(report), out, max_listed)
+        _rank_block(rd, _rank_labels(report), out, max_listed, partial)
+    for side, c in report.cut_short:  # what came after the stop was never recorded: never compared, never clean
+        out.write(f"not clean: the {side} trace is partial: {c.describe()}; what came after was never recorded, so "
+                  f"not compared\n")
     cands = report.candidates()
     if len(report.ranks) > 1 and cands:
         out.write("first divergences, earliest first:\n")
@@ -201,7 +207,7 @@ def _parallel_op_line(op) -> str:
     return f"ref #{op.ref} / ranks {ranks} {op.name}  {where}".rstrip()
 
 
-def render_parallel(pd, out: TextIO) -> None:
+def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
     """A parallel run mapped onto the single process (diff/parallel.py): the layouts seen, then the verdict."""
     out.write(f"{pd.world} ranks against one process: each aligned op's values mapped onto the single process's "
               f"through their layout\n")
@@ -233,6 +239,9 @@ def render_parallel(pd, out: TextIO) -> None:
         if pd.random_parted:
             out.write(f"no op parts from the reference among the others ({pd.compared - n} compared); not clean: "
                       f"the ops above were not judged\n")
+        elif pd.compared and partial:
+            out.write(f"no op parts from the reference among the {pd.compared} compared; not clean: a trace is "
+                      f"partial (below)\n")
         elif pd.compared:
             out.write(f"agree: every compared op maps onto the single process (worst rel_l2 {pd.worst:.3g} eps of "
                       f"the recorded dtype: a reordered sum)\n")

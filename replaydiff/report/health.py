@@ -72,6 +72,11 @@ class Health:
     warnings: list[str] = field(default_factory=list)
     plant_notes: list[str] = field(default_factory=list)  # a planted fault that left replay nothing to find
 
+    @property
+    def failed(self) -> list[Check]:
+        """The checks that FAIL: a report with any is never healthy (the CLI exits 1)."""
+        return [c for c in self.checks if c.passed is False]
+
 
 def normalised_error(r: OpResult) -> float | None:
     """An op's error over its limit (1.0 = at the limit): its severity, the verdict's own measure (an ill-conditioned
@@ -160,8 +165,11 @@ def _checks(trace: Trace, report: ReplayReport, errs: dict) -> list[Check]:
     collectives = [r for r in report.ops if aten.is_collective(r.op) and r.status is not Status.SKIPPED]
     bad_coll = [r for r in collectives if r.status is Status.DIVERGENT]
     ranks = [trace.rank(r) for r in sorted({r.rank for r in report.ops} or set(trace.ranks)) if r in trace.ranks]
-    incomplete = [f"rank {rt.rank} truncated after op {rt.truncated_after}" for rt in ranks
-                  if rt.truncated_after is not None or not rt.complete]
+    # a recording that stopped part-way (the recorder stopped, the script raised or was interrupted mid-step, the
+    # process died), as the trace and the replay each saw it
+    cut = {c.rank: c for c in report.cut_short}
+    cut.update({rt.rank: rt.cut_short for rt in ranks if rt.cut_short is not None})
+    incomplete = [cut[k].describe() for k in sorted(cut)]
     # ops gone from the trace since it was written (an ops file deleted or cut short), as the trace and the replay
     # each saw them: a report of a replay made before the damage still says the trace is damaged
     seen = {(m.rank, m.first) for m in report.missing}

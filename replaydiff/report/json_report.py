@@ -27,7 +27,9 @@ skipped or, within its limits despite a large error, ok)),
 numbers of candidates that no collective orders against ``first_divergent``), ``replicas`` (null, or where
 data-parallel replicas first stop agreeing: ``rank``, ``index``, ``other_rank``, ``other_index``, ``op``, ``what``),
 ``missing_ops`` (runs of ops asked for whose records are gone from a damaged trace, never judged: ``rank``,
-``first``, ``last``, ``count``, ``file`` (the ops file that held them, null if unknown), ``problem``).
+``first``, ``last``, ``count``, ``file`` (the ops file that held them, null if unknown), ``problem``),
+``cut_short`` (ranks whose recording stopped part-way, so the trace is partial: ``rank``, ``last`` (the last op that
+reads back), ``why``).
 Floats that are not finite are written as the strings "inf", "-inf" and "nan" so the file stays JSON.
 """
 from __future__ import annotations
@@ -43,7 +45,7 @@ from replaydiff.errors import UsageError
 
 from replaydiff.replay.result import NonfiniteInput, OpResult, ReplayReport, Status
 from replaydiff.report.plant import plant_reports
-from replaydiff.trace.damage import MissingOps
+from replaydiff.trace.damage import CutShort, MissingOps
 from replaydiff.trace.schema import PlantedFaultInfo
 
 JSON_FORMAT = "replaydiff.replay/1"
@@ -94,6 +96,7 @@ def report_to_json(report: ReplayReport) -> dict:
         "nonfinite_entry": op_json(report.nonfinite_entry),
         "nonfinite_discarded": [op_json(r) for r in report.nonfinite_discarded],
         "missing_ops": [m.to_json() for m in report.missing],
+        "cut_short": [c.to_json() for c in report.cut_short],
         "ops": [op_json(r) for r in report.ops],
     }
 
@@ -111,7 +114,9 @@ def load_replay_json(path: str | Path) -> ReplayReport:
                           plants=[PlantedFaultInfo.from_json(x) for x in d.get("plants") or [] if isinstance(x, dict)],
                           missing=[MissingOps(m["rank"], m["first"], m["last"], Path(m.get("file") or ""), m["problem"],
                                               m.get("file") is not None)
-                                   for m in d.get("missing_ops") or [] if isinstance(m, dict)])
+                                   for m in d.get("missing_ops") or [] if isinstance(m, dict)],
+                          cut_short=[CutShort(c["rank"], c.get("last"), str(c.get("why") or ""))
+                                     for c in d.get("cut_short") or [] if isinstance(c, dict)])
     for o in d.get("ops") or []:
         status = Status(o["status"])
         m = o.get("metrics")

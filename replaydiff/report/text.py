@@ -150,8 +150,15 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
         out.write(f"  {line}\n")
     for line in describe_missing(report.missing):  # a damaged trace: which ops were never judged, and why
         out.write(f"  {line}\n")
+    for c in report.cut_short:  # a partial trace: where each rank's recording stopped, and why
+        out.write(f"  {c.describe()}\n")
     first = report.first_divergent
-    if first is None and report.missing:  # ops that are gone were not judged: never call the trace clean
+    if first is None and report.cut_short:  # what came after the stop was never recorded: never call it clean
+        where = "; ".join(f"rank {c.rank}'s after op #{c.last}" if c.last is not None else
+                          f"rank {c.rank}'s before its first op" for c in report.cut_short)
+        out.write(f"not clean: the trace is partial: the recording stopped part-way ({where}; why above) and what "
+                  f"came after was never recorded; no divergent op among the {len(report.ops)} read\n")
+    elif first is None and report.missing:  # ops that are gone were not judged: never call the trace clean
         out.write(f"not clean: {sum(m.count for m in report.missing)} op(s) are missing from the trace (listed "
                   f"above), so were not judged; no divergent op among the {len(report.ops)} read\n")
     elif first is None and errors:  # ops that could not be replayed were not checked: do not call them matching

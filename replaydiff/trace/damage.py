@@ -65,6 +65,25 @@ class MissingOps:
                 "file": str(self.path) if self.file_known else None, "problem": self.problem}
 
 
+@dataclass(frozen=True)
+class CutShort:
+    """A rank whose recording ended before what it was asked for: the recorder stopped (its own failure, or the
+    script raised or was interrupted mid-step), or it never finished (the process was killed or crashed). Its trace
+    reads up to its last complete op; what came after was never recorded, so the trace is partial, never clean."""
+
+    rank: int
+    last: int | None  # the last op that reads back; None: none does
+    why: str
+
+    def describe(self) -> str:
+        """e.g. 'rank 0's recording stopped part-way after op #212: step 3 was cut short by the script's exception'."""
+        where = f"after op #{self.last}" if self.last is not None else "before its first op"
+        return f"rank {self.rank}'s recording stopped part-way {where}: {self.why}"
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "last": self.last, "why": self.why}
+
+
 def find_missing(rank: int, ops_dir: Path, written: list[OpsFileWritten] | None, complete: bool,
                  last_written: int | None, last_on_disk: int | None) -> tuple[MissingOps, ...]:
     """The runs of ops of one rank that are not on disk as written, in op order.

@@ -39,7 +39,7 @@ from replaydiff.trace.format import (
     read_frame,
     read_manifest_frame,
 )
-from replaydiff.trace.damage import MissingOps, find_missing
+from replaydiff.trace.damage import CutShort, MissingOps, find_missing
 from replaydiff.trace.index import IndexBuilder, ModuleNode, TraceIndex
 from replaydiff.trace.schema import (CompiledRegion, Environment, FlightDump, LeftOut, OpRecord, PlantedFaultInfo,
                                      RecordedOptions, RngState, StoredBytes, TensorRef, check_chunk, check_entered,
@@ -173,6 +173,18 @@ class RankTrace(Sequence):
     def stopped(self) -> str | None:
         """Why the recording stopped part-way (the recorder's own failure: it warned "recording stopped"), or None."""
         return manifest_stopped(self.manifest)
+
+    @property
+    def cut_short(self) -> CutShort | None:
+        """Where and why the recording of this rank ended before what it was asked for (``stopped``, or it never
+        finished: ``truncated_after``), or None when it ended as asked. Such a trace is partial: what came after its
+        last op was never recorded."""
+        if self.stopped:
+            return CutShort(self.rank, self.last_index, self.stopped)
+        if not self.complete:
+            return CutShort(self.rank, self.last_index, "the recording never finished (the process was killed or "
+                                                        "died while recording)")
+        return None
 
     @property
     def bytes_missing(self) -> int:
@@ -547,6 +559,11 @@ class Trace:
     def missing_ops(self) -> list[MissingOps]:
         """Every rank's ops whose records are gone since the trace was written (RankTrace.missing_ops)."""
         return [m for r in self.ranks for m in self._ranks[r].missing_ops]
+
+    @property
+    def cut_short(self) -> list[CutShort]:
+        """Every rank whose recording ended before what it was asked for (RankTrace.cut_short)."""
+        return [c for c in (self._ranks[r].cut_short for r in self.ranks) if c is not None]
 
     def check_whole(self) -> None:
         """A TraceError for the first missing ops (naming their file), for a verb that needs every op."""

@@ -13,6 +13,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from replaydiff import aten
+from replaydiff.trace.damage import MissingOps
 from replaydiff.trace.reader import RankTrace, Trace
 from replaydiff.trace.schema import OpRecord
 
@@ -21,15 +22,28 @@ GroupKey = tuple  # (group name, ranks): CollectiveInfo.group_key
 
 def group_calls(rt: RankTrace) -> dict[GroupKey, list[int]]:
     """Op numbers of the completed collective calls of one rank, per process group, in call order (read from the
-    index; only collectives are decoded, for their group)."""
+    index; only collectives are decoded, for their group). Collectives whose records are missing from a damaged
+    trace are left out: their group is unknown, so from ``calls_unknown_from`` on the k-th call of a group may not be
+    the k-th listed."""
     out: dict[GroupKey, list[int]] = {}
     idx = rt.index
     for i in range(len(idx)):
-        if idx.collective[i] and idx.recorded[i] and not aten.is_wait_only(idx.name[i]):
+        if idx.collective[i] and idx.recorded[i] and not aten.is_wait_only(idx.name[i]) \
+                and rt.missing_at(i) is None:
             c = rt[i].collective
             if c is not None:
                 out.setdefault(c.group_key, []).append(i)
     return out
+
+
+def calls_unknown_from(rt: RankTrace) -> MissingOps | None:
+    """The first run of missing ops of ``rt`` that holds a collective (or may: an index rebuilt from what is on disk
+    does not say what a missing op was), or None. From there on, which call of its group a collective is is unknown."""
+    idx = rt.index
+    for m in rt.missing_ops:
+        if any(not idx.recorded[i] or idx.collective[i] for i in range(m.first, min(m.last + 1, len(idx)))):
+            return m
+    return None
 
 
 @dataclass
