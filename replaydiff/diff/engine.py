@@ -399,7 +399,8 @@ def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: D
         # every rank at once, mapped onto the single process through the layout of each value
         if progress_total is not None:
             progress_total(len(first_ref))
-        report.parallel = diff_parallel(first_ref, [tt.rank(r) for r in tt.ranks], progress)
+        report.parallel = diff_parallel(first_ref, [tt.rank(r) for r in tt.ranks], progress,
+                                        cut_short=bool(report.cut_short))
         _say_planted(report, rt, tt)
         return report
     _say_planted(report, rt, tt)
