@@ -382,10 +382,10 @@ def test_show_says_a_trace_copied_in_part_is_damaged(recorded, tmp_path, capsys)
     size = data[0].stat().st_size
     with open(data[0], "r+b") as f:
         f.truncate(size - 10)
-    assert main(["show", str(tmp_path / "t")]) == 0
+    assert main(["show", str(tmp_path / "t")]) == 3  # described, and never as whole
     out = capsys.readouterr().out
     assert "rank 0: " in out and "(DAMAGED: 10 B of its op and data files are missing" in out, out
-    assert main(["show", str(tmp_path / "t"), "--json"]) == 0
+    assert main(["show", str(tmp_path / "t"), "--json"]) == 3
     js = json.loads(capsys.readouterr().out)
     assert js["format"] == "replaydiff.show/1" and js["ranks"][0]["bytes_missing"] == 10
 CNN = textwrap.dedent("""

@@ -99,7 +99,7 @@ def _state(s: dict[str, Any]) -> str:
             "; replay judges the other ops and lists these, other verbs refuse the trace"
     if s["bytes_missing"]:
         return (f"DAMAGED: {_human(s['bytes_missing'])} of its op and data files are missing or cut short since it "
-                f"was written (copied in part?); replay stops at the first op that reads them")
+                f"was written (copied in part?); replay refuses it, naming the file")
     if s["stopped"]:
         return f"STOPPED part-way: {s['stopped']}"
     if any(x.reason == LEFT_OUT_BUDGET for x in s["left_out"]):
@@ -313,7 +313,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         _render_summary(args.trace, summaries, sys.stdout)
         render_hang(groups, ranks, sys.stdout)
-    return EXIT_TRACE if any(s["missing_ops"] for s in summaries) else EXIT_OK
+    # a damaged trace is never described as whole: its state line says so, and so does the exit code (a trace cut
+    # short by its job says TRUNCATED or STOPPED and is described as it is, as a hung job's must be)
+    damaged = any(s["missing_ops"] or s["bytes_missing"] for s in summaries)
+    return EXIT_TRACE if damaged else EXIT_OK
 
 
 # -- show --list: one line per op, read from the index alone ---------------------------------------------------------
@@ -381,7 +384,11 @@ def run_list(trace: Trace, args: argparse.Namespace) -> int:
         for line in describe_missing(r.missing_ops):
             sys.stderr.write(f"replaydiff: rank {r.rank} is damaged: {line}\n")
         return EXIT_TRACE
-    return 0
+    others = [o for o in trace if o.rank != r.rank and (o.missing_ops or o.bytes_missing)]
+    for o in others:  # another rank's damage, said though this one lists whole
+        sys.stderr.write(f"replaydiff: rank {o.rank} is damaged (`replaydiff show {args.trace} --list --rank "
+                         f"{o.rank}` marks its missing ops)\n")
+    return EXIT_TRACE if others or r.bytes_missing else 0
 
 
 def _missing_cell(m: MissingOps) -> str:
