@@ -83,7 +83,7 @@ class Layout:
     def describe(self) -> str:
         """e.g. 'sharded on dim 0 over 2 ranks (4+4)', 'partial over 2 ranks: the reference is their average',
         'replicated on 2 ranks at 2x the reference'."""
-        scale = "" if self.factor == 1 else f" at {_ratio(1 / self.factor)}x the reference"
+        scale = "" if self.factor == 1 else f" at {ratio_text(1 / self.factor)}x the reference"
         if self.kind is LayoutKind.REPLICATED:
             return f"replicated on {self.world} ranks{scale}"
         if self.kind is LayoutKind.SHARDED:
@@ -97,7 +97,7 @@ class Layout:
             return f"partial over {self.world} ranks: the reference is their sum"
         if self.factor == Fraction(1, self.world):
             return f"partial over {self.world} ranks: the reference is their average (a per-rank mean)"
-        return f"partial over {self.world} ranks: their sum is {_ratio(1 / self.factor)}x the reference"
+        return f"partial over {self.world} ranks: their sum is {ratio_text(1 / self.factor)}x the reference"
 
     def to_json(self) -> dict:
         return {"kind": self.kind.value, "world": self.world, "dim": self.dim,
@@ -105,7 +105,8 @@ class Layout:
                 "factor": str(self.factor)}
 
 
-def _ratio(f: Fraction) -> str:
+def ratio_text(f: Fraction) -> str:
+    """A factor as people write it: '2', '1/4'."""
     return str(f.numerator) if f.denominator == 1 else f"{f.numerator}/{f.denominator}"
 
 

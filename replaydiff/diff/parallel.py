@@ -33,7 +33,8 @@ from typing import Callable
 import torch
 
 from replaydiff import aten
-from replaydiff.compare.layout import Close, Layout, LayoutKind, infer_layouts, rel_l2_close, shard_offsets
+from replaydiff.compare.layout import (Close, Layout, LayoutKind, infer_layouts, ratio_text, rel_l2_close,
+                                       shard_offsets)
 from replaydiff.diff.align import OpKeys, align, op_keys
 from replaydiff.errors import UsageError
 from replaydiff.trace.reader import RankTrace
@@ -165,14 +166,14 @@ def _family(layout: Layout, legit: bool) -> str:
             return "partial (a sum)"
         if layout.factor == Fraction(1, layout.world):
             return "partial (a per-rank mean)"
-        return f"partial at {_times(layout)}x"
+        return f"partial at {ratio_text(1 / layout.factor)}x"
     if layout.kind in (LayoutKind.MAX, LayoutKind.MIN):
         return f"{layout.kind.value} over ranks"
     text = f"sharded on dim {layout.dim}" if layout.kind is LayoutKind.SHARDED else "replicated"
     if layout.factor == 1:
         return text
     return f"{text} (of a per-rank mean)" if legit and layout.factor == Fraction(1, layout.world) else \
-        f"{text} at {_times(layout)}x"
+        f"{text} at {ratio_text(1 / layout.factor)}x"
 
 
 def _pick(m: Mapped, phase: str | None, loss: Fraction | None) -> Mapped:
@@ -182,11 +183,6 @@ def _pick(m: Mapped, phase: str | None, loss: Fraction | None) -> Mapped:
     if good is None or good is m.layout:
         return m
     return dataclasses.replace(m, layout=good)
-
-
-def _times(layout: Layout) -> str:
-    f = 1 / layout.factor
-    return str(f.numerator) if f.denominator == 1 else f"{f.numerator}/{f.denominator}"
 
 
 def _legit_factors(layout: Layout, phase: str | None, loss: Fraction | None) -> tuple[Fraction, ...]:
@@ -202,9 +198,8 @@ def _legit_factors(layout: Layout, phase: str | None, loss: Fraction | None) -> 
 
 
 def _rel_l2(layout: Layout, parts: list[torch.Tensor], ref: torch.Tensor) -> float:
-    m = layout.mapped(parts) if layout.kind is not LayoutKind.REPLICATED else \
-        parts[0].to(torch.float64) * float(layout.factor)
-    b = ref.to(torch.float64)
+    """The relative L2 error of the ranks' mapped value against the reference, over positions finite in both."""
+    m, b = layout.mapped(parts), ref.to(torch.float64)
     keep = torch.isfinite(m) & torch.isfinite(b)
     den = float(torch.linalg.vector_norm(b[keep]))
     num = float(torch.linalg.vector_norm((m - b)[keep]))
@@ -256,6 +251,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     drawn: set[int] = set()  # random ops, and ops that part only because they read what random ops drew
     seen_inputs: set = set()
     first: tuple[MappedOp, Mapped, Departure, str] | None = None
+    by_ref: dict[int, MappedOp] = {}  # the ops mapped so far, by reference op number
     inherited = 0
     # The factor of the loss the backward differentiates: that of the last partial value the forward made before
     # it (a per-rank mean: 1/world; a summed loss: 1); none (a loss every rank computes whole): 1. Not simply the
@@ -302,6 +298,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         mop = MappedOp(i, tuple(t.index for t in tops), rop.name, rop.module, rop.phase,
                        fwd.source if fwd is not None and fwd.source else rop.source, tuple(tensors))
         out.ops.append(mop)
+        by_ref[i] = mop
         if random:
             out.random_ops += 1
             if not tensors or any(m.layout is None or m.layout.factor != 1 for m in tensors):
@@ -326,13 +323,13 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                     value.fits[0].kind is LayoutKind.REPLICATED:
                 last_forward = Fraction(1)
             else:
-                partial = None if value is None else next(
+                partial_fit = None if value is None else next(
                     (f for f in value.fits if f.kind is LayoutKind.PARTIAL), None)
-                if partial is not None:
-                    last_forward = partial.factor
+                if partial_fit is not None:
+                    last_forward = partial_fit.factor
         tensors = [_pick(m, rop.phase if m.kind == "out" else None, loss) for m in tensors]
         mop = dataclasses.replace(mop, tensors=tuple(tensors))
-        out.ops[-1] = mop
+        out.ops[-1] = by_ref[i] = mop
         bad = [m for m in tensors if m.layout is None or m.layout.factor not in _legit_factors(
             m.layout, rop.phase if m.kind == "out" else None, loss)]
         for m in tensors:
@@ -347,7 +344,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             out.random_parted.append(i)
             continue
         if not from_departed and first is None and all(m.layout is None for m in bad) and \
-                _amplifies(rop, tops, tensors, producers, out.ops, targets, set(out.amplified), maps[0]):
+                _amplifies(rop, tops, tensors, producers, by_ref, targets, set(out.amplified), maps[0]):
             # every rank computes from the same inputs, right given them; they differ from the reference's by a
             # reordered sum's rounding, which this op amplifies (AdamW's first update of a near-zero gradient)
             out.amplified.append(i)
@@ -358,7 +355,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             inherited += first is not None
             continue
         m = bad[0]
-        partial_in = _partial_input(r_side, producers, out.ops)
+        partial_in = _partial_input(producers, by_ref)
         if m.kind == "in" and m.offsets is None:
             kind, why = Departure.INPUTS, _why_inputs(m)
         elif partial_in is not None and rop.phase == "optimizer":
@@ -377,8 +374,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 f"a reduction: an all-reduce is missing before this op")
         elif m.offsets is not None:
             dim, at = m.offsets
-            sizes = [p for p in _part_sizes(m, dim)]
-            spans = sorted(zip(at, sizes))
+            spans = sorted(zip(at, m.sizes or ()))
             overlap = any(a + n > b for (a, n), (b, _) in zip(spans, spans[1:]))
             what = "slices that overlap (some of it on two ranks, some on none)" if overlap else \
                 "not in rank order: a shard taken at the wrong offset"
@@ -419,12 +415,11 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
 
 
 def _amplifies(rop: OpRecord, tops: list[OpRecord], tensors: list[Mapped], producers: dict[int, int | None],
-               done: list[MappedOp], ranks: list[RankTrace], amplified: set[int], aligned0: dict[int, int]) -> bool:
+               by_ref: dict[int, MappedOp], ranks: list[RankTrace], amplified: set[int], aligned0: dict[int, int]) -> bool:
     """Whether an op's outputs part from the reference's only by amplifying a rounding difference of its inputs:
     every input it reads is replicated at factor 1 (as mapped: from an earlier aligned op, or from outside the step),
     every rank's outputs have the reference's shapes, and every rank's op, replayed alone from its own recorded
     inputs, is right. Then each rank computed the reference's op from the reference's values up to rounding."""
-    by_ref = {m.ref: m for m in done[-512:]}
     mine = ranks[0].producers(tops[0].index)
     for pos, p in producers.items():
         if mine.get(pos) != (None if p is None else aligned0.get(p)):
@@ -514,11 +509,6 @@ def _map(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs: list[
     return Mapped(kind, pos, rref.describe(), layout, error, off, offsets, tuple(fits), sizes)
 
 
-def _part_sizes(m: Mapped, dim: int) -> list[int]:
-    """Each rank's extent along ``dim`` of a tensor whose slices were placed (``Mapped.offsets``)."""
-    return list(m.sizes) if m.sizes is not None else []
-
-
 def _collective_behind(side: _Side, aligned: dict[int, int], index: int, limit: int = 32) -> tuple[int, str] | None:
     """The nearest collective a rank's op reads from through ops the single process does not run (its inputs'
     producers, walked back while they are the rank's own ops)."""
@@ -536,10 +526,9 @@ def _collective_behind(side: _Side, aligned: dict[int, int], index: int, limit: 
     return None
 
 
-def _partial_input(ref: _Side, producers: dict[int, int | None],
-                   done: list[MappedOp]) -> tuple[int, Layout, int] | None:
+def _partial_input(producers: dict[int, int | None],
+                   by_ref: dict[int, MappedOp]) -> tuple[int, Layout, int] | None:
     """The first input of an op that a partial output of an earlier aligned op feeds: (position, layout, op)."""
-    by_ref = {m.ref: m for m in done[-256:]}  # producers are near: the op that made an input is seldom far back
     for pos, p in sorted(producers.items()):
         if p is None or p not in by_ref:
             continue
@@ -552,7 +541,7 @@ def _partial_input(ref: _Side, producers: dict[int, int | None],
 def _why_scaled(layout: Layout, legit: tuple[Fraction, ...]) -> str:
     right = min(legit, key=lambda f: abs(math.log(f / layout.factor)))
     times = right / layout.factor
-    scale = str(times) if times.denominator == 1 else f"{times.numerator}/{times.denominator}"
+    scale = ratio_text(times)
     powers = {Fraction(layout.world) ** k for k in range(-3, 4)}
     if times not in powers:  # no scale by the world size: the ranks' values are weighted otherwise
         return (f"{layout.describe()}: {scale}x what a correct parallel run holds here, a factor no scale by the "
