@@ -27,6 +27,8 @@ SCRIPT = textwrap.dedent("""
         if step == 2 and sys.argv[1] == "crash":
             raise RuntimeError("boom mid-step")
         if step == 2 and sys.argv[1] == "ctrl-c":
+            # A shell's background job starts with SIGINT ignored; a terminal's Ctrl-C meets Python's own handler.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             os.kill(os.getpid(), signal.SIGINT)
         loss = model[2](model[1](h)).square().mean()
         loss.backward()
