@@ -671,10 +671,10 @@ def _unit_repros(tmp_path, capsys) -> tuple:
 
 def _script_here(capsys, d) -> tuple[int, list[str]]:
     """The repro script imported and run in this process on directory ``d``: (exit code, lines printed)."""
-    from replaydiff import repro_script
+    from replaydiff import rebuild_and_judge
 
     capsys.readouterr()
-    code = repro_script.main([], directory=str(d))
+    code = rebuild_and_judge.main([], directory=str(d))
     return code, capsys.readouterr().out.splitlines()
 
 

@@ -32,7 +32,7 @@ from replaydiff.replay.notes import (Failed, FellBack, Judgement, LeftOut, Note,
                                      render, verdict_reason)
 from replaydiff.replay.policy import FALLBACKS, ReplayOptions, target_dtype
 from replaydiff.replay.result import NonfiniteInput, OpResult, Status
-from replaydiff.repro_script import as_recorded, pick, typed_storage
+from replaydiff.rebuild_and_judge import as_recorded, pick, same_nonfinite, typed_storage
 from replaydiff.trace.codec import copy_bytes
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import LEFT_OUT_WHY, Opaque, OpRecord, TensorRef, dtype_from_name, iter_refs
@@ -481,11 +481,7 @@ class OpReplayer:
         """NaN/Inf recorded where the upcast reference has none is no divergence when the op makes exactly those
         itself at its recorded dtypes (bf16 matrix_exp overflows inside the kernel): the verdict is then the one
         on the finite positions."""
-        rec_nf, same_nf = ~torch.isfinite(recorded), ~torch.isfinite(same.to(recorded.device))
-        if not torch.equal(rec_nf, same_nf):
-            return v
-        m = measure(recorded[rec_nf], same.to(recorded.device)[same_nf], exact=True)
-        if not isinstance(m, ExactMismatch) or m.mismatches:
+        if not same_nonfinite(recorded, same):
             return v
         finite = judge_measure(v.measure.finite, recorded.dtype, self.opts.tolerances, v.reduction_k or 1)
         return finite if finite.divergent else replace(finite, reason=None)
