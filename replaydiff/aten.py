@@ -23,6 +23,12 @@ NON_COMPUTE_NAMESPACES = frozenset({"profiler", "prims_debug"})
 # Factories whose output memory is whatever the allocator held: never compared.
 UNINITIALISED_PACKETS = frozenset({"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided",
                                    "empty_permuted"})
+def floating_dtype(name: str) -> bool:
+    """A recorded dtype's name (``float32``, ``bfloat16``, ``complex64``, ``float8_e4m3fn``) whose values are
+    judged by their error against a reference; every other dtype (integers, bool) is compared exactly."""
+    return name.startswith(("float", "bfloat", "complex"))
+
+
 # Ops that only reinterpret bits or shapes: their meaning depends on the exact recorded dtype.
 DTYPE_EXACT_OPS = frozenset({"aten.view.dtype", "aten.view_as_real.default", "aten.view_as_complex.default"})
 # Bookkeeping ops that cost nothing and change no value (hidden on request in the UI), beside schema views.

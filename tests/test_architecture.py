@@ -94,7 +94,7 @@ LAYERS = {  # a package may import only from these (besides itself)
     "replaydiff.errors": set(),
     # planted faults sit at the bottom too: the recorder enters one below itself for `record --plant`
     "replaydiff.faults": {"replaydiff.aten"},
-    "replaydiff.trace": _BOTTOM,
+    "replaydiff.trace": _BOTTOM | {"replaydiff.faults"},  # a plant's effect, read back from the manifest
     # the table of known causes (what a recorded setting does to numerics), read by diff and report
     "replaydiff.causes": {"replaydiff.trace"},
     "replaydiff.compare": _BOTTOM,
@@ -437,3 +437,25 @@ def test_results_are_built_once_from_a_judgement() -> None:
     assert made == {"OpResult": ["replaydiff/replay/runner.py:_result",
                                  "replaydiff/report/json_report.py:load_replay_json"],
                     "PairResult": ["replaydiff/diff/compare.py:compare"]}
+
+
+_ONE_HOME = {  # what was written twice and drifted, and the one place that defines it now
+    "a plant's effect": (r"^class PlantEffect\b", {"replaydiff/faults.py"}),
+    "the record() context manager": (r"^def record\(", {"replaydiff/record/api.py"}),
+    "the recording child's environment variable": (r"[\"']REPLAYDIFF_RECORD[\"']",
+                                                   {"replaydiff/record/autostart/_replaydiff_record_env.py"}),
+    "replay's precisions": (r"^PRECISIONS\s*=|^class ReplaySettings\b", {"replaydiff/replay/policy.py"}),
+    "the colour of a replay status": (r"[\"']bold magenta[\"']", {"tui/styles.py"}),
+    "a size in KiB/MiB/GiB": (r"[\"']KiB[\"']", {"replaydiff/record/budget.py"}),
+    "whether a dtype is judged by its error": (r"startswith\(\(\"float\", \"bfloat\"", {"replaydiff/aten.py"}),
+}
+
+
+def test_each_fact_that_was_copied_has_one_home() -> None:
+    found: dict[str, set[str]] = {what: set() for what in _ONE_HOME}
+    for p in _python_files(PKG, ROOT / "tui"):
+        text = p.read_text()
+        for what, (pattern, _) in _ONE_HOME.items():
+            if re.search(pattern, text, re.M):
+                found[what].add(_rel(p))
+    assert found == {what: home for what, (_, home) in _ONE_HOME.items()}

@@ -583,13 +583,13 @@ class OpReplayer:
         ``produced``: the replay saw the op itself produce the non-finite values. Without that, the recorded outputs
         are read, and a position the op left as an empty* op handed it out (its bytes as they were before the op)
         is no value the op produced."""
-        outputs = [r for r in op.outputs_refs() if not r.uninitialised and r.stored and _floating(r.dtype)]
+        outputs = [r for r in op.outputs_refs() if not r.uninitialised and r.stored and aten.floating_dtype(r.dtype)]
         if not produced and not any(self._made_nonfinite(op, r) for r in outputs):
             return False, None, False
         finite, nan_in = True, False
         producers: dict[int, int | None] | None = None
         for k, r in enumerate(op.inputs()):
-            if not _floating(r.dtype) or r.uninitialised:
+            if not aten.floating_dtype(r.dtype) or r.uninitialised:
                 continue
             if not r.stored:
                 finite, nan_in = False, True  # cannot tell what it held: not an origin
@@ -718,7 +718,3 @@ def _scalars(v: Any):
             yield from _scalars(x)
     elif not isinstance(v, TensorRef):
         yield v
-
-
-def _floating(dt: str) -> bool:
-    return dt.startswith(("float", "bfloat", "complex"))
