@@ -41,6 +41,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Callable, Iterator, Union
 
 import torch
@@ -328,12 +329,29 @@ def same_scalar(recorded: Any, reference: Any) -> bool:
 
 
 # -- the reference numerics ----------------------------------------------------------------------------------------
-# The dtype each recorded dtype is replayed at, by replay's --precision (the script's reference: "fp64").
-UPCAST: dict[str, dict[torch.dtype, torch.dtype]] = {
-    "fp64": {torch.float16: torch.float64, torch.bfloat16: torch.float64, torch.float32: torch.float64,
-             torch.complex32: torch.complex128, torch.complex64: torch.complex128},
-    "fp32": {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.complex32: torch.complex64},
-    "same": {},
+class Precision(str, Enum):
+    """The dtypes replay runs an op at (``replay --precision``); the value is the CLI's and the reports' spelling."""
+
+    FP64 = "fp64"  # floating dtypes at float64 (complex at complex128): the reference (the script's too)
+    FP32 = "fp32"  # half-precision dtypes at float32
+    SAME = "same"  # the recorded dtypes
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = lambda self, spec: format(self.value, spec)  # noqa: E731  (f"{precision}" -> "fp64" everywhere)
+
+    def upcast(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a tensor recorded in ``dtype`` is run at."""
+        return UPCAST[self].get(dtype, dtype)
+
+
+# The dtype each recorded floating dtype is replayed at, by precision; every other dtype stays as recorded.
+UPCAST: dict[Precision, dict[torch.dtype, torch.dtype]] = {
+    Precision.FP64: {torch.float16: torch.float64, torch.bfloat16: torch.float64, torch.float32: torch.float64,
+                     torch.complex32: torch.complex128, torch.complex64: torch.complex128},
+    Precision.FP32: {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.complex32: torch.complex64},
+    Precision.SAME: {},
 }
 
 # What a compiled unit's graph may call when replayed: registered aten/prims ops by name, and these Python operators
@@ -463,7 +481,7 @@ class Repro:
         bases: dict = {}
 
         def target(dt):
-            return UPCAST["fp64"].get(dt, dt) if upcast else dt
+            return Precision.FP64.upcast(dt) if upcast else dt
 
         def T(name):
             s = self.data["tensors"][name]

@@ -459,3 +459,19 @@ def test_each_fact_that_was_copied_has_one_home() -> None:
             if re.search(pattern, text, re.M):
                 found[what].add(_rel(p))
     assert found == {what: home for what, (_, home) in _ONE_HOME.items()}
+
+
+def test_modes_and_precisions_are_compared_as_their_types() -> None:
+    """A storage mode is a TensorMode and a precision a Precision, carried typed through options and results: no
+    module compares them with a string ("full", "same"), so a new mode is added where the type is defined."""
+    use = re.compile(r"(tensors|mode|precision)\s*(==|!=|\bin\b)\s*[\(\[{]?[\"'](full|stats|meta|fp64|fp32|same)[\"']")
+    offenders = [f"{_rel(p)}:{n}: {line.strip()}" for p in _python_files(PKG, ROOT / "tui")
+                 for n, line in enumerate(p.read_text().splitlines(), 1) if use.search(line)]
+    assert offenders == []
+    from replaydiff.record.options import RecordOptions
+    from replaydiff.replay.policy import Precision, ReplayOptions
+    from replaydiff.trace.modes import TensorMode
+
+    assert RecordOptions(tensors="stats").tensors is TensorMode.STATS  # the CLI's and the API's spelling
+    assert ReplayOptions(precision="same").precision is Precision.SAME
+    assert f"{TensorMode.META} {Precision.FP32}" == "meta fp32"  # on disk, in JSON and in text as before

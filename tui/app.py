@@ -16,6 +16,7 @@ from textual.widgets import ProgressBar, Static
 
 from replaydiff.replay.engine import trace_uses
 from replaydiff.replay.policy import ReplayOptions
+from replaydiff.trace.modes import TensorMode
 from replaydiff.tui import details
 from replaydiff.tui.background import Runner, Runs, _default_reference
 from replaydiff.tui.model import TraceModel
@@ -178,7 +179,8 @@ class ReplaydiffApp(Runs, Navigation, App):
             verdicts = f"replay failed: {self.replay_message}"
         elif self.replay_state is RunState.NONE and "replay" not in self.uses:
             mode = m.trace.options.tensors
-            verdicts = f"--tensors {mode}: {'statistics' if mode == 'stats' else 'shapes'} only, never replayed " \
+            held = "statistics" if mode is TensorMode.STATS else "shapes"
+            verdicts = f"--tensors {mode}: {held} only, never replayed " \
                        f"(record --tensors full to judge ops)"
         elif self.replay_state is RunState.NONE:
             verdicts = "not replayed (R runs a replay)"

@@ -12,6 +12,7 @@ from replaydiff.compare.verdict import output_said
 from replaydiff.diff.parallel import MappedOp
 from replaydiff.replay.engine import trace_uses
 from replaydiff.report.text import origin_how, record_again
+from replaydiff.trace.modes import TensorMode
 from replaydiff.trace.schema import LEFT_OUT_FILTERED, LEFT_OUT_WHY
 from replaydiff.tui.diff_mode import unit_lead
 from replaydiff.tui.model import PROBLEMS, RowResult, severity_text, short_op
@@ -196,7 +197,7 @@ def unreplayable_lines(trace: Any, result: RowResult | None) -> list[str]:
     if "replay" in uses:
         return []
     mode = trace.options.tensors
-    held = "per-tensor statistics (numel, mean, absmax, l2, var, NaN/Inf counts)" if mode == "stats" \
+    held = "per-tensor statistics (numel, mean, absmax, l2, var, NaN/Inf counts)" if mode is TensorMode.STATS \
         else "shapes and dtypes"
     other = "; t shows its trend" if "trend" in uses else ""
     return [f"[bold yellow]NOT REPLAYABLE[/]  recorded with --tensors {esc(mode)}: {held}, no tensor data, so no op "

@@ -19,8 +19,8 @@ from replaydiff.compare.metrics import (ExactMismatch, FloatError, Measure, Nonf
 from replaydiff.compare.tolerance import Tolerances
 # The pure judging functions live with rebuilding and measuring a recorded op, in the module `replaydiff repro` copies
 # as the standalone script a kernel owner runs without replaydiff: replay and the script judge by one definition.
-from replaydiff.rebuild_and_judge import (Calibration, calibrate, calibrated_limits, float_severity, how_far_over,
-                                          ill_conditioned_note, same_scalar)
+from replaydiff.rebuild_and_judge import (Calibration, Precision, calibrate, calibrated_limits, float_severity,
+                                          how_far_over, ill_conditioned_note, same_scalar)
 
 __all__ = ["Calibration", "OutputName", "Verdict", "calibrate", "calibrated", "calibrated_limits", "float_severity",
            "how_far_over", "ill_conditioned_note", "judge", "judge_measure", "output_said", "scalar_verdict",
@@ -62,7 +62,7 @@ class Verdict:
     limit_rel: float | None = None
     reduction_k: int | None = None
     calibration: Calibration | None = None  # set when the output was over its fixed limits and the op was re-run
-    precision: str | None = None  # set when the op was replayed at another precision than asked
+    precision: Precision | None = None  # set when the op was replayed at another precision than asked
     left_out: int = 0  # positions not compared: the kernel leaves them unwritten (their value is the allocator's)
     output: OutputName | None = None  # which result of the op was judged (set where the op is known)
 
@@ -136,7 +136,8 @@ class Verdict:
                               d.get("conditioning_factor", Tolerances().conditioning_factor),
                               d.get("ill_conditioned", not divergent))
         return cls(divergent, measure_from_json(d), reason, d.get("limit_max"), d.get("limit_rel"),
-                   d.get("reduction_k"), cal, d.get("precision"), d.get("left_out", 0),
+                   d.get("reduction_k"), cal, Precision(d["precision"]) if d.get("precision") else None,
+                   d.get("left_out", 0),
                    OutputName.from_json(d.get("output")))
 
 
@@ -204,7 +205,7 @@ def within_fixed_limits(v: Verdict) -> bool | None:
     return float_severity(m, (v.limit_max, v.limit_rel)) <= 1
 
 
-def with_precision(v: Verdict, precision: str) -> Verdict:
+def with_precision(v: Verdict, precision: Precision) -> Verdict:
     return replace(v, precision=precision)
 
 

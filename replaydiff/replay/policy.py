@@ -15,23 +15,24 @@ import torch
 from replaydiff.compare.tolerance import Tolerances
 # The dtypes replayed at and the reference settings are defined with rebuilding and judging a recorded op, which the
 # standalone repro script shares: it runs its reference as replay does.
-from replaydiff.rebuild_and_judge import UPCAST, reference_numerics
+from replaydiff.rebuild_and_judge import UPCAST, Precision, reference_numerics
 from replaydiff.replay.references import REFERENCES
 
-PRECISIONS = ("fp64", "fp32", "same")
+PRECISIONS = tuple(p.value for p in Precision)  # the CLI's choices
 
-# The precision to try next when an op has no kernel at the current one.
-FALLBACKS = {"fp64": ("fp64", "fp32", "same"), "fp32": ("fp32", "same"), "same": ("same",)}
+# The precisions to try in turn when an op has no kernel at the one asked.
+FALLBACKS = {Precision.FP64: (Precision.FP64, Precision.FP32, Precision.SAME),
+             Precision.FP32: (Precision.FP32, Precision.SAME), Precision.SAME: (Precision.SAME,)}
 
 
-def target_dtype(precision: str, dtype: torch.dtype) -> torch.dtype:
-    return UPCAST[precision].get(dtype, dtype)
+def target_dtype(precision: Precision | str, dtype: torch.dtype) -> torch.dtype:
+    return UPCAST[Precision(precision)].get(dtype, dtype)
 
 
 @dataclass
 class ReplayOptions:
     device: str = "cpu"
-    precision: str = "fp64"
+    precision: Precision = Precision.FP64  # also given by its name ("fp32")
     repeat: int = 1
     ops: list[str] | None = None  # op-name globs to replay; the rest are skipped
     first: int | None = None
@@ -50,6 +51,9 @@ class ReplayOptions:
     reference_modules: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, not {self.precision!r}")
+        self.precision = Precision(self.precision)
         if self.reference not in REFERENCES:
             raise ValueError(f"reference must be one of {REFERENCES}, not {self.reference!r}")
 

@@ -19,6 +19,7 @@ import torch
 from replaydiff import aten
 from replaydiff.errors import TraceError
 from replaydiff.faults import PlantEffect  # what a plant changed: measured while recording, read back here
+from replaydiff.trace.modes import TensorMode
 from replaydiff.trace.op_runs import OpRuns, describe_runs
 
 # -- op record keys ---------------------------------------------------------------------------------------------
@@ -1125,7 +1126,7 @@ def wire_environment(scalars: dict[str, Any], flags: dict[str, Any], variables: 
 class RecordedOptions:
     """The record options a trace was written with (replaydiff.record.RecordOptions.to_dict()); None where the trace
     does not say. Only the ones readers act on are typed; ``wire`` holds all."""
-    tensors: str | None = None  # full / stats / meta
+    tensors: TensorMode | None = None  # None: not said (a trace from before the option: full)
     steps: str | None = None
     flight: int | None = None
     plant: str | None = None
@@ -1137,7 +1138,7 @@ class RecordedOptions:
     @classmethod
     def from_wire(cls, d: Any) -> "RecordedOptions":
         d = _mapping(d)
-        return cls(tensors=_typed(d.get("tensors"), str), steps=_typed(d.get("steps"), str),
+        return cls(tensors=TensorMode.read(d.get("tensors")), steps=_typed(d.get("steps"), str),
                    flight=_typed(d.get("flight"), int), plant=_typed(d.get("plant"), str),
                    granularity=_typed(d.get("granularity"), str), budget=_typed(d.get("budget"), int),
                    compiled=_typed(d.get("compiled"), str), wire=d)
