@@ -1,4 +1,4 @@
-"""Compiled units (issue 18): torch.compile regions run compiled while recording, each call of a compiled graph one
+"""Compiled units: torch.compile regions run compiled while recording, each call of a compiled graph one
 record, replayed by interpreting its graph at float64; bugs planted in the compiler, not the model, are named.
 
 Inductor compiles C++ on the CPU here (seconds per graph on two cores): those tests are marked slow. Inductor's FX

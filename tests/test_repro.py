@@ -286,7 +286,8 @@ def test_repro_on_a_device_this_torch_lacks_is_one_line_and_exit_4(traces, tmp_p
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
 def test_repro_files_follow_the_umask(traces, tmp_path, umask, mode):
-    """inputs.safetensors was mode 600 whatever the umask; repro.py followed it. The repro is handed to others."""
+    """Every file of a repro, inputs.safetensors too (safetensors writes it mode 600), follows the umask: the repro
+    is handed to others."""
     rt = replaydiff.open_trace(traces["mm"]).rank(0)
     op = _nth(rt, "aten.mm.default", 1)
     old = os.umask(umask)

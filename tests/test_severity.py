@@ -133,7 +133,7 @@ def test_tui_model_ranks_the_ok_op_below_the_culprit(traces, reports):
     culprit = report.first_divergent
     assert model.severity[ill.index] <= 1 < model.severity[culprit.index]
     groups = {(g.phase, g.path): g for g in _walk(model.module_groups())}
-    assert groups[("backward", "BNNet.fc")].worst <= 1  # was labelled "1.3e5x" in the module tree
+    assert groups[("backward", "BNNet.fc")].worst <= 1  # not its raw ratio, 1.3e5x, in the module tree
     assert groups[("forward", "BNNet.out")].worst > 1
     assert groups[("backward", "")].worst <= 1 < groups[("forward", "")].worst
 
@@ -258,8 +258,8 @@ def _conv_bn_step() -> None:
 
 def test_fp32_replay_recognises_an_ill_conditioned_op_as_fp64_does(tmp_path):
     """At --precision fp32 a float32 op's reference is its own dtype's run, so its own error cannot be measured
-    against it: the conv bias gradient before a BatchNorm was called divergent "while the op itself is exact".
-    It is judged against float64 instead, as at fp64; a 1e-3 fault planted in that very op is still named."""
+    against it (the conv bias gradient before a BatchNorm would read divergent "while the op itself is exact"):
+    it is judged against float64 instead, as at fp64, and is ok; a 1e-3 fault planted in that very op is named."""
     with replaydiff.record(tmp_path / "clean"):
         _conv_bn_step()
     # call 1: the first convolution_backward of the step is conv2's (backward runs in reverse): its grad_input

@@ -1,4 +1,4 @@
-"""Diffing a compiled unit of one trace against the eager ops of the same region in the other (issue 18).
+"""Diffing a compiled unit of one trace against the eager ops of the same region in the other.
 
 The same job recorded eagerly and recorded with torch.compile holds different records for a compiled region: one
 ``compiled.unit.*`` record on one side (its aten graph stored as data, its boundaries as tensors), the region's aten
