@@ -441,6 +441,21 @@ class _Interrupt(KeyboardInterrupt):
     pass
 
 
+def test_the_journal_gives_back_a_verdicts_precision_as_a_precision():
+    """A verdict judged at another precision than asked carries a Precision: journaled and read back for --resume it
+    is that Precision again (not a string, nor a record the journal refuses)."""
+    import msgpack
+
+    from replaydiff.compare.metrics import FloatError
+    from replaydiff.compare.verdict import Verdict
+    from replaydiff.replay import journal
+    from replaydiff.replay.policy import Precision
+
+    v = Verdict(False, FloatError(1e-7, 1e-7, 0.5, 0.5, 1.0), limit_max=16.0, limit_rel=8.0, precision=Precision.FP32)
+    back = journal._decode(msgpack.unpackb(msgpack.packb(journal._encode(v))))
+    assert back == v and back.precision is Precision.FP32
+
+
 def test_an_interrupted_replay_resumes_from_what_it_had_judged(mlp_fault, tmp_path, cli_here):
     """Ctrl-C after 20 ops, then `replay --resume`: only the other ops are replayed, and the report is the one an
     uninterrupted run gives (the planted op named, every status and figure the same)."""
