@@ -645,8 +645,9 @@ def figures(rec: torch.Tensor, value: Any, limits: list, exact: bool) -> tuple[s
         return f"mismatches {m.mismatches} of {rec.numel()} (compared exactly)", m
     e = m.finite if isinstance(m, NonfiniteMismatch) else m
     assert isinstance(e, FloatError), m
-    line = (f"max_abs/(eps*absmax) {e.norm_max:.3g} (limit {limits[0]:.3g})  rel_l2/eps {e.norm_rel:.3g} "
-            f"(limit {limits[1]:.3g})  max_abs {e.max_abs:.3g}  rel_l2 {e.rel_l2:.3g}")
+    norm_max, norm_rel, max_abs, rel_l2 = (x + 0.0 for x in (e.norm_max, e.norm_rel, e.max_abs, e.rel_l2))  # no -0
+    line = (f"max_abs/(eps*absmax) {norm_max:.3g} (limit {limits[0]:.3g})  rel_l2/eps {norm_rel:.3g} "
+            f"(limit {limits[1]:.3g})  max_abs {max_abs:.3g}  rel_l2 {rel_l2:.3g}")
     if isinstance(m, NonfiniteMismatch):
         line += f"  {m.positions} NaN/Inf mismatches"
     return line, m
