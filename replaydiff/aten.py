@@ -2,7 +2,8 @@
 
 Which namespaces hold collectives and which of their ops only wait; which ops are random, uninitialised, views or
 markers; which arguments an op writes (read from the schema's alias annotations, never from op names); op-name
-globs; the rank of this process. Everything here depends on torch alone, so every layer may import it.
+globs; the rank of this process. Everything here depends on torch and the bottom module
+rebuild_and_judge alone, so every layer may import it.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from replaydiff.rebuild_and_judge import graph_operator
+
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
 # Collective bookkeeping with no data of its own: waiting for a result, wrapping one for autograd.
 WAIT_ONLY_PACKETS = frozenset({"wait_tensor", "_wrap_tensor_autograd"})
@@ -20,6 +23,12 @@ NON_COMPUTE_NAMESPACES = frozenset({"profiler", "prims_debug"})
 # Factories whose output memory is whatever the allocator held: never compared.
 UNINITIALISED_PACKETS = frozenset({"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided",
                                    "empty_permuted"})
+def floating_dtype(name: str) -> bool:
+    """A recorded dtype's name (``float32``, ``bfloat16``, ``complex64``, ``float8_e4m3fn``) whose values are
+    judged by their error against a reference; every other dtype (integers, bool) is compared exactly."""
+    return name.startswith(("float", "bfloat", "complex"))
+
+
 # Ops that only reinterpret bits or shapes: their meaning depends on the exact recorded dtype.
 DTYPE_EXACT_OPS = frozenset({"aten.view.dtype", "aten.view_as_real.default", "aten.view_as_complex.default"})
 # Bookkeeping ops that cost nothing and change no value (hidden on request in the UI), beside schema views.
@@ -62,11 +71,6 @@ def is_wait_only(name: str) -> bool:
 
 # A compiled unit (record/units.py): one call of a torch.compile graph is one record named compiled.unit.<kind>.
 UNIT_NAMESPACE = "compiled"
-# What a unit's graph may call when replayed: registered aten/prims ops by name, and these Python operators
-# (getitem on multi-output ops, arithmetic on symbolic sizes). Nothing else is ever looked up.
-GRAPH_NAMESPACES = frozenset({"aten", "prims"})
-_GRAPH_OPERATORS = ("getitem", "add", "sub", "mul", "floordiv", "truediv", "mod", "neg", "pow", "eq", "ne", "lt",
-                    "le", "gt", "ge", "and_", "or_", "not_")
 
 
 def unit_name(kind: str) -> str:
@@ -91,20 +95,14 @@ def graph_target_name(target: Any) -> str:
 
 
 def resolve_graph_target(name: str) -> Any:
-    """A unit graph's node target by name: a registered aten/prims op or one of a few ``operator`` functions;
+    """A unit graph's node target by name: a registered aten/prims op or one of the ``operator`` functions allowed
+    (``rebuild_and_judge.graph_operator``: the one allowlist, which the standalone repro script reads too);
     UnknownOp (with the reason) for anything else, so that a trace can never make replay call other code."""
-    import operator
-
-    ns, _, rest = name.partition(".")
-    if ns == "operator" and rest in _GRAPH_OPERATORS:
-        return getattr(operator, rest)
-    if ns not in GRAPH_NAMESPACES:
-        raise UnknownOp(f"{name} is not an aten or prims op (a unit's graph is replayed through those only)")
-    if ns == "prims" and rest.startswith("inductor_"):
-        # inductor's own prims (its random seeds and draws) are registered when inductor is imported, which a
-        # replay of an inductor unit in a fresh process has not done yet
-        import torch._inductor.inductor_prims  # noqa: F401
-    return resolve(name)
+    try:
+        f = graph_operator(name)
+    except ValueError as exc:
+        raise UnknownOp(str(exc)) from None
+    return f if f is not None else resolve(name)
 
 
 def is_graph_plumbing(name: str) -> bool:

@@ -50,13 +50,17 @@ def _completed(out, results: list[torch.Tensor]):
     return done()
 
 
+def _count(x: float) -> str:
+    return f"{x:.0f}" if x < 1e6 else f"{x:.3g}"
+
+
 @dataclass(frozen=True)
 class PlantEffect:
     """What a plant did to the result it perturbed, counted in the result's own dtype as it landed.
 
-    The recorder writes it into the manifest, where ``replaydiff.trace.schema.PlantEffect`` reads it back and words
-    it: a plant that changed nothing (a None result, all zeros, values that round back) has nothing for replay to
-    find, and one that changed a value by one ulp is no larger than a rounding."""
+    The recorder writes it into the manifest, where the trace schema reads it back: a plant that changed nothing (a
+    None result, all zeros, values that round back) has nothing for replay to find, and one that changed a value by
+    one ulp is no larger than a rounding."""
 
     tensors: int  # result tensors reached (0: the op's result there is None)
     elements: int  # their floating-point elements
@@ -66,6 +70,48 @@ class PlantEffect:
     nonfinite: int  # elements the plant turned into NaN or Inf
     dtype: str | None  # the floating dtype(s) of the result, e.g. "bfloat16"
     target: str | None = None  # what was perturbed: "output 0", "written argument 'self'" (None: no tensor)
+
+    @property
+    def changed_nothing(self) -> bool:
+        return self.changed == 0
+
+    @property
+    def within_one_rounding(self) -> bool:
+        """Changed, but no value by more than one ulp: replay may not tell that from a correctly rounded result."""
+        return self.changed > 0 and not self.nonfinite and self.max_ulps is not None and self.max_ulps <= 1
+
+    @property
+    def hint(self) -> str | None:
+        """What the size of the change means for replay, when it matters."""
+        return "one rounding: replay may not tell it from rounding error" if self.within_one_rounding else None
+
+    def describe(self) -> str:
+        """The facts, and the hint if there is one."""
+        return self.facts() + (f" ({self.hint})" if self.hint else "")
+
+    def facts(self) -> str:
+        what = self.target or "its result"
+        if self.changed_nothing:
+            if self.tensors == 0:
+                why = "its result is None: no tensor to perturb"
+            elif self.elements == 0:
+                why = f"{what} has no floating-point elements"
+            elif self.nonzero == 0:
+                why = f"{what} is all zeros"
+            else:
+                why = f"all {self.elements} elements of {what} round back to their {self.dtype} values"
+            return f"changed nothing ({why})"
+        text = f"changed {self.changed} of {self.elements} elements" + (f" of {self.target}" if self.target else "")
+        if self.nonfinite:
+            text += f" ({self.nonfinite} to NaN/Inf)"
+        if self.max_ulps is not None:
+            text += f" by at most {_count(self.max_ulps)} ulp{'' if self.max_ulps == 1 else 's'} of {self.dtype}"
+        return text
+
+    def to_json(self) -> dict:
+        """For a JSON report."""
+        return {"tensors": self.tensors, "elements": self.elements, "nonzero": self.nonzero, "changed": self.changed,
+                "nonfinite": self.nonfinite, "max_ulps": self.max_ulps, "dtype": self.dtype, "target": self.target}
 
 
 _SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -1,7 +1,8 @@
 """The layering the design fixes: only the trace package knows the wire keys, the import graph has no cycle, and a
 lower layer (trace <- record, replay, compare <- report, cli <- tui) never imports a higher one. Each idea lives once:
 a stored tensor is rebuilt, the compared results of an op are listed and a verdict's severity is computed in one
-place each (the standalone repro script shares the first and the judging with replay by being their home)."""
+place each (rebuilding and judging a recorded op is the bottom module ``rebuild_and_judge``, which replay uses and
+``replaydiff repro`` copies as the standalone script)."""
 from __future__ import annotations
 
 import ast
@@ -84,16 +85,16 @@ def test_import_graph_has_no_cycle() -> None:
     assert cycles == []
 
 
-_BOTTOM = {"replaydiff.aten", "replaydiff.errors", "replaydiff.repro_script"}
+_BOTTOM = {"replaydiff.aten", "replaydiff.errors", "replaydiff.rebuild_and_judge"}
 LAYERS = {  # a package may import only from these (besides itself)
-    "replaydiff.aten": set(),
+    # rebuilding and judging a recorded op, below everything: `replaydiff repro` copies it as the standalone script,
+    # which runs where replaydiff is not installed, so it imports nothing of replaydiff
+    "replaydiff.rebuild_and_judge": set(),
+    "replaydiff.aten": {"replaydiff.rebuild_and_judge"},
     "replaydiff.errors": set(),
-    # the standalone repro script runs where replaydiff is not installed: it imports nothing of replaydiff, and
-    # what it shares with replay (rebuilding a stored tensor, the verdict's judging) is defined there, at the bottom
-    "replaydiff.repro_script": set(),
     # planted faults sit at the bottom too: the recorder enters one below itself for `record --plant`
     "replaydiff.faults": {"replaydiff.aten"},
-    "replaydiff.trace": _BOTTOM,
+    "replaydiff.trace": _BOTTOM | {"replaydiff.faults"},  # a plant's effect, read back from the manifest
     # the table of known causes (what a recorded setting does to numerics), read by diff and report
     "replaydiff.causes": {"replaydiff.trace"},
     "replaydiff.compare": _BOTTOM,
@@ -102,6 +103,8 @@ LAYERS = {  # a package may import only from these (besides itself)
     "replaydiff.diff": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.causes"},
     "replaydiff.report": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.diff",
                                     "replaydiff.causes"},
+    # writing a repro directory: the op's description (what replay compares, its limits) and the script
+    "replaydiff.repro": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay"},
 }
 
 
@@ -134,6 +137,10 @@ def _op_name_sets(p: Path) -> list[tuple[int, frozenset[str]]]:
     return found
 
 
+# aten.py, and the bottom module for what the standalone repro script needs too (the operators a graph may call)
+_OP_KNOWLEDGE = ("replaydiff/aten.py", "replaydiff/rebuild_and_judge.py")
+
+
 def test_op_knowledge_lives_in_aten_only() -> None:
     """The same set of op names written in two modules is a copy that will drift (it did: the matmul list)."""
     ops = {aten_name for aten_name in dir(__import__("torch").ops.aten)}
@@ -147,7 +154,7 @@ def test_op_knowledge_lives_in_aten_only() -> None:
             if names in seen and not seen[names].startswith(rel + ":"):
                 copies.append(f"{rel}:{line} repeats {seen[names]}")
             seen.setdefault(names, f"{rel}:{line}")
-            if rel != "replaydiff/aten.py" and len(names & ops) >= 5:
+            if rel not in _OP_KNOWLEDGE and len(names & ops) >= 5:
                 copies.append(f"{rel}:{line}: a set of {len(names)} op names outside replaydiff/aten.py")
     assert copies == []
 
@@ -165,7 +172,7 @@ def test_every_package_folder_is_installed_and_the_tui_as_replaydiff_tui() -> No
 
 
 # -- each idea once ----------------------------------------------------------------------------------------------
-SCRIPT = PKG / "repro_script.py"  # the standalone repro script: `replaydiff repro` copies it as DIR/repro.py
+SCRIPT = PKG / "rebuild_and_judge.py"  # the bottom module: `replaydiff repro` copies it as DIR/repro.py
 
 
 def _rel(p: Path) -> str:
@@ -185,7 +192,7 @@ def test_the_repro_script_imports_only_the_standard_library_torch_and_safetensor
 
 def test_a_stored_tensor_is_rebuilt_in_one_place() -> None:
     """Strided views over a storage's elements with the conj/neg bits (the reader, the replayer and the repro each
-    had their own) are made by ``repro_script.as_recorded`` only; numpy's as_strided (recording's statistics over a
+    had their own) are made by ``rebuild_and_judge.as_recorded`` only; numpy's as_strided (recording's statistics over a
     live tensor) is not a rebuild."""
     copies = []
     for p in _python_files(PKG, ROOT / "tui"):
@@ -222,20 +229,34 @@ def test_the_compared_results_of_an_op_are_listed_in_one_place() -> None:
     assert copies == []
 
 
-def test_the_verdicts_judging_is_defined_once_and_the_repro_script_holds_it() -> None:
-    from replaydiff import repro_script
-    from replaydiff.compare import verdict
+def test_measuring_and_judging_are_defined_once_in_the_module_the_repro_script_is() -> None:
+    """What the script and replay share is defined in the bottom module alone and is the very object replay uses:
+    the measure, the verdict's judging, the dtypes replayed at, the reference settings, the graph's allowed
+    operators."""
+    from replaydiff import aten, rebuild_and_judge
+    from replaydiff.compare import metrics, verdict
+    from replaydiff.replay import policy
 
-    names = ("how_far_over", "calibrated_limits", "ill_conditioned_note", "same_scalar")
+    names = ("how_far_over", "calibrated_limits", "calibrate", "float_severity", "ill_conditioned_note",
+             "same_scalar", "same_nonfinite", "measure", "graph_operator", "reference_numerics")
     defined = sorted(f"{_rel(p)} {f.name}" for p in _python_files(PKG, ROOT / "tui") for f in _functions(p)
                      if f.name in names)
-    assert defined == sorted(f"replaydiff/repro_script.py {n}" for n in names)
-    assert all(getattr(verdict, n) is getattr(repro_script, n) for n in names)
+    assert defined == sorted(f"replaydiff/rebuild_and_judge.py {n}" for n in names)
+    assert all(getattr(verdict, n) is getattr(rebuild_and_judge, n) for n in names[:6])
+    assert verdict.Calibration is rebuild_and_judge.Calibration
+    assert metrics.measure is rebuild_and_judge.measure and metrics.FloatError is rebuild_and_judge.FloatError
+    assert policy.UPCAST is rebuild_and_judge.UPCAST and aten.graph_operator is rebuild_and_judge.graph_operator
+    # no second table of dtypes to upcast to, nor of reference settings
+    copies = [f"{_rel(p)}:{n}: {line.strip()}" for p in _python_files(PKG, ROOT / "tui") if p != SCRIPT
+              for n, line in enumerate(p.read_text().splitlines(), 1)
+              if re.search(r"torch\.float16: torch\.float|^\s*torch\.(_C\._set|use)_deterministic_algorithms\("
+                           r"|os\.environ\[.*CUBLAS|cudnn\.flags\(", line)]
+    assert copies == []
 
 
 _FIGURES = {"norm_max", "norm_rel", "max_abs", "rel_l2"}  # a verdict's raw figures
 _LIMITS = {"limit_max", "limit_rel"}
-_JUDGING = {"how_far_over", "calibrated_limits"}
+_JUDGING = {"how_far_over", "calibrated_limits", "calibrate", "float_severity"}
 
 
 def _names_read(node: ast.AST) -> set[str]:
@@ -275,13 +296,15 @@ def score_computations(source: str) -> list[str]:
 
 def test_no_module_outside_compare_computes_a_severity() -> None:
     """How far an op is over its limit is ``Verdict.severity`` (compare/verdict.py); replay, the report, the repro
-    and the TUI read it and never compute their own from norm_max, limit_max and the like (the repro script is the
-    home of the judging functions the verdict calls)."""
+    and the TUI read it and never compute their own from norm_max, limit_max and the like. The bottom module is the
+    home of the judging functions the verdict calls, and its script calls them as the verdict does: it may call
+    them, never compare a figure with a limit or rank by one itself."""
     offenders = []
     for p in _python_files(PKG, ROOT / "tui"):
-        if _rel(p).startswith("replaydiff/compare/") or p == SCRIPT:
+        if _rel(p).startswith("replaydiff/compare/"):
             continue
-        offenders += [f"{_rel(p)}:{x}" for x in score_computations(p.read_text())]
+        offenders += [f"{_rel(p)}:{x}" for x in score_computations(p.read_text())
+                      if not (p == SCRIPT and ": calls " in x)]
     assert offenders == []
 
 
@@ -414,3 +437,41 @@ def test_results_are_built_once_from_a_judgement() -> None:
     assert made == {"OpResult": ["replaydiff/replay/runner.py:_result",
                                  "replaydiff/report/json_report.py:load_replay_json"],
                     "PairResult": ["replaydiff/diff/compare.py:compare"]}
+
+
+_ONE_HOME = {  # what was written twice and drifted, and the one place that defines it now
+    "a plant's effect": (r"^class PlantEffect\b", {"replaydiff/faults.py"}),
+    "the record() context manager": (r"^def record\(", {"replaydiff/record/api.py"}),
+    "the recording child's environment variable": (r"[\"']REPLAYDIFF_RECORD[\"']",
+                                                   {"replaydiff/record/autostart/_replaydiff_record_env.py"}),
+    "replay's precisions": (r"^PRECISIONS\s*=|^class ReplaySettings\b", {"replaydiff/replay/policy.py"}),
+    "the colour of a replay status": (r"[\"']bold magenta[\"']", {"tui/styles.py"}),
+    "a size in KiB/MiB/GiB": (r"[\"']KiB[\"']", {"replaydiff/record/budget.py"}),
+    "whether a dtype is judged by its error": (r"startswith\(\(\"float\", \"bfloat\"", {"replaydiff/aten.py"}),
+}
+
+
+def test_each_fact_that_was_copied_has_one_home() -> None:
+    found: dict[str, set[str]] = {what: set() for what in _ONE_HOME}
+    for p in _python_files(PKG, ROOT / "tui"):
+        text = p.read_text()
+        for what, (pattern, _) in _ONE_HOME.items():
+            if re.search(pattern, text, re.M):
+                found[what].add(_rel(p))
+    assert found == {what: home for what, (_, home) in _ONE_HOME.items()}
+
+
+def test_modes_and_precisions_are_compared_as_their_types() -> None:
+    """A storage mode is a TensorMode and a precision a Precision, carried typed through options and results: no
+    module compares them with a string ("full", "same"), so a new mode is added where the type is defined."""
+    use = re.compile(r"(tensors|mode|precision)\s*(==|!=|\bin\b)\s*[\(\[{]?[\"'](full|stats|meta|fp64|fp32|same)[\"']")
+    offenders = [f"{_rel(p)}:{n}: {line.strip()}" for p in _python_files(PKG, ROOT / "tui")
+                 for n, line in enumerate(p.read_text().splitlines(), 1) if use.search(line)]
+    assert offenders == []
+    from replaydiff.record.options import RecordOptions
+    from replaydiff.replay.policy import Precision, ReplayOptions
+    from replaydiff.trace.modes import TensorMode
+
+    assert RecordOptions(tensors="stats").tensors is TensorMode.STATS  # the CLI's and the API's spelling
+    assert ReplayOptions(precision="same").precision is Precision.SAME
+    assert f"{TensorMode.META} {Precision.FP32}" == "meta fp32"  # on disk, in JSON and in text as before

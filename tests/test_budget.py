@@ -1,4 +1,4 @@
-"""A trace too big to record whole (issue 16): ``record --budget``, a full disk, the statistics a zoomed trace keeps
+"""A trace too big to record whole: ``record --budget``, a full disk, the statistics a zoomed trace keeps
 for what its filter leaves out, and ``record --estimate``."""
 from __future__ import annotations
 
@@ -381,7 +381,7 @@ def _named_ops(line: str) -> tuple[set[int], int]:
 
 def test_budget_with_module_names_exactly_the_ops_not_judged(tmp_path, capsys):
     """--budget with --module: the ops left out for the budget are interleaved with ops that were judged. record,
-    replay and show named them "(#7-#719)" while ops inside that range were judged; each now names exact runs."""
+    replay and show each name the exact runs left out, never one range ("#7-#719") holding judged ops."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     capsys.readouterr()
@@ -405,9 +405,9 @@ def test_budget_with_module_names_exactly_the_ops_not_judged(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_record_warns_once_when_the_budget_left_data_out_and_show_says_so(tmp_path, capsys):
-    """`record --budget` that left tensor data out said nothing, and show called the trace `complete`. Now record
-    warns once at the end with what was left out and a --budget that fits it all, and show says `budget reached`;
-    recorded again with that budget, nothing is left out."""
+    """`record --budget` that leaves tensor data out warns once at the end with what was left out and a --budget
+    that fits it all, show says `budget reached` (not `complete`); recorded again with that budget, nothing is left
+    out."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     capsys.readouterr()

@@ -359,7 +359,7 @@ def test_a_file_given_as_a_trace_is_one_line_and_exit_3(recorded, tmp_path, caps
 
 @pytest.mark.slow
 def test_a_removed_data_file_is_one_line_and_nothing_after_it(recorded, tmp_path):
-    """The reader reported it, then a destructor printed `Exception ignored in: DataFile.__del__`."""
+    """The reader reports it in one line, and no destructor prints `Exception ignored in: DataFile.__del__` after it."""
     cwd, _ = recorded
     shutil.copytree(cwd / "trace", tmp_path / "t")
     data = sorted((tmp_path / "t" / "rank0" / "data").glob("*.safetensors"))
@@ -373,7 +373,8 @@ def test_a_removed_data_file_is_one_line_and_nothing_after_it(recorded, tmp_path
 
 
 def test_show_says_a_trace_copied_in_part_is_damaged(recorded, tmp_path, capsys):
-    """A deleted or cut data file: show said "complete" (the manifest's word) and replay then stopped with exit 3."""
+    """A data file cut short: show describes the trace as DAMAGED (never as whole, the manifest's word) and exits 3,
+    in text and in JSON."""
     cwd, _ = recorded
     assert main(["show", str(cwd / "trace")]) == 0
     assert "DAMAGED" not in capsys.readouterr().out
@@ -499,9 +500,9 @@ def test_record_of_a_step_the_script_never_reaches(tmp_path, cli):
 
 @pytest.mark.slow
 def test_record_of_the_step_after_the_last_is_never_reached_and_a_range_says_what_it_got(tmp_path, cli):
-    """`--step 4` of a 3-step script said `recorded step 4` with exit 0 and wrote the script's tail after its last
-    step as a 2-op trace; `--steps 2-4` said `recorded steps 2-4`. Now the one is like `--step 10` (exit 2, no
-    directory) and the other names the steps it got and the one it never reached, exit 0."""
+    """`--step 4` of a 3-step script is a step never reached, like `--step 10` (exit 2, no directory; never the
+    script's tail after its last step as a trace); `--steps 2-4` names the steps it got and the one it never
+    reached, exit 0."""
     (tmp_path / "train.py").write_text(TRAIN.replace("sys.exit(3)", ""))
     proc = cli("record", "--step", "4", "-o", "s4", "--", sys.executable, "train.py", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
@@ -517,8 +518,8 @@ def test_record_of_the_step_after_the_last_is_never_reached_and_a_range_says_wha
 
 @pytest.mark.slow
 def test_record_with_no_process_of_the_ranks_asked_says_the_rank_it_ran_as(tmp_path, cli):
-    """`--ranks 7` of a single-process job said `no process of the command ran replaydiff's step hook (is it a
-    Python process that keeps PYTHONPATH?)`: the hook ran, in rank 0."""
+    """`--ranks 7` of a single-process job: no process had a rank in --ranks 7, and the line says it ran as rank 0
+    (the hook did run); exit 2, nothing written."""
     (tmp_path / "train.py").write_text(TRAIN.replace("sys.exit(3)", ""))
     proc = cli("record", "--step", "2", "--ranks", "7", "-o", "rk", "--", sys.executable, "train.py",
                cwd=tmp_path)
@@ -530,8 +531,8 @@ def test_record_with_no_process_of_the_ranks_asked_says_the_rank_it_ran_as(tmp_p
 
 
 def test_force_is_offered_only_for_a_directory_it_would_replace(recorded, tmp_path, monkeypatch, capsys):
-    """`record -o other` on a folder holding a user's file said `pass --force to replace it`, and --force then
-    refused. A trace is still offered --force; the other folder is said not to be one."""
+    """`record -o` on a folder holding a user's file says --force would not replace it, naming the file; on a
+    trace it offers --force. Neither is touched."""
     cwd, _ = recorded
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
@@ -557,7 +558,7 @@ def _cli_main(capsys, *args) -> tuple[int, str, str]:
 
 
 def test_a_rank_not_in_the_trace_is_a_usage_error_in_every_verb(recorded, tmp_path, capsys):
-    """replay said exit 3 (a damaged trace), diff exit 2, each in its own words: one code and one sentence."""
+    """A rank the trace does not hold is exit 2 with one sentence in every verb (not exit 3, a damaged trace)."""
     cwd, _ = recorded
     t = cwd / "trace"
     for verb in (["replay", t, "--rank", 5], ["show", t, "--rank", 5], ["show", t, "--op", 0, "--rank", 5],
@@ -629,8 +630,8 @@ def test_record_help_says_steps_are_counted_on_the_first_optimizer(capsys):
 
 @pytest.mark.slow
 def test_record_says_when_the_recording_stopped_part_way(tmp_path, cli):
-    """A recorder that stopped part-way (here: its module statistics fail) said `recorded steps 1-3` as if it had
-    recorded them; now the summary line and show say it stopped, and why. The job's exit code is passed through."""
+    """A recorder that stops part-way (here: its module statistics fail): the summary line and show say it stopped,
+    and why, never `recorded steps 1-3`. The job's exit code is passed through."""
     (tmp_path / "train.py").write_text(
         "from replaydiff.record.module_stats import ModuleStatsHooks\n"
         "def boom(*a, **k):\n    raise RuntimeError('injected')\n"
@@ -667,8 +668,8 @@ def test_record_of_a_step_the_script_raises_in_says_it_was_cut_short(tmp_path, c
 
 @pytest.mark.slow
 def test_record_of_a_step_killed_by_a_signal_says_it_was_cut_short(tmp_path):
-    """A recording killed by SIGTERM inside step 3 still said `recorded step 3 into ...` as if all went well; now it
-    says the command was stopped, that the trace holds part of the step, and (last) whose exit code record returns."""
+    """A recording killed by SIGTERM inside step 3 says the command was stopped, that the trace holds part of the
+    step, and (last) whose exit code record returns; never `recorded step 3 into ...`."""
     (tmp_path / "train.py").write_text(TRAIN.replace("    loss = F.mse_loss(model(x), y)\n",
                                                      "    loss = F.mse_loss(model(x), y)\n"
                                                      "    if step == 2:\n        import os, signal\n"
@@ -733,8 +734,8 @@ SCRIPT_WITHOUT_STEP = textwrap.dedent("""
     ("nosuch.py", "the command exited with code 2 before its first optimizer step (its output above may say why)")],
     ids=["no-optimizer", "missing-script"])
 def test_record_of_a_command_without_any_optimizer_step_says_why(tmp_path, script, why):
-    """An inference loop and a missing script both said `the script ran 0 steps of its first optimizer`: there is
-    no optimizer, nothing pointed to replaydiff.record(), and the missing file's failure read like a count."""
+    """An inference loop is told there is no optimizer and pointed to replaydiff.record(); a missing script is told
+    its file is missing. Neither reads `the script ran 0 steps of its first optimizer`."""
     (tmp_path / "infer.py").write_text(SCRIPT_WITHOUT_STEP)
     proc = replaydiff_cli("record", "--step", "3", "-o", "t", "--", sys.executable, script, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
@@ -744,9 +745,8 @@ def test_record_of_a_command_without_any_optimizer_step_says_why(tmp_path, scrip
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM", "SIGINT"])
 def test_record_passes_signals_on_to_the_command_and_waits_for_it(tmp_path, sig):
-    """`kill -USR1 <replaydiff record's pid>` ended replaydiff with 138 and left the job running orphaned, its
-    flight recorder never told. Now the signal reaches the command, replaydiff waits for it and passes its exit
-    code through."""
+    """`kill -USR1 <replaydiff record's pid>` (or TERM, INT) reaches the command, whose flight recorder is told;
+    replaydiff waits for it and passes its exit code through, never ending first and leaving the job orphaned."""
     import signal
     import time
 

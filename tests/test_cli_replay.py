@@ -101,8 +101,8 @@ def test_tolerance_takes_the_short_dtype_names_of_precision(mlp_fault, capsys):
                                          ("fp32=-1", ["fp32=-1", "must be positive"])],
                          ids=["misspelled", "integer", "not-a-number", "negative"])
 def test_a_bad_tolerance_is_a_usage_error_naming_the_flag(capsys, item, names):
-    """`--tolerance float33=1` ran as if no tolerance were given; `float32=abc` said only "could not convert string
-    to float"."""
+    """`--tolerance float33=1` (no such dtype) and `float32=abc` (no number) are usage errors naming the flag, not
+    a replay without the tolerance or Python's "could not convert string to float"."""
     proc = run_main(capsys, "replay", str(rh.step_trace("mlp")), "--tolerance", item)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert_one_line_error(proc, "--tolerance", *names)
@@ -331,7 +331,7 @@ def test_an_op_range_that_selects_nothing_is_a_usage_error(capsys):
 
 
 def test_an_ops_glob_that_selects_nothing_is_a_usage_error(capsys):
-    """`--ops 'nosuch*'` replayed nothing ("0 ok ... N skipped") and said that every replayed op matches, exit 0."""
+    """`--ops 'nosuch*'` selects no op: a usage error (exit 2), not a clean replay of nothing."""
     path = str(rh.step_trace("mlp"))
     proc = run_main(capsys, "replay", path, "--ops", "nosuch*")
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -441,6 +441,21 @@ class _Interrupt(KeyboardInterrupt):
     pass
 
 
+def test_the_journal_gives_back_a_verdicts_precision_as_a_precision():
+    """A verdict judged at another precision than asked carries a Precision: journaled and read back for --resume it
+    is that Precision again (not a string, nor a record the journal refuses)."""
+    import msgpack
+
+    from replaydiff.compare.metrics import FloatError
+    from replaydiff.compare.verdict import Verdict
+    from replaydiff.replay import journal
+    from replaydiff.replay.policy import Precision
+
+    v = Verdict(False, FloatError(1e-7, 1e-7, 0.5, 0.5, 1.0), limit_max=16.0, limit_rel=8.0, precision=Precision.FP32)
+    back = journal._decode(msgpack.unpackb(msgpack.packb(journal._encode(v))))
+    assert back == v and back.precision is Precision.FP32
+
+
 def test_an_interrupted_replay_resumes_from_what_it_had_judged(mlp_fault, tmp_path, cli_here):
     """Ctrl-C after 20 ops, then `replay --resume`: only the other ops are replayed, and the report is the one an
     uninterrupted run gives (the planted op named, every status and figure the same)."""
@@ -494,8 +509,8 @@ def test_resume_ignores_a_journal_of_other_options(mlp_fault, tmp_path, cli_here
 
 def test_an_interrupted_replay_says_where_its_journal_is_and_resume_reads_it_there(mlp_fault, tmp_path, cli_here,
                                                                                     monkeypatch):
-    """Ctrl-C said "the ops judged so far are kept" without saying where: the message names the journal's file (in
-    the user's cache folder by default), which is where --resume then finds them."""
+    """Ctrl-C names the journal's file holding the ops judged so far (in the user's cache folder by default), which
+    is where --resume then finds them."""
     import replaydiff.cli.replay as verb
 
     path, _ = mlp_fault
@@ -560,9 +575,9 @@ TINY_TRAIN = (
 
 
 def test_a_module_filter_that_matches_nothing_warns_and_judges_nothing(tmp_path, cli_here):
-    """`record --module` with a typo stored no tensor data: record said nothing and replay called the trace clean
-    ("every replayed op matches", exit 0), the health report passed every check. Now record names the nearest module
-    paths, replay says nothing was judged and exits 1, and the report fails its "ops judged" check."""
+    """`record --module` with a typo stores no tensor data: record names the nearest module paths, replay says
+    nothing was judged and exits 1 (never "every replayed op matches"), and the report fails its "ops judged"
+    check."""
     (tmp_path / "train.py").write_text(TINY_TRAIN)
     rec = cli_here("record", "--step", "2", "--module", "Sequentail.0", "-o", "t", "--", sys.executable, "train.py",
                    cwd=tmp_path)

@@ -1,4 +1,4 @@
-"""Compiled units (issue 18): torch.compile regions run compiled while recording, each call of a compiled graph one
+"""Compiled units: torch.compile regions run compiled while recording, each call of a compiled graph one
 record, replayed by interpreting its graph at float64; bugs planted in the compiler, not the model, are named.
 
 Inductor compiles C++ on the CPU here (seconds per graph on two cores): those tests are marked slow. Inductor's FX
@@ -671,10 +671,10 @@ def _unit_repros(tmp_path, capsys) -> tuple:
 
 def _script_here(capsys, d) -> tuple[int, list[str]]:
     """The repro script imported and run in this process on directory ``d``: (exit code, lines printed)."""
-    from replaydiff import repro_script
+    from replaydiff import rebuild_and_judge
 
     capsys.readouterr()
-    code = repro_script.main([], directory=str(d))
+    code = rebuild_and_judge.main([], directory=str(d))
     return code, capsys.readouterr().out.splitlines()
 
 

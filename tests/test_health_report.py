@@ -120,8 +120,8 @@ def test_rounding_level_error_is_named_with_its_figures(tmp_path, capsys):
 
 def test_one_figure_for_the_culprit_in_replay_report_html_and_json(tmp_path, capsys):
     """2e-6 relative in float32 is ~16.7 eps: just over the max_abs limit of 16 but twice the rel_l2 limit of 8, so
-    the severity (the larger ratio) is ~2.1. The headline said 2.09 while the culprit line showed only
-    max_abs/(eps*absmax) 16.4 (limit 16); every place now gives the verdict's severity, the same number."""
+    the severity (the larger ratio) is ~2.1. The headline and the culprit's line in every report give that one
+    number, the verdict's severity (not max_abs/(eps*absmax) 16.4 over its limit 16 in one place)."""
     trace = _record(tmp_path / "t", mlp_step(), plant="aten.mm.default:2:2e-6")
     replay = _replay_json(trace)
     doc = json.loads(replay.read_text())

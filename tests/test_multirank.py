@@ -472,7 +472,7 @@ def test_torchrun_sharded_replay_writes_the_single_process_report(fsdp, tmp_path
 def test_a_closed_recorder_leaves_nothing_in_the_process(tmp_path: Path) -> None:
     """After ``record --step 2`` of 3 has closed, the process holds what the plain job holds: no recorder thread,
     exit handler, hook, signal handler or mode, and no replaydiff object reaches a tensor, module, Work or process
-    group (gloo's teardown races with whatever still holds its objects; issue 15)."""
+    group (gloo's teardown races with whatever still holds its objects)."""
     script = _script(tmp_path, "ddp1.py", LEFTOVERS_SCRIPT)
     env = dict(_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
 

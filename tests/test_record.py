@@ -1007,8 +1007,8 @@ def test_a_rank_directory_holding_other_files_is_left_alone(tmp_path):
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
 def test_every_trace_file_follows_the_umask(tmp_path, umask, mode):
-    """A trace is shared with colleagues: its data files were mode 600 whatever the umask (safetensors writes
-    through a temporary file of its own), every other file followed the umask."""
+    """A trace is shared with colleagues: every file of it, its data files too (safetensors writes through a
+    temporary file of its own, mode 600), follows the umask."""
     old = os.umask(umask)
     try:
         with replaydiff.record(tmp_path / "t", chunk_ops=8):
@@ -1181,11 +1181,11 @@ _PEAK_CHILD = textwrap.dedent("""
                                                             ("full", 100, 1, 32 + 64)])
 def test_host_memory_added_by_recording_is_bounded_whatever_the_step_frees(tmp_path, mode, count, trials, bound_mib):
     """glibc serves blocks of a few MB from its heap once one was freed: whatever the recorder leaves in the hole a
-    freed temporary leaves sends the next one to the top of the heap (issue 16: +1.2 GB for 300 temporaries of
-    4 MB under meta). meta/stats add at most 100 MiB; full at most its queue_bytes (here 32 MiB) and 64 MiB more.
+    freed temporary leaves sends the next one to the top of the heap (+1.2 GB for 300 temporaries of 4 MB under
+    meta). meta/stats add at most 100 MiB; full at most its queue_bytes (here 32 MiB) and 64 MiB more.
     Each measurement in a fresh process (VmHWM is per process), against the same step run plain before. The heap's
-    layout varies from process to process (hash seeds, address randomisation): before the fix meta and stats grew
-    it by 0.6-1.2 GB in most runs but not in all, hence two processes each."""
+    layout varies from process to process (hash seeds, address randomisation): a recorder that leaves such holes
+    grows it by 0.6-1.2 GB in most runs but not in all, hence two processes each."""
     procs = [subprocess.Popen([sys.executable, "-c", _PEAK_CHILD, mode, str(count), str(32 << 20),
                                str(tmp_path / f"t{i}")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONWARNINGS="error")) for i in range(trials)]
@@ -1262,7 +1262,7 @@ def test_device_memory_with_recording_stays_at_the_plain_steps_peak(tmp_path):
 
 
 def test_the_fast_argument_encoder_gives_what_encode_value_gives(tmp_path: Path) -> None:
-    """Issue 19: OpBuilder.encode/encode_list (the recorder's hot path) must produce exactly schema.encode_value's
+    """OpBuilder.encode/encode_list (the recorder's hot path) must produce exactly schema.encode_value's
     form, keys in the same order, for every kind of aten argument, so traces stay byte for byte the same."""
     import msgpack
 

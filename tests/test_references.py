@@ -137,8 +137,7 @@ def test_decomp_replay_of_a_healthy_step_is_clean(tmp_path):
 def test_a_decomposition_that_declines_the_arguments_falls_back_to_the_kernel(tmp_path):
     """max_pool2d_with_indices_backward's decomposition returns NotImplemented for arguments it does not cover (here:
     the ones a CNN's pooling gives it): that is no decomposition for this call, so the op is replayed through its own
-    kernel, as an op without one is; it was an error ("op returned NotImplementedType") and made a healthy step not
-    clean."""
+    kernel, as an op without one is, and the healthy step is clean (no "op returned NotImplementedType" error)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 2))
     with replaydiff.record(tmp_path / "t"):

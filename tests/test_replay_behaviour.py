@@ -335,7 +335,7 @@ def _weight_read_twice_then_written():
 
 
 def test_an_input_read_by_several_ops_is_rebuilt_once_and_never_written(tmp_path, monkeypatch):
-    """Replay keeps the inputs it rebuilt (decoded, upcast) for the next ops that read them (issue 19): only ops that
+    """Replay keeps the inputs it rebuilt (decoded, upcast) for the next ops that read them: only ops that
     write none of their arguments are given those, so an op that writes in place never changes what others read."""
     from replaydiff.replay import ReplayOptions
     from replaydiff.replay.policy import reference_settings

@@ -114,24 +114,24 @@ def test_in_place_op_repro_compares_the_written_argument(traces, tmp_path):
 
 
 def test_the_repro_script_is_a_module_that_checks_what_replay_compares(traces, tmp_path, capsys):
-    """repro.py is replaydiff/repro_script.py as it is (no template; the op is described in repro.json), it checks
+    """repro.py is replaydiff/rebuild_and_judge.py as it is (no template; the op is described in repro.json), it checks
     exactly the results replay compares, and imported and run in this process on the repro's directory it prints
     what the script prints, leaving this process's settings as they were."""
-    from replaydiff import repro_script
+    from replaydiff import rebuild_and_judge
     from replaydiff.replay.compared import compared_outputs
 
     rt = replaydiff.open_trace(traces["add"]).rank(0)
     op = _nth(rt, "aten.add_.Tensor", 1)
     d = tmp_path / "r"
     assert main(["repro", str(traces["add"]), str(op.index), "-o", str(d)]) == 0
-    assert (d / "repro.py").read_text() == Path(repro_script.__file__).read_text()
+    assert (d / "repro.py").read_text() == Path(rebuild_and_judge.__file__).read_text()
     data = json.loads((d / "repro.json").read_text())
     # add_ returns its written argument: compared once, as the argument
     assert [c["label"] for c in data["checks"]] == [c.label for c in compared_outputs(op, False)] == \
         ["arg 0 (written)"]
     capsys.readouterr()
     deterministic, precision = torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision()
-    assert repro_script.main([], directory=str(d)) == 1  # the planted write is divergent
+    assert rebuild_and_judge.main([], directory=str(d)) == 1  # the planted write is divergent
     assert capsys.readouterr().out == _run_script(d).stdout
     assert (torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision()) == \
         (deterministic, precision)
@@ -286,7 +286,8 @@ def test_repro_on_a_device_this_torch_lacks_is_one_line_and_exit_4(traces, tmp_p
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
 def test_repro_files_follow_the_umask(traces, tmp_path, umask, mode):
-    """inputs.safetensors was mode 600 whatever the umask; repro.py followed it. The repro is handed to others."""
+    """Every file of a repro, inputs.safetensors too (safetensors writes it mode 600), follows the umask: the repro
+    is handed to others."""
     rt = replaydiff.open_trace(traces["mm"]).rank(0)
     op = _nth(rt, "aten.mm.default", 1)
     old = os.umask(umask)

@@ -66,12 +66,12 @@ def _ill(report):
 
 def _run_repro(trace: Path, index: int, out: Path, capsys) -> subprocess.CompletedProcess:
     """`repro` of op ``index`` into ``out``, and its script run on ``out`` in this process (the script's code is
-    replaydiff.repro_script; test_repro runs the written scripts alone, as ``python -I repro.py``)."""
-    from replaydiff import repro_script
+    replaydiff.rebuild_and_judge; test_repro runs the written scripts alone, as ``python -I repro.py``)."""
+    from replaydiff import rebuild_and_judge
 
     assert main(["repro", str(trace), str(index), "-o", str(out)]) == 0
     capsys.readouterr()
-    code = repro_script.main([], directory=str(out))
+    code = rebuild_and_judge.main([], directory=str(out))
     stdout, stderr = capsys.readouterr()
     return subprocess.CompletedProcess(["repro.py"], code, stdout, stderr)
 
@@ -133,7 +133,7 @@ def test_tui_model_ranks_the_ok_op_below_the_culprit(traces, reports):
     culprit = report.first_divergent
     assert model.severity[ill.index] <= 1 < model.severity[culprit.index]
     groups = {(g.phase, g.path): g for g in _walk(model.module_groups())}
-    assert groups[("backward", "BNNet.fc")].worst <= 1  # was labelled "1.3e5x" in the module tree
+    assert groups[("backward", "BNNet.fc")].worst <= 1  # not its raw ratio, 1.3e5x, in the module tree
     assert groups[("forward", "BNNet.out")].worst > 1
     assert groups[("backward", "")].worst <= 1 < groups[("forward", "")].worst
 
@@ -159,6 +159,83 @@ def test_repro_agrees_with_replay(traces, reports, tmp_path, capsys):
     assert "  DIVERGENT - " in line and culprit.reason.endswith(line.split("  DIVERGENT - ", 1)[1]), line
 
 
+def _copied_script(d: Path):
+    """The repro.py written into ``d``, imported from there (not the installed replaydiff module it was copied
+    from)."""
+    import importlib.util
+    import sys
+
+    name = f"copied_repro_{d.name}"
+    spec = importlib.util.spec_from_file_location(name, d / "repro.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as `python repro.py` registers __main__: its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
+    return module
+
+
+def test_the_copied_script_judges_every_op_as_replay_does(traces, reports, tmp_path, capsys):
+    """Every op replay judged in the planted step (the culprit, the ill-conditioned bias gradient, the rest), its
+    repro written and the copied script run on it: each recorded result is divergent in the script exactly where
+    replay says so, with replay's reason for the ill-conditioned op and for the culprit."""
+    from replaydiff.errors import UsageError
+    from replaydiff.repro.write import write_repro
+
+    rt = replaydiff.open_trace(traces["planted"]).rank(0)
+    judged = {r.index: r for r in reports["planted"].ops if r.status in (Status.OK, Status.DIVERGENT)}
+    seen: dict[int, bool] = {}
+    for index, r in judged.items():
+        d = tmp_path / f"op{index}"
+        try:
+            write_repro(rt, rt[index], d)
+        except UsageError:
+            continue  # nothing it could run alone (uninitialised memory, a marker): replay's own ruling stands
+        script = _copied_script(d)
+        capsys.readouterr()
+        script.main([], directory=str(d))
+        lines = [l for l in capsys.readouterr().out.splitlines()
+                 if "recorded vs reference:" in l or " scalar: " in l or "(a view of an input)" in l]
+        assert lines, index
+        seen[index] = any("DIVERGENT" in l or "RECORDED" in l for l in lines)
+        if r.verdict is not None and r.verdict.explanation:  # the ill-conditioned op: its reason, word for word
+            assert any(l.endswith(f"  ok - {r.verdict.explanation}") for l in lines), (r.reason, lines)
+        if r.status is Status.DIVERGENT:
+            line = next(l for l in lines if "DIVERGENT - " in l)
+            assert r.reason.endswith(line.split("  DIVERGENT - ", 1)[1]), (r.reason, line)
+    assert len(seen) > 20 and _ill(reports["planted"])[0].index in seen
+    assert {i for i, divergent in seen.items() if divergent} == {reports["planted"].first_divergent.index} == \
+        {i for i in seen if judged[i].status is Status.DIVERGENT}
+
+
+def test_the_copied_script_allows_the_graph_targets_replay_allows(traces, tmp_path):
+    """The operator functions a compiled unit's graph may call: the copied script resolves exactly those replay
+    resolves (one allowlist), and refuses what replay refuses."""
+    import operator
+
+    from replaydiff import aten
+    from replaydiff.repro.write import write_repro
+
+    rt = replaydiff.open_trace(traces["clean"]).rank(0)
+    write_repro(rt, next(op for op in rt if op.name == "aten.addmm.default"), tmp_path / "r")
+    script = _copied_script(tmp_path / "r")
+    names = [f"operator.{n}" for n in dir(operator) if not n.startswith("__")] + [
+        "builtins.eval", "os.system", "aten.mm.default", "prims.convert_element_type.default", "torch.mm"]
+
+    def allowed(resolve, name):
+        try:
+            return resolve(name) is not None
+        except (ValueError, aten.UnknownOp):
+            return False
+
+    replay = {n for n in names if allowed(aten.resolve_graph_target, n)}
+    assert {n for n in names if allowed(script.graph_target, n)} == replay
+    assert {"operator.getitem", "operator.add", "aten.mm.default", "prims.convert_element_type.default"} <= replay
+    assert not replay & {"operator.setitem", "operator.attrgetter", "operator.call", "builtins.eval", "os.system",
+                         "torch.mm"}
+
+
 class ConvBN(nn.Module):
     """conv1 -> ReLU -> conv2 -> BatchNorm -> ReLU: conv2's bias gradient feeds a BatchNorm, so it is a sum that is
     mathematically zero (its recorded float32 values are rounding noise)."""
@@ -181,8 +258,8 @@ def _conv_bn_step() -> None:
 
 def test_fp32_replay_recognises_an_ill_conditioned_op_as_fp64_does(tmp_path):
     """At --precision fp32 a float32 op's reference is its own dtype's run, so its own error cannot be measured
-    against it: the conv bias gradient before a BatchNorm was called divergent "while the op itself is exact".
-    It is judged against float64 instead, as at fp64; a 1e-3 fault planted in that very op is still named."""
+    against it (the conv bias gradient before a BatchNorm would read divergent "while the op itself is exact"):
+    it is judged against float64 instead, as at fp64, and is ok; a 1e-3 fault planted in that very op is named."""
     with replaydiff.record(tmp_path / "clean"):
         _conv_bn_step()
     # call 1: the first convolution_backward of the step is conv2's (backward runs in reverse): its grad_input

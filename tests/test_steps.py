@@ -211,8 +211,8 @@ def test_trend_of_a_one_step_trace_is_a_usage_error(tmp_path, capsys):
 
 @pytest.mark.parametrize("tensors", ["stats", "full", "meta"])
 def test_trend_says_the_true_reason_it_has_nothing_to_draw(tmp_path, capsys, tensors):
-    """`trend --module nosuch` of a --steps 1-5 trace, and trend of a full or meta multi-step trace, said `the trace
-    has no step numbers: record it with --steps`: each has steps."""
+    """`trend --module nosuch` of a --steps 1-5 trace, and trend of a full or meta multi-step trace, each say their
+    own reason (no such module; no statistics), never `the trace has no step numbers`: each has steps."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

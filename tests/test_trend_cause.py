@@ -1,4 +1,4 @@
-"""From statistics to the cause (issue 16 item 4): the user's path, on a 2-layer MLP.
+"""From statistics to the cause: the user's path, on a 2-layer MLP.
 
 A weight is multiplied by 100 in the training loop before step 25, outside any module: a one-off ``mul_`` with no
 module and no history. ``trend`` of a ``stats`` trace of steps 1-40 must name that ``mul_`` (not the op that reads the
@@ -163,7 +163,7 @@ def test_a_change_written_by_a_filtered_op_enters_from_it(tmp_path, tensors):
 
 
 def test_clean_replay_of_one_zoomed_step_says_how_to_see_where_the_difference_enters(tmp_path, capsys):
-    """The issue's zoom-in, step 25 alone: nothing to compare an input with, and replay says so and what to record."""
+    """Trend's zoom-in, step 25 alone: nothing to compare an input with, and replay says so and what to record."""
     with replaydiff.record(tmp_path / "z", tensors="full", steps=str(SPIKE_STEP), modules="Sequential.2"):
         train(mlp())
     assert find_entry(open_trace(tmp_path / "z").rank(0)) is None

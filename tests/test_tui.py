@@ -33,7 +33,8 @@ from replaydiff.tui.keys import KEYS  # noqa: E402
 from replaydiff.tui.screens.ancestry import AncestryScreen  # noqa: E402
 from replaydiff.tui.screens.help import HelpScreen  # noqa: E402
 from replaydiff.tui.screens.picker import OpPicker  # noqa: E402
-from replaydiff.tui.screens.replay_form import ReplayForm, ReplaySettings  # noqa: E402
+from replaydiff.replay.policy import ReplayOptions  # noqa: E402
+from replaydiff.tui.screens.replay_form import ReplayForm  # noqa: E402
 from replaydiff.tui.widgets.heat_strip import HeatStrip  # noqa: E402
 from replaydiff.tui.widgets.op_list import OpList  # noqa: E402
 
@@ -476,7 +477,7 @@ async def test_background_replay_colours_rows_as_results_arrive_and_keys_still_w
     _, report = traced
     calls: list = []
     gate, half = threading.Event(), threading.Event()
-    app = new_app(traced, report=None, replay=ReplaySettings(), runner=_gated_runner(report, calls, gate, half))
+    app = new_app(traced, report=None, replay=ReplayOptions(), runner=_gated_runner(report, calls, gate, half))
     async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)
         try:
@@ -492,7 +493,7 @@ async def test_background_replay_colours_rows_as_results_arrive_and_keys_still_w
         assert app.replay_state == "done"
         assert not app.main.query_one("#progress").display
         assert app.model.divergent == problems(report)
-        assert calls == [ReplaySettings("cpu", "fp64", 1)]
+        assert calls == [ReplayOptions("cpu", "fp64", 1)]
 
 
 async def _check_while_running(app, pilot) -> None:
@@ -507,7 +508,7 @@ async def _check_while_running(app, pilot) -> None:
 @sync
 async def test_the_default_replay_runs_in_the_background_at_fp64_on_the_cpu(traced):
     _, report = traced
-    app = new_app(traced, report=None, replay=ReplaySettings())
+    app = new_app(traced, report=None, replay=ReplayOptions())
     async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)
         await app.workers_done(replay=True)
@@ -550,7 +551,7 @@ async def test_R_replays_again_with_settings_from_the_form(traced):
         await press(app, pilot, "enter")  # Enter in the device box runs
         await app.workers_done(replay=True)
         await settle(app, pilot)
-        assert calls == [ReplaySettings("cpu", "fp32", 1)]
+        assert calls == [ReplayOptions("cpu", "fp32", 1)]
         assert app.replay_state == "done" and app.model.divergent == problems(report)
 
 

@@ -15,13 +15,14 @@ from textual.binding import Binding
 from textual.widgets import ProgressBar, Static
 
 from replaydiff.replay.engine import trace_uses
+from replaydiff.replay.policy import ReplayOptions
+from replaydiff.trace.modes import TensorMode
 from replaydiff.tui import details
 from replaydiff.tui.background import Runner, Runs, _default_reference
 from replaydiff.tui.model import TraceModel
 from replaydiff.tui.navigation import Navigation
 from replaydiff.tui.runs import RunState
 from replaydiff.tui.screens.main import MainScreen
-from replaydiff.tui.screens.replay_form import ReplaySettings
 from replaydiff.tui.widgets.heat_strip import HeatStrip
 from replaydiff.tui.widgets.module_tree import ModuleTree
 from replaydiff.tui.widgets.op_list import OpList
@@ -39,8 +40,8 @@ class ReplaydiffApp(Runs, Navigation, App):
     ]
 
     def __init__(self, trace: Any, *, rank: int | None = None, report: Any = None,
-                 replay: ReplaySettings | None = None, runner: Runner | None = None,
-                 reference: Callable[[Any, int, ReplaySettings], list | None] | None = None,
+                 replay: ReplayOptions | None = None, runner: Runner | None = None,
+                 reference: Callable[[Any, int, ReplayOptions], list | None] | None = None,
                  diff: str | Path | None = None) -> None:
         super().__init__()
         # diff mode: rows are coloured by the diff of this reference trace against ``trace`` instead of a replay
@@ -48,7 +49,7 @@ class ReplaydiffApp(Runs, Navigation, App):
         self.trace = trace
         self.ranks: list[int] = list(trace.ranks)
         self.rank = rank if rank is not None else self.ranks[0]
-        self.settings = replay or ReplaySettings()
+        self.settings = replay or ReplayOptions()
         # a trace of statistics or shapes (record --tensors stats|meta) holds nothing to replay: it is never started
         self.uses = trace_uses(trace.rank(self.rank))
         self.replay_on_start = replay is not None and diff is None and "replay" in self.uses
@@ -178,7 +179,8 @@ class ReplaydiffApp(Runs, Navigation, App):
             verdicts = f"replay failed: {self.replay_message}"
         elif self.replay_state is RunState.NONE and "replay" not in self.uses:
             mode = m.trace.options.tensors
-            verdicts = f"--tensors {mode}: {'statistics' if mode == 'stats' else 'shapes'} only, never replayed " \
+            held = "statistics" if mode is TensorMode.STATS else "shapes"
+            verdicts = f"--tensors {mode}: {held} only, never replayed " \
                        f"(record --tensors full to judge ops)"
         elif self.replay_state is RunState.NONE:
             verdicts = "not replayed (R runs a replay)"
@@ -321,7 +323,7 @@ def left_out_status(trace: Any) -> str:
 
 
 def make_app(path: str | Path, *, rank: int | None = None, report_path: str | Path | None = None,
-             replay: ReplaySettings | None = None, diff_ref: str | Path | None = None) -> ReplaydiffApp:
+             replay: ReplayOptions | None = None, diff_ref: str | Path | None = None) -> ReplaydiffApp:
     """Open a trace (TraceError if it cannot be read) and build the app: colours from ``report_path`` when given,
     otherwise a background replay with ``replay`` settings (fp64 on the CPU by default); with ``diff_ref``, the diff
     of that reference trace against this one instead (no replay). Nothing runs until the
@@ -340,7 +342,7 @@ def make_app(path: str | Path, *, rank: int | None = None, report_path: str | Pa
 
         report = load_replay_json(report_path)
     return ReplaydiffApp(trace, rank=rank, report=report,
-                         replay=None if report is not None else (replay or ReplaySettings()))
+                         replay=None if report is not None else (replay or ReplayOptions()))
 
 
-__all__ = ["ReplaydiffApp", "ReplaySettings", "make_app"]
+__all__ = ["ReplaydiffApp", "ReplayOptions", "make_app"]

@@ -9,19 +9,16 @@ from typing import Any, Callable
 from textual import work
 from textual.reactive import var
 
+from replaydiff.replay.policy import ReplayOptions
 from replaydiff.tui import details
 from replaydiff.tui.runs import Cancelled, RunFailed, RunFinished, RunMessage, RunOutbox, RunState, RunUpdate
-from replaydiff.tui.screens.replay_form import ReplaySettings
 
 Runner = Callable[..., Any]
 
 
-def _default_runner(path: str, settings: ReplaySettings, **callbacks: Any) -> Any:
-    from replaydiff.replay import ReplayOptions
-
+def _default_runner(path: str, opts: ReplayOptions, **callbacks: Any) -> Any:
     from replaydiff.tui.replay_runner import replay_in_background
 
-    opts = ReplayOptions(device=settings.device, precision=settings.precision, repeat=settings.repeat)
     if _ops_in(path) < IN_PROCESS_OPS:
         # a small trace replays in a second or two: not worth starting a process that imports torch first
         from replaydiff.replay import replay_trace
@@ -50,9 +47,7 @@ def _prepare_default_runner(path: str) -> None:
 _default_runner.prepare = _prepare_default_runner  # type: ignore[attr-defined]
 
 
-def _default_reference(trace: Any, i: int, settings: ReplaySettings) -> list | None:
-    from replaydiff.replay import ReplayOptions
-
+def _default_reference(trace: Any, i: int, settings: ReplayOptions) -> list | None:
     opts = ReplayOptions(device=settings.device, precision=settings.precision)
     return details.reference_pairs(trace, i, opts)
 
@@ -116,7 +111,7 @@ class Runs:
             return
         outbox.finish(report)
 
-    def start_replay(self, settings: ReplaySettings) -> None:
+    def start_replay(self, settings: ReplayOptions) -> None:
         self.diff_ref = None  # a replay asked for (R) leaves diff mode
         outbox = self._new_run("replay")
         self.settings = settings
@@ -133,7 +128,7 @@ class Runs:
         self._replay_worker(settings, outbox)
 
     @work(thread=True, exclusive=True, group="replay", exit_on_error=False)
-    def _replay_worker(self, settings: ReplaySettings, outbox: RunOutbox) -> None:
+    def _replay_worker(self, settings: ReplayOptions, outbox: RunOutbox) -> None:
         try:
             report = self.runner(str(self.trace.path), settings, progress_total=outbox.total,
                                  progress=outbox.advance, on_result=outbox.result)

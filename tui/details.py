@@ -12,18 +12,12 @@ from replaydiff.compare.verdict import output_said
 from replaydiff.diff.parallel import MappedOp
 from replaydiff.replay.engine import trace_uses
 from replaydiff.report.text import origin_how, record_again
+from replaydiff.trace.modes import TensorMode
 from replaydiff.trace.schema import LEFT_OUT_FILTERED, LEFT_OUT_WHY
 from replaydiff.tui.diff_mode import unit_lead
 from replaydiff.tui.model import PROBLEMS, RowResult, severity_text, short_op
+from replaydiff.tui.styles import STATUS_MARKUP
 
-STATUS_STYLE = {
-    "ok": "green",
-    "divergent": "bold red",
-    "nondeterministic": "bold magenta",
-    "skipped": "dim",
-    "error": "yellow",
-    None: "dim",
-}
 MAX_MINMAX_NUMEL = 1 << 24  # min/max need the data: read tensors up to 16M elements for them
 MAX_LINKS = 6
 
@@ -48,7 +42,7 @@ def op_link(trace: Any, i: int | None, status: str | None = None, with_name: boo
             name = ""
     st = ""
     if status in PROBLEMS or status == "error":
-        st = f" [{STATUS_STYLE[status]}]{status}[/]"
+        st = f" [{STATUS_MARKUP[status]}]{status}[/]"
     return f"[@click=app.goto({i})][underline]#{i}[/underline]{name}[/]{st}"
 
 
@@ -160,7 +154,7 @@ def verdict_lines(result: RowResult | None) -> list[str]:
     if result.in_diff:
         return diff_lines(result)
     s = result.status
-    head = f"[{STATUS_STYLE.get(s, 'dim')}]{esc((s or '?').upper())}[/]"
+    head = f"[{STATUS_MARKUP.get(s, 'dim')}]{esc((s or '?').upper())}[/]"
     m = result.metrics or {}
     lines = [head]
     if "mismatches" in m:
@@ -203,7 +197,7 @@ def unreplayable_lines(trace: Any, result: RowResult | None) -> list[str]:
     if "replay" in uses:
         return []
     mode = trace.options.tensors
-    held = "per-tensor statistics (numel, mean, absmax, l2, var, NaN/Inf counts)" if mode == "stats" \
+    held = "per-tensor statistics (numel, mean, absmax, l2, var, NaN/Inf counts)" if mode is TensorMode.STATS \
         else "shapes and dtypes"
     other = "; t shows its trend" if "trend" in uses else ""
     return [f"[bold yellow]NOT REPLAYABLE[/]  recorded with --tensors {esc(mode)}: {held}, no tensor data, so no op "
@@ -233,7 +227,7 @@ def mapped_lines(result: RowResult, op: MappedOp) -> list[str]:
     layout, and why it parts (the departure) or that it reads what did."""
     s = result.status
     word = {"ok": "MAPS", "divergent": "PARTS HERE", "inherited": "INHERITED"}.get(str(s), str(s).upper())
-    lines = [f"[{STATUS_STYLE.get(s, 'dim')}]{word}[/]  mapped onto reference op [bold]ref #{op.ref}[/] with every "
+    lines = [f"[{STATUS_MARKUP.get(s, 'dim')}]{word}[/]  mapped onto reference op [bold]ref #{op.ref}[/] with every "
              f"rank's op ({', '.join(f'rank {r} #{i}' for r, i in enumerate(op.targets))})"]
     for t in op.tensors:
         what = t.layout.describe() if t.layout is not None else "no layout fits"
@@ -253,7 +247,7 @@ def diff_lines(result: RowResult) -> list[str]:
     pair = result.pair
     if pair is None:
         return [f"[cyan]TARGET ONLY[/]  no aligned op in the reference (rank {result.ref_rank})"]
-    style = {"inherited": "#d9822b", "same": "green"}.get(str(pair.status), STATUS_STYLE.get(s, "dim"))
+    style = {"inherited": "#d9822b", "same": "green"}.get(str(pair.status), STATUS_MARKUP.get(s, "dim"))
     lines = [f"[{style}]{esc(str(pair.status).upper())}[/]  aligned with reference op "
              f"[bold]ref #{pair.ref}[/] (rank {result.ref_rank})"
              + (f"  [dim]reference op {esc(pair.target_op)}[/]" if pair.target_op else "")]
@@ -288,7 +282,7 @@ def unit_pair_markup(result: RowResult) -> list[str]:
     from replaydiff.report.diff_text import unit_pair_lines
 
     u = result.unit
-    style = {"inherited": "#d9822b", "same": "green"}.get(str(u.status), STATUS_STYLE.get(str(u.status), "dim"))
+    style = {"inherited": "#d9822b", "same": "green"}.get(str(u.status), STATUS_MARKUP.get(str(u.status), "dim"))
     own = u.side == "target" and result.index == u.unit
     what = ("this compiled unit against the reference's eager ops of its region" if own else
             f"compared as part of compiled unit ref #{u.unit} ({esc(u.op)}), against this trace's eager ops of its "

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from textual.widgets import Input
 
+from replaydiff.replay.policy import ReplayOptions
 from replaydiff.tui.model import short_op
 from replaydiff.tui.runs import RunState
 from replaydiff.tui.screens.ancestry import AncestryScreen
 from replaydiff.tui.screens.help import HelpScreen
 from replaydiff.tui.screens.picker import OpPicker
-from replaydiff.tui.screens.replay_form import ReplaySettings, ReplayForm
+from replaydiff.tui.screens.replay_form import ReplayForm
 from replaydiff.tui.screens.trend import TrendScreen
 from replaydiff.tui.widgets.op_list import OpList
 
@@ -204,7 +205,7 @@ class Navigation:
     def action_replay_form(self) -> None:
         self.push_screen(ReplayForm(self.settings), self._replay_chosen)
 
-    def _replay_chosen(self, settings: ReplaySettings | None) -> None:
+    def _replay_chosen(self, settings: ReplayOptions | None) -> None:
         if settings is not None:
             self.start_replay(settings)
 

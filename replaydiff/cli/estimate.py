@@ -24,6 +24,7 @@ from replaydiff.record.estimate import PROBE_BYTES, BudgetFit, RankEstimate, est
     ranks_flags, ranks_that_fit
 from replaydiff.record.options import RecordOptions
 from replaydiff.trace import open_trace
+from replaydiff.trace.modes import TensorMode
 
 FORMAT = "replaydiff.estimate/1"
 ROWS = 15  # (module, phase) rows listed per rank in the text, largest first (the JSON has them all)
@@ -60,7 +61,7 @@ def run_estimate(args: argparse.Namespace, cmd: list[str], options: RecordOption
     except OSError as exc:
         rate = WriteRate(None, probe_dir, str(exc))
         sys.stderr.write(f"replaydiff: the write rate could not be measured in {probe_dir}: {exc}\n")
-    meta = dataclasses.replace(options, tensors="meta", modules=None, ops=None, budget=None, plant=None,
+    meta = dataclasses.replace(options, tensors=TensorMode.META, modules=None, ops=None, budget=None, plant=None,
                                max_tensor_bytes=None)
     tmp = Path(tempfile.mkdtemp(prefix="replaydiff-estimate-"))
     try:

@@ -28,7 +28,7 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from replaydiff.report.repro import DATA, INPUTS, SCRIPT, is_repro_file, write_repro
+    from replaydiff.repro.write import DATA, INPUTS, SCRIPT, is_repro_file, write_repro
 
     trace = open_trace(args.trace)
     rank = trace.ranks[0] if args.rank is None else args.rank

@@ -11,6 +11,7 @@ from typing import Any, TextIO
 
 from replaydiff.aten import matches_any
 from replaydiff.errors import EXIT_OK, EXIT_TRACE, UsageError
+from replaydiff.record.budget import format_bytes as _human
 from replaydiff.replay.engine import check_op_range
 from replaydiff.trace import OpRecord, RankTrace, TensorRef, TraceIndex, describe_missing, open_trace
 from replaydiff.trace.damage import MissingOps
@@ -38,14 +39,6 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 
 def _bytes_on_disk(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def rank_summary(r: RankTrace, top: int) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from replaydiff.errors import EXIT_OK, UsageError
-from replaydiff.replay.policy import PRECISIONS
+from replaydiff.replay.policy import PRECISIONS, ReplayOptions
 
 NAME = "tui"
 HELP = "browse a trace and its replay in a terminal UI"
@@ -40,12 +40,11 @@ def run(args: argparse.Namespace) -> int:
         check_device(args.device)
     try:
         from replaydiff.tui.app import make_app
-        from replaydiff.tui.screens.replay_form import ReplaySettings
     except ImportError as exc:  # textual missing in a slim install
         raise UsageError(f"the terminal UI needs textual ({exc}); pip install textual") from None
 
     app = make_app(args.trace, rank=args.rank, report_path=args.replay, diff_ref=args.diff,
-                   replay=ReplaySettings(device=args.device, precision=args.precision))
+                   replay=ReplayOptions(device=args.device, precision=args.precision))
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         # said after make_app, so that an unreadable trace is still exit 3; run, Textual would write escape codes
         # into the file or pipe until killed

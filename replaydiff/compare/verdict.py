@@ -17,32 +17,14 @@ import torch
 from replaydiff.compare.metrics import (ExactMismatch, FloatError, Measure, NonfiniteMismatch, ShapeMismatch,
                                         ScalarMismatch, ViewMismatch, measure, measure_from_json)
 from replaydiff.compare.tolerance import Tolerances
-# The pure judging functions live in the standalone repro script, which a kernel owner runs without replaydiff:
-# imported from there, so replay and the script judge by one definition.
-from replaydiff.repro_script import calibrated_limits, how_far_over, ill_conditioned_note, same_scalar
+# The pure judging functions live with rebuilding and measuring a recorded op, in the module `replaydiff repro` copies
+# as the standalone script a kernel owner runs without replaydiff: replay and the script judge by one definition.
+from replaydiff.rebuild_and_judge import (Calibration, Precision, calibrate, calibrated_limits, float_severity,
+                                          how_far_over, ill_conditioned_note, same_scalar)
 
-__all__ = ["Calibration", "OutputName", "Verdict", "calibrated", "calibrated_limits", "how_far_over", "ill_conditioned_note",
-           "judge", "judge_measure", "output_said", "scalar_verdict", "with_calibration", "with_precision", "within_fixed_limits"]
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """The op's own error at its recorded dtype: the op run there (on the CPU) against the same reference.
-
-    An op whose own error already breaks the fixed limits is ill-conditioned (a gradient sum that cancels to almost
-    zero, a LayerNorm of an input with a large mean): its recorded output is then held to ``factor`` times that
-    error instead of the fixed limits."""
-
-    max_abs: float
-    rel_l2: float
-    dtype: str  # the recorded dtype it was run at, e.g. "float32"
-    factor: float  # Tolerances.conditioning_factor
-    ill: bool  # its own error is over the fixed limits
-
-    @property
-    def limits(self) -> tuple[float, float] | None:
-        """The limits on (max_abs, rel_l2) that apply, or None when the fixed ones do (a well-conditioned op)."""
-        return calibrated_limits((self.max_abs, self.rel_l2), self.ill, self.factor)
+__all__ = ["Calibration", "OutputName", "Verdict", "calibrate", "calibrated", "calibrated_limits", "float_severity",
+           "how_far_over", "ill_conditioned_note", "judge", "judge_measure", "output_said", "scalar_verdict",
+           "with_calibration", "with_precision", "within_fixed_limits"]
 
 
 @dataclass(frozen=True)
@@ -80,7 +62,7 @@ class Verdict:
     limit_rel: float | None = None
     reduction_k: int | None = None
     calibration: Calibration | None = None  # set when the output was over its fixed limits and the op was re-run
-    precision: str | None = None  # set when the op was replayed at another precision than asked
+    precision: Precision | None = None  # set when the op was replayed at another precision than asked
     left_out: int = 0  # positions not compared: the kernel leaves them unwritten (their value is the allocator's)
     output: OutputName | None = None  # which result of the op was judged (set where the op is known)
 
@@ -104,12 +86,10 @@ class Verdict:
         if isinstance(m, NonfiniteMismatch) and not self.divergent:
             m = m.finite  # NaN/Inf positions the op makes itself at its dtype: judged on the finite ones
         if isinstance(m, FloatError):
-            cal = self.calibration.limits if self.calibration is not None else None
-            if cal is not None:
-                return how_far_over((m.max_abs, m.rel_l2), cal)
-            if self.limit_max is None or self.limit_rel is None:
+            calibrated_by = self.calibration if self.calibration is not None and self.calibration.limits else None
+            if calibrated_by is None and (self.limit_max is None or self.limit_rel is None):
                 return 0.0 if not self.divergent else math.inf  # judged by no limit (a diff's noise floor)
-            return how_far_over((m.norm_max, m.norm_rel), (self.limit_max, self.limit_rel))
+            return float_severity(m, (self.limit_max or 0.0, self.limit_rel or 0.0), calibrated_by)
         if isinstance(m, ExactMismatch):
             return math.inf if m.mismatches else 0.0
         return math.inf
@@ -122,7 +102,7 @@ class Verdict:
         m = self.measure
         if self.divergent or cal is None or cal.limits is None or not isinstance(m, FloatError):
             return None
-        return ill_conditioned_note(cal.dtype, (cal.max_abs, cal.rel_l2), (m.max_abs, m.rel_l2), cal.factor)
+        return cal.explanation(m)
 
     def to_json(self) -> dict:
         d = self.measure.to_json()
@@ -156,7 +136,8 @@ class Verdict:
                               d.get("conditioning_factor", Tolerances().conditioning_factor),
                               d.get("ill_conditioned", not divergent))
         return cls(divergent, measure_from_json(d), reason, d.get("limit_max"), d.get("limit_rel"),
-                   d.get("reduction_k"), cal, d.get("precision"), d.get("left_out", 0),
+                   d.get("reduction_k"), cal, Precision(d["precision"]) if d.get("precision") else None,
+                   d.get("left_out", 0),
                    OutputName.from_json(d.get("output")))
 
 
@@ -201,9 +182,8 @@ def with_calibration(v: Verdict, cal: Calibration) -> Verdict:
     if c._over() <= 1:
         return replace(c, divergent=False, reason=None)
     m = v.measure
-    ratio = f"{m.max_abs / cal.max_abs:.3g}x the op's own error" if isinstance(m, FloatError) and cal.max_abs \
-        else "while the op itself is exact"
-    return replace(c, divergent=True, reason=f"{v.reason}, {ratio} at its recorded dtype")
+    excess = cal.excess(m) if isinstance(m, FloatError) else "while the op itself is exact at its recorded dtype"
+    return replace(c, divergent=True, reason=f"{v.reason}, {excess}")
 
 
 def calibrated(v: Verdict, own: Measure, dtype: str, factor: float) -> Verdict:
@@ -213,8 +193,7 @@ def calibrated(v: Verdict, own: Measure, dtype: str, factor: float) -> Verdict:
     1e-2 fault (only ~6x that rounding). Any other verdict or measure is returned as it is."""
     if not isinstance(own, FloatError) or v.limit_max is None or v.limit_rel is None:
         return v
-    ill = how_far_over((own.norm_max, own.norm_rel), (v.limit_max, v.limit_rel)) > 1
-    return with_calibration(v, Calibration(own.max_abs, own.rel_l2, dtype, factor, ill))
+    return with_calibration(v, calibrate(own, (v.limit_max, v.limit_rel), dtype, factor))
 
 
 def within_fixed_limits(v: Verdict) -> bool | None:
@@ -223,10 +202,10 @@ def within_fixed_limits(v: Verdict) -> bool | None:
     m = v.measure
     if not isinstance(m, FloatError) or v.limit_max is None or v.limit_rel is None:
         return None
-    return how_far_over((m.norm_max, m.norm_rel), (v.limit_max, v.limit_rel)) <= 1
+    return float_severity(m, (v.limit_max, v.limit_rel)) <= 1
 
 
-def with_precision(v: Verdict, precision: str) -> Verdict:
+def with_precision(v: Verdict, precision: Precision) -> Verdict:
     return replace(v, precision=precision)
 
 

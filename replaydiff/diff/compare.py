@@ -58,10 +58,6 @@ class Compared:
     dtype: str  # the dtype whose limits apply (the coarser side's)
 
 
-def _floating(dtype: str) -> bool:
-    return dtype.startswith(("float", "bfloat", "complex"))
-
-
 def _eps(dtype: str) -> float:
     try:
         return torch.finfo(getattr(torch, dtype)).eps
@@ -89,7 +85,7 @@ def tensor_stats(x: torch.Tensor) -> TensorStats | None:
 
 def stats_measure(target: TensorStats, ref: TensorStats, dtype: str) -> Measure:
     """Lower bounds on the error between two tensors known only by their statistics (see the module docstring)."""
-    if not _floating(dtype):
+    if not aten.floating_dtype(dtype):
         # The figures are float64 sums of integers: equal tensors give equal figures up to the summation order of
         # whoever computed them (the recorder, or compare_refs for a full trace), so "equal" allows 1e-12.
         same = all(abs(getattr(target, f) - getattr(ref, f)) <= 1e-12 * max(1.0, abs(getattr(ref, f)))
@@ -129,7 +125,7 @@ def compare_refs(ref_trace: RankTrace, r: TensorRef, target_trace: RankTrace, t:
         a = target_trace.tensor(t)
         b = ref_trace.tensor(r)
         if a.dtype == b.dtype and torch.equal(a, b):  # the common case when two runs agree: one cheap call
-            m: Measure = ExactMismatch(0) if not _floating(t.dtype) else FloatError(0.0, 0.0, 0.0, 0.0, 1.0)
+            m: Measure = ExactMismatch(0) if not aten.floating_dtype(t.dtype) else FloatError(0.0, 0.0, 0.0, 0.0, 1.0)
             return Compared(Evidence.FULL, m, coarse)
         if coarse == r.dtype and r.dtype != t.dtype:
             return Compared(Evidence.FULL, measure(b, a), coarse)  # the coarser side plays "recorded"

@@ -28,6 +28,7 @@ from replaydiff.diff.units import pair_units
 from replaydiff.diff.result import (DiffReport, OpPlace, Origin, OriginKind, PairResult, PairStatus, Precision,
                                     RankDiff, StepInput, StepInputs, Unaligned)
 from replaydiff.errors import UsageError
+from replaydiff.trace.modes import TensorMode
 from replaydiff.trace.reader import RankTrace, Trace, open_trace
 from replaydiff.trace.schema import OpRecord, TensorRef
 
@@ -406,7 +407,7 @@ def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: D
     _say_planted(report, rt, tt)
     for side, t in (("reference", rt), ("target", tt)):
         for r in t:
-            if r.options.tensors == "meta":
+            if r.options.tensors is TensorMode.META:
                 report.warnings.append(f"{side} rank {r.rank} was recorded with tensors=meta: only shapes can be "
                                        f"compared")
     cache: dict[tuple[str, int], _Ops] = {}

@@ -1,4 +1,4 @@
-"""Diffing a compiled unit of one trace against the eager ops of the same region in the other (issue 18).
+"""Diffing a compiled unit of one trace against the eager ops of the same region in the other.
 
 The same job recorded eagerly and recorded with torch.compile holds different records for a compiled region: one
 ``compiled.unit.*`` record on one side (its aten graph stored as data, its boundaries as tensors), the region's aten
@@ -37,7 +37,7 @@ from replaydiff.diff.notes import (DiffFact, NodesUnmatched, RightGivenOwnInputs
                                    UnitRecompiled)
 from replaydiff.diff.result import PairStatus, UnitPair, UnitPart
 from replaydiff.replay.compared import named_output
-from replaydiff.replay.policy import target_dtype
+from replaydiff.replay.policy import Precision, target_dtype
 from replaydiff.replay.unit import Graph, Refused, compile_device, compile_graph
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import NODE_CALL, NODE_CONST, NODE_INPUT, NODE_OUTPUT, NodeRef, Opaque, OpRecord, \
@@ -421,11 +421,11 @@ def _earliest_node(g: Graph, nodes: tuple[int, ...], env: dict[int, Any], conver
     def value(v: Any, up: bool) -> Any:
         if isinstance(v, NodeRef):
             x = env.get(v.index)
-            return x.to(target_dtype("fp64", x.dtype)) if up and isinstance(x, torch.Tensor) else x
+            return x.to(target_dtype(Precision.FP64, x.dtype)) if up and isinstance(x, torch.Tensor) else x
         if isinstance(v, list):
             return [value(x, up) for x in v]
         v = convert(v)
-        return target_dtype("fp64", v) if up and isinstance(v, torch.dtype) else v
+        return target_dtype(Precision.FP64, v) if up and isinstance(v, torch.dtype) else v
 
     for i in nodes:
         n = g.info.nodes[i]

@@ -1,7 +1,7 @@
 """A tiny GPT-style transformer and a tiny CNN, and a helper that runs one training step.
 
-Sizes follow the brief's reference step (2 layers, d_model 64, 4 heads, seq 32, batch 8, dropout 0.1, AdamW) so the
-numbers in the README and the brief can be compared; the "mid" flavour (d_model 256, seq 128) is for the benchmark.
+The default sizes are the reference step the README's figures are measured on (2 layers, d_model 64, 4 heads, seq 32,
+batch 8, dropout 0.1, AdamW); the "mid" flavour (d_model 256, seq 128) is for the benchmark.
 """
 from __future__ import annotations
 

@@ -7,9 +7,10 @@ from typing import Any
 from replaydiff.record.options import RecordOptions
 from replaydiff.record.recorder import Recorder
 from replaydiff.record.steps import MultiStepRecorder
+from replaydiff.trace.modes import TensorMode
 
 
-def record(path: str | os.PathLike, tensors: str = "full", compress: bool | int = True,
+def record(path: str | os.PathLike, tensors: TensorMode | str = TensorMode.FULL, compress: bool | int = True,
            **options: Any) -> Recorder | MultiStepRecorder:
     """Record every aten op run inside the ``with`` block into the trace directory ``path``.
 

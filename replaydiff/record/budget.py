@@ -48,6 +48,15 @@ def format_size(n: float) -> str:
     return f"{int(n)}B"
 
 
+def format_bytes(n: float) -> str:
+    """``812 B``, ``1.5 KiB``, ``20.3 MiB``, ``2.0 GiB``: a size for people to read (one decimal, powers of 1024)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
 def records_reserve(budget: int) -> int:
     """Bytes of the budget kept for what is not tensor data."""
     return max(MIN_RESERVE, budget // 10)

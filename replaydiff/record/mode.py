@@ -25,6 +25,7 @@ from replaydiff.record.stats import batch_stats, cpu_values, dense, values_stats
 from replaydiff.record.storage import StorageTable
 from replaydiff.trace import schema
 from replaydiff.trace.codec import address_view
+from replaydiff.trace.modes import TensorMode
 from replaydiff.trace.schema import CollectiveInfo
 from replaydiff.trace.writer import RankWriter, Snapshot
 
@@ -170,14 +171,14 @@ class OpBuilder:
                                         t.is_neg())
         if not store:
             return ref
-        if self.mode == "full" and (self.max_bytes is None or entry.nbytes <= self.max_bytes) and \
+        if self.mode is TensorMode.FULL and (self.max_bytes is None or entry.nbytes <= self.max_bytes) and \
                 (entry.chunk is not None or self.admit(entry.nbytes, entry)):
             if entry.chunk is None:
                 entry.chunk = self._snapshot(storage, t.element_size(), entry.version)
                 if self.verify and storage.device.type == "cpu":
                     entry.crc = zlib.crc32(address_view(storage.data_ptr(), entry.nbytes))
             schema.wire_set_chunk(ref, entry.chunk)
-        elif self.mode != "meta":
+        elif self.mode is not TensorMode.META:
             is_dense = dense(shape, stride)
             # A dense view (view, reshape, t, permute, detach of one) has the statistics of its flat range: one
             # key for all of them, so each storage version is measured once, not once per view.
@@ -393,7 +394,7 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
         schema.wire_set_collective(record, coll)
         if not aten.is_wait_only(name):
             rec.writer.enter_collective(schema.wire_entered(index, name, phase, module, source, coll))
-    if info.seeded and b.mode == "full" and b.data_off is None:  # generator state is data: "full" traces only
+    if info.seeded and b.mode is TensorMode.FULL and b.data_off is None:  # generator state is data: "full" traces only
         state = rec.rng_state(args, kwargs)
         if state is not None:
             schema.wire_set_rng(record, *state)

@@ -8,9 +8,9 @@ from typing import Any
 from replaydiff import aten
 from replaydiff.record.budget import parse_size
 from replaydiff.record.step_range import StepRange
+from replaydiff.trace.modes import TENSOR_MODES, TensorMode
 from replaydiff.trace.schema import wire_options
 
-TENSOR_MODES = ("full", "stats", "meta")
 COMPILED_MODES = ("capture", "eager")  # capture: compiled regions run compiled, each graph call one unit record
 GRANULARITIES = ("op", "module")  # op: every aten op; module: each module call's outputs and their gradients
 DEFAULT_ZSTD_LEVEL = 1
@@ -30,7 +30,7 @@ def in_filter(name: str, module: str | None, modules: list[str] | None, ops: lis
 
 @dataclass(frozen=True)
 class RecordOptions:
-    tensors: str = "full"  # full: tensor data; stats: per-tensor statistics; meta: shapes and dtypes only
+    tensors: TensorMode = TensorMode.FULL  # what is stored of each tensor (also given as its name: "stats")
     compress: int | None = DEFAULT_ZSTD_LEVEL  # zstd level, None for raw bytes
     # zstd only while the writer keeps up with the job; blobs written while the job waits for the writer are stored
     # raw (trace/writer.py). compress=True sets it; an explicit level compresses every blob.
@@ -86,6 +86,7 @@ class RecordOptions:
     def __post_init__(self) -> None:
         if self.tensors not in TENSOR_MODES:
             raise ValueError(f"tensors must be one of {TENSOR_MODES}, not {self.tensors!r}")
+        object.__setattr__(self, "tensors", TensorMode(self.tensors))  # "stats" from the CLI or a caller
         if self.compress is not None and not isinstance(self.compress, int):
             raise ValueError(f"compress must be a zstd level or None, not {self.compress!r}")
         if self.chunk_ops < 1 or self.chunk_bytes < 1 or self.queue_bytes < 1:
@@ -107,20 +108,21 @@ class RecordOptions:
         if self.flight is not None:
             if self.flight < 1 or self.flight_mib <= 0:
                 raise ValueError("flight needs a positive number of steps and flight_mib > 0 (--flight K, --flight-mib MIB)")
-            if self.tensors == "full" and not (self.modules or self.ops):
+            if self.tensors.stores_data and not (self.modules or self.ops):
                 raise ValueError("the flight recorder keeps full tensors only for a filter (modules=/ops=, --module/--op: "
                                  "the suspect), statistics for the rest; without one use tensors='stats' "
                                  "(--tensors stats) or 'meta'")
         if self.budget is not None:
             if not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget <= 0:
                 raise ValueError(f"budget must be a positive number of bytes, not {self.budget!r}")
-            if self.tensors != "full":
+            if not self.tensors.stores_data:
                 raise ValueError("budget limits the tensor data a trace stores: use tensors='full' (--tensors full)")
-        if self.granularity == "module" and self.tensors == "full":
+        if self.granularity == "module" and self.tensors.stores_data:
             raise ValueError("granularity='module' records statistics: use tensors='stats' (--tensors stats)")
 
     @classmethod
-    def make(cls, tensors: str = "full", compress: bool | int | None = True, **kw: Any) -> "RecordOptions":
+    def make(cls, tensors: TensorMode | str = TensorMode.FULL, compress: bool | int | None = True,
+             **kw: Any) -> "RecordOptions":
         """The friendly form: ``compress`` True (zstd at a fast level), False/None (raw) or a level; ``modules`` and
         ``ops`` a glob or a list of globs."""
         auto = compress is True

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from replaydiff.aten import current_rank, facts, iter_tensors, written_args
+from replaydiff.record.autostart._replaydiff_record_env import ENV_VAR  # set in children of the CLI
 from replaydiff.record.compiled import CompiledRegionTracker, no_filter, quiet_global_hook_warning
 from replaydiff.record.context import OpContext
 from replaydiff.record.environment import environment_snapshot
@@ -411,7 +412,7 @@ class Recorder:
         self.active = False
 
     def _warn(self, msg: str) -> None:
-        if os.environ.get(_CLI_CHILD_VAR):  # a child of `replaydiff record`: one line, like the CLI's own warnings
+        if os.environ.get(ENV_VAR):  # a child of `replaydiff record`: one line, like the CLI's own warnings
             try:
                 sys.stderr.write(f"replaydiff: warning: {msg}\n")
             except Exception:  # a closed stderr is no reason to raise into the job
@@ -420,25 +421,7 @@ class Recorder:
         warnings.warn(f"replaydiff: {msg}", RuntimeWarning, stacklevel=3)  # the Python API: filterable, catchable
 
 
-# Set in the children of `replaydiff record`: record.step.ENV_VAR, which cannot be imported here (step arms this
-# module's recorder, and the import graph stays acyclic); a test checks the two are the same.
-_CLI_CHILD_VAR = "REPLAYDIFF_RECORD"
-
-
 def _active_modes() -> list:
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     return _get_current_dispatch_mode_stack()
-
-
-def record(path: str | os.PathLike, tensors: str = "full", compress: bool | int = True, **options: Any) -> Recorder:
-    """Record every aten op run inside the ``with`` block into the trace directory ``path``.
-
-    tensors: ``full`` stores tensor data, ``stats`` per-tensor statistics, ``meta`` only shapes and dtypes.
-    compress: True for zstd at a fast level where it costs the job no time, an int for that zstd level on every
-    blob, False for raw bytes (see ``replaydiff.record``).
-    Other options are the fields of RecordOptions: ``modules`` / ``ops`` (globs; only matching ops are stored, all
-    are numbered), ``max_tensor_bytes`` (larger storages get statistics instead of data), ``verify_writes`` (notice
-    writes torch's dispatcher never sees, with a CRC32 per re-read), ``source_lines``, ``shuffle``, ``chunk_ops``.
-    """
-    return Recorder(path, RecordOptions.make(tensors=tensors, compress=compress, **options))

@@ -1,6 +1,6 @@
 """Per-tensor summary statistics: ``[numel, mean, absmax, l2, var, nan, inf]`` over a tensor's finite values.
 
-Why it is done this way (profiled on the tiny transformer step, issue 12): ``stats`` recording cost more than
+Why it is done this way (profiled on the tiny transformer step): ``stats`` recording cost more than
 ``full`` because every tensor took ~8 torch calls (``_foreach_norm`` ~190 us, ``aminmax`` ~120 us, ``sum`` ~70 us
 each on the shared 2-core machine): each torch CPU reduction goes through the dispatcher and wakes the intra-op
 thread pool, which on a busy machine costs far more than the arithmetic. Now a CPU tensor's values are copied flat

@@ -16,7 +16,8 @@ import warnings
 import weakref
 from typing import Any
 
-ENV_VAR = "REPLAYDIFF_RECORD"
+from replaydiff.record.autostart._replaydiff_record_env import ENV_VAR
+
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # replaydiff/
 # torch's frames between an op the job calls and a dispatch mode's __torch_dispatch__ (the dispatcher looks up the
 # mode's rule, and calls the mode through dynamo's disable wrapper): they are the recorder's call, not the job's code.

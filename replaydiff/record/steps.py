@@ -167,7 +167,7 @@ class MultiStepRecorder:
     def _release(self) -> None:
         """Let go of everything that holds this recorder: its step listener, forward hook, exit handler and flight
         triggers. Nothing of it outlives the recording (gloo's teardown races with what a process still holds at
-        exit; issue 15). Safe from inside the step listener and the forward hook."""
+        exit). Safe from inside the step listener and the forward hook."""
         try:
             from replaydiff.record.context import disarm_optimizer_hooks, remove_step_listener
 

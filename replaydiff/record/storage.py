@@ -11,8 +11,8 @@ tells when the storage dies: its callback (``list.append``, C code: no Python fr
 hook to see inside a compiled region) queues it, and every lookup first drops the entries of dead storages, so a
 new storage at a dead one's address is never taken for it. A ``StorageWeakRef`` would keep the address reserved
 instead, but it keeps the dead StorageImpl allocated: ~200 bytes left on the C heap inside the hole each freed tensor
-leaves, so the next tensor of that size no longer fits there and the heap grows by one tensor per op (issue 16:
-+1.1 GB of peak RSS for a step making 300 temporaries of 4 MB).
+leaves, so the next tensor of that size no longer fits there and the heap grows by one tensor per op
+(+1.1 GB of peak RSS for a step making 300 temporaries of 4 MB).
 """
 from __future__ import annotations
 

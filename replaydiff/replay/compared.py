@@ -22,7 +22,7 @@ VALUES, VIEW, META = "values", "view", "meta"  # how a result is compared
 
 @dataclass(frozen=True)
 class Compared:
-    """One compared result: where it is in a run (``repro_script.pick``), what was recorded there, and how."""
+    """One compared result: where it is in a run (``rebuild_and_judge.pick``), what was recorded there, and how."""
 
     where: tuple  # ("out",) or ("out", i, ...), ("arg", n, ...), ("kwarg", name, ...): then list positions
     sizes: tuple  # the recorded length of each list stepped into after the first one or two entries of where

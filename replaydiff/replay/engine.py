@@ -24,10 +24,11 @@ from replaydiff.aten import matches_any
 from replaydiff.errors import EnvironmentProblem, TraceError, UsageError
 from replaydiff.replay.collectives import CollectiveChecker
 from replaydiff.replay.replicas import first_replica_break
-from replaydiff.replay.policy import ReplayOptions, reference_settings
+from replaydiff.replay.policy import Precision, ReplayOptions, reference_settings
 from replaydiff.replay.result import OpResult, ReplayReport, Status
 from replaydiff.replay.runner import OpReplayer
 from replaydiff.trace.damage import CutShort, MissingOps
+from replaydiff.trace.modes import TensorMode
 from replaydiff.trace.sync import calls_unknown_from
 from replaydiff.trace.reader import RankTrace, Trace, open_trace
 from replaydiff.trace.schema import PlantedFaultInfo
@@ -128,10 +129,10 @@ def trace_uses(rt: RankTrace) -> list[str]:
     """The verbs that can use ``rt``: ``replay`` only where tensor data was stored (``--tensors full``); ``trend``
     only where statistics were stored for many steps (its series are statistics); ``diff`` and ``show`` always (a
     diff of shapes only, for ``meta``)."""
-    tensors = rt.options.tensors or "full"
-    uses = ["replay"] if tensors == "full" else []
+    tensors = rt.options.tensors or TensorMode.FULL
+    uses = ["replay"] if tensors.stores_data else []
     uses.append("diff")
-    if tensors == "stats" and (rt.options.steps or rt.options.flight):
+    if tensors is TensorMode.STATS and (rt.options.steps or rt.options.flight):
         uses.append("trend")
     return uses + ["show"]
 
@@ -141,10 +142,9 @@ def check_replayable(rt: RankTrace, where: object) -> None:
     nearly every op skipped ("inputs not stored") and then read as "no divergent op"."""
     if "replay" in trace_uses(rt):
         return
-    mode = rt.options.tensors
-    held = "per-tensor statistics" if mode == "stats" else "shapes and dtypes"
-    raise UsageError(f"{where} cannot be replayed: it was recorded with --tensors {mode} ({held}, no tensor data; "
-                     f"record with --tensors full to replay); use it with " + _either(trace_uses(rt)))
+    mode = rt.options.tensors or TensorMode.FULL
+    raise UsageError(f"{where} cannot be replayed: it was recorded with --tensors {mode} ({mode.holds}, no tensor "
+                     f"data; record with --tensors full to replay); use it with " + _either(trace_uses(rt)))
 
 
 def _either(words: list[str]) -> str:
@@ -224,7 +224,7 @@ def replay_threads(rt: RankTrace, opts: ReplayOptions) -> int | None:
     """CPU intra-op threads a replay of ``rt`` runs with (None: leave torch's setting)."""
     if opts.threads is not None:
         return opts.threads
-    if opts.precision == "same" and torch.device(opts.device).type == "cpu":
+    if opts.precision is Precision.SAME and torch.device(opts.device).type == "cpu":
         # CPU reductions (LayerNorm, convolution backward) are only bitwise under the recorded parallelism
         n = rt.environment.num_threads
         return n if n is not None and n > 0 else None

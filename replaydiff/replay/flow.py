@@ -49,10 +49,6 @@ class Flow:
         return self.kept_at is None
 
 
-def _floating(ref: TensorRef) -> bool:
-    return ref.dtype.startswith(("float", "bfloat", "complex"))
-
-
 def data_slots(trace: RankTrace) -> NonfiniteSlots:
     """The output positions holding NaN/Inf, read from the stored tensor data (a tensor stored as statistics only:
     from their NaN and Inf counts)."""
@@ -71,7 +67,7 @@ def _held_slots(op: OpRecord, trace: RankTrace | None) -> set[int] | None:
     else from the statistics; None when an output has neither (the trace cannot tell)."""
     out: set[int] = set()
     for k, ref in enumerate(op.outputs_refs()):
-        if not _floating(ref) or ref.uninitialised or ref.zero:
+        if not aten.floating_dtype(ref.dtype) or ref.uninitialised or ref.zero:
             continue
         if trace is not None and ref.stored and not ref.meta:
             if not bool(torch.isfinite(trace.tensor(ref)).all()):

@@ -22,7 +22,7 @@ import msgpack
 
 from replaydiff.compare import metrics
 from replaydiff.compare.verdict import Calibration, Verdict
-from replaydiff.replay.policy import ReplayOptions
+from replaydiff.replay.policy import Precision, ReplayOptions
 from replaydiff.replay.result import NonfiniteInput, OpResult, Status
 from replaydiff.trace.format import MANIFEST
 from replaydiff.trace.reader import Trace
@@ -31,6 +31,7 @@ _VERSION = 1
 _TYPES: dict[str, type] = {c.__name__: c for c in (
     OpResult, NonfiniteInput, Verdict, Calibration, metrics.FloatError, metrics.NonfiniteMismatch,
     metrics.ExactMismatch, metrics.ShapeMismatch, metrics.ViewMismatch, metrics.ScalarMismatch)}
+_ENUMS: dict[str, type[Enum]] = {c.__name__: c for c in (Status, Precision)}
 _FLUSH_SECONDS = 1.0
 
 
@@ -62,8 +63,8 @@ def _decode(v: Any) -> Any:
         return [_decode(x) for x in v]
     if isinstance(v, dict):
         name = v.get("~")
-        if name == "Status":
-            return Status(v["v"])
+        if name in _ENUMS:
+            return _ENUMS[name](v["v"])
         if name is not None:
             cls = _TYPES[name]  # KeyError for anything else: the record is not ours
             return cls(**{k: _decode(x) for k, x in v.items() if k != "~"})

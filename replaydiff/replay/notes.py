@@ -11,6 +11,7 @@ from enum import Enum
 
 from replaydiff.compare.notes import Fact, Note, VerdictReason, render, verdict_reason
 from replaydiff.compare.verdict import Verdict
+from replaydiff.rebuild_and_judge import Precision
 from replaydiff.replay.result import Status
 
 __all__ = ["CheckFailed", "ChunksDiffer", "CollectiveDiffers", "CollectiveOk", "Failed", "FellBack", "Judgement",
@@ -134,8 +135,8 @@ class RepeatsDisagree(Note):
 class FellBack(Note):
     """The op has no kernel at the precision asked: it was replayed at the next one down."""
 
-    precision: str
-    asked: str
+    precision: Precision
+    asked: Precision
     failure: str  # the first failure at ``asked``
 
     def text(self) -> str:

@@ -6,39 +6,33 @@ process however many replays overlap, and the caller's (environment included) ar
 """
 from __future__ import annotations
 
-import os
-import threading
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
 from replaydiff.compare.tolerance import Tolerances
+# The dtypes replayed at and the reference settings are defined with rebuilding and judging a recorded op, which the
+# standalone repro script shares: it runs its reference as replay does.
+from replaydiff.rebuild_and_judge import UPCAST, Precision, reference_numerics
 from replaydiff.replay.references import REFERENCES
 
-PRECISIONS = ("fp64", "fp32", "same")
+PRECISIONS = tuple(p.value for p in Precision)  # the CLI's choices
 
-_UPCAST = {
-    "fp64": {torch.float16: torch.float64, torch.bfloat16: torch.float64, torch.float32: torch.float64,
-             torch.complex32: torch.complex128, torch.complex64: torch.complex128},
-    "fp32": {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.complex32: torch.complex64},
-    "same": {},
-}
+# The precisions to try in turn when an op has no kernel at the one asked.
+FALLBACKS = {Precision.FP64: (Precision.FP64, Precision.FP32, Precision.SAME),
+             Precision.FP32: (Precision.FP32, Precision.SAME), Precision.SAME: (Precision.SAME,)}
 
 
-# The precision to try next when an op has no kernel at the current one.
-FALLBACKS = {"fp64": ("fp64", "fp32", "same"), "fp32": ("fp32", "same"), "same": ("same",)}
-
-
-def target_dtype(precision: str, dtype: torch.dtype) -> torch.dtype:
-    return _UPCAST[precision].get(dtype, dtype)
+def target_dtype(precision: Precision | str, dtype: torch.dtype) -> torch.dtype:
+    return UPCAST[Precision(precision)].get(dtype, dtype)
 
 
 @dataclass
 class ReplayOptions:
     device: str = "cpu"
-    precision: str = "fp64"
+    precision: Precision = Precision.FP64  # also given by its name ("fp32")
     repeat: int = 1
     ops: list[str] | None = None  # op-name globs to replay; the rest are skipped
     first: int | None = None
@@ -57,6 +51,9 @@ class ReplayOptions:
     reference_modules: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, not {self.precision!r}")
+        self.precision = Precision(self.precision)
         if self.reference not in REFERENCES:
             raise ValueError(f"reference must be one of {REFERENCES}, not {self.reference!r}")
 
@@ -74,77 +71,6 @@ class ReplayOptions:
                 **({"reference_modules": self.reference_modules} if self.reference_modules else {})}
 
 
-class _Held:
-    """The reference settings as this process holds them: applied by the first holder, restored by the last.
-
-    Every flag here is process-wide (and CUBLAS_WORKSPACE_CONFIG is the process's environment), so saving and
-    restoring them per call breaks as soon as two calls overlap: the TUI replays in one thread while its detail pane
-    replays one op in another, and whichever left last put back the other's reference settings. Holders are
-    counted instead: the caller's settings are saved once, when the first holder enters, and put back once, when
-    the last one leaves, whichever thread that is.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.holders = 0
-        self.saved: tuple | None = None
-        self.cudnn: ExitStack | None = None
-
-    def enter(self) -> None:
-        with self.lock:
-            self.holders += 1
-            if self.holders > 1:
-                return
-            self.saved = (torch.are_deterministic_algorithms_enabled(),
-                          torch.is_deterministic_algorithms_warn_only_enabled(),
-                          torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(),
-                          os.environ.get(_CUBLAS))
-            try:
-                if self.saved[4] is None:  # deterministic cuBLAS needs a fixed workspace (set before cuBLAS starts)
-                    os.environ[_CUBLAS] = ":4096:8"
-                # warn_only: an op with no deterministic kernel is still replayed (and --repeat will tell if it
-                # wobbles). The C setter, not torch.use_deterministic_algorithms: that also imports
-                # torch._inductor's config (1.5-2 s per process) to set a flag only compiled code reads.
-                torch._C._set_deterministic_algorithms(True, warn_only=True)
-                torch.backends.cuda.matmul.allow_tf32 = False
-                torch.set_float32_matmul_precision("highest")
-                # cuDNN through torch's own context manager: it also works after
-                # torch.backends.disable_global_flags() (which torch's testing utilities call at import), where
-                # assigning the flags raises.
-                self.cudnn = ExitStack()
-                self.cudnn.enter_context(torch.backends.cudnn.flags(
-                    enabled=torch.backends.cudnn.enabled, benchmark=False, deterministic=True, allow_tf32=False))
-            except BaseException:
-                self.holders -= 1
-                self._restore()
-                raise
-
-    def leave(self) -> None:
-        with self.lock:
-            self.holders -= 1
-            if self.holders == 0:
-                self._restore()
-
-    def _restore(self) -> None:
-        saved, self.saved = self.saved, None
-        cudnn, self.cudnn = self.cudnn, None
-        if cudnn is not None:
-            cudnn.close()
-        if saved is None:
-            return
-        torch._C._set_deterministic_algorithms(saved[0], warn_only=saved[1])
-        torch.backends.cuda.matmul.allow_tf32 = saved[2]
-        torch.set_float32_matmul_precision(saved[3])
-        if saved[4] is None:
-            os.environ.pop(_CUBLAS, None)
-        else:
-            os.environ[_CUBLAS] = saved[4]
-
-
-_CUBLAS = "CUBLAS_WORKSPACE_CONFIG"
-_HELD = _Held()
-
-
 @contextmanager
 def reference_settings(num_threads: int | None = None) -> Iterator[None]:
     """Replay under the reference settings; the caller's come back when the last holder in the process leaves.
@@ -154,15 +80,12 @@ def reference_settings(num_threads: int | None = None) -> Iterator[None]:
     threads: OpenMP keeps that count per calling thread) is set by each holder in its own thread and put back there
     when it leaves; the engine and ``replay_op`` both take it from ``replay_threads``.
     """
-    _HELD.enter()
-    threads_before = torch.get_num_threads()
-    try:
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        yield
-    finally:
+    with reference_numerics():
+        threads_before = torch.get_num_threads()
         try:
+            if num_threads:
+                torch.set_num_threads(num_threads)
+            yield
+        finally:
             if num_threads and torch.get_num_threads() != threads_before:
                 torch.set_num_threads(threads_before)
-        finally:
-            _HELD.leave()

@@ -30,9 +30,9 @@ from replaydiff.replay.compared import compared_outputs, output_name
 from replaydiff.replay.flow import data_slots, follow_nonfinite, remembered
 from replaydiff.replay.notes import (Failed, FellBack, Judgement, LeftOut, Note, RepeatsDisagree, ReplayFact, Skipped,
                                      render, verdict_reason)
-from replaydiff.replay.policy import FALLBACKS, ReplayOptions, target_dtype
+from replaydiff.replay.policy import FALLBACKS, Precision, ReplayOptions, target_dtype
 from replaydiff.replay.result import NonfiniteInput, OpResult, Status
-from replaydiff.repro_script import as_recorded, pick, typed_storage
+from replaydiff.rebuild_and_judge import as_recorded, pick, same_nonfinite, typed_storage
 from replaydiff.trace.codec import copy_bytes
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import LEFT_OUT_WHY, Opaque, OpRecord, TensorRef, dtype_from_name, iter_refs
@@ -41,7 +41,7 @@ from replaydiff.trace.schema import LEFT_OUT_WHY, Opaque, OpRecord, TensorRef, d
 _UNFILLED = threading.Lock()
 
 # The finest reference: what an op's own error at its recorded dtype is measured against (see _calibrate).
-_FINEST = "fp64"
+_FINEST = Precision.FP64
 
 # (recorded TensorRef or scalar, replayed value) for each output and written argument of one run
 Pairs = list[tuple[Any, Any]]
@@ -59,7 +59,7 @@ class Skip(Exception):
 class _Inputs:
     """The arguments of one run of one op: recorded tensors rebuilt at a precision on a device."""
 
-    def __init__(self, trace: RankTrace, precision: str, keep_dtype: bool, device: torch.device,
+    def __init__(self, trace: RankTrace, precision: Precision, keep_dtype: bool, device: torch.device,
                  generator: torch.Generator | None, uninitialised_fill: float | None = None,
                  shared: "SharedBases | None" = None) -> None:
         self.trace = trace
@@ -240,8 +240,8 @@ class OpReplayer:
         if not aten.matches_any(name, self.opts.ops):
             raise Skip("not selected by --ops")
         func, seeded, note, note_always = self._reference(name)
-        keep_dtype = seeded or name in aten.DTYPE_EXACT_OPS or self.opts.precision == "same"
-        exact = self.opts.precision == "same" or seeded
+        keep_dtype = seeded or name in aten.DTYPE_EXACT_OPS or self.opts.precision is Precision.SAME
+        exact = self.opts.precision is Precision.SAME or seeded
         rng = op.rng
         if seeded:
             if rng is None:
@@ -249,7 +249,7 @@ class OpReplayer:
             rec_dev = torch.device(rng.device)
             if rec_dev.type != self.device.type:
                 raise Skip(f"random op recorded on {rec_dev.type}: its draw can only be redone on {rec_dev.type}")
-        if self.opts.precision == "same":
+        if self.opts.precision is Precision.SAME:
             devs = {r.device.split(":")[0] for r in iter_refs(op.outputs) if isinstance(r.device, str)}
             if devs and devs != {self.device.type}:
                 exact = False  # another backend: judged by the dtype's tolerance instead of bit for bit
@@ -259,7 +259,7 @@ class OpReplayer:
         ladder = [self.opts.precision] if keep_dtype else list(FALLBACKS[self.opts.precision])
         first_failure = None
         for step, precision in enumerate(ladder):
-            keep = keep_dtype or precision == "same"
+            keep = keep_dtype or precision is Precision.SAME
             try:
                 runs = self._runs(op, func, seeded, precision, keep)
                 if note is ReplayFact.DECOMPOSITION and runs[0][0] is NotImplemented:
@@ -329,7 +329,7 @@ class OpReplayer:
         gen.set_state(self.trace.rng_state(op.rng))
         return gen
 
-    def _runs(self, op: OpRecord, func: Any, seeded: bool, precision: str, keep_dtype: bool) -> list[tuple]:
+    def _runs(self, op: OpRecord, func: Any, seeded: bool, precision: Precision, keep_dtype: bool) -> list[tuple]:
         runs = []
         # Inputs kept from earlier ops only for an aten op that writes none of its arguments (a Python reference
         # or decomposition could write anything); each repeat then runs on the same inputs, as it does anyway.
@@ -352,7 +352,7 @@ class OpReplayer:
         return runs
 
     def _judge(self, op: OpRecord, func: Any, runs: list, exact: bool, keep_dtype: bool,
-               precision: str, seeded: bool) -> tuple[Judgement, Pairs, bool | None]:
+               precision: Precision, seeded: bool) -> tuple[Judgement, Pairs, bool | None]:
         """The op's judgement from its runs, the pairs compared and whether every output was finite."""
         out, args, kwargs = runs[0]
         packet = aten.packet(op.name)
@@ -434,7 +434,7 @@ class OpReplayer:
         ill-conditioned op is recognised whatever the precision asked (the verdict's ``precision`` says fp64).
         """
         # On the CPU whatever the replay device: a kernel bug on the replay GPU must not explain itself away.
-        args, kwargs = _Inputs(self.trace, "same", True, torch.device("cpu"), None).build(op)
+        args, kwargs = _Inputs(self.trace, Precision.SAME, True, torch.device("cpu"), None).build(op)
         # the same results as the upcast run compared (kernel-path bookkeeping left out of both), so they align
         same_pairs = _pairs(op, func(*args, **kwargs), args, kwargs, False)
         fine_pairs: Pairs | None = None  # the float64 run, made only when some output needs it
@@ -481,16 +481,13 @@ class OpReplayer:
         """NaN/Inf recorded where the upcast reference has none is no divergence when the op makes exactly those
         itself at its recorded dtypes (bf16 matrix_exp overflows inside the kernel): the verdict is then the one
         on the finite positions."""
-        rec_nf, same_nf = ~torch.isfinite(recorded), ~torch.isfinite(same.to(recorded.device))
-        if not torch.equal(rec_nf, same_nf):
-            return v
-        m = measure(recorded[rec_nf], same.to(recorded.device)[same_nf], exact=True)
-        if not isinstance(m, ExactMismatch) or m.mismatches:
+        if not same_nonfinite(recorded, same):
             return v
         finite = judge_measure(v.measure.finite, recorded.dtype, self.opts.tolerances, v.reduction_k or 1)
         return finite if finite.divergent else replace(finite, reason=None)
 
-    def _uninitialised(self, op: OpRecord, func: Any, precision: str, keep_dtype: bool) -> dict[int, torch.Tensor]:
+    def _uninitialised(self, op: OpRecord, func: Any, precision: Precision, keep_dtype: bool
+                       ) -> dict[int, torch.Tensor]:
         """Output positions that hold memory an empty* op handed out: {pair number: mask}, only where some are.
 
         An op may write only part of an uninitialised buffer it is given (FSDP2's ``all_gather_copy_in`` copies
@@ -525,7 +522,7 @@ class OpReplayer:
                              self.opts.tolerances, k, exact), left_out=int(leave_out.sum()))
 
     def _leave_out_unwritten(self, op: OpRecord, func: Any, pairs: Pairs, judged: list[tuple[int, Verdict]],
-                             precision: str, keep_dtype: bool, exact: bool, k_of: Any,
+                             precision: Precision, keep_dtype: bool, exact: bool, k_of: Any,
                              left_out: dict[int, torch.Tensor]) -> list[tuple[int, Verdict]]:
         """Positions of an output that the kernel never writes (``_ctc_loss``'s log_alpha beyond each sequence)
         hold whatever the allocator handed out, recorded and replayed alike. The op is run again with uninitialised
@@ -587,13 +584,13 @@ class OpReplayer:
         ``produced``: the replay saw the op itself produce the non-finite values. Without that, the recorded outputs
         are read, and a position the op left as an empty* op handed it out (its bytes as they were before the op)
         is no value the op produced."""
-        outputs = [r for r in op.outputs_refs() if not r.uninitialised and r.stored and _floating(r.dtype)]
+        outputs = [r for r in op.outputs_refs() if not r.uninitialised and r.stored and aten.floating_dtype(r.dtype)]
         if not produced and not any(self._made_nonfinite(op, r) for r in outputs):
             return False, None, False
         finite, nan_in = True, False
         producers: dict[int, int | None] | None = None
         for k, r in enumerate(op.inputs()):
-            if not _floating(r.dtype) or r.uninitialised:
+            if not aten.floating_dtype(r.dtype) or r.uninitialised:
                 continue
             if not r.stored:
                 finite, nan_in = False, True  # cannot tell what it held: not an origin
@@ -722,7 +719,3 @@ def _scalars(v: Any):
             yield from _scalars(x)
     elif not isinstance(v, TensorRef):
         yield v
-
-
-def _floating(dt: str) -> bool:
-    return dt.startswith(("float", "bfloat", "complex"))

@@ -28,7 +28,7 @@ from replaydiff import aten
 from replaydiff.compare.metrics import FloatError, ScalarMismatch, measure
 from replaydiff.compare.tolerance import reduction_length
 from replaydiff.compare.verdict import Verdict, calibrated, judge
-from replaydiff.replay.policy import target_dtype
+from replaydiff.replay.policy import Precision, target_dtype
 from replaydiff.replay.notes import Judgement, UnitDivergent, UnitDraws, UnitWithin
 from replaydiff.replay.result import Status
 from replaydiff.trace.schema import (NODE_CALL, NODE_CONST, NODE_INPUT, NODE_OUTPUT, NodeRef, Opaque, OpRecord,
@@ -323,7 +323,7 @@ class UnitReplayer:
         self._build = inputs
         self._skip = skip
 
-    def _inputs(self, op: OpRecord, precision: str, keep: bool, device: torch.device, info: UnitInfo
+    def _inputs(self, op: OpRecord, precision: Precision, keep: bool, device: torch.device, info: UnitInfo
                 ) -> tuple[list, list, Callable[[Any], Any]]:
         build = self._build(self.trace, precision, keep, device, None)
 
@@ -359,9 +359,9 @@ class UnitReplayer:
             ks.append(node_k(n, out, args, kwargs))
 
         try:
-            ins, consts, convert = self._inputs(op, precision, precision == "same", self.r.device, info)
+            ins, consts, convert = self._inputs(op, precision, precision is Precision.SAME, self.r.device, info)
             ref_out, ref_env = interpret(g, ins, consts, convert, note_k, self._pinned(draws, recorded, convert))
-            same_ins, same_consts, same_convert = self._inputs(op, "same", True, torch.device("cpu"), info)
+            same_ins, same_consts, same_convert = self._inputs(op, Precision.SAME, True, torch.device("cpu"), info)
             same_out, _ = interpret(g, same_ins, same_consts, same_convert, None,
                                     self._pinned(draws, recorded, same_convert))
         except Refused as exc:
@@ -490,7 +490,7 @@ class UnitReplayer:
         draws = draws or Draws({}, {}, set())
         backend = info.backend or "inductor"
         device, moved = compile_device(op)
-        ins, consts, convert = self._inputs(op, "same", True, device, info)
+        ins, consts, convert = self._inputs(op, Precision.SAME, True, device, info)
         leaves = list(flat(op.outputs))
         recorded = [self.trace.tensor(r) if isinstance(r, TensorRef) and r.stored else None for r in leaves]
         held = sorted(i for i, pin in draws.pins.items() if pin.p is None)
@@ -601,8 +601,8 @@ class UnitReplayer:
         func = g.targets[i]
         args = _materialize(n.args, env, convert)
         kwargs = {key: _materialize(v, env, convert) for key, v in n.kwargs.items()}
-        up = lambda v: v.to(target_dtype("fp64", v.dtype)) if isinstance(v, torch.Tensor) else (  # noqa: E731
-            target_dtype("fp64", v) if isinstance(v, torch.dtype) else v)
+        up = lambda v: v.to(target_dtype(Precision.FP64, v.dtype)) if isinstance(v, torch.Tensor) else (  # noqa: E731
+            target_dtype(Precision.FP64, v) if isinstance(v, torch.dtype) else v)
         fine = list(aten.iter_tensors(func(*_map(args, up), **{key: _map(v, up) for key, v in kwargs.items()})))
         same = list(aten.iter_tensors(func(*args, **kwargs)))
         k = reduction_length(aten.packet(str(n.target)), _shapes(args, kwargs), max(1, got_t[0].numel()))

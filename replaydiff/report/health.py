@@ -296,7 +296,7 @@ def _thread_probe(f: _Facts) -> _Found:
         return None
     import torch
 
-    from replaydiff.replay.policy import ReplayOptions, reference_settings
+    from replaydiff.replay.policy import Precision, ReplayOptions, reference_settings
     from replaydiff.replay.runner import OpReplayer
 
     culprit, recorded = f.culprit, f.env.num_threads
@@ -308,7 +308,7 @@ def _thread_probe(f: _Facts) -> _Found:
     results = {}
     for n in (recorded, other):
         with reference_settings(n), torch.inference_mode():
-            results[n] = OpReplayer(rt, ReplayOptions(precision="same")).replay(op)
+            results[n] = OpReplayer(rt, ReplayOptions(precision=Precision.SAME)).replay(op)
     same, diff = results[recorded], results[other]
     if same.status is Status.OK and diff.status is Status.DIVERGENT:
         return [f"re-ran {op_line(culprit)} at its recorded dtypes: with the recorded {recorded} thread(s) it is bit "

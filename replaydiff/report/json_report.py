@@ -1,4 +1,4 @@
-"""The JSON replay report, schema ``replaydiff.replay/1`` (documented in the README).
+"""The JSON replay report, schema ``replaydiff.replay/1`` (documented in docs/replay.md).
 
 Top level: ``format``, ``planted`` (faults planted while recording, one line per rank; empty for a real trace),
 ``plants`` (the same faults as objects: ``rank``, ``op``, ``call``, ``rel``, ``landed``, ``index``, ``calls_seen``,

@@ -1,7 +1,7 @@
 """Encoding of raw storage bytes: optional byte-shuffle, optional zstd, always a CRC.
 
 Byte-shuffle groups the k-th byte of every element together; for floats the exponent bytes then sit side by side and
-zstd finds far more repetition (the brief measured 10-15% smaller traces). It pays only for multi-byte elements.
+zstd finds far more repetition (10-15% smaller traces of float data). It pays only for multi-byte elements.
 The codec string travels with the blob (``raw``, ``zstd``, ``zstd+shuffle4`` ...), so a reader needs nothing else.
 """
 from __future__ import annotations

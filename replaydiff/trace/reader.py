@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import torch
 
 from replaydiff.errors import TraceError, UsageError
-from replaydiff.repro_script import as_recorded, typed_storage
+from replaydiff.rebuild_and_judge import as_recorded, typed_storage
 from replaydiff.trace import codec
 from replaydiff.trace.format import (
     DATA_DIR,

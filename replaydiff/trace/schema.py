@@ -18,6 +18,8 @@ import torch
 
 from replaydiff import aten
 from replaydiff.errors import TraceError
+from replaydiff.faults import PlantEffect  # what a plant changed: measured while recording, read back here
+from replaydiff.trace.modes import TensorMode
 from replaydiff.trace.op_runs import OpRuns, describe_runs
 
 # -- op record keys ---------------------------------------------------------------------------------------------
@@ -854,79 +856,18 @@ _EFFECT_ULPS, _EFFECT_DTYPE = "max_ulps", "dtype"
 _EFFECT_TARGET = "target"  # absent in traces written before a plant named what it perturbed
 
 
-def _count(x: float) -> str:
-    return f"{x:.0f}" if x < 1e6 else f"{x:.3g}"
-
-
-@dataclass(frozen=True)
-class PlantEffect:
-    """What a planted fault changed in the result it perturbed, counted in that result's own dtype while recording
-    (``replaydiff.faults.PlantEffect`` measures it). A plant that changed nothing gives replay nothing to find; one
-    that moved values by at most one ulp is no larger than a rounding."""
-
-    tensors: int  # result tensors the plant reached (0: the op's result there is None)
-    elements: int  # their floating-point elements
-    nonzero: int  # of those, the ones that were not zero
-    changed: int  # elements whose value the plant changed
-    max_ulps: float | None  # largest finite-to-finite change, in ulps of dtype (None: no such change)
-    nonfinite: int  # elements the plant turned into NaN or Inf
-    dtype: str | None
-    target: str | None = None  # what it perturbed: "output 0", "written argument 'self'" (None: unknown or none)
-
-    @property
-    def changed_nothing(self) -> bool:
-        return self.changed == 0
-
-    @property
-    def within_one_rounding(self) -> bool:
-        """Changed, but no value by more than one ulp: replay may not tell that from a correctly rounded result."""
-        return self.changed > 0 and not self.nonfinite and self.max_ulps is not None and self.max_ulps <= 1
-
-    @property
-    def hint(self) -> str | None:
-        """What the size of the change means for replay, when it matters."""
-        return "one rounding: replay may not tell it from rounding error" if self.within_one_rounding else None
-
-    def describe(self) -> str:
-        """The facts, and the hint if there is one."""
-        return self.facts() + (f" ({self.hint})" if self.hint else "")
-
-    def facts(self) -> str:
-        what = self.target or "its result"
-        if self.changed_nothing:
-            if self.tensors == 0:
-                why = "its result is None: no tensor to perturb"
-            elif self.elements == 0:
-                why = f"{what} has no floating-point elements"
-            elif self.nonzero == 0:
-                why = f"{what} is all zeros"
-            else:
-                why = f"all {self.elements} elements of {what} round back to their {self.dtype} values"
-            return f"changed nothing ({why})"
-        text = f"changed {self.changed} of {self.elements} elements" + (f" of {self.target}" if self.target else "")
-        if self.nonfinite:
-            text += f" ({self.nonfinite} to NaN/Inf)"
-        if self.max_ulps is not None:
-            text += f" by at most {_count(self.max_ulps)} ulp{'' if self.max_ulps == 1 else 's'} of {self.dtype}"
-        return text
-
-    def to_json(self) -> dict:
-        return {**{k: getattr(self, k) for k in _EFFECT_COUNTS}, "max_ulps": self.max_ulps, "dtype": self.dtype,
-                "target": self.target}
-
-    @classmethod
-    def from_json(cls, d: Any) -> "PlantEffect | None":
-        """The effect from its manifest entry (or a JSON report); None when it is absent or not sound."""
-        if not isinstance(d, dict):
-            return None
-        counts = [d.get(k) for k in _EFFECT_COUNTS]
-        ulps, dtype, target = d.get(_EFFECT_ULPS), d.get(_EFFECT_DTYPE), d.get(_EFFECT_TARGET)
-        sound = all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts) \
-            and (ulps is None or isinstance(ulps, (int, float))) and (dtype is None or isinstance(dtype, str))
-        if not sound:
-            return None
-        return cls(*counts[:4], None if ulps is None else float(ulps), counts[4], dtype,
-                   target if isinstance(target, str) else None)
+def _effect_from_json(d: Any) -> "PlantEffect | None":
+    """A plant's effect from its manifest entry (or a JSON report); None when it is absent or not sound."""
+    if not isinstance(d, dict):
+        return None
+    counts = [d.get(k) for k in _EFFECT_COUNTS]
+    ulps, dtype, target = d.get(_EFFECT_ULPS), d.get(_EFFECT_DTYPE), d.get(_EFFECT_TARGET)
+    sound = all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts) \
+        and (ulps is None or isinstance(ulps, (int, float))) and (dtype is None or isinstance(dtype, str))
+    if not sound:
+        return None
+    return PlantEffect(*counts[:4], None if ulps is None else float(ulps), counts[4], dtype,
+                       target if isinstance(target, str) else None)
 
 
 def wire_plant(op: str, call: int, rel: float, landed: bool, calls_seen: int | None, effect: Any = None) -> dict:
@@ -991,7 +932,7 @@ class PlantedFaultInfo:
             rel = float(rel) if rel in ("nan", "inf", "-inf") else None
         return cls(op=str(d.get("op")), call=d.get("call"), rel=rel, landed=bool(d.get("landed")),
                    index=d.get("index"), rank=int(d.get("rank") or 0), calls_seen=d.get("calls_seen"),
-                   effect=PlantEffect.from_json(d.get("effect")))
+                   effect=_effect_from_json(d.get("effect")))
 
 
 def plant_from_wire(entry: Any, spec: str | None, rank: int) -> PlantedFaultInfo | None:
@@ -1006,7 +947,7 @@ def plant_from_wire(entry: Any, spec: str | None, rank: int) -> PlantedFaultInfo
     return PlantedFaultInfo(op=op if isinstance(op, str) else str(entry.get(_PLANT_SPEC)),
                             call=call if isinstance(call, int) else None, rel=entry.get(_PLANT_REL), landed=landed,
                             index=None, rank=rank, calls_seen=seen if isinstance(seen, int) else None,
-                            effect=PlantEffect.from_json(entry.get(_PLANT_EFFECT)) if landed else None)
+                            effect=_effect_from_json(entry.get(_PLANT_EFFECT)) if landed else None)
 
 
 # =============================================================================================================
@@ -1185,7 +1126,7 @@ def wire_environment(scalars: dict[str, Any], flags: dict[str, Any], variables: 
 class RecordedOptions:
     """The record options a trace was written with (replaydiff.record.RecordOptions.to_dict()); None where the trace
     does not say. Only the ones readers act on are typed; ``wire`` holds all."""
-    tensors: str | None = None  # full / stats / meta
+    tensors: TensorMode | None = None  # None: not said (a trace from before the option: full)
     steps: str | None = None
     flight: int | None = None
     plant: str | None = None
@@ -1197,7 +1138,7 @@ class RecordedOptions:
     @classmethod
     def from_wire(cls, d: Any) -> "RecordedOptions":
         d = _mapping(d)
-        return cls(tensors=_typed(d.get("tensors"), str), steps=_typed(d.get("steps"), str),
+        return cls(tensors=TensorMode.read(d.get("tensors")), steps=_typed(d.get("steps"), str),
                    flight=_typed(d.get("flight"), int), plant=_typed(d.get("plant"), str),
                    granularity=_typed(d.get("granularity"), str), budget=_typed(d.get("budget"), int),
                    compiled=_typed(d.get("compiled"), str), wire=d)

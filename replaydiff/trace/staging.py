@@ -4,7 +4,7 @@ Why not ``bytearray`` (malloc): glibc serves blocks of a few MB from its heap on
 freed (its mmap threshold follows the largest freed block), so a job's temporaries keep reusing the holes their
 predecessors leave. A copy made on the job's thread lands in such a hole and stays there until the writer is done
 with it, the job's next tensor goes to the top of the heap instead, and the heap grows by about one tensor per op
-(``tests/bench/bench_memory.py``, issue 16). Here copies are carved from anonymous mappings of the recorder's own,
+(measured by ``tests/bench/bench_memory.py``). Here copies are carved from anonymous mappings of the recorder's own,
 never from malloc's heap, and mappings are reused from one chunk to the next.
 
 The bytes held at once (mappings, in use or spare, plus reservations for pinned memory) never pass ``limit``: a copy

@@ -90,7 +90,7 @@ class CodecChoice:
 
     Why: measured on float data, zstd level 1 runs at 200-500 MB/s on one core and saves 8-20% of the bytes (ReLU
     outputs ~40%; negative levels save nothing on floats), while writes to the page cache run at 1 GB/s or more: a
-    writer that compressed everything set the pace of a large recording at half the raw rate (issue 16, item 6).
+    writer that compressed everything set the pace of a large recording at half the raw rate.
     On a slow disk, or data that compresses well, compressing is the faster choice and is kept."""
 
     PROBE = 32

@@ -1,4 +1,4 @@
-"""What recording costs a compiled training step (issue 18 item 9), beside the eager recording of the same model.
+"""What recording costs a compiled training step, beside the eager recording of the same model.
 
 For each model (TinyTransformer ``tiny`` / ``mid``) and backend: the compiled step alone, the compiled step recorded
 with ``compiled="capture"`` (units) at ``full`` + zstd, ``stats`` and ``meta``, and, for comparison, the eager step

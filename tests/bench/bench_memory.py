@@ -1,4 +1,4 @@
-"""Peak host memory that recording adds to a step that makes and frees many large temporaries (issue 16, item 1).
+"""Peak host memory that recording adds to a step that makes and frees many large temporaries.
 
 Why: glibc serves blocks of a few MB from the heap once one such block has been freed (its mmap threshold follows
 the largest freed block), so a job that makes and frees many temporaries reuses the same holes in its heap. Anything

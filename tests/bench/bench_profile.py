@@ -1,7 +1,7 @@
-"""Where the recorder's per-op time goes: a breakdown in microseconds per op, part by part (issue 19 item 1).
+"""Where the recorder's per-op time goes: a breakdown in microseconds per op, part by part.
 
-Why: the record goals of issue 19 are missed by 2-3x and the causes must be measured before the hot path is
-changed. Two measurements, each on warmed-up models, one step per sample:
+Why: the recorder's speed goals (tests/bench/README.md) are missed by 2-3x and the causes must be measured before the
+hot path is changed. Two measurements, each on warmed-up models, one step per sample:
 
 1. CPU time of the recording thread (``time.thread_time``; the writer thread's work is not in it), the fastest of
    interleaved samples (no profiler running): plain step, a do-nothing dispatch mode, the variant, and ``meta`` with

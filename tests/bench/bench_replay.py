@@ -1,4 +1,4 @@
-"""Replay throughput of one process on one core, and where each op's microseconds go (issue 19's replay goal).
+"""Replay throughput of one process on one core, and where each op's microseconds go (against replay's speed goal).
 
 ``python tests/bench/bench_replay.py [--trace DIR] [--rounds 7]`` replays a ``full`` + zstd trace of the tiny
 transformer's step (recorded first, as ``bench.py`` records it, unless ``--trace`` names one) with ``replay_trace`` in

@@ -1,4 +1,4 @@
-"""The recorder and replay on GPT-2 at growing sizes (issue 16, item 8): the ladder of the issue's table.
+"""The recorder and replay on GPT-2 at growing sizes: a ladder of model sizes.
 
 For each size: the step time of a recorded step against a plain one (``full``, ``stats``, ``stats`` at module
 granularity), the trace's bytes, the peak host memory the recording adds (+RSS), and the rate at which ``replay``

@@ -1,4 +1,4 @@
-"""Benchmark: how often a 2-rank gloo job dies at teardown, plain against recorded (issue 15).
+"""Benchmark: how often a 2-rank gloo job dies at teardown, plain against recorded.
 
     nice -n 10 python tests/bench/bench_teardown.py [--runs 10] [--launcher torchrun|pair] [--step 2]
 

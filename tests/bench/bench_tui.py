@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key:<16} {len(ts):>3} {statistics.median(ts) * 1e3:>10.1f} {max(ts) * 1e3:>8.1f}")
     ok = r["first"] < 1.0 and worst < 0.050
     print(f"=> first screen {'<' if r['first'] < 1 else '>='} 1 s, slowest key {worst * 1e3:.1f} ms "
-          f"({'within' if ok else 'NOT within'} the issue's targets)")
+          f"({'within' if ok else 'NOT within'} its targets)")
     return 0 if ok else 1
 
 

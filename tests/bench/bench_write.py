@@ -1,4 +1,4 @@
-"""Write throughput of a ``full`` recording: MB of tensor data per second, raw against zstd (issue 16, item 6).
+"""Write throughput of a ``full`` recording: MB of tensor data per second, raw against zstd.
 
 Why: once a step stores more than the writer can keep up with, the writer sets the pace of the job (the staging
 memory is bounded, so a copy waits for room), and compressing every blob made that pace about half of raw writing
@@ -9,7 +9,7 @@ it, the trace's size, and the seconds of the plain step for scale.
 
 Variants: ``raw`` (``compress=False``); ``zstd`` (``compress=True``, the default: zstd level 1 while the writer keeps
 up, raw for blobs written while the job waits for room or the recording ends); ``zstd always`` (``compress=1``: every
-blob at level 1, the default before issue 16). Rounds alternate between variants (the order rotates: each
+blob at level 1, the former default). Rounds alternate between variants (the order rotates: each
 variant follows a different one in each round, as dirty pages of the last trace may still be written back); the
 median is reported.
 

@@ -1,5 +1,5 @@
 """Where the time of a recorded step goes with the writer thread working during the step, and with it held back
-until the recording ends (issue 19 item 4: on two cores the writer competes with training for the GIL and a core).
+until the recording ends (on two cores the writer competes with training for the GIL and a core).
 
 For each variant, one step per sample inside its own ``with replaydiff.record(...)`` block, variants and the two
 writer settings interleaved, medians of ``--rounds``:

@@ -11,6 +11,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static, Tree
 
 from replaydiff.tui.model import TraceModel, short_op
+from replaydiff.tui.styles import STATUS_MARKUP
 
 MAX_NODES = 300
 
@@ -60,8 +61,7 @@ def node_label(model: TraceModel, n: dict[str, Any]) -> Text:
     if mod:
         t.append(f"  {mod}", style="cyan")
     s = model.status[i]
-    style = {"divergent": "bold red", "nondeterministic": "bold magenta", "ok": "green", "error": "yellow"}.get(
-        s or "", "dim")
+    style = STATUS_MARKUP.get(s, "dim")
     t.append(f"  {s or 'pending'}", style=style)
     r = model.results[i]
     if r is not None:

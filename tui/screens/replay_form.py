@@ -1,7 +1,5 @@
-"""Provides ReplayForm: the settings for a new replay (device, precision, repeat)."""
+"""Provides ReplayForm: the settings for a new replay (device, precision, repeat), as the replay's own options."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -9,17 +7,10 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select
 
-PRECISIONS = ("fp64", "fp32", "same")
+from replaydiff.replay.policy import PRECISIONS, ReplayOptions
 
 
-@dataclass(frozen=True)
-class ReplaySettings:
-    device: str = "cpu"
-    precision: str = "fp64"
-    repeat: int = 1
-
-
-class ReplayForm(ModalScreen[ReplaySettings | None]):
+class ReplayForm(ModalScreen[ReplayOptions | None]):
     BINDINGS = [Binding("escape", "cancel", "cancel")]
     DEFAULT_CSS = """
     ReplayForm { align: center middle; }
@@ -30,7 +21,7 @@ class ReplayForm(ModalScreen[ReplaySettings | None]):
     ReplayForm #form-error { color: $error; height: auto; }
     """
 
-    def __init__(self, current: ReplaySettings) -> None:
+    def __init__(self, current: ReplayOptions) -> None:
         super().__init__()
         self.current = current
 
@@ -55,7 +46,7 @@ class ReplayForm(ModalScreen[ReplaySettings | None]):
     def on_mount(self) -> None:
         self.query_one("#form-device", Input).focus()
 
-    def settings(self) -> ReplaySettings | None:
+    def settings(self) -> ReplayOptions | None:
         device = self.query_one("#form-device", Input).value.strip() or "cpu"
         precision = str(self.query_one("#form-precision", Select).value)
         try:
@@ -65,7 +56,7 @@ class ReplayForm(ModalScreen[ReplaySettings | None]):
         if repeat < 1:
             self.query_one("#form-error", Label).update("repeat must be a whole number, at least 1")
             return None
-        return ReplaySettings(device, precision, repeat)
+        return ReplayOptions(device, precision, repeat)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         self._run()

@@ -17,17 +17,13 @@ from textual.strip import Strip
 
 from replaydiff.trace.schema import LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_FILTERED
 from replaydiff.tui.model import PHASE_SHORT, TraceModel, shorten_left, short_op
+from replaydiff.tui.styles import STATUS_STYLE as REPLAY_STATUS_STYLE
 
 STATUS_LABEL = {None: "", "ok": "ok", "divergent": "DIVERG", "nondeterministic": "NONDET", "skipped": "skip",
                 "error": "error",
                 "inherited": "inher", "target_only": "T-only"}
 STATUS_STYLE = {
-    None: Style(dim=True),
-    "ok": Style(color="green"),
-    "divergent": Style(color="red", bold=True),
-    "nondeterministic": Style(color="magenta", bold=True),
-    "skipped": Style(dim=True),
-    "error": Style(color="yellow"),
+    **REPLAY_STATUS_STYLE,
     "inherited": Style(color="#d9822b", dim=True),  # diff mode: carried an earlier difference forward
     "target_only": Style(color="cyan", italic=True),  # diff mode: no aligned op in the reference
 }

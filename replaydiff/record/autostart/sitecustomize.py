@@ -5,7 +5,9 @@ Another ``sitecustomize`` later on sys.path (a site's own) is still run, so that
 import os
 import sys
 
-if os.environ.get("REPLAYDIFF_RECORD"):
+from _replaydiff_record_env import ENV_VAR  # beside this file, first on sys.path
+
+if os.environ.get(ENV_VAR):
     try:
         from replaydiff.record.step import install
 

@@ -1,13 +1,14 @@
 """A standalone repro of one recorded op for a kernel owner: ``DIR/repro.py``, ``DIR/repro.json`` and
 ``DIR/inputs.safetensors``.
 
-The script is ``replaydiff/repro_script.py`` copied as it is: it needs only torch and safetensors (no replaydiff, no
-trace). The safetensors file holds the raw bytes of every storage version the op read or wrote (one uint8 tensor
+The script is ``replaydiff/rebuild_and_judge.py`` copied as it is: it needs only torch and safetensors (no replaydiff,
+no trace). The safetensors file holds the raw bytes of every storage version the op read or wrote (one uint8 tensor
 each, read back with ``safetensors.torch.load_file``: no pickle) and the generator state of a random op; repro.json
 says, as plain JSON, how each argument sits on its storage (dtype, shape, stride, offset, conj and neg bits), so views
 and aliasing inside the op are rebuilt exactly as recorded, which results are compared (``compared_outputs``, the
-list replay judges) and the limits replay applies. The script rebuilds tensors and judges with the very functions
-replay uses (they are defined in the script's module), so it cannot rebuild or judge otherwise.
+list replay judges) and the limits replay applies. The script rebuilds, measures and judges tensors, under the
+reference settings and with the graph targets replay allows, by the very definitions replay uses: they are the
+script's module.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from replaydiff import aten, repro_script
+from replaydiff import aten, rebuild_and_judge
 from replaydiff.compare.tolerance import Tolerances, reduction_length
 from replaydiff.errors import UsageError
 from replaydiff.replay.compared import compared_outputs
@@ -28,10 +29,10 @@ from replaydiff.trace.format import write_atomic_via
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import NodeRef, Opaque, OpRecord, TensorRef, encode_value, iter_refs
 
-REPRO_FORMAT = repro_script.FORMAT
+REPRO_FORMAT = rebuild_and_judge.FORMAT
 SCRIPT = "repro.py"
-DATA = repro_script.DATA
-INPUTS = repro_script.INPUTS
+DATA = rebuild_and_judge.DATA
+INPUTS = rebuild_and_judge.INPUTS
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class _Collector:
 
     def value(self, v: Any) -> Any:
         """An argument as JSON: lists and plain values as they are, the rest as {"tensor"|"dtype"|...: ...}
-        (``repro_script.Repro.value`` reads it back)."""
+        (``rebuild_and_judge.Repro.value`` reads it back)."""
         if isinstance(v, TensorRef):
             return {"tensor": self.tensor(v, "in")}
         if isinstance(v, list):
@@ -184,7 +185,7 @@ def write_repro(trace: RankTrace, op: OpRecord, out_dir: str | Path, source_trac
         # (uint8 bytes in inputs.safetensors under "storage"): shape, stride, offset, conj and neg bits.
         "tensors": c.tensors,
         "args": args, "kwargs": kwargs,
-        # What is compared (where in a run, as repro_script.pick reads it) and the limits replay applies.
+        # What is compared (where in a run, as rebuild_and_judge.pick reads it) and the limits replay applies.
         "checks": checks,
     }
     return _write(out_dir, trace, op, data, tensors)
@@ -192,7 +193,7 @@ def write_repro(trace: RankTrace, op: OpRecord, out_dir: str | Path, source_trac
 
 def _write(out_dir: str | Path, trace: RankTrace, op: OpRecord, data: dict, tensors: dict[str, torch.Tensor]
            ) -> ReproFiles:
-    """The three files of a repro: the tensors, repro.json and the script (repro_script.py as it is)."""
+    """The three files of a repro: the tensors, repro.json and the script (rebuild_and_judge.py as it is)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -204,7 +205,7 @@ def _write(out_dir: str | Path, trace: RankTrace, op: OpRecord, data: dict, tens
     data_file = out / DATA
     data_file.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     script = out / SCRIPT
-    script.write_text(Path(repro_script.__file__).read_text(encoding="utf-8"), encoding="utf-8")
+    script.write_text(Path(rebuild_and_judge.__file__).read_text(encoding="utf-8"), encoding="utf-8")
     return ReproFiles(script, inputs, data_file, sum(t.numel() for t in tensors.values()))
 
 

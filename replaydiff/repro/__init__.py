@@ -1,0 +1,1 @@
+"""Writing a standalone repro of one recorded op (``replaydiff repro``): the script, its description and inputs."""

@@ -1,0 +1,15 @@
+"""How the TUI colours an op's replay status, in one place: as Textual markup (the detail pane, the ancestry
+screen) and parsed into rich Styles (the op list)."""
+from __future__ import annotations
+
+from rich.style import Style
+
+STATUS_MARKUP: dict[str | None, str] = {
+    "ok": "green",
+    "divergent": "bold red",
+    "nondeterministic": "bold magenta",
+    "skipped": "dim",
+    "error": "yellow",
+    None: "dim",  # not replayed (yet)
+}
+STATUS_STYLE: dict[str | None, Style] = {k: Style.parse(v) for k, v in STATUS_MARKUP.items()}
