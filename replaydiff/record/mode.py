@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-import zlib
 from typing import Any, Protocol
 
 import torch
@@ -25,6 +24,7 @@ from replaydiff.record.stats import batch_stats, cpu_values, dense, values_stats
 from replaydiff.record.storage import StorageTable
 from replaydiff.trace import schema
 from replaydiff.trace.codec import address_view
+from replaydiff.trace.format import crc32
 from replaydiff.trace.schema import CollectiveInfo
 from replaydiff.trace.writer import RankWriter, Snapshot
 
@@ -159,7 +159,7 @@ class OpBuilder:
         shape, stride = list(t.shape), list(t.stride())
         storage = t.untyped_storage()
         entry = self.rec.storages.entry(storage)
-        if entry.crc is not None and zlib.crc32(address_view(storage.data_ptr(), entry.nbytes)) != entry.crc:
+        if entry.crc is not None and crc32(address_view(storage.data_ptr(), entry.nbytes)) != entry.crc:
             # Written since it was stored, behind the dispatcher's back (numpy, a C extension): a new version.
             self.rec.storages.bump(entry)
             self.unseen_writes += 1
@@ -175,7 +175,7 @@ class OpBuilder:
             if entry.chunk is None:
                 entry.chunk = self._snapshot(storage, t.element_size(), entry.version)
                 if self.verify and storage.device.type == "cpu":
-                    entry.crc = zlib.crc32(address_view(storage.data_ptr(), entry.nbytes))
+                    entry.crc = crc32(address_view(storage.data_ptr(), entry.nbytes))
             schema.wire_set_chunk(ref, entry.chunk)
         elif self.mode != "meta":
             is_dense = dense(shape, stride)
