@@ -12,7 +12,11 @@ What it prints:
    inside the block, as ratios to the plain step's median (medians over rounds), beside a do-nothing
    TorchDispatchMode (the floor) and ``torch.utils._debug_mode.DebugMode``. Variants: plain, floor, debugmode,
    meta, stats, full (zstd, the default), stats by module (``granularity="module"``).
-2. With ``--profile``: cProfile of a recorded step per model (the recording thread), own time grouped into parts
+2. With ``--replay``: a ``full`` (zstd) trace of one step of each model, replayed at fp64 and at ``same``: replayed
+   ops per second of wall time in this process (``replay_trace`` after its imports and one warm-up replay: startup
+   excluded, median of ``--replay-rounds``) and through the CLI (``python -m replaydiff replay``, a fresh process:
+   startup included), with ``--workers 1`` and ``2``.
+3. With ``--profile``: cProfile of a recorded step per model (the recording thread), own time grouped into parts
    (``bench_profile.PARTS``) in microseconds per op, beside the project's tiny model: where the per-op time goes,
    and why a real model's op costs more. cProfile inflates small functions; the table gives each part's share and
    the profiled per-op total.
@@ -21,7 +25,7 @@ No weights are downloaded: every model is built from a config with random weight
 dependency). ``REPLAYDIFF_SRC=DIR`` runs the replaydiff of another tree (an A/B from ``git archive``).
 
 Usage: ``python tests/bench/bench_real_models.py [--models t5,gpt2,llama,tiny,mid] [--variants ...] [--rounds 7]
-[--profile] [--profile-variants meta,stats,full]``.
+[--profile] [--profile-variants meta,stats,full] [--replay] [--no-timing]``.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import cProfile  # noqa: E402
 import gc  # noqa: E402
 import pstats  # noqa: E402
 import shutil  # noqa: E402
+import subprocess  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -218,6 +223,47 @@ def profile(name: str, key: str, steps: int = 3) -> tuple[dict[str, float], list
     return {k: v * scale for k, v in parts.items()}, [(t * scale, nc / steps, f) for t, nc, f in rows[:20]], n_ops
 
 
+# -- replay -----------------------------------------------------------------------------------------------------------
+def bench_replay(name: str, rounds: int) -> list[list[str]]:
+    from replaydiff.replay import ReplayOptions, replay_trace
+    from replaydiff.replay.engine import keep_freed_memory
+
+    step = build(name)
+    step()
+    path = tempfile.mkdtemp(prefix=f"rdrealreplay-{name}-") + "/full"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with replaydiff.record(path, tensors="full"):
+            step()
+    rows = []
+    try:
+        keep_freed_memory()  # as the CLI and replay's workers do
+        for precision in ("fp64", "same"):
+            opts = ReplayOptions(precision=precision)
+            report = replay_trace(path, opts)  # warm-up: first-call caches, lazy imports
+            replayed = sum(1 for r in report.ops if r.status.name != "SKIPPED")
+            times = []
+            for _ in range(rounds):
+                gc.collect()
+                t0 = time.perf_counter()
+                replay_trace(path, opts)
+                times.append(time.perf_counter() - t0)
+            med = statistics.median(times)
+            rows.append([name, precision, "in process, 1 worker (startup excluded)", str(replayed),
+                         f"{med:.2f}", f"{replayed / med:,.0f}"])
+            for workers in (1, 2):
+                t0 = time.perf_counter()
+                proc = subprocess.run([sys.executable, "-m", "replaydiff", "replay", path, "--precision", precision,
+                                       "--workers", str(workers)], capture_output=True, text=True)
+                secs = time.perf_counter() - t0
+                note = "" if proc.returncode in (0, 1) else f" (exit {proc.returncode}: {proc.stderr.strip()[-200:]})"
+                rows.append([name, precision, f"CLI, --workers {workers} (startup included){note}", str(replayed),
+                             f"{secs:.2f}", f"{replayed / secs:,.0f}"])
+    finally:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="t5,gpt2,llama")
@@ -226,7 +272,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--profile", action="store_true", help="also the cProfile breakdown per op (with tiny beside)")
     p.add_argument("--profile-variants", default="meta,stats,full")
-    p.add_argument("--no-timing", action="store_true", help="only the profile")
+    p.add_argument("--no-timing", action="store_true", help="skip the recording table (only --profile / --replay)")
+    p.add_argument("--replay", action="store_true", help="also replay throughput of a full trace of each model")
+    p.add_argument("--replay-rounds", type=int, default=3)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     models = args.models.split(",")
@@ -253,6 +301,12 @@ def main() -> int:
         print()
         print(md_table(["model", "variant", "block ms (median)", "block / plain", "step inside / plain",
                         "thread CPU / plain", "us an op over plain (inside)"], rows))
+    if args.replay:
+        rows = []
+        for name in models:
+            rows += bench_replay(name, args.replay_rounds)
+        print(f"\n## Replay of one step's full trace ({load_note()})\n")
+        print(md_table(["model", "precision", "how", "ops replayed", "seconds", "ops/s"], rows))
     if args.profile:
         for key in args.profile_variants.split(","):
             cols = models + ([] if "tiny" in models else ["tiny"])
