@@ -16,7 +16,10 @@ What it prints:
    ops per second of wall time in this process (``replay_trace`` after its imports and one warm-up replay: startup
    excluded, median of ``--replay-rounds``) and through the CLI (``python -m replaydiff replay``, a fresh process:
    startup included), with ``--workers 1`` and ``2``.
-3. With ``--profile``: cProfile of a recorded step per model (the recording thread), own time grouped into parts
+3. With ``--sections``: the recorder's per-op work in microseconds per op, part by part, measured inside the
+   real step by timing the functions that do each part with the recording thread's CPU clock (bench_profile.py's
+   ``sections``: the fastest of 7 steps, the timers' own cost taken off): no profiler inflates it.
+4. With ``--profile``: cProfile of a recorded step per model (the recording thread), own time grouped into parts
    (``bench_profile.PARTS``) in microseconds per op, beside the project's tiny model: where the per-op time goes,
    and why a real model's op costs more. cProfile inflates small functions; the table gives each part's share and
    the profiled per-op total.
@@ -273,6 +276,7 @@ def main() -> int:
     p.add_argument("--profile", action="store_true", help="also the cProfile breakdown per op (with tiny beside)")
     p.add_argument("--profile-variants", default="meta,stats,full")
     p.add_argument("--no-timing", action="store_true", help="skip the recording table (only --profile / --replay)")
+    p.add_argument("--sections", action="store_true", help="also the per-op breakdown by timed sections")
     p.add_argument("--replay", action="store_true", help="also replay throughput of a full trace of each model")
     p.add_argument("--replay-rounds", type=int, default=3)
     args = p.parse_args()
@@ -301,6 +305,27 @@ def main() -> int:
         print()
         print(md_table(["model", "variant", "block ms (median)", "block / plain", "step inside / plain",
                         "thread CPU / plain", "us an op over plain (inside)"], rows))
+    if args.sections:
+        import bench_profile
+
+        keys = args.profile_variants.split(",")
+        cols = models + ([] if "tiny" in models else ["tiny"])
+        got = {}
+        for name in cols:
+            bench_profile.build_step = lambda cfg, _n=name: build(_n)  # sections() builds its step through this
+            bench_profile.MODELS = {**bench_profile.MODELS, name: None}
+            step = build(name)
+            step()
+            n_ops = count_ops(step)
+            for key in keys:
+                got[(name, key)] = bench_profile.sections(name, VARIANTS[key].key, n_ops, 7)
+        parts = sorted({p for g in got.values() for p in g}, key=lambda p: -max(g.get(p, 0.0) for g in got.values()))
+        parts = ["total"] + [p for p in parts if p != "total"]
+        print(f"\n## The recorder's per-op work inside the real step, us an op (timed sections, recording thread CPU, "
+              f"best of 7; {load_note()})\n")
+        print(md_table(["part"] + [f"{n} {k}" for n in cols for k in keys],
+                       [[p] + [f"{got[(n, k)].get(p, 0.0):.1f}" for n in cols for k in keys] for p in parts
+                        if any(got[(n, k)].get(p, 0.0) >= 0.05 for n in cols for k in keys)]))
     if args.replay:
         rows = []
         for name in models:
