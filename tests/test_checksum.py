@@ -65,7 +65,7 @@ def test_a_damaged_storage_is_still_caught(tmp_path: Path) -> None:
     flipped[1000] ^= 4
     with pytest.raises(ValueError, match="checksum mismatch"):
         codec.decode(flipped, blob.codec, blob.nbytes, blob.crc, "x")
-    frame = bytearray(fmt.pack_frame({"a": 1}, None))
+    frame = bytearray(fmt.pack_frame([1, 2, 3], None))
     frame[-1] ^= 1
     with pytest.raises(TraceError, match="checksum"):
         fmt.unpack_frame(bytes(frame), "f")
