@@ -276,10 +276,8 @@ class DeviceStats:
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.numel = [t.numel() for t in tensors]
         self.fixed: list[list[float] | None] = [None] * len(tensors)
-        self.order: list[int] = []  # positions measured on the device, in the columns' order
-        self.host: torch.Tensor | None = None
-        self.event: Any = None
-        blocks = []
+        # per device: (positions measured, in the columns' order; pinned host copy; event after the copy or None)
+        self.copies: list[tuple[list[int], torch.Tensor, Any]] = []
         groups: dict[tuple, list[int]] = {}
         for i, t in enumerate(tensors):
             if t.is_complex():
@@ -288,7 +286,8 @@ class DeviceStats:
                 self.fixed[i] = [0, 0.0, 0.0, 0.0, 0.0, 0, 0]
                 continue
             groups.setdefault((t.device, t.dtype), []).append(i)
-        for (_, dtype), idx in groups.items():
+        blocks: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+        for (device, dtype), idx in groups.items():
             xs = [tensors[i].detach() for i in idx]
             if dtype.is_floating_point:
                 bad = [torch.stack([torch.isnan(x).sum(), torch.isinf(x).sum()]) for x in xs]
@@ -303,23 +302,39 @@ class DeviceStats:
             if bad is not None:
                 parts += list(torch.stack(bad).t().to(torch.float64))
             else:
-                parts += [torch.zeros(len(xs), dtype=torch.float64, device=xs[0].device)] * 2
-            blocks.append(torch.stack(parts))
-            self.order += idx
-        if blocks:
-            rows = torch.cat(blocks, dim=1)
-            pinned = rows.device.type == "cuda"
-            self.host = torch.empty(rows.shape, dtype=torch.float64, pin_memory=pinned)
-            self.host.copy_(rows, non_blocking=pinned)
+                parts += [torch.zeros(len(xs), dtype=torch.float64, device=device)] * 2
+            blocks.setdefault(device, []).append((idx, torch.stack(parts)))
+        for device, got in blocks.items():  # one copy per device (an op can read tensors of two GPUs)
+            rows = torch.cat([b for _, b in got], dim=1)
+            pinned = device.type == "cuda"
+            host = torch.empty(rows.shape, dtype=torch.float64, pin_memory=pinned)
+            host.copy_(rows, non_blocking=pinned)
+            event = None
             if pinned:
-                self.event = torch.cuda.Event()
-                self.event.record(torch.cuda.current_stream(rows.device))
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+            self.copies.append(([i for idx, _ in got for i in idx], host, event))
 
     def result(self) -> list[list[float] | None]:
         """One ``[numel, mean, absmax, l2, var, nan, inf]`` per tensor (over finite values); None for complex ones."""
         out = list(self.fixed)
-        if self.host is None:
-            return out
+        for order, host, event in self.copies:
+            if event is not None:
+                event.synchronize()
+            rows = host.tolist()
+            for k, i in enumerate(order):
+                n = self.numel[i]
+                norm, lo, hi, s, nan, inf = (rows[r][k] for r in range(self._ROWS))
+                nan, inf = int(nan), int(inf)
+                m = n - nan - inf
+                if m == 0:
+                    out[i] = [n, 0.0, 0.0, 0.0, 0.0, nan, inf]
+                    continue
+                mean = s / m
+                ss = norm * norm
+                out[i] = [n, mean, max(-lo, hi), norm,
+                          max(ss / m - mean * mean, 0.0) if math.isfinite(ss) else math.inf, nan, inf]
+        return out
         if self.event is not None:
             self.event.synchronize()
         rows = self.host.tolist()
