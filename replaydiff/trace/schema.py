@@ -781,15 +781,8 @@ class IndexRow(NamedTuple):
     first_output: str | None  # e.g. "float32[8, 32, 64]"
 
 
-def _raw_refs(v: Any, out: list) -> None:
-    if isinstance(v, list):
-        _list_refs(v, out)
-    elif isinstance(v, dict) and _VERSION in v:
-        out.append(v)
-
-
 def _list_refs(vs: list, out: list) -> None:
-    """``_raw_refs`` of each item of a list, in one loop (the writer thread runs this for every op)."""
+    """The tensor references (maps holding a storage version key) in a list and the lists nested in it, in order."""
     for v in vs:
         if isinstance(v, dict):
             if _VERSION in v:
@@ -803,8 +796,8 @@ def _geom(w: dict) -> tuple:
 
 
 def _geoms(vs: Any) -> list:
-    """[(version, _geom(r)) for every tensor reference r that _raw_refs finds in vs], in one loop for the common
-    shapes (a reference, a list of references and plain values); the writer thread runs this for every op."""
+    """[(version, _geom(r))] for the tensor references in ``vs`` (a reference, or a list as ``_list_refs`` walks it;
+    anything else holds none), in one loop for the common shapes: the writer thread runs this for every op."""
     out: list = []
     if isinstance(vs, dict):
         vs = [vs]
