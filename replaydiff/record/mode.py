@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-import zlib
 from typing import Any, Protocol
 
 import torch
@@ -21,10 +20,11 @@ from replaydiff.aten import iter_tensors, written_args
 from replaydiff.record.budget import DataBudget
 from replaydiff.record.context import OpContext
 from replaydiff.record.options import RecordOptions
-from replaydiff.record.stats import batch_stats, cpu_values, dense, values_stats
+from replaydiff.record.stats import DeviceStats, batch_stats, cpu_values, dense, values_stats
 from replaydiff.record.storage import StorageTable
 from replaydiff.trace import schema
 from replaydiff.trace.codec import address_view
+from replaydiff.trace.format import crc32
 from replaydiff.trace.modes import TensorMode
 from replaydiff.trace.schema import CollectiveInfo
 from replaydiff.trace.writer import RankWriter, Snapshot
@@ -47,6 +47,8 @@ _VERBATIM = frozenset({bool, float, str, type(None)})
 _INT_MIN, _INT_END = -(1 << 63), 1 << 64
 # dtype names (as ref() spells them) of the tensors that can carry the conj bit
 _COMPLEX = frozenset(str(d).removeprefix("torch.") for d in (torch.complex32, torch.complex64, torch.complex128))
+# Devices whose tensors' statistics reach the host asynchronously (OpBuilder._defer_device_stats); a test adds "cpu".
+_DEFERRED_DEVICES = frozenset({"cuda"})
 
 
 class RecorderLike(Protocol):
@@ -160,7 +162,7 @@ class OpBuilder:
         shape, stride = list(t.shape), list(t.stride())
         storage = t.untyped_storage()
         entry = self.rec.storages.entry(storage)
-        if entry.crc is not None and zlib.crc32(address_view(storage.data_ptr(), entry.nbytes)) != entry.crc:
+        if entry.crc is not None and crc32(address_view(storage.data_ptr(), entry.nbytes)) != entry.crc:
             # Written since it was stored, behind the dispatcher's back (numpy, a C extension): a new version.
             self.rec.storages.bump(entry)
             self.unseen_writes += 1
@@ -176,7 +178,7 @@ class OpBuilder:
             if entry.chunk is None:
                 entry.chunk = self._snapshot(storage, t.element_size(), entry.version)
                 if self.verify and storage.device.type == "cpu":
-                    entry.crc = zlib.crc32(address_view(storage.data_ptr(), entry.nbytes))
+                    entry.crc = crc32(address_view(storage.data_ptr(), entry.nbytes))
             schema.wire_set_chunk(ref, entry.chunk)
         elif self.mode is not TensorMode.META:
             is_dense = dense(shape, stride)
@@ -275,6 +277,10 @@ class OpBuilder:
     def flush_stats(self) -> None:
         if not self._stat_queue:
             return
+        defer = getattr(self.rec.writer, "defer", None)
+        if defer is not None and any(t.device.type in _DEFERRED_DEVICES for t in self._stat_queue):
+            self._defer_device_stats(defer)
+            return
         with _disable_current_modes():
             stats = batch_stats(self._stat_queue)
         for (key, refs), s in zip(self._stat_refs.items(), stats):
@@ -282,6 +288,42 @@ class OpBuilder:
                 schema.wire_set_stats(ref, s)
             self._stats_seen[key] = s
         self._stat_queue, self._stat_refs = [], {}
+        if len(self._stats_seen) > 100_000:
+            self._stats_seen.clear()
+
+    def _defer_device_stats(self, defer: Any) -> None:
+        """Statistics of device tensors without a synchronisation: reduced on their device, copied to the host
+        asynchronously (``stats.DeviceStats``), and written into each ref's cell by the writer thread before it
+        encodes the chunk (``RankWriter.defer``). Reading them here (``.tolist()``) would stall the job's stream at
+        every op. Complex tensors (no statistics) and tensors off any device keep the synchronous path."""
+        queue, pending = self._stat_queue, self._stat_refs
+        self._stat_queue, self._stat_refs = [], {}
+        measured, cells = [], []
+        host, host_keys = [], []
+        for t, (key, refs) in zip(queue, pending.items()):
+            if t.is_complex():
+                for ref in refs:
+                    schema.wire_set_stats(ref, None)
+                self._stats_seen[key] = None
+            elif t.device.type not in _DEFERRED_DEVICES:
+                host.append(t)
+                host_keys.append((key, refs))
+            else:
+                cell: list = []
+                for ref in refs:
+                    schema.wire_set_stats(ref, cell)
+                self._stats_seen[key] = cell
+                measured.append(t)
+                cells.append(cell)
+        with _disable_current_modes():
+            if host:
+                for (key, refs), s in zip(host_keys, batch_stats(host)):
+                    for ref in refs:
+                        schema.wire_set_stats(ref, s)
+                    self._stats_seen[key] = s
+            batch = DeviceStats(measured) if measured else None
+        if batch is not None:
+            defer(lambda: _fill_device_cells(batch, cells))
         if len(self._stats_seen) > 100_000:
             self._stats_seen.clear()
 
@@ -351,6 +393,12 @@ def _fill_cells(pending: list[tuple[list, Any]]) -> None:
     stats = values_stats([v for _, v in pending])
     for (cell, _), st in zip(pending, stats):
         cell[:] = st
+
+
+def _fill_device_cells(batch: DeviceStats, cells: list[list]) -> None:
+    """Writer thread: wait for the batch's host copy (its event, not the stream) and fill each cell in place."""
+    for cell, st in zip(cells, batch.result()):
+        cell[:] = st if st is not None else []
 
 
 class Pending:

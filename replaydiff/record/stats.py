@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -256,3 +257,97 @@ def batch_stats(tensors: list[torch.Tensor]) -> list[list[float] | None]:
             mean = s / n
             out[i] = [n, mean, max(-lo, hi), norm, max(norm * norm / n - mean * mean, 0.0), 0, 0]
     return out
+
+
+class DeviceStats:
+    """The statistics of a batch of device tensors, computed on their device and on their way to the host: no
+    synchronisation of the job's stream (``torch.cuda.set_sync_debug_mode("error")`` stays quiet). The reductions are
+    queued behind the op on the current stream, a pinned host copy after them, and an event after that; ``result()``
+    waits for that event alone (the writer thread calls it before it encodes the records that hold these statistics).
+
+    The figures are ``batch_stats``' own wherever the values are all finite (the same reductions of the same values,
+    bit for bit). A NaN or Inf cannot send a tensor down a slow path here (that needs its values on the host, i.e. a
+    synchronisation): non-finite values are counted on the device and the sums taken over the values with them
+    replaced by 0, which gives the statistics of the finite values; their last bits can differ from those of
+    ``batch_stats``' compacted sums."""
+
+    _ROWS = 6  # L2 norm, min, max, sum (float64), NaN count, Inf count
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.numel = [t.numel() for t in tensors]
+        self.fixed: list[list[float] | None] = [None] * len(tensors)
+        # per device: (positions measured, in the columns' order; pinned host copy; event after the copy or None)
+        self.copies: list[tuple[list[int], torch.Tensor, Any]] = []
+        groups: dict[tuple, list[int]] = {}
+        for i, t in enumerate(tensors):
+            if t.is_complex():
+                continue
+            if t.numel() == 0:
+                self.fixed[i] = [0, 0.0, 0.0, 0.0, 0.0, 0, 0]
+                continue
+            groups.setdefault((t.device, t.dtype), []).append(i)
+        blocks: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+        for (device, dtype), idx in groups.items():
+            xs = [tensors[i].detach() for i in idx]
+            if dtype.is_floating_point:
+                bad = [torch.stack([torch.isnan(x).sum(), torch.isinf(x).sum()]) for x in xs]
+                xs = [torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) for x in xs]
+            else:
+                xs = [x.to(torch.float64) for x in xs]
+                bad = None
+            parts = [torch.stack(torch._foreach_norm(xs, 2, dtype=torch.float64))]
+            mins, maxs = zip(*(torch.aminmax(x) for x in xs))
+            parts += [torch.stack(mins).to(torch.float64), torch.stack(maxs).to(torch.float64),
+                      torch.stack([x.sum(dtype=torch.float64) for x in xs])]
+            if bad is not None:
+                parts += list(torch.stack(bad).t().to(torch.float64))
+            else:
+                parts += [torch.zeros(len(xs), dtype=torch.float64, device=device)] * 2
+            blocks.setdefault(device, []).append((idx, torch.stack(parts)))
+        for device, got in blocks.items():  # one copy per device (an op can read tensors of two GPUs)
+            rows = torch.cat([b for _, b in got], dim=1)
+            pinned = device.type == "cuda"
+            host = torch.empty(rows.shape, dtype=torch.float64, pin_memory=pinned)
+            host.copy_(rows, non_blocking=pinned)
+            event = None
+            if pinned:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+            self.copies.append(([i for idx, _ in got for i in idx], host, event))
+
+    def result(self) -> list[list[float] | None]:
+        """One ``[numel, mean, absmax, l2, var, nan, inf]`` per tensor (over finite values); None for complex ones."""
+        out = list(self.fixed)
+        for order, host, event in self.copies:
+            if event is not None:
+                event.synchronize()
+            rows = host.tolist()
+            for k, i in enumerate(order):
+                n = self.numel[i]
+                norm, lo, hi, s, nan, inf = (rows[r][k] for r in range(self._ROWS))
+                nan, inf = int(nan), int(inf)
+                m = n - nan - inf
+                if m == 0:
+                    out[i] = [n, 0.0, 0.0, 0.0, 0.0, nan, inf]
+                    continue
+                mean = s / m
+                ss = norm * norm
+                out[i] = [n, mean, max(-lo, hi), norm,
+                          max(ss / m - mean * mean, 0.0) if math.isfinite(ss) else math.inf, nan, inf]
+        return out
+        if self.event is not None:
+            self.event.synchronize()
+        rows = self.host.tolist()
+        for k, i in enumerate(self.order):
+            n = self.numel[i]
+            norm, lo, hi, s, nan, inf = (rows[r][k] for r in range(self._ROWS))
+            nan, inf = int(nan), int(inf)
+            m = n - nan - inf
+            if m == 0:
+                out[i] = [n, 0.0, 0.0, 0.0, 0.0, nan, inf]
+                continue
+            mean = s / m
+            ss = norm * norm
+            out[i] = [n, mean, max(-lo, hi), norm, max(ss / m - mean * mean, 0.0) if math.isfinite(ss) else math.inf,
+                      nan, inf]
+        return out

@@ -3,17 +3,20 @@
 Byte-shuffle groups the k-th byte of every element together; for floats the exponent bytes then sit side by side and
 zstd finds far more repetition (10-15% smaller traces of float data). It pays only for multi-byte elements.
 The codec string travels with the blob (``raw``, ``zstd``, ``zstd+shuffle4`` ...), so a reader needs nothing else.
+
+The checksum is CRC-32 (``format.crc32``: zlib's function, at memory speed where zlib-ng is installed).
 """
 from __future__ import annotations
 
 import ctypes
 import threading
-import zlib
 from dataclasses import dataclass
 
 import numpy
 import torch
 import zstandard
+
+from replaydiff.trace.format import crc32
 
 
 _memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
@@ -94,7 +97,7 @@ def encode(buf: memoryview, itemsize: int, level: int | None, shuffle: bool) -> 
     In place, so that a chunk's encoded blobs, kept until its data file is written, take no memory beyond the
     copies themselves (zstd's output for one blob lives only until it is copied back)."""
     raw = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
-    crc = zlib.crc32(raw)
+    crc = crc32(raw)
     n = len(raw)
     if level is None or n == 0:
         return EncodedBlob(raw, "raw", n, crc)
@@ -163,6 +166,6 @@ def decode(data: torch.Tensor, codec: str, nbytes: int, crc: int, where: str) ->
         raise ValueError(f"unknown codec {codec!r}")
     if out.numel() != nbytes:
         raise ValueError(f"{where}: {out.numel()} bytes where {nbytes} were recorded")
-    if zlib.crc32(tensor_bytes_view(out.contiguous())) != crc:
+    if crc32(tensor_bytes_view(out.contiguous())) != crc:
         raise ValueError(f"{where}: checksum mismatch")
     return out

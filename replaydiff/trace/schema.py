@@ -783,16 +783,38 @@ class IndexRow(NamedTuple):
     first_output: str | None  # e.g. "float32[8, 32, 64]"
 
 
-def _raw_refs(v: Any, out: list) -> None:
-    if isinstance(v, list):
-        for x in v:
-            _raw_refs(x, out)
-    elif isinstance(v, dict) and _VERSION in v:
-        out.append(v)
+def _list_refs(vs: list, out: list) -> None:
+    """The tensor references (maps holding a storage version key) in a list and the lists nested in it, in order."""
+    for v in vs:
+        if isinstance(v, dict):
+            if _VERSION in v:
+                out.append(v)
+        elif isinstance(v, list):
+            _list_refs(v, out)
 
 
 def _geom(w: dict) -> tuple:
     return (w.get(_VERSION), w[_DTYPE], tuple(w[_SHAPE]), tuple(w.get(_STRIDE) or ()), w.get(_OFFSET, 0))
+
+
+def _geoms(vs: Any) -> list:
+    """[(version, _geom(r))] for the tensor references in ``vs`` (a reference, or a list as ``_list_refs`` walks it;
+    anything else holds none), in one loop for the common shapes: the writer thread runs this for every op."""
+    out: list = []
+    if isinstance(vs, dict):
+        vs = [vs]
+    elif not isinstance(vs, list):
+        return out
+    for r in vs:
+        if isinstance(r, dict):
+            if _VERSION in r:
+                v = r[_VERSION]
+                out.append((v, (v, r[_DTYPE], tuple(r[_SHAPE]), tuple(r.get(_STRIDE) or ()), r.get(_OFFSET, 0))))
+        elif isinstance(r, list):
+            raw: list = []
+            _list_refs(r, raw)
+            out.extend((w.get(_VERSION), _geom(w)) for w in raw)
+    return out
 
 
 def index_row(w: dict) -> IndexRow:
@@ -802,25 +824,23 @@ def index_row(w: dict) -> IndexRow:
     outs: list = []
     first = None
     if recorded:
-        raw: list = []
-        _raw_refs(w.get(_ARGS) or [], raw)
-        for v in (w.get(_KWARGS) or {}).values():
-            _raw_refs(v, raw)
-        ins = [(r.get(_VERSION), _geom(r)) for r in raw]
-        raw = []
-        _raw_refs(w.get(_OUTPUTS), raw)
-        outs = [(r.get(_VERSION), _geom(r)) for r in raw]
-        if raw:
-            first = f"{raw[0][_DTYPE]}{list(raw[0][_SHAPE])}"
-        seen = {g for _, g in outs}
-        for _, v in w.get(_WRITES) or []:
-            raw = []
-            _raw_refs(v, raw)
-            for r in raw:
-                g = _geom(r)
-                if g not in seen:
-                    seen.add(g)
-                    outs.append((r.get(_VERSION), g))
+        ins = _geoms(w.get(_ARGS))
+        kwargs = w.get(_KWARGS)
+        if kwargs:
+            for v in kwargs.values():
+                ins.extend(_geoms(v))
+        outs = _geoms(w.get(_OUTPUTS))
+        if outs:
+            g = outs[0][1]
+            first = f"{g[1]}{list(g[2])}"
+        writes = w.get(_WRITES)
+        if writes:
+            seen = {g for _, g in outs}
+            for _, v in writes:
+                for version, g in _geoms(v):
+                    if g not in seen:
+                        seen.add(g)
+                        outs.append((version, g))
     return IndexRow(w[_INDEX], w[_NAME], w.get(_PHASE), w.get(_MODULE), w.get(_SOURCE), w.get(_FORWARD), recorded,
                     _COLL in w, bool(w.get(_UNINIT)), isinstance(w.get(_RNG), dict), ins, outs, first)
 

@@ -19,7 +19,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import safetensors
 import torch
@@ -73,6 +73,9 @@ class _Chunk:
     snapshots: list[Snapshot] = field(default_factory=list)
     pending_bytes: int = 0
     started: float = field(default_factory=time.monotonic)
+    # Run by the writer thread before the chunk is encoded: fill what its records hold but the recording thread had
+    # not yet got (device statistics on their way to the host; RankWriter.defer).
+    fills: list[Callable[[], None]] = field(default_factory=list)
 
 
 FIRST_CHUNK_BYTES = 8 << 20
@@ -192,6 +195,12 @@ class RankWriter:
             chunk.pending_bytes += snap.nbytes
             return chunk.number
 
+    def defer(self, fill: Callable[[], None]) -> None:
+        """Run ``fill`` on the writer thread before the current chunk (or, if it is taken meanwhile, the next) is
+        encoded; records added after this call may hold what ``fill`` fills. Chunks are written in order."""
+        with self._lock:
+            self._chunk.fills.append(fill)
+
     def add_op(self, record: dict) -> None:
         with self._lock:
             chunk = self._chunk
@@ -223,7 +232,7 @@ class RankWriter:
         """Hand the current chunk to the writer thread (blocks while two chunks are already waiting)."""
         with self._lock:
             chunk = self._chunk
-            if not chunk.ops and not chunk.snapshots:
+            if not chunk.ops and not chunk.snapshots and not chunk.fills:
                 return
             self._chunk = _Chunk(chunk.number + 1)
             if not self.failed:
@@ -351,6 +360,9 @@ class RankWriter:
         self.data_refused = LEFT_OUT_DISK_FULL
 
     def _write_chunk(self, chunk: _Chunk) -> None:
+        fills, chunk.fills = chunk.fills, []
+        for fill in fills:
+            fill()
         if self.data_lost_from is None:
             try:
                 self._write_data(chunk)

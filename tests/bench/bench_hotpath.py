@@ -6,7 +6,8 @@ Why: on a shared machine the wall time of a whole recorded step moves by more th
 over, as ``__torch_dispatch__`` does. ``REPLAYDIFF_SRC=DIR`` runs the replaydiff found in DIR instead (an older
 tree from ``git archive``), for an A/B in alternating processes.
 
-Usage: ``python tests/bench/bench_hotpath.py [meta|stats|full] [PASSES]``.
+Usage: ``python tests/bench/bench_hotpath.py [meta|stats|full] [PASSES] [MODEL]``; MODEL is ``tiny`` (the default) or
+one of ``bench_real_models.py``'s (``t5``, ``gpt2``, ``llama``, ``mid``).
 """
 from __future__ import annotations
 
@@ -43,10 +44,17 @@ class _Capture(TorchDispatchMode):
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "meta"
     passes = int(sys.argv[2]) if len(sys.argv) > 2 else 15
+    model_name = sys.argv[3] if len(sys.argv) > 3 else "tiny"
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = TinyTransformer(TransformerConfig())
-    step = make_step(model, model.example_batch(seed=0), torch.optim.AdamW(model.parameters(), lr=1e-3))
+    if model_name == "tiny":
+        model = TinyTransformer(TransformerConfig())
+        step = make_step(model, model.example_batch(seed=0), torch.optim.AdamW(model.parameters(), lr=1e-3))
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_real_models import build
+
+        step = build(model_name)
     step()
     cap = _Capture()
     with cap:
@@ -68,7 +76,7 @@ def main() -> None:
             rec.__exit__(None, None, None)
         shutil.rmtree(path)
         best = min(best, t1 - t0)
-    print(f"{mode}: {len(cap.calls)} calls, {1e6 * best / len(cap.calls):.1f} us/op "
+    print(f"{model_name} {mode}: {len(cap.calls)} calls, {1e6 * best / len(cap.calls):.1f} us/op "
           f"(recording thread CPU, best of {passes}; replaydiff from {os.path.dirname(replaydiff.__file__)})")
 
 

@@ -1,0 +1,353 @@
+"""What recording costs a real model's training step: transformers' T5, GPT-2 and Llama from tiny configs.
+
+Why: the project's own tiny transformer has few tensors per op and shallow Python around each op; transformers'
+models have more of both (masks, position biases, caches, deep call stacks), and the recorder's per-op cost there
+was ~6x what the tiny model showed. This measures it where users see it.
+
+What it prints:
+
+1. Per model, one AdamW step (``loss.backward(); opt.step(); opt.zero_grad()``), one torch thread, timed in
+   interleaved rounds (each round runs every variant once, starting from a rotating variant; each variant owns its
+   model built from the same seed): the whole ``with`` block (set-up, step, exit: what a user waits for) and the step
+   inside the block, as ratios to the plain step's median (medians over rounds), beside a do-nothing
+   TorchDispatchMode (the floor) and ``torch.utils._debug_mode.DebugMode``. Variants: plain, floor, debugmode,
+   meta, stats, full (zstd, the default), stats by module (``granularity="module"``).
+2. With ``--replay``: a ``full`` (zstd) trace of one step of each model, replayed at fp64 and at ``same``: replayed
+   ops per second of wall time in this process (``replay_trace`` after its imports and one warm-up replay: startup
+   excluded, median of ``--replay-rounds``) and through the CLI (``python -m replaydiff replay``, a fresh process:
+   startup included), with ``--workers 1`` and ``2``.
+3. With ``--sections``: the recorder's per-op work in microseconds per op, part by part, measured inside the
+   real step by timing the functions that do each part with the recording thread's CPU clock (bench_profile.py's
+   ``sections``: the fastest of 7 steps, the timers' own cost taken off): no profiler inflates it.
+4. With ``--profile``: cProfile of a recorded step per model (the recording thread), own time grouped into parts
+   (``bench_profile.PARTS``) in microseconds per op, beside the project's tiny model: where the per-op time goes,
+   and why a real model's op costs more. cProfile inflates small functions; the table gives each part's share and
+   the profiled per-op total.
+
+No weights are downloaded: every model is built from a config with random weights (``transformers`` is a test
+dependency). ``REPLAYDIFF_SRC=DIR`` runs the replaydiff of another tree (an A/B from ``git archive``).
+
+Usage: ``python tests/bench/bench_real_models.py [--models t5,gpt2,llama,tiny,mid] [--variants ...] [--rounds 7]
+[--profile] [--profile-variants meta,stats,full] [--replay] [--no-timing]``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+if os.environ.get("REPLAYDIFF_SRC"):
+    sys.path.insert(0, os.environ["REPLAYDIFF_SRC"])
+
+import argparse  # noqa: E402
+import cProfile  # noqa: E402
+import gc  # noqa: E402
+import pstats  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import replaydiff  # noqa: E402
+from bench import MODELS, NoopMode, Variant, build_step, md_table  # noqa: E402
+from bench_profile import builtin_part, part_of  # noqa: E402
+
+SEED = 0
+BATCH, SEQ = 4, 32
+
+VARIANTS: dict[str, Variant] = {v.key: v for v in (
+    Variant("plain", "plain step"),
+    Variant("floor", "do-nothing TorchDispatchMode (floor)"),
+    Variant("debugmode", "torch DebugMode()"),
+    Variant("meta", "record, meta", "meta"),
+    Variant("stats", "record, stats", "stats"),
+    Variant("full", "record, full (zstd, default)", "full", True),
+    Variant("full-raw", "record, full raw", "full", False),
+    Variant("module", "record, stats, --granularity module", "stats", options=(("granularity", "module"),)),
+)}
+
+
+# -- models -----------------------------------------------------------------------------------------------------------
+def _hf_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Callable[[], Any]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+
+    def step() -> Any:
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
+
+
+def build(name: str) -> Callable[[], Any]:
+    """A fresh model (random weights from SEED), its AdamW optimizer and a fixed batch: the step closure."""
+    if name in MODELS:
+        return build_step(MODELS[name])
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(SEED)
+    g = torch.Generator().manual_seed(SEED)
+    vocab = 256
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+    if name == "t5":
+        cfg = transformers.T5Config(vocab_size=vocab, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                    num_decoder_layers=2, num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
+                                    pad_token_id=0)
+        model = transformers.T5ForConditionalGeneration(cfg)
+        labels = torch.randint(1, vocab, (BATCH, SEQ), generator=g)
+        return _hf_step(model, {"input_ids": ids, "labels": labels})
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(cfg)
+        return _hf_step(model, {"input_ids": ids, "labels": ids})
+    if name == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+        model = transformers.LlamaForCausalLM(cfg)
+        return _hf_step(model, {"input_ids": ids, "labels": ids})
+    raise SystemExit(f"unknown model {name!r} (t5, gpt2, llama, {', '.join(MODELS)})")
+
+
+def count_ops(step: Callable[[], Any]) -> int:
+    class Count(NoopMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    return Count.n
+
+
+# -- timing -----------------------------------------------------------------------------------------------------------
+def instrument(v: Variant, trace_dir: str | None):
+    import contextlib
+
+    if v.key == "plain":
+        return contextlib.nullcontext()
+    if v.key == "floor":
+        return NoopMode()
+    if v.key == "debugmode":
+        from torch.utils._debug_mode import DebugMode
+
+        return DebugMode()
+    return replaydiff.record(trace_dir, tensors=v.tensors, compress=v.compress, **dict(v.options))
+
+
+def timed(v: Variant, step: Callable[[], Any]) -> tuple[float, float, float]:
+    """(whole block, step inside the block, recording thread CPU of the whole block), seconds."""
+    trace_dir = tempfile.mkdtemp(prefix="rdreal-") if v.tensors else None
+    gc.collect()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            c0 = time.thread_time()
+            t0 = time.perf_counter()
+            with instrument(v, trace_dir):
+                s0 = time.perf_counter()
+                step()
+                s1 = time.perf_counter()
+            t1 = time.perf_counter()
+            c1 = time.thread_time()
+        return t1 - t0, s1 - s0, c1 - c0
+    finally:
+        if trace_dir is not None:
+            shutil.rmtree(trace_dir, ignore_errors=True)
+
+
+def bench_model(name: str, keys: list[str], rounds: int) -> dict[str, list[tuple[float, float, float]]]:
+    steps = {k: build(name) for k in keys}
+    for k in keys:  # warm-up: optimizer state, first-call caches, the recorder's imports
+        steps[k]()
+        timed(VARIANTS[k], steps[k])
+    samples: dict[str, list] = {k: [] for k in keys}
+    for r in range(rounds):
+        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+            samples[k].append(timed(VARIANTS[k], steps[k]))
+    return samples
+
+
+def load_note() -> str:
+    try:
+        one, five, _ = os.getloadavg()
+        return f"load average {one:.1f} (5 min {five:.1f}) on {os.cpu_count()} CPUs"
+    except OSError:
+        return "load average unknown"
+
+
+# -- profile ----------------------------------------------------------------------------------------------------------
+def profile(name: str, key: str, steps: int = 3) -> tuple[dict[str, float], list[tuple], int]:
+    """Own time per part, us per op (cProfile, recording thread), the top functions, ops per step."""
+    step = build(name)
+    step()
+    n_ops = count_ops(step)
+    timed(VARIANTS[key], step)
+    prof = cProfile.Profile()
+    out = tempfile.mkdtemp(prefix="rdrealprof-")
+    v = VARIANTS[key]
+    try:
+        for i in range(steps):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with replaydiff.record(f"{out}/{i}", tensors=v.tensors, compress=v.compress, **dict(v.options)):
+                    prof.enable()
+                    step()
+                    prof.disable()
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    st = pstats.Stats(prof)
+    parts: dict[str, float] = {}
+    rows = []
+    for (filename, _line, func), (_cc, nc, tt, _ct, callers) in st.stats.items():  # type: ignore[attr-defined]
+        part = part_of(filename, func)
+        if part is None:
+            if filename == "~":
+                own = sum(c[2] for f, c in callers.items() if "/replaydiff/" in f[0].replace("\\", "/"))
+                if own:
+                    parts[builtin_part(func)] = parts.get(builtin_part(func), 0.0) + own
+                    rows.append((own, nc, f"{func} (called by replaydiff)"))
+            continue
+        parts[part] = parts.get(part, 0.0) + tt
+        rows.append((tt, nc, f"{Path(filename).parent.name}/{Path(filename).name}:{func}"))
+    rows.sort(reverse=True)
+    scale = 1e6 / steps / n_ops
+    return {k: v * scale for k, v in parts.items()}, [(t * scale, nc / steps, f) for t, nc, f in rows[:20]], n_ops
+
+
+# -- replay -----------------------------------------------------------------------------------------------------------
+def bench_replay(name: str, rounds: int) -> list[list[str]]:
+    from replaydiff.replay import ReplayOptions, replay_trace
+    from replaydiff.replay.engine import keep_freed_memory
+
+    step = build(name)
+    step()
+    path = tempfile.mkdtemp(prefix=f"rdrealreplay-{name}-") + "/full"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with replaydiff.record(path, tensors="full"):
+            step()
+    rows = []
+    try:
+        keep_freed_memory()  # as the CLI and replay's workers do
+        for precision in ("fp64", "same"):
+            opts = ReplayOptions(precision=precision)
+            report = replay_trace(path, opts)  # warm-up: first-call caches, lazy imports
+            replayed = sum(1 for r in report.ops if r.status.name != "SKIPPED")
+            times = []
+            for _ in range(rounds):
+                gc.collect()
+                t0 = time.perf_counter()
+                replay_trace(path, opts)
+                times.append(time.perf_counter() - t0)
+            med = statistics.median(times)
+            rows.append([name, precision, "in process, 1 worker (startup excluded)", str(replayed),
+                         f"{med:.2f}", f"{replayed / med:,.0f}"])
+            for workers in (1, 2):
+                t0 = time.perf_counter()
+                proc = subprocess.run([sys.executable, "-m", "replaydiff", "replay", path, "--precision", precision,
+                                       "--workers", str(workers)], capture_output=True, text=True)
+                secs = time.perf_counter() - t0
+                note = "" if proc.returncode in (0, 1) else f" (exit {proc.returncode}: {proc.stderr.strip()[-200:]})"
+                rows.append([name, precision, f"CLI, --workers {workers} (startup included){note}", str(replayed),
+                             f"{secs:.2f}", f"{replayed / secs:,.0f}"])
+    finally:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="t5,gpt2,llama")
+    p.add_argument("--variants", default="plain,floor,debugmode,meta,stats,full,module")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--profile", action="store_true", help="also the cProfile breakdown per op (with tiny beside)")
+    p.add_argument("--profile-variants", default="meta,stats,full")
+    p.add_argument("--no-timing", action="store_true", help="skip the recording table (only --profile / --replay)")
+    p.add_argument("--sections", action="store_true", help="also the per-op breakdown by timed sections")
+    p.add_argument("--replay", action="store_true", help="also replay throughput of a full trace of each model")
+    p.add_argument("--replay-rounds", type=int, default=3)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    models = args.models.split(",")
+    keys = args.variants.split(",")
+    assert keys[0] == "plain", "ratios are to the plain step: list it first"
+    print(f"# replaydiff on real models ({torch.__version__}, {args.threads} thread(s), {args.rounds} rounds; "
+          f"replaydiff from {os.path.dirname(replaydiff.__file__)})\n")
+    if not args.no_timing:
+        rows = []
+        for name in models:
+            n_ops = count_ops((s := build(name), s())[0])
+            before = load_note()
+            samples = bench_model(name, keys, args.rounds)
+            plain = statistics.median(s[0] for s in samples["plain"])
+            plain_cpu = statistics.median(s[2] for s in samples["plain"])
+            for k in keys:
+                whole = statistics.median(s[0] for s in samples[k])
+                inside = statistics.median(s[1] for s in samples[k])
+                cpu = statistics.median(s[2] for s in samples[k])
+                rows.append([name, VARIANTS[k].label, f"{1e3 * whole:.1f}", f"{whole / plain:.2f}x",
+                             f"{inside / plain:.2f}x", f"{cpu / plain_cpu:.2f}x",
+                             f"{1e6 * (inside - plain) / n_ops:.1f}" if k != "plain" else f"{n_ops} ops"])
+            print(f"{name}: {n_ops} aten ops a step; {before} before, {load_note()} after", flush=True)
+        print()
+        print(md_table(["model", "variant", "block ms (median)", "block / plain", "step inside / plain",
+                        "thread CPU / plain", "us an op over plain (inside)"], rows))
+    if args.sections:
+        import bench_profile
+
+        keys = args.profile_variants.split(",")
+        cols = models + ([] if "tiny" in models else ["tiny"])
+        got = {}
+        for name in cols:
+            bench_profile.build_step = lambda cfg, _n=name: build(_n)  # sections() builds its step through this
+            bench_profile.MODELS = {**bench_profile.MODELS, name: None}
+            step = build(name)
+            step()
+            n_ops = count_ops(step)
+            for key in keys:
+                got[(name, key)] = bench_profile.sections(name, VARIANTS[key].key, n_ops, 7)
+        parts = sorted({p for g in got.values() for p in g}, key=lambda p: -max(g.get(p, 0.0) for g in got.values()))
+        parts = ["total"] + [p for p in parts if p != "total"]
+        print(f"\n## The recorder's per-op work inside the real step, us an op (timed sections, recording thread CPU, "
+              f"best of 7; {load_note()})\n")
+        print(md_table(["part"] + [f"{n} {k}" for n in cols for k in keys],
+                       [[p] + [f"{got[(n, k)].get(p, 0.0):.1f}" for n in cols for k in keys] for p in parts
+                        if any(got[(n, k)].get(p, 0.0) >= 0.05 for n in cols for k in keys)]))
+    if args.replay:
+        rows = []
+        for name in models:
+            rows += bench_replay(name, args.replay_rounds)
+        print(f"\n## Replay of one step's full trace ({load_note()})\n")
+        print(md_table(["model", "precision", "how", "ops replayed", "seconds", "ops/s"], rows))
+    if args.profile:
+        for key in args.profile_variants.split(","):
+            cols = models + ([] if "tiny" in models else ["tiny"])
+            got = {name: profile(name, key) for name in cols}
+            parts = sorted({p for g in got.values() for p in g[0]}, key=lambda p: -max(g[0].get(p, 0) for g in
+                                                                                          got.values()))
+            rows = [[p] + [f"{got[n][0].get(p, 0.0):.1f}" for n in cols] for p in parts]
+            rows.append(["**profiled total, us an op**"] + [f"{sum(got[n][0].values()):.1f}" for n in cols])
+            rows.append(["ops a step"] + [str(got[n][2]) for n in cols])
+            print(f"\n## cProfile of `{key}`: recorder's own time per op, us (recording thread, 3 steps)\n")
+            print(md_table(["part"] + cols, rows))
+            for n in cols[:1]:
+                print(f"\nTop functions, {n} {key} (us an op, calls a step):\n")
+                print(md_table(["us/op", "calls", "function"], [[f"{t:.2f}", f"{c:.0f}", f] for t, c, f in got[n][1]]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
