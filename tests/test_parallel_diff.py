@@ -374,11 +374,37 @@ def test_a_batch_norm_with_per_rank_statistics_is_named_at_the_batch_norm(runs):
     assert "per-rank statistics that should be global" in d.why
 
 
-def test_a_reference_of_micro_batches_is_refused_in_one_line_not_given_a_verdict(runs, capsys):
+def test_a_reference_of_micro_batches_agrees_with_one_rank_per_micro_batch(runs, capsys):
+    """The single process runs the global batch as 2 micro-batches (loss / 2, gradients accumulated); each of 2
+    ranks runs one, gradients all-reduced and averaged: rank r's ops map onto micro-batch r's."""
+    pd = diff_traces(runs[1] / "accumulate", runs[2] / "accumulate").parallel
+    assert pd.departure is None and pd.micro_batches == 2 and not pd.random_parted
+    on = {op.ranks for op in pd.ops}
+    assert on == {(0,), (1,), ()}  # each micro-batch's ops on its rank alone, the optimizer's on every rank
+    assert pd.compared >= 0.9 * pd.aligned
+    # what the reference runs alone: the accumulation of the gradients and the division of each loss, no more
+    ref_ops = open_trace(runs[1] / "accumulate").rank(0)
+    assert {ref_ops[i].name for i in pd.not_aligned if not aten.is_cheap(ref_ops[i].name)} <= \
+        {"aten.add_.Tensor", "aten.div.Tensor"}
     capsys.readouterr()
-    assert main(["diff", str(runs[1] / "accumulate"), str(runs[2] / "accumulate")]) == 2
+    assert main(["diff", str(runs[1] / "accumulate"), str(runs[2] / "accumulate")]) == 0
+    text = capsys.readouterr().out
+    assert "as 2 micro-batches, gradients accumulated" in text and "agree: every compared op maps" in text
+
+
+def test_a_loss_scaled_twice_against_micro_batches_is_named_with_its_line(runs):
+    d = diff_traces(runs[1] / "accumulate", runs[2] / "double").parallel.departure
+    assert d is not None and d.kind is Departure.SCALED and d.op.phase == "backward" and d.op.ranks == (0,)
+    assert "2x what a correct parallel run holds here" in d.why
+    assert f"aten.mul.Tensor (#" in d.why and f"steps.py:{_line('BUG: the gradients')})" in d.why
+
+
+def test_micro_batches_that_are_not_one_per_rank_are_refused_in_one_line(runs, capsys):
+    capsys.readouterr()
+    assert main(["diff", str(runs[1] / "accumulate"), str(runs[4] / "manual")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "gradient accumulation over micro-batches, which is not mapped" in err
+    assert err.count("\n") == 1 and "runs 2 forward-backward passes (gradient-accumulation micro-batches)" in err
+    assert "as many micro-batches as ranks" in err
 
 
 def test_collectives_over_groups_of_some_ranks_are_refused_in_one_line(runs, capsys):

@@ -234,7 +234,7 @@ def mapped_lines(result: RowResult, op: MappedOp) -> list[str]:
     s = result.status
     word = {"ok": "MAPS", "divergent": "PARTS HERE", "inherited": "INHERITED"}.get(str(s), str(s).upper())
     lines = [f"[{STATUS_STYLE.get(s, 'dim')}]{word}[/]  mapped onto reference op [bold]ref #{op.ref}[/] with every "
-             f"rank's op ({', '.join(f'rank {r} #{i}' for r, i in enumerate(op.targets))})"]
+             f"rank's op ({', '.join(f'rank {r} #{i}' for r, i in op.on_ranks())})"]
     for t in op.tensors:
         what = t.layout.describe() if t.layout is not None else "no layout fits"
         lines.append(f"  {'input' if t.kind == 'in' else 'output'} {t.position} {esc(t.describe)}: {esc(what)}")

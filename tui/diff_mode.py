@@ -74,7 +74,7 @@ def parallel_rows(pd: Any) -> list[RowResult]:
             status, reason = PairStatus.INHERITED, "parts from the reference after the first op that does"
         else:
             status, reason = Status.OK, None
-        for rank, index in enumerate(op.targets):
+        for rank, index in op.on_ranks():
             # the figure column holds a number (err/lim): a mapping has none; the detail pane shows each layout
             out.append(RowResult(rank, index, status, None, "", None, reason, False, op, 0))
     return out

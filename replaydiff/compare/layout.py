@@ -56,6 +56,9 @@ class Layout:
     # sharded only: the dim holds ``blocks`` runs of every rank's slices in turn (a batch dim flattened with an outer
     # one: rows [S, B, D] viewed as [S*B, D] with B sharded hold each rank's rows in S interleaved blocks); 1: not
     blocks: int = 1
+    # the value one rank holds alone: the reference ran the global batch as micro-batches, one per rank, and this
+    # rank's op stands for the reference's op of micro-batch ``micro_batch`` (the rank's own number); None: not
+    micro_batch: int | None = None
 
     def assemble(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """The value the ranks' tensors stand for (before the factor), in float64: rank 0's for a replicated
@@ -84,6 +87,8 @@ class Layout:
         """e.g. 'sharded on dim 0 over 2 ranks (4+4)', 'partial over 2 ranks: the reference is their average',
         'replicated on 2 ranks at 2x the reference'."""
         scale = "" if self.factor == 1 else f" at {ratio_text(1 / self.factor)}x the reference"
+        if self.micro_batch is not None:
+            return f"rank {self.micro_batch}'s own value against the reference's micro-batch {self.micro_batch}{scale}"
         if self.kind is LayoutKind.REPLICATED:
             return f"replicated on {self.world} ranks{scale}"
         if self.kind is LayoutKind.SHARDED:
@@ -100,9 +105,12 @@ class Layout:
         return f"partial over {self.world} ranks: their sum is {ratio_text(1 / self.factor)}x the reference"
 
     def to_json(self) -> dict:
-        return {"kind": self.kind.value, "world": self.world, "dim": self.dim,
-                "sizes": None if self.sizes is None else list(self.sizes), "blocks": self.blocks,
-                "factor": str(self.factor)}
+        out = {"kind": self.kind.value, "world": self.world, "dim": self.dim,
+               "sizes": None if self.sizes is None else list(self.sizes), "blocks": self.blocks,
+               "factor": str(self.factor)}
+        if self.micro_batch is not None:
+            out["micro_batch"] = self.micro_batch
+        return out
 
 
 def ratio_text(f: Fraction) -> str:

@@ -80,6 +80,11 @@ class MappedOp:
     phase: str | None
     source: str | None  # a backward op: the source line of the forward op it belongs to, where known
     tensors: tuple[Mapped, ...]
+    ranks: tuple[int, ...] = ()  # the rank of each of ``targets`` when not every rank runs it (a micro-batch's op)
+
+    def on_ranks(self) -> list[tuple[int, int]]:
+        """(rank, op number on that rank) for every rank that runs it."""
+        return list(zip(self.ranks or range(len(self.targets)), self.targets))
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,10 @@ class ParallelDiff:
     # ops whose inputs every rank holds whole and alike, right given them, whose outputs part from the reference's
     # only as far as the inputs' rounding, amplified, takes them: no departure
     amplified: list[int] = field(default_factory=list)
+    # the reference ran the global batch as this many gradient-accumulation micro-batches, rank r's ops mapped onto
+    # micro-batch r's (0: one pass, every rank's ops onto it)
+    micro_batches: int = 0
+    ref_only: Counter = field(default_factory=Counter)  # names of the computing ops in ``not_aligned``
 
     @property
     def departed(self) -> bool:
@@ -131,9 +140,10 @@ class ParallelDiff:
             "families": {k: dict(v) for k, v in self.families.items()}, "random_ops": self.random_ops,
             "not_stored": self.not_stored, "worst_rel_l2_over_eps": self.worst,
             "not_judged_random": list(self.random_parted), "amplified": list(self.amplified),
+            **({"micro_batches": self.micro_batches, "ref_only": dict(self.ref_only)} if self.micro_batches else {}),
             "departure": None if d is None else {
                 "kind": d.kind.value, "why": d.why, "inherited": d.inherited, "ref": d.op.ref,
-                "targets": list(d.op.targets), "op": d.op.name, "module": d.op.module, "phase": d.op.phase,
+                "targets": list(d.op.targets), **({"ranks": list(d.op.ranks)} if d.op.ranks else {}), "op": d.op.name, "module": d.op.module, "phase": d.op.phase,
                 "source": d.op.source, "tensor": {"kind": d.tensor.kind, "position": d.tensor.position,
                                                   "describe": d.tensor.describe,
                                                   "layout": None if d.tensor.layout is None else
@@ -161,6 +171,10 @@ def close_for(dtype: torch.dtype) -> Close:
 
 def _family(layout: Layout, legit: bool) -> str:
     """The summary line's name of a layout: its kind, and a factor a correct run has named for what it is."""
+    if layout.micro_batch is not None:
+        at = "" if layout.factor == 1 else f" at {ratio_text(1 / layout.factor)}x"
+        return f"each rank's own, against its micro-batch{at}" + \
+            (" (of a loss divided by the micro-batch count)" if legit and layout.factor != 1 else "")
     if layout.kind is LayoutKind.PARTIAL:
         if layout.factor == 1:
             return "partial (a sum)"
@@ -190,6 +204,10 @@ def _legit_factors(layout: Layout, phase: str | None, loss: Fraction | None) -> 
     loss of a rank's slice of the batch); and in the backward the factor of the loss it differentiates (``loss``:
     each rank's gradients are of its own loss, 1/world of the reference's in sum when that is a per-rank mean), until
     the gradients' all-reduce divides by the world size."""
+    if layout.micro_batch is not None:
+        # rank r's own value against micro-batch r's: the same, but for the gradients of a reference that divides
+        # each micro-batch's loss by the number of micro-batches (the world size), as gradient accumulation does
+        return (Fraction(1), Fraction(1, layout.world)) if phase == "backward" else (Fraction(1),)
     if phase == "backward":
         return (Fraction(1),) if loss is None or loss == 1 else (Fraction(1), loss)
     if layout.kind is LayoutKind.PARTIAL and phase != "optimizer":
@@ -239,11 +257,13 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     r_side = _Side(ref)
     t_sides = [_Side(t) for t in targets]
     _refuse_sub_groups(t_sides[0], world)
+    owner = _micro_batches(r_side, t_sides)  # a micro-batch's op -> the rank whose ops it maps onto
     maps = []
-    out = ParallelDiff(world, len(r_side.keys), 0, 0)
-    for side in t_sides:
-        al = align(r_side.keys, side.keys)
-        m = _follow_data(ref, r_side, side, dict(al.pairs))
+    out = ParallelDiff(world, len(r_side.keys), 0, 0, micro_batches=world if owner else 0)
+    for rank, side in enumerate(t_sides):
+        mine = [k for k in r_side.keys if owner.get(k.index, rank) == rank]
+        al = align(mine, side.keys)
+        m = _follow_data(ref, r_side, side, dict(al.pairs), {k.index for k in mine} if owner else set())
         maps.append(m)
         mine = set(m.values())
         out.layout_ops.update(op.name for j, op in side.ops.items() if j not in mine and not aten.is_marker(op.name))
@@ -264,12 +284,15 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             progress(64)
         if aten.is_marker(r_side.ops[i].name):
             continue
-        if not all(i in m for m in maps):
+        own = [owner[i]] if i in owner else list(range(world))  # the ranks whose ops stand for it
+        if own == [-1] or not all(i in maps[r] for r in own):
             out.not_aligned.append(i)
             continue
         out.aligned += 1
         rop = r_side.ops[i]
-        tops = [t_sides[r].ops[maps[r][i]] for r in range(world)]
+        tops = [t_sides[r].ops[maps[r][i]] for r in own]
+        tgts = [targets[r] for r in own]
+        micro = owner.get(i)
         random = aten.is_random(rop.name)
         producers = ref.producers(i)
         from_departed = [p for p in producers.values() if p is not None and p in departed]
@@ -280,23 +303,24 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         for pos, rref in enumerate(r_ins):
             if producers.get(pos) is not None or rref.version in seen_inputs:
                 continue
-            if any(pos >= len(ti) or targets[r].producers(tops[r].index).get(pos) is not None
-                   for r, ti in enumerate(t_ins)):
+            if any(pos >= len(ti) or tgts[k].producers(tops[k].index).get(pos) is not None
+                   for k, ti in enumerate(t_ins)):
                 continue  # on some rank the op reads what a rank's own op made (a slice of the batch, a copy)
             seen_inputs.add(rref.version)
-            m = _map(ref, targets, rref, [ti[pos] for ti in t_ins], "in", pos)
+            m = _map(ref, tgts, rref, [ti[pos] for ti in t_ins], "in", pos, world, micro)
             if m is not None:
                 tensors.append(m)
         r_outs, t_outs = rop.outputs_refs(), [t.outputs_refs() for t in tops]
         for pos, rref in enumerate(r_outs):
             if any(pos >= len(to) for to in t_outs):
                 continue
-            m = _map(ref, targets, rref, [to[pos] for to in t_outs], "out", pos)
+            m = _map(ref, tgts, rref, [to[pos] for to in t_outs], "out", pos, world, micro)
             if m is not None:
                 tensors.append(m)
         fwd = r_side.ops.get(rop.forward_index) if rop.phase == "backward" and rop.forward_index is not None else None
         mop = MappedOp(i, tuple(t.index for t in tops), rop.name, rop.module, rop.phase,
-                       fwd.source if fwd is not None and fwd.source else rop.source, tuple(tensors))
+                       fwd.source if fwd is not None and fwd.source else rop.source, tuple(tensors),
+                       () if micro is None else (micro,))
         out.ops.append(mop)
         by_ref[i] = mop
         if random:
@@ -344,7 +368,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             out.random_parted.append(i)
             continue
         if not from_departed and first is None and all(m.layout is None for m in bad) and \
-                _amplifies(rop, tops, tensors, producers, by_ref, targets, set(out.amplified), maps[0]):
+                _amplifies(rop, tops, tensors, producers, by_ref, tgts, set(out.amplified), maps[own[0]]):
             # every rank computes from the same inputs, right given them; they differ from the reference's by a
             # reordered sum's rounding, which this op amplifies (AdamW's first update of a near-zero gradient)
             out.amplified.append(i)
@@ -381,7 +405,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             kind, why = Departure.SHARD_OFFSET, (
                 f"{'input' if m.kind == 'in' else 'output'} {m.position} ({m.describe}): each rank holds a slice of the "
                 f"reference on dim {dim}, at offsets {', '.join(f'rank {r}: {o}' for r, o in enumerate(at))}: {what}")
-        elif m.off and len(m.off) < world:
+        elif m.off and len(m.off) < world and micro is None:
             held = [r for r in range(world) if r not in m.off]
             kind, why = Departure.NO_LAYOUT, (
                 f"output {m.position} ({m.describe}): rank{'s' if len(held) > 1 else ''} "
@@ -394,21 +418,26 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 f"on a dimension, or partial over {world} ranks, at any simple factor): the ranks compute something "
                 f"else here (per-rank statistics that should be global, such as BatchNorm's without SyncBatchNorm or "
                 f"means over shards of unequal size averaged as if equal; a different input)")
-        behind = _collective_behind(t_sides[0], maps[0], tops[0].index)
+        behind = _collective_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
         if behind is not None and kind in (Departure.SCALED, Departure.NO_LAYOUT):
-            why += f"; on the ranks it reads what {behind[1]} (#{behind[0]} on rank 0) made, which the single " \
-                   f"process does not run"
+            why += f"; on the ranks it reads what {behind[1]} (#{behind[0]} on rank {own[0]}) made, which the " \
+                   f"single process does not run"
+        elif kind is Departure.SCALED and micro is not None:
+            # the rank's loss scaled where the reference's is divided by the micro-batch count: the line that scales
+            extra = _computing_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
+            if extra is not None:
+                why += f"; on the ranks it reads what {extra} made, which the single process does not run"
         first = (mop, m, kind, why)
     if progress is not None:
         progress(len(r_side.ops) % 64)
     computing = [i for i in out.not_aligned if not aten.is_cheap(r_side.ops[i].name)]
+    out.ref_only.update(r_side.ops[i].name for i in computing)
     if len(computing) * 4 > out.ref_ops and not cut_short:  # (a side cut short lacks ops too: said by the caller)
         # not the same program on every rank as in the single process: no verdict on a mapping of what is left
         raise UsageError(
             f"the single process runs {len(computing)} of its {out.ref_ops} ops with no counterpart on every rank "
-            f"(first #{computing[0]} {r_side.ops[computing[0]].name}): another program than each rank's, such as "
-            f"gradient accumulation over micro-batches, which is not mapped onto ranks yet; diff one rank op by op "
-            f"with --rank N")
+            f"(first #{computing[0]} {r_side.ops[computing[0]].name}): another program than each rank's, which is "
+            f"not mapped onto the ranks; diff one rank op by op with --rank N")
     if first is not None:
         out.departure = ParallelDeparture(first[0], first[1], first[2], first[3], inherited)
     return out
@@ -447,6 +476,57 @@ def _amplifies(rop: OpRecord, tops: list[OpRecord], tensors: list[Mapped], produ
         return False
 
 
+def _backward_passes(side: _Side) -> list[int]:
+    """The last op of each run of backward ops, in order: one per forward-backward pass (micro-batch)."""
+    ends: list[int] = []
+    inside = False
+    for k in side.keys:
+        back = side.ops[k.index].phase == "backward"
+        if back:
+            if inside:
+                ends[-1] = k.index
+            else:
+                ends.append(k.index)
+        inside = back
+    return ends
+
+
+def _micro_batches(r_side: _Side, t_sides: list[_Side]) -> dict[int, int]:
+    """When the single process runs the global batch as gradient-accumulation micro-batches, one per rank, each
+    rank one pass: {op of micro-batch r: r} for every op up to the last backward (a micro-batch's ops run from the
+    end of the previous one's backward to the end of its own); the ops after it (the optimizer step) are every
+    rank's. The ops micro-batch 0 runs before its first op that micro-batch 1 runs too (the whole batch taken,
+    before it is cut into micro-batches) are no rank's: -1. Empty when the reference runs as many passes as each rank. A
+    UsageError for any other count."""
+    ends = _backward_passes(r_side)
+    theirs = {len(_backward_passes(t)) for t in t_sides}
+    if len(ends) <= 1 or theirs == {len(ends)} or len(ends) < max(theirs):
+        return {}
+    world = len(t_sides)
+    if theirs != {1} or len(ends) != world:
+        raise UsageError(
+            f"the single process runs {len(ends)} forward-backward passes (gradient-accumulation micro-batches) and "
+            f"each of the {world} ranks {'/'.join(map(str, sorted(theirs)))}: rank r's slice is mapped onto micro-batch "
+            f"r only when there are as many micro-batches as ranks, each rank running one pass; diff one rank op by op "
+            f"with --rank N")
+    owner: dict[int, int] = {}
+    r = 0
+    for k in r_side.keys:
+        if k.index > ends[-1]:
+            break
+        owner[k.index] = r
+        if k.index == ends[r]:
+            r += 1
+    # by shapes: the micro-batches' ops have the same ones, which the whole batch's do not
+    keys = [[op_keys(r_side.ops[k.index]) for k in r_side.keys if owner.get(k.index) == r] for r in (0, 1)]
+    common = align(keys[0], keys[1]).pairs
+    start = min((a for a, _ in common), default=keys[0][0].index)
+    for k in keys[0]:
+        if k.index < start:
+            owner[k.index] = -1
+    return owner
+
+
 def _refuse_sub_groups(side: _Side, world: int) -> None:
     """A UsageError when the ranks' collectives run over groups of some of them: a mesh of more than one
     dimension (FSDP x TP, pipeline stages), whose values this mapping over one dimension of ranks would misread."""
@@ -459,12 +539,15 @@ def _refuse_sub_groups(side: _Side, world: int) -> None:
                 f"which is not mapped onto the single process yet; diff one rank op by op with --rank N")
 
 
-def _follow_data(ref: RankTrace, r_side: _Side, side: _Side, pairs: dict[int, int]) -> dict[int, int]:
+def _follow_data(ref: RankTrace, r_side: _Side, side: _Side, pairs: dict[int, int],
+                 free: set[int] = frozenset()) -> dict[int, int]:
     """The alignment corrected by the data flow: when the op a rank's counterpart of reference op ``c`` reads an
     input from is not the counterpart of the reference's producer of that input, but an op of the same name the
     rank runs on its own, that op is the counterpart. A rank that splits the batch into every rank's piece
     (``tensor_split(x, world)[rank]``) runs one slice per rank; the one it reads is its counterpart of the single
-    process's slice, which the alignment by position alone pairs with the first."""
+    process's slice, which the alignment by position alone pairs with the first. An op of ``free`` the alignment
+    left unpaired is paired the same way (a micro-batch's slice of the labels, taken where the rank takes its slices
+    of the whole batch before the forward)."""
     taken = set(pairs.values())
     for _ in range(4):  # to a fixed point: a correction can free the op an earlier one wanted
         moved = False
@@ -473,11 +556,11 @@ def _follow_data(ref: RankTrace, r_side: _Side, side: _Side, pairs: dict[int, in
             tp = side.trace.producers(pairs[c])
             for pos, p in rp.items():
                 q = tp.get(pos)
-                if p is None or q is None or p not in pairs or pairs[p] == q or q in taken:
+                if p is None or q is None or pairs.get(p) == q or q in taken or (p not in pairs and p not in free):
                     continue
                 if side.ops.get(q) is None or side.ops[q].name != r_side.ops[p].name:
                     continue
-                taken.discard(pairs[p])
+                taken.discard(pairs.get(p))
                 pairs[p] = q
                 taken.add(q)
                 moved = True
@@ -487,13 +570,16 @@ def _follow_data(ref: RankTrace, r_side: _Side, side: _Side, pairs: dict[int, in
 
 
 def _map(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs: list[TensorRef], kind: str,
-         pos: int) -> Mapped | None:
-    """How the ranks hold one tensor of an aligned op; None when it cannot be compared (no data, uninitialised)."""
+         pos: int, world: int, micro: int | None = None) -> Mapped | None:
+    """How the ranks hold one tensor of an aligned op; None when it cannot be compared (no data, uninitialised).
+    ``micro``: one rank's op against the reference's micro-batch of that number (``targets`` is that rank alone)."""
     if not rref.stored or rref.meta or rref.uninitialised or not all(t.stored and not t.meta for t in trefs):
         return None
     r = ref.tensor(rref)
     parts = [targets[k].tensor(t) for k, t in enumerate(trefs)]
     fits = infer_layouts(r, parts, close_for(r.dtype))
+    if micro is not None:
+        fits = [dataclasses.replace(f, world=world, micro_batch=micro) for f in fits]
     layout = fits[0] if fits else None
     eps = torch.finfo(r.dtype).eps if r.dtype.is_floating_point else 1.0
     error = None if layout is None else _rel_l2(layout, parts, r) / eps
@@ -503,7 +589,7 @@ def _map(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs: list[
         close = close_for(r.dtype)
         if all(tuple(p.shape) == tuple(r.shape) for p in parts):
             off = tuple(k for k, p in enumerate(parts) if not close(p.to(torch.float64), r))
-        found = shard_offsets(r, parts, close)
+        found = None if micro is not None else shard_offsets(r, parts, close)
         offsets = None if found is None else (found[0], tuple(found[1]))
     sizes = None if offsets is None else tuple(int(p.shape[offsets[0]]) for p in parts)
     return Mapped(kind, pos, rref.describe(), layout, error, off, offsets, tuple(fits), sizes)
@@ -521,6 +607,28 @@ def _collective_behind(side: _Side, aligned: dict[int, int], index: int, limit: 
                 continue
             if aten.is_collective(side.ops[p].name):
                 return p, side.ops[p].name
+            seen.add(p)
+            todo.append(p)
+    return None
+
+
+def _computing_behind(side: _Side, aligned: dict[int, int], index: int, limit: int = 32) -> str | None:
+    """The nearest op that computes (not a view or copy) a rank's op reads from through ops the single process does
+    not run, as 'name (#N on rank R, line)' (a backward op: the line of the forward op it belongs to)."""
+    mine = set(side.ops) - set(aligned.values())
+    todo, seen = [index], {index}
+    while todo and len(seen) <= limit:
+        i = todo.pop(0)
+        for p in side.trace.producers(i).values():
+            if p is None or p in seen or p not in mine:
+                continue
+            op = side.ops[p]
+            if not aten.is_cheap(op.name) and not aten.is_collective(op.name):
+                fwd = side.ops.get(op.forward_index) if op.phase == "backward" and op.forward_index is not None \
+                    else None
+                line = fwd.source if fwd is not None and fwd.source else op.source
+                where = "" if not line else f", {'the backward of ' if fwd is not None else ''}{line}"
+                return f"{op.name} (#{p} on rank {side.trace.rank}{where})"
             seen.add(p)
             todo.append(p)
     return None

@@ -203,8 +203,9 @@ def render_diff(report: DiffReport, out: TextIO, max_listed: int = 10) -> None:
 
 def _parallel_op_line(op) -> str:
     where = "  ".join(x for x in (op.module or "", f"({op.phase})" if op.phase else "", op.source or "") if x)
-    ranks = "/".join(f"#{t}" for t in op.targets)
-    return f"ref #{op.ref} / ranks {ranks} {op.name}  {where}".rstrip()
+    ranks = f"rank {op.ranks[0]} #{op.targets[0]}" if len(op.ranks) == 1 else \
+        "ranks " + "/".join(f"#{t}" for t in op.targets)
+    return f"ref #{op.ref} / {ranks} {op.name}  {where}".rstrip()
 
 
 def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
@@ -216,6 +217,9 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
               + (f", {pd.random_ops} random (compared only where every rank drew the single process's numbers)"
                  if pd.random_ops else "")
               + (f", {pd.not_stored} without tensor data (record --tensors full)" if pd.not_stored else "") + "\n")
+    if pd.micro_batches:
+        out.write(f"  the single process runs the global batch as {pd.micro_batches} micro-batches, gradients "
+                  f"accumulated: rank r's forward and backward mapped onto micro-batch r's, the rest onto every rank's\n")
     for phase in ("forward", "backward", "optimizer", "?"):
         fam = pd.families.get(phase)
         if fam:
@@ -226,6 +230,10 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
         more = len(pd.layout_ops) - 6
         out.write(f"  layout ops (on the ranks only, all ranks together): {names}"
                   + (f", +{more} more" if more > 0 else "") + "\n")
+    if pd.micro_batches and pd.ref_only:
+        names = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in pd.ref_only.most_common(6))
+        out.write(f"  reference-only ops (the accumulation over micro-batches, the loss divided by their count): "
+                  f"{names}\n")
     d = pd.departure
     if pd.random_parted:
         n = len(pd.random_parted)
