@@ -207,11 +207,12 @@ def runs(tmp_path_factory) -> dict[int, Path]:
     root = tmp_path_factory.mktemp("parallel")
     script = root / "steps.py"
     script.write_text(STEPS)
-    dirs = {w: root / f"world{w}" for w in (1, 2, 4)}
+    dirs = {w: root / f"world{w}" for w in (1, 2, 4, 8)}
     _run(script, dirs[1], 1, DP_MODES + TP_MODES)
     _run(script, dirs[2], 2, DP_MODES + TP_MODES)
     _run(script, dirs[1], 1, ["subgroups"])
-    _run(script, dirs[4], 4, ["manual", "uneven_sum", "double", "subgroups"])
+    _run(script, dirs[4], 4, ["manual", "uneven_sum", "double", "subgroups", "ddp", "tp", "fsdp"])
+    _run(script, dirs[8], 8, ["manual", "double"])
     return dirs
 
 
@@ -223,7 +224,8 @@ def _line(marker: str) -> int:
 @pytest.mark.parametrize("world,mode", [(2, "manual"), (2, "ddp"), (2, "fsdp"), (2, "uneven_sum"), (2, "tp"),
                                         (2, "dtensor"), (2, "encoder"),
                                         (4, "manual"),
-                                        (4, "uneven_sum")])
+                                        (4, "uneven_sum"),
+                                        (8, "manual")])
 def test_a_correct_parallel_run_agrees_with_the_single_process(runs, world, mode, capsys):
     ref, target = runs[1] / mode, runs[world] / mode
     report = diff_traces(ref, target)
@@ -251,7 +253,7 @@ def test_data_parallel_layouts_are_said_per_phase(runs, capsys):
     assert "optimizer outputs:" in text and "c10d.allreduce_.default" in text  # layout ops, not differences
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_a_loss_scaled_twice_is_named_at_its_line(runs, world):
     pd = diff_traces(runs[1] / "double", runs[world] / "double").parallel
     d = pd.departure
@@ -320,11 +322,43 @@ def test_the_tui_s_diff_mode_colours_every_rank_s_rows_from_the_mapping(runs):
     assert ok and {r.rank for r in ok} == {0, 1} and all(r.status is Status.OK for r in ok)
 
 
-def test_two_parallel_runs_of_different_world_sizes_are_refused_in_one_line(runs, capsys):
+def test_a_run_with_more_ranks_as_the_reference_is_refused_in_one_line(runs, capsys):
     capsys.readouterr()
-    assert main(["diff", str(runs[2] / "manual"), str(runs[4] / "manual")]) == 2
+    assert main(["diff", str(runs[4] / "manual"), str(runs[2] / "manual")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "a 2-rank run against a 4-rank run is not mapped" in err
+    assert err.count("\n") == 1 and "a 4-rank run against a 2-rank run is not mapped" in err
+    assert "the run with fewer ranks goes first" in err
+
+
+@pytest.mark.parametrize("mode", ["manual", "ddp", "uneven_sum", "tp"])
+def test_a_run_of_2_ranks_agrees_with_the_same_step_on_4(runs, mode, capsys):
+    """Each rank q of the 2-rank run holds the share of the global batch (or of the weights) that ranks 2q and 2q+1
+    of the 4-rank run hold between them: each is mapped onto those two as a single process would be."""
+    report = diff_traces(runs[2] / mode, runs[4] / mode)
+    pd = report.parallel
+    assert pd is not None and pd.world == 4 and pd.ref_world == 2 and pd.departure is None, pd.departure
+    assert [g.world for g in pd.groups] == [2, 2] and all(g.compared >= 0.8 * g.aligned for g in pd.groups)
+    assert {op.ranks for op in pd.groups[1].ops} == {(2, 3)} and {op.ref_rank for op in pd.groups[1].ops} == {1}
+    assert pd.ref_layout_ops and all(aten.is_collective(n) for n in pd.ref_layout_ops)
+    assert not report.found_difference and not report.warnings
+    capsys.readouterr()
+    assert main(["diff", str(runs[2] / mode), str(runs[4] / mode)]) == 0
+    text = capsys.readouterr().out
+    assert "4 ranks against 2 ranks" in text and "agree: every compared op maps" in text
+
+
+def test_a_loss_scaled_by_the_world_size_on_4_ranks_against_2_is_named_with_its_line(runs):
+    d = diff_traces(runs[2] / "manual", runs[4] / "double").parallel.departure
+    assert d is not None and d.kind is Departure.SCALED and d.op.ref_rank == 0 and d.op.ranks == (0, 1)
+    assert "4x what a correct parallel run holds here" in d.why
+    assert f"aten.mul.Tensor (#" in d.why and f"steps.py:{_line('BUG: the gradients')})" in d.why
+
+
+def test_fsdp_at_two_world_sizes_is_refused_in_one_line(runs, capsys):
+    capsys.readouterr()
+    assert main(["diff", str(runs[2] / "fsdp"), str(runs[4] / "fsdp")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a 2-rank run against a 4-rank run with FSDP" in err
 
 
 def test_the_readme_s_diff_example_is_what_the_documented_commands_print(tmp_path, capsys):
@@ -436,3 +470,18 @@ def test_overlapping_batch_slices_are_named_with_their_offsets(runs):
     d = diff_traces(runs[1] / "overlap", runs[2] / "overlap").parallel.departure
     assert d is not None and d.kind is Departure.SHARD_OFFSET
     assert "rank 0: 0, rank 1: 2" in d.why and "slices that overlap" in d.why
+
+
+def test_the_tui_colours_every_rank_s_rows_against_a_parallel_reference(runs):
+    from replaydiff.replay.result import Status
+    from replaydiff.tui.details import diff_lines
+    from replaydiff.tui.diff_mode import diff_results
+
+    report = diff_traces(runs[2] / "manual", runs[4] / "double")
+    d = report.parallel.departure
+    rows = diff_results(report)
+    assert {r.rank for r in rows} == {0, 1, 2, 3}
+    divergent = {(r.rank, r.index) for r in rows if r.status is Status.DIVERGENT}
+    assert {(rank, index) for rank, index in zip(d.op.ranks, d.op.targets)} <= divergent
+    row = next(r for r in rows if (r.rank, r.index) == (1, d.op.targets[1]))
+    assert f"ref rank 0 #{d.op.ref}" in "\n".join(diff_lines(row))

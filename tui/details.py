@@ -233,7 +233,8 @@ def mapped_lines(result: RowResult, op: MappedOp) -> list[str]:
     layout, and why it parts (the departure) or that it reads what did."""
     s = result.status
     word = {"ok": "MAPS", "divergent": "PARTS HERE", "inherited": "INHERITED"}.get(str(s), str(s).upper())
-    lines = [f"[{STATUS_STYLE.get(s, 'dim')}]{word}[/]  mapped onto reference op [bold]ref #{op.ref}[/] with every "
+    ref = f"ref #{op.ref}" if op.ref_rank is None else f"ref rank {op.ref_rank} #{op.ref}"
+    lines = [f"[{STATUS_STYLE.get(s, 'dim')}]{word}[/]  mapped onto reference op [bold]{ref}[/] with every "
              f"rank's op ({', '.join(f'rank {r} #{i}' for r, i in op.on_ranks())})"]
     for t in op.tensors:
         what = t.layout.describe() if t.layout is not None else "no layout fits"

@@ -81,6 +81,7 @@ class MappedOp:
     source: str | None  # a backward op: the source line of the forward op it belongs to, where known
     tensors: tuple[Mapped, ...]
     ranks: tuple[int, ...] = ()  # the rank of each of ``targets`` when not every rank runs it (a micro-batch's op)
+    ref_rank: int | None = None  # the reference is a parallel run too: the rank ``ref`` is numbered on
 
     def on_ranks(self) -> list[tuple[int, int]]:
         """(rank, op number on that rank) for every rank that runs it."""
@@ -122,6 +123,11 @@ class ParallelDiff:
     # micro-batch r's (0: one pass, every rank's ops onto it)
     micro_batches: int = 0
     ref_only: Counter = field(default_factory=Counter)  # names of the computing ops in ``not_aligned``
+    # the reference is a parallel run of ``ref_world`` ranks: each of its ranks q against the target's ranks q*m to
+    # q*m+m-1 (m = world / ref_world), one diff each (``groups``); the fields above sum them
+    ref_world: int = 1
+    groups: list["ParallelDiff"] = field(default_factory=list)
+    ref_layout_ops: Counter = field(default_factory=Counter)  # the reference's own collectives, not compared
 
     @property
     def departed(self) -> bool:
@@ -141,9 +147,12 @@ class ParallelDiff:
             "not_stored": self.not_stored, "worst_rel_l2_over_eps": self.worst,
             "not_judged_random": list(self.random_parted), "amplified": list(self.amplified),
             **({"micro_batches": self.micro_batches, "ref_only": dict(self.ref_only)} if self.micro_batches else {}),
+            **({"ref_world": self.ref_world, "ref_layout_ops": dict(self.ref_layout_ops),
+                "groups": [g.to_json() for g in self.groups]} if self.ref_world > 1 else {}),
             "departure": None if d is None else {
                 "kind": d.kind.value, "why": d.why, "inherited": d.inherited, "ref": d.op.ref,
-                "targets": list(d.op.targets), **({"ranks": list(d.op.ranks)} if d.op.ranks else {}), "op": d.op.name, "module": d.op.module, "phase": d.op.phase,
+                "targets": list(d.op.targets), **({"ranks": list(d.op.ranks)} if d.op.ranks else {}),
+                **({"ref_rank": d.op.ref_rank} if d.op.ref_rank is not None else {}), "op": d.op.name, "module": d.op.module, "phase": d.op.phase,
                 "source": d.op.source, "tensor": {"kind": d.tensor.kind, "position": d.tensor.position,
                                                   "describe": d.tensor.describe,
                                                   "layout": None if d.tensor.layout is None else
@@ -224,6 +233,11 @@ def _rel_l2(layout: Layout, parts: list[torch.Tensor], ref: torch.Tensor) -> flo
     return num / den if den > 0 else (0.0 if num == 0 else math.inf)
 
 
+def _makes_layout(name: str) -> bool:
+    """A collective: how a parallel run makes and rejoins its layouts."""
+    return aten.is_collective(name)
+
+
 def _layout_keys(op: OpRecord) -> OpKeys:
     """Alignment keys that hold across layouts: the strict key has each tensor's number of dimensions where
     ``op_keys`` has its shape (a rank's shard and the single process's whole tensor differ in shape, and a square
@@ -235,28 +249,35 @@ def _layout_keys(op: OpRecord) -> OpKeys:
 
 
 class _Side:
-    """One rank's recorded ops and their alignment keys, read once."""
+    """One rank's recorded ops and their alignment keys, read once. ``skip_collectives``: a reference that is a
+    parallel run itself, whose collectives rejoin its own layout and have no counterpart in the target's."""
 
-    def __init__(self, trace: RankTrace) -> None:
+    def __init__(self, trace: RankTrace, skip_collectives: bool = False) -> None:
         self.trace = trace
         self.ops: dict[int, OpRecord] = {}
         self.keys: list[OpKeys] = []
+        self.skipped: set[int] = set()
         for op in trace:
             self.ops[op.index] = op
             # profiler markers compute nothing, and as anchors they pair FSDP's and DDP's record_function ranges with
             # the single process's few, pulling the ops between them apart: they are left out of the alignment
-            if not aten.is_marker(op.name):
+            if aten.is_marker(op.name) or (skip_collectives and _makes_layout(op.name)):
+                self.skipped.add(op.index)
+            else:
                 self.keys.append(_layout_keys(op))
 
 
 def diff_parallel(ref: RankTrace, targets: list[RankTrace],
-                  progress: Callable[[int], None] | None = None, cut_short: bool = False) -> ParallelDiff:
+                  progress: Callable[[int], None] | None = None, cut_short: bool = False,
+                  full_world: int | None = None) -> ParallelDiff:
     """Map every rank of ``targets`` (rank order, world size ``len(targets)``) onto the single-process ``ref``;
-    ``cut_short``: a side was cut short, so ops missing on the ranks are no sign of another program."""
+    ``cut_short``: a side was cut short, so ops missing on the ranks are no sign of another program.
+    ``full_world``: ``ref`` is one rank of a parallel run and ``targets`` the ranks of a run of this world size
+    that stand for it (``diff_parallel_groups``)."""
     world = len(targets)
-    r_side = _Side(ref)
+    r_side = _Side(ref, skip_collectives=full_world is not None)
     t_sides = [_Side(t) for t in targets]
-    _refuse_sub_groups(t_sides[0], world)
+    _refuse_sub_groups(t_sides[0], full_world or world)
     owner = _micro_batches(r_side, t_sides)  # a micro-batch's op -> the rank whose ops it maps onto
     maps = []
     out = ParallelDiff(world, len(r_side.keys), 0, 0, micro_batches=world if owner else 0)
@@ -270,6 +291,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     departed: set[int] = set()  # reference ops that part from the reference, the first and what inherits it
     drawn: set[int] = set()  # random ops, and ops that part only because they read what random ops drew
     seen_inputs: set = set()
+    step_views: set[int] = set()
     first: tuple[MappedOp, Mapped, Departure, str] | None = None
     by_ref: dict[int, MappedOp] = {}  # the ops mapped so far, by reference op number
     inherited = 0
@@ -282,7 +304,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     for n, i in enumerate(sorted(r_side.ops)):
         if progress is not None and n % 64 == 63:
             progress(64)
-        if aten.is_marker(r_side.ops[i].name):
+        if i in r_side.skipped:
             continue
         own = [owner[i]] if i in owner else list(range(world))  # the ranks whose ops stand for it
         if own == [-1] or not all(i in maps[r] for r in own):
@@ -295,13 +317,23 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         micro = owner.get(i)
         random = aten.is_random(rop.name)
         producers = ref.producers(i)
+        # a view of the step's inputs or of a collective's buffer on a reference rank: ``tensor_split(x, world)``
+        # cuts every rank's slice of the batch, which the target's ranks cut otherwise (and the trace's data flow
+        # links each slice to the one before it): its inputs are compared, its outputs where an op that computes
+        # reads them
+        step_view = full_world is not None and aten.is_cheap(rop.name) and \
+            all(p is None or p in step_views or p in r_side.skipped for p in producers.values())
+        if step_view:
+            step_views.add(i)
         from_departed = [p for p in producers.values() if p is not None and p in departed]
         from_drawn = [p for p in producers.values() if p is not None and p in drawn]
         tensors: list[Mapped] = []
         # the step's inputs this op reads first (parameters, the batch): each storage once
         r_ins, t_ins = rop.inputs(), [t.inputs() for t in tops]
+        out_arg = rop.kwargs.get("out")  # a buffer the op writes without reading it (DDP's bucket)
         for pos, rref in enumerate(r_ins):
-            if producers.get(pos) is not None or rref.version in seen_inputs:
+            if producers.get(pos) is not None or rref.version in seen_inputs or \
+                    (isinstance(out_arg, TensorRef) and rref.version == out_arg.version):
                 continue
             if any(pos >= len(ti) or tgts[k].producers(tops[k].index).get(pos) is not None
                    for k, ti in enumerate(t_ins)):
@@ -312,7 +344,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 tensors.append(m)
         r_outs, t_outs = rop.outputs_refs(), [t.outputs_refs() for t in tops]
         for pos, rref in enumerate(r_outs):
-            if any(pos >= len(to) for to in t_outs):
+            if step_view or any(pos >= len(to) for to in t_outs):
                 continue
             m = _map(ref, tgts, rref, [to[pos] for to in t_outs], "out", pos, world, micro)
             if m is not None:
@@ -422,8 +454,9 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         if behind is not None and kind in (Departure.SCALED, Departure.NO_LAYOUT):
             why += f"; on the ranks it reads what {behind[1]} (#{behind[0]} on rank {own[0]}) made, which the " \
                    f"single process does not run"
-        elif kind is Departure.SCALED and micro is not None:
-            # the rank's loss scaled where the reference's is divided by the micro-batch count: the line that scales
+        elif kind is Departure.SCALED:
+            # a scale the ranks apply in an op the reference does not run (a loss multiplied by the world size where
+            # the reference divides by the micro-batch count, or multiplies by its own world size): its line
             extra = _computing_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
             if extra is not None:
                 why += f"; on the ranks it reads what {extra} made, which the single process does not run"
@@ -440,6 +473,57 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             f"not mapped onto the ranks; diff one rank op by op with --rank N")
     if first is not None:
         out.departure = ParallelDeparture(first[0], first[1], first[2], first[3], inherited)
+    out.ref_layout_ops.update(r_side.ops[i].name for i in r_side.skipped if _makes_layout(r_side.ops[i].name))
+    return out
+
+
+def is_parallel_groups(ref_world: int, ref_ranks: list[int], target_world: int, target_ranks: list[int]) -> bool:
+    """A parallel reference against every rank of a job of a world size it divides (2 ranks against 4)."""
+    return 1 < ref_world < target_world and target_world % ref_world == 0 and \
+        ref_ranks == list(range(ref_world)) and target_ranks == list(range(target_world))
+
+
+def diff_parallel_groups(refs: list[RankTrace], targets: list[RankTrace],
+                         progress: Callable[[int], None] | None = None, cut_short: bool = False) -> ParallelDiff:
+    """A run of R ranks against one of W (R divides W) on the same global batch: rank q of the reference holds
+    the share of the batch that ranks q*m to q*m+m-1 (m = W/R) hold between them (each slice cut in rank order),
+    so each reference rank is diffed as a single process against those m ranks, its own collectives left out (they
+    rejoin its layout: after them it holds what the target's ranks hold after theirs)."""
+    rw, world = len(refs), len(targets)
+    m = world // rw
+    fsdp = next((op for op in refs[0] if aten.namespace(op.name) == "fsdp"), None)
+    if fsdp is not None:
+        raise UsageError(
+            f"a {rw}-rank run against a {world}-rank run with FSDP ({fsdp.name}, #{fsdp.index} on rank 0) is not "
+            f"mapped: each world size packs its shards into flat buffers of its own; diff each against a "
+            f"single-process run of the same script, or compare one rank op by op with --rank N")
+    groups = []
+    for q, ref in enumerate(refs):
+        g = diff_parallel(ref, targets[q * m:(q + 1) * m], progress, cut_short, full_world=world)
+        ops = {op.ref: dataclasses.replace(op, ranks=tuple(q * m + r for r, _ in op.on_ranks()), ref_rank=q)
+               for op in g.ops}
+        g.ops = list(ops.values())
+        if g.departure is not None:
+            g.departure = dataclasses.replace(g.departure, op=ops[g.departure.op.ref])
+        groups.append(g)
+    out = ParallelDiff(world, sum(g.ref_ops for g in groups), sum(g.aligned for g in groups),
+                       sum(g.compared for g in groups), ref_world=rw, groups=groups)
+    for g in groups:
+        out.not_aligned += g.not_aligned
+        out.layout_ops.update(g.layout_ops)
+        out.ref_layout_ops.update(g.ref_layout_ops)
+        out.ref_only.update(g.ref_only)
+        for phase, c in g.families.items():
+            out.families.setdefault(phase, Counter()).update(c)
+        out.random_ops += g.random_ops
+        out.not_stored += g.not_stored
+        out.worst = max(out.worst, g.worst)
+        out.ops += g.ops
+        out.random_parted += g.random_parted
+        out.amplified += g.amplified
+    parted = [g for g in groups if g.departure is not None]
+    if parted:  # the reference rank that parts first in its op order (every reference rank runs the same program)
+        out.departure = min(parted, key=lambda g: g.departure.op.ref).departure
     return out
 
 
