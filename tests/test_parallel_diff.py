@@ -70,8 +70,8 @@ class Encoder(nn.Module):
         return self.head(self.layer(self.embed(x.unsqueeze(-1))).mean(1))
 
 
-def batch(rows):
-    g = torch.Generator().manual_seed(1)
+def batch(rows, seed=1):
+    g = torch.Generator().manual_seed(seed)
     return torch.randn(rows, 6, generator=g), torch.randn(rows, 3, generator=g)
 
 
@@ -83,6 +83,8 @@ def data_parallel(mode):
     if mode == "encoder":  # stock attention (which flattens batch and sequence together), AdamW
         model = Encoder()
     x, y = batch(7 if mode.startswith("uneven") else 8)
+    if mode == "other_batch":  # BUG: each rank draws its own global batch (a seed that differs by rank)
+        x, y = batch(8, seed=1 + rank)
     if mode == "ddp" and world > 1:
         model = nn.parallel.DistributedDataParallel(model)
     if mode == "fsdp" and world > 1:  # FSDP2: each Linear's parameters sharded over the ranks
@@ -168,6 +170,16 @@ def torch_parallel(mode):
 
         mesh = init_device_mesh("cpu", (world,))
         model = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    if mode == "fsdp_tp" and world > 1:  # 2-D: tensor parallel within pairs of ranks, FSDP across the pairs
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        model = parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+        dp = mesh["dp"].get_local_rank()
+        x, y = torch.tensor_split(x, world // 2)[dp], torch.tensor_split(y, world // 2)[dp]
     if mode == "bn":
         x, y = torch.tensor_split(x, world)[rank], torch.tensor_split(y, world)[rank]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -182,14 +194,15 @@ def torch_parallel(mode):
 
 
 for mode in modes:
-    run = tensor_parallel if mode.startswith("tp") else torch_parallel if mode in ("dtensor", "bn") else data_parallel
+    run = tensor_parallel if mode.startswith("tp") else \
+        torch_parallel if mode in ("dtensor", "bn", "fsdp_tp") else data_parallel
     run(mode)
 if world > 1:
     dist.barrier()  # gloo aborts a rank that destroys its group while another still talks to it
     dist.destroy_process_group()
 '''
 DP_MODES = ["manual", "ddp", "fsdp", "double", "uneven_sum", "uneven_mean", "dropout", "accumulate", "encoder",
-            "skip_ar", "overlap"]
+            "skip_ar", "overlap", "other_batch"]
 TP_MODES = ["tp", "tp_noreduce", "tp_nn", "tp_offset", "dtensor", "bn"]
 
 
@@ -210,8 +223,8 @@ def runs(tmp_path_factory) -> dict[int, Path]:
     dirs = {w: root / f"world{w}" for w in (1, 2, 4, 8)}
     _run(script, dirs[1], 1, DP_MODES + TP_MODES)
     _run(script, dirs[2], 2, DP_MODES + TP_MODES)
-    _run(script, dirs[1], 1, ["subgroups"])
-    _run(script, dirs[4], 4, ["manual", "uneven_sum", "double", "subgroups", "ddp", "tp", "fsdp"])
+    _run(script, dirs[1], 1, ["subgroups", "fsdp_tp"])
+    _run(script, dirs[4], 4, ["manual", "uneven_sum", "double", "subgroups", "ddp", "tp", "fsdp", "fsdp_tp"])
     _run(script, dirs[8], 8, ["manual", "double"])
     return dirs
 
@@ -446,6 +459,28 @@ def test_collectives_over_groups_of_some_ranks_are_refused_in_one_line(runs, cap
     assert main(["diff", str(runs[1] / "subgroups"), str(runs[4] / "subgroups")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "a mesh of more than one dimension" in err
+
+
+def test_fsdp_by_tensor_parallel_on_a_2x2_mesh_is_refused_in_one_line_not_given_a_verdict(runs, capsys):
+    capsys.readouterr()
+    assert main(["diff", str(runs[1] / "fsdp_tp"), str(runs[4] / "fsdp_tp")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a mesh of more than one dimension (FSDP x TP" in err
+    assert "over ranks [0, 2] of 4" in err or "over ranks [1, 3] of 4" in err  # FSDP's group: one column
+
+
+def test_runs_that_did_not_see_the_same_global_batch_are_warned_in_one_line(runs, capsys):
+    report = diff_traces(runs[1] / "other_batch", runs[2] / "other_batch")
+    d = report.parallel.departure
+    assert d is not None and d.op.ref == 0 and d.kind in (Departure.INPUTS, Departure.NO_LAYOUT)  # the batch's slice
+    assert [w for w in report.warnings if "did not see the same global batch" in w] == [report.parallel.batch_warning]
+    capsys.readouterr()
+    assert main(["diff", str(runs[1] / "other_batch"), str(runs[2] / "other_batch")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("did not see the same global batch") == 1 and "float32[8, 6]" in err
+    # a correct run, and one whose bug is elsewhere, are not warned
+    for mode in ("manual", "double"):
+        assert diff_traces(runs[1] / mode, runs[2] / mode).warnings == []
 
 
 def test_a_gradient_never_all_reduced_is_named_where_it_reaches_the_optimizer(runs):

@@ -403,6 +403,8 @@ def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: D
             progress_total(len(first_ref))
         report.parallel = diff_parallel(first_ref, [tt.rank(r) for r in tt.ranks], progress,
                                         cut_short=bool(report.cut_short))
+        if report.parallel.batch_warning:
+            report.warnings.append(report.parallel.batch_warning)
         _say_planted(report, rt, tt)
         return report
     if grouped:
@@ -411,6 +413,8 @@ def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: D
             progress_total(sum(len(rt.rank(r)) for r in rt.ranks))
         report.parallel = diff_parallel_groups([rt.rank(r) for r in rt.ranks], [tt.rank(r) for r in tt.ranks],
                                                progress, cut_short=bool(report.cut_short))
+        if report.parallel.batch_warning:
+            report.warnings.append(report.parallel.batch_warning)
         _say_planted(report, rt, tt)
         return report
     _say_planted(report, rt, tt)

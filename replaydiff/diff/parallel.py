@@ -127,6 +127,9 @@ class ParallelDiff:
     # q*m+m-1 (m = world / ref_world), one diff each (``groups``); the fields above sum them
     ref_world: int = 1
     groups: list["ParallelDiff"] = field(default_factory=list)
+    # one line when the runs did not see the same global batch (a tensor from outside the step that needs no
+    # gradient, read in the forward, maps under no layout at factor 1); None: not seen
+    batch_warning: str | None = None
     ref_layout_ops: Counter = field(default_factory=Counter)  # the reference's own collectives, not compared
 
     @property
@@ -450,6 +453,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 f"on a dimension, or partial over {world} ranks, at any simple factor): the ranks compute something "
                 f"else here (per-rank statistics that should be global, such as BatchNorm's without SyncBatchNorm or "
                 f"means over shards of unequal size averaged as if equal; a different input)")
+        out.batch_warning = _batch_warning(rop, m, kind, producers)
         behind = _collective_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
         if behind is not None and kind in (Departure.SCALED, Departure.NO_LAYOUT):
             why += f"; on the ranks it reads what {behind[1]} (#{behind[0]} on rank {own[0]}) made, which the " \
@@ -521,6 +525,7 @@ def diff_parallel_groups(refs: list[RankTrace], targets: list[RankTrace],
         out.ops += g.ops
         out.random_parted += g.random_parted
         out.amplified += g.amplified
+    out.batch_warning = next((g.batch_warning for g in groups if g.batch_warning), None)
     parted = [g for g in groups if g.departure is not None]
     if parted:  # the reference rank that parts first in its op order (every reference rank runs the same program)
         out.departure = min(parted, key=lambda g: g.departure.op.ref).departure
@@ -742,6 +747,27 @@ def _why_scaled(layout: Layout, legit: tuple[Fraction, ...]) -> str:
     return (f"{layout.describe()}: {scale}x what a correct parallel run holds here (a scale applied on every rank "
             f"that the single process does not apply: a loss or gradient scaled by the world size twice, or not "
             f"at all)")
+
+
+def _batch_warning(rop: OpRecord, m: Mapped, kind: Departure, producers: dict[int, int | None]) -> str | None:
+    """One line when where the runs part is the batch itself: a tensor from outside the step that needs no
+    gradient, read in the forward, that maps under no layout (or a view of such tensors, the slice each rank takes,
+    that does not): the ranks' batches joined are not the single process's."""
+    if rop.phase != "forward":
+        return None
+    ins = rop.inputs()
+    op = f"ref #{rop.index} {rop.name} (forward)"
+    if kind is Departure.INPUTS and not ins[m.position].requires_grad:
+        what = f"input {m.position} ({m.describe}) of {op}, from outside the step and needing no gradient, is not " \
+               f"the ranks' tensors joined in rank order"
+    elif kind is Departure.NO_LAYOUT and aten.is_cheap(rop.name) and ins and \
+            all(p is None for p in producers.values()) and not any(r.requires_grad for r in ins):
+        what = f"what {op} takes of input 0 ({ins[0].describe()}), from outside the step and needing no gradient, " \
+               f"is not the ranks' slices joined in rank order"
+    else:
+        return None
+    return (f"the runs did not see the same global batch: {what}, nor the same on every rank: record both from the "
+            f"same data, seed and global batch size")
 
 
 def _why_inputs(m: Mapped) -> str:
