@@ -340,7 +340,7 @@ def test_a_run_with_more_ranks_as_the_reference_is_refused_in_one_line(runs, cap
     assert main(["diff", str(runs[4] / "manual"), str(runs[2] / "manual")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "a 4-rank run against a 2-rank run is not mapped" in err
-    assert "the run with fewer ranks goes first" in err
+    assert "put the run with fewer ranks first, as the reference" in err
 
 
 @pytest.mark.parametrize("mode", ["manual", "ddp", "uneven_sum", "tp"])

@@ -379,10 +379,11 @@ def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: D
     if opts.rank is None and 1 < rw != tw > 1 and not grouped:
         # rank r of one layout holds other slices and shards than rank r of the other: pairing by number would
         # call every one of them a difference
-        fewer = " (the run with fewer ranks goes first, as the reference)" if tw < rw and rw % tw == 0 else ""
-        raise UsageError(f"a {rw}-rank run against a {tw}-rank run is not mapped onto each other (only a reference "
-                         f"whose world size divides the target's is{fewer}): diff each against a single-process run "
-                         f"of the same script, or compare one rank op by op with --rank N")
+        then = "put the run with fewer ranks first, as the reference" if tw < rw and rw % tw == 0 else \
+            "diff each against a single-process run of the same script"
+        raise UsageError(f"a {rw}-rank run against a {tw}-rank run is not mapped onto each other: only a reference "
+                         f"whose world size divides the target's is; {then}, or compare one rank op by op with "
+                         f"--rank N")
     pairs = rank_pairs(rt.ranks, tt.ranks, opts.rank, rw, tw)
     report = DiffReport(ref=str(rt.path), target=str(tt.path), options=opts.to_dict(),
                         baseline=None if bt is None else str(bt.path))

@@ -453,7 +453,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 f"on a dimension, or partial over {world} ranks, at any simple factor): the ranks compute something "
                 f"else here (per-rank statistics that should be global, such as BatchNorm's without SyncBatchNorm or "
                 f"means over shards of unequal size averaged as if equal; a different input)")
-        out.batch_warning = _batch_warning(rop, m, kind, producers)
+        out.batch_warning = _batch_warning(rop, m, kind, {k: None if owner.get(p) == -1 else p
+                                                          for k, p in producers.items()})
         behind = _collective_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
         if behind is not None and kind in (Departure.SCALED, Departure.NO_LAYOUT):
             why += f"; on the ranks it reads what {behind[1]} (#{behind[0]} on rank {own[0]}) made, which the " \
@@ -463,7 +464,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             # the reference divides by the micro-batch count, or multiplies by its own world size): its line
             extra = _computing_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
             if extra is not None:
-                why += f"; on the ranks it reads what {extra} made, which the single process does not run"
+                why += f"; on the ranks it reads what {extra} made, which the reference does not run"
         first = (mop, m, kind, why)
     if progress is not None:
         progress(len(r_side.ops) % 64)
@@ -752,7 +753,8 @@ def _why_scaled(layout: Layout, legit: tuple[Fraction, ...]) -> str:
 def _batch_warning(rop: OpRecord, m: Mapped, kind: Departure, producers: dict[int, int | None]) -> str | None:
     """One line when where the runs part is the batch itself: a tensor from outside the step that needs no
     gradient, read in the forward, that maps under no layout (or a view of such tensors, the slice each rank takes,
-    that does not): the ranks' batches joined are not the single process's."""
+    that does not): the ranks' batches joined are not the single process's. ``producers``: the whole batch taken
+    before it is cut into micro-batches counts as from outside."""
     if rop.phase != "forward":
         return None
     ins = rop.inputs()
