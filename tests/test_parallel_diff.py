@@ -520,3 +520,24 @@ def test_the_tui_colours_every_rank_s_rows_against_a_parallel_reference(runs):
     assert {(rank, index) for rank, index in zip(d.op.ranks, d.op.targets)} <= divergent
     row = next(r for r in rows if (r.rank, r.index) == (1, d.op.targets[1]))
     assert f"ref rank 0 #{d.op.ref}" in "\n".join(diff_lines(row))
+
+
+def test_the_json_report_and_the_tui_carry_micro_batches_and_a_parallel_reference(runs, tmp_path):
+    import json
+
+    from replaydiff.tui.diff_mode import diff_results
+
+    out = tmp_path / "micro.json"
+    assert main(["diff", str(runs[1] / "accumulate"), str(runs[2] / "double"), "--json", str(out)]) == 1
+    doc = json.loads(out.read_text())["parallel"]
+    assert doc["micro_batches"] == 2 and set(doc["ref_only"]) <= {"aten.add_.Tensor", "aten.div.Tensor"}
+    assert doc["departure"]["ranks"] == [0] and doc["departure"]["tensor"]["layout"]["micro_batch"] == 0
+    report = diff_traces(runs[1] / "accumulate", runs[2] / "accumulate")
+    rows = diff_results(report)
+    mine = {(op.ranks, op.targets) for op in report.parallel.ops if op.ranks}
+    assert mine and all(((r.rank,), (r.index,)) in mine or r.source.ranks == () for r in rows)
+    out = tmp_path / "groups.json"
+    assert main(["diff", str(runs[2] / "manual"), str(runs[4] / "double"), "--json", str(out)]) == 1
+    doc = json.loads(out.read_text())["parallel"]
+    assert doc["world"] == 4 and doc["ref_world"] == 2 and [g["world"] for g in doc["groups"]] == [2, 2]
+    assert doc["departure"]["ref_rank"] == 0 and doc["departure"]["ranks"] == [0, 1]
