@@ -541,3 +541,30 @@ def test_the_json_report_and_the_tui_carry_micro_batches_and_a_parallel_referenc
     doc = json.loads(out.read_text())["parallel"]
     assert doc["world"] == 4 and doc["ref_world"] == 2 and [g["world"] for g in doc["groups"]] == [2, 2]
     assert doc["departure"]["ref_rank"] == 0 and doc["departure"]["ranks"] == [0, 1]
+
+
+def test_dtensor_s_placements_are_recorded_and_each_compared_layout_says_where_it_came_from(runs, tmp_path, capsys):
+    """parallelize_module's ColwiseParallel shards the first Linear's weight on dim 0: the recorder notes DTensor's
+    placements before DTensor unwraps the op, and the mapping uses them (the weight's layout from placements); a
+    value DTensor never saw (ColwiseParallel hands back a local tensor) is inferred."""
+    report = diff_traces(runs[1] / "dtensor", runs[2] / "dtensor")
+    pd = report.parallel
+    assert pd.departure is None and pd.from_placements is not None
+    from_placements, inferred = pd.from_placements
+    assert from_placements > 0 and inferred > 0
+    weight = next(t for op in pd.ops if op.module == "Sequential.0" and op.phase == "forward"
+                  for t in op.tensors if t.kind == "in" and len(t.describe.split(",")) == 2)
+    assert weight.declared is not None and weight.declared.mesh == (2,) and weight.layout_from == "placements"
+    assert weight.layout.kind.value == "sharded" and weight.layout.dim == 0
+    # a job without DTensor: nothing recorded, nothing said
+    assert diff_traces(runs[1] / "manual", runs[2] / "manual").parallel.from_placements is None
+    capsys.readouterr()
+    out = tmp_path / "d.json"
+    assert main(["diff", str(runs[1] / "dtensor"), str(runs[2] / "dtensor"), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"layouts: {from_placements} of {from_placements + inferred} compared tensors as DTensor's recorded " \
+           f"placements declare them" in text
+    import json
+
+    doc = json.loads(out.read_text())["parallel"]
+    assert (doc["layouts_from_placements"], doc["layouts_inferred"]) == (from_placements, inferred)

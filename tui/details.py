@@ -238,6 +238,9 @@ def mapped_lines(result: RowResult, op: MappedOp) -> list[str]:
              f"rank's op ({', '.join(f'rank {r} #{i}' for r, i in op.on_ranks())})"]
     for t in op.tensors:
         what = t.layout.describe() if t.layout is not None else "no layout fits"
+        if t.declared is not None:
+            what += f" ({'from DTensor placements' if t.layout_from == 'placements' else 'inferred'}: " \
+                    f"{t.declared.describe()})"
         lines.append(f"  {'input' if t.kind == 'in' else 'output'} {t.position} {esc(t.describe)}: {esc(what)}")
     if result.reason and s != "ok":
         lines.append(f"  [dim]{esc(result.reason)}[/]")

@@ -37,6 +37,7 @@ from replaydiff.compare.layout import (Close, Layout, LayoutKind, infer_layouts,
                                        shard_offsets)
 from replaydiff.diff.align import OpKeys, align, op_keys
 from replaydiff.errors import UsageError
+from replaydiff.trace.placements import DTensorArg, Placement, declared_inputs, read_notes
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import OpRecord, TensorRef
 
@@ -69,6 +70,15 @@ class Mapped:
     offsets: tuple[int, tuple[int, ...]] | None = None
     fits: tuple[Layout, ...] = ()  # every layout that fits, plainest first
     sizes: tuple[int, ...] | None = None  # with ``offsets``: each rank's extent along that dim
+    declared: DTensorArg | None = None  # the placements DTensor declared for it on the ranks, where recorded
+
+    @property
+    def layout_from(self) -> str | None:
+        """'placements' when the layout used is the one DTensor declared, 'inferred' when it was found from the
+        tensors alone (no placements recorded, or others than the layout that fits); None: no layout fits."""
+        if self.layout is None:
+            return None
+        return "placements" if self.declared is not None and _declares(self.declared, self.layout) else "inferred"
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,9 @@ class ParallelDiff:
     # one line when the runs did not see the same global batch (a tensor from outside the step that needs no
     # gradient, read in the forward, maps under no layout at factor 1); None: not seen
     batch_warning: str | None = None
+    # the ranks' traces hold DTensor placements: (compared tensors whose layout is the one DTensor declared, the
+    # others, inferred from the tensors); None: none recorded
+    from_placements: tuple[int, int] | None = None
     ref_layout_ops: Counter = field(default_factory=Counter)  # the reference's own collectives, not compared
 
     @property
@@ -150,6 +163,8 @@ class ParallelDiff:
             "not_stored": self.not_stored, "worst_rel_l2_over_eps": self.worst,
             "not_judged_random": list(self.random_parted), "amplified": list(self.amplified),
             **({"micro_batches": self.micro_batches, "ref_only": dict(self.ref_only)} if self.micro_batches else {}),
+            **({"layouts_from_placements": self.from_placements[0], "layouts_inferred": self.from_placements[1]}
+               if self.from_placements is not None else {}),
             **({"ref_world": self.ref_world, "ref_layout_ops": dict(self.ref_layout_ops),
                 "groups": [g.to_json() for g in self.groups]} if self.ref_world > 1 else {}),
             "departure": None if d is None else {
@@ -158,6 +173,9 @@ class ParallelDiff:
                 **({"ref_rank": d.op.ref_rank} if d.op.ref_rank is not None else {}), "op": d.op.name, "module": d.op.module, "phase": d.op.phase,
                 "source": d.op.source, "tensor": {"kind": d.tensor.kind, "position": d.tensor.position,
                                                   "describe": d.tensor.describe,
+                                                  **({"layout_from": d.tensor.layout_from,
+                                                      "placements": d.tensor.declared.describe()}
+                                                     if d.tensor.declared is not None else {}),
                                                   "layout": None if d.tensor.layout is None else
                                                   d.tensor.layout.to_json()}},
         }
@@ -291,6 +309,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         maps.append(m)
         mine = set(m.values())
         out.layout_ops.update(op.name for j, op in side.ops.items() if j not in mine and not aten.is_marker(op.name))
+    declared = [_declared(side) for side in t_sides]  # DTensor's placements on each rank, where recorded
     departed: set[int] = set()  # reference ops that part from the reference, the first and what inherits it
     drawn: set[int] = set()  # random ops, and ops that part only because they read what random ops drew
     seen_inputs: set = set()
@@ -342,14 +361,16 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                    for k, ti in enumerate(t_ins)):
                 continue  # on some rank the op reads what a rank's own op made (a slice of the batch, a copy)
             seen_inputs.add(rref.version)
-            m = _map(ref, tgts, rref, [ti[pos] for ti in t_ins], "in", pos, world, micro)
+            m = _map(ref, tgts, rref, [ti[pos] for ti in t_ins], "in", pos, world, micro,
+                     declared[own[0]].get((tops[0].index, pos)))
             if m is not None:
                 tensors.append(m)
         r_outs, t_outs = rop.outputs_refs(), [t.outputs_refs() for t in tops]
         for pos, rref in enumerate(r_outs):
             if step_view or any(pos >= len(to) for to in t_outs):
                 continue
-            m = _map(ref, tgts, rref, [to[pos] for to in t_outs], "out", pos, world, micro)
+            m = _map(ref, tgts, rref, [to[pos] for to in t_outs], "out", pos, world, micro,
+                     _declared_output(t_sides[own[0]], declared[own[0]], tops[0].index, pos))
             if m is not None:
                 tensors.append(m)
         fwd = r_side.ops.get(rop.forward_index) if rop.phase == "backward" and rop.forward_index is not None else None
@@ -479,6 +500,9 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     if first is not None:
         out.departure = ParallelDeparture(first[0], first[1], first[2], first[3], inherited)
     out.ref_layout_ops.update(r_side.ops[i].name for i in r_side.skipped if _makes_layout(r_side.ops[i].name))
+    if any(declared):
+        said = [t.layout_from for op in out.ops for t in op.tensors if t.layout_from is not None]
+        out.from_placements = (said.count("placements"), said.count("inferred"))
     return out
 
 
@@ -564,6 +588,37 @@ def _amplifies(rop: OpRecord, tops: list[OpRecord], tensors: list[Mapped], produ
         return all(OpReplayer(rt, opts).replay(top).status is Status.OK for rt, top in zip(ranks, tops))
     except Exception:  # an op replay cannot run: no evidence that it is right
         return False
+
+
+def _declared(side: _Side) -> dict[tuple[int, int], DTensorArg]:
+    """{(op number, input position): placements} DTensor declared on this rank (empty: none recorded)."""
+    notes = read_notes(side.trace.root)
+    return declared_inputs(notes, (side.ops[i] for i in sorted(side.ops))) if notes else {}
+
+
+def _declared_output(side: _Side, declared: dict[tuple[int, int], DTensorArg], index: int,
+                     pos: int) -> DTensorArg | None:
+    """The placements DTensor declared for output ``pos`` of a rank's op: those of the first later op that reads
+    it as a DTensor argument (DTensor says how an op's result is laid out when the next op takes it)."""
+    if not declared:
+        return None
+    for c in side.trace.consumers(index).get(pos, []):
+        for q, p in side.trace.producers(c).items():
+            if p == index and (c, q) in declared:
+                return declared[(c, q)]
+    return None
+
+
+def _declares(arg: DTensorArg, layout: Layout) -> bool:
+    """Whether DTensor's placements on a one-dimensional mesh of the ranks are this layout."""
+    kind, dim = arg.placement()
+    if arg.mesh != (layout.world,) or layout.micro_batch is not None:
+        return False
+    if kind is Placement.SHARD:
+        return layout.kind is LayoutKind.SHARDED and layout.dim == dim and layout.blocks == 1
+    if kind is Placement.REPLICATE:
+        return layout.kind is LayoutKind.REPLICATED
+    return kind is Placement.PARTIAL and layout.kind is LayoutKind.PARTIAL
 
 
 def _backward_passes(side: _Side) -> list[int]:
@@ -660,7 +715,7 @@ def _follow_data(ref: RankTrace, r_side: _Side, side: _Side, pairs: dict[int, in
 
 
 def _map(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs: list[TensorRef], kind: str,
-         pos: int, world: int, micro: int | None = None) -> Mapped | None:
+         pos: int, world: int, micro: int | None = None, declared: DTensorArg | None = None) -> Mapped | None:
     """How the ranks hold one tensor of an aligned op; None when it cannot be compared (no data, uninitialised).
     ``micro``: one rank's op against the reference's micro-batch of that number (``targets`` is that rank alone)."""
     if not rref.stored or rref.meta or rref.uninitialised or not all(t.stored and not t.meta for t in trefs):
@@ -670,6 +725,8 @@ def _map(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs: list[
     fits = infer_layouts(r, parts, close_for(r.dtype))
     if micro is not None:
         fits = [dataclasses.replace(f, world=world, micro_batch=micro) for f in fits]
+    elif declared is not None:  # what DTensor declared first, when it fits; the plainest otherwise
+        fits = sorted(fits, key=lambda f: not _declares(declared, f))
     layout = fits[0] if fits else None
     eps = torch.finfo(r.dtype).eps if r.dtype.is_floating_point else 1.0
     error = None if layout is None else _rel_l2(layout, parts, r) / eps
@@ -682,7 +739,8 @@ def _map(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs: list[
         found = None if micro is not None else shard_offsets(r, parts, close)
         offsets = None if found is None else (found[0], tuple(found[1]))
     sizes = None if offsets is None else tuple(int(p.shape[offsets[0]]) for p in parts)
-    return Mapped(kind, pos, rref.describe(), layout, error, off, offsets, tuple(fits), sizes)
+    return Mapped(kind, pos, rref.describe(), layout, error, off, offsets, tuple(fits), sizes,
+                  None if micro is not None else declared)
 
 
 def _collective_behind(side: _Side, aligned: dict[int, int], index: int, limit: int = 32) -> tuple[int, str] | None:

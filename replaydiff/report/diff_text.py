@@ -241,6 +241,10 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
         more = len(pd.layout_ops) - 6
         out.write(f"  layout ops (on the ranks only, all ranks together): {names}"
                   + (f", +{more} more" if more > 0 else "") + "\n")
+    if pd.from_placements is not None:
+        n, m = pd.from_placements
+        out.write(f"  layouts: {n} of {n + m} compared tensors as DTensor's recorded placements declare them, {m} "
+                  f"inferred from shapes and values\n")
     if pd.ref_layout_ops:
         names = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in pd.ref_layout_ops.most_common(6))
         out.write(f"  layout ops of the reference (its own collectives, all its ranks together): {names}\n")
@@ -272,5 +276,8 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
         return
     out.write(f"the runs part at {_parallel_op_line(d.op)}\n")
     out.write(f"  {d.why}\n")
+    if d.tensor.declared is not None:
+        out.write(f"  DTensor's placements of this tensor on the ranks: {d.tensor.declared.describe()} (layout "
+                  f"{'from placements' if d.tensor.layout_from == 'placements' else 'inferred'})\n")
     if d.inherited:
         out.write(f"  {d.inherited} later op(s) part from the reference too (they read what it made)\n")
