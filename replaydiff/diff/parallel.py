@@ -303,9 +303,9 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     maps = []
     out = ParallelDiff(world, len(r_side.keys), 0, 0, micro_batches=world if owner else 0)
     for rank, side in enumerate(t_sides):
-        mine = [k for k in r_side.keys if owner.get(k.index, rank) == rank]
-        al = align(mine, side.keys)
-        m = _follow_data(ref, r_side, side, dict(al.pairs), {k.index for k in mine} if owner else set())
+        keys = [k for k in r_side.keys if owner.get(k.index, rank) == rank]  # what this rank stands for
+        al = align(keys, side.keys)
+        m = _follow_data(ref, r_side, side, dict(al.pairs), {k.index for k in keys} if owner else set())
         maps.append(m)
         mine = set(m.values())
         out.layout_ops.update(op.name for j, op in side.ops.items() if j not in mine and not aten.is_marker(op.name))
@@ -551,6 +551,9 @@ def diff_parallel_groups(refs: list[RankTrace], targets: list[RankTrace],
         out.random_parted += g.random_parted
         out.amplified += g.amplified
     out.batch_warning = next((g.batch_warning for g in groups if g.batch_warning), None)
+    said = [g.from_placements for g in groups if g.from_placements is not None]
+    if said:
+        out.from_placements = (sum(n for n, _ in said), sum(m for _, m in said))
     parted = [g for g in groups if g.departure is not None]
     if parted:  # the reference rank that parts first in its op order (every reference rank runs the same program)
         out.departure = min(parted, key=lambda g: g.departure.op.ref).departure
