@@ -170,7 +170,7 @@ def torch_parallel(mode):
 
         mesh = init_device_mesh("cpu", (world,))
         model = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    if mode == "fsdp_tp" and world > 1:  # 2-D: tensor parallel within pairs of ranks, FSDP across the pairs
+    if mode.startswith("fsdp_tp") and world > 1:  # 2-D: tensor parallel within pairs of ranks, FSDP across the pairs
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -185,6 +185,8 @@ def torch_parallel(mode):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with replaydiff.record(out / mode):
         loss = F.mse_loss(model(x), y)
+        if mode == "fsdp_tp_double":
+            loss = loss * world  # BUG: the 2-D job's loss scaled by the world size
         loss.backward()
         if mode == "bn" and world > 1:
             for p in model.parameters():
@@ -195,7 +197,7 @@ def torch_parallel(mode):
 
 for mode in modes:
     run = tensor_parallel if mode.startswith("tp") else \
-        torch_parallel if mode in ("dtensor", "bn", "fsdp_tp") else data_parallel
+        torch_parallel if mode in ("dtensor", "bn") or mode.startswith("fsdp_tp") else data_parallel
     run(mode)
 if world > 1:
     dist.barrier()  # gloo aborts a rank that destroys its group while another still talks to it
@@ -223,8 +225,9 @@ def runs(tmp_path_factory) -> dict[int, Path]:
     dirs = {w: root / f"world{w}" for w in (1, 2, 4, 8)}
     _run(script, dirs[1], 1, DP_MODES + TP_MODES)
     _run(script, dirs[2], 2, DP_MODES + TP_MODES)
-    _run(script, dirs[1], 1, ["subgroups", "fsdp_tp"])
-    _run(script, dirs[4], 4, ["manual", "uneven_sum", "double", "subgroups", "ddp", "tp", "fsdp", "fsdp_tp"])
+    _run(script, dirs[1], 1, ["subgroups", "fsdp_tp", "fsdp_tp_double"])
+    _run(script, dirs[4], 4, ["manual", "uneven_sum", "double", "subgroups", "ddp", "tp", "fsdp", "fsdp_tp",
+                                "fsdp_tp_double"])
     _run(script, dirs[8], 8, ["manual", "double"])
     return dirs
 
@@ -461,12 +464,26 @@ def test_collectives_over_groups_of_some_ranks_are_refused_in_one_line(runs, cap
     assert err.count("\n") == 1 and "a mesh of more than one dimension" in err
 
 
-def test_fsdp_by_tensor_parallel_on_a_2x2_mesh_is_refused_in_one_line_not_given_a_verdict(runs, capsys):
+def test_fsdp_by_tensor_parallel_on_a_2x2_mesh_agrees_through_the_mesh_dtensor_declared(runs, capsys):
+    """fully_shard over the mesh's rows' dimension (dp), ColwiseParallel/RowwiseParallel over its columns' (tp):
+    the mesh is read from DTensor's recorded placements, and each value is laid out over the mesh's rows or columns,
+    then over the groups (the batch sharded over dp, the hidden units over tp, the loss a per-rank mean over dp)."""
+    report = diff_traces(runs[1] / "fsdp_tp", runs[4] / "fsdp_tp")
+    pd = report.parallel
+    assert pd is not None and pd.world == 4 and pd.departure is None, pd.departure
+    assert pd.compared >= 0.9 * pd.aligned
+    nested = [t.layout for op in pd.ops for t in op.tensors if t.layout is not None and t.layout.inner is not None]
+    assert {lay.groups for lay in nested} == {((0, 1), (2, 3)), ((0, 2), (1, 3))}  # the mesh's rows and columns
     capsys.readouterr()
-    assert main(["diff", str(runs[1] / "fsdp_tp"), str(runs[4] / "fsdp_tp")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "a mesh of more than one dimension (FSDP x TP" in err
-    assert "over ranks [0, 2] of 4" in err or "over ranks [1, 3] of 4" in err  # FSDP's group: one column
+    assert main(["diff", str(runs[1] / "fsdp_tp"), str(runs[4] / "fsdp_tp")]) == 0
+    assert "agree: every compared op maps" in capsys.readouterr().out
+
+
+def test_a_loss_scaled_by_the_world_size_on_a_2x2_mesh_is_named_at_its_line(runs):
+    d = diff_traces(runs[1] / "fsdp_tp_double", runs[4] / "fsdp_tp_double").parallel.departure
+    assert d is not None and d.kind is Departure.SCALED and d.op.name == "aten.mul.Tensor"
+    assert d.op.source.endswith(f"steps.py:{_line('BUG: the 2-D job')}")
+    assert "4x what a correct parallel run holds here" in d.why and d.tensor.layout.inner is not None
 
 
 def test_runs_that_did_not_see_the_same_global_batch_are_warned_in_one_line(runs, capsys):

@@ -33,8 +33,8 @@ from typing import Callable
 import torch
 
 from replaydiff import aten
-from replaydiff.compare.layout import (Close, Layout, LayoutKind, infer_layouts, ratio_text, rel_l2_close,
-                                       shard_offsets)
+from replaydiff.compare.layout import (Close, Layout, LayoutKind, infer_layouts, infer_mesh_layouts, ratio_text,
+                                       rel_l2_close, shard_offsets)
 from replaydiff.diff.align import OpKeys, align, op_keys
 from replaydiff.errors import UsageError
 from replaydiff.trace.placements import DTensorArg, Placement, declared_inputs, read_notes
@@ -201,6 +201,10 @@ def close_for(dtype: torch.dtype) -> Close:
 
 def _family(layout: Layout, legit: bool) -> str:
     """The summary line's name of a layout: its kind, and a factor a correct run has named for what it is."""
+    if layout.inner is not None:  # a 2-D mesh: the groups' layout, then how each group holds its part
+        outer = _family(dataclasses.replace(layout, inner=None, groups=None), legit)
+        inner = _family(layout.inner, True)
+        return f"{outer} (each mesh {'row' if layout.groups and layout.groups[0] == tuple(range(len(layout.groups[0]))) else 'column'}: {inner})"
     if layout.micro_batch is not None:
         at = "" if layout.factor == 1 else f" at {ratio_text(1 / layout.factor)}x"
         return f"each rank's own, against its micro-batch{at}" + \
@@ -298,7 +302,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     world = len(targets)
     r_side = _Side(ref, skip_collectives=full_world is not None)
     t_sides = [_Side(t) for t in targets]
-    _refuse_sub_groups(t_sides[0], full_world or world)
+    mesh = _mesh(t_sides[0], world) if full_world is None else None  # a 2-D DeviceMesh DTensor declared
+    _refuse_sub_groups(t_sides[0], full_world or world, mesh)
     owner = _micro_batches(r_side, t_sides)  # a micro-batch's op -> the rank whose ops it maps onto
     maps = []
     out = ParallelDiff(world, len(r_side.keys), 0, 0, micro_batches=world if owner else 0)
@@ -362,7 +367,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 continue  # on some rank the op reads what a rank's own op made (a slice of the batch, a copy)
             seen_inputs.add(rref.version)
             m = _map(ref, tgts, rref, [ti[pos] for ti in t_ins], "in", pos, world, micro,
-                     declared[own[0]].get((tops[0].index, pos)))
+                     declared[own[0]].get((tops[0].index, pos)), mesh)
             if m is not None:
                 tensors.append(m)
         r_outs, t_outs = rop.outputs_refs(), [t.outputs_refs() for t in tops]
@@ -370,7 +375,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             if step_view or any(pos >= len(to) for to in t_outs):
                 continue
             m = _map(ref, tgts, rref, [to[pos] for to in t_outs], "out", pos, world, micro,
-                     _declared_output(t_sides[own[0]], declared[own[0]], tops[0].index, pos))
+                     _declared_output(t_sides[own[0]], declared[own[0]], tops[0].index, pos), mesh)
             if m is not None:
                 tensors.append(m)
         fwd = r_side.ops.get(rop.forward_index) if rop.phase == "backward" and rop.forward_index is not None else None
@@ -675,12 +680,26 @@ def _micro_batches(r_side: _Side, t_sides: list[_Side]) -> dict[int, int]:
     return owner
 
 
-def _refuse_sub_groups(side: _Side, world: int) -> None:
+def _mesh(side: _Side, world: int) -> tuple[tuple[tuple[int, ...], ...], ...] | None:
+    """The rows and the columns of the two-dimensional DeviceMesh over every rank that DTensor declared (rank
+    d*T + t at row d, column t, as ``init_device_mesh`` lays them out), or None: none recorded."""
+    for note in read_notes(side.trace.root):
+        for a in note.args:
+            if a is not None and len(a.mesh) == 2 and a.mesh[0] * a.mesh[1] == world:
+                rows, cols = a.mesh
+                return (tuple(tuple(d * cols + t for t in range(cols)) for d in range(rows)),
+                        tuple(tuple(d * cols + t for d in range(rows)) for t in range(cols)))
+    return None
+
+
+def _refuse_sub_groups(side: _Side, world: int, mesh: tuple[tuple[tuple[int, ...], ...], ...] | None = None) -> None:
     """A UsageError when the ranks' collectives run over groups of some of them: a mesh of more than one
-    dimension (FSDP x TP, pipeline stages), whose values this mapping over one dimension of ranks would misread."""
+    dimension (FSDP x TP, pipeline stages), whose values this mapping over one dimension of ranks would misread;
+    unless the group is a row or a column of the two-dimensional ``mesh`` DTensor declared."""
+    lines = set() if mesh is None else {g for grouping in mesh for g in grouping}
     for op in side.ops.values():
         info = op.collective
-        if info is not None and info.ranks and 1 < len(info.ranks) < world:
+        if info is not None and info.ranks and 1 < len(info.ranks) < world and tuple(sorted(info.ranks)) not in lines:
             raise UsageError(
                 f"the ranks' collectives run over groups of some of them (#{op.index} {op.name} over ranks "
                 f"{list(info.ranks)} of {world}): a mesh of more than one dimension (FSDP x TP, pipeline stages), "
@@ -718,7 +737,8 @@ def _follow_data(ref: RankTrace, r_side: _Side, side: _Side, pairs: dict[int, in
 
 
 def _map(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs: list[TensorRef], kind: str,
-         pos: int, world: int, micro: int | None = None, declared: DTensorArg | None = None) -> Mapped | None:
+         pos: int, world: int, micro: int | None = None, declared: DTensorArg | None = None,
+         mesh: tuple[tuple[tuple[int, ...], ...], ...] | None = None) -> Mapped | None:
     """How the ranks hold one tensor of an aligned op; None when it cannot be compared (no data, uninitialised).
     ``micro``: one rank's op against the reference's micro-batch of that number (``targets`` is that rank alone)."""
     if not rref.stored or rref.meta or rref.uninitialised or not all(t.stored and not t.meta for t in trefs):
@@ -726,6 +746,12 @@ def _map(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs: list[
     r = ref.tensor(rref)
     parts = [targets[k].tensor(t) for k, t in enumerate(trefs)]
     fits = infer_layouts(r, parts, close_for(r.dtype))
+    if mesh is not None and micro is None:
+        # a value every rank holds whole, or a slice of, first; then the layouts within the mesh's rows or columns,
+        # before a sum over every rank (a per-rank mean over the mesh's data-parallel dimension is partial over its
+        # rows, at 1/rows, not over all the ranks: the backward's factor follows from it)
+        flat = [f for f in fits if f.kind in (LayoutKind.REPLICATED, LayoutKind.SHARDED)]
+        fits = flat + infer_mesh_layouts(r, parts, close_for(r.dtype), mesh) + [f for f in fits if f not in flat]
     if micro is not None:
         fits = [dataclasses.replace(f, world=world, micro_batch=micro) for f in fits]
     elif declared is not None:  # what DTensor declared first, when it fits; the plainest otherwise
