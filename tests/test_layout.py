@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replaydiff.compare.layout import Layout, LayoutKind, candidates, infer_layout, rel_l2_close
+from replaydiff.compare.layout import Layout, LayoutKind, candidates, infer_layout, infer_mesh_layouts, rel_l2_close
 
 CLOSE = rel_l2_close(1e-6)
 
@@ -122,3 +122,32 @@ def test_a_per_rank_max_reduced_by_a_max_is_the_max_layout():
     parts = [torch.randn(5, dtype=torch.float64) for _ in range(3)]
     ref = torch.stack(parts).amax(0)
     assert infer_layout(ref, parts, CLOSE).kind is LayoutKind.MAX
+
+
+ROWS, COLS = ((0, 1), (2, 3)), ((0, 2), (1, 3))  # a 2x2 mesh: rank d*2 + t at row d, column t
+
+
+def test_a_value_over_a_2x2_mesh_is_found_through_its_rows_then_the_groups():
+    """Rank (d, t) holds rows d and columns t of the reference (the batch over the mesh's rows' dimension, the
+    hidden units over its columns'): each row of the mesh shards dim 1, the rows' parts join on dim 0."""
+    ref = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    parts = [ref[d * 2:(d + 1) * 2, t * 3:(t + 1) * 3] for d in (0, 1) for t in (0, 1)]
+    assert infer_layout(ref, parts, CLOSE) is None  # no layout over one dimension of 4 ranks
+    fits = infer_mesh_layouts(ref, parts, CLOSE, (ROWS, COLS))
+    first = fits[0]
+    assert (first.kind, first.dim, first.groups, first.inner.kind, first.inner.dim) == \
+        (LayoutKind.SHARDED, 0, ROWS, LayoutKind.SHARDED, 1)
+    assert torch.equal(first.mapped(parts), ref)
+    assert "each group (0/1, 2/3) holding its part sharded on dim 1" in first.describe()
+
+
+def test_a_per_rank_mean_over_the_mesh_s_rows_is_partial_at_one_over_the_rows():
+    """The loss: every rank of a mesh row holds its row's mean (replicated within the row), the reference is the
+    average of the rows' means: partial over 2 groups at 1/2 (not over 4 ranks at 1/4)."""
+    ref = torch.tensor(3.0, dtype=torch.float64)
+    parts = [torch.tensor(v, dtype=torch.float64) for v in (2.0, 2.0, 4.0, 4.0)]
+    fits = infer_mesh_layouts(ref, parts, CLOSE, (ROWS, COLS))
+    row = next(f for f in fits if f.groups == ROWS)
+    assert (row.kind, row.factor, row.inner.kind) == (LayoutKind.PARTIAL, Fraction(1, 2), LayoutKind.REPLICATED)
+    # the columns' ranks do not agree within a column: no replicated part there
+    assert not any(f.groups == COLS and f.inner.kind is LayoutKind.REPLICATED for f in fits)

@@ -70,8 +70,8 @@ class Encoder(nn.Module):
         return self.head(self.layer(self.embed(x.unsqueeze(-1))).mean(1))
 
 
-def batch(rows):
-    g = torch.Generator().manual_seed(1)
+def batch(rows, seed=1):
+    g = torch.Generator().manual_seed(seed)
     return torch.randn(rows, 6, generator=g), torch.randn(rows, 3, generator=g)
 
 
@@ -83,6 +83,8 @@ def data_parallel(mode):
     if mode == "encoder":  # stock attention (which flattens batch and sequence together), AdamW
         model = Encoder()
     x, y = batch(7 if mode.startswith("uneven") else 8)
+    if mode == "other_batch":  # BUG: each rank draws its own global batch (a seed that differs by rank)
+        x, y = batch(8, seed=1 + rank)
     if mode == "ddp" and world > 1:
         model = nn.parallel.DistributedDataParallel(model)
     if mode == "fsdp" and world > 1:  # FSDP2: each Linear's parameters sharded over the ranks
@@ -168,11 +170,23 @@ def torch_parallel(mode):
 
         mesh = init_device_mesh("cpu", (world,))
         model = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    if mode.startswith("fsdp_tp") and world > 1:  # 2-D: tensor parallel within pairs of ranks, FSDP across the pairs
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        model = parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+        dp = mesh["dp"].get_local_rank()
+        x, y = torch.tensor_split(x, world // 2)[dp], torch.tensor_split(y, world // 2)[dp]
     if mode == "bn":
         x, y = torch.tensor_split(x, world)[rank], torch.tensor_split(y, world)[rank]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with replaydiff.record(out / mode):
         loss = F.mse_loss(model(x), y)
+        if mode == "fsdp_tp_double":
+            loss = loss * world  # BUG: the 2-D job's loss scaled by the world size
         loss.backward()
         if mode == "bn" and world > 1:
             for p in model.parameters():
@@ -182,14 +196,15 @@ def torch_parallel(mode):
 
 
 for mode in modes:
-    run = tensor_parallel if mode.startswith("tp") else torch_parallel if mode in ("dtensor", "bn") else data_parallel
+    run = tensor_parallel if mode.startswith("tp") else \
+        torch_parallel if mode in ("dtensor", "bn") or mode.startswith("fsdp_tp") else data_parallel
     run(mode)
 if world > 1:
     dist.barrier()  # gloo aborts a rank that destroys its group while another still talks to it
     dist.destroy_process_group()
 '''
 DP_MODES = ["manual", "ddp", "fsdp", "double", "uneven_sum", "uneven_mean", "dropout", "accumulate", "encoder",
-            "skip_ar", "overlap"]
+            "skip_ar", "overlap", "other_batch"]
 TP_MODES = ["tp", "tp_noreduce", "tp_nn", "tp_offset", "dtensor", "bn"]
 
 
@@ -207,11 +222,13 @@ def runs(tmp_path_factory) -> dict[int, Path]:
     root = tmp_path_factory.mktemp("parallel")
     script = root / "steps.py"
     script.write_text(STEPS)
-    dirs = {w: root / f"world{w}" for w in (1, 2, 4)}
+    dirs = {w: root / f"world{w}" for w in (1, 2, 4, 8)}
     _run(script, dirs[1], 1, DP_MODES + TP_MODES)
     _run(script, dirs[2], 2, DP_MODES + TP_MODES)
-    _run(script, dirs[1], 1, ["subgroups"])
-    _run(script, dirs[4], 4, ["manual", "uneven_sum", "double", "subgroups"])
+    _run(script, dirs[1], 1, ["subgroups", "fsdp_tp", "fsdp_tp_double"])
+    _run(script, dirs[4], 4, ["manual", "uneven_sum", "double", "subgroups", "ddp", "tp", "fsdp", "fsdp_tp",
+                                "fsdp_tp_double"])
+    _run(script, dirs[8], 8, ["manual", "double"])
     return dirs
 
 
@@ -223,7 +240,8 @@ def _line(marker: str) -> int:
 @pytest.mark.parametrize("world,mode", [(2, "manual"), (2, "ddp"), (2, "fsdp"), (2, "uneven_sum"), (2, "tp"),
                                         (2, "dtensor"), (2, "encoder"),
                                         (4, "manual"),
-                                        (4, "uneven_sum")])
+                                        (4, "uneven_sum"),
+                                        (8, "manual")])
 def test_a_correct_parallel_run_agrees_with_the_single_process(runs, world, mode, capsys):
     ref, target = runs[1] / mode, runs[world] / mode
     report = diff_traces(ref, target)
@@ -251,7 +269,7 @@ def test_data_parallel_layouts_are_said_per_phase(runs, capsys):
     assert "optimizer outputs:" in text and "c10d.allreduce_.default" in text  # layout ops, not differences
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_a_loss_scaled_twice_is_named_at_its_line(runs, world):
     pd = diff_traces(runs[1] / "double", runs[world] / "double").parallel
     d = pd.departure
@@ -320,11 +338,43 @@ def test_the_tui_s_diff_mode_colours_every_rank_s_rows_from_the_mapping(runs):
     assert ok and {r.rank for r in ok} == {0, 1} and all(r.status is Status.OK for r in ok)
 
 
-def test_two_parallel_runs_of_different_world_sizes_are_refused_in_one_line(runs, capsys):
+def test_a_run_with_more_ranks_as_the_reference_is_refused_in_one_line(runs, capsys):
     capsys.readouterr()
-    assert main(["diff", str(runs[2] / "manual"), str(runs[4] / "manual")]) == 2
+    assert main(["diff", str(runs[4] / "manual"), str(runs[2] / "manual")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "a 2-rank run against a 4-rank run is not mapped" in err
+    assert err.count("\n") == 1 and "a 4-rank run against a 2-rank run is not mapped" in err
+    assert "put the run with fewer ranks first, as the reference" in err
+
+
+@pytest.mark.parametrize("mode", ["manual", "ddp", "uneven_sum", "tp"])
+def test_a_run_of_2_ranks_agrees_with_the_same_step_on_4(runs, mode, capsys):
+    """Each rank q of the 2-rank run holds the share of the global batch (or of the weights) that ranks 2q and 2q+1
+    of the 4-rank run hold between them: each is mapped onto those two as a single process would be."""
+    report = diff_traces(runs[2] / mode, runs[4] / mode)
+    pd = report.parallel
+    assert pd is not None and pd.world == 4 and pd.ref_world == 2 and pd.departure is None, pd.departure
+    assert [g.world for g in pd.groups] == [2, 2] and all(g.compared >= 0.8 * g.aligned for g in pd.groups)
+    assert {op.ranks for op in pd.groups[1].ops} == {(2, 3)} and {op.ref_rank for op in pd.groups[1].ops} == {1}
+    assert pd.ref_layout_ops and all(aten.is_collective(n) for n in pd.ref_layout_ops)
+    assert not report.found_difference and not report.warnings
+    capsys.readouterr()
+    assert main(["diff", str(runs[2] / mode), str(runs[4] / mode)]) == 0
+    text = capsys.readouterr().out
+    assert "4 ranks against 2 ranks" in text and "agree: every compared op maps" in text
+
+
+def test_a_loss_scaled_by_the_world_size_on_4_ranks_against_2_is_named_with_its_line(runs):
+    d = diff_traces(runs[2] / "manual", runs[4] / "double").parallel.departure
+    assert d is not None and d.kind is Departure.SCALED and d.op.ref_rank == 0 and d.op.ranks == (0, 1)
+    assert "4x what a correct parallel run holds here" in d.why
+    assert f"aten.mul.Tensor (#" in d.why and f"steps.py:{_line('BUG: the gradients')})" in d.why
+
+
+def test_fsdp_at_two_world_sizes_is_refused_in_one_line(runs, capsys):
+    capsys.readouterr()
+    assert main(["diff", str(runs[2] / "fsdp"), str(runs[4] / "fsdp")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a 2-rank run against a 4-rank run with FSDP" in err
 
 
 def test_the_readme_s_diff_example_is_what_the_documented_commands_print(tmp_path, capsys):
@@ -374,11 +424,37 @@ def test_a_batch_norm_with_per_rank_statistics_is_named_at_the_batch_norm(runs):
     assert "per-rank statistics that should be global" in d.why
 
 
-def test_a_reference_of_micro_batches_is_refused_in_one_line_not_given_a_verdict(runs, capsys):
+def test_a_reference_of_micro_batches_agrees_with_one_rank_per_micro_batch(runs, capsys):
+    """The single process runs the global batch as 2 micro-batches (loss / 2, gradients accumulated); each of 2
+    ranks runs one, gradients all-reduced and averaged: rank r's ops map onto micro-batch r's."""
+    pd = diff_traces(runs[1] / "accumulate", runs[2] / "accumulate").parallel
+    assert pd.departure is None and pd.micro_batches == 2 and not pd.random_parted
+    on = {op.ranks for op in pd.ops}
+    assert on == {(0,), (1,), ()}  # each micro-batch's ops on its rank alone, the optimizer's on every rank
+    assert pd.compared >= 0.9 * pd.aligned
+    # what the reference runs alone: the accumulation of the gradients and the division of each loss, no more
+    ref_ops = open_trace(runs[1] / "accumulate").rank(0)
+    assert {ref_ops[i].name for i in pd.not_aligned if not aten.is_cheap(ref_ops[i].name)} <= \
+        {"aten.add_.Tensor", "aten.div.Tensor"}
     capsys.readouterr()
-    assert main(["diff", str(runs[1] / "accumulate"), str(runs[2] / "accumulate")]) == 2
+    assert main(["diff", str(runs[1] / "accumulate"), str(runs[2] / "accumulate")]) == 0
+    text = capsys.readouterr().out
+    assert "as 2 micro-batches, gradients accumulated" in text and "agree: every compared op maps" in text
+
+
+def test_a_loss_scaled_twice_against_micro_batches_is_named_with_its_line(runs):
+    d = diff_traces(runs[1] / "accumulate", runs[2] / "double").parallel.departure
+    assert d is not None and d.kind is Departure.SCALED and d.op.phase == "backward" and d.op.ranks == (0,)
+    assert "2x what a correct parallel run holds here" in d.why
+    assert f"aten.mul.Tensor (#" in d.why and f"steps.py:{_line('BUG: the gradients')})" in d.why
+
+
+def test_micro_batches_that_are_not_one_per_rank_are_refused_in_one_line(runs, capsys):
+    capsys.readouterr()
+    assert main(["diff", str(runs[1] / "accumulate"), str(runs[4] / "manual")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "gradient accumulation over micro-batches, which is not mapped" in err
+    assert err.count("\n") == 1 and "runs 2 forward-backward passes (gradient-accumulation micro-batches)" in err
+    assert "as many micro-batches as ranks" in err
 
 
 def test_collectives_over_groups_of_some_ranks_are_refused_in_one_line(runs, capsys):
@@ -386,6 +462,42 @@ def test_collectives_over_groups_of_some_ranks_are_refused_in_one_line(runs, cap
     assert main(["diff", str(runs[1] / "subgroups"), str(runs[4] / "subgroups")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "a mesh of more than one dimension" in err
+
+
+def test_fsdp_by_tensor_parallel_on_a_2x2_mesh_agrees_through_the_mesh_dtensor_declared(runs, capsys):
+    """fully_shard over the mesh's rows' dimension (dp), ColwiseParallel/RowwiseParallel over its columns' (tp):
+    the mesh is read from DTensor's recorded placements, and each value is laid out over the mesh's rows or columns,
+    then over the groups (the batch sharded over dp, the hidden units over tp, the loss a per-rank mean over dp)."""
+    report = diff_traces(runs[1] / "fsdp_tp", runs[4] / "fsdp_tp")
+    pd = report.parallel
+    assert pd is not None and pd.world == 4 and pd.departure is None, pd.departure
+    assert pd.compared >= 0.9 * pd.aligned
+    nested = [t.layout for op in pd.ops for t in op.tensors if t.layout is not None and t.layout.inner is not None]
+    assert {lay.groups for lay in nested} == {((0, 1), (2, 3)), ((0, 2), (1, 3))}  # the mesh's rows and columns
+    capsys.readouterr()
+    assert main(["diff", str(runs[1] / "fsdp_tp"), str(runs[4] / "fsdp_tp")]) == 0
+    assert "agree: every compared op maps" in capsys.readouterr().out
+
+
+def test_a_loss_scaled_by_the_world_size_on_a_2x2_mesh_is_named_at_its_line(runs):
+    d = diff_traces(runs[1] / "fsdp_tp_double", runs[4] / "fsdp_tp_double").parallel.departure
+    assert d is not None and d.kind is Departure.SCALED and d.op.name == "aten.mul.Tensor"
+    assert d.op.source.endswith(f"steps.py:{_line('BUG: the 2-D job')}")
+    assert "4x what a correct parallel run holds here" in d.why and d.tensor.layout.inner is not None
+
+
+def test_runs_that_did_not_see_the_same_global_batch_are_warned_in_one_line(runs, capsys):
+    report = diff_traces(runs[1] / "other_batch", runs[2] / "other_batch")
+    d = report.parallel.departure
+    assert d is not None and d.op.ref == 0 and d.kind in (Departure.INPUTS, Departure.NO_LAYOUT)  # the batch's slice
+    assert [w for w in report.warnings if "did not see the same global batch" in w] == [report.parallel.batch_warning]
+    capsys.readouterr()
+    assert main(["diff", str(runs[1] / "other_batch"), str(runs[2] / "other_batch")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("did not see the same global batch") == 1 and "float32[8, 6]" in err
+    # a correct run, and one whose bug is elsewhere, are not warned
+    for mode in ("manual", "double"):
+        assert diff_traces(runs[1] / mode, runs[2] / mode).warnings == []
 
 
 def test_a_gradient_never_all_reduced_is_named_where_it_reaches_the_optimizer(runs):
@@ -410,3 +522,66 @@ def test_overlapping_batch_slices_are_named_with_their_offsets(runs):
     d = diff_traces(runs[1] / "overlap", runs[2] / "overlap").parallel.departure
     assert d is not None and d.kind is Departure.SHARD_OFFSET
     assert "rank 0: 0, rank 1: 2" in d.why and "slices that overlap" in d.why
+
+
+def test_the_tui_colours_every_rank_s_rows_against_a_parallel_reference(runs):
+    from replaydiff.replay.result import Status
+    from replaydiff.tui.details import diff_lines
+    from replaydiff.tui.diff_mode import diff_results
+
+    report = diff_traces(runs[2] / "manual", runs[4] / "double")
+    d = report.parallel.departure
+    rows = diff_results(report)
+    assert {r.rank for r in rows} == {0, 1, 2, 3}
+    divergent = {(r.rank, r.index) for r in rows if r.status is Status.DIVERGENT}
+    assert {(rank, index) for rank, index in zip(d.op.ranks, d.op.targets)} <= divergent
+    row = next(r for r in rows if (r.rank, r.index) == (1, d.op.targets[1]))
+    assert f"ref rank 0 #{d.op.ref}" in "\n".join(diff_lines(row))
+
+
+def test_the_json_report_and_the_tui_carry_micro_batches_and_a_parallel_reference(runs, tmp_path):
+    import json
+
+    from replaydiff.tui.diff_mode import diff_results
+
+    out = tmp_path / "micro.json"
+    assert main(["diff", str(runs[1] / "accumulate"), str(runs[2] / "double"), "--json", str(out)]) == 1
+    doc = json.loads(out.read_text())["parallel"]
+    assert doc["micro_batches"] == 2 and set(doc["ref_only"]) <= {"aten.add_.Tensor", "aten.div.Tensor"}
+    assert doc["departure"]["ranks"] == [0] and doc["departure"]["tensor"]["layout"]["micro_batch"] == 0
+    report = diff_traces(runs[1] / "accumulate", runs[2] / "accumulate")
+    rows = diff_results(report)
+    mine = {(op.ranks, op.targets) for op in report.parallel.ops if op.ranks}
+    assert mine and all(((r.rank,), (r.index,)) in mine or r.source.ranks == () for r in rows)
+    out = tmp_path / "groups.json"
+    assert main(["diff", str(runs[2] / "manual"), str(runs[4] / "double"), "--json", str(out)]) == 1
+    doc = json.loads(out.read_text())["parallel"]
+    assert doc["world"] == 4 and doc["ref_world"] == 2 and [g["world"] for g in doc["groups"]] == [2, 2]
+    assert doc["departure"]["ref_rank"] == 0 and doc["departure"]["ranks"] == [0, 1]
+
+
+def test_dtensor_s_placements_are_recorded_and_each_compared_layout_says_where_it_came_from(runs, tmp_path, capsys):
+    """parallelize_module's ColwiseParallel shards the first Linear's weight on dim 0: the recorder notes DTensor's
+    placements before DTensor unwraps the op, and the mapping uses them (the weight's layout from placements); a
+    value DTensor never saw (ColwiseParallel hands back a local tensor) is inferred."""
+    report = diff_traces(runs[1] / "dtensor", runs[2] / "dtensor")
+    pd = report.parallel
+    assert pd.departure is None and pd.from_placements is not None
+    from_placements, inferred = pd.from_placements
+    assert from_placements > 0 and inferred > 0
+    weight = next(t for op in pd.ops if op.module == "Sequential.0" and op.phase == "forward"
+                  for t in op.tensors if t.kind == "in" and len(t.describe.split(",")) == 2)
+    assert weight.declared is not None and weight.declared.mesh == (2,) and weight.layout_from == "placements"
+    assert weight.layout.kind.value == "sharded" and weight.layout.dim == 0
+    # a job without DTensor: nothing recorded, nothing said
+    assert diff_traces(runs[1] / "manual", runs[2] / "manual").parallel.from_placements is None
+    capsys.readouterr()
+    out = tmp_path / "d.json"
+    assert main(["diff", str(runs[1] / "dtensor"), str(runs[2] / "dtensor"), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"layouts: {from_placements} of {from_placements + inferred} compared tensors as DTensor's recorded " \
+           f"placements declare them" in text
+    import json
+
+    doc = json.loads(out.read_text())["parallel"]
+    assert (doc["layouts_from_placements"], doc["layouts_inferred"]) == (from_placements, inferred)

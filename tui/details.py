@@ -227,10 +227,14 @@ def mapped_lines(result: RowResult, op: MappedOp) -> list[str]:
     layout, and why it parts (the departure) or that it reads what did."""
     s = result.status
     word = {"ok": "MAPS", "divergent": "PARTS HERE", "inherited": "INHERITED"}.get(str(s), str(s).upper())
-    lines = [f"[{STATUS_MARKUP.get(s, 'dim')}]{word}[/]  mapped onto reference op [bold]ref #{op.ref}[/] with every "
-             f"rank's op ({', '.join(f'rank {r} #{i}' for r, i in enumerate(op.targets))})"]
+    ref = f"ref #{op.ref}" if op.ref_rank is None else f"ref rank {op.ref_rank} #{op.ref}"
+    lines = [f"[{STATUS_MARKUP.get(s, 'dim')}]{word}[/]  mapped onto reference op [bold]{ref}[/] with every "
+             f"rank's op ({', '.join(f'rank {r} #{i}' for r, i in op.on_ranks())})"]
     for t in op.tensors:
         what = t.layout.describe() if t.layout is not None else "no layout fits"
+        if t.declared is not None:
+            what += f" ({'from DTensor placements' if t.layout_from == 'placements' else 'inferred'}: " \
+                    f"{t.declared.describe()})"
         lines.append(f"  {'input' if t.kind == 'in' else 'output'} {t.position} {esc(t.describe)}: {esc(what)}")
     if result.reason and s != "ok":
         lines.append(f"  [dim]{esc(result.reason)}[/]")

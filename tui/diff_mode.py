@@ -63,6 +63,8 @@ def unit_lead(unit: UnitPair) -> int | None:
 def parallel_rows(pd: Any) -> list[RowResult]:
     """A parallel run mapped onto the single process: each aligned op's row on every rank, ok when its values fit
     a layout a correct run has, divergent where the runs part, inherited after; the layout is the row's figure."""
+    if pd.groups:  # a parallel reference: each of its ranks mapped onto its own ranks of the target
+        return [row for g in pd.groups for row in parallel_rows(g)]
     out: list[RowResult] = []
     first = pd.departure.op.ref if pd.departure is not None else None
     for op in pd.ops:
@@ -74,7 +76,7 @@ def parallel_rows(pd: Any) -> list[RowResult]:
             status, reason = PairStatus.INHERITED, "parts from the reference after the first op that does"
         else:
             status, reason = Status.OK, None
-        for rank, index in enumerate(op.targets):
+        for rank, index in op.on_ranks():
             # the figure column holds a number (err/lim): a mapping has none; the detail pane shows each layout
             out.append(RowResult(rank, index, status, None, "", None, reason, False, op, 0))
     return out

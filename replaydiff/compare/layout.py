@@ -22,6 +22,7 @@ run against the single-process run, the step-input check and tests share one def
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 from fractions import Fraction
@@ -56,10 +57,21 @@ class Layout:
     # sharded only: the dim holds ``blocks`` runs of every rank's slices in turn (a batch dim flattened with an outer
     # one: rows [S, B, D] viewed as [S*B, D] with B sharded hold each rank's rows in S interleaved blocks); 1: not
     blocks: int = 1
+    # the value one rank holds alone: the reference ran the global batch as micro-batches, one per rank, and this
+    # rank's op stands for the reference's op of micro-batch ``micro_batch`` (the rank's own number); None: not
+    micro_batch: int | None = None
+    # a two-dimensional mesh: the ranks fall into ``groups`` (a row or a column of the mesh each, in order), each
+    # group holds its part in the ``inner`` layout, and this layout (over ``world`` = the number of groups) joins
+    # the groups' parts; None: one dimension
+    inner: "Layout | None" = None
+    groups: tuple[tuple[int, ...], ...] | None = None
 
     def assemble(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """The value the ranks' tensors stand for (before the factor), in float64: rank 0's for a replicated
         value, the slices joined in rank order for a sharded one, the sum for a partial one."""
+        if self.inner is not None and self.groups is not None:
+            held = [self.inner.assemble([parts[i] for i in g]) for g in self.groups]
+            return dataclasses.replace(self, inner=None, groups=None).assemble(held)
         xs = [p.detach().to(torch.float64) for p in parts]
         if self.kind is LayoutKind.REPLICATED:
             return xs[0]
@@ -84,6 +96,13 @@ class Layout:
         """e.g. 'sharded on dim 0 over 2 ranks (4+4)', 'partial over 2 ranks: the reference is their average',
         'replicated on 2 ranks at 2x the reference'."""
         scale = "" if self.factor == 1 else f" at {ratio_text(1 / self.factor)}x the reference"
+        if self.inner is not None and self.groups is not None:
+            outer = dataclasses.replace(self, inner=None, groups=None).describe()
+            outer = outer.replace(f" {self.world} ranks", f" {self.world} groups of ranks", 1)
+            return f"{outer}, each group ({', '.join('/'.join(map(str, g)) for g in self.groups)}) holding its part " \
+                   f"{self.inner.describe()}"
+        if self.micro_batch is not None:
+            return f"rank {self.micro_batch}'s own value against the reference's micro-batch {self.micro_batch}{scale}"
         if self.kind is LayoutKind.REPLICATED:
             return f"replicated on {self.world} ranks{scale}"
         if self.kind is LayoutKind.SHARDED:
@@ -100,9 +119,15 @@ class Layout:
         return f"partial over {self.world} ranks: their sum is {ratio_text(1 / self.factor)}x the reference"
 
     def to_json(self) -> dict:
-        return {"kind": self.kind.value, "world": self.world, "dim": self.dim,
-                "sizes": None if self.sizes is None else list(self.sizes), "blocks": self.blocks,
-                "factor": str(self.factor)}
+        out = {"kind": self.kind.value, "world": self.world, "dim": self.dim,
+               "sizes": None if self.sizes is None else list(self.sizes), "blocks": self.blocks,
+               "factor": str(self.factor)}
+        if self.micro_batch is not None:
+            out["micro_batch"] = self.micro_batch
+        if self.inner is not None and self.groups is not None:
+            out["inner"] = self.inner.to_json()
+            out["groups"] = [list(g) for g in self.groups]
+        return out
 
 
 def ratio_text(f: Fraction) -> str:
@@ -179,6 +204,49 @@ def infer_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close
             continue  # a max of scaled values is no reduction a program makes
         if c is not None and close(a * float(c), ref):
             out.append(Layout(layout.kind, layout.world, layout.dim, layout.sizes, c, layout.blocks))
+    return out
+
+
+def _inner_candidates(members: Sequence[torch.Tensor]) -> list[Layout]:
+    """The layouts one group's tensors can hold a part of a value in, with no reference to size them by:
+    replicated, sharded on a dimension, partial."""
+    n, shapes = len(members), [tuple(p.shape) for p in members]
+    out: list[Layout] = []
+    same = all(s == shapes[0] for s in shapes)
+    if same:
+        out.append(Layout(LayoutKind.REPLICATED, n))
+    if all(len(s) == len(shapes[0]) for s in shapes):
+        for d in range(len(shapes[0])):
+            if all(s[:d] + s[d + 1:] == shapes[0][:d] + shapes[0][d + 1:] for s in shapes):
+                out.append(Layout(LayoutKind.SHARDED, n, d, tuple(s[d] for s in shapes)))
+    if same:
+        out.append(Layout(LayoutKind.PARTIAL, n))
+    return out
+
+
+def infer_mesh_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close,
+                       groupings: Sequence[tuple[tuple[int, ...], ...]]) -> list[Layout]:
+    """Layouts over a two-dimensional mesh of ranks: for each way of grouping the ranks (``groupings``: the mesh's
+    rows, then its columns), each layout every group holds its part in (the same for every group; a replicated part
+    only where the group's tensors agree by ``close``), then every layout the groups' parts hold ``ref`` in, as
+    ``infer_layouts`` finds them (the factor on the outer layout). Plainest first within each grouping."""
+    out: list[Layout] = []
+    for groups in groupings:
+        for inner in _inner_candidates([parts[i] for i in groups[0]]):
+            held = []
+            for g in groups:
+                members = [parts[i] for i in g]
+                if not any(c.kind is inner.kind and c.dim == inner.dim for c in _inner_candidates(members)):
+                    break
+                if inner.kind is LayoutKind.REPLICATED:
+                    first = members[0].detach().to(torch.float64)
+                    if not all(close(p.detach().to(torch.float64), first) for p in members[1:]):
+                        break
+                held.append(dataclasses.replace(inner, sizes=None if inner.sizes is None else
+                                                tuple(int(p.shape[inner.dim]) for p in members)).assemble(members))
+            else:
+                for f in infer_layouts(ref, held, close):
+                    out.append(dataclasses.replace(f, inner=inner, groups=tuple(groups)))
     return out
 
 

@@ -23,7 +23,7 @@ from replaydiff.compare.tolerance import Tolerances
 from replaydiff.diff.align import Alignment, OpKeys, align, op_keys
 from replaydiff.diff.compare import Judge, PairComparer, Where, coarser_dtype, compare_refs
 from replaydiff.diff.environment import environment_diff
-from replaydiff.diff.parallel import diff_parallel, is_parallel_pair
+from replaydiff.diff.parallel import diff_parallel, diff_parallel_groups, is_parallel_groups, is_parallel_pair
 from replaydiff.diff.units import pair_units
 from replaydiff.diff.result import (DiffReport, OpPlace, Origin, OriginKind, PairResult, PairStatus, Precision,
                                     RankDiff, StepInput, StepInputs, Unaligned)
@@ -376,16 +376,19 @@ def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: D
     for t in (rt, tt) if bt is None else (rt, tt, bt):
         t.check_whole()  # ops gone from either trace would shift the alignment: name the file, exit 3
     rw, tw = _world_size(rt), _world_size(tt)
-    if opts.rank is None and 1 < rw != tw > 1:
+    grouped = opts.rank is None and bt is None and is_parallel_groups(rw, rt.ranks, tw, tt.ranks)
+    if opts.rank is None and 1 < rw != tw > 1 and not grouped:
         # rank r of one layout holds other slices and shards than rank r of the other: pairing by number would
         # call every one of them a difference
-        raise UsageError(f"a {rw}-rank run against a {tw}-rank run is not mapped onto each other (only a "
-                         f"single-process run against a parallel one is): diff each against a single-process run of "
-                         f"the same script, or compare one rank op by op with --rank N")
+        then = "put the run with fewer ranks first, as the reference" if tw < rw and rw % tw == 0 else \
+            "diff each against a single-process run of the same script"
+        raise UsageError(f"a {rw}-rank run against a {tw}-rank run is not mapped onto each other: only a reference "
+                         f"whose world size divides the target's is; {then}, or compare one rank op by op with "
+                         f"--rank N")
     pairs = rank_pairs(rt.ranks, tt.ranks, opts.rank, rw, tw)
     report = DiffReport(ref=str(rt.path), target=str(tt.path), options=opts.to_dict(),
                         baseline=None if bt is None else str(bt.path))
-    if opts.rank is None:
+    if opts.rank is None and not grouped:
         for t, used in ((rt, {a for a, _ in pairs}), (tt, {b for _, b in pairs})):
             left = [r for r in t.ranks if r not in used]
             if left:
@@ -402,6 +405,18 @@ def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: D
             progress_total(len(first_ref))
         report.parallel = diff_parallel(first_ref, [tt.rank(r) for r in tt.ranks], progress,
                                         cut_short=bool(report.cut_short))
+        if report.parallel.batch_warning:
+            report.warnings.append(report.parallel.batch_warning)
+        _say_planted(report, rt, tt)
+        return report
+    if grouped:
+        # each reference rank against the target's ranks that hold its share of the global batch
+        if progress_total is not None:
+            progress_total(sum(len(rt.rank(r)) for r in rt.ranks))
+        report.parallel = diff_parallel_groups([rt.rank(r) for r in rt.ranks], [tt.rank(r) for r in tt.ranks],
+                                               progress, cut_short=bool(report.cut_short))
+        if report.parallel.batch_warning:
+            report.warnings.append(report.parallel.batch_warning)
         _say_planted(report, rt, tt)
         return report
     _say_planted(report, rt, tt)

@@ -33,10 +33,11 @@ from typing import Callable
 import torch
 
 from replaydiff import aten
-from replaydiff.compare.layout import (Close, Layout, LayoutKind, infer_layouts, ratio_text, rel_l2_close,
-                                       shard_offsets)
+from replaydiff.compare.layout import (Close, Layout, LayoutKind, infer_layouts, infer_mesh_layouts, ratio_text,
+                                       rel_l2_close, shard_offsets)
 from replaydiff.diff.align import OpKeys, align, op_keys
 from replaydiff.errors import UsageError
+from replaydiff.trace.placements import DTensorArg, Placement, declared_inputs, read_notes
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import OpRecord, TensorRef
 
@@ -69,6 +70,15 @@ class Mapped:
     offsets: tuple[int, tuple[int, ...]] | None = None
     fits: tuple[Layout, ...] = ()  # every layout that fits, plainest first
     sizes: tuple[int, ...] | None = None  # with ``offsets``: each rank's extent along that dim
+    declared: DTensorArg | None = None  # the placements DTensor declared for it on the ranks, where recorded
+
+    @property
+    def layout_from(self) -> str | None:
+        """'placements' when the layout used is the one DTensor declared, 'inferred' when it was found from the
+        tensors alone (no placements recorded, or others than the layout that fits); None: no layout fits."""
+        if self.layout is None:
+            return None
+        return "placements" if self.declared is not None and _declares(self.declared, self.layout) else "inferred"
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,12 @@ class MappedOp:
     phase: str | None
     source: str | None  # a backward op: the source line of the forward op it belongs to, where known
     tensors: tuple[Mapped, ...]
+    ranks: tuple[int, ...] = ()  # the rank of each of ``targets`` when not every rank runs it (a micro-batch's op)
+    ref_rank: int | None = None  # the reference is a parallel run too: the rank ``ref`` is numbered on
+
+    def on_ranks(self) -> list[tuple[int, int]]:
+        """(rank, op number on that rank) for every rank that runs it."""
+        return list(zip(self.ranks or range(len(self.targets)), self.targets))
 
 
 @dataclass(frozen=True)
@@ -113,6 +129,21 @@ class ParallelDiff:
     # ops whose inputs every rank holds whole and alike, right given them, whose outputs part from the reference's
     # only as far as the inputs' rounding, amplified, takes them: no departure
     amplified: list[int] = field(default_factory=list)
+    # the reference ran the global batch as this many gradient-accumulation micro-batches, rank r's ops mapped onto
+    # micro-batch r's (0: one pass, every rank's ops onto it)
+    micro_batches: int = 0
+    ref_only: Counter = field(default_factory=Counter)  # names of the computing ops in ``not_aligned``
+    # the reference is a parallel run of ``ref_world`` ranks: each of its ranks q against the target's ranks q*m to
+    # q*m+m-1 (m = world / ref_world), one diff each (``groups``); the fields above sum them
+    ref_world: int = 1
+    groups: list["ParallelDiff"] = field(default_factory=list)
+    # one line when the runs did not see the same global batch (a tensor from outside the step that needs no
+    # gradient, read in the forward, maps under no layout at factor 1); None: not seen
+    batch_warning: str | None = None
+    # the ranks' traces hold DTensor placements: (compared tensors whose layout is the one DTensor declared, the
+    # others, inferred from the tensors); None: none recorded
+    from_placements: tuple[int, int] | None = None
+    ref_layout_ops: Counter = field(default_factory=Counter)  # the reference's own collectives, not compared
 
     @property
     def departed(self) -> bool:
@@ -131,11 +162,20 @@ class ParallelDiff:
             "families": {k: dict(v) for k, v in self.families.items()}, "random_ops": self.random_ops,
             "not_stored": self.not_stored, "worst_rel_l2_over_eps": self.worst,
             "not_judged_random": list(self.random_parted), "amplified": list(self.amplified),
+            **({"micro_batches": self.micro_batches, "ref_only": dict(self.ref_only)} if self.micro_batches else {}),
+            **({"layouts_from_placements": self.from_placements[0], "layouts_inferred": self.from_placements[1]}
+               if self.from_placements is not None else {}),
+            **({"ref_world": self.ref_world, "ref_layout_ops": dict(self.ref_layout_ops),
+                "groups": [g.to_json() for g in self.groups]} if self.ref_world > 1 else {}),
             "departure": None if d is None else {
                 "kind": d.kind.value, "why": d.why, "inherited": d.inherited, "ref": d.op.ref,
-                "targets": list(d.op.targets), "op": d.op.name, "module": d.op.module, "phase": d.op.phase,
+                "targets": list(d.op.targets), **({"ranks": list(d.op.ranks)} if d.op.ranks else {}),
+                **({"ref_rank": d.op.ref_rank} if d.op.ref_rank is not None else {}), "op": d.op.name, "module": d.op.module, "phase": d.op.phase,
                 "source": d.op.source, "tensor": {"kind": d.tensor.kind, "position": d.tensor.position,
                                                   "describe": d.tensor.describe,
+                                                  **({"layout_from": d.tensor.layout_from,
+                                                      "placements": d.tensor.declared.describe()}
+                                                     if d.tensor.declared is not None else {}),
                                                   "layout": None if d.tensor.layout is None else
                                                   d.tensor.layout.to_json()}},
         }
@@ -161,6 +201,14 @@ def close_for(dtype: torch.dtype) -> Close:
 
 def _family(layout: Layout, legit: bool) -> str:
     """The summary line's name of a layout: its kind, and a factor a correct run has named for what it is."""
+    if layout.inner is not None:  # a 2-D mesh: the groups' layout, then how each group holds its part
+        outer = _family(dataclasses.replace(layout, inner=None, groups=None), legit)
+        inner = _family(layout.inner, True)
+        return f"{outer} (each mesh {'row' if layout.groups and layout.groups[0] == tuple(range(len(layout.groups[0]))) else 'column'}: {inner})"
+    if layout.micro_batch is not None:
+        at = "" if layout.factor == 1 else f" at {ratio_text(1 / layout.factor)}x"
+        return f"each rank's own, against its micro-batch{at}" + \
+            (" (of a loss divided by the micro-batch count)" if legit and layout.factor != 1 else "")
     if layout.kind is LayoutKind.PARTIAL:
         if layout.factor == 1:
             return "partial (a sum)"
@@ -190,6 +238,10 @@ def _legit_factors(layout: Layout, phase: str | None, loss: Fraction | None) -> 
     loss of a rank's slice of the batch); and in the backward the factor of the loss it differentiates (``loss``:
     each rank's gradients are of its own loss, 1/world of the reference's in sum when that is a per-rank mean), until
     the gradients' all-reduce divides by the world size."""
+    if layout.micro_batch is not None:
+        # rank r's own value against micro-batch r's: the same, but for the gradients of a reference that divides
+        # each micro-batch's loss by the number of micro-batches (the world size), as gradient accumulation does
+        return (Fraction(1), Fraction(1, layout.world)) if phase == "backward" else (Fraction(1),)
     if phase == "backward":
         return (Fraction(1),) if loss is None or loss == 1 else (Fraction(1), loss)
     if layout.kind is LayoutKind.PARTIAL and phase != "optimizer":
@@ -206,6 +258,11 @@ def _rel_l2(layout: Layout, parts: list[torch.Tensor], ref: torch.Tensor) -> flo
     return num / den if den > 0 else (0.0 if num == 0 else math.inf)
 
 
+def _makes_layout(name: str) -> bool:
+    """A collective: how a parallel run makes and rejoins its layouts."""
+    return aten.is_collective(name)
+
+
 def _layout_keys(op: OpRecord) -> OpKeys:
     """Alignment keys that hold across layouts: the strict key has each tensor's number of dimensions where
     ``op_keys`` has its shape (a rank's shard and the single process's whole tensor differ in shape, and a square
@@ -217,39 +274,51 @@ def _layout_keys(op: OpRecord) -> OpKeys:
 
 
 class _Side:
-    """One rank's recorded ops and their alignment keys, read once."""
+    """One rank's recorded ops and their alignment keys, read once. ``skip_collectives``: a reference that is a
+    parallel run itself, whose collectives rejoin its own layout and have no counterpart in the target's."""
 
-    def __init__(self, trace: RankTrace) -> None:
+    def __init__(self, trace: RankTrace, skip_collectives: bool = False) -> None:
         self.trace = trace
         self.ops: dict[int, OpRecord] = {}
         self.keys: list[OpKeys] = []
+        self.skipped: set[int] = set()
         for op in trace:
             self.ops[op.index] = op
             # profiler markers compute nothing, and as anchors they pair FSDP's and DDP's record_function ranges with
             # the single process's few, pulling the ops between them apart: they are left out of the alignment
-            if not aten.is_marker(op.name):
+            if aten.is_marker(op.name) or (skip_collectives and _makes_layout(op.name)):
+                self.skipped.add(op.index)
+            else:
                 self.keys.append(_layout_keys(op))
 
 
 def diff_parallel(ref: RankTrace, targets: list[RankTrace],
-                  progress: Callable[[int], None] | None = None, cut_short: bool = False) -> ParallelDiff:
+                  progress: Callable[[int], None] | None = None, cut_short: bool = False,
+                  full_world: int | None = None) -> ParallelDiff:
     """Map every rank of ``targets`` (rank order, world size ``len(targets)``) onto the single-process ``ref``;
-    ``cut_short``: a side was cut short, so ops missing on the ranks are no sign of another program."""
+    ``cut_short``: a side was cut short, so ops missing on the ranks are no sign of another program.
+    ``full_world``: ``ref`` is one rank of a parallel run and ``targets`` the ranks of a run of this world size
+    that stand for it (``diff_parallel_groups``)."""
     world = len(targets)
-    r_side = _Side(ref)
+    r_side = _Side(ref, skip_collectives=full_world is not None)
     t_sides = [_Side(t) for t in targets]
-    _refuse_sub_groups(t_sides[0], world)
+    mesh = _mesh(t_sides[0], world) if full_world is None else None  # a 2-D DeviceMesh DTensor declared
+    _refuse_sub_groups(t_sides[0], full_world or world, mesh)
+    owner = _micro_batches(r_side, t_sides)  # a micro-batch's op -> the rank whose ops it maps onto
     maps = []
-    out = ParallelDiff(world, len(r_side.keys), 0, 0)
-    for side in t_sides:
-        al = align(r_side.keys, side.keys)
-        m = _follow_data(ref, r_side, side, dict(al.pairs))
+    out = ParallelDiff(world, len(r_side.keys), 0, 0, micro_batches=world if owner else 0)
+    for rank, side in enumerate(t_sides):
+        keys = [k for k in r_side.keys if owner.get(k.index, rank) == rank]  # what this rank stands for
+        al = align(keys, side.keys)
+        m = _follow_data(ref, r_side, side, dict(al.pairs), {k.index for k in keys} if owner else set())
         maps.append(m)
         mine = set(m.values())
         out.layout_ops.update(op.name for j, op in side.ops.items() if j not in mine and not aten.is_marker(op.name))
+    declared = [_declared(side) for side in t_sides]  # DTensor's placements on each rank, where recorded
     departed: set[int] = set()  # reference ops that part from the reference, the first and what inherits it
     drawn: set[int] = set()  # random ops, and ops that part only because they read what random ops drew
     seen_inputs: set = set()
+    step_views: set[int] = set()
     first: tuple[MappedOp, Mapped, Departure, str] | None = None
     by_ref: dict[int, MappedOp] = {}  # the ops mapped so far, by reference op number
     inherited = 0
@@ -262,41 +331,57 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     for n, i in enumerate(sorted(r_side.ops)):
         if progress is not None and n % 64 == 63:
             progress(64)
-        if aten.is_marker(r_side.ops[i].name):
+        if i in r_side.skipped:
             continue
-        if not all(i in m for m in maps):
+        own = [owner[i]] if i in owner else list(range(world))  # the ranks whose ops stand for it
+        if own == [-1] or not all(i in maps[r] for r in own):
             out.not_aligned.append(i)
             continue
         out.aligned += 1
         rop = r_side.ops[i]
-        tops = [t_sides[r].ops[maps[r][i]] for r in range(world)]
+        tops = [t_sides[r].ops[maps[r][i]] for r in own]
+        tgts = [targets[r] for r in own]
+        micro = owner.get(i)
         random = aten.is_random(rop.name)
         producers = ref.producers(i)
+        # a view of the step's inputs or of a collective's buffer on a reference rank: ``tensor_split(x, world)``
+        # cuts every rank's slice of the batch, which the target's ranks cut otherwise (and the trace's data flow
+        # links each slice to the one before it): its inputs are compared, its outputs where an op that computes
+        # reads them
+        step_view = full_world is not None and aten.is_cheap(rop.name) and \
+            all(p is None or p in step_views or p in r_side.skipped for p in producers.values())
+        if step_view:
+            step_views.add(i)
         from_departed = [p for p in producers.values() if p is not None and p in departed]
         from_drawn = [p for p in producers.values() if p is not None and p in drawn]
         tensors: list[Mapped] = []
         # the step's inputs this op reads first (parameters, the batch): each storage once
         r_ins, t_ins = rop.inputs(), [t.inputs() for t in tops]
+        out_arg = rop.kwargs.get("out")  # a buffer the op writes without reading it (DDP's bucket)
         for pos, rref in enumerate(r_ins):
-            if producers.get(pos) is not None or rref.version in seen_inputs:
+            if producers.get(pos) is not None or rref.version in seen_inputs or \
+                    (isinstance(out_arg, TensorRef) and rref.version == out_arg.version):
                 continue
-            if any(pos >= len(ti) or targets[r].producers(tops[r].index).get(pos) is not None
-                   for r, ti in enumerate(t_ins)):
+            if any(pos >= len(ti) or tgts[k].producers(tops[k].index).get(pos) is not None
+                   for k, ti in enumerate(t_ins)):
                 continue  # on some rank the op reads what a rank's own op made (a slice of the batch, a copy)
             seen_inputs.add(rref.version)
-            m = _map(ref, targets, rref, [ti[pos] for ti in t_ins], "in", pos)
+            m = _map(ref, tgts, rref, [ti[pos] for ti in t_ins], "in", pos, world, micro,
+                     declared[own[0]].get((tops[0].index, pos)), mesh)
             if m is not None:
                 tensors.append(m)
         r_outs, t_outs = rop.outputs_refs(), [t.outputs_refs() for t in tops]
         for pos, rref in enumerate(r_outs):
-            if any(pos >= len(to) for to in t_outs):
+            if step_view or any(pos >= len(to) for to in t_outs):
                 continue
-            m = _map(ref, targets, rref, [to[pos] for to in t_outs], "out", pos)
+            m = _map(ref, tgts, rref, [to[pos] for to in t_outs], "out", pos, world, micro,
+                     _declared_output(t_sides[own[0]], declared[own[0]], tops[0].index, pos), mesh)
             if m is not None:
                 tensors.append(m)
         fwd = r_side.ops.get(rop.forward_index) if rop.phase == "backward" and rop.forward_index is not None else None
         mop = MappedOp(i, tuple(t.index for t in tops), rop.name, rop.module, rop.phase,
-                       fwd.source if fwd is not None and fwd.source else rop.source, tuple(tensors))
+                       fwd.source if fwd is not None and fwd.source else rop.source, tuple(tensors),
+                       () if micro is None else (micro,))
         out.ops.append(mop)
         by_ref[i] = mop
         if random:
@@ -344,7 +429,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             out.random_parted.append(i)
             continue
         if not from_departed and first is None and all(m.layout is None for m in bad) and \
-                _amplifies(rop, tops, tensors, producers, by_ref, targets, set(out.amplified), maps[0]):
+                _amplifies(rop, tops, tensors, producers, by_ref, tgts, set(out.amplified), maps[own[0]]):
             # every rank computes from the same inputs, right given them; they differ from the reference's by a
             # reordered sum's rounding, which this op amplifies (AdamW's first update of a near-zero gradient)
             out.amplified.append(i)
@@ -381,7 +466,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             kind, why = Departure.SHARD_OFFSET, (
                 f"{'input' if m.kind == 'in' else 'output'} {m.position} ({m.describe}): each rank holds a slice of the "
                 f"reference on dim {dim}, at offsets {', '.join(f'rank {r}: {o}' for r, o in enumerate(at))}: {what}")
-        elif m.off and len(m.off) < world:
+        elif m.off and len(m.off) < world and micro is None:
             held = [r for r in range(world) if r not in m.off]
             kind, why = Departure.NO_LAYOUT, (
                 f"output {m.position} ({m.describe}): rank{'s' if len(held) > 1 else ''} "
@@ -394,23 +479,89 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 f"on a dimension, or partial over {world} ranks, at any simple factor): the ranks compute something "
                 f"else here (per-rank statistics that should be global, such as BatchNorm's without SyncBatchNorm or "
                 f"means over shards of unequal size averaged as if equal; a different input)")
-        behind = _collective_behind(t_sides[0], maps[0], tops[0].index)
+        out.batch_warning = _batch_warning(rop, m, kind, {k: None if owner.get(p) == -1 else p
+                                                          for k, p in producers.items()})
+        behind = _collective_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
         if behind is not None and kind in (Departure.SCALED, Departure.NO_LAYOUT):
-            why += f"; on the ranks it reads what {behind[1]} (#{behind[0]} on rank 0) made, which the single " \
-                   f"process does not run"
+            why += f"; on the ranks it reads what {behind[1]} (#{behind[0]} on rank {own[0]}) made, which the " \
+                   f"single process does not run"
+        elif kind is Departure.SCALED:
+            # a scale the ranks apply in an op the reference does not run (a loss multiplied by the world size where
+            # the reference divides by the micro-batch count, or multiplies by its own world size): its line
+            extra = _computing_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
+            if extra is not None:
+                why += f"; on the ranks it reads what {extra} made, which the reference does not run"
         first = (mop, m, kind, why)
     if progress is not None:
         progress(len(r_side.ops) % 64)
     computing = [i for i in out.not_aligned if not aten.is_cheap(r_side.ops[i].name)]
+    out.ref_only.update(r_side.ops[i].name for i in computing)
     if len(computing) * 4 > out.ref_ops and not cut_short:  # (a side cut short lacks ops too: said by the caller)
         # not the same program on every rank as in the single process: no verdict on a mapping of what is left
         raise UsageError(
             f"the single process runs {len(computing)} of its {out.ref_ops} ops with no counterpart on every rank "
-            f"(first #{computing[0]} {r_side.ops[computing[0]].name}): another program than each rank's, such as "
-            f"gradient accumulation over micro-batches, which is not mapped onto ranks yet; diff one rank op by op "
-            f"with --rank N")
+            f"(first #{computing[0]} {r_side.ops[computing[0]].name}): another program than each rank's, which is "
+            f"not mapped onto the ranks; diff one rank op by op with --rank N")
     if first is not None:
         out.departure = ParallelDeparture(first[0], first[1], first[2], first[3], inherited)
+    out.ref_layout_ops.update(r_side.ops[i].name for i in r_side.skipped if _makes_layout(r_side.ops[i].name))
+    if any(declared):
+        said = [t.layout_from for op in out.ops for t in op.tensors if t.layout_from is not None]
+        out.from_placements = (said.count("placements"), said.count("inferred"))
+    return out
+
+
+def is_parallel_groups(ref_world: int, ref_ranks: list[int], target_world: int, target_ranks: list[int]) -> bool:
+    """A parallel reference against every rank of a job of a world size it divides (2 ranks against 4)."""
+    return 1 < ref_world < target_world and target_world % ref_world == 0 and \
+        ref_ranks == list(range(ref_world)) and target_ranks == list(range(target_world))
+
+
+def diff_parallel_groups(refs: list[RankTrace], targets: list[RankTrace],
+                         progress: Callable[[int], None] | None = None, cut_short: bool = False) -> ParallelDiff:
+    """A run of R ranks against one of W (R divides W) on the same global batch: rank q of the reference holds
+    the share of the batch that ranks q*m to q*m+m-1 (m = W/R) hold between them (each slice cut in rank order),
+    so each reference rank is diffed as a single process against those m ranks, its own collectives left out (they
+    rejoin its layout: after them it holds what the target's ranks hold after theirs)."""
+    rw, world = len(refs), len(targets)
+    m = world // rw
+    fsdp = next((op for op in refs[0] if aten.namespace(op.name) == "fsdp"), None)
+    if fsdp is not None:
+        raise UsageError(
+            f"a {rw}-rank run against a {world}-rank run with FSDP ({fsdp.name}, #{fsdp.index} on rank 0) is not "
+            f"mapped: each world size packs its shards into flat buffers of its own; diff each against a "
+            f"single-process run of the same script, or compare one rank op by op with --rank N")
+    groups = []
+    for q, ref in enumerate(refs):
+        g = diff_parallel(ref, targets[q * m:(q + 1) * m], progress, cut_short, full_world=world)
+        ops = {op.ref: dataclasses.replace(op, ranks=tuple(q * m + r for r, _ in op.on_ranks()), ref_rank=q)
+               for op in g.ops}
+        g.ops = list(ops.values())
+        if g.departure is not None:
+            g.departure = dataclasses.replace(g.departure, op=ops[g.departure.op.ref])
+        groups.append(g)
+    out = ParallelDiff(world, sum(g.ref_ops for g in groups), sum(g.aligned for g in groups),
+                       sum(g.compared for g in groups), ref_world=rw, groups=groups)
+    for g in groups:
+        out.not_aligned += g.not_aligned
+        out.layout_ops.update(g.layout_ops)
+        out.ref_layout_ops.update(g.ref_layout_ops)
+        out.ref_only.update(g.ref_only)
+        for phase, c in g.families.items():
+            out.families.setdefault(phase, Counter()).update(c)
+        out.random_ops += g.random_ops
+        out.not_stored += g.not_stored
+        out.worst = max(out.worst, g.worst)
+        out.ops += g.ops
+        out.random_parted += g.random_parted
+        out.amplified += g.amplified
+    out.batch_warning = next((g.batch_warning for g in groups if g.batch_warning), None)
+    said = [g.from_placements for g in groups if g.from_placements is not None]
+    if said:
+        out.from_placements = (sum(n for n, _ in said), sum(m for _, m in said))
+    parted = [g for g in groups if g.departure is not None]
+    if parted:  # the reference rank that parts first in its op order (every reference rank runs the same program)
+        out.departure = min(parted, key=lambda g: g.departure.op.ref).departure
     return out
 
 
@@ -447,24 +598,123 @@ def _amplifies(rop: OpRecord, tops: list[OpRecord], tensors: list[Mapped], produ
         return False
 
 
-def _refuse_sub_groups(side: _Side, world: int) -> None:
+def _declared(side: _Side) -> dict[tuple[int, int], DTensorArg]:
+    """{(op number, input position): placements} DTensor declared on this rank (empty: none recorded)."""
+    notes = read_notes(side.trace.root)
+    return declared_inputs(notes, (side.ops[i] for i in sorted(side.ops))) if notes else {}
+
+
+def _declared_output(side: _Side, declared: dict[tuple[int, int], DTensorArg], index: int,
+                     pos: int) -> DTensorArg | None:
+    """The placements DTensor declared for output ``pos`` of a rank's op: those of the first later op that reads
+    it as a DTensor argument (DTensor says how an op's result is laid out when the next op takes it)."""
+    if not declared:
+        return None
+    for c in side.trace.consumers(index).get(pos, []):
+        for q, p in side.trace.producers(c).items():
+            if p == index and (c, q) in declared:
+                return declared[(c, q)]
+    return None
+
+
+def _declares(arg: DTensorArg, layout: Layout) -> bool:
+    """Whether DTensor's placements on a one-dimensional mesh of the ranks are this layout."""
+    kind, dim = arg.placement()
+    if arg.mesh != (layout.world,) or layout.micro_batch is not None:
+        return False
+    if kind is Placement.SHARD:
+        return layout.kind is LayoutKind.SHARDED and layout.dim == dim and layout.blocks == 1
+    if kind is Placement.REPLICATE:
+        return layout.kind is LayoutKind.REPLICATED
+    return kind is Placement.PARTIAL and layout.kind is LayoutKind.PARTIAL
+
+
+def _backward_passes(side: _Side) -> list[int]:
+    """The last op of each run of backward ops, in order: one per forward-backward pass (micro-batch)."""
+    ends: list[int] = []
+    inside = False
+    for k in side.keys:
+        back = side.ops[k.index].phase == "backward"
+        if back:
+            if inside:
+                ends[-1] = k.index
+            else:
+                ends.append(k.index)
+        inside = back
+    return ends
+
+
+def _micro_batches(r_side: _Side, t_sides: list[_Side]) -> dict[int, int]:
+    """When the single process runs the global batch as gradient-accumulation micro-batches, one per rank, each
+    rank one pass: {op of micro-batch r: r} for every op up to the last backward (a micro-batch's ops run from the
+    end of the previous one's backward to the end of its own); the ops after it (the optimizer step) are every
+    rank's. The ops micro-batch 0 runs before its first op that micro-batch 1 runs too (the whole batch taken,
+    before it is cut into micro-batches) are no rank's: -1. Empty when the reference runs as many passes as each rank. A
+    UsageError for any other count."""
+    ends = _backward_passes(r_side)
+    theirs = {len(_backward_passes(t)) for t in t_sides}
+    if len(ends) <= 1 or theirs == {len(ends)} or len(ends) < max(theirs):
+        return {}
+    world = len(t_sides)
+    if theirs != {1} or len(ends) != world:
+        raise UsageError(
+            f"the single process runs {len(ends)} forward-backward passes (gradient-accumulation micro-batches) and "
+            f"each of the {world} ranks {'/'.join(map(str, sorted(theirs)))}: rank r's slice is mapped onto micro-batch "
+            f"r only when there are as many micro-batches as ranks, each rank running one pass; diff one rank op by op "
+            f"with --rank N")
+    owner: dict[int, int] = {}
+    r = 0
+    for k in r_side.keys:
+        if k.index > ends[-1]:
+            break
+        owner[k.index] = r
+        if k.index == ends[r]:
+            r += 1
+    # by shapes: the micro-batches' ops have the same ones, which the whole batch's do not
+    keys = [[op_keys(r_side.ops[k.index]) for k in r_side.keys if owner.get(k.index) == r] for r in (0, 1)]
+    common = align(keys[0], keys[1]).pairs
+    start = min((a for a, _ in common), default=keys[0][0].index)
+    for k in keys[0]:
+        if k.index < start:
+            owner[k.index] = -1
+    return owner
+
+
+def _mesh(side: _Side, world: int) -> tuple[tuple[tuple[int, ...], ...], ...] | None:
+    """The rows and the columns of the two-dimensional DeviceMesh over every rank that DTensor declared (rank
+    d*T + t at row d, column t, as ``init_device_mesh`` lays them out), or None: none recorded."""
+    for note in read_notes(side.trace.root):
+        for a in note.args:
+            if a is not None and len(a.mesh) == 2 and a.mesh[0] * a.mesh[1] == world:
+                rows, cols = a.mesh
+                return (tuple(tuple(d * cols + t for t in range(cols)) for d in range(rows)),
+                        tuple(tuple(d * cols + t for d in range(rows)) for t in range(cols)))
+    return None
+
+
+def _refuse_sub_groups(side: _Side, world: int, mesh: tuple[tuple[tuple[int, ...], ...], ...] | None = None) -> None:
     """A UsageError when the ranks' collectives run over groups of some of them: a mesh of more than one
-    dimension (FSDP x TP, pipeline stages), whose values this mapping over one dimension of ranks would misread."""
+    dimension (FSDP x TP, pipeline stages), whose values this mapping over one dimension of ranks would misread;
+    unless the group is a row or a column of the two-dimensional ``mesh`` DTensor declared."""
+    lines = set() if mesh is None else {g for grouping in mesh for g in grouping}
     for op in side.ops.values():
         info = op.collective
-        if info is not None and info.ranks and 1 < len(info.ranks) < world:
+        if info is not None and info.ranks and 1 < len(info.ranks) < world and tuple(sorted(info.ranks)) not in lines:
             raise UsageError(
                 f"the ranks' collectives run over groups of some of them (#{op.index} {op.name} over ranks "
                 f"{list(info.ranks)} of {world}): a mesh of more than one dimension (FSDP x TP, pipeline stages), "
                 f"which is not mapped onto the single process yet; diff one rank op by op with --rank N")
 
 
-def _follow_data(ref: RankTrace, r_side: _Side, side: _Side, pairs: dict[int, int]) -> dict[int, int]:
+def _follow_data(ref: RankTrace, r_side: _Side, side: _Side, pairs: dict[int, int],
+                 free: set[int] = frozenset()) -> dict[int, int]:
     """The alignment corrected by the data flow: when the op a rank's counterpart of reference op ``c`` reads an
     input from is not the counterpart of the reference's producer of that input, but an op of the same name the
     rank runs on its own, that op is the counterpart. A rank that splits the batch into every rank's piece
     (``tensor_split(x, world)[rank]``) runs one slice per rank; the one it reads is its counterpart of the single
-    process's slice, which the alignment by position alone pairs with the first."""
+    process's slice, which the alignment by position alone pairs with the first. An op of ``free`` the alignment
+    left unpaired is paired the same way (a micro-batch's slice of the labels, taken where the rank takes its slices
+    of the whole batch before the forward)."""
     taken = set(pairs.values())
     for _ in range(4):  # to a fixed point: a correction can free the op an earlier one wanted
         moved = False
@@ -473,11 +723,11 @@ def _follow_data(ref: RankTrace, r_side: _Side, side: _Side, pairs: dict[int, in
             tp = side.trace.producers(pairs[c])
             for pos, p in rp.items():
                 q = tp.get(pos)
-                if p is None or q is None or p not in pairs or pairs[p] == q or q in taken:
+                if p is None or q is None or pairs.get(p) == q or q in taken or (p not in pairs and p not in free):
                     continue
                 if side.ops.get(q) is None or side.ops[q].name != r_side.ops[p].name:
                     continue
-                taken.discard(pairs[p])
+                taken.discard(pairs.get(p))
                 pairs[p] = q
                 taken.add(q)
                 moved = True
@@ -487,13 +737,25 @@ def _follow_data(ref: RankTrace, r_side: _Side, side: _Side, pairs: dict[int, in
 
 
 def _map(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs: list[TensorRef], kind: str,
-         pos: int) -> Mapped | None:
-    """How the ranks hold one tensor of an aligned op; None when it cannot be compared (no data, uninitialised)."""
+         pos: int, world: int, micro: int | None = None, declared: DTensorArg | None = None,
+         mesh: tuple[tuple[tuple[int, ...], ...], ...] | None = None) -> Mapped | None:
+    """How the ranks hold one tensor of an aligned op; None when it cannot be compared (no data, uninitialised).
+    ``micro``: one rank's op against the reference's micro-batch of that number (``targets`` is that rank alone)."""
     if not rref.stored or rref.meta or rref.uninitialised or not all(t.stored and not t.meta for t in trefs):
         return None
     r = ref.tensor(rref)
     parts = [targets[k].tensor(t) for k, t in enumerate(trefs)]
     fits = infer_layouts(r, parts, close_for(r.dtype))
+    if mesh is not None and micro is None:
+        # a value every rank holds whole, or a slice of, first; then the layouts within the mesh's rows or columns,
+        # before a sum over every rank (a per-rank mean over the mesh's data-parallel dimension is partial over its
+        # rows, at 1/rows, not over all the ranks: the backward's factor follows from it)
+        flat = [f for f in fits if f.kind in (LayoutKind.REPLICATED, LayoutKind.SHARDED)]
+        fits = flat + infer_mesh_layouts(r, parts, close_for(r.dtype), mesh) + [f for f in fits if f not in flat]
+    if micro is not None:
+        fits = [dataclasses.replace(f, world=world, micro_batch=micro) for f in fits]
+    elif declared is not None:  # what DTensor declared first, when it fits; the plainest otherwise
+        fits = sorted(fits, key=lambda f: not _declares(declared, f))
     layout = fits[0] if fits else None
     eps = torch.finfo(r.dtype).eps if r.dtype.is_floating_point else 1.0
     error = None if layout is None else _rel_l2(layout, parts, r) / eps
@@ -503,10 +765,11 @@ def _map(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs: list[
         close = close_for(r.dtype)
         if all(tuple(p.shape) == tuple(r.shape) for p in parts):
             off = tuple(k for k, p in enumerate(parts) if not close(p.to(torch.float64), r))
-        found = shard_offsets(r, parts, close)
+        found = None if micro is not None else shard_offsets(r, parts, close)
         offsets = None if found is None else (found[0], tuple(found[1]))
     sizes = None if offsets is None else tuple(int(p.shape[offsets[0]]) for p in parts)
-    return Mapped(kind, pos, rref.describe(), layout, error, off, offsets, tuple(fits), sizes)
+    return Mapped(kind, pos, rref.describe(), layout, error, off, offsets, tuple(fits), sizes,
+                  None if micro is not None else declared)
 
 
 def _collective_behind(side: _Side, aligned: dict[int, int], index: int, limit: int = 32) -> tuple[int, str] | None:
@@ -521,6 +784,28 @@ def _collective_behind(side: _Side, aligned: dict[int, int], index: int, limit: 
                 continue
             if aten.is_collective(side.ops[p].name):
                 return p, side.ops[p].name
+            seen.add(p)
+            todo.append(p)
+    return None
+
+
+def _computing_behind(side: _Side, aligned: dict[int, int], index: int, limit: int = 32) -> str | None:
+    """The nearest op that computes (not a view or copy) a rank's op reads from through ops the single process does
+    not run, as 'name (#N on rank R, line)' (a backward op: the line of the forward op it belongs to)."""
+    mine = set(side.ops) - set(aligned.values())
+    todo, seen = [index], {index}
+    while todo and len(seen) <= limit:
+        i = todo.pop(0)
+        for p in side.trace.producers(i).values():
+            if p is None or p in seen or p not in mine:
+                continue
+            op = side.ops[p]
+            if not aten.is_cheap(op.name) and not aten.is_collective(op.name):
+                fwd = side.ops.get(op.forward_index) if op.phase == "backward" and op.forward_index is not None \
+                    else None
+                line = fwd.source if fwd is not None and fwd.source else op.source
+                where = "" if not line else f", {'the backward of ' if fwd is not None else ''}{line}"
+                return f"{op.name} (#{p} on rank {side.trace.rank}{where})"
             seen.add(p)
             todo.append(p)
     return None
@@ -550,6 +835,28 @@ def _why_scaled(layout: Layout, legit: tuple[Fraction, ...]) -> str:
     return (f"{layout.describe()}: {scale}x what a correct parallel run holds here (a scale applied on every rank "
             f"that the single process does not apply: a loss or gradient scaled by the world size twice, or not "
             f"at all)")
+
+
+def _batch_warning(rop: OpRecord, m: Mapped, kind: Departure, producers: dict[int, int | None]) -> str | None:
+    """One line when where the runs part is the batch itself: a tensor from outside the step that needs no
+    gradient, read in the forward, that maps under no layout (or a view of such tensors, the slice each rank takes,
+    that does not): the ranks' batches joined are not the single process's. ``producers``: the whole batch taken
+    before it is cut into micro-batches counts as from outside."""
+    if rop.phase != "forward":
+        return None
+    ins = rop.inputs()
+    op = f"ref #{rop.index} {rop.name} (forward)"
+    if kind is Departure.INPUTS and not ins[m.position].requires_grad:
+        what = f"input {m.position} ({m.describe}) of {op}, from outside the step and needing no gradient, is not " \
+               f"the ranks' tensors joined in rank order"
+    elif kind is Departure.NO_LAYOUT and aten.is_cheap(rop.name) and ins and \
+            all(p is None for p in producers.values()) and not any(r.requires_grad for r in ins):
+        what = f"what {op} takes of input 0 ({ins[0].describe()}), from outside the step and needing no gradient, " \
+               f"is not the ranks' slices joined in rank order"
+    else:
+        return None
+    return (f"the runs did not see the same global batch: {what}, nor the same on every rank: record both from the "
+            f"same data, seed and global batch size")
 
 
 def _why_inputs(m: Mapped) -> str:

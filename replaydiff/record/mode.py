@@ -19,6 +19,7 @@ from replaydiff import aten
 from replaydiff.aten import iter_tensors, written_args
 from replaydiff.record.budget import DataBudget
 from replaydiff.record.context import OpContext
+from replaydiff.record.dtensor import note_dtensor_op
 from replaydiff.record.options import RecordOptions
 from replaydiff.record.stats import DeviceStats, batch_stats, cpu_values, dense, values_stats
 from replaydiff.record.storage import StorageTable
@@ -91,6 +92,7 @@ class RecordingMode(TorchDispatchMode):
         if types and aten.wraps_tensors(types):
             # A wrapper subclass (DTensor under FSDP2 and tensor parallelism): let it unwrap; the ops it runs on its
             # local tensors come back through this mode and are what gets recorded (and can be replayed).
+            note_dtensor_op(rec, func, args, kwargs)  # its placements, for the diff of a parallel run
             return NotImplemented
         if aten.fake_mode_active():
             # Shape propagation on fake tensors (DTensor's sharding rules): no data, nothing computed for the job.

@@ -203,19 +203,34 @@ def render_diff(report: DiffReport, out: TextIO, max_listed: int = 10) -> None:
 
 def _parallel_op_line(op) -> str:
     where = "  ".join(x for x in (op.module or "", f"({op.phase})" if op.phase else "", op.source or "") if x)
-    ranks = "/".join(f"#{t}" for t in op.targets)
-    return f"ref #{op.ref} / ranks {ranks} {op.name}  {where}".rstrip()
+    if len(op.ranks) == 1:
+        ranks = f"rank {op.ranks[0]} #{op.targets[0]}"
+    elif op.ranks:
+        ranks = f"ranks {'/'.join(map(str, op.ranks))} " + "/".join(f"#{t}" for t in op.targets)
+    else:
+        ranks = "ranks " + "/".join(f"#{t}" for t in op.targets)
+    ref = f"ref #{op.ref}" if op.ref_rank is None else f"ref rank {op.ref_rank} #{op.ref}"
+    return f"{ref} / {ranks} {op.name}  {where}".rstrip()
 
 
 def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
     """A parallel run mapped onto the single process (diff/parallel.py): the layouts seen, then the verdict."""
-    out.write(f"{pd.world} ranks against one process: each aligned op's values mapped onto the single process's "
-              f"through their layout\n")
+    if pd.ref_world > 1:
+        m = pd.world // pd.ref_world
+        out.write(f"{pd.world} ranks against {pd.ref_world} ranks: each reference rank q mapped, as a single process, "
+                  f"onto ranks {m}q to {m}q+{m - 1} (its share of the global batch), each aligned op's values through "
+                  f"their layout\n")
+    else:
+        out.write(f"{pd.world} ranks against one process: each aligned op's values mapped onto the single process's "
+                  f"through their layout\n")
     out.write(f"ops: {pd.ref_ops} ref ops, {pd.aligned} run by every rank, {pd.compared} compared"
               + (f", {len(pd.not_aligned)} not run by every rank" if pd.not_aligned else "")
               + (f", {pd.random_ops} random (compared only where every rank drew the single process's numbers)"
                  if pd.random_ops else "")
               + (f", {pd.not_stored} without tensor data (record --tensors full)" if pd.not_stored else "") + "\n")
+    if pd.micro_batches:
+        out.write(f"  the single process runs the global batch as {pd.micro_batches} micro-batches, gradients "
+                  f"accumulated: rank r's forward and backward mapped onto micro-batch r's, the rest onto every rank's\n")
     for phase in ("forward", "backward", "optimizer", "?"):
         fam = pd.families.get(phase)
         if fam:
@@ -226,6 +241,17 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
         more = len(pd.layout_ops) - 6
         out.write(f"  layout ops (on the ranks only, all ranks together): {names}"
                   + (f", +{more} more" if more > 0 else "") + "\n")
+    if pd.from_placements is not None:
+        n, m = pd.from_placements
+        out.write(f"  layouts: {n} of {n + m} compared tensors as DTensor's recorded placements declare them, {m} "
+                  f"inferred from shapes and values\n")
+    if pd.ref_layout_ops:
+        names = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in pd.ref_layout_ops.most_common(6))
+        out.write(f"  layout ops of the reference (its own collectives, all its ranks together): {names}\n")
+    if pd.micro_batches and pd.ref_only:
+        names = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in pd.ref_only.most_common(6))
+        out.write(f"  reference-only ops (the accumulation over micro-batches, the loss divided by their count): "
+                  f"{names}\n")
     d = pd.departure
     if pd.random_parted:
         n = len(pd.random_parted)
@@ -250,5 +276,8 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
         return
     out.write(f"the runs part at {_parallel_op_line(d.op)}\n")
     out.write(f"  {d.why}\n")
+    if d.tensor.declared is not None:
+        out.write(f"  DTensor's placements of this tensor on the ranks: {d.tensor.declared.describe()} (layout "
+                  f"{'from placements' if d.tensor.layout_from == 'placements' else 'inferred'})\n")
     if d.inherited:
         out.write(f"  {d.inherited} later op(s) part from the reference too (they read what it made)\n")
