@@ -100,8 +100,10 @@ LAYERS = {  # a package may import only from these (besides itself)
     "replaydiff.record": _BOTTOM | {"replaydiff.trace", "replaydiff.faults"},
     "replaydiff.replay": _BOTTOM | {"replaydiff.trace", "replaydiff.compare"},
     "replaydiff.diff": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.causes"},
+    # analysis over the steps of a trace (trend, where a difference enters): results that report/ renders
+    "replaydiff.trend": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.diff"},
     "replaydiff.report": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.diff",
-                                    "replaydiff.causes"},
+                                    "replaydiff.causes", "replaydiff.trend"},
 }
 
 

@@ -80,7 +80,8 @@ def options_from_args(args: argparse.Namespace) -> ReplayOptions:
 def run(args: argparse.Namespace) -> int:
     from replaydiff.cli.progress import progress_bar, write_json
     from replaydiff.report import render_replay, report_to_json
-    from replaydiff.report.entry import entry_of_clean_replay, no_entry_note, one_step_note
+    from replaydiff.report import entry as entry_report
+    from replaydiff.trend.entry import entry_of_replay
 
     from replaydiff.replay.distributed import launched_by_torchrun, replay_sharded
     from replaydiff.replay.engine import keep_freed_memory
@@ -120,10 +121,11 @@ def run(args: argparse.Namespace) -> int:
             raise
     for w in report.warnings:
         sys.stderr.write(f"replaydiff: warning: {w}\n")
-    entry = entry_of_clean_replay(args.trace, report, opts)  # where a difference comes into a clean trace
+    finding = entry_of_replay(args.trace, report, opts)  # where a difference comes into a clean trace
+    entry = finding.entry
     if args.json:
         doc = report_to_json(report)
-        doc["enters"] = None if entry is None else entry.to_json()
+        doc["enters"] = entry_report.to_json(finding)
         write_json(args.json, doc)
     if args.json != "-":
         nf = report.nonfinite_entry
@@ -131,10 +133,7 @@ def run(args: argparse.Namespace) -> int:
             nf.nonfinite_input.argument is None and \
             (nf.rank, nf.index, nf.nonfinite_input.position) == (entry.rank, entry.index, entry.position)
         render_replay(report, sys.stdout, entry_said=same_entry)
-        note = entry.describe(report.counts()["skipped"]) if entry is not None else \
-            one_step_note(args.trace, report, opts) or no_entry_note(args.trace, report, opts)
-        if note is not None:
-            sys.stdout.write(note + "\n")
+        entry_report.render_text(finding, sys.stdout)
     if (report.missing or report.cut_short) and report.first_divergent is None:
         return EXIT_TRACE  # judged what was there; the rest of the trace is gone or never recorded (listed)
     return EXIT_DIVERGENT if report.found_problem else EXIT_OK

@@ -13,9 +13,9 @@ import sys
 
 from replaydiff.cli.progress import write_json
 from replaydiff.errors import UsageError
-from replaydiff.report.trend import (DEFAULT_THRESHOLD, DEFAULT_WINDOW, NoTrend, compute_trend, render_svg,
-                                     render_trend)
+from replaydiff.report.trend import render_svg, render_text, to_json
 from replaydiff.trace import open_trace
+from replaydiff.trend import DEFAULT_THRESHOLD, DEFAULT_WINDOW, NoTrend, compute_trend
 
 NAME = "trend"
 HELP = "per-module statistics over many steps, and the first sudden change"
@@ -44,9 +44,9 @@ def run(args: argparse.Namespace) -> int:
     except NoTrend as exc:
         raise UsageError(f"{args.trace}: {exc}") from None
     if args.json != "-":
-        render_trend(trend, sys.stdout, trace=args.trace)
+        render_text(trend, sys.stdout, trace=args.trace)
     if args.json:
-        write_json(args.json, trend.to_json(args.trace), indent=None)
+        write_json(args.json, to_json(trend, args.trace), indent=None)
     if args.plot:
         with open(args.plot, "w") as f:
             render_svg(trend, f)
