@@ -102,8 +102,10 @@ LAYERS = {  # a package may import only from these (besides itself)
     "replaydiff.diff": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.causes"},
     # analysis over the steps of a trace (trend, where a difference enters): results that report/ renders
     "replaydiff.trend": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.diff"},
+    # the health report of a replay: its checks, and causes found with their evidence (re-running the culprit)
+    "replaydiff.health": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.causes"},
     "replaydiff.report": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.diff",
-                                    "replaydiff.causes", "replaydiff.trend"},
+                                    "replaydiff.causes", "replaydiff.trend", "replaydiff.health"},
 }
 
 
@@ -352,9 +354,9 @@ def _hint_texts(p: Path) -> list[tuple[int, str]]:
 def test_known_causes_are_one_table() -> None:
     """The hints and remedies of known causes live in replaydiff/causes.py only: the same sentence (TF32's was in both
     the health report and diff's environment hints) in a second module is a copy that will drift."""
+    from replaydiff import health  # noqa: F401  (registers the health report's finders)
     from replaydiff.causes import CAUSES, finders
     from replaydiff.diff.environment import environment_diff
-    from replaydiff.report import health  # noqa: F401  (registers the health report's finders)
 
     # both readers take their words from the table: the health report's causes and diff's hints
     assert {c.kind for c, _ in finders()} == {"tf32", "nondeterministic_kernel", "threads", "rounding", "collective"}

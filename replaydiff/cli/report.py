@@ -35,7 +35,8 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from replaydiff.report.health import build_health, render_html, render_markdown
+    from replaydiff.health import build_health
+    from replaydiff.report.health import render_html, render_markdown
     from replaydiff.report.json_report import load_replay_json
     from replaydiff.trace import open_trace
 
