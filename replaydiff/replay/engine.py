@@ -28,6 +28,7 @@ from replaydiff.replay.policy import ReplayOptions, reference_settings
 from replaydiff.replay.result import OpResult, ReplayReport, Status
 from replaydiff.replay.runner import OpReplayer
 from replaydiff.trace.damage import CutShort, MissingOps
+from replaydiff.trace.index import check_op_range
 from replaydiff.trace.sync import calls_unknown_from
 from replaydiff.trace.reader import RankTrace, Trace, open_trace
 from replaydiff.trace.schema import PlantedFaultInfo
@@ -149,18 +150,6 @@ def check_replayable(rt: RankTrace, where: object) -> None:
 
 def _either(words: list[str]) -> str:
     return " or ".join(words) if len(words) < 3 else ", ".join(words[:-1]) + " or " + words[-1]
-
-
-def check_op_range(first: int | None, last: int | None, count: int) -> None:
-    """UsageError unless ``--from first --to last`` selects at least one of op numbers 0..count-1 (``last`` may
-    run past the end: it only bounds)."""
-    if (first is not None and first < 0) or (last is not None and last < 0):
-        raise UsageError("op numbers count from 0: --from and --to take 0 or more")
-    if first is not None and last is not None and first > last:
-        raise UsageError(f"--from {first} is after --to {last}: no op is in that range")
-    if first is not None and first >= count:
-        raise UsageError(f"--from {first} is past the last op (#{count - 1})" if count else
-                         f"--from {first}: the trace holds no op")
 
 
 def plan(trace: Trace, opts: ReplayOptions) -> ReplayPlan:

@@ -20,7 +20,7 @@ def _fmt(x: float | None) -> str:
     return f"{x:.3g}"
 
 
-def _title(h: Health) -> list[str]:
+def _title(h: HealthReport) -> list[str]:
     lines = []
     if h.planted:
         lines.append(planted_line(h.planted))
