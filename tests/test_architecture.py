@@ -104,8 +104,8 @@ LAYERS = {  # a package may import only from these (besides itself)
     "replaydiff.trend": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.diff"},
     # the health report of a replay: its checks, and causes found with their evidence (re-running the culprit)
     "replaydiff.health": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.causes"},
-    "replaydiff.report": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.diff",
-                                    "replaydiff.causes", "replaydiff.trend", "replaydiff.health"},
+    "replaydiff.report": _BOTTOM | {"replaydiff.trace", "replaydiff.record", "replaydiff.compare", "replaydiff.replay",
+                                    "replaydiff.diff", "replaydiff.causes", "replaydiff.trend", "replaydiff.health"},
 }
 
 

@@ -30,6 +30,56 @@ OUTSIDE = "(outside any module)"
 FITS = 8  # module selections listed as fitting a budget, largest first
 
 
+@dataclass(frozen=True)
+class WriteRate:
+    """The disk's write rate where the trace would go, as measured (None, with the error, when it could not be)."""
+
+    bytes_per_s: float | None
+    directory: Path
+    error: str | None = None
+
+    @property
+    def how(self) -> str:
+        return f"{PROBE_BYTES >> 20} MiB written and synced to disk in {self.directory}"
+
+    def seconds(self, nbytes: int) -> float | None:
+        return nbytes / self.bytes_per_s if self.bytes_per_s else None
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """``record --estimate``: what a full recording of ``what`` ("step 3", "steps 1-4") would write on each rank, at
+    the disk's write ``rate``; with a --module/--op selection what that stores (``selection``: rank -> bytes), and
+    with a ``budget`` where it would stop each rank (``fits``), the ranks that fit it whole and the flags that
+    record them."""
+
+    what: str
+    rate: WriteRate
+    ranks: list[RankEstimate]
+    modules: list[str] | None
+    ops: list[str] | None
+    selection: dict[int, int]
+    budget: int | None
+    fits: dict[int, BudgetFit]
+    ranks_that_fit: list[int]
+    rank_flags: list[str] | None  # the flags that fit the budget by ranks (None: no rank fits it whole)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.data_bytes + e.records_bytes for e in self.ranks)
+
+
+def build_estimate(estimates: list[RankEstimate], what: str, rate: WriteRate, modules: list[str] | None = None,
+                   ops: list[str] | None = None, budget: int | None = None) -> Estimate:
+    selection = {e.rank: e.stored(modules, ops) + e.records_bytes for e in estimates} if modules or ops else {}
+    fits = {e.rank: e.fit(budget) for e in estimates} if budget else {}
+    fitting = ranks_that_fit(estimates, budget) if budget else []
+    flags = None
+    if fitting and budget:  # just --budget when every rank fits it whole
+        flags = ["--budget", format_size(budget)] if len(fitting) == len(estimates) else ranks_flags(fitting, budget)
+    return Estimate(what, rate, estimates, modules, ops, selection, budget, fits, fitting, flags)
+
+
 @dataclass
 class OpData:
     """One op of the meta trace: where it ran, and the storage versions (id, bytes) it reads or writes."""
