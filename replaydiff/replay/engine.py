@@ -29,6 +29,7 @@ from replaydiff.replay.result import OpResult, ReplayReport, Status
 from replaydiff.replay.runner import OpReplayer
 from replaydiff.trace.damage import CutShort, MissingOps
 from replaydiff.trace.index import check_op_range
+from replaydiff.trace.summary import trace_uses
 from replaydiff.trace.sync import calls_unknown_from
 from replaydiff.trace.reader import RankTrace, Trace, open_trace
 from replaydiff.trace.schema import PlantedFaultInfo
@@ -123,18 +124,6 @@ def import_modules(modules: list[str]) -> None:
             importlib.import_module(m)
         except Exception as exc:
             raise EnvironmentProblem(f"--import {m}: {type(exc).__name__}: {exc}") from None
-
-
-def trace_uses(rt: RankTrace) -> list[str]:
-    """The verbs that can use ``rt``: ``replay`` only where tensor data was stored (``--tensors full``); ``trend``
-    only where statistics were stored for many steps (its series are statistics); ``diff`` and ``show`` always (a
-    diff of shapes only, for ``meta``)."""
-    tensors = rt.options.tensors or "full"
-    uses = ["replay"] if tensors == "full" else []
-    uses.append("diff")
-    if tensors == "stats" and (rt.options.steps or rt.options.flight):
-        uses.append("trend")
-    return uses + ["show"]
 
 
 def check_replayable(rt: RankTrace, where: object) -> None:

@@ -154,3 +154,15 @@ def op_listing(trace: Trace, name: str, rank: int, op_glob: str | None = None, m
     gone = {i: m for m in r.missing_ops for i in range(m.first, m.last + 1)}
     others = [o.rank for o in trace if o.rank != r.rank and (o.missing_ops or o.bytes_missing)]
     return OpListing(name, r.rank, r.index, rows, gone, list(r.missing_ops), r.bytes_missing, others)
+
+
+def trace_uses(rt: RankTrace) -> list[str]:
+    """The verbs that can use ``rt``: ``replay`` only where tensor data was stored (``--tensors full``); ``trend``
+    only where statistics were stored for many steps (its series are statistics); ``diff`` and ``show`` always (a
+    diff of shapes only, for ``meta``)."""
+    tensors = rt.options.tensors or "full"
+    uses = ["replay"] if tensors == "full" else []
+    uses.append("diff")
+    if tensors == "stats" and (rt.options.steps or rt.options.flight):
+        uses.append("trend")
+    return uses + ["show"]
