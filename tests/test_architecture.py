@@ -418,3 +418,77 @@ def test_results_are_built_once_from_a_judgement() -> None:
     assert made == {"OpResult": ["replaydiff/replay/runner.py:_result",
                                  "replaydiff/report/json_report.py:load_replay_json"],
                     "PairResult": ["replaydiff/diff/compare.py:compare"]}
+
+
+# -- one shape for every verb: analysis returns a result, a renderer reads it, the CLI parses, calls and exits -------
+# Modules whose analysis still lives beside their rendering, each moving out in a change of its own: the repro
+# exporter (report/repro.py writes a repro directory from the trace) and the repro verb that calls it.
+_NOT_YET_ONE_SHAPE = {"replaydiff/report/repro.py", "replaydiff/cli/repro.py"}
+# What a CLI module may take from the trace package: the way to open the trace it was given (and its type), the
+# phase names its --phase choices list, and show's analysis (``trace/summary.py``).
+_CLI_TRACE_NAMES = {"open_trace", "Trace", "PHASES"}
+_CLI_TRACE_MODULES = {"replaydiff.trace.summary"}
+
+
+def _imports(p: Path) -> list[tuple[int, str, str]]:
+    """(line, module, name) of each ``from M import name`` and (line, M, '') of each ``import M`` in ``p``."""
+    found = []
+    for node in ast.walk(ast.parse(p.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found += [(node.lineno, node.module, a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, "") for a in node.names]
+    return found
+
+
+def renderer_reads_a_trace(p: Path) -> list[str]:
+    """Where the renderer ``p`` opens a trace or takes a reader of one, instead of reading the result it was given."""
+    readers = {"open_trace", "Trace", "RankTrace", "OpReader"}
+    found = [f"{line}: imports {module}.{name}" for line, module, name in _imports(p)
+             if module.startswith("replaydiff.trace") and (name in readers or module == "replaydiff.trace.reader")]
+    for node in ast.walk(ast.parse(p.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "open_trace":
+            found.append(f"{node.lineno}: calls open_trace")
+    return found
+
+
+def cli_reads_the_trace_itself(p: Path) -> list[str]:
+    """Where the CLI module ``p`` takes from the trace package more than the way to open the trace it was given."""
+    return [f"{line}: imports {module}{'.' + name if name else ''}" for line, module, name in _imports(p)
+            if module.startswith("replaydiff.trace") and module not in _CLI_TRACE_MODULES
+            and name not in _CLI_TRACE_NAMES]
+
+
+def test_renderers_read_results_and_open_no_trace() -> None:
+    """report/ holds renderers only: each reads the result an analysis returned (TrendResult, HealthReport,
+    ShowSummary, Estimate, RecordingOutcome, ReplayReport, DiffResult) and never opens the trace to compute more."""
+    offenders = []
+    for p in _python_files(PKG / "report"):
+        if _rel(p) not in _NOT_YET_ONE_SHAPE:
+            offenders += [f"{_rel(p)}:{x}" for x in renderer_reads_a_trace(p)]
+    assert offenders == []
+
+
+def test_cli_modules_open_the_trace_given_and_compute_nothing_else_from_it() -> None:
+    """A verb's module parses, calls the analysis, renders and maps the result to an exit code: from the trace
+    package it takes only ``open_trace`` (for the trace on its command line) and show's analysis."""
+    offenders = []
+    for p in _python_files(PKG / "cli"):
+        if _rel(p) not in _NOT_YET_ONE_SHAPE:
+            offenders += [f"{_rel(p)}:{x}" for x in cli_reads_the_trace_itself(p)]
+    assert offenders == []
+
+
+def test_the_one_shape_checks_catch_a_planted_renderer_and_cli_module(tmp_path: Path) -> None:
+    renderer = tmp_path / "renderer.py"
+    renderer.write_text("from replaydiff.trace import open_trace\nfrom replaydiff.trace.reader import RankTrace\n\n"
+                        "def render_text(result, out):\n    t = open_trace(result.path)\n")
+    assert [x.split(": ", 1)[1] for x in renderer_reads_a_trace(renderer)] == [
+        "imports replaydiff.trace.open_trace", "imports replaydiff.trace.reader.RankTrace", "calls open_trace"]
+    cli = tmp_path / "cli.py"
+    cli.write_text("from replaydiff.trace import open_trace, describe_missing\nfrom replaydiff.trace.schema import "
+                   "LEFT_OUT_BUDGET, PHASES\nfrom replaydiff.trace.summary import summarise\nimport replaydiff.trace.sync\n")
+    assert [x.split(": ", 1)[1] for x in cli_reads_the_trace_itself(cli)] == [
+        "imports replaydiff.trace.describe_missing", "imports replaydiff.trace.schema.LEFT_OUT_BUDGET",
+        "imports replaydiff.trace.sync"]
+    assert _NOT_YET_ONE_SHAPE <= {_rel(p) for p in _python_files(PKG)}  # no stale exemption

@@ -18,10 +18,9 @@ from typing import Callable
 
 from replaydiff.cli.progress import write_json
 from replaydiff.errors import UsageError
-from replaydiff.record.estimate import WriteRate, build_estimate, estimate_rank, measure_write_rate
+from replaydiff.record.estimate import WriteRate, build_estimate, estimate_trace, measure_write_rate
 from replaydiff.record.options import RecordOptions
 from replaydiff.report.estimate import render_text, to_json
-from replaydiff.trace import open_trace
 
 
 def run_estimate(args: argparse.Namespace, cmd: list[str], options: RecordOptions, run_recorded: Callable) -> int:
@@ -48,7 +47,7 @@ def run_estimate(args: argparse.Namespace, cmd: list[str], options: RecordOption
             sys.stderr.write(f"replaydiff: nothing was recorded (the command exited with code {code}), so there is "
                              f"nothing to estimate\n")
             return code or 2
-        estimates = [estimate_rank(rt, options.max_tensor_bytes) for rt in open_trace(tmp)]
+        estimates = estimate_trace(tmp, options.max_tensor_bytes)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # ours: made above
     what = f"steps {options.steps}" if options.steps else f"step {args.step}"

@@ -7,9 +7,9 @@ import json
 import sys
 
 from replaydiff.errors import EXIT_OK, EXIT_TRACE, UsageError
-from replaydiff.report.show import list_to_json, op_to_json, render_list, render_op, render_text, to_json
-from replaydiff.trace import describe_missing, open_trace
-from replaydiff.trace.reader import Trace
+from replaydiff.report.show import (list_to_json, list_warnings, op_to_json, render_list, render_op, render_text,
+                                    to_json)
+from replaydiff.trace import Trace, open_trace
 from replaydiff.trace.schema import PHASES
 from replaydiff.trace.summary import op_detail, op_listing, op_number, summarise
 
@@ -82,13 +82,6 @@ def run_list(trace: Trace, args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(list_to_json(listing)) + "\n")  # compact: a list can hold 100,000 ops
     else:
         render_list(listing, sys.stdout)
-    if not listing.rows:
-        sys.stderr.write(f"replaydiff: no op of rank {listing.rank} passes these filters\n")
-    if listing.missing:  # a damaged trace is never listed as whole
-        for line in describe_missing(listing.missing):
-            sys.stderr.write(f"replaydiff: rank {listing.rank} is damaged: {line}\n")
-        return EXIT_TRACE
-    for o in listing.damaged_others:  # another rank's damage, said though this one lists whole
-        sys.stderr.write(f"replaydiff: rank {o} is damaged (`replaydiff show {args.trace} --list --rank "
-                         f"{o}` marks its missing ops)\n")
-    return EXIT_TRACE if listing.damaged_others or listing.bytes_missing else EXIT_OK
+    list_warnings(listing, sys.stderr)
+    # a damaged trace is never listed as whole, nor one with another rank damaged
+    return EXIT_TRACE if listing.missing or listing.damaged_others or listing.bytes_missing else EXIT_OK

@@ -22,7 +22,7 @@ from replaydiff import aten
 from replaydiff.record.budget import BLOB_OVERHEAD, format_size, records_reserve
 from replaydiff.record.options import in_filter
 from replaydiff.trace.format import OPS_DIR
-from replaydiff.trace.reader import RankTrace
+from replaydiff.trace.reader import RankTrace, open_trace
 from replaydiff.trace.schema import OpRecord
 
 RNG_STATE_BYTES = {"cpu": 5056, "cuda": 16}  # torch.get_rng_state() / torch.cuda.get_rng_state() sizes
@@ -229,6 +229,11 @@ def estimate_rank(rt: RankTrace, max_tensor_bytes: int | None = None) -> RankEst
 
 
 PROBE_BYTES = 64 << 20  # written by measure_write_rate: enough to pass the page cache's first burst
+
+
+def estimate_trace(path: Path, max_tensor_bytes: int | None = None) -> list[RankEstimate]:
+    """The estimate of every rank of the meta trace at ``path``."""
+    return [estimate_rank(rt, max_tensor_bytes) for rt in open_trace(path)]
 
 
 def measure_write_rate(directory: Path, nbytes: int = PROBE_BYTES) -> float:

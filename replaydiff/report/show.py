@@ -266,3 +266,17 @@ def render_list(listing: OpListing, out: TextIO) -> None:
 
     out.writelines(f"{lo + k:>{w_num}}  {names[k]:<{w_name}}  {modules[k] or '-':<{w_mod}}  "
                    f"{phases[k] or '-':<{w_phase}}  {last(k)}\n" for k in ks)
+
+
+def list_warnings(listing: OpListing, out: TextIO) -> None:
+    """The lines on stderr after a list: no op passed the filters; this rank is damaged (its missing ops); or,
+    though this one lists whole, another rank is."""
+    if not listing.rows:
+        out.write(f"replaydiff: no op of rank {listing.rank} passes these filters\n")
+    if listing.missing:
+        for line in describe_missing(listing.missing):
+            out.write(f"replaydiff: rank {listing.rank} is damaged: {line}\n")
+        return
+    for o in listing.damaged_others:
+        out.write(f"replaydiff: rank {o} is damaged (`replaydiff show {listing.trace} --list --rank {o}` marks its "
+                  f"missing ops)\n")
