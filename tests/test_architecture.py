@@ -492,3 +492,43 @@ def test_the_one_shape_checks_catch_a_planted_renderer_and_cli_module(tmp_path: 
         "imports replaydiff.trace.describe_missing", "imports replaydiff.trace.schema.LEFT_OUT_BUDGET",
         "imports replaydiff.trace.sync"]
     assert _NOT_YET_ONE_SHAPE <= {_rel(p) for p in _python_files(PKG)}  # no stale exemption
+
+
+# -- the CLI speaks one dialect ----------------------------------------------------------------------------------
+_OTHERS_MESSAGES = {"replaydiff/report/diff_text.py", "replaydiff/report/repro.py"}  # parallel work in progress
+
+
+def hand_typed_prefixes(source: str) -> list[int]:
+    """Lines where ``source`` types the ``replaydiff: `` prefix of a line for stderr itself, instead of calling
+    errors.say/warn/fail/line."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        first = node.values[0] if isinstance(node, ast.JoinedStr) and node.values else node
+        if isinstance(first, ast.Constant) and isinstance(first.value, str) and \
+                first.value.startswith("replaydiff: "):
+            found.append(node.lineno)
+    return sorted(set(found))
+
+
+def test_the_cli_and_the_renderers_say_their_lines_through_one_helper() -> None:
+    offenders = [f"{_rel(p)}:{n}" for p in _python_files(PKG / "cli", PKG / "report")
+                 if _rel(p) not in _OTHERS_MESSAGES for n in hand_typed_prefixes(p.read_text())]
+    assert offenders == []
+    assert hand_typed_prefixes('import sys\nsys.stderr.write(f"replaydiff: warning: {w}\\n")\nx = "replaydiff: hi"\n'
+                               'say(f"wrote {out}")\n') == [2, 3]
+
+
+def test_every_verbs_help_lists_every_exit_code(capsys) -> None:
+    import pytest
+
+    from replaydiff.cli.main import main
+    from replaydiff.errors import ExitCode
+
+    verbs = ("record", "show", "replay", "diff", "trend", "repro", "report", "demo", "tui")
+    for verb in verbs:
+        with pytest.raises(SystemExit):
+            main([verb, "--help"])
+        text = capsys.readouterr().out
+        listed = text[text.index("\nexit codes:\n"):].splitlines()[1:]
+        codes = [int(row.split()[0]) for row in listed if row[:6].strip().isdigit()]
+        assert codes == [c for c in ExitCode if c is not ExitCode.BROKEN_PIPE], verb

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from replaydiff.cli.progress import write_json
-from replaydiff.errors import UsageError
+from replaydiff.errors import ExitCode, UsageError, say
 from replaydiff.record.estimate import WriteRate, build_estimate, estimate_trace, measure_write_rate
 from replaydiff.record.options import RecordOptions
 from replaydiff.report.estimate import render_text, to_json
@@ -36,7 +36,7 @@ def run_estimate(args: argparse.Namespace, cmd: list[str], options: RecordOption
         rate = WriteRate(measure_write_rate(probe_dir), probe_dir)
     except OSError as exc:
         rate = WriteRate(None, probe_dir, str(exc))
-        sys.stderr.write(f"replaydiff: the write rate could not be measured in {probe_dir}: {exc}\n")
+        say(f"the write rate could not be measured in {probe_dir}: {exc}")
     meta = dataclasses.replace(options, tensors="meta", modules=None, ops=None, budget=None, plant=None,
                                max_tensor_bytes=None)
     tmp = Path(tempfile.mkdtemp(prefix="replaydiff-estimate-"))
@@ -44,9 +44,8 @@ def run_estimate(args: argparse.Namespace, cmd: list[str], options: RecordOption
         code, _, _ = run_recorded(cmd, tmp, args.step, meta, stdout=2 if dest == "-" else None)
         ranks = sorted(p for p in tmp.iterdir() if p.is_dir() and p.name.startswith("rank"))
         if not ranks:
-            sys.stderr.write(f"replaydiff: nothing was recorded (the command exited with code {code}), so there is "
-                             f"nothing to estimate\n")
-            return code or 2
+            say(f"nothing was recorded (the command exited with code {code}), so there is nothing to estimate")
+            return code or ExitCode.USAGE
         estimates = estimate_trace(tmp, options.max_tensor_bytes)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # ours: made above

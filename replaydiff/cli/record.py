@@ -17,13 +17,19 @@ from pathlib import Path
 from typing import Any
 
 from replaydiff.cli.estimate import run_estimate
-from replaydiff.errors import UsageError
+from replaydiff.errors import ExitCode, UsageError
 from replaydiff.record.options import COMPILED_MODES, GRANULARITIES, TENSOR_MODES, RecordOptions
 from replaydiff.record.outcome import record_command, run_recorded
 from replaydiff.report.record import render_text
 
 NAME = "record"
 HELP = "record the N-th optimizer step of a training command (or many steps: --steps, --flight)"
+EXIT_CODES = {  # record is a wrapper: it exits with the command's own code
+    ExitCode.OK: "recorded, and the command exited 0",
+    ExitCode.DIVERGENT: "not record's own: any non-zero code is the command's, passed through (said on the last line)",
+    ExitCode.USAGE: "usage; or nothing was recorded though the command succeeded (a step or rank the job does not "
+                    "have)",
+}
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from replaydiff.cli.tolerance_args import add_tolerance_args, tolerances_from_args
-from replaydiff.errors import EXIT_DIVERGENT, EXIT_OK, EXIT_TRACE, UsageError
+from replaydiff.errors import EXIT_DIVERGENT, EXIT_OK, EXIT_TRACE, ExitCode, UsageError, say, warn
 from replaydiff.replay import ReplayOptions, replay_trace
 from replaydiff.replay.policy import PRECISIONS
 
@@ -21,6 +21,17 @@ NAME = "replay"
 HELP = "replay each op in isolation and name the first divergent one"
 # Without a terminal (a batch job's log) a line of progress, with the time left, this often.
 _PLAIN_PROGRESS_SECONDS = 30.0
+EXIT_CODES = {
+    ExitCode.OK: "every op judged and none diverged",
+    ExitCode.DIVERGENT: "not clean: an op divergent or nondeterministic, replicas that part, an op that could not be "
+                        "replayed, ops whose data the recording left out (--budget, a full disk) or that computed but "
+                        "cannot be replayed, ops missing or a recording stopped part-way, or no op judged at all",
+    ExitCode.USAGE: "usage: a trace of --tensors stats or meta (no data to replay), a --from/--to range or --op glob "
+                    "with no op in it, a --json FILE that cannot be written, a rank the trace does not hold",
+    ExitCode.TRACE: "unreadable; or damaged or partial and the ops that are there show no divergence (the missing "
+                    "ops are listed, where and why a recording stopped is said)",
+    ExitCode.ENVIRONMENT: "the device asked for is missing",
+}
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
@@ -102,9 +113,8 @@ def run(args: argparse.Namespace) -> int:
         from replaydiff.replay.journal import default_dir
 
         def resumed(count: int, path: Path) -> None:
-            sys.stderr.write(f"replaydiff: resuming: {count} op(s) judged by an earlier run kept ({path})\n"
-                             if count else f"replaydiff: nothing to resume ({path} holds no results of this "
-                                           f"replay): replaying every op\n")
+            say(f"resuming: {count} op(s) judged by an earlier run kept ({path})" if count else
+                f"nothing to resume ({path} holds no results of this replay): replaying every op")
 
         journal: list[Path] = []  # the journal's file, once the replay has opened it
         try:
@@ -114,13 +124,13 @@ def run(args: argparse.Namespace) -> int:
                                       on_resumed=resumed, on_journal=journal.append)
         except KeyboardInterrupt:
             if journal and journal[0].exists():  # a replay that judged no op leaves no journal
-                sys.stderr.write(f"replaydiff: the ops judged so far are kept in {journal[0]}: the same command "
-                                 f"with --resume replays only the rest (a finished replay removes that file)\n")
+                say(f"the ops judged so far are kept in {journal[0]}: the same command with --resume replays "
+                    f"only the rest (a finished replay removes that file)")
             else:
-                sys.stderr.write("replaydiff: no op was judged yet: there is nothing for --resume to keep\n")
+                say("no op was judged yet: there is nothing for --resume to keep")
             raise
     for w in report.warnings:
-        sys.stderr.write(f"replaydiff: warning: {w}\n")
+        warn(w)
     finding = entry_of_replay(args.trace, report, opts)  # where a difference comes into a clean trace
     entry = finding.entry
     if args.json:

@@ -11,11 +11,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from replaydiff.errors import UsageError
+from replaydiff.errors import ExitCode, UsageError, warn
 from replaydiff.trace import describe_missing, open_trace
 
 NAME = "repro"
 HELP = "write a standalone script (torch + safetensors only) that re-runs one recorded op"
+EXIT_CODES = {ExitCode.OK: "the repro directory was written", ExitCode.DIVERGENT: "not used by repro"}
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     rank = trace.ranks[0] if args.rank is None else args.rank
     rt = trace.rank(rank)  # UsageError for a rank the trace does not hold
     for line in describe_missing(rt.missing_ops):  # the op asked for reads (or raises, naming its file) below
-        sys.stderr.write(f"replaydiff: warning: the trace is damaged: {line}\n")
+        warn(f"the trace is damaged: {line}")
     if not 0 <= args.op < len(rt):
         raise UsageError(f"op {args.op} is not in rank {rank} (ops 0..{len(rt) - 1})")
     out = Path(args.out)
@@ -53,4 +54,4 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write(f"wrote {files.script}, {files.data} and {files.inputs} ({files.nbytes} bytes of tensor data). "
                      f"Run:\n"
                      f"  python {files.script} [--device cuda]\n")
-    return 0
+    return ExitCode.OK

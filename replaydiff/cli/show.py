@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from replaydiff.errors import EXIT_OK, EXIT_TRACE, UsageError
+from replaydiff.errors import EXIT_OK, EXIT_TRACE, ExitCode, UsageError, say, warn
 from replaydiff.report.show import (list_to_json, list_warnings, op_to_json, render_list, render_op, render_text,
                                     to_json)
 from replaydiff.trace import Trace, open_trace
@@ -15,6 +15,8 @@ from replaydiff.trace.summary import op_detail, op_listing, op_number, summarise
 
 NAME = "show"
 HELP = "summarise a trace, print one op with --op N, or list ops with --list"
+EXIT_CODES = {ExitCode.OK: "summarised, printed or listed", ExitCode.DIVERGENT: "not used by show",
+              ExitCode.TRACE: "unreadable, or damaged: ops or bytes missing (on the rank listed or another)"}
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
@@ -43,8 +45,7 @@ def run(args: argparse.Namespace) -> int:
     summary = summarise(trace, args.trace, args.rank, args.top)
     for s in summary.ranks:
         if not s.complete:
-            sys.stderr.write(f"replaydiff: warning: rank {s.rank} is truncated after op {s.truncated_after} "
-                             f"(the recording did not finish)\n")
+            warn(f"rank {s.rank} is truncated after op {s.truncated_after} (the recording did not finish)")
     if args.json:
         sys.stdout.write(json.dumps(to_json(summary), indent=1) + "\n")
     else:
@@ -76,7 +77,7 @@ def check_no_list_filters(args: argparse.Namespace) -> None:
 def run_list(trace: Trace, args: argparse.Namespace) -> int:
     rank = args.rank if args.rank is not None else trace.ranks[0]
     if args.rank is None and len(trace.ranks) > 1:
-        sys.stderr.write(f"replaydiff: listing rank {rank} of ranks {trace.ranks} (--rank R for another)\n")
+        say(f"listing rank {rank} of ranks {trace.ranks} (--rank R for another)")
     listing = op_listing(trace, args.trace, rank, args.op, args.module, args.phase, args.first, args.last)
     if args.json:
         sys.stdout.write(json.dumps(list_to_json(listing)) + "\n")  # compact: a list can hold 100,000 ops

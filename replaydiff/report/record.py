@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 from typing import TextIO
 
+from replaydiff.errors import line, say, warn
 from replaydiff.record.budget import budget_that_fits, format_size
 from replaydiff.record.outcome import INTERRUPTED, HeldRank, PlantLanding, RecordingOutcome
 from replaydiff.record.step_range import StepRange
@@ -18,13 +19,13 @@ def render_text(o: RecordingOutcome, out: TextIO, shown: str, budget: str | None
     options = o.options
     if not o.recorded:
         if options.flight:
-            out.write(f"replaydiff: the flight recorder wrote nothing: no NaN/Inf, signal or exception "
-                      f"(--flight-at-exit writes the last {options.flight} steps at exit)\n")
+            say(f"the flight recorder wrote nothing: no NaN/Inf, signal or exception (--flight-at-exit writes the "
+                f"last {options.flight} steps at exit)", out)
             return
-        out.write(f"replaydiff: nothing was recorded into {shown}: {why_nothing(o)}\n")
+        say(f"nothing was recorded into {shown}: {why_nothing(o)}", out)
         return
     if options.plant:
-        out.write("".join(line + "\n" for line in plant_lines(o)))
+        out.write("".join(plant_lines(o)))
     if options.budget:
         out.write(_budget_warning(o, budget or format_size(options.budget)))
     if options.ranks is not None:
@@ -53,9 +54,9 @@ def render_text(o: RecordingOutcome, out: TextIO, shown: str, budget: str | None
                   f"{shown} ({n} rank(s)) holds the ops recorded before that, not all of {what}."
     else:
         summary = f"{recorded} into {shown} ({n} rank(s))" + (f", but then the command {ended(code)}." if code else ".")
-    out.write(f"replaydiff: {summary}{note} " + next_commands(o, shown))
+    say(f"{summary}{note} " + next_commands(o, shown).rstrip("\n"), out)
     if o.unmatched_filter is not None:  # a --module typo, said last
-        out.write(f"replaydiff: warning: {o.unmatched_filter}\n")
+        warn(o.unmatched_filter, out)
     if not o.interrupted:  # that line gave the exit code already
         out.write(_exit_line(code))
 
@@ -66,7 +67,7 @@ def plant_lines(o: RecordingOutcome) -> list[str]:
     in one line."""
     spec = o.options.plant
     if o.plants_unknown is not None:
-        return [f"replaydiff: --plant {spec}: where it landed is unknown: {o.plants_unknown}"]
+        return [line(f"--plant {spec}: where it landed is unknown: {o.plants_unknown}")]
     groups: dict[tuple, list[PlantLanding]] = {}
     for pl in o.plants:
         p = pl.plant
@@ -75,7 +76,7 @@ def plant_lines(o: RecordingOutcome) -> list[str]:
     for members in groups.values():
         ranks = [pl.plant.rank for pl in members]
         on = f" on rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}" if len(o.plants) > 1 else ""
-        lines.append("replaydiff: " + _plant_line(spec, members[0].plant, members[0].where, on))
+        lines.append(line(_plant_line(spec, members[0].plant, members[0].where, on)))
     return lines
 
 
@@ -114,7 +115,7 @@ def next_commands(o: RecordingOutcome, shown: str) -> str:
     if "replay" not in uses and "diff" in uses:
         lines.append(f"replaydiff diff OTHER {shown}   (OTHER: a trace of the same step from another run)")
     note = "" if "replay" in uses else f" (--tensors {o.tensors}: it cannot be replayed)"
-    return f"Next{note}:\n" + "".join(f"  {line}\n" for line in lines)
+    return f"Next{note}:\n" + "".join(f"  {cmd}\n" for cmd in lines)
 
 
 def ended(code: int) -> str:
@@ -147,7 +148,7 @@ def _held_when_cut(held: list[HeldRank] | None) -> str:
 def _exit_line(code: int) -> str:
     """The last line of a recording whose command failed: record's exit code is the command's (as a wrapper's is),
     which may be one replaydiff gives a meaning of its own (3: unreadable trace), so it is said whose it is."""
-    return f"replaydiff: the command {ended(code)}; record exits with the command's code\n" if code else ""
+    return line(f"the command {ended(code)}; record exits with the command's code") if code else ""
 
 
 def _ran(steps_run: int | None, code: int) -> str:
@@ -196,9 +197,8 @@ def _budget_warning(o: RecordingOutcome, budget: str) -> str:
         what = "; ".join(f"rank {r}: {x.describe()}" for r, xs in per_rank.items() for x in xs)
     else:
         what = left[0].describe()
-    return f"replaydiff: warning: --budget {budget} was reached: {what}; --budget " \
-           f"{format_size(budget_that_fits(o.budget_need))} would fit everything (replay judges only the ops with " \
-           f"data)\n"
+    return line(f"--budget {budget} was reached: {what}; --budget {format_size(budget_that_fits(o.budget_need))} "
+                f"would fit everything (replay judges only the ops with data)", "warning")
 
 
 def _absent_ranks_warning(o: RecordingOutcome) -> str:
@@ -212,9 +212,9 @@ def _absent_ranks_warning(o: RecordingOutcome) -> str:
         return ""
     names = f"rank{'s' if len(absent) > 1 else ''} {','.join(map(str, absent))} {'are' if len(absent) > 1 else 'is'}"
     job = f"ranks 0-{world - 1}" if world > 1 else "rank 0"
-    return f"replaydiff: warning: --ranks {','.join(map(str, asked))}: {names} not in this job of {world} " \
-           f"process{'es' if world > 1 else ''} ({job}); recorded rank{'s' if len(recorded) > 1 else ''} " \
-           f"{','.join(map(str, recorded))}\n"
+    return line(f"--ranks {','.join(map(str, asked))}: {names} not in this job of {world} "
+                f"process{'es' if world > 1 else ''} ({job}); recorded rank{'s' if len(recorded) > 1 else ''} "
+                f"{','.join(map(str, recorded))}", "warning")
 
 
 def steps_text(steps: list[int]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any, TextIO
 
+from replaydiff.errors import say
 from replaydiff.trace import OpRecord, TensorRef, describe_missing
 from replaydiff.trace.damage import MissingOps
 from replaydiff.trace.schema import LEFT_OUT_BUDGET, Environment, value_json
@@ -272,11 +273,10 @@ def list_warnings(listing: OpListing, out: TextIO) -> None:
     """The lines on stderr after a list: no op passed the filters; this rank is damaged (its missing ops); or,
     though this one lists whole, another rank is."""
     if not listing.rows:
-        out.write(f"replaydiff: no op of rank {listing.rank} passes these filters\n")
+        say(f"no op of rank {listing.rank} passes these filters", out)
     if listing.missing:
-        for line in describe_missing(listing.missing):
-            out.write(f"replaydiff: rank {listing.rank} is damaged: {line}\n")
+        for missing in describe_missing(listing.missing):
+            say(f"rank {listing.rank} is damaged: {missing}", out)
         return
     for o in listing.damaged_others:
-        out.write(f"replaydiff: rank {o} is damaged (`replaydiff show {listing.trace} --list --rank {o}` marks its "
-                  f"missing ops)\n")
+        say(f"rank {o} is damaged (`replaydiff show {listing.trace} --list --rank {o}` marks its missing ops)", out)
