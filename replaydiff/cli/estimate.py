@@ -1,6 +1,6 @@
 """``replaydiff record --estimate``: run the step with ``--tensors meta`` and print what ``--tensors full`` would
 write, per rank, module and phase, how long writing it would take here, and which flags fit ``--budget``
-(``--module`` selections per rank; under torchrun, the ``--ranks`` that fit it whole). ``--json FILE|-`` writes the
+(``--module`` selections per rank; under torchrun, the ``--rank`` that fit it whole). ``--json FILE|-`` writes the
 same as a ``replaydiff.estimate/1`` document.
 
 The meta trace goes to a temporary directory and is removed; nothing is written to ``-o``. The write rate is

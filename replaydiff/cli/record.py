@@ -3,7 +3,7 @@
 The child runs with replaydiff's step hook armed (also under torchrun: one rank<N>/ directory per process), its exit
 code is passed through (a non-zero one is said on the last line, since it may be one of replaydiff's own
 codes), and the next commands that fit the trace are printed. When the script never reaches the step
-asked for (or no process has a rank of --ranks), nothing is recorded: that is said, the empty directory made for the
+asked for (or no process has a rank of --rank), nothing is recorded: that is said, the empty directory made for the
 trace is removed, and the exit code is 2 (a usage error: the request named a step or rank the job does not have;
 1 would claim a divergence) unless the script itself failed, whose code is passed through. A step begun after the
 script's last one (``--step 6`` of a 5-step script) was never reached either: what the recorder wrote of the script's
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from replaydiff.cli.estimate import run_estimate
+from replaydiff.cli.flags import add_op_arg, add_rank_arg, ranks_of
 from replaydiff.errors import ExitCode, UsageError
 from replaydiff.record.options import COMPILED_MODES, GRANULARITIES, TENSOR_MODES, RecordOptions
 from replaydiff.record.outcome import record_command, run_recorded
@@ -42,16 +43,15 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compress", action="store_true", help="store raw bytes instead of zstd")
     p.add_argument("--module", dest="modules", action="append", metavar="GLOB",
                    help="tensor data only for ops inside these modules (the others: statistics)")
-    p.add_argument("--op", dest="ops", action="append", metavar="GLOB",
-                   help="tensor data only for ops whose name matches (the others: statistics)")
+    add_op_arg(p, "tensor data only for ops whose name matches (the others: statistics)")
     p.add_argument("--max-tensor-bytes", type=int, metavar="N", help="store statistics for storages larger than N")
     p.add_argument("--budget", metavar="SIZE",
                    help="bytes each rank's trace may take, e.g. 500M, 2G: tensor data in step order (with --module/"
                         "--op, those ops first) while it fits, statistics for every op")
     p.add_argument("--verify-writes", action="store_true",
                    help="checksum stored CPU tensors to notice writes torch never sees (numpy, C extensions)")
-    p.add_argument("--ranks", type=_rank_list, metavar="R,R,...",
-                   help="record only these ranks of a multi-process job (the others run untouched)")
+    add_rank_arg(p, "record only this rank of a multi-process job (repeatable, or R,R,...; the others run untouched)",
+                 old="--ranks")
     p.add_argument("--plant", metavar="OP[:N[:REL]]",
                    help="plant a fault to check that replay finds it: the N-th call (from 1) of OP returns its output "
                         "times 1+REL (default N=1, REL=1e-3), e.g. aten.mm.default:2; the trace says so")
@@ -91,17 +91,10 @@ class _Given(argparse.Action):
         setattr(namespace, f"{self.dest}_given", True)
 
 
-def _rank_list(text: str) -> list[int]:
-    try:
-        return sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--ranks takes ranks separated by commas, e.g. 0,3, not {text!r}")
-
-
 def options_from_args(args: argparse.Namespace) -> RecordOptions:
     return RecordOptions.make(tensors=args.tensors, compress=not args.no_compress, modules=args.modules,
                               ops=args.ops, max_tensor_bytes=args.max_tensor_bytes, verify_writes=args.verify_writes,
-                              plant=args.plant, ranks=getattr(args, "ranks", None),
+                              plant=args.plant, ranks=ranks_of(args),
                               steps=args.steps, granularity=args.granularity, flight=args.flight,
                               flight_mib=args.flight_mib, flight_at_exit=args.flight_at_exit,
                               budget=getattr(args, "budget", None), compiled=args.compiled)

@@ -1,7 +1,7 @@
 """Replay every op of a trace alone from its recorded inputs and name the earliest divergent op.
 
 Exit code 0 when nothing diverged, 1 when something did (or was nondeterministic), 2 for a usage error (a trace
-recorded with --tensors stats or meta, which holds no data to replay; a --from/--to range or --ops glob with no op
+recorded with --tensors stats or meta, which holds no data to replay; a --from/--to range or --op glob with no op
 in it; a --json FILE that cannot be written; a rank the trace does not hold), 3 for an unreadable trace (and for a
 damaged one whose ops that are there show no divergence: the missing ops are listed, and for a partial one, whose
 recording stopped part-way: where and why are said), 4 when the device is missing.
@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from replaydiff.cli.flags import add_op_arg, add_rank_arg, ranks_of
 from replaydiff.cli.tolerance_args import add_tolerance_args, tolerances_from_args
 from replaydiff.errors import EXIT_DIVERGENT, EXIT_OK, EXIT_TRACE, ExitCode, UsageError, say, warn
 from replaydiff.replay import ReplayOptions, replay_trace
@@ -42,11 +43,11 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                         "recording backend")
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run each op N times; ops whose runs disagree are reported nondeterministic")
-    p.add_argument("--ops", action="append", metavar="GLOB", help="replay only ops whose name matches (repeatable)")
+    add_op_arg(p, "replay only ops whose name matches (repeatable)", old="--ops")
     p.add_argument("--from", dest="first", type=int, metavar="N",
                    help="first op number to replay (`replaydiff show TRACE --list` lists them)")
     p.add_argument("--to", dest="last", type=int, metavar="M", help="last op number to replay")
-    p.add_argument("--rank", dest="ranks", type=int, action="append", metavar="R", help="replay only this rank")
+    add_rank_arg(p, "replay only this rank (repeatable, or R,R,...)")
     p.add_argument("--workers", type=int, default=1, metavar="N", help="replay with N processes (same report)")
     p.add_argument("--threads", type=int, metavar="N",
                    help="CPU intra-op threads per process (default: the recorded count at --precision same on the "
@@ -75,17 +76,17 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> ReplayOptions:
-    if args.repeat < 1:
-        raise UsageError("--repeat must be at least 1")
+    """The options, checked by their type (as from Python); --workers is the engine's, checked here."""
     if args.workers < 1:
         raise UsageError("--workers must be at least 1")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError("--threads must be at least 1")
     tol = tolerances_from_args(args)
-    return ReplayOptions(device=args.device, precision=args.precision, repeat=args.repeat, ops=args.ops,
-                         first=args.first, last=args.last, ranks=args.ranks, tolerances=tol, threads=args.threads,
-                         imports=args.imports, reference=args.reference,
-                         reference_modules=args.reference_modules)
+    try:
+        return ReplayOptions(device=args.device, precision=args.precision, repeat=args.repeat, ops=args.ops,
+                             first=args.first, last=args.last, ranks=ranks_of(args), tolerances=tol,
+                             threads=args.threads, imports=args.imports, reference=args.reference,
+                             reference_modules=args.reference_modules)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:

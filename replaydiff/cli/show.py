@@ -3,9 +3,9 @@ list its ops one line each (--list, filtered by --op GLOB, --module GLOB, --phas
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from replaydiff.cli.progress import write_json
 from replaydiff.errors import EXIT_OK, EXIT_TRACE, ExitCode, UsageError, say, warn
 from replaydiff.report.show import (list_to_json, list_warnings, op_to_json, render_list, render_op, render_text,
                                     to_json)
@@ -27,7 +27,9 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                    help="rank to show (default: all for the summary, the first for --op and --list)")
     p.add_argument("--top", type=int, default=10, help="how many of the most frequent ops to list")
     add_list_args(p)
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--json", nargs="?", const="-", metavar="FILE|-",
+                   help="write JSON (replaydiff.show/1, .op/1 or .oplist/1) to FILE, or - for stdout (a bare --json: "
+                        "stdout, in place of the text)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,8 +40,8 @@ def run(args: argparse.Namespace) -> int:
     if args.op is not None:
         detail = op_detail(trace.rank(args.rank if args.rank is not None else trace.ranks[0]), op_number(args.op))
         if args.json:
-            sys.stdout.write(json.dumps(op_to_json(detail), indent=1) + "\n")
-        else:
+            write_json(args.json, op_to_json(detail))
+        if args.json != "-":
             render_op(detail, sys.stdout)
         return EXIT_OK
     summary = summarise(trace, args.trace, args.rank, args.top)
@@ -47,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
         if not s.complete:
             warn(f"rank {s.rank} is truncated after op {s.truncated_after} (the recording did not finish)")
     if args.json:
-        sys.stdout.write(json.dumps(to_json(summary), indent=1) + "\n")
-    else:
+        write_json(args.json, to_json(summary))
+    if args.json != "-":
         render_text(summary, sys.stdout)
     # a damaged trace is never described as whole: its state line says so, and so does the exit code (a trace cut
     # short by its job says TRUNCATED or STOPPED and is described as it is, as a hung job's must be)
@@ -80,8 +82,8 @@ def run_list(trace: Trace, args: argparse.Namespace) -> int:
         say(f"listing rank {rank} of ranks {trace.ranks} (--rank R for another)")
     listing = op_listing(trace, args.trace, rank, args.op, args.module, args.phase, args.first, args.last)
     if args.json:
-        sys.stdout.write(json.dumps(list_to_json(listing)) + "\n")  # compact: a list can hold 100,000 ops
-    else:
+        write_json(args.json, list_to_json(listing), indent=None)  # compact: a list can hold 100,000 ops
+    if args.json != "-":
         render_list(listing, sys.stdout)
     list_warnings(listing, sys.stderr)
     # a damaged trace is never listed as whole, nor one with another rank damaged

@@ -180,7 +180,7 @@ def ranks_that_fit(estimates: list[RankEstimate], budget: int) -> list[int]:
 
 def ranks_flags(ranks: list[int], budget: int) -> list[str]:
     """``record`` flags that record only these ranks, each under the budget."""
-    return ["--ranks", ",".join(map(str, ranks)), "--budget", format_size(budget)]
+    return ["--rank", ",".join(map(str, ranks)), "--budget", format_size(budget)]
 
 
 def module_globs(module: str) -> list[str]:

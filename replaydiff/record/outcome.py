@@ -5,7 +5,7 @@ The child runs with the hook's settings in an environment variable and the ``aut
 its processes writes, at exit, how many optimizer steps it ran and its rank into a status folder (``_reports``).
 ``record_command`` then reads the finished trace once into a frozen ``RecordingOutcome``, which
 ``replaydiff.report.record`` words and whose ``exit_code`` the CLI returns. When the script never reaches the step
-asked for (or no process has a rank of --ranks), nothing is recorded: the empty directory made for the trace is
+asked for (or no process has a rank of --rank), nothing is recorded: the empty directory made for the trace is
 removed, and the exit code is 2 (a usage error: the request named a step or rank the job does not have; 1 would
 claim a divergence) unless the script itself failed, whose code is passed through. A step begun after the script's
 last one (``--step 6`` of a 5-step script) was never reached either: what the recorder wrote of the script's tail is

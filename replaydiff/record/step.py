@@ -29,7 +29,7 @@ _armed = False  # once per process. The recorder itself is held only by its hook
 
 def _report_steps(folder: str, recorder: "weakref.ref[Any]") -> None:
     """Tell ``replaydiff record`` this process's rank and how many optimizer steps it ran, so that a step the script
-    never reaches ("the script ran 4 optimizer steps") and a job with no rank of --ranks ("it ran as rank 0") are
+    never reaches ("the script ran 4 optimizer steps") and a job with no rank of --rank ("it ran as rank 0") are
     said as such: one small file per process in a folder the CLI made. The recorder is reached through a weak
     reference: one that finished recording is gone by now: it says "finished" (every step asked for was reached),
     not how many steps ran."""

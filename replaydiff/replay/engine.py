@@ -175,7 +175,7 @@ def plan(trace: Trace, opts: ReplayOptions) -> ReplayPlan:
                                        and (opts.last is None or i <= opts.last)
                                        and not any(m.first <= i <= m.last for m in gone))))
     for r in trace.ranks:
-        # a rank not replayed (--ranks) whose missing ops held collectives: the replayed ranks' calls of its groups
+        # a rank not replayed (--rank) whose missing ops held collectives: the replayed ranks' calls of its groups
         # cannot be checked against it, so the replay is not clean either
         rt = trace.rank(r)
         if r not in ranks and calls_unknown_from(rt) is not None:
@@ -185,7 +185,7 @@ def plan(trace: Trace, opts: ReplayOptions) -> ReplayPlan:
 
 
 def check_ops_selected(trace: Trace, opts: ReplayOptions, shards: list[Shard]) -> None:
-    """UsageError when ``--ops`` matches no op that would be replayed: a replay of nothing would say that every
+    """UsageError when ``--op`` matches no op that would be replayed: a replay of nothing would say that every
     replayed op matches (exit 0), as --from/--to with no op in range already refuses."""
     if not opts.ops:
         return
@@ -194,7 +194,7 @@ def check_ops_selected(trace: Trace, opts: ReplayOptions, shards: list[Shard]) -
         if any(matches_any(names[i], opts.ops) for i in shard.indices):
             return
     within = " within --from/--to" if opts.first is not None or opts.last is not None else ""
-    raise UsageError(f"--ops {' '.join(opts.ops)} matches no op of the trace{within}, so nothing would be replayed "
+    raise UsageError(f"--op {' '.join(opts.ops)} matches no op of the trace{within}, so nothing would be replayed "
                      f"(`replaydiff show {trace.path} --list` lists the ops)")
 
 

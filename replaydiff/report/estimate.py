@@ -72,7 +72,7 @@ def render_text(e: Estimate, out: TextIO) -> None:
         secs = rate.seconds(total)
         out.write(f"\nall {len(estimates)} ranks: {_mb(total)}" +
                   (f", about {_secs(secs)} of writing on one disk" if secs is not None else "") +
-                  "; --ranks R,... records only those ranks (a --budget is per rank)\n")
+                  "; --rank R,... records only those ranks (a --budget is per rank)\n")
         if e.budget:
             out.write(_ranks_line(e) + "\n")
 

@@ -1,5 +1,5 @@
 """Rendering what a ``record`` run did (``replaydiff.record.outcome.RecordingOutcome``): the lines on stderr that say
-what was recorded (or why nothing was), the plant, the budget and --ranks warnings, the next commands, and whose
+what was recorded (or why nothing was), the plant, the budget and --rank warnings, the next commands, and whose
 exit code record returns. They read the outcome and nothing else."""
 from __future__ import annotations
 
@@ -161,8 +161,8 @@ def why_nothing(o: RecordingOutcome) -> str:
     asked_ranks = ",".join(map(str, options.ranks or []))
     if options.ranks is not None and job_ranks and not set(job_ranks) & set(options.ranks):
         had = f"rank{'s' if len(job_ranks) > 1 else ''} {','.join(map(str, job_ranks))}"
-        return f"no process of the command had a rank in --ranks {asked_ranks}: the job's processes had {had}" \
-            if len(job_ranks) > 1 else f"no process of the command had a rank in --ranks {asked_ranks}: " \
+        return f"no process of the command had a rank in --rank {asked_ranks}: the job's processes had {had}" \
+            if len(job_ranks) > 1 else f"no process of the command had a rank in --rank {asked_ranks}: " \
                                        f"it ran as {had}"
     if steps_run is None:  # no process of the command told how many steps it ran
         if code:
@@ -182,7 +182,7 @@ def why_nothing(o: RecordingOutcome) -> str:
         return f"step {step} was never reached: {ran}" if not options.steps else \
             f"steps {options.steps} were never reached: {ran}"
     if options.ranks is not None:
-        return f"{ran}, but no process had a rank in --ranks {asked_ranks}"
+        return f"{ran}, but no process had a rank in --rank {asked_ranks}"
     return f"{ran}, and none of them was recorded"
 
 
@@ -202,7 +202,7 @@ def _budget_warning(o: RecordingOutcome, budget: str) -> str:
 
 
 def _absent_ranks_warning(o: RecordingOutcome) -> str:
-    """One warning when --ranks names ranks the job does not have (``--ranks 0,3`` of a 2-process job), which
+    """One warning when --rank names ranks the job does not have (``--rank 0,3`` of a 2-process job), which
     would otherwise record rank 0 alone without a word."""
     asked, world, recorded = o.options.ranks or [], o.world_size, o.recorded_ranks
     if world is None:
@@ -212,7 +212,7 @@ def _absent_ranks_warning(o: RecordingOutcome) -> str:
         return ""
     names = f"rank{'s' if len(absent) > 1 else ''} {','.join(map(str, absent))} {'are' if len(absent) > 1 else 'is'}"
     job = f"ranks 0-{world - 1}" if world > 1 else "rank 0"
-    return line(f"--ranks {','.join(map(str, asked))}: {names} not in this job of {world} "
+    return line(f"--rank {','.join(map(str, asked))}: {names} not in this job of {world} "
                 f"process{'es' if world > 1 else ''} ({job}); recorded rank{'s' if len(recorded) > 1 else ''} "
                 f"{','.join(map(str, recorded))}", "warning")
 

@@ -132,7 +132,7 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
     elif first is None:
         out.write("no divergent op: every replayed op matches its recorded output within tolerance\n")
     else:
-        rank = f"rank {first.rank} " if ranks != [0] else ""  # a trace of rank 1 alone (--ranks 1) says so too
+        rank = f"rank {first.rank} " if ranks != [0] else ""  # a trace of rank 1 alone (--rank 1) says so too
         out.write(f"first divergent op {rank}{op_line(first)}\n")
         how = "checked across ranks" if first.collective else "replayed alone from its recorded inputs"
         out.write(f"  {metrics_line(first)}  - {how}\n")

@@ -138,7 +138,7 @@ def _one_step(r: RankTrace) -> int | None:
 
 
 def _judged_whole(report: ReplayReport, options: ReplayOptions) -> bool:
-    """The replay ran over the whole trace (no --ops, --from or --to) and found no op it judged wrong (ops whose data
+    """The replay ran over the whole trace (no --op, --from or --to) and found no op it judged wrong (ops whose data
     the recording left out are not judged; they make the replay not clean, but say nothing against the others)."""
     wrong = any(r.status in PROBLEMS or r.status is Status.ERROR for r in report.ops) or report.replicas is not None
     # ops missing from a damaged trace were not judged, and an entry found among the others could be wrong
