@@ -255,7 +255,7 @@ def run_recorded(cmd: list[str], out: Path, step: int, options: RecordOptions,
     descriptor for the command's standard output (None: ours)."""
     env = dict(os.environ)
     status = tempfile.mkdtemp(prefix="replaydiff-record-")  # each process of the job says how many steps it ran
-    env[ENV_VAR] = json.dumps({"out": str(out), "step": step, "options": options.to_dict(), "status": status,
+    env[ENV_VAR] = json.dumps({"out": str(out), "step": step, "options": options.to_json(), "status": status,
                                "command": list(cmd)})
     autostart = str(Path(__file__).resolve().parent / "autostart")
     env["PYTHONPATH"] = os.pathsep.join([autostart] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))

@@ -91,7 +91,7 @@ class Recorder:
                 raise FileExistsError(f"{self.rank_dir} already holds files ({', '.join(held[:3])}"
                                       f"{', ...' if len(held) > 3 else ''}); choose another directory")
             # source_root: relative file names in source lines are relative to it
-            manifest = wire_manifest(rank, world, environment_snapshot(rank, world), self.options.to_dict(),
+            manifest = wire_manifest(rank, world, environment_snapshot(rank, world), self.options.to_json(),
                                      time.time(), self.context.root, self.command)
             if self.options.flight:
                 self.writer = FlightBuffer(self.rank_dir, manifest, self.options, self._closing_facts)

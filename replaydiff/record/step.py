@@ -109,7 +109,7 @@ def install() -> None:
 
         _interrupts_show_the_jobs_frames()
         config = json.loads(raw)
-        options = RecordOptions.from_dict(config.get("options") or {})
+        options = RecordOptions.from_json(config.get("options") or {})
         step = int(config.get("step", 1))
         # --steps and --flight say which steps themselves; --step N alone is the one step N
         steps = None if (options.steps or options.flight) else StepRange(step, step, 1)

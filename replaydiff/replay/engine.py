@@ -235,7 +235,7 @@ def run_shard(rt: RankTrace, opts: ReplayOptions, shard: Shard, progress: Progre
 
 
 def finish(trace: Trace, p: ReplayPlan, results: list[OpResult]) -> ReplayReport:
-    report = ReplayReport(trace=p.path, options=p.options.as_dict(), warnings=list(p.warnings),
+    report = ReplayReport(trace=p.path, options=p.options.to_json(), warnings=list(p.warnings),
                           planted=list(p.planted), plants=list(p.plants), missing=list(p.missing),
                           cut_short=list(p.cut_short))
     report.ops = sorted(results, key=lambda r: (r.rank, r.index))

@@ -72,7 +72,7 @@ class ReplayOptions:
     def target_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return target_dtype(self.precision, dtype)
 
-    def as_dict(self) -> dict:
+    def to_json(self) -> dict:
         return {"device": self.device, "precision": self.precision, "repeat": self.repeat, "ops": self.ops,
                 "from": self.first, "to": self.last, "ranks": self.ranks,
                 "tolerances": {k: list(v) for k, v in self.tolerances.limits.items()},
