@@ -532,3 +532,23 @@ def test_every_verbs_help_lists_every_exit_code(capsys) -> None:
         listed = text[text.index("\nexit codes:\n"):].splitlines()[1:]
         codes = [int(row.split()[0]) for row in listed if row[:6].strip().isdigit()]
         assert codes == [c for c in ExitCode if c is not ExitCode.BROKEN_PIPE], verb
+
+
+def test_each_verbs_result_is_frozen() -> None:
+    """A renderer reads a value that analysis returned once; nothing sets its fields afterwards."""
+    from dataclasses import FrozenInstanceError, fields
+
+    import pytest
+
+    from replaydiff.health import HealthReport
+    from replaydiff.record.estimate import Estimate, WriteRate
+    from replaydiff.record.outcome import RecordingOutcome
+    from replaydiff.trace.summary import OpDetail, OpListing, RankSummary, ShowSummary
+    from replaydiff.trend import Series, TrendResult
+    from replaydiff.trend.entry import EntryFinding
+
+    for kind in (TrendResult, Series, EntryFinding, HealthReport, ShowSummary, RankSummary, OpDetail, OpListing,
+                 Estimate, WriteRate, RecordingOutcome):
+        obj = object.__new__(kind)
+        with pytest.raises(FrozenInstanceError):
+            setattr(obj, fields(kind)[0].name, None)
