@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 import warnings
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from replaydiff.aten import current_rank, facts, iter_tensors, written_args
+from replaydiff.errors import warn
 from replaydiff.record.compiled import CompiledRegionTracker, no_filter, quiet_global_hook_warning
 from replaydiff.record.context import OpContext
 from replaydiff.record.environment import environment_snapshot
@@ -413,7 +413,7 @@ class Recorder:
     def _warn(self, msg: str) -> None:
         if os.environ.get(_CLI_CHILD_VAR):  # a child of `replaydiff record`: one line, like the CLI's own warnings
             try:
-                sys.stderr.write(f"replaydiff: warning: {msg}\n")
+                warn(msg)
             except Exception:  # a closed stderr is no reason to raise into the job
                 pass
             return
