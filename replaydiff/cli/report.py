@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from replaydiff.errors import EXIT_DIVERGENT, EXIT_OK, EXIT_TRACE, ExitCode, UsageError, say, warn
+from replaydiff.errors import ExitCode, UsageError, say, warn
 
 NAME = "report"
 HELP = "write a health report (markdown or HTML) from a trace and its replay JSON"
@@ -65,6 +65,4 @@ def run(args: argparse.Namespace) -> int:
         say(f"wrote {args.out}")
     else:
         sys.stdout.write(buf.getvalue())
-    if (trace.missing_ops or trace.cut_short or report.cut_short) and not report.first_divergent:
-        return EXIT_TRACE  # a damaged or partial trace is never reported healthy (its check says what and where)
-    return EXIT_DIVERGENT if report.found_problem or health.failed else EXIT_OK
+    return health.exit_code

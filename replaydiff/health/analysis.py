@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from replaydiff import aten
 from replaydiff.causes import finds, finders
+from replaydiff.errors import ExitCode
 from replaydiff.compare.metrics import FloatError
 from replaydiff.replay.describe import argument_text, metrics_line, op_line
 from replaydiff.replay.plants import plant_notes
@@ -69,11 +70,21 @@ class HealthReport:
     points: list[tuple[int, int, float, str]] = field(default_factory=list)  # (rank, index, error/limit, status)
     warnings: list[str] = field(default_factory=list)
     plant_notes: list[str] = field(default_factory=list)  # a planted fault that left replay nothing to find
+    # ops missing from the trace (a file deleted or cut short since it was written) or a recording stopped part-way,
+    # with no divergent op named: never reported healthy, and not a divergence either
+    incomplete: bool = False
+    found_problem: bool = False  # the replay was not clean (ReplayReport.found_problem)
 
     @property
     def failed(self) -> list[Check]:
         """The checks that FAIL: a report with any is never healthy (the CLI exits 1)."""
         return [c for c in self.checks if c.passed is False]
+
+    @property
+    def exit_code(self) -> ExitCode:
+        if self.incomplete:
+            return ExitCode.TRACE  # a damaged or partial trace is never reported healthy (its check says where)
+        return ExitCode.DIVERGENT if self.found_problem or self.failed else ExitCode.OK
 
 
 def normalised_error(r: OpResult) -> float | None:
@@ -111,7 +122,9 @@ def build_health(trace: Trace, report: ReplayReport, probe: bool = True) -> Heal
         culprit=culprit, culprit_kind="first divergent op" if report.first_divergent else (
             "first nondeterministic op" if culprit else ""),
         top=ranked[:TOP], modules=_modules(report, errs), environment=environment, environment_rank=environment_rank,
-        checks=_checks(trace, report, errs), causes=_causes(trace, report, culprit, probe))
+        checks=_checks(trace, report, errs), causes=_causes(trace, report, culprit, probe),
+        incomplete=bool(trace.missing_ops or trace.cut_short or report.cut_short) and not report.first_divergent,
+        found_problem=report.found_problem)
 
 
 def _modules(report: ReplayReport, errs: dict) -> list[ModuleRow]:
