@@ -1,6 +1,6 @@
 """The CLI speaks one dialect: ``--op GLOB`` and ``--rank R`` are spelled the same in every verb (the former
 ``replay --ops`` and ``record --ranks R,R`` still work, hidden from --help), ``show --json`` takes FILE|- as every
-verb's --json does, and options are checked by their type, from Python as from the CLI."""
+verb's --json does, and options are checked by their type (ReplayOptions, DiffOptions), from Python as from the CLI."""
 from __future__ import annotations
 
 import json
@@ -41,6 +41,12 @@ def test_replay_options_are_checked_by_their_type_from_python_as_from_the_cli(ca
     path = str(rh.step_trace("mlp"))
     assert main(["replay", path, "--repeat", "0"]) == 2
     assert capsys.readouterr().err == "replaydiff: error: --repeat must be at least 1, not 0\n"
+    from replaydiff.diff import DiffOptions
+
+    with pytest.raises(ValueError, match="--safety must be positive"):
+        DiffOptions(safety=0)
+    assert main(["diff", path, path, "--safety", "-1"]) == 2
+    assert capsys.readouterr().err == "replaydiff: error: --safety must be positive, not -1.0\n"
 
 
 def test_show_json_takes_a_file_or_dash_and_a_bare_json_is_stdout(capsys, tmp_path):

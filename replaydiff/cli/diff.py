@@ -43,10 +43,11 @@ def run(args: argparse.Namespace) -> int:
     from replaydiff.report.diff_json import diff_to_json
     from replaydiff.report.diff_text import render_diff
 
-    if args.safety <= 0:
-        raise UsageError("--safety must be positive")
     tol = tolerances_from_args(args)
-    opts = DiffOptions(rank=args.rank, tolerances=tol, safety=args.safety, step=args.step)
+    try:
+        opts = DiffOptions(rank=args.rank, tolerances=tol, safety=args.safety, step=args.step)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     with progress_bar("diffing") as (set_total, advance):
         report = diff_traces(args.ref, args.target, opts, baseline=args.baseline, progress_total=set_total,
                              progress=advance)
