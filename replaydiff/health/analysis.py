@@ -7,7 +7,6 @@ cause is listed only when its evidence is there: no hint is a guess.
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -16,7 +15,7 @@ from replaydiff import aten
 from replaydiff.causes import finds, finders
 from replaydiff.errors import ExitCode
 from replaydiff.compare.metrics import FloatError
-from replaydiff.replay.describe import argument_text, metrics_line, op_line
+from replaydiff.replay.describe import argument_text, figure_text, metrics_line, op_line
 from replaydiff.replay.plants import plant_notes
 from replaydiff.replay.result import OpResult, ReplayReport, Status
 from replaydiff.trace.damage import describe_missing
@@ -91,14 +90,6 @@ def normalised_error(r: OpResult) -> float | None:
     """An op's error over its limit (1.0 = at the limit): its severity, the verdict's own measure (an ill-conditioned
     op's limit is its own error at its recorded dtype). None for an op without a verdict (skipped, error, a view)."""
     return None if r.verdict is None else r.severity
-
-
-def _fmt(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if math.isinf(x):
-        return "inf"
-    return f"{x:.3g}"
 
 
 # -- gathering ------------------------------------------------------------------------------------------------------
@@ -187,7 +178,7 @@ def _checks(trace: Trace, report: ReplayReport, errs: dict) -> list[Check]:
     lost = sum(len(rt.lost) for rt in ranks)
     checks = [
         Check("ops divergent from the reference", str(c["divergent"]), "0", c["divergent"] == 0),
-        Check("largest error / limit", _fmt(worst) + (f" (#{at[1]}{f' rank {at[0]}' if len(ranks) > 1 else ''})"
+        Check("largest error / limit", figure_text(worst) + (f" (#{at[1]}{f' rank {at[0]}' if len(ranks) > 1 else ''})"
                                                       if at is not None and worst else ""),
               "1", None if worst is None else worst <= 1.0),
         Check("ops whose repeated runs disagree", str(c["nondeterministic"]) if repeat > 1 else

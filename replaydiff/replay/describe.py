@@ -3,6 +3,8 @@ NaN/Inf came in as, a planted fault. Every report (replay's summary, the health 
 words an op with these, so they say it the same way."""
 from __future__ import annotations
 
+import math
+
 from replaydiff.compare.verdict import output_said
 from replaydiff.replay.result import NonfiniteInput, OpResult
 
@@ -50,3 +52,12 @@ def metrics_line(r: OpResult) -> str:
     if "mismatches" in m and output_said(m):
         return f"{output_said(m)}{m['mismatches']} elements differ" + (f"; {r.reason}" if r.reason else "")
     return r.reason or ""
+
+
+def figure_text(x: float | None) -> str:
+    """An error / limit as the health report writes it: 3 significant digits, 'inf', or '-' for none."""
+    if x is None:
+        return "-"
+    if math.isinf(x):
+        return "inf"
+    return f"{x:.3g}"

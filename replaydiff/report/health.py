@@ -7,17 +7,9 @@ import math
 from typing import Any, TextIO
 
 from replaydiff.health import TOP, Check, HealthReport
-from replaydiff.replay.describe import metrics_line, planted_line
+from replaydiff.replay.describe import figure_text, metrics_line, planted_line
 from replaydiff.replay.result import OpResult
 from replaydiff.trace.schema import Environment
-
-
-def _fmt(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if math.isinf(x):
-        return "inf"
-    return f"{x:.3g}"
 
 
 def _title(h: HealthReport) -> list[str]:
@@ -62,11 +54,11 @@ def render_markdown(h: HealthReport, out: TextIO) -> None:
     out.write(_row(["op", "name", "module", "phase", "status", "error / limit", "detail"]) + _row(["---"] * 7))
     for r, e in h.top:
         out.write(_row([f"#{r.index}" + (f" r{r.rank}" if r.rank else ""), r.op, r.module or "", r.phase or "",
-                        r.status.value, _fmt(e), _detail(r)]))
+                        r.status.value, figure_text(e), _detail(r)]))
     out.write("\n## Error per module\n\n")
     out.write(_row(["module", "ops", "divergent", "largest error / limit", "at"]) + _row(["---"] * 5))
     for m in h.modules:
-        out.write(_row([m.module, str(m.ops), str(m.divergent), _fmt(m.worst),
+        out.write(_row([m.module, str(m.ops), str(m.divergent), figure_text(m.worst),
                         f"#{m.worst_op.index} {m.worst_op.op}" if m.worst_op else ""]))
     out.write("\n## Likely causes\n\n")
     if not h.causes:
@@ -164,7 +156,7 @@ def error_plot_svg(points: list[tuple[int, int, float, str]], width: int = 1000,
         c = colour.get(status, "#999")
         rad = 3.5 if status != "ok" else 1.8
         parts.append(f'<circle cx="{x(r, i):.1f}" cy="{y(e):.1f}" r="{rad}" fill="{c}"><title>'
-                     f'{_esc(f"rank {r} op #{i} {status} error/limit {_fmt(e)}")}</title></circle>')
+                     f'{_esc(f"rank {r} op #{i} {status} error/limit {figure_text(e)}")}</title></circle>')
     parts.append(f'<text x="{(width + pad_l) / 2:.0f}" y="{height - 8}" font-size="12" text-anchor="middle">'
                  f'op number' + (" (ranks side by side: " + ", ".join(map(str, ranks)) + ")" if len(ranks) > 1
                                  else "") + "</text>")
@@ -200,10 +192,10 @@ def render_html(h: HealthReport, out: TextIO) -> None:
     out.write(f"<h2>The {TOP} ops with the largest error / limit</h2>" + _table(
         ["op", "name", "module", "phase", "status", "error / limit", "detail"],
         [[f"#{r.index}" + (f" r{r.rank}" if r.rank else ""), r.op, r.module or "", r.phase or "", r.status.value,
-          _fmt(e), _detail(r)] for r, e in h.top]))
+          figure_text(e), _detail(r)] for r, e in h.top]))
     out.write("<h2>Error per module</h2>" + _table(
         ["module", "ops", "divergent", "largest error / limit", "at"],
-        [[m.module, str(m.ops), str(m.divergent), _fmt(m.worst),
+        [[m.module, str(m.ops), str(m.divergent), figure_text(m.worst),
           f"#{m.worst_op.index} {m.worst_op.op}" if m.worst_op else ""] for m in h.modules]))
     out.write("<h2>Likely causes</h2>\n")
     if not h.causes:
