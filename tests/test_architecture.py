@@ -486,8 +486,9 @@ def test_the_one_shape_checks_catch_a_planted_renderer_and_cli_module(tmp_path: 
     assert [x.split(": ", 1)[1] for x in renderer_reads_a_trace(renderer)] == [
         "imports replaydiff.trace.open_trace", "imports replaydiff.trace.reader.RankTrace", "calls open_trace"]
     cli = tmp_path / "cli.py"
-    cli.write_text("from replaydiff.trace import open_trace, describe_missing\nfrom replaydiff.trace.schema import "
-                   "LEFT_OUT_BUDGET, PHASES\nfrom replaydiff.trace.summary import summarise\nimport replaydiff.trace.sync\n")
+    cli.write_text("from replaydiff.trace import open_trace, describe_missing\n"
+                   "from replaydiff.trace.schema import LEFT_OUT_BUDGET, PHASES\n"
+                   "from replaydiff.trace.summary import summarise\nimport replaydiff.trace.sync\n")
     assert [x.split(": ", 1)[1] for x in cli_reads_the_trace_itself(cli)] == [
         "imports replaydiff.trace.describe_missing", "imports replaydiff.trace.schema.LEFT_OUT_BUDGET",
         "imports replaydiff.trace.sync"]

@@ -708,8 +708,8 @@ def test_a_plant_in_a_compiled_region_warns_in_one_line_why_the_region_ran_eager
 def test_record_warns_of_ranks_the_job_does_not_have(tmp_path):
     """`--rank 0,3` of a 2-process job recorded rank 0 alone without a word; here a 1-process job (rank 0 of 1)."""
     (tmp_path / "train.py").write_text(TRAIN.replace("sys.exit(3)", ""))
-    proc = replaydiff_cli("record", "--step", "2", "--rank", "0", "--rank", "3", "-o", "t", "--", sys.executable, "train.py",
-                          cwd=tmp_path)
+    proc = replaydiff_cli("record", "--step", "2", "--rank", "0", "--rank", "3", "-o", "t", "--", sys.executable,
+                          "train.py", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("replaydiff: warning:")]
     assert warnings == ["replaydiff: warning: --rank 0,3: rank 3 is not in this job of 1 process (rank 0); "

@@ -2,8 +2,9 @@
 caused it, and the commands to run next.
 
 The figures come from ``replaydiff.trend`` and the words from ``replaydiff.report.trend`` (the same as ``replaydiff
-trend TRACE`` prints); this screen only lays them out. Enter on the first-change line (or ``j`` anywhere) closes it and selects that op in the op list;
-Enter on the cause line (or ``c``) selects the causing op; Enter on a command copies it to the clipboard.
+trend TRACE`` prints); this screen only lays them out. Enter on the first-change line (or ``j`` anywhere) closes it
+and selects that op in the op list; Enter on the cause line (or ``c``) selects the causing op; Enter on a command
+copies it to the clipboard.
 """
 from __future__ import annotations
 
