@@ -1,15 +1,71 @@
-"""The project's error types and the exit codes they map to.
+"""The project's exit codes, its error types and the one way its lines on stderr are said.
 
-Library code raises these; the CLI turns each into one line on stderr and its exit code, so a user never sees a
-traceback for a problem that is theirs to fix (a bad argument, a damaged trace, a missing device).
+Library code raises these errors; the CLI turns each into one line on stderr and its exit code, so a user never sees
+a traceback for a problem that is theirs to fix (a bad argument, a damaged trace, a missing device). Every line the
+project writes for people on stderr goes through ``say``, ``warn`` or ``fail`` (or ``line`` where it is built before
+it is written), so each starts ``replaydiff: `` and a warning or error says so the same way.
 """
 from __future__ import annotations
 
-EXIT_OK = 0
-EXIT_DIVERGENT = 1
-EXIT_USAGE = 2
-EXIT_TRACE = 3
-EXIT_ENVIRONMENT = 4
+import sys
+from enum import IntEnum
+from typing import TextIO
+
+
+class ExitCode(IntEnum):
+    """Every exit code of every verb (each verb's --help lists them all, with what each means for that verb)."""
+
+    OK = 0
+    DIVERGENT = 1
+    USAGE = 2
+    TRACE = 3
+    ENVIRONMENT = 4
+    INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
+    BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of stdout left (`replaydiff show trace | head`)
+
+    @property
+    def meaning(self) -> str:
+        """What the code means for any verb; a verb's --help may say more of it."""
+        return _MEANINGS[self]
+
+
+_MEANINGS = {
+    ExitCode.OK: "clean: nothing wrong found",
+    ExitCode.DIVERGENT: "a problem found in the trace (what counts is the verb's)",
+    ExitCode.USAGE: "usage: an argument or request that cannot be done as asked",
+    ExitCode.TRACE: "the trace is unreadable, damaged (files missing or cut short) or partial",
+    ExitCode.ENVIRONMENT: "the machine lacks what the request needs (a device, a package)",
+    ExitCode.INTERRUPTED: "interrupted (Ctrl-C)",
+    ExitCode.BROKEN_PIPE: "the reader of standard output left (a pipe into head)",
+}
+
+EXIT_OK = ExitCode.OK
+EXIT_DIVERGENT = ExitCode.DIVERGENT
+EXIT_USAGE = ExitCode.USAGE
+EXIT_TRACE = ExitCode.TRACE
+EXIT_ENVIRONMENT = ExitCode.ENVIRONMENT
+EXIT_INTERRUPTED = ExitCode.INTERRUPTED
+
+
+def line(message: str, kind: str | None = None) -> str:
+    """One line for stderr: ``replaydiff: MESSAGE`` (``kind``: 'warning', 'error'), with its newline."""
+    return f"replaydiff: {kind + ': ' if kind else ''}{message}\n"
+
+
+def say(message: str, file: TextIO | None = None) -> None:
+    """Write a line for people (what was written, what happens next) on stderr, or ``file``."""
+    (file or sys.stderr).write(line(message))
+
+
+def warn(message: str, file: TextIO | None = None) -> None:
+    """Write a warning: the command goes on, and its result may not be what the user expects."""
+    (file or sys.stderr).write(line(message, "warning"))
+
+
+def fail(message: str, code: ExitCode = ExitCode.USAGE, file: TextIO | None = None) -> ExitCode:
+    """Write an error line and return the exit code to end with."""
+    (file or sys.stderr).write(line(message, "error"))
+    return code
 
 
 class ReplaydiffError(Exception):

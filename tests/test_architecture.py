@@ -101,8 +101,13 @@ LAYERS = {  # a package may import only from these (besides itself)
     "replaydiff.record": _BOTTOM | {"replaydiff.trace", "replaydiff.faults"},
     "replaydiff.replay": _BOTTOM | {"replaydiff.trace", "replaydiff.compare"},
     "replaydiff.diff": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.causes"},
-    "replaydiff.report": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.diff",
-                                    "replaydiff.causes"},
+    # analysis over the steps of a trace (trend, where a difference enters): results that report/ renders
+    "replaydiff.trend": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.diff"},
+    # the health report of a replay: its checks, and causes found with their evidence (re-running the culprit)
+    "replaydiff.health": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.causes"},
+    "replaydiff.report": _BOTTOM | {"replaydiff.trace", "replaydiff.record", "replaydiff.compare", "replaydiff.replay",
+                                    "replaydiff.diff", "replaydiff.causes", "replaydiff.trend", "replaydiff.health",
+                                    "replaydiff.repro"},
     # writing a repro directory: the op's description (what replay compares, its limits) and the script
     "replaydiff.repro": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay"},
 }
@@ -373,9 +378,9 @@ def _hint_texts(p: Path) -> list[tuple[int, str]]:
 def test_known_causes_are_one_table() -> None:
     """The hints and remedies of known causes live in replaydiff/causes.py only: the same sentence (TF32's was in both
     the health report and diff's environment hints) in a second module is a copy that will drift."""
+    from replaydiff import health  # noqa: F401  (registers the health report's finders)
     from replaydiff.causes import CAUSES, finders
     from replaydiff.diff.environment import environment_diff
-    from replaydiff.report import health  # noqa: F401  (registers the health report's finders)
 
     # both readers take their words from the table: the health report's causes and diff's hints
     assert {c.kind for c, _ in finders()} == {"tf32", "nondeterministic_kernel", "threads", "rounding", "collective"}
@@ -475,3 +480,137 @@ def test_modes_and_precisions_are_compared_as_their_types() -> None:
     assert RecordOptions(tensors="stats").tensors is TensorMode.STATS  # the CLI's and the API's spelling
     assert ReplayOptions(precision="same").precision is Precision.SAME
     assert f"{TensorMode.META} {Precision.FP32}" == "meta fp32"  # on disk, in JSON and in text as before
+
+
+# -- one shape for every verb: analysis returns a result, a renderer reads it, the CLI parses, calls and exits -------
+# Modules whose analysis still lives beside their rendering (none now: a module that has to be named here says why).
+_NOT_YET_ONE_SHAPE: set[str] = set()
+# What a CLI module may take from the trace package: the way to open the trace it was given (and its type), the
+# phase names its --phase choices list, and show's analysis (``trace/summary.py``).
+_CLI_TRACE_NAMES = {"open_trace", "Trace", "PHASES"}
+_CLI_TRACE_MODULES = {"replaydiff.trace.summary"}
+
+
+def _imports(p: Path) -> list[tuple[int, str, str]]:
+    """(line, module, name) of each ``from M import name`` and (line, M, '') of each ``import M`` in ``p``."""
+    found = []
+    for node in ast.walk(ast.parse(p.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found += [(node.lineno, node.module, a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, "") for a in node.names]
+    return found
+
+
+def renderer_reads_a_trace(p: Path) -> list[str]:
+    """Where the renderer ``p`` opens a trace or takes a reader of one, instead of reading the result it was given."""
+    readers = {"open_trace", "Trace", "RankTrace", "OpReader"}
+    found = [f"{line}: imports {module}.{name}" for line, module, name in _imports(p)
+             if module.startswith("replaydiff.trace") and (name in readers or module == "replaydiff.trace.reader")]
+    for node in ast.walk(ast.parse(p.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "open_trace":
+            found.append(f"{node.lineno}: calls open_trace")
+    return found
+
+
+def cli_reads_the_trace_itself(p: Path) -> list[str]:
+    """Where the CLI module ``p`` takes from the trace package more than the way to open the trace it was given."""
+    return [f"{line}: imports {module}{'.' + name if name else ''}" for line, module, name in _imports(p)
+            if module.startswith("replaydiff.trace") and module not in _CLI_TRACE_MODULES
+            and name not in _CLI_TRACE_NAMES]
+
+
+def test_renderers_read_results_and_open_no_trace() -> None:
+    """report/ holds renderers only: each reads the result an analysis returned (TrendResult, HealthReport,
+    ShowSummary, Estimate, RecordingOutcome, ReplayReport, DiffResult) and never opens the trace to compute more."""
+    offenders = []
+    for p in _python_files(PKG / "report"):
+        if _rel(p) not in _NOT_YET_ONE_SHAPE:
+            offenders += [f"{_rel(p)}:{x}" for x in renderer_reads_a_trace(p)]
+    assert offenders == []
+
+
+def test_cli_modules_open_the_trace_given_and_compute_nothing_else_from_it() -> None:
+    """A verb's module parses, calls the analysis, renders and maps the result to an exit code: from the trace
+    package it takes only ``open_trace`` (for the trace on its command line) and show's analysis."""
+    offenders = []
+    for p in _python_files(PKG / "cli"):
+        if _rel(p) not in _NOT_YET_ONE_SHAPE:
+            offenders += [f"{_rel(p)}:{x}" for x in cli_reads_the_trace_itself(p)]
+    assert offenders == []
+
+
+def test_the_one_shape_checks_catch_a_planted_renderer_and_cli_module(tmp_path: Path) -> None:
+    renderer = tmp_path / "renderer.py"
+    renderer.write_text("from replaydiff.trace import open_trace\nfrom replaydiff.trace.reader import RankTrace\n\n"
+                        "def render_text(result, out):\n    t = open_trace(result.path)\n")
+    assert [x.split(": ", 1)[1] for x in renderer_reads_a_trace(renderer)] == [
+        "imports replaydiff.trace.open_trace", "imports replaydiff.trace.reader.RankTrace", "calls open_trace"]
+    cli = tmp_path / "cli.py"
+    cli.write_text("from replaydiff.trace import open_trace, describe_missing\n"
+                   "from replaydiff.trace.schema import LEFT_OUT_BUDGET, PHASES\n"
+                   "from replaydiff.trace.summary import summarise\nimport replaydiff.trace.sync\n")
+    assert [x.split(": ", 1)[1] for x in cli_reads_the_trace_itself(cli)] == [
+        "imports replaydiff.trace.describe_missing", "imports replaydiff.trace.schema.LEFT_OUT_BUDGET",
+        "imports replaydiff.trace.sync"]
+    assert _NOT_YET_ONE_SHAPE <= {_rel(p) for p in _python_files(PKG)}  # no stale exemption
+
+
+# -- the CLI speaks one dialect ----------------------------------------------------------------------------------
+_OTHERS_MESSAGES = {"replaydiff/report/diff_text.py", "replaydiff/report/repro.py"}  # parallel work in progress
+
+
+def hand_typed_prefixes(source: str) -> list[int]:
+    """Lines where ``source`` types the ``replaydiff: `` prefix of a line for stderr itself, instead of calling
+    errors.say/warn/fail/line."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        first = node.values[0] if isinstance(node, ast.JoinedStr) and node.values else node
+        if isinstance(first, ast.Constant) and isinstance(first.value, str) and \
+                first.value.startswith("replaydiff: "):
+            found.append(node.lineno)
+    return sorted(set(found))
+
+
+def test_the_cli_and_the_renderers_say_their_lines_through_one_helper() -> None:
+    offenders = [f"{_rel(p)}:{n}" for p in _python_files(PKG / "cli", PKG / "report")
+                 if _rel(p) not in _OTHERS_MESSAGES for n in hand_typed_prefixes(p.read_text())]
+    assert offenders == []
+    assert hand_typed_prefixes('import sys\nsys.stderr.write(f"replaydiff: warning: {w}\\n")\nx = "replaydiff: hi"\n'
+                               'say(f"wrote {out}")\n') == [2, 3]
+
+
+def test_every_verbs_help_lists_every_exit_code(capsys) -> None:
+    import pytest
+
+    from replaydiff.cli.main import main
+    from replaydiff.errors import ExitCode
+
+    verbs = ("record", "show", "replay", "diff", "trend", "repro", "report", "demo", "tui")
+    for verb in verbs:
+        with pytest.raises(SystemExit):
+            main([verb, "--help"])
+        text = capsys.readouterr().out
+        listed = text[text.index("\nexit codes:\n"):].splitlines()[1:]
+        codes = [int(row.split()[0]) for row in listed if row[:6].strip().isdigit()]
+        assert codes == [c for c in ExitCode if c is not ExitCode.BROKEN_PIPE], verb
+
+
+def test_each_verbs_result_is_frozen() -> None:
+    """A renderer reads a value that analysis returned once; nothing sets its fields afterwards."""
+    from dataclasses import FrozenInstanceError, fields
+
+    import pytest
+
+    from replaydiff.health import HealthReport
+    from replaydiff.record.estimate import Estimate, WriteRate
+    from replaydiff.record.outcome import RecordingOutcome
+    from replaydiff.trace.summary import OpDetail, OpListing, RankSummary, ShowSummary
+    from replaydiff.trend import Series, TrendResult
+    from replaydiff.trend.entry import EntryFinding
+
+    for kind in (TrendResult, Series, EntryFinding, HealthReport, ShowSummary, RankSummary, OpDetail, OpListing,
+                 Estimate, WriteRate, RecordingOutcome):
+        obj = object.__new__(kind)
+        with pytest.raises(FrozenInstanceError):
+            setattr(obj, fields(kind)[0].name, None)

@@ -301,9 +301,9 @@ def test_estimate_json_and_the_ranks_that_fit_a_budget(tmp_path, monkeypatch, ca
                                                                              f"{m['module']}.*"]
         for m in r1["budget"]["fitting_modules"])
     assert doc["budget"] == {"bytes": 8 << 20, "per": "rank", "reserve": 838860, "ranks_that_fit": [0],
-                             "flags": ["--ranks", "0", "--budget", "8M"]}
+                             "flags": ["--rank", "0", "--budget", "8M"]}
     out = capsys.readouterr().out  # with --json FILE the text is printed too
-    assert "--budget 8M fits rank 0 whole, not rank 1: `record --ranks 0 --budget 8M` records it complete" in out
+    assert "--budget 8M fits rank 0 whole, not rank 1: `record --rank 0 --budget 8M` records it complete" in out
 
     # what the estimate says fits does: rank 0 recorded for real under the budget leaves nothing out (that the
     # transformer's step does not fit 8M: test_a_budget_gives_the_selected_modules_data_first)

@@ -518,14 +518,14 @@ def test_record_of_the_step_after_the_last_is_never_reached_and_a_range_says_wha
 
 @pytest.mark.slow
 def test_record_with_no_process_of_the_ranks_asked_says_the_rank_it_ran_as(tmp_path, cli):
-    """`--ranks 7` of a single-process job: no process had a rank in --ranks 7, and the line says it ran as rank 0
+    """`--rank 7` of a single-process job: no process had a rank in --rank 7, and the line says it ran as rank 0
     (the hook did run); exit 2, nothing written."""
     (tmp_path / "train.py").write_text(TRAIN.replace("sys.exit(3)", ""))
     proc = cli("record", "--step", "2", "--ranks", "7", "-o", "rk", "--", sys.executable, "train.py",
                cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == \
-        "replaydiff: nothing was recorded into rk: no process of the command had a rank in --ranks 7: it ran as " \
+        "replaydiff: nothing was recorded into rk: no process of the command had a rank in --rank 7: it ran as " \
         "rank 0", proc.stderr
     assert not (tmp_path / "rk").exists()
 
@@ -707,13 +707,13 @@ def test_a_plant_in_a_compiled_region_warns_in_one_line_why_the_region_ran_eager
 
 @pytest.mark.slow
 def test_record_warns_of_ranks_the_job_does_not_have(tmp_path):
-    """`--ranks 0,3` of a 2-process job recorded rank 0 alone without a word; here a 1-process job (rank 0 of 1)."""
+    """`--rank 0,3` of a 2-process job recorded rank 0 alone without a word; here a 1-process job (rank 0 of 1)."""
     (tmp_path / "train.py").write_text(TRAIN.replace("sys.exit(3)", ""))
-    proc = replaydiff_cli("record", "--step", "2", "--ranks", "0,3", "-o", "t", "--", sys.executable, "train.py",
-                          cwd=tmp_path)
+    proc = replaydiff_cli("record", "--step", "2", "--rank", "0", "--rank", "3", "-o", "t", "--", sys.executable,
+                          "train.py", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("replaydiff: warning:")]
-    assert warnings == ["replaydiff: warning: --ranks 0,3: rank 3 is not in this job of 1 process (rank 0); "
+    assert warnings == ["replaydiff: warning: --rank 0,3: rank 3 is not in this job of 1 process (rank 0); "
                         "recorded rank 0"], proc.stderr
     assert open_trace(tmp_path / "t").ranks == [0]
 

@@ -331,16 +331,17 @@ def test_an_op_range_that_selects_nothing_is_a_usage_error(capsys):
 
 
 def test_an_ops_glob_that_selects_nothing_is_a_usage_error(capsys):
-    """`--ops 'nosuch*'` selects no op: a usage error (exit 2), not a clean replay of nothing."""
+    """`--op 'nosuch*'` selects no op: a usage error (exit 2), not a clean replay of nothing; the former spelling
+    ``--ops`` selects the same (last lines)."""
     path = str(rh.step_trace("mlp"))
-    proc = run_main(capsys, "replay", path, "--ops", "nosuch*")
+    proc = run_main(capsys, "replay", path, "--op", "nosuch*")
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr == f"replaydiff: error: --ops nosuch* matches no op of the trace, so nothing would be " \
+    assert proc.stderr == f"replaydiff: error: --op nosuch* matches no op of the trace, so nothing would be " \
                           f"replayed (`replaydiff show {path} --list` lists the ops)\n"
     assert proc.stdout == ""
     proc = run_main(capsys, "replay", path, "--ops", "aten.mm*", "--from", "0", "--to", "0")
     assert proc.returncode == 2 and "matches no op of the trace within --from/--to" in proc.stderr, proc.stderr
-    proc = run_main(capsys, "replay", path, "--ops", "nosuch*", "--ops", "aten.mm*")
+    proc = run_main(capsys, "replay", path, "--op", "nosuch*", "--ops", "aten.mm*")
     assert proc.returncode == 0 and "skipped" in proc.stdout, proc.stdout + proc.stderr
 
 

@@ -979,7 +979,7 @@ def _train_compiled(steps: int, spike: int) -> None:
 def test_trend_of_a_stats_trace_scores_units_and_its_zoom_in_records_them_in_full(tmp_path):
     """A unit's outputs have statistics like an op's: trend's first change is the forward unit at the spike step,
     under its module; recording the zoom-in trend prints (full tensors, that module) stores the units' tensors."""
-    from replaydiff.report.trend import compute_trend
+    from replaydiff.trend import compute_trend
 
     torch._dynamo.reset()
     with replaydiff.record(tmp_path / "t", tensors="stats", steps="1-16"):

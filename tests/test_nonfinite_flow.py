@@ -18,8 +18,8 @@ import replay_helpers as rh
 from replaydiff.cli.main import main
 from replaydiff.faults import PlantedFault
 from replaydiff.record import record
-from replaydiff.report.trend import compute_trend
 from replaydiff.trace import open_trace
+from replaydiff.trend import compute_trend
 
 _NEVER_KEPT = "so they reach no loss, gradient, parameter or output of the step (information, not a fault)"
 

@@ -22,8 +22,8 @@ import transformers  # part of the `test` extra
 import replaydiff
 from replaydiff.cli.main import main as cli_main
 from replaydiff.replay import ReplayOptions, replay_trace
-from replaydiff.report.trend import MIN_HISTORY, compute_trend
 from replaydiff.trace import open_trace
+from replaydiff.trend import MIN_HISTORY, compute_trend
 
 VOCAB, SEQ = 50, 8
 

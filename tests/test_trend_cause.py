@@ -16,9 +16,11 @@ import torch
 
 import replaydiff
 from replaydiff.cli.main import main as cli_main
-from replaydiff.report.entry import find_entry
-from replaydiff.report.trend import compute_trend, describe_cause
+from replaydiff.report.entry import describe_entry
+from replaydiff.report.trend import describe_cause
 from replaydiff.trace import open_trace
+from replaydiff.trend import compute_trend
+from replaydiff.trend.entry import find_entry
 
 SPIKE_STEP = 25
 
@@ -159,7 +161,7 @@ def test_a_change_written_by_a_filtered_op_enters_from_it(tmp_path, tensors):
     e = find_entry(r)
     assert (e.index, e.position, e.step, e.producer) == (reader.index, 0, SPIKE_STEP, mul.index)
     assert f"input 0 of op #{reader.index} aten.t.default (Sequential.2, forward) at step {SPIKE_STEP}, from op " \
-           f"#{mul.index} aten.mul_.Tensor, which the record filter left out" in e.describe()
+           f"#{mul.index} aten.mul_.Tensor, which the record filter left out" in describe_entry(e)
 
 
 def test_clean_replay_of_one_zoomed_step_says_how_to_see_where_the_difference_enters(tmp_path, capsys):

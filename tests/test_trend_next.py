@@ -14,8 +14,9 @@ import torch
 
 import replaydiff
 from replaydiff.cli.main import main as cli_main
-from replaydiff.report.trend import compute_trend
+from replaydiff.report.trend import describe_late_window, to_json
 from replaydiff.trace import open_trace
+from replaydiff.trend import compute_trend
 
 from test_cli_record_show import child_env
 
@@ -163,7 +164,7 @@ def test_a_flight_window_that_began_after_the_change_says_so_and_the_flight_k_it
 
     from replaydiff.tui.screens.trend import LATE_ID, TrendScreen
 
-    assert (late.describe(), LATE_ID) in TrendScreen(t, str(short)).lines()  # the TUI's trend screen says it too
+    assert (describe_late_window(late), LATE_ID) in TrendScreen(t, str(short)).lines()  # the TUI's trend screen says it too
 
     longer = tmp_path / "longer"
     _adamw_lr_jump(longer, flight=late.keep)
@@ -226,7 +227,7 @@ def test_the_zoom_in_of_a_learning_rate_jump_replays_to_the_argument_it_entered_
     assert cause is not None and (cause.phase, cause.op, cause.how) == ("optimizer", "aten.add_.Tensor", "made")
     assert cause.step == LR_JUMP + 1 and cause.args_since == LR_JUMP
     assert cause.changed_args == ("alpha=-2.0 from step 12 on (-0.05 before)",)
-    zoom = t.to_json(str(stats))["zoom"]
+    zoom = to_json(t, str(stats))["zoom"]
     assert (zoom["steps"], zoom["ops"]) == (f"{LR_JUMP - 1}-{LR_JUMP}", ["aten.add_.Tensor"])
 
     out = tmp_path / "zoom"

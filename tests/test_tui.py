@@ -898,7 +898,7 @@ def multistep(tmp_path_factory):
 
 @sync
 async def test_t_shows_the_trend_and_enter_on_the_first_change_selects_its_op(multistep):
-    from replaydiff.report.trend import compute_trend
+    from replaydiff.trend import compute_trend
     from replaydiff.tui.screens.trend import TrendScreen
 
     path, changed = multistep

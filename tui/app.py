@@ -65,7 +65,7 @@ class ReplaydiffApp(Runs, Navigation, App):
         self._filter_timer = None
         self._filter_due: str | None = None  # filter text typed but not applied yet
         self._status_text = ""
-        self._trends: dict[int, Any] = {}  # rank -> Trend, computed the first time `t` is pressed
+        self._trends: dict[int, Any] = {}  # rank -> TrendResult, computed the first time `t` is pressed
         # a given report is applied right after the first paint: the rows show at once, their colours a moment later
         self._initial_report = report
 

@@ -103,7 +103,7 @@ class Navigation:
 
     def action_trend(self) -> None:
         """The per-module series of a multi-step trace (recorded with --steps or --flight) and its first change."""
-        from replaydiff.report.trend import NoSteps, NoTrend, compute_trend
+        from replaydiff.trend import NoSteps, NoTrend, compute_trend
 
         trend = self._trends.get(self.rank)
         if trend is None:

@@ -15,8 +15,11 @@ from pathlib import Path
 
 import torch
 
+from replaydiff.errors import ExitCode
+
 NAME = "demo"
 HELP = "record a tiny model step with a planted faulty kernel, replay it, print the culprit"
+EXIT_CODES = {ExitCode.OK: "the culprit found is the planted op", ExitCode.DIVERGENT: "it is not"}
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
@@ -75,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         if tmp:  # the path above is gone once the demo returns
             print(f"(the trace {tmp} was temporary and is deleted now: `replaydiff demo -o DIR` keeps it for show, "
                   f"replay, repro and tui)")
-        return 0 if hit else 1
+        return ExitCode.OK if hit else ExitCode.DIVERGENT
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -12,10 +12,13 @@ import argparse
 import sys
 
 from replaydiff.cli.tolerance_args import add_tolerance_args, tolerances_from_args
-from replaydiff.errors import EXIT_DIVERGENT, EXIT_OK, EXIT_TRACE, UsageError
+from replaydiff.errors import EXIT_DIVERGENT, EXIT_OK, EXIT_TRACE, ExitCode, UsageError, warn
 
 NAME = "diff"
 HELP = "diff two traces of a step and name the op where the runs part ways"
+EXIT_CODES = {ExitCode.OK: "the runs agree", ExitCode.DIVERGENT: "the runs part ways",
+              ExitCode.TRACE: "unreadable; or partial (a side whose recording stopped part-way) where the ops both "
+                              "hold agree"}
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
@@ -40,15 +43,16 @@ def run(args: argparse.Namespace) -> int:
     from replaydiff.report.diff_json import diff_to_json
     from replaydiff.report.diff_text import render_diff
 
-    if args.safety <= 0:
-        raise UsageError("--safety must be positive")
     tol = tolerances_from_args(args)
-    opts = DiffOptions(rank=args.rank, tolerances=tol, safety=args.safety, step=args.step)
+    try:
+        opts = DiffOptions(rank=args.rank, tolerances=tol, safety=args.safety, step=args.step)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     with progress_bar("diffing") as (set_total, advance):
         report = diff_traces(args.ref, args.target, opts, baseline=args.baseline, progress_total=set_total,
                              progress=advance)
     for w in report.warnings:
-        sys.stderr.write(f"replaydiff: warning: {w}\n")
+        warn(w)
     if args.json:
         write_json(args.json, diff_to_json(report))
     if args.json != "-":

@@ -1,24 +1,45 @@
 """Entry point: parse the verb, run it, turn library errors into one stderr line and an exit code.
 
-Exit codes: 0 clean, 1 divergence found, 2 usage error, 3 unreadable trace, 4 environment problem.
-A traceback is shown only with ``-v``.
+Exit codes are ``errors.ExitCode`` (0 clean, 1 a problem found, 2 usage, 3 unreadable trace, 4 environment, 130
+interrupted); each verb's --help lists them all with what each means for it. A traceback is shown only with ``-v``.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import textwrap
 import traceback
 
 from replaydiff import __version__
-from replaydiff.errors import EXIT_USAGE, ReplaydiffError
+from replaydiff.errors import ExitCode, ReplaydiffError, fail, say
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse exits 2 too; keep its message on one line
         self.print_usage(sys.stderr)
-        sys.stderr.write(f"replaydiff: error: {message}\n")
-        raise SystemExit(EXIT_USAGE)
+        raise SystemExit(fail(message))
+
+
+_CODES = (ExitCode.OK, ExitCode.DIVERGENT, ExitCode.USAGE, ExitCode.TRACE, ExitCode.ENVIRONMENT,
+          ExitCode.INTERRUPTED)
+
+
+def exit_codes_help(meanings: dict[ExitCode, str]) -> str:
+    """The epilog of a verb's --help: every exit code, with what it means for the verb (``meanings``) where it says
+    more than the code's own meaning."""
+    return "exit codes:\n" + "".join(f"  {int(c):>3}  {meanings.get(c, c.meaning)}\n" for c in _CODES)
+
+
+class _Formatter(argparse.HelpFormatter):
+    """argparse's own, but the exit codes stay one to a line (each wrapped under its own text)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if not text.startswith("exit codes:\n"):
+            return super()._fill_text(text, width, indent)
+        head, *rows = text.splitlines()
+        return "\n".join([indent + head] + [textwrap.fill(r[7:], width, initial_indent=indent + r[:7],
+                                                          subsequent_indent=indent + " " * 7) for r in rows])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks for errors")
     sub = p.add_subparsers(dest="verb", metavar="COMMAND", parser_class=_Parser)
     for mod in (record, show, replay, diff, trend, repro, report, demo, tui):
-        sp = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.__doc__)
+        sp = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.__doc__, formatter_class=_Formatter,
+                            epilog=exit_codes_help(getattr(mod, "EXIT_CODES", {})))
         sp.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="show tracebacks for errors")
         mod.prepare_parser(sp)
@@ -46,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         (getattr(args, "verb_parser", None) or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "verb", None):
         parser.print_help(sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     try:
         if isinstance(getattr(args, "json", None), str):  # --json FILE of any verb: refused before the work
             from replaydiff.cli.progress import check_json_dest
@@ -56,14 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     except ReplaydiffError as exc:
         if args.verbose:
             traceback.print_exc()
-        sys.stderr.write(f"replaydiff: error: {exc}\n")
-        return exc.exit_code
+        return fail(str(exc), exc.exit_code)
     except KeyboardInterrupt:
-        sys.stderr.write("replaydiff: interrupted\n")
-        return 130
+        say("interrupted")
+        return ExitCode.INTERRUPTED
     except BrokenPipeError:  # `replaydiff show trace | head`: the reader left; leave quietly, as cat would
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+        return ExitCode.BROKEN_PIPE
 
 
 if __name__ == "__main__":

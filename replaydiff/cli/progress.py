@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from replaydiff.errors import UsageError
+from replaydiff.errors import UsageError, say
 
 
 @contextmanager
@@ -50,7 +50,7 @@ class PlainProgress:
         if now - self.last < self.every:
             return
         self.last = now
-        sys.stderr.write(f"replaydiff: {self.line(now)}\n")
+        say(self.line(now))
         sys.stderr.flush()
 
     def line(self, now: float) -> str:

@@ -1,7 +1,7 @@
 """Replay every op of a trace alone from its recorded inputs and name the earliest divergent op.
 
 Exit code 0 when nothing diverged, 1 when something did (or was nondeterministic), 2 for a usage error (a trace
-recorded with --tensors stats or meta, which holds no data to replay; a --from/--to range or --ops glob with no op
+recorded with --tensors stats or meta, which holds no data to replay; a --from/--to range or --op glob with no op
 in it; a --json FILE that cannot be written; a rank the trace does not hold), 3 for an unreadable trace (and for a
 damaged one whose ops that are there show no divergence: the missing ops are listed, and for a partial one, whose
 recording stopped part-way: where and why are said), 4 when the device is missing.
@@ -12,8 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from replaydiff.cli.flags import add_op_arg, add_rank_arg, ranks_of
 from replaydiff.cli.tolerance_args import add_tolerance_args, tolerances_from_args
-from replaydiff.errors import EXIT_DIVERGENT, EXIT_OK, EXIT_TRACE, UsageError
+from replaydiff.errors import EXIT_DIVERGENT, EXIT_OK, EXIT_TRACE, ExitCode, UsageError, say, warn
 from replaydiff.replay import ReplayOptions, replay_trace
 from replaydiff.replay.policy import PRECISIONS
 
@@ -21,6 +22,17 @@ NAME = "replay"
 HELP = "replay each op in isolation and name the first divergent one"
 # Without a terminal (a batch job's log) a line of progress, with the time left, this often.
 _PLAIN_PROGRESS_SECONDS = 30.0
+EXIT_CODES = {
+    ExitCode.OK: "every op judged and none diverged",
+    ExitCode.DIVERGENT: "not clean: an op divergent or nondeterministic, replicas that part, an op that could not be "
+                        "replayed, ops whose data the recording left out (--budget, a full disk) or that computed but "
+                        "cannot be replayed, ops missing or a recording stopped part-way, or no op judged at all",
+    ExitCode.USAGE: "usage: a trace of --tensors stats or meta (no data to replay), a --from/--to range or --op glob "
+                    "with no op in it, a --json FILE that cannot be written, a rank the trace does not hold",
+    ExitCode.TRACE: "unreadable; or damaged or partial and the ops that are there show no divergence (the missing "
+                    "ops are listed, where and why a recording stopped is said)",
+    ExitCode.ENVIRONMENT: "the device asked for is missing",
+}
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
@@ -31,11 +43,11 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                         "recording backend")
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run each op N times; ops whose runs disagree are reported nondeterministic")
-    p.add_argument("--ops", action="append", metavar="GLOB", help="replay only ops whose name matches (repeatable)")
+    add_op_arg(p, "replay only ops whose name matches (repeatable)", old="--ops")
     p.add_argument("--from", dest="first", type=int, metavar="N",
                    help="first op number to replay (`replaydiff show TRACE --list` lists them)")
     p.add_argument("--to", dest="last", type=int, metavar="M", help="last op number to replay")
-    p.add_argument("--rank", dest="ranks", type=int, action="append", metavar="R", help="replay only this rank")
+    add_rank_arg(p, "replay only this rank (repeatable, or R,R,...)")
     p.add_argument("--workers", type=int, default=1, metavar="N", help="replay with N processes (same report)")
     p.add_argument("--threads", type=int, metavar="N",
                    help="CPU intra-op threads per process (default: the recorded count at --precision same on the "
@@ -64,23 +76,24 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> ReplayOptions:
-    if args.repeat < 1:
-        raise UsageError("--repeat must be at least 1")
+    """The options, checked by their type (as from Python); --workers is the engine's, checked here."""
     if args.workers < 1:
         raise UsageError("--workers must be at least 1")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError("--threads must be at least 1")
     tol = tolerances_from_args(args)
-    return ReplayOptions(device=args.device, precision=args.precision, repeat=args.repeat, ops=args.ops,
-                         first=args.first, last=args.last, ranks=args.ranks, tolerances=tol, threads=args.threads,
-                         imports=args.imports, reference=args.reference,
-                         reference_modules=args.reference_modules)
+    try:
+        return ReplayOptions(device=args.device, precision=args.precision, repeat=args.repeat, ops=args.ops,
+                             first=args.first, last=args.last, ranks=ranks_of(args), tolerances=tol,
+                             threads=args.threads, imports=args.imports, reference=args.reference,
+                             reference_modules=args.reference_modules)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
     from replaydiff.cli.progress import progress_bar, write_json
     from replaydiff.report import render_replay, report_to_json
-    from replaydiff.report.entry import entry_of_clean_replay, no_entry_note, one_step_note
+    from replaydiff.report import entry as entry_report
+    from replaydiff.trend.entry import entry_of_replay
 
     from replaydiff.replay.distributed import launched_by_torchrun, replay_sharded
     from replaydiff.replay.engine import keep_freed_memory
@@ -101,9 +114,8 @@ def run(args: argparse.Namespace) -> int:
         from replaydiff.replay.journal import default_dir
 
         def resumed(count: int, path: Path) -> None:
-            sys.stderr.write(f"replaydiff: resuming: {count} op(s) judged by an earlier run kept ({path})\n"
-                             if count else f"replaydiff: nothing to resume ({path} holds no results of this "
-                                           f"replay): replaying every op\n")
+            say(f"resuming: {count} op(s) judged by an earlier run kept ({path})" if count else
+                f"nothing to resume ({path} holds no results of this replay): replaying every op")
 
         journal: list[Path] = []  # the journal's file, once the replay has opened it
         try:
@@ -113,17 +125,18 @@ def run(args: argparse.Namespace) -> int:
                                       on_resumed=resumed, on_journal=journal.append)
         except KeyboardInterrupt:
             if journal and journal[0].exists():  # a replay that judged no op leaves no journal
-                sys.stderr.write(f"replaydiff: the ops judged so far are kept in {journal[0]}: the same command "
-                                 f"with --resume replays only the rest (a finished replay removes that file)\n")
+                say(f"the ops judged so far are kept in {journal[0]}: the same command with --resume replays "
+                    f"only the rest (a finished replay removes that file)")
             else:
-                sys.stderr.write("replaydiff: no op was judged yet: there is nothing for --resume to keep\n")
+                say("no op was judged yet: there is nothing for --resume to keep")
             raise
     for w in report.warnings:
-        sys.stderr.write(f"replaydiff: warning: {w}\n")
-    entry = entry_of_clean_replay(args.trace, report, opts)  # where a difference comes into a clean trace
+        warn(w)
+    finding = entry_of_replay(args.trace, report, opts)  # where a difference comes into a clean trace
+    entry = finding.entry
     if args.json:
         doc = report_to_json(report)
-        doc["enters"] = None if entry is None else entry.to_json()
+        doc["enters"] = entry_report.to_json(finding)
         write_json(args.json, doc)
     if args.json != "-":
         nf = report.nonfinite_entry
@@ -131,10 +144,7 @@ def run(args: argparse.Namespace) -> int:
             nf.nonfinite_input.argument is None and \
             (nf.rank, nf.index, nf.nonfinite_input.position) == (entry.rank, entry.index, entry.position)
         render_replay(report, sys.stdout, entry_said=same_entry)
-        note = entry.describe(report.counts()["skipped"]) if entry is not None else \
-            one_step_note(args.trace, report, opts) or no_entry_note(args.trace, report, opts)
-        if note is not None:
-            sys.stdout.write(note + "\n")
+        entry_report.render_text(finding, sys.stdout)
     if (report.missing or report.cut_short) and report.first_divergent is None:
         return EXIT_TRACE  # judged what was there; the rest of the trace is gone or never recorded (listed)
     return EXIT_DIVERGENT if report.found_problem else EXIT_OK

@@ -17,10 +17,15 @@ import os
 import sys
 from pathlib import Path
 
-from replaydiff.errors import EXIT_DIVERGENT, EXIT_OK, EXIT_TRACE, UsageError
+from replaydiff.errors import ExitCode, UsageError, say, warn
 
 NAME = "report"
 HELP = "write a health report (markdown or HTML) from a trace and its replay JSON"
+EXIT_CODES = {ExitCode.OK: "every check passes", ExitCode.DIVERGENT: "a check FAILs (the replay found a problem)",
+              ExitCode.USAGE: "usage; or RESULT.json is a replay of another trace (one that exists at the path it "
+                              "names)",
+              ExitCode.TRACE: "unreadable; or ops missing or a recording stopped part-way, and the replay named no "
+                              "divergent op"}
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
@@ -35,7 +40,8 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from replaydiff.report.health import build_health, render_html, render_markdown
+    from replaydiff.health import build_health
+    from replaydiff.report.health import render_html, render_markdown
     from replaydiff.report.json_report import load_replay_json
     from replaydiff.trace import open_trace
 
@@ -50,15 +56,13 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"{args.replay} is a replay of {report.trace}, not {args.trace}: replay {args.trace} "
                              f"with --json, or report {report.trace}")
         # The recorded path is not found from here (the trace moved, or replay ran in another folder).
-        sys.stderr.write(f"replaydiff: warning: {args.replay} is a replay of {report.trace}, not {args.trace}\n")
+        warn(f"{args.replay} is a replay of {report.trace}, not {args.trace}")
     health = build_health(trace, report, probe=not args.no_probe)
     buf = io.StringIO()
     (render_html if fmt == "html" else render_markdown)(health, buf)
     if args.out:
         Path(args.out).write_text(buf.getvalue())
-        sys.stderr.write(f"replaydiff: wrote {args.out}\n")
+        say(f"wrote {args.out}")
     else:
         sys.stdout.write(buf.getvalue())
-    if (trace.missing_ops or trace.cut_short or report.cut_short) and not report.first_divergent:
-        return EXIT_TRACE  # a damaged or partial trace is never reported healthy (its check says what and where)
-    return EXIT_DIVERGENT if report.found_problem or health.failed else EXIT_OK
+    return health.exit_code

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from replaydiff.errors import UsageError
-from replaydiff.trace import describe_missing, open_trace
+from replaydiff.errors import ExitCode, UsageError, warn
+from replaydiff.trace import open_trace
 
 NAME = "repro"
 HELP = "write a standalone script (torch + safetensors only) that re-runs one recorded op"
+EXIT_CODES = {ExitCode.OK: "the repro directory was written", ExitCode.DIVERGENT: "not used by repro"}
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
@@ -28,29 +28,16 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from replaydiff.repro.write import DATA, INPUTS, SCRIPT, is_repro_file, write_repro
+    from replaydiff.repro.write import rank_damage, repro_op
 
     trace = open_trace(args.trace)
-    rank = trace.ranks[0] if args.rank is None else args.rank
-    rt = trace.rank(rank)  # UsageError for a rank the trace does not hold
-    for line in describe_missing(rt.missing_ops):  # the op asked for reads (or raises, naming its file) below
-        sys.stderr.write(f"replaydiff: warning: the trace is damaged: {line}\n")
-    if not 0 <= args.op < len(rt):
-        raise UsageError(f"op {args.op} is not in rank {rank} (ops 0..{len(rt) - 1})")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"-o {args.out} is not a directory (a file is there)")
-    existing = [p for p in (out / SCRIPT, out / DATA, out / INPUTS) if p.exists()]
-    if existing and not args.force:
-        raise UsageError(f"{existing[0]} exists; pass --force to overwrite it")
-    foreign = [p for p in existing if not is_repro_file(p)]
-    if foreign:  # --force replaces a repro, never a user's file that has the same name
-        raise UsageError(f"{foreign[0]} was not written by `replaydiff repro`: not overwriting it (move it or "
-                         f"choose another -o)")
-    files = write_repro(rt, rt[args.op], out, source_trace=args.trace)
-    if rt.planted is not None:
-        sys.stdout.write(f"PLANTED FAULT (record --plant): {rt.planted.describe()}\n")
+    for line in rank_damage(trace, args.rank):
+        warn(f"the trace is damaged: {line}")
+    done = repro_op(trace, args.op, args.out, rank=args.rank, force=args.force, source_trace=args.trace)
+    if done.planted is not None:
+        sys.stdout.write(f"PLANTED FAULT (record --plant): {done.planted}\n")
+    files = done.files
     sys.stdout.write(f"wrote {files.script}, {files.data} and {files.inputs} ({files.nbytes} bytes of tensor data). "
                      f"Run:\n"
                      f"  python {files.script} [--device cuda]\n")
-    return 0
+    return ExitCode.OK

@@ -12,13 +12,14 @@ import argparse
 import sys
 
 from replaydiff.cli.progress import write_json
-from replaydiff.errors import UsageError
-from replaydiff.report.trend import (DEFAULT_THRESHOLD, DEFAULT_WINDOW, NoTrend, compute_trend, render_svg,
-                                     render_trend)
+from replaydiff.errors import ExitCode, UsageError, say
+from replaydiff.report.trend import render_svg, render_text, to_json
 from replaydiff.trace import open_trace
+from replaydiff.trend import DEFAULT_THRESHOLD, DEFAULT_WINDOW, NoTrend, compute_trend
 
 NAME = "trend"
 HELP = "per-module statistics over many steps, and the first sudden change"
+EXIT_CODES = {ExitCode.OK: "no sudden change", ExitCode.DIVERGENT: "a sudden change found"}
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
@@ -44,11 +45,11 @@ def run(args: argparse.Namespace) -> int:
     except NoTrend as exc:
         raise UsageError(f"{args.trace}: {exc}") from None
     if args.json != "-":
-        render_trend(trend, sys.stdout, trace=args.trace)
+        render_text(trend, sys.stdout, trace=args.trace)
     if args.json:
-        write_json(args.json, trend.to_json(args.trace), indent=None)
+        write_json(args.json, to_json(trend, args.trace), indent=None)
     if args.plot:
         with open(args.plot, "w") as f:
             render_svg(trend, f)
-        sys.stderr.write(f"replaydiff: plot written to {args.plot}\n")
-    return 1 if trend.first_change is not None else 0
+        say(f"plot written to {args.plot}")
+    return ExitCode.DIVERGENT if trend.first_change is not None else ExitCode.OK

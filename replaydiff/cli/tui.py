@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from replaydiff.errors import EXIT_OK, UsageError
+from replaydiff.errors import EXIT_OK, ExitCode, UsageError
 from replaydiff.replay.policy import PRECISIONS, ReplayOptions
 
 NAME = "tui"
 HELP = "browse a trace and its replay in a terminal UI"
+EXIT_CODES = {ExitCode.OK: "the UI was closed", ExitCode.DIVERGENT: "not used by tui"}
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:

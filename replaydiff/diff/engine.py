@@ -42,6 +42,10 @@ class DiffOptions:
     safety: float = DEFAULT_SAFETY  # baseline mode: limit = safety x the two reference runs' own difference
     step: int | None = None  # only this step of a trace recorded with step numbers (--steps, --step N)
 
+    def __post_init__(self) -> None:  # refused from Python as from the CLI, which says it as a usage error
+        if not self.safety > 0:
+            raise ValueError(f"--safety must be positive, not {self.safety!r}")
+
     def to_dict(self) -> dict:
         return {"rank": self.rank, "tolerances": {k: list(v) for k, v in self.tolerances.limits.items()},
                 "scale_reductions": self.tolerances.scale_reductions, "safety": self.safety, "step": self.step}

@@ -87,7 +87,7 @@ class _Region:
         self.marked = False  # one of its frames was marked "skip" by torch during this recording
         self.units = False  # its graphs were compiled by the capture backend: its calls are compiled units
 
-    def as_dict(self) -> dict:
+    def to_json(self) -> dict:
         hows = [c.how() for c in self.calls]
         counts = {h: hows.count(h) for h in (EAGER, COMPILED, MIXED, UNKNOWN) if h in hows}
         how = next(iter(counts)) if len(counts) == 1 else (MIXED if counts else UNKNOWN)
@@ -410,7 +410,7 @@ class CompiledRegionTracker:
             log.debug("compiled-region tracker: stop: %s", exc)
         self._unmark()
         try:
-            self._result = [r.as_dict() for r in self._regions.values() if r.calls]
+            self._result = [r.to_json() for r in self._regions.values() if r.calls]
         except Exception as exc:
             log.debug("compiled-region tracker: summary: %s", exc)
             self._result = []
@@ -436,7 +436,7 @@ class CompiledRegionTracker:
 
     def regions(self) -> list[dict]:
         """The regions seen so far (a snapshot; ``stop()`` gives the final list)."""
-        return [r.as_dict() for r in self._regions.values() if r.calls]
+        return [r.to_json() for r in self._regions.values() if r.calls]
 
     def first_warning(self) -> str | None:
         """A one-sentence warning the first time a region has been seen; None before that and after.

@@ -22,12 +22,62 @@ from replaydiff import aten
 from replaydiff.record.budget import BLOB_OVERHEAD, format_size, records_reserve
 from replaydiff.record.options import in_filter
 from replaydiff.trace.format import OPS_DIR
-from replaydiff.trace.reader import RankTrace
+from replaydiff.trace.reader import RankTrace, open_trace
 from replaydiff.trace.schema import OpRecord
 
 RNG_STATE_BYTES = {"cpu": 5056, "cuda": 16}  # torch.get_rng_state() / torch.cuda.get_rng_state() sizes
 OUTSIDE = "(outside any module)"
 FITS = 8  # module selections listed as fitting a budget, largest first
+
+
+@dataclass(frozen=True)
+class WriteRate:
+    """The disk's write rate where the trace would go, as measured (None, with the error, when it could not be)."""
+
+    bytes_per_s: float | None
+    directory: Path
+    error: str | None = None
+
+    @property
+    def how(self) -> str:
+        return f"{PROBE_BYTES >> 20} MiB written and synced to disk in {self.directory}"
+
+    def seconds(self, nbytes: int) -> float | None:
+        return nbytes / self.bytes_per_s if self.bytes_per_s else None
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """``record --estimate``: what a full recording of ``what`` ("step 3", "steps 1-4") would write on each rank, at
+    the disk's write ``rate``; with a --module/--op selection what that stores (``selection``: rank -> bytes), and
+    with a ``budget`` where it would stop each rank (``fits``), the ranks that fit it whole and the flags that
+    record them."""
+
+    what: str
+    rate: WriteRate
+    ranks: list[RankEstimate]
+    modules: list[str] | None
+    ops: list[str] | None
+    selection: dict[int, int]
+    budget: int | None
+    fits: dict[int, BudgetFit]
+    ranks_that_fit: list[int]
+    rank_flags: list[str] | None  # the flags that fit the budget by ranks (None: no rank fits it whole)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.data_bytes + e.records_bytes for e in self.ranks)
+
+
+def build_estimate(estimates: list[RankEstimate], what: str, rate: WriteRate, modules: list[str] | None = None,
+                   ops: list[str] | None = None, budget: int | None = None) -> Estimate:
+    selection = {e.rank: e.stored(modules, ops) + e.records_bytes for e in estimates} if modules or ops else {}
+    fits = {e.rank: e.fit(budget) for e in estimates} if budget else {}
+    fitting = ranks_that_fit(estimates, budget) if budget else []
+    flags = None
+    if fitting and budget:  # just --budget when every rank fits it whole
+        flags = ["--budget", format_size(budget)] if len(fitting) == len(estimates) else ranks_flags(fitting, budget)
+    return Estimate(what, rate, estimates, modules, ops, selection, budget, fits, fitting, flags)
 
 
 @dataclass
@@ -130,7 +180,7 @@ def ranks_that_fit(estimates: list[RankEstimate], budget: int) -> list[int]:
 
 def ranks_flags(ranks: list[int], budget: int) -> list[str]:
     """``record`` flags that record only these ranks, each under the budget."""
-    return ["--ranks", ",".join(map(str, ranks)), "--budget", format_size(budget)]
+    return ["--rank", ",".join(map(str, ranks)), "--budget", format_size(budget)]
 
 
 def module_globs(module: str) -> list[str]:
@@ -179,6 +229,11 @@ def estimate_rank(rt: RankTrace, max_tensor_bytes: int | None = None) -> RankEst
 
 
 PROBE_BYTES = 64 << 20  # written by measure_write_rate: enough to pass the page cache's first burst
+
+
+def estimate_trace(path: Path, max_tensor_bytes: int | None = None) -> list[RankEstimate]:
+    """The estimate of every rank of the meta trace at ``path``."""
+    return [estimate_rank(rt, max_tensor_bytes) for rt in open_trace(path)]
 
 
 def measure_write_rate(directory: Path, nbytes: int = PROBE_BYTES) -> float:

@@ -1,5 +1,5 @@
 """Record options: one dataclass shared by ``replaydiff.record()``, the ``record`` CLI verb, the ``--step`` hook and
-the manifest (which stores ``to_dict()``), so an option is defined, defaulted and checked in one place."""
+the manifest (which stores ``to_json()``), so an option is defined, defaulted and checked in one place."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
@@ -146,12 +146,12 @@ class RecordOptions:
             raise TypeError(f"unknown record option(s): {', '.join(sorted(unknown))}")
         return cls(tensors=tensors, compress=level, compress_auto=auto, **kw)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         """The options as the manifest stores them (RankTrace.options reads them back, typed)."""
         return wire_options(asdict(self))
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RecordOptions":
-        """Inverse of to_dict; keys this version does not know (a newer writer's) are ignored."""
+    def from_json(cls, d: dict[str, Any]) -> "RecordOptions":
+        """Inverse of to_json; keys this version does not know (a newer writer's) are ignored."""
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 import warnings
@@ -20,6 +19,7 @@ import torch
 
 from replaydiff.aten import current_rank, facts, iter_tensors, written_args
 from replaydiff.record.autostart._replaydiff_record_env import ENV_VAR  # set in children of the CLI
+from replaydiff.errors import warn
 from replaydiff.record.compiled import CompiledRegionTracker, no_filter, quiet_global_hook_warning
 from replaydiff.record.context import OpContext
 from replaydiff.record.environment import environment_snapshot
@@ -92,7 +92,7 @@ class Recorder:
                 raise FileExistsError(f"{self.rank_dir} already holds files ({', '.join(held[:3])}"
                                       f"{', ...' if len(held) > 3 else ''}); choose another directory")
             # source_root: relative file names in source lines are relative to it
-            manifest = wire_manifest(rank, world, environment_snapshot(rank, world), self.options.to_dict(),
+            manifest = wire_manifest(rank, world, environment_snapshot(rank, world), self.options.to_json(),
                                      time.time(), self.context.root, self.command)
             if self.options.flight:
                 self.writer = FlightBuffer(self.rank_dir, manifest, self.options, self._closing_facts)
@@ -414,7 +414,7 @@ class Recorder:
     def _warn(self, msg: str) -> None:
         if os.environ.get(ENV_VAR):  # a child of `replaydiff record`: one line, like the CLI's own warnings
             try:
-                sys.stderr.write(f"replaydiff: warning: {msg}\n")
+                warn(msg)
             except Exception:  # a closed stderr is no reason to raise into the job
                 pass
             return

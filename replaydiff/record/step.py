@@ -30,7 +30,7 @@ _armed = False  # once per process. The recorder itself is held only by its hook
 
 def _report_steps(folder: str, recorder: "weakref.ref[Any]") -> None:
     """Tell ``replaydiff record`` this process's rank and how many optimizer steps it ran, so that a step the script
-    never reaches ("the script ran 4 optimizer steps") and a job with no rank of --ranks ("it ran as rank 0") are
+    never reaches ("the script ran 4 optimizer steps") and a job with no rank of --rank ("it ran as rank 0") are
     said as such: one small file per process in a folder the CLI made. The recorder is reached through a weak
     reference: one that finished recording is gone by now: it says "finished" (every step asked for was reached),
     not how many steps ran."""
@@ -110,7 +110,7 @@ def install() -> None:
 
         _interrupts_show_the_jobs_frames()
         config = json.loads(raw)
-        options = RecordOptions.from_dict(config.get("options") or {})
+        options = RecordOptions.from_json(config.get("options") or {})
         step = int(config.get("step", 1))
         # --steps and --flight say which steps themselves; --step N alone is the one step N
         steps = None if (options.steps or options.flight) else StepRange(step, step, 1)

@@ -29,6 +29,8 @@ from replaydiff.replay.result import OpResult, ReplayReport, Status
 from replaydiff.replay.runner import OpReplayer
 from replaydiff.trace.damage import CutShort, MissingOps
 from replaydiff.trace.modes import TensorMode
+from replaydiff.trace.index import check_op_range
+from replaydiff.trace.summary import trace_uses
 from replaydiff.trace.sync import calls_unknown_from
 from replaydiff.trace.reader import RankTrace, Trace, open_trace
 from replaydiff.trace.schema import PlantedFaultInfo
@@ -125,18 +127,6 @@ def import_modules(modules: list[str]) -> None:
             raise EnvironmentProblem(f"--import {m}: {type(exc).__name__}: {exc}") from None
 
 
-def trace_uses(rt: RankTrace) -> list[str]:
-    """The verbs that can use ``rt``: ``replay`` only where tensor data was stored (``--tensors full``); ``trend``
-    only where statistics were stored for many steps (its series are statistics); ``diff`` and ``show`` always (a
-    diff of shapes only, for ``meta``)."""
-    tensors = rt.options.tensors or TensorMode.FULL
-    uses = ["replay"] if tensors.stores_data else []
-    uses.append("diff")
-    if tensors is TensorMode.STATS and (rt.options.steps or rt.options.flight):
-        uses.append("trend")
-    return uses + ["show"]
-
-
 def check_replayable(rt: RankTrace, where: object) -> None:
     """UsageError unless ``rt`` holds the tensor data replay runs ops on. A trace of statistics or shapes would have
     nearly every op skipped ("inputs not stored") and then read as "no divergent op"."""
@@ -149,18 +139,6 @@ def check_replayable(rt: RankTrace, where: object) -> None:
 
 def _either(words: list[str]) -> str:
     return " or ".join(words) if len(words) < 3 else ", ".join(words[:-1]) + " or " + words[-1]
-
-
-def check_op_range(first: int | None, last: int | None, count: int) -> None:
-    """UsageError unless ``--from first --to last`` selects at least one of op numbers 0..count-1 (``last`` may
-    run past the end: it only bounds)."""
-    if (first is not None and first < 0) or (last is not None and last < 0):
-        raise UsageError("op numbers count from 0: --from and --to take 0 or more")
-    if first is not None and last is not None and first > last:
-        raise UsageError(f"--from {first} is after --to {last}: no op is in that range")
-    if first is not None and first >= count:
-        raise UsageError(f"--from {first} is past the last op (#{count - 1})" if count else
-                         f"--from {first}: the trace holds no op")
 
 
 def plan(trace: Trace, opts: ReplayOptions) -> ReplayPlan:
@@ -197,7 +175,7 @@ def plan(trace: Trace, opts: ReplayOptions) -> ReplayPlan:
                                        and (opts.last is None or i <= opts.last)
                                        and not any(m.first <= i <= m.last for m in gone))))
     for r in trace.ranks:
-        # a rank not replayed (--ranks) whose missing ops held collectives: the replayed ranks' calls of its groups
+        # a rank not replayed (--rank) whose missing ops held collectives: the replayed ranks' calls of its groups
         # cannot be checked against it, so the replay is not clean either
         rt = trace.rank(r)
         if r not in ranks and calls_unknown_from(rt) is not None:
@@ -207,7 +185,7 @@ def plan(trace: Trace, opts: ReplayOptions) -> ReplayPlan:
 
 
 def check_ops_selected(trace: Trace, opts: ReplayOptions, shards: list[Shard]) -> None:
-    """UsageError when ``--ops`` matches no op that would be replayed: a replay of nothing would say that every
+    """UsageError when ``--op`` matches no op that would be replayed: a replay of nothing would say that every
     replayed op matches (exit 0), as --from/--to with no op in range already refuses."""
     if not opts.ops:
         return
@@ -216,7 +194,7 @@ def check_ops_selected(trace: Trace, opts: ReplayOptions, shards: list[Shard]) -
         if any(matches_any(names[i], opts.ops) for i in shard.indices):
             return
     within = " within --from/--to" if opts.first is not None or opts.last is not None else ""
-    raise UsageError(f"--ops {' '.join(opts.ops)} matches no op of the trace{within}, so nothing would be replayed "
+    raise UsageError(f"--op {' '.join(opts.ops)} matches no op of the trace{within}, so nothing would be replayed "
                      f"(`replaydiff show {trace.path} --list` lists the ops)")
 
 
@@ -257,7 +235,7 @@ def run_shard(rt: RankTrace, opts: ReplayOptions, shard: Shard, progress: Progre
 
 
 def finish(trace: Trace, p: ReplayPlan, results: list[OpResult]) -> ReplayReport:
-    report = ReplayReport(trace=p.path, options=p.options.as_dict(), warnings=list(p.warnings),
+    report = ReplayReport(trace=p.path, options=p.options.to_json(), warnings=list(p.warnings),
                           planted=list(p.planted), plants=list(p.plants), missing=list(p.missing),
                           cut_short=list(p.cut_short))
     report.ops = sorted(results, key=lambda r: (r.rank, r.index))

@@ -78,7 +78,7 @@ def _header(trace: Trace, opts: ReplayOptions) -> dict:
         st = (rt.root / MANIFEST).stat()
         stamps.append([rt.rank, st.st_size, st.st_mtime_ns])
     return {"journal": _VERSION, "trace": str(trace.path.resolve()), "manifests": stamps,
-            "options": json.loads(json.dumps(opts.as_dict(), default=str))}
+            "options": json.loads(json.dumps(opts.to_json(), default=str))}
 
 
 class Journal:

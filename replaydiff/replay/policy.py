@@ -51,8 +51,15 @@ class ReplayOptions:
     reference_modules: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        """Refuse options no replay can run with, from Python as from the CLI (which says the message as a usage
+        error): the messages name the CLI's flags, which the fields are named after."""
+        if isinstance(self.repeat, bool) or not isinstance(self.repeat, int) or self.repeat < 1:
+            raise ValueError(f"--repeat must be at least 1, not {self.repeat!r}")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise ValueError(f"--threads must be at least 1, not {self.threads!r}")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, not {self.precision!r}")
+            raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
         self.precision = Precision(self.precision)
         if self.reference not in REFERENCES:
             raise ValueError(f"reference must be one of {REFERENCES}, not {self.reference!r}")
@@ -60,7 +67,7 @@ class ReplayOptions:
     def target_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return target_dtype(self.precision, dtype)
 
-    def as_dict(self) -> dict:
+    def to_json(self) -> dict:
         return {"device": self.device, "precision": self.precision, "repeat": self.repeat, "ops": self.ops,
                 "from": self.first, "to": self.last, "ranks": self.ranks,
                 "tolerances": {k: list(v) for k, v in self.tolerances.limits.items()},

@@ -130,7 +130,7 @@ class ReplayReport:
     replicas: Any = None
     # Faults planted while recording (record --plant), one description per rank: every report says so first.
     planted: list[str] = field(default_factory=list)
-    # The same faults as read from the trace (where each landed, what it changed): report.plant says what became
+    # The same faults as read from the trace (where each landed, what it changed): replay.plants says what became
     # of each in this replay.
     plants: list[PlantedFaultInfo] = field(default_factory=list)
     # Ops this replay was asked for whose records are gone from the trace (RankTrace.missing_ops): never judged,

@@ -238,7 +238,7 @@ class OpReplayer:
         if op.uninitialised:
             raise Skip("uninitialised output (empty*)")
         if not aten.matches_any(name, self.opts.ops):
-            raise Skip("not selected by --ops")
+            raise Skip("not selected by --op")
         func, seeded, note, note_always = self._reference(name)
         keep_dtype = seeded or name in aten.DTYPE_EXACT_OPS or self.opts.precision is Precision.SAME
         exact = self.opts.precision is Precision.SAME or seeded

@@ -341,7 +341,7 @@ class UnitReplayer:
             raise Skip(f"compiled unit without a replayable graph ({info.note if info else 'none stored'})",
                        unjudged=True)
         if not aten.matches_any(op.name, self.opts.ops):
-            raise Skip("not selected by --ops")
+            raise Skip("not selected by --op")
         try:
             g = Graph(info)
         except Refused as exc:

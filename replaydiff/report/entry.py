@@ -1,220 +1,54 @@
-"""Where a difference enters a trace whose every op replays clean.
-
-A zoomed trace (``--module``/``--op``, full tensors) of the step where ``trend`` saw a change can replay clean: every
-op in it computes right from the inputs it was given, and the change came in through an input that the trace did not
-compute: a parameter written between steps, an activation made by an op the filter left out. Replay alone cannot say
-which, so the evidence is the trace's own previous step (``trend`` prints a zoom-in of steps N-1..N for this).
-
-Each recorded op's *external* inputs (written outside the trace, or by an op kept with statistics only) are scored
-against the same input of the same op in the step before: the op is found by its position in the step (trend's
-``Positions``), the input by its position in the op, and the score is trend's (``score_point``) with one value of
-history: NaN/Inf appearing where there was none, or l2/absmax moving by the threshold's worth of log10 scale (4x at
-the default of 12). An input that was all zeros the step before has no scale to jump from (a gradient buffer) and
-is judged by NaN/Inf only. The optimizer's tensor inputs are left out: its state is its memory of earlier steps and
-grows several-fold a step at first by design (AdamW's moments, measured on a 3-layer MLP: 4x from step 2 to 3); an
-update gone wrong shows in the next step's forward, through the parameter it wrote. Its numeric arguments are
-looked at instead (recorded for every op, also those the filter kept with statistics only): a learning rate raised
-40x enters through the ``alpha`` of its ``add_`` (or the ``value`` of AdamW's ``addcdiv_``), by the same 4x
-threshold, so that a schedule's small step-to-step changes are not an entry. The earliest such input or argument,
-in op order, is where the difference enters; those after it are mostly its consequences (a larger output makes a
-larger gradient).
-"""
+"""Rendering ``replaydiff.trend.entry.EntryFinding``: the line under the replay summary that says where a difference
+enters a clean trace (or why a zoom-in's clean replay cannot see it), and the ``enters`` object of replay's JSON."""
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any
+from typing import TextIO
 
-from replaydiff.diff.compare import tensor_stats
-from replaydiff.replay import ReplayOptions
-from replaydiff.replay.result import PROBLEMS, ReplayReport, Status
-from replaydiff.report.trend import (DEFAULT_THRESHOLD, SCALE_FLOOR, Positions, left_out, ref_point, scalar_args,
-                                     score_point, stats_point, why_left_out)
-from replaydiff.trace import RankTrace, TensorRef, open_trace
-from replaydiff.trace.schema import LEFT_OUT_FILTERED
+from replaydiff.trend.entry import Entry, EntryFinding
 
 
-@dataclass(frozen=True)
-class Entry:
-    """Input ``position`` of op ``index`` changed against the step before; it was written outside the trace
-    (``producer`` None) or by op ``producer``, which the recording kept with statistics only. Or, with ``argument``
-    (``position`` None, ``statistic`` "argument"), that non-tensor argument of an optimizer op changed."""
-
-    rank: int
-    step: int
-    index: int
-    op: str
-    module: str | None
-    phase: str | None
-    position: int | None
-    tensor: str | None  # e.g. float32[3, 16]
-    producer: int | None
-    statistic: str
-    value: float
-    previous: float
-    previous_step: int
-    producer_op: str | None = None  # the producer's op name
-    producer_why: str | None = None  # why the recording kept it with statistics only (trend.why_left_out)
-    argument: str | None = None  # the non-tensor argument that changed ("alpha"), for an optimizer op
-
-    def to_json(self) -> dict:
-        return {"rank": self.rank, "step": self.step, "index": self.index, "op": self.op, "module": self.module,
-                "phase": self.phase, "position": self.position, "tensor": self.tensor, "producer": self.producer,
-                "statistic": self.statistic, "value": self.value, "previous": self.previous,
-                "previous_step": self.previous_step, "producer_op": self.producer_op, "argument": self.argument}
-
-    def describe(self, skipped: int = 0) -> str:
-        """The replay summary's line; ``skipped``: ops the replay could not judge (then it speaks of those it did)."""
-        where = ", ".join(x for x in (self.module or "no module", self.phase) if x)
-        none = "no op in this trace is wrong" if not skipped else \
-            f"no replayed op in this trace is wrong ({skipped} skipped)"
-        if self.argument is not None:
-            return f"{none}: the difference enters through argument {self.argument} of op #{self.index} {self.op} " \
-                   f"({where}) at step {self.step}: {self.value!r} where step {self.previous_step} had " \
-                   f"{self.previous!r} (a learning rate or other hyperparameter changed)"
-        whence = "from outside the trace" if self.producer is None else \
-            f"from op #{self.producer} {self.producer_op}, {self.producer_why}"
-        if self.statistic in ("l2", "absmax"):
-            what = f"{self.statistic} {self.value:.4g} against {self.previous:.4g} at step {self.previous_step}"
-        else:
-            what = f"{int(self.value)} {self.statistic.upper()} value(s), none at step {self.previous_step}"
-        return f"{none}: the difference enters through input {self.position} of op " \
-               f"#{self.index} {self.op} ({where}) at step {self.step}, {whence} ({self.tensor}: {what})"
-
-
-def _point(r: RankTrace, ref: TensorRef) -> dict[str, float] | None:
-    """An input's statistics: recorded ones (a statistics trace, a filtered op's), else those of its stored data."""
-    p = ref_point(ref)
-    if p is not None or not ref.stored or ref.meta or not ref.torch_dtype.is_floating_point:
-        return p
-    s = tensor_stats(r.tensor(ref))
-    return None if s is None else stats_point(s)
-
-
-def find_entry(r: RankTrace, threshold: float = DEFAULT_THRESHOLD) -> Entry | None:
-    """The earliest external input of an op that changed against the step before (see the module docstring); None
-    when the trace has fewer than two steps or nothing changed."""
-    if _one_step(r) is not None:
-        return None  # one numbered step: nothing to compare with (read no tensor to learn that)
-    position = Positions()
-    before: dict[tuple, tuple[int, dict[int, dict[str, float]]]] = {}  # op position -> (step, {input: point})
-    args_before: dict[tuple, tuple[int, dict[str, Any]]] = {}  # optimizer op position -> (step, its arguments)
-    for op in r:
-        if op.step is None:
-            return None  # recorded with --step N: one step, no step before to compare with
-        if op.phase == "optimizer":
-            key = position.key(op)
-            args = scalar_args(op)
-            prev = args_before.get(key)
-            if prev is not None and prev[0] != op.step:
-                for name, v in args.items():
-                    w = prev[1].get(name)
-                    if _argument_jumped(v, w, threshold):
-                        return Entry(r.rank, op.step, op.index, op.name, op.module, op.phase, None, None, None,
-                                     "argument", v, w, prev[0], argument=name)
-            args_before[key] = (op.step, args)
-        if left_out(op) or op.phase == "optimizer":
-            # A filtered op was not replayed. An optimizer's state is its memory of earlier steps and grows several-
-            # fold a step at first by design (AdamW's moments); a wrong update shows in the next step's forward,
-            # where the parameter it wrote comes in.
-            continue
-        key = position.key(op)
-        producers = r.producers(op.index)
-        points: dict[int, dict[str, float]] = {}
-        for k, ref in enumerate(op.inputs()):
-            prod = producers.get(k)
-            if prod is not None and not left_out(r[prod]):
-                continue  # computed inside the trace: replay judged the op that did it
-            p = _point(r, ref)
-            if p is None:
-                continue
-            points[k] = p
-            prev = before.get(key)
-            q = None if prev is None or prev[0] == op.step else prev[1].get(k)
-            if q is None:
-                continue
-            hit = score_point(p, [q], threshold, jumps=q["l2"] > 0)
-            if hit is not None:
-                return Entry(r.rank, op.step, op.index, op.name, op.module, op.phase, k, ref.describe(), prod,
-                             hit[0], p[hit[0]], q[hit[0]], prev[0],
-                             *((None, None) if prod is None else (r[prod].name, why_left_out(r[prod]))))
-        before[key] = (op.step, points)
-    return None
-
-
-def _argument_jumped(v: Any, w: Any, threshold: float) -> bool:
-    """A numeric argument that changed from ``w`` (the step before) to ``v`` by the threshold's worth of log10
-    scale (4x at the default), changed sign, or became zero, NaN or Inf (a learning rate schedule's small steps do
-    not count)."""
-    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (v, w)) or v == w:
-        return False
-    if not (math.isfinite(v) and math.isfinite(w)) or (v == 0) != (w == 0) or (v < 0) != (w < 0):
-        return True
-    return v != 0 and abs(math.log10(abs(v)) - math.log10(abs(w))) >= threshold * SCALE_FLOOR
-
-
-def _one_step(r: RankTrace) -> int | None:
-    """The step number of a trace that holds exactly one (its first and last records have it), else None."""
-    first = next(iter(r), None)
-    if first is None or first.step is None:
+def to_json(f: EntryFinding) -> dict | None:
+    """The ``enters`` object of replay's JSON (None: no entry found)."""
+    e = f.entry
+    if e is None:
         return None
-    return first.step if r[len(r) - 1].step == first.step else None
+    return {"rank": e.rank, "step": e.step, "index": e.index, "op": e.op, "module": e.module,
+            "phase": e.phase, "position": e.position, "tensor": e.tensor, "producer": e.producer,
+            "statistic": e.statistic, "value": e.value, "previous": e.previous,
+            "previous_step": e.previous_step, "producer_op": e.producer_op, "argument": e.argument}
 
 
-def _judged_whole(report: ReplayReport, options: ReplayOptions) -> bool:
-    """The replay ran over the whole trace (no --ops, --from or --to) and found no op it judged wrong (ops whose data
-    the recording left out are not judged; they make the replay not clean, but say nothing against the others)."""
-    wrong = any(r.status in PROBLEMS or r.status is Status.ERROR for r in report.ops) or report.replicas is not None
-    # ops missing from a damaged trace were not judged, and an entry found among the others could be wrong
-    return not (wrong or report.missing or options.ops or options.first is not None or options.last is not None)
+def describe_entry(e: Entry, skipped: int = 0) -> str:
+    """The replay summary's line; ``skipped``: ops the replay could not judge (then it speaks of those it did)."""
+    where = ", ".join(x for x in (e.module or "no module", e.phase) if x)
+    none = "no op in this trace is wrong" if not skipped else \
+        f"no replayed op in this trace is wrong ({skipped} skipped)"
+    if e.argument is not None:
+        return f"{none}: the difference enters through argument {e.argument} of op #{e.index} {e.op} " \
+               f"({where}) at step {e.step}: {e.value!r} where step {e.previous_step} had " \
+               f"{e.previous!r} (a learning rate or other hyperparameter changed)"
+    whence = "from outside the trace" if e.producer is None else \
+        f"from op #{e.producer} {e.producer_op}, {e.producer_why}"
+    if e.statistic in ("l2", "absmax"):
+        what = f"{e.statistic} {e.value:.4g} against {e.previous:.4g} at step {e.previous_step}"
+    else:
+        what = f"{int(e.value)} {e.statistic.upper()} value(s), none at step {e.previous_step}"
+    return f"{none}: the difference enters through input {e.position} of op " \
+           f"#{e.index} {e.op} ({where}) at step {e.step}, {whence} ({e.tensor}: {what})"
 
 
-def _ranks(report: ReplayReport) -> list[int]:
-    return sorted({res.rank for res in report.ops if res.status is not Status.SKIPPED})
-
-
-def entry_of_clean_replay(trace: str, report: ReplayReport, options: ReplayOptions) -> Entry | None:
-    """Where the difference enters a trace whose replay judged every op and found none wrong; None for any other
-    replay, or when the trace does not show it (see ``find_entry``)."""
-    if not _judged_whole(report, options):
-        return None
-    t = open_trace(trace)
-    for rank in _ranks(report):
-        e = find_entry(t.rank(rank))
-        if e is not None:
-            return e
-    return None
-
-
-def one_step_note(trace: str, report: ReplayReport, options: ReplayOptions) -> str | None:
-    """For a clean replay of a zoom-in on one numbered step after the first (recorded with a --module/--op filter,
-    as one looks at the step trend named): that the step before is needed to see where a difference comes in. A
-    clean one-step trace of a whole step is a healthy step: nothing more to say."""
-    ranks = _ranks(report)
-    if not _judged_whole(report, options) or not ranks or \
-            not any(r.data_left_out == LEFT_OUT_FILTERED for r in report.ops):
-        return None
-    step = _one_step(open_trace(trace).rank(ranks[0]))
-    if step is None or step < 2:
-        return None
-    return f"one step ({step}) in this trace: record --steps {step - 1}-{step} to see which input a difference " \
-           f"enters through"
-
-
-def no_entry_note(trace: str, report: ReplayReport, options: ReplayOptions,
-                  threshold: float = DEFAULT_THRESHOLD) -> str | None:
-    """For a clean replay of a zoom-in over several numbered steps (recorded with a --module/--op filter, as ``trend``
-    prints it) in which ``find_entry`` found nothing: what it looked for, so that the replay is not read as "nothing
-    changed here". None for any other replay."""
-    ranks = _ranks(report)
-    if not _judged_whole(report, options) or not ranks or \
-            not any(r.data_left_out == LEFT_OUT_FILTERED for r in report.ops):
-        return None
-    r = open_trace(trace).rank(ranks[0])
-    first = next(iter(r), None)
-    if first is None or first.step is None or _one_step(r) is not None:
-        return None
-    factor = 10 ** (threshold * SCALE_FLOOR)
-    return f"no input from outside the replayed ops, and no optimizer argument, changed {factor:.0f}x or more " \
-           f"from one step to the next (steps {first.step}-{r[len(r) - 1].step}): a change that builds up from " \
-           f"smaller ones enters unseen here (trend's table and cause line show how it grew)"
+def render_text(f: EntryFinding, out: TextIO) -> None:
+    """One line, or nothing when the finding holds nothing to say."""
+    if f.entry is not None:
+        line = describe_entry(f.entry, f.skipped)
+    elif f.one_step is not None:
+        step = f.one_step
+        line = f"one step ({step}) in this trace: record --steps {step - 1}-{step} to see which input a difference " \
+               f"enters through"
+    elif f.steps is not None and f.factor is not None:
+        line = f"no input from outside the replayed ops, and no optimizer argument, changed {f.factor:.0f}x or " \
+               f"more from one step to the next (steps {f.steps[0]}-{f.steps[1]}): a change that builds up from " \
+               f"smaller ones enters unseen here (trend's table and cause line show how it grew)"
+    else:
+        return
+    out.write(line + "\n")

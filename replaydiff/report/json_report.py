@@ -44,7 +44,7 @@ from replaydiff.compare.verdict import Verdict
 from replaydiff.errors import UsageError
 
 from replaydiff.replay.result import NonfiniteInput, OpResult, ReplayReport, Status
-from replaydiff.report.plant import plant_reports
+from replaydiff.replay.plants import plant_reports
 from replaydiff.trace.damage import CutShort, MissingOps
 from replaydiff.trace.schema import PlantedFaultInfo
 

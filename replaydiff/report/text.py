@@ -5,9 +5,9 @@ from collections import Counter
 from typing import TextIO
 
 from replaydiff.aten import is_unit
-from replaydiff.compare.verdict import output_said
+from replaydiff.replay.describe import argument_text, metrics_line, op_line, planted_line
 from replaydiff.replay.result import NonfiniteInput, OpResult, ReplayReport, Status
-from replaydiff.report.plant import plant_notes
+from replaydiff.replay.plants import plant_notes
 from replaydiff.trace.damage import describe_missing
 from replaydiff.trace.schema import LEFT_OUT_DISK_FULL
 
@@ -19,13 +19,6 @@ _AGAIN_BUDGET = "with a larger --budget, or --module for the part to check"
 def record_again(reasons: set[str]) -> str:
     """'record again ...' for ops left out for these reasons (budget, disk full)."""
     return "record again " + "; or ".join(sorted({_AGAIN.get(r, _AGAIN_BUDGET) for r in reasons}))
-
-
-def op_line(r: OpResult) -> str:
-    # A backward op's own source line is the backward() call; the forward op's line says which code it is.
-    source = r.forward_source if (r.phase == "backward" and r.forward_source) else r.source
-    where = "  ".join(x for x in (r.module or "no module", f"({r.phase})" if r.phase else "", source or "") if x)
-    return f"#{r.index} {r.op}  {where}".rstrip()
 
 
 def origin_how(r: OpResult) -> str:
@@ -49,12 +42,6 @@ def nonfinite_entry_line(r: OpResult, held: NonfiniteInput, ended: str | None = 
     return f"{kinds} enter the step {whence}{' and are discarded' if ended is not None else ''}: input " \
            f"{held.position} of op #{r.index} {r.op} ({where}) already holds {held.counts()}{fate}" + \
            (f"  {source}" if source else "")
-
-
-def argument_text(held: NonfiniteInput) -> str:
-    """'argument 2 (-inf)': the number argument NaN/Inf came in as (``NonfiniteInput.argument``)."""
-    return f"argument {held.position} ({held.argument})" if held.position >= 0 else \
-        f"a keyword argument ({held.argument})"
 
 
 _NEVER_KEPT = "so they reach no loss, gradient, parameter or output of the step (information, not a fault)"
@@ -87,38 +74,6 @@ def discarded_lines(report: ReplayReport) -> list[str]:
         more = f" ({len(let_in) - 1} more op(s) read such inputs)" if len(let_in) > 1 else ""
         lines.append(nonfinite_entry_line(first, first.nonfinite_input, ended_by(report, first)) + more)
     return lines
-
-
-def planted_line(planted: list[str]) -> str:
-    """The first line of every report on a trace with a planted fault: its culprit is there on purpose."""
-    return "PLANTED FAULT (record --plant): " + "; ".join(planted)
-
-
-def severity_text(r: OpResult) -> str:
-    """``error / limit 2.05``: the op's severity (its verdict's, the one figure every report ranks and labels by),
-    with what its limits are when they are not the dtype's fixed ones (an ill-conditioned op's own error)."""
-    s = r.severity
-    if s is None:
-        return ""
-    cal = r.verdict.calibration if r.verdict is not None else None
-    own = f" (limits {cal.factor:g}x the op's own error at {cal.dtype})" if cal is not None and cal.limits else ""
-    return f"error / limit {s:.3g}{own}"
-
-
-def metrics_line(r: OpResult) -> str:
-    """The op's severity first, then both figures it is the larger of, each against its fixed limit."""
-    m = r.metrics or {}
-    if "norm_max" in m:
-        parts = [severity_text(r),
-                 f"max_abs/(eps*absmax) {m['norm_max']:.3g} (limit {m.get('limit_max', float('nan')):.3g})",
-                 f"rel_l2/eps {m['norm_rel']:.3g} (limit {m.get('limit_rel', float('nan')):.3g})",
-                 f"rel_l2 {m['rel_l2']:.3g}", f"max_abs {m['max_abs']:.3g}"]
-        if m.get("nonfinite_mismatch"):
-            parts.append(f"{m['nonfinite_mismatch']} NaN/Inf mismatches")
-        return output_said(m) + "  ".join(p for p in parts if p)
-    if "mismatches" in m and output_said(m):
-        return f"{output_said(m)}{m['mismatches']} elements differ" + (f"; {r.reason}" if r.reason else "")
-    return r.reason or ""
 
 
 def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry_said: bool = False) -> None:
@@ -177,7 +132,7 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
     elif first is None:
         out.write("no divergent op: every replayed op matches its recorded output within tolerance\n")
     else:
-        rank = f"rank {first.rank} " if ranks != [0] else ""  # a trace of rank 1 alone (--ranks 1) says so too
+        rank = f"rank {first.rank} " if ranks != [0] else ""  # a trace of rank 1 alone (--rank 1) says so too
         out.write(f"first divergent op {rank}{op_line(first)}\n")
         how = "checked across ranks" if first.collective else "replayed alone from its recorded inputs"
         out.write(f"  {metrics_line(first)}  - {how}\n")

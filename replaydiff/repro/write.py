@@ -26,7 +26,8 @@ from replaydiff.errors import UsageError
 from replaydiff.replay.compared import compared_outputs
 from replaydiff.replay.unit import Graph, Refused, flat, interpret, node_k
 from replaydiff.trace.format import write_atomic_via
-from replaydiff.trace.reader import RankTrace
+from replaydiff.trace.damage import describe_missing
+from replaydiff.trace.reader import RankTrace, Trace
 from replaydiff.trace.schema import NodeRef, Opaque, OpRecord, TensorRef, encode_value, iter_refs
 
 REPRO_FORMAT = rebuild_and_judge.FORMAT
@@ -41,6 +42,41 @@ class ReproFiles:
     inputs: Path
     data: Path
     nbytes: int  # bytes of tensor data written
+
+
+@dataclass(frozen=True)
+class ReproOutcome:
+    """What ``repro_op`` wrote, and the planted fault of the op's rank (said beside the files)."""
+
+    files: ReproFiles
+    planted: str | None
+
+
+def rank_damage(trace: Trace, rank: int | None = None) -> tuple[str, ...]:
+    """One line per run of ops missing from the rank a repro reads (said before an op among them fails to read)."""
+    return tuple(describe_missing(trace.rank(trace.ranks[0] if rank is None else rank).missing_ops))
+
+
+def repro_op(trace: Trace, op_index: int, out_dir: str | Path, rank: int | None = None, force: bool = False,
+             source_trace: str = "") -> ReproOutcome:
+    """The repro verb: check the op and the directory (UsageError, one line, for what cannot be done), then write.
+
+    ``force`` replaces a repro ``write_repro`` wrote in ``out_dir``, never a user's file of the same name."""
+    rt = trace.rank(trace.ranks[0] if rank is None else rank)  # UsageError for a rank the trace does not hold
+    if not 0 <= op_index < len(rt):
+        raise UsageError(f"op {op_index} is not in rank {rt.rank} (ops 0..{len(rt) - 1})")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"-o {out_dir} is not a directory (a file is there)")
+    existing = [p for p in (out / SCRIPT, out / DATA, out / INPUTS) if p.exists()]
+    if existing and not force:
+        raise UsageError(f"{existing[0]} exists; pass --force to overwrite it")
+    foreign = [p for p in existing if not is_repro_file(p)]
+    if foreign:
+        raise UsageError(f"{foreign[0]} was not written by `replaydiff repro`: not overwriting it (move it or "
+                         f"choose another -o)")
+    files = write_repro(rt, rt[op_index], out, source_trace=source_trace)
+    return ReproOutcome(files, rt.planted.describe() if rt.planted is not None else None)
 
 
 class _Collector:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from replaydiff import aten
+from replaydiff.errors import UsageError
 from replaydiff.trace.schema import PHASES, IndexRow, OpRecord, index_row
 
 INDEX_VERSION = 1
@@ -322,3 +323,15 @@ class TraceIndex:
                 nd.count += j - i + 1
             i = j + 1
         return root
+
+
+def check_op_range(first: int | None, last: int | None, count: int) -> None:
+    """UsageError unless ``--from first --to last`` selects at least one of op numbers 0..count-1 (``last`` may
+    run past the end: it only bounds)."""
+    if (first is not None and first < 0) or (last is not None and last < 0):
+        raise UsageError("op numbers count from 0: --from and --to take 0 or more")
+    if first is not None and last is not None and first > last:
+        raise UsageError(f"--from {first} is after --to {last}: no op is in that range")
+    if first is not None and first >= count:
+        raise UsageError(f"--from {first} is past the last op (#{count - 1})" if count else
+                         f"--from {first}: the trace holds no op")

@@ -1144,7 +1144,7 @@ def wire_environment(scalars: dict[str, Any], flags: dict[str, Any], variables: 
 
 @dataclass(frozen=True)
 class RecordedOptions:
-    """The record options a trace was written with (replaydiff.record.RecordOptions.to_dict()); None where the trace
+    """The record options a trace was written with (replaydiff.record.RecordOptions.to_json()); None where the trace
     does not say. Only the ones readers act on are typed; ``wire`` holds all."""
     tensors: TensorMode | None = None  # None: not said (a trace from before the option: full)
     steps: str | None = None
@@ -1204,7 +1204,7 @@ class CompiledRegion:
 
 
 def wire_options(options: dict[str, Any]) -> dict[str, Any]:
-    """Record options as stored (``RecordOptions.to_dict()``): KeyError if one that RecordedOptions reads back is
+    """Record options as stored (``RecordOptions.to_json()``): KeyError if one that RecordedOptions reads back is
     missing, so the option names and their reader cannot drift apart."""
     missing = {f.name for f in dataclasses.fields(RecordedOptions)} - {"wire"} - set(options)
     if missing:

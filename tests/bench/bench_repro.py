@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import replaydiff  # noqa: E402
 from replaydiff.models import TinyTransformer, make_step  # noqa: E402
 from replaydiff.replay import ReplayOptions, replay_trace  # noqa: E402
-from replaydiff.report.health import build_health  # noqa: E402
+from replaydiff.health import build_health  # noqa: E402
 from replaydiff.repro.write import write_repro  # noqa: E402
 
 

@@ -1,9 +1,10 @@
 """Provides TrendScreen: a multi-step trace's per-module series and, on top, the first sudden change, the op that
 caused it, and the commands to run next.
 
-The figures come from ``replaydiff.report.trend`` (the same as ``replaydiff trend TRACE`` prints); this screen only
-lays them out. Enter on the first-change line (or ``j`` anywhere) closes it and selects that op in the op list;
-Enter on the cause line (or ``c``) selects the causing op; Enter on a command copies it to the clipboard.
+The figures come from ``replaydiff.trend`` and the words from ``replaydiff.report.trend`` (the same as ``replaydiff
+trend TRACE`` prints); this screen only lays them out. Enter on the first-change line (or ``j`` anywhere) closes it
+and selects that op in the op list; Enter on the cause line (or ``c``) selects the causing op; Enter on a command
+copies it to the clipboard.
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from textual.screen import ModalScreen
 from textual.widgets import OptionList, Static
 from textual.widgets.option_list import Option
 
-from replaydiff.report.trend import Trend, describe_cause, describe_change, next_lines, table_lines
+from replaydiff.report.trend import (describe_cause, describe_change, describe_late_window, next_lines,
+                                     table_lines)
+from replaydiff.trend import TrendResult
 
 CHANGE_ID = "first-change"
 CAUSE_ID = "cause"
@@ -38,7 +41,7 @@ class TrendScreen(ModalScreen[int | None]):
     TrendScreen OptionList { height: 1fr; }
     """
 
-    def __init__(self, trend: Trend, trace: str = "TRACE") -> None:
+    def __init__(self, trend: TrendResult, trace: str = "TRACE") -> None:
         """``trace``: the trace as the user named it, for the next commands."""
         super().__init__()
         self.trend = trend
@@ -56,7 +59,7 @@ class TrendScreen(ModalScreen[int | None]):
         if cause is not None:
             top.append((f"▶ cause: {describe_cause(cause)}  (Enter or c: go to #{cause.index})", CAUSE_ID))
         if t.late_window is not None:
-            top.append((t.late_window.describe(), LATE_ID))
+            top.append((describe_late_window(t.late_window), LATE_ID))
         nxt = [(line, f"next-{k}") for k, line in enumerate(next_lines(t, self.trace))]
         header, *rows = table_lines(t, SPARK_WIDTH)
         return [*top, *nxt, (header, HEADER_ID), *((line, None) for line in rows)]

@@ -42,7 +42,7 @@ class PlantReport:
 def plant_reports(report: ReplayReport, plants: list[PlantedFaultInfo] | None = None) -> list[PlantReport]:
     """What became of each plant (``report.plants`` unless given) in ``report``."""
     results = {(r.rank, r.index): r for r in report.ops}
-    limits = (report.options or {}).get("tolerances") or {}  # dtype -> [MAX, REL], as ReplayOptions.to_dict says
+    limits = (report.options or {}).get("tolerances") or {}  # dtype -> [MAX, REL], as ReplayOptions.to_json says
     # dtypes whose limit the user's --tolerance moved from the default: a plant within such a limit is theirs to see
     moved = {d for d, lim in limits.items() if d in DEFAULT_LIMITS and tuple(lim) != DEFAULT_LIMITS[d]}
     return [_judge(p, results.get((p.rank, p.index)), moved, report.missing)

@@ -2,7 +2,8 @@
 
 Such a trace stores no tensor data, so its replay judges nothing; the recording itself ran fine, which is why the
 CLI says so at the end of ``record`` in one line, with the module paths the trace does have that come nearest to the
-glob. The check reads the finished trace and applies the recorder's own test (``RecordOptions.selects``).
+glob. The check reads the finished trace and applies the recorder's own test (``RecordOptions.selects``); the
+recording's outcome (``record/outcome.py``) carries its warning.
 """
 from __future__ import annotations
 
@@ -46,8 +47,3 @@ def unmatched_filter(out: Path, options: RecordOptions) -> str | None:
     listed = ", ".join(nearest[:_NEAREST]) or "none"
     return f"{what} matched no op (the trace holds no tensor data to replay); {kind} seen: {listed}"
 
-
-def unmatched_filter_line(out: Path, options: RecordOptions) -> str:
-    """``unmatched_filter``'s warning as record's last line on stderr, or '' when there is none."""
-    w = unmatched_filter(out, options)
-    return "" if w is None else f"replaydiff: warning: {w}\n"
