@@ -21,7 +21,6 @@ from replaydiff.errors import ExitCode, UsageError, say
 from replaydiff.record.estimate import WriteRate, build_estimate, estimate_trace, measure_write_rate
 from replaydiff.record.options import RecordOptions
 from replaydiff.report.estimate import render_text, to_json
-from replaydiff.trace.modes import TensorMode
 
 
 def run_estimate(args: argparse.Namespace, cmd: list[str], options: RecordOptions, run_recorded: Callable) -> int:
@@ -38,7 +37,7 @@ def run_estimate(args: argparse.Namespace, cmd: list[str], options: RecordOption
     except OSError as exc:
         rate = WriteRate(None, probe_dir, str(exc))
         say(f"the write rate could not be measured in {probe_dir}: {exc}")
-    meta = dataclasses.replace(options, tensors=TensorMode.META, modules=None, ops=None, budget=None, plant=None,
+    meta = dataclasses.replace(options, tensors="meta", modules=None, ops=None, budget=None, plant=None,
                                max_tensor_bytes=None)
     tmp = Path(tempfile.mkdtemp(prefix="replaydiff-estimate-"))
     try:
