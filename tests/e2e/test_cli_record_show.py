@@ -23,6 +23,8 @@ from replaydiff.cli.main import main
 from replaydiff.trace import TensorRef, iter_refs
 from replaydiff.trace.format import pack_frame, read_frame, write_atomic
 
+from process_helpers import child_env
+
 TRAIN = textwrap.dedent("""
     import json, sys
     import torch
@@ -63,12 +65,6 @@ TRAIN_DDP = textwrap.dedent("""
     dist.barrier()
     dist.destroy_process_group()
 """)
-
-
-def child_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "REPLAYDIFF_RECORD")}
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    return env
 
 
 def replaydiff_cli(*args, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:

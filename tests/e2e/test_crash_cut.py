@@ -14,7 +14,7 @@ from pathlib import Path
 import replaydiff
 from replaydiff.replay import ReplayOptions, Status, replay_trace
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
 import signal, sys, time

@@ -27,7 +27,7 @@ from replaydiff.replay import ReplayOptions, Status, replay_trace
 from replaydiff.report import render_replay
 from replaydiff.trace import open_trace
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 # One pair of processes records every scenario below into its own directory under argv[1] (starting processes is

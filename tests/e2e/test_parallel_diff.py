@@ -330,7 +330,7 @@ def test_two_parallel_runs_of_different_world_sizes_are_refused_in_one_line(runs
 def test_the_readme_s_diff_example_is_what_the_documented_commands_print(tmp_path, capsys):
     """docs/examples/data_parallel.py's commands, run as its docstring says (from a folder holding the script at the
     same relative path, so the source lines read as in the README), print the README's diff example."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     here = tmp_path / "docs" / "examples"
     here.mkdir(parents=True)
     script = here / "data_parallel.py"

@@ -12,7 +12,7 @@ import pytest
 
 import replaydiff
 
-from test_cli_record_show import child_env  # noqa: F401  (the environment record's child runs in)
+from process_helpers import child_env  # the environment record's child runs in
 
 # Three optimizer steps; at step 2, after the first layer's forward, the script ends: by an exception (a crash) or by
 # a real SIGINT it sends itself (Ctrl-C, as a terminal delivers it).

@@ -16,7 +16,7 @@ import pytest
 
 import replaydiff
 
-from test_cli_record_show import child_env
+from process_helpers import child_env
 
 CHILD = textwrap.dedent("""
     import os, sys

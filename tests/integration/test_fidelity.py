@@ -140,7 +140,7 @@ def test_custom_ops_replay_from_the_module_that_defines_them(tmp_path: Path) -> 
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     (tmp_path / "rdtest_ops.py").write_text(_USER_OP)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(tmp_path)]))
     subprocess.run([sys.executable, "-c", _RECORD_CUSTOM, str(tmp_path / "t")], check=True, env=env, cwd=tmp_path)
@@ -297,7 +297,7 @@ def test_replay_works_after_torch_freezes_its_backend_flags(tmp_path: Path) -> N
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     code = ("import sys, torch, replaydiff\n"
             "from replaydiff.replay import replay_trace, ReplayOptions\n"
             "with replaydiff.record(sys.argv[1]):\n    torch.randn(3).exp()\n"

@@ -7,7 +7,7 @@ from pathlib import Path
 from replaydiff import open_trace
 from replaydiff.replay import ReplayOptions, Status, replay_trace
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 
 
 def test_committed_trace_replays_to_its_planted_op() -> None:

@@ -21,7 +21,7 @@ from replaydiff.models.tiny import TinyTransformer, TransformerConfig, make_step
 from replaydiff.replay import ReplayOptions, Status, replay_op, replay_trace
 from replaydiff.report import load_replay_json, report_to_json
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = TransformerConfig(vocab=32, d_model=16, heads=2, layers=2, seq=8, batch=2)
 
 

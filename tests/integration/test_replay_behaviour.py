@@ -24,7 +24,7 @@ from replaydiff.replay import OpReplayer, Status
 from replaydiff.report import render_replay
 from replaydiff.trace import RankTrace, TensorRef
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 # -- reference settings -----------------------------------------------------------------------------------------

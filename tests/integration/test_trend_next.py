@@ -17,7 +17,7 @@ from replaydiff.cli.main import main as cli_main
 from replaydiff.report.trend import compute_trend
 from replaydiff.trace import open_trace
 
-from test_cli_record_show import child_env
+from process_helpers import child_env
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "replaydiff"
 
 # The one- and two-letter keys of op records and tensor references (replaydiff/trace/schema.py).
@@ -26,8 +26,8 @@ def test_no_module_outside_the_trace_package_reads_a_wire_key() -> None:
     offenders = []
     for p in _python_files(PKG, ROOT / "tests", ROOT / "tui", ROOT / "fixtures"):
         rel = p.relative_to(ROOT).as_posix()
-        if rel.startswith("replaydiff/trace/") or rel in ("tests/test_trace_format.py",
-                                                          "tests/test_architecture.py"):
+        if rel.startswith("replaydiff/trace/") or rel in ("tests/integration/test_trace_format.py",
+                                                          "tests/unit/test_architecture.py"):
             continue
         for n, line in enumerate(p.read_text().splitlines(), 1):
             if _WIRE_USE.search(line) and not line.endswith("# wire-ok: damages a record on purpose"):

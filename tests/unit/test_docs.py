@@ -7,7 +7,7 @@ from pathlib import Path
 
 from replaydiff.tui.keys import markdown_table
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "tests" / "bench" / "README.md"]
 
 
