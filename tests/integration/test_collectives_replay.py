@@ -2,29 +2,14 @@
 kind of collective reaches the check registered for it, and that check names a wrong result."""
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from replaydiff.compare.tolerance import Tolerances
-from replaydiff.replay import ReplayOptions, Status, replay_trace
+from replaydiff.replay import Status
 from replaydiff.replay.collectives import Call, NotChecked, check_for, checked_kinds, checks, layout
-
-@pytest.mark.slow
-def test_corrupted_allreduce_is_named_on_its_rank_only(ddp_step_with_rank1_allreduce_fault: Path) -> None:
-    trace = ddp_step_with_rank1_allreduce_fault
-    report = replay_trace(str(trace), ReplayOptions())
-    divergent = [r for r in report.ops if r.status is Status.DIVERGENT]
-    assert [(r.rank, r.op) for r in divergent] == [(1, "c10d.allreduce_.default")]
-    assert "float64 sum of all ranks' inputs" in divergent[0].reason
-    checked = [r for r in report.ops if r.op.startswith("c10d.") and r.status is Status.OK]
-    # rank 0's gradient all-reduce, both user all-reduces, both all-gathers (and DDP's broadcasts) passed the check
-    assert {(r.rank, r.op) for r in checked} >= {(0, "c10d.allreduce_.default"), (1, "c10d.allreduce_.default"),
-                                                (0, "c10d.allgather_.default"), (1, "c10d.allgather_.default")}
-    assert all("checked across ranks" in r.reason for r in checked)
-    assert report.counts()["error"] == 0
 
 
 # -- the checks, registered per kind (quick: no processes, tensors made here) ---------------------------------------

@@ -8,29 +8,21 @@ read back from the traces.
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import subprocess
 from pathlib import Path
 
-import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import replay_helpers as rh
 from replaydiff import record
-from replaydiff.cli.main import main
 from replaydiff.diff import PairStatus, diff_traces
 from replaydiff.faults import PlantedFault
 
-LN = "aten.native_layer_norm.default"
+from diff_outputs_helpers import _both_units_aligned, _Centred, _index, _run, LN
+
+
 LN_BACKWARD = "aten.native_layer_norm_backward.default"
-
-
-def _run(capsys, *args: str) -> subprocess.CompletedProcess:
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(["replaydiff", *args], code, out, err)
 
 
 class _ScaleOutput(TorchDispatchMode):
@@ -66,21 +58,6 @@ class _RoundsDifferently(TorchDispatchMode):
         return out
 
 
-class _Centred(torch.nn.Module):
-    """A LayerNorm of an input already centred: its mean output is ~1e-8 where the input is ~1."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = torch.nn.Linear(8, 64)
-        self.ln = torch.nn.LayerNorm(64)
-        self.head = torch.nn.Linear(64, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        return self.head(self.ln(h - h.mean(-1, keepdim=True)))
-
-
 def _centred_step(path: Path, mode: TorchDispatchMode | None = None) -> Path:
     model = _Centred()
     x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
@@ -90,10 +67,6 @@ def _centred_step(path: Path, mode: TorchDispatchMode | None = None) -> Path:
         with record(path):
             model(x).square().mean().backward()
     return path
-
-
-def _index(path: Path, name: str, occurrence: int = 0) -> int:
-    return rh.occurrence_index(rh.trace_ops(path), name, occurrence)
 
 
 # -- which output ------------------------------------------------------------------------------------------------
@@ -224,97 +197,8 @@ def test_a_fault_in_a_bf16_matmul_against_fp32_is_named(capsys):
     assert [p.key for p in rd.pairs if p.status is PairStatus.DIVERGENT] == [first.key]
 
 
-# -- eager against compiled: both units aligned -----------------------------------------------------------------
-class _Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1 = torch.nn.LayerNorm(16)
-        self.fc = torch.nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc(self.ln1(x))
-
-
-class _Net(torch.nn.Module):
-    """A LayerNorm one module down (Net.block.ln1), as in a transformer block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = torch.nn.Linear(8, 16)
-        self.block = _Block()
-        self.head = torch.nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.block(self.inp(x)))
-
-
-def _net_step(path: Path, backend: str | None) -> Path:
-    model = _Net()
-    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
-    f = model if backend is None else torch.compile(model, backend=backend)
-    torch._dynamo.reset()
-    try:
-        with record(path):
-            f(x).square().mean().backward()
-    finally:
-        torch._dynamo.reset()
-    return path
-
-
-def _both_units_aligned(tmp_path: Path, capsys, backend: str) -> None:
-    eager = _net_step(tmp_path / "eager", None)
-    compiled = _net_step(tmp_path / "compiled", backend)
-    report = diff_traces(eager, compiled)
-    rd = report.ranks[0]
-    units = {u.op: u for u in rd.units}
-    assert set(units) == {"compiled.unit.forward", "compiled.unit.backward"}, rd.target_only
-    assert all(u.status is PairStatus.SAME for u in units.values()), [(u.op, u.status, u.reason) for u in rd.units]
-    fw = units["compiled.unit.forward"]
-    eager_fw = [op.index for op in rh.trace_ops(eager) if op.phase == "forward" and op.module]
-    assert set(eager_fw) <= set(fw.eager), (eager_fw, fw.eager)  # every forward op of the model stands for a node
-    assert not any("compiled.unit" in n for u in rd.target_only for n in u.names)
-    proc = _run(capsys, "diff", str(eager), str(compiled))
-    assert proc.returncode == 0, proc.stdout
-    assert f"compiled unit target #{fw.unit} compiled.unit.forward  _Net.forward (" in proc.stdout, proc.stdout
-    assert "): same" in proc.stdout and "not_compared" not in proc.stdout and "target only #0 " not in proc.stdout
-
-
 def test_eager_against_aot_eager_aligns_both_units_of_a_model_with_layer_norm(tmp_path, capsys):
     _both_units_aligned(tmp_path, capsys, "aot_eager")
-
-
-@pytest.mark.slow
-def test_eager_against_inductor_aligns_both_units_of_a_model_with_layer_norm(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    _both_units_aligned(tmp_path, capsys, "inductor")
-
-
-@pytest.mark.slow
-def test_an_eager_layer_norm_of_an_inductor_centred_input_is_no_divergence(tmp_path, capsys, monkeypatch):
-    """The user's case: the centring compiled with inductor (it rounds otherwise than eager), the LayerNorm after it
-    eager on both sides; its mean output is ~1e-8."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-
-    def step(path: Path, compiled: bool) -> Path:
-        model = _Centred()
-        centre = (lambda h: h - h.mean(-1, keepdim=True))
-        fn = torch.compile(centre, backend="inductor") if compiled else centre
-        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
-        torch._dynamo.reset()
-        try:
-            with record(path):
-                model.head(model.ln(fn(model.inp(x)))).square().mean().backward()
-        finally:
-            torch._dynamo.reset()
-        return path
-
-    eager, compiled = step(tmp_path / "eager", False), step(tmp_path / "compiled", True)
-    proc = _run(capsys, "diff", str(eager), str(compiled))
-    assert proc.returncode == 0, proc.stdout
-    assert "first divergence" not in proc.stdout
-    ln = diff_traces(eager, compiled).ranks[0].by_target[_index(compiled, LN)]
-    assert ln.status is PairStatus.SAME and ln.verdict.output.role in ("out", "mean", "rstd")
 
 
 def test_a_compiled_layer_norm_of_a_differently_rounded_centred_input_is_no_divergence(tmp_path, capsys):

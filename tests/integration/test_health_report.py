@@ -15,6 +15,9 @@ import replaydiff
 from replaydiff.cli.main import main
 from tests.replay_helpers import mlp_step, transformer_step
 
+from health_report_helpers import _causes, _replay_json, _report
+
+
 CAUSES = ("TF32 matmul / convolution", "a non-deterministic kernel", "a result that depends on the CPU thread count",
           "an error at the level of the dtype's rounding", "a collective that disagrees across ranks")
 
@@ -23,23 +26,6 @@ def _record(path: Path, step, **options) -> Path:
     with replaydiff.record(path, **options):
         step()
     return path
-
-
-def _replay_json(trace: Path, *flags: str, into: Path | None = None) -> Path:
-    """The replay's JSON report, written into ``into`` (default: beside the trace)."""
-    out = (into or trace.parent) / (trace.name + "-" + "-".join(f.strip("-") for f in flags) + ".json")
-    main(["replay", str(trace), "--json", str(out), *flags])
-    return out
-
-
-def _report(trace: Path, replay: Path, capsys, *flags: str) -> str:
-    capsys.readouterr()
-    main(["report", str(trace), "--replay", str(replay), *flags])
-    return capsys.readouterr().out
-
-
-def _causes(md: str) -> list[str]:
-    return re.findall(r"^### (.+)$", md.split("## Likely causes", 1)[1].split("## Environment")[0], re.M)
 
 
 @pytest.fixture(scope="module")
@@ -234,12 +220,3 @@ def test_tf32_on_a_cuda_matmul_is_named_with_the_flag_as_evidence(tmp_path, caps
     assert "torch.backends.cuda.matmul.allow_tf32 = True" in ev and "aten.mm.default" in ev
 
 
-@pytest.mark.slow
-def test_collective_disagreeing_across_ranks_is_named_with_its_rank(ddp_step_with_rank1_allreduce_fault, tmp_path,
-                                                                    capsys):
-    trace = ddp_step_with_rank1_allreduce_fault  # shared: the replay's JSON goes into tmp_path, not beside it
-    md = _report(trace, _replay_json(trace, into=tmp_path), capsys)
-    assert "a collective that disagrees across ranks" in _causes(md)
-    ev = md.split("### a collective that disagrees across ranks", 1)[1]
-    assert "rank 1 #" in ev and "c10d.allreduce_.default" in ev and "on rank(s) [1]" in ev
-    assert re.search(r"\| collectives consistent across ranks \| 1 of \d+ disagree \| 0 \| FAIL \|", md)

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import io
 import re
-import subprocess
 from pathlib import Path
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,56 +22,7 @@ from replaydiff.replay import ReplayOptions, Status, replay_trace
 from replaydiff.report import render_replay, report_to_json
 from replaydiff.tui.model import TraceModel
 
-PLANT = "aten.addmm.default:2:1e-3"  # the output layer's forward matmul
-
-
-class BNNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc, self.bn, self.out = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.relu(self.bn(self.fc(x))))
-
-
-def _step() -> None:
-    torch.manual_seed(0)
-    model = BNNet()
-    x, y = torch.randn(256, 8), torch.randn(256, 4)  # a large batch: the bias gradient cancels the more
-    F.mse_loss(model(x), y).backward()
-
-
-@pytest.fixture(scope="module")
-def traces(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("severity")
-    with replaydiff.record(root / "clean"):
-        _step()
-    with replaydiff.record(root / "planted", plant=PLANT):
-        _step()
-    return {"clean": root / "clean", "planted": root / "planted"}
-
-
-@pytest.fixture(scope="module")
-def reports(traces):
-    return {k: replay_trace(str(p), ReplayOptions()) for k, p in traces.items()}
-
-
-def _ill(report):
-    """The ops replay calls ok although their error is over the fixed float32 limit."""
-    return [r for r in report.ops if r.status is Status.OK and r.metrics and "norm_max" in r.metrics
-            and r.metrics["norm_max"] > r.metrics["limit_max"]]
-
-
-def _run_repro(trace: Path, index: int, out: Path, capsys) -> subprocess.CompletedProcess:
-    """`repro` of op ``index`` into ``out``, and its script run on ``out`` in this process (the script's code is
-    replaydiff.rebuild_and_judge; test_repro runs the written scripts alone, as ``python -I repro.py``)."""
-    from replaydiff import rebuild_and_judge
-
-    assert main(["repro", str(trace), str(index), "-o", str(out)]) == 0
-    capsys.readouterr()
-    code = rebuild_and_judge.main([], directory=str(out))
-    stdout, stderr = capsys.readouterr()
-    return subprocess.CompletedProcess(["repro.py"], code, stdout, stderr)
+from severity_helpers import _ill, reports, traces  # noqa: F401 (reports, traces: fixtures)
 
 
 def test_an_ill_conditioned_op_is_ok_with_its_reason_and_below_its_limit(reports):
@@ -142,21 +91,6 @@ def _walk(groups):
     for g in groups:
         yield g
         yield from _walk(g.children)
-
-
-@pytest.mark.slow
-def test_repro_agrees_with_replay(traces, reports, tmp_path, capsys):
-    (ill,) = _ill(reports["clean"])
-    p = _run_repro(traces["clean"], ill.index, tmp_path / "ill", capsys)
-    assert p.returncode == 0, p.stdout + p.stderr
-    line = next(l for l in p.stdout.splitlines() if "recorded vs reference:" in l)
-    assert line.endswith(ill.reason) and "  ok " in line, line
-    assert re.search(r"cpu run vs reference:.*  ok", p.stdout), p.stdout
-    culprit = reports["planted"].first_divergent
-    p = _run_repro(traces["planted"], culprit.index, tmp_path / "culprit", capsys)
-    assert p.returncode == 1, p.stdout + p.stderr
-    line = next(l for l in p.stdout.splitlines() if "recorded vs reference:" in l)
-    assert "  DIVERGENT - " in line and culprit.reason.endswith(line.split("  DIVERGENT - ", 1)[1]), line
 
 
 def _copied_script(d: Path):

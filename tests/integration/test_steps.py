@@ -10,14 +10,10 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import xml.etree.ElementTree as ET
 
 import pytest
 import torch
-import transformers  # part of the `test` extra
 
 import replaydiff
 from replaydiff.cli.main import main as cli_main
@@ -25,79 +21,7 @@ from replaydiff.replay import ReplayOptions, replay_trace
 from replaydiff.report.trend import MIN_HISTORY, compute_trend
 from replaydiff.trace import open_trace
 
-VOCAB, SEQ = 50, 8
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors on a shared 2-core machine: waking a second intra-op thread costs more than the work (measured:
-    60 steps of the tiny GPT-2 take 8.7 s with two threads under load, 0.4 s with one). Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def gpt2(layers: int = 2) -> transformers.GPT2LMHeadModel:
-    """The smallest GPT-2 that still has every kind of layer; dropout off so that steps differ only by the batch."""
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_embd=16, n_layer=layers, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(cfg)
-
-
-def train(model: torch.nn.Module, steps: int, before_step=None) -> torch.Tensor:
-    """``steps`` AdamW steps on random token batches; ``before_step(step, model, ids)`` runs before each forward."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(1)
-    loss = torch.tensor(0.0)
-    for step in range(1, steps + 1):
-        ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
-        if before_step is not None:
-            before_step(step, model, ids)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return loss
-
-
-def module_path(model: torch.nn.Module, target: torch.nn.Module) -> str:
-    """A module's path as traces spell it: the root's class name, then the attribute path."""
-    return next(name for name, m in model.named_modules(prefix=type(model).__name__) if m is target)
-
-
-def scale_weight_at(step_no: int, factor: float):
-    def plant(step: int, model, ids) -> None:
-        if step == step_no:
-            with torch.no_grad():
-                model.transformer.h[1].mlp.c_fc.weight.mul_(factor)
-    return plant
-
-
-# -- a sudden change: flagged at its step, in its module ------------------------------------------------------------
-@pytest.mark.parametrize("granularity", ["op", "module"])
-@pytest.mark.slow
-def test_weight_times_100_at_step_30_is_the_first_change(tmp_path, granularity):
-    model = gpt2()
-    # Op by op, steps 20-40 of the 60 (the whole run takes 4x longer and tells nothing more); by module, all 60.
-    steps = range(20, 41) if granularity == "op" else range(1, 61)
-    with replaydiff.record(tmp_path / "t", tensors="stats", steps=f"{steps[0]}-{steps[-1]}", granularity=granularity):
-        train(model, 60, scale_weight_at(30, 100.0))
-    r = open_trace(tmp_path / "t").rank(0)
-    assert sorted({op.step for op in r}) == list(steps)
-    change = compute_trend(r).first_change
-    assert change is not None
-    expected = module_path(model, model.transformer.h[1].mlp.c_fc)
-    assert (change.step, change.module) == (30, expected)
-    op = r[change.index]  # the op it names is in the trace, in that step and module
-    assert (op.step, op.module, op.name) == (30, expected, change.op)
-    assert change.statistic in ("l2", "absmax") and change.score > 12
-    # Same run without the planted change: nothing to flag.
-    if granularity == "module":
-        with replaydiff.record(tmp_path / "clean", tensors="stats", steps="1-60", granularity="module"):
-            train(gpt2(), 60)
-        assert compute_trend(open_trace(tmp_path / "clean").rank(0)).first_change is None
+from steps_helpers import gpt2, module_path, one_thread, scale_weight_at, train  # noqa: F401 (one_thread: autouse)
 
 
 class TinyGRU(torch.nn.Module):
@@ -456,57 +380,6 @@ def test_flight_with_full_tensors_stays_within_its_memory(tmp_path):
         o.reason for o in report.ops if o.status.value == "skipped"}
 
 
-# -- the CLI -------------------------------------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_record_cli_steps_and_module_granularity(tmp_path, cli_here, monkeypatch):
-    (tmp_path / "train.py").write_text(textwrap.dedent("""
-        import torch
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for _ in range(7):
-            model(torch.randn(3, 4)).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-    """))
-    monkeypatch.delenv("REPLAYDIFF_RECORD", raising=False)
-    proc = cli_here("record", "--tensors", "stats", "--steps", "2-6:2", "--granularity", "module", "-o", "trace", "--",
-                    sys.executable, "train.py", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "replaydiff trend trace" in proc.stderr
-    r = open_trace(tmp_path / "trace").rank(0)
-    assert sorted({op.step for op in r}) == [2, 4, 6]
-    assert {op.module for op in r} == {"Sequential", "Sequential.0", "Sequential.1", "Sequential.2"}
-    assert {op.phase for op in r} == {"forward", "backward"}
-    assert r.options.granularity == "module" and r.options.steps == "2-6:2"
-
-
-@pytest.mark.slow
-def test_record_cli_flight_dumps_on_sigterm_and_the_process_still_dies_of_it(tmp_path):
-    (tmp_path / "train.py").write_text(textwrap.dedent("""
-        import os, signal, torch
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(1, 10):
-            loss = model(torch.randn(3, 4)).pow(2).mean()
-            if step == 5:
-                os.kill(os.getpid(), signal.SIGTERM)  # as torchrun does when another rank fails
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-    """))
-    env = {k: v for k, v in os.environ.items() if k != "REPLAYDIFF_RECORD"}
-    proc = subprocess.run([sys.executable, "-m", "replaydiff", "record", "--tensors", "stats", "--flight", "3",
-                           "-o", "trace", "--", sys.executable, "train.py"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr  # the job's fate is unchanged
-    r = open_trace(tmp_path / "trace").rank(0)
-    assert sorted({op.step for op in r}) == [3, 4, 5]  # step 5 up to the signal, in its forward
-    assert {op.phase for op in r if op.step == 5} == {"forward"}
-    assert "SIGTERM" in r.manifest["flight"]["reason"]
-
-
 @pytest.mark.parametrize("bad", [["--steps", "5-2"], ["--steps", "x"], ["--flight", "0"],
                                  ["--flight", "3", "--tensors", "full"],  # full needs a filter
                                  ["--step", "3", "--steps", "1-2"], ["--step", "3", "--flight", "2"]])
@@ -536,38 +409,3 @@ def test_op_granularity_gradient_series_is_the_modules_backward_not_a_parameters
     assert grad.values["l2"] == pytest.approx(weight_grads, rel=1e-5)
 
 
-@pytest.mark.slow
-def test_module_granularity_leaves_a_compiled_model_compiled_and_bitwise_unchanged(tmp_path, recwarn):
-    """The module-statistics hooks are global: without a guard they run while dynamo traces the compiled region,
-    dynamo traces the recorder's own numpy code, fails, the recording stops and the region falls back to eager."""
-    def run(record_to=None) -> torch.nn.Module:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.GELU(),
-                                    torch.nn.Linear(8, 1))
-        compiled = torch.compile(model, backend="aot_eager")
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        g = torch.Generator().manual_seed(1)
-        def steps() -> None:
-            for _ in range(4):
-                compiled(torch.randn(3, 4, generator=g)).pow(2).mean().backward()
-                opt.step()
-                opt.zero_grad()
-        if record_to is None:
-            steps()
-        else:
-            with replaydiff.record(record_to, tensors="stats", steps="1-3", granularity="module"):
-                steps()
-        return model
-
-    torch._dynamo.reset()
-    plain = run()
-    torch._dynamo.reset()
-    watched = run(tmp_path / "t")
-    for (name, a), (_, b) in zip(plain.named_parameters(), watched.named_parameters()):
-        assert torch.equal(a, b), name
-    assert not [w for w in recwarn if "recording stopped" in str(w.message)]
-    r = open_trace(tmp_path / "t").rank(0)
-    assert sorted({op.step for op in r}) == [1, 2, 3]
-    modules = {op.module for op in r}
-    assert "OptimizedModule" in modules  # the call that enters the region; the modules inside it are in its graph
-    assert not [m for m in modules if m.startswith("OptimizedModule._orig_mod")]
