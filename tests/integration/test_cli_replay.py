@@ -1,6 +1,6 @@
-"""`replaydiff replay` and `replaydiff demo` as a user runs them: a subprocess, exit codes, one-line errors, the
-replaydiff.replay/1 JSON document, and nothing on stderr meant for a terminal when output is piped. Where the process
-is not the subject (the JSON document, tolerances, --resume), the CLI runs in this process (conftest's cli_here)."""
+"""`replaydiff replay` and `replaydiff demo` run by the CLI's ``main`` in this process (conftest's cli_here): exit
+codes, one-line errors, the replaydiff.replay/1 JSON document, tolerances, --resume, and nothing on stderr meant for a
+terminal when output is piped. As a subprocess, and with worker processes: tests/e2e/test_cli_replay_e2e.py."""
 from __future__ import annotations
 
 import json

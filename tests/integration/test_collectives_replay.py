@@ -1,5 +1,5 @@
-"""Collectives are checked across ranks: a corrupted all-reduce on one rank is named, the other rank's is not; each
-kind of collective reaches the check registered for it, and that check names a wrong result."""
+"""Collectives are checked across ranks: each kind of collective reaches the check registered for it, and that check
+names a wrong result (a corrupted all-reduce of a 2-rank job: tests/e2e/test_collectives_replay_e2e.py)."""
 from __future__ import annotations
 
 from types import SimpleNamespace

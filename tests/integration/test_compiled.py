@@ -2,8 +2,8 @@
 and the CompiledRegionTracker (replaydiff/record/compiled.py) that reports it.
 
 Backends: "aot_eager" and small custom backends (the behaviour under test is dynamo's, before any backend runs,
-and they compile in about a second on two CPU cores). One test uses inductor to show a compiled kernel missing
-from the trace; it is marked slow (its first compile takes ~15 s on two cores) but is not skipped.
+and they compile in about a second on two CPU cores). The inductor test that shows a compiled kernel missing
+from the trace (its first compile takes ~15 s on two cores) is in tests/e2e/test_compiled_e2e.py.
 See docs/design/compile.md for the torch source behind each expectation.
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The typed read API (open_trace, RankTrace, OpRecord, the index) and the typed verdicts, tested as a user meets
-them: the README's example runs as written, edges agree with an independent oracle, the index written when
-recording ends equals the one rebuilt from the chunks, and reads from several threads agree with serial reads."""
+them: edges agree with an independent oracle, the index written when recording ends equals the one rebuilt from
+the chunks, and reads from several threads agree with serial reads (the documented example run as written:
+tests/e2e/test_read_api_e2e.py)."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """How replay behaves, trap by trap: reference settings in and out, --repeat, random ops, ops that write into their
-arguments, views, an op that fails, several workers, and a trace cut short by SIGKILL."""
+arguments, views, an op that fails, and several workers (a trace cut short by SIGKILL:
+tests/e2e/test_replay_behaviour_e2e.py)."""
 from __future__ import annotations
 
 import dataclasses
