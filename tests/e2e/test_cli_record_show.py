@@ -96,7 +96,7 @@ def recorded(tmp_path_factory):
     return cwd, proc
 
 
-def test_record_step_of_a_script(recorded):
+def test_record_of_step_2_of_a_script_holds_that_step_and_passes_its_exit_code_on(recorded):
     cwd, proc = recorded
     assert proc.returncode == 3, proc.stderr  # the script's own exit code passes through
     assert "Traceback" not in proc.stderr, proc.stderr
@@ -118,7 +118,7 @@ def test_record_step_of_a_script(recorded):
     assert not any(o.name == "aten.zeros_like.default" for o in ops)
 
 
-def test_record_first_step_module_paths(tmp_path, cli):
+def test_record_of_step_1_starts_in_the_first_module_call_with_full_module_paths(tmp_path, cli):
     (tmp_path / "train.py").write_text(TRAIN)
     proc = cli("record", "--step", "1", "-o", "trace", "--", sys.executable, "train.py", cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr
@@ -140,7 +140,7 @@ def test_record_refuses_an_existing_directory(recorded, cli):
     assert sorted(p.name for p in (cwd / "trace").rglob("*")) == before
 
 
-def test_show_summary(recorded, cli):
+def test_show_summary_counts_ops_phases_the_most_frequent_ops_bytes_and_environment(recorded, cli):
     cwd, _ = recorded
     proc = cli("show", "trace", cwd=cwd)
     assert proc.returncode == 0, proc.stderr
@@ -158,7 +158,7 @@ def test_show_summary(recorded, cli):
     assert f"torch {torch.__version__}" in out and "threads" in out and "flags:" in out
 
 
-def test_show_one_op(recorded, cli):
+def test_show_op_gives_its_arguments_shapes_producers_phase_and_module(recorded, cli):
     cwd, _ = recorded
     r = open_trace(cwd / "trace").rank(0)
     ops = list(r)
@@ -228,7 +228,7 @@ def test_show_corrupt_trace_is_one_line_and_exit_3(recorded, tmp_path):
 
 
 @pytest.mark.slow
-def test_record_under_torchrun(tmp_path, cli):
+def test_record_under_torchrun_writes_a_complete_trace_per_rank_with_its_collectives(tmp_path, cli):
     (tmp_path / "train_ddp.py").write_text(TRAIN_DDP)
     torchrun = Path(sys.executable).with_name("torchrun")
     launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]

@@ -204,7 +204,7 @@ for _ in range(2):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["capture", "eager"])
-def test_record_cli_compiled_option(tmp_path, how, cli_here):
+def test_record_cli_compiled_capture_records_units_and_eager_records_none(tmp_path, how, cli_here):
     import sys
 
     (tmp_path / "train.py").write_text(_SCRIPT)

@@ -41,7 +41,7 @@ DDP_STEP = textwrap.dedent('''
 ''')
 
 
-def test_two_rank_run_against_one_process(tmp_path: Path, capsys) -> None:
+def test_two_rank_run_against_one_process_is_mapped_and_parts_where_rank_1_was_planted(tmp_path: Path, capsys) -> None:
     script = tmp_path / "step.py"
     script.write_text(DDP_STEP)
     one, two = tmp_path / "one", tmp_path / "two"

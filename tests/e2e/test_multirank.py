@@ -439,7 +439,7 @@ def test_culprit_across_ranks_follows_collective_order(job) -> None:
 
 # -- 6. a subset of ranks -----------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_record_a_subset_of_ranks(tmp_path: Path, cli_here, monkeypatch) -> None:
+def test_record_of_one_rank_writes_it_alone_and_skips_its_collectives(tmp_path: Path, cli_here, monkeypatch) -> None:
     trace = tmp_path / "trace"
     script = _script(tmp_path, "plain_ddp.py", PLAIN_DDP_SCRIPT)
     for name in ("PYTHONPATH", "OMP_NUM_THREADS"):  # the job's environment, as _env() gives a subprocess

@@ -95,7 +95,7 @@ PROBLEMS = ("divergent", "error", "nondeterministic", "lost", "raised_under_reco
 def op_db():
     """op_db, and torch's backend flags as they were before importing it: the import freezes them
     (torch.backends.disable_global_flags), which would leak into every later test module of this process.
-    test_replay_with_frozen_backend_flags checks replay with frozen flags on purpose."""
+    test_replay_under_frozen_backend_flags_judges_the_op_ok checks replay with frozen flags on purpose."""
     flags = torch.backends.flags_frozen.__globals__  # torch.backends' own module dict (the module is wrapped)
     was = flags["__allow_nonbracketed_mutation_flag"]
     db = sweep.load_op_db()
@@ -163,7 +163,7 @@ def test_fixed_bug_class_replays_clean(op_db, bug):
     assert _problems(res) == []
 
 
-def test_replay_with_frozen_backend_flags(tmp_path):
+def test_replay_under_frozen_backend_flags_judges_the_op_ok(tmp_path):
     x = torch.randn(3)
     with replaydiff.record(tmp_path / "t"):
         x.exp()

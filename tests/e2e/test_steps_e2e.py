@@ -43,7 +43,7 @@ def test_weight_times_100_at_step_30_is_the_first_change(tmp_path, granularity):
 
 
 # -- the CLI -------------------------------------------------------------------------------------------------------------
-def test_record_cli_steps_and_module_granularity(tmp_path, cli_here, monkeypatch):
+def test_record_cli_of_every_other_step_per_module_holds_those_steps_and_modules(tmp_path, cli_here, monkeypatch):
     (tmp_path / "train.py").write_text(textwrap.dedent("""
         import torch
         torch.manual_seed(0)

@@ -50,7 +50,7 @@ def _tensor_refs(op):
             and not x.uninitialised]
 
 
-def test_sizes_and_the_budget_option(capsys):
+def test_sizes_parse_with_their_suffixes_and_bad_sizes_or_a_budget_of_statistics_are_refused(capsys):
     assert [parse_size(s) for s in ("500M", "2G", "1.5GiB", "64k", "1000", 7)] == \
         [500 << 20, 2 << 30, 3 << 29, 64 << 10, 1000, 7]
     for bad in ("lots", "-1M", "0"):
@@ -262,7 +262,7 @@ def test_estimate_json_and_the_ranks_that_fit_a_budget(tmp_path, monkeypatch, ca
     assert doc["budget"]["ranks_that_fit"] == [0, 1] and doc["budget"]["flags"] == ["--budget", "64M"]
 
 
-def test_json_is_the_estimates(capsys):
+def test_record_json_without_estimate_is_a_usage_error(capsys):
     assert main(["record", "--json", "-", "--", sys.executable, "-c", "pass"]) == 2
     assert "--json writes the estimate" in capsys.readouterr().err
 

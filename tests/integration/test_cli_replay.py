@@ -71,7 +71,7 @@ def test_the_culprit_of_a_trace_of_one_rank_other_than_0_names_its_rank(tmp_path
     assert len(culprit) == 1 and culprit[0].startswith(f"first divergent op rank 1 #{index} {name}"), proc.stdout
 
 
-def test_json_report_on_stdout(cli_here):
+def test_json_report_on_stdout_is_the_whole_document_with_every_op_and_the_culprit(cli_here):
     name, occurrence, _ = rh.first_in_phase(rh.trace_ops(rh.step_trace("transformer")), rh.MATMULS, "forward")
     path = rh.step_trace("transformer", name, rel=1e-3, occurrence=occurrence)
     ops = rh.trace_ops(path)

@@ -119,7 +119,7 @@ def _record_model(name: str, out: Path, fault: PlantedFault | None = None) -> Pa
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_planted_fault_in_a_transformers_model(name: str, tmp_path: Path) -> None:
+def test_planted_fault_in_a_transformers_model_is_the_culprit(name: str, tmp_path: Path) -> None:
     ref = _record_model(name, tmp_path / "ref")
     fault = PlantedFault("aten.mm.default", rel=1e-3, call=4)
     target = _record_model(name, tmp_path / "target", fault)
@@ -318,7 +318,7 @@ def test_traces_of_different_steps_compare_like_with_like(tmp_path: Path, capsys
     assert capsys.readouterr().out.splitlines()[1] == "environment: same"
 
 
-def test_foreach_against_for_loop_adamw() -> None:
+def test_foreach_against_for_loop_adamw_differs_only_in_the_optimizer_and_exits_0() -> None:
     ref, target = rh.step_trace("mlp_forloop"), rh.step_trace("mlp_foreach")
     report = diff_traces(ref, target)
     rd = report.ranks[0]
@@ -441,7 +441,7 @@ def test_meta_traces_compare_shapes_only(tmp_path: Path) -> None:
     assert any("tensors=meta" in w for w in report.warnings)
 
 
-def test_rank_pairing() -> None:
+def test_rank_pairs_pair_a_single_process_with_every_rank_and_refuse_ranks_not_shared() -> None:
     assert rank_pairs([0], [0, 1]) == [(0, 0), (0, 1)]  # one process against each rank of a 2-rank run
     assert rank_pairs(list(range(8)), [0]) == [(r, 0) for r in range(8)]
     assert rank_pairs(list(range(8)), [0], only=3) == [(3, 0)]  # --rank names a rank of the multi-rank side

@@ -50,7 +50,7 @@ def test_conjugate_and_negative_bits_survive(tmp_path: Path) -> None:
     _replay_clean(tmp_path / "t")
 
 
-def test_complex32_outputs_compare_at_same(tmp_path: Path) -> None:
+def test_complex32_outputs_replay_clean_at_fp64_and_same(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "ComplexHalf support is experimental"
         x = torch.randn(4, dtype=torch.complex64)

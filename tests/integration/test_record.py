@@ -380,7 +380,7 @@ OPTIMIZERS = {
 
 
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-def test_optimizer_ops_recorded(record_one, kind):
+def test_each_optimizers_ops_are_recorded_with_every_parameters_new_value(record_one, kind):
     make, expected, uses_foreach = OPTIMIZERS[kind]  # uses_foreach None: either way
     torch.manual_seed(0)
     model = small_mlp()
@@ -613,7 +613,7 @@ def test_uninitialised_outputs_are_marked(record_one):
 
 
 # -- 6. environment ----------------------------------------------------------------------------------------------
-def test_environment_snapshot(tmp_path, monkeypatch):
+def test_environment_snapshot_holds_the_flags_threads_and_variables_set_at_record_time(tmp_path, monkeypatch):
     monkeypatch.setenv("NCCL_ALGO", "Tree")
     monkeypatch.setenv("TORCH_SHOW_CPP_STACKTRACES", "1")
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -659,7 +659,7 @@ def test_environment_snapshot(tmp_path, monkeypatch):
     assert r.manifest["rank"] == 0 and r.manifest["world_size"] == 1
 
 
-def test_rank_and_world_size_from_launcher_variables(tmp_path, monkeypatch):
+def test_rank_and_world_size_are_read_from_launcher_variables(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
     with replaydiff.record(tmp_path / "t"):
@@ -783,7 +783,7 @@ def test_op_glob_filter_keeps_numbering(tmp_path):
     assert add.outputs.stats.mean == pytest.approx(float((a @ b + 1).mean()), rel=1e-6)
 
 
-def test_module_glob_filter(tmp_path, tiny_step):
+def test_module_glob_keeps_data_of_matching_modules_and_marks_the_rest_filtered(tmp_path, tiny_step):
     glob = "TinyTransformer.blocks.1.*"
     with replaydiff.record(tmp_path / "t", modules=glob):
         tiny_step()
@@ -973,7 +973,7 @@ def test_a_recording_that_cannot_start_leaves_no_writer_thread(tmp_path, monkeyp
 
 # -- 10. GPU -----------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-def test_record_a_cuda_step(tmp_path):
+def test_a_cuda_step_is_recorded_whole_with_its_asynchronous_copies_landed(tmp_path):
     torch.manual_seed(0)
     model = TinyTransformer().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -93,7 +93,7 @@ def test_sampled_module_steps_catch_a_weight_spike_the_outputs_hide(tmp_path):
     assert (r[change.index].name, change.parameter) == (change.op, "weight_ih_l0")
 
 
-def test_trend_cli_json_text_and_svg(tmp_path, capsys):
+def test_trend_cli_names_the_spiked_module_in_json_text_and_svg(tmp_path, capsys):
     model = gpt2(layers=2)
     with replaydiff.record(tmp_path / "t", tensors="stats", steps="2-40:2", granularity="module"):
         train(model, 40, scale_weight_at(20, 100.0))

@@ -50,7 +50,7 @@ def _samples() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("compress", [True, False], ids=["zstd", "raw"])
-def test_round_trip_of_many_dtypes(tmp_path, compress):
+def test_tensors_of_many_dtypes_round_trip_exactly(tmp_path, compress):
     samples = _samples()
     clones = {}
     with replaydiff.record(tmp_path / "t", compress=compress):

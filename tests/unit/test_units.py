@@ -24,7 +24,7 @@ EPS32 = 2.0 ** -23  # torch.finfo(torch.float32).eps
 EPS16B = 2.0 ** -7  # bfloat16
 
 
-def test_measure_float_error_arithmetic() -> None:
+def test_measure_of_a_float_error_gives_its_max_abs_and_ulp_scaled_figures() -> None:
     rec = torch.tensor([1.0, 2.0, 4.0])
     ref = torch.tensor([1.0, 2.0, 4.0 + 8 * 4.0 * EPS32], dtype=torch.float64)  # 8 ulps of absmax 4 at the last element
     m = measure(rec, ref)
@@ -43,7 +43,7 @@ def test_measure_bfloat16_uses_its_own_epsilon() -> None:
     assert m.norm_max == pytest.approx(1 / (1 + EPS16B))  # max_abs 2 eps / (eps * absmax of the reference, 2 + 2 eps)
 
 
-def test_measure_kinds() -> None:
+def test_measure_tells_shape_exact_and_nonfinite_mismatches_from_a_bf16_overflow() -> None:
     assert measure(torch.ones(2), torch.ones(3)) == ShapeMismatch([2], [3])
     assert measure(torch.tensor([1, 2, 3]), torch.tensor([1, 5, 3])) == ExactMismatch(1)
     m = measure(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0], dtype=torch.float64))
