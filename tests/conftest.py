@@ -1,5 +1,5 @@
 """Shared fixtures: a seeded tiny-transformer training step, recording one step into tmp_path, and the CLI run in
-this process."""
+this process; and the tier rule (every test under tests/e2e/ is ``slow``)."""
 from __future__ import annotations
 
 import subprocess
@@ -15,8 +15,17 @@ from replaydiff.models.tiny import TinyTransformer, make_step
 from replaydiff.trace import open_trace
 
 
+E2E = Path(__file__).resolve().parent / "e2e"
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Deselect tests marked ``gpu`` on a machine without CUDA (the marker's documented meaning)."""
+    """The tiers are folders: every test under tests/e2e/ is ``slow``, so the quick tier (``-m "not slow"``) is
+    tests/unit/ and tests/integration/. Tests marked ``gpu`` are deselected on a machine without CUDA (the marker's
+    documented meaning)."""
+    for item in items:
+        if item.path.is_relative_to(E2E):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     gpu = [item for item in items if item.get_closest_marker("gpu") is not None]

@@ -1,0 +1,68 @@
+"""The record command trend prints for the next step is the recorded job and runs as printed (the rest:
+tests/integration/test_trend_next.py)."""
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+import textwrap
+
+from replaydiff.trace import open_trace
+
+from process_helpers import child_env
+from steps_helpers import one_thread  # noqa: F401 (autouse, as in tests/integration/test_trend_next.py)
+
+
+SPIKE = textwrap.dedent("""
+    import sys
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(2)
+    spike = int(sys.argv[2])  # argv[1] is a label with a space in it: the command must come back quoted
+    for step in range(1, 31):
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)
+        if step == spike:
+            with torch.no_grad():
+                model[2].weight.mul_(100)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+""")
+
+
+def test_the_next_record_command_is_the_recorded_job_and_runs_as_printed(tmp_path):
+    """Recorded by ``replaydiff record -- CMD``: trend's record line ends in CMD, quoted for the shell; pasted into a
+    shell it records the zoom-in of the same job, whose replay says where the change enters."""
+    (tmp_path / "my train.py").write_text(SPIKE)
+    command = [sys.executable, "my train.py", "run one", "25"]
+    rec = subprocess.run([sys.executable, "-m", "replaydiff", "record", "--tensors", "stats", "--steps", "1-30",
+                          "-o", "t", "--", *command], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env=child_env())
+    assert rec.returncode == 0, rec.stderr
+    assert open_trace(tmp_path / "t").rank(0).command == tuple(command)
+
+    trend = subprocess.run([sys.executable, "-m", "replaydiff", "trend", "t"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300, env=child_env())
+    assert trend.returncode == 1, trend.stderr
+    record = "replaydiff record --tensors full --steps 24-25 --module Sequential.2 -o t-step25 -- " + \
+        shlex.join(command)
+    lines = trend.stdout.splitlines()
+    assert f"  {record}" in lines and "  replaydiff replay t-step25" in lines
+    assert "COMMAND" not in trend.stdout and "holds none" not in trend.stdout
+
+    # As a user would paste it (replaydiff: this interpreter's)
+    argv = shlex.split(record)
+    assert argv[0] == "replaydiff"
+    zoom = subprocess.run([sys.executable, "-m", "replaydiff", *argv[1:]], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env=child_env())
+    assert zoom.returncode == 0, zoom.stderr
+    z = open_trace(tmp_path / "t-step25").rank(0)
+    assert z.command == tuple(command) and sorted({op.step for op in z}) == [24, 25]
+    mul = next(op for op in z if op.step == 25 and op.name == "aten.mul_.Tensor")
+    out = subprocess.run([sys.executable, "-m", "replaydiff", "replay", "t-step25"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300, env=child_env())
+    assert f"from op #{mul.index} aten.mul_.Tensor, which the record filter left out" in out.stdout, out.stdout
