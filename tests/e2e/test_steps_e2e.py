@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import replaydiff
-from replaydiff.report.trend import compute_trend
+from replaydiff.trend import compute_trend
 from replaydiff.trace import open_trace
 
 from steps_helpers import gpt2, module_path, one_thread, scale_weight_at, train  # noqa: F401 (one_thread: autouse)
