@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "replaydiff"
 
-# The one- and two-letter keys of op records and tensor references (replaydiff/trace/schema.py).
+# The one- and two-letter keys of op records and tensor references (replaydiff/trace/schema/keys.py).
 _WIRE = r"i|ph|mod|fwd|src|srt|stp|lo|a|k|w|o|u|x|coll|rng|T|dt|sh|st|of|sb|f|s|rg|cj|ng|unsupported"
 _WIRE_USE = re.compile(rf"""(\[\s*["']({_WIRE})["']\s*\]|\.get\(\s*["']({_WIRE})["']|\{{\s*["']({_WIRE})["']\s*:)""")
 
@@ -327,7 +327,7 @@ def far(v, m):
 
 
 # Every key of the manifest, of the environment snapshot (as record/environment.py writes it now), of the record
-# options and of a compiled region: what trace/schema.py alone may read by string.
+# options and of a compiled region: what the trace package (trace/schema/) alone may read by string.
 _MANIFEST_KEYS = {"rank", "world_size", "environment", "options", "started_at", "source_root", "compiled_regions",
                   "unseen_writes", "ops_seen", "record_seconds", "disabled", "custom_ops", "source_files", "planted",
                   "complete", "lost", "flight", "version", "format", "ops_written", "last_op", "written_at", "command"}
@@ -347,7 +347,7 @@ def _metadata_keys() -> set[str]:
 
 
 def test_trace_metadata_is_read_through_typed_attributes_only() -> None:
-    """RankTrace.environment, .options and .compiled_regions are typed once in trace/schema.py; no module outside the
+    """RankTrace.environment, .options and .compiled_regions are typed once in trace/schema/; no module outside the
     trace package reads a manifest, environment, options or compiled-region key by string."""
     keys = "|".join(re.escape(k) for k in sorted(_metadata_keys(), key=len, reverse=True))
     holder = r"\b(manifest|environment|env|cenv|options|flags|variables|compiled_regions|regions?|devices?)"

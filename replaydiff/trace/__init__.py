@@ -1,6 +1,6 @@
 """The on-disk trace: a directory with one sub-directory per rank, written as it goes and read one op at a time.
 
-``open_trace`` is the way in; the records it gives are typed (``schema.py`` alone knows the wire keys)."""
+``open_trace`` is the way in; the records it gives are typed (the ``schema`` package alone knows the wire keys)."""
 from replaydiff.trace.damage import MissingOps, describe_missing
 from replaydiff.trace.format import FORMAT_NAME, FORMAT_VERSION
 from replaydiff.trace.index import ModuleNode, TraceIndex
