@@ -436,7 +436,7 @@ def test_results_are_built_once_from_a_judgement() -> None:
             for kind in ("OpResult", "PairResult")}
     assert made == {"OpResult": ["replaydiff/replay/runner.py:_result",
                                  "replaydiff/report/json_report.py:load_replay_json"],
-                    "PairResult": ["replaydiff/diff/compare.py:compare"]}
+                    "PairResult": ["replaydiff/diff/pairs.py:compare"]}
 
 
 _ONE_HOME = {  # what was written twice and drifted, and the one place that defines it now

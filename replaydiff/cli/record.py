@@ -25,10 +25,10 @@ from replaydiff.cli.estimate import run_estimate
 from replaydiff.cli.filter_check import unmatched_filter_line
 from replaydiff.errors import EXIT_USAGE, ReplaydiffError, TraceError, UsageError
 from replaydiff.record.options import COMPILED_MODES, GRANULARITIES, TENSOR_MODES, RecordOptions
-from replaydiff.record.step import ENV_VAR
+from replaydiff.record.child_arming import ENV_VAR
 from replaydiff.record.step_range import StepRange
 from replaydiff.trace import open_trace
-from replaydiff.trace.layout import NotReplaceable, remove_trace, replaceable_files
+from replaydiff.trace.removal import NotReplaceable, remove_trace, replaceable_files
 from replaydiff.trace.schema import PlantedFaultInfo
 
 NAME = "record"

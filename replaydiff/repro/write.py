@@ -24,7 +24,7 @@ from replaydiff import aten, rebuild_and_judge
 from replaydiff.compare.tolerance import Tolerances, reduction_length
 from replaydiff.errors import UsageError
 from replaydiff.replay.compared import compared_outputs
-from replaydiff.replay.unit import Graph, Refused, flat, interpret, node_k
+from replaydiff.replay.unit_replay import Graph, Refused, flat, interpret, node_k
 from replaydiff.trace.format import write_atomic_via
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import NodeRef, Opaque, OpRecord, TensorRef, encode_value, iter_refs

@@ -12,7 +12,7 @@ _COLL, _RNG, _NOT_RECORDED = "coll", "rng", "x"
 _STEP = "stp"  # optimizer step the op ran in (multi-step and flight recordings)
 _SOURCE_TEXT = "srt"  # the text of the source line when recorded (absent in older traces)
 _LEFT_OUT = "lo"  # why the op's tensor data is not in the trace although it is recorded (statistics kept instead)
-_UNIT = "cu"  # a compiled unit's graph and where it came from (record/units.py); only on unit records
+_UNIT = "cu"  # a compiled unit's graph and where it came from (record/unit_capture.py); only on unit records
 # -- tensor reference keys --------------------------------------------------------------------------------------
 _VERSION, _DTYPE, _SHAPE, _STRIDE, _OFFSET, _DEVICE = "T", "dt", "sh", "st", "of", "dev"
 _NBYTES, _CHUNK, _STATS, _REQ_GRAD, _UNSUPPORTED = "sb", "f", "s", "rg", "unsupported"

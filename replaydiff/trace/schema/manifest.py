@@ -67,7 +67,7 @@ class CompiledRegion:
     ops_in_trace: bool | None = None
     fullgraph_errors_suppressed: int = 0
     note: str | None = None  # set only on the entry saying that tracking failed
-    units: bool = False  # its compiled graphs' calls are in the trace as compiled units (record/units.py)
+    units: bool = False  # its compiled graphs' calls are in the trace as compiled units (record/unit_capture.py)
 
     @classmethod
     def from_wire(cls, d: Any) -> "CompiledRegion":

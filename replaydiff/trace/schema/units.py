@@ -1,4 +1,4 @@
-"""Compiled units (record/units.py): one call of a compiled graph, its graph stored as data."""
+"""Compiled units (record/unit_capture.py): one call of a compiled graph, its graph stored as data."""
 from __future__ import annotations
 
 from dataclasses import dataclass
