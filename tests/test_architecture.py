@@ -35,6 +35,32 @@ def test_no_module_outside_the_trace_package_reads_a_wire_key() -> None:
     assert offenders == []
 
 
+def test_the_op_record_keys_are_spelled_once_in_schema_keys() -> None:
+    """Inside the trace package too, the op record and tensor reference keys are spelled in trace/schema/keys.py only:
+    the reader, the writer and the other schema modules name them through its constants, so no second module
+    assigns one of those strings to a key constant or reads a record by it."""
+    keys_module = PKG / "trace" / "schema" / "keys.py"
+    wire = set(_WIRE.split("|"))
+    offenders = []
+    for p in _python_files(PKG / "trace"):
+        if p == keys_module:
+            continue
+        rel = p.relative_to(ROOT).as_posix()
+        tree = ast.parse(p.read_text())
+        for node in tree.body:
+            # a key constant: NAME = "key", or A, B = "key", "key"
+            values = node.value.elts if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple) else \
+                [node.value] if isinstance(node, ast.Assign) else []
+            if values and all(isinstance(v, ast.Constant) and v.value in wire for v in values):
+                offenders.append(f"{rel}:{node.lineno}: {ast.get_source_segment(p.read_text(), node)}")
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            if _WIRE_USE.search(line):
+                offenders.append(f"{rel}:{n}: {line.strip()}")
+    assert offenders == []
+    assert {v.value for v in ast.walk(ast.parse(keys_module.read_text()))
+            if isinstance(v, ast.Constant) and isinstance(v.value, str)} >= wire
+
+
 def _module_name(p: Path) -> str:
     parts = list(p.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
