@@ -40,8 +40,9 @@ from replaydiff.replay.compared import named_output
 from replaydiff.replay.policy import Precision, target_dtype
 from replaydiff.replay.unit_replay import Graph, Refused, compile_device, compile_graph
 from replaydiff.trace.reader import RankTrace
-from replaydiff.trace.schema import NODE_CALL, NODE_CONST, NODE_INPUT, NODE_OUTPUT, NodeRef, Opaque, OpRecord, \
-    TensorRef, UnitInfo, UnitNode
+from replaydiff.trace.schema.ops import OpRecord
+from replaydiff.trace.schema.units import NODE_CALL, NODE_CONST, NODE_INPUT, NODE_OUTPUT, NodeRef, UnitInfo, UnitNode
+from replaydiff.trace.schema.values import Opaque, TensorRef
 
 
 @dataclass(frozen=True)

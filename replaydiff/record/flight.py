@@ -29,7 +29,7 @@ from typing import Any, Callable
 import msgpack
 
 from replaydiff.trace import schema
-from replaydiff.trace.schema import OpRecord
+from replaydiff.trace.schema.ops import OpRecord
 from replaydiff.trace.writer import RankWriter, Snapshot
 
 log = logging.getLogger("replaydiff")
