@@ -69,7 +69,7 @@ def is_wait_only(name: str) -> bool:
     return is_collective(name) and packet(name) in WAIT_ONLY_PACKETS
 
 
-# A compiled unit (record/units.py): one call of a torch.compile graph is one record named compiled.unit.<kind>.
+# A compiled unit (record/unit_capture.py): one call of a torch.compile graph is one record named compiled.unit.<kind>.
 UNIT_NAMESPACE = "compiled"
 
 
@@ -345,7 +345,7 @@ def is_random(name: str) -> bool:
     return r
 
 
-# -- random draws inside a compiled unit, recovered from its recorded outputs (replay/unit.py) ----------------------
+# -- random draws inside a compiled unit, recovered from its recorded outputs (replay/unit_replay.py) ---------------
 # A compiled graph draws with the backend's own generator (inductor's seeds), which replay cannot draw again; what
 # the draw decided (a dropout mask) is often among the unit's recorded outputs (saved for the backward).
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-from replaydiff.trace.schema import env_key
+from replaydiff.trace.schema.environment import env_key
 
 F = TypeVar("F", bound=Callable)
 

@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
-from replaydiff.trace.schema import OpRecord
+from replaydiff.trace.schema.ops import OpRecord
 
 # Attributes a wrapper module inserts between the root and the user's layers.
 _WRAPPER_ATTRS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})

@@ -21,7 +21,7 @@ from replaydiff import aten
 from replaydiff.compare.metrics import Measure
 from replaydiff.compare.tolerance import Tolerances
 from replaydiff.diff.align import Alignment, OpKeys, align, op_keys
-from replaydiff.diff.compare import Judge, PairComparer, Where, coarser_dtype, compare_refs
+from replaydiff.diff.pairs import Judge, PairComparer, Where, coarser_dtype, compare_refs
 from replaydiff.diff.environment import environment_diff
 from replaydiff.diff.parallel import diff_parallel, diff_parallel_groups, is_parallel_groups, is_parallel_pair
 from replaydiff.diff.units import pair_units

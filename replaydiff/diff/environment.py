@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from replaydiff.causes import hint_for
-from replaydiff.trace.schema import Environment, env_key
+from replaydiff.trace.schema.environment import Environment, env_key
 
 _IGNORED = frozenset({env_key("hostname"), env_key("rank")})
 

@@ -1,6 +1,6 @@
 """What the diff says about one aligned op pair beside its status and verdict: typed notes (see ``compare.notes``).
 
-``diff.compare`` judges a pair into a status, a verdict and a tuple of these; the ``PairResult`` is built from them
+``diff.pairs`` judges a pair into a status, a verdict and a tuple of these; the ``PairResult`` is built from them
 in one place, where ``compare.notes.render`` writes them as the reason line the text and JSON reports show.
 """
 from __future__ import annotations

@@ -32,16 +32,17 @@ from replaydiff.compare.notes import Note, render, verdict_reason
 from replaydiff.compare.tolerance import Tolerances, reduction_length
 from replaydiff.compare.verdict import Verdict, judge
 from replaydiff.diff.align import Alignment, module_key
-from replaydiff.diff.compare import PairComparer, coarser_dtype, op_reduction_k
+from replaydiff.diff.pairs import PairComparer, coarser_dtype, op_reduction_k
 from replaydiff.diff.notes import (DiffFact, NodesUnmatched, RightGivenOwnInputs, UnitInputDiffered, UnitNotLocalised,
                                    UnitRecompiled)
 from replaydiff.diff.result import PairStatus, UnitPair, UnitPart
 from replaydiff.replay.compared import named_output
 from replaydiff.replay.policy import Precision, target_dtype
-from replaydiff.replay.unit import Graph, Refused, compile_device, compile_graph
+from replaydiff.replay.unit_replay import Graph, Refused, compile_device, compile_graph
 from replaydiff.trace.reader import RankTrace
-from replaydiff.trace.schema import NODE_CALL, NODE_CONST, NODE_INPUT, NODE_OUTPUT, NodeRef, Opaque, OpRecord, \
-    TensorRef, UnitInfo, UnitNode
+from replaydiff.trace.schema.ops import OpRecord
+from replaydiff.trace.schema.units import NODE_CALL, NODE_CONST, NODE_INPUT, NODE_OUTPUT, NodeRef, UnitInfo, UnitNode
+from replaydiff.trace.schema.values import Opaque, TensorRef
 
 
 @dataclass(frozen=True)

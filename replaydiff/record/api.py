@@ -6,7 +6,7 @@ from typing import Any
 
 from replaydiff.record.options import RecordOptions
 from replaydiff.record.recorder import Recorder
-from replaydiff.record.steps import MultiStepRecorder
+from replaydiff.record.multi_step import MultiStepRecorder
 from replaydiff.trace.modes import TensorMode
 
 

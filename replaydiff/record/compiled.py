@@ -232,7 +232,7 @@ def _patch() -> None:
                     if caller.f_code.co_name == "_backward_impl":
                         for t in list(_active):
                             t._on_compiled_backward(caller, f)
-                            if t.wrap_backward is not None:  # the recorder's unit capture (record/units.py)
+                            if t.wrap_backward is not None:  # the recorder's unit capture (record/unit_capture.py)
                                 f = t.wrap_backward(f, caller) or f
                 except Exception as exc:
                     log.debug("compiled-region tracker: backward: %s", exc)
@@ -330,7 +330,7 @@ def _compiled_fn_backend(fn: Any) -> str | None:
     """Which compiler made an AOTAutograd backward: inductor's CompiledFxGraph (wrapped in dynamo.disable's
     ``_fn``), the aot_eager family's ``boxed_nop`` (torch/_dynamo/backends/debugging.py), or something else."""
     fn = _unwrapped(fn)
-    if type(fn).__name__ == "UnitCall":  # record/units.py: a graph compiled by the capture backend
+    if type(fn).__name__ == "UnitCall":  # record/unit_capture.py: a graph compiled by the capture backend
         return fn._graph.backend
     mod = getattr(fn, "__module__", None) or type(fn).__module__ or ""
     if mod.startswith("torch._inductor"):
@@ -375,8 +375,8 @@ class CompiledRegionTracker:
         self._note: str | None = None  # why tracking could not be done, if it could not
         self._compile_patch: Any = None
         self.on_attach: Any = None  # called (no arguments, must not raise) once dynamo is loaded and patched
-        self.capturing: Any = None  # () -> bool: the recorder captures compiled units now (record/units.py)
-        # (compiled backward, _backward_impl frame) -> a callable to run instead, or None (record/units.py)
+        self.capturing: Any = None  # () -> bool: the recorder captures compiled units now (record/unit_capture.py)
+        # (compiled backward, _backward_impl frame) -> a callable to run instead, or None (record/unit_capture.py)
         self.wrap_backward: Any = None
         self._marked: dict[Any, None] = {}  # code objects torch marked "skip" for the dispatch mode, to put back
 

@@ -45,7 +45,7 @@ _SKIP_PREFIXES = (
 _SKIP_CODE: dict = {}  # code object -> skip it? (a dict hit is cheaper than six startswith tests per frame)
 
 _active: list["OpContext"] = []  # installed contexts
-_step_listeners: list[Callable[..., None]] = []  # called after every optimizer step (steps.py)
+_step_listeners: list[Callable[..., None]] = []  # called after every optimizer step (multi_step.py)
 _optimizer_hooks: list = []
 # What the innermost optimizer call in progress is: OPTIMIZER inside step(), _CLOSURE inside the closure it called.
 # Kept by the hooks for every step once installed (a recording may begin inside a step: `--step 1` starts at the

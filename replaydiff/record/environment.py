@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from replaydiff.trace.schema import wire_device, wire_environment
+from replaydiff.trace.schema.environment import wire_device, wire_environment
 
 _ENV_PREFIXES = ("NCCL_", "TORCH_", "OMP_", "MKL_", "CUDA_", "CUBLAS_", "CUDNN_", "PYTORCH_")
 

@@ -5,7 +5,7 @@ step's records are msgpack-encoded when the step ends, so the memory held is mea
 at most ``flight`` steps and at most ``flight_mib`` MiB of encoded records (oldest steps go first; the step being
 recorded always stays). Nothing touches the disk until ``dump()``: on the first NaN/Inf in a gradient or in the
 loss (the last forward op before backward starts), once that step ends; on SIGTERM/SIGUSR1 or an exception
-(``steps.py`` installs those triggers); at exit only with ``flight_at_exit``. One dump per recording.
+(``multi_step.py`` installs those triggers); at exit only with ``flight_at_exit``. One dump per recording.
 
 With ``tensors="full"`` and a ``modules``/``ops`` filter (the suspect), the ops the filter matches keep their tensors'
 bytes and the others statistics (kept with the reason "filtered", as every filtered op is), so one run of the job catches the step where the suspect goes
@@ -29,7 +29,7 @@ from typing import Any, Callable
 import msgpack
 
 from replaydiff.trace import schema
-from replaydiff.trace.schema import OpRecord
+from replaydiff.trace.schema.ops import OpRecord
 from replaydiff.trace.writer import RankWriter, Snapshot
 
 log = logging.getLogger("replaydiff")

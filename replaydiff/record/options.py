@@ -62,7 +62,7 @@ class RecordOptions:
     # A planted fault, OP[:N[:REL]] (replaydiff.faults.PlantSpec): the N-th call of OP returns its output times
     # 1 + REL, from a dispatch mode below the recorder, so a user can check on their own job that replay names it.
     plant: str | None = None
-    # Many steps (steps.py): "A", "A-B", "A-B:K" or "A-:K", optimizer steps counted from 1; each op gets its step.
+    # Many steps (multi_step.py): "A", "A-B", "A-B:K" or "A-:K", optimizer steps counted from 1; each op gets its step.
     steps: str | None = None
     granularity: str = "op"
     # Flight recorder (flight.py): keep the last `flight` steps in memory (at most flight_mib MiB, encoded) and write
@@ -74,9 +74,9 @@ class RecordOptions:
     # Bytes the rank's trace may take on disk (record/budget.py): tensor data in step order (the ops of modules/ops
     # first) while it fits, statistics for the rest. An int, or "500M", "2G" in make().
     budget: int | None = None
-    # torch.compile regions (record/units.py): "capture" runs them compiled, as the job does, and records each call
-    # of a compiled graph as one unit (its inputs, outputs and aten graph); "eager" runs them as eager aten ops, each
-    # recorded (what replaydiff did before units: not the compiled code the job runs otherwise).
+    # torch.compile regions (record/unit_capture.py): "capture" runs them compiled, as the job does, and records each
+    # call of a compiled graph as one unit (its inputs, outputs and aten graph); "eager" runs them as eager aten ops,
+    # each recorded (what replaydiff did before units: not the compiled code the job runs otherwise).
     compiled: str = "capture"
 
     def selects(self, name: str, module: str | None) -> bool:

@@ -25,10 +25,10 @@ from pathlib import Path
 from replaydiff.errors import EXIT_USAGE, ReplaydiffError, UsageError
 from replaydiff.record.filter_check import unmatched_filter
 from replaydiff.record.options import RecordOptions
-from replaydiff.record.step import ENV_VAR
+from replaydiff.record.child_arming import ENV_VAR
 from replaydiff.record.step_range import StepRange
 from replaydiff.trace import open_trace
-from replaydiff.trace.layout import NotReplaceable, remove_trace, replaceable_files
+from replaydiff.trace.removal import NotReplaceable, remove_trace, replaceable_files
 from replaydiff.trace.schema import LEFT_OUT_BUDGET, LeftOut, PlantedFaultInfo
 from replaydiff.trace.summary import trace_uses
 

@@ -28,7 +28,7 @@ from replaydiff.record.mode import OpBuilder, RecordingMode, record_after, recor
 from replaydiff.record.module_stats import ModuleStatsHooks
 from replaydiff.record.options import RecordOptions
 from replaydiff.record.storage import StorageTable
-from replaydiff.record.units import CapturingMode, UnitCapture, boundary_backward
+from replaydiff.record.unit_capture import CapturingMode, UnitCapture, boundary_backward
 from replaydiff.trace import schema
 from replaydiff.trace.codec import tensor_bytes_view
 from replaydiff.trace.format import MANIFEST, rank_dir_name
@@ -64,7 +64,7 @@ class Recorder:
         self._prev_sigterm: Any = None
         self.custom_ops: dict[str, str] = {}  # custom op -> the Python module that defines it
         self._compiled = CompiledRegionTracker()
-        # record(compiled="capture"): regions run compiled, each graph call a unit (units.py)
+        # record(compiled="capture"): regions run compiled, each graph call a unit (unit_capture.py)
         self._units = UnitCapture(self) if options.compiled == "capture" else None
         if self._units is not None:
             self._compiled.on_attach = self._units.engage

@@ -26,7 +26,8 @@ from replaydiff.replay.policy import ReplayOptions
 from replaydiff.replay.result import OpResult, Status
 from replaydiff.trace.damage import MissingOps
 from replaydiff.trace.reader import RankTrace, Trace
-from replaydiff.trace.schema import OpRecord, TensorRef, iter_refs
+from replaydiff.trace.schema.ops import OpRecord
+from replaydiff.trace.schema.values import TensorRef, iter_refs
 from replaydiff.trace.sync import calls_unknown_from, group_calls
 
 

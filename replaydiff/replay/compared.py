@@ -15,7 +15,8 @@ from replaydiff import aten
 from dataclasses import replace
 
 from replaydiff.compare.verdict import OutputName, Verdict
-from replaydiff.trace.schema import OpRecord, TensorRef, iter_refs
+from replaydiff.trace.schema.ops import OpRecord
+from replaydiff.trace.schema.values import TensorRef, iter_refs
 
 VALUES, VIEW, META = "values", "view", "meta"  # how a result is compared
 

@@ -25,7 +25,8 @@ import torch
 
 from replaydiff import aten
 from replaydiff.trace.reader import RankTrace
-from replaydiff.trace.schema import OpRecord, TensorRef
+from replaydiff.trace.schema.ops import OpRecord
+from replaydiff.trace.schema.values import TensorRef
 
 # Ops visited by one walk before it gives up and counts the values as kept: a NaN that reaches the loss is found
 # within the forward pass; discarded values end within a few ops.

@@ -61,7 +61,7 @@ class Failed(Note):
 
 @dataclass(frozen=True)
 class UnitDivergent(Note):
-    """A compiled unit's output over its limits, and where inside the unit it was localised (replay/unit.py)."""
+    """A compiled unit's output over its limits, and where inside the unit it was localised (replay/unit_replay.py)."""
 
     unit: str  # "unit of REGION (graph G, BACKEND)", with any outputs not compared
     output: int
@@ -89,7 +89,7 @@ class UnitWithin(Note):
 
 @dataclass(frozen=True)
 class UnitDraws(Note):
-    """How a compiled unit's outputs that depend on random draws inside it were compared (replay/unit.py): draws
+    """How a compiled unit's outputs that depend on random draws inside it were compared (replay/unit_replay.py): draws
     recovered from recorded outputs are checked by statistics and the outputs after them judged with them; the
     rest are not compared."""
 

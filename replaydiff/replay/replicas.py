@@ -18,7 +18,8 @@ import torch
 
 from replaydiff.replay.collectives import CollectiveChecker, layout, tensors_at
 from replaydiff.trace.reader import RankTrace, Trace
-from replaydiff.trace.schema import OpRecord, TensorRef, iter_refs
+from replaydiff.trace.schema.ops import OpRecord
+from replaydiff.trace.schema.values import TensorRef, iter_refs
 
 _SAME_RESULT = ("all_reduce", "all_gather", "all_gather_list", "broadcast")
 

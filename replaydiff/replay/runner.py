@@ -226,8 +226,9 @@ class OpReplayer:
         name = op.name
         if op.data_left_out is not None:  # some outputs or inputs have statistics only: nothing to judge it by
             raise Skip(f"tensor data left out: {LEFT_OUT_WHY.get(op.data_left_out, op.data_left_out)}")
-        if aten.is_unit(name):  # a compiled unit (record/units.py): its graph interpreted (replay/unit.py)
-            from replaydiff.replay.unit import UnitReplayer
+        # a compiled unit (record/unit_capture.py): its graph interpreted (replay/unit_replay.py)
+        if aten.is_unit(name):
+            from replaydiff.replay.unit_replay import UnitReplayer
             return UnitReplayer(self, _Inputs, Skip).replay(op)
         if aten.is_collective(name):
             if aten.is_wait_only(name):

@@ -24,11 +24,13 @@ from replaydiff import aten, rebuild_and_judge
 from replaydiff.compare.tolerance import Tolerances, reduction_length
 from replaydiff.errors import UsageError
 from replaydiff.replay.compared import compared_outputs
-from replaydiff.replay.unit import Graph, Refused, flat, interpret, node_k
+from replaydiff.replay.unit_replay import Graph, Refused, flat, interpret, node_k
 from replaydiff.trace.format import write_atomic_via
 from replaydiff.trace.damage import describe_missing
 from replaydiff.trace.reader import RankTrace, Trace
-from replaydiff.trace.schema import NodeRef, Opaque, OpRecord, TensorRef, encode_value, iter_refs
+from replaydiff.trace.schema.ops import OpRecord
+from replaydiff.trace.schema.units import NodeRef
+from replaydiff.trace.schema.values import Opaque, TensorRef, encode_value, iter_refs
 
 REPRO_FORMAT = rebuild_and_judge.FORMAT
 SCRIPT = "repro.py"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from replaydiff.errors import TraceError
 from replaydiff.trace.format import ops_chunk_name
-from replaydiff.trace.schema import OpsFileWritten
+from replaydiff.trace.schema.manifest import OpsFileWritten
 
 
 @dataclass(frozen=True)

@@ -41,11 +41,16 @@ from replaydiff.trace.format import (
 )
 from replaydiff.trace.damage import CutShort, MissingOps, find_missing
 from replaydiff.trace.index import IndexBuilder, ModuleNode, TraceIndex
-from replaydiff.trace.schema import (CompiledRegion, Environment, FlightDump, LeftOut, OpRecord, PlantedFaultInfo,
-                                     RecordedOptions, RngState, StoredBytes, TensorRef, check_chunk, check_entered,
-                                     left_out_from_manifest, manifest_bytes_written, manifest_command,
-                                     manifest_flight, manifest_last_op, manifest_metadata, manifest_ops_files,
-                                     manifest_stopped, plant_from_wire)
+from replaydiff.trace.schema.environment import Environment
+from replaydiff.trace.schema.index_rows import check_chunk
+from replaydiff.trace.schema.left_out import LeftOut, left_out_from_manifest
+from replaydiff.trace.schema.manifest import (CompiledRegion, FlightDump, RecordedOptions, manifest_bytes_written,
+                                              manifest_command, manifest_flight, manifest_last_op, manifest_metadata,
+                                              manifest_ops_files, manifest_stopped)
+from replaydiff.trace.schema.op_wire import check_entered
+from replaydiff.trace.schema.ops import OpRecord, RngState, StoredBytes
+from replaydiff.trace.schema.plant import PlantedFaultInfo, plant_from_wire
+from replaydiff.trace.schema.values import TensorRef
 from replaydiff.trace.sources import SourceLine, locate, split_location
 
 

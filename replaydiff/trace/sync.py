@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from replaydiff import aten
 from replaydiff.trace.damage import MissingOps
 from replaydiff.trace.reader import RankTrace, Trace
-from replaydiff.trace.schema import OpRecord
+from replaydiff.trace.schema.ops import OpRecord
 
 GroupKey = tuple  # (group name, ranks): CollectiveInfo.group_key
 

@@ -27,8 +27,10 @@ import torch
 from replaydiff.trace import codec
 from replaydiff.trace.index import IndexBuilder
 from replaydiff.trace.staging import Slot, Staging
-from replaydiff.trace.schema import (LEFT_OUT_DISK_FULL, LeftOutTally, chunk_frame, wire_index,
-                                     wire_strip_chunks, wire_writer_totals)
+from replaydiff.trace.schema.index_rows import chunk_frame
+from replaydiff.trace.schema.left_out import LEFT_OUT_DISK_FULL, LeftOutTally
+from replaydiff.trace.schema.manifest import wire_writer_totals
+from replaydiff.trace.schema.op_wire import wire_index, wire_strip_chunks
 from replaydiff.trace.format import (
     DATA_DIR,
     ENTERED,

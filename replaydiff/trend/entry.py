@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from replaydiff.diff.compare import tensor_stats
+from replaydiff.diff.pairs import tensor_stats
 from replaydiff.replay import ReplayOptions
 from replaydiff.replay.result import PROBLEMS, ReplayReport, Status
 from replaydiff.trend.analysis import (DEFAULT_THRESHOLD, SCALE_FLOOR, Positions, left_out, ref_point, scalar_args,

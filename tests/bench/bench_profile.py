@@ -57,9 +57,9 @@ PARTS: list[tuple[str, str, str]] = [
     ("record/mode.py", "_copy", "copies"),
     ("trace/staging.py", "", "copies"),
     ("record/mode.py", "ref", "tensor description (ref)"),
-    ("trace/schema.py", "encode_value", "argument walk (encode_value)"),
+    ("trace/schema/values.py", "encode_value", "argument walk (encode_value)"),
     ("record/mode.py", "encode", "argument walk (encode_value)"),
-    ("trace/schema.py", "", "record dicts (schema.wire_*)"),
+    ("trace/schema/", "", "record dicts (schema.wire_*)"),
     ("aten.py", "", "op facts / written args (aten.py)"),
     ("trace/writer.py", "", "hand-over to the writer"),
     ("record/mode.py", "flush", "statistics"),
@@ -74,7 +74,9 @@ PARTS: list[tuple[str, str, str]] = [
 def part_of(filename: str, func: str) -> str | None:
     fn = filename.replace("\\", "/")
     for suffix, name, part in PARTS:
-        if fn.endswith(suffix) and (not name or func == name):
+        # a suffix ending in "/" names a package: any module in it
+        inside = f"/{suffix}" in fn if suffix.endswith("/") else fn.endswith(suffix)
+        if inside and (not name or func == name):
             return part
     if "/replaydiff/" in fn:
         return "other bookkeeping"

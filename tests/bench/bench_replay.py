@@ -122,7 +122,7 @@ def wrapper_cost() -> float:
 PARTS = [
     ("replaydiff.replay.runner", "OpReplayer.replay", "total (OpReplayer.replay)"),
     ("replaydiff.trace.reader", "RankTrace._chunk", "read + unpack op chunks (RankTrace._chunk)"),
-    ("replaydiff.trace.schema", "OpRecord._decode", "decode op fields (OpRecord._decode)"),
+    ("replaydiff.trace.schema.ops", "OpRecord._decode", "decode op fields (OpRecord._decode)"),
     ("replaydiff.replay.runner", "OpReplayer._runs", "run the op (_runs)"),
     ("replaydiff.replay.runner", "_Inputs.build", "  rebuild inputs (_Inputs.build)"),
     ("replaydiff.replay.runner", "OpReplayer._judge", "judge the outputs (_judge)"),

@@ -685,7 +685,7 @@ def test_a_plant_in_a_compiled_region_warns_in_one_line_why_the_region_ran_eager
     """`record --plant gelu` of a torch.compile'd model printed a raw `.../recorder.py:126: RuntimeWarning:` saying
     the region 'ran as eager aten ops', not why (without --plant the same region is recorded as compiled units). In
     a child of `replaydiff record` (its variable set) recorder warnings are now one `replaydiff: warning:` line."""
-    from replaydiff.record.step import ENV_VAR
+    from replaydiff.record.child_arming import ENV_VAR
 
     fn = torch.compile(lambda a: (a * 2).cos(), backend="aot_eager")
     monkeypatch.setenv(ENV_VAR, "{}")

@@ -575,7 +575,7 @@ def test_compiler_bug_of_the_recording_machine_is_localised_from_the_recorded_ou
     """The recording process had a faulty rsqrt lowering; replay's process does not. Recompiled here, the unit is
     right, so no node diverges here: the fault is in the recorded compiled code, and the recorded outputs that
     diverge (rsqrt's, saved for the backward, first) name the node."""
-    from replaydiff.replay.unit import Graph
+    from replaydiff.replay.unit_replay import Graph
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
     with monkeypatch.context() as planted:
@@ -779,7 +779,7 @@ def test_capture_that_cannot_engage_records_eager_with_one_warning(tmp_path, mon
 
 
 def test_a_unit_that_cannot_be_described_is_a_stub_and_the_job_runs_on(tmp_path, monkeypatch):
-    from replaydiff.record import units
+    from replaydiff.record import unit_capture as units
 
     plain = _run("aot_eager")
     torch._dynamo.reset()

@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "replaydiff"
 
-# The one- and two-letter keys of op records and tensor references (replaydiff/trace/schema.py).
+# The one- and two-letter keys of op records and tensor references (replaydiff/trace/schema/keys.py).
 _WIRE = r"i|ph|mod|fwd|src|srt|stp|lo|a|k|w|o|u|x|coll|rng|T|dt|sh|st|of|sb|f|s|rg|cj|ng|unsupported"
 _WIRE_USE = re.compile(rf"""(\[\s*["']({_WIRE})["']\s*\]|\.get\(\s*["']({_WIRE})["']|\{{\s*["']({_WIRE})["']\s*:)""")
 
@@ -33,6 +33,32 @@ def test_no_module_outside_the_trace_package_reads_a_wire_key() -> None:
             if _WIRE_USE.search(line) and not line.endswith("# wire-ok: damages a record on purpose"):
                 offenders.append(f"{rel}:{n}: {line.strip()}")
     assert offenders == []
+
+
+def test_the_op_record_keys_are_spelled_once_in_schema_keys() -> None:
+    """Inside the trace package too, the op record and tensor reference keys are spelled in trace/schema/keys.py only:
+    the reader, the writer and the other schema modules name them through its constants, so no second module
+    assigns one of those strings to a key constant or reads a record by it."""
+    keys_module = PKG / "trace" / "schema" / "keys.py"
+    wire = set(_WIRE.split("|"))
+    offenders = []
+    for p in _python_files(PKG / "trace"):
+        if p == keys_module:
+            continue
+        rel = p.relative_to(ROOT).as_posix()
+        tree = ast.parse(p.read_text())
+        for node in tree.body:
+            # a key constant: NAME = "key", or A, B = "key", "key"
+            values = node.value.elts if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple) else \
+                [node.value] if isinstance(node, ast.Assign) else []
+            if values and all(isinstance(v, ast.Constant) and v.value in wire for v in values):
+                offenders.append(f"{rel}:{node.lineno}: {ast.get_source_segment(p.read_text(), node)}")
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            if _WIRE_USE.search(line):
+                offenders.append(f"{rel}:{n}: {line.strip()}")
+    assert offenders == []
+    assert {v.value for v in ast.walk(ast.parse(keys_module.read_text()))
+            if isinstance(v, ast.Constant) and isinstance(v.value, str)} >= wire
 
 
 def _module_name(p: Path) -> str:
@@ -332,7 +358,7 @@ def far(v, m):
 
 
 # Every key of the manifest, of the environment snapshot (as record/environment.py writes it now), of the record
-# options and of a compiled region: what trace/schema.py alone may read by string.
+# options and of a compiled region: what the trace package (trace/schema/) alone may read by string.
 _MANIFEST_KEYS = {"rank", "world_size", "environment", "options", "started_at", "source_root", "compiled_regions",
                   "unseen_writes", "ops_seen", "record_seconds", "disabled", "custom_ops", "source_files", "planted",
                   "complete", "lost", "flight", "version", "format", "ops_written", "last_op", "written_at", "command"}
@@ -352,7 +378,7 @@ def _metadata_keys() -> set[str]:
 
 
 def test_trace_metadata_is_read_through_typed_attributes_only() -> None:
-    """RankTrace.environment, .options and .compiled_regions are typed once in trace/schema.py; no module outside the
+    """RankTrace.environment, .options and .compiled_regions are typed once in trace/schema/; no module outside the
     trace package reads a manifest, environment, options or compiled-region key by string."""
     keys = "|".join(re.escape(k) for k in sorted(_metadata_keys(), key=len, reverse=True))
     holder = r"\b(manifest|environment|env|cenv|options|flags|variables|compiled_regions|regions?|devices?)"
@@ -441,7 +467,7 @@ def test_results_are_built_once_from_a_judgement() -> None:
             for kind in ("OpResult", "PairResult")}
     assert made == {"OpResult": ["replaydiff/replay/runner.py:_result",
                                  "replaydiff/report/json_report.py:load_replay_json"],
-                    "PairResult": ["replaydiff/diff/compare.py:compare"]}
+                    "PairResult": ["replaydiff/diff/pairs.py:compare"]}
 
 
 _ONE_HOME = {  # what was written twice and drifted, and the one place that defines it now

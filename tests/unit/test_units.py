@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from replaydiff.compare.metrics import ExactMismatch, FloatError, NonfiniteMismatch, ShapeMismatch, measure
 from replaydiff.compare.notes import VerdictReason, render
 from replaydiff.compare.tolerance import Tolerances, reduction_length
-from replaydiff.diff.compare import stats_measure, tensor_stats
+from replaydiff.diff.pairs import stats_measure, tensor_stats
 from replaydiff.diff.notes import CarriedFromStep, DiffFact, InputDiffered
 from replaydiff.replay.notes import FellBack, Judgement, LeftOut, RepeatsDisagree, ReplayFact
 from replaydiff.replay.result import Status
@@ -79,7 +79,7 @@ floats = st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False, width=32)
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(floats, floats), min_size=1, max_size=64))
 def test_statistics_lower_bound_never_exceeds_the_full_measure(pairs: list[tuple[float, float]]) -> None:
-    """diff/compare.py's promise: the error read from two tensors' statistics is a lower bound on the real error,
+    """diff/pairs.py's promise: the error read from two tensors' statistics is a lower bound on the real error,
     so a difference that statistics show is real."""
     a = torch.tensor([p[0] for p in pairs], dtype=torch.float32)
     b = torch.tensor([p[1] for p in pairs], dtype=torch.float32)

@@ -15,7 +15,7 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from replaydiff.trace.schema import LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_FILTERED
+from replaydiff.trace.schema.left_out import LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_FILTERED
 from replaydiff.tui.model import PHASE_SHORT, TraceModel, shorten_left, short_op
 from replaydiff.tui.styles import STATUS_STYLE as REPLAY_STATUS_STYLE
 

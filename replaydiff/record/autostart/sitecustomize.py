@@ -9,7 +9,7 @@ from _replaydiff_record_env import ENV_VAR  # beside this file, first on sys.pat
 
 if os.environ.get(ENV_VAR):
     try:
-        from replaydiff.record.step import install
+        from replaydiff.record.child_arming import install
 
         install()
     except Exception as exc:  # never stop the user's program from starting

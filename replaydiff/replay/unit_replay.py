@@ -1,4 +1,5 @@
-"""Replaying a compiled unit (record/units.py): its aten graph interpreted from the recorded inputs, judged as ops are.
+"""Replaying a compiled unit (record/unit_capture.py): its aten graph interpreted from the recorded inputs, judged as
+ops are.
 
 The graph is data: each node names its target, which is looked up only among registered aten/prims ops and a few
 ``operator`` functions (``aten.resolve_graph_target``); anything else is refused with the node's name, so a trace

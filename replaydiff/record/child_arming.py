@@ -2,8 +2,8 @@
 
 The CLI starts the child with ``REPLAYDIFF_RECORD`` set and our ``autostart/`` folder first on PYTHONPATH, so its
 ``sitecustomize`` calls ``install()`` at interpreter start. One mechanism serves every form: ``MultiStepRecorder``
-(steps.py) records the chosen optimizer steps, each from the end of the step before it (for step 1: the first module
-call) to the end of its own, found through torch's global optimizer-step hooks; ``--step N`` is the range N..N.
+(multi_step.py) records the chosen optimizer steps, each from the end of the step before it (for step 1: the first
+module call) to the end of its own, found through torch's global optimizer-step hooks; ``--step N`` is the range N..N.
 Nothing here may raise into the user's script.
 """
 from __future__ import annotations
@@ -106,7 +106,7 @@ def install() -> None:
     try:
         from replaydiff.record.options import RecordOptions
         from replaydiff.record.step_range import StepRange
-        from replaydiff.record.steps import MultiStepRecorder
+        from replaydiff.record.multi_step import MultiStepRecorder
 
         _interrupts_show_the_jobs_frames()
         config = json.loads(raw)
@@ -117,7 +117,7 @@ def install() -> None:
         command = config.get("command")
         command = [str(x) for x in command] if isinstance(command, list) else None
         if options.compiled == "capture":  # graphs compiled before the recorded step stay replayable
-            from replaydiff.record.units import watch_compiles
+            from replaydiff.record.unit_capture import watch_compiles
 
             watch_compiles()
         rec = MultiStepRecorder(config["out"], options, steps, command).start().finish_at_exit()

@@ -45,7 +45,8 @@ from replaydiff.replay.policy import ReplayOptions
 from replaydiff.replay.result import OpResult, Status
 from replaydiff.replay.runner import OpReplayer
 from replaydiff.trace.reader import RankTrace
-from replaydiff.trace.schema import Opaque, OpRecord, TensorRef, TensorStats, iter_refs
+from replaydiff.trace.schema.ops import OpRecord
+from replaydiff.trace.schema.values import Opaque, TensorRef, TensorStats, iter_refs
 
 # Where a tensor sits in an op, for per-op limits in baseline mode: (ref op number, "in" | "out", position).
 Where = tuple[int, str, int]

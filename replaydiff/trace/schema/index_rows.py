@@ -1,0 +1,109 @@
+"""Checking records read back (the reader's side): an op's index row, and the frame of an ops chunk."""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from replaydiff.trace.schema.keys import (_ARGS, _COLL, _DTYPE, _FORWARD, _INDEX, _KWARGS, _MODULE, _NAME,
+                                          _NOT_RECORDED, _OFFSET, _OUTPUTS, _PHASE, _RNG, _SHAPE, _SOURCE, _STRIDE,
+                                          _UNINIT, _VERSION, _WRITES)
+
+class IndexRow(NamedTuple):
+    """What the index needs of one op record, read straight from the wire dict (no TensorRef, no torch objects:
+    the writer thread builds the index while the job runs, so this must be cheap)."""
+
+    index: int
+    name: str
+    phase: str | None
+    module: str | None
+    source: str | None
+    forward: int | None
+    recorded: bool
+    collective: bool
+    uninitialised: bool
+    random: bool
+    inputs: list  # (version, geometry) per input tensor, in OpRecord.inputs() order
+    outputs: list  # (version, geometry) per output tensor, in OpRecord.outputs_refs() order
+    first_output: str | None  # e.g. "float32[8, 32, 64]"
+
+
+def _list_refs(vs: list, out: list) -> None:
+    """The tensor references (maps holding a storage version key) in a list and the lists nested in it, in order."""
+    for v in vs:
+        if isinstance(v, dict):
+            if _VERSION in v:
+                out.append(v)
+        elif isinstance(v, list):
+            _list_refs(v, out)
+
+
+def _geom(w: dict) -> tuple:
+    return (w.get(_VERSION), w[_DTYPE], tuple(w[_SHAPE]), tuple(w.get(_STRIDE) or ()), w.get(_OFFSET, 0))
+
+
+def _geoms(vs: Any) -> list:
+    """[(version, _geom(r))] for the tensor references in ``vs`` (a reference, or a list as ``_list_refs`` walks it;
+    anything else holds none), in one loop for the common shapes: the writer thread runs this for every op."""
+    out: list = []
+    if isinstance(vs, dict):
+        vs = [vs]
+    elif not isinstance(vs, list):
+        return out
+    for r in vs:
+        if isinstance(r, dict):
+            if _VERSION in r:
+                v = r[_VERSION]
+                out.append((v, (v, r[_DTYPE], tuple(r[_SHAPE]), tuple(r.get(_STRIDE) or ()), r.get(_OFFSET, 0))))
+        elif isinstance(r, list):
+            raw: list = []
+            _list_refs(r, raw)
+            out.extend((w.get(_VERSION), _geom(w)) for w in raw)
+    return out
+
+
+def index_row(w: dict) -> IndexRow:
+    """Raises KeyError/TypeError/ValueError on a malformed record."""
+    recorded = _NOT_RECORDED not in w
+    ins: list = []
+    outs: list = []
+    first = None
+    if recorded:
+        ins = _geoms(w.get(_ARGS))
+        kwargs = w.get(_KWARGS)
+        if kwargs:
+            for v in kwargs.values():
+                ins.extend(_geoms(v))
+        outs = _geoms(w.get(_OUTPUTS))
+        if outs:
+            g = outs[0][1]
+            first = f"{g[1]}{list(g[2])}"
+        writes = w.get(_WRITES)
+        if writes:
+            seen = {g for _, g in outs}
+            for _, v in writes:
+                for version, g in _geoms(v):
+                    if g not in seen:
+                        seen.add(g)
+                        outs.append((version, g))
+    return IndexRow(w[_INDEX], w[_NAME], w.get(_PHASE), w.get(_MODULE), w.get(_SOURCE), w.get(_FORWARD), recorded,
+                    _COLL in w, bool(w.get(_UNINIT)), isinstance(w.get(_RNG), dict), ins, outs, first)
+
+
+def check_chunk(frame: Any, first: int) -> list[dict]:
+    """The op records of an ops chunk, after checking its structure; ValueError if it is not sound."""
+    if not isinstance(frame, dict):
+        raise ValueError("chunk is not a map")
+    ops = frame.get("ops")
+    if frame.get("first") != first or not isinstance(ops, list) or not ops:
+        raise ValueError("chunk does not match its name")
+    prev = first - 1
+    for op in ops:
+        if not isinstance(op, dict) or not isinstance(op.get(_INDEX), int) or op[_INDEX] <= prev:
+            raise ValueError("op numbers out of order")
+        if not isinstance(op.get(_NAME), str):
+            raise ValueError("op without a name")
+        prev = op[_INDEX]
+    return ops
+
+
+def chunk_frame(ops: list[dict], number: int) -> dict:
+    return {"chunk": number, "first": ops[0][_INDEX], "ops": ops}

@@ -1,0 +1,217 @@
+"""Values inside op records (arguments, outputs): tensor references, opaque arguments, and their codec.
+
+Values are trees of TensorRef, Python scalars, lists and torch objects (dtype, device, layout, memory format); what
+cannot be rebuilt from the trace alone (a generator, a symbolic size, an arbitrary object) is an ``Opaque``. Decoding
+only looks names up in torch's own namespaces: it never imports or evaluates anything.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from replaydiff.trace.schema.keys import (_CHUNK, _CONJ, _DEVICE, _DTYPE, _NBYTES, _NEG, _OFFSET, _REQ_GRAD, _SHAPE,
+                                          _STATS, _STRIDE, _UNINIT, _UNSUPPORTED, _VERSION, _ZERO)
+
+
+
+@dataclass(frozen=True)
+class Opaque:
+    """An argument that cannot be rebuilt from the trace alone: ``kind`` is generator, symbolic or object."""
+
+    kind: str
+    value: Any
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """Statistics over the finite values of a tensor (``stats`` traces, and storages over ``max_tensor_bytes``)."""
+
+    numel: int
+    mean: float
+    absmax: float
+    l2: float
+    var: float
+    nan: int
+    inf: int
+
+    FIELDS = ("numel", "mean", "absmax", "l2", "var", "nan", "inf")
+
+
+class TensorRef:
+    """One tensor as recorded: its geometry, its storage version and where its bytes are (if stored)."""
+
+    __slots__ = ("_w",)
+
+    def __init__(self, wire: dict) -> None:
+        self._w = wire
+
+    dtype = property(lambda self: self._w[_DTYPE], doc="recorded dtype name, e.g. 'float32'")
+    shape = property(lambda self: tuple(self._w[_SHAPE]))
+    stride = property(lambda self: None if self._w.get(_STRIDE) is None else tuple(self._w[_STRIDE]))
+    offset = property(lambda self: self._w.get(_OFFSET, 0))
+    device = property(lambda self: self._w.get(_DEVICE))
+    version = property(lambda self: self._w.get(_VERSION), doc="storage version id; None if not described")
+    nbytes = property(lambda self: self._w.get(_NBYTES, 0), doc="bytes of the whole storage")
+    chunk = property(lambda self: self._w.get(_CHUNK), doc="data file holding the storage bytes, if stored")
+    requires_grad = property(lambda self: bool(self._w.get(_REQ_GRAD)))
+    uninitialised = property(lambda self: bool(self._w.get(_UNINIT)))
+    conj = property(lambda self: bool(self._w.get(_CONJ)), doc="the conjugate bit (a lazy x.conj())")
+    neg = property(lambda self: bool(self._w.get(_NEG)), doc="the negative bit (torch._neg_view)")
+    unsupported = property(lambda self: self._w.get(_UNSUPPORTED), doc="why it was not described, if so")
+    zero = property(lambda self: bool(self._w.get(_ZERO)), doc="a ZeroTensor: all zeros, no storage")
+
+    @property
+    def stored(self) -> bool:
+        """Its values are in the trace (a zero-byte storage needs no bytes, a ZeroTensor none at all)."""
+        w = self._w
+        return bool(w.get(_ZERO)) or self.meta or (w.get(_VERSION) is not None and (_CHUNK in w
+                                                                                    or w.get(_NBYTES) == 0))
+
+    @property
+    def meta(self) -> bool:
+        """A tensor on the meta device: shape and strides, no values (ZeroTensor kernels make some)."""
+        w = self._w
+        return w.get(_DEVICE) == "meta" and w.get(_STRIDE) is not None and _UNSUPPORTED not in w
+
+    @property
+    def stats(self) -> TensorStats | None:
+        s = self._w.get(_STATS)
+        return TensorStats(*s) if s else None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self._w[_DTYPE])
+
+    @property
+    def geometry(self) -> tuple:
+        """(version, dtype, shape, stride, offset): equal for two references to the very same tensor view."""
+        w = self._w
+        return (w.get(_VERSION), w[_DTYPE], tuple(w[_SHAPE]), tuple(w.get(_STRIDE) or ()), w.get(_OFFSET, 0))
+
+    def describe(self) -> str:
+        return f"{self.dtype}{list(self.shape)}"
+
+    def empty_meta(self) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.stride, dtype=self.torch_dtype, device="meta")
+
+    def to_json(self) -> dict:
+        s = self.stats
+        return {"dtype": self.dtype, "shape": list(self.shape), "stride": None if self.stride is None else
+                list(self.stride), "offset": self.offset, "device": self.device, "version": self.version,
+                "stored": self.stored, "uninitialised": self.uninitialised, "requires_grad": self.requires_grad,
+                "conj": self.conj, "neg": self.neg, "zero": self.zero, "meta": self.meta, "unsupported": self.unsupported,
+                "stats": None if s is None else {k: getattr(s, k) for k in TensorStats.FIELDS}}
+
+    def __repr__(self) -> str:
+        return f"TensorRef({self.describe()}, version={self.version}, stored={self.stored})"
+
+
+
+def iter_refs(v: Any) -> Iterator[TensorRef]:
+    """Every TensorRef inside a value tree, in order."""
+    out: list[TensorRef] = []
+    _collect_refs(v, out)
+    return iter(out)
+
+
+def _collect_refs(v: Any, out: list[TensorRef]) -> None:
+    # A list filled by plain calls, not nested generators: replay asks this of every op several times, and a
+    # generator per level of nesting cost ~15 us an op.
+    if isinstance(v, TensorRef):
+        out.append(v)
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            if isinstance(x, TensorRef):
+                out.append(x)
+            elif isinstance(x, (list, tuple)):
+                _collect_refs(x, out)
+
+
+def value_json(v: Any) -> Any:
+    if isinstance(v, TensorRef):
+        return {"tensor": v.to_json()}
+    if isinstance(v, (list, tuple)):
+        return [value_json(x) for x in v]
+    if isinstance(v, Opaque):
+        return {v.kind: v.value}
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).removeprefix("torch.")}
+    if isinstance(v, (torch.device, torch.layout, torch.memory_format)):
+        return {type(v).__name__: str(v).removeprefix("torch.")}
+    if isinstance(v, complex):
+        return {"complex": [v.real, v.imag]}
+    return v
+
+
+def encode_value(v: Any, tensor_ref: Callable[[torch.Tensor], dict]) -> Any:
+    """A msgpack-safe form of an op argument or output; tensors go through ``tensor_ref``.
+
+    Non-tensor values are kept verbatim where msgpack can hold them; torch objects become one-key dicts (aten
+    schemas never take a dict, so a dict in a trace is always a tensor reference or one of these markers)."""
+    if isinstance(v, torch.Tensor):
+        return tensor_ref(v)
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, int):
+        return v if -(1 << 63) <= v < (1 << 64) else {"bigint": str(v)}
+    if isinstance(v, float):
+        return v
+    if isinstance(v, (list, tuple)):
+        return [encode_value(x, tensor_ref) for x in v]
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).removeprefix("torch.")}
+    if isinstance(v, torch.device):
+        return {"device": str(v)}
+    if isinstance(v, torch.layout):
+        return {"layout": str(v).removeprefix("torch.")}
+    if isinstance(v, torch.memory_format):
+        return {"memory_format": str(v).removeprefix("torch.")}
+    if isinstance(v, complex):
+        return {"complex": [v.real, v.imag]}
+    if isinstance(v, torch.Generator):
+        return {"generator": str(v.device)}
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return {"symbolic": str(v)}
+    return {"object": type(v).__name__}
+
+
+def _torch_attr(name: Any, kind: type) -> Any:
+    obj = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(obj, kind):
+        raise ValueError(f"{name!r} is not a torch {kind.__name__}")
+    return obj
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    return _torch_attr(name, torch.dtype)
+
+
+def decode_value(v: Any) -> Any:
+    """Inverse of encode_value, with TensorRef for tensors and Opaque for what the trace cannot rebuild.
+    Raises ValueError on junk (the reader turns it into a TraceError naming the file)."""
+    if isinstance(v, list):
+        return [decode_value(x) for x in v]
+    if not isinstance(v, dict):
+        return v
+    if _VERSION in v:
+        return TensorRef(v)
+    if len(v) != 1:
+        raise ValueError(f"unexpected structure {sorted(v)[:4]}")
+    (key, val), = v.items()
+    if key == "dtype":
+        return _torch_attr(val, torch.dtype)
+    if key == "device":
+        return torch.device(str(val))
+    if key == "layout":
+        return _torch_attr(val, torch.layout)
+    if key == "memory_format":
+        return _torch_attr(val, torch.memory_format)
+    if key == "complex":
+        return complex(float(val[0]), float(val[1]))
+    if key == "bigint":
+        return int(str(val))
+    if key in ("generator", "symbolic", "object"):
+        return Opaque(key, val)
+    raise ValueError(f"unknown marker {key!r}")
