@@ -9,10 +9,13 @@ is the same whatever the number of shards.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import gc
 import importlib
 import multiprocessing as mp
 import os
 import sys
+import threading
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,6 +214,34 @@ def replay_threads(rt: RankTrace, opts: ReplayOptions) -> int | None:
     return 1
 
 
+_threshold_lock = threading.Lock()
+_raised = 0  # shards inside fewer_collections now
+_saved_threshold = gc.get_threshold()
+
+
+@contextlib.contextmanager
+def fewer_collections(young: int = 10_000):
+    """Python's cyclic collector run less often while ops are replayed (restored after).
+
+    Replaying an op makes a few hundred short-lived objects (records, references, results), none in cycles, so at
+    the default threshold (a young collection every 700 allocations) the collector runs every few ops, and every
+    tenth of those scans older objects, the whole heap (torch's ~170 k) now and then: a few per cent of a T5
+    replay's CPU (tests/bench/README.md)."""
+    global _saved_threshold, _raised
+    with _threshold_lock:  # shards replayed on several threads at once: the first in saves, the last out restores
+        if _raised == 0:
+            _saved_threshold = gc.get_threshold()
+            gc.set_threshold(max(young, _saved_threshold[0]), *_saved_threshold[1:])
+        _raised += 1
+    try:
+        yield
+    finally:
+        with _threshold_lock:
+            _raised -= 1
+            if _raised == 0:
+                gc.set_threshold(*_saved_threshold)
+
+
 def run_shard(rt: RankTrace, opts: ReplayOptions, shard: Shard, progress: Progress | None = None,
               on_result: OnResult | None = None) -> list[OpResult]:
     """Replay one shard of ``rt``'s ops (its chunks are read from the first op of the shard on)."""
@@ -220,7 +251,7 @@ def run_shard(rt: RankTrace, opts: ReplayOptions, shard: Shard, progress: Progre
     wanted = set(shard.indices)
     hi = shard.indices[-1]
     results = []
-    with reference_settings(replay_threads(rt, opts)), torch.inference_mode():
+    with reference_settings(replay_threads(rt, opts)), torch.inference_mode(), fewer_collections():
         for op in rt.iter_from(shard.indices[0]):
             if op.index > hi:
                 break

@@ -14,7 +14,7 @@ What it prints:
    meta, stats, full (zstd, the default), stats by module (``granularity="module"``).
 2. With ``--replay``: a ``full`` (zstd) trace of one step of each model, replayed at fp64 and at ``same``: replayed
    ops per second of wall time in this process (``replay_trace`` after its imports and one warm-up replay: startup
-   excluded, median of ``--replay-rounds``) and through the CLI (``python -m replaydiff replay``, a fresh process:
+   excluded, median of ``--replay-rounds``; in brackets per CPU second of the replaying thread) and through the CLI (``python -m replaydiff replay``, a fresh process:
    startup included), with ``--workers 1`` and ``2``.
 3. With ``--sections``: the recorder's per-op work in microseconds per op, part by part, measured inside the
    real step by timing the functions that do each part with the recording thread's CPU clock (bench_profile.py's
@@ -245,15 +245,17 @@ def bench_replay(name: str, rounds: int) -> list[list[str]]:
             opts = ReplayOptions(precision=precision)
             report = replay_trace(path, opts)  # warm-up: first-call caches, lazy imports
             replayed = sum(1 for r in report.ops if r.status.name != "SKIPPED")
-            times = []
+            times, cpu = [], []
             for _ in range(rounds):
                 gc.collect()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 replay_trace(path, opts)
                 times.append(time.perf_counter() - t0)
-            med = statistics.median(times)
+                cpu.append(time.thread_time() - c0)
+            med, cmed = statistics.median(times), statistics.median(cpu)
+            # ops per CPU second of the replaying thread: what holds on a loaded machine, where wall time is the load's
             rows.append([name, precision, "in process, 1 worker (startup excluded)", str(replayed),
-                         f"{med:.2f}", f"{replayed / med:,.0f}"])
+                         f"{med:.2f}", f"{replayed / med:,.0f} ({replayed / cmed:,.0f} a CPU second)"])
             for workers in (1, 2):
                 t0 = time.perf_counter()
                 proc = subprocess.run([sys.executable, "-m", "replaydiff", "replay", path, "--precision", precision,
