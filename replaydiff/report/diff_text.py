@@ -276,6 +276,8 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
         return
     out.write(f"the runs part at {_parallel_op_line(d.op)}\n")
     out.write(f"  {d.why}\n")
+    if d.earlier:
+        out.write(f"  {d.earlier}\n")
     if d.tensor.declared is not None:
         out.write(f"  DTensor's placements of this tensor on the ranks: {d.tensor.declared.describe()} (layout "
                   f"{'from placements' if d.tensor.layout_from == 'placements' else 'inferred'})\n")
