@@ -148,6 +148,9 @@ class ParallelDiff:
     # others, inferred from the tensors); None: none recorded
     from_placements: tuple[int, int] | None = None
     ref_layout_ops: Counter = field(default_factory=Counter)  # the reference's own collectives, not compared
+    # the step's inputs differ (``departure`` of kind inputs): the first op that parts reading none of what they
+    # made, as the rank-by-rank diff names the first op whose inputs agree; None: every op that parts inherits them
+    within: ParallelDeparture | None = None
 
     @property
     def departed(self) -> bool:
@@ -171,6 +174,11 @@ class ParallelDiff:
                if self.from_placements is not None else {}),
             **({"ref_world": self.ref_world, "ref_layout_ops": dict(self.ref_layout_ops),
                 "groups": [g.to_json() for g in self.groups]} if self.ref_world > 1 else {}),
+            **({"within": None if self.within is None else {
+                "kind": self.within.kind.value, "why": self.within.why, "ref": self.within.op.ref,
+                "targets": list(self.within.op.targets), "op": self.within.op.name, "module": self.within.op.module,
+                "phase": self.within.op.phase, "source": self.within.op.source}}
+               if d is not None and d.kind is Departure.INPUTS else {}),
             "departure": None if d is None else {
                 "kind": d.kind.value, "why": d.why, "inherited": d.inherited, "ref": d.op.ref,
                 **({"step": d.step} if d.step is not None else {}),
@@ -364,6 +372,9 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     seen_inputs: set = set()
     step_views: set[int] = set()
     first: tuple[MappedOp, Mapped, Departure, str] | None = None
+    within: ParallelDeparture | None = None  # after inputs that differ: the first op that parts with agreeing inputs
+    differing: set[int] = set()  # the versions of the step's inputs that map under no layout at factor 1
+    carriers: set[int] = set()  # reference ops that read, through the data flow, what a differing step input made
     by_ref: dict[int, MappedOp] = {}  # the ops mapped so far, by reference op number
     inherited = 0
     # The factor of the loss the backward differentiates: that of the last partial value the forward made before
@@ -377,6 +388,13 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             progress(64)
         if i in r_side.skipped:
             continue
+        if differing:
+            # it descends, through the reference's data flow, from a step input that differs (or an op that parted)
+            made_by = ref.producers(i)
+            if any(p is not None and (p in carriers or p in departed) for p in made_by.values()) or \
+                    any(made_by.get(pos) is None and r.version in differing
+                        for pos, r in enumerate(r_side.ops[i].inputs())):
+                carriers.add(i)
         own = [owner[i]] if i in owner else list(range(world))  # the ranks whose ops stand for it
         if own == [-1] or not all(i in maps[r] for r in own):
             out.not_aligned.append(i)
@@ -479,7 +497,16 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             drawn.add(i)
             out.random_parted.append(i)
             continue
-        if not from_departed and first is None and all(m.layout is None for m in bad) and \
+        # the step's inputs already differ (the first departure is of kind inputs): an op that parts reading none
+        # of what they made, and no differing input itself, parts with agreeing inputs, as the rank-by-rank diff
+        # names it; the first such is said as well
+        with_agreeing = first is not None and first[2] is Departure.INPUTS and within is None and \
+            i not in carriers and not any(m.kind == "in" for m in bad)
+        for m in bad:
+            if m.kind == "in":
+                differing.add(r_ins[m.position].version)
+                carriers.add(i)
+        if not from_departed and (first is None or with_agreeing) and all(m.layout is None for m in bad) and \
                 _amplifies(rop, tops, tensors, producers, by_ref, tgts, set(out.amplified), maps[own[0]]):
             # every rank computes from the same inputs, right given them; they differ from the reference's by a
             # reordered sum's rounding, which this op amplifies (AdamW's first update of a near-zero gradient)
@@ -487,7 +514,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             continue
         departed.add(i)
         out.parted.add(i)
-        if first is not None or from_departed:
+        if (first is not None or from_departed) and not with_agreeing:
             inherited += first is not None
             continue
         m = bad[0]
@@ -540,6 +567,9 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 f"on a dimension, or partial over {world} ranks, at any simple factor): the ranks compute something "
                 f"else here (per-rank statistics that should be global, such as BatchNorm's without SyncBatchNorm or "
                 f"means over shards of unequal size averaged as if equal; a different input)")
+        if with_agreeing:
+            within = ParallelDeparture(mop, m, kind, why, 0, step=rop.step)
+            continue
         out.batch_warning = _batch_warning(rop, m, kind, {k: None if owner.get(p) == -1 else p
                                                           for k, p in producers.items()})
         behind = _collective_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
@@ -567,6 +597,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         step = r_side.ops[first[0].ref].step
         out.departure = ParallelDeparture(first[0], first[1], first[2], first[3], inherited,
                                           earlier_step(step) if first[2] is Departure.INPUTS else None, step)
+        out.within = within
     out.ref_layout_ops.update(r_side.ops[i].name for i in r_side.skipped if _makes_layout(r_side.ops[i].name))
     if any(declared):
         said = [t.layout_from for op in out.ops for t in op.tensors if t.layout_from is not None]
@@ -633,7 +664,9 @@ def diff_parallel_groups(refs: list[RankTrace], targets: list[RankTrace],
         out.from_placements = (sum(n for n, _ in said), sum(m for _, m in said))
     parted = [g for g in groups if g.departure is not None]
     if parted:  # the reference rank that parts first in its op order (every reference rank runs the same program)
-        out.departure = min(parted, key=lambda g: g.departure.op.ref).departure
+        g = min(parted, key=lambda g: g.departure.op.ref)
+        out.departure = g.departure
+        out.within = g.within
     return out
 
 

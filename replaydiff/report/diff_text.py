@@ -8,6 +8,7 @@ from collections import Counter
 from typing import TextIO
 
 from replaydiff.compare.verdict import output_said
+from replaydiff.diff.parallel import Departure
 from replaydiff.diff.result import DiffReport, PairResult, PairStatus, RankDiff, Unaligned, UnitPair
 from replaydiff.report.text import planted_line
 
@@ -278,6 +279,13 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
     out.write(f"  {d.why}\n")
     if d.earlier:
         out.write(f"  {d.earlier}\n")
+    if d.kind is Departure.INPUTS:
+        w = pd.within
+        if w is None:
+            out.write("  no op parts from the reference with agreeing inputs: every op that parts in this step reads "
+                      "what those inputs made\n")
+        else:
+            out.write(f"  the first op that parts with agreeing inputs: {_parallel_op_line(w.op)}: {w.why}\n")
     if d.tensor.declared is not None:
         out.write(f"  DTensor's placements of this tensor on the ranks: {d.tensor.declared.describe()} (layout "
                   f"{'from placements' if d.tensor.layout_from == 'placements' else 'inferred'})\n")

@@ -640,14 +640,20 @@ def test_inputs_that_differ_after_the_first_step_point_to_an_earlier_step(runs, 
     assert d is not None and d.kind is Departure.INPUTS and d.step == 2
     assert "began apart (initial weights" not in d.why and "parted before step 2" in d.why
     assert "record step 1 of both runs (replaydiff record --step 1)" in d.earlier
+    # every op that parts in step 2 descends from the parameters step 1 scaled: none parts with agreeing inputs
+    pd = diff_traces(runs[1] / "double_steps", runs[2] / "double_steps").parallel
+    assert pd.within is None and len(pd.parted) > 10
     out = tmp_path / "d.json"
     capsys.readouterr()
     assert main(["diff", str(runs[1] / "double_steps"), str(runs[2] / "double_steps"), "--json", str(out)]) == 1
-    assert "record step 1 of both runs" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "record step 1 of both runs" in text and "no op parts from the reference with agreeing inputs" in text
     import json
 
-    doc = json.loads(out.read_text())["parallel"]["departure"]
+    whole = json.loads(out.read_text())["parallel"]
+    doc = whole["departure"]
     assert doc["step"] == 2 and doc["earlier_step"]["command"] == "replaydiff record --step 1"
+    assert "within" in whole and whole["within"] is None
     # at step 1 of a trace without step numbers the wording stays the first step's
     first = diff_traces(runs[1] / "manual", runs[2] / "other_batch").parallel.departure
     assert first is not None and first.earlier is None
