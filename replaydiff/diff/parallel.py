@@ -561,6 +561,15 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 f"{', '.join(map(str, held))} hold{'s' if len(held) == 1 else ''} the reference's value, rank"
                 f"{'s' if len(m.off) > 1 else ''} {', '.join(map(str, m.off))} "
                 f"{'do' if len(m.off) > 1 else 'does'} not: this op went wrong there")
+        elif (own_in := _made_apart(producers, tops[0], tgts[0], t_sides[own[0]], maps[own[0]], r_side,
+                                    set(out.not_aligned))) is not None:
+            pos, made, theirs = own_in
+            kind, why = Departure.NO_LAYOUT, (
+                f"output {m.position} ({m.describe}) maps onto the reference's under no layout (replicated, sharded "
+                f"on a dimension, or partial over {world} ranks, at any simple factor): input {pos} is made on the "
+                f"ranks by ops of their own, last {made}, where the reference runs {theirs} (not run by every rank), "
+                f"with no collective on the way: if the reference's value is a sum over the ranks (a row-parallel "
+                f"layer's output), its all-reduce is missing there")
         else:
             kind, why = Departure.NO_LAYOUT, (
                 f"output {m.position} ({m.describe}) maps onto the reference's under no layout (replicated, sharded "
@@ -934,6 +943,28 @@ def _reduced_at(pos: int, rop: OpRecord, tops: list[OpRecord], tgts: list[RankTr
     if m is None or m.layout is None or m.layout.kind is not LayoutKind.REPLICATED or m.layout.factor == 1:
         return None
     return (found[0], found[1], side.ops[found[0]].source), ratio_text(1 / m.layout.factor)
+
+
+def _made_apart(producers: dict[int, int | None], top: OpRecord, rank: RankTrace, side: _Side,
+                aligned: dict[int, int], r_side: _Side, not_aligned: set[int]) -> tuple[int, str, str] | None:
+    """The first input of an op that the reference makes with a computing op the ranks do not run, and the first
+    rank makes with computing ops of its own, no collective among them (a row-parallel Linear run as one addmm on
+    one process and as mm then the bias on each rank, its sum never reduced): (position, the rank's last op that
+    computes it as 'name (#N on rank R, line)', the reference's as '#N name'); None otherwise."""
+    mine = rank.producers(top.index)
+    for pos, p in sorted(producers.items()):
+        q = mine.get(pos)
+        if p is None or q is None or p not in not_aligned or aten.is_cheap(r_side.ops[p].name):
+            continue
+        if q in set(aligned.values()) or aten.is_collective(side.ops[q].name) or \
+                _collective_behind(side, aligned, q) is not None:
+            continue
+        op = side.ops[q]
+        if aten.is_cheap(op.name):
+            continue
+        where = f", {op.source}" if op.source else ""
+        return pos, f"{op.name} (#{q} on rank {side.trace.rank}{where})", f"#{p} {r_side.ops[p].name}"
+    return None
 
 
 def _partial_input(producers: dict[int, int | None],

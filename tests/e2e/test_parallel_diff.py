@@ -168,8 +168,12 @@ def tensor_parallel(mode):
     x, y = batch(8)
     with replaydiff.record(out / mode):
         a = F.gelu(F.linear(x, c1, cb))
-        part = a @ r2.t()
-        if mode == "tp_nn":
+        part = a @ r2.t() if mode != "tp_linear_noreduce" else None
+        if mode == "tp_linear_noreduce":  # the second Linear with its bias, one addmm on one process
+            # BUG: each rank adds the bias to its partial sums, never all-reduced
+            part = F.linear(a, r2, b2) if world == 1 else F.linear(a, r2) + b2
+            b2 = torch.zeros(())
+        elif mode == "tp_nn":
             part = torch.distributed.nn.functional.all_reduce(part) if world > 1 else part  # BUG: backward too
         elif mode != "tp_noreduce":  # BUG in tp_noreduce: the partial sums used as they are
             part = AllReduce.apply(part)
@@ -228,7 +232,7 @@ if world > 1:
 '''
 DP_MODES = ["manual", "ddp", "fsdp", "double", "uneven_sum", "uneven_mean", "dropout", "accumulate", "encoder",
             "skip_ar", "overlap", "other_batch", "sum_no_div", "drawn", "step2", "steps23", "double_steps"]
-TP_MODES = ["tp", "tp_noreduce", "tp_nn", "tp_offset", "dtensor", "bn"]
+TP_MODES = ["tp", "tp_noreduce", "tp_nn", "tp_offset", "dtensor", "bn", "tp_linear_noreduce"]
 
 
 def _run(script: Path, out: Path, world: int, modes: list[str]) -> None:
@@ -675,3 +679,14 @@ def test_a_batch_drawn_inside_the_step_agrees_on_2_ranks_against_4(runs, capsys)
         assert report.parallel.departure is None, report.parallel.departure
         capsys.readouterr()
         assert main(["diff", str(ref / "drawn"), str(target / "drawn")]) == 0
+
+
+def test_a_row_parallel_linear_whose_sums_are_never_reduced_is_named_at_the_ranks_own_op(runs):
+    """The single process runs the second Linear as one addmm; the ranks as mm, then the bias: no op every rank runs
+    made the next op's input, so the line named is the ranks' own op that did, with no collective on the way."""
+    d = diff_traces(runs[1] / "tp_linear_noreduce", runs[2] / "tp_linear_noreduce").parallel.departure
+    assert d is not None and d.kind is Departure.NO_LAYOUT and d.op.name == "aten.add.Tensor"
+    assert d.op.source.endswith(f"steps.py:{_line('loss = F.mse_loss(part + b2, y)')}")
+    assert "no collective on the way" in d.why and "its all-reduce is missing" in d.why
+    assert f"steps.py:{_line('else F.linear(a, r2) + b2')})" in d.why
+    assert "BatchNorm" not in d.why
