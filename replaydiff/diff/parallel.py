@@ -148,6 +148,9 @@ class ParallelDiff:
     # others, inferred from the tensors); None: none recorded
     from_placements: tuple[int, int] | None = None
     ref_layout_ops: Counter = field(default_factory=Counter)  # the reference's own collectives, not compared
+    # random ops whose draws every rank holds alike where each holds a piece of the reference's (a dropout mask
+    # of each rank's slice of the batch): the same seed on every rank, each slice masked alike
+    same_draws: list[int] = field(default_factory=list)
     # the step's inputs differ (``departure`` of kind inputs): the first op that parts reading none of what they
     # made, as the rank-by-rank diff names the first op whose inputs agree; None: every op that parts inherits them
     within: ParallelDeparture | None = None
@@ -169,6 +172,7 @@ class ParallelDiff:
             "families": {k: dict(v) for k, v in self.families.items()}, "random_ops": self.random_ops,
             "not_stored": self.not_stored, "worst_rel_l2_over_eps": self.worst,
             "not_judged_random": list(self.random_parted), "amplified": list(self.amplified),
+            **({"same_draws": list(self.same_draws)} if self.same_draws else {}),
             **({"micro_batches": self.micro_batches, "ref_only": dict(self.ref_only)} if self.micro_batches else {}),
             **({"layouts_from_placements": self.from_placements[0], "layouts_inferred": self.from_placements[1]}
                if self.from_placements is not None else {}),
@@ -458,6 +462,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             if not tensors or any(m.layout is None or m.layout.factor != 1 for m in tensors):
                 # each rank drew its own numbers: what reads them is judged only if it maps anyway
                 drawn.add(i)
+                if micro is None and _same_draws(ref, rop, tops, tgts):
+                    out.same_draws.append(i)
                 continue
             # every rank drew what the single process drew (one seed, a batch drawn in the step): compared as any op
         if not tensors:
@@ -666,6 +672,7 @@ def diff_parallel_groups(refs: list[RankTrace], targets: list[RankTrace],
         out.worst = max(out.worst, g.worst)
         out.ops += g.ops
         out.random_parted += g.random_parted
+        out.same_draws += g.same_draws
         out.amplified += g.amplified
     out.batch_warning = next((g.batch_warning for g in groups if g.batch_warning), None)
     said = [g.from_placements for g in groups if g.from_placements is not None]
@@ -943,6 +950,24 @@ def _reduced_at(pos: int, rop: OpRecord, tops: list[OpRecord], tgts: list[RankTr
     if m is None or m.layout is None or m.layout.kind is not LayoutKind.REPLICATED or m.layout.factor == 1:
         return None
     return (found[0], found[1], side.ops[found[0]].source), ratio_text(1 / m.layout.factor)
+
+
+def _same_draws(ref: RankTrace, rop: OpRecord, tops: list[OpRecord], ranks: list[RankTrace]) -> bool:
+    """Whether a random op's draws are the same on every rank where each rank holds a piece of the reference's
+    (its shape is not the reference's): the same seed on every rank."""
+    if len(tops) < 2:
+        return False
+    for pos, rref in enumerate(rop.outputs_refs()):
+        trefs = [t.outputs_refs()[pos] if pos < len(t.outputs_refs()) else None for t in tops]
+        if any(t is None or not t.stored or t.meta or t.uninitialised for t in trefs):
+            continue
+        if all(tuple(t.shape) == tuple(rref.shape) for t in trefs):
+            continue  # every rank holds the whole draw: alike is right
+        first = ranks[0].tensor(trefs[0])
+        if first.numel() and all(tuple(t.shape) == tuple(first.shape) and torch.equal(r.tensor(t), first)
+                                 for r, t in zip(ranks[1:], trefs[1:])):
+            return True
+    return False
 
 
 def _made_apart(producers: dict[int, int | None], top: OpRecord, rank: RankTrace, side: _Side,

@@ -258,6 +258,10 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
         n = len(pd.random_parted)
         out.write(f"not judged: {n} op(s) read random draws (dropout, a batch drawn inside the step) that each rank makes its own and part from the "
                   f"reference there, first ref #{pd.random_parted[0]}: record with dropout off (p=0), and the batch made before the step, to compare them\n")
+    if pd.same_draws:
+        out.write(f"  every rank drew the same numbers at {len(pd.same_draws)} random op(s), first ref #{pd.same_draws[0]}: "
+                  f"each rank's slice masked alike, where the single process draws apart for every row (the same seed on "
+                  f"every rank; seed each rank's dropout apart)\n")
     if pd.amplified:
         out.write(f"  {len(pd.amplified)} op(s) part from the reference only by amplifying their inputs' rounding (every "
                   f"rank holds the same inputs, and its op is right given them: ill-conditioned, such as AdamW's first "

@@ -78,7 +78,7 @@ def batch(rows, seed=1):
 def data_parallel(mode):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3))
-    if mode == "dropout":
+    if mode.startswith("dropout"):
         model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Dropout(0.5), nn.Linear(8, 3))
     if mode == "encoder":  # stock attention (which flattens batch and sequence together), AdamW
         model = Encoder()
@@ -95,6 +95,8 @@ def data_parallel(mode):
         fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if mode != "encoder" else \
         torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if mode == "dropout_apart":  # each rank's dropout seeded apart (in "dropout" every rank has seed 0)
+        torch.manual_seed(100 + rank)
     with replaydiff.record(out / mode):
         if mode == "drawn":  # the global batch drawn inside the step, every rank alike
             x, y = batch(8)
@@ -231,7 +233,7 @@ if world > 1:
     dist.destroy_process_group()
 '''
 DP_MODES = ["manual", "ddp", "fsdp", "double", "uneven_sum", "uneven_mean", "dropout", "accumulate", "encoder",
-            "skip_ar", "overlap", "other_batch", "sum_no_div", "drawn", "step2", "steps23", "double_steps"]
+            "skip_ar", "overlap", "other_batch", "sum_no_div", "drawn", "step2", "steps23", "double_steps", "dropout_apart"]
 TP_MODES = ["tp", "tp_noreduce", "tp_nn", "tp_offset", "dtensor", "bn", "tp_linear_noreduce"]
 
 
@@ -690,3 +692,18 @@ def test_a_row_parallel_linear_whose_sums_are_never_reduced_is_named_at_the_rank
     assert "no collective on the way" in d.why and "its all-reduce is missing" in d.why
     assert f"steps.py:{_line('else F.linear(a, r2) + b2')})" in d.why
     assert "BatchNorm" not in d.why
+
+
+def test_the_same_dropout_seed_on_every_rank_is_said(runs, capsys):
+    """Every rank seeded alike draws the same mask for its own slice of the batch; seeded apart, they differ. Both
+    stay not judged (no rank's mask is the single process's)."""
+    same = diff_traces(runs[1] / "dropout", runs[2] / "dropout").parallel
+    apart = diff_traces(runs[1] / "dropout_apart", runs[2] / "dropout_apart").parallel
+    ref = open_trace(runs[1] / "dropout").rank(0)
+    assert len(same.same_draws) == 1 and aten.is_random(ref[same.same_draws[0]].name)
+    assert apart.random_parted and not apart.same_draws
+    capsys.readouterr()
+    assert main(["diff", str(runs[1] / "dropout"), str(runs[2] / "dropout")]) == 1
+    assert "every rank drew the same numbers at 1 random op(s)" in capsys.readouterr().out
+    assert main(["diff", str(runs[1] / "dropout_apart"), str(runs[2] / "dropout_apart")]) == 1
+    assert "every rank drew the same numbers" not in capsys.readouterr().out
