@@ -23,7 +23,8 @@ from replaydiff.compare.tolerance import Tolerances
 from replaydiff.diff.align import Alignment, OpKeys, align, op_keys
 from replaydiff.diff.pairs import Judge, PairComparer, Where, coarser_dtype, compare_refs
 from replaydiff.diff.environment import environment_diff
-from replaydiff.diff.parallel import diff_parallel, diff_parallel_groups, is_parallel_groups, is_parallel_pair
+from replaydiff.diff.parallel import (diff_parallel, diff_parallel_groups, is_parallel_groups, is_parallel_pair,
+                                      only_steps, same_program, steps_of)
 from replaydiff.diff.units import pair_units
 from replaydiff.diff.result import (DiffReport, OpPlace, Origin, OriginKind, PairResult, PairStatus, Precision,
                                     RankDiff, StepInput, StepInputs, Unaligned)
@@ -389,6 +390,12 @@ def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: D
         raise UsageError(f"a {rw}-rank run against a {tw}-rank run is not mapped onto each other: only a reference "
                          f"whose world size divides the target's is; {then}, or compare one rank op by op with "
                          f"--rank N")
+    if opts.rank is None and bt is None and is_parallel_pair(tw, tt.ranks, rw, rt.ranks) and \
+            same_program(tt.rank(tt.ranks[0]), rt.rank(0)):
+        # the single process second: rank by rank, rank 0 against it, every slice and shard a difference
+        raise UsageError(f"a {rw}-rank run against a single process is not mapped with the parallel run first: put "
+                         f"the single process (the run with fewer ranks) first, as the reference, or compare one rank "
+                         f"op by op with --rank N")
     pairs = rank_pairs(rt.ranks, tt.ranks, opts.rank, rw, tw)
     report = DiffReport(ref=str(rt.path), target=str(tt.path), options=opts.to_dict(),
                         baseline=None if bt is None else str(bt.path))
@@ -402,12 +409,18 @@ def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: D
     report.environment = environment_diff(first_ref.environment, first_target.environment)
     # a side whose recording stopped part-way: said whichever way the traces are compared
     report.cut_short = [(side, c) for side, t in (("reference", rt), ("target", tt)) for c in t.cut_short]
-    if opts.rank is None and bt is None and \
-            is_parallel_pair(_world_size(rt), rt.ranks, _world_size(tt), tt.ranks):
+    parallel = opts.rank is None and bt is None and \
+        is_parallel_pair(_world_size(rt), rt.ranks, _world_size(tt), tt.ranks)
+    chosen: list[int] | None = None
+    if parallel or grouped:
+        # like with like, as rank by rank: the steps compared are those both traces hold, or --step N
+        chosen, report.steps = pick_steps(steps_of(first_ref), steps_of(first_target), opts.step)
+    if parallel:
         # every rank at once, mapped onto the single process through the layout of each value
         if progress_total is not None:
             progress_total(len(first_ref))
-        report.parallel = diff_parallel(first_ref, [tt.rank(r) for r in tt.ranks], progress,
+        report.parallel = diff_parallel(only_steps(first_ref, chosen),
+                                        [only_steps(tt.rank(r), chosen) for r in tt.ranks], progress,
                                         cut_short=bool(report.cut_short))
         if report.parallel.batch_warning:
             report.warnings.append(report.parallel.batch_warning)
@@ -417,7 +430,8 @@ def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: D
         # each reference rank against the target's ranks that hold its share of the global batch
         if progress_total is not None:
             progress_total(sum(len(rt.rank(r)) for r in rt.ranks))
-        report.parallel = diff_parallel_groups([rt.rank(r) for r in rt.ranks], [tt.rank(r) for r in tt.ranks],
+        report.parallel = diff_parallel_groups([only_steps(rt.rank(r), chosen) for r in rt.ranks],
+                                               [only_steps(tt.rank(r), chosen) for r in tt.ranks],
                                                progress, cut_short=bool(report.cut_short))
         if report.parallel.batch_warning:
             report.warnings.append(report.parallel.batch_warning)

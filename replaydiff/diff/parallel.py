@@ -105,6 +105,10 @@ class ParallelDeparture:
     kind: Departure
     why: str  # one line for people
     inherited: int  # later aligned ops that read what it made and part from the reference too
+    # the step's inputs differ at a step after the job's first: what may have parted the runs, and the command that
+    # finds it (``earlier_step``); None otherwise
+    earlier: str | None = None
+    step: int | None = None  # the step compared, where the trace numbers its ops
 
 
 @dataclass
@@ -144,6 +148,12 @@ class ParallelDiff:
     # others, inferred from the tensors); None: none recorded
     from_placements: tuple[int, int] | None = None
     ref_layout_ops: Counter = field(default_factory=Counter)  # the reference's own collectives, not compared
+    # random ops whose draws every rank holds alike where each holds a piece of the reference's (a dropout mask
+    # of each rank's slice of the batch): the same seed on every rank, each slice masked alike
+    same_draws: list[int] = field(default_factory=list)
+    # the step's inputs differ (``departure`` of kind inputs): the first op that parts reading none of what they
+    # made, as the rank-by-rank diff names the first op whose inputs agree; None: every op that parts inherits them
+    within: ParallelDeparture | None = None
 
     @property
     def departed(self) -> bool:
@@ -162,13 +172,22 @@ class ParallelDiff:
             "families": {k: dict(v) for k, v in self.families.items()}, "random_ops": self.random_ops,
             "not_stored": self.not_stored, "worst_rel_l2_over_eps": self.worst,
             "not_judged_random": list(self.random_parted), "amplified": list(self.amplified),
+            **({"same_draws": list(self.same_draws)} if self.same_draws else {}),
             **({"micro_batches": self.micro_batches, "ref_only": dict(self.ref_only)} if self.micro_batches else {}),
             **({"layouts_from_placements": self.from_placements[0], "layouts_inferred": self.from_placements[1]}
                if self.from_placements is not None else {}),
             **({"ref_world": self.ref_world, "ref_layout_ops": dict(self.ref_layout_ops),
                 "groups": [g.to_json() for g in self.groups]} if self.ref_world > 1 else {}),
+            **({"within": None if self.within is None else {
+                "kind": self.within.kind.value, "why": self.within.why, "ref": self.within.op.ref,
+                "targets": list(self.within.op.targets), "op": self.within.op.name, "module": self.within.op.module,
+                "phase": self.within.op.phase, "source": self.within.op.source}}
+               if d is not None and d.kind is Departure.INPUTS else {}),
             "departure": None if d is None else {
                 "kind": d.kind.value, "why": d.why, "inherited": d.inherited, "ref": d.op.ref,
+                **({"step": d.step} if d.step is not None else {}),
+                **({"earlier_step": {"why": d.earlier, "command": "replaydiff record --step 1"}}
+                   if d.earlier is not None else {}),
                 "targets": list(d.op.targets), **({"ranks": list(d.op.ranks)} if d.op.ranks else {}),
                 **({"ref_rank": d.op.ref_rank} if d.op.ref_rank is not None else {}), "op": d.op.name, "module": d.op.module, "phase": d.op.phase,
                 "source": d.op.source, "tensor": {"kind": d.tensor.kind, "position": d.tensor.position,
@@ -179,6 +198,43 @@ class ParallelDiff:
                                                   "layout": None if d.tensor.layout is None else
                                                   d.tensor.layout.to_json()}},
         }
+
+
+class StepsOf:
+    """One rank's trace seen through the steps compared (``--step N``, or the steps both traces hold): its other
+    steps' ops left out, and what they computed entering as from outside the trace (a parameter the previous step's
+    optimizer updated is a step input here), as the rank-by-rank diff does. Anything else is the trace's own."""
+
+    def __init__(self, trace: RankTrace, steps: set[int]) -> None:
+        self._trace = trace
+        self._keep = {op.index for op in trace if op.step in steps}
+
+    def __getattr__(self, name: str):
+        return getattr(self._trace, name)
+
+    def __iter__(self):
+        return (op for op in self._trace if op.index in self._keep)
+
+    def __len__(self) -> int:
+        return len(self._keep)
+
+    def producers(self, i: int) -> dict[int, int | None]:
+        return {pos: p if p in self._keep else None for pos, p in self._trace.producers(i).items()}
+
+    def consumers(self, i: int) -> dict[int, list[int]]:
+        return {pos: [c for c in cs if c in self._keep] for pos, cs in self._trace.consumers(i).items()}
+
+
+def steps_of(trace: RankTrace) -> list[int]:
+    """The step numbers a rank's ops carry (empty: recorded without step numbers)."""
+    return sorted({op.step for op in trace if op.step is not None})
+
+
+def only_steps(trace: RankTrace, steps: list[int] | None) -> RankTrace:
+    """``trace`` restricted to ``steps`` (None, or a trace without step numbers: all of it)."""
+    if steps is None or not steps_of(trace):
+        return trace
+    return StepsOf(trace, set(steps))  # type: ignore[return-value]
 
 
 def is_parallel_pair(ref_world: int, ref_ranks: list[int], target_world: int, target_ranks: list[int]) -> bool:
@@ -320,6 +376,9 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     seen_inputs: set = set()
     step_views: set[int] = set()
     first: tuple[MappedOp, Mapped, Departure, str] | None = None
+    within: ParallelDeparture | None = None  # after inputs that differ: the first op that parts with agreeing inputs
+    differing: set[int] = set()  # the versions of the step's inputs that map under no layout at factor 1
+    carriers: set[int] = set()  # reference ops that read, through the data flow, what a differing step input made
     by_ref: dict[int, MappedOp] = {}  # the ops mapped so far, by reference op number
     inherited = 0
     # The factor of the loss the backward differentiates: that of the last partial value the forward made before
@@ -333,6 +392,13 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             progress(64)
         if i in r_side.skipped:
             continue
+        if differing:
+            # it descends, through the reference's data flow, from a step input that differs (or an op that parted)
+            made_by = ref.producers(i)
+            if any(p is not None and (p in carriers or p in departed) for p in made_by.values()) or \
+                    any(made_by.get(pos) is None and r.version in differing
+                        for pos, r in enumerate(r_side.ops[i].inputs())):
+                carriers.add(i)
         own = [owner[i]] if i in owner else list(range(world))  # the ranks whose ops stand for it
         if own == [-1] or not all(i in maps[r] for r in own):
             out.not_aligned.append(i)
@@ -348,10 +414,17 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         # cuts every rank's slice of the batch, which the target's ranks cut otherwise (and the trace's data flow
         # links each slice to the one before it): its inputs are compared, its outputs where an op that computes
         # reads them
+        # (a batch drawn inside the step, by a random op every rank runs alike, is cut the same way)
         step_view = full_world is not None and aten.is_cheap(rop.name) and \
-            all(p is None or p in step_views or p in r_side.skipped for p in producers.values())
+            all(p is None or p in step_views or p in r_side.skipped or aten.is_random(r_side.ops[p].name)
+                for p in producers.values())
         if step_view:
             step_views.add(i)
+        # a view of the batch (a step input, or a draw in the step) that no op of the reference reads
+        # (``tensor_split(x, 1)[0]``: the single process's one piece is the whole tensor, and what reads it reads
+        # that): a cut the ranks make otherwise, judged where an op that computes reads what the ranks cut
+        unread_view = aten.is_cheap(rop.name) and not any(ref.consumers(i).values()) and \
+            all(p is None or aten.is_random(r_side.ops[p].name) for p in producers.values())
         from_departed = [p for p in producers.values() if p is not None and p in departed]
         from_drawn = [p for p in producers.values() if p is not None and p in drawn]
         tensors: list[Mapped] = []
@@ -372,7 +445,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 tensors.append(m)
         r_outs, t_outs = rop.outputs_refs(), [t.outputs_refs() for t in tops]
         for pos, rref in enumerate(r_outs):
-            if step_view or any(pos >= len(to) for to in t_outs):
+            if step_view or unread_view or any(pos >= len(to) for to in t_outs):
                 continue
             m = _map(ref, tgts, rref, [to[pos] for to in t_outs], "out", pos, world, micro,
                      _declared_output(t_sides[own[0]], declared[own[0]], tops[0].index, pos), mesh)
@@ -389,6 +462,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             if not tensors or any(m.layout is None or m.layout.factor != 1 for m in tensors):
                 # each rank drew its own numbers: what reads them is judged only if it maps anyway
                 drawn.add(i)
+                if micro is None and _same_draws(ref, rop, tops, tgts):
+                    out.same_draws.append(i)
                 continue
             # every rank drew what the single process drew (one seed, a batch drawn in the step): compared as any op
         if not tensors:
@@ -428,7 +503,16 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             drawn.add(i)
             out.random_parted.append(i)
             continue
-        if not from_departed and first is None and all(m.layout is None for m in bad) and \
+        # the step's inputs already differ (the first departure is of kind inputs): an op that parts reading none
+        # of what they made, and no differing input itself, parts with agreeing inputs, as the rank-by-rank diff
+        # names it; the first such is said as well
+        with_agreeing = first is not None and first[2] is Departure.INPUTS and within is None and \
+            i not in carriers and not any(m.kind == "in" for m in bad)
+        for m in bad:
+            if m.kind == "in":
+                differing.add(r_ins[m.position].version)
+                carriers.add(i)
+        if not from_departed and (first is None or with_agreeing) and all(m.layout is None for m in bad) and \
                 _amplifies(rop, tops, tensors, producers, by_ref, tgts, set(out.amplified), maps[own[0]]):
             # every rank computes from the same inputs, right given them; they differ from the reference's by a
             # reordered sum's rounding, which this op amplifies (AdamW's first update of a near-zero gradient)
@@ -436,13 +520,23 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             continue
         departed.add(i)
         out.parted.add(i)
-        if first is not None or from_departed:
+        if (first is not None or from_departed) and not with_agreeing:
             inherited += first is not None
             continue
         m = bad[0]
         partial_in = _partial_input(producers, by_ref)
         if m.kind == "in" and m.offsets is None:
-            kind, why = Departure.INPUTS, _why_inputs(m)
+            kind, why = Departure.INPUTS, _why_inputs(m, rop.step)
+        elif partial_in is not None and rop.phase == "optimizer" and \
+                (over := _reduced_at(partial_in[0], rop, tops, tgts, t_sides[own[0]], maps[own[0]], ref, world,
+                                     micro, mesh)) is not None:
+            # the gradient went through its all-reduce, and came out whole on every rank at a factor
+            (c, name, at), times = over
+            line = t_sides[own[0]].ops[c].source
+            kind, why = Departure.SCALED, (
+                f"input {partial_in[0]} (the gradient) is replicated at {times}x the reference after {name} #{c} (on "
+                f"rank {own[0]}{', ' + line if line else ''}): a sum not divided by the world size, or a loss scaled "
+                f"twice")
         elif partial_in is not None and rop.phase == "optimizer":
             made = r_side.ops[partial_in[2]]
             where = ", ".join(x for x in (made.module or "no module", made.phase) if x)
@@ -473,16 +567,28 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 f"{', '.join(map(str, held))} hold{'s' if len(held) == 1 else ''} the reference's value, rank"
                 f"{'s' if len(m.off) > 1 else ''} {', '.join(map(str, m.off))} "
                 f"{'do' if len(m.off) > 1 else 'does'} not: this op went wrong there")
+        elif (own_in := _made_apart(producers, tops[0], tgts[0], t_sides[own[0]], maps[own[0]], r_side,
+                                    set(out.not_aligned))) is not None:
+            pos, made, theirs = own_in
+            kind, why = Departure.NO_LAYOUT, (
+                f"output {m.position} ({m.describe}) maps onto the reference's under no layout (replicated, sharded "
+                f"on a dimension, or partial over {world} ranks, at any simple factor): input {pos} is made on the "
+                f"ranks by ops of their own, last {made}, where the reference runs {theirs} (not run by every rank), "
+                f"with no collective on the way: if the reference's value is a sum over the ranks (a row-parallel "
+                f"layer's output), its all-reduce is missing there")
         else:
             kind, why = Departure.NO_LAYOUT, (
                 f"output {m.position} ({m.describe}) maps onto the reference's under no layout (replicated, sharded "
                 f"on a dimension, or partial over {world} ranks, at any simple factor): the ranks compute something "
                 f"else here (per-rank statistics that should be global, such as BatchNorm's without SyncBatchNorm or "
                 f"means over shards of unequal size averaged as if equal; a different input)")
+        if with_agreeing:
+            within = ParallelDeparture(mop, m, kind, why, 0, step=rop.step)
+            continue
         out.batch_warning = _batch_warning(rop, m, kind, {k: None if owner.get(p) == -1 else p
                                                           for k, p in producers.items()})
         behind = _collective_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
-        if behind is not None and kind in (Departure.SCALED, Departure.NO_LAYOUT):
+        if behind is not None and kind in (Departure.SCALED, Departure.NO_LAYOUT) and behind[1] not in why:
             why += f"; on the ranks it reads what {behind[1]} (#{behind[0]} on rank {own[0]}) made, which the " \
                    f"single process does not run"
         elif kind is Departure.SCALED:
@@ -503,12 +609,24 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             f"(first #{computing[0]} {r_side.ops[computing[0]].name}): another program than each rank's, which is "
             f"not mapped onto the ranks; diff one rank op by op with --rank N")
     if first is not None:
-        out.departure = ParallelDeparture(first[0], first[1], first[2], first[3], inherited)
+        step = r_side.ops[first[0].ref].step
+        out.departure = ParallelDeparture(first[0], first[1], first[2], first[3], inherited,
+                                          earlier_step(step) if first[2] is Departure.INPUTS else None, step)
+        out.within = within
     out.ref_layout_ops.update(r_side.ops[i].name for i in r_side.skipped if _makes_layout(r_side.ops[i].name))
     if any(declared):
         said = [t.layout_from for op in out.ops for t in op.tensors if t.layout_from is not None]
         out.from_placements = (said.count("placements"), said.count("inferred"))
     return out
+
+
+def same_program(single: RankTrace, rank: RankTrace) -> bool:
+    """Whether one rank of a parallel run runs the single process's program: all but a quarter of the single
+    process's computing ops align with the rank's (the test ``diff_parallel`` refuses a mapping by)."""
+    a, b = _Side(single), _Side(rank)
+    paired = {i for i, _ in align(a.keys, b.keys).pairs}
+    computing = [k.index for k in a.keys if not aten.is_cheap(a.ops[k.index].name)]
+    return bool(computing) and sum(i not in paired for i in computing) * 4 <= len(a.keys)
 
 
 def is_parallel_groups(ref_world: int, ref_ranks: list[int], target_world: int, target_ranks: list[int]) -> bool:
@@ -554,6 +672,7 @@ def diff_parallel_groups(refs: list[RankTrace], targets: list[RankTrace],
         out.worst = max(out.worst, g.worst)
         out.ops += g.ops
         out.random_parted += g.random_parted
+        out.same_draws += g.same_draws
         out.amplified += g.amplified
     out.batch_warning = next((g.batch_warning for g in groups if g.batch_warning), None)
     said = [g.from_placements for g in groups if g.from_placements is not None]
@@ -561,7 +680,9 @@ def diff_parallel_groups(refs: list[RankTrace], targets: list[RankTrace],
         out.from_placements = (sum(n for n, _ in said), sum(m for _, m in said))
     parted = [g for g in groups if g.departure is not None]
     if parted:  # the reference rank that parts first in its op order (every reference rank runs the same program)
-        out.departure = min(parted, key=lambda g: g.departure.op.ref).departure
+        g = min(parted, key=lambda g: g.departure.op.ref)
+        out.departure = g.departure
+        out.within = g.within
     return out
 
 
@@ -811,6 +932,66 @@ def _computing_behind(side: _Side, aligned: dict[int, int], index: int, limit: i
     return None
 
 
+def _reduced_at(pos: int, rop: OpRecord, tops: list[OpRecord], tgts: list[RankTrace], side: _Side,
+                aligned: dict[int, int], ref: RankTrace, world: int, micro: int | None,
+                mesh) -> tuple[tuple[int, str, str | None], str] | None:
+    """For an optimizer op's input that is partial as the reference's producer made it: when on the ranks it went
+    through a collective (an all-reduce of the rank's own ops) and is whole on every rank at a factor other than 1,
+    ((the collective's op number on the first rank, its name, its line), the factor as text); else None."""
+    p = tgts[0].producers(tops[0].index).get(pos)
+    if p is None or p in set(aligned.values()):
+        return None
+    op = side.ops.get(p)
+    found = (p, op.name) if op is not None and aten.is_collective(op.name) else _collective_behind(side, aligned, p)
+    if found is None or micro is not None:
+        return None
+    rref, trefs = rop.inputs()[pos], [t.inputs()[pos] for t in tops]
+    m = _map(ref, tgts, rref, trefs, "in", pos, world, None, None, mesh)
+    if m is None or m.layout is None or m.layout.kind is not LayoutKind.REPLICATED or m.layout.factor == 1:
+        return None
+    return (found[0], found[1], side.ops[found[0]].source), ratio_text(1 / m.layout.factor)
+
+
+def _same_draws(ref: RankTrace, rop: OpRecord, tops: list[OpRecord], ranks: list[RankTrace]) -> bool:
+    """Whether a random op's draws are the same on every rank where each rank holds a piece of the reference's
+    (its shape is not the reference's): the same seed on every rank."""
+    if len(tops) < 2:
+        return False
+    for pos, rref in enumerate(rop.outputs_refs()):
+        trefs = [t.outputs_refs()[pos] if pos < len(t.outputs_refs()) else None for t in tops]
+        if any(t is None or not t.stored or t.meta or t.uninitialised for t in trefs):
+            continue
+        if all(tuple(t.shape) == tuple(rref.shape) for t in trefs):
+            continue  # every rank holds the whole draw: alike is right
+        first = ranks[0].tensor(trefs[0])
+        if first.numel() and all(tuple(t.shape) == tuple(first.shape) and torch.equal(r.tensor(t), first)
+                                 for r, t in zip(ranks[1:], trefs[1:])):
+            return True
+    return False
+
+
+def _made_apart(producers: dict[int, int | None], top: OpRecord, rank: RankTrace, side: _Side,
+                aligned: dict[int, int], r_side: _Side, not_aligned: set[int]) -> tuple[int, str, str] | None:
+    """The first input of an op that the reference makes with a computing op the ranks do not run, and the first
+    rank makes with computing ops of its own, no collective among them (a row-parallel Linear run as one addmm on
+    one process and as mm then the bias on each rank, its sum never reduced): (position, the rank's last op that
+    computes it as 'name (#N on rank R, line)', the reference's as '#N name'); None otherwise."""
+    mine = rank.producers(top.index)
+    for pos, p in sorted(producers.items()):
+        q = mine.get(pos)
+        if p is None or q is None or p not in not_aligned or aten.is_cheap(r_side.ops[p].name):
+            continue
+        if q in set(aligned.values()) or aten.is_collective(side.ops[q].name) or \
+                _collective_behind(side, aligned, q) is not None:
+            continue
+        op = side.ops[q]
+        if aten.is_cheap(op.name):
+            continue
+        where = f", {op.source}" if op.source else ""
+        return pos, f"{op.name} (#{q} on rank {side.trace.rank}{where})", f"#{p} {r_side.ops[p].name}"
+    return None
+
+
 def _partial_input(producers: dict[int, int | None],
                    by_ref: dict[int, MappedOp]) -> tuple[int, Layout, int] | None:
     """The first input of an op that a partial output of an earlier aligned op feeds: (position, layout, op)."""
@@ -859,7 +1040,20 @@ def _batch_warning(rop: OpRecord, m: Mapped, kind: Departure, producers: dict[in
             f"same data, seed and global batch size")
 
 
-def _why_inputs(m: Mapped) -> str:
+def earlier_step(step: int | None) -> str | None:
+    """At a step after the job's first, where the step's inputs differ: the line that says an earlier step may have
+    parted the runs, and the command that finds it; None at step 1 or in a trace without step numbers."""
+    if step is None or step <= 1:
+        return None
+    return (f"this is step {step}: an earlier step may have parted the runs (an optimizer amplifying a reordered "
+            f"sum's rounding, such as Adam's update of a gradient that is zero up to rounding, or a bug that acts at "
+            f"every step); to find it, record step 1 of both runs (replaydiff record --step 1) and diff those")
+
+
+def _why_inputs(m: Mapped, step: int | None = None) -> str:
     at = "" if m.layout is None else f" ({m.layout.describe()})"
-    return (f"input {m.position} ({m.describe}) comes from outside the step and maps onto the reference's under no "
-            f"layout at factor 1{at}: the runs began apart (initial weights, seed, or not the same global batch)")
+    head = (f"input {m.position} ({m.describe}) comes from outside the step and maps onto the reference's under no "
+            f"layout at factor 1{at}")
+    if earlier_step(step) is not None:
+        return f"{head}: the runs had parted before step {step} (or began apart: initial weights, seed, global batch)"
+    return f"{head}: the runs began apart (initial weights, seed, or not the same global batch)"

@@ -8,6 +8,7 @@ from collections import Counter
 from typing import TextIO
 
 from replaydiff.compare.verdict import output_said
+from replaydiff.diff.parallel import Departure
 from replaydiff.diff.result import DiffReport, PairResult, PairStatus, RankDiff, Unaligned, UnitPair
 from replaydiff.report.text import planted_line
 
@@ -257,6 +258,10 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
         n = len(pd.random_parted)
         out.write(f"not judged: {n} op(s) read random draws (dropout, a batch drawn inside the step) that each rank makes its own and part from the "
                   f"reference there, first ref #{pd.random_parted[0]}: record with dropout off (p=0), and the batch made before the step, to compare them\n")
+    if pd.same_draws:
+        out.write(f"  every rank drew the same numbers at {len(pd.same_draws)} random op(s), first ref #{pd.same_draws[0]}: "
+                  f"each rank's slice masked alike, where the single process draws apart for every row (the same seed on "
+                  f"every rank; seed each rank's dropout apart)\n")
     if pd.amplified:
         out.write(f"  {len(pd.amplified)} op(s) part from the reference only by amplifying their inputs' rounding (every "
                   f"rank holds the same inputs, and its op is right given them: ill-conditioned, such as AdamW's first "
@@ -276,6 +281,15 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
         return
     out.write(f"the runs part at {_parallel_op_line(d.op)}\n")
     out.write(f"  {d.why}\n")
+    if d.earlier:
+        out.write(f"  {d.earlier}\n")
+    if d.kind is Departure.INPUTS:
+        w = pd.within
+        if w is None:
+            out.write("  no op parts from the reference with agreeing inputs: every op that parts in this step reads "
+                      "what those inputs made\n")
+        else:
+            out.write(f"  the first op that parts with agreeing inputs: {_parallel_op_line(w.op)}: {w.why}\n")
     if d.tensor.declared is not None:
         out.write(f"  DTensor's placements of this tensor on the ranks: {d.tensor.declared.describe()} (layout "
                   f"{'from placements' if d.tensor.layout_from == 'placements' else 'inferred'})\n")

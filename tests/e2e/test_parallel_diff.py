@@ -78,7 +78,7 @@ def batch(rows, seed=1):
 def data_parallel(mode):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3))
-    if mode == "dropout":
+    if mode.startswith("dropout"):
         model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Dropout(0.5), nn.Linear(8, 3))
     if mode == "encoder":  # stock attention (which flattens batch and sequence together), AdamW
         model = Encoder()
@@ -95,7 +95,11 @@ def data_parallel(mode):
         fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if mode != "encoder" else \
         torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if mode == "dropout_apart":  # each rank's dropout seeded apart (in "dropout" every rank has seed 0)
+        torch.manual_seed(100 + rank)
     with replaydiff.record(out / mode):
+        if mode == "drawn":  # the global batch drawn inside the step, every rank alike
+            x, y = batch(8)
         if mode == "overlap":  # BUG: each rank's slice starts 2 rows early, so neighbours share rows
             n = len(x) // world
             lo = max(rank * n - 2, 0)
@@ -125,9 +129,30 @@ def data_parallel(mode):
                     continue  # BUG: this parameter's gradient is never all-reduced
                 if world > 1:
                     dist.all_reduce(p.grad)
-                if mode != "uneven_sum":
+                if mode not in ("uneven_sum", "sum_no_div"):  # BUG in sum_no_div: the sum is not divided
                     p.grad /= world
         opt.step()
+
+
+def several_steps(mode):
+    """Three steps of a hand data-parallel MLP, a batch of its own each; the trace holds the steps the mode names."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = [batch(8, seed=10 + s) for s in range(3)]
+    with replaydiff.record(out / mode, steps={"step2": "2", "step3": "3", "steps23": "2-3", "double_steps": "2"}[mode]):
+        for x, y in data:
+            xs, ys = torch.tensor_split(x, world)[rank], torch.tensor_split(y, world)[rank]
+            loss = F.mse_loss(model(xs), ys)
+            if mode == "double_steps":
+                loss = loss * world  # BUG at every step: from step 2 on the step's inputs differ
+            loss.backward()
+            for p in model.parameters():
+                if world > 1:
+                    dist.all_reduce(p.grad)
+                p.grad /= world
+            opt.step()
+            opt.zero_grad()
 
 
 def tensor_parallel(mode):
@@ -145,8 +170,12 @@ def tensor_parallel(mode):
     x, y = batch(8)
     with replaydiff.record(out / mode):
         a = F.gelu(F.linear(x, c1, cb))
-        part = a @ r2.t()
-        if mode == "tp_nn":
+        part = a @ r2.t() if mode != "tp_linear_noreduce" else None
+        if mode == "tp_linear_noreduce":  # the second Linear with its bias, one addmm on one process
+            # BUG: each rank adds the bias to its partial sums, never all-reduced
+            part = F.linear(a, r2, b2) if world == 1 else F.linear(a, r2) + b2
+            b2 = torch.zeros(())
+        elif mode == "tp_nn":
             part = torch.distributed.nn.functional.all_reduce(part) if world > 1 else part  # BUG: backward too
         elif mode != "tp_noreduce":  # BUG in tp_noreduce: the partial sums used as they are
             part = AllReduce.apply(part)
@@ -196,7 +225,7 @@ def torch_parallel(mode):
 
 
 for mode in modes:
-    run = tensor_parallel if mode.startswith("tp") else \
+    run = several_steps if mode.startswith(("step", "double_steps")) else tensor_parallel if mode.startswith("tp") else \
         torch_parallel if mode in ("dtensor", "bn") or mode.startswith("fsdp_tp") else data_parallel
     run(mode)
 if world > 1:
@@ -204,8 +233,8 @@ if world > 1:
     dist.destroy_process_group()
 '''
 DP_MODES = ["manual", "ddp", "fsdp", "double", "uneven_sum", "uneven_mean", "dropout", "accumulate", "encoder",
-            "skip_ar", "overlap", "other_batch"]
-TP_MODES = ["tp", "tp_noreduce", "tp_nn", "tp_offset", "dtensor", "bn"]
+            "skip_ar", "overlap", "other_batch", "sum_no_div", "drawn", "step2", "steps23", "double_steps", "dropout_apart"]
+TP_MODES = ["tp", "tp_noreduce", "tp_nn", "tp_offset", "dtensor", "bn", "tp_linear_noreduce"]
 
 
 def _run(script: Path, out: Path, world: int, modes: list[str]) -> None:
@@ -225,9 +254,9 @@ def runs(tmp_path_factory) -> dict[int, Path]:
     dirs = {w: root / f"world{w}" for w in (1, 2, 4, 8)}
     _run(script, dirs[1], 1, DP_MODES + TP_MODES)
     _run(script, dirs[2], 2, DP_MODES + TP_MODES)
-    _run(script, dirs[1], 1, ["subgroups", "fsdp_tp", "fsdp_tp_double"])
+    _run(script, dirs[1], 1, ["subgroups", "fsdp_tp", "fsdp_tp_double", "step3"])
     _run(script, dirs[4], 4, ["manual", "uneven_sum", "double", "subgroups", "ddp", "tp", "fsdp", "fsdp_tp",
-                                "fsdp_tp_double"])
+                                "fsdp_tp_double", "drawn"])
     _run(script, dirs[8], 8, ["manual", "double"])
     return dirs
 
@@ -585,3 +614,96 @@ def test_dtensor_s_placements_are_recorded_and_each_compared_layout_says_where_i
 
     doc = json.loads(out.read_text())["parallel"]
     assert (doc["layouts_from_placements"], doc["layouts_inferred"]) == (from_placements, inferred)
+
+
+def test_traces_of_different_steps_are_refused_and_step_picks_the_step_compared(runs, capsys):
+    capsys.readouterr()
+    assert main(["diff", str(runs[1] / "step3"), str(runs[2] / "step2")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the traces share no step (the reference holds step 3, the target step 2)" in err
+    assert main(["diff", str(runs[1] / "steps23"), str(runs[2] / "step2"), "--step", "3"]) == 2
+    assert "step 3 is not in the target trace" in capsys.readouterr().err
+    # steps 2-3 against step 2: step 2 alone compared, its parameters (step 1's update) entering from outside
+    for extra in ([], ["--step", "2"]):
+        assert main(["diff", str(runs[1] / "steps23"), str(runs[2] / "step2"), *extra]) == 0
+        text = capsys.readouterr().out
+        assert "comparing step 2" in text and "agree: every compared op maps" in text
+    report = diff_traces(runs[1] / "steps23", runs[2] / "step2")
+    ref = open_trace(runs[1] / "steps23").rank(0)
+    assert {ref[op.ref].step for op in report.parallel.ops} == {2}
+
+
+def test_a_parallel_run_given_first_against_the_single_process_is_refused_with_the_order(runs, capsys):
+    capsys.readouterr()
+    assert main(["diff", str(runs[2] / "manual"), str(runs[1] / "manual")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a 2-rank run against a single process" in err
+    assert "put the single process (the run with fewer ranks) first" in err
+
+
+def test_inputs_that_differ_after_the_first_step_point_to_an_earlier_step(runs, tmp_path, capsys):
+    d = diff_traces(runs[1] / "double_steps", runs[2] / "double_steps").parallel.departure
+    assert d is not None and d.kind is Departure.INPUTS and d.step == 2
+    assert "began apart (initial weights" not in d.why and "parted before step 2" in d.why
+    assert "record step 1 of both runs (replaydiff record --step 1)" in d.earlier
+    # every op that parts in step 2 descends from the parameters step 1 scaled: none parts with agreeing inputs
+    pd = diff_traces(runs[1] / "double_steps", runs[2] / "double_steps").parallel
+    assert pd.within is None and len(pd.parted) > 10
+    out = tmp_path / "d.json"
+    capsys.readouterr()
+    assert main(["diff", str(runs[1] / "double_steps"), str(runs[2] / "double_steps"), "--json", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert "record step 1 of both runs" in text and "no op parts from the reference with agreeing inputs" in text
+    import json
+
+    whole = json.loads(out.read_text())["parallel"]
+    doc = whole["departure"]
+    assert doc["step"] == 2 and doc["earlier_step"]["command"] == "replaydiff record --step 1"
+    assert "within" in whole and whole["within"] is None
+    # at step 1 of a trace without step numbers the wording stays the first step's
+    first = diff_traces(runs[1] / "manual", runs[2] / "other_batch").parallel.departure
+    assert first is not None and first.earlier is None
+
+
+def test_a_gradient_sum_not_divided_by_the_world_size_is_named_with_its_all_reduce(runs):
+    d = diff_traces(runs[1] / "sum_no_div", runs[2] / "sum_no_div").parallel.departure
+    assert d is not None and d.kind is Departure.SCALED and d.op.phase == "optimizer"
+    assert "replicated at 2x the reference after c10d.allreduce_" in d.why
+    assert f"steps.py:{_line('dist.all_reduce(p.grad)')})" in d.why and "a sum not divided by the world size" in d.why
+    assert "without its all-reduce" not in d.why
+
+
+def test_a_batch_drawn_inside_the_step_agrees_on_2_ranks_against_4(runs, capsys):
+    """Each reference rank cuts every rank's slice of the batch it draws; the slices it does not compute with are
+    not judged."""
+    for ref, target in ((runs[2], runs[4]), (runs[1], runs[2])):
+        report = diff_traces(ref / "drawn", target / "drawn")
+        assert report.parallel.departure is None, report.parallel.departure
+        capsys.readouterr()
+        assert main(["diff", str(ref / "drawn"), str(target / "drawn")]) == 0
+
+
+def test_a_row_parallel_linear_whose_sums_are_never_reduced_is_named_at_the_ranks_own_op(runs):
+    """The single process runs the second Linear as one addmm; the ranks as mm, then the bias: no op every rank runs
+    made the next op's input, so the line named is the ranks' own op that did, with no collective on the way."""
+    d = diff_traces(runs[1] / "tp_linear_noreduce", runs[2] / "tp_linear_noreduce").parallel.departure
+    assert d is not None and d.kind is Departure.NO_LAYOUT and d.op.name == "aten.add.Tensor"
+    assert d.op.source.endswith(f"steps.py:{_line('loss = F.mse_loss(part + b2, y)')}")
+    assert "no collective on the way" in d.why and "its all-reduce is missing" in d.why
+    assert f"steps.py:{_line('else F.linear(a, r2) + b2')})" in d.why
+    assert "BatchNorm" not in d.why
+
+
+def test_the_same_dropout_seed_on_every_rank_is_said(runs, capsys):
+    """Every rank seeded alike draws the same mask for its own slice of the batch; seeded apart, they differ. Both
+    stay not judged (no rank's mask is the single process's)."""
+    same = diff_traces(runs[1] / "dropout", runs[2] / "dropout").parallel
+    apart = diff_traces(runs[1] / "dropout_apart", runs[2] / "dropout_apart").parallel
+    ref = open_trace(runs[1] / "dropout").rank(0)
+    assert len(same.same_draws) == 1 and aten.is_random(ref[same.same_draws[0]].name)
+    assert apart.random_parted and not apart.same_draws
+    capsys.readouterr()
+    assert main(["diff", str(runs[1] / "dropout"), str(runs[2] / "dropout")]) == 1
+    assert "every rank drew the same numbers at 1 random op(s)" in capsys.readouterr().out
+    assert main(["diff", str(runs[1] / "dropout_apart"), str(runs[2] / "dropout_apart")]) == 1
+    assert "every rank drew the same numbers" not in capsys.readouterr().out
