@@ -65,6 +65,15 @@ def is_collective(name: str) -> bool:
     return namespace(name) in COLLECTIVE_NAMESPACES
 
 
+# c10d's point-to-point ops: each pairs with its peer's op (a send with the receive on its destination), not with the
+# k-th call of every rank of its group, as the group collectives do.
+POINT_TO_POINT_PACKETS = frozenset({"send", "recv_", "recv_any_source_"})
+
+
+def is_point_to_point(name: str) -> bool:
+    return namespace(name) == "c10d" and packet(name) in POINT_TO_POINT_PACKETS
+
+
 def is_wait_only(name: str) -> bool:
     return is_collective(name) and packet(name) in WAIT_ONLY_PACKETS
 

@@ -360,6 +360,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     t_sides = [_Side(t) for t in targets]
     mesh = _mesh(t_sides[0], world) if full_world is None else None  # a 2-D DeviceMesh DTensor declared
     _refuse_sub_groups(t_sides[0], full_world or world, mesh)
+    _refuse_point_to_point([r_side, *t_sides])
     owner = _micro_batches(r_side, t_sides)  # a micro-batch's op -> the rank whose ops it maps onto
     maps = []
     out = ParallelDiff(world, len(r_side.keys), 0, 0, micro_batches=world if owner else 0)
@@ -811,6 +812,18 @@ def _mesh(side: _Side, world: int) -> tuple[tuple[tuple[int, ...], ...], ...] | 
                 return (tuple(tuple(d * cols + t for t in range(cols)) for d in range(rows)),
                         tuple(tuple(d * cols + t for d in range(rows)) for t in range(cols)))
     return None
+
+
+def _refuse_point_to_point(sides: list[_Side]) -> None:
+    """A UsageError when a rank sends or receives point to point: pipeline stages, each rank running other layers
+    than the others, which a mapping of every rank's ops onto the single process's would misread."""
+    for side in sides:
+        for op in side.ops.values():
+            if aten.is_point_to_point(op.name):
+                raise UsageError(
+                    f"rank {side.trace.rank}'s #{op.index} {op.name} sends or receives point to point: pipeline "
+                    f"stages, each rank running other layers, are not mapped onto the single process; replay each "
+                    f"run (replay checks each send against its receive), or diff one rank op by op with --rank N")
 
 
 def _refuse_sub_groups(side: _Side, world: int, mesh: tuple[tuple[tuple[int, ...], ...], ...] | None = None) -> None:

@@ -65,7 +65,7 @@ class RecorderLike(Protocol):
     custom_ops: dict[str, str]
 
     def before(self, func: Any, types: Any, args: tuple, kwargs: dict) -> Any: ...
-    def after(self, pending: Any, func: Any, args: tuple, kwargs: dict, out: Any) -> None: ...
+    def after(self, pending: Any, func: Any, args: tuple, kwargs: dict, out: Any) -> Any: ...
     def rng_state(self, args: tuple, kwargs: dict) -> tuple[str, int, int, int] | None: ...
     def disable(self, why: str) -> None: ...
     def op_failed(self, func: Any, args: tuple, kwargs: dict, exc: Exception) -> None: ...
@@ -105,7 +105,8 @@ class RecordingMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         if pending is not None:
             try:
-                rec.after(pending, func, args, kwargs, out)
+                # a point-to-point collective's work comes back waited and complete (wait_collective says why)
+                out = rec.after(pending, func, args, kwargs, out)
             except Exception as exc:
                 rec.op_failed(func, args, kwargs, exc)
         return out
@@ -457,26 +458,32 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
 
 
 def record_after(rec: RecorderLike, b: OpBuilder, p: Pending, func: Any, args: tuple, kwargs: dict,
-                 out: Any) -> None:
+                 out: Any) -> Any:
+    """Record what the op made; returns ``out`` for the job (a point-to-point work replaced by a completed one)."""
     record = p.record
+    returned = out
     if record is not None and schema.wire_is_collective(record):
-        out = wait_collective(func, out)
+        out = returned = wait_collective(func, out)
         rec.writer.leave_collective()
-    for _, v in p.written:
-        for t in iter_tensors(v):
-            e = rec.storages.entry(t.untyped_storage())
-            rec.storages.bump(e)
-    if p.uninitialised:
-        for t in iter_tensors(out):
-            rec.storages.entry(t.untyped_storage()).uninitialised = True
-    if p.uninitialised:
-        schema.wire_set_outputs(record, b.encode(out, store=False), None, True)
-    else:
-        writes = [(path, b.encode(v)) for path, v in p.written] if p.written else None
-        schema.wire_set_outputs(record, b.encode(out), writes, False)
-    if b.left_out is not None:
-        schema.wire_set_left_out(record, b.left_out)
-    b.add_op(record)
+    try:  # the job gets ``returned`` whatever happens to the record
+        for _, v in p.written:
+            for t in iter_tensors(v):
+                e = rec.storages.entry(t.untyped_storage())
+                rec.storages.bump(e)
+        if p.uninitialised:
+            for t in iter_tensors(out):
+                rec.storages.entry(t.untyped_storage()).uninitialised = True
+        if p.uninitialised:
+            schema.wire_set_outputs(record, b.encode(out, store=False), None, True)
+        else:
+            writes = [(path, b.encode(v)) for path, v in p.written] if p.written else None
+            schema.wire_set_outputs(record, b.encode(out), writes, False)
+        if b.left_out is not None:
+            schema.wire_set_left_out(record, b.left_out)
+        b.add_op(record)
+    except Exception as exc:
+        rec.op_failed(func, args, kwargs, exc)
+    return returned
 
 
 def _reduce_op_name(obj: Any) -> str | None:
@@ -538,13 +545,39 @@ def collective_info(func: Any, args: tuple, kwargs: dict) -> CollectiveInfo:
                           reduce_op=reduce_op, root=root, extras=extras, problems=tuple(problems))
 
 
+# Point-to-point works whose wait() counts completions (gloo's send and receive wait for one more transfer each time
+# they are waited on): waited here, the job gets a work already complete, or its own wait() would hang.
+_P2P = frozenset({"send", "recv_"})
+# recv_any_source_'s work names the sender (dist.recv(src=None) asks it): it is left to the job, not waited here.
+_NOT_WAITED = frozenset({"recv_any_source_"})
+
+
+def _completed_work(work: Any) -> Any:
+    """A work that is already complete, standing for ``work`` (waited): the job's own wait() returns at once."""
+    try:
+        from torch._C._distributed_c10d import _create_work_from_future
+
+        done = torch.futures.Future()
+        done.set_result(None)
+        work_done = _create_work_from_future(done)
+        return work_done.boxed()  # as the dispatcher hands works over (a script object)
+    except Exception:  # no such constructor in this torch: the job waits on the original (gloo may then hang)
+        return work
+
+
 def wait_collective(func: Any, out: Any) -> Any:
     """Outputs of a collective exist only once its work completes: wait for it (the job would, before using them)."""
     if func.namespace == "c10d":
-        # (tensors, Work) from most; a bare Work from alltoall_base_, reduce_, gather_ and the coalesced forms
+        packet = func._opname
+        if packet in _NOT_WAITED:
+            return out
+        # (tensors, Work) from most; a bare Work from alltoall_base_, reduce_, gather_, send, recv_ and the coalesced
+        # forms
         for v in (out if isinstance(out, (tuple, list)) else (out,)):
             if hasattr(v, "wait") and not isinstance(v, torch.Tensor):
                 v.wait()
+        if packet in _P2P and not isinstance(out, (tuple, list)):
+            return _completed_work(out)
     elif func.namespace in ("_c10d_functional", "c10d_functional"):
         for t in iter_tensors(out):
             torch.ops._c10d_functional.wait_tensor(t)

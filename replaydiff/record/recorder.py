@@ -334,8 +334,8 @@ class Recorder:
             return None
         return record_before(self, self._builder, func, types, args, kwargs)
 
-    def after(self, pending: Any, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        record_after(self, self._builder, pending, func, args, kwargs, out)
+    def after(self, pending: Any, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+        return record_after(self, self._builder, pending, func, args, kwargs, out)
 
     def rng_state(self, args: tuple, kwargs: dict) -> tuple[str, int, int, int] | None:
         """Store the generator state a random op is about to use: (device, storage version, chunk, bytes)."""

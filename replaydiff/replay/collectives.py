@@ -28,7 +28,7 @@ from replaydiff.trace.damage import MissingOps
 from replaydiff.trace.reader import RankTrace, Trace
 from replaydiff.trace.schema.ops import OpRecord
 from replaydiff.trace.schema.values import TensorRef, iter_refs
-from replaydiff.trace.sync import calls_unknown_from, group_calls
+from replaydiff.trace.sync import calls_unknown_from, group_calls, point_to_point_calls
 
 
 class NotChecked(Exception):
@@ -312,6 +312,62 @@ class CollectiveChecker:
                     if (rank, op.index) in results:
                         found[(rank, op.index)] = self._unknown_call(calls, gaps, key, k) or \
                             self._judge_call(calls, rank, key, k, op)
+        found.update(self._point_to_point(results))
+        return found
+
+    def _point_to_point(self, results: dict[tuple[int, int], OpResult]) -> dict[tuple[int, int], Judgement]:
+        """Each send against the receive it pairs with: the k-th send from rank s to rank d with the k-th receive on d
+        from s; what arrived must be exactly what was sent. A receive from any source is not paired (unchecked)."""
+        sends: dict[tuple[int, int], list[OpRecord]] = {}
+        recvs: dict[tuple[int, int], list[OpRecord]] = {}
+        found: dict[tuple[int, int], Judgement] = {}
+        for rank in self.trace.ranks:
+            rt = self.trace.rank(rank)
+            for i in point_to_point_calls(rt):
+                op = rt[i]
+                packet = aten.packet(op.name)
+                peer = _peer(op)
+                if packet == "send" and peer is not None:
+                    sends.setdefault((rank, peer), []).append(op)
+                elif packet == "recv_" and peer is not None:
+                    recvs.setdefault((peer, rank), []).append(op)
+                elif (rank, i) in results:
+                    found[(rank, i)] = Judgement(Status.SKIPPED, notes=(Skipped(
+                        "point-to-point: a receive from any source (or a peer not recorded) is not paired"),))
+        for (src, dst), ops in list(sends.items()) + list(recvs.items()):
+            for k, op in enumerate(ops):
+                rank = src if aten.packet(op.name) == "send" else dst
+                if (rank, op.index) not in results:
+                    continue
+                pair = sends.get((src, dst), []), recvs.get((src, dst), [])
+                if dst not in self.trace.ranks or src not in self.trace.ranks:
+                    found[(rank, op.index)] = Judgement(Status.SKIPPED, notes=(RanksMissing((dst if rank == src
+                                                                                               else src,)),))
+                elif k >= len(pair[0]) or k >= len(pair[1]):
+                    cut = [g for g in (src, dst) if not self.trace.rank(g).complete]
+                    found[(rank, op.index)] = Judgement(Status.SKIPPED, notes=(TraceEndsBefore(tuple(cut), k),)) \
+                        if cut else Judgement(Status.DIVERGENT, notes=(MissedCall((dst if rank == src else src,), k),))
+                else:
+                    try:
+                        sent, got = pair[0][k], pair[1][k]
+                        want = [self._tensor(src, r) for r in iter_refs(tensors_at(sent, ("arg", 0)))]
+                        have = [self._tensor(dst, r) for r in iter_refs(tensors_at(got, ("write", 0)))]
+                        if len(want) != len(have):
+                            raise NotChecked("point-to-point: the send and its receive hold different tensor counts")
+                        j = judge_pieces(
+                            ((h, w, True, f"received on rank {dst} vs sent by rank {src}") for h, w in zip(have, want)),
+                            self.opts.tolerances)
+                        if rank == src and j.status is Status.DIVERGENT:
+                            # what arrived differs from what left: the receive is where the run went wrong
+                            j = Judgement(Status.SKIPPED, notes=(Skipped(
+                                f"point-to-point: what arrived differs from what this send sent; judged at the "
+                                f"receive, rank {dst} #{got.index}"),))
+                        found[(rank, op.index)] = j
+                    except NotChecked as why:
+                        found[(rank, op.index)] = Judgement(Status.SKIPPED, notes=(Skipped(str(why)),))
+                    except Exception as exc:
+                        found[(rank, op.index)] = Judgement(Status.ERROR, notes=(CheckFailed(type(exc).__name__,
+                                                                                             str(exc)),))
         return found
 
     @staticmethod
@@ -365,6 +421,15 @@ class CollectiveChecker:
                           [list(iter_refs(tensors_at(p, lay.inputs))) for p in peers], lay.splits,
                           lambda ref: self._tensor(rank, ref), lambda n, ref: self._tensor(group[n], ref),
                           self.opts.tolerances))
+
+
+def _peer(op: OpRecord) -> int | None:
+    """The global rank a send goes to or a receive comes from: its third argument is a rank of its group."""
+    n = op.args[2] if len(op.args) > 2 else None
+    ranks = op.collective.ranks if op.collective is not None else ()
+    if not isinstance(n, int):
+        return None
+    return ranks[n] if ranks and 0 <= n < len(ranks) else n
 
 
 def settle(res: OpResult, j: Judgement) -> None:

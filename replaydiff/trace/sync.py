@@ -21,19 +21,27 @@ GroupKey = tuple  # (group name, ranks): CollectiveInfo.group_key
 
 
 def group_calls(rt: RankTrace) -> dict[GroupKey, list[int]]:
-    """Op numbers of the completed collective calls of one rank, per process group, in call order (read from the
-    index; only collectives are decoded, for their group). Collectives whose records are missing from a damaged
-    trace are left out: their group is unknown, so from ``calls_unknown_from`` on the k-th call of a group may not be
-    the k-th listed."""
+    """Op numbers of the completed group collective calls of one rank, per process group, in call order (read from the
+    index; only collectives are decoded, for their group). Point-to-point ops are not among them: each pairs with its
+    peer's op, not with the k-th call of every rank. Collectives whose records are missing from a damaged trace are
+    left out: their group is unknown, so from ``calls_unknown_from`` on the k-th call of a group may not be the k-th
+    listed."""
     out: dict[GroupKey, list[int]] = {}
     idx = rt.index
     for i in range(len(idx)):
         if idx.collective[i] and idx.recorded[i] and not aten.is_wait_only(idx.name[i]) \
-                and rt.missing_at(i) is None:
+                and not aten.is_point_to_point(idx.name[i]) and rt.missing_at(i) is None:
             c = rt[i].collective
             if c is not None:
                 out.setdefault(c.group_key, []).append(i)
     return out
+
+
+def point_to_point_calls(rt: RankTrace) -> list[int]:
+    """Op numbers of the completed point-to-point ops (send, receive) of one rank, in call order."""
+    idx = rt.index
+    return [i for i in range(len(idx)) if idx.collective[i] and idx.recorded[i]
+            and aten.is_point_to_point(idx.name[i]) and rt.missing_at(i) is None]
 
 
 def calls_unknown_from(rt: RankTrace) -> MissingOps | None:
