@@ -340,7 +340,14 @@ def make_app(path: str | Path, *, rank: int | None = None, report_path: str | Pa
     if report_path is not None:
         from replaydiff.report import load_replay_json
 
+        from replaydiff.replay.result import check_replay_of
+
         report = load_replay_json(report_path)
+        said = check_replay_of(report, trace, str(report_path), str(path))
+        if said:
+            from replaydiff.errors import warn
+
+            warn(said)
     return ReplaydiffApp(trace, rank=rank, report=report,
                          replay=None if report is not None else (replay or ReplayOptions()))
 

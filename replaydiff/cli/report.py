@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import sys
 from pathlib import Path
 
@@ -42,6 +41,7 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from replaydiff.health import build_health
     from replaydiff.report.health import render_html, render_markdown
+    from replaydiff.replay.result import check_replay_of
     from replaydiff.report.json_report import load_replay_json
     from replaydiff.trace import open_trace
 
@@ -50,13 +50,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.out} exists; pass --force to overwrite it")
     report = load_replay_json(args.replay)
     trace = open_trace(args.trace)
-    if report.trace and os.path.realpath(report.trace) != os.path.realpath(args.trace):
-        if os.path.isdir(report.trace):
-            # Another trace that exists here: a report of its results under this trace's name would mislead.
-            raise UsageError(f"{args.replay} is a replay of {report.trace}, not {args.trace}: replay {args.trace} "
-                             f"with --json, or report {report.trace}")
-        # The recorded path is not found from here (the trace moved, or replay ran in another folder).
-        warn(f"{args.replay} is a replay of {report.trace}, not {args.trace}")
+    said = check_replay_of(report, trace, args.replay, args.trace)
+    if said:
+        warn(said)
     health = build_health(trace, report, probe=not args.no_probe)
     buf = io.StringIO()
     (render_html if fmt == "html" else render_markdown)(health, buf)

@@ -268,7 +268,7 @@ def run_shard(rt: RankTrace, opts: ReplayOptions, shard: Shard, progress: Progre
 def finish(trace: Trace, p: ReplayPlan, results: list[OpResult]) -> ReplayReport:
     report = ReplayReport(trace=p.path, options=p.options.to_json(), warnings=list(p.warnings),
                           planted=list(p.planted), plants=list(p.plants), missing=list(p.missing),
-                          cut_short=list(p.cut_short))
+                          cut_short=list(p.cut_short), fingerprint=trace.fingerprint)
     report.ops = sorted(results, key=lambda r: (r.rank, r.index))
     pending = {(r.rank, r.index): r for r in report.ops if r.collective and r.status is Status.SKIPPED}
     if pending:

@@ -139,6 +139,8 @@ class ReplayReport:
     # Ranks whose recording ended before what it was asked for (RankTrace.cut_short): the trace is partial (what came
     # after was never recorded, the culprit may be there), so the replay is never clean.
     cut_short: list[CutShort] = field(default_factory=list)
+    # Trace.fingerprint of the trace replayed: a report or the TUI refuses results of an earlier recording.
+    fingerprint: str = ""
 
     def counts(self) -> dict[str, int]:
         c = {s.value: 0 for s in Status}
@@ -258,3 +260,31 @@ class ReplayReport:
         return self.nothing_judged or bool(self.missing or self.cut_short) or self.replicas is not None or any(
             r.status in PROBLEMS or r.status is Status.ERROR or r.unjudged or
             r.data_left_out in (LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL) for r in self.ops)
+
+
+def check_replay_of(report: ReplayReport, trace: Any, replay_file: str, trace_arg: str) -> str | None:
+    """Whether ``report`` (read from ``replay_file``) holds results of ``trace`` (opened from ``trace_arg``).
+
+    UsageError when they are another recording's: the trace was recorded again since (its fingerprint differs), or
+    the report names another trace that exists here. Returns a warning when only the path differs and the report is
+    too old to carry a fingerprint (the trace moved, or replay ran in another folder); None when they match."""
+    import os
+
+    from replaydiff.errors import UsageError
+
+    if report.fingerprint:
+        if report.fingerprint == trace.fingerprint:
+            return None
+        if os.path.realpath(report.trace or "") == os.path.realpath(trace_arg):
+            raise UsageError(f"{replay_file} holds results of an earlier recording of {trace_arg} (it was recorded "
+                             f"again since): replay it again with --json")
+        raise UsageError(f"{replay_file} is a replay of {report.trace}, not {trace_arg}: replay {trace_arg} with "
+                         f"--json, or use that trace")
+    if report.trace and os.path.realpath(report.trace) != os.path.realpath(trace_arg):
+        if os.path.isdir(report.trace):
+            # Another trace that exists here: its results under this trace's name would mislead.
+            raise UsageError(f"{replay_file} is a replay of {report.trace}, not {trace_arg}: replay {trace_arg} "
+                             f"with --json, or report {report.trace}")
+        return f"{replay_file} is a replay of {report.trace}, not {trace_arg}"
+    return None
+

@@ -84,6 +84,7 @@ def report_to_json(report: ReplayReport) -> dict:
         "planted": list(report.planted),
         "plants": _clean([pr.to_json() for pr in plant_reports(report)]),
         "trace": report.trace,
+        "trace_fingerprint": report.fingerprint,
         "options": _clean(report.options),
         "warnings": list(report.warnings),
         "summary": report.counts(),
@@ -116,7 +117,8 @@ def load_replay_json(path: str | Path) -> ReplayReport:
                                               m.get("file") is not None)
                                    for m in d.get("missing_ops") or [] if isinstance(m, dict)],
                           cut_short=[CutShort(c["rank"], c.get("last"), str(c.get("why") or ""))
-                                     for c in d.get("cut_short") or [] if isinstance(c, dict)])
+                                     for c in d.get("cut_short") or [] if isinstance(c, dict)],
+                          fingerprint=str(d.get("trace_fingerprint") or ""))
     for o in d.get("ops") or []:
         status = Status(o["status"])
         m = o.get("metrics")

@@ -10,6 +10,7 @@ killed job) reads up to its last complete chunk; ``truncated_after`` says where 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import os
 import struct
@@ -586,6 +587,18 @@ class Trace:
 
     def __iter__(self) -> Iterator[RankTrace]:
         return iter(self._ranks[r] for r in self.ranks)
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of every rank's manifest as it is on disk: a trace recorded again at the same path (a new
+        start time, other totals) has another, so a replay's results are never read as another recording's."""
+        h = hashlib.sha256()
+        for r in self.ranks:
+            try:
+                h.update((self._ranks[r].root / MANIFEST).read_bytes())
+            except OSError:
+                h.update(b"?")
+        return h.hexdigest()[:16]
 
     @property
     def missing_ops(self) -> list[MissingOps]:
