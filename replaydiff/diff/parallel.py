@@ -906,9 +906,10 @@ def _map(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs: list[
                   None if micro is not None else declared)
 
 
-def _collective_behind(side: _Side, aligned: dict[int, int], index: int, limit: int = 32) -> tuple[int, str] | None:
-    """The nearest collective a rank's op reads from through ops the single process does not run (its inputs'
-    producers, walked back while they are the rank's own ops)."""
+def _own_producer(side: _Side, aligned: dict[int, int], index: int, stop: Callable[[OpRecord], bool],
+                  limit: int = 32) -> int | None:
+    """The nearest op matching ``stop`` that a rank's op reads from through ops the single process does not run (its
+    inputs' producers, walked back breadth first while they are the rank's own ops)."""
     mine = set(side.ops) - set(aligned.values())
     todo, seen = [index], {index}
     while todo and len(seen) <= limit:
@@ -916,33 +917,30 @@ def _collective_behind(side: _Side, aligned: dict[int, int], index: int, limit: 
         for p in side.trace.producers(i).values():
             if p is None or p in seen or p not in mine:
                 continue
-            if aten.is_collective(side.ops[p].name):
-                return p, side.ops[p].name
+            if stop(side.ops[p]):
+                return p
             seen.add(p)
             todo.append(p)
     return None
 
 
-def _computing_behind(side: _Side, aligned: dict[int, int], index: int, limit: int = 32) -> str | None:
+def _collective_behind(side: _Side, aligned: dict[int, int], index: int) -> tuple[int, str] | None:
+    """The nearest collective a rank's op reads from through ops the single process does not run."""
+    p = _own_producer(side, aligned, index, lambda op: aten.is_collective(op.name))
+    return None if p is None else (p, side.ops[p].name)
+
+
+def _computing_behind(side: _Side, aligned: dict[int, int], index: int) -> str | None:
     """The nearest op that computes (not a view or copy) a rank's op reads from through ops the single process does
     not run, as 'name (#N on rank R, line)' (a backward op: the line of the forward op it belongs to)."""
-    mine = set(side.ops) - set(aligned.values())
-    todo, seen = [index], {index}
-    while todo and len(seen) <= limit:
-        i = todo.pop(0)
-        for p in side.trace.producers(i).values():
-            if p is None or p in seen or p not in mine:
-                continue
-            op = side.ops[p]
-            if not aten.is_cheap(op.name) and not aten.is_collective(op.name):
-                fwd = side.ops.get(op.forward_index) if op.phase == "backward" and op.forward_index is not None \
-                    else None
-                line = fwd.source if fwd is not None and fwd.source else op.source
-                where = "" if not line else f", {'the backward of ' if fwd is not None else ''}{line}"
-                return f"{op.name} (#{p} on rank {side.trace.rank}{where})"
-            seen.add(p)
-            todo.append(p)
-    return None
+    p = _own_producer(side, aligned, index, lambda op: not aten.is_cheap(op.name) and not aten.is_collective(op.name))
+    if p is None:
+        return None
+    op = side.ops[p]
+    fwd = side.ops.get(op.forward_index) if op.phase == "backward" and op.forward_index is not None else None
+    line = fwd.source if fwd is not None and fwd.source else op.source
+    where = "" if not line else f", {'the backward of ' if fwd is not None else ''}{line}"
+    return f"{op.name} (#{p} on rank {side.trace.rank}{where})"
 
 
 def _reduced_at(pos: int, rop: OpRecord, tops: list[OpRecord], tgts: list[RankTrace], side: _Side,

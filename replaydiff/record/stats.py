@@ -335,19 +335,3 @@ class DeviceStats:
                 out[i] = [n, mean, max(-lo, hi), norm,
                           max(ss / m - mean * mean, 0.0) if math.isfinite(ss) else math.inf, nan, inf]
         return out
-        if self.event is not None:
-            self.event.synchronize()
-        rows = self.host.tolist()
-        for k, i in enumerate(self.order):
-            n = self.numel[i]
-            norm, lo, hi, s, nan, inf = (rows[r][k] for r in range(self._ROWS))
-            nan, inf = int(nan), int(inf)
-            m = n - nan - inf
-            if m == 0:
-                out[i] = [n, 0.0, 0.0, 0.0, 0.0, nan, inf]
-                continue
-            mean = s / m
-            ss = norm * norm
-            out[i] = [n, mean, max(-lo, hi), norm, max(ss / m - mean * mean, 0.0) if math.isfinite(ss) else math.inf,
-                      nan, inf]
-        return out
