@@ -153,8 +153,10 @@ class MultiStepRecorder:
         rec = self.recorder
         if rec.writer is not None:
             if self.range.last is not None and self.steps_done < self.range.last and self._flight() is None:
-                rec.writer.note_lost(f"the recording ended after {self.steps_done} optimizer steps, before step "
-                                     f"{self.range.last}")
+                # a step in progress was recorded in part: its ops are in the trace, only its end is not
+                until = f"before the end of step {self.steps_done + 1}" if self.recording else \
+                    f"before step {self.range.last}"
+                rec.writer.note_lost(f"the recording ended after {self.steps_done} optimizer steps, {until}")
                 raised = raised if raised is not None else getattr(sys, "last_value", None)
                 if self.recording and raised is not None:
                     rec.cut_short(f"step {self.steps_done + 1} was cut short: the script was interrupted "
