@@ -44,7 +44,6 @@ EXIT_DIVERGENT = ExitCode.DIVERGENT
 EXIT_USAGE = ExitCode.USAGE
 EXIT_TRACE = ExitCode.TRACE
 EXIT_ENVIRONMENT = ExitCode.ENVIRONMENT
-EXIT_INTERRUPTED = ExitCode.INTERRUPTED
 
 
 def line(message: str, kind: str | None = None) -> str:

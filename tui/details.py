@@ -16,7 +16,7 @@ from replaydiff.trace.modes import TensorMode
 from replaydiff.trace.schema import LEFT_OUT_FILTERED, LEFT_OUT_WHY
 from replaydiff.tui.diff_mode import unit_lead
 from replaydiff.tui.model import PROBLEMS, RowResult, severity_text, short_op
-from replaydiff.tui.styles import STATUS_MARKUP
+from replaydiff.tui.styles import STATUS_MARKUP, pair_markup
 
 MAX_MINMAX_NUMEL = 1 << 24  # min/max need the data: read tensors up to 16M elements for them
 MAX_LINKS = 6
@@ -251,7 +251,7 @@ def diff_lines(result: RowResult) -> list[str]:
     pair = result.pair
     if pair is None:
         return [f"[cyan]TARGET ONLY[/]  no aligned op in the reference (rank {result.ref_rank})"]
-    style = {"inherited": "#d9822b", "same": "green"}.get(str(pair.status), STATUS_MARKUP.get(s, "dim"))
+    style = pair_markup(pair.status, s)
     lines = [f"[{style}]{esc(str(pair.status).upper())}[/]  aligned with reference op "
              f"[bold]ref #{pair.ref}[/] (rank {result.ref_rank})"
              + (f"  [dim]reference op {esc(pair.target_op)}[/]" if pair.target_op else "")]
@@ -286,7 +286,7 @@ def unit_pair_markup(result: RowResult) -> list[str]:
     from replaydiff.report.diff_text import unit_pair_lines
 
     u = result.unit
-    style = {"inherited": "#d9822b", "same": "green"}.get(str(u.status), STATUS_MARKUP.get(str(u.status), "dim"))
+    style = pair_markup(u.status, str(u.status))
     own = u.side == "target" and result.index == u.unit
     what = ("this compiled unit against the reference's eager ops of its region" if own else
             f"compared as part of compiled unit ref #{u.unit} ({esc(u.op)}), against this trace's eager ops of its "

@@ -21,8 +21,7 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(fail(message))
 
 
-_CODES = (ExitCode.OK, ExitCode.DIVERGENT, ExitCode.USAGE, ExitCode.TRACE, ExitCode.ENVIRONMENT,
-          ExitCode.INTERRUPTED)
+_CODES = tuple(c for c in ExitCode if c is not ExitCode.BROKEN_PIPE)  # a reader that left is no verb's outcome
 
 
 def exit_codes_help(meanings: dict[ExitCode, str]) -> str:

@@ -196,14 +196,14 @@ def infer_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close
             x = [p.detach().to(torch.float64) for p in parts]
             c = fit_scale(x[0], ref)
             if c is not None and all(close(v * float(c), ref) for v in x):
-                out.append(Layout(layout.kind, layout.world, factor=c))
+                out.append(dataclasses.replace(layout, factor=c))
             continue
         a = layout.assemble(parts)
         c = fit_scale(a, ref)
         if layout.kind in (LayoutKind.MAX, LayoutKind.MIN) and c != 1:
             continue  # a max of scaled values is no reduction a program makes
         if c is not None and close(a * float(c), ref):
-            out.append(Layout(layout.kind, layout.world, layout.dim, layout.sizes, c, layout.blocks))
+            out.append(dataclasses.replace(layout, factor=c))
     return out
 
 

@@ -23,6 +23,7 @@ judged only if they map anyway.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -346,6 +347,12 @@ class _Side:
                 self.skipped.add(op.index)
             else:
                 self.keys.append(_layout_keys(op))
+
+    @functools.cached_property
+    def notes(self) -> list:
+        """DTensor's placements as the recorder noted them on this rank, read once (the layouts and the mesh use
+        them)."""
+        return read_notes(self.trace.root)
 
 
 def diff_parallel(ref: RankTrace, targets: list[RankTrace],
@@ -722,7 +729,7 @@ def _amplifies(rop: OpRecord, tops: list[OpRecord], tensors: list[Mapped], produ
 
 def _declared(side: _Side) -> dict[tuple[int, int], DTensorArg]:
     """{(op number, input position): placements} DTensor declared on this rank (empty: none recorded)."""
-    notes = read_notes(side.trace.root)
+    notes = side.notes
     return declared_inputs(notes, (side.ops[i] for i in sorted(side.ops))) if notes else {}
 
 
@@ -805,7 +812,7 @@ def _micro_batches(r_side: _Side, t_sides: list[_Side]) -> dict[int, int]:
 def _mesh(side: _Side, world: int) -> tuple[tuple[tuple[int, ...], ...], ...] | None:
     """The rows and the columns of the two-dimensional DeviceMesh over every rank that DTensor declared (rank
     d*T + t at row d, column t, as ``init_device_mesh`` lays them out), or None: none recorded."""
-    for note in read_notes(side.trace.root):
+    for note in side.notes:
         for a in note.args:
             if a is not None and len(a.mesh) == 2 and a.mesh[0] * a.mesh[1] == world:
                 rows, cols = a.mesh

@@ -303,7 +303,7 @@ def _thread_probe(f: _Facts) -> _Found:
         return None
     other = 1 if recorded > 1 else 2
     rt = f.trace.rank(culprit.rank)
-    op = rt[culprit.index]
+    op = f.op if f.op is not None else rt[culprit.index]  # read once by _causes
     results = {}
     for n in (recorded, other):
         with reference_settings(n), torch.inference_mode():

@@ -50,8 +50,8 @@ def format_size(n: float) -> str:
 
 def format_bytes(n: float) -> str:
     """``812 B``, ``1.5 KiB``, ``20.3 MiB``, ``2.0 GiB``: a size for people to read (one decimal, powers of 1024)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"

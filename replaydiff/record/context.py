@@ -277,8 +277,8 @@ class OpContext:
         self._param_modules: dict[int, tuple[weakref.ref, str]] = {}
         self._params_indexed_in: int | None = None  # the backward pass (graph task) the map was last rebuilt in
         self._reset_queued_in: int | None = None  # the backward pass whose end resets the module tracker
-        # (code, line) -> ("file.py:LINE", the line's text); file name -> its SHA-256 (None: not readable) and lines
-        # (code, instruction offset) -> source line. By offset, not line number: reading a frame's f_lineno scans its
+        # (code, instruction offset) -> ("file.py:LINE", the line's text); file name -> its SHA-256 (None: not
+        # readable) and lines. By offset, not line number: reading a frame's f_lineno scans its
         # code's line table up to the instruction, ~7 us at line 600 of a function (transformers' forwards are long).
         self._lines: dict[tuple[CodeType, int], tuple[str, str | None]] = {}
         self._files: dict[str, tuple[str | None, list[str]]] = {}

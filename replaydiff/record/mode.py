@@ -545,9 +545,6 @@ def collective_info(func: Any, args: tuple, kwargs: dict) -> CollectiveInfo:
                           reduce_op=reduce_op, root=root, extras=extras, problems=tuple(problems))
 
 
-# Point-to-point works whose wait() counts completions (gloo's send and receive wait for one more transfer each time
-# they are waited on): waited here, the job gets a work already complete, or its own wait() would hang.
-_P2P = frozenset({"send", "recv_"})
 # recv_any_source_'s work names the sender (dist.recv(src=None) asks it): it is left to the job, not waited here.
 _NOT_WAITED = frozenset({"recv_any_source_"})
 
@@ -576,7 +573,9 @@ def wait_collective(func: Any, out: Any) -> Any:
         for v in (out if isinstance(out, (tuple, list)) else (out,)):
             if hasattr(v, "wait") and not isinstance(v, torch.Tensor):
                 v.wait()
-        if packet in _P2P and not isinstance(out, (tuple, list)):
+        # Point-to-point works count their waits (gloo's send and receive wait for one more transfer each time they
+        # are waited on): waited here, the job gets a work already complete, or its own wait() would hang.
+        if packet in aten.POINT_TO_POINT_PACKETS and not isinstance(out, (tuple, list)):
             return _completed_work(out)
     elif func.namespace in ("_c10d_functional", "c10d_functional"):
         for t in iter_tensors(out):

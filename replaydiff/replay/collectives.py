@@ -312,10 +312,11 @@ class CollectiveChecker:
                     if (rank, op.index) in results:
                         found[(rank, op.index)] = self._unknown_call(calls, gaps, key, k) or \
                             self._judge_call(calls, rank, key, k, op)
-        found.update(self._point_to_point(results))
+        found.update(self._point_to_point(results, gaps))
         return found
 
-    def _point_to_point(self, results: dict[tuple[int, int], OpResult]) -> dict[tuple[int, int], Judgement]:
+    def _point_to_point(self, results: dict[tuple[int, int], OpResult],
+                        gaps: dict[int, MissingOps]) -> dict[tuple[int, int], Judgement]:
         """Each send against the receive it pairs with: the k-th send from rank s to rank d with the k-th receive on d
         from s; what arrived must be exactly what was sent. A receive from any source is not paired (unchecked)."""
         sends: dict[tuple[int, int], list[OpRecord]] = {}
@@ -334,41 +335,50 @@ class CollectiveChecker:
                 elif (rank, i) in results:
                     found[(rank, i)] = Judgement(Status.SKIPPED, notes=(Skipped(
                         "point-to-point: a receive from any source (or a peer not recorded) is not paired"),))
-        for (src, dst), ops in list(sends.items()) + list(recvs.items()):
-            for k, op in enumerate(ops):
-                rank = src if aten.packet(op.name) == "send" else dst
-                if (rank, op.index) not in results:
-                    continue
-                pair = sends.get((src, dst), []), recvs.get((src, dst), [])
-                if dst not in self.trace.ranks or src not in self.trace.ranks:
-                    found[(rank, op.index)] = Judgement(Status.SKIPPED, notes=(RanksMissing((dst if rank == src
-                                                                                               else src,)),))
-                elif k >= len(pair[0]) or k >= len(pair[1]):
-                    cut = [g for g in (src, dst) if not self.trace.rank(g).complete]
-                    found[(rank, op.index)] = Judgement(Status.SKIPPED, notes=(TraceEndsBefore(tuple(cut), k),)) \
-                        if cut else Judgement(Status.DIVERGENT, notes=(MissedCall((dst if rank == src else src,), k),))
-                else:
-                    try:
-                        sent, got = pair[0][k], pair[1][k]
-                        want = [self._tensor(src, r) for r in iter_refs(tensors_at(sent, ("arg", 0)))]
-                        have = [self._tensor(dst, r) for r in iter_refs(tensors_at(got, ("write", 0)))]
-                        if len(want) != len(have):
-                            raise NotChecked("point-to-point: the send and its receive hold different tensor counts")
-                        j = judge_pieces(
-                            ((h, w, True, f"received on rank {dst} vs sent by rank {src}") for h, w in zip(have, want)),
-                            self.opts.tolerances)
-                        if rank == src and j.status is Status.DIVERGENT:
-                            # what arrived differs from what left: the receive is where the run went wrong
-                            j = Judgement(Status.SKIPPED, notes=(Skipped(
-                                f"point-to-point: what arrived differs from what this send sent; judged at the "
-                                f"receive, rank {dst} #{got.index}"),))
-                        found[(rank, op.index)] = j
-                    except NotChecked as why:
-                        found[(rank, op.index)] = Judgement(Status.SKIPPED, notes=(Skipped(str(why)),))
-                    except Exception as exc:
-                        found[(rank, op.index)] = Judgement(Status.ERROR, notes=(CheckFailed(type(exc).__name__,
-                                                                                             str(exc)),))
-        return found
+        for src, dst in set(sends) | set(recvs):
+            sent, got = sends.get((src, dst), []), recvs.get((src, dst), [])
+            for k in range(max(len(sent), len(got))):
+                if not ((k < len(sent) and (src, sent[k].index) in results)
+                        or (k < len(got) and (dst, got[k].index) in results)):
+                    continue  # neither side is among the ops replayed
+                j = self._judge_pair(src, dst, k, sent, got, gaps)
+                if k < len(got):
+                    found[(dst, got[k].index)] = j
+                if k < len(sent):
+                    # what arrived differs from what left: the receive is where the run went wrong
+                    found[(src, sent[k].index)] = j if j.status is not Status.DIVERGENT or k >= len(got) else \
+                        Judgement(Status.SKIPPED, notes=(Skipped(
+                            f"point-to-point: what arrived differs from what this send sent; judged at the receive, "
+                            f"rank {dst} #{got[k].index}"),))
+        return {key: j for key, j in found.items() if key in results}
+
+    def _judge_pair(self, src: int, dst: int, k: int, sent: list[OpRecord], got: list[OpRecord],
+                    gaps: dict[int, MissingOps]) -> Judgement:
+        """The k-th send from ``src`` to ``dst`` against the k-th receive on ``dst`` from ``src``, once for both."""
+        if src not in self.trace.ranks or dst not in self.trace.ranks:
+            return Judgement(Status.SKIPPED, notes=(RanksMissing(tuple(r for r in (src, dst)
+                                                                       if r not in self.trace.ranks)),))
+        # past a run of missing records on either side, which send or receive is the k-th is unknown
+        gone = [gaps[r].describe(with_rank=True) for r, ops in ((src, sent), (dst, got))
+                if r in gaps and k >= sum(op.index < gaps[r].first for op in ops)]
+        if gone:
+            return Judgement(Status.SKIPPED, notes=(RecordsMissing(tuple(gone)),))
+        if k >= len(sent) or k >= len(got):
+            short = (src,) if k >= len(sent) else (dst,)
+            cut = tuple(r for r in short if not self.trace.rank(r).complete)
+            return Judgement(Status.SKIPPED, notes=(TraceEndsBefore(cut, k),)) if cut else \
+                Judgement(Status.DIVERGENT, notes=(MissedCall(short, k),))
+        try:
+            want = [self._tensor(src, r) for r in iter_refs(tensors_at(sent[k], ("arg", 0)))]
+            have = [self._tensor(dst, r) for r in iter_refs(tensors_at(got[k], ("write", 0)))]
+            if len(want) != len(have):
+                raise NotChecked("point-to-point: the send and its receive hold different tensor counts")
+            return judge_pieces(((h, w, True, f"received on rank {dst} vs sent by rank {src}")
+                                 for h, w in zip(have, want)), self.opts.tolerances)
+        except NotChecked as why:
+            return Judgement(Status.SKIPPED, notes=(Skipped(str(why)),))
+        except Exception as exc:
+            return Judgement(Status.ERROR, notes=(CheckFailed(type(exc).__name__, str(exc)),))
 
     @staticmethod
     def _unknown_call(calls: dict[int, dict[tuple, list[OpRecord]]], gaps: dict[int, MissingOps], key: tuple,

@@ -134,6 +134,11 @@ class OpListing:
     bytes_missing: int
     damaged_others: list[int]
 
+    @property
+    def damaged(self) -> bool:
+        """Ops or bytes missing on the rank listed, or another rank damaged: the listing is not of a whole trace."""
+        return bool(self.missing or self.damaged_others or self.bytes_missing)
+
 
 def list_rows(index: TraceIndex, op_glob: str | None = None, module_glob: str | None = None,
               phase: str | None = None, first: int | None = None, last: int | None = None) -> list[int]:

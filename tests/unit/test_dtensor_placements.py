@@ -41,3 +41,17 @@ def test_placements_are_read_as_dtensor_writes_them():
     assert DTensorArg(("P(sum)",), (2,), (4,)).placement() == (Placement.PARTIAL, None)
     assert DTensorArg(("R",), (2,), (4,)).placement() == (Placement.REPLICATE, None)
     assert DTensorArg(("S(0)", "R"), (2, 2), (4,)).placement() == (Placement.OTHER, None)  # a 2-D mesh
+
+
+def test_a_trace_with_its_placements_file_is_replaceable_whole(tmp_path):
+    """`record --force` replaces a DTensor job's trace: the placements file is one of the trace's own files."""
+    import torch
+
+    import replaydiff
+    from replaydiff.trace.removal import replaceable_files
+
+    trace = tmp_path / "t"
+    with replaydiff.record(trace):
+        torch.ones(2).add(1)
+    append_note(trace / "rank0", 0, "aten.add.Tensor", [DTensorArg(("R",), (2,), (2,))])
+    assert trace / "rank0" / PLACEMENTS in replaceable_files(trace)
