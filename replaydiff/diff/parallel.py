@@ -872,9 +872,57 @@ def _follow_data(ref: RankTrace, r_side: _Side, side: _Side, pairs: dict[int, in
                 pairs[p] = q
                 taken.add(q)
                 moved = True
+        moved = _follow_readers(ref, r_side, side, pairs, taken) or moved
         if not moved:
             break
     return pairs
+
+
+def _follow_readers(ref: RankTrace, r_side: _Side, side: _Side, pairs: dict[int, int], taken: set[int]) -> bool:
+    """The same correction from the other end: a reference op whose counterpart does not read the counterparts of
+    what it reads (or that has none) is paired with the one op of its name and phase that does, read for read; if
+    another reference op held that op without reading as it does, the two swap. The backward of a Linear with its
+    bias runs as one ``addmm``'s on one process and as ``mm``'s then the bias's on each rank (a row-parallel layer):
+    the same ``t`` and ``mm`` ops in another order, which the alignment by position pairs crosswise (the weight's
+    transpose with the gradient's, both of one shape)."""
+    owner = {j: c for c, j in pairs.items()}
+
+    def reads_as(c: int, j: int) -> bool:
+        """Whether ``j`` reads the counterparts of what ``c`` reads: at least one known, none other."""
+        tp = side.trace.producers(j)
+        known = [(pos, pairs[p]) for pos, p in ref.producers(c).items() if p is not None and p in pairs]
+        return bool(known) and all(tp.get(pos) == q for pos, q in known)
+
+    moved = False
+    for c in sorted(r_side.ops):
+        rop = r_side.ops[c]
+        if c in r_side.skipped or (c in pairs and reads_as(c, pairs[c])):
+            continue
+        found = {j for p in ref.producers(c).values() if p is not None and p in pairs
+                 for readers in side.trace.consumers(pairs[p]).values() for j in readers
+                 if side.ops.get(j) is not None and side.ops[j].name == rop.name and side.ops[j].phase == rop.phase
+                 and reads_as(c, j)}
+        if len(found) != 1:
+            continue
+        j = found.pop()
+        other = owner.get(j)
+        if other is not None and reads_as(other, j):
+            continue  # held by the op it belongs to
+        mine = pairs.get(c)
+        if other is not None:  # the other takes what this one held (or nothing); it is checked again next pass
+            if mine is not None:
+                pairs[other] = mine
+                owner[mine] = other
+            else:
+                del pairs[other]
+        elif mine is not None:
+            taken.discard(mine)
+            del owner[mine]
+        taken.add(j)
+        pairs[c] = j
+        owner[j] = c
+        moved = True
+    return moved
 
 
 def _map(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs: list[TensorRef], kind: str,

@@ -36,11 +36,15 @@ def _report_steps(folder: str, recorder: "weakref.ref[Any]") -> None:
     not how many steps ran."""
     try:
         from replaydiff.aten import current_rank
+        from replaydiff.record import multi_step
 
         rec = recorder()
+        report = {"steps": rec.steps_done if rec is not None else None, "finished": rec is None,
+                  "rank": current_rank()[0]}
+        if multi_step.first_step_missed:
+            report["missed"] = multi_step.FIRST_STEP_MISSED
         with open(os.path.join(folder, f"{os.getpid()}.json"), "w") as f:
-            json.dump({"steps": rec.steps_done if rec is not None else None, "finished": rec is None,
-                       "rank": current_rank()[0]}, f)
+            json.dump(report, f)
     except Exception:
         pass
 

@@ -19,7 +19,14 @@ from typing import Any, Callable
 
 from replaydiff.record.compiled import no_filter, quiet_global_hook_warning
 from replaydiff.record.recorder import Recorder
+from replaydiff.record.autostart._replaydiff_record_env import ENV_VAR  # set in children of the CLI
 from replaydiff.record.step_range import StepRange
+
+# Said once per process: why step 1 was not recorded (``child_arming`` tells ``replaydiff record`` at exit).
+FIRST_STEP_MISSED = ("step 1 called no torch.nn.Module before its optimizer step, and the recording of step 1 starts "
+                     "at the first module call: nothing of step 1 was recorded; record step 2 (`--step 2`, or "
+                     "steps=\"2\"), or put `with replaydiff.record(\"trace/\"):` around the code of step 1")
+first_step_missed = False
 
 class MultiStepRecorder:
     """Records the chosen steps of a training loop run inside it: ``with replaydiff.record(p, steps="1-60"): train()``.
@@ -39,6 +46,7 @@ class MultiStepRecorder:
         self.done = False
         self.recording = False
         self._fwd: Any = None
+        self._first_forward_seen = False
         self._unquiet: Callable[[], None] = no_filter  # undoes the warning filter put in with self._fwd
         self._prev_usr1: Any = None
         self._prev_excepthook: Any = None
@@ -102,6 +110,7 @@ class MultiStepRecorder:
 
     def _first_forward(self, module: Any, inputs: Any) -> None:
         self._drop_first_forward_hook()
+        self._first_forward_seen = True
         if self.done or self.steps_done > 0:
             return
         self._resume(1)
@@ -122,6 +131,11 @@ class MultiStepRecorder:
                 return
             self.steps_done += 1
             step = self.steps_done
+            if step == 1 and 1 in self.range and not self._first_forward_seen:
+                global first_step_missed
+                first_step_missed = True
+                if not os.environ.get(ENV_VAR):  # the CLI's child: `replaydiff record` says it, once for the job
+                    warnings.warn(f"replaydiff: {FIRST_STEP_MISSED}", RuntimeWarning, stacklevel=2)
             if self.recording:
                 self.recorder.pause()
                 self.recording = False

@@ -78,6 +78,7 @@ class RecordingOutcome:
     budget_left: dict[int, list[LeftOut]] = field(default_factory=dict)  # rank -> what --budget left out
     budget_need: int | None = None  # bytes the rank that needs the most would take whole
     world_size: int | None = None
+    not_recorded: str | None = None  # why a process recorded nothing of a step it ran (said by the process)
     recorded_ranks: list[int] = field(default_factory=list)  # the ranks the trace holds
     uses: list[str] = field(default_factory=lambda: ["show"])  # the verbs that can use the trace
     tensors: str | None = None
@@ -141,8 +142,9 @@ def record_command(cmd: list[str], out: Path, shown: str, step: int, options: Re
     """Record ``cmd`` into ``out`` (``shown``: as the user typed it) and say what became of it."""
     made = missing_dirs(out)  # removed again if nothing is recorded into them
     prepare_out(out, shown, force)
+    missed_why: list[str] = []
     try:
-        code, steps_run, job_ranks = run_recorded(cmd, out, step, options)
+        code, steps_run, job_ranks = run_recorded(cmd, out, step, options, missed=missed_why)
     except UsageError:
         remove_empty(made)
         raise
@@ -160,7 +162,8 @@ def record_command(cmd: list[str], out: Path, shown: str, step: int, options: Re
             pass
     if not ranks:
         remove_empty(made)
-        return RecordingOutcome(options, step, code, steps_run, job_ranks, ranks)
+        return RecordingOutcome(options, step, code, steps_run, job_ranks, ranks,
+                                not_recorded=missed_why[0] if missed_why else None)
     return RecordingOutcome(options, step, code, steps_run, job_ranks, ranks, done, missed,
                             **_read_back(out, step, options, code))
 
@@ -249,10 +252,11 @@ def reached(asked: StepRange, steps_run: int | None) -> tuple[list[int], list[in
 
 
 def run_recorded(cmd: list[str], out: Path, step: int, options: RecordOptions,
-                 stdout: int | None = None) -> tuple[int, int | None, list[int]]:
+                 stdout: int | None = None, missed: list[str] | None = None) -> tuple[int, int | None, list[int]]:
     """Run the command with the step hook armed to record into ``out``: its exit code (a signal as 128+N), the
     most optimizer steps a process of it ran and the ranks its processes had (``_reports``). ``stdout``: a file
-    descriptor for the command's standard output (None: ours)."""
+    descriptor for the command's standard output (None: ours). ``missed``: gets why a process recorded nothing of a
+    step it ran (step 1 with no module call), as the processes said it."""
     env = dict(os.environ)
     status = tempfile.mkdtemp(prefix="replaydiff-record-")  # each process of the job says how many steps it ran
     env[ENV_VAR] = json.dumps({"out": str(out), "step": step, "options": options.to_json(), "status": status,
@@ -264,7 +268,7 @@ def run_recorded(cmd: list[str], out: Path, step: int, options: RecordOptions,
     except FileNotFoundError:
         raise UsageError(f"command not found: {cmd[0]}") from None
     finally:
-        steps_run, job_ranks = _reports(status)
+        steps_run, job_ranks = _reports(status, missed)
         shutil.rmtree(status, ignore_errors=True)
     return (code if code >= 0 else 128 - code), steps_run, job_ranks
 
@@ -308,10 +312,10 @@ def _terminal_is_ours() -> bool:
         return False
 
 
-def _reports(folder: str) -> tuple[int | None, list[int]]:
+def _reports(folder: str, missed: list[str] | None = None) -> tuple[int | None, list[int]]:
     """What the job's processes reported at exit: the most optimizer steps any of them ran (None: none said, or one
     finished recording every step asked for: the count of a launcher such as torchrun, 0, says nothing then) and
-    their ranks."""
+    their ranks; why a process recorded nothing of a step it ran goes into ``missed`` (once each)."""
     counts, ranks, finished = [], set(), False
     for p in Path(folder).glob("*.json"):
         try:
@@ -325,4 +329,6 @@ def _reports(folder: str) -> tuple[int | None, list[int]]:
             counts.append(report["steps"])
         if isinstance(report.get("rank"), int):
             ranks.add(report["rank"])
+        if missed is not None and isinstance(report.get("missed"), str) and report["missed"] not in missed:
+            missed.append(report["missed"])
     return (max(counts) if counts and not finished else None), sorted(ranks)

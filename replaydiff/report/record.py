@@ -164,6 +164,8 @@ def why_nothing(o: RecordingOutcome) -> str:
         return f"no process of the command had a rank in --rank {asked_ranks}: the job's processes had {had}" \
             if len(job_ranks) > 1 else f"no process of the command had a rank in --rank {asked_ranks}: " \
                                        f"it ran as {had}"
+    if o.not_recorded:
+        return o.not_recorded
     if steps_run is None:  # no process of the command told how many steps it ran
         if code:
             return f"the command {ended(code)} before replaydiff's step hook saw it end"

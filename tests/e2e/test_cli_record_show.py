@@ -494,6 +494,33 @@ def test_record_of_a_step_the_script_never_reaches(tmp_path, cli):
     assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())
 
 
+def test_record_of_step_1_of_a_script_without_modules_says_why_nothing_was_recorded(tmp_path, cli):
+    """Step 1's recording starts at the first module call: a script of functional calls on bare tensors has none, so
+    `--step 1` records nothing, and says so with what to do instead (it said "no process said how many optimizer
+    steps it ran"); `--step 2` of the same script records its step."""
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import torch
+        import torch.nn.functional as F
+
+        torch.manual_seed(0)
+        w = torch.randn(3, 4, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=0.1)
+        x, y = torch.randn(8, 4), torch.randn(8, 3)
+        for step in range(2):
+            F.mse_loss(F.linear(x, w), y).backward()
+            opt.step()
+            opt.zero_grad()
+    """))
+    proc = cli("record", "--step", "1", "-o", "t1", "--", sys.executable, "train.py", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "step 1 called no torch.nn.Module before its optimizer step" in proc.stderr, proc.stderr
+    assert "record step 2 (`--step 2`" in proc.stderr and proc.stderr.count("step 1 called no") == 1, proc.stderr
+    assert not (tmp_path / "t1").exists()
+    proc = cli("record", "--step", "2", "-o", "t2", "--", sys.executable, "train.py", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert any(op.name == "aten.mse_loss.default" for op in open_trace(tmp_path / "t2").rank(0))
+
+
 @pytest.mark.slow
 def test_record_of_the_step_after_the_last_is_never_reached_and_a_range_says_what_it_got(tmp_path, cli):
     """`--step 4` of a 3-step script is a step never reached, like `--step 10` (exit 2, no directory; never the

@@ -170,10 +170,13 @@ def tensor_parallel(mode):
     x, y = batch(8)
     with replaydiff.record(out / mode):
         a = F.gelu(F.linear(x, c1, cb))
-        part = a @ r2.t() if mode != "tp_linear_noreduce" else None
+        part = a @ r2.t() if not mode.startswith("tp_linear") else None
         if mode == "tp_linear_noreduce":  # the second Linear with its bias, one addmm on one process
             # BUG: each rank adds the bias to its partial sums, never all-reduced
             part = F.linear(a, r2, b2) if world == 1 else F.linear(a, r2) + b2
+            b2 = torch.zeros(())
+        elif mode == "tp_linear":  # the same, correct: the partial sums all-reduced, then the bias
+            part = F.linear(a, r2, b2) if world == 1 else AllReduce.apply(F.linear(a, r2)) + b2
             b2 = torch.zeros(())
         elif mode == "tp_nn":
             part = torch.distributed.nn.functional.all_reduce(part) if world > 1 else part  # BUG: backward too
@@ -234,7 +237,7 @@ if world > 1:
 '''
 DP_MODES = ["manual", "ddp", "fsdp", "double", "uneven_sum", "uneven_mean", "dropout", "accumulate", "encoder",
             "skip_ar", "overlap", "other_batch", "sum_no_div", "drawn", "step2", "steps23", "double_steps", "dropout_apart"]
-TP_MODES = ["tp", "tp_noreduce", "tp_nn", "tp_offset", "dtensor", "bn", "tp_linear_noreduce"]
+TP_MODES = ["tp", "tp_noreduce", "tp_nn", "tp_offset", "dtensor", "bn", "tp_linear_noreduce", "tp_linear"]
 
 
 def _run(script: Path, out: Path, world: int, modes: list[str]) -> None:
@@ -692,6 +695,24 @@ def test_a_row_parallel_linear_whose_sums_are_never_reduced_is_named_at_the_rank
     assert "no collective on the way" in d.why and "its all-reduce is missing" in d.why
     assert f"steps.py:{_line('else F.linear(a, r2) + b2')})" in d.why
     assert "BatchNorm" not in d.why
+
+
+def test_a_correct_row_parallel_linear_with_its_bias_agrees(runs, capsys):
+    """One addmm on one process; on each rank mm, the all-reduce, then the bias: the backward's t and mm ops come in
+    another order on the ranks (the bias's gradient first), and the weight's transpose and the gradient's have one
+    shape. Each is paired with the op that reads what its counterpart reads, so the run agrees, every op but the
+    addmm compared (it said the runs part at a backward aten.t)."""
+    ref, target = runs[1] / "tp_linear", runs[2] / "tp_linear"
+    pd = diff_traces(ref, target).parallel
+    assert pd.departure is None, pd.departure
+    ref_ops = open_trace(ref).rank(0)
+    assert [ref_ops[i].name for i in pd.not_aligned if not aten.is_cheap(ref_ops[i].name)] == ["aten.addmm.default"]
+    backward_t = [op.index for op in ref_ops if op.name == "aten.t.default" and op.phase == "backward"]
+    compared = {m.ref for m in pd.ops if m.tensors}
+    assert backward_t and set(backward_t) <= compared
+    capsys.readouterr()
+    assert main(["diff", str(ref), str(target)]) == 0
+    assert "agree: every compared op maps" in capsys.readouterr().out
 
 
 def test_the_same_dropout_seed_on_every_rank_is_said(runs, capsys):
