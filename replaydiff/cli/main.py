@@ -16,9 +16,8 @@ from replaydiff.errors import ExitCode, ReplaydiffError, fail, say
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse exits 2 too; keep its message on one line
-        self.print_usage(sys.stderr)
-        raise SystemExit(fail(message))
+    def error(self, message: str) -> None:  # argparse exits 2 too: one line, with where the options are listed
+        raise SystemExit(fail(f"{message} (see `{self.prog} --help`)"))
 
 
 _CODES = tuple(c for c in ExitCode if c is not ExitCode.BROKEN_PIPE)  # a reader that left is no verb's outcome

@@ -16,6 +16,7 @@ from replaydiff.trace.summary import op_detail, op_listing, op_number, summarise
 NAME = "show"
 HELP = "summarise a trace, print one op with --op N, or list ops with --list"
 EXIT_CODES = {ExitCode.OK: "summarised, printed or listed", ExitCode.DIVERGENT: "not used by show",
+              ExitCode.USAGE: "a usage error, or --list filters that no op passes",
               ExitCode.TRACE: "unreadable, or damaged: ops or bytes missing (on the rank listed or another)"}
 
 
@@ -86,5 +87,6 @@ def run_list(trace: Trace, args: argparse.Namespace) -> int:
     if args.json != "-":
         render_list(listing, sys.stdout)
     list_warnings(listing, sys.stderr)
-    # a damaged trace is never listed as whole, nor one with another rank damaged
-    return EXIT_TRACE if listing.damaged else EXIT_OK
+    # a damaged trace is never listed as whole, nor one with another rank damaged; filters that select nothing are
+    # a usage error, as replay's --op that matches no op is
+    return EXIT_TRACE if listing.damaged else EXIT_OK if listing.rows else ExitCode.USAGE

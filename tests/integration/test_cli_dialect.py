@@ -65,3 +65,16 @@ def test_show_json_takes_a_file_or_dash_and_a_bare_json_is_stdout(capsys, tmp_pa
     rows = capsys.readouterr().out.splitlines()
     assert [op["index"] for op in json.loads((tmp_path / "list.json").read_text())["ops"]] == \
         [int(row.split()[0]) for row in rows]
+
+
+def test_show_list_filters_that_no_op_passes_exit_2_as_replay_does(tmp_path, capsys):
+    """`show --list --op GLOB` that lists nothing is a usage error (exit 2, the line on stderr), as `replay --op GLOB`
+    that matches no op is; a filter that lists something exits 0."""
+    path = str(rh.step_trace("mlp"))
+    assert main(["show", path, "--list", "--op", "aten.no_such_op*"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "no op of rank 0 passes these filters" in captured.err
+    assert main(["replay", path, "--op", "aten.no_such_op*"]) == 2
+    capsys.readouterr()
+    assert main(["show", path, "--list", "--op", "aten.mm*"]) == 0
+    assert "aten.mm.default" in capsys.readouterr().out
