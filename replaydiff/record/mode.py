@@ -21,7 +21,7 @@ from replaydiff.record.budget import DataBudget
 from replaydiff.record.context import OpContext
 from replaydiff.record.dtensor import note_dtensor_op
 from replaydiff.record.options import RecordOptions
-from replaydiff.record.stats import DeviceStats, batch_stats, cpu_values, dense, values_stats
+from replaydiff.record.stats import DeviceStats, batch_stats, cpu_values, dense, kernel_stats, values_stats
 from replaydiff.record.storage import StorageTable
 from replaydiff.trace import schema
 from replaydiff.trace.codec import address_view
@@ -199,6 +199,12 @@ class OpBuilder:
             cached = self._stats_seen.get(key)
             if cached is not None:
                 schema.wire_set_stats(ref, cached)
+            elif dev == "cpu" and (s := kernel_stats(t, is_dense, shape, stride)) is not None:
+                # Measured now, in place, by the compiled kernel: no copy, and the record waits for no batch.
+                schema.wire_set_stats(ref, s)
+                if len(self._stats_seen) > 100_000:
+                    self._stats_seen.clear()
+                self._stats_seen[key] = s
             elif dev == "cpu" and t.numel() * t.element_size() > self.LARGE and \
                     (values := cpu_values(t, is_dense, copy=False)) is not None:
                 # Large: measured in place now rather than copied (no copy; batching gains nothing at this size).
