@@ -75,7 +75,8 @@ def test_kernel_matches_numpy_on_views(dtype: torch.dtype) -> None:
         views = {"every other": t[::2], "every third of a transposed one": m.t()[::3],
                  "transposed (dense)": m.t(), "permuted (dense)": m.view(2, 4, -1).permute(2, 0, 1),
                  "column": m[:, 1], "expanded": t[:3].view(3, 1).expand(3, n // 3),
-                 "a window of rows": m[2:5, 1:-1]}
+                 "a window of rows": m[2:5, 1:-1], "3-d strided": m.view(2, 4, -1)[:, 1:, ::3],
+                 "4-d permuted and strided": m.view(2, 1, 4, -1).permute(3, 1, 2, 0)[::2, :, 1:]}
         for name, v in views.items():
             _assert_same(v, f"{dtype} n={n} {name} {tuple(v.shape)} {v.stride()}")
 

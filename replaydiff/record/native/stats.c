@@ -66,36 +66,135 @@ static inline double value_at(const char *p, int dtype) {
     }
 }
 
+/* k values as doubles from p, step bytes apart. */
+static void convert(const char *p, int64_t step, int dtype, double *out, int64_t k) {
+    int64_t i;
+    if (step == 4 && dtype == F32) { /* the common cases as tight loops */
+        for (i = 0; i < k; i++) { float v; memcpy(&v, p + 4 * i, 4); out[i] = v; }
+    } else if (step == 8 && dtype == F64) {
+        memcpy(out, p, (size_t)k * 8);
+    } else if (step == 2 && dtype == BF16) {
+        for (i = 0; i < k; i++) { uint16_t v; uint32_t b; float f; memcpy(&v, p + 2 * i, 2);
+            b = (uint32_t)v << 16; memcpy(&f, &b, 4); out[i] = f; }
+    } else if (step == 8 && dtype == I64) {
+        for (i = 0; i < k; i++) { int64_t v; memcpy(&v, p + 8 * i, 8); out[i] = (double)v; }
+    } else {
+        for (i = 0; i < k; i++) out[i] = value_at(p + i * step, dtype);
+    }
+}
+
 /* The next k values as doubles. */
 static void read_values(reader *r, double *out, int64_t k) {
-    int64_t i;
     if (r->shape == NULL) {
-        const char *p = r->base + r->pos * r->itemsize;
-        switch (r->dtype) { /* the common dtypes as tight loops */
-        case F32: for (i = 0; i < k; i++) { float v; memcpy(&v, p + 4 * i, 4); out[i] = v; } break;
-        case F64: memcpy(out, p, (size_t)k * 8); break;
-        case BF16: for (i = 0; i < k; i++) { uint16_t v; uint32_t b; float f; memcpy(&v, p + 2 * i, 2);
-                       b = (uint32_t)v << 16; memcpy(&f, &b, 4); out[i] = f; } break;
-        case I64: for (i = 0; i < k; i++) { int64_t v; memcpy(&v, p + 8 * i, 8); out[i] = (double)v; } break;
-        default: for (i = 0; i < k; i++) out[i] = value_at(p + i * r->itemsize, r->dtype);
-        }
+        convert(r->base + r->pos * r->itemsize, r->itemsize, r->dtype, out, k);
         r->pos += k;
         return;
     }
-    for (i = 0; i < k; i++) {
-        int d;
-        out[i] = value_at(r->base + r->off * r->itemsize, r->dtype);
-        for (d = r->ndim - 1; d >= 0; d--) { /* the row-major odometer */
-            r->off += r->strides[d];
-            if (++r->idx[d] < r->shape[d])
-                break;
+    while (k > 0) { /* along the last dimension, then the row-major odometer over the others */
+        int d = r->ndim - 1;
+        int64_t m = r->shape[d] - r->idx[d], step = r->strides[d] * r->itemsize;
+        const char *p = r->base + r->off * r->itemsize;
+        if (m > k)
+            m = k;
+        convert(p, step, r->dtype, out, m);
+        out += m;
+        k -= m;
+        r->off += m * r->strides[d];
+        r->idx[d] += m;
+        while (d >= 0 && r->idx[d] == r->shape[d]) {
             r->off -= r->strides[d] * r->shape[d];
             r->idx[d] = 0;
+            if (--d >= 0) {
+                r->off += r->strides[d];
+                r->idx[d]++;
+            }
         }
     }
 }
 
 typedef struct { double s, ss, amax; } sums;
+
+/* The eight accumulators of a block of 8 <= n <= 128 values: rs[j] and rq[j] sum x[j], x[j+8], ... and their
+ * squares, am[j] their largest magnitude; i = n - n % 8 values are taken. Lane for lane the same additions as the
+ * scalar loop, so the vector versions give the same bits. */
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_AVX 1
+/* The same with four lanes where the processor has AVX (chosen when the kernel runs: no -march at build). */
+__attribute__((target("avx")))
+static void accumulate_avx(const double *x, int64_t n, double *rs, double *rq, double *am) {
+    const __m256d sign = _mm256_set1_pd(-0.0);
+    __m256d s0 = _mm256_loadu_pd(x), s1 = _mm256_loadu_pd(x + 4);
+    __m256d q0 = _mm256_mul_pd(s0, s0), q1 = _mm256_mul_pd(s1, s1);
+    __m256d a0 = _mm256_andnot_pd(sign, s0), a1 = _mm256_andnot_pd(sign, s1);
+    int64_t i;
+    for (i = 8; i < n - (n % 8); i += 8) {
+        __m256d v0 = _mm256_loadu_pd(x + i), v1 = _mm256_loadu_pd(x + i + 4);
+        s0 = _mm256_add_pd(s0, v0);
+        s1 = _mm256_add_pd(s1, v1);
+        q0 = _mm256_add_pd(q0, _mm256_mul_pd(v0, v0));
+        q1 = _mm256_add_pd(q1, _mm256_mul_pd(v1, v1));
+        a0 = _mm256_max_pd(_mm256_andnot_pd(sign, v0), a0);
+        a1 = _mm256_max_pd(_mm256_andnot_pd(sign, v1), a1);
+    }
+    _mm256_storeu_pd(rs, s0);
+    _mm256_storeu_pd(rs + 4, s1);
+    _mm256_storeu_pd(rq, q0);
+    _mm256_storeu_pd(rq + 4, q1);
+    _mm256_storeu_pd(am, a0);
+    _mm256_storeu_pd(am + 4, a1);
+}
+static int use_avx = -1;
+#endif
+static void accumulate(const double *x, int64_t n, double *rs, double *rq, double *am) {
+    const __m128d sign = _mm_set1_pd(-0.0);
+    __m128d s[4], q[4], a[4];
+    int64_t i;
+    int j;
+#ifdef HAVE_AVX
+    if (use_avx) {
+        accumulate_avx(x, n, rs, rq, am);
+        return;
+    }
+#endif
+    for (j = 0; j < 4; j++) {
+        s[j] = _mm_loadu_pd(x + 2 * j);
+        q[j] = _mm_mul_pd(s[j], s[j]);
+        a[j] = _mm_andnot_pd(sign, s[j]);
+    }
+    for (i = 8; i < n - (n % 8); i += 8)
+        for (j = 0; j < 4; j++) {
+            __m128d v = _mm_loadu_pd(x + i + 2 * j);
+            s[j] = _mm_add_pd(s[j], v);
+            q[j] = _mm_add_pd(q[j], _mm_mul_pd(v, v));
+            a[j] = _mm_max_pd(_mm_andnot_pd(sign, v), a[j]); /* (|v| > a) ? |v| : a, as below */
+        }
+    for (j = 0; j < 4; j++) {
+        _mm_storeu_pd(rs + 2 * j, s[j]);
+        _mm_storeu_pd(rq + 2 * j, q[j]);
+        _mm_storeu_pd(am + 2 * j, a[j]);
+    }
+}
+#else
+static void accumulate(const double *x, int64_t n, double *rs, double *rq, double *am) {
+    int64_t i;
+    int j;
+    for (j = 0; j < 8; j++) {
+        rs[j] = x[j];
+        rq[j] = x[j] * x[j];
+        am[j] = fabs(x[j]);
+    }
+    for (i = 8; i < n - (n % 8); i += 8)
+        for (j = 0; j < 8; j++) {
+            double v = x[i + j], m = fabs(v);
+            rs[j] += v;
+            rq[j] += v * v;
+            am[j] = m > am[j] ? m : am[j];
+        }
+}
+#endif
 
 /* numpy's pairwise sum of the next n values and of their squares (see the top of this file). */
 static void pairwise(reader *r, int64_t n, sums *out) {
@@ -129,24 +228,13 @@ static void pairwise(reader *r, int64_t n, sums *out) {
     }
     {
         double rs[8], rq[8], am[8], s, ss, a;
-        for (j = 0; j < 8; j++) {
-            rs[j] = x[j];
-            rq[j] = x[j] * x[j];
-            am[j] = fabs(x[j]);
-        }
-        for (i = 8; i < n - (n % 8); i += 8)
-            for (j = 0; j < 8; j++) {
-                double v = x[i + j], m = fabs(v);
-                rs[j] += v;
-                rq[j] += v * v;
-                am[j] = m > am[j] ? m : am[j];
-            }
+        accumulate(x, n, rs, rq, am);
         s = ((rs[0] + rs[1]) + (rs[2] + rs[3])) + ((rs[4] + rs[5]) + (rs[6] + rs[7]));
         ss = ((rq[0] + rq[1]) + (rq[2] + rq[3])) + ((rq[4] + rq[5]) + (rq[6] + rq[7]));
         a = am[0];
         for (j = 1; j < 8; j++)
             a = am[j] > a ? am[j] : a;
-        for (; i < n; i++) {
+        for (i = n - (n % 8); i < n; i++) {
             double m = fabs(x[i]);
             s += x[i];
             ss += x[i] * x[i];
@@ -167,8 +255,14 @@ int replaydiff_stats(const void *data, int dtype, int64_t n, int ndim, const int
     reader r;
     sums t;
     double first;
-    if (dtype < F64 || dtype > BOOL || n <= 0 || chunk < 1 || ndim > MAXDIM || (shape != NULL && ndim < 0))
+    if (dtype < F64 || dtype > BOOL || n <= 0 || chunk < 1 || ndim > MAXDIM || (shape != NULL && ndim < 1))
         return -1;
+#ifdef HAVE_AVX
+    if (use_avx < 0) {
+        __builtin_cpu_init();
+        use_avx = __builtin_cpu_supports("avx") != 0;
+    }
+#endif
     memset(&r, 0, sizeof r);
     r.base = (const char *)data;
     r.dtype = dtype;
