@@ -238,8 +238,9 @@ def kernel_stats(t: torch.Tensor, is_dense: bool, shape: list, stride: list) -> 
     n = t.numel()
     if n == 0:
         return [0, 0.0, 0.0, 0.0, 0.0, 0, 0]
-    out = getattr(_local, "out", None)
-    if out is None:
+    try:
+        out = _local.out
+    except AttributeError:
         arr = (ctypes.c_double * 3)()
         out = _local.out = (ctypes.addressof(arr), arr)
     if is_dense:
@@ -249,12 +250,11 @@ def kernel_stats(t: torch.Tensor, is_dense: bool, shape: list, stride: list) -> 
         geometry = (ctypes.c_int64 * (2 * nd))(*shape, *stride)
         at = ctypes.addressof(geometry)
         rc = fn(t.data_ptr(), code, n, nd, at, at + 8 * nd, _CHUNK, out[0])
-    if rc != 0:
-        return None
-    s, ss, amax = out[1]
-    if math.isfinite(s) and math.isfinite(ss) and math.isfinite(amax):
-        return _finish(n, s, ss, amax)
-    return values_stats([(cpu_values(t, is_dense, copy=False), t.dtype is torch.bfloat16)])[0]
+    if rc == 0:
+        return _finish(n, *out[1])
+    if rc == 1:  # NaN or Inf inside, or an overflowing square: numpy's slow path, as values_stats takes it
+        return values_stats([(cpu_values(t, is_dense, copy=False), t.dtype is torch.bfloat16)])[0]
+    return None
 
 
 def _load_kernel() -> Any:
@@ -278,14 +278,16 @@ def _load_kernel() -> Any:
 
 def _kernel_agrees() -> bool:
     # Magnitudes from 1e-8 to 1e8 with alternating signs: any other order of additions changes the last bits. The
-    # lengths take both of the kernel's ways (one segment, chunks) and every branch of the pairwise sum. numpy
-    # arrays, not tensors: no torch op while the recorder is inside one.
+    # lengths take both of the kernel's ways (one segment, chunks) and every branch of the pairwise sum. Compared
+    # by repr (the sign of a zero counts): the kernel mirrors one numpy's order, and another numpy might sum
+    # otherwise. numpy arrays, not tensors: no torch op while the recorder is inside one.
     i = np.arange(_CHUNK + 1000, dtype=np.float64)
     x = (1 + i / 7) * np.power(10.0, (i % 17) - 8) * (1 - 2 * (i % 2))
     out = (ctypes.c_double * 3)()
-    for v, code in ((x[:300], 0), (x[:_CHUNK - 1].astype(np.float32), 1), (x, 0)):
-        if _kernel(v.ctypes.data, code, v.size, 0, None, None, _CHUNK, ctypes.addressof(out)) != 0 or \
-                _finish(v.size, *out) != values_stats([(v, False)])[0]:
+    zeros = np.full(3, -0.0)  # the sign of a zero sum: where numpy's sums start (-0.0, 0.0 or the first value)
+    for v, code in ((x[:300], 0), (x[:_CHUNK - 1].astype(np.float32), 1), (x, 0), (zeros[:1], 0), (zeros, 0)):
+        if _kernel(v.ctypes.data, code, v.size, 0, None, None, _CHUNK, ctypes.addressof(out)) not in (0, 1) or \
+                repr(_finish(v.size, *out)) != repr(values_stats([(v, False)])[0]):
             return False
     return True
 

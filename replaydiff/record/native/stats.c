@@ -247,8 +247,9 @@ static void pairwise(reader *r, int64_t n, sums *out) {
 }
 
 /* out = {sum, sum of squares, max |x|} of n values of dtype at data; shape/strides (elements, ndim of them) for a
- * view that is not one dense range, NULL otherwise. Returns 0, or -1 for what it cannot read (the caller's numpy
- * path takes it). Non-finite values give non-finite sums, which the caller checks. */
+ * view that is not one dense range, NULL otherwise. Returns 0; 1 where a sum or the maximum is not finite (NaN or
+ * Inf inside, or squares that overflow: the caller's numpy path measures the finite values); -1 for what it cannot
+ * read. */
 int replaydiff_stats(const void *data, int dtype, int64_t n, int ndim, const int64_t *shape, const int64_t *strides,
                      int64_t chunk, double *out) {
     static const int64_t sizes[] = {8, 4, 2, 2, 8, 4, 2, 1, 1, 1};
@@ -282,7 +283,7 @@ int replaydiff_stats(const void *data, int dtype, int64_t n, int ndim, const int
             if (t.amax > out[2])
                 out[2] = t.amax;
         }
-        return 0;
+        return isfinite(out[0]) && isfinite(out[1]) && isfinite(out[2]) ? 0 : 1;
     }
     out[0] = out[1] = out[2] = 0.0;
     for (int64_t done = 0; done < n; done += chunk) { /* per chunk: 0.0 + its pairwise sum (ndarray.sum) */
@@ -293,5 +294,5 @@ int replaydiff_stats(const void *data, int dtype, int64_t n, int ndim, const int
         if (t.amax > out[2])
             out[2] = t.amax;
     }
-    return 0;
+    return isfinite(out[0]) && isfinite(out[1]) && isfinite(out[2]) ? 0 : 1;
 }
