@@ -131,9 +131,10 @@ class OpBuilder:
         self._stat_queue: list[torch.Tensor] = []
         self._stat_refs: dict[tuple, list[dict]] = {}  # tensor key -> the refs waiting for its statistics
         self._stats_seen: dict[tuple, list] = {}
-        # CPU tensors: a flat copy of the values each (taken as the op sees them), measured a batch at a time
-        # (stats.values_stats); each ref holds a list (a "cell") filled in place then. Records wait here until
-        # their batch is measured, so that the writer never encodes an empty cell.
+        # CPU tensors without the compiled kernel (stats.kernel_stats measures them in ref() where it builds): a flat
+        # copy of the values each (taken as the op sees them), measured a batch at a time (stats.values_stats); each
+        # ref holds a list (a "cell") filled in place then. Records wait here until their batch is measured, so that
+        # the writer never encodes an empty cell.
         self._cpu_pending: list[tuple[list, Any]] = []  # (cell, (values, is_bf16))
         self._cpu_bytes = 0
         self._records: list[dict] = []

@@ -234,6 +234,7 @@ def _section_targets(run: str) -> list[tuple[Any, str, str]]:
             (mode, "written_args", "op facts / written args"), (storage.StorageTable, "entry", "storage version table"),
             (mode.OpBuilder, "_snapshot", "copies (full)"), (mode, "cpu_values", "statistics: value copies"),
             (mode, "values_stats", "statistics: arithmetic"), (mode, "batch_stats", "statistics: arithmetic"),
+            (mode, "kernel_stats", "statistics: compiled kernel (in place)"),
             (writer.RankWriter, "add_op", "hand-over to the writer"),
             (flight.FlightBuffer, "add_op", "hand-over to the flight ring")]
 
