@@ -60,14 +60,32 @@ def _values(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return x.clamp(-6e4, 6e4).to(dtype) if dtype is torch.float16 else x.to(dtype)
 
 
+# Each way the kernel can be built: as this processor runs it (AVX here), SSE2 alone, plain C.
+VARIANTS = {"native": (), "sse2": ("REPLAYDIFF_NO_AVX",), "scalar": ("REPLAYDIFF_SCALAR",)}
+
+
+@pytest.fixture(scope="module")
+def variant_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(params=list(VARIANTS))
+def variant(request, monkeypatch: pytest.MonkeyPatch, variant_cache: str) -> str:
+    """The kernel built as ``request.param`` names (in a cache of this module's), in place of the one this process
+    loaded."""
+    monkeypatch.setenv("XDG_CACHE_HOME", variant_cache)
+    monkeypatch.setattr(rec_stats, "_kernel", native.load(native.build(VARIANTS[request.param])))
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_kernel_matches_numpy_on_every_length_of_a_dense_tensor(dtype: torch.dtype) -> None:
+def test_kernel_matches_numpy_on_every_length_of_a_dense_tensor(dtype: torch.dtype, variant: str) -> None:
     for n in LENGTHS:
         _assert_same(_values(n, dtype, n), f"{dtype} n={n}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64], ids=str)
-def test_kernel_matches_numpy_on_views(dtype: torch.dtype) -> None:
+def test_kernel_matches_numpy_on_views(dtype: torch.dtype, variant: str) -> None:
     """Dense views in memory order (transposed, permuted), strided ones in row-major order, an expanded one."""
     for n in (24, 1000, 70000, 140000):
         t = _values(n, dtype, n + 1)
@@ -81,7 +99,7 @@ def test_kernel_matches_numpy_on_views(dtype: torch.dtype) -> None:
             _assert_same(v, f"{dtype} n={n} {name} {tuple(v.shape)} {v.stride()}")
 
 
-def test_kernel_matches_numpy_on_special_values() -> None:
+def test_kernel_matches_numpy_on_special_values(variant: str) -> None:
     nan, inf = float("nan"), float("inf")
     cases = {
         "-0.0 alone": torch.tensor([-0.0]),

@@ -62,36 +62,38 @@ def kernel():
                 log.debug("statistics kernel: off (REPLAYDIFF_NATIVE=0), numpy measures")
             else:
                 try:
-                    fn = _load(build())
+                    fn = load(build())
                 except Exception as exc:  # no compiler, a failed build, an unwritable cache: numpy measures
                     log.debug("statistics kernel unavailable, numpy measures: %s: %s", type(exc).__name__, exc)
             _loaded.append(fn)
     return _loaded[0]
 
 
-def library_path(cc: list[str]) -> Path:
-    """Where the library built from this source by this compiler on this platform lives."""
+def library_path(cc: list[str], flags: list[str]) -> Path:
+    """Where the library built from this source by this compiler with these flags on this platform lives."""
     version = subprocess.run([*cc, "--version"], capture_output=True, timeout=BUILD_SECONDS, check=True).stdout
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), shlex.join(cc).encode(), version, " ".join(FLAGS).encode(),
+    for part in (SOURCE.read_bytes(), shlex.join(cc).encode(), version, " ".join(flags).encode(),
                  f"{sys.platform} {platform.machine()} {sys.maxsize}".encode()):
         key.update(hashlib.sha256(part).digest())
     return cache_dir() / f"stats-{key.hexdigest()[:20]}.so"
 
 
-def build() -> Path:
-    """The cached library, compiled first if it is not there (raises when it cannot be)."""
+def build(defines: tuple[str, ...] = ()) -> Path:
+    """The cached library, compiled first if it is not there (raises when it cannot be). ``defines`` (tests): e.g.
+    ``("REPLAYDIFF_NO_AVX",)`` or ``("REPLAYDIFF_SCALAR",)`` build the paths this processor would not take."""
     cc = compiler()
     if cc is None:
         raise FileNotFoundError("no C compiler (cc, gcc or $CC)")
-    target = library_path(cc)
+    flags = [*FLAGS, *(f"-D{d}" for d in defines)]
+    target = library_path(cc, flags)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
+        done = subprocess.run([*cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
                               timeout=BUILD_SECONDS)
         if done.returncode != 0:
             raise RuntimeError(f"{shlex.join(cc)} exited {done.returncode}: "
@@ -103,7 +105,7 @@ def build() -> Path:
     return target
 
 
-def _load(path: Path):
+def load(path: Path):
     # PyDLL: the call keeps the GIL. Released (CDLL), taking it back after a sub-microsecond call can wait for
     # another thread's whole switch interval.
     fn = ctypes.PyDLL(str(path)).replaydiff_stats

@@ -117,9 +117,9 @@ typedef struct { double s, ss, amax; } sums;
 /* The eight accumulators of a block of 8 <= n <= 128 values: rs[j] and rq[j] sum x[j], x[j+8], ... and their
  * squares, am[j] their largest magnitude; i = n - n % 8 values are taken. Lane for lane the same additions as the
  * scalar loop, so the vector versions give the same bits. */
-#if defined(__SSE2__)
+#if defined(__SSE2__) && !defined(REPLAYDIFF_SCALAR)
 #include <emmintrin.h>
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(REPLAYDIFF_NO_AVX)
 #include <immintrin.h>
 #define HAVE_AVX 1
 /* The same with four lanes where the processor has AVX (chosen when the kernel runs: no -march at build). */
@@ -132,6 +132,32 @@ static void accumulate_avx(const double *x, int64_t n, double *rs, double *rq, d
     int64_t i;
     for (i = 8; i < n - (n % 8); i += 8) {
         __m256d v0 = _mm256_loadu_pd(x + i), v1 = _mm256_loadu_pd(x + i + 4);
+        s0 = _mm256_add_pd(s0, v0);
+        s1 = _mm256_add_pd(s1, v1);
+        q0 = _mm256_add_pd(q0, _mm256_mul_pd(v0, v0));
+        q1 = _mm256_add_pd(q1, _mm256_mul_pd(v1, v1));
+        a0 = _mm256_max_pd(_mm256_andnot_pd(sign, v0), a0);
+        a1 = _mm256_max_pd(_mm256_andnot_pd(sign, v1), a1);
+    }
+    _mm256_storeu_pd(rs, s0);
+    _mm256_storeu_pd(rs + 4, s1);
+    _mm256_storeu_pd(rq, q0);
+    _mm256_storeu_pd(rq + 4, q1);
+    _mm256_storeu_pd(am, a0);
+    _mm256_storeu_pd(am + 4, a1);
+}
+/* The same straight from float32 values (the common case): no pass through a buffer of doubles. */
+__attribute__((target("avx")))
+static void accumulate_f32_avx(const char *p, int64_t n, double *rs, double *rq, double *am) {
+    const __m256d sign = _mm256_set1_pd(-0.0);
+    __m256d s0 = _mm256_cvtps_pd(_mm_loadu_ps((const float *)p));
+    __m256d s1 = _mm256_cvtps_pd(_mm_loadu_ps((const float *)(p + 16)));
+    __m256d q0 = _mm256_mul_pd(s0, s0), q1 = _mm256_mul_pd(s1, s1);
+    __m256d a0 = _mm256_andnot_pd(sign, s0), a1 = _mm256_andnot_pd(sign, s1);
+    int64_t i;
+    for (i = 8; i < n - (n % 8); i += 8) {
+        __m256d v0 = _mm256_cvtps_pd(_mm_loadu_ps((const float *)(p + 4 * i)));
+        __m256d v1 = _mm256_cvtps_pd(_mm_loadu_ps((const float *)(p + 4 * i + 16)));
         s0 = _mm256_add_pd(s0, v0);
         s1 = _mm256_add_pd(s1, v1);
         q0 = _mm256_add_pd(q0, _mm256_mul_pd(v0, v0));
@@ -196,11 +222,30 @@ static void accumulate(const double *x, int64_t n, double *rs, double *rq, doubl
 }
 #endif
 
+/* numpy's combination of the eight accumulators, then the remainder x[n - n % 8 .. n) in order. */
+static void combine(const double *x, int64_t n, const double *rs, const double *rq, const double *am, sums *out) {
+    double s = ((rs[0] + rs[1]) + (rs[2] + rs[3])) + ((rs[4] + rs[5]) + (rs[6] + rs[7]));
+    double ss = ((rq[0] + rq[1]) + (rq[2] + rq[3])) + ((rq[4] + rq[5]) + (rq[6] + rq[7]));
+    double a = am[0];
+    int64_t i;
+    int j;
+    for (j = 1; j < 8; j++)
+        a = am[j] > a ? am[j] : a;
+    for (i = n - (n % 8); i < n; i++) {
+        double m = fabs(x[i]);
+        s += x[i];
+        ss += x[i] * x[i];
+        a = m > a ? m : a;
+    }
+    out->s = s;
+    out->ss = ss;
+    out->amax = a;
+}
+
 /* numpy's pairwise sum of the next n values and of their squares (see the top of this file). */
 static void pairwise(reader *r, int64_t n, sums *out) {
     double x[BLOCK];
     int64_t i;
-    int j;
     if (n > BLOCK) {
         int64_t n2 = n / 2;
         sums a, b;
@@ -212,6 +257,18 @@ static void pairwise(reader *r, int64_t n, sums *out) {
         out->amax = a.amax > b.amax ? a.amax : b.amax;
         return;
     }
+#ifdef HAVE_AVX
+    if (n >= 8 && use_avx && r->shape == NULL && r->dtype == F32) {
+        const char *p = r->base + r->pos * 4;
+        int64_t tail = n - n % 8;
+        double rs[8], rq[8], am[8];
+        accumulate_f32_avx(p, n, rs, rq, am);
+        convert(p + 4 * tail, 4, F32, x + tail, n - tail); /* the remainder, added below */
+        r->pos += n;
+        combine(x, n, rs, rq, am, out);
+        return;
+    }
+#endif
     read_values(r, x, n);
     if (n < 8) {
         double s = -0.0, ss = -0.0, am = 0.0;
@@ -227,22 +284,9 @@ static void pairwise(reader *r, int64_t n, sums *out) {
         return;
     }
     {
-        double rs[8], rq[8], am[8], s, ss, a;
+        double rs[8], rq[8], am[8];
         accumulate(x, n, rs, rq, am);
-        s = ((rs[0] + rs[1]) + (rs[2] + rs[3])) + ((rs[4] + rs[5]) + (rs[6] + rs[7]));
-        ss = ((rq[0] + rq[1]) + (rq[2] + rq[3])) + ((rq[4] + rq[5]) + (rq[6] + rq[7]));
-        a = am[0];
-        for (j = 1; j < 8; j++)
-            a = am[j] > a ? am[j] : a;
-        for (i = n - (n % 8); i < n; i++) {
-            double m = fabs(x[i]);
-            s += x[i];
-            ss += x[i] * x[i];
-            a = m > a ? m : a;
-        }
-        out->s = s;
-        out->ss = ss;
-        out->amax = a;
+        combine(x, n, rs, rq, am, out);
     }
 }
 
