@@ -265,12 +265,11 @@ def _load_kernel() -> Any:
     if fn is not None:
         _kernel = fn  # for the check's own calls
         try:
-            agrees = _kernel_agrees()
+            why = None if _kernel_agrees() else "its sums differ from numpy's"
         except Exception as exc:
-            agrees = False
-            native.log.debug("statistics kernel failed its check (%s: %s), numpy measures", type(exc).__name__, exc)
-        if not agrees:
-            native.log.debug("statistics kernel disagrees with numpy, numpy measures")
+            why = f"its check failed ({type(exc).__name__}: {exc})"
+        if why is not None:
+            native.log.debug("statistics kernel not used, numpy measures: %s", why)
             fn = None
     _kernel = fn if fn is not None else False
     return _kernel

@@ -5,11 +5,13 @@ Oracle: ``values_stats`` over ``cpu_values`` (the numpy path the recorder takes 
 compared as their bytes, so -0.0 against 0.0 and the last bit of a sum count."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import struct
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -155,7 +157,9 @@ def _stats_bytes(path: Path) -> list:
     out = []
     for op in open_trace(path).rank(0):
         for ref in [*op.inputs(), *op.outputs_refs()]:
-            out.append((op.index, op.name, ref.version, None if ref.stats is None else _bytes([getattr(ref.stats, f) for f in ref.stats.FIELDS])))
+            st = ref.stats
+            out.append((op.index, op.name, ref.version,
+                        None if st is None else _bytes([getattr(st, f) for f in st.FIELDS])))
     return out
 
 
@@ -229,13 +233,11 @@ print(native.build())
 
 
 def test_ranks_building_at_once_end_with_one_good_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import time
-
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     env.pop("CC", None)
     start = time.time() + 0.5  # all past their imports, then compiling together
-    procs = [subprocess.Popen([sys.executable, "-c", _BUILD, str(start), native.__file__], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    procs = [subprocess.Popen([sys.executable, "-c", _BUILD, str(start), native.__file__], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [err for _, err in outs]
     paths = {out.strip() for out, _ in outs}
@@ -246,3 +248,23 @@ def test_ranks_building_at_once_end_with_one_good_library(tmp_path: Path, monkey
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert rec_stats._load_kernel() is not False  # it loads, and agrees with numpy
     _assert_same(_values(1000, torch.float32, 3), "with the library built at once")
+
+
+def test_a_kernel_whose_sums_differ_from_numpy_is_not_used(monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """The check at load: a kernel off by one rounding in the sum (another compiler's fused multiply-add, another
+    numpy's order) leaves numpy measuring, with a debug line."""
+    real = native.load(native.build())
+
+    def off_by_a_bit(ptr, code, n, nd, shape, strides, chunk, out):
+        rc = real(ptr, code, n, nd, shape, strides, chunk, out)
+        sums = (ctypes.c_double * 3).from_address(out)
+        sums[0] = sums[0] + abs(sums[0]) * 2.0 ** -52
+        return rc
+
+    _fresh_kernel(monkeypatch)
+    monkeypatch.setattr(native, "_loaded", [off_by_a_bit])
+    caplog.set_level(logging.DEBUG, logger="replaydiff")
+    assert rec_stats._load_kernel() is False
+    assert _kernel_path(_values(1000, torch.float32, 5)) is None  # the numpy path measures
+    assert [r.levelno for r in caplog.records if "kernel" in r.getMessage()] == [logging.DEBUG]
