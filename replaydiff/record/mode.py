@@ -21,7 +21,7 @@ from replaydiff.record.budget import DataBudget
 from replaydiff.record.context import OpContext
 from replaydiff.record.dtensor import note_dtensor_op
 from replaydiff.record.options import RecordOptions
-from replaydiff.record.stats import DeviceStats, batch_stats, cpu_values, dense, values_stats
+from replaydiff.record.stats import DeviceStats, batch_stats, cpu_values, dense, kernel_stats, values_stats
 from replaydiff.record.storage import StorageTable
 from replaydiff.trace import schema
 from replaydiff.trace.codec import address_view
@@ -131,9 +131,10 @@ class OpBuilder:
         self._stat_queue: list[torch.Tensor] = []
         self._stat_refs: dict[tuple, list[dict]] = {}  # tensor key -> the refs waiting for its statistics
         self._stats_seen: dict[tuple, list] = {}
-        # CPU tensors: a flat copy of the values each (taken as the op sees them), measured a batch at a time
-        # (stats.values_stats); each ref holds a list (a "cell") filled in place then. Records wait here until
-        # their batch is measured, so that the writer never encodes an empty cell.
+        # CPU tensors without the compiled kernel (stats.kernel_stats measures them in ref() where it builds): a flat
+        # copy of the values each (taken as the op sees them), measured a batch at a time (stats.values_stats); each
+        # ref holds a list (a "cell") filled in place then. Records wait here until their batch is measured, so that
+        # the writer never encodes an empty cell.
         self._cpu_pending: list[tuple[list, Any]] = []  # (cell, (values, is_bf16))
         self._cpu_bytes = 0
         self._records: list[dict] = []
@@ -199,6 +200,12 @@ class OpBuilder:
             cached = self._stats_seen.get(key)
             if cached is not None:
                 schema.wire_set_stats(ref, cached)
+            elif dev == "cpu" and (s := kernel_stats(t, is_dense, shape, stride)) is not None:
+                # Measured now, in place, by the compiled kernel: no copy, and the record waits for no batch.
+                schema.wire_set_stats(ref, s)
+                if len(self._stats_seen) > 100_000:
+                    self._stats_seen.clear()
+                self._stats_seen[key] = s
             elif dev == "cpu" and t.numel() * t.element_size() > self.LARGE and \
                     (values := cpu_values(t, is_dense, copy=False)) is not None:
                 # Large: measured in place now rather than copied (no copy; batching gains nothing at this size).

@@ -9,6 +9,10 @@ no reference kept past the op) and the statistics of a whole batch of tensors co
 (``values_stats``: one concatenation, sums per segment with ``reduceat``). What remains is arithmetic on every value
 the step produces. Device tensors keep the batched torch path (``batch_stats``: one transfer per op). NaN and Inf are
 counted only when a sum says there are some (the common all-finite case costs nothing more).
+
+Where the compiled kernel builds (``native/``), a CPU tensor is measured right when the recorder sees it
+(``kernel_stats``: read in place, no copy, no batch): the same sums in the same order as ``values_stats``, so the
+trace holds the same bytes either way; the numpy path is the fallback.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from replaydiff.record import native
 from replaydiff.trace.codec import address_view
 
 # torch dtype -> the numpy dtype with the same bytes (bfloat16 has none: read as uint16 and widened by hand)
@@ -153,6 +158,11 @@ def _large_stats(v: np.ndarray) -> list:
         amax = max(amax, _absmax(c))
     if not (math.isfinite(s) and math.isfinite(ss) and math.isfinite(amax)):
         return _from_values_quiet(v.astype(np.float64))  # NaN/Inf inside, or an overflowing square
+    return _finish(n, s, ss, amax)
+
+
+def _finish(n: int, s: float, ss: float, amax: float) -> list:
+    """The statistics of n finite values from their sum, sum of squares and largest magnitude (both paths)."""
     mean = s / n
     return [n, mean, amax, math.sqrt(ss), max(ss / n - mean * mean, 0.0), 0, 0]
 
@@ -204,8 +214,81 @@ def _small_stats(members: list[tuple[int, np.ndarray]], total: int, out: list[li
         if not (math.isfinite(sm) and math.isfinite(ss) and math.isfinite(a)):
             out[i] = _from_values_quiet(v.astype(np.float64))  # NaN/Inf inside, or an overflowing square
             continue
-        mean = sm / n
-        out[i] = [n, mean, a, math.sqrt(ss), max(ss / n - mean * mean, 0.0), 0, 0]
+        out[i] = _finish(n, sm, ss, a)
+
+
+# torch dtype -> the kernel's code for it (native/stats.c)
+_CODES = {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.int64: 4, torch.int32: 5,
+          torch.int16: 6, torch.int8: 7, torch.uint8: 8, torch.bool: 9}
+_kernel: Any = None  # the loaded kernel, False where there is none in this process
+_local = threading.local()  # each thread's out-array: (its address, the array)
+
+
+def kernel_stats(t: torch.Tensor, is_dense: bool, shape: list, stride: list) -> list | None:
+    """A CPU tensor's statistics, measured now and in place by the compiled kernel; None where there is no kernel
+    or it cannot read the dtype (the caller takes the numpy path). The same list as ``values_stats`` gives for the
+    tensor's values, bit for bit: the kernel sums in numpy's order, and NaN, Inf or an overflowing square take
+    numpy's slow path here too."""
+    fn = _kernel if _kernel is not None else _load_kernel()
+    if fn is False:
+        return None
+    code = _CODES.get(t.dtype)
+    if code is None:
+        return None
+    n = t.numel()
+    if n == 0:
+        return [0, 0.0, 0.0, 0.0, 0.0, 0, 0]
+    try:
+        out = _local.out
+    except AttributeError:
+        arr = (ctypes.c_double * 3)()
+        out = _local.out = (ctypes.addressof(arr), arr)
+    if is_dense:
+        rc = fn(t.data_ptr(), code, n, 0, None, None, _CHUNK, out[0])
+    else:
+        nd = len(shape)
+        geometry = (ctypes.c_int64 * (2 * nd))(*shape, *stride)
+        at = ctypes.addressof(geometry)
+        rc = fn(t.data_ptr(), code, n, nd, at, at + 8 * nd, _CHUNK, out[0])
+    if rc == 0:
+        return _finish(n, *out[1])
+    if rc == 1:  # NaN or Inf inside, or an overflowing square: numpy's slow path, as values_stats takes it
+        return values_stats([(cpu_values(t, is_dense, copy=False), t.dtype is torch.bfloat16)])[0]
+    return None
+
+
+def _load_kernel() -> Any:
+    """Load the kernel once (building it if needed) and check it against numpy on values whose sums depend on the
+    order they are added in; False, and numpy measures, where it fails or disagrees."""
+    global _kernel
+    fn = native.kernel()
+    if fn is not None:
+        _kernel = fn  # for the check's own calls
+        try:
+            why = None if _kernel_agrees() else "its sums differ from numpy's"
+        except Exception as exc:
+            why = f"its check failed ({type(exc).__name__}: {exc})"
+        if why is not None:
+            native.log.debug("statistics kernel not used, numpy measures: %s", why)
+            fn = None
+    _kernel = fn if fn is not None else False
+    return _kernel
+
+
+def _kernel_agrees() -> bool:
+    # Magnitudes from 1e-8 to 1e8 with alternating signs: any other order of additions changes the last bits. The
+    # lengths take both of the kernel's ways (one segment, chunks) and every branch of the pairwise sum. Compared
+    # by repr (the sign of a zero counts): the kernel mirrors one numpy's order, and another numpy might sum
+    # otherwise. numpy arrays, not tensors: no torch op while the recorder is inside one.
+    i = np.arange(_CHUNK + 1000, dtype=np.float64)
+    x = (1 + i / 7) * np.power(10.0, (i % 17) - 8) * (1 - 2 * (i % 2))
+    out = (ctypes.c_double * 3)()
+    zeros = np.full(3, -0.0)  # the sign of a zero sum: where numpy's sums start (-0.0, 0.0 or the first value)
+    for v, code in ((x[:300], 0), (x[:_CHUNK - 1].astype(np.float32), 1), (x, 0), (zeros[:1], 0), (zeros, 0)):
+        if _kernel(v.ctypes.data, code, v.size, 0, None, None, _CHUNK, ctypes.addressof(out)) not in (0, 1) or \
+                repr(_finish(v.size, *out)) != repr(values_stats([(v, False)])[0]):
+            return False
+    return True
 
 
 def _finite_stats(x: torch.Tensor) -> list[float]:

@@ -234,6 +234,7 @@ def _section_targets(run: str) -> list[tuple[Any, str, str]]:
             (mode, "written_args", "op facts / written args"), (storage.StorageTable, "entry", "storage version table"),
             (mode.OpBuilder, "_snapshot", "copies (full)"), (mode, "cpu_values", "statistics: value copies"),
             (mode, "values_stats", "statistics: arithmetic"), (mode, "batch_stats", "statistics: arithmetic"),
+            (mode, "kernel_stats", "statistics: compiled kernel (in place)"),
             (writer.RankWriter, "add_op", "hand-over to the writer"),
             (flight.FlightBuffer, "add_op", "hand-over to the flight ring")]
 
@@ -246,7 +247,9 @@ def timed_sections(run: str):
     clock = time.thread_time_ns
     saved = []
     for owner, name, part in _section_targets(run):
-        fn = owner.__dict__[name]
+        fn = owner.__dict__.get(name)
+        if fn is None:  # an older tree (REPLAYDIFF_SRC) without this part
+            continue
         acc = _ACC.setdefault(part, [0, 0])
 
         def wrapper(*a: Any, _fn: Callable = fn, _acc: list = acc, **k: Any) -> Any:

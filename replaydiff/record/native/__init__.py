@@ -1,0 +1,115 @@
+"""The compiled statistics kernel (``stats.c``): built on first use with the system C compiler, cached, loaded with
+ctypes; None wherever that cannot happen, and the numpy path (``record/stats.py``) measures instead.
+
+Why compiled: a statistics recording's extra time on a CPU job went to copying each tensor's values and summing them
+in numpy batches (a copy, a queue, ~10 numpy calls a batch). The kernel reads a tensor's memory in place, once, and
+sums in numpy's own order, so both paths write the same bytes. Why built here and not at install: installing stays
+``pip install``, with no build step and no new dependency; where there is no compiler, the build fails, or
+``REPLAYDIFF_NATIVE=0`` is set, recording carries on with numpy and says so only in a debug log line (the recorder is
+a guest in someone's job). The library is cached per user (``$XDG_CACHE_HOME/replaydiff`` or
+``~/.cache/replaydiff``) under a hash of the source, the compiler and the platform, written under a temporary name
+and renamed, so ranks that build at once all end with one good file.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger("replaydiff")
+
+SOURCE = Path(__file__).with_name("stats.c")
+# No -march=native: the cache may be shared by machines of one architecture. No fused multiply-add, no fast-math:
+# the sums must round as numpy's do.
+FLAGS = ["-O3", "-std=c99", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math"]
+BUILD_SECONDS = 120
+
+_lock = threading.Lock()
+_loaded: list = []  # [the kernel or None] once tried in this process
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "replaydiff"
+
+
+def compiler() -> list[str] | None:
+    """The C compiler's command: $CC, else cc, else gcc; None when there is none."""
+    cc = os.environ.get("CC")
+    if cc:
+        return shlex.split(cc)
+    found = shutil.which("cc") or shutil.which("gcc")
+    return [found] if found else None
+
+
+def kernel():
+    """The loaded ``replaydiff_stats`` function (argtypes set), or None; built at the first call in a process."""
+    if _loaded:
+        return _loaded[0]
+    with _lock:
+        if not _loaded:
+            fn = None
+            if os.environ.get("REPLAYDIFF_NATIVE", "1") == "0":
+                log.debug("statistics kernel: off (REPLAYDIFF_NATIVE=0), numpy measures")
+            else:
+                try:
+                    fn = load(build())
+                except Exception as exc:  # no compiler, a failed build, an unwritable cache: numpy measures
+                    log.debug("statistics kernel unavailable, numpy measures: %s: %s", type(exc).__name__, exc)
+            _loaded.append(fn)
+    return _loaded[0]
+
+
+def library_path(cc: list[str], flags: list[str]) -> Path:
+    """Where the library built from this source by this compiler with these flags on this platform lives."""
+    version = subprocess.run([*cc, "--version"], capture_output=True, timeout=BUILD_SECONDS, check=True).stdout
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), shlex.join(cc).encode(), version, " ".join(flags).encode(),
+                 f"{sys.platform} {platform.machine()} {sys.maxsize}".encode()):
+        key.update(hashlib.sha256(part).digest())
+    return cache_dir() / f"stats-{key.hexdigest()[:20]}.so"
+
+
+def build(defines: tuple[str, ...] = ()) -> Path:
+    """The cached library, compiled first if it is not there (raises when it cannot be). ``defines`` (tests): e.g.
+    ``("REPLAYDIFF_NO_AVX",)`` or ``("REPLAYDIFF_SCALAR",)`` build the paths this processor would not take."""
+    cc = compiler()
+    if cc is None:
+        raise FileNotFoundError("no C compiler (cc, gcc or $CC)")
+    flags = [*FLAGS, *(f"-D{d}" for d in defines)]
+    target = library_path(cc, flags)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([*cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
+                              timeout=BUILD_SECONDS)
+        if done.returncode != 0:
+            raise RuntimeError(f"{shlex.join(cc)} exited {done.returncode}: "
+                               f"{done.stderr.decode(errors='replace').strip()[-500:]}")
+        os.replace(tmp, target)  # atomic: a rank building at the same time replaces it with the same bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load(path: Path):
+    # PyDLL: the call keeps the GIL. Released (CDLL), taking it back after a sub-microsecond call can wait for
+    # another thread's whole switch interval.
+    fn = ctypes.PyDLL(str(path)).replaydiff_stats
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
