@@ -21,7 +21,8 @@ from replaydiff.record.budget import DataBudget
 from replaydiff.record.context import OpContext
 from replaydiff.record.dtensor import note_dtensor_op
 from replaydiff.record.options import RecordOptions
-from replaydiff.record.stats import DeviceStats, batch_stats, cpu_values, dense, kernel_stats, values_stats
+from replaydiff.record.stats import (DeviceStats, batch_stats, cpu_values, dense, kernel_stats, past_storage,
+                                     values_stats)
 from replaydiff.record.storage import StorageTable
 from replaydiff.trace import schema
 from replaydiff.trace.codec import address_view
@@ -200,6 +201,9 @@ class OpBuilder:
             cached = self._stats_seen.get(key)
             if cached is not None:
                 schema.wire_set_stats(ref, cached)
+            elif dev == "cpu" and past_storage(t.numel(), t.storage_offset(), t.element_size(), entry.nbytes,
+                                               is_dense, shape, stride):
+                schema.wire_set_stats(ref, None)  # no values to measure: none are read (see past_storage)
             elif dev == "cpu" and (s := kernel_stats(t, is_dense, shape, stride)) is not None:
                 # Measured now, in place, by the compiled kernel: no copy, and the record waits for no batch.
                 schema.wire_set_stats(ref, s)

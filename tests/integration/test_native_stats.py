@@ -268,3 +268,28 @@ def test_a_kernel_whose_sums_differ_from_numpy_is_not_used(monkeypatch: pytest.M
     assert rec_stats._load_kernel() is False
     assert _kernel_path(_values(1000, torch.float32, 5)) is None  # the numpy path measures
     assert [r.levelno for r in caplog.records if "kernel" in r.getMessage()] == [logging.DEBUG]
+
+
+PAST_STORAGE = """
+import sys, torch, replaydiff
+from replaydiff import open_trace
+x = torch.randn(1 << 20)
+v = x.view(1024, 1024)
+x.untyped_storage().resize_(0)  # as FSDP frees a gathered parameter: v now reaches past its storage
+with replaydiff.record(sys.argv[1], tensors="stats"):
+    torch.ops.aten.detach.default(v)
+op = next(op for op in open_trace(sys.argv[1]).rank(0) if op.name == "aten.detach.default")
+print("STATS", op.inputs()[0].stats, op.outputs_refs()[0].stats)
+"""
+
+
+@pytest.mark.parametrize("native_on", ["1", "0"])
+def test_a_view_past_the_end_of_its_storage_is_not_read(tmp_path: Path, native_on: str) -> None:
+    """A view whose storage was resized to 0 bytes under it (FSDP frees its gathered parameters so) is recorded
+    without statistics: its values are not in its storage, and the kernel read the memory after it (the job died of
+    a segmentation fault)."""
+    env = dict(os.environ, REPLAYDIFF_NATIVE=native_on)
+    done = subprocess.run([sys.executable, "-c", PAST_STORAGE, str(tmp_path / "t")], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "STATS None None" in done.stdout, done.stdout
