@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -53,7 +53,7 @@ _NAMED_PARAMETERS = torch.nn.Module.named_parameters
 _NAMED_MEMBERS = torch.nn.Module._named_members
 
 
-def own_parameters(module: torch.nn.Module) -> Any:
+def own_parameters(module: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Parameter]]:
     """``module.named_parameters(recurse=False)``: read from ``module._parameters`` as torch's own method does (None
     and repeats left out), without its generators, unless the module's class defines its own way to list them."""
     cls = type(module)
@@ -190,8 +190,6 @@ class ModuleStatsHooks:
         b = rec.builder
         b.autograd_versions = True  # no dispatch mode here: see OpBuilder.ref
         schema.wire_set_inputs(record, args or _NO_ARGS, _NO_KWARGS)
-        ref = b.ref
-        schema.wire_set_outputs(record, [ref(tensors[0], True)] if len(tensors) == 1 else
-                                [ref(t, True) for t in tensors], None, False)
+        schema.wire_set_outputs(record, [b.ref(t, True) for t in tensors], None, False)
         b.add_op(record)
         return index
