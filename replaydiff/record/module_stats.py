@@ -12,8 +12,9 @@ computes exactly what it would have.
 """
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -22,19 +23,50 @@ from replaydiff.trace import schema
 
 log = logging.getLogger("replaydiff")
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# The arguments of an output's or a gradient's record: none. One list and one dict for all of them, never written: a
+# record kept until the writer encodes it lives through collections of the job's garbage collector, and each
+# container it holds is traversed there (a container fewer a record).
+_NO_ARGS: list = []
+_NO_KWARGS: dict = {}
+
 MODULE_OUTPUT, MODULE_GRAD, MODULE_PARAM = schema.MODULE_OUTPUT, schema.MODULE_GRAD, schema.MODULE_PARAM
 
 
-def output_tensors(v: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Tensors of a module's output: a tensor, or inside tuples, lists and dicts (a transformers ModelOutput)."""
+def output_tensors(v: Any, depth: int = 0, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Tensors of a module's output: a tensor, or inside tuples, lists and dicts (a transformers ModelOutput).
+    A list filled in place, not a generator per level: this runs at every module call."""
+    if out is None:
+        out = []
     if isinstance(v, torch.Tensor):
-        yield v
+        out.append(v)
     elif depth < 3 and isinstance(v, (list, tuple)):
         for x in v:
-            yield from output_tensors(x, depth + 1)
+            output_tensors(x, depth + 1, out)
     elif depth < 3 and isinstance(v, dict):
         for x in v.values():
-            yield from output_tensors(x, depth + 1)
+            output_tensors(x, depth + 1, out)
+    return out
+
+
+_NAMED_PARAMETERS = torch.nn.Module.named_parameters
+_NAMED_MEMBERS = torch.nn.Module._named_members
+
+
+def own_parameters(module: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Parameter]]:
+    """``module.named_parameters(recurse=False)``: read from ``module._parameters`` as torch's own method does (None
+    and repeats left out), without its generators, unless the module's class defines its own way to list them."""
+    cls = type(module)
+    if cls.named_parameters is not _NAMED_PARAMETERS or cls._named_members is not _NAMED_MEMBERS:
+        return module.named_parameters(recurse=False)
+    out = []
+    seen: set = set()
+    for name, p in module._parameters.items():
+        if p is None or p in seen:
+            continue
+        seen.add(p)
+        out.append((name, p))
+    return out
 
 
 _installed: list["ModuleStatsHooks"] = []
@@ -48,6 +80,17 @@ def _enter_all(module: torch.nn.Module, inputs: Any) -> None:
 def _after_all(module: torch.nn.Module, inputs: Any, output: Any) -> None:
     for h in list(_installed):
         h._after_forward(module, inputs, output)
+
+
+def _on_grad(hooks: "ModuleStatsHooks", forward_index: int, module: str, grad: torch.Tensor) -> None:
+    """The gradient reaching a module call's output (``ModuleStatsHooks._grad_hook``): its ``MODULE_GRAD`` record."""
+    rec = hooks.rec
+    if not rec.active or grad is None:
+        return
+    try:
+        hooks._record(schema.wire_op(rec.next_index, MODULE_GRAD, "backward", module, forward_index, None), [grad])
+    except Exception as exc:
+        rec.disable(f"gradient statistics failed ({type(exc).__name__}: {exc})")
 
 
 class ModuleStatsHooks:
@@ -84,8 +127,10 @@ class ModuleStatsHooks:
         """A module call begins: name it, and at its first call in the step record its own parameters."""
         if torch.compiler.is_compiling():  # a compiled region's modules: see _after_forward
             return
+        if id(module) in self._measured:  # named and its parameters recorded at its first call in this step
+            return
         name = self._name(module)
-        if id(module) not in self._measured and self.rec.active:
+        if self.rec.active:
             self._measured.add(id(module))
             self._parameters(module, name)
 
@@ -105,7 +150,7 @@ class ModuleStatsHooks:
         smooth from step to step, so a spike in it stands out even when only every N-th step is recorded."""
         rec = self.rec
         try:
-            for pname, p in module.named_parameters(recurse=False):
+            for pname, p in own_parameters(module):
                 self._record(schema.wire_op(rec.next_index, MODULE_PARAM, "forward", name, None, None), [p],
                              args=[pname])
         except Exception as exc:
@@ -120,7 +165,7 @@ class ModuleStatsHooks:
         if torch.compiler.is_compiling() or not rec.active:
             return
         try:
-            tensors = list(output_tensors(output))
+            tensors = [output] if type(output) in _PLAIN else output_tensors(output)
             if not tensors:
                 return
             name = self._name(module)
@@ -131,17 +176,10 @@ class ModuleStatsHooks:
         except Exception as exc:
             rec.disable(f"module statistics failed ({type(exc).__name__}: {exc})")
 
-    def _grad_hook(self, forward_index: int, module: str):
-        def hook(grad: torch.Tensor) -> None:
-            rec = self.rec
-            if not rec.active or grad is None:
-                return
-            try:
-                self._record(schema.wire_op(rec.next_index, MODULE_GRAD, "backward", module, forward_index, None),
-                             [grad])
-            except Exception as exc:
-                rec.disable(f"gradient statistics failed ({type(exc).__name__}: {exc})")
-        return hook
+    def _grad_hook(self, forward_index: int, module: str) -> Callable[[torch.Tensor], None]:
+        # A partial rather than a closure: one object where a closure makes four (the function and a cell for each
+        # name it holds), and each lives on the output tensor until backward, through the job's garbage collections.
+        return functools.partial(_on_grad, self, forward_index, module)
 
     def _record(self, record: dict, tensors: list[torch.Tensor], args: list | None = None) -> int:
         rec = self.rec
@@ -151,7 +189,7 @@ class ModuleStatsHooks:
             schema.wire_set_step(record, rec.step)
         b = rec.builder
         b.autograd_versions = True  # no dispatch mode here: see OpBuilder.ref
-        schema.wire_set_inputs(record, args or [], {})
+        schema.wire_set_inputs(record, args or _NO_ARGS, _NO_KWARGS)
         schema.wire_set_outputs(record, [b.ref(t, True) for t in tensors], None, False)
         b.add_op(record)
         return index

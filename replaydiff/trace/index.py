@@ -53,7 +53,10 @@ class IndexBuilder:
         self.name, self.phase, self.module, self.source = array("i"), array("b"), array("i"), array("i")
         self.forward, self.output, self.flags = array("i"), array("i"), array("B")
         self.in_ptr, self.in_prod, self.in_slot = array("i", [0]), array("i"), array("i")
-        self._readers: list[list[tuple[int, int]]] = []  # per op: (output position, reading op)
+        # per op: (output position, reading op); () until the op's first reader, which most ops of a module
+        # granularity trace never get: an empty list for each would live as long as the recording, through every
+        # collection of the job's garbage collector.
+        self._readers: list[list[tuple[int, int]] | tuple] = []
         self._exact: dict[tuple, tuple[int, int]] = {}  # tensor geometry -> (op, output position), latest
         self._first: dict[Any, tuple[int, int]] = {}  # storage version -> (op, output position), first
 
@@ -76,7 +79,7 @@ class IndexBuilder:
     def _row(self, row: IndexRow) -> None:
         i = self.count
         self.count += 1
-        self._readers.append([])
+        self._readers.append(())
         name = row.name
         self.name.append(self.names.id(name))
         self.phase.append(_PHASE_IDS.get(row.phase, 0))
@@ -91,7 +94,11 @@ class IndexBuilder:
                 self.in_prod.append(found[0] if found else _NONE)
                 self.in_slot.append(found[1] if found else _NONE)
                 if found:
-                    self._readers[found[0]].append((found[1], i))
+                    readers = self._readers[found[0]]
+                    if readers:
+                        readers.append((found[1], i))
+                    else:
+                        self._readers[found[0]] = [(found[1], i)]
             for slot, (version, geometry) in enumerate(row.outputs):
                 if version is None:
                     continue

@@ -18,7 +18,7 @@ import torch
 import replaydiff
 from replaydiff.cli.main import main as cli_main
 from replaydiff.replay import ReplayOptions, replay_trace
-from replaydiff.trace import open_trace
+from replaydiff.trace import open_trace, schema
 from replaydiff.trend import MIN_HISTORY, compute_trend
 
 from steps_helpers import gpt2, module_path, one_thread, scale_weight_at, train  # noqa: F401 (one_thread: autouse)
@@ -244,6 +244,35 @@ def test_module_granularity_sees_an_output_written_in_place_by_its_parent(tmp_pa
     assert out["Parent"].l2 == pytest.approx(3 * out["Parent.child"].l2, rel=1e-6)
     assert {op.module for op in r if op.phase == "backward"} == {"Parent", "Parent.child"}
 
+
+
+def test_module_granularity_records_each_parameter_named_parameters_lists_once(tmp_path):
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = torch.nn.Parameter(torch.randn(4, 4))
+            self.alias = self.shared  # the same parameter under a second name
+            self.register_parameter("bias", None)  # a name without a parameter
+
+        def forward(self, x):
+            return x @ self.alias
+
+    class Renamed(torch.nn.Linear):  # a class that lists its parameters its own way
+        def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+            for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+                yield "renamed_" + name, p
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Tied(), Renamed(4, 2))
+    with replaydiff.record(tmp_path / "t", tensors="stats", granularity="module"):
+        model(torch.randn(3, 4)).sum().backward()
+    r = open_trace(tmp_path / "t").rank(0)
+    got = [(op.module, op.args, op.outputs_refs()[0].stats.l2) for op in r if op.name == schema.MODULE_PARAM]
+    want = [(module_path(model, m), [name], p.detach().double().norm().item())
+            for m in (model[0], model[1]) for name, p in m.named_parameters(recurse=False)]
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    assert [g[2] for g in got] == pytest.approx([w[2] for w in want], rel=1e-12)
+    assert [w[1] for w in want] == [["shared"], ["renamed_weight"], ["renamed_bias"]]  # what the cases above are about
 
 # -- the flight recorder --------------------------------------------------------------------------------------------
 def nan_row_at(step_no: int):
