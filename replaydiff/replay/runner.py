@@ -61,7 +61,7 @@ class _Inputs:
 
     def __init__(self, trace: RankTrace, precision: Precision, keep_dtype: bool, device: torch.device,
                  generator: torch.Generator | None, uninitialised_fill: float | None = None,
-                 shared: "SharedBases | None" = None) -> None:
+                 shared: "SharedBases | None" = None, written: frozenset = frozenset()) -> None:
         self.trace = trace
         self.precision = precision
         self.keep_dtype = keep_dtype
@@ -71,9 +71,12 @@ class _Inputs:
         # bytes: which outputs follow the fill tells which positions are the allocator's (see _uninitialised).
         self.uninitialised_fill = uninitialised_fill
         self._base: dict[tuple, torch.Tensor] = {}
-        # Bases kept from earlier ops (a weight read by many): given only for an op that writes none of its
-        # arguments, so that no op can change a base another op then reads.
+        # Bases kept from earlier ops (a weight read by many), and at the recorded dtype on the CPU the reader's
+        # decoded bytes themselves: given only for an aten op, and only for storages it does not write (``written``:
+        # the storage versions of the arguments its schema marks written), so that no op can change a base another
+        # op, or the comparison of a recorded tensor, then reads.
         self.shared = shared
+        self.written = written
 
     def tensor(self, ref: TensorRef) -> torch.Tensor:
         if ref.zero:
@@ -91,8 +94,12 @@ class _Inputs:
         target = rec_dtype if self.keep_dtype else target_dtype(self.precision, rec_dtype)
         key = (ref.version, ref.dtype, target)
         base = self._base.get(key)
-        shared = self.shared if self.uninitialised_fill is None else None
+        shared = self.shared if self.uninitialised_fill is None and ref.version not in self.written else None
         if base is None and shared is not None:
+            if target == rec_dtype and self.device.type == "cpu":
+                # Read only: the decoded bytes as they are (allocated by torch, so aligned as a copy would be).
+                base = self._base[key] = typed_storage(self.trace.data(ref), rec_dtype)
+                return as_recorded(base, ref.shape, ref.stride, ref.offset, ref.conj, ref.neg)
             base = shared.get(key, self.device)
             if base is not None:
                 self._base[key] = base
@@ -138,7 +145,8 @@ class SharedBases:
     """Input bases (one storage version at one dtype on one device) kept across the ops of one replayer, newest
     last, at most ``limit`` bytes: the weights and activations a step reads many times are decoded and upcast once.
 
-    Only ops that write none of their arguments (by their schema) are given these, so a base is never written."""
+    Only aten ops are given these, for the arguments their schema does not mark written, so a base is never
+    written."""
 
     def __init__(self, limit: int = 64 << 20) -> None:
         self.limit = limit
@@ -332,13 +340,19 @@ class OpReplayer:
 
     def _runs(self, op: OpRecord, func: Any, seeded: bool, precision: Precision, keep_dtype: bool) -> list[tuple]:
         runs = []
-        # Inputs kept from earlier ops only for an aten op that writes none of its arguments (a Python reference
-        # or decomposition could write anything); each repeat then runs on the same inputs, as it does anyway.
-        shared = self.shared if isinstance(func, torch._ops.OpOverload) and not aten.facts(func).writes \
-            and not seeded else None
+        # Inputs kept from earlier ops only for an aten op (a Python reference or decomposition could write
+        # anything), and only those it does not write; each repeat then runs on the same inputs, as it does anyway.
+        shared, written = None, frozenset()
+        if isinstance(func, torch._ops.OpOverload) and not seeded:
+            shared = self.shared
+            facts = aten.facts(func)
+            if facts.writes:
+                written = frozenset(r.version for v in aten.written_values(facts, op.args, op.kwargs)
+                                    for r in iter_refs(v))
         for _ in range(max(1, self.opts.repeat)):
             gen = self._generator(op) if seeded else None
-            args, kwargs = _Inputs(self.trace, precision, keep_dtype, self.device, gen, shared=shared).build(op)
+            args, kwargs = _Inputs(self.trace, precision, keep_dtype, self.device, gen, shared=shared,
+                                   written=written).build(op)
             if seeded and gen is None:
                 with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
                     state = self.trace.rng_state(op.rng)

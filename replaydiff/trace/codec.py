@@ -77,10 +77,13 @@ def copy_bytes(u8: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def bytes_to_u8(data: bytes | bytearray) -> torch.Tensor:
-    if len(data) == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+def bytes_to_u8(data: bytes) -> torch.Tensor:
+    """A copy of ``data`` in memory from torch's allocator (aligned as a tensor torch made is): replay runs ops on
+    decoded storages as they are, and a kernel's result may depend on its inputs' alignment (MKL's may)."""
+    out = empty_bytes(len(data))
+    if len(data):
+        ctypes.memmove(out.data_ptr(), data, len(data))
+    return out
 
 
 @dataclass(frozen=True)
