@@ -26,7 +26,7 @@ from replaydiff.compare.tolerance import reduction_length
 from replaydiff.compare.verdict import Verdict, calibrated, judge, judge_measure, scalar_verdict, with_precision
 from replaydiff.errors import TraceError
 from replaydiff.replay import references  # what to run instead of a kernel
-from replaydiff.replay.compared import compared_outputs, output_name
+from replaydiff.replay.compared import VALUES, VIEW, compared_outputs, output_name
 from replaydiff.replay.flow import data_slots, follow_nonfinite, remembered
 from replaydiff.replay.notes import (Failed, FellBack, Judgement, LeftOut, Note, RepeatsDisagree, ReplayFact, Skipped,
                                      render, verdict_reason)
@@ -371,7 +371,14 @@ class OpReplayer:
         """The op's judgement from its runs, the pairs compared and whether every output was finite."""
         out, args, kwargs = runs[0]
         packet = aten.packet(op.name)
-        in_shapes = [list(r.shape) for r in iter_refs(op.args)]
+        in_shapes: list = []  # made at the first tensor judged (an op of views has none)
+
+        def k_for(numel: int) -> int:
+            if not in_shapes:
+                in_shapes.append([list(r.shape) for r in iter_refs(op.args)])
+            return reduction_length(packet, in_shapes[0], max(1, numel))
+
+        k_of = lambda n: k_for(pairs[n][1].numel())  # noqa: E731
         pairs = _pairs(op, out, args, kwargs, keep_dtype)
         if not pairs:
             unsupported = [r.unsupported for r in op.outputs_refs() if r.unsupported]
@@ -390,10 +397,8 @@ class OpReplayer:
                     return Judgement(Status.DIVERGENT, v, verdict_reason(v.reason)), pairs, None
                 continue
             recorded = self.trace.tensor(ref)
-            k = reduction_length(packet, in_shapes, max(1, recorded.numel()))
-            v = judge(recorded, value, self.opts.tolerances, k, exact)
+            v = judge(recorded, value, self.opts.tolerances, k_for(recorded.numel()), exact)
             judged.append((n, v))
-        k_of = lambda n: reduction_length(packet, in_shapes, max(1, pairs[n][1].numel()))  # noqa: E731
         # a random op's draw overwrites what it fills (and would need its generator state to run again)
         allocators = {} if seeded else self._uninitialised(op, func, precision, keep_dtype)
         if allocators:
@@ -700,12 +705,15 @@ def _pairs(op: OpRecord, out: Any, args: list, kwargs: dict, recorded_dtypes: bo
     pairs: Pairs = []
     for c in compared_outputs(op, recorded_dtypes):
         value = pick(out, args, kwargs, c.where, c.sizes)
-        geometry = c.geometry
-        if geometry is None:
-            pairs.append((c.recorded, value))
-        elif isinstance(value, torch.Tensor) and {k: _geometry(value)[k] for k in geometry} != geometry:
+        r = c.recorded
+        if c.how == VALUES or not isinstance(r, TensorRef):
+            pairs.append((r, value))
+        elif isinstance(value, torch.Tensor) and (value.shape != r.shape or value.stride() != (r.stride or ())
+                                                  or (c.how == VIEW and value.storage_offset() != r.offset)):
+            # (the tuples compared here are the geometry's lists; the dicts are made only for a mismatch)
+            geometry = c.geometry
             pairs.append((ViewMismatch({"shape": geometry["shape"], "stride": geometry["stride"],
-                                        "offset": c.recorded.offset}, _geometry(value)), value))
+                                        "offset": r.offset}, _geometry(value)), value))
     return pairs
 
 
