@@ -79,27 +79,28 @@ class _Inputs:
         self.written = written
 
     def tensor(self, ref: TensorRef) -> torch.Tensor:
-        if ref.zero:
-            rec_dtype = dtype_from_name(ref.dtype)
-            target = rec_dtype if self.keep_dtype else target_dtype(self.precision, rec_dtype)
-            return torch._efficientzerotensor(ref.shape, dtype=target, device=self.device)
-        if ref.meta:
-            return ref.empty_meta()
-        if ref.unsupported:
-            raise Skip(f"an input is not recorded ({ref.unsupported} tensors are not supported)")
-        if not ref.stored:
+        if not ref.stored_data or ref.unsupported:
+            if ref.zero:
+                rec_dtype = dtype_from_name(ref.dtype)
+                target = rec_dtype if self.keep_dtype else target_dtype(self.precision, rec_dtype)
+                return torch._efficientzerotensor(ref.shape, dtype=target, device=self.device)
+            if ref.meta:
+                return ref.empty_meta()
+            if ref.unsupported:
+                raise Skip(f"an input is not recorded ({ref.unsupported} tensors are not supported)")
             raise Skip("inputs not stored in the trace" + (" (recorded with tensors=meta/stats or a filter)"
                                                            if ref.version is not None else ""))
         rec_dtype = dtype_from_name(ref.dtype)
         target = rec_dtype if self.keep_dtype else target_dtype(self.precision, rec_dtype)
-        key = (ref.version, ref.dtype, target)
+        version = ref.version
+        key = (version, ref.dtype, target)
         base = self._base.get(key)
-        shared = self.shared if self.uninitialised_fill is None and ref.version not in self.written else None
+        shared = self.shared if self.uninitialised_fill is None and version not in self.written else None
         if base is None and shared is not None:
             if target == rec_dtype and self.device.type == "cpu":
                 # Read only: the decoded bytes as they are (allocated by torch, so aligned as a copy would be).
                 base = self._base[key] = typed_storage(self.trace.data(ref), rec_dtype)
-                return as_recorded(base, ref.shape, ref.stride, ref.offset, ref.conj, ref.neg)
+                return as_recorded(base, *ref.layout)
             base = shared.get(key, self.device)
             if base is not None:
                 self._base[key] = base
@@ -118,7 +119,7 @@ class _Inputs:
             self._base[key] = base
             if shared is not None:
                 shared.put(key, self.device, base)
-        return as_recorded(base, ref.shape, ref.stride, ref.offset, ref.conj, ref.neg)
+        return as_recorded(base, *ref.layout)
 
     def value(self, v: Any) -> Any:
         if isinstance(v, TensorRef):

@@ -492,8 +492,14 @@ class RankTrace(Sequence):
         if isinstance(ref, TensorRef):
             if not ref.stored:
                 raise ValueError(f"{ref!r} has no stored bytes")
-            version, chunk, nbytes = int(ref.version), int(ref.chunk if ref.chunk is not None else -1), \
-                int(ref.nbytes)
+            version = int(ref.version)
+            with self._lock:
+                cached = self._storages.get(version)  # most reads: a storage an earlier op read or wrote
+                if cached is not None:
+                    self._storages.move_to_end(version)
+                    return cached
+            chunk = ref.chunk
+            version, chunk, nbytes = version, int(chunk if chunk is not None else -1), int(ref.nbytes)
         else:
             version, chunk, nbytes = ref.version, ref.chunk, ref.nbytes
         with self._lock:
@@ -536,10 +542,11 @@ class RankTrace(Sequence):
         """The recorded tensor of a reference, on CPU, in its recorded dtype, with its conj and neg bits.
 
         Without ``copy`` it is a view of cached bytes shared with other callers: read it, never write into it."""
-        if ref.zero:
-            return torch.zeros(ref.shape, dtype=ref.torch_dtype)
-        if ref.meta:
-            return ref.empty_meta()
+        if not ref.stored_data:
+            if ref.zero:
+                return torch.zeros(ref.shape, dtype=ref.torch_dtype)
+            if ref.meta:
+                return ref.empty_meta()
         return rebuild(self.data(ref), ref.torch_dtype, ref, self.root, copy)
 
 
@@ -547,8 +554,7 @@ def rebuild(data: torch.Tensor, dtype: torch.dtype, ref: TensorRef, where: Path 
             copy: bool = True) -> torch.Tensor:
     """A tensor with the reference's size, stride, offset and conj/neg bits over a storage's bytes (or a copy)."""
     try:
-        return as_recorded(typed_storage(data.clone() if copy else data, dtype), ref.shape, ref.stride, ref.offset,
-                           ref.conj, ref.neg)
+        return as_recorded(typed_storage(data.clone() if copy else data, dtype), *ref.layout)
     except Exception as exc:
         raise TraceError(where, f"a tensor does not fit its storage ({exc})") from None
 
