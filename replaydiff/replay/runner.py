@@ -184,6 +184,8 @@ class OpReplayer:
         # each op's non-finite outputs, and the ops known to pass them on to where the step keeps them.
         self._nonfinite_slots = remembered(data_slots(trace))
         self._nonfinite_kept: set[int] = set()
+        self._kinds: dict[str, tuple[bool, bool, bool, bool]] = {}  # op name -> unit, collective, marker, selected
+        self._references: dict[str, tuple[Any, bool, Note | None, bool]] = {}  # op name -> _reference(name)
 
     # -- one op -----------------------------------------------------------------------------------------------
     def replay(self, op: OpRecord) -> OpResult:
@@ -235,21 +237,29 @@ class OpReplayer:
         name = op.name
         if op.data_left_out is not None:  # some outputs or inputs have statistics only: nothing to judge it by
             raise Skip(f"tensor data left out: {LEFT_OUT_WHY.get(op.data_left_out, op.data_left_out)}")
+        kind = self._kinds.get(name)
+        if kind is None:  # what the name says of an op, worked out once per name
+            kind = self._kinds[name] = (aten.is_unit(name), aten.is_collective(name), aten.is_marker(name),
+                                        aten.matches_any(name, self.opts.ops))
+        unit, collective, marker, selected = kind
         # a compiled unit (record/unit_capture.py): its graph interpreted (replay/unit_replay.py)
-        if aten.is_unit(name):
+        if unit:
             from replaydiff.replay.unit_replay import UnitReplayer
             return UnitReplayer(self, _Inputs, Skip).replay(op)
-        if aten.is_collective(name):
+        if collective:
             if aten.is_wait_only(name):
                 raise Skip("collective bookkeeping: no data of its own")
             return Judgement(Status.SKIPPED, notes=(ReplayFact.COLLECTIVE,), collective=True), [], None
-        if aten.is_marker(name):
+        if marker:
             raise Skip(f"non-aten op ({aten.namespace(name)})")
         if op.uninitialised:
             raise Skip("uninitialised output (empty*)")
-        if not aten.matches_any(name, self.opts.ops):
+        if not selected:
             raise Skip("not selected by --op")
-        func, seeded, note, note_always = self._reference(name)
+        reference = self._references.get(name)
+        if reference is None:  # (an op that cannot be resolved raises Skip each time)
+            reference = self._references[name] = self._reference(name)
+        func, seeded, note, note_always = reference
         keep_dtype = seeded or name in aten.DTYPE_EXACT_OPS or self.opts.precision is Precision.SAME
         exact = self.opts.precision is Precision.SAME or seeded
         rng = op.rng
@@ -423,7 +433,8 @@ class OpReplayer:
         elif judged:
             # The output nearest its limit; but an output over the fixed limits that is ok (ill-conditioned) first,
             # so the op's figures a reader takes for a divergence come with why they are not one.
-            n, verdict = max(judged, key=lambda nv: (nv[1].explanation is not None, nv[1].severity))
+            n, verdict = judged[0] if len(judged) == 1 else \
+                max(judged, key=lambda nv: (nv[1].explanation is not None, nv[1].severity))
             notes = verdict_reason(verdict.explanation)
         else:
             notes = (ReplayFact.SCALAR_EXACT if pairs else ReplayFact.NOTHING_TO_COMPARE,)

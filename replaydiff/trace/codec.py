@@ -144,10 +144,12 @@ def decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
-def decode(data: torch.Tensor, codec: str, nbytes: int, crc: int, where: str) -> torch.Tensor:
-    """Inverse of ``encode``; raises ValueError (the reader turns it into a TraceError) on any inconsistency."""
+def decode(data: torch.Tensor | memoryview, codec: str, nbytes: int, crc: int, where: str) -> torch.Tensor:
+    """Inverse of ``encode``; raises ValueError (the reader turns it into a TraceError) on any inconsistency.
+    ``data``: the encoded bytes, a uint8 tensor (the one returned for ``raw``) or, for a compressed codec, a
+    memoryview."""
     if codec == "raw":
-        out = data
+        out = data if isinstance(data, torch.Tensor) else bytes_to_u8(bytes(data))
     elif codec.startswith("zstd"):
         rest = codec[4:]
         itemsize = 1
@@ -157,13 +159,19 @@ def decode(data: torch.Tensor, codec: str, nbytes: int, crc: int, where: str) ->
             itemsize = int(rest[8:])
             if itemsize < 2 or nbytes % itemsize:
                 raise ValueError(f"codec {codec!r} does not fit {nbytes} bytes")
+        src = data if isinstance(data, memoryview) else tensor_bytes_view(data.contiguous())
         try:
-            plain = decompressor().decompress(tensor_bytes_view(data.contiguous()),
-                                                            max_output_size=max(nbytes, 1))
+            plain = decompressor().decompress(src, max_output_size=max(nbytes, 1))
         except zstandard.ZstdError as exc:
             raise ValueError(f"zstd: {exc}") from None
+        if itemsize == 1:  # checked on the decompressed bytes as they are (no view of a tensor to make)
+            if len(plain) != nbytes:
+                raise ValueError(f"{where}: {len(plain)} bytes where {nbytes} were recorded")
+            if crc32(plain) != crc:
+                raise ValueError(f"{where}: checksum mismatch")
+            return bytes_to_u8(plain)
         out = bytes_to_u8(plain)
-        if out.numel() == nbytes and itemsize > 1:
+        if out.numel() == nbytes:
             out = out.view(itemsize, -1).t().contiguous().view(-1)
     else:
         raise ValueError(f"unknown codec {codec!r}")

@@ -103,16 +103,17 @@ class DataFile:
             self.size = size
             # the bytes after the header, read at the first read() (None: not yet; False: storage by storage)
             self._data: torch.Tensor | None | bool = None if size - self.data_start <= _WHOLE_FILE else False
+            self._view = memoryview(b"")  # of _data's bytes, once read (slices of it are handed to the decoder)
         except (ValueError, UnicodeDecodeError) as exc:
             self.close()
             raise TraceError(path, f"corrupt ({exc})") from None
 
-    def read(self, key: str, view: bool = False) -> torch.Tensor:
+    def read(self, key: str, view: bool = False) -> torch.Tensor | memoryview:
         """The raw bytes stored under ``key`` as a uint8 tensor; ValueError if the entry is not a sound byte range.
 
-        With ``view`` it may be a view into the whole file's bytes (read them only): for bytes about to be decoded.
-        Without, a tensor of its own, as storages are rebuilt from (``as_strided`` offsets count from a storage's
-        start)."""
+        With ``view`` it may be a memoryview into the whole file's bytes (read them only, while this file is open):
+        for bytes about to be decoded. Without, a tensor of its own, as storages are rebuilt from (``as_strided``
+        offsets count from a storage's start)."""
         e = self.entries.get(key)
         if not isinstance(e, dict):
             raise ValueError(f"storage {key} is not in this file")
@@ -124,9 +125,10 @@ class DataFile:
             raise ValueError(f"{self.path} is closed")
         if self._data is None:
             self._data = self._read_whole()
+            if self._data is not False:
+                self._view = codec.tensor_bytes_view(self._data)
         if self._data is not False:
-            part = self._data[begin:end]
-            return part if view else codec.copy_bytes(part)
+            return self._view[begin:end] if view else codec.copy_bytes(self._data[begin:end])
         out = codec.empty_bytes(end - begin)
         got = os.preadv(self.fd, [codec.tensor_writable_view(out)], self.data_start + begin) if end > begin else 0
         if got != end - begin:
