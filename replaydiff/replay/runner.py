@@ -56,6 +56,9 @@ class Skip(Exception):
         self.unjudged = unjudged
 
 
+_PLAIN = frozenset({int, float, bool, str, type(None)})  # argument types passed on as they are
+
+
 class _Inputs:
     """The arguments of one run of one op: recorded tensors rebuilt at a precision on a device."""
 
@@ -122,6 +125,8 @@ class _Inputs:
         return as_recorded(base, *ref.layout)
 
     def value(self, v: Any) -> Any:
+        if type(v) in _PLAIN:  # most arguments besides tensors: sizes, dims, flags
+            return v
         if isinstance(v, TensorRef):
             return self.tensor(v)
         if isinstance(v, list):
