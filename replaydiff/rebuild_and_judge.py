@@ -55,8 +55,9 @@ INPUTS = "inputs.safetensors"
 def typed_storage(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A storage's raw bytes (a flat uint8 tensor) as elements of ``dtype``: a view, trailing partial element
     dropped. Views of one storage are then taken of one such base, so they alias each other as when recorded."""
-    n = raw.numel() - raw.numel() % dtype.itemsize
-    return raw[:n].view(dtype)
+    m = raw.numel()
+    n = m - m % dtype.itemsize
+    return (raw if n == m else raw[:n]).view(dtype)
 
 
 def as_recorded(base: torch.Tensor, shape: Any, stride: Any, offset: int, conj: bool = False,

@@ -26,7 +26,7 @@ from replaydiff.compare.tolerance import reduction_length
 from replaydiff.compare.verdict import Verdict, calibrated, judge, judge_measure, scalar_verdict, with_precision
 from replaydiff.errors import TraceError
 from replaydiff.replay import references  # what to run instead of a kernel
-from replaydiff.replay.compared import compared_outputs, output_name
+from replaydiff.replay.compared import VALUES, VIEW, compared_outputs, output_name
 from replaydiff.replay.flow import data_slots, follow_nonfinite, remembered
 from replaydiff.replay.notes import (Failed, FellBack, Judgement, LeftOut, Note, RepeatsDisagree, ReplayFact, Skipped,
                                      render, verdict_reason)
@@ -56,12 +56,15 @@ class Skip(Exception):
         self.unjudged = unjudged
 
 
+_PLAIN = frozenset({int, float, bool, str, type(None)})  # argument types passed on as they are
+
+
 class _Inputs:
     """The arguments of one run of one op: recorded tensors rebuilt at a precision on a device."""
 
     def __init__(self, trace: RankTrace, precision: Precision, keep_dtype: bool, device: torch.device,
                  generator: torch.Generator | None, uninitialised_fill: float | None = None,
-                 shared: "SharedBases | None" = None) -> None:
+                 shared: "SharedBases | None" = None, written: frozenset = frozenset()) -> None:
         self.trace = trace
         self.precision = precision
         self.keep_dtype = keep_dtype
@@ -71,28 +74,36 @@ class _Inputs:
         # bytes: which outputs follow the fill tells which positions are the allocator's (see _uninitialised).
         self.uninitialised_fill = uninitialised_fill
         self._base: dict[tuple, torch.Tensor] = {}
-        # Bases kept from earlier ops (a weight read by many): given only for an op that writes none of its
-        # arguments, so that no op can change a base another op then reads.
+        # Bases kept from earlier ops (a weight read by many), and at the recorded dtype on the CPU the reader's
+        # decoded bytes themselves: given only for an aten op, and only for storages it does not write (``written``:
+        # the storage versions of the arguments its schema marks written), so that no op can change a base another
+        # op, or the comparison of a recorded tensor, then reads.
         self.shared = shared
+        self.written = written
 
     def tensor(self, ref: TensorRef) -> torch.Tensor:
-        if ref.zero:
-            rec_dtype = dtype_from_name(ref.dtype)
-            target = rec_dtype if self.keep_dtype else target_dtype(self.precision, rec_dtype)
-            return torch._efficientzerotensor(ref.shape, dtype=target, device=self.device)
-        if ref.meta:
-            return ref.empty_meta()
-        if ref.unsupported:
-            raise Skip(f"an input is not recorded ({ref.unsupported} tensors are not supported)")
-        if not ref.stored:
+        if not ref.stored_data or ref.unsupported:
+            if ref.zero:
+                rec_dtype = dtype_from_name(ref.dtype)
+                target = rec_dtype if self.keep_dtype else target_dtype(self.precision, rec_dtype)
+                return torch._efficientzerotensor(ref.shape, dtype=target, device=self.device)
+            if ref.meta:
+                return ref.empty_meta()
+            if ref.unsupported:
+                raise Skip(f"an input is not recorded ({ref.unsupported} tensors are not supported)")
             raise Skip("inputs not stored in the trace" + (" (recorded with tensors=meta/stats or a filter)"
                                                            if ref.version is not None else ""))
         rec_dtype = dtype_from_name(ref.dtype)
         target = rec_dtype if self.keep_dtype else target_dtype(self.precision, rec_dtype)
-        key = (ref.version, ref.dtype, target)
+        version = ref.version
+        key = (version, ref.dtype, target)
         base = self._base.get(key)
-        shared = self.shared if self.uninitialised_fill is None else None
+        shared = self.shared if self.uninitialised_fill is None and version not in self.written else None
         if base is None and shared is not None:
+            if target == rec_dtype and self.device.type == "cpu":
+                # Read only: the decoded bytes as they are (allocated by torch, so aligned as a copy would be).
+                base = self._base[key] = typed_storage(self.trace.data(ref), rec_dtype)
+                return as_recorded(base, *ref.layout)
             base = shared.get(key, self.device)
             if base is not None:
                 self._base[key] = base
@@ -111,9 +122,11 @@ class _Inputs:
             self._base[key] = base
             if shared is not None:
                 shared.put(key, self.device, base)
-        return as_recorded(base, ref.shape, ref.stride, ref.offset, ref.conj, ref.neg)
+        return as_recorded(base, *ref.layout)
 
     def value(self, v: Any) -> Any:
+        if type(v) in _PLAIN:  # most arguments besides tensors: sizes, dims, flags
+            return v
         if isinstance(v, TensorRef):
             return self.tensor(v)
         if isinstance(v, list):
@@ -138,7 +151,8 @@ class SharedBases:
     """Input bases (one storage version at one dtype on one device) kept across the ops of one replayer, newest
     last, at most ``limit`` bytes: the weights and activations a step reads many times are decoded and upcast once.
 
-    Only ops that write none of their arguments (by their schema) are given these, so a base is never written."""
+    Only aten ops are given these, for the arguments their schema does not mark written, so a base is never
+    written."""
 
     def __init__(self, limit: int = 64 << 20) -> None:
         self.limit = limit
@@ -175,6 +189,8 @@ class OpReplayer:
         # each op's non-finite outputs, and the ops known to pass them on to where the step keeps them.
         self._nonfinite_slots = remembered(data_slots(trace))
         self._nonfinite_kept: set[int] = set()
+        self._kinds: dict[str, tuple[bool, bool, bool, bool]] = {}  # op name -> unit, collective, marker, selected
+        self._references: dict[str, tuple[Any, bool, Note | None, bool]] = {}  # op name -> _reference(name)
 
     # -- one op -----------------------------------------------------------------------------------------------
     def replay(self, op: OpRecord) -> OpResult:
@@ -226,21 +242,29 @@ class OpReplayer:
         name = op.name
         if op.data_left_out is not None:  # some outputs or inputs have statistics only: nothing to judge it by
             raise Skip(f"tensor data left out: {LEFT_OUT_WHY.get(op.data_left_out, op.data_left_out)}")
+        kind = self._kinds.get(name)
+        if kind is None:  # what the name says of an op, worked out once per name
+            kind = self._kinds[name] = (aten.is_unit(name), aten.is_collective(name), aten.is_marker(name),
+                                        aten.matches_any(name, self.opts.ops))
+        unit, collective, marker, selected = kind
         # a compiled unit (record/unit_capture.py): its graph interpreted (replay/unit_replay.py)
-        if aten.is_unit(name):
+        if unit:
             from replaydiff.replay.unit_replay import UnitReplayer
             return UnitReplayer(self, _Inputs, Skip).replay(op)
-        if aten.is_collective(name):
+        if collective:
             if aten.is_wait_only(name):
                 raise Skip("collective bookkeeping: no data of its own")
             return Judgement(Status.SKIPPED, notes=(ReplayFact.COLLECTIVE,), collective=True), [], None
-        if aten.is_marker(name):
+        if marker:
             raise Skip(f"non-aten op ({aten.namespace(name)})")
         if op.uninitialised:
             raise Skip("uninitialised output (empty*)")
-        if not aten.matches_any(name, self.opts.ops):
+        if not selected:
             raise Skip("not selected by --op")
-        func, seeded, note, note_always = self._reference(name)
+        reference = self._references.get(name)
+        if reference is None:  # (an op that cannot be resolved raises Skip each time)
+            reference = self._references[name] = self._reference(name)
+        func, seeded, note, note_always = reference
         keep_dtype = seeded or name in aten.DTYPE_EXACT_OPS or self.opts.precision is Precision.SAME
         exact = self.opts.precision is Precision.SAME or seeded
         rng = op.rng
@@ -332,13 +356,19 @@ class OpReplayer:
 
     def _runs(self, op: OpRecord, func: Any, seeded: bool, precision: Precision, keep_dtype: bool) -> list[tuple]:
         runs = []
-        # Inputs kept from earlier ops only for an aten op that writes none of its arguments (a Python reference
-        # or decomposition could write anything); each repeat then runs on the same inputs, as it does anyway.
-        shared = self.shared if isinstance(func, torch._ops.OpOverload) and not aten.facts(func).writes \
-            and not seeded else None
+        # Inputs kept from earlier ops only for an aten op (a Python reference or decomposition could write
+        # anything), and only those it does not write; each repeat then runs on the same inputs, as it does anyway.
+        shared, written = None, frozenset()
+        if isinstance(func, torch._ops.OpOverload) and not seeded:
+            shared = self.shared
+            facts = aten.facts(func)
+            if facts.writes:
+                written = frozenset(r.version for v in aten.written_values(facts, op.args, op.kwargs)
+                                    for r in iter_refs(v))
         for _ in range(max(1, self.opts.repeat)):
             gen = self._generator(op) if seeded else None
-            args, kwargs = _Inputs(self.trace, precision, keep_dtype, self.device, gen, shared=shared).build(op)
+            args, kwargs = _Inputs(self.trace, precision, keep_dtype, self.device, gen, shared=shared,
+                                   written=written).build(op)
             if seeded and gen is None:
                 with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
                     state = self.trace.rng_state(op.rng)
@@ -357,7 +387,14 @@ class OpReplayer:
         """The op's judgement from its runs, the pairs compared and whether every output was finite."""
         out, args, kwargs = runs[0]
         packet = aten.packet(op.name)
-        in_shapes = [list(r.shape) for r in iter_refs(op.args)]
+        in_shapes: list = []  # made at the first tensor judged (an op of views has none)
+
+        def k_for(numel: int) -> int:
+            if not in_shapes:
+                in_shapes.append([list(r.shape) for r in iter_refs(op.args)])
+            return reduction_length(packet, in_shapes[0], max(1, numel))
+
+        k_of = lambda n: k_for(pairs[n][1].numel())  # noqa: E731
         pairs = _pairs(op, out, args, kwargs, keep_dtype)
         if not pairs:
             unsupported = [r.unsupported for r in op.outputs_refs() if r.unsupported]
@@ -376,10 +413,8 @@ class OpReplayer:
                     return Judgement(Status.DIVERGENT, v, verdict_reason(v.reason)), pairs, None
                 continue
             recorded = self.trace.tensor(ref)
-            k = reduction_length(packet, in_shapes, max(1, recorded.numel()))
-            v = judge(recorded, value, self.opts.tolerances, k, exact)
+            v = judge(recorded, value, self.opts.tolerances, k_for(recorded.numel()), exact)
             judged.append((n, v))
-        k_of = lambda n: reduction_length(packet, in_shapes, max(1, pairs[n][1].numel()))  # noqa: E731
         # a random op's draw overwrites what it fills (and would need its generator state to run again)
         allocators = {} if seeded else self._uninitialised(op, func, precision, keep_dtype)
         if allocators:
@@ -403,7 +438,8 @@ class OpReplayer:
         elif judged:
             # The output nearest its limit; but an output over the fixed limits that is ok (ill-conditioned) first,
             # so the op's figures a reader takes for a divergence come with why they are not one.
-            n, verdict = max(judged, key=lambda nv: (nv[1].explanation is not None, nv[1].severity))
+            n, verdict = judged[0] if len(judged) == 1 else \
+                max(judged, key=lambda nv: (nv[1].explanation is not None, nv[1].severity))
             notes = verdict_reason(verdict.explanation)
         else:
             notes = (ReplayFact.SCALAR_EXACT if pairs else ReplayFact.NOTHING_TO_COMPARE,)
@@ -686,12 +722,15 @@ def _pairs(op: OpRecord, out: Any, args: list, kwargs: dict, recorded_dtypes: bo
     pairs: Pairs = []
     for c in compared_outputs(op, recorded_dtypes):
         value = pick(out, args, kwargs, c.where, c.sizes)
-        geometry = c.geometry
-        if geometry is None:
-            pairs.append((c.recorded, value))
-        elif isinstance(value, torch.Tensor) and {k: _geometry(value)[k] for k in geometry} != geometry:
+        r = c.recorded
+        if c.how == VALUES or not isinstance(r, TensorRef):
+            pairs.append((r, value))
+        elif isinstance(value, torch.Tensor) and (value.shape != r.shape or value.stride() != (r.stride or ())
+                                                  or (c.how == VIEW and value.storage_offset() != r.offset)):
+            # (the tuples compared here are the geometry's lists; the dicts are made only for a mismatch)
+            geometry = c.geometry
             pairs.append((ViewMismatch({"shape": geometry["shape"], "stride": geometry["stride"],
-                                        "offset": c.recorded.offset}, _geometry(value)), value))
+                                        "offset": r.offset}, _geometry(value)), value))
     return pairs
 
 

@@ -12,7 +12,6 @@ import ctypes
 import threading
 from dataclasses import dataclass
 
-import numpy
 import torch
 import zstandard
 
@@ -59,28 +58,35 @@ def tensor_writable_view(u8: torch.Tensor) -> memoryview:
     return _memory_view(u8.data_ptr(), u8.numel(), _PYBUF_WRITE)
 
 
+_U8 = torch.empty(0, dtype=torch.uint8)
+
+
 def empty_bytes(nbytes: int) -> torch.Tensor:
     """An uninitialised uint8 CPU tensor from torch's allocator (aligned as torch.empty's are), without the NaN fill
     torch.empty does under deterministic algorithms (replay's settings): that fill is a pass over memory about to
-    be overwritten, and an intra-op parallel region where replay runs the recorded thread count."""
-    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage(nbytes))
+    be overwritten, and an intra-op parallel region where replay runs the recorded thread count. (A tensor made
+    over a new storage: ``Tensor.new`` costs two thirds of ``torch.empty(0).set_``, called per storage read.)"""
+    return _U8.new(torch.UntypedStorage(nbytes))
 
 
 def copy_bytes(u8: torch.Tensor) -> torch.Tensor:
-    """A copy of a contiguous uint8 CPU tensor (as ``empty_bytes``, and copied by numpy: no parallel region)."""
-    out = empty_bytes(u8.numel())
-    if u8.numel():
-        # Through memoryviews of the data pointers, not Tensor.numpy(): that marks a storage not resizable for
-        # good, and an op that grows its in-place argument (addbmm_ of a [1] tensor into [5, 10]) then fails.
-        numpy.copyto(numpy.frombuffer(tensor_writable_view(out), dtype=numpy.uint8),
-                      numpy.frombuffer(address_view(u8.data_ptr(), u8.numel()), dtype=numpy.uint8))
+    """A copy of a contiguous uint8 CPU tensor (as ``empty_bytes``, and copied by memmove: no parallel region)."""
+    n = u8.numel()
+    out = empty_bytes(n)
+    if n:
+        # Between the data pointers, not through Tensor.numpy(): that marks a storage not resizable for good, and
+        # an op that grows its in-place argument (addbmm_ of a [1] tensor into [5, 10]) then fails.
+        ctypes.memmove(out.data_ptr(), u8.data_ptr(), n)
     return out
 
 
-def bytes_to_u8(data: bytes | bytearray) -> torch.Tensor:
-    if len(data) == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+def bytes_to_u8(data: bytes) -> torch.Tensor:
+    """A copy of ``data`` in memory from torch's allocator (aligned as a tensor torch made is): replay runs ops on
+    decoded storages as they are, and a kernel's result may depend on its inputs' alignment (MKL's may)."""
+    out = empty_bytes(len(data))
+    if len(data):
+        ctypes.memmove(out.data_ptr(), data, len(data))
+    return out
 
 
 @dataclass(frozen=True)
@@ -141,10 +147,12 @@ def decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
-def decode(data: torch.Tensor, codec: str, nbytes: int, crc: int, where: str) -> torch.Tensor:
-    """Inverse of ``encode``; raises ValueError (the reader turns it into a TraceError) on any inconsistency."""
+def decode(data: torch.Tensor | memoryview, codec: str, nbytes: int, crc: int, where: str) -> torch.Tensor:
+    """Inverse of ``encode``; raises ValueError (the reader turns it into a TraceError) on any inconsistency.
+    ``data``: the encoded bytes, a uint8 tensor (the one returned for ``raw``) or, for a compressed codec, a
+    memoryview."""
     if codec == "raw":
-        out = data
+        out = data if isinstance(data, torch.Tensor) else bytes_to_u8(bytes(data))
     elif codec.startswith("zstd"):
         rest = codec[4:]
         itemsize = 1
@@ -154,13 +162,19 @@ def decode(data: torch.Tensor, codec: str, nbytes: int, crc: int, where: str) ->
             itemsize = int(rest[8:])
             if itemsize < 2 or nbytes % itemsize:
                 raise ValueError(f"codec {codec!r} does not fit {nbytes} bytes")
+        src = data if isinstance(data, memoryview) else tensor_bytes_view(data.contiguous())
         try:
-            plain = decompressor().decompress(tensor_bytes_view(data.contiguous()),
-                                                            max_output_size=max(nbytes, 1))
+            plain = decompressor().decompress(src, max_output_size=max(nbytes, 1))
         except zstandard.ZstdError as exc:
             raise ValueError(f"zstd: {exc}") from None
+        if itemsize == 1:  # checked on the decompressed bytes as they are (no view of a tensor to make)
+            if len(plain) != nbytes:
+                raise ValueError(f"{where}: {len(plain)} bytes where {nbytes} were recorded")
+            if crc32(plain) != crc:
+                raise ValueError(f"{where}: checksum mismatch")
+            return bytes_to_u8(plain)
         out = bytes_to_u8(plain)
-        if out.numel() == nbytes and itemsize > 1:
+        if out.numel() == nbytes:
             out = out.view(itemsize, -1).t().contiguous().view(-1)
     else:
         raise ValueError(f"unknown codec {codec!r}")

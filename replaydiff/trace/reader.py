@@ -103,16 +103,17 @@ class DataFile:
             self.size = size
             # the bytes after the header, read at the first read() (None: not yet; False: storage by storage)
             self._data: torch.Tensor | None | bool = None if size - self.data_start <= _WHOLE_FILE else False
+            self._view = memoryview(b"")  # of _data's bytes, once read (slices of it are handed to the decoder)
         except (ValueError, UnicodeDecodeError) as exc:
             self.close()
             raise TraceError(path, f"corrupt ({exc})") from None
 
-    def read(self, key: str, view: bool = False) -> torch.Tensor:
+    def read(self, key: str, view: bool = False) -> torch.Tensor | memoryview:
         """The raw bytes stored under ``key`` as a uint8 tensor; ValueError if the entry is not a sound byte range.
 
-        With ``view`` it may be a view into the whole file's bytes (read them only): for bytes about to be decoded.
-        Without, a tensor of its own, as storages are rebuilt from (``as_strided`` offsets count from a storage's
-        start)."""
+        With ``view`` it may be a memoryview into the whole file's bytes (read them only, while this file is open):
+        for bytes about to be decoded. Without, a tensor of its own, as storages are rebuilt from (``as_strided``
+        offsets count from a storage's start)."""
         e = self.entries.get(key)
         if not isinstance(e, dict):
             raise ValueError(f"storage {key} is not in this file")
@@ -124,9 +125,10 @@ class DataFile:
             raise ValueError(f"{self.path} is closed")
         if self._data is None:
             self._data = self._read_whole()
+            if self._data is not False:
+                self._view = codec.tensor_bytes_view(self._data)
         if self._data is not False:
-            part = self._data[begin:end]
-            return part if view else codec.copy_bytes(part)
+            return self._view[begin:end] if view else codec.copy_bytes(self._data[begin:end])
         out = codec.empty_bytes(end - begin)
         got = os.preadv(self.fd, [codec.tensor_writable_view(out)], self.data_start + begin) if end > begin else 0
         if got != end - begin:
@@ -492,8 +494,14 @@ class RankTrace(Sequence):
         if isinstance(ref, TensorRef):
             if not ref.stored:
                 raise ValueError(f"{ref!r} has no stored bytes")
-            version, chunk, nbytes = int(ref.version), int(ref.chunk if ref.chunk is not None else -1), \
-                int(ref.nbytes)
+            version = int(ref.version)
+            with self._lock:
+                cached = self._storages.get(version)  # most reads: a storage an earlier op read or wrote
+                if cached is not None:
+                    self._storages.move_to_end(version)
+                    return cached
+            chunk = ref.chunk
+            version, chunk, nbytes = version, int(chunk if chunk is not None else -1), int(ref.nbytes)
         else:
             version, chunk, nbytes = ref.version, ref.chunk, ref.nbytes
         with self._lock:
@@ -536,10 +544,11 @@ class RankTrace(Sequence):
         """The recorded tensor of a reference, on CPU, in its recorded dtype, with its conj and neg bits.
 
         Without ``copy`` it is a view of cached bytes shared with other callers: read it, never write into it."""
-        if ref.zero:
-            return torch.zeros(ref.shape, dtype=ref.torch_dtype)
-        if ref.meta:
-            return ref.empty_meta()
+        if not ref.stored_data:
+            if ref.zero:
+                return torch.zeros(ref.shape, dtype=ref.torch_dtype)
+            if ref.meta:
+                return ref.empty_meta()
         return rebuild(self.data(ref), ref.torch_dtype, ref, self.root, copy)
 
 
@@ -547,8 +556,7 @@ def rebuild(data: torch.Tensor, dtype: torch.dtype, ref: TensorRef, where: Path 
             copy: bool = True) -> torch.Tensor:
     """A tensor with the reference's size, stride, offset and conj/neg bits over a storage's bytes (or a copy)."""
     try:
-        return as_recorded(typed_storage(data.clone() if copy else data, dtype), ref.shape, ref.stride, ref.offset,
-                           ref.conj, ref.neg)
+        return as_recorded(typed_storage(data.clone() if copy else data, dtype), *ref.layout)
     except Exception as exc:
         raise TraceError(where, f"a tensor does not fit its storage ({exc})") from None
 

@@ -93,11 +93,11 @@ def wire_collective(info: CollectiveInfo) -> dict:
 class OpRecord:
     """One recorded op. Fields are read from the decoded record on demand; argument trees are decoded once."""
 
-    __slots__ = ("_w", "_args", "_kwargs", "_outputs", "_writes", "rank", "_path")
+    __slots__ = ("_w", "_args", "_kwargs", "_outputs", "_writes", "_inputs", "rank", "_path")
 
     def __init__(self, wire: dict, rank: int = 0, path: Any = None) -> None:
         self._w = wire
-        self._args = self._kwargs = self._outputs = self._writes = None
+        self._args = self._kwargs = self._outputs = self._writes = self._inputs = None
         self.rank = rank
         self._path = path  # the ops chunk it came from, named in the error if a field does not decode
 
@@ -193,7 +193,9 @@ class OpRecord:
 
     def inputs(self) -> list[TensorRef]:
         """The tensors it reads, arguments then keyword arguments, flattened in order (the input positions)."""
-        return list(iter_refs([self.args, list(self.kwargs.values())]))
+        if self._inputs is None:  # replay asks several times an op
+            self._inputs = tuple(iter_refs([self.args, list(self.kwargs.values())]))
+        return list(self._inputs)
 
     def outputs_refs(self) -> list[TensorRef]:
         """The tensors it produces: outputs, then written arguments not already among them (the output positions)."""

@@ -76,6 +76,22 @@ class TensorRef:
         return w.get(_DEVICE) == "meta" and w.get(_STRIDE) is not None and _UNSUPPORTED not in w
 
     @property
+    def stored_data(self) -> bool:
+        """Its values are the bytes of a stored storage: ``stored``, and neither a ZeroTensor nor on the meta device
+        (one look at the record: replay asks this of every tensor it rebuilds)."""
+        w = self._w
+        return (not w.get(_ZERO) and w.get(_VERSION) is not None and (_CHUNK in w or w.get(_NBYTES) == 0)
+                and not (w.get(_DEVICE) == "meta" and w.get(_STRIDE) is not None and _UNSUPPORTED not in w))
+
+    @property
+    def layout(self) -> tuple:
+        """(shape, stride, offset, conj, neg): what the tensor is rebuilt over its storage with (``as_recorded``)."""
+        w = self._w
+        stride = w.get(_STRIDE)
+        return (tuple(w[_SHAPE]), None if stride is None else tuple(stride), w.get(_OFFSET, 0), bool(w.get(_CONJ)),
+                bool(w.get(_NEG)))
+
+    @property
     def stats(self) -> TensorStats | None:
         s = self._w.get(_STATS)
         return TensorStats(*s) if s else None
