@@ -179,6 +179,22 @@ def bench_model(name: str, keys: list[str], rounds: int) -> dict[str, list[tuple
     return samples
 
 
+def trace_dir_note() -> str:
+    """Where the traces go and on what filesystem: a full mid step writes ~250 MB, and on a virtual machine's disk
+    the writes the recording waits for at its end can take seconds (TMPDIR=/dev/shm keeps the disk out of it)."""
+    where = tempfile.gettempdir()
+    fs, best = "unknown", ""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 2 and (where + "/").startswith(parts[1].rstrip("/") + "/") and len(parts[1]) > len(best):
+                    best, fs = parts[1], parts[2]
+    except OSError:
+        pass
+    return f"traces written under {where} ({fs})"
+
+
 def load_note() -> str:
     try:
         one, five, _ = os.getloadavg()
@@ -287,7 +303,7 @@ def main() -> int:
     keys = args.variants.split(",")
     assert keys[0] == "plain", "ratios are to the plain step: list it first"
     print(f"# replaydiff on real models ({torch.__version__}, {args.threads} thread(s), {args.rounds} rounds; "
-          f"replaydiff from {os.path.dirname(replaydiff.__file__)})\n")
+          f"replaydiff from {os.path.dirname(replaydiff.__file__)}; {trace_dir_note()})\n")
     if not args.no_timing:
         rows = []
         for name in models:
