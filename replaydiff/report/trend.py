@@ -24,7 +24,7 @@ def to_json(t: TrendResult, trace: str = "TRACE") -> dict:
             "cause": None if t.cause is None else _cause_json(t.cause),
             "nonfinite_discarded": None if t.discarded is None else _change_json(t.discarded),
             "zoom": None if z is None else _zoom_json(z, trace),
-            "next": None if z is None else z.commands(trace, t.command),
+            "next": None if z is None else z.commands(trace, t.command, t.command_dir),
             "late_window": None if t.late_window is None else _late_json(t.late_window),
             "series": [_series_json(s) for s in t.series]}
 
@@ -213,7 +213,7 @@ def next_lines(t: TrendResult, trace: str = "TRACE") -> list[str]:
     z = t.zoom
     if z is None:
         return []
-    cmd = z.commands(trace, t.command)
+    cmd = z.commands(trace, t.command, t.command_dir)
     lines = [f"Next: record steps {z.steps} in full around the change, then replay them (replay says whether an op "
              f"there computes wrongly, else through which input or optimizer argument a change of 4x or more from "
              f"one step to the next enters):"]

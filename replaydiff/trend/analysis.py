@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import os
 import shlex
 from dataclasses import dataclass, field, replace
 from statistics import median
@@ -85,6 +86,7 @@ class TrendResult:
     discarded: Change | None = None
     command: tuple[str, ...] | None = None  # the command line the trace was recorded from (None: from Python)
     flight: FlightDump | None = None  # the flight recorder's dump (None: not a flight trace)
+    command_dir: str | None = None  # the folder the command ran in (the job's working directory)
 
     @property
     def zoom(self) -> "Zoom | None":
@@ -286,7 +288,7 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
                              for name in STATISTICS})
               for (module, kind), by_step in sorted(own.items())]
     return TrendResult(r.rank, steps, series, first, window, threshold, module_glob, n, cause, discarded, r.command,
-                 r.flight)
+                 r.flight, r.source_root if r.command else None)
 
 
 def _nonfinite(p: dict[str, float]) -> bool:
@@ -602,12 +604,20 @@ class Zoom:
             "".join(f" --op {shlex.quote(o)}" for o in self.ops or [])
         return f"replaydiff record --tensors full --steps {self.steps}{filters} -o {shlex.quote(self.out(trace))} --"
 
-    def commands(self, trace: str, command: tuple[str, ...] | list[str] | None = None) -> dict[str, str | None]:
+    def commands(self, trace: str, command: tuple[str, ...] | list[str] | None = None,
+                 command_dir: str | None = None) -> dict[str, str | None]:
         """The record command (None where the job's ``command`` is not known: a trace recorded from Python), the
-        replay command and the record call in Python."""
+        replay command and the record call in Python. A command that ran in another folder (``command_dir``) than
+        this one is run there (``cd DIR && ...``), its trace named by its absolute path."""
+        record = None
+        if command:
+            record = f"{self.record_options(trace)} {shlex.join(command)}"
+            if command_dir and os.path.abspath(command_dir) != os.getcwd():
+                trace = os.path.abspath(trace)
+                record = f"cd {shlex.quote(command_dir)} && {self.record_options(trace)} {shlex.join(command)}"
         out = shlex.quote(self.out(trace))
         which = "modules" if self.modules else "ops"
-        return {"record": f"{self.record_options(trace)} {shlex.join(command)}" if command else None,
+        return {"record": record,
                 "replay": f"replaydiff replay {out}",
                 "python": f"replaydiff.record({self.out(trace)!r}, tensors='full', steps={self.steps!r}, "
                           f"{which}={self.modules or self.ops!r})"}

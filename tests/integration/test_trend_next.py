@@ -196,3 +196,24 @@ def test_a_decaying_learning_rate_is_no_entry_and_a_clean_zoom_in_says_what_it_l
         "no input from outside the replayed ops, and no optimizer argument, changed 4x or more from one step to the "
         "next (steps 11-12): a change that builds up from smaller ones enters unseen here (trend's table and cause "
         "line show how it grew)")
+
+
+def test_the_record_command_of_a_job_that_ran_in_another_folder_goes_there_first(tmp_path, monkeypatch):
+    """The job's command is given back as it was typed (``python train.py``), so it is run in the folder it ran in;
+    the zoom-in's trace is then named by its absolute path. From that folder itself, nothing changes."""
+    from replaydiff.trend import Zoom
+
+    job = tmp_path / "job dir"
+    job.mkdir()
+    monkeypatch.chdir(tmp_path)
+    z = Zoom("14-15", ["Net.fc"], None, 15)
+    here = z.commands("runs/t", ("python", "train.py"), str(tmp_path))
+    assert here["record"] == "replaydiff record --tensors full --steps 14-15 --module Net.fc -o runs/t-step15 -- " \
+                             "python train.py"
+    assert here["replay"] == "replaydiff replay runs/t-step15"
+    there = z.commands("runs/t", ("python", "train.py"), str(job))
+    out = shlex.quote(f"{tmp_path}/runs/t-step15")
+    assert there["record"] == f"cd {shlex.quote(str(job))} && replaydiff record --tensors full --steps 14-15 " \
+                              f"--module Net.fc -o {out} -- python train.py"
+    assert there["replay"] == f"replaydiff replay {out}"
+    assert z.commands("runs/t", None, str(job))["record"] is None
