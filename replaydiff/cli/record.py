@@ -38,8 +38,9 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step", type=int, default=1, action=_Given,
                    help="which optimizer step to record, from 1 (default 1; with several optimizers, the steps of "
                         "the first one to step)")
-    p.add_argument("--tensors", choices=TENSOR_MODES, default="full",
-                   help="full: tensor data (default); stats: per-tensor statistics; meta: shapes and dtypes only")
+    p.add_argument("--tensors", choices=TENSOR_MODES, default=None,
+                   help="full: tensor data (default; stats with --granularity module); stats: per-tensor statistics; "
+                        "meta: shapes and dtypes only")
     p.add_argument("--no-compress", action="store_true", help="store raw bytes instead of zstd")
     p.add_argument("--module", dest="modules", action="append", metavar="GLOB",
                    help="tensor data only for ops inside these modules (the others: statistics)")
@@ -58,7 +59,8 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", metavar="A-B[:EVERY]",
                    help="record these optimizer steps into one trace, e.g. 100-2000:10 (each op gets its step)")
     p.add_argument("--granularity", choices=GRANULARITIES, default="op",
-                   help="op: every aten op (default); module: each module's outputs and gradients (much cheaper)")
+                   help="op: every aten op (default); module: statistics of each module's outputs and gradients "
+                        "(much cheaper; --tensors stats)")
     p.add_argument("--compiled", choices=COMPILED_MODES, default="capture",
                    help="torch.compile regions: capture (default) runs them compiled and records each compiled graph "
                         "call as one unit; eager runs them as eager aten ops, each recorded")
@@ -92,7 +94,9 @@ class _Given(argparse.Action):
 
 
 def options_from_args(args: argparse.Namespace) -> RecordOptions:
-    return RecordOptions.make(tensors=args.tensors, compress=not args.no_compress, modules=args.modules,
+    # module granularity records statistics: asked alone, it gets them rather than a refusal of the default "full"
+    tensors = args.tensors or ("stats" if args.granularity == "module" else "full")
+    return RecordOptions.make(tensors=tensors, compress=not args.no_compress, modules=args.modules,
                               ops=args.ops, max_tensor_bytes=args.max_tensor_bytes, verify_writes=args.verify_writes,
                               plant=args.plant, ranks=ranks_of(args),
                               steps=args.steps, granularity=args.granularity, flight=args.flight,

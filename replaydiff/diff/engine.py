@@ -359,6 +359,18 @@ def diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: Di
         torch.set_num_threads(threads)
 
 
+def _need_data_for_layouts(rt: Trace, tt: Trace) -> None:
+    """A parallel run is mapped onto the reference through its tensors' values (a shard is a slice, a partial value
+    a term of a sum): statistics alone cannot be split or summed so, and a diff of such traces would compare nothing
+    and agree whatever the runs did."""
+    for t in (rt, tt):
+        mode = t.rank(t.ranks[0]).options.tensors
+        if mode is not None and not mode.stores_data:
+            raise UsageError(f"{t.path} holds --tensors {mode.value} (no tensor data), and a parallel run is mapped "
+                             f"onto the single process through its tensors' values: record both runs with --tensors "
+                             f"full (--module/--op keep them small)")
+
+
 def _world_size(t: Trace) -> int:
     """The world size of the job that recorded ``t`` (its manifests say; 1 when they do not)."""
     return max(r.world_size for r in t)
@@ -413,6 +425,7 @@ def _diff_traces(ref: str | Path | Trace, target: str | Path | Trace, options: D
         is_parallel_pair(_world_size(rt), rt.ranks, _world_size(tt), tt.ranks)
     chosen: list[int] | None = None
     if parallel or grouped:
+        _need_data_for_layouts(rt, tt)
         # like with like, as rank by rank: the steps compared are those both traces hold, or --step N
         chosen, report.steps = pick_steps(steps_of(first_ref), steps_of(first_target), opts.step)
     if parallel:

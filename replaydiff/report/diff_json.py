@@ -7,8 +7,10 @@ rank pair whose step began from inputs that already differed: ``compared``, ``di
 ``steps`` (null, or the line saying which steps are compared when the traces hold different steps),
 ``warnings``, ``cut_short`` (sides whose recording stopped part-way, so the trace is partial: ``side``
 ("reference" or "target"), ``rank``, ``last`` (the last op that reads back), ``why``), ``environment`` (one object per
-difference: ``key``, ``ref``, ``target``, ``hint``), ``summary`` (pair counts per status, ops on one side only),
-``first_divergent`` (null or a pair: the earliest over ranks), ``ranks`` (per rank pair: ``ref_rank``,
+difference: ``key``, ``ref``, ``target``, ``hint``), ``found_difference`` (the runs part: what exit code 1 says),
+``summary`` (pair counts per status, ops on one side only; rank by rank), ``first_divergent`` (null or a pair: the
+earliest over ranks; for a parallel run mapped onto a single process, its departure in that shape, with
+``"parallel": true``; ``parallel`` holds the whole of it), ``ranks`` (per rank pair: ``ref_rank``,
 ``target_rank``, ``evidence``, ``step_inputs``, ``summary``, ``first_divergent``, ``first_difference``, ``units``:
 compiled units of one side diffed against the eager ops of their region in the other; ``precision``: pairs that
 compute at different dtypes, per dtype pair, and the limits they were judged at; ``explained``: how many pairs
@@ -50,6 +52,19 @@ def _unaligned_json(rd: RankDiff, u: Unaligned) -> dict[str, Any]:
             "last": u.last, "count": len(u.ops), "ops": counts, "module": u.module, "phase": u.phase}
 
 
+def _parallel_first(report: DiffReport) -> dict | None:
+    """A parallel diff's departure (``parallel.departure`` holds all of it) in the shape of a first divergent pair,
+    so that a check of ``first_divergent`` finds it as it finds a rank-by-rank one: the op on the reference, and on
+    the first rank that runs it."""
+    d = report.parallel.departure if report.parallel is not None else None
+    if d is None:
+        return None
+    return _clean({"index": {"ref": d.op.ref, "target": d.op.targets[0] if d.op.targets else None},
+                   "rank": {"ref": d.op.ref_rank or 0, "target": d.op.ranks[0] if d.op.ranks else 0},
+                   "op": d.op.name, "target_op": d.op.name, "module": d.op.module, "phase": d.op.phase,
+                   "source": d.op.source, "status": "divergent", "reason": d.why, "parallel": True})
+
+
 def diff_to_json(report: DiffReport) -> dict:
     first = report.first_divergent
     parted = report.step_inputs_differ
@@ -63,8 +78,9 @@ def diff_to_json(report: DiffReport) -> dict:
         "warnings": list(report.warnings),
         "cut_short": [{"side": side, **c.to_json()} for side, c in report.cut_short],
         "environment": [_clean(d.to_json()) for d in report.environment],
+        "found_difference": report.found_difference,
         "summary": report.counts(),
-        "first_divergent": None if first is None else pair_json(*first),
+        "first_divergent": pair_json(*first) if first is not None else _parallel_first(report),
         "parallel": None if report.parallel is None else report.parallel.to_json(),
         "ranks": [{"ref_rank": rd.ref_rank, "target_rank": rd.target_rank, "ref_ops": rd.ref_ops,
                    "target_ops": rd.target_ops, "evidence": [e.value for e in rd.evidence],

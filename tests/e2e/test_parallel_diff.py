@@ -97,7 +97,7 @@ def data_parallel(mode):
         torch.optim.AdamW(model.parameters(), lr=1e-3)
     if mode == "dropout_apart":  # each rank's dropout seeded apart (in "dropout" every rank has seed 0)
         torch.manual_seed(100 + rank)
-    with replaydiff.record(out / mode):
+    with replaydiff.record(out / mode, tensors="stats" if mode == "stats" else "full"):
         if mode == "drawn":  # the global batch drawn inside the step, every rank alike
             x, y = batch(8)
         if mode == "overlap":  # BUG: each rank's slice starts 2 rows early, so neighbours share rows
@@ -236,7 +236,8 @@ if world > 1:
     dist.destroy_process_group()
 '''
 DP_MODES = ["manual", "ddp", "fsdp", "double", "uneven_sum", "uneven_mean", "dropout", "accumulate", "encoder",
-            "skip_ar", "overlap", "other_batch", "sum_no_div", "drawn", "step2", "steps23", "double_steps", "dropout_apart"]
+            "skip_ar", "overlap", "other_batch", "sum_no_div", "drawn", "step2", "steps23", "double_steps", "dropout_apart",
+            "stats"]
 TP_MODES = ["tp", "tp_noreduce", "tp_nn", "tp_offset", "dtensor", "bn", "tp_linear_noreduce", "tp_linear"]
 
 
@@ -343,9 +344,18 @@ def test_the_json_report_carries_the_mapping(runs, tmp_path):
     assert main(["diff", str(runs[1] / "double"), str(runs[2] / "double"), "--json", str(out)]) == 1
     import json
 
-    doc = json.loads(out.read_text())["parallel"]
+    whole = json.loads(out.read_text())
+    doc = whole["parallel"]
     assert doc["world"] == 2 and doc["departure"]["kind"] == "scaled"
     assert doc["departure"]["tensor"]["layout"]["kind"] == "partial"
+    # what exit code 1 says, where a check of a rank-by-rank diff looks for it (both were empty: summary all zeros)
+    first = whole["first_divergent"]
+    assert whole["found_difference"] is True and first["parallel"] is True and first["status"] == "divergent"
+    assert (first["index"]["ref"], first["op"], first["source"]) == \
+        (doc["departure"]["ref"], doc["departure"]["op"], doc["departure"]["source"])
+    assert main(["diff", str(runs[1] / "manual"), str(runs[2] / "manual"), "--json", str(out)]) == 0
+    clean = json.loads(out.read_text())
+    assert clean["found_difference"] is False and clean["first_divergent"] is None
 
 
 def test_rank_picks_one_rank_op_by_op_without_mapping(runs):
@@ -713,6 +723,16 @@ def test_a_correct_row_parallel_linear_with_its_bias_agrees(runs, capsys):
     capsys.readouterr()
     assert main(["diff", str(ref), str(target)]) == 0
     assert "agree: every compared op maps" in capsys.readouterr().out
+
+
+def test_a_parallel_diff_of_statistics_traces_is_refused(runs, capsys):
+    """Layouts map values (a shard is a slice, a partial value a term of a sum): statistics cannot be mapped so, and
+    the diff of two `stats` traces compared nothing and exited 0 ("agree") whatever the runs did."""
+    capsys.readouterr()
+    assert main(["diff", str(runs[1] / "stats"), str(runs[2] / "stats")]) == 2
+    err = capsys.readouterr().err
+    assert "holds --tensors stats (no tensor data)" in err and "record both runs with --tensors full" in err, err
+    assert main(["diff", str(runs[1] / "manual"), str(runs[2] / "stats")]) == 2
 
 
 def test_the_same_dropout_seed_on_every_rank_is_said(runs, capsys):

@@ -78,3 +78,16 @@ def test_show_list_filters_that_no_op_passes_exit_2_as_replay_does(tmp_path, cap
     capsys.readouterr()
     assert main(["show", path, "--list", "--op", "aten.mm*"]) == 0
     assert "aten.mm.default" in capsys.readouterr().out
+
+
+def test_record_granularity_module_alone_records_statistics():
+    """`record --granularity module` without --tensors records statistics (it was refused: the default, full, does
+    not go with it); --tensors given is kept, and the default elsewhere is still full."""
+    from replaydiff.cli.record import options_from_args
+
+    def options(*args: str):
+        return options_from_args(build_parser().parse_args(["record", "-o", "t", *args, "--", "python", "x.py"]))
+
+    assert options("--granularity", "module").tensors.value == "stats"
+    assert options("--granularity", "module", "--tensors", "meta").tensors.value == "meta"
+    assert options().tensors.value == "full"
