@@ -115,7 +115,8 @@ class Recorder:
             self._install_sigterm()
         except Exception as exc:
             why = f"recording is off: {type(exc).__name__}: {exc}"
-            self._warn(why)
+            # nothing is recorded at all; where a trace is already there, it would be taken for this run's
+            self._warn(why, unmissable=isinstance(exc, FileExistsError))
             self._teardown()
             if self.writer is not None:  # opened before the failure: finish it now, so its thread ends with it
                 self._disabled_reason = why
@@ -411,14 +412,28 @@ class Recorder:
                 self.writer.note_lost(f"{why}; ops from #{self.next_index - 1} on were not recorded")
         self.active = False
 
-    def _warn(self, msg: str) -> None:
+    def _warn(self, msg: str, unmissable: bool = False) -> None:
+        """One warning. ``unmissable``: one the job's warning filters must not hide (the recording is off and the
+        directory already holds a trace, which a later diff would take for this run's): where they drop it, the
+        line goes to stderr all the same."""
         if os.environ.get(ENV_VAR):  # a child of `replaydiff record`: one line, like the CLI's own warnings
             try:
                 warn(msg)
             except Exception:  # a closed stderr is no reason to raise into the job
                 pass
             return
-        warnings.warn(f"replaydiff: {msg}", RuntimeWarning, stacklevel=3)  # the Python API: filterable, catchable
+        if not unmissable:
+            warnings.warn(f"replaydiff: {msg}", RuntimeWarning, stacklevel=3)  # the Python API: filterable, catchable
+            return
+        with warnings.catch_warnings(record=True) as shown:  # the job's filters apply; "ignore" leaves it out
+            warnings.warn(f"replaydiff: {msg}", RuntimeWarning, stacklevel=3)
+        for w in shown:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
+        if not shown:
+            try:
+                warn(msg)
+            except Exception:
+                pass
 
 
 def _active_modes() -> list:

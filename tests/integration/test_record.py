@@ -1143,3 +1143,31 @@ def test_the_fast_argument_encoder_gives_what_encode_value_gives(tmp_path: Path)
 
 
 
+
+
+RECORD_TWICE = """
+import sys, torch, replaydiff
+with replaydiff.record(sys.argv[1], tensors="meta"):
+    torch.ones(3) + 1
+"""
+
+
+def test_a_directory_that_already_holds_a_trace_is_said_even_where_warnings_are_ignored(tmp_path):
+    """Recording into a trace of an earlier run records nothing (the recorder deletes nothing): a job that ignores
+    warnings (PYTHONWARNINGS=ignore, warnings.filterwarnings("ignore")) said nothing, and the earlier run's trace was
+    then taken for this one's. The line now reaches stderr all the same; shown as a warning, it is said once."""
+    import subprocess
+
+    out = tmp_path / "t"
+
+    def run(**env: str) -> str:
+        done = subprocess.run([sys.executable, "-c", RECORD_TWICE, str(out)], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, **env})
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+
+    assert "already holds" not in run()
+    ignored = run(PYTHONWARNINGS="ignore")
+    assert ignored.count("already holds a trace") == 1 and "recording is off" in ignored, ignored
+    shown = run()
+    assert shown.count("already holds a trace") == 1 and "RuntimeWarning" in shown, shown
