@@ -554,6 +554,17 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 f"steps with its own")
         elif m.layout is not None:
             kind, why = Departure.SCALED, _why_scaled(m.layout, _legit_factors(m.layout, rop.phase, loss))
+        elif partial_in is not None and \
+                (ahead := _collective_ahead(t_sides[own[0]], maps[own[0]], tops[0].index)) is not None:
+            # the reduction is there, after this op: what the op combines with the partial sums is summed too
+            c, name = ahead
+            line = t_sides[own[0]].ops[c].source
+            kind, why = Departure.UNREDUCED, (
+                f"input {partial_in[0]} holds partial sums over {world} ranks (the reference is their "
+                f"{'average' if partial_in[1].factor != 1 else 'sum'}, made by #{partial_in[2]}), and this op runs "
+                f"on them before {name} #{c} (on rank {own[0]}{', ' + line if line else ''}) reduces its result: it "
+                f"needs the whole sum (a value every rank adds, such as a bias, is then summed {world} times); this op "
+                f"belongs after the reduction")
         elif partial_in is not None:
             kind, why = Departure.UNREDUCED, (
                 f"input {partial_in[0]} holds partial sums over {world} ranks (the reference is their "
@@ -976,6 +987,28 @@ def _own_producer(side: _Side, aligned: dict[int, int], index: int, stop: Callab
                 return p
             seen.add(p)
             todo.append(p)
+    return None
+
+
+_COPIES = frozenset({"aten.clone.default", "aten._to_copy.default", "aten.copy_.default"})
+
+
+def _collective_ahead(side: _Side, aligned: dict[int, int], index: int, limit: int = 8) -> tuple[int, str] | None:
+    """The nearest collective that reads a rank's op's output through views and copies (a clone before an in-place
+    all-reduce) or ops the single process does not run, as (op number, name)."""
+    mine = set(side.ops) - set(aligned.values())
+    todo, seen = [index], {index}
+    while todo and len(seen) <= limit:
+        i = todo.pop(0)
+        for readers in side.trace.consumers(i).values():
+            for j in readers:
+                if j in seen or j not in side.ops:
+                    continue
+                if aten.is_collective(side.ops[j].name):
+                    return j, side.ops[j].name
+                if j in mine or aten.is_cheap(side.ops[j].name) or side.ops[j].name in _COPIES:
+                    seen.add(j)
+                    todo.append(j)
     return None
 
 

@@ -178,6 +178,9 @@ def tensor_parallel(mode):
         elif mode == "tp_linear":  # the same, correct: the partial sums all-reduced, then the bias
             part = F.linear(a, r2, b2) if world == 1 else AllReduce.apply(F.linear(a, r2)) + b2
             b2 = torch.zeros(())
+        elif mode == "tp_bias_before":  # BUG: the bias added to each rank's partial sums, then all-reduced
+            part = AllReduce.apply(part + b2)
+            b2 = torch.zeros(())
         elif mode == "tp_nn":
             part = torch.distributed.nn.functional.all_reduce(part) if world > 1 else part  # BUG: backward too
         elif mode != "tp_noreduce":  # BUG in tp_noreduce: the partial sums used as they are
@@ -238,7 +241,8 @@ if world > 1:
 DP_MODES = ["manual", "ddp", "fsdp", "double", "uneven_sum", "uneven_mean", "dropout", "accumulate", "encoder",
             "skip_ar", "overlap", "other_batch", "sum_no_div", "drawn", "step2", "steps23", "double_steps", "dropout_apart",
             "stats"]
-TP_MODES = ["tp", "tp_noreduce", "tp_nn", "tp_offset", "dtensor", "bn", "tp_linear_noreduce", "tp_linear"]
+TP_MODES = ["tp", "tp_noreduce", "tp_nn", "tp_offset", "dtensor", "bn", "tp_linear_noreduce", "tp_linear",
+            "tp_bias_before"]
 
 
 def _run(script: Path, out: Path, world: int, modes: list[str]) -> None:
@@ -733,6 +737,18 @@ def test_a_parallel_diff_of_statistics_traces_is_refused(runs, capsys):
     err = capsys.readouterr().err
     assert "holds --tensors stats (no tensor data)" in err and "record both runs with --tensors full" in err, err
     assert main(["diff", str(runs[1] / "manual"), str(runs[2] / "stats")]) == 2
+
+
+def test_a_bias_added_before_the_all_reduce_is_named_with_the_reduction_after_it(runs):
+    """The all-reduce is there, after the op: the line says so (it said one was missing), naming the op that adds the
+    bias to the partial sums and the all-reduce that then sums the bias once per rank."""
+    d = diff_traces(runs[1] / "tp_bias_before", runs[2] / "tp_bias_before").parallel.departure
+    assert d is not None and d.kind is Departure.UNREDUCED and d.op.name == "aten.add.Tensor"
+    assert d.op.source.endswith(f"steps.py:{_line('part = AllReduce.apply(part + b2)')}")
+    assert "an all-reduce is missing" not in d.why and "c10d.allreduce_.default" in d.why, d.why
+    assert "belongs after the reduction" in d.why and "summed 2 times" in d.why
+    noreduce = diff_traces(runs[1] / "tp_noreduce", runs[2] / "tp_noreduce").parallel.departure
+    assert "an all-reduce is missing before this op" in noreduce.why
 
 
 def test_the_same_dropout_seed_on_every_rank_is_said(runs, capsys):
