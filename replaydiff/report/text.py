@@ -87,6 +87,8 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
     ranks = sorted({r.rank for r in report.ops})
     if len(ranks) > 1:
         rank_note = f" ({len(ranks)} ranks)"
+    elif ranks and (ranks[0] != 0 or opts.get("ranks")):  # one rank asked for, or the only one not rank 0: which
+        rank_note = f" (rank {ranks[0]})"
     out.write(f"replayed {len(report.ops)} ops of {report.trace}{rank_note} on {opts['device']} at "
               f"{opts['precision']}: " + ", ".join(f"{n} {s}" for s, n in c.items()) + "\n")
     not_judged = report.not_judged
