@@ -898,26 +898,29 @@ def _follow_readers(ref: RankTrace, r_side: _Side, side: _Side, pairs: dict[int,
     transpose with the gradient's, both of one shape)."""
     owner = {j: c for c, j in pairs.items()}
 
-    def reads_as(c: int, j: int) -> bool:
-        """Whether ``j`` reads the counterparts of what ``c`` reads: at least one known, none other."""
+    def known(c: int) -> list[tuple[int, int]]:
+        """(input position, the counterpart of its producer) for each input of ``c`` whose producer is paired."""
+        return [(pos, pairs[p]) for pos, p in ref.producers(c).items() if p is not None and p in pairs]
+
+    def reads_as(j: int, reads: list[tuple[int, int]]) -> bool:
+        """Whether ``j`` reads what ``reads`` says (at least one input known, none other)."""
         tp = side.trace.producers(j)
-        known = [(pos, pairs[p]) for pos, p in ref.producers(c).items() if p is not None and p in pairs]
-        return bool(known) and all(tp.get(pos) == q for pos, q in known)
+        return bool(reads) and all(tp.get(pos) == q for pos, q in reads)
 
     moved = False
     for c in sorted(r_side.ops):
         rop = r_side.ops[c]
-        if c in r_side.skipped or (c in pairs and reads_as(c, pairs[c])):
+        reads = known(c)
+        if c in r_side.skipped or not reads or (c in pairs and reads_as(pairs[c], reads)):
             continue
-        found = {j for p in ref.producers(c).values() if p is not None and p in pairs
-                 for readers in side.trace.consumers(pairs[p]).values() for j in readers
+        found = {j for _, q in reads for readers in side.trace.consumers(q).values() for j in readers
                  if side.ops.get(j) is not None and side.ops[j].name == rop.name and side.ops[j].phase == rop.phase
-                 and reads_as(c, j)}
+                 and reads_as(j, reads)}
         if len(found) != 1:
             continue
         j = found.pop()
         other = owner.get(j)
-        if other is not None and reads_as(other, j):
+        if other is not None and reads_as(j, known(other)):
             continue  # held by the op it belongs to
         mine = pairs.get(c)
         if other is not None:  # the other takes what this one held (or nothing); it is checked again next pass
@@ -973,43 +976,35 @@ def _map(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs: list[
 
 
 def _own_producer(side: _Side, aligned: dict[int, int], index: int, stop: Callable[[OpRecord], bool],
-                  limit: int = 32) -> int | None:
+                  limit: int = 32, ahead: bool = False) -> int | None:
     """The nearest op matching ``stop`` that a rank's op reads from through ops the single process does not run (its
-    inputs' producers, walked back breadth first while they are the rank's own ops)."""
+    inputs' producers, walked back breadth first while they are the rank's own ops). ``ahead``: the nearest that
+    reads the op's output instead, walked forward through the rank's own ops, views and copies (a clone before an
+    in-place all-reduce)."""
     mine = set(side.ops) - set(aligned.values())
     todo, seen = [index], {index}
     while todo and len(seen) <= limit:
         i = todo.pop(0)
-        for p in side.trace.producers(i).values():
-            if p is None or p in seen or p not in mine:
+        near = [j for readers in side.trace.consumers(i).values() for j in readers] if ahead else \
+            side.trace.producers(i).values()
+        for p in near:
+            if p is None or p in seen or p not in side.ops or (not ahead and p not in mine):
                 continue
             if stop(side.ops[p]):
                 return p
-            seen.add(p)
-            todo.append(p)
+            if p in mine or (ahead and (aten.is_cheap(side.ops[p].name) or side.ops[p].name in _COPIES)):
+                seen.add(p)
+                todo.append(p)
     return None
 
 
 _COPIES = frozenset({"aten.clone.default", "aten._to_copy.default", "aten.copy_.default"})
 
 
-def _collective_ahead(side: _Side, aligned: dict[int, int], index: int, limit: int = 8) -> tuple[int, str] | None:
-    """The nearest collective that reads a rank's op's output through views and copies (a clone before an in-place
-    all-reduce) or ops the single process does not run, as (op number, name)."""
-    mine = set(side.ops) - set(aligned.values())
-    todo, seen = [index], {index}
-    while todo and len(seen) <= limit:
-        i = todo.pop(0)
-        for readers in side.trace.consumers(i).values():
-            for j in readers:
-                if j in seen or j not in side.ops:
-                    continue
-                if aten.is_collective(side.ops[j].name):
-                    return j, side.ops[j].name
-                if j in mine or aten.is_cheap(side.ops[j].name) or side.ops[j].name in _COPIES:
-                    seen.add(j)
-                    todo.append(j)
-    return None
+def _collective_ahead(side: _Side, aligned: dict[int, int], index: int) -> tuple[int, str] | None:
+    """The nearest collective that reduces what a rank's op made, through views, copies and the rank's own ops."""
+    c = _own_producer(side, aligned, index, lambda op: aten.is_collective(op.name), limit=8, ahead=True)
+    return None if c is None else (c, side.ops[c].name)
 
 
 def _collective_behind(side: _Side, aligned: dict[int, int], index: int) -> tuple[int, str] | None:

@@ -122,42 +122,23 @@ typedef struct { double s, ss, amax; } sums;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(REPLAYDIFF_NO_AVX)
 #include <immintrin.h>
 #define HAVE_AVX 1
-/* The same with four lanes where the processor has AVX (chosen when the kernel runs: no -march at build). */
+/* Four values as doubles, from doubles or (f32) from float32s: the only difference between the two AVX paths. */
 __attribute__((target("avx")))
-static void accumulate_avx(const double *x, int64_t n, double *rs, double *rq, double *am) {
-    const __m256d sign = _mm256_set1_pd(-0.0);
-    __m256d s0 = _mm256_loadu_pd(x), s1 = _mm256_loadu_pd(x + 4);
-    __m256d q0 = _mm256_mul_pd(s0, s0), q1 = _mm256_mul_pd(s1, s1);
-    __m256d a0 = _mm256_andnot_pd(sign, s0), a1 = _mm256_andnot_pd(sign, s1);
-    int64_t i;
-    for (i = 8; i < n - (n % 8); i += 8) {
-        __m256d v0 = _mm256_loadu_pd(x + i), v1 = _mm256_loadu_pd(x + i + 4);
-        s0 = _mm256_add_pd(s0, v0);
-        s1 = _mm256_add_pd(s1, v1);
-        q0 = _mm256_add_pd(q0, _mm256_mul_pd(v0, v0));
-        q1 = _mm256_add_pd(q1, _mm256_mul_pd(v1, v1));
-        a0 = _mm256_max_pd(_mm256_andnot_pd(sign, v0), a0);
-        a1 = _mm256_max_pd(_mm256_andnot_pd(sign, v1), a1);
-    }
-    _mm256_storeu_pd(rs, s0);
-    _mm256_storeu_pd(rs + 4, s1);
-    _mm256_storeu_pd(rq, q0);
-    _mm256_storeu_pd(rq + 4, q1);
-    _mm256_storeu_pd(am, a0);
-    _mm256_storeu_pd(am + 4, a1);
+static inline __m256d load4(const char *p, int64_t i, int f32) {
+    return f32 ? _mm256_cvtps_pd(_mm_loadu_ps((const float *)(p + 4 * i)))
+               : _mm256_loadu_pd((const double *)(p + 8 * i));
 }
-/* The same straight from float32 values (the common case): no pass through a buffer of doubles. */
+/* The same with four lanes where the processor has AVX (chosen when the kernel runs: no -march at build); f32: read
+ * float32 values straight from memory (the common case), with no pass through a buffer of doubles. */
 __attribute__((target("avx")))
-static void accumulate_f32_avx(const char *p, int64_t n, double *rs, double *rq, double *am) {
+static void accumulate_avx(const char *p, int64_t n, int f32, double *rs, double *rq, double *am) {
     const __m256d sign = _mm256_set1_pd(-0.0);
-    __m256d s0 = _mm256_cvtps_pd(_mm_loadu_ps((const float *)p));
-    __m256d s1 = _mm256_cvtps_pd(_mm_loadu_ps((const float *)(p + 16)));
+    __m256d s0 = load4(p, 0, f32), s1 = load4(p, 4, f32);
     __m256d q0 = _mm256_mul_pd(s0, s0), q1 = _mm256_mul_pd(s1, s1);
     __m256d a0 = _mm256_andnot_pd(sign, s0), a1 = _mm256_andnot_pd(sign, s1);
     int64_t i;
     for (i = 8; i < n - (n % 8); i += 8) {
-        __m256d v0 = _mm256_cvtps_pd(_mm_loadu_ps((const float *)(p + 4 * i)));
-        __m256d v1 = _mm256_cvtps_pd(_mm_loadu_ps((const float *)(p + 4 * i + 16)));
+        __m256d v0 = load4(p, i, f32), v1 = load4(p, i + 4, f32);
         s0 = _mm256_add_pd(s0, v0);
         s1 = _mm256_add_pd(s1, v1);
         q0 = _mm256_add_pd(q0, _mm256_mul_pd(v0, v0));
@@ -181,7 +162,7 @@ static void accumulate(const double *x, int64_t n, double *rs, double *rq, doubl
     int j;
 #ifdef HAVE_AVX
     if (use_avx) {
-        accumulate_avx(x, n, rs, rq, am);
+        accumulate_avx((const char *)x, n, 0, rs, rq, am);
         return;
     }
 #endif
@@ -262,7 +243,7 @@ static void pairwise(reader *r, int64_t n, sums *out) {
         const char *p = r->base + r->pos * 4;
         int64_t tail = n - n % 8;
         double rs[8], rq[8], am[8];
-        accumulate_f32_avx(p, n, rs, rq, am);
+        accumulate_avx(p, n, 1, rs, rq, am);
         convert(p + 4 * tail, 4, F32, x + tail, n - tail); /* the remainder, added below */
         r->pos += n;
         combine(x, n, rs, rq, am, out);
