@@ -64,12 +64,15 @@ def hint_for(key: str) -> str | None:
 
 
 # -- the table ------------------------------------------------------------------------------------------------------
-_cause("tf32", env=("matmul_tf32", "cudnn_tf32"),
+_cause("tf32", env=("matmul_tf32", "cudnn_tf32", "fp32_precision", "matmul_fp32_precision", "cudnn_fp32_precision",
+                    "cudnn_conv_fp32_precision", "cudnn_rnn_fp32_precision", "mkldnn_fp32_precision",
+                    "mkldnn_matmul_fp32_precision"),
        hint="TF32 on one side only: float32 matmuls and convolutions on the TF32 side round their inputs to 10 "
             "mantissa bits (~1e-3 relative error)",
        title="TF32 matmul / convolution",
        remedy="torch.backends.cuda.matmul.allow_tf32 = False; torch.backends.cudnn.allow_tf32 = False (or "
-              "torch.set_float32_matmul_precision(\"highest\")) in the job, then record again")
+              "torch.set_float32_matmul_precision(\"highest\"); with torch's newer API, "
+              "torch.backends.fp32_precision = \"ieee\") in the job, then record again")
 _cause("float32_matmul_precision", env=("float32_matmul_precision",),
        hint="another float32 matmul precision: 'high'/'medium' allow TF32 or bf16 inner products (~1e-3 relative "
             "error)")

@@ -378,6 +378,85 @@ def graph_operator(name: str) -> Callable | None:
     return None
 
 
+# TF32 through torch's two APIs. torch 2.9 added a per-backend ``fp32_precision`` ("ieee", "tf32", "none": defer to
+# the level above) beside the legacy ``allow_tf32`` flags and ``set_float32_matmul_precision``. Once a job sets the new
+# one (transformers' ``tf32`` option does), torch refuses to read a legacy one ("a mix of the legacy and new APIs"),
+# and ``torch.backends.cudnn.flags()`` raises too. So each legacy value is read where torch allows it and worked out
+# from the new one where it does not, and the reference settings are set and restored through the C setters of
+# whichever API this torch has, never through a getter that can raise.
+# (name as stored, backend, op) of the new API's settings.
+FP32_PRECISIONS = (("fp32_precision", "generic", "all"), ("matmul_fp32_precision", "cuda", "matmul"),
+                   ("cudnn_fp32_precision", "cuda", "all"), ("cudnn_conv_fp32_precision", "cuda", "conv"),
+                   ("cudnn_rnn_fp32_precision", "cuda", "rnn"), ("mkldnn_fp32_precision", "mkldnn", "all"),
+                   ("mkldnn_matmul_fp32_precision", "mkldnn", "matmul"))
+# The new API's settings that decide what the reference runs: a float32 matmul, convolution or RNN in IEEE fp32, on
+# the GPU and in oneDNN on the CPU (which runs float32 matmuls in bf16 or TF32 where the new API asks it to).
+_REFERENCE_FP32 = tuple((b, o) for b in ("cuda", "mkldnn") for o in ("matmul", "conv", "rnn"))
+
+
+def _new_fp32_api() -> bool:
+    return hasattr(torch._C, "_get_fp32_precision_getter") and hasattr(torch._C, "_set_fp32_precision_setter")
+
+
+def fp32_precisions() -> dict[str, str | None]:
+    """The new API's settings by their stored name; None each where this torch lacks the API or the setting."""
+    out: dict[str, str | None] = {}
+    for name, backend, op in FP32_PRECISIONS:
+        try:
+            out[name] = torch._C._get_fp32_precision_getter(backend, op) if _new_fp32_api() else None
+        except (RuntimeError, ValueError, TypeError):
+            out[name] = None
+    return out
+
+
+def _legacy_or(read: Callable[[], Any], new_value: str | None, derived: dict[str, Any]) -> Any:
+    """A legacy setting as torch reads it, or, where torch refuses because the job used the new API, what the new
+    setting means for it (None when it does not say: unknown stays unknown)."""
+    try:
+        return read()
+    except RuntimeError:
+        return derived.get(new_value) if new_value is not None else None
+
+
+def tf32_settings() -> dict[str, Any]:
+    """The TF32 state of this process, whichever API set it, without raising: the legacy views (``matmul_tf32``,
+    ``cudnn_tf32``, ``float32_matmul_precision``) and the new API's settings (``fp32_precisions``)."""
+    new = fp32_precisions()
+    as_bool = {"tf32": True, "ieee": False}
+    return {
+        "matmul_tf32": _legacy_or(lambda: torch.backends.cuda.matmul.allow_tf32, new["matmul_fp32_precision"],
+                                  as_bool),
+        "cudnn_tf32": _legacy_or(lambda: torch.backends.cudnn.allow_tf32, new["cudnn_conv_fp32_precision"], as_bool),
+        "float32_matmul_precision": _legacy_or(torch.get_float32_matmul_precision, new["matmul_fp32_precision"],
+                                               {"tf32": "high", "ieee": "highest"}),
+        **new,
+    }
+
+
+def _hold_fp32() -> Callable[[], None]:
+    """Float32 matmuls, convolutions and RNNs in IEEE fp32 (TF32 off); returns what puts the caller's back."""
+    if _new_fp32_api():
+        saved = [(b, o, torch._C._get_fp32_precision_getter(b, o)) for b, o in _REFERENCE_FP32]
+        for b, o in _REFERENCE_FP32:
+            torch._C._set_fp32_precision_setter(b, o, "ieee")
+
+        def restore() -> None:
+            for b, o, v in saved:
+                torch._C._set_fp32_precision_setter(b, o, v)
+        return restore
+    legacy = (torch._C._get_cublas_allow_tf32(), torch._C._get_float32_matmul_precision(),
+              torch._C._get_cudnn_allow_tf32())
+    torch._C._set_cublas_allow_tf32(False)
+    torch._C._set_float32_matmul_precision("highest")
+    torch._C._set_cudnn_allow_tf32(False)
+
+    def restore_legacy() -> None:
+        torch._C._set_cublas_allow_tf32(legacy[0])
+        torch._C._set_float32_matmul_precision(legacy[1])
+        torch._C._set_cudnn_allow_tf32(legacy[2])
+    return restore_legacy
+
+
 class _Held:
     """The reference settings as this process holds them: applied by the first holder, restored by the last.
 
@@ -392,16 +471,19 @@ class _Held:
         self.lock = threading.Lock()
         self.holders = 0
         self.saved: tuple | None = None
-        self.cudnn: contextlib.ExitStack | None = None
+        self.restore_fp32: Callable[[], None] | None = None
 
     def enter(self) -> None:
         with self.lock:
             self.holders += 1
             if self.holders > 1:
                 return
+            # The C getters and setters throughout: they work after torch.backends.disable_global_flags() (which
+            # torch's testing utilities call at import), where assigning torch.backends' attributes raises, and
+            # they never refuse a read the way the legacy Python getters do once the new TF32 API is in use.
             self.saved = (torch.are_deterministic_algorithms_enabled(),
                           torch.is_deterministic_algorithms_warn_only_enabled(),
-                          torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(),
+                          torch._C._get_cudnn_benchmark(), torch._C._get_cudnn_deterministic(),
                           os.environ.get(_CUBLAS))
             try:
                 if self.saved[4] is None:  # deterministic cuBLAS needs a fixed workspace (set before cuBLAS starts)
@@ -410,14 +492,9 @@ class _Held:
                 # wobbles). The C setter, not torch.use_deterministic_algorithms: that also imports
                 # torch._inductor's config (1.5-2 s per process) to set a flag only compiled code reads.
                 torch._C._set_deterministic_algorithms(True, warn_only=True)
-                torch.backends.cuda.matmul.allow_tf32 = False
-                torch.set_float32_matmul_precision("highest")
-                # cuDNN through torch's own context manager: it also works after
-                # torch.backends.disable_global_flags() (which torch's testing utilities call at import), where
-                # assigning the flags raises.
-                self.cudnn = contextlib.ExitStack()
-                self.cudnn.enter_context(torch.backends.cudnn.flags(
-                    enabled=torch.backends.cudnn.enabled, benchmark=False, deterministic=True, allow_tf32=False))
+                torch._C._set_cudnn_benchmark(False)
+                torch._C._set_cudnn_deterministic(True)
+                self.restore_fp32 = _hold_fp32()
             except BaseException:
                 self.holders -= 1
                 self._restore()
@@ -431,14 +508,14 @@ class _Held:
 
     def _restore(self) -> None:
         saved, self.saved = self.saved, None
-        cudnn, self.cudnn = self.cudnn, None
-        if cudnn is not None:
-            cudnn.close()
+        restore_fp32, self.restore_fp32 = self.restore_fp32, None
+        if restore_fp32 is not None:
+            restore_fp32()
         if saved is None:
             return
         torch._C._set_deterministic_algorithms(saved[0], warn_only=saved[1])
-        torch.backends.cuda.matmul.allow_tf32 = saved[2]
-        torch.set_float32_matmul_precision(saved[3])
+        torch._C._set_cudnn_benchmark(saved[2])
+        torch._C._set_cudnn_deterministic(saved[3])
         if saved[4] is None:
             os.environ.pop(_CUBLAS, None)
         else:

@@ -250,13 +250,20 @@ def _tf32(f: _Facts) -> _Found:
     culprit, flags = f.culprit, f.env.flags
     packet = aten.packet(culprit.op)
     tf32_flags = []
+    # Named as the job set it: torch's per-backend fp32_precision API where the trace says TF32 through it (the
+    # legacy flags were then read through it), else the legacy flags.
     if packet in aten.TF32_MATMUL_PACKETS:
-        if flags.matmul_tf32:
+        if flags.fp32_precision == "tf32":
+            tf32_flags.append("torch.backends.fp32_precision = 'tf32'")
+        elif flags.matmul_fp32_precision == "tf32" and flags.matmul_tf32 is None:
+            tf32_flags.append("torch.backends.cuda.matmul.fp32_precision = 'tf32'")
+        elif flags.matmul_tf32:
             tf32_flags.append("torch.backends.cuda.matmul.allow_tf32 = True")
-        if flags.float32_matmul_precision in ("high", "medium"):
+        elif flags.float32_matmul_precision in ("high", "medium"):
             tf32_flags.append(f"torch.get_float32_matmul_precision() = {flags.float32_matmul_precision!r}")
     if packet in aten.TF32_CONV_PACKETS and flags.cudnn_tf32:
-        tf32_flags.append("torch.backends.cudnn.allow_tf32 = True")
+        tf32_flags.append("torch.backends.cudnn.conv.fp32_precision = 'tf32'" if flags.cudnn_conv_fp32_precision
+                          == "tf32" and flags.fp32_precision == "tf32" else "torch.backends.cudnn.allow_tf32 = True")
     devices = f.devices
     if not (tf32_flags and any(d.startswith("cuda") for d in devices) and "float32" in {r.dtype for r in f.op.inputs()}):
         return None

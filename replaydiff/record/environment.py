@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from replaydiff.rebuild_and_judge import tf32_settings
 from replaydiff.trace.schema.environment import wire_device, wire_environment
 
 _ENV_PREFIXES = ("NCCL_", "TORCH_", "OMP_", "MKL_", "CUDA_", "CUBLAS_", "CUDNN_", "PYTORCH_")
@@ -49,16 +50,16 @@ def environment_snapshot(rank: int, world_size: int) -> dict[str, Any]:
         "num_interop_threads": _safe(torch.get_num_interop_threads),
         "driver": _safe(lambda: torch._C._cuda_getDriverVersion()) if cuda else None,
     }
+    # Every flag read so that it cannot raise: a snapshot that raises switches the whole recording off. TF32 through
+    # whichever of torch's two APIs the job used (tf32_settings), the rest each on its own.
     flags = {  # EnvFlags attributes
-        "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
+        **tf32_settings(),
         "matmul_bf16_reduced": _safe(lambda: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction),
         "matmul_fp16_reduced": _safe(lambda: torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction),
-        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
-        "cudnn_benchmark": torch.backends.cudnn.benchmark,
-        "cudnn_deterministic": torch.backends.cudnn.deterministic,
-        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cudnn_benchmark": _safe(lambda: torch.backends.cudnn.benchmark),
+        "cudnn_deterministic": _safe(lambda: torch.backends.cudnn.deterministic),
+        "deterministic_algorithms": _safe(torch.are_deterministic_algorithms_enabled),
+        "deterministic_warn_only": _safe(torch.is_deterministic_algorithms_warn_only_enabled),
     }
     variables = {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)}
     return wire_environment(scalars, flags, variables, devices)

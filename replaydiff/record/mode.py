@@ -21,7 +21,7 @@ from replaydiff.record.budget import DataBudget
 from replaydiff.record.context import OpContext
 from replaydiff.record.dtensor import note_dtensor_op
 from replaydiff.record.options import RecordOptions
-from replaydiff.record.stats import (DeviceStats, batch_stats, cpu_values, dense, kernel_stats, past_storage,
+from replaydiff.record.stats import (DeviceStats, batch_stats, has_stats, cpu_values, dense, kernel_stats, past_storage,
                                      values_stats)
 from replaydiff.record.storage import StorageTable
 from replaydiff.trace import schema
@@ -70,6 +70,7 @@ class RecorderLike(Protocol):
     def rng_state(self, args: tuple, kwargs: dict) -> tuple[str, int, int, int] | None: ...
     def disable(self, why: str) -> None: ...
     def op_failed(self, func: Any, args: tuple, kwargs: dict, exc: Exception) -> None: ...
+    def warn(self, msg: str) -> None: ...
 
 
 class RecordingMode(TorchDispatchMode):
@@ -102,15 +103,28 @@ class RecordingMode(TorchDispatchMode):
         try:
             pending = rec.before(func, types, args, kwargs)
         except Exception as exc:  # costs this op alone: a stub record says why
-            rec.op_failed(func, args, kwargs, exc)
+            _op_failed(rec, func, args, kwargs, exc)
         out = func(*args, **kwargs)
         if pending is not None:
             try:
                 # a point-to-point collective's work comes back waited and complete (wait_collective says why)
                 out = rec.after(pending, func, args, kwargs, out)
             except Exception as exc:
-                rec.op_failed(func, args, kwargs, exc)
+                _op_failed(rec, func, args, kwargs, exc)
         return out
+
+
+def _op_failed(rec: Any, func: Any, args: tuple, kwargs: dict, exc: Exception) -> None:
+    """The recorder's handling of an op it could not record, which must not fail into the job either: where even
+    that fails, the recording stops (one warning) and the job goes on."""
+    try:
+        rec.op_failed(func, args, kwargs, exc)
+    except Exception as exc2:
+        try:
+            rec.disable(f"{func} could not be recorded ({type(exc).__name__}: {exc}), nor its failure noted "
+                        f"({type(exc2).__name__}: {exc2})")
+        except Exception:
+            rec.active = False
 
 
 if _SKIP_ALL is not None:  # dynamo never compiles the mode's frames nor those they call (see _should_skip_dynamo)
@@ -132,6 +146,7 @@ class OpBuilder:
         self._stat_queue: list[torch.Tensor] = []
         self._stat_refs: dict[tuple, list[dict]] = {}  # tensor key -> the refs waiting for its statistics
         self._stats_seen: dict[tuple, list] = {}
+        self._stats_failures: set[str] = set()  # reasons already said (_stats_failed)
         # CPU tensors without the compiled kernel (stats.kernel_stats measures them in ref() where it builds): a flat
         # copy of the values each (taken as the op sees them), measured a batch at a time (stats.values_stats); each
         # ref holds a list (a "cell") filled in place then. Records wait here until their batch is measured, so that
@@ -289,33 +304,63 @@ class OpBuilder:
         return Snapshot(version, host, itemsize, event, slot=slot)
 
     def flush_stats(self) -> None:
+        """Measure the queued tensors into their refs. Never raises: the queue is taken before anything is computed
+        (a failure cannot leave it to fail again at every later op), and what could not be measured is recorded
+        without statistics, the reason said once (``_stats_failed``)."""
         if not self._stat_queue:
             return
-        defer = getattr(self.rec.writer, "defer", None)
-        if defer is not None and any(t.device.type in _DEFERRED_DEVICES for t in self._stat_queue):
-            self._defer_device_stats(defer)
-            return
-        with _disable_current_modes():
-            stats = batch_stats(self._stat_queue)
-        for (key, refs), s in zip(self._stat_refs.items(), stats):
-            for ref in refs:
-                schema.wire_set_stats(ref, s)
-            self._stats_seen[key] = s
+        queue, pending = self._stat_queue, self._stat_refs
         self._stat_queue, self._stat_refs = [], {}
+        failures: list[str] = []
+        try:
+            defer = getattr(self.rec.writer, "defer", None)
+            if defer is not None and any(t.device.type in _DEFERRED_DEVICES for t in queue):
+                self._defer_device_stats(defer, queue, pending, failures)
+            else:
+                with _disable_current_modes():
+                    stats = batch_stats(queue, failures)
+                for (key, refs), s in zip(pending.items(), stats):
+                    for ref in refs:
+                        schema.wire_set_stats(ref, s)
+                    self._stats_seen[key] = s
+        except Exception as exc:
+            for key, refs in pending.items():
+                for ref in refs:
+                    schema.wire_set_stats(ref, None)
+                self._stats_seen.pop(key, None)
+            failures.append(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}")
+        if failures:
+            self._stats_failed(failures)
         if len(self._stats_seen) > 100_000:
             self._stats_seen.clear()
 
-    def _defer_device_stats(self, defer: Any) -> None:
+    def _stats_failed(self, failures: list[str]) -> None:
+        """Tensors recorded without statistics because torch could not reduce them: said once per reason, in the
+        trace and as the recorder's warning; the op records stand, the job goes on."""
+        for why in failures:
+            if why in self._stats_failures:
+                continue
+            self._stats_failures.add(why)
+            if len(self._stats_failures) > 20:
+                return
+            line = (f"statistics of some tensors could not be computed ({why}); they are recorded without "
+                    f"statistics (op #{self.rec.next_index - 1} on)")
+            try:
+                self.rec.writer.note_lost(line)
+                if len(self._stats_failures) == 1:
+                    self.rec.warn(line)
+            except Exception:  # a closed writer or stderr: the records say it by their missing statistics
+                pass
+
+    def _defer_device_stats(self, defer: Any, queue: list[torch.Tensor], pending: dict, failures: list[str]) -> None:
         """Statistics of device tensors without a synchronisation: reduced on their device, copied to the host
         asynchronously (``stats.DeviceStats``), and written into each ref's cell by the writer thread before it
         encodes the chunk (``RankWriter.defer``). Reading them here (``.tolist()``) would stall the job's stream at
-        every op. Complex tensors (no statistics) and tensors off any device keep the synchronous path."""
-        queue, pending = self._stat_queue, self._stat_refs
-        self._stat_queue, self._stat_refs = [], {}
+        every op. Tensors without statistics and tensors off any device keep the synchronous path."""
         measured, cells = [], []
         host, host_keys = [], []
         for t, (key, refs) in zip(queue, pending.items()):
-            if t.is_complex():
+            if not has_stats(t):
                 for ref in refs:
                     schema.wire_set_stats(ref, None)
                 self._stats_seen[key] = None
@@ -331,7 +376,7 @@ class OpBuilder:
                 cells.append(cell)
         with _disable_current_modes():
             if host:
-                for (key, refs), s in zip(host_keys, batch_stats(host)):
+                for (key, refs), s in zip(host_keys, batch_stats(host, failures)):
                     for ref in refs:
                         schema.wire_set_stats(ref, s)
                     self._stats_seen[key] = s

@@ -412,6 +412,10 @@ class Recorder:
                 self.writer.note_lost(f"{why}; ops from #{self.next_index - 1} on were not recorded")
         self.active = False
 
+    def warn(self, msg: str) -> None:
+        """One warning from the recorder's parts (``OpBuilder``): as ``_warn``."""
+        self._warn(msg)
+
     def _warn(self, msg: str, unmissable: bool = False) -> None:
         """One warning. ``unmissable``: one the job's warning filters must not hide (the recording is off and the
         directory already holds a trace, which a later diff would take for this run's): where they drop it, the

@@ -301,6 +301,26 @@ def _kernel_agrees() -> bool:
     return True
 
 
+# Dtypes with no statistics: packed sub-byte values (no element to convert) besides complex and quantized tensors.
+_PACKED = frozenset(getattr(torch, n) for n in ("float4_e2m1fn_x2", "bits1x8", "bits2x4", "bits4x2", "bits8", "bits16")
+                    if hasattr(torch, n))
+
+
+def has_stats(t: torch.Tensor) -> bool:
+    """Whether a tensor gets statistics at all (complex, quantized and packed sub-byte tensors do not)."""
+    return not (t.is_complex() or t.is_quantized or t.dtype in _PACKED)
+
+
+def _reducible(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in a dtype torch's float64 reductions accept: integers and bool as float64, the 1-byte floats (float8
+    and its kin, which torch refuses to promote) as float32, exactly (every float8 value is a float32 value)."""
+    if not x.dtype.is_floating_point:
+        return x.to(torch.float64)
+    if x.element_size() == 1:
+        return x.to(torch.float32)
+    return x
+
+
 def _finite_stats(x: torch.Tensor) -> list[float]:
     """The slow path, for a tensor holding NaN or Inf: statistics over its finite values plus the counts."""
     x = x.detach().reshape(-1).to(torch.float64)
@@ -316,31 +336,38 @@ def _finite_stats(x: torch.Tensor) -> list[float]:
     return [x.numel(), mean, amax, math.sqrt(ss), max(ss / n - mean * mean, 0.0), nan, inf]
 
 
-def batch_stats(tensors: list[torch.Tensor]) -> list[list[float] | None]:
-    """One ``[numel, mean, absmax, l2, var, nan, inf]`` per tensor (over finite values); None for complex tensors.
+def batch_stats(tensors: list[torch.Tensor], failures: list[str] | None = None) -> list[list[float] | None]:
+    """One ``[numel, mean, absmax, l2, var, nan, inf]`` per tensor (over finite values); None for a tensor without
+    statistics (``has_stats``) and for a group of one device and dtype that torch could not reduce, whose reason is
+    appended to ``failures`` (raised where no list is given).
 
     For device tensors: the L2 norms come from one ``_foreach_norm`` call, min and max from one ``aminmax`` per
     tensor, the sum from one float64 reduction each, and everything reaches the host in one transfer."""
     out: list[list[float] | None] = [None] * len(tensors)
     groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
-        if t.is_complex():
+        if not has_stats(t):
             continue
         if t.numel() == 0:
             out[i] = [0, 0.0, 0.0, 0.0, 0.0, 0, 0]
             continue
         groups.setdefault((t.device, t.dtype), []).append(i)
     for (_, dtype), idx in groups.items():
-        xs = [tensors[i].detach() for i in idx]
-        if not dtype.is_floating_point:
-            xs = [x.to(torch.float64) for x in xs]
-        # Measured on CPU: _foreach_norm(ord=inf) is slow (280 us for ten small tensors), so the absmax comes from
-        # aminmax. The norms accumulate in float64: the variance is derived from them and must not lose the digits.
-        parts = [torch.stack(torch._foreach_norm(xs, 2, dtype=torch.float64))]
-        mins, maxs = zip(*(torch.aminmax(x) for x in xs))
-        parts += [torch.stack(mins).to(torch.float64), torch.stack(maxs).to(torch.float64),
-                  torch.stack([x.sum(dtype=torch.float64) for x in xs])]
-        rows = torch.stack(parts).tolist()
+        try:
+            xs = [_reducible(tensors[i].detach()) for i in idx]
+            # Measured on CPU: _foreach_norm(ord=inf) is slow (280 us for ten small tensors), so the absmax comes
+            # from aminmax. The norms accumulate in float64: the variance is derived from them and must not lose
+            # the digits.
+            parts = [torch.stack(torch._foreach_norm(xs, 2, dtype=torch.float64))]
+            mins, maxs = zip(*(torch.aminmax(x) for x in xs))
+            parts += [torch.stack(mins).to(torch.float64), torch.stack(maxs).to(torch.float64),
+                      torch.stack([x.sum(dtype=torch.float64) for x in xs])]
+            rows = torch.stack(parts).tolist()
+        except Exception as exc:
+            if failures is None:
+                raise
+            failures.append(f"{dtype}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}")
+            continue
         for k, i in enumerate(idx):
             n = tensors[i].numel()
             norm, lo, hi, s = rows[0][k], rows[1][k], rows[2][k], rows[3][k]
@@ -373,7 +400,7 @@ class DeviceStats:
         self.copies: list[tuple[list[int], torch.Tensor, Any]] = []
         groups: dict[tuple, list[int]] = {}
         for i, t in enumerate(tensors):
-            if t.is_complex():
+            if not has_stats(t):
                 continue
             if t.numel() == 0:
                 self.fixed[i] = [0, 0.0, 0.0, 0.0, 0.0, 0, 0]
@@ -382,6 +409,8 @@ class DeviceStats:
         blocks: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
         for (device, dtype), idx in groups.items():
             xs = [tensors[i].detach() for i in idx]
+            if dtype.is_floating_point and dtype.itemsize == 1:  # float8: measured through float32 (exact)
+                xs = [x.to(torch.float32) for x in xs]
             if dtype.is_floating_point:
                 bad = [torch.stack([torch.isnan(x).sum(), torch.isinf(x).sum()]) for x in xs]
                 xs = [torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) for x in xs]

@@ -26,7 +26,19 @@ _FLAG_KEYS = {
     "deterministic_algorithms": "deterministic_algorithms",
     "deterministic_warn_only": "deterministic_warn_only",
     "float32_matmul_precision": "float32_matmul_precision",
+    # torch's newer per-backend TF32 API (torch.backends.fp32_precision and below: "ieee", "tf32", "none"); the
+    # legacy flags above are read through it where the job set it (torch refuses their legacy getters then).
+    "fp32_precision": "fp32_precision",
+    "matmul_fp32_precision": "cuda.matmul.fp32_precision",
+    "cudnn_fp32_precision": "cudnn.fp32_precision",
+    "cudnn_conv_fp32_precision": "cudnn.conv.fp32_precision",
+    "cudnn_rnn_fp32_precision": "cudnn.rnn.fp32_precision",
+    "mkldnn_fp32_precision": "mkldnn.fp32_precision",
+    "mkldnn_matmul_fp32_precision": "mkldnn.matmul.fp32_precision",
 }
+_STRING_FLAGS = {"float32_matmul_precision", "fp32_precision", "matmul_fp32_precision", "cudnn_fp32_precision",
+                 "cudnn_conv_fp32_precision", "cudnn_rnn_fp32_precision", "mkldnn_fp32_precision",
+                 "mkldnn_matmul_fp32_precision"}
 
 
 
@@ -73,12 +85,19 @@ class EnvFlags:
     deterministic_algorithms: bool | None = None
     deterministic_warn_only: bool | None = None
     float32_matmul_precision: str | None = None
+    fp32_precision: str | None = None
+    matmul_fp32_precision: str | None = None
+    cudnn_fp32_precision: str | None = None
+    cudnn_conv_fp32_precision: str | None = None
+    cudnn_rnn_fp32_precision: str | None = None
+    mkldnn_fp32_precision: str | None = None
+    mkldnn_matmul_fp32_precision: str | None = None
     recorded: tuple[tuple[str, Any], ...] = ()  # every flag as recorded (torch's name, value), for display
 
     @classmethod
     def from_wire(cls, d: Any) -> "EnvFlags":
         d = _mapping(d)
-        typed = {a: _typed(d.get(k), str if a == "float32_matmul_precision" else bool) for a, k in _FLAG_KEYS.items()}
+        typed = {a: _typed(d.get(k), str if a in _STRING_FLAGS else bool) for a, k in _FLAG_KEYS.items()}
         return cls(**typed, recorded=tuple((str(k), v) for k, v in d.items()))
 
 
