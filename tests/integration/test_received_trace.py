@@ -2,76 +2,23 @@
 that replay cannot run is never called clean, and its strings are shown (escaped), never obeyed by a terminal."""
 from __future__ import annotations
 
-import importlib
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
+import replay_helpers as rh
 
 import replaydiff
 from replaydiff.cli.main import main
 
-# A module that registers a custom op and, when imported, leaves a mark beside itself: a file shipped with a trace.
-SHIPPED = '''
-import pathlib, torch
-pathlib.Path(__file__).with_name("imported.txt").write_text("ran")
-
-
-@torch.library.custom_op("rdtrust::twice", mutates_args=())
-def twice(x: torch.Tensor) -> torch.Tensor:
-    return x * 2
-
-
-@twice.register_fake
-def _fake(x):
-    return torch.empty_like(x)
-'''
-
-
 @pytest.fixture(scope="module")
 def custom_trace(tmp_path_factory) -> Path:
-    """A trace of a step calling a custom op whose module (rdtrust_shipped) sits in a directory of its own."""
-    home = tmp_path_factory.mktemp("shipped")
-    (home / "rdtrust_shipped.py").write_text(SHIPPED)
-    sys.path.insert(0, str(home))
-    try:
-        mod = importlib.import_module("rdtrust_shipped")
-    finally:
-        sys.path.remove(str(home))
-    path = tmp_path_factory.mktemp("custom") / "trace"
-    with replaydiff.record(path):
-        (mod.twice(torch.randn(4, 3)) @ torch.randn(3, 2)).sum()
-    return path
+    return rh.record_shipped_custom_op(tmp_path_factory.mktemp("shipped"), tmp_path_factory.mktemp("custom") / "t")
 
 
 def _op_index(path: Path, name: str) -> int:
     return next(op.index for op in replaydiff.open_trace(path).rank(0) if op.name == name)
-
-
-def test_repro_imports_no_module_the_trace_names_unless_asked(custom_trace, tmp_path, capsys):
-    index = _op_index(custom_trace, "rdtrust.twice.default")
-    assert main(["repro", str(custom_trace), str(index), "-o", str(tmp_path / "r")]) == 0
-    out = capsys.readouterr().out
-    said = [line for line in out.splitlines() if "custom op" in line]
-    assert len(said) == 1 and "rdtrust_shipped" in said[0] and "--import" in said[0], out
-    # the module the trace names, beside where the user runs the script
-    work = tmp_path / "work"
-    work.mkdir()
-    (work / "rdtrust_shipped.py").write_text(SHIPPED)
-    p = subprocess.run([sys.executable, str(tmp_path / "r" / "repro.py")], cwd=work, capture_output=True, text=True,
-                       timeout=120)
-    assert not (work / "imported.txt").exists(), "the script imported a module named by the trace"
-    assert p.returncode == 4 and p.stdout == "", p.stderr + p.stdout
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--import rdtrust_shipped" in lines[0], p.stderr
-    # with the user's word, the module runs (from the working directory) and the op is judged
-    p = subprocess.run([sys.executable, str(tmp_path / "r" / "repro.py"), "--import", "rdtrust_shipped"], cwd=work,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr + p.stdout
-    assert (work / "imported.txt").exists() and "rdtrust.twice.default" in p.stdout
 
 
 def test_repro_refuses_a_directory_holding_a_module_the_script_would_import(custom_trace, tmp_path, capsys):
@@ -84,3 +31,28 @@ def test_repro_refuses_a_directory_holding_a_module_the_script_would_import(cust
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "torch.py" in err[0], err
     assert sorted(p.name for p in out.iterdir()) == ["torch.py"]
+
+
+def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """replaydiff in a process of its own (one that never imported the trace's custom op module)."""
+    return subprocess.run([sys.executable, "-m", "replaydiff", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=120)
+
+
+def test_an_op_replay_cannot_run_is_not_judged_and_never_clean(custom_trace, tmp_path, capsys, monkeypatch):
+    """The custom op is not registered where replay runs: counted and said, exit 1; benign skips stay benign."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rdtrust_shipped.py").write_text(rh.SHIPPED_MODULE)  # beside the user: still not imported without --import
+    index = _op_index(custom_trace, "rdtrust.twice.default")
+    assert main(["replay", str(custom_trace)]) == 1
+    out = capsys.readouterr().out
+    not_judged = [line for line in out.splitlines() if line.strip().startswith("not judged")]
+    assert len(not_judged) == 1 and f"#{index} (rdtrust.twice.default)" in not_judged[0], out
+    assert "--import rdtrust_shipped" in not_judged[0]
+    assert "no divergent op: every replayed op matches" not in out
+    assert out.splitlines()[-1].startswith("not clean"), out
+    assert not (tmp_path / "imported.txt").exists()
+    # every other op was judged (ok) or benignly skipped: no other op counted as not judged
+    assert main(["replay", str(custom_trace), "--json", "-"]) == 1
+    ops = __import__("json").loads(capsys.readouterr().out)["ops"]
+    assert [o["index"] for o in ops if o.get("unjudged")] == [index]
