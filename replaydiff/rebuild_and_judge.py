@@ -66,6 +66,12 @@ def shown(text: object) -> str:
     return str(text).translate(_SHOWN)
 
 
+def shown_lines(text: str) -> str:
+    """``text`` written for a terminal, each of its lines ``shown``: its own newlines kept, every other control
+    character a visible escape (the last guard of a stream whose lines may hold strings from a trace)."""
+    return "\n".join(shown(part) for part in text.split("\n"))
+
+
 # -- rebuilding a stored tensor (the one definition: trace reader, replayer and this script) ---------------------
 def typed_storage(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A storage's raw bytes (a flat uint8 tensor) as elements of ``dtype``: a view, trailing partial element
