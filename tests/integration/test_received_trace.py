@@ -64,8 +64,8 @@ def test_an_op_replay_cannot_run_is_not_judged_and_never_clean(custom_trace, tmp
 EVIL = "\x1b]0;pwned\x07\x1b[2J\x9b31m\x7f\rFORGED no divergent op\nFORGED line\x85FORGED\u2028FORGED"
 
 
-def _crafted_trace(tmp_path: Path) -> Path:
-    """A recorded step whose module path, source file name and recorded source text carry EVIL: a module named
+def _crafted_trace(tmp_path: Path, name: str = "t", **record: object) -> Path:
+    """Recorded steps whose module path, source file name and recorded source text carry EVIL: a module named
     with it, code in a file whose name holds it, and that file's line holding it in a comment."""
     import importlib.util
 
@@ -82,9 +82,13 @@ def _crafted_trace(tmp_path: Path) -> Path:
     model.add_module(f"blk{EVIL}", nn.Linear(3, 2))
     torch.manual_seed(0)
     x = torch.randn(4, 3)
-    path = tmp_path / "t"
-    with replaydiff.record(path):
-        code.work(model, x)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / name
+    with replaydiff.record(path, steps="1-3", **record):  # three steps: trend has series to show
+        for _ in range(3):
+            code.work(model, x).backward()
+            opt.step()
+            opt.zero_grad()
     return path
 
 
@@ -105,7 +109,7 @@ def test_every_verb_shows_a_trace_strings_escaped(tmp_path, capsys):
         "show --op": ["show", str(path), "--op", str(op.index)],
         "replay": ["replay", str(path), "--json", str(tmp_path / "r.json")],
         "diff": ["diff", str(path), str(path)],
-        "trend": ["trend", str(path)],
+        "trend": ["trend", str(_crafted_trace(tmp_path, "stats", tensors="stats"))],
         "report": ["report", str(path), "--replay", str(tmp_path / "r.json"), "--no-probe"],
     }
     for verb, argv in runs.items():
