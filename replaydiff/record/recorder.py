@@ -78,10 +78,11 @@ class Recorder:
         self._sigterm_installed = False
         self._trace_closed = False
         self._plant = None  # the PlantedFault of options.plant, a mode below the recording mode
-        self._owner: str | None = None  # the token this recording claims its directory with
-        # False: no claim of its own (none made, or another process of this recording made it); True: made, with the
-        # directory; None: made, in a directory that was there
-        self._claimed: bool | None = False
+        # The token of the claim this recorder made on its directory (trace/ownership.py), released at stop(); None
+        # when it made none (not started, or another process of this recording made it). _made_dir: the claim made
+        # the directory, which is removed again if nothing was written into it.
+        self._claim: str | None = None
+        self._made_dir = False
         self._unquiet = no_filter  # undoes the filter of torch's global-hook warning (compiled.quiet_global_hook_warning)
 
     # -- lifecycle --------------------------------------------------------------------------------------------
@@ -91,10 +92,9 @@ class Recorder:
             if self.options.ranks is not None and rank not in self.options.ranks:
                 return self  # not a rank asked for: this process runs untouched (no mode, no directory)
             # The directory is this recording's before anything is written into it (trace/ownership.py)
-            made = not self.path.exists()
-            self._owner = recording_token(world)
-            if claim(self.path, self._owner):
-                self._claimed = made or None  # released at stop(); the directory too if this claim made it
+            made, token = not self.path.exists(), recording_token(world)
+            if claim(self.path, token):
+                self._claim, self._made_dir = token, made
             self.rank_dir = self.path / rank_dir_name(rank)
             if (self.rank_dir / MANIFEST).exists():
                 raise FileExistsError(f"{self.rank_dir} already holds a trace; choose another directory")
@@ -138,15 +138,15 @@ class Recorder:
 
     def _release(self) -> None:
         """End this recording's claim on its directory (trace/ownership.py), if it made the claim."""
-        if self._claimed is False or self._owner is None:
+        if self._claim is None:
             return
-        release(self.path, self._owner)
-        if self._claimed:  # the claim made the directory: removed again when nothing was written into it
+        release(self.path, self._claim)
+        self._claim = None
+        if self._made_dir:  # only if empty: what any process of the recording wrote stays
             try:
                 self.path.rmdir()
             except OSError:
                 pass
-        self._claimed = False
 
     def stop(self) -> None:
         was_active = self.active or self.paused
