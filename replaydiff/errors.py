@@ -47,8 +47,12 @@ EXIT_ENVIRONMENT = ExitCode.ENVIRONMENT
 
 
 def line(message: str, kind: str | None = None) -> str:
-    """One line for stderr: ``replaydiff: MESSAGE`` (``kind``: 'warning', 'error'), with its newline."""
-    return f"replaydiff: {kind + ': ' if kind else ''}{message}\n"
+    """One line for stderr: ``replaydiff: MESSAGE`` (``kind``: 'warning', 'error'), with its newline. The message
+    may hold strings from a trace (an op's name, a module): its control characters and newlines are shown as
+    escapes, so it stays one line and a terminal obeys nothing in it."""
+    from replaydiff.rebuild_and_judge import shown
+
+    return f"replaydiff: {kind + ': ' if kind else ''}{shown(message)}\n"
 
 
 def say(message: str, file: TextIO | None = None) -> None:

@@ -51,6 +51,27 @@ DATA = "repro.json"  # the op's description, next to this script
 INPUTS = "inputs.safetensors"
 
 
+# -- showing a string read from a trace (the one definition: every terminal, report and TUI line, and this script) --
+# Every C0 control (newline, tab and ESC among them), DEL, every C1 control, the line and paragraph separators
+# (``str.splitlines`` splits at them) and the bidirectional overrides: shown as visible escapes, never obeyed.
+_SHOWN = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0))}
+_SHOWN.update({0x0a: "\\n", 0x0d: "\\r", 0x09: "\\t"})
+_SHOWN.update({c: f"\\u{c:04x}" for c in (0x2028, 0x2029, *range(0x202a, 0x202f), *range(0x2066, 0x206a))})
+
+
+def shown(text: object) -> str:
+    """``text`` (a string from a trace: a module path, an op name, a source line) as it may reach a terminal, a
+    Markdown or HTML report or the TUI: each control character as a visible escape (``\\x1b``, ``\\n``), so it
+    is shown, never obeyed, and stays on its one line. JSON keeps the string exact instead."""
+    return str(text).translate(_SHOWN)
+
+
+def shown_lines(text: str) -> str:
+    """``text`` written for a terminal, each of its lines ``shown``: its own newlines kept, every other control
+    character a visible escape (the last guard of a stream whose lines may hold strings from a trace)."""
+    return "\n".join(shown(part) for part in text.split("\n"))
+
+
 # -- rebuilding a stored tensor (the one definition: trace reader, replayer and this script) ---------------------
 def typed_storage(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A storage's raw bytes (a flat uint8 tensor) as elements of ``dtype``: a view, trailing partial element
@@ -670,6 +691,22 @@ class Repro:
         return list(_flat(out)), args, {}
 
 
+def module_name(name: str) -> bool:
+    """Whether ``name`` reads as a Python module's dotted name (and so may be typed after ``--import``)."""
+    return bool(name) and all(part.isidentifier() for part in name.split("."))
+
+
+def op_loaded(name: str) -> bool:
+    """Whether the op ``namespace.packet.overload`` is registered in this process."""
+    ns, _, rest = name.partition(".")
+    packet, _, overload = rest.partition(".")
+    try:
+        getattr(getattr(getattr(torch.ops, ns), packet), overload or "default")
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
 def graph_target(name: str) -> Any:
     """A graph node's target by its name: an aten or prims op, or one of the ``operator`` functions replay allows
     (``graph_operator``). Nothing else is looked up: the graph is data, never code to run."""
@@ -781,9 +818,23 @@ def main(argv: list[str] | None = None, directory: str | None = None) -> int:
     with open(os.path.join(here, DATA), encoding="utf-8") as fh:
         data = json.load(fh)
     name, custom = data["op"], data.get("custom_module")
-    for m in a.imports or ([custom] if custom and name.split(".")[0] != "aten" else []):
-        sys.path.insert(0, os.getcwd())
-        importlib.import_module(m)
+    if a.imports and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # a module the user named may sit here; last, so it shadows nothing installed
+    # Only modules the user named run (--import); torch's own Python-defined ops load from the torch already
+    # imported. A module repro.json names is a string from someone else's trace: said, never imported.
+    for m in a.imports or ([custom] if custom and custom.startswith("torch.") and module_name(custom) else []):
+        try:
+            importlib.import_module(m)
+        except Exception as exc:
+            print(f"repro.py: --import {m}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}",
+                  file=sys.stderr)
+            return 4
+    if data.get("unit") is None and not op_loaded(name):
+        named = (f"the trace names {custom!r} as its module: --import {custom} runs that module's code, if you "
+                 f"trust it" if custom and module_name(custom) else "--import MODULE imports the module defining it")
+        print(f"repro.py: op {name!r} is not registered here (repro.py imports nothing a trace names); {named}",
+              file=sys.stderr)
+        return 4
     with reference_numerics():
         return _report(a.device, data, Repro(data, load_file(os.path.join(here, INPUTS))))
 
@@ -804,14 +855,15 @@ def _report(device: str, data: dict, r: Repro) -> int:
         else:
             mine, why = r.run(device, False, compiled=True), None
     if data.get("planted"):
-        print(f"PLANTED FAULT (record --plant): {data['planted']}")
+        print(f"PLANTED FAULT (record --plant): {shown(data['planted'])}")
     unit = data.get("unit")
     if unit is not None:
-        print(f"unit #{data['index']} {name} (rank {data['rank']}) of {unit['region']}: reference = its graph run "
-              f"eagerly on the CPU at float64; device run = the graph compiled with {unit['backend']} on {device} "
+        print(f"unit #{data['index']} {shown(name)} (rank {data['rank']}) of {shown(unit['region'])}: reference = "
+              f"its graph run eagerly on the CPU at float64; device run = the graph compiled with "
+              f"{shown(unit['backend'])} on {device} "
               f"at the recorded dtypes")
     else:
-        print(f"op #{data['index']} {name} (rank {data['rank']}): reference = CPU at "
+        print(f"op #{data['index']} {shown(name)} (rank {data['rank']}): reference = CPU at "
               f"{'the recorded dtypes from the recorded generator state' if r.random else 'float64'}; "
               f"device run = {device} at the recorded dtypes")
     failed = False

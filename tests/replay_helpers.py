@@ -257,3 +257,33 @@ def faulty_gelu_pass(monkeypatch) -> None:
         return nop(gm, example_inputs)
 
     monkeypatch.setattr(dbg, "boxed_nop", faulty)
+
+
+# A module that registers a custom op and, when imported, leaves a mark beside itself: a file shipped with a trace.
+SHIPPED_MODULE = textwrap.dedent('''
+    import pathlib, torch
+    pathlib.Path(__file__).with_name("imported.txt").write_text("ran")
+
+
+    @torch.library.custom_op("rdtrust::twice", mutates_args=())
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+    @twice.register_fake
+    def _fake(x):
+        return torch.empty_like(x)
+''')
+
+
+def record_shipped_custom_op(home: Path, path: Path) -> Path:
+    """A trace at ``path`` of a step calling rdtrust::twice, whose module (rdtrust_shipped) is written to ``home``;
+    recorded in a process of its own, so that the op is not registered in this one (as where a received trace is
+    opened)."""
+    (home / "rdtrust_shipped.py").write_text(SHIPPED_MODULE)
+    step = ("import torch, replaydiff, rdtrust_shipped as m\n"
+            f"with replaydiff.record({str(path)!r}):\n"
+            "    (m.twice(torch.randn(4, 3)) @ torch.randn(3, 2)).sum()\n")
+    p = subprocess.run([sys.executable, "-c", step], cwd=home, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return path

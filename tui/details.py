@@ -9,6 +9,7 @@ import math
 from typing import Any, Callable
 
 from replaydiff.compare.verdict import output_said
+from replaydiff.rebuild_and_judge import shown
 from replaydiff.diff.parallel import MappedOp
 from replaydiff.replay.engine import trace_uses
 from replaydiff.report.text import origin_how, record_again
@@ -23,8 +24,9 @@ MAX_LINKS = 6
 
 
 def esc(text: Any) -> str:
-    """Escape text for Textual markup."""
-    return str(text).replace("\\", "\\\\").replace("[", "\\[")
+    """Text (a string from a trace) for Textual markup: its control characters and newlines ``shown`` as visible
+    escapes, then markup escaped."""
+    return shown(text).replace("\\", "\\\\").replace("[", "\\[")
 
 
 def is_tensor_ref(x: Any) -> bool:
@@ -113,9 +115,9 @@ def tensor_line(ref: Any) -> str:
 
 
 def source_context(trace: Any, op: Any, around: int = 2) -> list[str]:
-    """The op's source line with ``around`` lines either side. When the file on disk is no longer the one recorded,
-    a warning, the recorded text, and today's code around where that text is now (or around the old number, with
-    nothing marked); when no file is here, the recorded text alone."""
+    """The op's source line as the trace recorded it, with a warning when the file here is no longer the one
+    recorded. Only the trace's own text is shown: a file on this disk that the trace names is never displayed.
+    (``around``: kept for callers; no lines of today's file are shown around it.)"""
     try:
         line = trace.source_line(op)
     except Exception:
@@ -125,20 +127,9 @@ def source_context(trace: Any, op: Any, around: int = 2) -> list[str]:
     out = []
     warning = line.warning()
     if warning:
-        out.append(f"[bold yellow]! {esc(warning)}[/]")
-    if line.recorded is not None and (line.changed or line.path is None):
-        out.append(f"[bold]>{line.line:5d} │ {esc(line.recorded)}[/]  [dim](as recorded)[/]")
-        if line.path is None:
-            return out
-    lines = line.lines
-    mark = line.moved_to if line.changed else line.line
-    centre = mark or line.line
-    lo, hi = max(1, centre - around), min(len(lines), centre + around)
-    if line.changed and lo <= hi:
-        out.append("[dim]today's file:[/]")
-    for k in range(lo, hi + 1):
-        text = esc(lines[k - 1].rstrip())
-        out.append((f"[bold]>[/]{k:5d} │ [bold]{text}[/]") if k == mark else f" {k:5d} │ [dim]{text}[/]")
+        out.append(f"[bold yellow]! {esc(shown(warning))}[/]")
+    if line.recorded is not None:
+        out.append(f"[bold]>{line.line:5d} │ {esc(shown(line.recorded))}[/]  [dim](as recorded)[/]")
     return out
 
 

@@ -6,10 +6,12 @@ interrupted); each verb's --help lists them all with what each means for it. A t
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 import textwrap
 import traceback
+from typing import TextIO
 
 from replaydiff import __version__
 from replaydiff.errors import ExitCode, ReplaydiffError, fail, say
@@ -67,6 +69,48 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "verb", None):
         parser.print_help(sys.stderr)
         return ExitCode.USAGE
+    guard = args.verb not in _OWN_TERMINAL
+    out = sys.stdout
+    if guard:  # whatever a verb writes, no control character of a trace string reaches the terminal raw
+        sys.stdout = ShownStream(out)
+    try:
+        return _run(args)
+    finally:
+        if guard:
+            sys.stdout = out
+
+
+_OWN_TERMINAL = ("tui",)  # verbs that draw on the terminal themselves (escape sequences are their output)
+
+
+class ShownStream(io.TextIOBase):
+    """Standard output for a verb: each write's lines ``shown`` (their own newlines kept), the rest as the stream.
+    The renderers escape each trace string where they place it (newlines included); this is the last guard."""
+
+    def __init__(self, stream: TextIO) -> None:
+        from replaydiff.rebuild_and_judge import shown_lines  # torch comes with it: imported once a verb runs
+
+        self._stream, self._shown = stream, shown_lines
+
+    def write(self, text: str) -> int:
+        self._stream.write(self._shown(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._stream, "encoding", "utf-8")
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if isinstance(getattr(args, "json", None), str):  # --json FILE of any verb: refused before the work
             from replaydiff.cli.progress import check_json_dest

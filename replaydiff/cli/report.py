@@ -40,6 +40,7 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from replaydiff.health import build_health
+    from replaydiff.rebuild_and_judge import shown_lines
     from replaydiff.report.health import render_html, render_markdown
     from replaydiff.replay.result import check_replay_of
     from replaydiff.report.json_report import load_replay_json
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     buf = io.StringIO()
     (render_html if fmt == "html" else render_markdown)(health, buf)
     if args.out:
-        Path(args.out).write_text(buf.getvalue())
+        Path(args.out).write_text(shown_lines(buf.getvalue()))  # the file is read on a terminal too: guarded alike
         say(f"wrote {args.out}")
     else:
         sys.stdout.write(buf.getvalue())

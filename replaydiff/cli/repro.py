@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from replaydiff.errors import ExitCode, UsageError, warn
+from replaydiff.rebuild_and_judge import shown
 from replaydiff.trace import open_trace
 
 NAME = "repro"
@@ -40,4 +41,8 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write(f"wrote {files.script}, {files.data} and {files.inputs} ({files.nbytes} bytes of tensor data). "
                      f"Run:\n"
                      f"  python {files.script} [--device cuda]\n")
+    if done.custom_module is not None:
+        sys.stdout.write(f"{shown(done.op_name)} is a custom op: the trace says module {shown(done.custom_module)} "
+                         f"defines it; repro.py imports nothing a trace names, so pass --import MODULE (the module "
+                         f"is then run: only one you trust)\n")
     return ExitCode.OK

@@ -26,8 +26,10 @@ from replaydiff.errors import EXIT_USAGE, ReplaydiffError, UsageError
 from replaydiff.record.filter_check import unmatched_filter
 from replaydiff.record.options import RecordOptions
 from replaydiff.record.child_arming import ENV_VAR
+from replaydiff.record.owner_token import OWNER_KEY, new_token
 from replaydiff.record.step_range import StepRange
 from replaydiff.trace import open_trace
+from replaydiff.trace.ownership import OWNER, DirectoryHeld, NotWritable, claim, owns, release
 from replaydiff.trace.removal import NotReplaceable, remove_trace, replaceable_files
 from replaydiff.trace.schema import LEFT_OUT_BUDGET, LeftOut, PlantedFaultInfo
 from replaydiff.trace.summary import trace_uses
@@ -121,11 +123,11 @@ def remove_empty(dirs: list[Path]) -> None:
 
 
 def prepare_out(out: Path, shown: str, force: bool) -> None:
-    """Make the trace directory ``out`` (``shown``: as the user typed it); one that holds a trace is replaced only
-    with ``force``, and anything else is refused."""
+    """Make the trace directory ``out`` (``shown``: as the user typed it), claimed by this recording already; one
+    that holds a trace is replaced only with ``force``, and anything else is refused."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"-o {shown} is not a directory (a file is there); a trace is a directory")
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and any(p.name != OWNER for p in out.iterdir()):
         if not force:
             try:  # offer --force only where it would replace what is there
                 replaceable_files(shown)
@@ -137,31 +139,54 @@ def prepare_out(out: Path, shown: str, force: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def claim_out(out: Path, shown: str, token: str) -> None:
+    """Take ``out`` for this recording before anything is written or the job starts: UsageError, one line, when
+    another recording holds it or it cannot be written (a read-only file system, a file in the way)."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"-o {shown} is not a directory (a file is there); a trace is a directory")
+    try:
+        claim(out, token)
+    except (DirectoryHeld, NotWritable) as exc:
+        raise UsageError(f"-o {shown}: {exc}") from None
+
+
 def record_command(cmd: list[str], out: Path, shown: str, step: int, options: RecordOptions,
                    force: bool = False) -> RecordingOutcome:
     """Record ``cmd`` into ``out`` (``shown``: as the user typed it) and say what became of it."""
     made = missing_dirs(out)  # removed again if nothing is recorded into them
-    prepare_out(out, shown, force)
-    missed_why: list[str] = []
+    token = new_token()
     try:
-        code, steps_run, job_ranks = run_recorded(cmd, out, step, options, missed=missed_why)
+        claim_out(out, shown, token)
     except UsageError:
         remove_empty(made)
         raise
+    try:
+        return _record_claimed(cmd, out, shown, step, options, force, token, made)
+    finally:
+        release(out, token)
+        if made and out.is_dir() and not any(out.iterdir()):  # nothing recorded into directories this run made
+            remove_empty(made)
+
+
+def _record_claimed(cmd: list[str], out: Path, shown: str, step: int, options: RecordOptions, force: bool,
+                    token: str, made: list[Path]) -> RecordingOutcome:
+    prepare_out(out, shown, force)
+    missed_why: list[str] = []
+    code, steps_run, job_ranks = run_recorded(cmd, out, step, options, missed=missed_why, owner=token)
+    # Only this recording writes here while it holds the directory: the rank directories are its own
     ranks = sorted(p.name for p in out.iterdir() if p.is_dir() and p.name.startswith("rank"))
     asked = StepRange.parse(options.steps) if options.steps else StepRange(step, step)
     done, missed = reached(asked, steps_run) if ranks and not options.flight else ([], [])
-    if ranks and not done and missed and not code:
+    if ranks and not done and missed and not code and owns(out, token):
         # The recorder began the first step asked for after the script's last one, and the script ended: what it
-        # holds is the tail of the script after its last step, not a step. It was written by this run: removed, as
-        # when the step is never begun.
+        # holds is the tail of the script after its last step, not a step. It was written by this run (the marker
+        # says so): removed, as when the step is never begun.
         try:
             remove_trace(out)
             ranks = []
         except UsageError:
             pass
     if not ranks:
-        remove_empty(made)
         return RecordingOutcome(options, step, code, steps_run, job_ranks, ranks,
                                 not_recorded=missed_why[0] if missed_why else None)
     return RecordingOutcome(options, step, code, steps_run, job_ranks, ranks, done, missed,
@@ -251,16 +276,19 @@ def reached(asked: StepRange, steps_run: int | None) -> tuple[list[int], list[in
     return [s for s in chosen if s <= steps_run], [s for s in chosen if s > steps_run]
 
 
-def run_recorded(cmd: list[str], out: Path, step: int, options: RecordOptions,
-                 stdout: int | None = None, missed: list[str] | None = None) -> tuple[int, int | None, list[int]]:
+def run_recorded(cmd: list[str], out: Path, step: int, options: RecordOptions, stdout: int | None = None,
+                 missed: list[str] | None = None, owner: str | None = None) -> tuple[int, int | None, list[int]]:
     """Run the command with the step hook armed to record into ``out``: its exit code (a signal as 128+N), the
     most optimizer steps a process of it ran and the ranks its processes had (``_reports``). ``stdout``: a file
     descriptor for the command's standard output (None: ours). ``missed``: gets why a process recorded nothing of a
-    step it ran (step 1 with no module call), as the processes said it."""
+    step it ran (step 1 with no module call), as the processes said it. ``owner``: the token of this recording's
+    claim on ``out``, which the job's processes join."""
     env = dict(os.environ)
     status = tempfile.mkdtemp(prefix="replaydiff-record-")  # each process of the job says how many steps it ran
-    env[ENV_VAR] = json.dumps({"out": str(out), "step": step, "options": options.to_json(), "status": status,
-                               "command": list(cmd)})
+    armed = {"out": str(out), "step": step, "options": options.to_json(), "status": status, "command": list(cmd)}
+    if owner is not None:  # the job's processes share this recording's claim on ``out``
+        armed[OWNER_KEY] = owner
+    env[ENV_VAR] = json.dumps(armed)
     autostart = str(Path(__file__).resolve().parent / "autostart")
     env["PYTHONPATH"] = os.pathsep.join([autostart] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     try:

@@ -27,11 +27,13 @@ from replaydiff.record.flight import FlightBuffer
 from replaydiff.record.mode import OpBuilder, RecordingMode, record_after, record_before
 from replaydiff.record.module_stats import ModuleStatsHooks
 from replaydiff.record.options import RecordOptions
+from replaydiff.record.owner_token import recording_token
 from replaydiff.record.storage import StorageTable
 from replaydiff.record.unit_capture import CapturingMode, UnitCapture, boundary_backward
 from replaydiff.trace import schema
 from replaydiff.trace.codec import tensor_bytes_view
 from replaydiff.trace.format import MANIFEST, rank_dir_name
+from replaydiff.trace.ownership import DirectoryHeld, NotWritable, claim, release
 from replaydiff.trace.schema import wire_closing_facts, wire_manifest
 from replaydiff.trace.writer import RankWriter, Snapshot
 
@@ -76,6 +78,11 @@ class Recorder:
         self._sigterm_installed = False
         self._trace_closed = False
         self._plant = None  # the PlantedFault of options.plant, a mode below the recording mode
+        # The token of the claim this recorder made on its directory (trace/ownership.py), released at stop(); None
+        # when it made none (not started, or another process of this recording made it). _made_dir: the claim made
+        # the directory, which is removed again if nothing was written into it.
+        self._claim: str | None = None
+        self._made_dir = False
         self._unquiet = no_filter  # undoes the filter of torch's global-hook warning (compiled.quiet_global_hook_warning)
 
     # -- lifecycle --------------------------------------------------------------------------------------------
@@ -84,6 +91,10 @@ class Recorder:
             rank, world = current_rank()
             if self.options.ranks is not None and rank not in self.options.ranks:
                 return self  # not a rank asked for: this process runs untouched (no mode, no directory)
+            # The directory is this recording's before anything is written into it (trace/ownership.py)
+            made, token = not self.path.exists(), recording_token(world)
+            if claim(self.path, token):
+                self._claim, self._made_dir = token, made
             self.rank_dir = self.path / rank_dir_name(rank)
             if (self.rank_dir / MANIFEST).exists():
                 raise FileExistsError(f"{self.rank_dir} already holds a trace; choose another directory")
@@ -114,14 +125,28 @@ class Recorder:
             self.active = True
             self._install_sigterm()
         except Exception as exc:
-            why = f"recording is off: {type(exc).__name__}: {exc}"
+            own = isinstance(exc, (DirectoryHeld, NotWritable))  # their message names the directory and why
+            why = f"recording is off: {exc}" if own else f"recording is off: {type(exc).__name__}: {exc}"
             # nothing is recorded at all; where a trace is already there, it would be taken for this run's
-            self._warn(why, unmissable=isinstance(exc, FileExistsError))
+            self._warn(why, unmissable=own or isinstance(exc, FileExistsError))
             self._teardown()
             if self.writer is not None:  # opened before the failure: finish it now, so its thread ends with it
                 self._disabled_reason = why
                 self._close_trace()
+            self._release()
         return self
+
+    def _release(self) -> None:
+        """End this recording's claim on its directory (trace/ownership.py), if it made the claim."""
+        if self._claim is None:
+            return
+        release(self.path, self._claim)
+        self._claim = None
+        if self._made_dir:  # only if empty: what any process of the recording wrote stays
+            try:
+                self.path.rmdir()
+            except OSError:
+                pass
 
     def stop(self) -> None:
         was_active = self.active or self.paused
@@ -130,6 +155,7 @@ class Recorder:
         self.flush_pending()
         if self.writer is not None and (was_active or self._disabled_reason):
             self._close_trace()
+        self._release()
         self.storages.clear()
 
     def _close_trace(self) -> None:

@@ -6,14 +6,16 @@ from __future__ import annotations
 import math
 
 from replaydiff.compare.verdict import output_said
+from replaydiff.rebuild_and_judge import shown
 from replaydiff.replay.result import NonfiniteInput, OpResult
 
 
 def op_line(r: OpResult) -> str:
     # A backward op's own source line is the backward() call; the forward op's line says which code it is.
     source = r.forward_source if (r.phase == "backward" and r.forward_source) else r.source
-    where = "  ".join(x for x in (r.module or "no module", f"({r.phase})" if r.phase else "", source or "") if x)
-    return f"#{r.index} {r.op}  {where}".rstrip()
+    where = "  ".join(shown(x) for x in (r.module or "no module", f"({r.phase})" if r.phase else "", source or "")
+                      if x)
+    return f"#{r.index} {shown(r.op)}  {where}".rstrip()
 
 
 def argument_text(held: NonfiniteInput) -> str:
@@ -24,7 +26,7 @@ def argument_text(held: NonfiniteInput) -> str:
 
 def planted_line(planted: list[str]) -> str:
     """The first line of every report on a trace with a planted fault: its culprit is there on purpose."""
-    return "PLANTED FAULT (record --plant): " + "; ".join(planted)
+    return "PLANTED FAULT (record --plant): " + shown("; ".join(planted))
 
 
 def severity_text(r: OpResult) -> str:

@@ -10,6 +10,7 @@ from typing import TextIO
 from replaydiff.compare.verdict import output_said
 from replaydiff.diff.parallel import Departure
 from replaydiff.diff.result import DiffReport, PairResult, PairStatus, RankDiff, Unaligned, UnitPair
+from replaydiff.rebuild_and_judge import shown
 from replaydiff.report.text import planted_line
 
 
@@ -20,8 +21,8 @@ def _value(v: object) -> str:
 def pair_line(p: PairResult) -> str:
     # A backward op's own source line is the backward() call; the forward op's line says which code it is.
     source = p.forward_source if (p.phase == "backward" and p.forward_source) else p.source
-    where = "  ".join(x for x in (p.module or "", f"({p.phase})" if p.phase else "", source or "") if x)
-    return f"ref #{p.ref} / target #{p.target} {p.op}  {where}".rstrip()
+    where = "  ".join(shown(x) for x in (p.module or "", f"({p.phase})" if p.phase else "", source or "") if x)
+    return f"ref #{p.ref} / target #{p.target} {shown(p.op)}  {where}".rstrip()
 
 
 def pair_metrics(p: PairResult) -> str:
@@ -50,7 +51,7 @@ def _unaligned_line(u: Unaligned) -> str:
     more = len(set(u.names)) - len(names)
     what = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in names) + (f", +{more} more" if more > 0 else "")
     span = f"#{u.first}" if u.first == u.last else f"#{u.first}-#{u.last}"
-    where = "  ".join(x for x in (u.module or "", f"({u.phase})" if u.phase else "") if x)
+    where = "  ".join(shown(x) for x in (u.module or "", f"({u.phase})" if u.phase else "") if x)
     return f"{u.side + ' only':<12}{span:<13}{len(u.ops):>4} op(s)  {what}  {where}".rstrip()
 
 
@@ -59,7 +60,7 @@ def unit_line(u: UnitPair) -> str:
     other = "ref" if u.side == "target" else "target"
     span = f"#{u.eager[0]}" if len(u.eager) == 1 else f"#{u.eager[0]}-#{u.eager[-1]}"
     where = "  ".join(x for x in (u.region or "", u.backend or "", f"({u.phase})" if u.phase else "") if x)
-    return (f"compiled unit {u.side} #{u.unit} {u.op}  {where}, against {other} ops {span} "
+    return (f"compiled unit {u.side} #{u.unit} {shown(u.op)}  {where}, against {other} ops {span} "
             f"({u.matched} of {u.nodes} nodes mapped): {u.status}")
 
 
@@ -203,7 +204,8 @@ def render_diff(report: DiffReport, out: TextIO, max_listed: int = 10) -> None:
 
 
 def _parallel_op_line(op) -> str:
-    where = "  ".join(x for x in (op.module or "", f"({op.phase})" if op.phase else "", op.source or "") if x)
+    where = "  ".join(shown(x) for x in (op.module or "", f"({op.phase})" if op.phase else "", op.source or "")
+                      if x)
     if len(op.ranks) == 1:
         ranks = f"rank {op.ranks[0]} #{op.targets[0]}"
     elif op.ranks:
@@ -211,7 +213,7 @@ def _parallel_op_line(op) -> str:
     else:
         ranks = "ranks " + "/".join(f"#{t}" for t in op.targets)
     ref = f"ref #{op.ref}" if op.ref_rank is None else f"ref rank {op.ref_rank} #{op.ref}"
-    return f"{ref} / {ranks} {op.name}  {where}".rstrip()
+    return f"{ref} / {ranks} {shown(op.name)}  {where}".rstrip()
 
 
 def render_parallel(pd, out: TextIO, partial: bool = False) -> None:

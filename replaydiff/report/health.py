@@ -1,5 +1,6 @@
 """Rendering a health report (``replaydiff.health.HealthReport``): Markdown, and one self-contained HTML file (inline
-CSS and an inline SVG plot of the error along the op sequence). They read the report and nothing else."""
+CSS and an inline SVG plot of the error along the op sequence). They read the report and nothing else. Every string
+from the trace is ``shown`` (control characters and newlines as visible escapes) in both."""
 from __future__ import annotations
 
 import html
@@ -7,6 +8,7 @@ import math
 from typing import Any, TextIO
 
 from replaydiff.health import TOP, Check, HealthReport
+from replaydiff.rebuild_and_judge import shown
 from replaydiff.replay.describe import figure_text, metrics_line, planted_line
 from replaydiff.replay.result import OpResult
 from replaydiff.trace.schema import Environment
@@ -21,7 +23,7 @@ def _title(h: HealthReport) -> list[str]:
 
 
 def _row(cells: list[str]) -> str:
-    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |\n"
+    return "| " + " | ".join(shown(c).replace("|", "\\|") for c in cells) + " |\n"
 
 
 def _passed(c: Check) -> str:
@@ -31,14 +33,14 @@ def _passed(c: Check) -> str:
 def render_markdown(h: HealthReport, out: TextIO) -> None:
     title = _title(h)
     if h.planted:
-        out.write(f"**{title[0]}**\n\n" + "".join(f"{note}\n\n" for note in h.plant_notes))
-    out.write(f"# {title[-1]}\n\n")
+        out.write(f"**{shown(title[0])}**\n\n" + "".join(f"{shown(note)}\n\n" for note in h.plant_notes))
+    out.write(f"# {shown(title[-1])}\n\n")
     o = h.options
     out.write(f"Replayed on {o.get('device')} at {o.get('precision')}"
               + (f", reference {o['reference']}" if o.get("reference") else "") + ": "
               + ", ".join(f"{n} {s}" for s, n in h.counts.items()) + "\n\n")
     for w in h.warnings:
-        out.write(f"- warning: {w}\n")
+        out.write(f"- warning: {shown(w)}\n")
     out.write("## Checks\n\n" + _row(["check", "measured", "limit", "result"]) + _row(["---"] * 4))
     for c in h.checks:
         out.write(_row([c.what, c.measured, c.limit, _passed(c)]))
@@ -47,9 +49,9 @@ def render_markdown(h: HealthReport, out: TextIO) -> None:
         out.write("No divergent or nondeterministic op.\n")
     else:
         r = h.culprit
-        out.write(f"{h.culprit_kind}: **#{r.index} {r.op}**" + (f" (rank {r.rank})" if r.rank else "") + "\n\n")
+        out.write(f"{h.culprit_kind}: **#{r.index} {shown(r.op)}**" + (f" (rank {r.rank})" if r.rank else "") + "\n\n")
         for k, v in _culprit_fields(r):
-            out.write(f"- {k}: {v}\n")
+            out.write(f"- {k}: {shown(v)}\n")
     out.write(f"\n## The {TOP} ops with the largest error / limit\n\n")
     out.write(_row(["op", "name", "module", "phase", "status", "error / limit", "detail"]) + _row(["---"] * 7))
     for r, e in h.top:
@@ -64,12 +66,12 @@ def render_markdown(h: HealthReport, out: TextIO) -> None:
     if not h.causes:
         out.write("None with evidence in this trace and replay.\n")
     for c in h.causes:
-        out.write(f"### {c.title}\n\nEvidence:\n\n" + "".join(f"- {e}\n" for e in c.evidence)
-                  + f"\nRemedy: {c.remedy}\n\n")
+        out.write(f"### {shown(c.title)}\n\nEvidence:\n\n" + "".join(f"- {shown(e)}\n" for e in c.evidence)
+                  + f"\nRemedy: {shown(c.remedy)}\n\n")
     out.write("\n## Environment" + (f" (rank {h.environment_rank})" if h.environment_rank is not None else "")
               + "\n\n")
     for k, v in _environment_rows(h.environment):
-        out.write(f"- {k}: {v}\n")
+        out.write(f"- {shown(k)}: {shown(v)}\n")
 
 
 def _detail(r: OpResult) -> str:
@@ -110,7 +112,7 @@ border:2px solid #b00;padding:.5em;font-weight:bold}code{background:#f6f6f6}svg{
 
 
 def _esc(x: Any) -> str:
-    return html.escape(str(x))
+    return html.escape(shown(x))
 
 
 def _table(head: list[str], rows: list[list[str]], classes: list[str] | None = None) -> str:

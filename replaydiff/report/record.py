@@ -54,7 +54,9 @@ def render_text(o: RecordingOutcome, out: TextIO, shown: str, budget: str | None
                   f"{shown} ({n} rank(s)) holds the ops recorded before that, not all of {what}."
     else:
         summary = f"{recorded} into {shown} ({n} rank(s))" + (f", but then the command {ended(code)}." if code else ".")
-    say(f"{summary}{note} " + next_commands(o, shown).rstrip("\n"), out)
+    head, _, commands = next_commands(o, shown).partition("\n")  # a say() is one line; the commands follow it
+    say(f"{summary}{note} {head}", out)
+    out.write(commands)
     if o.unmatched_filter is not None:  # a --module typo, said last
         warn(o.unmatched_filter, out)
     if not o.interrupted:  # that line gave the exit code already

@@ -6,6 +6,7 @@ import json
 from typing import Any, TextIO
 
 from replaydiff.errors import say
+from replaydiff.rebuild_and_judge import shown
 from replaydiff.record.budget import format_bytes as _human
 from replaydiff.trace import OpRecord, TensorRef, describe_missing
 from replaydiff.trace.damage import MissingOps
@@ -63,44 +64,44 @@ def render_text(summary: ShowSummary, out: TextIO) -> None:
     total = sum(s.bytes_on_disk for s in summaries)
     planted = [s.planted.describe() for s in summaries if s.planted is not None]
     if planted:  # the first line of every report on such a trace
-        out.write("PLANTED FAULT (record --plant): " + "; ".join(planted) + "\n")
-    out.write(f"trace {path}: {len(summaries)} rank(s), {sum(s.ops for s in summaries)} ops, "
+        out.write("PLANTED FAULT (record --plant): " + shown("; ".join(planted)) + "\n")
+    out.write(f"trace {shown(path)}: {len(summaries)} rank(s), {sum(s.ops for s in summaries)} ops, "
               f"{_human(total)} on disk\n")
     for s in summaries:
         state = _state(s)
-        phases = ", ".join(f"{k} {v}" for k, v in sorted(s.phases.items()))
+        phases = ", ".join(f"{shown(k)} {v}" for k, v in sorted(s.phases.items()))
         out.write(f"\nrank {s.rank}: {s.ops} ops ({state}; tensors={s.tensors}; "
                   f"{_human(s.bytes_on_disk)})\n  phases: {phases}\n  most frequent of {s.distinct_ops} "
                   f"distinct ops:\n")
         for name, n in s.most_frequent:
-            out.write(f"    {n:>6}  {name}\n")
+            out.write(f"    {n:>6}  {shown(name)}\n")
         if s.budget:
             out.write(f"  budget: {_human(s.budget)} (record --budget)\n")
         for x in s.left_out:
-            out.write(f"  LEFT OUT: {x.describe()}\n")
+            out.write(f"  LEFT OUT: {shown(x.describe())}\n")
         for lost in s.lost:
-            out.write(f"  LOST: {lost}\n")
+            out.write(f"  LOST: {shown(lost)}\n")
         for c in s.compiled:
             units = " as compiled units" if c.units else ""
-            out.write(f"  COMPILED: {c.region} ran {c.how}{units} ({c.calls} call(s))\n")
+            out.write(f"  COMPILED: {shown(c.region)} ran {shown(c.how)}{units} ({c.calls} call(s))\n")
     env = summaries[0].environment if summaries else Environment()
-    out.write(f"\nenvironment (rank {summaries[0].rank if summaries else 0}): torch {env.torch}, "
-              f"cuda {env.cuda}, cudnn {env.cudnn}, nccl {env.nccl}, "
-              f"host {env.hostname}, world size {env.world_size}, threads {env.num_threads}\n")
+    out.write("\n" + shown(f"environment (rank {summaries[0].rank if summaries else 0}): torch {env.torch}, "
+                    f"cuda {env.cuda}, cudnn {env.cudnn}, nccl {env.nccl}, "
+                    f"host {env.hostname}, world size {env.world_size}, threads {env.num_threads}") + "\n")
     for d in env.devices:
-        out.write(f"  device {d.index}: {d.name} (capability {list(d.capability)})\n")
-    out.write("  flags: " + ", ".join(f"{k}={v}" for k, v in env.flags.recorded) + "\n")
+        out.write(f"  device {d.index}: {shown(d.name)} (capability {list(d.capability)})\n")
+    out.write("  flags: " + shown(", ".join(f"{k}={v}" for k, v in env.flags.recorded)) + "\n")
     variables = env.variables
     if variables:
-        out.write("  variables: " + ", ".join(f"{k}={v}" for k, v in variables.items()) + "\n")
+        out.write("  variables: " + shown(", ".join(f"{k}={v}" for k, v in variables.items())) + "\n")
     render_hang(summary.groups, summary.progress, out)
 
 
 def _op_brief(op: OpRecord | None) -> str:
     if op is None:
         return "none"
-    where = "  ".join(x for x in (op.module or "", f"({op.phase})" if op.phase else "", op.source or "") if x)
-    return f"#{op.index} {op.name}  {where}".rstrip()
+    where = "  ".join(shown(x) for x in (op.module or "", f"({op.phase})" if op.phase else "", op.source or "") if x)
+    return f"#{op.index} {shown(op.name)}  {where}".rstrip()
 
 
 def render_hang(groups: list[GroupArrival], ranks: list[RankProgress], out: TextIO) -> None:
@@ -111,13 +112,14 @@ def render_hang(groups: list[GroupArrival], ranks: list[RankProgress], out: Text
     out.write("\ncollectives not completed by every rank:\n")
     for g in groups:
         waiting = "".join(f"; rank {r} waiting in op #{i}" for r, i in sorted(g.waiting.items()))
-        out.write(f"  group {g.group_name} ranks {list(g.ranks)}: collective #{g.call} of the group ({g.op}): "
+        out.write(f"  group {shown(g.group_name)} ranks {list(g.ranks)}: collective #{g.call} of the group "
+                  f"({shown(g.op)}): "
                   f"entered by ranks {g.entered}, never by ranks {g.never}{waiting}\n")
         if g.not_in_trace:
             out.write(f"    ranks {g.not_in_trace} of the group have no trace here\n")
     for p in ranks:
         state = "recording finished" if p.complete else "recording cut short"
-        inside = f"; inside collective op #{p.entered.index} {p.entered.name}" if p.entered is not None else ""
+        inside = f"; inside collective op #{p.entered.index} {shown(p.entered.name)}" if p.entered is not None else ""
         out.write(f"  rank {p.rank}: last completed op {_op_brief(p.last_op)} ({state}){inside}\n")
 
 
@@ -138,7 +140,7 @@ def _tensor_text(ref: TensorRef, producer: int | None = None, consumers: list[in
         s += f"  <- op #{producer}" if producer is not None else "  <- from outside the trace"
     if consumers:
         s += "  -> ops " + ", ".join(f"#{c}" for c in consumers[:8]) + (" ..." if len(consumers) > 8 else "")
-    return s
+    return shown(s)
 
 
 class _Positions:
@@ -166,35 +168,36 @@ def render_op(d: OpDetail, out: TextIO) -> None:
     """``show --op N``: the op record whole, each tensor with the op that wrote it or the ops that read it."""
     op = d.op
     if d.planted is not None:
-        out.write(f"PLANTED FAULT (record --plant): {d.planted.describe()}\n")
-    out.write(f"op #{op.index} {op.name}  rank {d.rank}\n")
+        out.write(f"PLANTED FAULT (record --plant): {shown(d.planted.describe())}\n")
+    out.write(f"op #{op.index} {shown(op.name)}  rank {d.rank}\n")
     if not op.recorded:
-        out.write(f"  not recorded: {op.not_recorded_reason}\n")
-    out.write(f"  phase   {op.phase}\n  module  {op.module}\n  source  {op.source}"
-              f"{'  ' + op.source_text if op.source_text else ''}\n")
+        out.write(f"  not recorded: {shown(op.not_recorded_reason)}\n")
+    out.write(f"  phase   {shown(op.phase)}\n  module  {shown(op.module)}\n  source  {shown(op.source)}"
+              f"{'  ' + shown(op.source_text) if op.source_text else ''}\n")
     if d.source_warning:  # the recorded text above is what ran; the file here is another one
-        out.write(f"          {d.source_warning}\n")
+        out.write(f"          {shown(d.source_warning)}\n")
     if op.schema:
-        out.write(f"  schema  {op.schema}\n")
+        out.write(f"  schema  {shown(op.schema)}\n")
     fwd = d.forward
     if fwd is not None:
-        out.write(f"  forward op #{fwd.index} {fwd.name} ({fwd.source})\n")
+        out.write(f"  forward op #{fwd.index} {shown(fwd.name)} ({shown(fwd.source)})\n")
     if op.rng is not None:
         out.write(f"  random: generator state recorded ({op.rng.device})\n")
     unit = op.unit
     if unit is not None:  # a compiled unit: its graph's nodes and the backend's kernels
         calls = unit.calls()
-        out.write(f"  unit    {unit.kind} graph {unit.graph_id} of {unit.region}, compiled by {unit.backend}: "
+        out.write(f"  unit    {shown(unit.kind)} graph {unit.graph_id} of {shown(unit.region)}, compiled by "
+                  f"{shown(unit.backend)}: "
                   f"{len(calls)} nodes, {len(unit.kernels)} kernels\n")
         if unit.note:
-            out.write(f"          {unit.note}\n")
+            out.write(f"          {shown(unit.note)}\n")
         if unit.kernels:
-            out.write(f"  kernels {', '.join(unit.kernels)}\n")
+            out.write(f"  kernels {shown(', '.join(unit.kernels))}\n")
         for n in calls:
-            out.write(f"    {n.name} = {n.target}{'  in ' + n.module if n.module else ''}\n")
+            out.write(f"    {shown(n.name)} = {shown(n.target)}{'  in ' + shown(n.module) if n.module else ''}\n")
     c = op.collective
     if c is not None:
-        out.write(f"  collective: group {c.group_name} ranks {list(c.ranks)} (size {c.size}, this rank "
+        out.write(f"  collective: group {shown(c.group_name)} ranks {list(c.ranks)} (size {c.size}, this rank "
                   f"{c.group_rank}), reduce {c.reduce_op}, root {c.root}\n")
     if not op.recorded:
         return
@@ -203,7 +206,7 @@ def render_op(d: OpDetail, out: TextIO) -> None:
     for i, a in enumerate(op.args):
         out.write(f"    [{i}] {_value_text(a, ins, True)}\n")
     for k, v in op.kwargs.items():
-        out.write(f"    {k}= {_value_text(v, ins, True)}\n")
+        out.write(f"    {shown(k)}= {_value_text(v, ins, True)}\n")
     for path, after in op.writes:
         out.write(f"  writes {path.kind} {path.key}, after: {_value_text(after, None, False)}\n")
     outs = _Positions(d.consumers)
@@ -249,17 +252,18 @@ def render_list(listing: OpListing, out: TextIO) -> None:
     outputs, recorded = idx.output[lo:hi], idx.recorded[lo:hi]
     ks = [i - lo for i in rows]
     w_num = len(str(rows[-1]))
-    w_name = max(len(names[k]) for k in ks)
-    w_mod = max(len(modules[k] or "-") for k in ks)
-    w_phase = max(len(phases[k] or "-") for k in ks)
+    cells = {k: (shown(names[k]), shown(modules[k] or "-"), shown(phases[k] or "-")) for k in ks}
+    w_name = max(len(c[0]) for c in cells.values())
+    w_mod = max(len(c[1]) for c in cells.values())
+    w_phase = max(len(c[2]) for c in cells.values())
 
     def last(k: int) -> str:
         if lo + k in gone:
             return _missing_cell(gone[lo + k])
-        return (outputs[k] or "-") if recorded[k] else "not recorded"
+        return shown(outputs[k] or "-") if recorded[k] else "not recorded"
 
-    out.writelines(f"{lo + k:>{w_num}}  {names[k]:<{w_name}}  {modules[k] or '-':<{w_mod}}  "
-                   f"{phases[k] or '-':<{w_phase}}  {last(k)}\n" for k in ks)
+    out.writelines(f"{lo + k:>{w_num}}  {cells[k][0]:<{w_name}}  {cells[k][1]:<{w_mod}}  "
+                   f"{cells[k][2]:<{w_phase}}  {last(k)}\n" for k in ks)
 
 
 def list_warnings(listing: OpListing, out: TextIO) -> None:

@@ -5,6 +5,7 @@ from collections import Counter
 from typing import TextIO
 
 from replaydiff.aten import is_unit
+from replaydiff.rebuild_and_judge import shown
 from replaydiff.replay.describe import argument_text, metrics_line, op_line, planted_line
 from replaydiff.replay.result import NonfiniteInput, OpResult, ReplayReport, Status
 from replaydiff.replay.plants import plant_notes
@@ -31,16 +32,16 @@ def nonfinite_entry_line(r: OpResult, held: NonfiniteInput, ended: str | None = 
     """Where NaN/Inf that no replayed op made come into the step: the op, its input, and where that was written.
     ``ended``: they are discarded, and this says where they end (``ended_by``)."""
     whence = "from outside the trace" if held.producer is None else \
-        f"from op #{held.producer} {held.producer_op}, which was not replayed (its data left out)"
-    where = ", ".join(x for x in (r.module or "no module", r.phase) if x)
-    source = r.forward_source if (r.phase == "backward" and r.forward_source) else r.source
+        f"from op #{held.producer} {shown(held.producer_op)}, which was not replayed (its data left out)"
+    where = shown(", ".join(x for x in (r.module or "no module", r.phase) if x))
+    source = shown(r.forward_source if (r.phase == "backward" and r.forward_source) else r.source or "")
     kinds = "NaN and Inf" if held.nan and held.inf else "NaN" if held.nan else "Inf"
     fate = f": {ended}" if ended is not None else ""
     if held.argument is not None:
-        return f"{kinds} enter the step as a number passed to an op: {argument_text(held)} of op #{r.index} {r.op} " \
+        return f"{kinds} enter the step as a number passed to an op: {shown(argument_text(held))} of op #{r.index} {shown(r.op)} " \
                f"({where}) puts {held.counts()} in its output{fate}" + (f"  {source}" if source else "")
     return f"{kinds} enter the step {whence}{' and are discarded' if ended is not None else ''}: input " \
-           f"{held.position} of op #{r.index} {r.op} ({where}) already holds {held.counts()}{fate}" + \
+           f"{held.position} of op #{r.index} {shown(r.op)} ({where}) already holds {held.counts()}{fate}" + \
            (f"  {source}" if source else "")
 
 
@@ -52,7 +53,7 @@ def ended_by(report: ReplayReport, r: OpResult, most: int = 3) -> str:
     discarded (``OpResult.nonfinite_discarded_by``: the ops that read them and made only finite values)."""
     names = {x.index: x.op for x in report.ops if x.rank == r.rank}
     ops = r.nonfinite_discarded_by or []
-    listed = ", ".join(f"#{i} {names[i]}" if i in names else f"#{i}" for i in ops[:most])
+    listed = ", ".join(f"#{i} {shown(names[i])}" if i in names else f"#{i}" for i in ops[:most])
     more = f" and {len(ops) - most} more" if len(ops) > most else ""
     return f"followed forward, they end at {listed}{more} (finite output), {_NEVER_KEPT}" if ops else \
         f"no op keeps them, {_NEVER_KEPT}"
@@ -97,14 +98,14 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
     told = {id(r) for r in not_judged + report.unjudged}
     skipped = Counter(r.reason for r in report.ops if r.status is Status.SKIPPED and id(r) not in told)
     for reason, n in skipped.most_common(6):
-        out.write(f"  skipped {n:>5}  {reason}\n")
+        out.write(f"  skipped {n:>5}  {shown(reason)}\n")
     errors = [r for r in report.ops if r.status is Status.ERROR]
     for r in errors[:max_listed]:
-        out.write(f"  error   {op_line(r)}: {r.reason}\n")
+        out.write(f"  error   {op_line(r)}: {shown(r.reason)}\n")
     for line in report.left_out_summary():  # how much the recording left out, and where
-        out.write(f"  {line}\n")
+        out.write(f"  {shown(line)}\n")
     for line in report.unjudged_summary():  # skipped, yet they computed something: said apart, never clean
-        out.write(f"  {line}\n")
+        out.write(f"  {shown(line)}\n")
     for line in describe_missing(report.missing):  # a damaged trace: which ops were never judged, and why
         out.write(f"  {line}\n")
     for c in report.cut_short:  # a partial trace: where each rank's recording stopped, and why
@@ -139,9 +140,9 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
         how = "checked across ranks" if first.collective else "replayed alone from its recorded inputs"
         out.write(f"  {metrics_line(first)}  - {how}\n")
         if is_unit(first.op) and first.reason:  # a compiled unit: its region, and the node inside it
-            out.write(f"  {first.reason}\n")
+            out.write(f"  {shown(first.reason)}\n")
         if first.phase == "backward" and first.forward_index is not None:
-            called = f"; backward() called at {first.source}" if first.source else ""
+            called = f"; backward() called at {shown(first.source)}" if first.source else ""
             out.write(f"  backward of forward op #{first.forward_index}{called}\n")
         before = report.missing_before(first)
         if before:  # the earliest among the ops read: an earlier culprit may be among those that are gone
@@ -170,7 +171,7 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
         out.write(f"{len(explained)} op(s) over the fixed limits are ok, within their own error at the recorded dtype "
                   f"(ill-conditioned):\n")
         for r in explained[:max_listed]:
-            out.write(f"    {f'rank {r.rank} ' if len(ranks) > 1 else ''}{op_line(r)}: {r.verdict.explanation}\n")
+            out.write(f"    {f'rank {r.rank} ' if len(ranks) > 1 else ''}{op_line(r)}: {shown(r.verdict.explanation)}\n")
     if report.replicas is not None:
         out.write(report.replicas.describe() + "\n")
     nd = report.first_nondeterministic

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TextIO
 
+from replaydiff.rebuild_and_judge import shown
 from replaydiff.replay.result import nonfinite_counts
 from replaydiff.trend import (MIN_HISTORY, STATISTICS, Cause, Change, LateWindow, Series, TrendResult, Zoom,
                               log10_of)
@@ -136,13 +137,15 @@ def describe_change(c: Change) -> str:
     what = (f"{c.statistic} {c.value:.4g} after a median of {c.baseline:.4g} (z = {c.score:g})"
             if c.statistic in ("l2", "absmax") else f"{int(c.value)} {c.statistic.upper()} value(s) appeared")
     param = f" {c.parameter}" if c.parameter else ""
-    return f"step {c.step}, module {c.module or '-'}, op #{c.index} {c.op}{param} ({c.phase}): {what}"
+    return f"step {c.step}, module {shown(c.module or '-')}, op #{c.index} {shown(c.op)}{param} ({shown(c.phase)}): " \
+           f"{what}"
 
 
 def describe_cause(c: Cause) -> str:
     """One line: the op that made the change (or through whose input it entered), where in the code, and why."""
-    where = ", ".join(x for x in (c.module or "no module", c.phase) if x)
-    at = f" at {c.source}" + (f" ({c.source_text.strip()})" if c.source_text else "") if c.source else ""
+    where = shown(", ".join(x for x in (c.module or "no module", c.phase) if x))
+    at = f" at {shown(c.source)}" + (f" ({shown(c.source_text.strip())})" if c.source_text else "") \
+        if c.source else ""
     if c.statistic in ("l2", "absmax"):
         what = f"{c.statistic} {c.value:.4g} against {c.baseline:.4g} before"
     else:
@@ -152,22 +155,22 @@ def describe_cause(c: Cause) -> str:
                  "before the step's first recorded op, or as a tensor made from a Python number)" \
             if c.producer is None else \
             f"from op #{c.producer}, which the record filter left out"
-        return f"op #{c.index} {c.op} ({where}){at}, step {c.step}: the change enters through its input " \
+        return f"op #{c.index} {shown(c.op)} ({where}){at}, step {c.step}: the change enters through its input " \
                f"{c.position}, {what}, {whence}"
     if c.from_finite:
         new = "; it runs in no earlier recorded step" if c.history == 0 else ""
-        return f"op #{c.index} {c.op} ({where}){at}, step {c.step}: made {int(c.value)} {c.statistic.upper()} " \
+        return f"op #{c.index} {shown(c.op)} ({where}){at}, step {c.step}: made {int(c.value)} {c.statistic.upper()} " \
                f"value(s) from inputs that had none{new}"
     if c.phase == "optimizer" and c.how == "made":
         args = f"; its arguments differ from earlier steps: {', '.join(c.changed_args)} (a learning rate or other " \
                f"hyperparameter changed)" if c.changed_args else "; its arguments are those of earlier steps"
-        return f"op #{c.index} {c.op} ({where}){at}, step {c.step}: the optimizer's update made the change, " \
+        return f"op #{c.index} {shown(c.op)} ({where}){at}, step {c.step}: the optimizer's update made the change, " \
                f"{what}{args}"
     if c.changed_args:
         what += f"; its arguments differ from earlier steps: {', '.join(c.changed_args)}"
     alone = "; it runs in no earlier recorded step, so it was scored against the earlier statistics of the tensor " \
             "it wrote" if c.history == 0 else ""
-    return f"op #{c.index} {c.op} ({where}){at}, step {c.step}: made the change, {what}{alone}"
+    return f"op #{c.index} {shown(c.op)} ({where}){at}, step {c.step}: made the change, {what}{alone}"
 
 
 def _fmt(v: float | None) -> str:
@@ -233,7 +236,7 @@ def table_lines(t: TrendResult, width: int) -> list[str]:
     for s in t.series:
         m = summarise(s)
         mark = "*" if c is not None and c.module == s.module else " "
-        rows.append((mark + s.module, s.kind, _fmt_held(m.first_l2, m.first_held),
+        rows.append((mark + shown(s.module), shown(s.kind), _fmt_held(m.first_l2, m.first_held),
                      _fmt_held(m.last_l2, m.last_held), _fmt(m.absmax_max if m.absmax_max or not m.nonfinite else None),
                      str(m.nonfinite), sparkline(s.values["l2"][-width:], nonfinite_per_step(s)[-width:])))
     headers = (" module", "kind", "l2 first", "l2 last", "absmax max", "nan+inf", "l2 by step (log)")
@@ -274,12 +277,12 @@ def render_svg(t: TrendResult, out: TextIO, kind: str = "output", max_series: in
     if c is not None:
         out.write(f'<line x1="{X(c.step):.1f}" y1="{T}" x2="{X(c.step):.1f}" y2="{H - B}" stroke="red" '
                   f'stroke-dasharray="4 3"/>\n<text x="{X(c.step) + 4:.1f}" y="{T + 12}" fill="red">'
-                  f'{escape(f"step {c.step}: {c.module} {c.op}")}</text>\n')
+                  f'{escape(shown(f"step {c.step}: {c.module} {c.op}"))}</text>\n')
     for k, s in enumerate(series):
         colour = f"hsl({(k * 137) % 360},65%,42%)"
         hot = c is not None and c.module == s.module
         path = " ".join(f"{X(st):.1f},{Y(log10_of(v)):.1f}" for st, v in zip(s.steps, s.values["l2"]) if v is not None)
         out.write(f'<polyline fill="none" stroke="{colour}" stroke-width="{2.5 if hot else 1}" points="{path}">'
-                  f'<title>{escape(s.module)}</title></polyline>\n')
-        out.write(f'<text x="{W - R + 8}" y="{T + 12 * k + 10}" fill="{colour}">{escape(s.module[-45:])}</text>\n')
+                  f'<title>{escape(shown(s.module))}</title></polyline>\n')
+        out.write(f'<text x="{W - R + 8}" y="{T + 12 * k + 10}" fill="{colour}">{escape(shown(s.module)[-45:])}</text>\n')
     out.write("</svg>\n")

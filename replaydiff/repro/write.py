@@ -52,6 +52,8 @@ class ReproOutcome:
 
     files: ReproFiles
     planted: str | None
+    op_name: str = ""
+    custom_module: str | None = None  # the module the trace says defines the op, which the script never imports
 
 
 def rank_damage(trace: Trace, rank: int | None = None) -> tuple[str, ...]:
@@ -77,8 +79,29 @@ def repro_op(trace: Trace, op_index: int, out_dir: str | Path, rank: int | None 
     if foreign:
         raise UsageError(f"{foreign[0]} was not written by `replaydiff repro`: not overwriting it (move it or "
                          f"choose another -o)")
-    files = write_repro(rt, rt[op_index], out, source_trace=source_trace)
-    return ReproOutcome(files, rt.planted.describe() if rt.planted is not None else None)
+    beside = _importable_beside(out)
+    if beside is not None:
+        raise UsageError(f"{beside} is in -o {out_dir}: `python {out / SCRIPT}` would import it in place of an "
+                         f"installed module (Python puts the script's directory first on sys.path); choose another "
+                         f"directory")
+    op = rt[op_index]
+    files = write_repro(rt, op, out, source_trace=source_trace)
+    module = rt.custom_ops.get(op.name)
+    return ReproOutcome(files, rt.planted.describe() if rt.planted is not None else None, op.name,
+                        module if module is not None and not module.startswith("torch.") else None)
+
+
+def _importable_beside(out: Path) -> Path | None:
+    """A file or package in ``out`` that Python would import from there (the script's directory comes first on
+    sys.path), or None: a trace directory or a download folder may hold a ``torch.py`` of someone else's."""
+    if not out.is_dir():
+        return None
+    for p in sorted(out.iterdir()):
+        if p.name == SCRIPT:
+            continue
+        if p.suffix in (".py", ".pyc", ".so", ".pyd") or (p / "__init__.py").exists():
+            return p
+    return None
 
 
 class _Collector:

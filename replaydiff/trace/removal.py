@@ -26,6 +26,7 @@ from replaydiff.trace.format import (
     rank_of_dir_name,
     read_manifest_frame,
 )
+from replaydiff.trace.ownership import OWNER
 from replaydiff.trace.placements import PLACEMENTS
 
 _TMP = ".tmp"  # write_atomic's temporary twin of a file
@@ -43,6 +44,8 @@ def trace_files(path: str | os.PathLike) -> list[Path]:
         return _rank_files(root, root)
     out: list[Path] = []
     for entry in _entries(root):
+        if entry.name == OWNER and entry.is_file(follow_symlinks=False):
+            continue  # the recording's claim (ownership.py): its owner removes it, a later claim takes it over
         if not entry.is_dir(follow_symlinks=False) or rank_of_dir_name(entry.name) is None:
             raise _refused(root, f"{entry.name} is not a rank<N>/ directory of a trace (remove it yourself or "
                                  f"choose another directory)")

@@ -4,12 +4,15 @@ An op's ``source`` is ``file.py:LINE``. The recorder also keeps that line's text
 file in the manifest, so that a trace read elsewhere, or after the user edited ``train.py``, still shows the code
 that ran, and a reader can say when the file on disk is no longer the one recorded (instead of pointing at whatever
 line now has that number). Both sides read files through ``read_source`` and cut lines with ``line_text``, so a
-recorded line and today's line compare equal exactly when they are the same code.
+recorded line and today's line compare equal exactly when they are the same code. What is shown of a line is the
+trace's own text only: a file here that the trace names is read (a regular file, bounded) to say whether it has
+changed, never shown.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,12 +25,22 @@ def line_text(raw: str) -> str:
     return text if len(text) <= MAX_LINE else text[:MAX_LINE - 3] + "..."
 
 
+MAX_SOURCE_BYTES = 8 << 20  # a source file larger than this is not read (a trace may name any path)
+
+
 def read_source(path: str | os.PathLike) -> tuple[str, list[str]] | None:
-    """(SHA-256 of the file's bytes, its lines), or None when it cannot be read."""
+    """(SHA-256 of the file's bytes, its lines), or None when it cannot be read or is no regular file of at most
+    MAX_SOURCE_BYTES (a FIFO or device a trace names is never opened for reading)."""
     try:
-        with open(path, "rb") as fh:
-            data = fh.read()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with open(fd, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SOURCE_BYTES:
+                return None
+            data = fh.read(MAX_SOURCE_BYTES + 1)
     except OSError:
+        return None
+    if len(data) > MAX_SOURCE_BYTES:
         return None
     return hashlib.sha256(data).hexdigest(), data.decode("utf-8", errors="replace").splitlines()
 
@@ -67,10 +80,8 @@ class SourceLine:
         if self.moved_to is not None:
             where = (f"line {self.line} is unchanged" if self.moved_to == self.line else
                      f"the recorded line is now line {self.moved_to}")
-        else:
-            current = self.current
-            where = "the recorded line is no longer in it" + (f"; line {self.line} now reads: {current}"
-                                                              if current else "")
+        else:  # today's text is not shown: a trace may name any file here, and only its own text is shown
+            where = "the recorded line is no longer in it"
         return f"{self.file} has changed since it was recorded; {where}"
 
 

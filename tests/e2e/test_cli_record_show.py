@@ -201,8 +201,8 @@ def test_show_op_gives_the_recorded_source_text_and_says_when_the_file_changed(t
     shown = cli("show", "trace", "--op", mse.index, cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert f"  source  train.py:{lineno}  loss = F.mse_loss(model(x), y)\n" in shown.stdout
-    assert "train.py has changed since it was recorded; the recorded line is no longer in it; " \
-           f"line {lineno} now reads: {edited.splitlines()[lineno - 1].strip()}\n" in shown.stdout
+    assert "train.py has changed since it was recorded; the recorded line is no longer in it\n" in shown.stdout
+    assert "l1_loss" not in shown.stdout  # today's file is never shown: only the trace's own text
 
 
 @pytest.mark.slow

@@ -324,3 +324,31 @@ def test_repro_force_overwrites_only_a_repro(traces, tmp_path, capsys):
     assert main(argv + [str(tmp_path / "f")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a directory" in err[0], err
+
+
+def test_repro_imports_no_module_the_trace_names_unless_asked(tmp_path, capsys):
+    """A received trace names the module of its custom op; a file of that name sits where the user runs repro.py."""
+    from replay_helpers import SHIPPED_MODULE, record_shipped_custom_op
+
+    (tmp_path / "home").mkdir()
+    custom_trace = record_shipped_custom_op(tmp_path / "home", tmp_path / "t")
+    index = _nth(replaydiff.open_trace(custom_trace).rank(0), "rdtrust.twice.default", 1).index
+    assert main(["repro", str(custom_trace), str(index), "-o", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if "custom op" in line]
+    assert len(said) == 1 and "rdtrust_shipped" in said[0] and "--import" in said[0], out
+    # the module the trace names, beside where the user runs the script
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "rdtrust_shipped.py").write_text(SHIPPED_MODULE)
+    p = subprocess.run([sys.executable, str(tmp_path / "r" / "repro.py")], cwd=work, capture_output=True, text=True,
+                       timeout=120)
+    assert not (work / "imported.txt").exists(), "the script imported a module named by the trace"
+    assert p.returncode == 4 and p.stdout == "", p.stderr + p.stdout
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--import rdtrust_shipped" in lines[0], p.stderr
+    # with the user's word, the module runs (from the working directory) and the op is judged
+    p = subprocess.run([sys.executable, str(tmp_path / "r" / "repro.py"), "--import", "rdtrust_shipped"], cwd=work,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr + p.stdout
+    assert (work / "imported.txt").exists() and "rdtrust.twice.default" in p.stdout

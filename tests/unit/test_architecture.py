@@ -117,7 +117,7 @@ LAYERS = {  # a package may import only from these (besides itself)
     # which runs where replaydiff is not installed, so it imports nothing of replaydiff
     "replaydiff.rebuild_and_judge": set(),
     "replaydiff.aten": {"replaydiff.rebuild_and_judge"},
-    "replaydiff.errors": set(),
+    "replaydiff.errors": {"replaydiff.rebuild_and_judge"},  # its lines show strings from a trace as ``shown``
     # planted faults sit at the bottom too: the recorder enters one below itself for `record --plant`
     "replaydiff.faults": {"replaydiff.aten"},
     "replaydiff.trace": _BOTTOM | {"replaydiff.faults"},  # a plant's effect, read back from the manifest

@@ -10,6 +10,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Static, Tree
 
+from replaydiff.rebuild_and_judge import shown
 from replaydiff.tui.model import TraceModel, short_op
 from replaydiff.tui.styles import STATUS_MARKUP
 
@@ -56,10 +57,10 @@ def node_label(model: TraceModel, n: dict[str, Any]) -> Text:
         t.append("outside the trace (a parameter, an input)", style="dim")
         return t
     t.append(f"#{i} ", style="bold")
-    t.append(short_op(model.index.name[i]))
+    t.append(shown(short_op(model.index.name[i])))  # strings from the trace: control characters escaped
     mod = model.index.module[i]
     if mod:
-        t.append(f"  {mod}", style="cyan")
+        t.append(f"  {shown(mod)}", style="cyan")
     s = model.status[i]
     style = STATUS_MARKUP.get(s, "dim")
     t.append(f"  {s or 'pending'}", style=style)

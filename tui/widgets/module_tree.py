@@ -5,6 +5,7 @@ from rich.text import Text
 from textual.message import Message
 from textual.widgets import Tree
 
+from replaydiff.rebuild_and_judge import shown
 from replaydiff.tui.model import ModuleGroup, TraceModel, severity_text
 from replaydiff.tui.widgets.heat_strip import heat_colour
 
@@ -90,7 +91,7 @@ class ModuleTree(Tree[ModuleGroup]):
     def _label(self, first: ModuleGroup, last: ModuleGroup | None = None) -> Text:
         last = last or first
         name = first.name if last is first else first.name + last.path[len(first.path):]
-        t = Text(name, style="bold" if first.path == "" else "")
+        t = Text(shown(name), style="bold" if first.path == "" else "")  # a module path from the trace
         t.append_text(worst_text(last.worst))
         t.append(f" ({last.count})", style="dim")
         return t

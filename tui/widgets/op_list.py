@@ -15,6 +15,7 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
+from replaydiff.rebuild_and_judge import shown
 from replaydiff.trace.schema.left_out import LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_FILTERED
 from replaydiff.tui.model import PHASE_SHORT, TraceModel, shorten_left, short_op
 from replaydiff.tui.styles import STATUS_STYLE as REPLAY_STATUS_STYLE
@@ -257,8 +258,8 @@ class OpList(ScrollView, can_focus=True):
         w_idx, w_phase, w_mod, w_op, w_out, w_status, w_err = self.columns(width)
         status = m.status[op]
         phase = ix.phase[op]
-        mod = ix.module[op] or ""
-        out = ix.output[op] or ""
+        mod = shown(ix.module[op] or "")  # strings from the trace: control characters as visible escapes
+        out = shown(ix.output[op] or "")
         cheap = ix.cheap[op]
         err = m.error[op]
         name_style = DIM if cheap else Style()
@@ -271,7 +272,7 @@ class OpList(ScrollView, can_focus=True):
             Segment(PHASE_SHORT.get(phase, (phase or "")[:3]).ljust(w_phase)[:w_phase] + " ",
                     PHASE_STYLE.get(phase, DIM)),
             Segment(shorten_left(mod, w_mod).ljust(w_mod) + " " if w_mod else "", MODULE_STYLE),
-            Segment(_fit(short_op(ix.name[op]), w_op) + " ", name_style),
+            Segment(_fit(shown(short_op(ix.name[op])), w_op) + " ", name_style),
             Segment(_fit(out, w_out) + " " if w_out else "", DIM),
             Segment(label.ljust(w_status)[:w_status] + " ", label_style),
             Segment(err.rjust(w_err)[:w_err], STATUS_STYLE.get(status, DIM) if status != "ok" else Style()),
@@ -287,7 +288,7 @@ class OpList(ScrollView, can_focus=True):
         rows = self.expanded[op]
         branch = "└ " if k == len(rows) - 1 else "├ "
         strip = Strip([Segment(" " * (w_idx + w_phase + 2) + (" " * (w_mod + 1) if w_mod else "") + branch, DIM),
-                       Segment(rows[k], UNIT_ROW_STYLE)]).adjust_cell_length(width)
+                       Segment(shown(rows[k]), UNIT_ROW_STYLE)]).adjust_cell_length(width)
         if selected:
             return strip.apply_style(self.get_component_rich_style("oplist--cursor"))
         return strip.apply_style(base)
