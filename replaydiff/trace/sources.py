@@ -5,8 +5,9 @@ file in the manifest, so that a trace read elsewhere, or after the user edited `
 that ran, and a reader can say when the file on disk is no longer the one recorded (instead of pointing at whatever
 line now has that number). Both sides read files through ``read_source`` and cut lines with ``line_text``, so a
 recorded line and today's line compare equal exactly when they are the same code. What is shown of a line is the
-trace's own text only: a file here that the trace names is read (a regular file, bounded) to say whether it has
-changed, never shown.
+trace's own text only: a file here that the trace names is read (a regular file, bounded, and only one inside the
+working directory of the process reading the trace: the user's own project, never an arbitrary path a received
+trace names) to say whether it has changed, never shown.
 """
 from __future__ import annotations
 
@@ -102,6 +103,15 @@ def _read_now(path: Path) -> tuple[str, list[str]] | None:
     return _READ[key]
 
 
+def _ours(path: Path) -> bool:
+    """Whether ``path`` (links followed) lies inside this process's working directory: the only files a trace may
+    make us read."""
+    try:
+        return path.resolve().is_relative_to(Path.cwd().resolve())
+    except (OSError, RuntimeError, ValueError):
+        return False
+
+
 def locate(source: str | None, recorded: str | None, digest: str | None, cwd: str | None) -> SourceLine | None:
     """What is known of the line ``source`` (``file.py:LINE``) now: ``recorded`` is its recorded text, ``digest``
     the file's recorded SHA-256, ``cwd`` the job's working directory (relative paths are resolved against it, then
@@ -113,7 +123,7 @@ def locate(source: str | None, recorded: str | None, digest: str | None, cwd: st
     candidates = [Path(file)]
     if cwd and not os.path.isabs(file):
         candidates.insert(0, Path(cwd) / file)
-    found = next(((p, r) for p in candidates if p.is_file() and (r := _read_now(p)) is not None), None)
+    found = next(((p, r) for p in candidates if _ours(p) and p.is_file() and (r := _read_now(p)) is not None), None)
     if found is None:
         return SourceLine(file, line, recorded, None, (), None, None)
     path, (now_digest, lines) = found

@@ -223,9 +223,9 @@ async def test_the_detail_pane_of_a_divergent_op(traced):
         assert hist["1e3-1e4"] + hist["1e2-1e3"] > 0
 
 
-def test_the_detail_pane_shows_the_recorded_line_and_warns_when_the_file_changed(tmp_path):
+def test_the_detail_pane_shows_the_recorded_line_and_warns_when_the_file_changed(tmp_path, monkeypatch):
     """Only the trace's own text of the line is shown: the file on this disk is never displayed (a received trace
-    may name any file), only said to have changed."""
+    may name any file), only said to have changed (read only inside the working directory: the user's project)."""
     from replaydiff.tui.details import op_markup
 
     user = tmp_path / "train_loop.py"
@@ -236,6 +236,7 @@ def test_the_detail_pane_shows_the_recorded_line_and_warns_when_the_file_changed
     x = torch.arange(4.0)
     with replaydiff.record(tmp_path / "t"):
         mod.work(x)
+    monkeypatch.chdir(tmp_path)  # the user's project: the only place a trace's named files are read
     r = replaydiff.open_trace(tmp_path / "t").rank(0)
     statuses = [None] * len(r)
     recorded = ">    5 │ y = torch.mul(x, 3)[/]  [dim](as recorded)[/]"

@@ -345,7 +345,7 @@ def _import_file(path: Path):
     return mod
 
 
-def test_source_lines_keep_their_text_and_the_files_hash(tmp_path, record_one):
+def test_source_lines_keep_their_text_and_the_files_hash(tmp_path, record_one, monkeypatch):
     import hashlib
 
     user = tmp_path / "user_code.py"
@@ -359,6 +359,7 @@ def test_source_lines_keep_their_text_and_the_files_hash(tmp_path, record_one):
     assert (mul.source_text, add.source_text) == ("y = torch.mul(x, 3)  # scaled", "return y + 1")
     # one hash per file, in the manifest, of the bytes that ran
     assert r.source_files == {str(user): hashlib.sha256(user.read_bytes()).hexdigest()}
+    monkeypatch.chdir(tmp_path)  # the user's project: the only place a trace's named files are read
     line = r.source_line(mul)
     assert (line.changed, line.current, line.warning()) == (False, "y = torch.mul(x, 3)  # scaled", None)
     # The user edits the file: the recorded text stays, the reader says the file changed and where the line went.
@@ -367,6 +368,12 @@ def test_source_lines_keep_their_text_and_the_files_hash(tmp_path, record_one):
     line = open_trace(r.root.parent).rank(0).source_line(mul)
     assert (line.changed, line.moved_to, line.recorded) == (True, 6, "y = torch.mul(x, 3)  # scaled")
     assert line.warning() == f"{user} has changed since it was recorded; the recorded line is now line 6"
+    # Read from outside that folder (a received trace naming files anywhere), no file is read: unknown, not clean.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    line = open_trace(r.root.parent).rank(0).source_line(mul)
+    assert (line.changed, line.path, line.recorded) == (None, None, "y = torch.mul(x, 3)  # scaled")
 
 
 OPTIMIZERS = {
