@@ -1,0 +1,60 @@
+"""Which op makes a row's result depend on the rest of the batch: each op of a full trace that reads the step's
+batch is run again on a slice of it (one row, the first half) at its recorded dtypes on the recording backend, and
+compared bit for bit with the same rows of its recorded output.
+
+replaydiff invariance trace/ [--batch-size B] [--json FILE|-]
+The batch is followed from the step's inputs through views, reshapes, transposes and attention's head splits. Ops
+that do not read it (parameters, optimizer state) are counted, not judged. A batch-variant op is said with its
+difference (elements, ULPs, rel_l2), the step's outputs it flows into, and per kind of op what to do.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from replaydiff.cli.flags import add_rank_arg, ranks_of
+from replaydiff.cli.progress import write_json
+from replaydiff.errors import ExitCode, UsageError
+from replaydiff.invariance import Finding, NoBatch, check_invariance, recorded_device
+from replaydiff.replay.engine import check_device, check_replayable
+from replaydiff.report.invariance import render_text, to_json
+from replaydiff.trace import open_trace
+
+NAME = "invariance"
+HELP = "name the ops whose result for a row depends on the rest of the batch"
+EXIT_CODES = {ExitCode.OK: "every op that reads the batch is batch-invariant",
+              ExitCode.DIVERGENT: "a batch-variant op found, or an op that reads the batch could not be judged",
+              ExitCode.USAGE: "usage: a trace of --tensors stats or meta, no batch to read, a batch of one row"}
+
+
+def prepare_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="trace directory recorded with --tensors full (the default)")
+    p.add_argument("--batch-size", type=int, metavar="B",
+                   help="the step's batch size (default: the first dimension of the forward's first input that no "
+                        "op made and that needs no gradient)")
+    p.add_argument("--device", metavar="DEV", help="device to run the ops on (default: the one recorded on)")
+    add_rank_arg(p, "rank to check (default: the first)")
+    p.add_argument("--json", metavar="FILE|-", help="write JSON (format replaydiff.invariance/1) to FILE, or - for stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.batch_size is not None and args.batch_size < 2:
+        raise UsageError("--batch-size must be at least 2 (a batch of one row has no smaller slice)")
+    t = open_trace(args.trace)
+    t.check_whole()
+    ranks = ranks_of(args) or t.ranks[:1]
+    if len(ranks) != 1 or ranks[0] not in t.ranks:
+        raise UsageError(f"--rank takes one rank of the trace ({', '.join(map(str, t.ranks))})")
+    rt = t.rank(ranks[0])
+    check_replayable(rt, args.trace)
+    check_device(args.device or recorded_device(rt))
+    try:
+        result = check_invariance(rt, args.batch_size, args.device)
+    except NoBatch as exc:
+        raise UsageError(f"{args.trace}: {exc}") from None
+    if args.json != "-":
+        render_text(result, sys.stdout, trace=args.trace)
+    if args.json:
+        write_json(args.json, to_json(result, args.trace))
+    bad = result.count(Finding.VARIANT) or result.count(Finding.NOT_JUDGED)
+    return ExitCode.DIVERGENT if bad else ExitCode.OK

@@ -1,0 +1,68 @@
+"""Where the step's batch dimension is in each recorded tensor, followed through the data flow.
+
+A storage that holds the batch is described by where its rows sit in its bytes (``Layout``): row ``b`` of a tensor
+laid out (B, T, C) starts ``b * T * C`` elements in; the same bytes seen as (B*T, C), (B, H, T, D) after a head
+split, or transposed, hold the rows at the same places. So a view needs no rule of its own: the batch dimension of
+any tensor over the storage is the dimension whose stride, times a whole number of its entries (the block: T for a
+(B*T, C) view), steps from one row to the next, and that spans all B rows. A tensor an op computes gets its layout
+from the op's slice run (``analysis``): the dimension of its output that shrank with the slice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from replaydiff.trace.schema import TensorRef
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The rows of a storage version: row ``b`` starts at byte ``offset + b * row_bytes`` (modulo the rows, so that a
+    batch dimension that is not the outermost, as in a (T, B, C) tensor, is described too)."""
+
+    row_bytes: int
+    rows: int
+    offset: int  # in bytes
+
+    def dim_of(self, ref: TensorRef) -> "BatchDim | None":
+        """The batch dimension of a tensor over this storage, or None when it has none that spans the batch (a
+        slice of some rows, a merged dimension with the batch inside it)."""
+        if ref.stride is None:
+            return None
+        item = ref.torch_dtype.itemsize
+        if ((ref.offset * item - self.offset) // self.row_bytes) % self.rows:
+            return None  # it starts past the first row
+        for d, (size, stride) in enumerate(zip(ref.shape, ref.stride)):
+            step = stride * item
+            if step <= 0 or self.row_bytes % step:
+                continue
+            block = self.row_bytes // step
+            if size == self.rows * block:
+                return BatchDim(d, block)
+        return None
+
+
+@dataclass(frozen=True)
+class BatchDim:
+    """The batch as a tensor holds it: along ``dim``, each row ``block`` entries long (1 unless the batch was merged
+    with the dimensions inside it, as (B, T, C) viewed as (B*T, C))."""
+
+    dim: int
+    block: int
+
+    def layout(self, ref: TensorRef, rows: int) -> Layout | None:
+        """The layout of ``ref``'s storage that puts the batch where this says it is in ``ref``."""
+        if ref.stride is None or ref.stride[self.dim] <= 0:
+            return None
+        item = ref.torch_dtype.itemsize
+        return Layout(ref.stride[self.dim] * self.block * item, rows, ref.offset * item)
+
+    def span(self, rows: "tuple[int, int]") -> tuple[int, int]:
+        """(start, length) along ``dim`` of the rows ``rows`` (start, stop)."""
+        return rows[0] * self.block, (rows[1] - rows[0]) * self.block
+
+
+def is_step_input(ref: TensorRef, produced: set, batch_size: int | None) -> bool:
+    """A tensor the step reads from outside it that can hold the batch: made by no op of the trace, needing no
+    gradient (a parameter needs one), with values, and (when the batch size is known) as many rows as the batch."""
+    return (ref.version is not None and ref.version not in produced and not ref.requires_grad and ref.stride is not None
+            and len(ref.shape) >= 1 and ref.shape[0] > 0 and (batch_size is None or ref.shape[0] == batch_size))
