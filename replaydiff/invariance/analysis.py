@@ -111,6 +111,7 @@ class _Walk:
         self.produced: set = set()  # versions an op made
         self.constants: set = set()  # versions made by ops that read no batch (a mask built from sizes)
         self.unknown: dict[Any, int] = {}  # version -> the op that could not be sliced
+        self.derived: set = set()  # versions made by ops that read the batch (and did not reduce it away)
         self.checks: list[OpCheck] = []
 
     def dim(self, ref: TensorRef) -> BatchDim | None:
@@ -136,6 +137,8 @@ class _Walk:
             self.constants.update(r.version for r in op.outputs_refs())
         else:
             finding, reason, diffs = self._judge(op, batched)
+            if finding not in (Finding.REDUCES, Finding.MEAN):
+                self.derived.update(r.version for r in op.outputs_refs())
         self.produced.update(r.version for r in op.outputs_refs())
         self.checks.append(OpCheck(index=op.index, op=name, module=op.module, phase=op.phase, source=op.source,
                                    finding=finding, reason=reason, diffs=diffs))
@@ -234,6 +237,7 @@ class _Walk:
         """Run the op on each slice: the outputs that hold the batch with their batch dimension, and the slices
         whose outputs differ from the recorded rows."""
         dim_of = self._broadcasts(batched)
+        self._check_all_cut(op, batched, dim_of)
         kept: list = []
         diffs: list[SliceDiff] = []
         recorded: dict[int, torch.Tensor] = {}
@@ -261,6 +265,20 @@ class _Walk:
                 if diff is not None:
                     diffs.append(diff)
         return kept, diffs
+
+    def _check_all_cut(self, op: OpRecord, batched: list[tuple[TensorRef, BatchDim]],
+                       dim_of: Callable[[TensorRef], BatchDim | None]) -> None:
+        """_Unclear when an input that would be cut is not: one computed from the batch (or a view of a storage that
+        holds it) where the walk lost the batch, shaped as a batch-holding input beside it. A kernel given a cut
+        query and a whole key (attention's backward) does not check that their sizes agree: it reads and writes past
+        their ends."""
+        for r in op.inputs():
+            if r.stride is None or dim_of(r) is not None or not (r.version in self.layouts or r.version in self.derived):
+                continue
+            for other, d in batched:
+                if len(r.shape) == len(other.shape) and r.shape[d.dim] == other.shape[d.dim] and r.shape[d.dim] > 1:
+                    raise _Unclear(f"an input {r.describe()} computed from the batch is shaped as the batch-holding "
+                                   f"{other.describe()}, but where its batch is was not followed")
 
     def _reproduces(self, op: OpRecord, values: list) -> bool:
         """Whether the op run on the whole batch gives its recorded bits: the control that makes a slice's
@@ -306,10 +324,11 @@ def _draws(op: OpRecord) -> bool:
     """Whether a random op draws anything that shapes its result: not a dropout with probability 0 (attention's
     kernels are random ops for their dropout_p) or out of training."""
     try:
-        names = [a.name for a in aten.resolve(op.name)._schema.arguments]
+        schema = aten.resolve(op.name)._schema.arguments
     except Exception:
         return True
-    given = dict(zip(names, op.args)) | dict(op.kwargs)
+    given = {a.name: a.default_value for a in schema if a.has_default_value()}
+    given |= dict(zip([a.name for a in schema], op.args)) | dict(op.kwargs)
     for p in ("dropout_p", "p"):
         if p in given:
             return given[p] not in (0, 0.0) and given.get("train", True) is not False

@@ -16,12 +16,12 @@ from replaydiff.trace.schema import TensorRef
 
 @dataclass(frozen=True)
 class Layout:
-    """The rows of a storage version: row ``b`` starts at byte ``offset + b * row_bytes`` (modulo the rows, so that a
-    batch dimension that is not the outermost, as in a (T, B, C) tensor, is described too)."""
+    """The rows of a storage version: byte ``p`` is in row ``(p // row_bytes) % rows`` (the modulo describes a batch
+    dimension that is not the outermost too, as in a (T, B, C) tensor). Row 0 starts at the storage's start: a
+    tensor that starts inside it (x[:, 1:], the second third of a fused q/k/v projection) holds the same rows."""
 
     row_bytes: int
     rows: int
-    offset: int  # in bytes
 
     def dim_of(self, ref: TensorRef) -> "BatchDim | None":
         """The batch dimension of a tensor over this storage, or None when it has none that spans the batch (a
@@ -29,7 +29,7 @@ class Layout:
         if ref.stride is None:
             return None
         item = ref.torch_dtype.itemsize
-        if ((ref.offset * item - self.offset) // self.row_bytes) % self.rows:
+        if (ref.offset * item // self.row_bytes) % self.rows:
             return None  # it starts past the first row
         for d, (size, stride) in enumerate(zip(ref.shape, ref.stride)):
             step = stride * item
@@ -54,7 +54,7 @@ class BatchDim:
         if ref.stride is None or ref.stride[self.dim] <= 0:
             return None
         item = ref.torch_dtype.itemsize
-        return Layout(ref.stride[self.dim] * self.block * item, rows, ref.offset * item)
+        return Layout(ref.stride[self.dim] * self.block * item, rows)
 
     def span(self, rows: "tuple[int, int]") -> tuple[int, int]:
         """(start, length) along ``dim`` of the rows ``rows`` (start, stop)."""

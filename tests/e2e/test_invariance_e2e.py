@@ -1,0 +1,75 @@
+"""Batch invariance on real model code we did not write: transformers' GPT-2 and T5 from tiny configs, one AdamW
+step of 16-token sequences, recorded with one torch thread. Slicing one sequence gives every matmul 16 rows, which
+this CPU's kernels treat as they treat the whole batch: nothing may be named, and every op that reads the batch must
+be judged (attention's head splits, the label shift, the position bias followed through the data flow)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers  # part of the `test` extra
+
+import replaydiff
+from replaydiff.invariance import Finding, check_invariance
+from replaydiff.trace import open_trace
+
+
+def _step(name: str):
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 128, (4, 16), generator=g)
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model, batch = transformers.GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
+    else:
+        cfg = transformers.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                                    num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+        model = transformers.T5ForConditionalGeneration(cfg)
+        batch = {"input_ids": ids, "labels": torch.randint(1, 128, (4, 16), generator=g)}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step():
+        model(**batch).loss.backward()
+        opt.step()
+    return step
+
+
+@pytest.mark.parametrize("name", ["gpt2", "t5"])
+def test_a_transformers_step_of_16_token_sequences_gets_no_false_finding(name, tmp_path):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        step = _step(name)
+        with replaydiff.record(tmp_path / "t"):
+            step()
+        r = check_invariance(open_trace(tmp_path / "t").rank(0))
+    finally:
+        torch.set_num_threads(before)
+    assert r.batch_size == 4
+    assert r.variant == ()
+    assert [c.index for c in r.checks if c.finding is Finding.NOT_JUDGED] == []
+    judged = {c.op for c in r.checks if c.finding is Finding.INVARIANT}
+    assert {"aten.native_layer_norm.default" if name == "gpt2" else "aten.mean.dim", "aten.embedding.default"} <= judged
+    assert any("scaled_dot_product" in op for op in judged)  # attention, followed through its head split
+
+
+def test_the_cli_on_a_gpt2_trace_exits_0_with_json_on_stdout(tmp_path):
+    import subprocess
+    import sys
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        step = _step("gpt2")
+        with replaydiff.record(tmp_path / "t"):
+            step()
+    finally:
+        torch.set_num_threads(before)
+    res = subprocess.run([sys.executable, "-m", "replaydiff", "invariance", str(tmp_path / "t"), "--json", "-"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["counts"]["variant"] == 0 and doc["counts"]["invariant"] > 0 and doc["threads"] == 1
