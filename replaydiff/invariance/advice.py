@@ -14,9 +14,9 @@ from replaydiff import aten
 
 
 class Advice(Enum):
-    MATMUL = ("matmul", "its kernel splits the reduction by the number of rows (split-K, blocking): use a "
-              "batch-invariant matmul (batch_invariant_ops' matmul, or a kernel with a fixed tile and split size "
-              "whatever the rows), or pad the rows to a size the kernel treats the same")
+    MATMUL = ("matmul", "its kernel picks its blocking or split of K by the number of rows: use a batch-invariant "
+              "matmul (batch_invariant_ops' matmul: one tile and split size whatever the rows), or pad the rows to "
+              "a count the kernel treats alike")
     CONVOLUTION = ("convolution", "the algorithm is chosen by the input's size: fix it (torch.backends.cudnn."
                    "benchmark off, torch.backends.cudnn.deterministic on) or use one kernel for every batch size")
     ATTENTION = ("attention", "its kernel splits the keys by the batch (split-KV / flash-decoding): use a fixed "

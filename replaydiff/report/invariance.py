@@ -82,9 +82,13 @@ def render_text(r: InvarianceResult, out: TextIO, trace: str = "TRACE") -> None:
               f"recorded dtypes, on slices of the batch ({', '.join(str(s) for s in r.rows)}), bit for bit\n")
     out.write(f"  batch of {r.batch_size} read from {escape(r.batch_input)}\n")
     n = {f: r.count(f) for f in Finding}
-    out.write(f"  {n[Finding.INVARIANT]} invariant, {n[Finding.VARIANT]} batch-variant, {n[Finding.VIEW]} views or shape-only (no arithmetic), "
-              f"{n[Finding.REDUCES]} reduce the batch away, {n[Finding.MEAN]} divide by the batch size, {n[Finding.NO_BATCH]} without the batch (not judged), "
-              f"{n[Finding.NOT_JUDGED]} not judged\n")
+    out.write(f"  judged: {n[Finding.INVARIANT]} invariant, {n[Finding.VARIANT]} batch-variant\n")
+    rest = [f"{n[Finding.NO_BATCH]} without the batch", f"{n[Finding.VIEW]} views or shape-only",
+            f"{n[Finding.REDUCES]} reduce the batch away"]
+    if n[Finding.MEAN]:
+        rest.append(f"{n[Finding.MEAN]} divide by the batch size")
+    rest.append(f"{n[Finding.NOT_JUDGED]} could not be judged")
+    out.write(f"  not judged: {', '.join(rest)}\n")
     variant = r.variant
     if variant:
         out.write("batch-variant ops (a slice of the batch gives other bits than the same rows of the recording):\n")
@@ -110,7 +114,8 @@ def render_text(r: InvarianceResult, out: TextIO, trace: str = "TRACE") -> None:
         for k in bad:
             out.write(f"  {escape(k.op):<{width}}  {k.invariant} / {k.variant}\n")
             if k.advice is not None:
-                out.write(f"      {k.advice.kind}: {k.advice.remedy}\n")
+                out.write(textwrap.fill(f"{k.advice.kind}: {k.advice.remedy}", 118, initial_indent="      ",
+                                        subsequent_indent="        ") + "\n")
                 first = ", ".join(f"#{c.index} {escape(c.source or '(no source line)')}" for c in k.first)
                 out.write(f"      first: {first}\n")
     fine = [k for k in r.kinds if not k.variant]
