@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from replaydiff.cli.flags import add_rank_arg, ranks_of
-from replaydiff.cli.progress import write_json
+from replaydiff.cli.progress import progress_bar, write_json
 from replaydiff.errors import ExitCode, UsageError
 from replaydiff.invariance import Finding, NoBatch, check_invariance, recorded_device
 from replaydiff.replay.engine import check_device, check_replayable
@@ -49,7 +49,11 @@ def run(args: argparse.Namespace) -> int:
     check_replayable(rt, args.trace)
     check_device(args.device or recorded_device(rt))
     try:
-        result = check_invariance(rt, args.batch_size, args.device)
+        with progress_bar("checking") as (set_total, advance):
+            if set_total is not None:
+                set_total(len(rt))
+            result = check_invariance(rt, args.batch_size, args.device,
+                                      None if advance is None else (lambda done, total: advance(1)))
     except NoBatch as exc:
         raise UsageError(f"{args.trace}: {exc}") from None
     if args.json != "-":

@@ -21,6 +21,7 @@ import torch
 
 from replaydiff import aten
 from replaydiff.compare.metrics import ExactMismatch, FloatError, NonfiniteMismatch, measure
+from replaydiff.errors import TraceError
 from replaydiff.invariance.advice import advice_for
 from replaydiff.invariance.batch import BatchDim, Layout, is_step_input
 from replaydiff.invariance.result import (Finding, InvarianceResult, KindSummary, OpCheck, Rows, SliceDiff,
@@ -31,7 +32,7 @@ from replaydiff.replay.engine import replay_threads
 from replaydiff.replay.policy import Precision, ReplayOptions, reference_settings
 from replaydiff.replay.runner import OpReplayer, Skip
 from replaydiff.trace.reader import RankTrace
-from replaydiff.trace.schema import OpRecord, TensorRef, iter_refs
+from replaydiff.trace.schema import OpRecord, TensorRef
 
 FIRST = 3  # variant calls named per kind of op in the summary
 
@@ -121,8 +122,13 @@ class _Walk:
     # -- one op -------------------------------------------------------------------------------------------------
     def op(self, op: OpRecord) -> None:
         name = op.name
-        if not op.recorded or aten.is_marker(name):
+        if aten.is_marker(name):
             self.produced.update(r.version for r in op.outputs_refs())
+            return
+        if not op.recorded:  # numbered, with no record (a budget, a full disk): never taken as invariant
+            self.checks.append(OpCheck(index=op.index, op=name, module=op.module, phase=op.phase, source=op.source,
+                                       finding=Finding.NOT_JUDGED,
+                                       reason=f"not recorded: {op.not_recorded_reason or 'no record'}"))
             return
         ins = op.inputs()
         self._seed(op, ins)
@@ -212,6 +218,8 @@ class _Walk:
         except _Unclear as exc:
             self._inherit(op, batched)
             return Finding.NOT_JUDGED, str(exc), ()
+        except TraceError:
+            raise  # a damaged trace is exit 3, not one op's problem
         except Exception as exc:  # a kernel that refuses the slice: said, never taken as invariant
             self._inherit(op, batched)
             first = (str(exc).strip().splitlines() or [""])[0][:160]
