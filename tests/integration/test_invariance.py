@@ -220,3 +220,38 @@ def test_an_invariant_step_exits_0(tmp_path, cli_here):
     res = cli_here("invariance", tmp_path / "t")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "every op that reads the batch is batch-invariant" in res.stdout
+
+
+# -- what is not a finding: a mean's divisor, a random draw -----------------------------------------------------------
+def test_a_loss_gradient_that_divides_by_the_batch_is_said_so_and_not_named(tmp_path):
+    x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 16)
+    w = torch.randn(16, 16, requires_grad=True)
+    with replaydiff.record(tmp_path / "t"):
+        F.mse_loss(x @ w, y).backward()  # 8 rows of a sequence per slice: the matmuls agree on this CPU
+    rt = open_trace(tmp_path / "t").rank(0)
+    r = check_invariance(rt)
+    (mean,) = [c for c in r.checks if c.finding is Finding.MEAN]
+    assert mean.op == "aten.mse_loss_backward.default" and "divides by the batch size" in mean.reason
+    assert r.variant == ()
+
+
+def test_a_dropout_that_draws_is_not_judged_and_the_cli_exits_1_saying_why(tmp_path, cli_here):
+    x = torch.randn(4, 8, 16)
+    with replaydiff.record(tmp_path / "t"):
+        F.dropout(x.softmax(-1), p=0.5, training=True).sum()
+    res = cli_here("invariance", tmp_path / "t")
+    assert res.returncode == 1
+    assert "a random op: a slice would draw other numbers" in res.stdout
+    assert "no batch-variant op among those judged" in res.stdout
+
+
+def test_batch_size_picks_the_step_input_with_that_many_rows(tmp_path):
+    table = torch.randn(3, 16)  # a tensor of the forward that needs no gradient, read first, with 3 rows
+    x = torch.randn(4, 8, 16)
+    with replaydiff.record(tmp_path / "t"):
+        (table.sum(0) + x).softmax(-1).sum()
+    rt = open_trace(tmp_path / "t").rank(0)
+    assert check_invariance(rt).batch_size == 3
+    r = check_invariance(rt, batch_size=4)
+    assert r.batch_size == 4 and "float32[4, 8, 16]" in r.batch_input
+    assert {c.op for c in r.checks if c.finding is Finding.INVARIANT} >= {"aten.add.Tensor", "aten._softmax.default"}
