@@ -50,7 +50,7 @@ def check_invariance(rt: RankTrace, batch_size: int | None = None, device: str |
     """Check every op of the rank's trace on slices of the batch. ``batch_size``: the step's batch (default: the
     first dimension of the first input of the forward that no op made and that needs no gradient); ``device``: where
     to run (default: where the trace was recorded)."""
-    found = _find_batch(rt, batch_size)
+    found = find_batch(rt, batch_size)
     if found is None:
         raise NoBatch("no step input found to read the batch from (a tensor of the forward that no op made and that "
                       "needs no gradient" + (f", with {batch_size} rows" if batch_size else "") + ")")
@@ -60,15 +60,8 @@ def check_invariance(rt: RankTrace, batch_size: int | None = None, device: str |
                       f"batch)")
     rows = (Rows(0, 1),) + ((Rows(0, b // 2),) if b // 2 > 1 else ())
     device = device or recorded_device(rt)
-    opts = ReplayOptions(device=device, precision=Precision.SAME)
-    threads = replay_threads(rt, opts)
-    walk = _Walk(rt, OpReplayer(rt, opts), b, rows)
-    total = len(rt)
-    with reference_settings(threads), torch.inference_mode():
-        for op in rt:
-            walk.op(op)
-            if progress is not None:
-                progress(op.index + 1, total)
+    walk = walk_batch(rt, b, rows, device, progress)
+    threads = walk.threads
     checks = tuple(walk.checks)
     if any(c.finding is Finding.VARIANT for c in checks):
         outputs = _step_outputs(rt)
@@ -77,14 +70,38 @@ def check_invariance(rt: RankTrace, batch_size: int | None = None, device: str |
                             threads=threads, checks=checks, kinds=_kinds(checks))
 
 
-def _find_batch(rt: RankTrace, batch_size: int | None) -> tuple[int, str] | None:
+def walk_batch(rt: RankTrace, batch: int, rows: tuple[Rows, ...], device: str,
+               progress: Callable[[int, int], None] | None = None) -> "_Walk":
+    """Every op of the rank's trace taken in order, the batch followed and each op that reads it run on ``rows``."""
+    opts = ReplayOptions(device=device, precision=Precision.SAME)
+    threads = replay_threads(rt, opts)
+    walk = _Walk(rt, OpReplayer(rt, opts), batch, rows, threads)
+    total = len(rt)
+    with reference_settings(threads), torch.inference_mode():
+        for op in rt:
+            walk.op(op)
+            if progress is not None:
+                progress(op.index + 1, total)
+    return walk
+
+
+def find_batch(rt: RankTrace, batch_size: int | None) -> tuple[int, str] | None:
     """(rows, where it was read): the first step input of the forward, or the first with ``batch_size`` rows."""
+    found = step_input(rt, batch_size)
+    return None if found is None else (found[0].shape[0], found[1])
+
+
+def step_input(rt: RankTrace, batch_size: int | None, like: TensorRef | None = None
+               ) -> tuple[TensorRef, str] | None:
+    """The first step input of the forward (or the first with ``batch_size`` rows, or the first of ``like``'s dtype
+    and shape but for its rows), and where it was read."""
     produced: set = set()
     for op in rt:
         if op.phase == "forward" and not aten.is_marker(op.name):
             for k, r in enumerate(op.inputs()):
-                if is_step_input(r, produced, batch_size):
-                    return r.shape[0], f"op #{op.index} {op.name} input {k} {r.describe()}, dimension 0"
+                if is_step_input(r, produced, batch_size) and (
+                        like is None or (r.dtype == like.dtype and r.shape[1:] == like.shape[1:])):
+                    return r, f"op #{op.index} {op.name} input {k} {r.describe()}, dimension 0"
         produced.update(r.version for r in op.outputs_refs())
         if op.phase not in (None, "forward"):
             break
@@ -103,8 +120,10 @@ def recorded_device(rt: RankTrace) -> str:
 class _Walk:
     """The state of one walk over the ops: the layout of each storage version that holds the batch."""
 
-    def __init__(self, rt: RankTrace, replayer: OpReplayer, batch: int, rows: tuple[Rows, ...]) -> None:
+    def __init__(self, rt: RankTrace, replayer: OpReplayer, batch: int, rows: tuple[Rows, ...],
+                 threads: int | None) -> None:
         self.rt = rt
+        self.threads = threads
         self.replayer = replayer
         self.batch = batch
         self.rows = rows

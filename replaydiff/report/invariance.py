@@ -7,6 +7,7 @@ import textwrap
 from typing import TextIO
 
 from replaydiff.invariance import Finding, InvarianceResult, OpCheck, SliceDiff
+from replaydiff.invariance.rows import RowsDiff, RowsPart
 
 FORMAT = "replaydiff.invariance/1"
 SHOWN = 12  # batch-variant ops listed one by one in the text (all of them in the JSON)
@@ -131,3 +132,57 @@ def render_text(r: InvarianceResult, out: TextIO, trace: str = "TRACE") -> None:
                   f" that read the batch could not be judged\n")
     else:
         out.write("=> every op that reads the batch is batch-invariant on these slices\n")
+
+
+# -- a run on some rows of another's batch (``replaydiff.invariance.rows.RowsDiff``) ---------------------------------
+ROWS_FORMAT = "replaydiff.invariance-rows/1"
+
+
+def rows_to_json(d: RowsDiff, big: str = "BIG", small: str = "SMALL") -> dict:
+    def part(p: RowsPart | None) -> dict | None:
+        if p is None:
+            return None
+        return {"big": p.big, "small": p.small, "op": p.op, "module": p.module, "phase": p.phase, "source": p.source,
+                "output": p.output, "mismatches": p.mismatches, "elements": p.elements, "max_ulps": p.max_ulps,
+                "inputs_agree": p.inputs_agree, "cause": None if p.cause is None else _check_json(p.cause)}
+
+    return {"format": ROWS_FORMAT, "big": big, "small": small, "big_batch": d.big_batch,
+            "small_batch": d.small_batch, "rows": [d.rows.start, d.rows.stop], "pairs": d.pairs,
+            "compared": d.compared, "parted": part(d.parted), "first_difference": part(d.first_difference),
+            "pairing_ends": d.pairing_ends}
+
+
+def _cause_line(p: RowsPart) -> str:
+    c = p.cause
+    if c is None or not c.finding.judged and c.finding is not Finding.MEAN:
+        why = f"{c.finding.value}: {c.reason}" if c is not None and c.reason else "not checked"
+        return f"the check of BIG's op on these rows could not say why ({escape(why)})"
+    if c.finding is Finding.VARIANT:
+        worst = c.worst
+        return ("this op's kernel depends on the batch: BIG's op run on these rows alone does not give the bits it "
+                "gave them inside the batch" + (f" ({_diff_line(worst)})" if worst is not None else ""))
+    if c.finding is Finding.MEAN:
+        return f"this op divides by the batch size ({escape(c.reason or '')})"
+    return ("BIG's op run on these rows alone gives BIG's bits: the batch does not explain it (another kernel, "
+            "thread count or device in SMALL's run)")
+
+
+def render_rows_text(d: RowsDiff, out: TextIO, big: str = "BIG", small: str = "SMALL") -> None:
+    out.write(f"{escape(small)} ({d.small_batch} row{'s' if d.small_batch != 1 else ''}) is {d.rows} of "
+              f"{escape(big)}'s batch of {d.big_batch}; their ops paired in order, each output that holds the batch "
+              f"compared on those rows\n")
+    if d.pairing_ends:
+        out.write(f"  {escape(d.pairing_ends)}: pairing stops there\n")
+    p = d.parted
+    if p is not None:
+        out.write(f"the rows part at BIG #{p.big} / SMALL #{p.small} {escape(p.op)}  {escape(p.module or '')}  "
+                  f"({p.phase})  {escape(p.source or '')}\n")
+        out.write(f"  {escape(p.output)}: {p.mismatches} of {p.elements} elements differ, up to {p.max_ulps} ulps; "
+                  f"its inputs agree on the rows\n")
+        out.write(f"  {_cause_line(p)}\n")
+    elif d.first_difference is not None:
+        f = d.first_difference
+        out.write(f"the rows differ first at BIG #{f.big} / SMALL #{f.small} {escape(f.op)}, whose inputs differ "
+                  f"already (an input without the batch, or one the pairing could not cut)\n")
+    else:
+        out.write(f"=> the rows agree bit for bit at all {d.compared} ops compared ({d.pairs} paired)\n")

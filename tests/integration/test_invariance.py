@@ -255,3 +255,43 @@ def test_batch_size_picks_the_step_input_with_that_many_rows(tmp_path):
     r = check_invariance(rt, batch_size=4)
     assert r.batch_size == 4 and "float32[4, 8, 16]" in r.batch_input
     assert {c.op for c in r.checks if c.finding is Finding.INVARIANT} >= {"aten.add.Tensor", "aten._softmax.default"}
+
+
+# -- a run on some rows of another run's batch (invariance SMALL --rows-of BIG) ----------------------------------------
+def _sequence_step(path, rows: slice) -> None:
+    """The custom op's model on a slice of one fixed batch of 4 sequences of 8 tokens (its rows cut before
+    recording, so the recorded step input is the slice)."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(16, 16), nn.Linear(16, 4)
+    x = torch.randn(4, 8, 16)[rows].clone()
+    with replaydiff.record(path):
+        b(torch.ops.invtest.batch_scaled(a(x))).square().mean().backward()
+
+
+def test_a_one_row_run_mapped_onto_its_row_of_the_batch_parts_at_the_batch_variant_op(tmp_path, cli_here):
+    _sequence_step(tmp_path / "big", slice(0, 4))
+    _sequence_step(tmp_path / "small", slice(2, 3))
+    planted = next(op.index for op in open_trace(tmp_path / "big").rank(0)
+                   if op.name == "invtest.batch_scaled.default")
+    res = cli_here("invariance", tmp_path / "small", "--rows-of", tmp_path / "big", "--json", tmp_path / "rows.json")
+    assert res.returncode == 1, res.stderr
+    assert "is row 2 of" in res.stdout
+    assert f"the rows part at BIG #{planted} / SMALL #{planted} invtest.batch_scaled.default" in res.stdout
+    assert "this op's kernel depends on the batch" in res.stdout
+    doc = json.loads((tmp_path / "rows.json").read_text())
+    assert doc["rows"] == [2, 3] and doc["parted"]["big"] == planted and doc["parted"]["inputs_agree"]
+    assert doc["parted"]["cause"]["finding"] == "variant"
+
+
+def test_rows_that_no_op_treats_differently_agree_and_exit_0(tmp_path, cli_here):
+    def step(path, rows):
+        x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(0))[rows].clone()
+        with replaydiff.record(path):
+            F.layer_norm(x, (16,)).softmax(-1).sum()
+    step(tmp_path / "big", slice(0, 4))
+    step(tmp_path / "small", slice(1, 3))
+    res = cli_here("invariance", tmp_path / "small", "--rows-of", tmp_path / "big")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "is rows 1-2 of" in res.stdout and "the rows agree bit for bit" in res.stdout
+    res = cli_here("invariance", tmp_path / "big", "--rows-of", tmp_path / "small")
+    assert res.returncode == 2 and "not smaller" in res.stderr
