@@ -150,7 +150,7 @@ def invariance_rows(result: Any) -> "GivenRows":
             rows.append(RowResult(result.rank, c.index, Status.OK, None, "exact", None, "batch-invariant", source=c))
         else:
             rows.append(RowResult(result.rank, c.index, Status.SKIPPED, None, "", None,
-                                  c.finding.value + (f": {c.reason}" if c.reason else ""), source=c))
+                                  c.finding.words + (f": {c.reason}" if c.reason else ""), source=c))
     return GivenRows(tuple(rows))
 
 

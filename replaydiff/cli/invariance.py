@@ -26,7 +26,8 @@ from replaydiff.trace import open_trace
 NAME = "invariance"
 HELP = "name the ops whose result for a row depends on the rest of the batch"
 EXIT_CODES = {ExitCode.OK: "every op that reads the batch is batch-invariant",
-              ExitCode.DIVERGENT: "a batch-variant op found, or an op that reads the batch could not be judged",
+              ExitCode.DIVERGENT: "a batch-variant op found, or an op that reads the batch could not be judged; with "
+                                  "--rows-of: the rows differ",
               ExitCode.USAGE: "usage: a trace of --tensors stats or meta, no batch to read, a batch of one row"}
 
 

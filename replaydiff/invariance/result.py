@@ -15,8 +15,12 @@ class Finding(Enum):
     VIEW = "view"  # views of its inputs, or made from their shape alone (empty_like): no arithmetic on the batch
     MEAN = "mean"  # a slice's result is the recorded one times B/rows, bit-near: a mean's divisor (a loss's gradient)
     REDUCES = "reduces"  # it reads the batch but no output keeps it (a loss, a weight gradient): no slice to compare
-    NO_BATCH = "no batch"  # no input carries the batch (parameters, optimizer state, constants): not judged
-    NOT_JUDGED = "not judged"  # it carries the batch but could not be checked; the reason says why
+    NO_BATCH = "no_batch"  # no input carries the batch (parameters, optimizer state, constants): not judged
+    NOT_JUDGED = "not_judged"  # it carries the batch but could not be checked; the reason says why
+
+    @property
+    def words(self) -> str:
+        return self.value.replace("_", " ")
 
     @property
     def judged(self) -> bool:

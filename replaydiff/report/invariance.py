@@ -155,7 +155,7 @@ def rows_to_json(d: RowsDiff, big: str = "BIG", small: str = "SMALL") -> dict:
 def _cause_line(p: RowsPart) -> str:
     c = p.cause
     if c is None or not c.finding.judged and c.finding is not Finding.MEAN:
-        why = f"{c.finding.value}: {c.reason}" if c is not None and c.reason else "not checked"
+        why = f"{c.finding.words}: {c.reason}" if c is not None and c.reason else "not checked"
         return f"the check of BIG's op on these rows could not say why ({escape(why)})"
     if c.finding is Finding.VARIANT:
         worst = c.worst
