@@ -259,17 +259,17 @@ def test_batch_size_picks_the_step_input_with_that_many_rows(tmp_path):
 
 # -- a run on some rows of another run's batch (invariance SMALL --rows-of BIG) ----------------------------------------
 def _sequence_step(path, rows: slice) -> None:
-    """The custom op's model on a slice of one fixed batch of 4 sequences of 8 tokens (its rows cut before
+    """The custom op's model on a slice of one fixed batch of 8 sequences of 8 tokens (its rows cut before
     recording, so the recorded step input is the slice)."""
     torch.manual_seed(0)
     a, b = nn.Linear(16, 16), nn.Linear(16, 4)
-    x = torch.randn(4, 8, 16)[rows].clone()
+    x = torch.randn(8, 8, 16)[rows].clone()
     with replaydiff.record(path):
         b(torch.ops.invtest.batch_scaled(a(x))).square().mean().backward()
 
 
 def test_a_one_row_run_mapped_onto_its_row_of_the_batch_parts_at_the_batch_variant_op(tmp_path, cli_here):
-    _sequence_step(tmp_path / "big", slice(0, 4))
+    _sequence_step(tmp_path / "big", slice(0, 8))
     _sequence_step(tmp_path / "small", slice(2, 3))
     planted = next(op.index for op in open_trace(tmp_path / "big").rank(0)
                    if op.name == "invtest.batch_scaled.default")
