@@ -346,7 +346,10 @@ class _Walk:
             if d is None or not isinstance(built, torch.Tensor):
                 return built
             start, length = d.span(span)
-            return built.narrow(d.dim, start, length)
+            cut = built.narrow(d.dim, start, length)
+            # in a storage of its own, as a run on these rows alone would hold it: a kernel's path can follow the
+            # data's alignment (MKL's does), and a cut at row r starts r rows into the recorded storage
+            return cut if 0 in cut.stride() else cut.clone(memory_format=torch.preserve_format)
         if isinstance(rec, list) and isinstance(built, (list, tuple)) and len(rec) == len(built):
             return type(built)(self._cut(r, b, span, dim_of) for r, b in zip(rec, built))
         return built
