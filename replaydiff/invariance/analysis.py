@@ -71,11 +71,11 @@ def check_invariance(rt: RankTrace, batch_size: int | None = None, device: str |
 
 
 def walk_batch(rt: RankTrace, batch: int, rows: tuple[Rows, ...], device: str,
-               progress: Callable[[int, int], None] | None = None) -> "_Walk":
+               progress: Callable[[int, int], None] | None = None) -> "BatchWalk":
     """Every op of the rank's trace taken in order, the batch followed and each op that reads it run on ``rows``."""
     opts = ReplayOptions(device=device, precision=Precision.SAME)
     threads = replay_threads(rt, opts)
-    walk = _Walk(rt, OpReplayer(rt, opts), batch, rows, threads)
+    walk = BatchWalk(rt, OpReplayer(rt, opts), batch, rows, threads)
     total = len(rt)
     with reference_settings(threads), torch.inference_mode():
         for op in rt:
@@ -117,7 +117,7 @@ def recorded_device(rt: RankTrace) -> str:
     return "cpu"
 
 
-class _Walk:
+class BatchWalk:
     """The state of one walk over the ops: the layout of each storage version that holds the batch."""
 
     def __init__(self, rt: RankTrace, replayer: OpReplayer, batch: int, rows: tuple[Rows, ...],

@@ -18,7 +18,8 @@ import torch
 
 from replaydiff import aten
 from replaydiff.compare.metrics import ExactMismatch, measure
-from replaydiff.invariance.analysis import NoBatch, _Walk, recorded_device, step_input, ulp_distance, walk_batch
+from replaydiff.invariance.analysis import (BatchWalk, NoBatch, recorded_device, step_input, ulp_distance,
+                                            walk_batch)
 from replaydiff.invariance.batch import BatchDim
 from replaydiff.invariance.result import OpCheck, Rows
 from replaydiff.replay.compared import VALUES, compared_outputs
@@ -68,7 +69,7 @@ def diff_rows(big: RankTrace, small: RankTrace, device: str | None = None,
     ends = None
     for bo, so in zip(_ops(big), _ops(small)):
         if bo.name != so.name:
-            ends = f"the runs' ops differ from BIG #{bo.index} {bo.name} / SMALL #{so.index} {so.name} on"
+            ends = f"the runs' ops differ at BIG #{bo.index} {bo.name} / SMALL #{so.index} {so.name}"
             break
         pairs += 1
         outs = pairing.differences(bo, so)
@@ -124,7 +125,7 @@ def _tensor_refs(op: OpRecord) -> list:
 class _Pairing:
     """BIG's walk, SMALL's trace and the rows: what comparing a pair of ops on the rows needs."""
 
-    def __init__(self, walk: _Walk, small: RankTrace, rows: Rows) -> None:
+    def __init__(self, walk: BatchWalk, small: RankTrace, rows: Rows) -> None:
         self.walk, self.small, self.span = walk, small, (rows.start, rows.stop)
 
     def big_rows(self, ref: TensorRef) -> torch.Tensor | None:

@@ -172,7 +172,7 @@ def render_rows_text(d: RowsDiff, out: TextIO, big: str = "BIG", small: str = "S
               f"{escape(big)}'s batch of {d.big_batch}; their ops paired in order, each output that holds the batch "
               f"compared on those rows\n")
     if d.pairing_ends:
-        out.write(f"  {escape(d.pairing_ends)}: pairing stops there\n")
+        out.write(f"  {escape(d.pairing_ends)}: the pairing stops there\n")
     p = d.parted
     if p is not None:
         out.write(f"the rows part at BIG #{p.big} / SMALL #{p.small} {escape(p.op)}  {escape(p.module or '')}  "
