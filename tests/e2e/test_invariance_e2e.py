@@ -87,3 +87,33 @@ def test_the_cli_on_a_gpt2_trace_exits_0_with_json_on_stdout(tmp_path):
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     assert doc["counts"]["variant"] == 0 and doc["counts"]["invariant"] > 0 and doc["threads"] == 1
+
+
+def test_the_readme_s_invariance_example_is_what_the_documented_commands_print(tmp_path):
+    """docs/examples/batch_invariance.py's commands, run from a folder holding the script at the same relative path,
+    print the README's example; the figures of a differing slice (elements, ULPs) are this CPU's kernels', so only
+    their lines' start is held to the README."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    here = tmp_path / "docs" / "examples"
+    here.mkdir(parents=True)
+    (here / "batch_invariance.py").write_text((root / "docs" / "examples" / "batch_invariance.py").read_text())
+    done = subprocess.run([sys.executable, "docs/examples/batch_invariance.py", "mlp/"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = subprocess.run([sys.executable, "-m", "replaydiff", "invariance", "mlp/"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stderr
+    printed = res.stdout.splitlines()
+    readme = (root / "README.md").read_text()
+    block = readme.split("$ python docs/examples/batch_invariance.py mlp/ && replaydiff invariance mlp/\n", 1)[1]
+    lines = [line for line in block.split("```", 1)[0].splitlines() if line != "..."]
+    assert lines
+    for line in lines:
+        if "elements differ" in line:
+            assert any(p.startswith(line.split(":", 1)[0] + ":") for p in printed), line
+        else:
+            assert line in printed, line
