@@ -91,7 +91,7 @@ def find_batch(rt: RankTrace, batch_size: int | None) -> tuple[int, str] | None:
     return None if found is None else (found[0].shape[0], found[1])
 
 
-def step_input(rt: RankTrace, batch_size: int | None, like: TensorRef | None = None
+def step_input(rt: RankTrace, batch_size: int | None, like: TensorRef | None = None, min_rows: int = 2
                ) -> tuple[TensorRef, str] | None:
     """The first step input of the forward (or the first with ``batch_size`` rows, or the first of ``like``'s dtype
     and shape but for its rows), and where it was read."""
@@ -99,7 +99,7 @@ def step_input(rt: RankTrace, batch_size: int | None, like: TensorRef | None = N
     for op in rt:
         if op.phase == "forward" and not aten.is_marker(op.name):
             for k, r in enumerate(op.inputs()):
-                if is_step_input(r, produced, batch_size) and (
+                if is_step_input(r, produced, batch_size, min_rows) and (
                         like is None or (r.dtype == like.dtype and r.shape[1:] == like.shape[1:])):
                     return r, f"op #{op.index} {op.name} input {k} {r.describe()}, dimension 0"
         produced.update(r.version for r in op.outputs_refs())
@@ -240,9 +240,14 @@ class BatchWalk:
         except TraceError:
             raise  # a damaged trace is exit 3, not one op's problem
         except Exception as exc:  # a kernel that refuses the slice: said, never taken as invariant
-            self._inherit(op, batched)
-            first = (str(exc).strip().splitlines() or [""])[0][:160]
-            return Finding.NOT_JUDGED, f"the slice run failed: {type(exc).__name__}: {first}", ()
+            try:  # once more, cutting too the inputs shaped as the batch beside one that holds it
+                outs = self._slices(op, values, batched, loose=True)
+            except TraceError:
+                raise
+            except Exception:
+                self._inherit(op, batched)
+                first = (str(exc).strip().splitlines() or [""])[0][:160]
+                return Finding.NOT_JUDGED, f"the slice run failed: {type(exc).__name__}: {first}", ()
         kept, diffs = outs
         for c, d in kept:
             layout = d.layout(c.recorded, self.batch)
@@ -254,16 +259,22 @@ class BatchWalk:
             return Finding.NOT_JUDGED, "the op run on the whole batch does not give its recorded bits either (a " \
                                        "non-deterministic kernel, or a recording that differs): `replaydiff replay " \
                                        "--precision same` judges it", ()
+        far = [d for d in diffs if d is not _SCALED and d.rel_l2 > _MISREAD * torch.finfo(torch.float32).eps]
+        if far:
+            return Finding.NOT_JUDGED, f"a slice differs far beyond rounding (rel_l2 {far[0].rel_l2:.2g}): the batch " \
+                                       f"was likely misread here (a tensor of the batch's size that is not the batch)", ()
         if diffs and all(d is _SCALED for d in diffs):
             return Finding.MEAN, f"its result scales with the rows given (x{self.batch}/rows): it divides by the " \
                                  f"batch size", ()
         return (Finding.VARIANT if diffs else Finding.INVARIANT), None, tuple(d for d in diffs if d is not _SCALED)
 
-    def _slices(self, op: OpRecord, values: list, batched: list[tuple[TensorRef, BatchDim]]
+    def _slices(self, op: OpRecord, values: list, batched: list[tuple[TensorRef, BatchDim]], loose: bool = False
                 ) -> tuple[list, list[SliceDiff]]:
         """Run the op on each slice: the outputs that hold the batch with their batch dimension, and the slices
-        whose outputs differ from the recorded rows."""
-        dim_of = self._broadcasts(batched)
+        whose outputs differ from the recorded rows. ``loose``: a try after the op refused the slice, cutting too
+        every input but a parameter that has the batch's size where one that holds it has the batch (a tensor the
+        trace made batch-shaped from a buffer and a weight: BERT's token type embeddings)."""
+        dim_of = self._broadcasts(batched, loose)
         self._check_all_cut(op, batched, dim_of)
         kept: list = []
         diffs: list[SliceDiff] = []
@@ -272,6 +283,7 @@ class BatchWalk:
             func, args, kwargs = self.replayer.recorded_call(op)
             span = (rows.start, rows.stop)
             args = [self._cut(r, a, span, dim_of) for r, a in zip(op.args, args)]
+            args = [self._resize(a, op, batched, rows) for a in args]
             kwargs = {k: self._cut(op.kwargs[k], v, span, dim_of) for k, v in kwargs.items()}
             out = func(*args, **kwargs)
             for n, c in enumerate(values):
@@ -292,6 +304,19 @@ class BatchWalk:
                 if diff is not None:
                     diffs.append(diff)
         return kept, diffs
+
+    def _resize(self, arg: Any, op: OpRecord, batched: list[tuple[TensorRef, BatchDim]], rows: Rows) -> Any:
+        """A size argument that is the shape of one of the op's outputs (select_backward's input_sizes, new_zeros'
+        size) with the batch's entry made the slice's: at the batch dimension of an input of as many dimensions."""
+        if not (isinstance(arg, list) and arg and all(type(x) is int for x in arg)):
+            return arg
+        if not any(tuple(arg) == tuple(r.shape) for r in op.outputs_refs()):
+            return arg
+        n = rows.stop - rows.start
+        for ref, d in batched:
+            if len(ref.shape) <= len(arg) and arg[d.dim] == ref.shape[d.dim] == self.batch * d.block:
+                return [n * d.block if i == d.dim else x for i, x in enumerate(arg)]
+        return arg
 
     def _check_all_cut(self, op: OpRecord, batched: list[tuple[TensorRef, BatchDim]],
                        dim_of: Callable[[TensorRef], BatchDim | None]) -> None:
@@ -324,16 +349,21 @@ class BatchWalk:
                 return False
         return True
 
-    def _broadcasts(self, batched: list[tuple[TensorRef, BatchDim]]) -> Callable[[TensorRef], BatchDim | None]:
+    def _broadcasts(self, batched: list[tuple[TensorRef, BatchDim]], loose: bool = False
+                    ) -> Callable[[TensorRef], BatchDim | None]:
         """The batch dimension of each input: its own, or, for one broadcast along the batch (stride 0 there, as
-        the gradient of a mean expanded to the batch's shape), that of an input of as many dimensions beside it."""
+        the gradient of a mean expanded to the batch's shape), that of an input of as many dimensions beside it;
+        ``loose`` (see ``_slices``): that of any input it matches there, unless it is a parameter."""
         def dim_of(ref: TensorRef) -> BatchDim | None:
             d = self.dim(ref)
             if d is not None or ref.stride is None:
                 return d
             for other, od in batched:
-                if len(other.shape) == len(ref.shape) and ref.shape[od.dim] == other.shape[od.dim] \
-                        and ref.stride[od.dim] == 0:
+                if od.dim >= len(ref.shape) or ref.shape[od.dim] != other.shape[od.dim]:
+                    continue
+                if len(other.shape) == len(ref.shape) and ref.stride[od.dim] == 0:
+                    return od
+                if loose and od.block == 1 and (ref.version in self.produced or not ref.requires_grad):
                     return od
             return None
         return dim_of
@@ -384,6 +414,10 @@ def _shrunk(recorded: tuple, sliced: tuple, batch: int, rows: Rows) -> BatchDim 
     raise _Unclear(f"the slice run's output is {list(sliced)} for recorded {list(recorded)}: which dimension holds "
                    f"the batch is unclear")
 
+
+# A batch-variant kernel changes a slice in its last bits (rel_l2 about 1e-7 in float32); one far past that (1e4 times
+# float32's eps, beyond bfloat16's rounding too) is no reduction order: the batch was taken where it is not.
+_MISREAD = 1e4
 
 _SCALED = object()  # a slice's result that is the recorded one scaled by batch/rows: a mean's divisor
 

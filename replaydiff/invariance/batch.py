@@ -61,8 +61,12 @@ class BatchDim:
         return rows[0] * self.block, (rows[1] - rows[0]) * self.block
 
 
-def is_step_input(ref: TensorRef, produced: set, batch_size: int | None) -> bool:
+def is_step_input(ref: TensorRef, produced: set, batch_size: int | None, min_rows: int = 2) -> bool:
     """A tensor the step reads from outside it that can hold the batch: made by no op of the trace, needing no
-    gradient (a parameter needs one), with values, and (when the batch size is known) as many rows as the batch."""
+    gradient (a parameter needs one), with values, ``min_rows`` rows or more (as many as the batch, when its size is
+    known: one row is a buffer broadcast to the batch, unless the run is a one-row run mapped onto a batch's),
+    and not a floating vector (a buffer such as rotary embeddings' inverse frequencies or a norm's running mean; a
+    vector of the batch is ids or labels)."""
     return (ref.version is not None and ref.version not in produced and not ref.requires_grad and ref.stride is not None
-            and len(ref.shape) >= 1 and ref.shape[0] > 0 and (batch_size is None or ref.shape[0] == batch_size))
+            and len(ref.shape) >= 1 and ref.shape[0] >= min_rows and (batch_size is None or ref.shape[0] == batch_size)
+            and (len(ref.shape) >= 2 or not ref.torch_dtype.is_floating_point))

@@ -93,14 +93,14 @@ def diff_rows(big: RankTrace, small: RankTrace, device: str | None = None,
 
 def _rows_of(big: RankTrace, small: RankTrace) -> tuple[Rows, int]:
     """SMALL's rows among BIG's, found by its step input, and BIG's batch size."""
-    found_small = step_input(small, None)
-    if found_small is None:
-        raise NoBatch("SMALL: no step input found to read its batch from")
-    s_ref = found_small[0]
-    found_big = step_input(big, None, like=s_ref)
+    found_big = step_input(big, None)
     if found_big is None:
-        raise NoBatch(f"BIG has no step input shaped as SMALL's {s_ref.describe()} but for its rows")
+        raise NoBatch("BIG: no step input found to read its batch from")
     b_ref = found_big[0]
+    found_small = step_input(small, None, like=b_ref, min_rows=1)
+    if found_small is None:
+        raise NoBatch(f"SMALL has no step input shaped as BIG's {b_ref.describe()} but for its rows")
+    s_ref = found_small[0]
     b, n = s_ref.shape[0], b_ref.shape[0]
     if b >= n:
         raise NoBatch(f"SMALL's batch ({b} rows) is not smaller than BIG's ({n})")
