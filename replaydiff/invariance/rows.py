@@ -18,10 +18,10 @@ import torch
 
 from replaydiff import aten
 from replaydiff.compare.metrics import ExactMismatch, measure
-from replaydiff.invariance.analysis import (BatchWalk, NoBatch, recorded_device, step_input, ulp_distance,
-                                            walk_batch)
+from replaydiff.invariance.analysis import NoBatch, recorded_device, step_input, walk_batch
 from replaydiff.invariance.batch import BatchDim
 from replaydiff.invariance.result import OpCheck, Rows
+from replaydiff.invariance.walk import BatchWalk, ulp_distance
 from replaydiff.replay.compared import VALUES, compared_outputs
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import OpRecord, TensorRef
