@@ -295,3 +295,15 @@ def test_rows_that_no_op_treats_differently_agree_and_exit_0(tmp_path, cli_here)
     assert "is rows 1-2 of" in res.stdout and "the rows agree bit for bit" in res.stdout
     res = cli_here("invariance", tmp_path / "big", "--rows-of", tmp_path / "small")
     assert res.returncode == 2 and "not smaller" in res.stderr
+
+
+def test_a_damaged_trace_is_exit_3_naming_the_file(custom_trace, cli_here, tmp_path):
+    import shutil
+
+    trace = tmp_path / "cut"
+    shutil.copytree(custom_trace, trace)
+    ops_file = sorted((trace / "rank0" / "ops").iterdir())[-1]
+    data = ops_file.read_bytes()
+    ops_file.write_bytes(data[: len(data) // 2])
+    res = cli_here("invariance", trace)
+    assert res.returncode == 3 and str(ops_file) in res.stderr and res.stdout == ""
