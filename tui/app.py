@@ -323,7 +323,8 @@ def left_out_status(trace: Any) -> str:
 
 
 def make_app(path: str | Path, *, rank: int | None = None, report_path: str | Path | None = None,
-             replay: ReplayOptions | None = None, diff_ref: str | Path | None = None) -> ReplaydiffApp:
+             replay: ReplayOptions | None = None, diff_ref: str | Path | None = None,
+             rows: Any = None) -> ReplaydiffApp:
     """Open a trace (TraceError if it cannot be read) and build the app: colours from ``report_path`` when given,
     otherwise a background replay with ``replay`` settings (fp64 on the CPU by default); with ``diff_ref``, the diff
     of that reference trace against this one instead (no replay). Nothing runs until the
@@ -336,7 +337,7 @@ def make_app(path: str | Path, *, rank: int | None = None, report_path: str | Pa
     if diff_ref is not None:
         replaydiff.open_trace(diff_ref)  # TraceError (exit 3) now rather than a failure inside the UI
         return ReplaydiffApp(trace, rank=rank, diff=diff_ref)
-    report = None
+    report = rows  # rows computed before (model.invariance_rows): coloured as a given report's
     if report_path is not None:
         from replaydiff.report import load_replay_json
 

@@ -133,6 +133,34 @@ class RowResult:
         return cls(rank, index, Presence.TARGET_ONLY, None, "", None, None, False, None, ref_rank)
 
 
+def invariance_rows(result: Any) -> "GivenRows":
+    """The rows of a batch-invariance check (``replaydiff.invariance.InvarianceResult``): a batch-variant op as a
+    divergent one (red), an invariant one ok, every other op skipped with what the check said of it."""
+    from replaydiff.invariance import Finding
+
+    rows = []
+    for c in result.checks:
+        if c.finding is Finding.VARIANT:
+            w = c.worst
+            why = "batch-variant" + ("" if w is None else f": {w.rows}, {w.output}: {w.mismatches} of {w.elements} "
+                                     f"elements differ, up to {w.max_ulps} ulps, rel_l2 {w.rel_l2:.2g}")
+            rows.append(RowResult(result.rank, c.index, Status.DIVERGENT, None,
+                                  error_text(None, w.mismatches if w else None), None, why, source=c))
+        elif c.finding is Finding.INVARIANT:
+            rows.append(RowResult(result.rank, c.index, Status.OK, None, "exact", None, "batch-invariant", source=c))
+        else:
+            rows.append(RowResult(result.rank, c.index, Status.SKIPPED, None, "", None,
+                                  c.finding.words + (f": {c.reason}" if c.reason else ""), source=c))
+    return GivenRows(tuple(rows))
+
+
+@dataclass(frozen=True)
+class GivenRows:
+    """Rows computed before the app opened (a batch-invariance check), applied as a given report's are."""
+
+    ops: tuple
+
+
 @dataclass(frozen=True)
 class _Figures:
     """A verdict and severity in the shape ``verdict_figures`` reads (a unit pair's part has no result of its own)."""

@@ -43,14 +43,14 @@ class _Formatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from replaydiff.cli import demo, diff, record, replay, report, repro, show, trend, tui
+    from replaydiff.cli import demo, diff, invariance, record, replay, report, repro, show, trend, tui
 
     p = _Parser(prog="replaydiff", description="Record a PyTorch training step, replay every op in isolation, "
                                                 "and name the op that went wrong.")
     p.add_argument("--version", action="version", version=f"replaydiff {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks for errors")
     sub = p.add_subparsers(dest="verb", metavar="COMMAND", parser_class=_Parser)
-    for mod in (record, show, replay, diff, trend, repro, report, demo, tui):
+    for mod in (record, show, replay, diff, invariance, trend, repro, report, demo, tui):
         sp = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.__doc__, formatter_class=_Formatter,
                             epilog=exit_codes_help(getattr(mod, "EXIT_CODES", {})))
         sp.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,

@@ -314,6 +314,16 @@ class OpReplayer:
                 j = replace(j, verdict=with_precision(j.verdict, precision))
         return (j if notes is j.notes else replace(j, notes=notes)), pairs, finite  # replace() costs ~5 us
 
+    def recorded_call(self, op: OpRecord) -> tuple[Any, list, dict]:
+        """The op's kernel and its arguments rebuilt at their recorded dtypes on the replay device, each in its own
+        copy (an in-place op writes only into it): ``(func, args, kwargs)`` for a caller that runs the op on inputs
+        of its own making (a slice of the batch). Raises ``Skip`` with the reason where the op cannot be rebuilt."""
+        if op.data_left_out is not None:
+            raise Skip(f"tensor data left out: {LEFT_OUT_WHY.get(op.data_left_out, op.data_left_out)}")
+        func = self._resolve(op.name)
+        args, kwargs = _Inputs(self.trace, Precision.SAME, True, self.device, None).build(op)
+        return func, args, kwargs
+
     def _reference(self, name: str) -> tuple[Any, bool, Note | None, bool]:
         """What to run for the op: (callable, is it a random op, what the reference is, whether every result says
         so or only a problem does: under --reference decomp most ops run through one)."""

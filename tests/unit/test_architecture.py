@@ -131,9 +131,11 @@ LAYERS = {  # a package may import only from these (besides itself)
     "replaydiff.trend": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.diff"},
     # the health report of a replay: its checks, and causes found with their evidence (re-running the culprit)
     "replaydiff.health": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay", "replaydiff.causes"},
+    # batch invariance: each op that reads the batch re-run on slices of it (replay's rebuilding of its inputs)
+    "replaydiff.invariance": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay"},
     "replaydiff.report": _BOTTOM | {"replaydiff.trace", "replaydiff.record", "replaydiff.compare", "replaydiff.replay",
                                     "replaydiff.diff", "replaydiff.causes", "replaydiff.trend", "replaydiff.health",
-                                    "replaydiff.repro"},
+                                    "replaydiff.repro", "replaydiff.invariance"},
     # writing a repro directory: the op's description (what replay compares, its limits) and the script
     "replaydiff.repro": _BOTTOM | {"replaydiff.trace", "replaydiff.compare", "replaydiff.replay"},
 }
