@@ -6,6 +6,7 @@ import math
 import textwrap
 from typing import TextIO
 
+from replaydiff.rebuild_and_judge import shown
 from replaydiff.invariance import Finding, InvarianceResult, OpCheck, SliceDiff
 from replaydiff.invariance.rows import RowsDiff, RowsPart
 
@@ -42,19 +43,14 @@ def _check_json(c: OpCheck) -> dict:
 
 
 # -- text -----------------------------------------------------------------------------------------------------------
-def escape(s: str) -> str:
-    """A string from the trace as a terminal may see it: control characters written as escapes."""
-    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in s)
-
-
 def _where(c: OpCheck) -> str:
-    parts = [f"#{c.index} {escape(c.op)}"]
+    parts = [f"#{c.index} {shown(c.op)}"]
     if c.module:
-        parts.append(escape(c.module))
+        parts.append(shown(c.module))
     if c.phase:
         parts.append(f"({c.phase})")
     if c.source:
-        parts.append(escape(c.source))
+        parts.append(shown(c.source))
     return "  ".join(parts)
 
 
@@ -63,7 +59,7 @@ def _diff_line(s: SliceDiff) -> str:
     if not math.isnan(s.rel_l2):
         figures += f", up to {s.max_ulps} ulp{'s' if s.max_ulps != 1 else ''}, rel_l2 {s.rel_l2:.2g}, " \
                    f"max_abs {s.max_abs:.2g}"
-    return f"{s.rows}, {escape(s.output)}: {figures}"
+    return f"{s.rows}, {shown(s.output)}: {figures}"
 
 
 def _reach_line(c: OpCheck) -> str:
@@ -72,16 +68,16 @@ def _reach_line(c: OpCheck) -> str:
             "forward", "backward") else "")
     what = "the loss" if c.phase == "forward" else "the gradients" if c.phase == "backward" else \
         f"the outputs of its phase ({c.phase})"
-    shown = ", ".join(f"#{o.index} {escape(o.op)}" for o in c.reaches[:3])
+    names = ", ".join(f"#{o.index} {shown(o.op)}" for o in c.reaches[:3])
     more = f" and {len(c.reaches) - 3} more" if len(c.reaches) > 3 else ""
-    return f"flows into {what}: {shown}{more}"
+    return f"flows into {what}: {names}{more}"
 
 
 def render_text(r: InvarianceResult, out: TextIO, trace: str = "TRACE") -> None:
     threads = f", {r.threads} thread{'s' if r.threads != 1 else ''}" if r.threads else ""
-    out.write(f"checked {len(r.checks)} ops of {escape(trace)} (rank {r.rank}) on {r.device}{threads}, at their "
+    out.write(f"checked {len(r.checks)} ops of {shown(trace)} (rank {r.rank}) on {r.device}{threads}, at their "
               f"recorded dtypes, on slices of the batch ({', '.join(str(s) for s in r.rows)}), bit for bit\n")
-    out.write(f"  batch of {r.batch_size} read from {escape(r.batch_input)}\n")
+    out.write(f"  batch of {r.batch_size} read from {shown(r.batch_input)}\n")
     n = {f: r.count(f) for f in Finding}
     out.write(f"  judged: {n[Finding.INVARIANT]} invariant, {n[Finding.VARIANT]} batch-variant\n")
     rest = [f"{n[Finding.NO_BATCH]} without the batch", f"{n[Finding.VIEW]} views or shape-only",
@@ -105,7 +101,7 @@ def render_text(r: InvarianceResult, out: TextIO, trace: str = "TRACE") -> None:
     if unjudged:
         out.write("not judged (they read the batch):\n")
         for c in unjudged[:5]:
-            out.write(f"  {_where(c)}: {escape(c.reason or '')}\n")
+            out.write(f"  {_where(c)}: {shown(c.reason or '')}\n")
         if len(unjudged) > 5:
             out.write(f"  ... and {len(unjudged) - 5} more\n")
     bad = [k for k in r.kinds if k.variant]
@@ -113,15 +109,15 @@ def render_text(r: InvarianceResult, out: TextIO, trace: str = "TRACE") -> None:
         out.write("per op kind (judged calls: invariant / batch-variant), and what to do:\n")
         width = max(len(k.op) for k in bad)
         for k in bad:
-            out.write(f"  {escape(k.op):<{width}}  {k.invariant} / {k.variant}\n")
+            out.write(f"  {shown(k.op):<{width}}  {k.invariant} / {k.variant}\n")
             if k.advice is not None:
                 out.write(textwrap.fill(f"{k.advice.kind}: {k.advice.remedy}", 118, initial_indent="      ",
                                         subsequent_indent="        ") + "\n")
-                first = ", ".join(f"#{c.index} {escape(c.source or '(no source line)')}" for c in k.first)
+                first = ", ".join(f"#{c.index} {shown(c.source or '(no source line)')}" for c in k.first)
                 out.write(f"      first: {first}\n")
     fine = [k for k in r.kinds if not k.variant]
     if fine:
-        out.write(textwrap.fill("invariant: " + ", ".join(f"{escape(k.op)} x{k.invariant}" for k in fine), 118,
+        out.write(textwrap.fill("invariant: " + ", ".join(f"{shown(k.op)} x{k.invariant}" for k in fine), 118,
                                 initial_indent="  ", subsequent_indent="    ") + "\n")
     bad_kinds = [k.op for k in r.kinds if k.variant]
     if bad_kinds:
@@ -156,33 +152,33 @@ def _cause_line(p: RowsPart) -> str:
     c = p.cause
     if c is None or not c.finding.judged and c.finding is not Finding.MEAN:
         why = f"{c.finding.words}: {c.reason}" if c is not None and c.reason else "not checked"
-        return f"the check of BIG's op on these rows could not say why ({escape(why)})"
+        return f"the check of BIG's op on these rows could not say why ({shown(why)})"
     if c.finding is Finding.VARIANT:
         worst = c.worst
         return ("this op's kernel depends on the batch: BIG's op run on these rows alone does not give the bits it "
                 "gave them inside the batch" + (f" ({_diff_line(worst)})" if worst is not None else ""))
     if c.finding is Finding.MEAN:
-        return f"this op divides by the batch size ({escape(c.reason or '')})"
+        return f"this op divides by the batch size ({shown(c.reason or '')})"
     return ("BIG's op run on these rows alone gives BIG's bits: the batch does not explain it (another kernel, "
             "thread count or device in SMALL's run)")
 
 
 def render_rows_text(d: RowsDiff, out: TextIO, big: str = "BIG", small: str = "SMALL") -> None:
-    out.write(f"{escape(small)} ({d.small_batch} row{'s' if d.small_batch != 1 else ''}) is {d.rows} of "
-              f"{escape(big)}'s batch of {d.big_batch}; their ops paired in order, each output that holds the batch "
+    out.write(f"{shown(small)} ({d.small_batch} row{'s' if d.small_batch != 1 else ''}) is {d.rows} of "
+              f"{shown(big)}'s batch of {d.big_batch}; their ops paired in order, each output that holds the batch "
               f"compared on those rows\n")
     if d.pairing_ends:
-        out.write(f"  {escape(d.pairing_ends)}: the pairing stops there\n")
+        out.write(f"  {shown(d.pairing_ends)}: the pairing stops there\n")
     p = d.parted
     if p is not None:
-        out.write(f"the rows part at BIG #{p.big} / SMALL #{p.small} {escape(p.op)}  {escape(p.module or '')}  "
-                  f"({p.phase})  {escape(p.source or '')}\n")
-        out.write(f"  {escape(p.output)}: {p.mismatches} of {p.elements} elements differ, up to {p.max_ulps} ulps; "
+        out.write(f"the rows part at BIG #{p.big} / SMALL #{p.small} {shown(p.op)}  {shown(p.module or '')}  "
+                  f"({p.phase})  {shown(p.source or '')}\n")
+        out.write(f"  {shown(p.output)}: {p.mismatches} of {p.elements} elements differ, up to {p.max_ulps} ulps; "
                   f"its inputs agree on the rows\n")
         out.write(f"  {_cause_line(p)}\n")
     elif d.first_difference is not None:
         f = d.first_difference
-        out.write(f"the rows differ first at BIG #{f.big} / SMALL #{f.small} {escape(f.op)}, whose inputs differ "
+        out.write(f"the rows differ first at BIG #{f.big} / SMALL #{f.small} {shown(f.op)}, whose inputs differ "
                   f"already (an input without the batch, or one the pairing could not cut)\n")
     else:
         out.write(f"=> the rows agree bit for bit at all {d.compared} ops compared ({d.pairs} paired)\n")
