@@ -62,15 +62,17 @@ class Job:
         return f"{self.script.removesuffix('.py')}-step{self.step}"
 
 
+# The issue's rows at the step it names (Lightning at --step 2, where the sampler picks rows inside the step), and
+# a step 2 of FSDP2 (its parameters, DTensors the first step updated, enter as step inputs) and of Lightning at 1.
+# Each pair costs 4 processes' torch imports (~15 s on an idle 2-core machine; the Trainer's ~30 s).
 CORRECT = [
     Job("ddp_tokens.py"),
-    Job("ddp_tokens.py", step=2),
+    Job("ddp_module_tokens.py"),
     Job("fsdp_tokens.py"),
     Job("fsdp_tokens.py", step=2),
     Job("fsdp_adamw_clip.py", world=4),
     Job("ddp_no_sync.py"),
     Job("trainer_tokens.py"),
-    Job("trainer_tokens.py", step=2),
     Job("lightning_ddp.py"),
     Job("lightning_ddp.py", step=2),
 ]
@@ -88,7 +90,20 @@ BUGGY = [
 
 # What the engine reads the wrong way round today (issue 33): strict, so that a job it gets right fails here and
 # tells its developer to remove the marker.
-TODAY_WRONG: dict[str, str] = {}
+TODAY_WRONG: dict[str, str] = {
+    "fsdp_adamw_clip-step1": "a false alarm at clip_grad_norm_'s _foreach_norm: DTensor's _NormP placement read as "
+                             "partial sums ('an all-reduce is missing')",
+    "ddp_no_sync-step1": "a false alarm: 'the runs began apart (... not the same global batch)' for no_sync over 2 "
+                         "micro-batches per rank, which see the same global batch",
+    "trainer_tokens-step1": "a false alarm at aten.arange (transformers' masking_utils): a per-rank index over the "
+                            "local batch read as 'slices that overlap'",
+    "trainer_rank_mean-step1": "the arange false alarm hides the bug: the compute_loss line is not named",
+    "tp_no_input_grad-step1": "exits 0: the partial input gradient is taken for a layout (parameters after the step "
+                              "'partial (a sum)')",
+    "ddp_same_shard-step1": "names the first model op with 'the runs began apart', never that the ranks hold the same "
+                            "rows, nor the sampler's line",
+    "ddp_lr_scaled-step1": "exits 0: the 2x update is excused as ops 'amplifying their inputs' rounding'",
+}
 
 
 def _marks(job: Job) -> list:
@@ -198,7 +213,10 @@ def test_a_buggy_job_is_named_where_its_bug_enters(pairs, job: Job) -> None:
         assert not re.search(words, said, re.IGNORECASE), f"{words!r} said, which is not the cause:\n{said[:3000]}"
 
 
-@pytest.mark.parametrize("job", [pytest.param(j, id=j.id) for j in CORRECT + BUGGY if j.step == 1])
+ONCE = [j for j in CORRECT + BUGGY if j.step == 1]  # each script once: its own results do not depend on the step
+
+
+@pytest.mark.parametrize("job", [pytest.param(j, id=j.id) for j in ONCE])
 def test_each_pair_sees_the_same_global_batch(pairs, job: Job) -> None:
     """The jobs' own account, apart from replaydiff: a hash of each step's rows over every rank. Only the job whose
     bug is that the ranks read the same shard sees another global batch."""
@@ -207,7 +225,7 @@ def test_each_pair_sees_the_same_global_batch(pairs, job: Job) -> None:
     assert (pair.single["batches"] == pair.multi["batches"]) is job.same_batch
 
 
-@pytest.mark.parametrize("job", [pytest.param(j, id=j.id) for j in CORRECT + BUGGY if j.step == 1])
+@pytest.mark.parametrize("job", [pytest.param(j, id=j.id) for j in ONCE])
 def test_a_correct_job_ends_where_its_single_process_ends_and_a_bug_does_not(pairs, job: Job) -> None:
     """The parameters after the last step, single process against rank 0 of the parallel run: equal within float32
     rounding of reordered sums for a correct job; for a buggy job well apart (the bug is real)."""
