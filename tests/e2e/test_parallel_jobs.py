@@ -22,6 +22,7 @@ import shutil
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,9 @@ def _environment(**extra: str):
 
 
 def _record(job: Job, where: Path, world: int) -> dict:
+    for framework in ("lightning", "transformers"):
+        if job.script.startswith(framework[:7]):
+            assert find_spec(framework), f"{framework} (pyproject's test extra) is not installed: pip install -e '.[test]'"
     out = f"{job.id}-{world}"
     result = where / f"{out}.json"
     launch = [sys.executable, job.script] if world == 1 else \
