@@ -135,8 +135,8 @@ def _environment(**extra: str):
 
 
 def _record(job: Job, where: Path, world: int) -> dict:
-    for framework in ("lightning", "transformers"):
-        if job.script.startswith(framework[:7]):
+    for prefix, framework in (("lightning_", "lightning"), ("trainer_", "transformers")):
+        if job.script.startswith(prefix):
             assert find_spec(framework), f"{framework} (pyproject's test extra) is not installed: pip install -e '.[test]'"
     out = f"{job.id}-{world}"
     result = where / f"{out}.json"
