@@ -12,6 +12,10 @@ The jobs are written apart from the engine: each writes (from rank 0, to $JOB_RE
 step and a hash of each step's global batch, so that the test checks, independently of replaydiff's diff, that the
 pair saw the same global batch and that a correct job ends where its single process ends (and a buggy one does not).
 A recording changes no bit of a job's results, so the recorded runs give these.
+
+torchrun is launched as ``python -m torch.distributed.run`` (the same program; a venv whose torch comes from another
+environment has no ``torchrun`` script). Each pair costs four processes' imports: the file takes ~4 CPU-minutes
+(10 minutes' wall time on the shared 2-core machine at load 8).
 """
 from __future__ import annotations
 
