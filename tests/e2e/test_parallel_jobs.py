@@ -15,7 +15,7 @@ A recording changes no bit of a job's results, so the recorded runs give these.
 
 torchrun is launched as ``python -m torch.distributed.run`` (the same program; a venv whose torch comes from another
 environment has no ``torchrun`` script). Each pair costs four processes' imports: the file takes ~4 CPU-minutes
-(10 minutes' wall time on the shared 2-core machine at load 8).
+(10-11 minutes' wall time on the shared 2-core machine at load 8).
 """
 from __future__ import annotations
 
@@ -68,7 +68,8 @@ class Job:
 
 
 # The issue's rows at the step it names (Lightning at --step 2, where the sampler picks rows inside the step), and
-# a step 2 of FSDP2 (its parameters, DTensors the first step updated, enter as step inputs) and of Lightning at 1.
+# a second step of FSDP2 (its parameters, DTensors the first step updated, enter as step inputs) and of the Trainer,
+# and Lightning at step 1 too.
 # Each pair costs 4 processes' torch imports (~15 s on an idle 2-core machine; the Trainer's ~30 s).
 CORRECT = [
     Job("ddp_tokens.py"),
@@ -78,6 +79,7 @@ CORRECT = [
     Job("fsdp_adamw_clip.py", world=4),
     Job("ddp_no_sync.py"),
     Job("trainer_tokens.py"),
+    Job("trainer_tokens.py", step=2),
     Job("lightning_ddp.py"),
     Job("lightning_ddp.py", step=2),
 ]
@@ -102,6 +104,7 @@ TODAY_WRONG: dict[str, str] = {
                          "micro-batches per rank, which see the same global batch",
     "trainer_tokens-step1": "a false alarm at aten.arange (transformers' masking_utils): a per-rank index over the "
                             "local batch read as 'slices that overlap'",
+    "trainer_tokens-step2": "the same arange false alarm at step 2",
     "trainer_rank_mean-step1": "the arange false alarm hides the bug: the compute_loss line is not named",
     "tp_no_input_grad-step1": "exits 0: the partial input gradient is taken for a layout (parameters after the step "
                               "'partial (a sum)')",
