@@ -14,8 +14,8 @@ pair saw the same global batch and that a correct job ends where its single proc
 A recording changes no bit of a job's results, so the recorded runs give these.
 
 torchrun is launched as ``python -m torch.distributed.run`` (the same program; a venv whose torch comes from another
-environment has no ``torchrun`` script). Each pair costs four processes' imports: the file takes ~4 CPU-minutes
-(10-11 minutes' wall time on the shared 2-core machine at load 8).
+environment has no ``torchrun`` script). Each pair costs four processes' imports: the file takes ~4.5 CPU-minutes
+(12-13 minutes' wall time on the shared 2-core machine at load 8).
 """
 from __future__ import annotations
 
