@@ -37,11 +37,15 @@ def _rank_json(s: RankSummary) -> dict:
             "tensors": s.tensors, "lost": s.lost, "budget": s.budget,
             "left_out": [{"reason": x.reason, "ops": x.ops, "first": x.first, "last": x.last, "bytes": x.nbytes,
                           "runs": [list(r) for r in x.runs], "runs_in_all": x.nruns} for x in s.left_out],
-            "compiled": [c.to_wire() for c in s.compiled], "environment": s.environment.to_json()}
+            "compiled": [c.to_wire() for c in s.compiled], "environment": s.environment.to_json(),
+            "corrupt": [{"file": e.path, "problem": e.problem} for e in s.corrupt]}
 
 
 def _state(s: RankSummary) -> str:
     """How the recording of a rank ended: read to the end, or why not."""
+    if s.corrupt:
+        more = f"; and {len(s.corrupt) - 1} more file(s)" if len(s.corrupt) > 1 else ""
+        return f"DAMAGED: {s.corrupt[0]}{more}"
     if not s.complete:
         return f"TRUNCATED after op {s.truncated_after}"
     if s.missing_ops:
@@ -80,6 +84,8 @@ def render_text(summary: ShowSummary, out: TextIO) -> None:
             out.write(f"  LEFT OUT: {x.describe()}\n")
         for lost in s.lost:
             out.write(f"  LOST: {lost}\n")
+        for e in s.corrupt[1:]:
+            out.write(f"  DAMAGED: {e}\n")
         for c in s.compiled:
             units = " as compiled units" if c.units else ""
             out.write(f"  COMPILED: {c.region} ran {c.how}{units} ({c.calls} call(s))\n")
@@ -267,6 +273,8 @@ def list_warnings(listing: OpListing, out: TextIO) -> None:
     though this one lists whole, another rank is."""
     if not listing.rows:
         say(f"no op of rank {listing.rank} passes these filters", out)
+    for c in listing.cut_short:
+        say(f"the trace is partial: {c.describe()}", out)
     if listing.missing:
         for missing in describe_missing(listing.missing):
             say(f"rank {listing.rank} is damaged: {missing}", out)
