@@ -279,5 +279,8 @@ def list_warnings(listing: OpListing, out: TextIO) -> None:
         for missing in describe_missing(listing.missing):
             say(f"rank {listing.rank} is damaged: {missing}", out)
         return
+    if listing.bytes_missing:
+        say(f"rank {listing.rank} is damaged: {_human(listing.bytes_missing)} of its op and data files are missing or "
+            f"cut short since it was written (`replaydiff show {listing.trace}` names them)", out)
     for o in listing.damaged_others:
         say(f"rank {o} is damaged (`replaydiff show {listing.trace} --list --rank {o}` marks its missing ops)", out)

@@ -206,8 +206,11 @@ def read_regular(path: Path | str, most: int, missing: str = "missing") -> bytes
     with os.fdopen(fd, "rb") as fh:
         if size > most:
             raise TraceError(path, f"too large ({size} bytes; at most {most} are read)")
-        try:
-            return fh.read(most + 1)[:most]
+        try:  # as many bytes as fstat said (read(n) allocates n at once), and no more than ``most``
+            data = fh.read(size + 1)
+            if len(data) > most:
+                raise TraceError(path, f"too large (more than {most} bytes are not read)")
+            return data
         except OSError as exc:
             raise TraceError(path, f"unreadable ({exc.strerror or exc})") from None
 

@@ -13,6 +13,7 @@ import bisect
 import hashlib
 import json
 import os
+import stat
 import struct
 import threading
 import weakref
@@ -237,8 +238,9 @@ class RankTrace(Sequence):
         on_disk = 0
         for sub in (OPS_DIR, DATA_DIR):
             try:
-                on_disk += sum(p.stat().st_size for p in (self.root / sub).iterdir()
-                               if p.is_file() and not p.name.endswith(".tmp"))
+                on_disk += sum(st.st_size for st in (p.lstat() for p in (self.root / sub).iterdir()
+                                                     if not p.name.endswith(".tmp"))
+                               if stat.S_ISREG(st.st_mode))  # a link, a FIFO holds no byte of the trace
             except OSError:
                 pass  # a directory that is gone holds nothing
         return max(written - on_disk, 0)
@@ -456,7 +458,9 @@ class RankTrace(Sequence):
             try:
                 with self._lock:
                     self._chunks.pop(first, None)  # read again from disk, not from the cache
-                self._chunk(first)
+                for w in self._chunk(first):  # every value decoded and checked, as replay decodes it
+                    op = OpRecord(w, self.rank, path)
+                    op.args, op.kwargs, op.outputs, op.writes, op.unit  # noqa: B018
             except TraceError as exc:
                 problems.append(exc)
         if self._index is None:
