@@ -24,6 +24,9 @@ from replaydiff.trace.schema import PHASES, IndexRow, OpRecord, index_row
 
 INDEX_VERSION = 1
 _NONE = -1
+# At most this many op numbers in a row without a record (a writer numbers every op it sees, with a stub for one it
+# does not record; gaps come from older traces only, and are short).
+_MAX_GAP = 1 << 20
 _F_RECORDED, _F_CHEAP, _F_COLLECTIVE, _F_UNINIT, _F_RANDOM = 1, 2, 4, 8, 16
 _PHASE_IDS = {None: 0, **{p: k + 1 for k, p in enumerate(PHASES)}}
 _PHASE_NAMES = [None, *PHASES]
@@ -61,6 +64,9 @@ class IndexBuilder:
         self._first: dict[Any, tuple[int, int]] = {}  # storage version -> (op, output position), first
 
     def _pad_to(self, index: int) -> None:
+        if index - self.count > _MAX_GAP:  # a hand-made number: rows for it would fill memory
+            raise ValueError(f"op #{index} follows op #{self.count - 1}: more than {_MAX_GAP} numbers without a "
+                             f"record")
         while self.count < index:  # numbers with no record (gaps in older traces)
             self._row(OpRecord.absent(self.count).index_row())
 

@@ -39,6 +39,7 @@ from replaydiff.trace.format import (
     OPS_DIR,
     data_file_name,
     open_regular,
+    ops_chunk_name,
     rank_of_dir_name,
     read_frame,
     read_manifest_frame,
@@ -169,6 +170,7 @@ class RankTrace(Sequence):
                 if p.suffix == FRAME_SUFFIX and p.stem.isdigit():
                     firsts.append(int(p.stem))
         self._firsts = sorted(firsts)
+        self._listed: dict[int, int] = {}  # first op -> last op of each ops chunk the manifest lists
         self._chunks: OrderedDict[int, list[dict]] = OrderedDict()
         self._files: OrderedDict[int, Any] = OrderedDict()
         self._storages: OrderedDict[int, torch.Tensor] = OrderedDict()
@@ -247,6 +249,13 @@ class RankTrace(Sequence):
 
     def _find_missing(self) -> tuple[MissingOps, ...]:
         written = manifest_ops_files(self.manifest)
+        if written is not None:  # every chunk on disk is one the writer lists, and holds only the ops it lists
+            self._listed = {f.first: f.last for f in written}
+            extra = [f for f in self._firsts if f not in self._listed]
+            if extra:
+                raise TraceError(self.root / OPS_DIR / ops_chunk_name(extra[0]),
+                                 "not written by this recording (its manifest lists no ops file that starts at "
+                                 f"op #{extra[0]})")
         missing = find_missing(self.rank, self.root / OPS_DIR, written, self.complete, manifest_last_op(self.manifest),
                                None if written is not None else self._last_on_disk())
         # A chunk on disk but not as written (cut short) is never read: its ops are missing, named as such.
@@ -341,6 +350,10 @@ class RankTrace(Sequence):
             frame = read_frame(path)
             try:
                 ops = check_chunk(frame, first)
+                last = self._listed.get(first)
+                end = OpRecord(ops[-1]).index
+                if last is not None and end > last:
+                    raise ValueError(f"it holds op #{end}, the writer wrote up to op #{last} into it")
             except (KeyError, TypeError, ValueError) as exc:
                 raise TraceError(path, f"malformed ops chunk ({exc})") from None
             self._chunks[first] = ops
@@ -540,10 +553,10 @@ class RankTrace(Sequence):
         try:
             for op in self._records():
                 builder.add(op)
+            builder.pad_to(n)  # ops of a missing last chunk are numbered, without a record
         except (ValueError, KeyError, TypeError) as exc:
             where = f" (op #{op.index})" if op is not None else ""
             raise TraceError(self.root / OPS_DIR, f"malformed op record{where}: {exc}") from None
-        builder.pad_to(n)  # ops of a missing last chunk are numbered, without a record
         return builder.build()
 
     def producers(self, i: int) -> dict[int, int | None]:

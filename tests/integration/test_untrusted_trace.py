@@ -136,7 +136,8 @@ def test_a_manifest_entry_of_the_wrong_type_is_refused_naming_the_manifest(small
 
 @pytest.mark.parametrize("key,value,says", [
     ("a", [deep(400)], "nested more than"),  # wire-ok: damages a record on purpose
-    ("a", [{"dt": "__class__", "sh": [2], "st": [1], "of": 0, "T": 1}], "a tensor of dtype '__class__'"),
+    ("a", [{"dt": "__class__", "sh": [2], "st": [1], "of": 0, "T": 1}],  # wire-ok: damages a record on purpose
+     "a tensor of dtype '__class__'"),
     ("a", [{"device": "nonsense:99"}], "device 'nonsense:99'"),
     ("k", [1], "field 'k' is list"),
     ("coll", {"ranks": 5}, "a collective"),

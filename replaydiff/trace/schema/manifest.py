@@ -276,5 +276,9 @@ def check_manifest(m: dict) -> None:
     for key in (_M_CUSTOM, _M_SOURCES):
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in (m.get(key) or {}).items()):
             raise ValueError(f"manifest entry {key!r} maps to a value that is not a string")
-    if m.get(_M_OPS_FILES) is not None and manifest_ops_files(m) is None:
-        raise ValueError(f"manifest entry {_M_OPS_FILES!r} holds an entry that is not [first op, last op, bytes]")
+    if m.get(_M_OPS_FILES) is not None:
+        files = manifest_ops_files(m)
+        if files is None:
+            raise ValueError(f"manifest entry {_M_OPS_FILES!r} holds an entry that is not [first op, last op, bytes]")
+        if any(b.first <= a.last for a, b in zip(files, files[1:])):
+            raise ValueError(f"manifest entry {_M_OPS_FILES!r} lists ops files out of order")
