@@ -636,8 +636,12 @@ class RankTrace(Sequence):
 
         Without ``copy`` it is a view of cached bytes shared with other callers: read it, never write into it."""
         if not ref.stored_data:
-            if ref.zero:
-                return torch.zeros(ref.shape, dtype=ref.torch_dtype)
+            if ref.zero:  # a ZeroTensor: its shape is all the trace says of it, and memory may not hold it
+                try:
+                    return torch.zeros(ref.shape, dtype=ref.torch_dtype)
+                except RuntimeError as exc:
+                    raise TraceError(self.root, f"a zero tensor of shape {list(ref.shape)} cannot be made here "
+                                                f"({str(exc).splitlines()[0][:120]})") from None
             if ref.meta:
                 return ref.empty_meta()
         return rebuild(self.data(ref), ref.torch_dtype, ref, self.root, copy)
