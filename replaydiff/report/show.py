@@ -43,7 +43,7 @@ def _rank_json(s: RankSummary) -> dict:
 
 def _state(s: RankSummary) -> str:
     """How the recording of a rank ended: read to the end, or why not."""
-    if s.corrupt:
+    if s.corrupt and not (s.missing_ops or s.bytes_missing):
         more = f"; and {len(s.corrupt) - 1} more file(s)" if len(s.corrupt) > 1 else ""
         return f"DAMAGED: {s.corrupt[0]}{more}"
     if not s.complete:
@@ -84,7 +84,7 @@ def render_text(summary: ShowSummary, out: TextIO) -> None:
             out.write(f"  LEFT OUT: {x.describe()}\n")
         for lost in s.lost:
             out.write(f"  LOST: {lost}\n")
-        for e in s.corrupt[1:]:
+        for e in s.corrupt[0 if s.missing_ops or s.bytes_missing else 1:]:  # each file, below the state line
             out.write(f"  DAMAGED: {e}\n")
         for c in s.compiled:
             units = " as compiled units" if c.units else ""
