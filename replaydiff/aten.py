@@ -142,14 +142,18 @@ def resolve(name: str) -> Any:
     func = _RESOLVED.get(name)
     if func is not None:
         return func
-    parts = name.split(".")
-    if len(parts) != 3:
+    parts = name.split(".") if isinstance(name, str) else ()
+    # Each part a plain name: an attribute such as ``__class__`` or ``load_library`` is never looked up, and what
+    # is found must be an op overload, so that a name read from a trace can only ever call a registered op.
+    if len(parts) != 3 or not all(p.isidentifier() and not p.startswith("__") for p in parts):
         raise UnknownOp(f"op name {name!r} is not namespace.op.overload")
     ns, op, overload = parts
     try:
         func = getattr(getattr(getattr(torch.ops, ns), op), overload)
     except (AttributeError, RuntimeError):
         raise UnknownOp(f"op {name} is not registered here (load the extension that defines it)") from None
+    if not isinstance(func, torch._ops.OpOverload):
+        raise UnknownOp(f"{name} is not an op overload")
     _RESOLVED[name] = func
     return func
 

@@ -97,6 +97,10 @@ class TraceError(ReplaydiffError):
         return type(self), (self.path, self.problem)
 
 
+class NotRegularFile(TraceError):
+    """A trace's file that is a symbolic link, a FIFO, a device or a directory: refused, never read through."""
+
+
 class EnvironmentProblem(ReplaydiffError):
     """The machine lacks something the request needs (a CUDA device, a package)."""
 

@@ -17,7 +17,8 @@ NAME = "show"
 HELP = "summarise a trace, print one op with --op N, or list ops with --list"
 EXIT_CODES = {ExitCode.OK: "summarised, printed or listed", ExitCode.DIVERGENT: "not used by show",
               ExitCode.USAGE: "a usage error, or --list filters that no op passes",
-              ExitCode.TRACE: "unreadable, or damaged: ops or bytes missing (on the rank listed or another)"}
+              ExitCode.TRACE: "unreadable, or damaged: ops or bytes missing or failing their checksum (on the rank "
+                              "listed or another), or partial: the recording stopped part-way"}
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
@@ -49,13 +50,15 @@ def run(args: argparse.Namespace) -> int:
     for s in summary.ranks:
         if not s.complete:
             warn(f"rank {s.rank} is truncated after op {s.truncated_after} (the recording did not finish)")
+        elif s.stopped is not None:
+            warn(f"rank {s.rank}'s recording stopped part-way: {s.stopped}")
     if args.json:
         write_json(args.json, to_json(summary))
     if args.json != "-":
         render_text(summary, sys.stdout)
-    # a damaged trace is never described as whole: its state line says so, and so does the exit code (a trace cut
-    # short by its job says TRUNCATED or STOPPED and is described as it is, as a hung job's must be)
-    return EXIT_TRACE if summary.damaged else EXIT_OK
+    # a damaged or partial trace is never described as whole: its state line says so (DAMAGED, TRUNCATED, STOPPED),
+    # it is described as it is (as a hung job's must be), and the exit code is replay's for it
+    return EXIT_TRACE if summary.damaged or summary.partial else EXIT_OK
 
 
 # -- show --list: one line per op, read from the index alone ---------------------------------------------------------
@@ -87,6 +90,6 @@ def run_list(trace: Trace, args: argparse.Namespace) -> int:
     if args.json != "-":
         render_list(listing, sys.stdout)
     list_warnings(listing, sys.stderr)
-    # a damaged trace is never listed as whole, nor one with another rank damaged; filters that select nothing are
-    # a usage error, as replay's --op that matches no op is
-    return EXIT_TRACE if listing.damaged else EXIT_OK if listing.rows else ExitCode.USAGE
+    # a damaged or partial trace is never listed as whole, nor one with another rank damaged; filters that select
+    # nothing are a usage error, as replay's --op that matches no op is
+    return EXIT_TRACE if listing.damaged or listing.partial else EXIT_OK if listing.rows else ExitCode.USAGE

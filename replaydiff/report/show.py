@@ -38,11 +38,15 @@ def _rank_json(s: RankSummary) -> dict:
             "tensors": s.tensors, "lost": s.lost, "budget": s.budget,
             "left_out": [{"reason": x.reason, "ops": x.ops, "first": x.first, "last": x.last, "bytes": x.nbytes,
                           "runs": [list(r) for r in x.runs], "runs_in_all": x.nruns} for x in s.left_out],
-            "compiled": [c.to_wire() for c in s.compiled], "environment": s.environment.to_json()}
+            "compiled": [c.to_wire() for c in s.compiled], "environment": s.environment.to_json(),
+            "corrupt": [{"file": e.path, "problem": e.problem} for e in s.corrupt]}
 
 
 def _state(s: RankSummary) -> str:
     """How the recording of a rank ended: read to the end, or why not."""
+    if s.corrupt and not (s.missing_ops or s.bytes_missing):
+        more = f"; and {len(s.corrupt) - 1} more file(s)" if len(s.corrupt) > 1 else ""
+        return f"DAMAGED: {s.corrupt[0]}{more}"
     if not s.complete:
         return f"TRUNCATED after op {s.truncated_after}"
     if s.missing_ops:
@@ -81,6 +85,8 @@ def render_text(summary: ShowSummary, out: TextIO) -> None:
             out.write(f"  LEFT OUT: {shown(x.describe())}\n")
         for lost in s.lost:
             out.write(f"  LOST: {shown(lost)}\n")
+        for e in s.corrupt[0 if s.missing_ops or s.bytes_missing else 1:]:  # each file, below the state line
+            out.write(f"  DAMAGED: {shown(e)}\n")
         for c in s.compiled:
             units = " as compiled units" if c.units else ""
             out.write(f"  COMPILED: {shown(c.region)} ran {shown(c.how)}{units} ({c.calls} call(s))\n")
@@ -271,9 +277,14 @@ def list_warnings(listing: OpListing, out: TextIO) -> None:
     though this one lists whole, another rank is."""
     if not listing.rows:
         say(f"no op of rank {listing.rank} passes these filters", out)
+    for c in listing.cut_short:
+        say(f"the trace is partial: {c.describe()}", out)
     if listing.missing:
         for missing in describe_missing(listing.missing):
             say(f"rank {listing.rank} is damaged: {missing}", out)
         return
+    if listing.bytes_missing:
+        say(f"rank {listing.rank} is damaged: {_human(listing.bytes_missing)} of its op and data files are missing or "
+            f"cut short since it was written (`replaydiff show {listing.trace}` names them)", out)
     for o in listing.damaged_others:
         say(f"rank {o} is damaged (`replaydiff show {listing.trace} --list --rank {o}` marks its missing ops)", out)

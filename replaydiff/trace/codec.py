@@ -164,6 +164,11 @@ def decode(data: torch.Tensor | memoryview, codec: str, nbytes: int, crc: int, w
                 raise ValueError(f"codec {codec!r} does not fit {nbytes} bytes")
         src = data if isinstance(data, memoryview) else tensor_bytes_view(data.contiguous())
         try:
+            # zstd allocates the size a frame's header claims, whatever max_output_size says: a claim other than
+            # the recorded size is refused before anything is allocated
+            claimed = zstandard.frame_content_size(src)
+            if claimed != -1 and claimed != nbytes:
+                raise ValueError(f"{where}: its compressed bytes claim {claimed} bytes where {nbytes} were recorded")
             plain = decompressor().decompress(src, max_output_size=max(nbytes, 1))
         except zstandard.ZstdError as exc:
             raise ValueError(f"zstd: {exc}") from None

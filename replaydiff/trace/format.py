@@ -21,6 +21,7 @@ implementation reads with the other and the format is unchanged.
 """
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import struct
@@ -31,7 +32,7 @@ from typing import Any, Callable
 import msgpack
 import zstandard
 
-from replaydiff.errors import TraceError
+from replaydiff.errors import NotRegularFile, TraceError
 
 FORMAT_NAME = "replaydiff.trace"
 FORMAT_VERSION = 1
@@ -67,7 +68,17 @@ _MAGIC = b"RDT\x01"
 _HEADER = struct.Struct("<4sBIQ")  # magic, flags, crc32 of payload, payload length
 _FLAG_ZSTD = 1
 # A single frame never legitimately decompresses beyond this; a hand-made one that claims more is refused.
-_MAX_FRAME_BYTES = 1 << 31
+MAX_FRAME_BYTES = 1 << 31
+# Nor beyond this many times its compressed size, or the floor: the writer's frames (msgpack at zstd level 1) come
+# out 5-15 times smaller, and zstd can reach ~32,000 times on repeated bytes, so a 60 KB frame could otherwise ask
+# for gigabytes before its first byte is checked. Decoded, a frame's objects take at most ~8 bytes a payload byte.
+_MAX_FRAME_RATIO = 512
+_FRAME_FLOOR = 16 << 20
+
+
+def frame_size_limit(compressed: int) -> int:
+    """The most bytes a zstd frame of ``compressed`` bytes is allowed to decompress to."""
+    return min(MAX_FRAME_BYTES, max(_FRAME_FLOOR, _MAX_FRAME_RATIO * compressed))
 
 
 def rank_dir_name(rank: int) -> str:
@@ -103,28 +114,48 @@ def unpack_frame(data: bytes, path: Path | str) -> Any:
     magic, flags, crc, length = _HEADER.unpack_from(data)
     if magic != _MAGIC:
         raise TraceError(path, "not a replaydiff trace file (bad magic bytes)")
-    payload = data[_HEADER.size:]
-    if len(payload) != length:
+    payload = memoryview(data)[_HEADER.size:]
+    if len(payload) < length:
         raise TraceError(path, f"truncated ({len(payload)} of {length} payload bytes)")
+    if len(payload) > length:
+        raise TraceError(path, f"not as written ({len(payload) - length} bytes after its {length} payload bytes)")
     if crc32(payload) != crc:
         raise TraceError(path, "corrupt (checksum mismatch)")
     if flags & ~_FLAG_ZSTD:
         raise TraceError(path, f"unknown frame flags {flags:#x}")
+    if flags & _FLAG_ZSTD:
+        payload = _decompress(payload, path)
     try:
-        if flags & _FLAG_ZSTD:
-            payload = zstandard.ZstdDecompressor().decompress(payload, max_output_size=_MAX_FRAME_BYTES)
         return msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as exc:  # zstd or msgpack errors: the file is damaged even though its checksum matched
+    except Exception as exc:  # msgpack errors (and its depth limit): the file is damaged though its checksum matched
         raise TraceError(path, f"corrupt ({type(exc).__name__}: {exc})") from None
+
+
+def _decompress(payload: memoryview, path: Path | str) -> bytes:
+    """A frame's zstd payload decompressed, within ``frame_size_limit``: a size the frame's own header claims is
+    checked before anything is allocated (zstd allocates it whole), and one it does not claim bounds the output."""
+    limit = frame_size_limit(len(payload))
+    try:
+        claimed = zstandard.frame_content_size(payload)
+        if claimed > limit:
+            raise TraceError(path, f"corrupt (a frame of {len(payload)} bytes claims {claimed} bytes decompressed; "
+                                   f"at most {limit} are read)")
+        return zstandard.ZstdDecompressor().decompress(payload, max_output_size=limit)
+    except zstandard.ZstdError as exc:
+        raise TraceError(path, f"corrupt (zstd: {exc})") from None
 
 
 def has_frame_magic(path: Path) -> bool:
     """Whether ``path`` starts as every frame does (a cheap test of whose file it is; nothing is decoded)."""
     try:
-        with open(path, "rb") as fh:
-            return fh.read(len(_MAGIC)) == _MAGIC
-    except OSError:
+        fd, _ = open_regular(path)
+    except TraceError:
         return False
+    with os.fdopen(fd, "rb") as fh:
+        try:
+            return fh.read(len(_MAGIC)) == _MAGIC
+        except OSError:
+            return False
 
 
 def read_manifest_frame(path: Path) -> dict:
@@ -135,13 +166,75 @@ def read_manifest_frame(path: Path) -> dict:
     return m
 
 
-def read_frame(path: Path) -> Any:
+def open_regular(path: Path | str, missing: str = "missing") -> tuple[int, int]:
+    """``(descriptor, size)`` of a trace file opened for reading; TraceError (``missing`` when it is not there) for
+    anything but a regular file: a symbolic link (to /dev/zero, to a file outside the trace), a FIFO (which would
+    block the reader), a device, a directory. Never follows a link and never blocks."""
     try:
-        data = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise TraceError(path, "missing") from None
+        raise TraceError(path, missing) from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotRegularFile(path, "a symbolic link: a trace is read from regular files only, never through a "
+                                       "link") from None
         raise TraceError(path, f"unreadable ({exc.strerror or exc})") from None
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        os.close(fd)
+        raise TraceError(path, f"unreadable ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotRegularFile(path, f"not a regular file ({_file_kind(st.st_mode)}): a trace is read from regular "
+                                   f"files only")
+    return fd, st.st_size
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a file"
+
+
+def read_regular(path: Path | str, most: int, missing: str = "missing") -> bytes:
+    """The whole of a regular trace file (``open_regular``) of at most ``most`` bytes; TraceError when it is larger
+    (nothing is read then)."""
+    fd, size = open_regular(path, missing)
+    with os.fdopen(fd, "rb") as fh:
+        if size > most:
+            raise TraceError(path, f"too large ({size} bytes; at most {most} are read)")
+        try:  # as many bytes as fstat said (read(n) allocates n at once), and no more than ``most``
+            data = fh.read(size + 1)
+            if len(data) > most:
+                raise TraceError(path, f"too large (more than {most} bytes are not read)")
+            return data
+        except OSError as exc:
+            raise TraceError(path, f"unreadable ({exc.strerror or exc})") from None
+
+
+def read_frame(path: Path) -> Any:
+    """The decoded frame at ``path``: read from a regular file only, and only as many bytes as its header declares
+    (a file that holds more or fewer is refused)."""
+    fd, size = open_regular(path)
+    with os.fdopen(fd, "rb") as fh:
+        try:
+            head = fh.read(_HEADER.size)
+            if len(head) < _HEADER.size or head[:len(_MAGIC)] != _MAGIC:
+                return unpack_frame(head, path)  # raises: too short for a header, or not a frame
+            length = _HEADER.unpack_from(head)[3]
+            if length != size - _HEADER.size:
+                raise TraceError(path, f"truncated ({max(size - _HEADER.size, 0)} of {length} payload bytes)"
+                                 if length > size - _HEADER.size else
+                                 f"not as written ({size - _HEADER.size - length} bytes after its {length} "
+                                 f"payload bytes)")
+            if length > MAX_FRAME_BYTES:
+                raise TraceError(path, f"corrupt (a frame of {length} bytes; at most {MAX_FRAME_BYTES} are read)")
+            data = head + fh.read(length)
+        except OSError as exc:
+            raise TraceError(path, f"unreadable ({exc.strerror or exc})") from None
     return unpack_frame(data, path)
 
 

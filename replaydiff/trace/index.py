@@ -24,6 +24,9 @@ from replaydiff.trace.schema import PHASES, IndexRow, OpRecord, index_row
 
 INDEX_VERSION = 1
 _NONE = -1
+# At most this many op numbers in a row without a record (a writer numbers every op it sees, with a stub for one it
+# does not record; gaps come from older traces only, and are short).
+_MAX_GAP = 1 << 20
 _F_RECORDED, _F_CHEAP, _F_COLLECTIVE, _F_UNINIT, _F_RANDOM = 1, 2, 4, 8, 16
 _PHASE_IDS = {None: 0, **{p: k + 1 for k, p in enumerate(PHASES)}}
 _PHASE_NAMES = [None, *PHASES]
@@ -61,6 +64,9 @@ class IndexBuilder:
         self._first: dict[Any, tuple[int, int]] = {}  # storage version -> (op, output position), first
 
     def _pad_to(self, index: int) -> None:
+        if index - self.count > _MAX_GAP:  # a hand-made number: rows for it would fill memory
+            raise ValueError(f"op #{index} follows op #{self.count - 1}: more than {_MAX_GAP} numbers without a "
+                             f"record")
         while self.count < index:  # numbers with no record (gaps in older traces)
             self._row(OpRecord.absent(self.count).index_row())
 
@@ -237,17 +243,27 @@ class TraceIndex:
 
     @classmethod
     def from_frame(cls, frame: Any) -> "TraceIndex":
-        """Raises ValueError when the frame is not a sound index."""
+        """Raises ValueError when the frame is not a sound index: every table a list of strings, every column of
+        its length, every id within its table, every edge within the ops."""
         if not isinstance(frame, dict) or frame.get("format") != "replaydiff.index":
             raise ValueError("not an index")
         if frame.get("version") != INDEX_VERSION:
             raise ValueError(f"index version {frame.get('version')} (this replaydiff reads {INDEX_VERSION})")
-        count = frame["count"]
-        tables = frame["tables"]
+        count, tables, columns = frame.get("count"), frame.get("tables"), frame.get("columns")
+        if type(count) is not int or count < 0 or not isinstance(tables, dict) or not isinstance(columns, dict):
+            raise ValueError("not an index")
+        for t in ("names", "modules", "sources", "outputs"):
+            table = tables.get(t)
+            if not isinstance(table, list) or not table or table[0] is not None or \
+                    not all(type(x) is str for x in table[1:]):
+                raise ValueError(f"table {t} is not a list of strings")
         cols: dict[str, array] = {}
         for k, code in _COLUMNS.items():
+            raw = columns.get(k)
+            if not isinstance(raw, bytes):
+                raise ValueError(f"column {k} is not bytes")
             a = array(code)
-            a.frombytes(frame["columns"][k])
+            a.frombytes(raw)
             if frame.get("byteorder") != _BYTEORDER:
                 a.byteswap()
             cols[k] = a
@@ -258,9 +274,19 @@ class TraceIndex:
                 or len(cols["in_slot"]) != len(cols["in_prod"]) or len(cols["cons_ptr"]) != count + 1 \
                 or cols["cons_ptr"][-1] != len(cols["cons_op"]) or len(cols["cons_slot"]) != len(cols["cons_op"]):
             raise ValueError("edge columns do not fit")
-        for k, t in (("name", "names"), ("module", "modules"), ("source", "sources"), ("output", "outputs")):
-            if cols[k] and not 0 <= max(cols[k]) < len(tables[t]):
-                raise ValueError(f"column {k} points outside its table")
+        bounds = {"name": len(tables["names"]), "module": len(tables["modules"]), "source": len(tables["sources"]),
+                  "output": len(tables["outputs"]), "phase": len(_PHASE_NAMES), "forward": count,
+                  "in_prod": count, "cons_op": count, "in_ptr": len(cols["in_prod"]) + 1,
+                  "cons_ptr": len(cols["cons_op"]) + 1, "in_slot": 1 << 30, "cons_slot": 1 << 30}
+        optional = {"forward", "in_prod", "in_slot"}  # -1: none
+        for k, bound in bounds.items():
+            c = cols[k]
+            if c and not ((_NONE if k in optional else 0) <= min(c) and max(c) < bound):
+                raise ValueError(f"column {k} points outside its range")
+        for k in ("in_ptr", "cons_ptr"):  # offsets into the edge columns: from 0, never decreasing
+            c = cols[k]
+            if c[0] != 0 or any(a > b for a, b in zip(c, c[1:])):
+                raise ValueError(f"column {k} is not a run of offsets")
         return cls(count, tables, cols)
 
     def __len__(self) -> int:

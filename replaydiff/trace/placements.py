@@ -16,6 +16,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from replaydiff.trace.format import MAX_FRAME_BYTES, read_regular
+
 PLACEMENTS = "dtensor.jsonl"
 _AT, _OP, _ARGS = "at", "op", "args"  # the op number the next recorded op gets, the DTensor op, its tensor args
 _PL, _MESH, _SHAPE = "pl", "mesh", "shape"
@@ -83,10 +85,10 @@ def append_note(rank_dir: Path, at: int, op: str, args: Sequence[DTensorArg | No
 
 def read_notes(rank_dir: Path) -> list[DTensorNote]:
     """The DTensor ops of a rank, in order; [] when the trace has none (no DTensor, or recorded before)."""
-    try:
-        text = (Path(rank_dir) / PLACEMENTS).read_text()
-    except OSError:
+    path = Path(rank_dir) / PLACEMENTS
+    if not os.path.lexists(path):
         return []
+    text = read_regular(path, MAX_FRAME_BYTES).decode("utf-8", "replace")  # a link or a FIFO: TraceError
     out = []
     for line in text.splitlines():
         try:
@@ -94,7 +96,7 @@ def read_notes(rank_dir: Path) -> list[DTensorNote]:
             args = tuple(None if a is None else DTensorArg(tuple(str(p) for p in a[_PL]), tuple(int(x) for x in a[_MESH]),
                                                            tuple(int(x) for x in a[_SHAPE])) for a in d[_ARGS])
             out.append(DTensorNote(int(d[_AT]), str(d[_OP]), args))
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             continue  # a line cut short: what it said is unknown, not guessed
     return out
 

@@ -13,6 +13,7 @@ import bisect
 import hashlib
 import json
 import os
+import stat
 import struct
 import threading
 import weakref
@@ -24,7 +25,7 @@ from typing import Any, Iterator
 
 import torch
 
-from replaydiff.errors import TraceError, UsageError
+from replaydiff.errors import NotRegularFile, TraceError, UsageError
 from replaydiff.rebuild_and_judge import as_recorded, typed_storage
 from replaydiff.trace import codec
 from replaydiff.trace.format import (
@@ -33,21 +34,26 @@ from replaydiff.trace.format import (
     FORMAT_VERSION,
     FRAME_SUFFIX,
     INDEX,
+    MAX_FRAME_BYTES,
     MANIFEST,
     OPS_DIR,
     data_file_name,
+    open_regular,
+    ops_chunk_name,
     rank_of_dir_name,
     read_frame,
     read_manifest_frame,
+    read_regular,
 )
 from replaydiff.trace.damage import CutShort, MissingOps, find_missing
 from replaydiff.trace.index import IndexBuilder, ModuleNode, TraceIndex
 from replaydiff.trace.schema.environment import Environment
 from replaydiff.trace.schema.index_rows import check_chunk
 from replaydiff.trace.schema.left_out import LeftOut, left_out_from_manifest
-from replaydiff.trace.schema.manifest import (CompiledRegion, FlightDump, RecordedOptions, manifest_bytes_written,
-                                              manifest_command, manifest_flight, manifest_last_op, manifest_metadata,
-                                              manifest_ops_files, manifest_stopped)
+from replaydiff.trace.schema.manifest import (CompiledRegion, FlightDump, RecordedOptions, check_manifest,
+                                              manifest_bytes_written, manifest_command, manifest_flight,
+                                              manifest_last_op, manifest_metadata, manifest_ops_files,
+                                              manifest_stopped)
 from replaydiff.trace.schema.op_wire import check_entered
 from replaydiff.trace.schema.ops import OpRecord, RngState, StoredBytes
 from replaydiff.trace.schema.plant import PlantedFaultInfo, plant_from_wire
@@ -71,13 +77,8 @@ class DataFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise TraceError(path, "missing: ops of this trace read tensors from it (was the trace copied whole? "
-                                   "`replaydiff show` says what is missing)") from None
-        except OSError as exc:
-            raise TraceError(path, f"unreadable ({exc.strerror or exc})") from None
+        fd, _ = open_regular(path, "missing: ops of this trace read tensors from it (was the trace copied whole? "
+                                   "`replaydiff show` says what is missing)")
         # The one place the descriptor is closed, at most once: by close(), on a bad header, or when the object is
         # collected. A second os.close of the number could close whatever file has reused it since (another
         # thread's), so there is no __del__ and no bare os.close anywhere else.
@@ -104,9 +105,10 @@ class DataFile:
             # the bytes after the header, read at the first read() (None: not yet; False: storage by storage)
             self._data: torch.Tensor | None | bool = None if size - self.data_start <= _WHOLE_FILE else False
             self._view = memoryview(b"")  # of _data's bytes, once read (slices of it are handed to the decoder)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: JSON nested too deep
             self.close()
-            raise TraceError(path, f"corrupt ({exc})") from None
+            raise TraceError(path, f"corrupt ({type(exc).__name__ if isinstance(exc, RecursionError) else exc})") \
+                from None
 
     def read(self, key: str, view: bool = False) -> torch.Tensor | memoryview:
         """The raw bytes stored under ``key`` as a uint8 tensor; ValueError if the entry is not a sound byte range.
@@ -159,21 +161,23 @@ class RankTrace(Sequence):
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.manifest = self._read_manifest()
-        self.rank = int(self.manifest.get("rank", 0))
+        self.rank = self.manifest.get("rank", 0)
         ops_dir = self.root / OPS_DIR
         firsts = []
-        if ops_dir.is_dir():
+        _no_link(self.root / DATA_DIR)
+        if _no_link(ops_dir) and ops_dir.is_dir():
             for p in ops_dir.iterdir():
                 if p.suffix == FRAME_SUFFIX and p.stem.isdigit():
                     firsts.append(int(p.stem))
         self._firsts = sorted(firsts)
+        self._listed: dict[int, int] = {}  # first op -> last op of each ops chunk the manifest lists
         self._chunks: OrderedDict[int, list[dict]] = OrderedDict()
         self._files: OrderedDict[int, Any] = OrderedDict()
         self._storages: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._storage_total = 0
         self._index: TraceIndex | None = None
         self._lock = threading.RLock()
-        self.complete = bool(self.manifest.get("complete"))
+        self.complete = self.manifest.get("complete") is True
         # The metadata is parsed once: readers use attributes, and a missing or mistyped entry reads as None.
         self._environment, self._options, self._compiled_regions = manifest_metadata(self.manifest)
         self._missing = self._find_missing()
@@ -188,6 +192,10 @@ class RankTrace(Sequence):
         if version > FORMAT_VERSION:
             raise TraceError(path, f"trace format version {version} is newer than this replaydiff understands "
                                    f"({FORMAT_VERSION}); upgrade replaydiff to read it")
+        try:
+            check_manifest(m)
+        except ValueError as exc:
+            raise TraceError(path, f"malformed manifest ({exc})") from None
         return m
 
     def _manifest_dict(self, key: str) -> dict:
@@ -232,14 +240,22 @@ class RankTrace(Sequence):
         on_disk = 0
         for sub in (OPS_DIR, DATA_DIR):
             try:
-                on_disk += sum(p.stat().st_size for p in (self.root / sub).iterdir()
-                               if p.is_file() and not p.name.endswith(".tmp"))
+                on_disk += sum(st.st_size for st in (p.lstat() for p in (self.root / sub).iterdir()
+                                                     if not p.name.endswith(".tmp"))
+                               if stat.S_ISREG(st.st_mode))  # a link, a FIFO holds no byte of the trace
             except OSError:
                 pass  # a directory that is gone holds nothing
         return max(written - on_disk, 0)
 
     def _find_missing(self) -> tuple[MissingOps, ...]:
         written = manifest_ops_files(self.manifest)
+        if written is not None:  # every chunk on disk is one the writer lists, and holds only the ops it lists
+            self._listed = {f.first: f.last for f in written}
+            extra = [f for f in self._firsts if f not in self._listed]
+            if extra:
+                raise TraceError(self.root / OPS_DIR / ops_chunk_name(extra[0]),
+                                 "not written by this recording (its manifest lists no ops file that starts at "
+                                 f"op #{extra[0]})")
         missing = find_missing(self.rank, self.root / OPS_DIR, written, self.complete, manifest_last_op(self.manifest),
                                None if written is not None else self._last_on_disk())
         # A chunk on disk but not as written (cut short) is never read: its ops are missing, named as such.
@@ -334,6 +350,10 @@ class RankTrace(Sequence):
             frame = read_frame(path)
             try:
                 ops = check_chunk(frame, first)
+                last = self._listed.get(first)
+                end = OpRecord(ops[-1]).index
+                if last is not None and end > last:
+                    raise ValueError(f"it holds op #{end}, the writer wrote up to op #{last} into it")
             except (KeyError, TypeError, ValueError) as exc:
                 raise TraceError(path, f"malformed ops chunk ({exc})") from None
             self._chunks[first] = ops
@@ -418,7 +438,7 @@ class RankTrace(Sequence):
         in it when the job hung or was killed): a stub OpRecord (``recorded`` False) with its process group in
         ``collective``; None when the rank was in no collective."""
         path = self.root / ENTERED
-        if not path.exists():
+        if not os.path.lexists(path):
             return None
         try:
             op = OpRecord(check_entered(read_frame(path)), self.rank, path)
@@ -437,6 +457,67 @@ class RankTrace(Sequence):
         last = self.last_index
         return -1 if last is None else last
 
+    def check_files(self) -> tuple[TraceError, ...]:
+        """Every file of the rank read whole and checked as replay would read it: each ops chunk (its frame's
+        checksum and its records' structure), the index, the entered-collective marker, and every storage of every
+        data file (decoded: its checksum is of its bytes as recorded). One TraceError per damaged file, naming it;
+        empty for a rank whose files are all intact. Reads every byte of the trace (memory: one storage at a time)."""
+        problems: list[TraceError] = []
+        missing = {m.path for m in self._missing}
+        for first in self._firsts:
+            path = self.root / OPS_DIR / f"{first:09d}{FRAME_SUFFIX}"
+            if path in missing:
+                continue
+            try:
+                with self._lock:
+                    self._chunks.pop(first, None)  # read again from disk, not from the cache
+                for w in self._chunk(first):  # every value decoded and checked, as replay decodes it
+                    op = OpRecord(w, self.rank, path)
+                    op.args, op.kwargs, op.outputs, op.writes, op.unit  # noqa: B018
+            except TraceError as exc:
+                problems.append(exc)
+        if self._index is None:
+            try:
+                self.index  # noqa: B018 (read: a damaged index.rdt raises)
+            except TraceError as exc:
+                problems.append(exc)
+        try:
+            self.entered  # noqa: B018
+        except TraceError as exc:
+            problems.append(exc)
+        data_dir = self.root / DATA_DIR
+        try:
+            names = sorted(p.name for p in data_dir.iterdir()) if data_dir.is_dir() else []
+        except OSError as exc:
+            names = []
+            problems.append(TraceError(data_dir, f"unreadable ({exc.strerror or exc})"))
+        for name in names:
+            chunk = name.removesuffix(".safetensors")
+            if not (name.endswith(".safetensors") and chunk.isdigit()):
+                continue
+            problem = self._check_data_file(int(chunk))
+            if problem is not None:
+                problems.append(problem)
+        return tuple(problems)
+
+    def _check_data_file(self, chunk: int) -> TraceError | None:
+        path = self.root / DATA_DIR / data_file_name(chunk)
+        try:
+            f = DataFile(path)
+        except TraceError as exc:
+            return exc
+        try:
+            for key, meta in f.metadata.items():
+                try:
+                    codec_name, n, crc = meta.split(";")
+                    raw = f.read(key, view=codec_name != "raw")
+                    codec.decode(raw, codec_name, int(n), int(crc), f"storage {key}")
+                except Exception as exc:  # whatever the bytes: this file is damaged, and says where
+                    return TraceError(path, f"corrupt ({exc})")
+        finally:
+            f.close()
+        return None
+
     # -- the index --------------------------------------------------------------------------------------------
     @property
     def index(self) -> TraceIndex:
@@ -449,23 +530,33 @@ class RankTrace(Sequence):
     def _load_index(self) -> TraceIndex:
         path = self.root / INDEX
         n = len(self)
-        if path.exists():
+        if os.path.lexists(path):
+            # Damaged, it is refused as any file of the trace is (never read as clean), though it holds nothing the
+            # chunks do not: without it, readers rebuild it from them. A recording that never finished may have
+            # left one of fewer ops than its chunks hold: rebuilt.
+            remove = "; it only indexes the op chunks: remove it and readers rebuild it from them"
             try:
                 idx = TraceIndex.from_frame(read_frame(path))
-                if idx.count == n:
-                    return idx
-            except (TraceError, KeyError, TypeError, ValueError):
-                pass  # stale or damaged: the chunks are the truth, rebuild from them
+            except NotRegularFile:
+                raise
+            except TraceError as exc:
+                raise TraceError(path, exc.problem + remove) from None
+            except ValueError as exc:
+                raise TraceError(path, f"malformed index ({exc}){remove}") from None
+            if idx.count == n:
+                return idx
+            if self.complete:
+                raise TraceError(path, f"not as written (it indexes {idx.count} ops, the trace holds {n}){remove}")
         # Rebuilt in memory only: a reader never changes a trace (it may be read-only, or someone else's).
         builder = IndexBuilder()
         op = None
         try:
             for op in self._records():
                 builder.add(op)
+            builder.pad_to(n)  # ops of a missing last chunk are numbered, without a record
         except (ValueError, KeyError, TypeError) as exc:
             where = f" (op #{op.index})" if op is not None else ""
             raise TraceError(self.root / OPS_DIR, f"malformed op record{where}: {exc}") from None
-        builder.pad_to(n)  # ops of a missing last chunk are numbered, without a record
         return builder.build()
 
     def producers(self, i: int) -> dict[int, int | None]:
@@ -545,8 +636,12 @@ class RankTrace(Sequence):
 
         Without ``copy`` it is a view of cached bytes shared with other callers: read it, never write into it."""
         if not ref.stored_data:
-            if ref.zero:
-                return torch.zeros(ref.shape, dtype=ref.torch_dtype)
+            if ref.zero:  # a ZeroTensor: its shape is all the trace says of it, and memory may not hold it
+                try:
+                    return torch.zeros(ref.shape, dtype=ref.torch_dtype)
+                except RuntimeError as exc:
+                    raise TraceError(self.root, f"a zero tensor of shape {list(ref.shape)} cannot be made here "
+                                                f"({str(exc).splitlines()[0][:120]})") from None
             if ref.meta:
                 return ref.empty_meta()
         return rebuild(self.data(ref), ref.torch_dtype, ref, self.root, copy)
@@ -570,16 +665,19 @@ class Trace:
             raise TraceError(self.path, "no such trace directory")
         if not self.path.is_dir():
             raise TraceError(self.path, "not a trace directory (a file; give the directory `record -o` wrote)")
-        if (self.path / MANIFEST).exists():
+        if os.path.lexists(self.path / MANIFEST):
             dirs = [self.path]
         else:
-            dirs = sorted((p for p in self.path.iterdir() if p.is_dir() and rank_of_dir_name(p.name) is not None),
-                          key=lambda p: rank_of_dir_name(p.name))
+            dirs = sorted((p for p in self.path.iterdir() if rank_of_dir_name(p.name) is not None
+                           and _no_link(p) and p.is_dir()), key=lambda p: rank_of_dir_name(p.name))
         if not dirs:
             raise TraceError(self.path, "not a trace directory (no rank*/manifest.rdt inside)")
         self._ranks: dict[int, RankTrace] = {}
         for d in dirs:
             r = RankTrace(d)
+            if r.rank in self._ranks:
+                raise TraceError(d / MANIFEST, f"malformed manifest (rank {r.rank}, as "
+                                               f"{self._ranks[r.rank].root / MANIFEST} says too)")
             self._ranks[r.rank] = r
 
     @property
@@ -603,8 +701,8 @@ class Trace:
         h = hashlib.sha256()
         for r in self.ranks:
             try:
-                h.update((self._ranks[r].root / MANIFEST).read_bytes())
-            except OSError:
+                h.update(read_regular(self._ranks[r].root / MANIFEST, MAX_FRAME_BYTES))
+            except TraceError:
                 h.update(b"?")
         return h.hexdigest()[:16]
 
@@ -627,6 +725,15 @@ class Trace:
             also = f"; {more} more op(s) in {len(missing) - 1} more file(s)" if more else ""
             err = first.error()
             raise TraceError(err.path, f"{err.problem}{also} (`replaydiff show {self.path}` says what is missing)")
+
+
+def _no_link(path: Path) -> bool:
+    """True; TraceError where ``path`` (a rank directory, ``ops/``, ``data/``) is a symbolic link: every file of a
+    trace is read from inside its directory, never from where a link points."""
+    if path.is_symlink():
+        raise NotRegularFile(path, "a symbolic link: a trace is read from its own directories only, never through "
+                                   "a link")
+    return True
 
 
 def open_trace(path: str | os.PathLike) -> Trace:

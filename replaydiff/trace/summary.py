@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from replaydiff.aten import matches_any
-from replaydiff.errors import UsageError
+from replaydiff.errors import TraceError, UsageError
 from replaydiff.trace.modes import TensorMode
-from replaydiff.trace.damage import MissingOps
+from replaydiff.trace.damage import CutShort, MissingOps
 from replaydiff.trace.index import TraceIndex, check_op_range
 from replaydiff.trace.reader import RankTrace, Trace
 from replaydiff.trace.schema import CompiledRegion, Environment, LeftOut, OpRecord, PlantedFaultInfo
@@ -37,11 +37,18 @@ class RankSummary:
     left_out: list[LeftOut]
     compiled: list[CompiledRegion]
     environment: Environment
+    corrupt: tuple[TraceError, ...] = ()  # files whose bytes fail their checksum or structure, one error each
 
     @property
     def damaged(self) -> bool:
-        """Ops or bytes of its files gone since it was written (a trace cut short by its job is not damaged)."""
-        return bool(self.missing_ops or self.bytes_missing)
+        """Ops or bytes of its files gone or corrupt since it was written (a trace cut short by its job is not
+        damaged: it is ``partial``)."""
+        return bool(self.missing_ops or self.bytes_missing or self.corrupt)
+
+    @property
+    def partial(self) -> bool:
+        """The recording ended before what it was asked for (killed, or stopped part-way): never a whole trace."""
+        return not self.complete or self.stopped is not None
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,10 @@ class ShowSummary:
     @property
     def damaged(self) -> bool:
         return any(s.damaged for s in self.ranks)
+
+    @property
+    def partial(self) -> bool:
+        return any(s.partial for s in self.ranks)
 
 
 def _bytes_on_disk(path: Path) -> int:
@@ -79,7 +90,7 @@ def rank_summary(r: RankTrace, top: int) -> RankSummary:
                        missing_ops=list(r.missing_ops), phases=dict(phases), most_frequent=ops.most_common(top),
                        distinct_ops=len(ops), bytes_on_disk=_bytes_on_disk(r.root), tensors=r.options.tensors,
                        lost=r.lost, budget=r.options.budget, left_out=r.data_left_out,
-                       compiled=r.compiled_regions, environment=r.environment)
+                       compiled=r.compiled_regions, environment=r.environment, corrupt=r.check_files())
 
 
 def summarise(trace: Trace, name: str, rank: int | None = None, top: int = 10) -> ShowSummary:
@@ -116,7 +127,7 @@ def op_detail(r: RankTrace, number: int) -> OpDetail:
     op = r[number]
     line = r.source_line(op)
     return OpDetail(r.rank, op, r.planted, line.warning() if line is not None else None,
-                    r[op.forward_index] if op.forward_index is not None else None,
+                    r[op.forward_index] if op.forward_index is not None and op.forward_index < len(r) else None,
                     r.producers(op.index) if op.recorded else {}, r.consumers(op.index) if op.recorded else {})
 
 
@@ -133,6 +144,11 @@ class OpListing:
     missing: list[MissingOps]
     bytes_missing: int
     damaged_others: list[int]
+    cut_short: tuple[CutShort, ...] = ()  # every rank whose recording stopped part-way (this one or another)
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.cut_short)
 
     @property
     def damaged(self) -> bool:
@@ -159,7 +175,8 @@ def op_listing(trace: Trace, name: str, rank: int, op_glob: str | None = None, m
     rows = list_rows(r.index, op_glob, module_glob, phase, first, last)
     gone = {i: m for m in r.missing_ops for i in range(m.first, m.last + 1)}
     others = [o.rank for o in trace if o.rank != r.rank and (o.missing_ops or o.bytes_missing)]
-    return OpListing(name, r.rank, r.index, rows, gone, list(r.missing_ops), r.bytes_missing, others)
+    return OpListing(name, r.rank, r.index, rows, gone, list(r.missing_ops), r.bytes_missing, others,
+                     tuple(trace.cut_short))
 
 
 def trace_uses(rt: RankTrace) -> list[str]:

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from replaydiff.trace.schema.keys import (_ARGS, _COLL, _DTYPE, _FORWARD, _INDEX, _KWARGS, _MODULE, _NAME,
-                                          _NOT_RECORDED, _OFFSET, _OUTPUTS, _PHASE, _RNG, _SHAPE, _SOURCE, _STRIDE,
-                                          _UNINIT, _VERSION, _WRITES)
+from replaydiff.trace.schema.keys import (_ARGS, _CHUNK, _COLL, _DEVICE, _DTYPE, _FORWARD, _INDEX, _KWARGS,
+                                          _LEFT_OUT, _MODULE, _NAME, _NBYTES, _NOT_RECORDED, _OFFSET, _OUTPUTS,
+                                          _PATH_ARG, _PATH_KWARG, _PHASE, _RNG, _SHAPE, _SOURCE, _SOURCE_TEXT, _STEP,
+                                          _STRIDE, _UNINIT, _UNIT, _VERSION, _WRITES)
 
 class IndexRow(NamedTuple):
     """What the index needs of one op record, read straight from the wire dict (no TensorRef, no torch objects:
@@ -88,8 +89,54 @@ def index_row(w: dict) -> IndexRow:
                     _COLL in w, bool(w.get(_UNINIT)), isinstance(w.get(_RNG), dict), ins, outs, first)
 
 
+# Each field of an op record a reader acts on, and the types it may hold (absent: allowed). Checked once, when its
+# chunk is read; tensor references and values inside ``a k w o`` are checked as they are decoded (``values``).
+_NONE = type(None)
+_OP_FIELDS: tuple[tuple[str, tuple[type, ...]], ...] = (
+    (_PHASE, (str, _NONE)), (_MODULE, (str, _NONE)), (_SOURCE, (str, _NONE)), (_SOURCE_TEXT, (str, _NONE)),
+    (_FORWARD, (int, _NONE)), (_NOT_RECORDED, (str, _NONE)), (_LEFT_OUT, (str, _NONE)), (_STEP, (int, _NONE)),
+    (_UNINIT, (bool, _NONE)), (_ARGS, (list, _NONE)), (_KWARGS, (dict, _NONE)), (_WRITES, (list, _NONE)),
+    (_COLL, (dict,)), (_RNG, (dict,)), (_UNIT, (dict,)),
+)
+
+
+def check_op(op: dict) -> None:
+    """ValueError unless every field of the op record that a reader acts on has its type."""
+    for key, kinds in _OP_FIELDS:
+        v = op.get(key, _NONE)
+        if v is not _NONE and (not isinstance(v, kinds) or (type(v) is bool and bool not in kinds)):
+            raise ValueError(f"op #{op[_INDEX]}: field {key!r} is {type(v).__name__}")
+    fwd = op.get(_FORWARD)
+    if fwd is not None and fwd < 0:
+        raise ValueError(f"op #{op[_INDEX]}: forward op #{fwd}")
+    kwargs = op.get(_KWARGS)
+    if kwargs and not all(type(k) is str for k in kwargs):
+        raise ValueError(f"op #{op[_INDEX]}: a keyword argument without a name")
+    for w in op.get(_WRITES) or ():
+        if not (type(w) is list and len(w) == 2 and type(w[0]) is list and len(w[0]) == 2
+                and w[0][0] in (_PATH_ARG, _PATH_KWARG) and type(w[0][1]) in (int, str)):
+            raise ValueError(f"op #{op[_INDEX]}: a written argument that is not [[a|k, position], value]")
+    if _COLL in op:
+        _check_collective(op[_INDEX], op[_COLL])
+    rng = op.get(_RNG)
+    if rng is not None and not (isinstance(rng.get(_DEVICE), str) and all(
+            type(rng.get(k)) is int and rng[k] >= 0 for k in (_VERSION, _CHUNK, _NBYTES))):
+        raise ValueError(f"op #{op[_INDEX]}: a generator state that is not (device, version, chunk, bytes)")
+
+
+def _check_collective(index: int, c: dict) -> None:
+    ranks = c.get("ranks")
+    ok = (ranks is None or (type(ranks) is list and all(type(r) is int for r in ranks))) and all(
+        c.get(k) is None or type(c[k]) is int for k in ("size", "group_rank")) and all(
+        c.get(k) is None or type(c[k]) is str for k in ("group_name", "reduce_op")) and (
+        c.get("problems") is None or (type(c["problems"]) is list and all(type(x) is str for x in c["problems"])))
+    if not ok:
+        raise ValueError(f"op #{index}: a collective whose group is not ranks, size and names")
+
+
 def check_chunk(frame: Any, first: int) -> list[dict]:
-    """The op records of an ops chunk, after checking its structure; ValueError if it is not sound."""
+    """The op records of an ops chunk, after checking their structure and the type of every field a reader acts on;
+    ValueError if it is not sound."""
     if not isinstance(frame, dict):
         raise ValueError("chunk is not a map")
     ops = frame.get("ops")
@@ -97,10 +144,11 @@ def check_chunk(frame: Any, first: int) -> list[dict]:
         raise ValueError("chunk does not match its name")
     prev = first - 1
     for op in ops:
-        if not isinstance(op, dict) or not isinstance(op.get(_INDEX), int) or op[_INDEX] <= prev:
+        if not isinstance(op, dict) or type(op.get(_INDEX)) is not int or op[_INDEX] <= prev:
             raise ValueError("op numbers out of order")
         if not isinstance(op.get(_NAME), str):
             raise ValueError("op without a name")
+        check_op(op)
         prev = op[_INDEX]
     return ops
 

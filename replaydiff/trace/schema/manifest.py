@@ -224,3 +224,61 @@ def manifest_metadata(manifest: dict) -> tuple[Environment, RecordedOptions, tup
     """The typed environment, record options and compiled regions of a manifest as read (any format version)."""
     return (Environment.from_wire(manifest.get(_M_ENV)), RecordedOptions.from_wire(manifest.get(_M_OPTIONS)),
             tuple(compiled_regions_from_wire(manifest.get(_M_COMPILED))))
+
+
+# The manifest's entries the reader acts on, each with the types it may hold (absent is always allowed: older
+# traces, a recording that never finished). A manifest with any other type in one of them is refused: its file is
+# named, nothing of it is guessed. Entries only shown (environment, options' contents) read as unknown when mistyped.
+_NAT = "natural"  # an int >= 0 (never a bool)
+_MANIFEST_TYPES: dict[str, tuple] = {
+    "version": (int,), _M_RANK: (_NAT,), _M_WORLD: (_NAT, type(None)), "complete": (bool,),
+    "lost": (list, type(None)), _M_CUSTOM: (dict, type(None)), _M_SOURCES: (dict, type(None)),
+    _M_ROOT: (str, type(None)), _M_DISABLED: (str, type(None)), _M_OPS_FILES: (list, type(None)),
+    _M_LAST_OP: (_NAT, type(None)), _M_DATA_BYTES: (_NAT, type(None)), _M_OPS_WRITTEN: (_NAT, type(None)),
+    _M_OPS_SEEN: (_NAT, type(None)), _M_UNSEEN: (_NAT, type(None)), _M_COMMAND: (list, type(None)),
+    _M_ENV: (dict, type(None)), _M_OPTIONS: (dict, type(None)), _M_COMPILED: (list, type(None)),
+    _M_PLANTED: (dict, type(None)), _M_FLIGHT: (dict, type(None)),
+    _M_STARTED: (int, float, type(None)), _M_SECONDS: (int, float, type(None)), "written_at": (int, float, type(None)),
+}
+# A rank or world size beyond this is no job's (and a rank directory's number is read as one).
+_MAX_RANK = 1 << 24
+
+
+def _has_type(v: Any, kinds: tuple) -> bool:
+    for k in kinds:
+        if k == _NAT:
+            if type(v) is int and 0 <= v:
+                return True
+        elif isinstance(v, k) and not (k in (int, float) and isinstance(v, bool)):
+            return True
+    return False
+
+
+def _kind_names(kinds: tuple) -> str:
+    return " or ".join("an int >= 0" if k == _NAT else "None" if k is type(None) else f"a {k.__name__}"
+                       for k in kinds)
+
+
+def check_manifest(m: dict) -> None:
+    """ValueError (what is wrong, one line) unless every entry of the manifest that the reader acts on has its type:
+    the rank an int, the lists and maps what they hold, every ops file three op numbers."""
+    for key, kinds in _MANIFEST_TYPES.items():
+        if key in m and not _has_type(m[key], kinds):
+            raise ValueError(f"manifest entry {key!r} is {type(m[key]).__name__}, not {_kind_names(kinds)}")
+    for key in (_M_RANK, _M_WORLD):
+        if isinstance(m.get(key), int) and m[key] > _MAX_RANK:
+            raise ValueError(f"manifest entry {key!r} is {m[key]}, more than any job has")
+    if m.get(_M_WORLD) == 0:
+        raise ValueError("manifest entry 'world_size' is 0")
+    for key in ("lost", _M_COMMAND):
+        if not all(isinstance(x, str) for x in m.get(key) or ()):
+            raise ValueError(f"manifest entry {key!r} holds a value that is not a string")
+    for key in (_M_CUSTOM, _M_SOURCES):
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in (m.get(key) or {}).items()):
+            raise ValueError(f"manifest entry {key!r} maps to a value that is not a string")
+    if m.get(_M_OPS_FILES) is not None:
+        files = manifest_ops_files(m)
+        if files is None:
+            raise ValueError(f"manifest entry {_M_OPS_FILES!r} holds an entry that is not [first op, last op, bytes]")
+        if any(b.first <= a.last for a, b in zip(files, files[1:])):
+            raise ValueError(f"manifest entry {_M_OPS_FILES!r} lists ops files out of order")

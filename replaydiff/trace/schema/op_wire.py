@@ -8,6 +8,7 @@ from replaydiff.trace.schema.keys import (_ARGS, _CHUNK, _COLL, _CONJ, _DEVICE, 
                                           _PATH_ARG, _PATH_KWARG, _PHASE, _REQ_GRAD, _RNG, _SHAPE, _SOURCE,
                                           _SOURCE_TEXT, _STATS, _STEP, _STRIDE, _UNINIT, _UNSUPPORTED, _VERSION,
                                           _WRITES, _ZERO)
+from replaydiff.trace.schema.index_rows import check_op
 from replaydiff.trace.schema.ops import CollectiveInfo, wire_collective
 
 def wire_op(index: int, name: str, phase: str | None, module: str | None, forward: int | None, source: str | None,
@@ -63,9 +64,10 @@ def wire_entered(index: int, name: str, phase: str | None, module: str | None, s
 
 def check_entered(frame: Any) -> dict:
     """An entered-collective stub, after checking its structure; ValueError if it is not sound."""
-    if not isinstance(frame, dict) or not isinstance(frame.get(_INDEX), int) or not isinstance(frame.get(_NAME), str) \
+    if not isinstance(frame, dict) or type(frame.get(_INDEX)) is not int or not isinstance(frame.get(_NAME), str) \
             or not isinstance(frame.get(_COLL), dict):
         raise ValueError("not an entered-collective record")
+    check_op(frame)
     return frame
 
 

@@ -102,6 +102,6 @@ def plant_from_wire(entry: Any, spec: str | None, rank: int) -> PlantedFaultInfo
     op, call, seen = entry.get(_PLANT_OP), entry.get(_PLANT_CALL), entry.get(_PLANT_SEEN)
     landed = bool(entry.get(_PLANT_LANDED))
     return PlantedFaultInfo(op=op if isinstance(op, str) else str(entry.get(_PLANT_SPEC)),
-                            call=call if isinstance(call, int) else None, rel=entry.get(_PLANT_REL), landed=landed,
+                            call=call if type(call) is int and call >= 1 else None, rel=entry.get(_PLANT_REL), landed=landed,
                             index=None, rank=rank, calls_seen=seen if isinstance(seen, int) else None,
                             effect=_effect_from_json(entry.get(_PLANT_EFFECT)) if landed else None)

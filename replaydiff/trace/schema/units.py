@@ -7,7 +7,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from replaydiff.trace.schema.keys import _UNIT, _typed
-from replaydiff.trace.schema.values import decode_value, encode_value
+from replaydiff.trace.schema.values import MAX_DEPTH, decode_value, encode_value
 
 # Node kinds; a graph is a list of nodes in execution order, each argument a value tree whose {"node": i} markers
 # refer to earlier nodes. Targets are names (``aten.mul.Tensor``, ``operator.getitem``): never code.
@@ -67,12 +67,14 @@ class UnitInfo:
                           for n in self.nodes], "kernels": list(self.kernels), "note": self.note}
 
 
-def _decode_graph_value(v: Any) -> Any:
+def _decode_graph_value(v: Any, depth: int = 0) -> Any:
     if isinstance(v, list):
-        return [_decode_graph_value(x) for x in v]
+        if depth >= MAX_DEPTH:
+            raise ValueError(f"a value nested more than {MAX_DEPTH} deep")
+        return [_decode_graph_value(x, depth + 1) for x in v]
     if isinstance(v, dict) and len(v) == 1 and _NODE_REF in v:
         return NodeRef(int(v[_NODE_REF]))
-    return decode_value(v)
+    return decode_value(v, depth)
 
 
 def encode_graph_value(v: Any, node_index: Callable[[Any], int | None], tensor_ref: Callable[[torch.Tensor], dict]

@@ -204,30 +204,88 @@ def dtype_from_name(name: str) -> torch.dtype:
     return _torch_attr(name, torch.dtype)
 
 
-def decode_value(v: Any) -> Any:
+# Values nest this deep at most: an aten argument is a list of lists of tensors at the deepest, a compiled unit's
+# constant a little deeper. A hand-made record nested deeper is refused before Python's own recursion limit is.
+MAX_DEPTH = 32
+# A tensor has at most this many dimensions (torch allows 64 on CPU; CUDA fewer).
+_MAX_DIMS = 64
+_DTYPE_NAMES = frozenset(n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype))
+_NONE = type(None)
+_SCALARS = frozenset((_NONE, bool, int, float, str))
+
+
+def check_ref(w: dict) -> TensorRef:
+    """The TensorRef of a tensor reference read back, after checking the type of every field it has (ValueError):
+    a dtype torch names, a shape and stride of ints, an offset, a version, a size and a data file number, flags.
+    Called once per reference, where the value holding it is decoded."""
+    dt, sh, st = w.get(_DTYPE), w.get(_SHAPE), w.get(_STRIDE)
+    if dt not in _DTYPE_NAMES:
+        raise ValueError(f"a tensor of dtype {dt!r}" if isinstance(dt, str) else "a tensor without a dtype name")
+    if type(sh) is not list or len(sh) > _MAX_DIMS or not all(type(x) is int and x >= 0 for x in sh):
+        raise ValueError("a tensor whose shape is not a list of sizes")
+    if st is not None and (type(st) is not list or len(st) != len(sh) or not all(type(x) is int for x in st)):
+        raise ValueError("a tensor whose stride does not fit its shape")
+    for key in (_OFFSET, _NBYTES, _CHUNK):
+        v = w.get(key, 0)
+        if type(v) is not int or v < 0:
+            raise ValueError(f"a tensor whose {_FIELD_NAMES[key]} is not an int >= 0")
+    v = w[_VERSION]
+    if v is not None and type(v) is not int:
+        raise ValueError("a tensor whose storage version is not an int")
+    if len(w) > 7:  # the optional fields: a reference of a plain stored tensor has none of them
+        for key, kinds in _REF_OPTIONAL:
+            x = w.get(key)
+            if x is not None and not isinstance(x, kinds):
+                raise ValueError(f"a tensor whose {_FIELD_NAMES[key]} is {type(x).__name__}")
+        s = w.get(_STATS)
+        if s and (len(s) != len(TensorStats.FIELDS) or not all(type(x) in (int, float) for x in s)):
+            raise ValueError("a tensor whose statistics are not numbers")
+    return TensorRef(w)
+
+
+_REF_OPTIONAL = ((_DEVICE, str), (_STATS, list), (_UNSUPPORTED, str), (_REQ_GRAD, bool), (_UNINIT, bool),
+                 (_CONJ, bool), (_NEG, bool), (_ZERO, bool))
+_FIELD_NAMES = {_OFFSET: "offset", _NBYTES: "storage size", _CHUNK: "data file number", _DEVICE: "device",
+                _STATS: "statistics", _UNSUPPORTED: "reason", _REQ_GRAD: "requires_grad flag",
+                _UNINIT: "uninitialised flag", _CONJ: "conj bit", _NEG: "neg bit", _ZERO: "zero flag"}
+
+
+def decode_value(v: Any, depth: int = 0) -> Any:
     """Inverse of encode_value, with TensorRef for tensors and Opaque for what the trace cannot rebuild.
-    Raises ValueError on junk (the reader turns it into a TraceError naming the file)."""
+    Raises ValueError on junk (the reader turns it into a TraceError naming the file): a value nested deeper than
+    ``MAX_DEPTH``, a tensor reference with a field of another type, a marker torch does not name."""
     if isinstance(v, list):
-        return [decode_value(x) for x in v]
+        if depth >= MAX_DEPTH:
+            raise ValueError(f"a value nested more than {MAX_DEPTH} deep")
+        return [decode_value(x, depth + 1) for x in v]
     if not isinstance(v, dict):
+        if type(v) not in _SCALARS:  # bytes, msgpack's ext types: never written into a value
+            raise ValueError(f"a value of type {type(v).__name__}")
         return v
     if _VERSION in v:
-        return TensorRef(v)
+        return check_ref(v)
     if len(v) != 1:
-        raise ValueError(f"unexpected structure {sorted(v)[:4]}")
+        raise ValueError(f"unexpected structure {sorted(map(str, v))[:4]}")
     (key, val), = v.items()
     if key == "dtype":
         return _torch_attr(val, torch.dtype)
     if key == "device":
-        return torch.device(str(val))
+        try:
+            return torch.device(val) if isinstance(val, str) else torch.device(str(val))
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise ValueError(f"device {str(val)[:40]!r}: {str(exc).splitlines()[0][:80]}") from None
     if key == "layout":
         return _torch_attr(val, torch.layout)
     if key == "memory_format":
         return _torch_attr(val, torch.memory_format)
     if key == "complex":
+        if not (isinstance(val, list) and len(val) == 2 and all(type(x) in (int, float) for x in val)):
+            raise ValueError("a complex number that is not [real, imaginary]")
         return complex(float(val[0]), float(val[1]))
     if key == "bigint":
         return int(str(val))
     if key in ("generator", "symbolic", "object"):
+        if not isinstance(val, (str, _NONE)):
+            raise ValueError(f"a {key} marker holding {type(val).__name__}")
         return Opaque(key, val)
-    raise ValueError(f"unknown marker {key!r}")
+    raise ValueError(f"unknown marker {str(key)[:40]!r}")
