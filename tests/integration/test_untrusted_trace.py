@@ -163,6 +163,8 @@ def test_an_op_name_resolves_only_to_a_registered_op(small, tmp_path, name):
     shown, replayed = (run_verb(argv) for argv in verbs(trace, 3, tmp_path / "journal")[2:4])
     check_run(replayed, trace)
     assert shown.code == 0 and f"op #3 {name}" in shown.stdout and "schema" not in shown.stdout, shown.stdout
+    # an op that held numbers and could not be run is not judged, and a replay with one is never clean
+    assert replayed.code == 1 and "not judged" in replayed.stdout, (replayed.stdout[-600:], replayed.stderr)
 
 
 def test_show_says_damaged_for_a_bit_flipped_ops_chunk_or_data_file(small, tmp_path):
