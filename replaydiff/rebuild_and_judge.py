@@ -615,7 +615,8 @@ class Repro:
                 if dev.type == "cpu":
                     torch.set_rng_state(self.storages["rng_state"].clone())
                 else:
-                    torch.cuda.set_rng_state(self.storages["rng_state"].clone(), dev)
+                    # torch's generic device API: this script imports nothing of replaydiff (not its device seam)
+                    torch.get_device_module(dev.type).set_rng_state(self.storages["rng_state"].clone(), dev)
                 return self.op()(*args, **kwargs), args, kwargs
         return self.op()(*args, **kwargs), args, kwargs
 
@@ -769,7 +770,7 @@ def main(argv: list[str] | None = None, directory: str | None = None) -> int:
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import MODULE first (the one that defines a custom op)")
     a = p.parse_args(argv)
-    try:  # a device this torch lacks is one line, not torch.cuda's AssertionError from deep inside the run
+    try:  # a device this torch lacks is one line, not the device module's AssertionError from deep inside the run
         torch.empty(0, device=a.device)
     except Exception as exc:
         why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

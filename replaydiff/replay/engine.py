@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from replaydiff import device as seam
 from replaydiff.aten import matches_any
 from replaydiff.errors import EnvironmentProblem, TraceError, UsageError
 from replaydiff.replay.collectives import CollectiveChecker
@@ -75,13 +76,9 @@ def check_device(device: str) -> None:
         dev = torch.device(device)
     except RuntimeError as exc:
         raise UsageError(f"--device {device!r} is not a device: {exc}") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise EnvironmentProblem(f"device {device} asked for, but this machine has no CUDA device")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise EnvironmentProblem(f"device {device} asked for, but only {torch.cuda.device_count()} CUDA devices")
-    elif dev.type != "cpu":
-        raise EnvironmentProblem(f"device type {dev.type!r} is not supported for replay (use cpu or cuda[:N])")
+    problem = seam.replay_device_problem(dev)
+    if problem is not None:
+        raise EnvironmentProblem(problem)
 
 
 @dataclass(frozen=True)

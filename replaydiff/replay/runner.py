@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from replaydiff import device as seam
 from replaydiff import aten
 from replaydiff.compare.metrics import ExactMismatch, FloatError, NonfiniteMismatch, ViewMismatch, measure
 from replaydiff.compare.tolerance import reduction_length
@@ -372,10 +373,7 @@ class OpReplayer:
             if seeded and gen is None:
                 with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
                     state = self.trace.rng_state(op.rng)
-                    if self.device.type == "cpu":
-                        torch.set_rng_state(state)
-                    else:
-                        torch.cuda.set_rng_state(state, self.device)
+                    seam.RUNTIME.set_rng_state(state, self.device)
                     out = func(*args, **kwargs)
             else:
                 out = func(*args, **kwargs)

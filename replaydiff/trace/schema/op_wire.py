@@ -101,6 +101,23 @@ def wire_strip_chunks(rec: dict, first_lost: int, why: str) -> bool:
     return dropped
 
 
+def wire_strip_versions(rec: dict, versions: set[int], why: str) -> bool:
+    """Drop every reference of ``rec`` to the data of storage ``versions`` (never written: a device never finished
+    the copy), marking the op's data left out for ``why``; whether any was dropped."""
+    todo: list = [rec.get(_ARGS), list((rec.get(_KWARGS) or {}).values()), rec.get(_OUTPUTS), rec.get(_WRITES)]
+    dropped = False
+    while todo:
+        v = todo.pop()
+        if isinstance(v, list):
+            todo.extend(v)
+        elif isinstance(v, dict) and _CHUNK in v and v.get(_VERSION) in versions:
+            del v[_CHUNK]
+            dropped = True
+    if dropped and _LEFT_OUT not in rec:
+        rec[_LEFT_OUT] = why
+    return dropped
+
+
 def wire_set_collective(rec: dict, info: CollectiveInfo) -> None:
     rec[_COLL] = wire_collective(info)
 
