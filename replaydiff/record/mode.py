@@ -322,7 +322,7 @@ class OpBuilder:
         with _disable_current_modes():
             event = seam.RUNTIME.record_event(self.late)
         geometry = (t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-        self.rec.writer.defer(lambda: _fill_late_stats(cell, event, storage, geometry))
+        self.rec.writer.defer(lambda timeout: _fill_late_stats(cell, event, storage, geometry, timeout))
 
     def _snapshot(self, storage: torch.UntypedStorage, itemsize: int, version: int) -> int:
         if storage.device.type == "cpu" and not self._asynchronous.get(storage.device, False):
@@ -435,7 +435,7 @@ class OpBuilder:
                     self._stats_seen[key] = s
             batch = DeviceStats(measured) if measured else None
         if batch is not None:
-            defer(lambda: _fill_device_cells(batch, cells))
+            defer(lambda timeout: _fill_device_cells(batch, cells, timeout))
         if len(self._stats_seen) > 100_000:
             self._stats_seen.clear()
 
@@ -507,12 +507,15 @@ def _fill_cells(pending: list[tuple[list, Any]]) -> None:
         cell[:] = st
 
 
-def _fill_device_cells(batch: DeviceStats, cells: list[list]) -> None:
-    """Writer thread: wait for the batch's host copy (its event, not the stream) and fill each cell in place. Past
-    the writer's deadline (a hung kernel ahead of it), the cells stay empty: those tensors are recorded without
-    statistics, and the records go on."""
-    for cell, st in zip(cells, batch.result(seam.EVENT_DEADLINE)):
+def _fill_device_cells(batch: DeviceStats, cells: list[list], timeout: float) -> bool:
+    """Writer thread: wait up to ``timeout`` for the batch's host copy (its event, not the stream) and fill each
+    cell in place; whether it did. Cells never filled stay empty (a hung kernel ahead of the copy): those tensors
+    are recorded without statistics, and the records go on."""
+    if not batch.wait(timeout):
+        return False
+    for cell, st in zip(cells, batch.result()):
         cell[:] = st if st is not None else []
+    return True
 
 
 def _pinned_size(n: int) -> int:
@@ -554,15 +557,16 @@ class LateCopy:
             self.storage = None
 
 
-def _fill_late_stats(cell: list, event: Any, storage: torch.UntypedStorage, geometry: tuple) -> None:
-    """Writer thread: the statistics of a host tensor once the device's copy into it has landed (none past the
-    deadline: the record says nothing rather than something false)."""
-    if not seam.wait(event, seam.EVENT_DEADLINE):
-        cell[:] = []
-        return
+def _fill_late_stats(cell: list, event: Any, storage: torch.UntypedStorage, geometry: tuple, timeout: float) -> bool:
+    """Writer thread: the statistics of a host tensor once the device's copy into it has landed, waiting up to
+    ``timeout``; whether it has (never: the cell stays empty, and the record says nothing rather than something
+    false)."""
+    if not seam.wait(event, timeout):
+        return False
     dtype, offset, shape, stride = geometry
     t = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
     cell[:] = (batch_stats([t])[0] or [])
+    return True
 
 
 class Pending:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -425,13 +426,18 @@ class DeviceStats:
             event = runtime.record_event(device) if asynchronous else None
             self.copies.append(([i for idx, _ in got for i in idx], host, event))
 
-    def result(self, timeout: float | None = None) -> list[list[float] | None]:
-        """One ``[numel, mean, absmax, l2, var, nan, inf]`` per tensor (over finite values); None for complex ones,
-        and for those whose copy has not landed within ``timeout`` seconds (None: however long it takes)."""
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the copies to land; whether they all have."""
+        end = time.monotonic() + timeout
+        return all(event is None or seam.wait(event, max(0.0, end - time.monotonic()))
+                   for _, _, event in self.copies)
+
+    def result(self) -> list[list[float] | None]:
+        """One ``[numel, mean, absmax, l2, var, nan, inf]`` per tensor (over finite values); None for complex ones.
+        Waits for the copies (``wait`` first where that must not take long)."""
+        self.wait(math.inf)
         out = list(self.fixed)
         for order, host, event in self.copies:
-            if event is not None and not seam.wait(event, math.inf if timeout is None else timeout):
-                continue
             rows = host.tolist()
             for k, i in enumerate(order):
                 n = self.numel[i]

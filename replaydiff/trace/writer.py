@@ -80,7 +80,7 @@ class _Chunk:
     started: float = field(default_factory=time.monotonic)
     # Run by the writer thread before the chunk is encoded: fill what its records hold but the recording thread had
     # not yet got (device statistics on their way to the host; RankWriter.defer).
-    fills: list[Callable[[], None]] = field(default_factory=list)
+    fills: list[Callable[[float], bool]] = field(default_factory=list)
 
 
 FIRST_CHUNK_BYTES = 8 << 20
@@ -206,9 +206,11 @@ class RankWriter:
             chunk.pending_bytes += snap.nbytes
             return chunk.number
 
-    def defer(self, fill: Callable[[], None]) -> None:
+    def defer(self, fill: Callable[[float], bool]) -> None:
         """Run ``fill`` on the writer thread before the current chunk (or, if it is taken meanwhile, the next) is
-        encoded; records added after this call may hold what ``fill`` fills. Chunks are written in order."""
+        encoded; records added after this call may hold what ``fill`` fills. Chunks are written in order.
+        ``fill(timeout)`` waits up to ``timeout`` seconds for what it needs from a device and says whether it got it
+        (called again until it does or the writer's deadline passes; then the records go without)."""
         with self._lock:
             self._chunk.fills.append(fill)
 
@@ -388,12 +390,12 @@ class RankWriter:
         warnings.warn(f"replaydiff: {why}", RuntimeWarning, stacklevel=2)
         self.data_refused = LEFT_OUT_DISK_FULL
 
-    def _await(self, what: Any) -> bool:
-        """Wait for a device's copy (``Snapshot.event``) up to ``seam.EVENT_DEADLINE``, writing the marker of a
-        collective entered meanwhile; after one wait ran out, only look until a copy lands again."""
+    def _await(self, wait: Callable[[float], bool]) -> bool:
+        """Wait for a device (``Snapshot.event.wait``, a deferred fill) up to ``seam.EVENT_DEADLINE``, writing the
+        marker of a collective entered meanwhile; after one wait ran out, only look until a copy lands again."""
         end = time.monotonic() + (0.0 if self._stalled else seam.EVENT_DEADLINE)
         while True:
-            if what.wait(max(0.0, min(self.flush_seconds / 2, end - time.monotonic()))):
+            if wait(max(0.0, min(self.flush_seconds / 2, end - time.monotonic()))):
                 self._stalled = False
                 return True
             self._note_in_flight()
@@ -407,8 +409,9 @@ class RankWriter:
         if not self._abandoned:
             return
         keep = []
+        end = time.monotonic() + (1.0 if final else 0.0)  # one second for all of them, at most
         for snap in self._abandoned:
-            if snap.event.wait(1.0 if final else 0.0) or final:
+            if snap.event.wait(max(0.0, end - time.monotonic())) or final:
                 if snap.slot is not None:
                     self.staging.release(snap.slot)
             else:
@@ -418,9 +421,9 @@ class RankWriter:
     def _write_chunk(self, chunk: _Chunk) -> None:
         fills, chunk.fills = chunk.fills, []
         for fill in fills:
-            fill()
+            self._await(fill)
         for snap in chunk.snapshots:
-            if snap.event is not None and not self._await(snap.event):
+            if snap.event is not None and not self._await(snap.event.wait):
                 # Not landed by the deadline (a hung kernel ahead of the copy): the records go on without it
                 snap.event.abandon()
                 self._pending_versions.add(snap.version)

@@ -77,9 +77,9 @@ def test_deferred_statistics_are_filled_by_the_writer_thread(tmp_path: Path, mon
     threads: list[str] = []
     fill = rec_mode._fill_device_cells
 
-    def spy(batch, cells):
+    def spy(*args):
         threads.append(threading.current_thread().name)
-        fill(batch, cells)
+        return fill(*args)
 
     monkeypatch.setattr(rec_mode, "_fill_device_cells", spy)
     fake = FakeDevice()  # the CPU as an accelerator: statistics reduced "on the device", read after an event
