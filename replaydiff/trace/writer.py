@@ -31,7 +31,7 @@ from replaydiff.trace.staging import Slot, Staging
 from replaydiff.trace.schema.index_rows import chunk_frame
 from replaydiff.trace.schema.left_out import LEFT_OUT_DEVICE_PENDING, LEFT_OUT_DISK_FULL, LeftOutTally
 from replaydiff.trace.schema.manifest import wire_writer_totals
-from replaydiff.trace.schema.op_wire import wire_index, wire_strip_chunks, wire_strip_versions
+from replaydiff.trace.schema.op_wire import wire_index, wire_issued, wire_strip_chunks, wire_strip_versions
 from replaydiff.trace.format import (
     DATA_DIR,
     ENTERED,
@@ -249,10 +249,10 @@ class RankWriter:
                     log.debug("stale entered-collective marker left: %s", exc)
         if cur is None or cur[0] is self._entered_written:
             return
-        stub, since, _ = cur
+        stub, since, event = cur
         if force or time.monotonic() - since >= self.flush_seconds:
             try:
-                write_atomic(self.root / ENTERED, pack_frame(stub, None))
+                write_atomic(self.root / ENTERED, pack_frame(stub if event is None else wire_issued(stub), None))
                 self._entered_written = stub
             except Exception as exc:
                 log.debug("the entered-collective marker could not be written: %s", exc)

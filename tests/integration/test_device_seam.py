@@ -145,3 +145,37 @@ def test_device_statistics_of_a_large_batch_are_reduced_a_slice_at_a_time(monkey
     sliced = DeviceStats(ts).result()
     assert sliced == whole
     assert [s for i, s in enumerate(sliced) if i != 2] == [s for i, s in enumerate(batch_stats(ts)) if i != 2]
+
+
+def _one_rank_group(tmp_path: Path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    return dist
+
+
+@pytest.mark.parametrize("finishes", [True, False])
+def test_a_collective_the_device_never_completes_is_left_as_the_marker(tmp_path: Path, finishes: bool,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an accelerator a collective returns once issued; a rank hung in it is waiting on the device. The marker
+    of the collective entered stays until the device has done it, so a rank killed then names it."""
+    monkeypatch.setattr(seam, "EVENT_DEADLINE", 0.3)
+    dist = _one_rank_group(tmp_path)
+    try:
+        fake = FakeDevice(hold=not finishes)
+        x = torch.ones(4)
+        with seam.use(fake), replaydiff.record(tmp_path / "t", tensors="stats"):
+            dist.all_reduce(x)
+            y = x * 2
+            time.sleep(0.8)  # the writer's idle rounds (flush_seconds 0.5) look at the collective in flight
+        assert torch.equal(y, torch.full((4,), 2.0))
+    finally:
+        dist.destroy_process_group()
+    rank = open_trace(tmp_path / "t").rank(0)
+    names = [op.name for op in rank]
+    assert "c10d.allreduce_.default" in names  # recorded as issued, either way
+    if finishes:
+        assert rank.entered is None
+    else:
+        assert rank.entered is not None and rank.entered.name == "c10d.allreduce_.default"
+        assert rank.entered.collective is not None and rank.entered.collective.size == 1

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from replaydiff.trace.schema.keys import (_ARGS, _CHUNK, _COLL, _CONJ, _DEVICE, _DTYPE, _FORWARD, _INDEX, _KWARGS,
+from replaydiff.trace.schema.keys import (_ISSUED, _ARGS, _CHUNK, _COLL, _CONJ, _DEVICE, _DTYPE, _FORWARD, _INDEX, _KWARGS,
                                           _LEFT_OUT, _MODULE, _NAME, _NBYTES, _NEG, _NOT_RECORDED, _OFFSET, _OUTPUTS,
                                           _PATH_ARG, _PATH_KWARG, _PHASE, _REQ_GRAD, _RNG, _SHAPE, _SOURCE,
                                           _SOURCE_TEXT, _STATS, _STEP, _STRIDE, _UNINIT, _UNSUPPORTED, _VERSION,
@@ -59,6 +59,19 @@ def wire_entered(index: int, name: str, phase: str | None, module: str | None, s
     rec[_COLL] = wire_collective(info)
     rec[_NOT_RECORDED] = ENTERED_REASON
     return rec
+
+
+ISSUED_REASON = "issued to the device, not completed by it while recording (the device was waiting in it)"
+
+
+def wire_issued(stub: dict) -> dict:
+    """The marker of a collective a device was still running (NCCL: the call returned at once, its op is recorded):
+    the entered stub, saying so, so that a reader keeps it beside the op's record."""
+    return dict(stub, **{_NOT_RECORDED: ISSUED_REASON, _ISSUED: True})
+
+
+def wire_is_issued(rec: dict) -> bool:
+    return rec.get(_ISSUED) is True
 
 
 def check_entered(frame: Any) -> dict:
