@@ -28,7 +28,7 @@ from replaydiff.aten import matches_any
 from replaydiff.errors import EnvironmentProblem, TraceError, UsageError
 from replaydiff.replay.collectives import CollectiveChecker
 from replaydiff.replay.replicas import first_replica_break
-from replaydiff.replay.policy import Precision, ReplayOptions, reference_settings
+from replaydiff.replay.policy import Precision, ReplayOptions, reference_settings, replay_numerics
 from replaydiff.replay.result import OpResult, ReplayReport, Status
 from replaydiff.replay.runner import OpReplayer
 from replaydiff.trace.damage import CutShort, MissingOps
@@ -248,7 +248,8 @@ def run_shard(rt: RankTrace, opts: ReplayOptions, shard: Shard, progress: Progre
     wanted = set(shard.indices)
     hi = shard.indices[-1]
     results = []
-    with reference_settings(replay_threads(rt, opts)), torch.inference_mode(), fewer_collections():
+    numerics = replay_numerics(rt.environment.flags, opts.precision)
+    with reference_settings(replay_threads(rt, opts), numerics), torch.inference_mode(), fewer_collections():
         for op in rt.iter_from(shard.indices[0]):
             if op.index > hi:
                 break
