@@ -179,3 +179,32 @@ def test_a_collective_the_device_never_completes_is_left_as_the_marker(tmp_path:
     else:
         assert rank.entered is not None and rank.entered.name == "c10d.allreduce_.default"
         assert rank.entered.collective is not None and rank.entered.collective.size == 1
+
+
+def test_the_flight_recorder_reads_device_statistics_at_the_end_of_a_step(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """--flight with a device: statistics reach the host after the step's events (no synchronisation at each op),
+    and a NaN they show still triggers the dump of the step it appeared in."""
+    from replaydiff.record import mode as rec_mode
+
+    monkeypatch.setattr(rec_mode, "kernel_stats", lambda *a, **k: None)  # every tensor through the device path
+    monkeypatch.setattr(rec_mode, "cpu_values", lambda *a, **k: None)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    x = torch.randn(5, 8)
+    fake = FakeDevice()
+    with seam.use(fake), replaydiff.record(tmp_path / "t", tensors="stats", flight=2):
+        for step in range(5):
+            if step == 3:
+                with torch.no_grad():
+                    lin.weight[0, 0] = float("nan")
+            lin(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert fake.calls["record_event"] > 0
+    r = open_trace(tmp_path / "t").rank(0)
+    steps = sorted({op.step for op in r})
+    assert len(steps) == 2 and f"NaN/Inf at step {steps[-1]}" in r.manifest["flight"]["reason"]
+    refs = [ref for op in r for ref in op.outputs_refs() if ref.stats is not None]
+    assert refs and any(ref.stats.nan for ref in refs)

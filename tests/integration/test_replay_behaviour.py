@@ -126,7 +126,7 @@ def test_reference_settings_during_replay_and_restored_after(caller_flags, monke
 
 
 def test_settings_restored_when_replay_is_interrupted(caller_flags, monkeypatch):
-    seen = _spy_flags(monkeypatch, fail_at=3)
+    seen = _spy_flags(monkeypatch, fail_at=3, fp32_api=True)
     with pytest.raises(_Interrupted):
         rh.replay_trace_uncached(rh.step_trace("mlp"))
     assert len(seen) == 4 and seen[-1]["deterministic"] and not seen[-1]["cudnn.benchmark"]
@@ -155,7 +155,7 @@ def test_reference_settings_entered_by_two_threads_at_once_are_restored_once(cal
         with reference_settings(1):
             b_in.set()
             a_out.wait(10)
-            inside["second"] = _flags()  # the first has left: the second still replays under the reference
+            inside["second"] = _fp32_flags()  # the first has left: the second still replays under the reference
             inside["env"] = {"CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
 
     threads = [threading.Thread(target=first), threading.Thread(target=second)]
@@ -163,7 +163,7 @@ def test_reference_settings_entered_by_two_threads_at_once_are_restored_once(cal
         t.start()
     for t in threads:
         t.join(20)
-    assert inside["second"]["deterministic"] and inside["second"]["float32_matmul_precision"] == "highest"
+    assert inside["second"]["deterministic"] and inside["second"]["fp32.cuda.matmul"] == "ieee"
     assert not inside["second"]["cudnn.benchmark"] and inside["second"]["num_threads"] == 1
     assert inside["env"] == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     assert _flags() == caller_flags
