@@ -197,16 +197,31 @@ def use(runtime: Runtime) -> Iterator[Runtime]:
         RUNTIME = saved
 
 
+# While a stream captures a graph in CUDA's default ("global") mode, a query of an event from any thread invalidates
+# the capture. The recorder, which sees each captured op, holds queries from its first captured op to the first op
+# after the capture (``hold_queries``); waits then only sleep.
+_queries_held = False
+
+
+def hold_queries(held: bool) -> None:
+    global _queries_held
+    _queries_held = held
+
+
+def queries_held() -> bool:
+    return _queries_held
+
+
 def wait(event: Any, timeout: float) -> bool:
     """Wait up to ``timeout`` seconds for ``event`` to complete; whether it has. Polls ``query()`` instead of
     ``synchronize()``: a thread blocked in a synchronisation behind a hung kernel (an NCCL collective that never
     completes) could never come back to say so."""
-    if event.query():
+    if not _queries_held and event.query():
         return True
     deadline = time.monotonic() + timeout
     pause = 50e-6
     while True:
-        if event.query():
+        if not _queries_held and event.query():
             return True
         left = deadline - time.monotonic()
         if left <= 0:

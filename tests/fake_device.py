@@ -24,6 +24,7 @@ class FakeEvent:
         self.on_done = on_done  # what lands when the event completes (the pinned bytes' true values)
 
     def query(self) -> bool:
+        self.owner._check_capture("an event was queried")
         with self.owner.lock:
             if not self.done and not self.owner.hold:
                 self._complete()

@@ -591,9 +591,13 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
     rec.next_index += 1
     info = aten.facts(func)
     name = info.name
-    if b.capture_possible and seam.RUNTIME.capturing():
-        _captured(rec, b, index, name, info, args, kwargs)
-        return None
+    if b.capture_possible:
+        if seam.RUNTIME.capturing():
+            seam.hold_queries(True)  # no thread may query an event now (the writer's waits sleep instead)
+            _captured(rec, b, index, name, info, args, kwargs)
+            return None
+        if seam.queries_held():
+            seam.hold_queries(False)
     b.op_device = None
     if info.module is not None and name not in rec.custom_ops:
         rec.custom_ops[name] = info.module

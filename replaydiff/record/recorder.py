@@ -151,6 +151,7 @@ class Recorder:
                        "without --plant the compiled regions are recorded as compiled units."
             if msg:
                 self._warn(msg)
+            device.hold_queries(False)  # a capture the last ops were under has ended by now
             self.writer.close(self._closing_facts())
             device.RUNTIME.release_pinned()  # the copies' page-locked memory, which torch would keep cached
         except Exception as exc:

@@ -226,7 +226,7 @@ class RankWriter:
         """The recording thread is about to wait in a collective (a plain assignment: the hot path stays cheap).
         A collective a device has not finished yet keeps its place: the first one not done is what a hang waits on."""
         cur = self._in_flight
-        if cur is not None and cur[2] is not None and not cur[2].query():
+        if cur is not None and cur[2] is not None and (seam.queries_held() or not cur[2].query()):
             return
         self._in_flight = (stub, time.monotonic(), None)
 
@@ -239,7 +239,7 @@ class RankWriter:
 
     def _note_in_flight(self, force: bool = False) -> None:
         cur = self._in_flight
-        if cur is not None and cur[2] is not None and cur[2].query():  # the device has done it
+        if cur is not None and cur[2] is not None and not seam.queries_held() and cur[2].query():  # the device did it
             self._in_flight = cur = None
             if self._entered_written is not None:
                 self._entered_written = None
