@@ -437,13 +437,15 @@ def tf32_settings() -> dict[str, Any]:
 class Numerics:
     """Settings a job ran with that decide its kernels' numbers, as ``replay --precision same`` applies them on the
     device the op is replayed on (None each: as the reference has it). ``fp32`` holds the new TF32 API's settings by
-    their stored name (``FP32_PRECISIONS``); the legacy flags are applied where the job did not use the new API."""
+    their stored name (``FP32_PRECISIONS``); the legacy flags are applied where the job did not use the new API.
+    torch's deterministic algorithms stay on whatever the job had: replay needs them (they fill an output's
+    uninitialised memory, so positions a kernel leaves unwritten are found, and make --repeat's runs agree); an op
+    whose kernel has a deterministic variant is then replayed through it, as ``--repeat`` would show anyway."""
 
     fp32: tuple[tuple[str, str], ...] = ()
     matmul_tf32: bool | None = None
     cudnn_tf32: bool | None = None
     float32_matmul_precision: str | None = None
-    deterministic: bool | None = None
     cudnn_deterministic: bool | None = None
     cudnn_benchmark: bool | None = None
 
@@ -521,8 +523,7 @@ class _Held:
                 # wobbles). The C setter, not torch.use_deterministic_algorithms: that also imports
                 # torch._inductor's config (1.5-2 s per process) to set a flag only compiled code reads.
                 n = numerics or Numerics()
-                torch._C._set_deterministic_algorithms(True if n.deterministic is None else n.deterministic,
-                                                       warn_only=True)
+                torch._C._set_deterministic_algorithms(True, warn_only=True)
                 torch._C._set_cudnn_benchmark(bool(n.cudnn_benchmark))
                 torch._C._set_cudnn_deterministic(True if n.cudnn_deterministic is None else n.cudnn_deterministic)
                 self.restore_fp32 = _hold_fp32(numerics)

@@ -196,7 +196,9 @@ class OpBuilder:
             self.capture_possible = self.capture_possible or asynchronous
         if asynchronous:
             self.op_device = device
-        if entry.late is not None:  # bytes a device is copying in: settled before anything reads or writes them
+        if entry.late is not None and self.late is None:
+            # bytes a device was copying in, touched by a later op: copied now, before it reads or writes them
+            # (the op that started the copy describes its outputs with self.late set: its copy stays pending)
             entry.late.settle()
             entry.late = None
         if entry.crc is not None and crc32(address_view(storage.data_ptr(), entry.nbytes)) != entry.crc:
@@ -215,7 +217,7 @@ class OpBuilder:
             if entry.chunk is None and self.late is not None and not asynchronous:
                 entry.chunk, entry.late = self._late_snapshot(storage, t.element_size(), entry.version)
             elif entry.chunk is None:
-                entry.chunk = self._snapshot(storage, t.element_size(), entry.version)
+                entry.chunk = self._snapshot(storage, t.element_size(), entry.version, asynchronous)
                 if self.verify and storage.device.type == "cpu":
                     entry.crc = crc32(address_view(storage.data_ptr(), entry.nbytes))
             schema.wire_set_chunk(ref, entry.chunk)
@@ -235,7 +237,7 @@ class OpBuilder:
             cached = self._stats_seen.get(key)
             if self.late is not None and not asynchronous:
                 # the values a device is still copying in: measured once its work has completed
-                self._late_stats(ref, t, storage, dtype, key)
+                self._late_stats(ref, t, storage, key)
             elif cached is not None:
                 schema.wire_set_stats(ref, cached)
             elif dev == "cpu" and past_storage(t.numel(), t.storage_offset(), t.element_size(), entry.nbytes,
@@ -312,7 +314,7 @@ class OpBuilder:
         late = LateCopy(storage, slot.view, event)
         return self.rec.writer.add_snapshot(Snapshot(version, slot.view, itemsize, late, slot=slot)), late
 
-    def _late_stats(self, ref: dict, t: torch.Tensor, storage: torch.UntypedStorage, dtype: str, key: Any) -> None:
+    def _late_stats(self, ref: dict, t: torch.Tensor, storage: torch.UntypedStorage, key: Any) -> None:
         """Statistics of a host tensor an accelerator is writing: measured by the writer thread once the event
         after the op has completed (from the storage, which the closure keeps alive; the tensor itself is not kept,
         see ``_stat_queue``)."""
@@ -324,18 +326,19 @@ class OpBuilder:
         geometry = (t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
         self.rec.writer.defer(lambda timeout: _fill_late_stats(cell, event, storage, geometry, timeout))
 
-    def _snapshot(self, storage: torch.UntypedStorage, itemsize: int, version: int) -> int:
-        if storage.device.type == "cpu" and not self._asynchronous.get(storage.device, False):
-            return self.rec.writer.add_snapshot(self._copy(storage, itemsize, version))
+    def _snapshot(self, storage: torch.UntypedStorage, itemsize: int, version: int, asynchronous: bool) -> int:
+        """Store a storage's bytes: ``asynchronous``, copied from its device in its stream's order."""
+        if not asynchronous:
+            return self.rec.writer.add_snapshot(self._copy(storage, itemsize, version, False))
         with _disable_current_modes():  # modes below us (a planted fault, a debug mode) never see our copies
-            snap = self._copy(storage, itemsize, version)
+            snap = self._copy(storage, itemsize, version, True)
         return self.rec.writer.add_snapshot(snap)
 
-    def _copy(self, storage: torch.UntypedStorage, itemsize: int, version: int) -> Snapshot:
+    def _copy(self, storage: torch.UntypedStorage, itemsize: int, version: int, asynchronous: bool) -> Snapshot:
         # The writer's staging memory: outside the job's heap, bounded in bytes (waits for the writer when full).
         staging = self.rec.writer.staging
         n = storage.nbytes()
-        if storage.device.type == "cpu" and not self._asynchronous.get(storage.device, False):
+        if not asynchronous:
             # A plain memcpy: no torch op, so nothing to dispatch and no mode to step around (3-9 us instead of
             # 18-30 us for the storages of a small model).
             slot = staging.take(n)

@@ -80,12 +80,12 @@ class ReplayOptions:
 
 
 def recorded_numerics(flags: EnvFlags) -> Numerics:
-    """The TF32 and determinism settings a rank recorded, as ``--precision same`` applies them."""
+    """The TF32 and cuDNN settings a rank recorded, as ``--precision same`` applies them (``Numerics`` says why
+    torch's deterministic algorithms stay on)."""
     fp32 = tuple((name, getattr(flags, name)) for name, _, _ in FP32_PRECISIONS if getattr(flags, name) is not None)
     return Numerics(fp32=fp32, matmul_tf32=flags.matmul_tf32, cudnn_tf32=flags.cudnn_tf32,
                     float32_matmul_precision=flags.float32_matmul_precision,
-                    deterministic=flags.deterministic_algorithms, cudnn_deterministic=flags.cudnn_deterministic,
-                    cudnn_benchmark=flags.cudnn_benchmark)
+                    cudnn_deterministic=flags.cudnn_deterministic, cudnn_benchmark=flags.cudnn_benchmark)
 
 
 def replay_numerics(flags: EnvFlags, precision: Precision) -> Numerics | None:

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from replaydiff.trace.schema.keys import (_ISSUED, _ARGS, _CHUNK, _COLL, _CONJ, _DEVICE, _DTYPE, _FORWARD, _INDEX, _KWARGS,
-                                          _LEFT_OUT, _MODULE, _NAME, _NBYTES, _NEG, _NOT_RECORDED, _OFFSET, _OUTPUTS,
-                                          _PATH_ARG, _PATH_KWARG, _PHASE, _REQ_GRAD, _RNG, _SHAPE, _SOURCE,
+from replaydiff.trace.schema.keys import (_ARGS, _CHUNK, _COLL, _CONJ, _DEVICE, _DTYPE, _FORWARD, _INDEX, _ISSUED,
+                                          _KWARGS, _LEFT_OUT, _MODULE, _NAME, _NBYTES, _NEG, _NOT_RECORDED, _OFFSET,
+                                          _OUTPUTS, _PATH_ARG, _PATH_KWARG, _PHASE, _REQ_GRAD, _RNG, _SHAPE, _SOURCE,
                                           _SOURCE_TEXT, _STATS, _STEP, _STRIDE, _UNINIT, _UNSUPPORTED, _VERSION,
                                           _WRITES, _ZERO)
 from replaydiff.trace.schema.ops import CollectiveInfo, wire_collective
