@@ -92,7 +92,8 @@ class Runtime:
 
     def current_stream(self, device: torch.device) -> Any:
         mod = self.module(device.type)
-        return mod.current_stream(device) if mod is not None else torch.accelerator.current_stream(device)
+        own = getattr(mod, "current_stream", None)
+        return own(device) if own is not None else torch.accelerator.current_stream(device)
 
     def capturing(self) -> bool:
         """Whether the current stream of the current accelerator is capturing a graph (CUDA graphs and the like):
@@ -105,13 +106,24 @@ class Runtime:
         except Exception:
             return False
 
+    _pinning = True  # whether this process can pin host memory (MPS, on unified memory, has no pinned allocator)
+
     def pinned(self, nbytes: int) -> torch.Tensor:
-        """Page-locked host bytes, the target of an asynchronous copy from a device."""
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        """Page-locked host bytes, the target of an asynchronous copy from a device (plain host memory where this
+        device has no pinned memory: its copies then complete as torch defines for pageable memory)."""
+        return self._host((nbytes,), torch.uint8)
 
     def pinned_like(self, t: torch.Tensor) -> torch.Tensor:
         """Page-locked host memory of ``t``'s shape and dtype."""
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return self._host(tuple(t.shape), t.dtype)
+
+    def _host(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        if self._pinning:
+            try:
+                return torch.empty(shape, dtype=dtype, pin_memory=True)
+            except RuntimeError:
+                self._pinning = False
+        return torch.empty(shape, dtype=dtype)
 
     def release_pinned(self) -> None:
         """Give torch's cache of page-locked host memory back to the system (it keeps every block it ever made)."""
