@@ -17,7 +17,7 @@ import contextlib
 import time
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -98,13 +98,18 @@ class Runtime:
     def capturing(self) -> bool:
         """Whether the current stream of the current accelerator is capturing a graph (CUDA graphs and the like):
         while it is, nothing may synchronise, allocate pinned memory, record an event on it or read a generator."""
+        try:
+            return bool(self.capture_check()())
+        except Exception:
+            return False
+
+    def capture_check(self) -> Callable[[], bool]:
+        """``capturing`` as the cheapest call this runtime has (the recorder asks it at every op of an accelerator
+        job): the device module's own check, looked up once."""
         acc = _current_accelerator()
         mod = self.module(acc.type) if acc is not None else None
         check = getattr(mod, "is_current_stream_capturing", None)
-        try:
-            return bool(check()) if check is not None else False
-        except Exception:
-            return False
+        return check if check is not None else _never
 
     _pinning = True  # whether this process can pin host memory (MPS, on unified memory, has no pinned allocator)
 
@@ -174,6 +179,10 @@ class Runtime:
             "nccl": _safe(lambda: ".".join(map(str, torch.cuda.nccl.version()))) if cuda else None,
             "driver": _safe(lambda: torch._C._cuda_getDriverVersion()) if cuda else None,
         }
+
+
+def _never() -> bool:
+    return False
 
 
 def _safe(fn: Any, default: Any = None) -> Any:

@@ -57,8 +57,8 @@ class FakeDevice(Runtime):
     def in_use(self) -> bool:
         return True
 
-    def capturing(self) -> bool:
-        return self.capture
+    def capture_check(self):
+        return lambda: self.capture
 
     def record_event(self, device: torch.device) -> FakeEvent:
         self.calls["record_event"] += 1

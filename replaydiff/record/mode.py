@@ -165,6 +165,7 @@ class OpBuilder:
         self._asynchronous: dict[torch.device, bool] = {}  # device -> whether its ops may outlive their call
         # Whether a stream may be capturing a graph (an accelerator started): checked at each op only then
         self.capture_possible = seam.RUNTIME.in_use()
+        self.capturing = seam.RUNTIME.capture_check()
         self.captured = False  # the placeholders of captured ops were said
         # The accelerator among the current op's inputs (an op on it may still be running when the call returns)
         self.op_device: torch.device | None = None
@@ -193,7 +194,8 @@ class OpBuilder:
         asynchronous = self._asynchronous.get(device)
         if asynchronous is None:  # once per device and recording: the runtime decides (a test's fake one too)
             asynchronous = self._asynchronous[device] = seam.RUNTIME.asynchronous(device)
-            self.capture_possible = self.capture_possible or asynchronous
+            if asynchronous and not self.capture_possible:
+                self.capture_possible, self.capturing = True, seam.RUNTIME.capture_check()
         if asynchronous:
             self.op_device = device
         if entry.late is not None and self.late is None:
@@ -595,7 +597,7 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
     info = aten.facts(func)
     name = info.name
     if b.capture_possible:
-        if seam.RUNTIME.capturing():
+        if b.capturing():
             seam.hold_queries(True)  # no thread may query an event now (the writer's waits sleep instead)
             _captured(rec, b, index, name, info, args, kwargs)
             return None
