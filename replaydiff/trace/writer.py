@@ -300,6 +300,10 @@ class RankWriter:
         self._thread.join()
         self._release_landed(final=True)
         self.staging.trim()
+        cur = self._in_flight
+        if cur is not None and cur[2] is not None:  # a collective the device may still be running: give it time
+            seam.wait(cur[2], seam.EVENT_DEADLINE)
+            self._note_in_flight()
         if self._in_flight is not None:
             self._note_in_flight(force=True)  # a collective that raised (a timeout) was entered, never completed
         elif self._entered_written is not None:  # a marker of a slow collective that then completed
