@@ -641,7 +641,7 @@ def record_after(rec: RecorderLike, b: OpBuilder, p: Pending, func: Any, args: t
     record = p.record
     returned = out
     if record is not None and schema.wire_is_collective(record):
-        out = returned = wait_collective(func, out, b.op_device is not None)
+        out = returned = wait_collective(func, out, args, kwargs, b.op_device is not None)
         if b.op_device is not None:
             # Issued, not done: the device runs it. The writer keeps its marker until this event completes, so a
             # collective that never does is named by a rank killed while waiting for it.
@@ -778,12 +778,26 @@ def _completed_work(work: Any) -> Any:
         return work
 
 
-def wait_collective(func: Any, out: Any, on_device: bool = False) -> Any:
+def _counts_waits(func: Any, args: tuple, kwargs: dict, on_device: bool) -> bool:
+    """Whether a point-to-point work must be handed to the job complete: gloo's send and receive wait for one more
+    transfer each time they are waited on. NCCL's (any device backend's) can be waited again, from another stream
+    too, which a completed stand-in would drop. A group whose backend cannot be read: by where its tensors are."""
+    for i, a in enumerate(func._schema.arguments):
+        if "ProcessGroup" in str(a.type):
+            v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+            try:
+                return torch._C._distributed_c10d.ProcessGroup.unbox(v)._get_backend_name() == "gloo"
+            except Exception:
+                break
+    return not on_device
+
+
+def wait_collective(func: Any, out: Any, args: tuple = (), kwargs: dict | None = None, on_device: bool = False) -> Any:
     """Outputs of a collective exist only once its work completes: wait for it (the job would, before using them).
 
     On an accelerator (NCCL) waiting orders the current stream after the collective and returns at once; the
     outputs are then read in stream order, after the data has arrived. A point-to-point work stays the job's own
-    there: NCCL's works can be waited again (from another stream too, which a completed stand-in would drop)."""
+    there (``_counts_waits``)."""
     if func.namespace == "c10d":
         packet = func._opname
         if packet in _NOT_WAITED:
@@ -795,7 +809,8 @@ def wait_collective(func: Any, out: Any, on_device: bool = False) -> Any:
                 v.wait()
         # Point-to-point works count their waits (gloo's send and receive wait for one more transfer each time they
         # are waited on): waited here, the job gets a work already complete, or its own wait() would hang.
-        if packet in aten.POINT_TO_POINT_PACKETS and not isinstance(out, (tuple, list)) and not on_device:
+        if packet in aten.POINT_TO_POINT_PACKETS and not isinstance(out, (tuple, list)) and \
+                _counts_waits(func, args, kwargs or {}, on_device):
             return _completed_work(out)
     elif func.namespace in ("_c10d_functional", "c10d_functional"):
         for t in iter_tensors(out):
