@@ -454,12 +454,39 @@ def tf32_settings() -> dict[str, Any]:
     }
 
 
-def _hold_fp32() -> Callable[[], None]:
-    """Float32 matmuls, convolutions and RNNs in IEEE fp32 (TF32 off); returns what puts the caller's back."""
+@dataclass(frozen=True)
+class Numerics:
+    """Settings a job ran with that decide its kernels' numbers, as ``replay --precision same`` applies them on the
+    device the op is replayed on (None each: as the reference has it). ``fp32`` holds the new TF32 API's settings by
+    their stored name (``FP32_PRECISIONS``); the legacy flags are applied where the job did not use the new API.
+    torch's deterministic algorithms stay on whatever the job had: replay needs them (they fill an output's
+    uninitialised memory, so positions a kernel leaves unwritten are found, and make --repeat's runs agree); an op
+    whose kernel has a deterministic variant is then replayed through it, as ``--repeat`` would show anyway."""
+
+    fp32: tuple[tuple[str, str], ...] = ()
+    matmul_tf32: bool | None = None
+    cudnn_tf32: bool | None = None
+    float32_matmul_precision: str | None = None
+    cudnn_deterministic: bool | None = None
+    cudnn_benchmark: bool | None = None
+
+
+def _hold_fp32(numerics: Numerics | None = None) -> Callable[[], None]:
+    """Float32 matmuls, convolutions and RNNs in IEEE fp32 (TF32 off), or as ``numerics`` recorded them; returns
+    what puts the caller's back."""
     if _new_fp32_api():
         saved = [(b, o, torch._C._get_fp32_precision_getter(b, o)) for b, o in _REFERENCE_FP32]
+        n = numerics or Numerics()
+        recorded = {(b, o): dict(n.fp32).get(name) for name, b, o in FP32_PRECISIONS}
         for b, o in _REFERENCE_FP32:
-            torch._C._set_fp32_precision_setter(b, o, "ieee")
+            if any(v is not None for v in recorded.values()):
+                # the job's own setting as it took effect: "none" defers to the backend's, then to the generic one
+                chain = (recorded.get((b, o)), recorded.get((b, "all")), recorded[("generic", "all")])
+                value = next((v for v in chain if v not in (None, "none")), "ieee")
+            else:  # IEEE, or TF32 where the job's legacy flags asked for it
+                tf32 = (n.matmul_tf32 if o == "matmul" else n.cudnn_tf32) if b == "cuda" else False
+                value = "tf32" if tf32 else "ieee"
+            torch._C._set_fp32_precision_setter(b, o, value)
 
         def restore() -> None:
             for b, o, v in saved:
@@ -467,9 +494,10 @@ def _hold_fp32() -> Callable[[], None]:
         return restore
     legacy = (torch._C._get_cublas_allow_tf32(), torch._C._get_float32_matmul_precision(),
               torch._C._get_cudnn_allow_tf32())
-    torch._C._set_cublas_allow_tf32(False)
-    torch._C._set_float32_matmul_precision("highest")
-    torch._C._set_cudnn_allow_tf32(False)
+    n = numerics or Numerics()
+    torch._C._set_cublas_allow_tf32(bool(n.matmul_tf32))
+    torch._C._set_float32_matmul_precision(n.float32_matmul_precision or "highest")
+    torch._C._set_cudnn_allow_tf32(bool(n.cudnn_tf32))
 
     def restore_legacy() -> None:
         torch._C._set_cublas_allow_tf32(legacy[0])
@@ -494,7 +522,10 @@ class _Held:
         self.saved: tuple | None = None
         self.restore_fp32: Callable[[], None] | None = None
 
-    def enter(self) -> None:
+    def enter(self, numerics: Numerics | None = None) -> None:
+        """Hold the reference settings, or ``numerics`` (a job's own, for ``--precision same``). The first holder's
+        settings are those every overlapping holder gets: one process replays at one precision (the TUI's detail
+        pane, at another, then shares the first's; float64 ops are the same under either)."""
         with self.lock:
             self.holders += 1
             if self.holders > 1:
@@ -512,10 +543,11 @@ class _Held:
                 # warn_only: an op with no deterministic kernel is still replayed (and --repeat will tell if it
                 # wobbles). The C setter, not torch.use_deterministic_algorithms: that also imports
                 # torch._inductor's config (1.5-2 s per process) to set a flag only compiled code reads.
+                n = numerics or Numerics()
                 torch._C._set_deterministic_algorithms(True, warn_only=True)
-                torch._C._set_cudnn_benchmark(False)
-                torch._C._set_cudnn_deterministic(True)
-                self.restore_fp32 = _hold_fp32()
+                torch._C._set_cudnn_benchmark(bool(n.cudnn_benchmark))
+                torch._C._set_cudnn_deterministic(True if n.cudnn_deterministic is None else n.cudnn_deterministic)
+                self.restore_fp32 = _hold_fp32(numerics)
             except BaseException:
                 self.holders -= 1
                 self._restore()
@@ -548,12 +580,14 @@ _HELD = _Held()
 
 
 @contextlib.contextmanager
-def reference_numerics() -> Iterator[None]:
+def reference_numerics(numerics: Numerics | None = None) -> Iterator[None]:
     """The settings references run under: deterministic algorithms on, TF32 off for matmul and cuDNN,
     cudnn.deterministic on and cudnn.benchmark off, float32 matmul precision "highest", CUBLAS_WORKSPACE_CONFIG set
-    when it is not. Held once per process however many holders overlap (nested or from other threads); the
-    caller's settings (environment included) come back when the last one leaves."""
-    _HELD.enter()
+    when it is not; with ``numerics``, the TF32 and determinism settings a job recorded instead (a replay at the
+    recorded dtypes on the recording's device then runs the job's kernels). Held once per process however many
+    holders overlap (nested or from other threads); the caller's settings (environment included) come back when
+    the last one leaves."""
+    _HELD.enter(numerics)
     try:
         yield
     finally:
@@ -636,7 +670,8 @@ class Repro:
                 if dev.type == "cpu":
                     torch.set_rng_state(self.storages["rng_state"].clone())
                 else:
-                    torch.cuda.set_rng_state(self.storages["rng_state"].clone(), dev)
+                    # torch's generic device API: this script imports nothing of replaydiff (not its device seam)
+                    torch.get_device_module(dev.type).set_rng_state(self.storages["rng_state"].clone(), dev)
                 return self.op()(*args, **kwargs), args, kwargs
         return self.op()(*args, **kwargs), args, kwargs
 
@@ -806,7 +841,7 @@ def main(argv: list[str] | None = None, directory: str | None = None) -> int:
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import MODULE first (the one that defines a custom op)")
     a = p.parse_args(argv)
-    try:  # a device this torch lacks is one line, not torch.cuda's AssertionError from deep inside the run
+    try:  # a device this torch lacks is one line, not the device module's AssertionError from deep inside the run
         torch.empty(0, device=a.device)
     except Exception as exc:
         why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

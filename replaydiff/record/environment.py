@@ -1,6 +1,7 @@
 """The environment snapshot stored in every trace: what decides which kernels ran.
 
-Versions, devices, numerics flags and the variables that change NCCL, cuBLAS and torch behaviour. Thread count is here
+Versions (CUDA or HIP), devices of every accelerator type with what replay on another one needs to know (compute
+capability, multiprocessor count), numerics flags and the variables that change NCCL, cuBLAS and torch behaviour. Thread count is here
 too: on CPU, LayerNorm and convolution backward reduce in a different order with 2 threads than with 1.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from replaydiff import device
 from replaydiff.rebuild_and_judge import tf32_settings
 from replaydiff.trace.schema.environment import wire_device, wire_environment
 
@@ -28,14 +30,10 @@ def _safe(fn, default: Any = None) -> Any:
 
 def environment_snapshot(rank: int, world_size: int) -> dict[str, Any]:
     """The snapshot as stored (trace.schema.wire_environment names the keys; RankTrace.environment reads it)."""
-    cuda = torch.cuda.is_available()
-    devices = []
-    if cuda:
-        for i in range(torch.cuda.device_count()):
-            p = _safe(lambda i=i: torch.cuda.get_device_properties(i))
-            devices.append(wire_device(i, getattr(p, "name", None),
-                                       list(_safe(lambda i=i: torch.cuda.get_device_capability(i), ())),
-                                       getattr(p, "total_memory", None)))
+    runtime = device.RUNTIME
+    devices = [wire_device(d.index, d.name, list(d.capability), d.memory, d.type, d.processors)
+               for d in _safe(runtime.facts, [])]
+    versions = _safe(runtime.versions, {})
     scalars = {
         "torch": torch.__version__,
         "python": sys.version.split()[0],
@@ -43,12 +41,14 @@ def environment_snapshot(rank: int, world_size: int) -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "rank": rank,
         "world_size": world_size,
-        "cuda": torch.version.cuda,
+        "cuda": versions.get("cuda"),
+        "hip": versions.get("hip"),
+        "xpu": versions.get("xpu"),
         "cudnn": _safe(torch.backends.cudnn.version),
-        "nccl": _safe(lambda: ".".join(map(str, torch.cuda.nccl.version())) if cuda else None),
+        "nccl": versions.get("nccl"),
         "num_threads": torch.get_num_threads(),
         "num_interop_threads": _safe(torch.get_num_interop_threads),
-        "driver": _safe(lambda: torch._C._cuda_getDriverVersion()) if cuda else None,
+        "driver": versions.get("driver"),
     }
     # Every flag read so that it cannot raise: a snapshot that raises switches the whole recording off. TF32 through
     # whichever of torch's two APIs the job used (tf32_settings), the rest each on its own.

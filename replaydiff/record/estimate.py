@@ -25,7 +25,7 @@ from replaydiff.trace.format import OPS_DIR
 from replaydiff.trace.reader import RankTrace, open_trace
 from replaydiff.trace.schema import OpRecord
 
-RNG_STATE_BYTES = {"cpu": 5056, "cuda": 16}  # torch.get_rng_state() / torch.cuda.get_rng_state() sizes
+RNG_STATE_BYTES = {"cpu": 5056, "cuda": 16}  # the CPU generator's state / a CUDA generator's (Philox seed, offset)
 OUTSIDE = "(outside any module)"
 FITS = 8  # module selections listed as fitting a budget, largest first
 

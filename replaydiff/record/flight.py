@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import msgpack
 
+from replaydiff import device as seam
 from replaydiff.trace import schema
 from replaydiff.trace.schema.ops import OpRecord
 from replaydiff.trace.writer import RankWriter, Snapshot
@@ -68,6 +69,16 @@ class _Step:
         return len(self.blob) + self.data
 
 
+def _nonfinite(record: dict, name: str, loss: dict | None, step: int | None) -> str | None:
+    """Why a backward op's record triggers a dump: ``loss`` (the last forward op before the first backward one, given
+    for that first one) or the gradient it makes is NaN/Inf; None when neither is."""
+    if loss is not None and schema.wire_nonfinite(loss):
+        return f"the loss (op #{schema.wire_index(loss)}) is NaN/Inf at step {step}"
+    if schema.wire_nonfinite(record):
+        return f"a gradient (op #{schema.wire_index(record)} {name}) is NaN/Inf at step {step}"
+    return None
+
+
 class FlightBuffer:
     data_refused: str | None = None  # RankWriter's: the flight recorder never stores tensor data
     def __init__(self, root: Path, manifest: dict, options: Any, closing_facts: Callable[[], dict]) -> None:
@@ -95,6 +106,7 @@ class FlightBuffer:
         # others), and bytes of records (no --budget with the flight recorder, so never compared with one).
         self.left_out = schema.LeftOutTally()
         self.records_bytes = 0
+        self._fills: list[Callable[[float], bool]] = []  # deferred statistics of the step in progress
 
     # -- what the recorder calls (RankWriter's interface) ------------------------------------------------------
     def add_op(self, record: dict) -> None:
@@ -103,14 +115,10 @@ class FlightBuffer:
         view = OpRecord(record)
         phase = view.phase
         if phase == "backward":
-            if not self._seen_backward:
-                self._seen_backward = True
-                last = self._last_forward  # the loss, or what the backward pass starts from
-                if last is not None and schema.wire_nonfinite(last) and self.trigger is None:
-                    self.trigger = f"the loss (op #{schema.wire_index(last)}) is NaN/Inf at step {self._step}"
-            if self.trigger is None and schema.wire_nonfinite(record):
-                self.trigger = (f"a gradient (op #{schema.wire_index(record)} {view.name}) is NaN/Inf "
-                                f"at step {self._step}")
+            first = not self._seen_backward
+            self._seen_backward = True
+            if self.trigger is None:
+                self.trigger = _nonfinite(record, view.name, self._last_forward if first else None, self._step)
         elif phase == "forward":
             if self._seen_backward and self.trigger is not None and view.module is not None:
                 # A module runs forward again without an optimizer step in between (a grad scaler skipped it): the
@@ -163,6 +171,12 @@ class FlightBuffer:
         if len(self.lost) < 100:
             self.lost.append(what)
 
+    def enter_collective(self, stub: dict) -> None:
+        """Nothing is on disk until a dump: no marker of a collective entered either."""
+
+    def leave_collective(self, event: Any = None) -> None:
+        pass
+
     def flush(self) -> None:
         pass
 
@@ -178,6 +192,32 @@ class FlightBuffer:
         if self.dumped_to is None and self.options.flight_at_exit:
             self.dump("the process ended (flight_at_exit)")
 
+    def defer(self, fill: Callable[[float], bool]) -> None:
+        """As ``RankWriter.defer``: statistics of device tensors on their way to the host, filled when the step
+        ends (waiting for the device there, never synchronising it), before the step is encoded."""
+        self._fills.append(fill)
+
+    def _run_fills(self) -> None:
+        """Fill the step's deferred statistics, then look at them for a NaN/Inf the records said nothing of yet."""
+        fills, self._fills = self._fills, []
+        if not fills:
+            return
+        timeout = seam.EVENT_DEADLINE
+        for fill in fills:
+            if not fill(timeout):
+                timeout = 0.0  # a device that has not finished by the deadline: only look at the rest
+        if self.trigger is None:
+            last_forward, first = None, True
+            for record in self._current:
+                view = OpRecord(record)
+                if view.phase == "backward":
+                    self.trigger = _nonfinite(record, view.name, last_forward if first else None, self._step)
+                    first = False
+                    if self.trigger is not None:
+                        break
+                elif view.phase == "forward":
+                    last_forward = record
+
     # -- steps ---------------------------------------------------------------------------------------------------
     def begin_step(self, step: int | None) -> None:
         self._step = step
@@ -189,6 +229,7 @@ class FlightBuffer:
         """Encode the finished step into the ring; drop the oldest steps past K or past the memory budget."""
         if self.dumped_to is not None:
             return
+        self._run_fills()
         if self._current:
             blob = msgpack.packb(self._current, use_bin_type=True)
             done = _Step(self._step, len(self._current), blob, self._snapshots, self._data, self._left_out)
@@ -231,6 +272,7 @@ class FlightBuffer:
             return self.dumped_to
         o = self.options
         try:
+            self._run_fills()  # the step in progress's deferred statistics
             # The last K steps, the one in progress included.
             while self._ring and len(self._ring) + (1 if self._current else 0) > self.keep:
                 self._drop_oldest(for_budget=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 import time
 from typing import Any, Protocol
 
@@ -16,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from replaydiff import aten
+from replaydiff import device as seam
 from replaydiff.aten import iter_tensors, written_args
 from replaydiff.record.budget import DataBudget
 from replaydiff.record.context import OpContext
@@ -49,8 +51,6 @@ _VERBATIM = frozenset({bool, float, str, type(None)})
 _INT_MIN, _INT_END = -(1 << 63), 1 << 64
 # dtype names (as ref() spells them) of the tensors that can carry the conj bit
 _COMPLEX = frozenset(str(d).removeprefix("torch.") for d in (torch.complex32, torch.complex64, torch.complex128))
-# Devices whose tensors' statistics reach the host asynchronously (OpBuilder._defer_device_stats); a test adds "cpu".
-_DEFERRED_DEVICES = frozenset({"cuda"})
 
 
 class RecorderLike(Protocol):
@@ -162,6 +162,15 @@ class OpBuilder:
         self.data_off: str | None = None  # why the current op stores no data at all (outside the filter)
         self.left_out: str | None = None  # why some of the current op's data is not stored (marks its record)
         self.refused: str | None = None  # the writer refuses data (a full disk): nothing more is stored
+        self._asynchronous: dict[torch.device, bool] = {}  # device -> whether its ops may outlive their call
+        # Whether a stream may be capturing a graph (an accelerator started): checked at each op only then
+        self.capture_possible = seam.RUNTIME.in_use()
+        self.capturing = seam.RUNTIME.capture_check()
+        self.captured = False  # the placeholders of captured ops were said
+        # The accelerator among the current op's inputs (an op on it may still be running when the call returns)
+        self.op_device: torch.device | None = None
+        # While the outputs of such an op are described: that device, whose work host outputs wait for
+        self.late: torch.device | None = None
 
     # -- tensors ----------------------------------------------------------------------------------------------
     def ref(self, t: torch.Tensor, store: bool) -> dict:
@@ -182,6 +191,18 @@ class OpBuilder:
         shape, stride = list(t.shape), list(t.stride())
         storage = t.untyped_storage()
         entry = self.rec.storages.entry(storage)
+        asynchronous = self._asynchronous.get(device)
+        if asynchronous is None:  # once per device and recording: the runtime decides (a test's fake one too)
+            asynchronous = self._asynchronous[device] = seam.RUNTIME.asynchronous(device)
+            if asynchronous and not self.capture_possible:
+                self.capture_possible, self.capturing = True, seam.RUNTIME.capture_check()
+        if asynchronous:
+            self.op_device = device
+        if entry.late is not None and self.late is None:
+            # bytes a device was copying in, touched by a later op: copied now, before it reads or writes them
+            # (the op that started the copy describes its outputs with self.late set: its copy stays pending)
+            entry.late.settle()
+            entry.late = None
         if entry.crc is not None and crc32(address_view(storage.data_ptr(), entry.nbytes)) != entry.crc:
             # Written since it was stored, behind the dispatcher's back (numpy, a C extension): a new version.
             self.rec.storages.bump(entry)
@@ -195,8 +216,10 @@ class OpBuilder:
             return ref
         if self.mode is TensorMode.FULL and (self.max_bytes is None or entry.nbytes <= self.max_bytes) and \
                 (entry.chunk is not None or self.admit(entry.nbytes, entry)):
-            if entry.chunk is None:
-                entry.chunk = self._snapshot(storage, t.element_size(), entry.version)
+            if entry.chunk is None and self.late is not None and not asynchronous:
+                entry.chunk, entry.late = self._late_snapshot(storage, t.element_size(), entry.version)
+            elif entry.chunk is None:
+                entry.chunk = self._snapshot(storage, t.element_size(), entry.version, asynchronous)
                 if self.verify and storage.device.type == "cpu":
                     entry.crc = crc32(address_view(storage.data_ptr(), entry.nbytes))
             schema.wire_set_chunk(ref, entry.chunk)
@@ -214,7 +237,10 @@ class OpBuilder:
                 except Exception:
                     key = (*key, object())
             cached = self._stats_seen.get(key)
-            if cached is not None:
+            if self.late is not None and not asynchronous:
+                # the values a device is still copying in: measured once its work has completed
+                self._late_stats(ref, t, storage, key)
+            elif cached is not None:
                 schema.wire_set_stats(ref, cached)
             elif dev == "cpu" and past_storage(t.numel(), t.storage_offset(), t.element_size(), entry.nbytes,
                                                is_dense, shape, stride):
@@ -272,18 +298,49 @@ class OpBuilder:
         if first is not None:
             self.rec.storages.forget_chunks_from(first)
 
-    def _snapshot(self, storage: torch.UntypedStorage, itemsize: int, version: int) -> int:
-        if storage.device.type == "cpu":
-            return self.rec.writer.add_snapshot(self._copy(storage, itemsize, version))
+    def _late_snapshot(self, storage: torch.UntypedStorage, itemsize: int, version: int) -> tuple[int, "LateCopy"]:
+        """A host storage an accelerator is writing (``x.to("cpu", non_blocking=True)``, ``buf.copy_(gpu,
+        non_blocking=True)``): its bytes exist once the work queued so far on that device's stream has completed.
+        An event marks that point; the writer copies the bytes once the event has completed, or the recording
+        thread does, earlier, when an op touches the storage (the job has waited for the copy before then, or
+        reads a storage that is still being written, as the record then shows)."""
+        staging = self.rec.writer.staging
+        n = storage.nbytes()
+        slot = staging.take(n)
+        try:
+            with _disable_current_modes():
+                event = seam.RUNTIME.record_event(self.late)
+        except BaseException:
+            staging.release(slot)
+            raise
+        late = LateCopy(storage, slot.view, event)
+        return self.rec.writer.add_snapshot(Snapshot(version, slot.view, itemsize, late, slot=slot)), late
+
+    def _late_stats(self, ref: dict, t: torch.Tensor, storage: torch.UntypedStorage, key: Any) -> None:
+        """Statistics of a host tensor an accelerator is writing: measured by the writer thread once the event
+        after the op has completed (from the storage, which the closure keeps alive; the tensor itself is not kept,
+        see ``_stat_queue``)."""
+        cell: list = []
+        schema.wire_set_stats(ref, cell)
+        self._stats_seen.pop(key, None)
+        with _disable_current_modes():
+            event = seam.RUNTIME.record_event(self.late)
+        geometry = (t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        self.rec.writer.defer(lambda timeout: _fill_late_stats(cell, event, storage, geometry, timeout))
+
+    def _snapshot(self, storage: torch.UntypedStorage, itemsize: int, version: int, asynchronous: bool) -> int:
+        """Store a storage's bytes: ``asynchronous``, copied from its device in its stream's order."""
+        if not asynchronous:
+            return self.rec.writer.add_snapshot(self._copy(storage, itemsize, version, False))
         with _disable_current_modes():  # modes below us (a planted fault, a debug mode) never see our copies
-            snap = self._copy(storage, itemsize, version)
+            snap = self._copy(storage, itemsize, version, True)
         return self.rec.writer.add_snapshot(snap)
 
-    def _copy(self, storage: torch.UntypedStorage, itemsize: int, version: int) -> Snapshot:
+    def _copy(self, storage: torch.UntypedStorage, itemsize: int, version: int, asynchronous: bool) -> Snapshot:
         # The writer's staging memory: outside the job's heap, bounded in bytes (waits for the writer when full).
         staging = self.rec.writer.staging
         n = storage.nbytes()
-        if storage.device.type == "cpu":
+        if not asynchronous:
             # A plain memcpy: no torch op, so nothing to dispatch and no mode to step around (3-9 us instead of
             # 18-30 us for the storages of a small model).
             slot = staging.take(n)
@@ -291,17 +348,18 @@ class OpBuilder:
                 ctypes.memmove(slot.address, storage.data_ptr(), n)
             return Snapshot(version, slot.view, itemsize, slot=slot)
         # Ordered after the op on the current stream, asynchronous into pinned memory: the GPU is not stalled.
-        slot = staging.reserve(n)
+        # torch's pinned allocator rounds a block up to a power of two: that is what the staging bound counts.
+        runtime = seam.RUNTIME
+        slot = staging.reserve(_pinned_size(n))
         try:
             u8 = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-            host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            host = runtime.pinned(n)
             host.copy_(u8, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(storage.device))
+            event = runtime.record_event(storage.device)
         except BaseException:
             staging.release(slot)
             raise
-        return Snapshot(version, host, itemsize, event, slot=slot)
+        return Snapshot(version, host, itemsize, seam.Arrival(event), slot=slot)
 
     def flush_stats(self) -> None:
         """Measure the queued tensors into their refs. Never raises: the queue is taken before anything is computed
@@ -314,7 +372,7 @@ class OpBuilder:
         failures: list[str] = []
         try:
             defer = getattr(self.rec.writer, "defer", None)
-            if defer is not None and any(t.device.type in _DEFERRED_DEVICES for t in queue):
+            if defer is not None and any(self._asynchronous.get(t.device) for t in queue):
                 self._defer_device_stats(defer, queue, pending, failures)
             else:
                 with _disable_current_modes():
@@ -364,7 +422,7 @@ class OpBuilder:
                 for ref in refs:
                     schema.wire_set_stats(ref, None)
                 self._stats_seen[key] = None
-            elif t.device.type not in _DEFERRED_DEVICES:
+            elif not self._asynchronous.get(t.device):
                 host.append(t)
                 host_keys.append((key, refs))
             else:
@@ -382,7 +440,7 @@ class OpBuilder:
                     self._stats_seen[key] = s
             batch = DeviceStats(measured) if measured else None
         if batch is not None:
-            defer(lambda: _fill_device_cells(batch, cells))
+            defer(lambda timeout: _fill_device_cells(batch, cells, timeout))
         if len(self._stats_seen) > 100_000:
             self._stats_seen.clear()
 
@@ -454,10 +512,66 @@ def _fill_cells(pending: list[tuple[list, Any]]) -> None:
         cell[:] = st
 
 
-def _fill_device_cells(batch: DeviceStats, cells: list[list]) -> None:
-    """Writer thread: wait for the batch's host copy (its event, not the stream) and fill each cell in place."""
+def _fill_device_cells(batch: DeviceStats, cells: list[list], timeout: float) -> bool:
+    """Writer thread: wait up to ``timeout`` for the batch's host copy (its event, not the stream) and fill each
+    cell in place; whether it did. Cells never filled stay empty (a hung kernel ahead of the copy): those tensors
+    are recorded without statistics, and the records go on."""
+    if not batch.wait(timeout):
+        return False
     for cell, st in zip(cells, batch.result()):
         cell[:] = st if st is not None else []
+    return True
+
+
+def _pinned_size(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length() if n else 0
+
+
+class LateCopy:
+    """The bytes of a host storage an accelerator is writing, copied once they have landed: by the writer thread
+    once the device's event has completed (``wait``), or by the recording thread when an op touches the storage
+    first (``settle``). Given up (``abandon``), it never writes into its staging memory again."""
+
+    __slots__ = ("storage", "view", "event", "done", "_lock")
+
+    def __init__(self, storage: torch.UntypedStorage, view: memoryview, event: Any) -> None:
+        self.storage: torch.UntypedStorage | None = storage
+        self.view = view
+        self.event = event
+        self.done = False
+        self._lock = threading.Lock()
+
+    def settle(self) -> None:
+        with self._lock:
+            if self.done or self.storage is None:
+                return
+            n = len(self.view)
+            if n:
+                ctypes.memmove((ctypes.c_char * n).from_buffer(self.view), self.storage.data_ptr(), n)
+            self.done = True
+            self.storage = None
+
+    def wait(self, timeout: float) -> bool:
+        if not self.done and not seam.wait(self.event, timeout):
+            return False
+        self.settle()
+        return self.done
+
+    def abandon(self) -> None:
+        with self._lock:
+            self.storage = None
+
+
+def _fill_late_stats(cell: list, event: Any, storage: torch.UntypedStorage, geometry: tuple, timeout: float) -> bool:
+    """Writer thread: the statistics of a host tensor once the device's copy into it has landed, waiting up to
+    ``timeout``; whether it has (never: the cell stays empty, and the record says nothing rather than something
+    false)."""
+    if not seam.wait(event, timeout):
+        return False
+    dtype, offset, shape, stride = geometry
+    t = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+    cell[:] = (batch_stats([t])[0] or [])
+    return True
 
 
 class Pending:
@@ -482,6 +596,14 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
     rec.next_index += 1
     info = aten.facts(func)
     name = info.name
+    if b.capture_possible:
+        if b.capturing():
+            seam.hold_queries(True)  # no thread may query an event now (the writer's waits sleep instead)
+            _captured(rec, b, index, name, info, args, kwargs)
+            return None
+        if seam.queries_held():
+            seam.hold_queries(False)
+    b.op_device = None
     if info.module is not None and name not in rec.custom_ops:
         rec.custom_ops[name] = info.module
     ctx = rec.context
@@ -519,8 +641,17 @@ def record_after(rec: RecorderLike, b: OpBuilder, p: Pending, func: Any, args: t
     record = p.record
     returned = out
     if record is not None and schema.wire_is_collective(record):
-        out = returned = wait_collective(func, out)
-        rec.writer.leave_collective()
+        out = returned = wait_collective(func, out, args, kwargs, b.op_device is not None)
+        if b.op_device is not None:
+            # Issued, not done: the device runs it. The writer keeps its marker until this event completes, so a
+            # collective that never does is named by a rank killed while waiting for it.
+            try:
+                with _disable_current_modes():
+                    rec.writer.leave_collective(seam.RUNTIME.record_event(b.op_device))
+            except Exception:
+                rec.writer.leave_collective()
+        else:
+            rec.writer.leave_collective()
     try:  # the job gets ``returned`` whatever happens to the record
         for _, v in p.written:
             for t in iter_tensors(v):
@@ -529,17 +660,46 @@ def record_after(rec: RecorderLike, b: OpBuilder, p: Pending, func: Any, args: t
         if p.uninitialised:
             for t in iter_tensors(out):
                 rec.storages.entry(t.untyped_storage()).uninitialised = True
-        if p.uninitialised:
-            schema.wire_set_outputs(record, b.encode(out, store=False), None, True)
-        else:
-            writes = [(path, b.encode(v)) for path, v in p.written] if p.written else None
-            schema.wire_set_outputs(record, b.encode(out), writes, False)
+        # Host outputs of an op on an accelerator (a non-blocking copy to the CPU) are read once the device is done
+        b.late = b.op_device
+        try:
+            if p.uninitialised:
+                schema.wire_set_outputs(record, b.encode(out, store=False), None, True)
+            else:
+                writes = [(path, b.encode(v)) for path, v in p.written] if p.written else None
+                schema.wire_set_outputs(record, b.encode(out), writes, False)
+        finally:
+            b.late = None
         if b.left_out is not None:
             schema.wire_set_left_out(record, b.left_out)
         b.add_op(record)
     except Exception as exc:
         rec.op_failed(func, args, kwargs, exc)
     return returned
+
+
+CAPTURED = ("under graph capture: a captured op runs later, when the graph is replayed, and reading its tensors "
+            "now would break the capture")
+
+
+def _captured(rec: RecorderLike, b: OpBuilder, index: int, name: str, info: Any, args: tuple, kwargs: dict) -> None:
+    """An op issued while a stream captures a graph: it runs later, at each replay of the graph. A placeholder with
+    the reason stands for it; nothing is read, copied, recorded on the stream or drawn from a generator (any of
+    those would invalidate the capture), and what it writes gets new storage versions. Said once."""
+    stub = schema.wire_op(index, name, None, None, None, None)
+    if rec.step is not None:
+        schema.wire_set_step(stub, rec.step)
+    b.add_op(schema.wire_not_recorded(stub, CAPTURED))
+    if info.writes:
+        for _, v in written_args(info, args, kwargs):
+            for t in iter_tensors(v):
+                rec.storages.bump(rec.storages.entry(t.untyped_storage()))
+    if not b.captured:
+        b.captured = True
+        rec.writer.note_lost(f"ops from #{index} on were issued under graph capture and are recorded as "
+                             f"placeholders (they run when the graph is replayed)")
+        rec.warn(f"op #{index} {name} and those after it under graph capture are recorded as placeholders: a "
+                 f"captured op runs when the graph is replayed")
 
 
 def _reduce_op_name(obj: Any) -> str | None:
@@ -618,8 +778,26 @@ def _completed_work(work: Any) -> Any:
         return work
 
 
-def wait_collective(func: Any, out: Any) -> Any:
-    """Outputs of a collective exist only once its work completes: wait for it (the job would, before using them)."""
+def _counts_waits(func: Any, args: tuple, kwargs: dict, on_device: bool) -> bool:
+    """Whether a point-to-point work must be handed to the job complete: gloo's send and receive wait for one more
+    transfer each time they are waited on. NCCL's (any device backend's) can be waited again, from another stream
+    too, which a completed stand-in would drop. A group whose backend cannot be read: by where its tensors are."""
+    for i, a in enumerate(func._schema.arguments):
+        if "ProcessGroup" in str(a.type):
+            v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+            try:
+                return torch._C._distributed_c10d.ProcessGroup.unbox(v)._get_backend_name() == "gloo"
+            except Exception:
+                break
+    return not on_device
+
+
+def wait_collective(func: Any, out: Any, args: tuple = (), kwargs: dict | None = None, on_device: bool = False) -> Any:
+    """Outputs of a collective exist only once its work completes: wait for it (the job would, before using them).
+
+    On an accelerator (NCCL) waiting orders the current stream after the collective and returns at once; the
+    outputs are then read in stream order, after the data has arrived. A point-to-point work stays the job's own
+    there (``_counts_waits``)."""
     if func.namespace == "c10d":
         packet = func._opname
         if packet in _NOT_WAITED:
@@ -631,7 +809,8 @@ def wait_collective(func: Any, out: Any) -> Any:
                 v.wait()
         # Point-to-point works count their waits (gloo's send and receive wait for one more transfer each time they
         # are waited on): waited here, the job gets a work already complete, or its own wait() would hang.
-        if packet in aten.POINT_TO_POINT_PACKETS and not isinstance(out, (tuple, list)):
+        if packet in aten.POINT_TO_POINT_PACKETS and not isinstance(out, (tuple, list)) and \
+                _counts_waits(func, args, kwargs or {}, on_device):
             return _completed_work(out)
     elif func.namespace in ("_c10d_functional", "c10d_functional"):
         for t in iter_tensors(out):

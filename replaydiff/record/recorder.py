@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from replaydiff import device
 from replaydiff.aten import current_rank, facts, iter_tensors, written_args
 from replaydiff.record.autostart._replaydiff_record_env import ENV_VAR  # set in children of the CLI
 from replaydiff.errors import warn
@@ -176,7 +177,9 @@ class Recorder:
                        "without --plant the compiled regions are recorded as compiled units."
             if msg:
                 self._warn(msg)
+            device.hold_queries(False)  # a capture the last ops were under has ended by now
             self.writer.close(self._closing_facts())
+            device.RUNTIME.release_pinned()  # the copies' page-locked memory, which torch would keep cached
         except Exception as exc:
             self._warn(f"the trace could not be finished: {exc}")
 
@@ -367,22 +370,20 @@ class Recorder:
     def rng_state(self, args: tuple, kwargs: dict) -> tuple[str, int, int, int] | None:
         """Store the generator state a random op is about to use: (device, storage version, chunk, bytes)."""
         gen = kwargs.get("generator")
-        device = None
+        where = None
         for v in list(args) + list(kwargs.values()):
             if isinstance(v, torch.Tensor):
-                device = v.device
+                where = v.device
                 break
-        if device is None and isinstance(kwargs.get("device"), torch.device):
-            device = kwargs["device"]
-        device = device or torch.device("cpu")
+        if where is None and isinstance(kwargs.get("device"), torch.device):
+            where = kwargs["device"]
+        where = where or torch.device("cpu")
         if gen is not None:
             state = gen.get_state()
-        elif device.type == "cpu":
-            state = torch.get_rng_state()
-        elif device.type == "cuda":
-            state = torch.cuda.get_rng_state(device)
         else:
-            return None
+            state = device.RUNTIME.rng_state(where)
+            if state is None:
+                return None
         if not self._builder.admit(state.numel()):  # past the budget: a random op without its draw's state
             return None
         version = self.storages.new_version_id()
@@ -392,7 +393,7 @@ class Recorder:
         slot = self.writer.staging.take(nbytes)
         slot.view[:] = tensor_bytes_view(state.contiguous())
         chunk = self.writer.add_snapshot(Snapshot(version, slot.view, 1, slot=slot))
-        return str(device), version, chunk, nbytes
+        return str(where), version, chunk, nbytes
 
     MAX_FAILED_OPS = 1000
 

@@ -19,11 +19,13 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+import time
 from typing import Any
 
 import numpy as np
 import torch
 
+from replaydiff import device as seam
 from replaydiff.record import native
 from replaydiff.trace.codec import address_view
 
@@ -381,22 +383,26 @@ def batch_stats(tensors: list[torch.Tensor], failures: list[str] | None = None) 
 
 class DeviceStats:
     """The statistics of a batch of device tensors, computed on their device and on their way to the host: no
-    synchronisation of the job's stream (``torch.cuda.set_sync_debug_mode("error")`` stays quiet). The reductions are
-    queued behind the op on the current stream, a pinned host copy after them, and an event after that; ``result()``
-    waits for that event alone (the writer thread calls it before it encodes the records that hold these statistics).
+    synchronisation of the job's stream (a sync debug mode set to "error" stays quiet). The reductions are queued
+    behind the op on the current stream, a pinned host copy after them, and an event after that; ``result()``
+    waits for that event alone (the writer thread calls it before it encodes the records that hold these
+    statistics), and no longer than it is told.
 
     The figures are ``batch_stats``' own wherever the values are all finite (the same reductions of the same values,
     bit for bit). A NaN or Inf cannot send a tensor down a slow path here (that needs its values on the host, i.e. a
     synchronisation): non-finite values are counted on the device and the sums taken over the values with them
     replaced by 0, which gives the statistics of the finite values; their last bits can differ from those of
-    ``batch_stats``' compacted sums."""
+    ``batch_stats``' compacted sums. Tensors are reduced a slice of the batch at a time (``CHUNK_BYTES`` of
+    values), so the copies the reductions make (finite values, float32 views of FP8) never hold a whole group of a
+    fused optimizer step or a large logits tensor at once beside the job's own memory."""
 
     _ROWS = 6  # L2 norm, min, max, sum (float64), NaN count, Inf count
+    CHUNK_BYTES = 64 << 20
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.numel = [t.numel() for t in tensors]
         self.fixed: list[list[float] | None] = [None] * len(tensors)
-        # per device: (positions measured, in the columns' order; pinned host copy; event after the copy or None)
+        # per device: (positions measured, in the columns' order; host copy; what says the copy has landed or None)
         self.copies: list[tuple[list[int], torch.Tensor, Any]] = []
         groups: dict[tuple, list[int]] = {}
         for i, t in enumerate(tensors):
@@ -408,41 +414,30 @@ class DeviceStats:
             groups.setdefault((t.device, t.dtype), []).append(i)
         blocks: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
         for (device, dtype), idx in groups.items():
-            xs = [tensors[i].detach() for i in idx]
-            if dtype.is_floating_point and dtype.itemsize == 1:  # float8: measured through float32 (exact)
-                xs = [x.to(torch.float32) for x in xs]
-            if dtype.is_floating_point:
-                bad = [torch.stack([torch.isnan(x).sum(), torch.isinf(x).sum()]) for x in xs]
-                xs = [torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) for x in xs]
-            else:
-                xs = [x.to(torch.float64) for x in xs]
-                bad = None
-            parts = [torch.stack(torch._foreach_norm(xs, 2, dtype=torch.float64))]
-            mins, maxs = zip(*(torch.aminmax(x) for x in xs))
-            parts += [torch.stack(mins).to(torch.float64), torch.stack(maxs).to(torch.float64),
-                      torch.stack([x.sum(dtype=torch.float64) for x in xs])]
-            if bad is not None:
-                parts += list(torch.stack(bad).t().to(torch.float64))
-            else:
-                parts += [torch.zeros(len(xs), dtype=torch.float64, device=device)] * 2
-            blocks.setdefault(device, []).append((idx, torch.stack(parts)))
+            for part in _slices(idx, [tensors[i].numel() * max(8, tensors[i].element_size() * 2) for i in idx],
+                                self.CHUNK_BYTES):
+                blocks.setdefault(device, []).append((part, _device_rows([tensors[i] for i in part], dtype, device)))
+        runtime = seam.RUNTIME
         for device, got in blocks.items():  # one copy per device (an op can read tensors of two GPUs)
             rows = torch.cat([b for _, b in got], dim=1)
-            pinned = device.type == "cuda"
-            host = torch.empty(rows.shape, dtype=torch.float64, pin_memory=pinned)
-            host.copy_(rows, non_blocking=pinned)
-            event = None
-            if pinned:
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device))
+            asynchronous = runtime.asynchronous(device)
+            host = runtime.pinned_like(rows) if asynchronous else torch.empty(rows.shape, dtype=torch.float64)
+            host.copy_(rows, non_blocking=asynchronous)
+            event = runtime.record_event(device) if asynchronous else None
             self.copies.append(([i for idx, _ in got for i in idx], host, event))
 
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the copies to land; whether they all have."""
+        end = time.monotonic() + timeout
+        return all(event is None or seam.wait(event, max(0.0, end - time.monotonic()))
+                   for _, _, event in self.copies)
+
     def result(self) -> list[list[float] | None]:
-        """One ``[numel, mean, absmax, l2, var, nan, inf]`` per tensor (over finite values); None for complex ones."""
+        """One ``[numel, mean, absmax, l2, var, nan, inf]`` per tensor (over finite values); None for complex ones.
+        Waits for the copies (``wait`` first where that must not take long)."""
+        self.wait(math.inf)
         out = list(self.fixed)
         for order, host, event in self.copies:
-            if event is not None:
-                event.synchronize()
             rows = host.tolist()
             for k, i in enumerate(order):
                 n = self.numel[i]
@@ -457,3 +452,41 @@ class DeviceStats:
                 out[i] = [n, mean, max(-lo, hi), norm,
                           max(ss / m - mean * mean, 0.0) if math.isfinite(ss) else math.inf, nan, inf]
         return out
+
+
+def _slices(idx: list[int], sizes: list[int], limit: int) -> list[list[int]]:
+    """``idx`` cut into runs whose ``sizes`` add up to at most ``limit`` (a larger one alone)."""
+    out: list[list[int]] = []
+    run: list[int] = []
+    held = 0
+    for i, n in zip(idx, sizes):
+        if run and held + n > limit:
+            out.append(run)
+            run, held = [], 0
+        run.append(i)
+        held += n
+    if run:
+        out.append(run)
+    return out
+
+
+def _device_rows(ts: list[torch.Tensor], dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """The ``DeviceStats._ROWS`` rows of some tensors of one dtype, on their device (float64, one column each)."""
+    xs = [t.detach() for t in ts]
+    if dtype.is_floating_point and dtype.itemsize == 1:  # float8: measured through float32 (exact)
+        xs = [x.to(torch.float32) for x in xs]
+    if dtype.is_floating_point:
+        bad = [torch.stack([torch.isnan(x).sum(), torch.isinf(x).sum()]) for x in xs]
+        xs = [torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) for x in xs]
+    else:
+        xs = [x.to(torch.float64) for x in xs]
+        bad = None
+    parts = [torch.stack(torch._foreach_norm(xs, 2, dtype=torch.float64))]
+    mins, maxs = zip(*(torch.aminmax(x) for x in xs))
+    parts += [torch.stack(mins).to(torch.float64), torch.stack(maxs).to(torch.float64),
+              torch.stack([x.sum(dtype=torch.float64) for x in xs])]
+    if bad is not None:
+        parts += list(torch.stack(bad).t().to(torch.float64))
+    else:
+        parts += [torch.zeros(len(xs), dtype=torch.float64, device=dev)] * 2
+    return torch.stack(parts)

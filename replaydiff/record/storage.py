@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,8 @@ class StorageEntry:
     uninitialised: bool = False  # current version came out of an empty* op and was never written since
     crc: int | None = None  # CRC32 of the stored bytes, kept with verify_writes to notice writes torch never saw
     left_out: str | None = None  # why the current version's bytes were not stored (record --budget), counted once
+    # A host storage an accelerator is still writing (mode.LateCopy): its bytes are copied before an op touches it
+    late: Any = None
 
 
 @dataclass
@@ -76,6 +79,9 @@ class StorageTable:
         e.crc = None
         e.uninitialised = False
         e.left_out = None
+        if e.late is not None:  # written again: the copy of the version before is taken now
+            e.late.settle()
+            e.late = None
 
     def forget_chunks_from(self, first: int) -> None:
         """Data files numbered ``first`` and up will never exist (the disk filled): their versions are not stored."""

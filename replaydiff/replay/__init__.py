@@ -14,11 +14,12 @@ def replay_op(trace, op, options: ReplayOptions | None = None):
     The reference values are what the reference device and precision computed, for a closer look (an element-wise
     error histogram, a repro)."""
     from replaydiff.replay.engine import replay_threads
-    from replaydiff.replay.policy import reference_settings
+    from replaydiff.replay.policy import reference_settings, replay_numerics
 
     import torch
 
     opts = options or ReplayOptions()
     # the thread count of a whole replay with these options: the same verdict as there (bitwise at `same`)
-    with reference_settings(replay_threads(trace, opts)), torch.inference_mode():
+    numerics = replay_numerics(trace.environment.flags, opts.precision)
+    with reference_settings(replay_threads(trace, opts), numerics), torch.inference_mode():
         return OpReplayer(trace, opts).replay_with_pairs(op)

@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from replaydiff import device as seam
 from replaydiff.errors import ReplaydiffError
 from replaydiff.replay.engine import Progress, finish, plan, run_shard
 from replaydiff.replay.policy import ReplayOptions
@@ -35,10 +36,11 @@ def process_rank() -> tuple[int, int]:
 def _device_for(opts: ReplayOptions) -> ReplayOptions:
     """``--device cuda`` means one GPU per process: this process's LOCAL_RANK (modulo the GPUs there are)."""
     dev = torch.device(opts.device)
-    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-        torch.cuda.set_device(local)
-        return dataclasses.replace(opts, device=f"cuda:{local}")
+    runtime = seam.RUNTIME
+    if dev.type not in seam.HOST_TYPES and dev.index is None and runtime.available(dev.type):
+        local = int(os.environ.get("LOCAL_RANK", "0")) % runtime.count(dev.type)
+        runtime.set_device(torch.device(dev.type, local))
+        return dataclasses.replace(opts, device=f"{dev.type}:{local}")
     return opts
 
 

@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from replaydiff import device as seam
 from replaydiff.aten import matches_any
 from replaydiff.errors import EnvironmentProblem, TraceError, UsageError
 from replaydiff.replay.collectives import CollectiveChecker
 from replaydiff.replay.replicas import first_replica_break
-from replaydiff.replay.policy import Precision, ReplayOptions, reference_settings
+from replaydiff.replay.policy import Precision, ReplayOptions, reference_settings, replay_numerics
 from replaydiff.replay.result import OpResult, ReplayReport, Status
 from replaydiff.replay.runner import OpReplayer
 from replaydiff.trace.damage import CutShort, MissingOps
@@ -75,13 +76,9 @@ def check_device(device: str) -> None:
         dev = torch.device(device)
     except RuntimeError as exc:
         raise UsageError(f"--device {device!r} is not a device: {exc}") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise EnvironmentProblem(f"device {device} asked for, but this machine has no CUDA device")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise EnvironmentProblem(f"device {device} asked for, but only {torch.cuda.device_count()} CUDA devices")
-    elif dev.type != "cpu":
-        raise EnvironmentProblem(f"device type {dev.type!r} is not supported for replay (use cpu or cuda[:N])")
+    problem = seam.replay_device_problem(dev)
+    if problem is not None:
+        raise EnvironmentProblem(problem)
 
 
 @dataclass(frozen=True)
@@ -251,7 +248,8 @@ def run_shard(rt: RankTrace, opts: ReplayOptions, shard: Shard, progress: Progre
     wanted = set(shard.indices)
     hi = shard.indices[-1]
     results = []
-    with reference_settings(replay_threads(rt, opts)), torch.inference_mode(), fewer_collections():
+    numerics = replay_numerics(rt.environment.flags, opts.precision)
+    with reference_settings(replay_threads(rt, opts), numerics), torch.inference_mode(), fewer_collections():
         for op in rt.iter_from(shard.indices[0]):
             if op.index > hi:
                 break

@@ -15,7 +15,8 @@ import torch
 from replaydiff.compare.tolerance import Tolerances
 # The dtypes replayed at and the reference settings are defined with rebuilding and judging a recorded op, which the
 # standalone repro script shares: it runs its reference as replay does.
-from replaydiff.rebuild_and_judge import UPCAST, Precision, reference_numerics
+from replaydiff.rebuild_and_judge import FP32_PRECISIONS, UPCAST, Numerics, Precision, reference_numerics
+from replaydiff.trace.schema.environment import EnvFlags
 from replaydiff.replay.references import REFERENCES
 
 PRECISIONS = tuple(p.value for p in Precision)  # the CLI's choices
@@ -78,16 +79,50 @@ class ReplayOptions:
                 **({"reference_modules": self.reference_modules} if self.reference_modules else {})}
 
 
+def recorded_numerics(flags: EnvFlags) -> Numerics:
+    """The TF32 and cuDNN settings a rank recorded, as ``--precision same`` applies them (``Numerics`` says why
+    torch's deterministic algorithms stay on)."""
+    fp32 = tuple((name, getattr(flags, name)) for name, _, _ in FP32_PRECISIONS if getattr(flags, name) is not None)
+    return Numerics(fp32=fp32, matmul_tf32=flags.matmul_tf32, cudnn_tf32=flags.cudnn_tf32,
+                    float32_matmul_precision=flags.float32_matmul_precision,
+                    cudnn_deterministic=flags.cudnn_deterministic, cudnn_benchmark=flags.cudnn_benchmark)
+
+
+def replay_numerics(flags: EnvFlags, precision: Precision) -> Numerics | None:
+    """The settings a replay at ``precision`` holds: the recorded ones at ``same`` (the recorded dtypes, meant to
+    redo the job's kernels bit for bit), the reference ones (None) otherwise."""
+    return recorded_numerics(flags) if precision is Precision.SAME else None
+
+
+# how far a random kernel's draw is the same on another device: Philox kernels launch at most this many elements'
+# worth of threads per multiprocessor; past processors x this, which element gets which number depends on the count
+RANDOM_ELEMENTS_PER_PROCESSOR = 2048
+
+
+def random_draw_caveat(numel: int, recorded: int | None, here: int | None) -> str | None:
+    """Why a random op of ``numel`` elements, drawn on a device with ``recorded`` multiprocessors, cannot be redone
+    bit for bit on one with ``here`` (None: it can, or a count is unknown and nothing can be said)."""
+    if recorded is None or here is None or recorded == here:
+        return None
+    limit = min(recorded, here) * RANDOM_ELEMENTS_PER_PROCESSOR
+    if numel <= limit:
+        return None
+    return (f"random op drawn on a device with {recorded} multiprocessors, replayed on one with {here}: past "
+            f"{limit:,} elements ({numel:,} here) the kernel maps numbers to elements by that count, so its draw "
+            f"cannot be redone here (replay on the recording's device model)")
+
+
 @contextmanager
-def reference_settings(num_threads: int | None = None) -> Iterator[None]:
+def reference_settings(num_threads: int | None = None, numerics: Numerics | None = None) -> Iterator[None]:
     """Replay under the reference settings; the caller's come back when the last holder in the process leaves.
 
     Enter it once per replaying process or worker (the engine's ``run_shard`` and ``replay_op`` do); entering it
     again, nested or from another thread, shares the one set of settings. ``num_threads`` (torch's intra-op
     threads: OpenMP keeps that count per calling thread) is set by each holder in its own thread and put back there
-    when it leaves; the engine and ``replay_op`` both take it from ``replay_threads``.
+    when it leaves; the engine and ``replay_op`` both take it from ``replay_threads``. ``numerics``: the job's own
+    TF32 and determinism settings instead of the reference's (``replay_numerics``).
     """
-    with reference_numerics():
+    with reference_numerics(numerics):
         threads_before = torch.get_num_threads()
         try:
             if num_threads:

@@ -8,7 +8,7 @@ from typing import Any
 
 from replaydiff.compare.verdict import Verdict
 from replaydiff.trace.damage import CutShort, MissingOps
-from replaydiff.trace.schema import LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_WHY, PlantedFaultInfo
+from replaydiff.trace.schema import LEFT_OUT_UNWANTED, LEFT_OUT_WHY, PlantedFaultInfo
 from replaydiff.trace.op_runs import op_runs
 
 
@@ -200,7 +200,7 @@ class ReplayReport:
     def not_judged(self) -> list[OpResult]:
         """Ops the recording meant to store but left the data of out (record --budget, a full disk): not judged, so
         never clean. Ops outside a --module/--op filter are left out on purpose and are not among them."""
-        return [r for r in self.ops if r.data_left_out in (LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL)]
+        return [r for r in self.ops if r.data_left_out in LEFT_OUT_UNWANTED]
 
     def left_out_summary(self) -> list[str]:
         """One line per reason the recording left data out against its will (budget, disk full): how many ops, and
@@ -208,7 +208,7 @@ class ReplayReport:
         to count."""
         groups: dict[str, list[OpResult]] = {}
         for r in self.ops:
-            if r.data_left_out in (LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL):
+            if r.data_left_out in LEFT_OUT_UNWANTED:
                 groups.setdefault(r.data_left_out, []).append(r)
         lines = []
         for why, ops in groups.items():
@@ -259,7 +259,7 @@ class ReplayReport:
         stopped part-way (a partial trace), or no op judged at all."""
         return self.nothing_judged or bool(self.missing or self.cut_short) or self.replicas is not None or any(
             r.status in PROBLEMS or r.status is Status.ERROR or r.unjudged or
-            r.data_left_out in (LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL) for r in self.ops)
+            r.data_left_out in LEFT_OUT_UNWANTED for r in self.ops)
 
 
 def check_replay_of(report: ReplayReport, trace: Any, replay_file: str, trace_arg: str) -> str | None:

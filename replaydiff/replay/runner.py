@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from replaydiff import device as seam
 from replaydiff import aten
 from replaydiff.compare.metrics import ExactMismatch, FloatError, NonfiniteMismatch, ViewMismatch, measure
 from replaydiff.compare.tolerance import reduction_length
@@ -30,7 +31,7 @@ from replaydiff.replay.compared import VALUES, VIEW, compared_outputs, output_na
 from replaydiff.replay.flow import data_slots, follow_nonfinite, remembered
 from replaydiff.replay.notes import (Failed, FellBack, Judgement, LeftOut, Note, RepeatsDisagree, ReplayFact, Skipped,
                                      render, verdict_reason)
-from replaydiff.replay.policy import FALLBACKS, Precision, ReplayOptions, target_dtype
+from replaydiff.replay.policy import FALLBACKS, Precision, ReplayOptions, random_draw_caveat, target_dtype
 from replaydiff.replay.result import NonfiniteInput, OpResult, Status
 from replaydiff.rebuild_and_judge import as_recorded, pick, same_nonfinite, typed_storage
 from replaydiff.trace.codec import copy_bytes
@@ -180,7 +181,17 @@ class SharedBases:
 class OpReplayer:
     UNWRITTEN_TRIES = 4  # runs to find the positions a kernel leaves unwritten (see _leave_out_unwritten)
 
+    def _processors(self, dev: torch.device, recorded: bool) -> int | None:
+        """Multiprocessors of ``dev``: of the recording's device as its trace says, or of this machine's."""
+        key = (dev.type, dev.index or 0, recorded)
+        if key not in self._processor_counts:
+            devices = self.trace.environment.devices if recorded else seam.RUNTIME.facts()
+            self._processor_counts[key] = next((d.processors for d in devices
+                                                if (d.type, d.index) == key[:2]), None)
+        return self._processor_counts[key]
+
     def __init__(self, trace: RankTrace, options: ReplayOptions) -> None:
+        self._processor_counts: dict[tuple, int | None] = {}
         self.trace = trace
         self.opts = options
         self.device = torch.device(options.device)
@@ -277,6 +288,12 @@ class OpReplayer:
             rec_dev = torch.device(rng.device)
             if rec_dev.type != self.device.type:
                 raise Skip(f"random op recorded on {rec_dev.type}: its draw can only be redone on {rec_dev.type}")
+            if rec_dev.type != "cpu":
+                numel = max((math.prod(r.shape) for r in iter_refs(op.outputs) if r.shape is not None), default=0)
+                caveat = random_draw_caveat(numel, self._processors(rec_dev, recorded=True),
+                                            self._processors(self.device, recorded=False))
+                if caveat is not None:
+                    raise Skip(caveat)
         if self.opts.precision is Precision.SAME:
             devs = {r.device.split(":")[0] for r in iter_refs(op.outputs) if isinstance(r.device, str)}
             if devs and devs != {self.device.type}:
@@ -385,10 +402,7 @@ class OpReplayer:
             if seeded and gen is None:
                 with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
                     state = self.trace.rng_state(op.rng)
-                    if self.device.type == "cpu":
-                        torch.set_rng_state(state)
-                    else:
-                        torch.cuda.set_rng_state(state, self.device)
+                    seam.RUNTIME.set_rng_state(state, self.device)
                     out = func(*args, **kwargs)
             else:
                 out = func(*args, **kwargs)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Collection, Sequence
 
 import torch
 
+from replaydiff import device as seam
 from replaydiff import aten
 from replaydiff.compare.metrics import FloatError, ScalarMismatch, measure
 from replaydiff.compare.tolerance import reduction_length
@@ -647,7 +648,7 @@ def compile_device(op: OpRecord) -> tuple[torch.device, str | None]:
     dev = torch.device(recorded)
     if dev.type == "cpu":
         return dev, None
-    if dev.type == "cuda" and torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count():
+    if seam.replay_device_problem(torch.device(dev.type, dev.index or 0)) is None:
         return dev, None
     return torch.device("cpu"), f"recorded on {recorded}, which this machine does not have"
 

@@ -10,15 +10,16 @@ from replaydiff.replay.describe import argument_text, metrics_line, op_line, pla
 from replaydiff.replay.result import NonfiniteInput, OpResult, ReplayReport, Status
 from replaydiff.replay.plants import plant_notes
 from replaydiff.trace.damage import describe_missing
-from replaydiff.trace.schema import LEFT_OUT_DISK_FULL
+from replaydiff.trace.schema import LEFT_OUT_DEVICE_PENDING, LEFT_OUT_DISK_FULL
 
 # What to record instead, per reason the recording left tensor data out against its will (the TUI says it too).
-_AGAIN = {LEFT_OUT_DISK_FULL: "on a disk with room, or with a --budget that fits it"}
+_AGAIN = {LEFT_OUT_DISK_FULL: "on a disk with room, or with a --budget that fits it",
+          LEFT_OUT_DEVICE_PENDING: "once the device finishes its work (a hung collective shows in `replaydiff show`)"}
 _AGAIN_BUDGET = "with a larger --budget, or --module for the part to check"
 
 
 def record_again(reasons: set[str]) -> str:
-    """'record again ...' for ops left out for these reasons (budget, disk full)."""
+    """'record again ...' for ops left out for these reasons (budget, disk full, a device that never finished)."""
     return "record again " + "; or ".join(sorted({_AGAIN.get(r, _AGAIN_BUDGET) for r in reasons}))
 
 

@@ -54,7 +54,7 @@ from replaydiff.trace.schema.manifest import (CompiledRegion, FlightDump, Record
                                               manifest_bytes_written, manifest_command, manifest_flight,
                                               manifest_last_op, manifest_metadata, manifest_ops_files,
                                               manifest_stopped)
-from replaydiff.trace.schema.op_wire import check_entered
+from replaydiff.trace.schema.op_wire import check_entered, wire_is_issued
 from replaydiff.trace.schema.ops import OpRecord, RngState, StoredBytes
 from replaydiff.trace.schema.plant import PlantedFaultInfo, plant_from_wire
 from replaydiff.trace.schema.values import TensorRef
@@ -441,11 +441,12 @@ class RankTrace(Sequence):
         if not os.path.lexists(path):
             return None
         try:
-            op = OpRecord(check_entered(read_frame(path)), self.rank, path)
+            frame = check_entered(read_frame(path))
+            op = OpRecord(frame, self.rank, path)
         except ValueError as exc:
             raise TraceError(path, str(exc)) from None
         last = self.last_index
-        if last is not None and op.index <= last and self.op(op.index).recorded:
+        if last is not None and op.index <= last and self.op(op.index).recorded and not wire_is_issued(frame):
             return None  # a marker left from a collective that then completed
         return op
 

@@ -24,13 +24,14 @@ from typing import Any, Callable
 import safetensors
 import torch
 
+from replaydiff import device as seam
 from replaydiff.trace import codec
 from replaydiff.trace.index import IndexBuilder
 from replaydiff.trace.staging import Slot, Staging
 from replaydiff.trace.schema.index_rows import chunk_frame
-from replaydiff.trace.schema.left_out import LEFT_OUT_DISK_FULL, LeftOutTally
+from replaydiff.trace.schema.left_out import LEFT_OUT_DEVICE_PENDING, LEFT_OUT_DISK_FULL, LeftOutTally
 from replaydiff.trace.schema.manifest import wire_writer_totals
-from replaydiff.trace.schema.op_wire import wire_index, wire_strip_chunks
+from replaydiff.trace.schema.op_wire import wire_index, wire_issued, wire_strip_chunks, wire_strip_versions
 from replaydiff.trace.format import (
     DATA_DIR,
     ENTERED,
@@ -57,7 +58,9 @@ class Snapshot:
     # The bytes: writable memory (staging memory, a bytearray), or a CPU uint8 tensor (pinned, filled from a GPU)
     data: memoryview | bytearray | torch.Tensor
     itemsize: int
-    event: Any = None  # torch.cuda.Event to wait on before reading ``data``
+    # What says the bytes have landed, for a copy a device makes: ``wait(timeout) -> bool`` (the device seam's
+    # ``Arrival``, or a late copy of a host storage a device writes) and ``abandon()`` once given up
+    event: Any = None
     slot: Slot | None = None  # what the writer gives back to its Staging once the bytes are written
 
     @property
@@ -77,7 +80,7 @@ class _Chunk:
     started: float = field(default_factory=time.monotonic)
     # Run by the writer thread before the chunk is encoded: fill what its records hold but the recording thread had
     # not yet got (device statistics on their way to the host; RankWriter.defer).
-    fills: list[Callable[[], None]] = field(default_factory=list)
+    fills: list[Callable[[float], bool]] = field(default_factory=list)
 
 
 FIRST_CHUNK_BYTES = 8 << 20
@@ -180,8 +183,14 @@ class RankWriter:
         self._lock = threading.RLock()
         # The collective the recording thread is inside: (stub record, since). Written to ENTERED by the writer
         # thread once it has waited flush_seconds, so a rank stuck in it (then killed) says which one it entered.
-        self._in_flight: tuple[dict, float] | None = None
+        # With an event: a collective issued to a device, which has not done it until the event completes.
+        self._in_flight: tuple[dict, float, Any] | None = None
         self._entered_written: dict | None = None
+        # Storage versions whose device copy had not landed by the deadline: their data is never written, and
+        # records of later chunks that name them are stripped of them too. Their copies are held until they land.
+        self._pending_versions: set[int] = set()
+        self._abandoned: list[Snapshot] = []
+        self._stalled = False  # a device wait ran out: later waits only look (a hung device stalls once)
         self._thread = threading.Thread(target=self._run, name="replaydiff-writer", daemon=True)
         self._thread.start()
 
@@ -197,9 +206,11 @@ class RankWriter:
             chunk.pending_bytes += snap.nbytes
             return chunk.number
 
-    def defer(self, fill: Callable[[], None]) -> None:
+    def defer(self, fill: Callable[[float], bool]) -> None:
         """Run ``fill`` on the writer thread before the current chunk (or, if it is taken meanwhile, the next) is
-        encoded; records added after this call may hold what ``fill`` fills. Chunks are written in order."""
+        encoded; records added after this call may hold what ``fill`` fills. Chunks are written in order.
+        ``fill(timeout)`` waits up to ``timeout`` seconds for what it needs from a device and says whether it got it
+        (called again until it does or the writer's deadline passes; then the records go without)."""
         with self._lock:
             self._chunk.fills.append(fill)
 
@@ -212,20 +223,36 @@ class RankWriter:
                 self.flush()
 
     def enter_collective(self, stub: dict) -> None:
-        """The recording thread is about to wait in a collective (a plain assignment: the hot path stays cheap)."""
-        self._in_flight = (stub, time.monotonic())
+        """The recording thread is about to wait in a collective (a plain assignment: the hot path stays cheap).
+        A collective a device has not finished yet keeps its place: the first one not done is what a hang waits on."""
+        cur = self._in_flight
+        if cur is not None and cur[2] is not None and (seam.queries_held() or not cur[2].query()):
+            return
+        self._in_flight = (stub, time.monotonic(), None)
 
-    def leave_collective(self) -> None:
-        self._in_flight = None
+    def leave_collective(self, event: Any = None) -> None:
+        """The collective returned; with ``event``, it was issued to a device and is done when the event is."""
+        cur = self._in_flight
+        if cur is None or cur[2] is not None:
+            return
+        self._in_flight = None if event is None else (cur[0], cur[1], event)
 
     def _note_in_flight(self, force: bool = False) -> None:
         cur = self._in_flight
+        if cur is not None and cur[2] is not None and not seam.queries_held() and cur[2].query():  # the device did it
+            self._in_flight = cur = None
+            if self._entered_written is not None:
+                self._entered_written = None
+                try:
+                    (self.root / ENTERED).unlink(missing_ok=True)
+                except OSError as exc:
+                    log.debug("stale entered-collective marker left: %s", exc)
         if cur is None or cur[0] is self._entered_written:
             return
-        stub, since = cur
+        stub, since, event = cur
         if force or time.monotonic() - since >= self.flush_seconds:
             try:
-                write_atomic(self.root / ENTERED, pack_frame(stub, None))
+                write_atomic(self.root / ENTERED, pack_frame(stub if event is None else wire_issued(stub), None))
                 self._entered_written = stub
             except Exception as exc:
                 log.debug("the entered-collective marker could not be written: %s", exc)
@@ -271,7 +298,12 @@ class RankWriter:
         self.flush()
         self._queue.put(None)
         self._thread.join()
+        self._release_landed(final=True)
         self.staging.trim()
+        cur = self._in_flight
+        if cur is not None and cur[2] is not None:  # a collective the device may still be running: give it time
+            seam.wait(cur[2], seam.EVENT_DEADLINE)
+            self._note_in_flight()
         if self._in_flight is not None:
             self._note_in_flight(force=True)  # a collective that raised (a timeout) was entered, never completed
         elif self._entered_written is not None:  # a marker of a slow collective that then completed
@@ -323,6 +355,7 @@ class RankWriter:
             except queue.Empty:
                 self._take_stale()
                 self._note_in_flight()
+                self._release_landed()
                 if self._queue.empty():  # idle (between recorded steps): staging memory back to the system
                     self.staging.trim()
                 continue
@@ -361,10 +394,56 @@ class RankWriter:
         warnings.warn(f"replaydiff: {why}", RuntimeWarning, stacklevel=2)
         self.data_refused = LEFT_OUT_DISK_FULL
 
+    def _await(self, wait: Callable[[float], bool]) -> bool:
+        """Wait for a device (``Snapshot.event.wait``, a deferred fill) up to ``seam.EVENT_DEADLINE``, writing the
+        marker of a collective entered meanwhile; after one wait ran out, only look until a copy lands again."""
+        end = time.monotonic() + (0.0 if self._stalled else seam.EVENT_DEADLINE)
+        while True:
+            if wait(max(0.0, min(self.flush_seconds / 2, end - time.monotonic()))):
+                self._stalled = False
+                return True
+            self._note_in_flight()
+            if time.monotonic() >= end:
+                self._stalled = True
+                return False
+
+    def _release_landed(self, final: bool = False) -> None:
+        """Give back the copies given up on whose device copy has since landed (at the end: wait a little, then
+        leave them to torch, which frees pinned memory once its copy completes)."""
+        if not self._abandoned:
+            return
+        keep = []
+        end = time.monotonic() + (1.0 if final else 0.0)  # one second for all of them, at most
+        for snap in self._abandoned:
+            if snap.event.wait(max(0.0, end - time.monotonic())) or final:
+                if snap.slot is not None:
+                    self.staging.release(snap.slot)
+            else:
+                keep.append(snap)
+        self._abandoned = keep
+
     def _write_chunk(self, chunk: _Chunk) -> None:
         fills, chunk.fills = chunk.fills, []
         for fill in fills:
-            fill()
+            self._await(fill)
+        for snap in chunk.snapshots:
+            if snap.event is not None and not self._await(snap.event.wait):
+                # Not landed by the deadline (a hung kernel ahead of the copy): the records go on without it
+                snap.event.abandon()
+                self._pending_versions.add(snap.version)
+                if len(self._pending_versions) == 1:
+                    self.note_lost(f"a device had not finished the work before the copies of some tensors after "
+                                   f"{seam.EVENT_DEADLINE:g} s (a hung kernel or collective?): from chunk "
+                                   f"{chunk.number} on, ops are written without those tensors' data (reason: "
+                                   f"{LEFT_OUT_DEVICE_PENDING})")
+        if self._pending_versions:
+            pending = [s for s in chunk.snapshots if s.version in self._pending_versions]
+            if pending:
+                chunk.snapshots = [s for s in chunk.snapshots if s.version not in self._pending_versions]
+                self._abandoned.extend(pending)
+                self.left_out.add_bytes(LEFT_OUT_DEVICE_PENDING, sum(s.nbytes for s in pending))
+            for op in chunk.ops:
+                wire_strip_versions(op, self._pending_versions, LEFT_OUT_DEVICE_PENDING)
         if self.data_lost_from is None:
             try:
                 self._write_data(chunk)
@@ -394,8 +473,6 @@ class RankWriter:
         metadata: dict[str, str] = {}
         keep_alive: list[Any] = []
         for snap in chunk.snapshots:
-            if snap.event is not None:
-                snap.event.synchronize()
             choice = self.codec_choice
             # Behind: more is handed over than this chunk (or the recording ends, or a sync waits: the sentinel is
             # queued), or a copy waits for staging room.

@@ -15,8 +15,10 @@ import torch
 
 import replaydiff
 from replaydiff import open_trace
+from replaydiff import device as seam
 from replaydiff.record import mode as rec_mode
 from replaydiff.record.stats import DeviceStats, _finite_stats, batch_stats
+from tests.fake_device import FakeDevice
 
 
 def _tensors() -> list[torch.Tensor]:
@@ -75,17 +77,18 @@ def test_deferred_statistics_are_filled_by_the_writer_thread(tmp_path: Path, mon
     threads: list[str] = []
     fill = rec_mode._fill_device_cells
 
-    def spy(batch, cells):
+    def spy(*args):
         threads.append(threading.current_thread().name)
-        fill(batch, cells)
+        return fill(*args)
 
     monkeypatch.setattr(rec_mode, "_fill_device_cells", spy)
-    monkeypatch.setattr(rec_mode, "_DEFERRED_DEVICES", frozenset({"cuda", "cpu"}))
-    with warnings.catch_warnings(record=True) as caught2:
+    fake = FakeDevice()  # the CPU as an accelerator: statistics reduced "on the device", read after an event
+    with warnings.catch_warnings(record=True) as caught2, seam.use(fake):
         warnings.simplefilter("always")
         step = _step()
         with replaydiff.record(tmp_path / "deferred", tensors="stats"):
             step()
+    assert fake.calls["record_event"] > 0 and fake.calls["pinned"] > 0
     assert [str(w.message) for w in caught + caught2 if "replaydiff" in str(w.message)] == []
     assert threads and set(threads) == {"replaydiff-writer"}
     sync, deferred = _stats_by_ref(tmp_path / "sync"), _stats_by_ref(tmp_path / "deferred")

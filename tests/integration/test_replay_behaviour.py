@@ -57,12 +57,26 @@ def caller_flags():
     torch.set_num_threads(saved["num_threads"])
 
 
-def _spy_flags(monkeypatch, fail_at: int | None = None) -> list[dict]:
+def _fp32_flags() -> dict:
+    """What a replay holds, through torch's per-backend TF32 API (its legacy getters refuse a read once the new API
+    set a value that differs from a legacy one: the caller's here)."""
+    return {
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        **{f"fp32.{b}.{o}": torch._C._get_fp32_precision_getter(b, o)
+           for b, o in (("cuda", "matmul"), ("cuda", "conv"), ("mkldnn", "matmul"))},
+        "cudnn.benchmark": torch.backends.cudnn.benchmark,
+        "cudnn.deterministic": torch.backends.cudnn.deterministic,
+        "num_threads": torch.get_num_threads(),
+    }
+
+
+def _spy_flags(monkeypatch, fail_at: int | None = None, fp32_api: bool = False) -> list[dict]:
     seen: list[dict] = []
     real = OpReplayer.replay
 
     def spy(self, rec):
-        seen.append(_flags())
+        seen.append(_fp32_flags() if fp32_api else _flags())
         if fail_at is not None and len(seen) > fail_at:
             raise _Interrupted("stop here")
         return real(self, rec)
@@ -75,30 +89,44 @@ class _Interrupted(Exception):
     pass
 
 
-def test_reference_settings_during_replay_and_restored_after(caller_flags, monkeypatch):
+@pytest.mark.parametrize("precision", ["fp64", "same"])
+def test_reference_settings_during_replay_and_restored_after(caller_flags, monkeypatch, precision):
     path = rh.step_trace("mlp")
-    recorded_threads = open_trace(path).rank(0).environment.num_threads
-    seen = _spy_flags(monkeypatch)
-    report = rh.replay_trace_uncached(path, precision="same")
+    env = open_trace(path).rank(0).environment
+    seen = _spy_flags(monkeypatch, fp32_api=True)
+    report = rh.replay_trace_uncached(path, precision=precision)
     assert report.counts()["error"] == 0 and report.counts()["divergent"] == 0
     assert len(seen) == len(report.ops) > 0
-    inside = {
-        "deterministic": True,
-        "deterministic_warn_only": True,  # an op without a deterministic kernel is still replayed
-        "cuda.matmul.allow_tf32": False,
-        "cudnn.allow_tf32": False,
-        "cudnn.benchmark": False,
-        "cudnn.deterministic": True,
-        "float32_matmul_precision": "highest",
-        "num_threads": recorded_threads,  # bitwise CPU replay needs the recording's parallelism
-    }
+    if precision == "fp64":
+        inside = {
+            "deterministic": True,
+            "deterministic_warn_only": True,  # an op without a deterministic kernel is still replayed
+            "fp32.cuda.matmul": "ieee", "fp32.cuda.conv": "ieee", "fp32.mkldnn.matmul": "ieee",
+            "cudnn.benchmark": False,
+            "cudnn.deterministic": True,
+            "num_threads": 1,  # small independent ops: no intra-op pool (engine.replay_threads)
+        }
+    else:  # the recorded dtypes run under the job's own settings, to redo its kernels bit for bit
+        f = env.flags
+        inside = {
+            "deterministic": True,  # replay's own need (rebuild_and_judge.Numerics)
+            "deterministic_warn_only": True,
+            "fp32.cuda.matmul": "tf32" if f.matmul_tf32 else "ieee",
+            "fp32.cuda.conv": "tf32" if f.cudnn_tf32 else "ieee",
+            # "medium" ran the job's CPU float32 matmuls in bf16 (oneDNN): so does the replay at its dtypes
+            "fp32.mkldnn.matmul": next((v for v in (f.mkldnn_matmul_fp32_precision, f.mkldnn_fp32_precision,
+                                                    f.fp32_precision) if v not in (None, "none")), "ieee"),
+            "cudnn.benchmark": f.cudnn_benchmark,
+            "cudnn.deterministic": f.cudnn_deterministic,
+            "num_threads": env.num_threads,  # bitwise CPU replay needs the recording's parallelism
+        }
     for flags in seen:
         assert flags == inside
     assert _flags() == caller_flags
 
 
 def test_settings_restored_when_replay_is_interrupted(caller_flags, monkeypatch):
-    seen = _spy_flags(monkeypatch, fail_at=3)
+    seen = _spy_flags(monkeypatch, fail_at=3, fp32_api=True)
     with pytest.raises(_Interrupted):
         rh.replay_trace_uncached(rh.step_trace("mlp"))
     assert len(seen) == 4 and seen[-1]["deterministic"] and not seen[-1]["cudnn.benchmark"]
@@ -127,7 +155,7 @@ def test_reference_settings_entered_by_two_threads_at_once_are_restored_once(cal
         with reference_settings(1):
             b_in.set()
             a_out.wait(10)
-            inside["second"] = _flags()  # the first has left: the second still replays under the reference
+            inside["second"] = _fp32_flags()  # the first has left: the second still replays under the reference
             inside["env"] = {"CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
 
     threads = [threading.Thread(target=first), threading.Thread(target=second)]
@@ -135,7 +163,7 @@ def test_reference_settings_entered_by_two_threads_at_once_are_restored_once(cal
         t.start()
     for t in threads:
         t.join(20)
-    assert inside["second"]["deterministic"] and inside["second"]["float32_matmul_precision"] == "highest"
+    assert inside["second"]["deterministic"] and inside["second"]["fp32.cuda.matmul"] == "ieee"
     assert not inside["second"]["cudnn.benchmark"] and inside["second"]["num_threads"] == 1
     assert inside["env"] == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     assert _flags() == caller_flags

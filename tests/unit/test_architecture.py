@@ -111,13 +111,16 @@ def test_import_graph_has_no_cycle() -> None:
     assert cycles == []
 
 
-_BOTTOM = {"replaydiff.aten", "replaydiff.errors", "replaydiff.rebuild_and_judge"}
+_BOTTOM = {"replaydiff.aten", "replaydiff.errors", "replaydiff.rebuild_and_judge", "replaydiff.device"}
 LAYERS = {  # a package may import only from these (besides itself)
     # rebuilding and judging a recorded op, below everything: `replaydiff repro` copies it as the standalone script,
     # which runs where replaydiff is not installed, so it imports nothing of replaydiff
     "replaydiff.rebuild_and_judge": set(),
     "replaydiff.aten": {"replaydiff.rebuild_and_judge"},
     "replaydiff.errors": {"replaydiff.rebuild_and_judge"},  # its lines show strings from a trace as ``shown``
+    # everything device-specific (events, streams, capture, pinned memory, generators): below the trace writer,
+    # which waits on its events; the standalone repro script cannot import it and keeps to torch's generic API
+    "replaydiff.device": set(),
     # planted faults sit at the bottom too: the recorder enters one below itself for `record --plant`
     "replaydiff.faults": {"replaydiff.aten"},
     "replaydiff.trace": _BOTTOM | {"replaydiff.faults"},  # a plant's effect, read back from the manifest
@@ -375,7 +378,7 @@ def _metadata_keys() -> set[str]:
     from replaydiff.record.options import RecordOptions
 
     env = environment_snapshot(0, 1)
-    keys = set(env) | set(env["flags"]) | {"index", "name", "capability", "memory"}
+    keys = set(env) | set(env["flags"]) | {"index", "name", "capability", "memory", "type", "processors"}
     return keys | {f.name for f in fields(RecordOptions)} | _MANIFEST_KEYS | _REGION_KEYS
 
 
@@ -642,3 +645,16 @@ def test_each_verbs_result_is_frozen() -> None:
         obj = object.__new__(kind)
         with pytest.raises(FrozenInstanceError):
             setattr(obj, fields(kind)[0].name, None)
+
+
+def test_torch_cuda_is_called_from_the_device_module_only() -> None:
+    """One module owns what is device-specific (replaydiff/device.py): every other module reaches CUDA, ROCm, XPU,
+    NPU and MPS through it or through torch's generic device API, so no accelerator is a second code path."""
+    offenders = []
+    for p in _python_files(PKG, ROOT / "tui"):
+        if p == PKG / "device.py":
+            continue
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            if re.search(r"\btorch\.cuda\b", line):
+                offenders.append(f"{_rel(p)}:{n}: {line.strip()}")
+    assert offenders == []

@@ -40,5 +40,6 @@ from replaydiff.trace.schema.manifest import (CompiledRegion, FlightDump, OpsFil
                                               manifest_flight, manifest_last_op, manifest_metadata, manifest_ops_files,
                                               manifest_stopped, wire_closing_facts, wire_flight, wire_manifest,
                                               wire_options, wire_writer_totals)
-from replaydiff.trace.schema.left_out import (LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_FILTERED, LEFT_OUT_WHY,
-                                              LeftOut, LeftOutTally, left_out_from_manifest)
+from replaydiff.trace.schema.left_out import (LEFT_OUT_BUDGET, LEFT_OUT_DEVICE_PENDING, LEFT_OUT_DISK_FULL,
+                                              LEFT_OUT_FILTERED, LEFT_OUT_UNWANTED, LEFT_OUT_WHY, LeftOut, LeftOutTally,
+                                              left_out_from_manifest)

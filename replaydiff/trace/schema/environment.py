@@ -13,8 +13,9 @@ from replaydiff.trace.schema.keys import _mapping, _typed
 # Environment keys (record/environment.py builds the snapshot through wire_environment and wire_device).
 _E_FLAGS, _E_VARIABLES, _E_DEVICES = "flags", "variables", "devices"
 _E_SCALARS = ("torch", "python", "platform", "hostname", "rank", "world_size", "cuda", "cudnn", "nccl",
-              "num_threads", "num_interop_threads", "driver")
+              "num_threads", "num_interop_threads", "driver", "hip", "xpu")
 _D_INDEX, _D_NAME, _D_CAPABILITY, _D_MEMORY = "index", "name", "capability", "memory"
+_D_TYPE, _D_PROCESSORS = "type", "processors"
 # The numerics flags: attribute of EnvFlags -> its key under "flags" (the torch setting it reads).
 _FLAG_KEYS = {
     "matmul_tf32": "cuda.matmul.allow_tf32",
@@ -103,10 +104,14 @@ class EnvFlags:
 
 @dataclass(frozen=True)
 class Device:
+    """One accelerator the recording process could see."""
     index: int | None
     name: str | None
     capability: tuple[int, ...]  # () when unknown
     memory: int | None
+    type: str = "cuda"  # traces from before other accelerators were recorded listed CUDA devices only
+    # Streaming multiprocessors (compute units): how many decides how some random kernels number their elements
+    processors: int | None = None
 
     @classmethod
     def from_wire(cls, d: Any) -> "Device":
@@ -114,7 +119,13 @@ class Device:
         cap = d.get(_D_CAPABILITY)
         return cls(_typed(d.get(_D_INDEX), int), _typed(d.get(_D_NAME), str),
                    tuple(c for c in cap if isinstance(c, int)) if isinstance(cap, list) else (),
-                   _typed(d.get(_D_MEMORY), int))
+                   _typed(d.get(_D_MEMORY), int), _typed(d.get(_D_TYPE), str) or "cuda",
+                   _typed(d.get(_D_PROCESSORS), int))
+
+    @property
+    def label(self) -> str:
+        """``cuda:0``: the device as torch names it."""
+        return f"{self.type}:{self.index}" if self.index is not None else self.type
 
 
 @dataclass(frozen=True)
@@ -132,6 +143,8 @@ class Environment:
     num_threads: int | None = None
     num_interop_threads: int | None = None
     driver: int | None = None
+    hip: str | None = None  # ROCm: torch.version.hip (the cuda entry is None there)
+    xpu: str | None = None
     devices: tuple[Device, ...] = ()
     flags: EnvFlags = field(default_factory=EnvFlags)
     variables: dict[str, str] = field(default_factory=dict)  # NCCL_*, TORCH_*, OMP_* ... as recorded
@@ -156,8 +169,10 @@ class Environment:
         return self.wire
 
 
-def wire_device(index: int, name: Any, capability: list, memory: Any) -> dict:
-    return {_D_INDEX: index, _D_NAME: name, _D_CAPABILITY: capability, _D_MEMORY: memory}
+def wire_device(index: int, name: Any, capability: list, memory: Any, type: str = "cuda",
+                processors: int | None = None) -> dict:
+    return {_D_INDEX: index, _D_NAME: name, _D_CAPABILITY: capability, _D_MEMORY: memory, _D_TYPE: type,
+            _D_PROCESSORS: processors}
 
 
 def wire_environment(scalars: dict[str, Any], flags: dict[str, Any], variables: dict[str, str],

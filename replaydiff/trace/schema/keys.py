@@ -10,6 +10,7 @@ _INDEX, _NAME, _PHASE, _MODULE, _FORWARD, _SOURCE = "i", "op", "ph", "mod", "fwd
 _ARGS, _KWARGS, _WRITES, _OUTPUTS, _UNINIT = "a", "k", "w", "o", "u"
 _COLL, _RNG, _NOT_RECORDED = "coll", "rng", "x"
 _STEP = "stp"  # optimizer step the op ran in (multi-step and flight recordings)
+_ISSUED = "issued"  # an entered-collective marker of a collective a device had not completed (its op is recorded)
 _SOURCE_TEXT = "srt"  # the text of the source line when recorded (absent in older traces)
 _LEFT_OUT = "lo"  # why the op's tensor data is not in the trace although it is recorded (statistics kept instead)
 _UNIT = "cu"  # a compiled unit's graph and where it came from (record/unit_capture.py); only on unit records

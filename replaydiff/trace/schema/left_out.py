@@ -13,8 +13,12 @@ from replaydiff.trace.schema.keys import _INDEX, _LEFT_OUT, _mapping, _typed
 LEFT_OUT_FILTERED = "filtered"  # outside record's --module/--op filter
 LEFT_OUT_BUDGET = "budget"  # past record's --budget
 LEFT_OUT_DISK_FULL = "disk full"  # the disk filled while recording
+LEFT_OUT_DEVICE_PENDING = "device pending"  # a device had not finished the work before the copy by the deadline
+# Data the recording meant to store and could not: the ops are never judged, so a replay is never clean
+LEFT_OUT_UNWANTED = (LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_DEVICE_PENDING)
 LEFT_OUT_WHY = {LEFT_OUT_FILTERED: "outside the record --module/--op filter", LEFT_OUT_BUDGET: "past the record --budget",
-                LEFT_OUT_DISK_FULL: "the disk was full while recording"}
+                LEFT_OUT_DISK_FULL: "the disk was full while recording",
+                LEFT_OUT_DEVICE_PENDING: "the device had not finished its work in time (a hung kernel or collective?)"}
 
 
 # The manifest's entry: the left-out ops of a rank by reason.

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from replaydiff.trace.schema.keys import (_ARGS, _CHUNK, _COLL, _CONJ, _DEVICE, _DTYPE, _FORWARD, _INDEX, _KWARGS,
-                                          _LEFT_OUT, _MODULE, _NAME, _NBYTES, _NEG, _NOT_RECORDED, _OFFSET, _OUTPUTS,
-                                          _PATH_ARG, _PATH_KWARG, _PHASE, _REQ_GRAD, _RNG, _SHAPE, _SOURCE,
+from replaydiff.trace.schema.keys import (_ARGS, _CHUNK, _COLL, _CONJ, _DEVICE, _DTYPE, _FORWARD, _INDEX, _ISSUED,
+                                          _KWARGS, _LEFT_OUT, _MODULE, _NAME, _NBYTES, _NEG, _NOT_RECORDED, _OFFSET,
+                                          _OUTPUTS, _PATH_ARG, _PATH_KWARG, _PHASE, _REQ_GRAD, _RNG, _SHAPE, _SOURCE,
                                           _SOURCE_TEXT, _STATS, _STEP, _STRIDE, _UNINIT, _UNSUPPORTED, _VERSION,
                                           _WRITES, _ZERO)
 from replaydiff.trace.schema.index_rows import check_op
@@ -62,6 +62,19 @@ def wire_entered(index: int, name: str, phase: str | None, module: str | None, s
     return rec
 
 
+ISSUED_REASON = "issued to the device, not completed by it while recording (the device was waiting in it)"
+
+
+def wire_issued(stub: dict) -> dict:
+    """The marker of a collective a device was still running (NCCL: the call returned at once, its op is recorded):
+    the entered stub, saying so, so that a reader keeps it beside the op's record."""
+    return dict(stub, **{_NOT_RECORDED: ISSUED_REASON, _ISSUED: True})
+
+
+def wire_is_issued(rec: dict) -> bool:
+    return rec.get(_ISSUED) is True
+
+
 def check_entered(frame: Any) -> dict:
     """An entered-collective stub, after checking its structure; ValueError if it is not sound."""
     if not isinstance(frame, dict) or type(frame.get(_INDEX)) is not int or not isinstance(frame.get(_NAME), str) \
@@ -98,6 +111,23 @@ def wire_strip_chunks(rec: dict, first_lost: int, why: str) -> bool:
             if isinstance(c, int) and c >= first_lost:
                 del v[_CHUNK]
                 dropped = True
+    if dropped and _LEFT_OUT not in rec:
+        rec[_LEFT_OUT] = why
+    return dropped
+
+
+def wire_strip_versions(rec: dict, versions: set[int], why: str) -> bool:
+    """Drop every reference of ``rec`` to the data of storage ``versions`` (never written: a device never finished
+    the copy), marking the op's data left out for ``why``; whether any was dropped."""
+    todo: list = [rec.get(_ARGS), list((rec.get(_KWARGS) or {}).values()), rec.get(_OUTPUTS), rec.get(_WRITES)]
+    dropped = False
+    while todo:
+        v = todo.pop()
+        if isinstance(v, list):
+            todo.extend(v)
+        elif isinstance(v, dict) and _CHUNK in v and v.get(_VERSION) in versions:
+            del v[_CHUNK]
+            dropped = True
     if dropped and _LEFT_OUT not in rec:
         rec[_LEFT_OUT] = why
     return dropped
