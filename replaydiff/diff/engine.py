@@ -322,8 +322,6 @@ def diff_ranks(ref: _Ops, target: _Ops, judge: Judge, alignment: Alignment | Non
     carriers = _carriers(target, differing)
     for n, (i, j) in enumerate(al.pairs):
         p = comparer.compare(ref.ops[i], target.ops[j], origin_of, carries_step_inputs=j in carriers)
-        if p.status is PairStatus.DIVERGENT and p.forward_index in ref.ops:
-            p.forward_source = ref.ops[p.forward_index].source  # a backward op's own line is the backward() call
         rd.add(p)
         if progress is not None and n % 64 == 63:
             progress(64)

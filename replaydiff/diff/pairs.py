@@ -248,6 +248,7 @@ class PairComparer:
                                           notes[-1])
         return PairResult(ref=rop.index, target=top.index, op=rop.name, status=status, module=rop.module,
                           phase=rop.phase, source=rop.source, forward_index=rop.forward_index,
+                          location=self.ref.location(rop),
                           target_op=top.name if top.name != rop.name else None, evidence=weakest(outs.evidence),
                           inputs_agree=ins.agree, verdict=verdict, reason=render(notes),
                           inherited_from=inherited_from, dtypes=outs.dtypes, explained=explained)

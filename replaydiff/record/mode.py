@@ -440,15 +440,20 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
     if info.module is not None and name not in rec.custom_ops:
         rec.custom_ops[name] = info.module
     ctx = rec.context
-    phase, module, fwd = ctx.place(index)
+    phase, module, fwd, rc = ctx.place(index, name)
     written = written_args(info, args, kwargs) if info.writes else []
     opts = rec.options
     if rec.writer.data_refused is not None and b.refused is None:
         b.notice_refusal()
     select(b, opts, name, module)
     where = ctx.source()
+    called = None
+    if fwd is not None or rc is not None or (where is None and phase == "backward"):
+        where, called = ctx.backward_source(where, rc)
     source, text = where if where is not None else (None, None)
     record = schema.wire_op(index, name, phase, module, fwd, source, text)
+    if rc is not None:
+        schema.wire_set_recompute(record, rc.of, called)
     if rec.step is not None:
         schema.wire_set_step(record, rec.step)
     if info.collective:

@@ -205,7 +205,7 @@ def record_unit(rec: Any, g: UnitGraph, args: list, run: Callable[[list], Any]) 
 def _unit_before(rec: Any, g: UnitGraph, inputs: list, index: int) -> tuple[dict, list]:
     b = rec.builder
     ctx = rec.context
-    phase, module, fwd = ctx.place(index)
+    phase, module, fwd, _ = ctx.place(index)
     where = ctx.source()
     source, text = where if where is not None else (None, None)
     name = aten.unit_name(g.kind)

@@ -283,13 +283,6 @@ def finish(trace: Trace, p: ReplayPlan, results: list[OpResult]) -> ReplayReport
         first = earliest(trace, candidates)
         report.culprit = first[0]
         report.undecided = first[1:]
-    for r in report.ops:
-        # A backward op's own source line is the backward() call; the forward op's line says which code it is.
-        if r.status in (Status.DIVERGENT, Status.NONDETERMINISTIC, Status.ERROR) and r.forward_index is not None:
-            try:
-                r.forward_source = trace.rank(r.rank)[r.forward_index].source
-            except Exception:  # a damaged chunk elsewhere: the hint is optional
-                pass
     return report
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from replaydiff.trace.location import OpLocation
 from replaydiff.compare.verdict import Verdict
 from replaydiff.trace.damage import CutShort, MissingOps
 from replaydiff.trace.schema import LEFT_OUT_BUDGET, LEFT_OUT_DISK_FULL, LEFT_OUT_WHY, PlantedFaultInfo
@@ -65,7 +66,7 @@ class OpResult:
     phase: str | None = None
     source: str | None = None
     forward_index: int | None = None
-    forward_source: str | None = None  # for a backward op: the source line of the forward op it belongs to
+    location: OpLocation | None = None  # where it is (trace/location.py): what every report says of its place
     verdict: Verdict | None = None  # the deciding output's verdict (the worst one when all are within limits)
     reason: str | None = None
     nonfinite_origin: bool = False

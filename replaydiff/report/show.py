@@ -170,8 +170,13 @@ def render_op(d: OpDetail, out: TextIO) -> None:
     out.write(f"op #{op.index} {op.name}  rank {d.rank}\n")
     if not op.recorded:
         out.write(f"  not recorded: {op.not_recorded_reason}\n")
-    out.write(f"  phase   {op.phase}\n  module  {op.module}\n  source  {op.source}"
-              f"{'  ' + op.source_text if op.source_text else ''}\n")
+    loc = d.location  # the one definition every report uses (trace/location.py)
+    out.write(f"  phase   {loc.phase_text or None}\n  module  {loc.module}\n  source  {loc.source}"
+              f"{'  ' + loc.source_text if loc.source_text else ''}"
+              f"{'  (of the forward op)' if loc.of_forward else ''}\n")
+    ran_by = loc.origin()
+    if ran_by is not None:
+        out.write(f"  ran by  {ran_by}\n")
     if d.source_warning:  # the recorded text above is what ran; the file here is another one
         out.write(f"          {d.source_warning}\n")
     if op.schema:

@@ -5,7 +5,7 @@ from collections import Counter
 from typing import TextIO
 
 from replaydiff.aten import is_unit
-from replaydiff.replay.describe import argument_text, metrics_line, op_line, planted_line
+from replaydiff.replay.describe import argument_text, metrics_line, op_line, place, planted_line
 from replaydiff.replay.result import NonfiniteInput, OpResult, ReplayReport, Status
 from replaydiff.replay.plants import plant_notes
 from replaydiff.trace.damage import describe_missing
@@ -33,7 +33,7 @@ def nonfinite_entry_line(r: OpResult, held: NonfiniteInput, ended: str | None = 
     whence = "from outside the trace" if held.producer is None else \
         f"from op #{held.producer} {held.producer_op}, which was not replayed (its data left out)"
     where = ", ".join(x for x in (r.module or "no module", r.phase) if x)
-    source = r.forward_source if (r.phase == "backward" and r.forward_source) else r.source
+    source = place(r).source
     kinds = "NaN and Inf" if held.nan and held.inf else "NaN" if held.nan else "Inf"
     fate = f": {ended}" if ended is not None else ""
     if held.argument is not None:
@@ -140,9 +140,9 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
         out.write(f"  {metrics_line(first)}  - {how}\n")
         if is_unit(first.op) and first.reason:  # a compiled unit: its region, and the node inside it
             out.write(f"  {first.reason}\n")
-        if first.phase == "backward" and first.forward_index is not None:
-            called = f"; backward() called at {first.source}" if first.source else ""
-            out.write(f"  backward of forward op #{first.forward_index}{called}\n")
+        ran_by = place(first).origin()
+        if ran_by is not None:  # what ran it: the forward op it differentiates or recomputes, the backward() call
+            out.write(f"  {ran_by}\n")
         before = report.missing_before(first)
         if before:  # the earliest among the ops read: an earlier culprit may be among those that are gone
             out.write(f"  the earliest among the ops read: {sum(m.count for m in before)} op(s) before it are "

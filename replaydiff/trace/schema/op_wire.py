@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from replaydiff.trace.schema.keys import (_ARGS, _CHUNK, _COLL, _CONJ, _DEVICE, _DTYPE, _FORWARD, _INDEX, _KWARGS,
+from replaydiff.trace.schema.keys import (_BACKWARD_CALL, _RECOMPUTE, _ARGS, _CHUNK, _COLL, _CONJ, _DEVICE, _DTYPE, _FORWARD, _INDEX, _KWARGS,
                                           _LEFT_OUT, _MODULE, _NAME, _NBYTES, _NEG, _NOT_RECORDED, _OFFSET, _OUTPUTS,
                                           _PATH_ARG, _PATH_KWARG, _PHASE, _REQ_GRAD, _RNG, _SHAPE, _SOURCE,
                                           _SOURCE_TEXT, _STATS, _STEP, _STRIDE, _UNINIT, _UNSUPPORTED, _VERSION,
@@ -22,6 +22,14 @@ def wire_op(index: int, name: str, phase: str | None, module: str | None, forwar
         if source_text is not None:
             rec[_SOURCE_TEXT] = source_text
     return rec
+
+
+def wire_set_recompute(rec: dict, of: int | None, backward_call: str | None) -> None:
+    """Mark an op record as a recompute (activation checkpointing) of forward op ``of`` (None: of no forward op the
+    recorder could match), run by the ``backward()`` called at ``backward_call``."""
+    rec[_RECOMPUTE] = of
+    if backward_call:
+        rec[_BACKWARD_CALL] = backward_call
 
 
 def wire_set_step(rec: dict, step: int) -> None:
