@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 import time
 from typing import Any, Protocol
 
@@ -76,6 +77,9 @@ class RecordingMode(TorchDispatchMode):
     def __init__(self, recorder: RecorderLike) -> None:
         super().__init__()
         self.rec = recorder
+        # Autograd's device threads run backward ops while another thread runs its own: an op is numbered, run and
+        # handed to the writer by one thread at a time, so numbers stay unique and reach the writer in order.
+        self._one_at_a_time = threading.RLock()
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -98,19 +102,20 @@ class RecordingMode(TorchDispatchMode):
         if aten.fake_mode_active():
             # Shape propagation on fake tensors (DTensor's sharding rules): no data, nothing computed for the job.
             return func(*args, **kwargs)
-        pending = None
-        try:
-            pending = rec.before(func, types, args, kwargs)
-        except Exception as exc:  # costs this op alone: a stub record says why
-            rec.op_failed(func, args, kwargs, exc)
-        out = func(*args, **kwargs)
-        if pending is not None:
+        with self._one_at_a_time:
+            pending = None
             try:
-                # a point-to-point collective's work comes back waited and complete (wait_collective says why)
-                out = rec.after(pending, func, args, kwargs, out)
-            except Exception as exc:
+                pending = rec.before(func, types, args, kwargs)
+            except Exception as exc:  # costs this op alone: a stub record says why
                 rec.op_failed(func, args, kwargs, exc)
-        return out
+            out = func(*args, **kwargs)
+            if pending is not None:
+                try:
+                    # a point-to-point collective's work comes back waited and complete (wait_collective says why)
+                    out = rec.after(pending, func, args, kwargs, out)
+                except Exception as exc:
+                    rec.op_failed(func, args, kwargs, exc)
+            return out
 
 
 if _SKIP_ALL is not None:  # dynamo never compiles the mode's frames nor those they call (see _should_skip_dynamo)
