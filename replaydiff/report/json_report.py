@@ -94,6 +94,7 @@ def report_to_json(report: ReplayReport) -> dict:
         "first_divergent_per_rank": [op_json(r) for r in report.first_per_rank],
         "undecided": [{"rank": k, "index": i} for k, i in report.undecided],
         "replicas": None if report.replicas is None else report.replicas.to_json(),
+        "recomputes_differ": [d.to_json() for d in report.recomputes_differ],
         "first_nondeterministic": op_json(report.first_nondeterministic),
         "nonfinite_origin": op_json(report.nonfinite_origin),
         "nonfinite_entry": op_json(report.nonfinite_entry),
@@ -145,6 +146,10 @@ def load_replay_json(path: str | Path) -> ReplayReport:
         from replaydiff.replay.replicas import ReplicaBreak
 
         report.replicas = ReplicaBreak(**d["replicas"])
+    if d.get("recomputes_differ"):
+        from replaydiff.replay.recomputes import RecomputeDiffers
+
+        report.recomputes_differ = [RecomputeDiffers(**x) for x in d["recomputes_differ"] if isinstance(x, dict)]
     origin = d.get("nonfinite_origin")
     if origin:
         for r in report.ops:

@@ -131,6 +131,9 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
         judged = sum(r.status in (Status.OK, Status.DIVERGENT, Status.NONDETERMINISTIC) for r in report.ops)
         out.write(f"not clean: no divergent op among the {judged} judged; "
                   f"{record_again({r.data_left_out for r in not_judged})}\n")
+    elif first is None and report.recomputes_differ:
+        out.write("not clean: every replayed op matches its recorded output within tolerance, but a recompute does "
+                  "not reproduce the forward op it runs again (below)\n")
     elif first is None:
         out.write("no divergent op: every replayed op matches its recorded output within tolerance\n")
     else:
@@ -173,6 +176,10 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
             out.write(f"    {f'rank {r.rank} ' if len(ranks) > 1 else ''}{op_line(r)}: {r.verdict.explanation}\n")
     if report.replicas is not None:
         out.write(report.replicas.describe() + "\n")
+    differ = report.recomputes_differ
+    if differ:  # the earliest; those after it may differ only because it does
+        more = f" ({len(differ) - 1} more recompute(s) after it differ too)" if len(differ) > 1 else ""
+        out.write(f"first {differ[0].describe()}{more}\n")
     nd = report.first_nondeterministic
     if nd is not None:
         n = sum(r.status is Status.NONDETERMINISTIC for r in report.ops)

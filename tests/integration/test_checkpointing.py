@@ -118,3 +118,30 @@ def test_a_fault_in_a_recomputed_op_is_named_at_the_forward_line_that_runs_it(tm
     assert f"  recompute of forward op #{fwd} (activation checkpointing); backward() called at " \
            f"{_line('backward line')}\n" in out, out
     assert f"aten.tanh.default call 3 x(1+0.001), op #{planted.index} on rank 0" in out, out  # the plant landed there
+
+
+class DropBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(torch.tanh(self.a(x)), 0.5, training=True)  # dropout line
+
+
+@pytest.mark.parametrize("preserve", [True, False])
+def test_a_recompute_that_does_not_reproduce_its_forward_op_is_a_finding(tmp_path, capsys, preserve):
+    torch.manual_seed(0)
+    block = DropBlock()
+    x = torch.randn(4, 8)
+    with replaydiff.record(tmp_path / "t"):
+        y = checkpoint(block, x, use_reentrant=False, preserve_rng_state=preserve)
+        y.sum().backward()
+    rank = open_trace(tmp_path / "t").rank(0)
+    drop = [op for op in rank if op.name == "aten.bernoulli_.float"]  # dropout's mask
+    assert [op.recompute for op in drop] == [False, True] and drop[1].recompute_of == drop[0].index
+    capsys.readouterr()
+    code = main(["replay", str(tmp_path / "t")])
+    out = capsys.readouterr().out
+    said = f"recompute #{drop[1].index} aten.bernoulli_.float differs from forward op #{drop[0].index}"
+    if preserve:  # the checkpoint runs it again with the forward's generator state: the same mask
+        assert said not in out and code == 0, out
+    else:
+        assert said in out and code == 1, out
+        assert "output 0 max_abs" in out
