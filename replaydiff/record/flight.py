@@ -3,9 +3,11 @@
 It stands in for the trace writer (same calls as ``RankWriter``), so the recorder does not know the difference. A
 step's records are msgpack-encoded when the step ends, so the memory held is measured, not guessed: the ring keeps
 at most ``flight`` steps and at most ``flight_mib`` MiB of encoded records (oldest steps go first; the step being
-recorded always stays). Nothing touches the disk until ``dump()``: on the first NaN/Inf in a gradient or in the
-loss (the last forward op before backward starts), once that step ends; on SIGTERM/SIGUSR1 or an exception
-(``multi_step.py`` installs those triggers); at exit only with ``flight_at_exit``. One dump per recording.
+recorded always stays). Nothing touches the disk until ``dump()``: on the first NaN/Inf in the loss (the value
+``backward()`` starts from: what the gradient seed reads), in a gradient, or in a parameter or optimizer state after
+the update, once that step ends; on SIGTERM/SIGUSR1 or an exception (``multi_step.py`` installs those triggers); at
+exit only with ``flight_at_exit`` (the last K whole steps; ops after the last step are left out). One dump per
+recording.
 
 With ``tensors="full"`` and a ``modules``/``ops`` filter (the suspect), the ops the filter matches keep their tensors'
 bytes and the others statistics (kept with the reason "filtered", as every filtered op is), so one run of the job catches the step where the suspect goes
@@ -68,6 +70,18 @@ class _Step:
         return len(self.blob) + self.data
 
 
+_GRADIENT_SEED = "aten.ones_like.default"
+
+
+def _loss_nonfinite(last: dict) -> bool:
+    """Whether the value a backward pass starts from is NaN/Inf, given the last forward op before it: the seed
+    ``backward()`` makes (ones like the loss; the loss is what it reads), or the loss itself when the caller passed
+    the gradient."""
+    if OpRecord(last).name == _GRADIENT_SEED:
+        return schema.wire_nonfinite_inputs(last)
+    return schema.wire_nonfinite(last)
+
+
 class FlightBuffer:
     data_refused: str | None = None  # RankWriter's: the flight recorder never stores tensor data
     def __init__(self, root: Path, manifest: dict, options: Any, closing_facts: Callable[[], dict]) -> None:
@@ -105,12 +119,17 @@ class FlightBuffer:
         if phase == "backward":
             if not self._seen_backward:
                 self._seen_backward = True
-                last = self._last_forward  # the loss, or what the backward pass starts from
-                if last is not None and schema.wire_nonfinite(last) and self.trigger is None:
-                    self.trigger = f"the loss (op #{schema.wire_index(last)}) is NaN/Inf at step {self._step}"
+                last = self._last_forward  # what the backward pass starts from
+                if last is not None and self.trigger is None and _loss_nonfinite(last):
+                    self.trigger = f"the loss (what backward() starts from, op #{schema.wire_index(last)}) is " \
+                                   f"NaN/Inf at step {self._step}"
             if self.trigger is None and schema.wire_nonfinite(record):
                 self.trigger = (f"a gradient (op #{schema.wire_index(record)} {view.name}) is NaN/Inf "
                                 f"at step {self._step}")
+        elif phase == "optimizer":
+            if self.trigger is None and schema.wire_nonfinite(record):  # a parameter or its state, after the update
+                self.trigger = (f"a parameter or optimizer state (op #{schema.wire_index(record)} {view.name}) is "
+                                f"NaN/Inf after step {self._step}")
         elif phase == "forward":
             if self._seen_backward and self.trigger is not None and view.module is not None:
                 # A module runs forward again without an optimizer step in between (a grad scaler skipped it): the
@@ -176,6 +195,9 @@ class FlightBuffer:
 
     def close(self, extra: dict) -> None:
         if self.dumped_to is None and self.options.flight_at_exit:
+            if not self._seen_backward:  # ops after the last step (a loss.item()), no step of their own: left out
+                self._free(self._snapshots)
+                self._current, self._snapshots, self._data, self._left_out = [], [], 0, 0
             self.dump("the process ended (flight_at_exit)")
 
     # -- steps ---------------------------------------------------------------------------------------------------

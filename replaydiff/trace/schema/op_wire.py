@@ -50,6 +50,20 @@ def wire_nonfinite(rec: dict) -> bool:
     return False
 
 
+def wire_nonfinite_inputs(rec: dict) -> bool:
+    """Whether any tensor argument of an op record has statistics counting NaN or Inf values (as the op read it)."""
+    todo = [rec.get(_ARGS), list((rec.get(_KWARGS) or {}).values())]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, list):
+            todo.extend(v)
+        elif isinstance(v, dict):
+            s = v.get(_STATS)
+            if s and (s[5] or s[6]):
+                return True
+    return False
+
+
 def wire_not_recorded(rec: dict, why: str) -> dict:
     """Mark an op record as numbered but not recorded (filtered out, or not describable), with the reason."""
     rec[_NOT_RECORDED] = why
