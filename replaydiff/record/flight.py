@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import msgpack
 
+from replaydiff.errors import warn_job
 from replaydiff.trace import schema
 from replaydiff.trace.schema.ops import OpRecord
 from replaydiff.trace.writer import RankWriter, Snapshot
@@ -293,8 +294,6 @@ class FlightBuffer:
             self._held = 0
         except Exception as exc:  # never into the job: one warning
             self.failed = True
-            import warnings
-
-            warnings.warn(f"replaydiff: the flight recorder could not write its steps: {exc}", RuntimeWarning,
+            warn_job(f"the flight recorder could not write its steps: {exc}",
                           stacklevel=2)
         return self.dumped_to
