@@ -64,3 +64,52 @@ def test_gpt2_gradient_checkpointing_recomputes_are_at_their_forward_ops(tmp_pat
     assert f"first divergent op #{culprit.index} aten.addmm.default  {plant.module}  (recompute of " \
            f"#{plant.index})  {plant.source}\n" in out, out
     assert f"op #{culprit.index} on rank 0" in out, out  # where the plant landed, as the trace says
+
+
+FSDP2_AC = '''
+import os, sys, torch, torch.distributed as dist, replaydiff
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
+dist.init_process_group("gloo", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+torch.manual_seed(0)
+class Block(torch.nn.Module):
+    def __init__(s):
+        super().__init__(); s.a = torch.nn.Linear(8, 8); s.b = torch.nn.Linear(8, 8)
+    def forward(s, x):
+        return x + s.b(torch.tanh(s.a(x)))  # block line
+m = torch.nn.Sequential(checkpoint_wrapper(Block()), checkpoint_wrapper(Block()), torch.nn.Linear(8, 1))
+for blk in m[:2]:
+    fully_shard(blk, mesh=mesh)
+fully_shard(m, mesh=mesh)
+with replaydiff.record(sys.argv[1]):
+    m(torch.randn(4, 8)).sum().backward()  # backward line
+dist.destroy_process_group()
+'''
+
+
+def test_fsdp2_with_activation_checkpointing_recomputes_are_at_their_forward_ops(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    (tmp_path / "fsdp_ac.py").write_text(FSDP2_AC)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    proc = subprocess.run([sys.executable, "fsdp_ac.py", "t"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rank = open_trace(tmp_path / "t").rank(0)
+    lines = (tmp_path / "fsdp_ac.py").read_text().splitlines()
+    block = next(i for i, t in enumerate(lines, 1) if t.endswith("# block line"))
+    call = next(i for i, t in enumerate(lines, 1) if t.endswith("# backward line"))
+    tanh = [op for op in rank if op.recompute and op.name == "aten.tanh.default"]
+    assert len(tanh) == 2  # both wrapped blocks run again in the backward
+    for op in tanh:
+        fwd = rank[op.recompute_of]
+        assert (fwd.name, fwd.phase, fwd.module) == (op.name, "forward", op.module)
+        assert op.source == fwd.source == f"fsdp_ac.py:{block}" and op.backward_call == f"fsdp_ac.py:{call}"
+    assert {op.module for op in tanh} == {f"FSDPSequential.{k}._checkpoint_wrapped_module" for k in (0, 1)}
