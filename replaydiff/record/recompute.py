@@ -56,6 +56,10 @@ def _always() -> bool:
     return True
 
 
+def _nothing() -> None:
+    return None
+
+
 class Recomputes:
     """The checkpointed regions seen in the forward, and the matching of their recomputes."""
 
@@ -63,6 +67,7 @@ class Recomputes:
         self._regions: dict[Any, _Region] = {}
         self._cells: dict[CodeType, int] = {}  # a hook's code -> the closure cell holding the frame (-1: none)
         self._nograd: tuple[int, Any] | None = None  # (sequence number, region key or None) of no-grad forward ops
+        self._last: tuple[Any, Any] | None = None  # (weak hook function, weak frame) last found
 
     # -- the forward -----------------------------------------------------------------------------------------
     def note_forward(self, index: int, name: str, module: str | None, grad: bool) -> None:
@@ -131,6 +136,17 @@ class Recomputes:
         if hooks is None:
             return None
         fn = hooks[0]
+        last = self._last
+        if last is not None and last[0]() is fn:  # the same hooks as the op before: every op of a region
+            return last[1]()
+        frame = self._frame_of(fn)
+        try:  # weak: holding the frame (and the inputs it keeps) past the op would change the job's memory
+            self._last = (weakref.ref(fn), weakref.ref(frame) if frame is not None else _nothing)
+        except TypeError:
+            self._last = None
+        return frame
+
+    def _frame_of(self, fn: Any) -> Any:
         for _ in range(3):  # torch wraps the recompute's hook (dynamo disabled)
             inner = getattr(fn, "__wrapped__", None)
             if inner is None:
