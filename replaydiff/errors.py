@@ -46,13 +46,27 @@ EXIT_TRACE = ExitCode.TRACE
 EXIT_ENVIRONMENT = ExitCode.ENVIRONMENT
 
 
+def prefixed(message: str) -> str:
+    """``replaydiff: MESSAGE``: the one place the prefix is added to what the user's job or terminal shows (stderr
+    lines, warnings, log records), so that every such line says where it comes from the same way."""
+    return f"replaydiff: {message}"
+
+
+def warn_job(message: str, stacklevel: int = 2) -> None:
+    """A RuntimeWarning into the job (the recorder's Python API: filterable, catchable), prefixed as every line is.
+    ``stacklevel`` as ``warnings.warn`` counts it from the caller."""
+    import warnings
+
+    warnings.warn(prefixed(message), RuntimeWarning, stacklevel=stacklevel + 1)
+
+
 def line(message: str, kind: str | None = None) -> str:
     """One line for stderr: ``replaydiff: MESSAGE`` (``kind``: 'warning', 'error'), with its newline. The message
     may hold strings from a trace (an op's name, a module): its control characters and newlines are shown as
     escapes, so it stays one line and a terminal obeys nothing in it."""
     from replaydiff.rebuild_and_judge import shown
 
-    return f"replaydiff: {kind + ': ' if kind else ''}{shown(message)}\n"
+    return prefixed(f"{kind + ': ' if kind else ''}{shown(message)}\n")
 
 
 def say(message: str, file: TextIO | None = None) -> None:

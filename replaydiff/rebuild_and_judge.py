@@ -836,7 +836,7 @@ def describe_against(reference: Any, value: Any, dtype: torch.dtype, limits: lis
 
 def main(argv: list[str] | None = None, directory: str | None = None) -> int:
     """Run the repro in ``directory`` (default: the one this file is in); the exit code."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--device", default="cpu", help="device to run the op on (default cpu), e.g. cuda or cuda:1")
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import MODULE first (the one that defines a custom op)")

@@ -377,24 +377,28 @@ def op_markup(trace: Any, i: int, result: RowResult | None, statuses: list) -> s
     out.extend(unit_lines(op))
     if op.forward_index is not None:
         out.append(f"backward of forward op {op_link(trace, op.forward_index, statuses[op.forward_index])}  [dim](b)[/]")
+    elif getattr(op, "recompute_of", None) is not None:
+        out.append(f"recompute of forward op {op_link(trace, op.recompute_of, statuses[op.recompute_of])}")
     out.append("")
     out.append("[b]verdict[/]  " + "\n".join(left_out_lines(op, result) or unreplayable_lines(trace, result)
                                              or verdict_lines(result)))
-    # a backward op's own line is the backward() call; its forward op's line says which code it differentiates
-    source_op, called = op, None
-    if op.forward_index is not None:
-        try:
-            fwd = trace[op.forward_index]
-        except Exception:
-            fwd = None
-        if fwd is not None and fwd.source:
-            source_op, called = fwd, op.source
-    if source_op.source:
+    # where the op is, as every report says it (trace/location.py): a backward op's code is its forward op's
+    try:
+        loc = trace.location(op, text=True)
+    except Exception:
+        loc = None
+    if loc is not None and loc.source:
+        source_op = op
+        if loc.of_forward:
+            try:
+                source_op = trace[op.forward_index]
+            except Exception:
+                pass
         out.append("")
-        out.append(f"[b]source[/]  {esc(source_op.source)}" + (" [dim](of the forward op)[/]" if called else ""))
+        out.append(f"[b]source[/]  {esc(loc.source)}" + (" [dim](of the forward op)[/]" if loc.of_forward else ""))
         out.extend(source_context(trace, source_op))
-        if called:
-            out.append(f"  [dim]backward() called at {esc(called)}[/]")
+        if loc.backward_call:
+            out.append(f"  [dim]backward() called at {esc(loc.backward_call)}[/]")
     # arguments
     inputs = op.inputs()
     positions = {id(r): k for k, r in enumerate(inputs)}

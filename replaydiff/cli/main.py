@@ -18,6 +18,14 @@ from replaydiff.errors import ExitCode, ReplaydiffError, fail, say
 
 
 class _Parser(argparse.ArgumentParser):
+    """Every parser of the CLI: an option is spelled whole (``--tensor`` is not taken for ``--tensors``, nor
+    ``--precisio`` for ``--precision``: a prefix that is a whole option tomorrow would change what today's command
+    does), and a usage error is one line."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # argparse exits 2 too: one line, with where the options are listed
         raise SystemExit(fail(f"{message} (see `{self.prog} --help`)"))
 
@@ -60,12 +68,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _did_you_mean(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """' (did you mean --tensors?)' for the first unknown option close to one of the parser's."""
+    import difflib
+
+    known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    for u in unknown:
+        if u.startswith("--"):
+            close = difflib.get_close_matches(u.split("=", 1)[0], known, n=1, cutoff=0.75)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # a mistyped option: the usage of the verb it was given to, not the top-level one
-        (getattr(args, "verb_parser", None) or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+        given = getattr(args, "verb_parser", None) or parser
+        given.error(f"unrecognized arguments: {' '.join(unknown)}{_did_you_mean(given, unknown)}")
     if not getattr(args, "verb", None):
         parser.print_help(sys.stderr)
         return ExitCode.USAGE

@@ -104,10 +104,24 @@ def options_from_args(args: argparse.Namespace) -> RecordOptions:
                               budget=getattr(args, "budget", None), compiled=args.compiled)
 
 
+def _refuse_options_without_separator(args: argparse.Namespace, cmd: list[str]) -> None:
+    """A command given without ``--`` that holds one of record's own options (``python train.py --steps 5``): it
+    goes to the command, though it reads as replaydiff's. Refused: ``--`` says where replaydiff's options end."""
+    parser = getattr(args, "verb_parser", None)
+    ours = set(getattr(parser, "_option_string_actions", {}))
+    clash = next((a for a in cmd if a.split("=", 1)[0] in ours), None)
+    if clash is not None:
+        raise UsageError(f"{clash.split('=', 1)[0]} comes after the command, so it would go to the command, not to "
+                         f"replaydiff: put -- before the command (replaydiff record [options] -- {' '.join(cmd[:2])} "
+                         f"...)")
+
+
 def run(args: argparse.Namespace) -> int:
     cmd = list(args.command)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
+    else:
+        _refuse_options_without_separator(args, cmd)
     if not cmd:
         raise UsageError("no command to record: replaydiff record [options] -- python train.py ARGS")
     if getattr(args, "step_given", False) and (args.steps or args.flight):

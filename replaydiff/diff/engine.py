@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+from replaydiff.trace.schema import dtype_from_name
 from replaydiff import aten
 
 from replaydiff.compare.metrics import Measure
@@ -272,28 +273,63 @@ def _carriers(side: _Ops, versions: set[int]) -> set[int]:
     return out
 
 
-def _upcasts(side: _Ops, only: set[int]) -> dict[int, TensorRef]:
-    """The tensors that ops on one side only made by casting a coarser floating tensor up (autocast's casts back to
-    float32, before a log_softmax or in the backward): {storage version: the coarser tensor it was cast from}. The
-    cast is exact, so the values are that tensor's, with its dtype's rounding."""
-    out: dict[int, TensorRef] = {}
+def _coarsest(casts: tuple[dict[tuple, TensorRef], ...]) -> str | None:
+    """The coarsest dtype one side casts to or from on its own (autocast): the two runs compute at different
+    precisions, and that dtype's rounding is what they may differ by. None: no such cast."""
+    dtypes = {geometry[1] for side in casts for geometry in side} | {t.dtype for side in casts for t in side.values()}
+    found = None
+    for d in dtypes:
+        found = d if found is None else coarser_dtype(d, found)
+    return found
+
+
+def _floating(dtype: str) -> bool:
+    try:
+        return dtype_from_name(dtype).is_floating_point
+    except Exception:
+        return False
+
+
+def _upcasts(side: _Ops, only: set[int]) -> dict[tuple, TensorRef]:
+    """The tensors that ops on one side only made by casting a floating tensor to another floating dtype (autocast's
+    casts down to bfloat16 before a matmul, and back up to float32 before a log_softmax or in the backward):
+    {the cast's output (its geometry): the tensor it was cast from}. Such a tensor is compared as the one it was
+    cast from: a cast up is exact, and a cast down is the rounding the coarser dtype's limits allow for, which the
+    ops reading it are judged at. An autocast cast is thus never where differences enter: they enter (or not) where
+    the tensor it casts was made. A cast whose recorded output is not its input cast (a faulty kernel) is left out:
+    a difference then enters there."""
+    out: dict[tuple, TensorRef] = {}
     for i in sorted(only):
         op = side.ops.get(i)
         if op is None or aten.packet(op.name) != "_to_copy":
             continue
         ins, outs = side.inputs[i], op.outputs_refs()
-        if len(ins) == 1 and len(outs) == 1 and outs[0].version is not None and \
-                coarser_dtype(ins[0].dtype, outs[0].dtype) == ins[0].dtype != outs[0].dtype:
-            out[outs[0].version] = out.get(ins[0].version, ins[0]) if ins[0].version is not None else ins[0]
+        if len(ins) == 1 and len(outs) == 1 and outs[0].version is not None and ins[0].dtype != outs[0].dtype and \
+                _floating(ins[0].dtype) and _floating(outs[0].dtype) and _cast_right(side.trace, ins[0], outs[0]):
+            # keyed by the cast's output itself (a view of it, a transpose, is another tensor)
+            out[outs[0].geometry] = out.get(ins[0].geometry, ins[0])
     return out
+
+
+def _cast_right(trace: Any, src: TensorRef, dst: TensorRef) -> bool:
+    """Whether the recorded output of a cast is its recorded input cast (bit for bit); True where the trace holds
+    no data to tell (statistics, shapes)."""
+    if not (src.stored_data and dst.stored_data):
+        return True
+    try:
+        a, b = trace.tensor(src), trace.tensor(dst)
+        cast = a.to(b.dtype)
+        return cast.shape == b.shape and bool(((cast == b) | (cast.isnan() & b.isnan())).all())
+    except Exception:  # unreadable here: not taken as a cast
+        return False
 
 
 def diff_ranks(ref: _Ops, target: _Ops, judge: Judge, alignment: Alignment | None = None,
                progress: Callable[[int], None] | None = None) -> RankDiff:
     al = alignment or align(ref.keys, target.keys)
     rd = RankDiff(ref.trace.rank, target.trace.rank, ref_ops=len(ref.keys), target_ops=len(target.keys))
-    comparer = PairComparer(ref.trace, target.trace, judge,
-                            (_upcasts(ref, set(al.ref_only)), _upcasts(target, set(al.target_only))))
+    casts = (_upcasts(ref, set(al.ref_only)), _upcasts(target, set(al.target_only)))
+    comparer = PairComparer(ref.trace, target.trace, judge, casts, _coarsest(casts))
     # Compiled units left unaligned against the eager ops of their region on the other side (one side compiled)
     rd.units, in_units = pair_units(ref.trace, ref.ops, target.trace, target.ops, al, comparer)
     rd.ref_only = _runs("ref", [i for i in al.ref_only if ("ref", i) not in in_units], ref.ops)
@@ -322,8 +358,6 @@ def diff_ranks(ref: _Ops, target: _Ops, judge: Judge, alignment: Alignment | Non
     carriers = _carriers(target, differing)
     for n, (i, j) in enumerate(al.pairs):
         p = comparer.compare(ref.ops[i], target.ops[j], origin_of, carries_step_inputs=j in carriers)
-        if p.status is PairStatus.DIVERGENT and p.forward_index in ref.ops:
-            p.forward_source = ref.ops[p.forward_index].source  # a backward op's own line is the backward() call
         rd.add(p)
         if progress is not None and n % 64 == 63:
             progress(64)

@@ -200,19 +200,24 @@ class PairComparer:
     op's input is usually an earlier op's output, judged there)."""
 
     def __init__(self, ref: RankTrace, target: RankTrace, judge: Judge,
-                 cast_from: tuple[dict[int, TensorRef], dict[int, TensorRef]] = ({}, {})) -> None:
+                 cast_from: tuple[dict[tuple, TensorRef], dict[tuple, TensorRef]] = ({}, {}),
+                 coarsest: str | None = None) -> None:
         self.ref = ref
+        # Two runs at different precisions (autocast on one side): the coarser dtype they compute at. Then a plain
+        # number argument that agrees within that dtype's rounding agrees (a mask's finfo(dtype).min), and an op
+        # with no tensor input whose plain arguments agree starts from the same values.
+        self.coarsest = coarsest
         self.target = target
         self.judge = judge
-        # Per side, storage versions made by casting a coarser tensor up (autocast's cast back to float32, on one
-        # side only): the cast is exact, so such a tensor is compared as the coarser one it was cast from.
+        # Per side, tensors made by casting on one side only (autocast's casts, engine._upcasts), by geometry: such a
+        # tensor is compared as the one it was cast from.
         self.cast_from = cast_from
         self._seen: dict[tuple, tuple[Compared | None, Verdict | None]] = {}
         self._replayers: tuple[OpReplayer, OpReplayer] | None = None
 
     def tensor_verdict(self, r: TensorRef, t: TensorRef, k: int, where: Where) -> tuple[Compared | None,
                                                                                          Verdict | None]:
-        src_r, src_t = self.cast_from[0].get(r.version), self.cast_from[1].get(t.version)
+        src_r, src_t = self.cast_from[0].get(r.geometry), self.cast_from[1].get(t.geometry)
         if (src_r is not None or src_t is not None) and tuple((src_r or r).shape) == tuple((src_t or t).shape):
             return self.tensor_verdict(src_r or r, src_t or t, k, where)
         key = (r.geometry, t.geometry)
@@ -246,11 +251,34 @@ class PairComparer:
                     said = next((r.reason for _, r in wrong if r.reason), "over its limits")
                     notes = notes[:-1] + (WrongGivenOwnInputs("both" if len(wrong) == 2 else wrong[0][0], said),
                                           notes[-1])
+        elif status is PairStatus.INHERITED and self._precision_only(inherited_from) and outs.evidence and \
+                all(e is Evidence.FULL for e in outs.evidence):
+            # Two runs at different precisions, and the differing input came from an op the target runs alone (an
+            # extra accumulation in the coarser dtype) that is right given its own inputs: no difference entered
+            # there, and none enters here when each side's op is right given its own inputs.
+            replayed = self._replayed(rop, top)
+            if replayed is not None and all(r.status is Status.OK for r in replayed):
+                status, notes, explained = PairStatus.SAME, (RightGivenOwnInputs(False),), True
+                verdict = replace(verdict, divergent=False, reason=None) if verdict is not None else None
+                inherited_from = None
+                self._agree(rop, top)
         return PairResult(ref=rop.index, target=top.index, op=rop.name, status=status, module=rop.module,
                           phase=rop.phase, source=rop.source, forward_index=rop.forward_index,
+                          location=self.ref.location(rop),
                           target_op=top.name if top.name != rop.name else None, evidence=weakest(outs.evidence),
                           inputs_agree=ins.agree, verdict=verdict, reason=render(notes),
                           inherited_from=inherited_from, dtypes=outs.dtypes, explained=explained)
+
+    def _precision_only(self, origin: Origin | None) -> bool:
+        """Whether a difference from ``origin`` is the two precisions' own: the runs compute at different dtypes,
+        and it is an op the target runs alone that is right given its own inputs."""
+        if self.coarsest is None or origin is None or origin.kind is not OriginKind.TARGET_ONLY or \
+                origin.target is None:
+            return False
+        try:
+            return self.right_given_own_inputs("target", self.target[origin.target])
+        except Exception:  # not replayable here: it may be where the difference entered
+            return False
 
     def _replayed(self, rop: OpRecord, top: OpRecord) -> tuple[OpResult, OpResult] | None:
         """Each side's op replayed alone from its own recorded inputs, as ``replay`` does (CPU, float64, the diff's
@@ -304,8 +332,10 @@ class PairComparer:
             args_differ = TensorInputCount(len(ins_r), len(ins_t))
         elif agree is not False:
             pa, pt = _plain_args(rop), _plain_args(top)
-            if pa != pt:
+            if pa != pt and not (self.coarsest is not None and _within_rounding(pa, pt, _eps(self.coarsest))):
                 args_differ = PlainArgsDiffer(_first_difference(pa, pt))
+            elif agree is None and not ins_r and self.coarsest is not None:
+                agree = True  # no tensor input, the same arguments: the same start
         if args_differ is None and agree is not False and rop.rng is not None and top.rng is not None:
             if not torch.equal(self.ref.rng_state(rop.rng), self.target.rng_state(top.rng)):
                 args_differ = DiffFact.OTHER_GENERATOR_STATE
@@ -392,6 +422,20 @@ def _decide(ins: _InputsSeen, outs: _OutputsSeen, carries_step_inputs: bool,
 def _is_zero(m: Measure) -> bool:
     return (isinstance(m, FloatError) and m.max_abs == 0 and m.nonfinite_recorded == m.nonfinite_reference) or \
         (isinstance(m, ExactMismatch) and m.mismatches == 0)
+
+
+def _within_rounding(a: list, b: list, eps: float) -> bool:
+    """Plain arguments equal but for floats that differ by at most one rounding at ``eps``'s precision."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x == y:
+            continue
+        if not (isinstance(x, float) and isinstance(y, float)) or not (math.isfinite(x) and math.isfinite(y)):
+            return False
+        if abs(x - y) > eps * max(abs(x), abs(y)):
+            return False
+    return True
 
 
 def _first_difference(a: list, b: list) -> str:

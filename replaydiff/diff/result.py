@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from replaydiff.trace.location import OpLocation
 from replaydiff.compare.verdict import Verdict
 from replaydiff.diff.environment import EnvDifference
 from replaydiff.trace.damage import CutShort
@@ -181,7 +182,7 @@ class PairResult:
     phase: str | None = None
     source: str | None = None
     forward_index: int | None = None  # for a backward op: the reference's forward op it belongs to
-    forward_source: str | None = None  # that forward op's source line (filled in for divergent pairs)
+    location: OpLocation | None = None  # where the reference's op is (trace/location.py)
     target_op: str | None = None  # only when the aligned ops have different names (never, with today's keys)
     evidence: Evidence | None = None
     inputs_agree: bool | None = None  # None: no input could be compared

@@ -12,10 +12,10 @@ import atexit
 import json
 import os
 import sys
-import warnings
 import weakref
 from typing import Any
 
+from replaydiff.errors import warn_job
 from replaydiff.record.autostart._replaydiff_record_env import ENV_VAR
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # replaydiff/
@@ -128,4 +128,4 @@ def install() -> None:
         if config.get("status"):
             atexit.register(_report_steps, config["status"], weakref.ref(rec))
     except Exception as exc:
-        warnings.warn(f"replaydiff: could not arm step recording: {exc}", RuntimeWarning, stacklevel=2)
+        warn_job(f"could not arm step recording: {exc}", stacklevel=2)

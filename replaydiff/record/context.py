@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.module_tracker import ModuleTracker
 
+from replaydiff.record.recompute import Recompute, Recomputes
 from replaydiff.trace.sources import line_text, read_source
 
 log = logging.getLogger("replaydiff")
@@ -282,6 +283,8 @@ class OpContext:
         # code's line table up to the instruction, ~7 us at line 600 of a function (transformers' forwards are long).
         self._lines: dict[tuple[CodeType, int], tuple[str, str | None]] = {}
         self._files: dict[str, tuple[str | None, list[str]]] = {}
+        self._recomputes = Recomputes()
+        self._calls: dict[int, tuple[str, str | None] | None] = {}  # backward pass -> where backward() was called
 
     def install(self) -> None:
         self._tracker.__enter__()
@@ -370,17 +373,74 @@ class OpContext:
                     table[id(p)] = (weakref.ref(p), name)
         self._param_modules = table
 
-    def place(self, index: int) -> tuple[str, str | None, int | None]:
-        """Where op ``index`` runs: its phase, its module and (backward) the forward op it belongs to; a forward op is
-        noted as such for the backward ops to find."""
+    def place(self, index: int, name: str = "") -> tuple[str, str | None, int | None, Recompute | None]:
+        """Where op ``index`` (named ``name``) runs: its phase, its module, (backward) the forward op it belongs to,
+        and (an op of a checkpointed region run again in the backward) the forward op it recomputes. A forward op is
+        noted as such for the backward ops and recomputes to find."""
         phase, node = self.phase()
         module = self.module()
         fwd = None
+        rc = None
         if phase == FORWARD:
+            grad = torch.is_grad_enabled()
             self.note_forward(index, module)
+            self._recomputes.note_forward(index, name, module, grad)
         elif phase == BACKWARD:
-            fwd, module = self.backward_of(node, module)
-        return phase, module, fwd
+            fwd, bw_module = self.backward_of(node, module)
+            grad = torch.is_grad_enabled()
+            rc = self._recomputes.recompute(node, name, grad)
+            if rc is None:
+                module = bw_module
+            else:
+                # Forward code: the module of the forward op it repeats (the checkpointed function may be a plain
+                # function, whose calling module is not open now), and the nodes it makes (the reentrant
+                # checkpoint differentiates them next) belong to that forward op.
+                fwd = None
+                if rc.module is not None:
+                    module = rc.module
+                if rc.of is not None and grad:
+                    seq = torch._C._autograd._get_sequence_nr() - 1
+                    self._seq_to_forward.setdefault(seq, (rc.of, module))
+        return phase, module, fwd, rc
+
+    def backward_source(self, where: tuple[str, str | None] | None,
+                        recompute: Recompute | None) -> tuple[tuple[str, str | None] | None, str | None]:
+        """For an op of the backward pass, given its own source line: (its source line, where ``backward()`` was
+        called when that is not its source line). A backward op's own line is the ``backward()`` call, read from
+        the calling thread's stack where the op runs on another (autograd's device threads have no user frame);
+        a recomputed op's line is the forward code it runs, and the call is said apart."""
+        if recompute is not None:
+            call = self.backward_call()
+            return where, call[0] if call is not None else None
+        if where is None:
+            return self.backward_call(), None
+        return where, None
+
+    def backward_call(self) -> tuple[str, str | None] | None:
+        """("file.py:LINE", text) of the ``backward()`` (or ``autograd.grad``) call running now, once per backward
+        pass: the user's frame that called into the autograd engine, on this thread or, for an op on one of
+        autograd's device threads, on the one thread waiting in the engine."""
+        task = torch._C._current_graph_task_id()
+        if task in self._calls:
+            return self._calls[task]
+        found = None
+        try:
+            engine = _engine_code()
+            f = _find_frame(sys._getframe(1), engine)
+            if f is None and engine is not None:
+                me = threading.get_ident()
+                waiting = [g for tid, top in sys._current_frames().items() if tid != me
+                           for g in (_find_frame(top, engine),) if g is not None]
+                f = waiting[0] if len(waiting) == 1 else None  # two threads in backward: which one is unknown
+            f = _user_frame(f)
+            if f is not None:
+                found = self._resolve(f.f_code.co_filename, f.f_lineno) if self.source_lines else None
+        except Exception as exc:  # the call site is a hint: never stop recording for it
+            log.debug("backward() call not found: %s", exc)
+        if len(self._calls) > 10_000:
+            self._calls.clear()
+        self._calls[task] = found
+        return found
 
     def note_forward(self, index: int, module: str | None = None) -> None:
         """Remember the first forward op seen after each autograd node was made: the op that made it."""
@@ -428,6 +488,33 @@ class OpContext:
     def source_files(self) -> dict[str, str]:
         """SHA-256 of each file a recorded source line points into (as named there), as it was when first read."""
         return {name: digest for name, (digest, _) in self._files.items() if digest is not None}
+
+
+def _engine_code() -> CodeType | None:
+    """The code of the function every backward() and autograd.grad() call runs the engine from."""
+    fn = getattr(sys.modules.get("torch.autograd.graph"), "_engine_run_backward", None)
+    return getattr(fn, "__code__", None)
+
+
+def _find_frame(f: FrameType | None, code: CodeType | None) -> FrameType | None:
+    while f is not None and code is not None:
+        if f.f_code is code:
+            return f
+        f = f.f_back
+    return None
+
+
+def _user_frame(f: FrameType | None) -> FrameType | None:
+    """The innermost frame at or above ``f`` that is the user's code (see _SKIP_PREFIXES)."""
+    while f is not None:
+        code = f.f_code
+        s = _SKIP_CODE.get(code)
+        if s is None:
+            s = _SKIP_CODE[code] = code.co_filename.startswith(_SKIP_PREFIXES)
+        if not s:
+            return f
+        f = f.f_back
+    return None
 
 
 def _cached_lines(filename: str) -> list[str]:

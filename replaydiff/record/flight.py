@@ -3,9 +3,11 @@
 It stands in for the trace writer (same calls as ``RankWriter``), so the recorder does not know the difference. A
 step's records are msgpack-encoded when the step ends, so the memory held is measured, not guessed: the ring keeps
 at most ``flight`` steps and at most ``flight_mib`` MiB of encoded records (oldest steps go first; the step being
-recorded always stays). Nothing touches the disk until ``dump()``: on the first NaN/Inf in a gradient or in the
-loss (the last forward op before backward starts), once that step ends; on SIGTERM/SIGUSR1 or an exception
-(``multi_step.py`` installs those triggers); at exit only with ``flight_at_exit``. One dump per recording.
+recorded always stays). Nothing touches the disk until ``dump()``: on the first NaN/Inf in the loss (the value
+``backward()`` starts from: what the gradient seed reads), in a gradient, or in a parameter or optimizer state after
+the update, once that step ends; on SIGTERM/SIGUSR1 or an exception (``multi_step.py`` installs those triggers); at
+exit only with ``flight_at_exit`` (the last K whole steps; ops after the last step are left out). One dump per
+recording.
 
 With ``tensors="full"`` and a ``modules``/``ops`` filter (the suspect), the ops the filter matches keep their tensors'
 bytes and the others statistics (kept with the reason "filtered", as every filtered op is), so one run of the job catches the step where the suspect goes
@@ -29,6 +31,7 @@ from typing import Any, Callable
 import msgpack
 
 from replaydiff import device as seam
+from replaydiff.errors import warn_job
 from replaydiff.trace import schema
 from replaydiff.trace.schema.ops import OpRecord
 from replaydiff.trace.writer import RankWriter, Snapshot
@@ -69,13 +72,29 @@ class _Step:
         return len(self.blob) + self.data
 
 
-def _nonfinite(record: dict, name: str, loss: dict | None, step: int | None) -> str | None:
-    """Why a backward op's record triggers a dump: ``loss`` (the last forward op before the first backward one, given
-    for that first one) or the gradient it makes is NaN/Inf; None when neither is."""
-    if loss is not None and schema.wire_nonfinite(loss):
-        return f"the loss (op #{schema.wire_index(loss)}) is NaN/Inf at step {step}"
-    if schema.wire_nonfinite(record):
-        return f"a gradient (op #{schema.wire_index(record)} {name}) is NaN/Inf at step {step}"
+_GRADIENT_SEED = "aten.ones_like.default"
+
+
+def _loss_nonfinite(last: dict) -> bool:
+    """Whether the value a backward pass starts from is NaN/Inf, given the last forward op before it: the seed
+    ``backward()`` makes (ones like the loss; the loss is what it reads), or the loss itself when the caller passed
+    the gradient."""
+    if OpRecord(last).name == _GRADIENT_SEED:
+        return schema.wire_nonfinite_inputs(last)
+    return schema.wire_nonfinite(last)
+
+
+def _nonfinite(record: dict, name: str, phase: str | None, loss: dict | None, step: int | None) -> str | None:
+    """Why a record triggers a dump, None when it does not: for the first backward op, ``loss`` (the last forward op
+    before it: what the backward pass starts from) is NaN/Inf; a backward op's gradient is; an optimizer op's
+    parameter or state is, after the update."""
+    if phase == "backward":
+        if loss is not None and _loss_nonfinite(loss):
+            return f"the loss (what backward() starts from, op #{schema.wire_index(loss)}) is NaN/Inf at step {step}"
+        if schema.wire_nonfinite(record):
+            return f"a gradient (op #{schema.wire_index(record)} {name}) is NaN/Inf at step {step}"
+    elif phase == "optimizer" and schema.wire_nonfinite(record):
+        return f"a parameter or optimizer state (op #{schema.wire_index(record)} {name}) is NaN/Inf after step {step}"
     return None
 
 
@@ -118,7 +137,10 @@ class FlightBuffer:
             first = not self._seen_backward
             self._seen_backward = True
             if self.trigger is None:
-                self.trigger = _nonfinite(record, view.name, self._last_forward if first else None, self._step)
+                self.trigger = _nonfinite(record, view.name, phase, self._last_forward if first else None, self._step)
+        elif phase == "optimizer":
+            if self.trigger is None:
+                self.trigger = _nonfinite(record, view.name, phase, None, self._step)
         elif phase == "forward":
             if self._seen_backward and self.trigger is not None and view.module is not None:
                 # A module runs forward again without an optimizer step in between (a grad scaler skipped it): the
@@ -190,6 +212,9 @@ class FlightBuffer:
 
     def close(self, extra: dict) -> None:
         if self.dumped_to is None and self.options.flight_at_exit:
+            if not self._seen_backward:  # ops after the last step (a loss.item()), no step of their own: left out
+                self._free(self._snapshots)
+                self._current, self._snapshots, self._data, self._left_out = [], [], 0, 0
             self.dump("the process ended (flight_at_exit)")
 
     def defer(self, fill: Callable[[float], bool]) -> None:
@@ -210,9 +235,10 @@ class FlightBuffer:
             last_forward, first = None, True
             for record in self._current:
                 view = OpRecord(record)
-                if view.phase == "backward":
-                    self.trigger = _nonfinite(record, view.name, last_forward if first else None, self._step)
-                    first = False
+                if view.phase in ("backward", "optimizer"):
+                    self.trigger = _nonfinite(record, view.name, view.phase, last_forward if first else None,
+                                              self._step)
+                    first = first and view.phase != "backward"
                     if self.trigger is not None:
                         break
                 elif view.phase == "forward":
@@ -313,8 +339,6 @@ class FlightBuffer:
             self._held = 0
         except Exception as exc:  # never into the job: one warning
             self.failed = True
-            import warnings
-
-            warnings.warn(f"replaydiff: the flight recorder could not write its steps: {exc}", RuntimeWarning,
+            warn_job(f"the flight recorder could not write its steps: {exc}",
                           stacklevel=2)
         return self.dumped_to

@@ -77,6 +77,9 @@ class RecordingMode(TorchDispatchMode):
     def __init__(self, recorder: RecorderLike) -> None:
         super().__init__()
         self.rec = recorder
+        # Autograd's device threads run backward ops while another thread runs its own: an op is numbered, run and
+        # handed to the writer by one thread at a time, so numbers stay unique and reach the writer in order.
+        self._one_at_a_time = threading.RLock()
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -99,19 +102,20 @@ class RecordingMode(TorchDispatchMode):
         if aten.fake_mode_active():
             # Shape propagation on fake tensors (DTensor's sharding rules): no data, nothing computed for the job.
             return func(*args, **kwargs)
-        pending = None
-        try:
-            pending = rec.before(func, types, args, kwargs)
-        except Exception as exc:  # costs this op alone: a stub record says why
-            _op_failed(rec, func, args, kwargs, exc)
-        out = func(*args, **kwargs)
-        if pending is not None:
+        with self._one_at_a_time:
+            pending = None
             try:
-                # a point-to-point collective's work comes back waited and complete (wait_collective says why)
-                out = rec.after(pending, func, args, kwargs, out)
-            except Exception as exc:
+                pending = rec.before(func, types, args, kwargs)
+            except Exception as exc:  # costs this op alone: a stub record says why
                 _op_failed(rec, func, args, kwargs, exc)
-        return out
+            out = func(*args, **kwargs)
+            if pending is not None:
+                try:
+                    # a point-to-point collective's work comes back waited and complete (wait_collective says why)
+                    out = rec.after(pending, func, args, kwargs, out)
+                except Exception as exc:
+                    _op_failed(rec, func, args, kwargs, exc)
+            return out
 
 
 def _op_failed(rec: Any, func: Any, args: tuple, kwargs: dict, exc: Exception) -> None:
@@ -607,15 +611,20 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
     if info.module is not None and name not in rec.custom_ops:
         rec.custom_ops[name] = info.module
     ctx = rec.context
-    phase, module, fwd = ctx.place(index)
+    phase, module, fwd, rc = ctx.place(index, name)
     written = written_args(info, args, kwargs) if info.writes else []
     opts = rec.options
     if rec.writer.data_refused is not None and b.refused is None:
         b.notice_refusal()
     select(b, opts, name, module)
     where = ctx.source()
+    called = None
+    if fwd is not None or rc is not None or (where is None and phase == "backward"):
+        where, called = ctx.backward_source(where, rc)
     source, text = where if where is not None else (None, None)
     record = schema.wire_op(index, name, phase, module, fwd, source, text)
+    if rc is not None:
+        schema.wire_set_recompute(record, rc.of, called)
     if rec.step is not None:
         schema.wire_set_step(record, rec.step)
     if info.collective:

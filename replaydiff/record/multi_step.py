@@ -14,9 +14,9 @@ import os
 import signal
 import sys
 import threading
-import warnings
 from typing import Any, Callable
 
+from replaydiff.errors import warn_job
 from replaydiff.record.compiled import no_filter, quiet_global_hook_warning
 from replaydiff.record.recorder import Recorder
 from replaydiff.record.autostart._replaydiff_record_env import ENV_VAR  # set in children of the CLI
@@ -77,7 +77,7 @@ class MultiStepRecorder:
             if self.options.flight:
                 self._install_flight_triggers()
         except Exception as exc:
-            warnings.warn(f"replaydiff: could not arm step recording: {exc}", RuntimeWarning, stacklevel=2)
+            warn_job(f"could not arm step recording: {exc}", stacklevel=2)
             self.done = True
             self._release()
         return self
@@ -120,7 +120,7 @@ class MultiStepRecorder:
             if self.recorder.active:
                 self.recorder.enter_module(module, inputs)
         except Exception as exc:
-            warnings.warn(f"replaydiff: module paths of the first call may be wrong: {exc}", RuntimeWarning,
+            warn_job(f"module paths of the first call may be wrong: {exc}",
                           stacklevel=2)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -135,7 +135,7 @@ class MultiStepRecorder:
                 global first_step_missed
                 first_step_missed = True
                 if not os.environ.get(ENV_VAR):  # the CLI's child: `replaydiff record` says it, once for the job
-                    warnings.warn(f"replaydiff: {FIRST_STEP_MISSED}", RuntimeWarning, stacklevel=2)
+                    warn_job(FIRST_STEP_MISSED, stacklevel=2)
             if self.recording:
                 self.recorder.pause()
                 self.recording = False
@@ -145,7 +145,7 @@ class MultiStepRecorder:
             elif step + 1 in self.range:
                 self._resume(step + 1)
         except Exception as exc:
-            warnings.warn(f"replaydiff: step recording failed: {exc}", RuntimeWarning, stacklevel=2)
+            warn_job(f"step recording failed: {exc}", stacklevel=2)
 
     def _resume(self, step: int) -> None:
         self.recorder.resume(step)
@@ -194,7 +194,7 @@ class MultiStepRecorder:
             atexit.unregister(self.finish)
             self._drop_first_forward_hook()  # torch calls global forward pre hooks from a copy of its table
         except Exception as exc:
-            warnings.warn(f"replaydiff: a step-recording hook could not be removed: {exc}", RuntimeWarning,
+            warn_job(f"a step-recording hook could not be removed: {exc}",
                           stacklevel=2)
         self._remove_flight_triggers()
 

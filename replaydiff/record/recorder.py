@@ -20,7 +20,7 @@ import torch
 from replaydiff import device
 from replaydiff.aten import current_rank, facts, iter_tensors, written_args
 from replaydiff.record.autostart._replaydiff_record_env import ENV_VAR  # set in children of the CLI
-from replaydiff.errors import warn
+from replaydiff.errors import warn, warn_job
 from replaydiff.record.compiled import CompiledRegionTracker, no_filter, quiet_global_hook_warning
 from replaydiff.record.context import OpContext
 from replaydiff.record.environment import environment_snapshot
@@ -182,6 +182,23 @@ class Recorder:
             device.RUNTIME.release_pinned()  # the copies' page-locked memory, which torch would keep cached
         except Exception as exc:
             self._warn(f"the trace could not be finished: {exc}")
+            return
+        if self.options.plant and not os.environ.get(ENV_VAR):  # the CLI says it itself, at the end
+            self._say_plant()
+
+    def _say_plant(self) -> None:
+        """From Python, as the CLI does: the trace holds a fault on purpose, and where it landed (as read back)."""
+        try:
+            from replaydiff.trace.format import MANIFEST
+            from replaydiff.trace.reader import RankTrace
+
+            info = RankTrace(self.rank_dir).planted if (self.rank_dir / MANIFEST).exists() else None
+        except Exception as exc:  # the trace says it in any case (show, replay): this line is a courtesy
+            log.debug("planted fault not read back: %s", exc)
+            return
+        if info is not None:
+            then = "every report on this trace names it" if info.landed else "replay will have nothing to find"
+            self._warn(f"PLANTED FAULT (plant={self.options.plant!r}): {info.describe()}; {then}")
 
     def flush_pending(self) -> None:
         """Records waiting for their statistics go to the writer now (end of a step, of the recording, a signal)."""
@@ -454,10 +471,10 @@ class Recorder:
                 pass
             return
         if not unmissable:
-            warnings.warn(f"replaydiff: {msg}", RuntimeWarning, stacklevel=3)  # the Python API: filterable, catchable
+            warn_job(msg, stacklevel=3)  # the Python API: filterable, catchable
             return
         with warnings.catch_warnings(record=True) as shown:  # the job's filters apply; "ignore" leaves it out
-            warnings.warn(f"replaydiff: {msg}", RuntimeWarning, stacklevel=3)
+            warn_job(msg, stacklevel=3)
         for w in shown:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
         if not shown:

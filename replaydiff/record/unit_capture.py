@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from replaydiff.errors import prefixed
 from replaydiff import aten
 from replaydiff.record.mode import RecordingMode, select
 from replaydiff.trace import schema
@@ -205,7 +206,7 @@ def record_unit(rec: Any, g: UnitGraph, args: list, run: Callable[[list], Any]) 
 def _unit_before(rec: Any, g: UnitGraph, inputs: list, index: int) -> tuple[dict, list]:
     b = rec.builder
     ctx = rec.context
-    phase, module, fwd = ctx.place(index)
+    phase, module, fwd, _ = ctx.place(index)
     where = ctx.source()
     source, text = where if where is not None else (None, None)
     name = aten.unit_name(g.kind)
@@ -285,8 +286,8 @@ def capture_backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         region, callback = _region_of_compile()
         name, compiler = user_compiler(callback)
     except Exception as exc:  # never into the job: the graph runs as eager aten ops, each recorded
-        log.warning("replaydiff: a compiled region runs eager while recording (its backend could not be found: "
-                    "%s)", exc)
+        log.warning(prefixed("a compiled region runs eager while recording (its backend could not be found: "
+                             "%s)"), exc)
         return gm.forward
 
     def wrap(compiled: Any, graph_gm: torch.fx.GraphModule, kind: str) -> Any:
@@ -320,7 +321,7 @@ def capture_backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
 
         return aot_eager(gm, example_inputs, fw_compiler=fw, bw_compiler=bw)
     if compiler is None:  # the graph runs as eager aten ops, each recorded
-        log.warning("replaydiff: compiled region %s runs eager while recording (its backend could not be found)",
+        log.warning(prefixed("compiled region %s runs eager while recording (its backend could not be found)"),
                     region)
         return gm.forward
     return compiler(gm, example_inputs)  # not captured: runs as its backend makes it
@@ -439,8 +440,8 @@ def watch_compiles() -> None:
         _watch["compile"] = (orig, compile)
         torch.compile = compile
     except Exception as exc:  # a guest: the job runs on, compiled as it asked
-        log.warning("replaydiff: compiles not watched (%s: %s); graphs compiled before a recording starts will not "
-                    "be replayable", type(exc).__name__, exc)
+        log.warning(prefixed("compiles not watched (%s: %s); graphs compiled before a recording starts will not "
+                             "be replayable"), type(exc).__name__, exc)
 
 
 def _watch_now() -> None:
@@ -458,5 +459,5 @@ def _watch_now() -> None:
             raise RuntimeError(f"torch.compile's stance is {prior.stance!r} (backend {prior.backend!r})")
         ef._set_stance(ef.DynamoStance("default", prior.skip_guard_eval_unsafe, capture_backend))
     except Exception as exc:
-        log.warning("replaydiff: compiles not watched (%s: %s); graphs compiled before a recording starts will not "
-                    "be replayable", type(exc).__name__, exc)
+        log.warning(prefixed("compiles not watched (%s: %s); graphs compiled before a recording starts will not "
+                             "be replayable"), type(exc).__name__, exc)

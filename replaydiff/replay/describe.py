@@ -8,14 +8,19 @@ import math
 from replaydiff.compare.verdict import output_said
 from replaydiff.rebuild_and_judge import shown
 from replaydiff.replay.result import NonfiniteInput, OpResult
+from replaydiff.trace.location import OpLocation
 
 
 def op_line(r: OpResult) -> str:
-    # A backward op's own source line is the backward() call; the forward op's line says which code it is.
-    source = r.forward_source if (r.phase == "backward" and r.forward_source) else r.source
-    where = "  ".join(shown(x) for x in (r.module or "no module", f"({r.phase})" if r.phase else "", source or "")
-                      if x)
-    return f"#{r.index} {shown(r.op)}  {where}".rstrip()
+    return f"#{r.index} {shown(r.op)}  {shown(place(r).where('no module'))}".rstrip()
+
+
+def place(r: OpResult) -> OpLocation:
+    """Where the op is (trace/location.py); from its own fields for a result read from an older report."""
+    if r.location is not None:
+        return r.location
+    return OpLocation(module=r.module, phase=r.phase, source=r.source, source_text=None, of_forward=False,
+                      backward_call=None, forward_index=r.forward_index, recompute=False, recompute_of=None)
 
 
 def argument_text(held: NonfiniteInput) -> str:

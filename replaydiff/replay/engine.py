@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from replaydiff import device as seam
+from replaydiff.replay.recomputes import check_recomputes
 from replaydiff.aten import matches_any
 from replaydiff.errors import EnvironmentProblem, TraceError, UsageError
 from replaydiff.replay.collectives import CollectiveChecker
@@ -276,18 +277,17 @@ def finish(trace: Trace, p: ReplayPlan, results: list[OpResult]) -> ReplayReport
             report.replicas = first_replica_break(trace)
         except Exception as exc:  # a damaged chunk elsewhere: the replica comparison is extra, the report stands
             report.warnings.append(f"replicas not compared: {type(exc).__name__}: {exc}")
+    recomputes = [(r.rank, r.index) for r in report.ops if r.location is not None and r.location.recompute_of is not None]
+    if recomputes:
+        try:
+            report.recomputes_differ = check_recomputes(trace, recomputes)
+        except Exception as exc:  # a damaged chunk elsewhere: the check is extra, the report stands
+            report.warnings.append(f"recomputes not compared with their forward ops: {type(exc).__name__}: {exc}")
     candidates = [(r.rank, r.index) for r in report.first_per_rank]
     if len(candidates) > 1:
         first = earliest(trace, candidates)
         report.culprit = first[0]
         report.undecided = first[1:]
-    for r in report.ops:
-        # A backward op's own source line is the backward() call; the forward op's line says which code it is.
-        if r.status in (Status.DIVERGENT, Status.NONDETERMINISTIC, Status.ERROR) and r.forward_index is not None:
-            try:
-                r.forward_source = trace.rank(r.rank)[r.forward_index].source
-            except Exception:  # a damaged chunk elsewhere: the hint is optional
-                pass
     return report
 
 

@@ -25,11 +25,12 @@ from replaydiff.compare.verdict import Calibration, Verdict
 from replaydiff.replay.policy import Precision, ReplayOptions
 from replaydiff.replay.result import NonfiniteInput, OpResult, Status
 from replaydiff.trace.format import MANIFEST
+from replaydiff.trace.location import OpLocation
 from replaydiff.trace.reader import Trace
 
 _VERSION = 1
 _TYPES: dict[str, type] = {c.__name__: c for c in (
-    OpResult, NonfiniteInput, Verdict, Calibration, metrics.FloatError, metrics.NonfiniteMismatch,
+    OpResult, NonfiniteInput, OpLocation, Verdict, Calibration, metrics.FloatError, metrics.NonfiniteMismatch,
     metrics.ExactMismatch, metrics.ShapeMismatch, metrics.ViewMismatch, metrics.ScalarMismatch)}
 _ENUMS: dict[str, type[Enum]] = {c.__name__: c for c in (Status, Precision)}
 _FLUSH_SECONDS = 1.0

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from replaydiff.trace.location import OpLocation
 from replaydiff.compare.verdict import Verdict
 from replaydiff.trace.damage import CutShort, MissingOps
 from replaydiff.trace.schema import LEFT_OUT_UNWANTED, LEFT_OUT_WHY, PlantedFaultInfo
@@ -65,7 +66,7 @@ class OpResult:
     phase: str | None = None
     source: str | None = None
     forward_index: int | None = None
-    forward_source: str | None = None  # for a backward op: the source line of the forward op it belongs to
+    location: OpLocation | None = None  # where it is (trace/location.py): what every report says of its place
     verdict: Verdict | None = None  # the deciding output's verdict (the worst one when all are within limits)
     reason: str | None = None
     nonfinite_origin: bool = False
@@ -141,6 +142,9 @@ class ReplayReport:
     cut_short: list[CutShort] = field(default_factory=list)
     # Trace.fingerprint of the trace replayed: a report or the TUI refuses results of an earlier recording.
     fingerprint: str = ""
+    # Recomputes (activation checkpointing) whose outputs are not the forward op's they run again
+    # (replay/recomputes.py): a finding of their own, so the replay is not clean.
+    recomputes_differ: list[Any] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         c = {s.value: 0 for s in Status}
@@ -257,7 +261,8 @@ class ReplayReport:
         recording left out for its budget or a full disk (never judged either), one skipped though it computed
         something (a compiled unit without a replayable graph), ops missing from a damaged trace, a recording that
         stopped part-way (a partial trace), or no op judged at all."""
-        return self.nothing_judged or bool(self.missing or self.cut_short) or self.replicas is not None or any(
+        return self.nothing_judged or bool(self.missing or self.cut_short or self.recomputes_differ) or \
+            self.replicas is not None or any(
             r.status in PROBLEMS or r.status is Status.ERROR or r.unjudged or
             r.data_left_out in LEFT_OUT_UNWANTED for r in self.ops)
 

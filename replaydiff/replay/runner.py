@@ -243,6 +243,7 @@ class OpReplayer:
         """The one place an op's result is made: from its judgement, the notes written as its reason."""
         return OpResult(rank=self.trace.rank, index=op.index, op=op.name, status=j.status, module=op.module,
                         phase=op.phase, source=op.source, forward_index=op.forward_index, verdict=j.verdict,
+                        location=self.trace.location(op),
                         reason=render(j.notes), nonfinite_origin=nonfinite_origin, nonfinite_input=nonfinite_input,
                         nonfinite_from_inf=from_inf, nonfinite_discarded_by=discarded_by,
                         collective=j.collective,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from replaydiff.trace.location import location_json
 from replaydiff.diff.result import DiffReport, PairResult, RankDiff, Unaligned
 from replaydiff.report.json_report import _clean
 
@@ -35,7 +36,9 @@ def pair_json(rd: RankDiff, p: PairResult | None) -> dict | None:
         "index": {"ref": p.ref, "target": p.target},
         "rank": {"ref": rd.ref_rank, "target": rd.target_rank},
         "op": p.op, "target_op": p.target_op, "module": p.module, "phase": p.phase, "source": p.source,
-        "forward_index": p.forward_index, "forward_source": p.forward_source,
+        "forward_index": p.forward_index,
+        "forward_source": p.location.source if p.location and p.location.of_forward else None,
+        "location": location_json(p.location),
         "status": p.status.value, "evidence": None if p.evidence is None else p.evidence.value,
         "inputs_agree": p.inputs_agree, "metrics": p.metrics, "reason": p.reason,
         "inherited_from": None if p.inherited_from is None else p.inherited_from.to_json(),

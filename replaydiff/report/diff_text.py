@@ -19,9 +19,9 @@ def _value(v: object) -> str:
 
 
 def pair_line(p: PairResult) -> str:
-    # A backward op's own source line is the backward() call; the forward op's line says which code it is.
-    source = p.forward_source if (p.phase == "backward" and p.forward_source) else p.source
-    where = "  ".join(shown(x) for x in (p.module or "", f"({p.phase})" if p.phase else "", source or "") if x)
+    loc = p.location
+    where = shown(loc.where()) if loc is not None else \
+        "  ".join(shown(x) for x in (p.module or "", f"({p.phase})" if p.phase else "", p.source or "") if x)
     return f"ref #{p.ref} / target #{p.target} {shown(p.op)}  {where}".rstrip()
 
 
@@ -102,8 +102,9 @@ def _rank_block(rd: RankDiff, many: bool, out: TextIO, max_listed: int, partial:
         out.write(f"  first divergence {pair_line(first)}\n")
         out.write(f"    {pair_metrics(first)}\n")
         out.write(f"    {(first.reason or '').split('; ')[-1]} ({first.evidence})\n")
-        if first.phase == "backward" and first.forward_index is not None:
-            out.write(f"    backward of forward op ref #{first.forward_index}\n")
+        ran_by = first.location.origin() if first.location is not None else None
+        if ran_by is not None:  # the forward op it differentiates or recomputes (the reference's numbers)
+            out.write(f"    {ran_by.replace('forward op #', 'forward op ref #')}\n")
         if first.dtypes:
             out.write(f"    output dtype {first.dtypes[0]} in ref, {first.dtypes[1]} in target\n")
         others = [p for p in rd.pairs if p.status is PairStatus.DIVERGENT and p is not first]

@@ -9,7 +9,7 @@ from typing import Any, TextIO
 
 from replaydiff.health import TOP, Check, HealthReport
 from replaydiff.rebuild_and_judge import shown
-from replaydiff.replay.describe import figure_text, metrics_line, planted_line
+from replaydiff.replay.describe import figure_text, metrics_line, place, planted_line
 from replaydiff.replay.result import OpResult
 from replaydiff.trace.schema import Environment
 
@@ -81,9 +81,11 @@ def _detail(r: OpResult) -> str:
 
 
 def _culprit_fields(r: OpResult) -> list[tuple[str, str]]:
-    rows = [("module", r.module or "-"), ("phase", r.phase or "-"), ("source line", r.source or "-")]
-    if r.forward_index is not None:
-        rows.append(("forward op", f"#{r.forward_index}" + (f" at {r.forward_source}" if r.forward_source else "")))
+    loc = place(r)
+    rows = [("module", loc.module or "-"), ("phase", loc.phase_text or "-"), ("source line", loc.source or "-")]
+    ran_by = loc.origin()
+    if ran_by is not None:
+        rows.append(("ran by", ran_by))
     rows.append(("figures", metrics_line(r)))
     if r.reason:
         rows.append(("reason", r.reason))

@@ -40,6 +40,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from replaydiff.trace.location import location_from_json, location_json
 from replaydiff.compare.verdict import Verdict
 from replaydiff.errors import UsageError
 
@@ -66,7 +67,8 @@ def op_json(r: OpResult | None) -> dict | None:
         return None
     return _clean({"rank": r.rank, "index": r.index, "op": r.op, "status": r.status.value, "module": r.module,
                    "phase": r.phase, "source": r.source, "forward_index": r.forward_index,
-                   "forward_source": r.forward_source, "metrics": r.metrics, "severity": r.severity,
+                   "forward_source": r.location.source if r.location and r.location.of_forward else None,
+                   "location": location_json(r.location), "metrics": r.metrics, "severity": r.severity,
                    "reason": r.reason, **({"repeats_disagree": True} if r.repeats_disagree else {}),
                    **({"data_left_out": r.data_left_out} if r.data_left_out else {}),
                    **({"nonfinite_origin": True} if r.nonfinite_origin else {}),
@@ -92,6 +94,7 @@ def report_to_json(report: ReplayReport) -> dict:
         "first_divergent_per_rank": [op_json(r) for r in report.first_per_rank],
         "undecided": [{"rank": k, "index": i} for k, i in report.undecided],
         "replicas": None if report.replicas is None else report.replicas.to_json(),
+        "recomputes_differ": [d.to_json() for d in report.recomputes_differ],
         "first_nondeterministic": op_json(report.first_nondeterministic),
         "nonfinite_origin": op_json(report.nonfinite_origin),
         "nonfinite_entry": op_json(report.nonfinite_entry),
@@ -125,7 +128,7 @@ def load_replay_json(path: str | Path) -> ReplayReport:
         verdict = None if m is None else Verdict.from_json(m, status is Status.DIVERGENT, o.get("reason"))
         report.ops.append(OpResult(rank=o["rank"], index=o["index"], op=o["op"], status=status,
                                    module=o.get("module"), phase=o.get("phase"), source=o.get("source"),
-                                   forward_index=o.get("forward_index"), forward_source=o.get("forward_source"),
+                                   forward_index=o.get("forward_index"), location=location_from_json(o.get("location")),
                                    verdict=verdict, reason=o.get("reason"),
                                    repeats_disagree=bool(o.get("repeats_disagree")),
                                    data_left_out=o.get("data_left_out"), unjudged=bool(o.get("unjudged")),
@@ -143,6 +146,10 @@ def load_replay_json(path: str | Path) -> ReplayReport:
         from replaydiff.replay.replicas import ReplicaBreak
 
         report.replicas = ReplicaBreak(**d["replicas"])
+    if d.get("recomputes_differ"):
+        from replaydiff.replay.recomputes import RecomputeDiffers
+
+        report.recomputes_differ = [RecomputeDiffers(**x) for x in d["recomputes_differ"] if isinstance(x, dict)]
     origin = d.get("nonfinite_origin")
     if origin:
         for r in report.ops:

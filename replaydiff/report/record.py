@@ -46,6 +46,14 @@ def render_text(o: RecordingOutcome, out: TextIO, shown: str, budget: str | None
         summary = f"the command was interrupted (Ctrl-C or SIGINT; exit code {code}) before the recording " \
                   f"finished. The trace {shown} holds {_held_when_cut(o.held)}: it reads up to there."
         note = ""
+    elif o.stopped and done and missed and not options.flight:  # stopped inside a step after whole ones
+        # as trend reads it: the whole steps, then the one cut short
+        summary = f"recording STOPPED part-way: {o.stopped}. The trace {shown} ({n} rank(s)) holds " \
+                  f"{steps_text(done)} whole, then what was recorded of step {missed[0]} before that."
+        if len(missed) > 1:
+            rest = missed[1:]
+            note = f" {steps_text(rest).capitalize()} {'was' if len(rest) == 1 else 'were'} never reached: " \
+                   f"{_ran(o.steps_run, o.code)}."
     elif o.stopped:  # the recorder gave up part-way: what was asked for is not all in the trace
         summary = f"recording STOPPED part-way: {o.stopped}. The trace {shown} ({n} rank(s)) holds what was " \
                   f"recorded before that, not all of {what}."

@@ -178,8 +178,13 @@ def render_op(d: OpDetail, out: TextIO) -> None:
     out.write(f"op #{op.index} {shown(op.name)}  rank {d.rank}\n")
     if not op.recorded:
         out.write(f"  not recorded: {shown(op.not_recorded_reason)}\n")
-    out.write(f"  phase   {shown(op.phase)}\n  module  {shown(op.module)}\n  source  {shown(op.source)}"
-              f"{'  ' + shown(op.source_text) if op.source_text else ''}\n")
+    loc = d.location  # the one definition every report uses (trace/location.py)
+    out.write(f"  phase   {shown(loc.phase_text or None)}\n  module  {shown(loc.module)}\n  source  {shown(loc.source)}"
+              f"{'  ' + shown(loc.source_text) if loc.source_text else ''}"
+              f"{'  (of the forward op)' if loc.of_forward else ''}\n")
+    ran_by = loc.origin()
+    if ran_by is not None:
+        out.write(f"  ran by  {shown(ran_by)}\n")
     if d.source_warning:  # the recorded text above is what ran; the file here is another one
         out.write(f"          {shown(d.source_warning)}\n")
     if op.schema:

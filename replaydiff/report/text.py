@@ -6,7 +6,7 @@ from typing import TextIO
 
 from replaydiff.aten import is_unit
 from replaydiff.rebuild_and_judge import shown
-from replaydiff.replay.describe import argument_text, metrics_line, op_line, planted_line
+from replaydiff.replay.describe import argument_text, metrics_line, op_line, place, planted_line
 from replaydiff.replay.result import NonfiniteInput, OpResult, ReplayReport, Status
 from replaydiff.replay.plants import plant_notes
 from replaydiff.trace.damage import describe_missing
@@ -35,7 +35,7 @@ def nonfinite_entry_line(r: OpResult, held: NonfiniteInput, ended: str | None = 
     whence = "from outside the trace" if held.producer is None else \
         f"from op #{held.producer} {shown(held.producer_op)}, which was not replayed (its data left out)"
     where = shown(", ".join(x for x in (r.module or "no module", r.phase) if x))
-    source = shown(r.forward_source if (r.phase == "backward" and r.forward_source) else r.source or "")
+    source = shown(place(r).source or "")
     kinds = "NaN and Inf" if held.nan and held.inf else "NaN" if held.nan else "Inf"
     fate = f": {ended}" if ended is not None else ""
     if held.argument is not None:
@@ -133,6 +133,9 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
         judged = sum(r.status in (Status.OK, Status.DIVERGENT, Status.NONDETERMINISTIC) for r in report.ops)
         out.write(f"not clean: no divergent op among the {judged} judged; "
                   f"{record_again({r.data_left_out for r in not_judged})}\n")
+    elif first is None and report.recomputes_differ:
+        out.write("not clean: every replayed op matches its recorded output within tolerance, but a recompute does "
+                  "not reproduce the forward op it runs again (below)\n")
     elif first is None:
         out.write("no divergent op: every replayed op matches its recorded output within tolerance\n")
     else:
@@ -142,9 +145,9 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
         out.write(f"  {metrics_line(first)}  - {how}\n")
         if is_unit(first.op) and first.reason:  # a compiled unit: its region, and the node inside it
             out.write(f"  {shown(first.reason)}\n")
-        if first.phase == "backward" and first.forward_index is not None:
-            called = f"; backward() called at {shown(first.source)}" if first.source else ""
-            out.write(f"  backward of forward op #{first.forward_index}{called}\n")
+        ran_by = place(first).origin()
+        if ran_by is not None:  # what ran it: the forward op it differentiates or recomputes, the backward() call
+            out.write(f"  {shown(ran_by)}\n")
         before = report.missing_before(first)
         if before:  # the earliest among the ops read: an earlier culprit may be among those that are gone
             out.write(f"  the earliest among the ops read: {sum(m.count for m in before)} op(s) before it are "
@@ -175,6 +178,10 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
             out.write(f"    {f'rank {r.rank} ' if len(ranks) > 1 else ''}{op_line(r)}: {shown(r.verdict.explanation)}\n")
     if report.replicas is not None:
         out.write(report.replicas.describe() + "\n")
+    differ = report.recomputes_differ
+    if differ:  # the earliest; those after it may differ only because it does
+        more = f" ({len(differ) - 1} more recompute(s) after it differ too)" if len(differ) > 1 else ""
+        out.write(f"first {differ[0].describe()}{more}\n")
     nd = report.first_nondeterministic
     if nd is not None:
         n = sum(r.status is Status.NONDETERMINISTIC for r in report.ops)

@@ -188,7 +188,15 @@ def render_text(t: TrendResult, out: TextIO, width: int = 60, trace: str = "TRAC
     out.write(f"rank {t.rank}: {len(t.steps)} steps ({t.steps[0]}..{t.steps[-1]}), {t.ops_read} records"
               f"{'' if t.module_glob is None else f', modules {t.module_glob}'}\n")
     c = t.first_change
-    if c is None:
+    if c is None and len(t.steps) < 2:  # nothing to compare a step with
+        out.write(f"nothing judged: trend compares each step with the steps before it, and this trace holds "
+                  f"{len(t.steps)} step; NaN/Inf appearing needs 2 steps, a jump in a statistic {MIN_HISTORY + 1} "
+                  f"({MIN_HISTORY} before it; {t.window} fill the window): record more with --steps or --flight\n")
+    elif c is None and len(t.steps) <= MIN_HISTORY:
+        out.write(f"no NaN/Inf appeared; a jump in a statistic was not judged: it needs {MIN_HISTORY + 1} steps "
+                  f"({MIN_HISTORY} before it; {t.window} fill the window), and this trace holds {len(t.steps)}: "
+                  f"record more with --steps or --flight\n")
+    elif c is None:
         out.write(f"no sudden change (robust z-score >= {t.threshold:g} against the {t.window} steps before)\n")
     else:
         out.write(f"first change: {describe_change(c)}\n")

@@ -355,7 +355,11 @@ def _write_unit_repro(trace: RankTrace, op: OpRecord, out_dir: str | Path, sourc
 
 
 def _docstring(trace: RankTrace, op: OpRecord, source_trace: str) -> str:
-    where = ", ".join(x for x in (op.module, op.phase, op.source) if x)
+    try:  # where every report places it (trace/location.py)
+        loc = trace.location(op)
+        where = ", ".join(x for x in (loc.module, loc.phase_text, loc.source, loc.origin()) if x)
+    except Exception:  # a damaged chunk elsewhere: the op's own fields
+        where = ", ".join(x for x in (op.module, op.phase, op.source) if x)
     lines = [f"Standalone repro of op #{op.index} {op.name} (rank {trace.rank}) from the replaydiff trace "
              f"{source_trace or trace.root}", f"({where})." if where else ""]
     planted = trace.planted

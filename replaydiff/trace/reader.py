@@ -47,6 +47,7 @@ from replaydiff.trace.format import (
 )
 from replaydiff.trace.damage import CutShort, MissingOps, find_missing
 from replaydiff.trace.index import IndexBuilder, ModuleNode, TraceIndex
+from replaydiff.trace.location import OpLocation, locate as locate_op
 from replaydiff.trace.schema.environment import Environment
 from replaydiff.trace.schema.index_rows import check_chunk
 from replaydiff.trace.schema.left_out import LeftOut, left_out_from_manifest
@@ -333,6 +334,16 @@ class RankTrace(Sequence):
         if loc is None:
             return None
         return locate(op.source, op.source_text, self.source_files.get(loc[0]), self.source_root)
+
+    def location(self, op: OpRecord, text: bool = False) -> OpLocation:
+        """Where ``op`` is (``trace/location.py``): its module and the line of the code it computes for, and what
+        ran it. ``text``: with the line's text (reads the forward op's record; else its line comes from the index)."""
+        def forward_source(i: int) -> tuple[str | None, str | None]:
+            if text:
+                fwd = self.op(i)
+                return fwd.source, fwd.source_text
+            return self.index.source[i], None
+        return locate_op(op, forward_source)
 
     @property
     def compiled_regions(self) -> list[CompiledRegion]:

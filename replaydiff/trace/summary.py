@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from replaydiff.trace.location import OpLocation
 from replaydiff.aten import matches_any
 from replaydiff.errors import TraceError, UsageError
 from replaydiff.trace.modes import TensorMode
@@ -109,6 +110,7 @@ class OpDetail:
     planted: PlantedFaultInfo | None
     source_warning: str | None  # the source file here is not the one that ran
     forward: OpRecord | None  # a backward op's forward op
+    location: OpLocation  # where it is: module, the line of the code it computes for, what ran it
     producers: dict[int, int | None]  # input position -> the op that wrote it (None: from outside the trace)
     consumers: dict[int, list[int]]  # output position -> the ops that read it
 
@@ -128,6 +130,7 @@ def op_detail(r: RankTrace, number: int) -> OpDetail:
     line = r.source_line(op)
     return OpDetail(r.rank, op, r.planted, line.warning() if line is not None else None,
                     r[op.forward_index] if op.forward_index is not None and op.forward_index < len(r) else None,
+                    r.location(op, text=True),
                     r.producers(op.index) if op.recorded else {}, r.consumers(op.index) if op.recorded else {})
 
 

@@ -1,4 +1,5 @@
-"""What recording costs a real model's training step: transformers' T5, GPT-2 and Llama from tiny configs.
+"""What recording costs a real model's training step: transformers' T5, GPT-2 and Llama from tiny configs, and a
+Mamba-style selective scan in a Python loop with checkpointed blocks (``scan``: small tensors, many ops).
 
 Why: the project's own tiny transformer has few tensors per op and shallow Python around each op; transformers'
 models have more of both (masks, position biases, caches, deep call stacks), and the recorder's per-op cost there
@@ -27,7 +28,7 @@ What it prints:
 No weights are downloaded: every model is built from a config with random weights (``transformers`` is a test
 dependency). ``REPLAYDIFF_SRC=DIR`` runs the replaydiff of another tree (an A/B from ``git archive``).
 
-Usage: ``python tests/bench/bench_real_models.py [--models t5,gpt2,llama,tiny,mid] [--variants ...] [--rounds 7]
+Usage: ``python tests/bench/bench_real_models.py [--models t5,gpt2,llama,scan,tiny,mid] [--variants ...] [--rounds 7]
 [--profile] [--profile-variants meta,stats,full] [--replay] [--no-timing]``.
 """
 from __future__ import annotations
@@ -115,7 +116,58 @@ def build(name: str) -> Callable[[], Any]:
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
         model = transformers.LlamaForCausalLM(cfg)
         return _hf_step(model, {"input_ids": ids, "labels": ids})
-    raise SystemExit(f"unknown model {name!r} (t5, gpt2, llama, {', '.join(MODELS)})")
+    if name == "scan":
+        return _plain_step(_SelectiveScan(), torch.randn(BATCH, SEQ, 16, generator=g))
+    raise SystemExit(f"unknown model {name!r} (t5, gpt2, llama, scan, {', '.join(MODELS)})")
+
+
+class _Mixer(torch.nn.Module):
+    """A Mamba-style block: a selective scan in a Python loop over the sequence (many small ops a step)."""
+
+    def __init__(self, d: int = 16, n: int = 4) -> None:
+        super().__init__()
+        self.inp, self.dt, self.out = torch.nn.Linear(d, 2 * d), torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.B, self.C = torch.nn.Linear(d, n), torch.nn.Linear(d, n)
+        self.A = torch.nn.Parameter(-torch.rand(d, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u, z = self.inp(x).chunk(2, -1)
+        dt = torch.nn.functional.softplus(self.dt(u))
+        b, c = self.B(u), self.C(u)
+        h = torch.zeros(x.shape[0], x.shape[2], self.A.shape[1])
+        ys = []
+        for t in range(x.shape[1]):  # (B, d, n) state, one step at a time
+            h = torch.exp(dt[:, t, :, None] * self.A) * h + dt[:, t, :, None] * b[:, t, None, :] * u[:, t, :, None]
+            ys.append((h * c[:, t, None, :]).sum(-1))
+        return self.out(torch.stack(ys, 1) * torch.nn.functional.silu(z))
+
+
+class _SelectiveScan(torch.nn.Module):
+    """Two mixer blocks, each under activation checkpointing (recomputed in the backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Mixer() for _ in range(2)])
+        self.norm = torch.nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = x + checkpoint(block, self.norm(x), use_reentrant=False)
+        return x.pow(2).mean()
+
+
+def _plain_step(model: torch.nn.Module, x: torch.Tensor) -> Callable[[], Any]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> Any:
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
 
 
 def count_ops(step: Callable[[], Any]) -> int:

@@ -795,3 +795,23 @@ def test_record_passes_signals_on_to_the_command_and_waits_for_it(tmp_path, sig)
     child = int((tmp_path / "pid").read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(child, 0)
+
+
+@pytest.mark.slow
+def test_a_script_that_raised_mid_run_is_said_with_the_steps_trend_reads(tmp_path, cli):
+    """--steps 1-6 and an exception in step 4: the summary says steps 1-3 whole and part of step 4, as trend counts
+    them (4 steps), and that steps 5-6 were never reached."""
+    (tmp_path / "crash.py").write_text(
+        "import torch\ntorch.manual_seed(0)\nnet = torch.nn.Linear(4, 1)\n"
+        "opt = torch.optim.SGD(net.parameters(), lr=0.01)\n"
+        "for step in range(1, 7):\n"
+        "    loss = net(torch.randn(8, 4)).pow(2).mean()\n"
+        "    if step == 4:\n        raise RuntimeError('data loader died')\n"
+        "    loss.backward(); opt.step(); opt.zero_grad()\n")
+    proc = cli("record", "--tensors", "stats", "--steps", "1-6", "-o", "t", "--", sys.executable, "crash.py",
+               cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert "The trace t (1 rank(s)) holds steps 1-3 whole, then what was recorded of step 4 before that. Steps " \
+           "5-6 were never reached" in proc.stderr, proc.stderr
+    trend = cli("trend", "t", cwd=tmp_path)
+    assert "4 steps (1..4)" in trend.stdout, trend.stdout

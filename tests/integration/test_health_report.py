@@ -47,7 +47,10 @@ def test_markdown_report_names_the_planted_culprit_with_checks_top_ops_modules_a
     culprit = md.split("## Culprit", 1)[1].split("##", 1)[0]
     assert f"**#{op.index} {op.name}**" in culprit
     assert f"- module: {op.module}" in culprit and f"- phase: {op.phase}" in culprit
-    assert f"- source line: {op.source}" in culprit
+    # a backward op is at its forward op's line, as every report says it, and what ran it follows
+    assert op.phase == "backward"
+    assert f"- source line: {rt[op.forward_index].source}" in culprit
+    assert f"- ran by: backward of forward op #{op.forward_index}; backward() called at {op.source}" in culprit
     top = md.split("largest error / limit |", 1)[1].split("## Error per module")[0]
     rows = [l for l in top.splitlines() if l.startswith("| #")]
     assert len(rows) == 10 and rows[0].startswith(f"| #{op.index} | {op.name} |")

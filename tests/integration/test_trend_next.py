@@ -81,25 +81,25 @@ def _adamw_lr_jump(path, flight: int, steps: int = 19) -> None:
 
 
 def test_a_flight_window_that_began_after_the_change_says_so_and_the_flight_k_it_gives_finds_it(tmp_path, capsys):
-    """--flight 8 holds steps 13..19: the jump of step 12 shows first where trend can first see a jump (5 steps into
-    the window), with nothing to say it began earlier. trend says the window may have begun too late and gives the
+    """--flight 8 holds steps 12..19: the jump of step 12 is the window's first step, and shows first where trend can
+    first see a jump (5 steps into the window), with nothing to say it began earlier. trend says the window may have begun too late and gives the
     --flight K that keeps the 10 steps before it; recorded with that K, the change is at step 12 and the cause names
     the learning rate's argument."""
     short = tmp_path / "short"
     _adamw_lr_jump(short, flight=8)
     t = compute_trend(open_trace(short).rank(0))
-    assert t.steps == list(range(13, 20))  # the ring's 8th step is the one in progress at exit, with no statistics
+    assert t.steps == list(range(12, 20))  # the last 8 whole steps (the ops after the last step are no step)
     assert t.first_change is not None and t.first_change.step == t.steps[5]  # the first step with 5 before it
     late = t.late_window
-    assert late is not None and (late.step, late.first, late.last, late.keep, late.before) == (18, 13, 19, 18, 10)
+    assert late is not None and (late.step, late.first, late.last, late.keep, late.before) == (17, 12, 19, 18, 10)
     assert cli_main(["trend", str(short)]) == 1
     text = capsys.readouterr().out
-    assert "the flight window (13..19) may have begun too late: the change is at step 18, the earliest step where " \
+    assert "the flight window (12..19) may have begun too late: the change is at step 17, the earliest step where " \
            "trend can see a jump" in text
-    assert "record again with --flight 18 (it was 8) to keep the 10 steps before step 13 as well" in text
+    assert "record again with --flight 18 (it was 8) to keep the 10 steps before step 12 as well" in text
     assert cli_main(["trend", str(short), "--json", "-"]) == 1
     assert json.loads(capsys.readouterr().out)["late_window"] == {
-        "step": 18, "first_step": 13, "last_step": 19, "flight": 18, "steps_before": 10, "flight_mib": None}
+        "step": 17, "first_step": 12, "last_step": 19, "flight": 18, "steps_before": 10, "flight_mib": None}
 
     from replaydiff.tui.screens.trend import LATE_ID, TrendScreen
 

@@ -27,10 +27,12 @@ from replaydiff.trace.schema.units import (NODE_CALL, NODE_CONST, NODE_INPUT, NO
                                            encode_graph_value, wire_node, wire_set_unit)
 from replaydiff.trace.schema.index_rows import IndexRow, check_chunk, chunk_frame, index_row
 from replaydiff.trace.schema.op_wire import (ENTERED_REASON, check_entered, wire_entered, wire_index,
-                                             wire_is_collective, wire_left_out, wire_nonfinite, wire_not_recorded,
+                                             wire_is_collective, wire_left_out, wire_nonfinite, wire_nonfinite_inputs,
+                                             wire_not_recorded,
                                              wire_op, wire_rechunk, wire_set_chunk, wire_set_collective,
                                              wire_set_inputs, wire_set_left_out, wire_set_outputs, wire_set_rng,
-                                             wire_set_stats, wire_set_step, wire_stats_key, wire_stored_tensor,
+                                             wire_set_recompute, wire_set_stats, wire_set_step, wire_stats_key,
+                                             wire_stored_tensor,
                                              wire_strip_chunks, wire_tensor, wire_unsupported, wire_zero)
 from replaydiff.trace.schema.plant import PlantedFaultInfo, plant_from_wire, wire_plant
 from replaydiff.trace.schema.environment import (Device, EnvFlags, Environment, env_key, flatten_keys, wire_device,

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from replaydiff.trace.schema.keys import (_ARGS, _CHUNK, _COLL, _DEVICE, _DTYPE, _FORWARD, _INDEX, _KWARGS,
-                                          _LEFT_OUT, _MODULE, _NAME, _NBYTES, _NOT_RECORDED, _OFFSET, _OUTPUTS,
-                                          _PATH_ARG, _PATH_KWARG, _PHASE, _RNG, _SHAPE, _SOURCE, _SOURCE_TEXT, _STEP,
-                                          _STRIDE, _UNINIT, _UNIT, _VERSION, _WRITES)
+from replaydiff.trace.schema.keys import (_ARGS, _BACKWARD_CALL, _CHUNK, _COLL, _DEVICE, _DTYPE, _FORWARD, _INDEX,
+                                          _ISSUED, _KWARGS, _LEFT_OUT, _MODULE, _NAME, _NBYTES, _NOT_RECORDED,
+                                          _OFFSET, _OUTPUTS, _PATH_ARG, _PATH_KWARG, _PHASE, _RECOMPUTE, _RNG,
+                                          _SHAPE, _SOURCE, _SOURCE_TEXT, _STEP, _STRIDE, _UNINIT, _UNIT, _VERSION,
+                                          _WRITES)
 
 class IndexRow(NamedTuple):
     """What the index needs of one op record, read straight from the wire dict (no TensorRef, no torch objects:
@@ -96,7 +97,8 @@ _OP_FIELDS: tuple[tuple[str, tuple[type, ...]], ...] = (
     (_PHASE, (str, _NONE)), (_MODULE, (str, _NONE)), (_SOURCE, (str, _NONE)), (_SOURCE_TEXT, (str, _NONE)),
     (_FORWARD, (int, _NONE)), (_NOT_RECORDED, (str, _NONE)), (_LEFT_OUT, (str, _NONE)), (_STEP, (int, _NONE)),
     (_UNINIT, (bool, _NONE)), (_ARGS, (list, _NONE)), (_KWARGS, (dict, _NONE)), (_WRITES, (list, _NONE)),
-    (_COLL, (dict,)), (_RNG, (dict,)), (_UNIT, (dict,)),
+    (_COLL, (dict,)), (_RNG, (dict,)), (_UNIT, (dict,)), (_RECOMPUTE, (int, _NONE)), (_BACKWARD_CALL, (str, _NONE)),
+    (_ISSUED, (bool, _NONE)),
 )
 
 
@@ -106,9 +108,10 @@ def check_op(op: dict) -> None:
         v = op.get(key, _NONE)
         if v is not _NONE and (not isinstance(v, kinds) or (type(v) is bool and bool not in kinds)):
             raise ValueError(f"op #{op[_INDEX]}: field {key!r} is {type(v).__name__}")
-    fwd = op.get(_FORWARD)
-    if fwd is not None and fwd < 0:
-        raise ValueError(f"op #{op[_INDEX]}: forward op #{fwd}")
+    for key in (_FORWARD, _RECOMPUTE):
+        fwd = op.get(key)
+        if fwd is not None and fwd < 0:
+            raise ValueError(f"op #{op[_INDEX]}: forward op #{fwd}")
     kwargs = op.get(_KWARGS)
     if kwargs and not all(type(k) is str for k in kwargs):
         raise ValueError(f"op #{op[_INDEX]}: a keyword argument without a name")

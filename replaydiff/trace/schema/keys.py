@@ -13,6 +13,8 @@ _STEP = "stp"  # optimizer step the op ran in (multi-step and flight recordings)
 _ISSUED = "issued"  # an entered-collective marker of a collective a device had not completed (its op is recorded)
 _SOURCE_TEXT = "srt"  # the text of the source line when recorded (absent in older traces)
 _LEFT_OUT = "lo"  # why the op's tensor data is not in the trace although it is recorded (statistics kept instead)
+_RECOMPUTE = "rc"  # a checkpointed region's op run again in the backward: the forward op it repeats (None: none matched)
+_BACKWARD_CALL = "bwc"  # where backward() was called, for an op whose own source line is another (a recompute)
 _UNIT = "cu"  # a compiled unit's graph and where it came from (record/unit_capture.py); only on unit records
 # -- tensor reference keys --------------------------------------------------------------------------------------
 _VERSION, _DTYPE, _SHAPE, _STRIDE, _OFFSET, _DEVICE = "T", "dt", "sh", "st", "of", "dev"

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from replaydiff.trace.schema.keys import (_ARGS, _CHUNK, _COLL, _CONJ, _DEVICE, _DTYPE, _FORWARD, _INDEX, _ISSUED,
-                                          _KWARGS, _LEFT_OUT, _MODULE, _NAME, _NBYTES, _NEG, _NOT_RECORDED, _OFFSET,
-                                          _OUTPUTS, _PATH_ARG, _PATH_KWARG, _PHASE, _REQ_GRAD, _RNG, _SHAPE, _SOURCE,
-                                          _SOURCE_TEXT, _STATS, _STEP, _STRIDE, _UNINIT, _UNSUPPORTED, _VERSION,
-                                          _WRITES, _ZERO)
+from replaydiff.trace.schema.keys import (_ARGS, _BACKWARD_CALL, _CHUNK, _COLL, _CONJ, _DEVICE, _DTYPE, _FORWARD,
+                                          _INDEX, _ISSUED, _KWARGS, _LEFT_OUT, _MODULE, _NAME, _NBYTES, _NEG,
+                                          _NOT_RECORDED, _OFFSET, _OUTPUTS, _PATH_ARG, _PATH_KWARG, _PHASE,
+                                          _RECOMPUTE, _REQ_GRAD, _RNG, _SHAPE, _SOURCE, _SOURCE_TEXT, _STATS, _STEP,
+                                          _STRIDE, _UNINIT, _UNSUPPORTED, _VERSION, _WRITES, _ZERO)
 from replaydiff.trace.schema.index_rows import check_op
 from replaydiff.trace.schema.ops import CollectiveInfo, wire_collective
 
@@ -25,6 +25,14 @@ def wire_op(index: int, name: str, phase: str | None, module: str | None, forwar
     return rec
 
 
+def wire_set_recompute(rec: dict, of: int | None, backward_call: str | None) -> None:
+    """Mark an op record as a recompute (activation checkpointing) of forward op ``of`` (None: of no forward op the
+    recorder could match), run by the ``backward()`` called at ``backward_call``."""
+    rec[_RECOMPUTE] = of
+    if backward_call:
+        rec[_BACKWARD_CALL] = backward_call
+
+
 def wire_set_step(rec: dict, step: int) -> None:
     rec[_STEP] = step
 
@@ -32,6 +40,20 @@ def wire_set_step(rec: dict, step: int) -> None:
 def wire_nonfinite(rec: dict) -> bool:
     """Whether any output or written argument of an op record has statistics counting NaN or Inf values."""
     todo = [rec.get(_OUTPUTS), [v for _, v in rec.get(_WRITES) or []]]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, list):
+            todo.extend(v)
+        elif isinstance(v, dict):
+            s = v.get(_STATS)
+            if s and (s[5] or s[6]):
+                return True
+    return False
+
+
+def wire_nonfinite_inputs(rec: dict) -> bool:
+    """Whether any tensor argument of an op record has statistics counting NaN or Inf values (as the op read it)."""
+    todo = [rec.get(_ARGS), list((rec.get(_KWARGS) or {}).values())]
     while todo:
         v = todo.pop()
         if isinstance(v, list):

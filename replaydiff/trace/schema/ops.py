@@ -9,9 +9,10 @@ from typing import Any, NamedTuple
 from replaydiff import aten
 from replaydiff.errors import TraceError
 from replaydiff.trace.schema.index_rows import IndexRow, index_row
-from replaydiff.trace.schema.keys import (_ARGS, _CHUNK, _COLL, _DEVICE, _FORWARD, _INDEX, _KWARGS, _LEFT_OUT, _MODULE,
-                                          _NAME, _NBYTES, _NOT_RECORDED, _OUTPUTS, _PATH_ARG, _PHASE, _RNG, _SOURCE,
-                                          _SOURCE_TEXT, _STEP, _UNINIT, _UNIT, _VERSION, _WRITES)
+from replaydiff.trace.schema.keys import (_ARGS, _BACKWARD_CALL, _CHUNK, _COLL, _DEVICE, _FORWARD, _INDEX, _KWARGS,
+                                          _LEFT_OUT, _MODULE, _NAME, _NBYTES, _NOT_RECORDED, _OUTPUTS, _PATH_ARG,
+                                          _PHASE, _RECOMPUTE, _RNG, _SOURCE, _SOURCE_TEXT, _STEP, _UNINIT, _UNIT,
+                                          _VERSION, _WRITES)
 from replaydiff.trace.schema.units import UnitInfo
 from replaydiff.trace.schema.values import TensorRef, decode_value, iter_refs, value_json
 
@@ -90,6 +91,10 @@ def wire_collective(info: CollectiveInfo) -> dict:
     return d
 
 
+def _int_or_none(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
 class OpRecord:
     """One recorded op. Fields are read from the decoded record on demand; argument trees are decoded once."""
 
@@ -121,6 +126,12 @@ class OpRecord:
     source_text = property(lambda self: self._w.get(_SOURCE_TEXT),
                            doc="that line's text when recorded (stripped; None in traces from before it was kept)")
     forward_index = property(lambda self: self._w.get(_FORWARD), doc="for a backward op: the forward op it undoes")
+    recompute = property(lambda self: _RECOMPUTE in self._w,
+                         doc="an op of a checkpointed region run again in the backward pass (activation checkpointing)")
+    recompute_of = property(lambda self: _int_or_none(self._w.get(_RECOMPUTE)),
+                            doc="for a recompute: the forward op it runs again (None: none was matched)")
+    backward_call = property(lambda self: self._w.get(_BACKWARD_CALL) if isinstance(self._w.get(_BACKWARD_CALL), str)
+                             else None, doc="for a recompute: 'file.py:LINE' of the backward() call that ran it")
     uninitialised = property(lambda self: bool(self._w.get(_UNINIT)), doc="output of an empty* op")
     recorded = property(lambda self: _NOT_RECORDED not in self._w, doc="False: numbered, but not recorded")
     not_recorded_reason = property(lambda self: self._w.get(_NOT_RECORDED))
@@ -219,6 +230,7 @@ class OpRecord:
             "rank": self.rank, "index": self.index, "name": self.name, "recorded": self.recorded,
             "not_recorded_reason": self.not_recorded_reason, "phase": self.phase, "module": self.module,
             "source": self.source, "source_text": self.source_text, "forward_index": self.forward_index,
+            "recompute": self.recompute, "recompute_of": self.recompute_of, "backward_call": self.backward_call,
             "schema": self.schema, "step": self.step, "data_left_out": self.data_left_out,
             "uninitialised": self.uninitialised,
             "collective": None if c is None else {"group_name": c.group_name, "ranks": list(c.ranks), "size": c.size,

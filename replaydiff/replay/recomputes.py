@@ -1,0 +1,78 @@
+"""Recomputes that do not reproduce their forward op.
+
+An op of a checkpointed region run again in the backward (activation checkpointing) runs the same code on the same
+inputs as the forward op it repeats, with the same generator state when the checkpoint preserves it: its outputs are
+those of the forward op, bit for bit. One that differs is a finding of its own, whatever replay says of each op alone
+(each can be right given its own inputs): a random op run with another generator state, a region whose inputs were
+written in between, a kernel that does not give the same bits twice. The backward then differentiates values the
+forward never made.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from replaydiff.trace.reader import Trace
+from replaydiff.trace.schema import TensorRef
+
+
+@dataclass(frozen=True)
+class RecomputeDiffers:
+    rank: int
+    index: int  # the recompute
+    op: str
+    of: int  # the forward op it runs again
+    output: int  # the first output that differs
+    how: str  # e.g. "max_abs 0.0012", "float32[4, 8] against float32[8]"
+
+    def describe(self) -> str:
+        return f"recompute #{self.index} {self.op} differs from forward op #{self.of}, which it runs again: " \
+               f"output {self.output} {self.how} (activation checkpointing: the backward differentiates values the " \
+               f"forward never made; a random op without the forward's generator state?)"
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "index": self.index, "op": self.op, "of": self.of, "output": self.output,
+                "how": self.how}
+
+
+def _differs(trace_rank, a: TensorRef, b: TensorRef) -> str | None:
+    """How recorded tensors ``a`` (the recompute's) and ``b`` (the forward op's) differ (None: they do not, or
+    the trace cannot tell)."""
+    if (a.dtype, tuple(a.shape)) != (b.dtype, tuple(b.shape)):
+        return f"{a.describe()} against {b.describe()}"
+    if a.stored_data and b.stored_data:
+        x, y = trace_rank.tensor(a), trace_rank.tensor(b)
+        if x.is_complex() or not x.is_floating_point():
+            return None if torch.equal(x, y) else "values differ"
+        same_nan = torch.isnan(x) == torch.isnan(y)
+        if bool(same_nan.all()) and torch.equal(torch.nan_to_num(x), torch.nan_to_num(y)):
+            return None
+        d = (x.double() - y.double()).abs().nan_to_num(nan=float("inf"))
+        return f"max_abs {float(d.max()):.3g}"
+    sa, sb = a.stats, b.stats
+    if sa is not None and sb is not None and sa != sb:
+        return "statistics differ"
+    return None
+
+
+def check_recomputes(trace: Trace, ops: Iterable[tuple[int, int]]) -> list[RecomputeDiffers]:
+    """The recomputes among ``ops`` ((rank, index) pairs) whose recorded outputs are not their forward op's."""
+    found = []
+    for rank, index in ops:
+        rt = trace.rank(rank)
+        op = rt[index]
+        of = op.recompute_of
+        if of is None or op.uninitialised:  # an empty* op's output is whatever memory held: nothing to reproduce
+            continue
+        fwd = rt[of]
+        if fwd.name != op.name:
+            found.append(RecomputeDiffers(rank, index, op.name, of, 0, f"is another op ({fwd.name})"))
+            continue
+        for k, (a, b) in enumerate(zip(op.outputs_refs(), fwd.outputs_refs())):
+            how = _differs(rt, a, b)
+            if how is not None:
+                found.append(RecomputeDiffers(rank, index, op.name, of, k, how))
+                break
+    return found
