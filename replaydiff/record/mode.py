@@ -102,7 +102,13 @@ class RecordingMode(TorchDispatchMode):
         if aten.fake_mode_active():
             # Shape propagation on fake tensors (DTensor's sharding rules): no data, nothing computed for the job.
             return func(*args, **kwargs)
-        with self._one_at_a_time:
+        # Bounded: an op that waits for another thread's op while that one runs (a custom op joining a worker
+        # thread that runs torch ops) would otherwise hang the job on the recorder's lock. Past the wait the
+        # recording stops and the job goes on.
+        if not self._one_at_a_time.acquire(timeout=THREAD_WAIT_SECONDS):
+            _stop(rec, f"an op ({func}) waited {THREAD_WAIT_SECONDS:g} s for another thread's op to be recorded")
+            return func(*args, **kwargs)
+        try:
             pending = None
             try:
                 pending = rec.before(func, types, args, kwargs)
@@ -116,6 +122,18 @@ class RecordingMode(TorchDispatchMode):
                 except Exception as exc:
                     _op_failed(rec, func, args, kwargs, exc)
             return out
+        finally:
+            self._one_at_a_time.release()
+
+
+THREAD_WAIT_SECONDS = 60.0  # how long an op waits for another thread's op to be recorded (RecordingMode)
+
+
+def _stop(rec: Any, why: str) -> None:
+    try:
+        rec.disable(why)
+    except Exception:
+        rec.active = False
 
 
 def _op_failed(rec: Any, func: Any, args: tuple, kwargs: dict, exc: Exception) -> None:
@@ -124,11 +142,8 @@ def _op_failed(rec: Any, func: Any, args: tuple, kwargs: dict, exc: Exception) -
     try:
         rec.op_failed(func, args, kwargs, exc)
     except Exception as exc2:
-        try:
-            rec.disable(f"{func} could not be recorded ({type(exc).__name__}: {exc}), nor its failure noted "
-                        f"({type(exc2).__name__}: {exc2})")
-        except Exception:
-            rec.active = False
+        _stop(rec, f"{func} could not be recorded ({type(exc).__name__}: {exc}), nor its failure noted "
+                   f"({type(exc2).__name__}: {exc2})")
 
 
 if _SKIP_ALL is not None:  # dynamo never compiles the mode's frames nor those they call (see _should_skip_dynamo)
