@@ -214,6 +214,13 @@ def _parallel_op_line(op) -> str:
     return f"{ref} / {ranks} {op.name}  {where}".rstrip()
 
 
+def _site_line(d) -> str:
+    """One value that parts, on one line: where, and how the ranks hold it (with its factor)."""
+    where = "  ".join(x for x in (f"({d.op.phase})" if d.op.phase else "", d.op.source or "") if x)
+    held = d.why if d.tensor.layout is None else d.tensor.layout.describe()
+    return f"ref #{d.op.ref} {d.op.name}  {where}: {held}"
+
+
 def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
     """A parallel run mapped onto the single process (diff/parallel.py): the layouts seen, then the verdict."""
     if pd.ref_world > 1:
@@ -267,12 +274,28 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
                   f"rank holds the same inputs, and its op is right given them: ill-conditioned, such as AdamW's first "
                   f"update of a near-zero gradient), first ref #{pd.amplified[0]}\n")
     if d is None:
+        if pd.settings:
+            out.write("  the optimizer's settings differ, though what the job keeps agrees: "
+                      + "; ".join(st.describe() for st in pd.settings) + "\n")
         if pd.random_parted:
             out.write(f"no op parts from the reference among the others ({pd.compared - n} compared); not clean: "
                       f"the ops above were not judged\n")
         elif pd.compared and partial:
             out.write(f"no op parts from the reference among the {pd.compared} compared; not clean: a trace is "
                       f"partial (below)\n")
+        elif pd.compared and pd.cancelled:
+            out.write(f"  values that part on the way and reach what the job keeps no longer apart (information, "
+                      f"not a departure):\n")
+            for c in pd.cancelled:
+                out.write(f"    {_site_line(c)}\n")
+            if pd.restored:
+                out.write(f"    brought back to the single process's by {pd.restored}\n")
+            how = "the factors above cancel" if all(c.kind is Departure.SCALED for c in pd.cancelled) else \
+                "the values above cancel or feed nothing kept"
+            out.write(f"agree at the sinks: the {pd.sinks} compared ops whose values the job keeps (the gradients as "
+                      f"the optimizer reads them, the parameters after the step, the optimizer's state, buffers) map "
+                      f"onto the single process's; {how} (worst rel_l2 {pd.worst:.3g} eps of the "
+                      f"recorded dtype)\n")
         elif pd.compared:
             out.write(f"agree: every compared op maps onto the single process (worst rel_l2 {pd.worst:.3g} eps of "
                       f"the recorded dtype: a reordered sum)\n")
@@ -283,6 +306,22 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
     out.write(f"  {d.why}\n")
     if d.earlier:
         out.write(f"  {d.earlier}\n")
+    for st in pd.settings:
+        out.write(f"  the optimizer's settings differ: {st.describe()}\n")
+    if pd.sink is not None and pd.sink.op.ref != d.op.ref:
+        t = pd.sink.tensor
+        held = "under no layout" if t.layout is None else t.layout.describe()
+        out.write(f"  it reaches what the job keeps at {_parallel_op_line(pd.sink.op)}: "
+                  f"{'input' if t.kind == 'in' else 'output'} {t.position} ({t.describe}) {held}\n")
+    if pd.sites and pd.sink is not None and pd.sink.tensor.layout is not None and \
+            (len(pd.sites) > 1 or pd.sites[0].op.ref != d.op.ref):
+        out.write("  the values on its way that apply a factor, in order:\n")
+        for c in pd.sites:
+            out.write(f"    {_site_line(c)}\n")
+        if pd.sink is not None and pd.sink.tensor.layout is not None:
+            out.write(f"    net at the sink: {pd.sink.tensor.layout.describe()}\n")
+    for c in pd.cancelled:
+        out.write(f"  (cancels before the sinks: {_site_line(c)})\n")
     if d.kind is Departure.INPUTS:
         w = pd.within
         if w is None:
