@@ -164,10 +164,14 @@ def candidates(ref_shape: Sequence[int], shapes: Sequence[Sequence[int]]) -> lis
     return kinds
 
 
+_MOST_WHOLE = 1 << 20  # the largest whole factor (or its reciprocal) fit_scale names
+
+
 def fit_scale(x: torch.Tensor, ref: torch.Tensor, most: int = 64) -> Fraction | None:
     """The simple ratio c (numerator and denominator at most ``most``) with c * x closest to ``ref``, by least
     squares over the finite values; None when there is none (one side all zeros and the other not, or a ratio that
-    is not simple: then no factor explains the difference). 1 when both are all zeros."""
+    is not simple: then no factor explains the difference; a whole number or its reciprocal may pass ``most``). 1
+    when both are all zeros."""
     a, b = x.to(torch.float64), ref.detach().to(torch.float64)
     keep = torch.isfinite(a) & torch.isfinite(b)
     a, b = a[keep], b[keep]
@@ -180,7 +184,13 @@ def fit_scale(x: torch.Tensor, ref: torch.Tensor, most: int = 64) -> Fraction | 
         return None
     snapped = Fraction(c).limit_denominator(most)
     if snapped == 0 or snapped.numerator > most or abs(float(snapped) - c) > 1e-3 * c:
-        return None
+        # a whole number, or one over it, past ``most``: a sum over a batch's tokens against their mean (the count
+        # is in the thousands); the caller's closeness test on the scaled value is what admits it
+        whole = Fraction(round(c)) if c >= 1 else Fraction(1, round(1 / c))
+        if whole == 0 or max(whole.numerator, whole.denominator) > _MOST_WHOLE or \
+                abs(float(whole) - c) > 1e-3 * c:
+            return None
+        return whole
     return snapped
 
 

@@ -203,7 +203,10 @@ def render_diff(report: DiffReport, out: TextIO, max_listed: int = 10) -> None:
 
 
 def _parallel_op_line(op) -> str:
-    where = "  ".join(x for x in (op.module or "", f"({op.phase})" if op.phase else "", op.source or "") if x)
+    line = op.source or ""
+    if op.target_source:
+        line = f"{line or 'no line'} (on the ranks {op.target_source})"
+    where = "  ".join(x for x in (op.module or "", f"({op.phase})" if op.phase else "", line) if x)
     if len(op.ranks) == 1:
         ranks = f"rank {op.ranks[0]} #{op.targets[0]}"
     elif op.ranks:
@@ -216,7 +219,10 @@ def _parallel_op_line(op) -> str:
 
 def _site_line(d) -> str:
     """One value that parts, on one line: where, and how the ranks hold it (with its factor)."""
-    where = "  ".join(x for x in (f"({d.op.phase})" if d.op.phase else "", d.op.source or "") if x)
+    line = d.op.source or ""
+    if d.op.target_source:
+        line = f"{line or 'no line'} (on the ranks {d.op.target_source})"
+    where = "  ".join(x for x in (f"({d.op.phase})" if d.op.phase else "", line) if x)
     held = d.why if d.tensor.layout is None else d.tensor.layout.describe()
     return f"ref #{d.op.ref} {d.op.name}  {where}: {held}"
 

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from fractions import Fraction
 from typing import Callable
 
 from replaydiff import aten
-from replaydiff.compare.layout import LayoutKind
+from replaydiff.compare.layout import LayoutKind, ratio_text
 from replaydiff.diff.align import align
 from replaydiff.errors import UsageError
 from replaydiff.trace.reader import RankTrace
@@ -17,6 +18,7 @@ from replaydiff.diff.parallel.alignment import Side, follow_data, makes_layout, 
 from replaydiff.diff.parallel.declared import declared_on, declared_output, mesh_of
 from replaydiff.diff.parallel.factors import legit_factors, pick_legit
 from replaydiff.diff.parallel.mapping import map_tensor
+from replaydiff.diff.parallel.means import unequal_counts
 from replaydiff.diff.parallel.paths import (amplifies, collective_ahead, collective_behind, computing_behind,
                                             made_apart, partial_input, reduced_at, same_draws_of)
 from replaydiff.diff.parallel.refusals import refuse_point_to_point, refuse_sub_groups
@@ -70,6 +72,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     roots: list[tuple[MappedOp, Mapped, Departure, str]] = []
     origin: dict[int, frozenset[int]] = {}
     sinks: list[int] = []  # the compared ops whose values the job keeps (sinks.py)
+    changes: list[tuple[MappedOp, Mapped, Departure, str]] = []  # ops that part reading what parted, at a factor
+    applied: dict[int, Fraction] = {}  # the factor each root or change applies (what it reads over what it holds)
     # The factor of the loss the backward differentiates: that of the last partial value the forward made before
     # it (a per-rank mean: 1/world; a summed loss: 1); none (a loss every rank computes whole): 1. Not simply the
     # last forward value: backward() makes the gradient's seed (ones_like) first, recorded in the forward.
@@ -158,9 +162,12 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             if m is not None:
                 tensors.append(m)
         fwd = r_side.ops.get(rop.forward_index) if rop.phase == "backward" and rop.forward_index is not None else None
-        mop = MappedOp(i, tuple(t.index for t in tops), rop.name, rop.module, rop.phase,
-                       fwd.source if fwd is not None and fwd.source else rop.source, tuple(tensors),
-                       () if micro is None else (micro,))
+        tfwd = t_sides[own[0]].ops.get(tops[0].forward_index) \
+            if tops[0].phase == "backward" and tops[0].forward_index is not None else None
+        line = fwd.source if fwd is not None and fwd.source else rop.source
+        tline = tfwd.source if tfwd is not None and tfwd.source else tops[0].source
+        mop = MappedOp(i, tuple(t.index for t in tops), rop.name, rop.module, rop.phase, line, tuple(tensors),
+                       () if micro is None else (micro,), target_source=tline if tline != line else None)
         out.ops.append(mop)
         by_ref[i] = mop
         if random:
@@ -240,6 +247,18 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         root = not from_departed and (first is None or with_agreeing or first[2] is not Departure.INPUTS)
         if not root:
             inherited += first is not None
+            # a value on the way that parted already, held at another factor than what it reads: a factor site
+            m = next((t for t in bad if t.kind == "out" and t.layout is not None), None)
+            read = next((t.layout.factor for p in from_departed if p in by_ref for t in by_ref[p].tensors
+                         if t.kind == "out" and t.layout is not None), None)
+            if m is not None and read is not None and read != m.layout.factor:
+                times = read / m.layout.factor
+                extra = computing_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
+                changes.append((mop, m, Departure.SCALED, (
+                    f"{m.layout.describe()}: {ratio_text(times)}x what it reads (which parted already): a scale "
+                    f"applied here" + ("" if extra is None else f", or in what it reads on the ranks from {extra}, "
+                                                                f"which the reference does not run"))))
+                applied[i] = times
             continue
         m = bad[0]
         partial_in = partial_input(producers, by_ref)
@@ -317,6 +336,13 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 f"ranks by ops of their own, last {made}, where the reference runs {theirs} (not run by every rank), "
                 f"with no collective on the way: if the reference's value is a sum over the ranks (a row-parallel "
                 f"layer's output), its all-reduce is missing there")
+        elif (counts := unequal_counts(ref, tgts, rop, tops, m)) is not None:
+            said = " and ".join(f"{c:g}" for c in counts)
+            kind, why = Departure.NO_LAYOUT, (
+                f"output {m.position} ({m.describe}) is each rank's mean over its own count ({said}, output "
+                f"{'1' if m.position == 0 else '0'} of this op), where the single process's is the mean over all "
+                f"{sum(counts):g}: the ranks' means are averaged as if their counts were equal; sum on each rank and "
+                f"divide by the count all-reduced over the ranks")
         elif other_args and not from_departed and not aten.is_cheap(rop.name):
             # its inputs map onto the reference's (it reads nothing that parted), its result does not: the
             # arguments the ranks give it are the difference (an optimizer's lr, a scale)
@@ -349,6 +375,9 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             if extra is not None:
                 why += f"; on the ranks it reads what {extra} made, which the reference does not run"
         roots.append((mop, m, kind, why))
+        if kind is Departure.SCALED and m.layout is not None:
+            legit = legit_factors(m.layout, rop.phase if m.kind == "out" else None, loss)
+            applied[i] = min(legit, key=lambda f: abs(math.log(f / m.layout.factor))) / m.layout.factor
         if first is None:
             first = roots[0]
     if progress is not None:
@@ -379,12 +408,19 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             # each line once (a scale applied to every parameter's gradient is one site), the sinks aside (the
             # net factor is said at the sink)
             said: set[tuple] = set()
-            for r in on_way:
-                key = (r[0].name, r[0].phase, r[0].source, r[1].layout.factor if r[1].layout else None)
+            for r in sorted(on_way + [c for c in changes if origin[c[0].ref] & reached[0]], key=lambda r: r[0].ref):
+                key = (r[0].name, r[0].phase, r[0].source, applied.get(r[0].ref))
                 if r[2] is Departure.SCALED and r[0].phase != "optimizer" and key not in said:
                     said.add(key)
-                    out.sites.append(departure_of(r, 0))
+                    out.sites.append(departure_of(r, 0, applied.get(r[0].ref)))
             first = on_way[0]
+            net = None if out.sink is None or out.sink.tensor.layout is None else 1 / out.sink.tensor.layout.factor
+            if net is not None:
+                # the site that applies the factor the sink parts by is where the difference enters (the others
+                # are cancelled on the way: a summed loss the gradients' division brings back)
+                site = next((s for s in out.sites if s.applied == net), None)
+                if site is not None:
+                    first = (site.op, site.tensor, site.kind, site.why)
             inherited = sum(1 for i in departed if i > first[0].ref and reached[0] & origin[i])
     if first is not None:
         step = r_side.ops[first[0].ref].step

@@ -67,6 +67,9 @@ class MappedOp:
     tensors: tuple[Mapped, ...]
     ranks: tuple[int, ...] = ()  # the rank of each of ``targets`` when not every rank runs it (a micro-batch's op)
     ref_rank: int | None = None  # the reference is a parallel run too: the rank ``ref`` is numbered on
+    # the first rank's source line where it is not the reference's (the ranks run this op from another line of the
+    # script: a branch taken when the world size is not 1); None: the same
+    target_source: str | None = None
 
     def on_ranks(self) -> list[tuple[int, int]]:
         """(rank, op number on that rank) for every rank that runs it."""
@@ -85,7 +88,9 @@ class ParallelDeparture:
     # finds it (``earlier_step``); None otherwise
     earlier: str | None = None
     step: int | None = None  # the step compared, where the trace numbers its ops
-
+    # the factor this op applies: what a correct run holds here (a root), or what it reads (a value on the way that
+    # parted already), over what it holds; None: not a factor
+    applied: Fraction | None = None
 
 
 @dataclass
@@ -185,7 +190,8 @@ class ParallelDiff:
                    if d.earlier is not None else {}),
                 "targets": list(d.op.targets), **({"ranks": list(d.op.ranks)} if d.op.ranks else {}),
                 **({"ref_rank": d.op.ref_rank} if d.op.ref_rank is not None else {}), "op": d.op.name, "module": d.op.module, "phase": d.op.phase,
-                "source": d.op.source, "tensor": {"kind": d.tensor.kind, "position": d.tensor.position,
+                "source": d.op.source, **({"target_source": d.op.target_source} if d.op.target_source else {}),
+                "tensor": {"kind": d.tensor.kind, "position": d.tensor.position,
                                                   "describe": d.tensor.describe,
                                                   **({"layout_from": d.tensor.layout_from,
                                                       "placements": d.tensor.declared.describe()}
@@ -198,4 +204,5 @@ class ParallelDiff:
 def _site(d: ParallelDeparture) -> dict:
     """One value that parts, for the JSON report: its op, line, words and layout (with the factor)."""
     return {"ref": d.op.ref, "op": d.op.name, "phase": d.op.phase, "source": d.op.source, "kind": d.kind.value,
-            "why": d.why, "layout": None if d.tensor.layout is None else d.tensor.layout.to_json()}
+            "why": d.why, "layout": None if d.tensor.layout is None else d.tensor.layout.to_json(),
+            **({"applies": str(d.applied)} if d.applied is not None else {})}

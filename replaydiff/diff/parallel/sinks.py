@@ -10,6 +10,8 @@ the first is where the difference enters, and every one that applies a factor is
 """
 from __future__ import annotations
 
+from fractions import Fraction
+
 from replaydiff import aten
 from replaydiff.diff.parallel.paths import collective_behind, computing_behind
 from replaydiff.diff.parallel.result import Departure, Mapped, MappedOp, ParallelDeparture
@@ -36,9 +38,10 @@ def is_sink(op: OpRecord, producers: dict[int, int | None]) -> bool:
     return False
 
 
-def departure_of(root: tuple[MappedOp, Mapped, Departure, str], inherited: int) -> ParallelDeparture:
+def departure_of(root: tuple[MappedOp, Mapped, Departure, str], inherited: int,
+                 applied: Fraction | None = None) -> ParallelDeparture:
     op, tensor, kind, why = root
-    return ParallelDeparture(op, tensor, kind, why, inherited, step=None)
+    return ParallelDeparture(op, tensor, kind, why, inherited, step=None, applied=applied)
 
 
 def restored_by(ref: RankTrace, sinks: list[int], by_ref: dict[int, MappedOp], side,
