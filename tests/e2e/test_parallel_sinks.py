@@ -57,7 +57,12 @@ def step(mode):
     part = 0 if mode == "same_shard" else rank  # BUG in same_shard: every rank reads rank 0's shard
     with replaydiff.record(out / mode):
         xs, ys = torch.tensor_split(ids, world)[part], torch.tensor_split(labels, world)[part]
-        logits = model(xs).flatten(0, 1)
+        if mode == "attention":  # attention without dropout (its kernels are tagged random all the same)
+            h = model[0](xs).unflatten(-1, (2, 4)).transpose(1, 2)
+            h = F.scaled_dot_product_attention(h, h, h, dropout_p=0.0).transpose(1, 2).flatten(-2)
+            logits = model[1:](h).flatten(0, 1)
+        else:
+            logits = model(xs).flatten(0, 1)
         if world > 1 and mode.startswith("per_token"):
             # per-token normalisation: each rank sums its tokens' losses, the gradients are divided by the global
             # token count after their all-reduce (the single process takes the mean)
@@ -84,7 +89,7 @@ def step(mode):
 for m in modes:
     step(m)
 '''
-MODES = ["plain", "per_token", "per_token_extra", "lr", "same_shard", "adam_sum", "token_mean"]
+MODES = ["plain", "attention", "per_token", "per_token_extra", "lr", "same_shard", "adam_sum", "token_mean"]
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +121,14 @@ def _diff(runs, mode, capsys) -> tuple[int, str]:
 def test_a_correct_data_parallel_run_agrees(runs, capsys):
     code, text = _diff(runs, "plain", capsys)
     assert code == 0 and "agree: every compared op maps" in text
+
+
+def test_attention_without_dropout_is_compared_as_deterministic(runs, capsys):
+    pd = diff_traces(runs[1] / "attention", runs[2] / "attention").parallel
+    assert pd.departure is None and pd.random_ops == 0 and not pd.same_draws
+    assert any("scaled_dot_product" in op.name for op in pd.ops)
+    code, text = _diff(runs, "attention", capsys)
+    assert code == 0 and "dropout" not in text
 
 
 def test_a_summed_loss_whose_gradients_are_divided_after_their_all_reduce_agrees_at_the_sinks(runs, capsys):

@@ -113,7 +113,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         tops = [t_sides[r].ops[maps[r][i]] for r in own]
         tgts = [targets[r] for r in own]
         micro = owner.get(i)
-        random = aten.is_random(rop.name)
+        random = aten.draws(rop.name, rop.args, rop.kwargs)
         producers = ref.producers(i)
         # a view of the step's inputs or of a collective's buffer on a reference rank: ``tensor_split(x, world)``
         # cuts every rank's slice of the batch, which the target's ranks cut otherwise (and the trace's data flow
