@@ -39,6 +39,7 @@ class LayoutKind(str, Enum):
     PARTIAL = "partial"
     MAX = "max"  # the largest over the ranks is the value (a per-rank max the program reduces with a max)
     MIN = "min"
+    NORM = "norm"  # the 2-norm over the ranks' values is the value (each rank's norm of its shard: DTensor's _NormP)
 
     def __str__(self) -> str:
         return self.value
@@ -85,6 +86,8 @@ class Layout:
             return torch.stack(xs).amax(0)
         if self.kind is LayoutKind.MIN:
             return torch.stack(xs).amin(0)
+        if self.kind is LayoutKind.NORM:
+            return torch.stack(xs).pow(2).sum(0).sqrt()
         return torch.stack(xs).sum(0)
 
     def mapped(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -112,6 +115,8 @@ class Layout:
             return f"sharded on dim {self.dim} over {self.world} ranks{split}{turns}{scale}"
         if self.kind in (LayoutKind.MAX, LayoutKind.MIN):
             return f"the {self.kind.value} over {self.world} ranks is the reference{scale}"
+        if self.kind is LayoutKind.NORM:
+            return f"the 2-norm over {self.world} ranks' norms is the reference (each rank's norm of its shard){scale}"
         if self.factor == 1:
             return f"partial over {self.world} ranks: the reference is their sum"
         if self.factor == Fraction(1, self.world):
@@ -151,7 +156,7 @@ def candidates(ref_shape: Sequence[int], shapes: Sequence[Sequence[int]]) -> lis
                 kinds.append(Layout(LayoutKind.SHARDED, world, d, sizes))
     if same and world > 1:
         kinds.append(Layout(LayoutKind.PARTIAL, world))
-        kinds += [Layout(LayoutKind.MAX, world), Layout(LayoutKind.MIN, world)]
+        kinds += [Layout(LayoutKind.MAX, world), Layout(LayoutKind.MIN, world), Layout(LayoutKind.NORM, world)]
     # a sharded dim flattened with an outer one: equal slices, each made of several interleaved blocks
     if world > 1 and all(len(s) == len(ref_shape) for s in shapes):
         for d in range(len(ref_shape)):
@@ -210,8 +215,8 @@ def infer_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close
             continue
         a = layout.assemble(parts)
         c = fit_scale(a, ref)
-        if layout.kind in (LayoutKind.MAX, LayoutKind.MIN) and c != 1:
-            continue  # a max of scaled values is no reduction a program makes
+        if layout.kind in (LayoutKind.MAX, LayoutKind.MIN, LayoutKind.NORM) and c != 1:
+            continue  # a max (or a norm) of scaled values is no reduction a program makes
         if c is not None and close(a * float(c), ref):
             out.append(dataclasses.replace(layout, factor=c))
     return out

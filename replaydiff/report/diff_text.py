@@ -224,7 +224,8 @@ def _site_line(d) -> str:
         line = f"{line or 'no line'} (on the ranks {d.op.target_source})"
     where = "  ".join(x for x in (f"({d.op.phase})" if d.op.phase else "", line) if x)
     held = d.why if d.tensor.layout is None else d.tensor.layout.describe()
-    return f"ref #{d.op.ref} {d.op.name}  {where}: {held}"
+    through = f", on the ranks through {d.via}" if d.via and d.tensor.layout is not None else ""
+    return f"ref #{d.op.ref} {d.op.name}  {where}: {held}{through}"
 
 
 def render_parallel(pd, out: TextIO, partial: bool = False) -> None:

@@ -34,6 +34,8 @@ def declares(arg: DTensorArg, layout: Layout) -> bool:
         return layout.kind is LayoutKind.SHARDED and layout.dim == dim and layout.blocks == 1
     if kind is Placement.REPLICATE:
         return layout.kind is LayoutKind.REPLICATED
+    if kind is Placement.NORM:
+        return layout.kind is LayoutKind.NORM
     return kind is Placement.PARTIAL and layout.kind is LayoutKind.PARTIAL
 
 

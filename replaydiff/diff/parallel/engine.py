@@ -74,6 +74,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     sinks: list[int] = []  # the compared ops whose values the job keeps (sinks.py)
     changes: list[tuple[MappedOp, Mapped, Departure, str]] = []  # ops that part reading what parted, at a factor
     applied: dict[int, Fraction] = {}  # the factor each root or change applies (what it reads over what it holds)
+    via: dict[int, str | None] = {}  # the ranks' own computing op each root or change reads from (computing_behind)
     # The factor of the loss the backward differentiates: that of the last partial value the forward made before
     # it (a per-rank mean: 1/world; a summed loss: 1); none (a loss every rank computes whole): 1. Not simply the
     # last forward value: backward() makes the gradient's seed (ones_like) first, recorded in the forward.
@@ -253,7 +254,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                          if t.kind == "out" and t.layout is not None), None)
             if m is not None and read is not None and read != m.layout.factor:
                 times = read / m.layout.factor
-                extra = computing_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
+                extra = via[i] = computing_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
                 changes.append((mop, m, Departure.SCALED, (
                     f"{m.layout.describe()}: {ratio_text(times)}x what it reads (which parted already): a scale "
                     f"applied here" + ("" if extra is None else f", or in what it reads on the ranks from {extra}, "
@@ -375,6 +376,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             if extra is not None:
                 why += f"; on the ranks it reads what {extra} made, which the reference does not run"
         roots.append((mop, m, kind, why))
+        via[i] = computing_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
         if kind is Departure.SCALED and m.layout is not None:
             legit = legit_factors(m.layout, rop.phase if m.kind == "out" else None, loss)
             applied[i] = min(legit, key=lambda f: abs(math.log(f / m.layout.factor))) / m.layout.factor
@@ -397,7 +399,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         # judged at the sinks: the roots whose values reach none of them cancel on the way (or feed nothing kept)
         reached = [origin[s] for s in sinks if s in departed]
         kept = frozenset().union(*reached)
-        out.cancelled = [departure_of(r, 0) for r in roots if not origin[r[0].ref] & kept]
+        out.cancelled = [departure_of(r, 0, applied.get(r[0].ref), via.get(r[0].ref)) for r in roots
+                         if not origin[r[0].ref] & kept]
         if not reached:
             out.restored = restored_by(ref, sinks, by_ref, t_sides[0], maps[0])
             first = None
@@ -412,7 +415,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 key = (r[0].name, r[0].phase, r[0].source, applied.get(r[0].ref))
                 if r[2] is Departure.SCALED and r[0].phase != "optimizer" and key not in said:
                     said.add(key)
-                    out.sites.append(departure_of(r, 0, applied.get(r[0].ref)))
+                    out.sites.append(departure_of(r, 0, applied.get(r[0].ref), via.get(r[0].ref)))
             first = on_way[0]
             net = None if out.sink is None or out.sink.tensor.layout is None else 1 / out.sink.tensor.layout.factor
             if net is not None:

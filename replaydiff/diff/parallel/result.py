@@ -91,6 +91,7 @@ class ParallelDeparture:
     # the factor this op applies: what a correct run holds here (a root), or what it reads (a value on the way that
     # parted already), over what it holds; None: not a factor
     applied: Fraction | None = None
+    via: str | None = None  # the ranks' own computing op it reads from, 'name (#N on rank R, line)'; None: none
 
 
 @dataclass
@@ -205,4 +206,5 @@ def _site(d: ParallelDeparture) -> dict:
     """One value that parts, for the JSON report: its op, line, words and layout (with the factor)."""
     return {"ref": d.op.ref, "op": d.op.name, "phase": d.op.phase, "source": d.op.source, "kind": d.kind.value,
             "why": d.why, "layout": None if d.tensor.layout is None else d.tensor.layout.to_json(),
-            **({"applies": str(d.applied)} if d.applied is not None else {})}
+            **({"applies": str(d.applied)} if d.applied is not None else {}),
+            **({"via": d.via} if d.via is not None else {})}

@@ -39,9 +39,9 @@ def is_sink(op: OpRecord, producers: dict[int, int | None]) -> bool:
 
 
 def departure_of(root: tuple[MappedOp, Mapped, Departure, str], inherited: int,
-                 applied: Fraction | None = None) -> ParallelDeparture:
+                 applied: Fraction | None = None, via: str | None = None) -> ParallelDeparture:
     op, tensor, kind, why = root
-    return ParallelDeparture(op, tensor, kind, why, inherited, step=None, applied=applied)
+    return ParallelDeparture(op, tensor, kind, why, inherited, step=None, applied=applied, via=via)
 
 
 def restored_by(ref: RankTrace, sinks: list[int], by_ref: dict[int, MappedOp], side,

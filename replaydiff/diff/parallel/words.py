@@ -27,6 +27,8 @@ def family(layout: Layout, legit: bool) -> str:
         if layout.factor == Fraction(1, layout.world):
             return "partial (a per-rank mean)"
         return f"partial at {ratio_text(1 / layout.factor)}x"
+    if layout.kind is LayoutKind.NORM:
+        return "norm over ranks (each rank's norm of its shard)"
     if layout.kind in (LayoutKind.MAX, LayoutKind.MIN):
         return f"{layout.kind.value} over ranks"
     text = f"sharded on dim {layout.dim}" if layout.kind is LayoutKind.SHARDED else "replicated"
