@@ -52,7 +52,14 @@ def step(mode):
     if mode == "token_mean":  # BUG: a per-rank mean over ranks holding different numbers of tokens
         labels[:2, 1:] = -100
     lr = 0.1 * world if mode == "lr" else 0.1  # BUG in lr: the learning rate multiplied by the world size
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if mode == "adam_sum" else \
+    if mode == "fsdp_clip" and world > 1:  # FSDP2, the gradient norm clipped over every shard (DTensor's _NormP)
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if mode in ("adam_sum", "fsdp_clip") else \
         torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     part = 0 if mode == "same_shard" else rank  # BUG in same_shard: every rank reads rank 0's shard
     with replaydiff.record(out / mode):
@@ -79,17 +86,20 @@ def step(mode):
             loss = F.cross_entropy(logits, ys.flatten(), ignore_index=-100)
             loss.backward()
             for p in model.parameters():
-                if world > 1:
+                if world > 1 and mode != "fsdp_clip":
                     dist.all_reduce(p.grad)
                     if mode != "adam_sum":  # BUG in adam_sum: the sum is not divided by the world size
                         p.grad /= world
+        if mode == "fsdp_clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)
         opt.step()
 
 
 for m in modes:
     step(m)
 '''
-MODES = ["plain", "attention", "per_token", "per_token_extra", "lr", "same_shard", "adam_sum", "token_mean"]
+MODES = ["plain", "attention", "fsdp_clip", "per_token", "per_token_extra", "lr", "same_shard", "adam_sum",
+         "token_mean"]
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +139,16 @@ def test_attention_without_dropout_is_compared_as_deterministic(runs, capsys):
     assert any("scaled_dot_product" in op.name for op in pd.ops)
     code, text = _diff(runs, "attention", capsys)
     assert code == 0 and "dropout" not in text
+
+
+def test_fsdp2_gradient_clipping_maps_each_rank_s_norm_of_its_shard_as_a_norm_over_ranks(runs, capsys):
+    """clip_grad_norm_ on FSDP2's DTensor gradients: each rank's norm of its shard (DTensor's _NormP placement) is
+    neither replicated nor a partial sum; the 2-norm over the ranks' norms is the single process's norm."""
+    pd = diff_traces(runs[1] / "fsdp_clip", runs[2] / "fsdp_clip").parallel
+    assert pd.departure is None, pd.departure
+    assert any(f.startswith("norm over ranks") for f in pd.families.get("forward", {}))
+    code, text = _diff(runs, "fsdp_clip", capsys)
+    assert code == 0
 
 
 def test_a_summed_loss_whose_gradients_are_divided_after_their_all_reduce_agrees_at_the_sinks(runs, capsys):
