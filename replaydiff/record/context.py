@@ -109,6 +109,14 @@ def _opt_post_all(optimizer: object, args: object, kwargs: object) -> None:
         listener(optimizer, args, kwargs)
 
 
+def user_frames(frame: FrameType | None):
+    """The frames of the user's code from ``frame`` outward (torch's and replaydiff's own skipped)."""
+    while frame is not None:
+        if not frame.f_code.co_filename.startswith(_SKIP_PREFIXES):
+            yield frame
+        frame = frame.f_back
+
+
 def add_step_listener(fn: Callable[..., None]) -> None:
     """Call ``fn(optimizer, args, kwargs)`` after every optimizer step, until ``remove_step_listener(fn)``."""
     ensure_optimizer_hooks()

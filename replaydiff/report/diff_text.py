@@ -276,6 +276,10 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
         out.write(f"  every rank drew the same numbers at {len(pd.same_draws)} random op(s), first ref #{pd.same_draws[0]}: "
                   f"each rank's slice masked alike, where the single process draws apart for every row (the same seed on "
                   f"every rank; seed each rank's dropout apart)\n")
+    if pd.per_rank_index:
+        out.write(f"  {len(pd.per_rank_index)} op(s) make each rank's own index from its local sizes (arange over "
+                  f"the local batch, positions), not a piece of the single process's: not compared, what they index "
+                  f"is, first ref #{pd.per_rank_index[0]}\n")
     if pd.amplified:
         out.write(f"  {len(pd.amplified)} op(s) part from the reference only by amplifying their inputs' rounding (every "
                   f"rank holds the same inputs, and its op is right given them: ill-conditioned, such as AdamW's first "

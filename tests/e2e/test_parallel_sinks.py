@@ -189,7 +189,9 @@ def test_an_lr_multiplied_by_the_world_size_is_named_at_the_update_with_both_val
     assert [(s.kind, s.name, s.ref, s.theirs) for s in pd.settings] == [("SGD", "lr", 0.1, 0.2)]
     code, text = _diff(runs, "lr", capsys)
     assert code == 1 and "the optimizer's settings differ: SGD group 0: lr 0.2 on rank 0, 0.1 in the single " \
-        "process (2x: the world size)" in text
+        "process (2x: the world size) (the optimizer built at " in text
+    # the line that assigns the optimizer, found by the recorder in the code that calls its step
+    assert f"{_line('torch.optim.AdamW')})" in text
 
 
 def test_every_rank_reading_the_same_shard_is_said_at_the_slice(runs):
@@ -216,7 +218,7 @@ def test_a_per_rank_mean_over_unequal_token_counts_is_named_with_the_counts(runs
     counts = [int((part != -100).sum()) for part in torch.tensor_split(labels, 2)]
     d = diff_traces(runs[1] / "token_mean", runs[2] / "token_mean").parallel.departure
     assert d is not None and d.op.name == "aten.nll_loss_forward.default" and d.op.phase == "forward"
-    assert f"each rank's mean over its own count ({counts[0]} and {counts[1]}" in d.why
+    assert f"a per-rank mean over each rank's own count, and the counts differ ({counts[0]} and {counts[1]}" in d.why
     assert f"the mean over all {sum(counts)}" in d.why
 
 
@@ -228,5 +230,6 @@ def test_the_json_report_carries_the_sinks_the_cancelled_factor_and_the_settings
     out2 = tmp_path / "lr.json"
     assert main(["diff", str(runs[1] / "lr"), str(runs[2] / "lr"), "--json", str(out2)]) == 1
     doc = json.loads(out2.read_text())["parallel"]
-    assert doc["optimizer_settings"] == [{"optimizer": "SGD", "group": 0, "name": "lr", "ref": 0.1, "target": 0.2,
-                                          "rank": 0}]
+    (setting,) = doc["optimizer_settings"]
+    assert setting.pop("built").endswith(_line("torch.optim.AdamW"))
+    assert setting == {"optimizer": "SGD", "group": 0, "name": "lr", "ref": 0.1, "target": 0.2, "rank": 0}

@@ -208,6 +208,13 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         out.ops[-1] = by_ref[i] = mop
         bad = [m for m in tensors if m.layout is None or m.layout.factor not in legit_factors(
             m.layout, rop.phase if m.kind == "out" else None, loss)]
+        if bad and not rop.inputs() and all(m.kind == "out" and m.layout is None for m in bad) \
+                and any(tuple(t.outputs_refs()[m.position].shape) != tuple(rop.outputs_refs()[m.position].shape)
+                        for m in bad for t in tops):
+            # a factory of no tensor (arange over the local batch, positions, a mask of local sizes): each rank's
+            # index of its own values, not a piece of the single process's; what it indexes is judged where read
+            out.per_rank_index.append(i)
+            continue
         for m in tensors:
             if m.layout is not None and m.kind == "out":
                 out.families.setdefault(rop.phase or "?", Counter())[family(m.layout, m not in bad)] += 1
@@ -271,7 +278,9 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 f"{'input' if m.kind == 'in' else 'output'} {m.position}: ranks "
                 f"{', '.join(map(str, range(world - 1)))} and {world - 1} "
                 f"hold the same rows, {int(m.sizes[0]) if m.sizes else rows} each{at}, where each should hold its "
-                f"own: each rank reads the same shard (a sampler or split given the same rank on every rank)")
+                f"own: each rank reads the same shard (a sampler or split given the same rank on every rank" +
+                ("; the batch enters the step from outside it: look where each rank's loader or sampler is given "
+                 "its rank)" if m.kind == "in" else ")"))
         elif m.kind == "in" and m.offsets is None:
             kind, why = Departure.INPUTS, why_inputs(m, rop.step)
         elif partial_in is not None and rop.phase == "optimizer" and \
@@ -286,7 +295,10 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 f"twice")
         elif partial_in is not None and rop.phase == "optimizer":
             made = r_side.ops[partial_in[2]]
-            where = ", ".join(x for x in (made.module or "no module", made.phase) if x)
+            line = by_ref[partial_in[2]].target_source or by_ref[partial_in[2]].source
+            if line and made.phase == "backward":
+                line = f"the backward of {line}"
+            where = ", ".join(x for x in (made.module or "no module", made.phase, line) if x)
             kind, why = Departure.UNREDUCED, (
                 f"input {partial_in[0]} is partial over {world} ranks (each rank's own gradient, made by "
                 f"#{partial_in[2]} {made.name}, {where}) and reaches the optimizer without its all-reduce: each rank "
@@ -340,10 +352,10 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         elif (counts := unequal_counts(ref, tgts, rop, tops, m)) is not None:
             said = " and ".join(f"{c:g}" for c in counts)
             kind, why = Departure.NO_LAYOUT, (
-                f"output {m.position} ({m.describe}) is each rank's mean over its own count ({said}, output "
-                f"{'1' if m.position == 0 else '0'} of this op), where the single process's is the mean over all "
-                f"{sum(counts):g}: the ranks' means are averaged as if their counts were equal; sum on each rank and "
-                f"divide by the count all-reduced over the ranks")
+                f"output {m.position} ({m.describe}) is a per-rank mean over each rank's own count, and the counts "
+                f"differ ({said}, output {'1' if m.position == 0 else '0'} of this op), where the single process's is "
+                f"the mean over all {sum(counts):g}: the ranks' means are averaged as if their counts were equal; sum "
+                f"on each rank and divide by the count all-reduced over the ranks")
         elif other_args and not from_departed and not aten.is_cheap(rop.name):
             # its inputs map onto the reference's (it reads nothing that parted), its result does not: the
             # arguments the ranks give it are the difference (an optimizer's lr, a scale)
@@ -400,7 +412,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         reached = [origin[s] for s in sinks if s in departed]
         kept = frozenset().union(*reached)
         out.cancelled = [departure_of(r, 0, applied.get(r[0].ref), via.get(r[0].ref)) for r in roots
-                         if not origin[r[0].ref] & kept]
+                         if not origin[r[0].ref] & kept and not aten.is_cheap(r[0].name)]
         if not reached:
             out.restored = restored_by(ref, sinks, by_ref, t_sides[0], maps[0])
             first = None

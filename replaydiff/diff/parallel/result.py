@@ -113,6 +113,9 @@ class ParallelDiff:
     parted: set[int] = field(default_factory=set)  # reference ops whose tensors fit no layout a correct run has
     # ops that fit no layout only because they read random draws (dropout masks), each rank's own: not judged
     random_parted: list[int] = field(default_factory=list)
+    # factories of no tensor (arange over the local batch) whose ranks' outputs are sized by their local sizes: each
+    # rank's own index, not compared with the single process's
+    per_rank_index: list[int] = field(default_factory=list)
     # ops whose inputs every rank holds whole and alike, right given them, whose outputs part from the reference's
     # only as far as the inputs' rounding, amplified, takes them: no departure
     amplified: list[int] = field(default_factory=list)
@@ -166,12 +169,13 @@ class ParallelDiff:
             "families": {k: dict(v) for k, v in self.families.items()}, "random_ops": self.random_ops,
             "not_stored": self.not_stored, "worst_rel_l2_over_eps": self.worst,
             "not_judged_random": list(self.random_parted), "amplified": list(self.amplified),
-            "sinks": self.sinks, "cancelled": [_site(c) for c in self.cancelled],
+            "sinks": self.sinks, "per_rank_index": list(self.per_rank_index), "cancelled": [_site(c) for c in self.cancelled],
             **({"restored": self.restored} if self.restored else {}),
             **({"sites": [_site(c) for c in self.sites]} if self.sites else {}),
             **({"sink": _site(self.sink)} if self.sink is not None else {}),
             **({"optimizer_settings": [{"optimizer": d.kind, "group": d.group, "name": d.name, "ref": d.ref,
-                                        "target": d.theirs, "rank": d.rank} for d in self.settings]}
+                                        "target": d.theirs, "rank": d.rank, **({"built": d.built} if d.built else {})}
+                                       for d in self.settings]}
                if self.settings else {}),
             **({"same_draws": list(self.same_draws)} if self.same_draws else {}),
             **({"micro_batches": self.micro_batches, "ref_only": dict(self.ref_only)} if self.micro_batches else {}),

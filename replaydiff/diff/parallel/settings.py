@@ -20,6 +20,7 @@ class SettingDifference:
     theirs: Setting  # the ranks' (the first rank that differs)
     rank: int
     world: int
+    built: str | None = None  # where the ranks' optimizer was built ('file.py:LINE'), where the recorder found it
 
     def describe(self) -> str:
         """'SGD group 0: lr 0.2 on the ranks, 0.1 in the single process (2x: the world size)'."""
@@ -32,8 +33,9 @@ class SettingDifference:
                 said = ": the world size" if r == self.world else ": 1 over the world size" \
                     if r == Fraction(1, self.world) else ""
                 ratio = f" ({r}x{said})"
+        at = f" (the optimizer built at {self.built})" if self.built else ""
         return f"{self.kind} group {self.group}: {self.name} {b!r} on rank {self.rank}, {a!r} in the single " \
-               f"process{ratio}"
+               f"process{ratio}{at}"
 
 
 def _steps(trace: RankTrace, ops: set[int]) -> list[OptimizerStep]:
@@ -55,12 +57,12 @@ def differing_settings(ref: RankTrace, ref_ops: set[int], ranks: list[tuple[int,
                 key = ("kind",)
                 if key not in seen:
                     seen.add(key)
-                    out.append(SettingDifference("optimizer", 0, "class", a.kind, b.kind, rank, world))
+                    out.append(SettingDifference("optimizer", 0, "class", a.kind, b.kind, rank, world, b.built))
                 continue
             for g, (ga, gb) in enumerate(zip(a.groups, b.groups)):
                 theirs = dict(gb)
                 for name, v in ga:
                     if name in theirs and theirs[name] != v and (a.kind, g, name) not in seen:
                         seen.add((a.kind, g, name))
-                        out.append(SettingDifference(a.kind, g, name, v, theirs[name], rank, world))
+                        out.append(SettingDifference(a.kind, g, name, v, theirs[name], rank, world, b.built))
     return out

@@ -21,12 +21,14 @@ from replaydiff.trace.schema import OpRecord, TensorRef
 
 def is_sink(op: OpRecord, producers: dict[int, int | None]) -> bool:
     """Whether the single process's op makes a value the job keeps: an optimizer op (the update reads the gradients
-    and writes the parameters and the state), or an op that writes into a tensor from outside the step that needs
-    no gradient (a buffer: BatchNorm's running statistics)."""
+    and writes the parameters and the state), or an op of a module that writes into a tensor from outside the step
+    that needs no gradient (a buffer: BatchNorm's running statistics)."""
     if aten.is_cheap(op.name):
         return False  # a view computes nothing: what it shows is kept, or not, by the op that made it
     if op.phase == "optimizer":
         return True
+    if op.module is None:
+        return False  # a write outside any module (a loss accumulated for logging) is bookkeeping, not a buffer
     ins = op.inputs()
     for path, _ in op.writes:
         if path.kind != "arg" or not isinstance(path.key, int) or path.key >= len(op.args):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-_AT, _KIND, _GROUPS = "at", "kind", "groups"
+_AT, _KIND, _GROUPS, _BUILT = "at", "kind", "groups", "built"
 Setting = int | float | bool | str | tuple | None
 
 
@@ -18,6 +18,7 @@ class OptimizerStep:
     at: int
     kind: str
     groups: tuple[tuple[tuple[str, Setting], ...], ...]
+    built: str | None = None  # 'file.py:LINE' that assigned the optimizer in the code calling step(); None: unknown
 
 
 def _plain(v: Any) -> Setting | type[NotImplemented]:
@@ -46,13 +47,15 @@ def settings_of(group: dict) -> tuple[tuple[str, Setting], ...]:
 
 def wire_optimizer_step(step: OptimizerStep) -> dict:
     return {_AT: step.at, _KIND: step.kind,
-            _GROUPS: [[[n, list(v) if isinstance(v, tuple) else v] for n, v in g] for g in step.groups]}
+            _GROUPS: [[[n, list(v) if isinstance(v, tuple) else v] for n, v in g] for g in step.groups],
+            **({_BUILT: step.built} if step.built else {})}
 
 
 def optimizer_step_from_wire(d: Any) -> OptimizerStep | None:
     """The entry, or None when it is not sound (a line cut short, another writer's)."""
     try:
         groups = tuple(tuple((str(n), tuple(v) if isinstance(v, list) else v) for n, v in g) for g in d[_GROUPS])
-        return OptimizerStep(int(d[_AT]), str(d[_KIND]), groups)
+        built = d.get(_BUILT)
+        return OptimizerStep(int(d[_AT]), str(d[_KIND]), groups, built if isinstance(built, str) else None)
     except (KeyError, TypeError, ValueError):
         return None
