@@ -64,6 +64,9 @@ def step(mode):
     part = 0 if mode == "same_shard" else rank  # BUG in same_shard: every rank reads rank 0's shard
     with replaydiff.record(out / mode):
         xs, ys = torch.tensor_split(ids, world)[part], torch.tensor_split(labels, world)[part]
+        if mode == "local_index":  # an index over the rank's own rows (as a mask built from local sizes is)
+            rows = torch.arange(xs.shape[0])
+            xs, ys = xs[rows], ys[rows]
         if mode == "attention":  # attention without dropout (its kernels are tagged random all the same)
             h = model[0](xs).unflatten(-1, (2, 4)).transpose(1, 2)
             h = F.scaled_dot_product_attention(h, h, h, dropout_p=0.0).transpose(1, 2).flatten(-2)
@@ -98,7 +101,7 @@ def step(mode):
 for m in modes:
     step(m)
 '''
-MODES = ["plain", "attention", "fsdp_clip", "per_token", "per_token_extra", "lr", "same_shard", "adam_sum",
+MODES = ["plain", "local_index", "attention", "fsdp_clip", "per_token", "per_token_extra", "lr", "same_shard", "adam_sum",
          "token_mean"]
 
 
@@ -131,6 +134,19 @@ def _diff(runs, mode, capsys) -> tuple[int, str]:
 def test_a_correct_data_parallel_run_agrees(runs, capsys):
     code, text = _diff(runs, "plain", capsys)
     assert code == 0 and "agree: every compared op maps" in text
+
+
+def test_an_index_over_each_rank_s_own_rows_is_not_compared_and_what_it_indexes_is(runs, capsys):
+    pd = diff_traces(runs[1] / "local_index", runs[2] / "local_index").parallel
+    assert pd.departure is None
+    (i,) = pd.per_rank_index
+    assert next(op for op in pd.ops if op.ref == i).name.startswith("aten.arange")
+    # the rows it picks are compared: sharded on dim 0 like the batch
+    index = [op for op in pd.ops if op.name == "aten.index.Tensor"]
+    assert index and all(t.layout is not None and t.layout.dim == 0 for op in index for t in op.tensors
+                         if t.kind == "out")
+    code, text = _diff(runs, "local_index", capsys)
+    assert code == 0 and "make each rank's own index from its local sizes" in text
 
 
 def test_attention_without_dropout_is_compared_as_deterministic(runs, capsys):
