@@ -217,6 +217,16 @@ def _parallel_op_line(op) -> str:
     return f"{ref} / {ranks} {op.name}  {where}".rstrip()
 
 
+def _worst(pd) -> str:
+    """The tensor that maps nearest its limit: its error against its own limit, and the op."""
+    if pd.worst_limit is None:
+        return f"worst rel_l2 {pd.worst:.3g} eps of the recorded dtype"
+    op = next((o for o in pd.ops if o.ref == pd.worst_op), None)
+    at = "" if op is None or not pd.worst else f" {op.name}" + (f" ({op.phase})" if op.phase else "")
+    return f"worst rel_l2 {pd.worst:.3g} eps of the recorded dtype against a limit of {pd.worst_limit:.3g} eps " \
+           f"(sqrt(eps)){f', at ref #{pd.worst_op}{at}' if at else ''}"
+
+
 def _site_line(d) -> str:
     """One value that parts, on one line: where, and how the ranks hold it (with its factor)."""
     line = d.op.source or ""
@@ -305,11 +315,9 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
                 "the values above cancel or feed nothing kept"
             out.write(f"agree at the sinks: the {pd.sinks} compared ops whose values the job keeps (the gradients as "
                       f"the optimizer reads them, the parameters after the step, the optimizer's state, buffers) map "
-                      f"onto the single process's; {how} (worst rel_l2 {pd.worst:.3g} eps of the "
-                      f"recorded dtype)\n")
+                      f"onto the single process's; {how} ({_worst(pd)})\n")
         elif pd.compared:
-            out.write(f"agree: every compared op maps onto the single process (worst rel_l2 {pd.worst:.3g} eps of "
-                      f"the recorded dtype: a reordered sum)\n")
+            out.write(f"agree: every compared op maps onto the single process ({_worst(pd)}: a reordered sum)\n")
         else:
             out.write("nothing compared: no aligned op has tensor data on both sides\n")
         return

@@ -218,8 +218,9 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         for m in tensors:
             if m.layout is not None and m.kind == "out":
                 out.families.setdefault(rop.phase or "?", Counter())[family(m.layout, m not in bad)] += 1
-            if m.error is not None and m.layout is not None and m not in bad:
-                out.worst = max(out.worst, m.error)
+            if m.error is not None and m.layout is not None and m not in bad and m.limit and \
+                    (out.worst_limit is None or m.error / m.limit > out.worst / out.worst_limit):
+                out.worst, out.worst_limit, out.worst_op = m.error, m.limit, i
         if not bad:
             continue
         if from_drawn and not from_departed:  # it reads another rank's dropout mask than the reference's
@@ -498,7 +499,9 @@ def diff_parallel_groups(refs: list[RankTrace], targets: list[RankTrace],
             out.families.setdefault(phase, Counter()).update(c)
         out.random_ops += g.random_ops
         out.not_stored += g.not_stored
-        out.worst = max(out.worst, g.worst)
+        if g.worst_limit is not None and (out.worst_limit is None or
+                                          g.worst / g.worst_limit > out.worst / out.worst_limit):
+            out.worst, out.worst_limit, out.worst_op = g.worst, g.worst_limit, g.worst_op
         out.ops += g.ops
         out.random_parted += g.random_parted
         out.same_draws += g.same_draws

@@ -74,4 +74,5 @@ def map_tensor(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs:
         parts[0].numel() > 0 and all(tuple(p.shape) == tuple(parts[0].shape) and torch.equal(p, parts[0])
                                      for p in parts[1:])
     return Mapped(kind, pos, rref.describe(), layout, error, off, offsets, tuple(fits), sizes,
-                  None if micro is not None else declared, alike)
+                  None if micro is not None else declared, alike,
+                  1 / math.sqrt(eps) if r.dtype.is_floating_point else None)

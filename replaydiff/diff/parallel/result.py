@@ -45,6 +45,7 @@ class Mapped:
     sizes: tuple[int, ...] | None = None  # with ``offsets``: each rank's extent along that dim
     declared: DTensorArg | None = None  # the placements DTensor declared for it on the ranks, where recorded
     alike: bool = False  # no layout fits, and every rank holds the same piece of it (each read the same shard)
+    limit: float | None = None  # the rel_l2 / eps a mapped value may reach and fit (close_for's); None: exact
 
     @property
     def layout_from(self) -> str | None:
@@ -107,7 +108,9 @@ class ParallelDiff:
     families: dict[str, Counter] = field(default_factory=dict)  # phase -> Counter(layout family) of outputs
     random_ops: int = 0  # aligned random ops, not compared
     not_stored: int = 0  # aligned ops whose tensors the traces do not hold (stats or meta traces)
-    worst: float = 0.0  # the largest rel_l2 / eps among the tensors that map
+    worst: float = 0.0  # the rel_l2 / eps of the tensor that maps nearest its limit (``worst_limit``)
+    worst_limit: float | None = None  # that tensor's limit, in eps of its dtype
+    worst_op: int | None = None  # the reference op it belongs to
     departure: ParallelDeparture | None = None
     ops: list[MappedOp] = field(default_factory=list)
     parted: set[int] = field(default_factory=set)  # reference ops whose tensors fit no layout a correct run has
@@ -168,6 +171,8 @@ class ParallelDiff:
             "not_aligned": list(self.not_aligned), "layout_ops": dict(self.layout_ops),
             "families": {k: dict(v) for k, v in self.families.items()}, "random_ops": self.random_ops,
             "not_stored": self.not_stored, "worst_rel_l2_over_eps": self.worst,
+            **({"worst_limit_over_eps": self.worst_limit, "worst_ref": self.worst_op}
+               if self.worst_limit is not None else {}),
             "not_judged_random": list(self.random_parted), "amplified": list(self.amplified),
             "sinks": self.sinks, "per_rank_index": list(self.per_rank_index), "cancelled": [_site(c) for c in self.cancelled],
             **({"restored": self.restored} if self.restored else {}),
