@@ -163,6 +163,8 @@ def test_fsdp2_gradient_clipping_maps_each_rank_s_norm_of_its_shard_as_a_norm_ov
     pd = diff_traces(runs[1] / "fsdp_clip", runs[2] / "fsdp_clip").parallel
     assert pd.departure is None, pd.departure
     assert any(f.startswith("norm over ranks") for f in pd.families.get("forward", {}))
+    # the clipping runs between backward() and step(), and is said there
+    assert {op.phase for op in pd.ops if "norm" in op.name} == {"between backward and step"}
     code, text = _diff(runs, "fsdp_clip", capsys)
     assert code == 0
 

@@ -28,6 +28,9 @@ from replaydiff.diff.parallel.sinks import departure_of, is_sink, restored_by
 from replaydiff.diff.parallel.words import batch_warning_of, earlier_step, family, why_inputs, why_scaled
 
 
+BETWEEN = "between backward and step"  # a MappedOp's phase for the work after backward(), before step()
+
+
 def is_parallel_pair(ref_world: int, ref_ranks: list[int], target_world: int, target_ranks: list[int]) -> bool:
     """A single-process reference against every rank of a job of world size > 1: the case mapped here."""
     return ref_world <= 1 and len(ref_ranks) == 1 and target_world > 1 and target_ranks == list(range(target_world))
@@ -85,6 +88,12 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     # what the backward computes descends from that loss, and so does a sink's parting from a loss scaled there
     last_forward_op: int | None = None
     loss_op: int | None = None
+    # the work between the last backward op and the optimizer's first (clipping, the gradients' division): the
+    # recorder phases it forward, as any op outside backward() and step(); the diff says where it sits
+    backward_ops = [i for i, op in r_side.ops.items() if op.phase == "backward"]
+    optimizer_ops = [i for i, op in r_side.ops.items() if op.phase == "optimizer"]
+    between = (max(backward_ops), min(optimizer_ops)) if backward_ops and optimizer_ops and \
+        max(backward_ops) < min(optimizer_ops) else None
     not_run = {i for i in r_side.ops if (owner[i] if i in owner else None) == -1 or
                not all(i in maps[r] for r in ([owner[i]] if i in owner else range(world)))}
     for n, i in enumerate(sorted(r_side.ops)):
@@ -167,7 +176,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             if tops[0].phase == "backward" and tops[0].forward_index is not None else None
         line = fwd.source if fwd is not None and fwd.source else rop.source
         tline = tfwd.source if tfwd is not None and tfwd.source else tops[0].source
-        mop = MappedOp(i, tuple(t.index for t in tops), rop.name, rop.module, rop.phase, line, tuple(tensors),
+        phase = BETWEEN if rop.phase == "forward" and between and between[0] < i < between[1] else rop.phase
+        mop = MappedOp(i, tuple(t.index for t in tops), rop.name, rop.module, phase, line, tuple(tensors),
                        () if micro is None else (micro,), target_source=tline if tline != line else None)
         out.ops.append(mop)
         by_ref[i] = mop
