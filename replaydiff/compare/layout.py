@@ -82,13 +82,7 @@ class Layout:
             d = self.dim
             split = [x.unflatten(d, (self.blocks, x.shape[d] // self.blocks)) for x in xs]
             return torch.cat(split, dim=d + 1).flatten(d, d + 1)
-        if self.kind is LayoutKind.MAX:
-            return torch.stack(xs).amax(0)
-        if self.kind is LayoutKind.MIN:
-            return torch.stack(xs).amin(0)
-        if self.kind is LayoutKind.NORM:
-            return torch.stack(xs).pow(2).sum(0).sqrt()
-        return torch.stack(xs).sum(0)
+        return REDUCTIONS[self.kind].combine(torch.stack(xs))
 
     def mapped(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """The reference as the ranks hold it: ``assemble`` times the factor."""
@@ -113,15 +107,7 @@ class Layout:
             split = "" if self.sizes is None else f" ({'+'.join(map(str, self.sizes))}{'' if even else ', uneven'})"
             turns = "" if self.blocks == 1 else f" in {self.blocks} interleaved blocks (a sharded dim flattened)"
             return f"sharded on dim {self.dim} over {self.world} ranks{split}{turns}{scale}"
-        if self.kind in (LayoutKind.MAX, LayoutKind.MIN):
-            return f"the {self.kind.value} over {self.world} ranks is the reference{scale}"
-        if self.kind is LayoutKind.NORM:
-            return f"the 2-norm over {self.world} ranks' norms is the reference (each rank's norm of its shard){scale}"
-        if self.factor == 1:
-            return f"partial over {self.world} ranks: the reference is their sum"
-        if self.factor == Fraction(1, self.world):
-            return f"partial over {self.world} ranks: the reference is their average (a per-rank mean)"
-        return f"partial over {self.world} ranks: their sum is {ratio_text(1 / self.factor)}x the reference"
+        return REDUCTIONS[self.kind].describe(self, scale)
 
     def to_json(self) -> dict:
         out = {"kind": self.kind.value, "world": self.world, "dim": self.dim,
@@ -133,6 +119,85 @@ class Layout:
             out["inner"] = self.inner.to_json()
             out["groups"] = [list(g) for g in self.groups]
         return out
+
+
+class Reduction:
+    """A layout in which every rank holds a value of the reference's shape and the reference is their elementwise
+    combination (a sum, a max, a norm): how the ranks' values combine, whether a factor may scale the result, and
+    the words for it. One registered subclass per kind (``REDUCTIONS``): a new reduction a parallel run makes is one
+    class here."""
+
+    kind: LayoutKind
+    scaled = False  # whether the combination may stand for the reference at a factor other than 1 (a sum of means)
+
+    def combine(self, stacked: torch.Tensor) -> torch.Tensor:  # stacked: [world, *shape], float64
+        raise NotImplementedError
+
+    def describe(self, layout: "Layout", scale: str) -> str:
+        raise NotImplementedError
+
+
+REDUCTIONS: dict[LayoutKind, Reduction] = {}  # in the order ``candidates`` tries them: the sum first
+
+
+def _reduction(cls: type[Reduction]) -> type[Reduction]:
+    REDUCTIONS[cls.kind] = cls()
+    return cls
+
+
+@_reduction
+class _Sum(Reduction):
+    """Partial: the sum over the ranks is the value (local gradients before their all-reduce)."""
+
+    kind = LayoutKind.PARTIAL
+    scaled = True
+
+    def combine(self, stacked: torch.Tensor) -> torch.Tensor:
+        return stacked.sum(0)
+
+    def describe(self, layout: "Layout", scale: str) -> str:
+        if layout.factor == 1:
+            return f"partial over {layout.world} ranks: the reference is their sum"
+        if layout.factor == Fraction(1, layout.world):
+            return f"partial over {layout.world} ranks: the reference is their average (a per-rank mean)"
+        return f"partial over {layout.world} ranks: their sum is {ratio_text(1 / layout.factor)}x the reference"
+
+
+@_reduction
+class _Max(Reduction):
+    """The largest over the ranks is the value (a per-rank max the program reduces with a max)."""
+
+    kind = LayoutKind.MAX
+
+    def combine(self, stacked: torch.Tensor) -> torch.Tensor:
+        return stacked.amax(0)
+
+    def describe(self, layout: "Layout", scale: str) -> str:
+        return f"the max over {layout.world} ranks is the reference{scale}"
+
+
+@_reduction
+class _Min(Reduction):
+    kind = LayoutKind.MIN
+
+    def combine(self, stacked: torch.Tensor) -> torch.Tensor:
+        return stacked.amin(0)
+
+    def describe(self, layout: "Layout", scale: str) -> str:
+        return f"the min over {layout.world} ranks is the reference{scale}"
+
+
+@_reduction
+class _Norm(Reduction):
+    """The 2-norm over the ranks' values is the value (each rank's norm of its shard: DTensor's _NormP)."""
+
+    kind = LayoutKind.NORM
+
+    def combine(self, stacked: torch.Tensor) -> torch.Tensor:
+        return stacked.pow(2).sum(0).sqrt()
+
+    def describe(self, layout: "Layout", scale: str) -> str:
+        return f"the 2-norm over {layout.world} ranks' norms is the reference (each rank's norm of its shard){scale}"
 
 
 def ratio_text(f: Fraction) -> str:
@@ -155,8 +220,7 @@ def candidates(ref_shape: Sequence[int], shapes: Sequence[Sequence[int]]) -> lis
             if others_equal and sum(sizes) == ref_shape[d] and not all(x == ref_shape[d] for x in sizes):
                 kinds.append(Layout(LayoutKind.SHARDED, world, d, sizes))
     if same and world > 1:
-        kinds.append(Layout(LayoutKind.PARTIAL, world))
-        kinds += [Layout(LayoutKind.MAX, world), Layout(LayoutKind.MIN, world), Layout(LayoutKind.NORM, world)]
+        kinds += [Layout(kind, world) for kind in REDUCTIONS]  # the sum first
     # a sharded dim flattened with an outer one: equal slices, each made of several interleaved blocks
     if world > 1 and all(len(s) == len(ref_shape) for s in shapes):
         for d in range(len(ref_shape)):
@@ -215,7 +279,7 @@ def infer_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close
             continue
         a = layout.assemble(parts)
         c = fit_scale(a, ref)
-        if layout.kind in (LayoutKind.MAX, LayoutKind.MIN, LayoutKind.NORM) and c != 1:
+        if layout.kind in REDUCTIONS and not REDUCTIONS[layout.kind].scaled and c != 1:
             continue  # a max (or a norm) of scaled values is no reduction a program makes
         if c is not None and close(a * float(c), ref):
             out.append(dataclasses.replace(layout, factor=c))
