@@ -23,7 +23,7 @@ from replaydiff.diff.parallel import Departure
 
 pytestmark = pytest.mark.slow
 
-STEPS = r'''"""Jobs judged at what they keep: each variant at any world size; world size 1 is the single-process reference."""
+STEPS = r'''"""Jobs judged at what they keep: each variant at any world size; world size 1 is the single process."""
 import os
 import sys
 from pathlib import Path
@@ -101,8 +101,8 @@ def step(mode):
 for m in modes:
     step(m)
 '''
-MODES = ["plain", "local_index", "attention", "fsdp_clip", "per_token", "per_token_extra", "lr", "same_shard", "adam_sum",
-         "token_mean"]
+MODES = ["plain", "local_index", "attention", "fsdp_clip", "per_token", "per_token_extra", "lr", "same_shard",
+         "adam_sum", "token_mean"]
 
 
 @pytest.fixture(scope="module")

@@ -174,7 +174,8 @@ class ParallelDiff:
             **({"worst_limit_over_eps": self.worst_limit, "worst_ref": self.worst_op}
                if self.worst_limit is not None else {}),
             "not_judged_random": list(self.random_parted), "amplified": list(self.amplified),
-            "sinks": self.sinks, "per_rank_index": list(self.per_rank_index), "cancelled": [_site(c) for c in self.cancelled],
+            "sinks": self.sinks, "per_rank_index": list(self.per_rank_index),
+            "cancelled": [_site(c) for c in self.cancelled],
             **({"restored": self.restored} if self.restored else {}),
             **({"sites": [_site(c) for c in self.sites]} if self.sites else {}),
             **({"sink": _site(self.sink)} if self.sink is not None else {}),
