@@ -358,6 +358,23 @@ def is_random(name: str) -> bool:
     return r
 
 
+def draws(name: str, args: list, kwargs: dict) -> bool:
+    """Whether a recorded call of a random op drew numbers: ``is_random``, but for an op whose probability argument
+    (``dropout_p`` of scaled_dot_product_attention's kernels, ``p`` of dropout) is 0 in this call (attention without
+    dropout is deterministic; its kernels are tagged as seeded all the same)."""
+    if not is_random(name):
+        return False
+    try:
+        arguments = resolve(name)._schema.arguments
+    except (UnknownOp, AttributeError):
+        return True
+    for k, a in enumerate(arguments):
+        if a.name in ("dropout_p", "p"):
+            v = args[k] if k < len(args) else kwargs.get(a.name, a.default_value)
+            return not (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0)
+    return True
+
+
 # -- random draws inside a compiled unit, recovered from its recorded outputs (replay/unit_replay.py) ---------------
 # A compiled graph draws with the backend's own generator (inductor's seeds), which replay cannot draw again; what
 # the draw decided (a dropout mask) is often among the unit's recorded outputs (saved for the backward).

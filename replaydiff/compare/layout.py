@@ -39,6 +39,7 @@ class LayoutKind(str, Enum):
     PARTIAL = "partial"
     MAX = "max"  # the largest over the ranks is the value (a per-rank max the program reduces with a max)
     MIN = "min"
+    NORM = "norm"  # the 2-norm over the ranks' values is the value (each rank's norm of its shard: DTensor's _NormP)
 
     def __str__(self) -> str:
         return self.value
@@ -81,11 +82,7 @@ class Layout:
             d = self.dim
             split = [x.unflatten(d, (self.blocks, x.shape[d] // self.blocks)) for x in xs]
             return torch.cat(split, dim=d + 1).flatten(d, d + 1)
-        if self.kind is LayoutKind.MAX:
-            return torch.stack(xs).amax(0)
-        if self.kind is LayoutKind.MIN:
-            return torch.stack(xs).amin(0)
-        return torch.stack(xs).sum(0)
+        return REDUCTIONS[self.kind].combine(torch.stack(xs))
 
     def mapped(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """The reference as the ranks hold it: ``assemble`` times the factor."""
@@ -110,13 +107,7 @@ class Layout:
             split = "" if self.sizes is None else f" ({'+'.join(map(str, self.sizes))}{'' if even else ', uneven'})"
             turns = "" if self.blocks == 1 else f" in {self.blocks} interleaved blocks (a sharded dim flattened)"
             return f"sharded on dim {self.dim} over {self.world} ranks{split}{turns}{scale}"
-        if self.kind in (LayoutKind.MAX, LayoutKind.MIN):
-            return f"the {self.kind.value} over {self.world} ranks is the reference{scale}"
-        if self.factor == 1:
-            return f"partial over {self.world} ranks: the reference is their sum"
-        if self.factor == Fraction(1, self.world):
-            return f"partial over {self.world} ranks: the reference is their average (a per-rank mean)"
-        return f"partial over {self.world} ranks: their sum is {ratio_text(1 / self.factor)}x the reference"
+        return REDUCTIONS[self.kind].describe(self, scale)
 
     def to_json(self) -> dict:
         out = {"kind": self.kind.value, "world": self.world, "dim": self.dim,
@@ -128,6 +119,85 @@ class Layout:
             out["inner"] = self.inner.to_json()
             out["groups"] = [list(g) for g in self.groups]
         return out
+
+
+class Reduction:
+    """A layout in which every rank holds a value of the reference's shape and the reference is their elementwise
+    combination (a sum, a max, a norm): how the ranks' values combine, whether a factor may scale the result, and
+    the words for it. One registered subclass per kind (``REDUCTIONS``): a new reduction a parallel run makes is one
+    class here."""
+
+    kind: LayoutKind
+    scaled = False  # whether the combination may stand for the reference at a factor other than 1 (a sum of means)
+
+    def combine(self, stacked: torch.Tensor) -> torch.Tensor:  # stacked: [world, *shape], float64
+        raise NotImplementedError
+
+    def describe(self, layout: "Layout", scale: str) -> str:
+        raise NotImplementedError
+
+
+REDUCTIONS: dict[LayoutKind, Reduction] = {}  # in the order ``candidates`` tries them: the sum first
+
+
+def _reduction(cls: type[Reduction]) -> type[Reduction]:
+    REDUCTIONS[cls.kind] = cls()
+    return cls
+
+
+@_reduction
+class _Sum(Reduction):
+    """Partial: the sum over the ranks is the value (local gradients before their all-reduce)."""
+
+    kind = LayoutKind.PARTIAL
+    scaled = True
+
+    def combine(self, stacked: torch.Tensor) -> torch.Tensor:
+        return stacked.sum(0)
+
+    def describe(self, layout: "Layout", scale: str) -> str:
+        if layout.factor == 1:
+            return f"partial over {layout.world} ranks: the reference is their sum"
+        if layout.factor == Fraction(1, layout.world):
+            return f"partial over {layout.world} ranks: the reference is their average (a per-rank mean)"
+        return f"partial over {layout.world} ranks: their sum is {ratio_text(1 / layout.factor)}x the reference"
+
+
+@_reduction
+class _Max(Reduction):
+    """The largest over the ranks is the value (a per-rank max the program reduces with a max)."""
+
+    kind = LayoutKind.MAX
+
+    def combine(self, stacked: torch.Tensor) -> torch.Tensor:
+        return stacked.amax(0)
+
+    def describe(self, layout: "Layout", scale: str) -> str:
+        return f"the max over {layout.world} ranks is the reference{scale}"
+
+
+@_reduction
+class _Min(Reduction):
+    kind = LayoutKind.MIN
+
+    def combine(self, stacked: torch.Tensor) -> torch.Tensor:
+        return stacked.amin(0)
+
+    def describe(self, layout: "Layout", scale: str) -> str:
+        return f"the min over {layout.world} ranks is the reference{scale}"
+
+
+@_reduction
+class _Norm(Reduction):
+    """The 2-norm over the ranks' values is the value (each rank's norm of its shard: DTensor's _NormP)."""
+
+    kind = LayoutKind.NORM
+
+    def combine(self, stacked: torch.Tensor) -> torch.Tensor:
+        return stacked.pow(2).sum(0).sqrt()
+
+    def describe(self, layout: "Layout", scale: str) -> str:
+        return f"the 2-norm over {layout.world} ranks' norms is the reference (each rank's norm of its shard){scale}"
 
 
 def ratio_text(f: Fraction) -> str:
@@ -150,8 +220,7 @@ def candidates(ref_shape: Sequence[int], shapes: Sequence[Sequence[int]]) -> lis
             if others_equal and sum(sizes) == ref_shape[d] and not all(x == ref_shape[d] for x in sizes):
                 kinds.append(Layout(LayoutKind.SHARDED, world, d, sizes))
     if same and world > 1:
-        kinds.append(Layout(LayoutKind.PARTIAL, world))
-        kinds += [Layout(LayoutKind.MAX, world), Layout(LayoutKind.MIN, world)]
+        kinds += [Layout(kind, world) for kind in REDUCTIONS]  # the sum first
     # a sharded dim flattened with an outer one: equal slices, each made of several interleaved blocks
     if world > 1 and all(len(s) == len(ref_shape) for s in shapes):
         for d in range(len(ref_shape)):
@@ -164,10 +233,14 @@ def candidates(ref_shape: Sequence[int], shapes: Sequence[Sequence[int]]) -> lis
     return kinds
 
 
+_MOST_WHOLE = 1 << 20  # the largest whole factor (or its reciprocal) fit_scale names
+
+
 def fit_scale(x: torch.Tensor, ref: torch.Tensor, most: int = 64) -> Fraction | None:
     """The simple ratio c (numerator and denominator at most ``most``) with c * x closest to ``ref``, by least
     squares over the finite values; None when there is none (one side all zeros and the other not, or a ratio that
-    is not simple: then no factor explains the difference). 1 when both are all zeros."""
+    is not simple: then no factor explains the difference; a whole number or its reciprocal may pass ``most``). 1
+    when both are all zeros."""
     a, b = x.to(torch.float64), ref.detach().to(torch.float64)
     keep = torch.isfinite(a) & torch.isfinite(b)
     a, b = a[keep], b[keep]
@@ -180,7 +253,13 @@ def fit_scale(x: torch.Tensor, ref: torch.Tensor, most: int = 64) -> Fraction | 
         return None
     snapped = Fraction(c).limit_denominator(most)
     if snapped == 0 or snapped.numerator > most or abs(float(snapped) - c) > 1e-3 * c:
-        return None
+        # a whole number, or one over it, past ``most``: a sum over a batch's tokens against their mean (the count
+        # is in the thousands); the caller's closeness test on the scaled value is what admits it
+        whole = Fraction(round(c)) if c >= 1 else Fraction(1, round(1 / c))
+        if whole == 0 or max(whole.numerator, whole.denominator) > _MOST_WHOLE or \
+                abs(float(whole) - c) > 1e-3 * c:
+            return None
+        return whole
     return snapped
 
 
@@ -200,8 +279,8 @@ def infer_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close
             continue
         a = layout.assemble(parts)
         c = fit_scale(a, ref)
-        if layout.kind in (LayoutKind.MAX, LayoutKind.MIN) and c != 1:
-            continue  # a max of scaled values is no reduction a program makes
+        if layout.kind in REDUCTIONS and not REDUCTIONS[layout.kind].scaled and c != 1:
+            continue  # a max (or a norm) of scaled values is no reduction a program makes
         if c is not None and close(a * float(c), ref):
             out.append(dataclasses.replace(layout, factor=c))
     return out

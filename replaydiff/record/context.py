@@ -47,6 +47,7 @@ _SKIP_CODE: dict = {}  # code object -> skip it? (a dict hit is cheaper than six
 
 _active: list["OpContext"] = []  # installed contexts
 _step_listeners: list[Callable[..., None]] = []  # called after every optimizer step (multi_step.py)
+_step_start_listeners: list[Callable[[object], None]] = []  # called as every optimizer step begins (recorder.py)
 _optimizer_hooks: list = []
 # What the innermost optimizer call in progress is: OPTIMIZER inside step(), _CLOSURE inside the closure it called.
 # Kept by the hooks for every step once installed (a recording may begin inside a step: `--step 1` starts at the
@@ -85,6 +86,8 @@ def ensure_optimizer_hooks() -> None:
 
 def _opt_pre_all(optimizer: object, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     _optimizer_calls.append(OPTIMIZER)
+    for listener in list(_step_start_listeners):
+        listener(optimizer)
     if not _armed:
         return None
     # The closure runs the job's forward and backward: wrapped so that its ops are not taken for the update's.
@@ -107,11 +110,32 @@ def _opt_post_all(optimizer: object, args: object, kwargs: object) -> None:
         listener(optimizer, args, kwargs)
 
 
+def user_frames(frame: FrameType | None):
+    """The frames of the user's code from ``frame`` outward (torch's and replaydiff's own skipped)."""
+    while frame is not None:
+        if not frame.f_code.co_filename.startswith(_SKIP_PREFIXES):
+            yield frame
+        frame = frame.f_back
+
+
 def add_step_listener(fn: Callable[..., None]) -> None:
     """Call ``fn(optimizer, args, kwargs)`` after every optimizer step, until ``remove_step_listener(fn)``."""
     ensure_optimizer_hooks()
     if fn not in _step_listeners:
         _step_listeners.append(fn)
+
+
+def add_step_start_listener(fn: Callable[[object], None]) -> None:
+    """Call ``fn(optimizer)`` as every optimizer step begins, until ``remove_step_start_listener(fn)``; ``fn`` must
+    not raise."""
+    ensure_optimizer_hooks()
+    if fn not in _step_start_listeners:
+        _step_start_listeners.append(fn)
+
+
+def remove_step_start_listener(fn: Callable[[object], None]) -> None:
+    if fn in _step_start_listeners:
+        _step_start_listeners.remove(fn)
 
 
 def remove_step_listener(fn: Callable[..., None]) -> None:

@@ -22,9 +22,10 @@ from replaydiff.aten import current_rank, facts, iter_tensors, written_args
 from replaydiff.record.autostart._replaydiff_record_env import ENV_VAR  # set in children of the CLI
 from replaydiff.errors import warn, warn_job
 from replaydiff.record.compiled import CompiledRegionTracker, no_filter, quiet_global_hook_warning
-from replaydiff.record.context import OpContext
+from replaydiff.record.context import OpContext, add_step_start_listener, remove_step_start_listener
 from replaydiff.record.environment import environment_snapshot
 from replaydiff.record.flight import FlightBuffer
+from replaydiff.record.hyperparameters import note_optimizer_step
 from replaydiff.record.mode import OpBuilder, RecordingMode, record_after, record_before
 from replaydiff.record.module_stats import ModuleStatsHooks
 from replaydiff.record.options import RecordOptions
@@ -273,10 +274,15 @@ class Recorder:
             return
         self.context.install()
         self._context_installed = True
+        add_step_start_listener(self._optimizer_step_begins)
         self._mode = CapturingMode(self) if self._units is not None else RecordingMode(self)
         self._mode.__enter__()
         if self._units is not None:
             self._units.attach(self._mode)
+
+    def _optimizer_step_begins(self, optimizer: Any) -> None:
+        """The hyperparameters of the step about to be recorded, for the diff of a parallel run."""
+        note_optimizer_step(self, optimizer)
 
     def _detach(self) -> None:
         self._unquiet()
@@ -291,6 +297,7 @@ class Recorder:
             except Exception as exc:
                 log.debug("could not pop the recording mode: %s", exc)
             self._mode = None
+        remove_step_start_listener(self._optimizer_step_begins)
         if self._context_installed:
             self._context_installed = False
             try:

@@ -205,8 +205,10 @@ def render_diff(report: DiffReport, out: TextIO, max_listed: int = 10) -> None:
 
 
 def _parallel_op_line(op) -> str:
-    where = "  ".join(shown(x) for x in (op.module or "", f"({op.phase})" if op.phase else "", op.source or "")
-                      if x)
+    line = op.source or ""
+    if op.target_source:
+        line = f"{line or 'no line'} (on the ranks {op.target_source})"
+    where = "  ".join(shown(x) for x in (op.module or "", f"({op.phase})" if op.phase else "", line) if x)
     if len(op.ranks) == 1:
         ranks = f"rank {op.ranks[0]} #{op.targets[0]}"
     elif op.ranks:
@@ -215,6 +217,27 @@ def _parallel_op_line(op) -> str:
         ranks = "ranks " + "/".join(f"#{t}" for t in op.targets)
     ref = f"ref #{op.ref}" if op.ref_rank is None else f"ref rank {op.ref_rank} #{op.ref}"
     return f"{ref} / {ranks} {shown(op.name)}  {where}".rstrip()
+
+
+def _worst(pd) -> str:
+    """The tensor that maps nearest its limit: its error against its own limit, and the op."""
+    if pd.worst_limit is None:
+        return f"worst rel_l2 {pd.worst:.3g} eps of the recorded dtype"
+    op = next((o for o in pd.ops if o.ref == pd.worst_op), None)
+    at = "" if op is None or not pd.worst else f" {op.name}" + (f" ({op.phase})" if op.phase else "")
+    return f"worst rel_l2 {pd.worst:.3g} eps of the recorded dtype against a limit of {pd.worst_limit:.3g} eps " \
+           f"(sqrt(eps)){f', at ref #{pd.worst_op}{at}' if at else ''}"
+
+
+def _site_line(d) -> str:
+    """One value that parts, on one line: where, and how the ranks hold it (with its factor)."""
+    line = d.op.source or ""
+    if d.op.target_source:
+        line = f"{line or 'no line'} (on the ranks {d.op.target_source})"
+    where = "  ".join(x for x in (f"({d.op.phase})" if d.op.phase else "", line) if x)
+    held = d.why if d.tensor.layout is None else d.tensor.layout.describe()
+    through = f", on the ranks through {d.via}" if d.via and d.tensor.layout is not None else ""
+    return f"ref #{d.op.ref} {d.op.name}  {where}: {held}{through}"
 
 
 def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
@@ -265,20 +288,38 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
         out.write(f"  every rank drew the same numbers at {len(pd.same_draws)} random op(s), first ref #{pd.same_draws[0]}: "
                   f"each rank's slice masked alike, where the single process draws apart for every row (the same seed on "
                   f"every rank; seed each rank's dropout apart)\n")
+    if pd.per_rank_index:
+        out.write(f"  {len(pd.per_rank_index)} op(s) make each rank's own index from its local sizes (arange over "
+                  f"the local batch, positions), not a piece of the single process's: not compared, what they index "
+                  f"is, first ref #{pd.per_rank_index[0]}\n")
     if pd.amplified:
         out.write(f"  {len(pd.amplified)} op(s) part from the reference only by amplifying their inputs' rounding (every "
                   f"rank holds the same inputs, and its op is right given them: ill-conditioned, such as AdamW's first "
                   f"update of a near-zero gradient), first ref #{pd.amplified[0]}\n")
     if d is None:
+        if pd.settings:
+            out.write("  the optimizer's settings differ, though what the job keeps agrees: "
+                      + "; ".join(st.describe() for st in pd.settings) + "\n")
         if pd.random_parted:
             out.write(f"no op parts from the reference among the others ({pd.compared - n} compared); not clean: "
                       f"the ops above were not judged\n")
         elif pd.compared and partial:
             out.write(f"no op parts from the reference among the {pd.compared} compared; not clean: a trace is "
                       f"partial (below)\n")
+        elif pd.compared and pd.cancelled:
+            out.write(f"  values that part on the way and reach what the job keeps no longer apart (information, "
+                      f"not a departure):\n")
+            for c in pd.cancelled:
+                out.write(f"    {_site_line(c)}\n")
+            if pd.restored:
+                out.write(f"    brought back to the single process's by {pd.restored}\n")
+            how = "the factors above cancel" if all(c.kind is Departure.SCALED for c in pd.cancelled) else \
+                "the values above cancel or feed nothing kept"
+            out.write(f"agree at the sinks: the {pd.sinks} compared ops whose values the job keeps (the gradients as "
+                      f"the optimizer reads them, the parameters after the step, the optimizer's state, buffers) map "
+                      f"onto the single process's; {how} ({_worst(pd)})\n")
         elif pd.compared:
-            out.write(f"agree: every compared op maps onto the single process (worst rel_l2 {pd.worst:.3g} eps of "
-                      f"the recorded dtype: a reordered sum)\n")
+            out.write(f"agree: every compared op maps onto the single process ({_worst(pd)}: a reordered sum)\n")
         else:
             out.write("nothing compared: no aligned op has tensor data on both sides\n")
         return
@@ -286,6 +327,22 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
     out.write(f"  {d.why}\n")
     if d.earlier:
         out.write(f"  {d.earlier}\n")
+    for st in pd.settings:
+        out.write(f"  the optimizer's settings differ: {st.describe()}\n")
+    if pd.sink is not None and pd.sink.op.ref != d.op.ref:
+        t = pd.sink.tensor
+        held = "under no layout" if t.layout is None else t.layout.describe()
+        out.write(f"  it reaches what the job keeps at {_parallel_op_line(pd.sink.op)}: "
+                  f"{'input' if t.kind == 'in' else 'output'} {t.position} ({t.describe}) {held}\n")
+    if pd.sites and pd.sink is not None and pd.sink.tensor.layout is not None and \
+            (len(pd.sites) > 1 or pd.sites[0].op.ref != d.op.ref):
+        out.write("  the values on its way that apply a factor, in order:\n")
+        for c in pd.sites:
+            out.write(f"    {_site_line(c)}\n")
+        if pd.sink is not None and pd.sink.tensor.layout is not None:
+            out.write(f"    net at the sink: {pd.sink.tensor.layout.describe()}\n")
+    for c in pd.cancelled:
+        out.write(f"  (cancels before the sinks: {_site_line(c)})\n")
     if d.kind is Departure.INPUTS:
         w = pd.within
         if w is None:

@@ -27,6 +27,7 @@ class Placement(str, Enum):
     SHARD = "shard"
     REPLICATE = "replicate"
     PARTIAL = "partial"
+    NORM = "norm"  # DTensor's _NormP(p): each rank holds the p-norm of its shard
     OTHER = "other"  # a placement this reader does not know (_StridedShard, a custom one)
 
     def __str__(self) -> str:
@@ -59,6 +60,8 @@ class DTensorArg:
             return Placement.SHARD, d % len(self.shape) if self.shape else d
         if p in ("R", "Replicate()"):
             return Placement.REPLICATE, None
+        if p.startswith("_NormP(") or p.startswith("NormP("):
+            return Placement.NORM, None
         if p.startswith("P(") or p.startswith("Partial("):
             return Placement.PARTIAL, None
         return Placement.OTHER, None

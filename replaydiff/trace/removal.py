@@ -27,6 +27,7 @@ from replaydiff.trace.format import (
     read_manifest_frame,
 )
 from replaydiff.trace.ownership import OWNER
+from replaydiff.trace.hyperparameters import HYPERPARAMETERS
 from replaydiff.trace.placements import PLACEMENTS
 
 _TMP = ".tmp"  # write_atomic's temporary twin of a file
@@ -122,7 +123,7 @@ def _rank_files(root: Path, rank_dir: Path) -> list[Path]:
                 out.append(Path(inner.path))
             out.append(p)
         elif entry.is_file(follow_symlinks=False) and (
-                _untmp(entry.name) in (MANIFEST, INDEX, ENTERED, PLACEMENTS)
+                _untmp(entry.name) in (MANIFEST, INDEX, ENTERED, PLACEMENTS, HYPERPARAMETERS)
                 or (entry.name.endswith(FRAME_SUFFIX) and has_frame_magic(p))):  # a frame file a later version adds
             out.append(p)
         else:

@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replaydiff.compare.layout import Layout, LayoutKind, candidates, infer_layout, infer_mesh_layouts, rel_l2_close
+from replaydiff.compare.layout import (Layout, LayoutKind, candidates, infer_layout, infer_layouts, infer_mesh_layouts,
+                                       rel_l2_close)
 
 CLOSE = rel_l2_close(1e-6)
 
@@ -92,7 +93,7 @@ def test_values_no_layout_explains_are_none():
 def test_shapes_decide_the_candidates_plainest_first():
     kinds = [(c.kind, c.dim, c.factor) for c in candidates((8, 3), [(8, 3), (8, 3)])]
     assert kinds == [(LayoutKind.REPLICATED, None, 1), (LayoutKind.PARTIAL, None, 1), (LayoutKind.MAX, None, 1),
-                     (LayoutKind.MIN, None, 1)]
+                     (LayoutKind.MIN, None, 1), (LayoutKind.NORM, None, 1)]
     assert [(c.kind, c.dim) for c in candidates((8, 3), [(4, 3), (4, 3)])][0] == (LayoutKind.SHARDED, 0)
     assert candidates((8, 3), [(4, 3), (3, 3)]) == []  # rows do not add up
     assert candidates((8, 3), [(8, 3)]) == [Layout(LayoutKind.REPLICATED, 1)]
@@ -151,3 +152,12 @@ def test_a_per_rank_mean_over_the_mesh_s_rows_is_partial_at_one_over_the_rows():
     assert (row.kind, row.factor, row.inner.kind) == (LayoutKind.PARTIAL, Fraction(1, 2), LayoutKind.REPLICATED)
     # the columns' ranks do not agree within a column: no replicated part there
     assert not any(f.groups == COLS and f.inner.kind is LayoutKind.REPLICATED for f in fits)
+
+
+def test_each_rank_s_norm_of_its_shard_is_a_norm_over_ranks_and_never_scaled():
+    g = torch.randn(12, dtype=torch.float64)
+    norms = [part.norm() for part in g.tensor_split(3)]  # what clip_grad_norm_ computes on each rank's shard
+    fits = infer_layouts(g.norm(), norms, rel_l2_close(1e-9))
+    assert [(f.kind, f.factor) for f in fits] == [(LayoutKind.NORM, 1)]
+    # twice the norm is no norm over the ranks at 1/2: a norm of scaled values is no reduction a program makes
+    assert all(f.kind is not LayoutKind.NORM for f in infer_layouts(2 * g.norm(), norms, rel_l2_close(1e-9)))

@@ -1,0 +1,56 @@
+"""The arguments of an op that are not tensors (a learning rate, a scale, an epsilon), compared between the single
+process's op and the ranks': an op whose inputs map onto the reference's and whose result does not, run with another
+``alpha`` on the ranks, is where a hyperparameter or a scale differs, not a value the ranks compute apart."""
+from __future__ import annotations
+
+from fractions import Fraction
+
+from replaydiff.trace.schema import OpRecord, TensorRef
+
+
+def _plain(label: str, v: object, out: list[tuple[str, object]]) -> None:
+    if isinstance(v, TensorRef):
+        return
+    if isinstance(v, (list, tuple)):
+        for k, x in enumerate(v):
+            _plain(f"{label}[{k}]", x, out)
+        return
+    out.append((label, v))
+
+
+def plain_arguments(op: OpRecord) -> list[tuple[str, object]]:
+    """(where, value) of each argument that is not a tensor: 'argument 2', 'argument 3[0]', 'alpha'."""
+    out: list[tuple[str, object]] = []
+    for k, a in enumerate(op.args):
+        _plain(f"argument {k}", a, out)
+    for name, a in op.kwargs.items():
+        _plain(str(name), a, out)
+    return out
+
+
+def differing_arguments(ref: OpRecord, ranks: list[OpRecord]) -> list[tuple[str, object, object]]:
+    """(where, the single process's value, the first differing rank's) for each argument that is not a tensor and
+    that some rank gives otherwise; empty when every rank runs the op with the reference's arguments."""
+    mine = dict(plain_arguments(ref))
+    out = []
+    for top in ranks:
+        for where, v in plain_arguments(top):
+            if where in mine and mine[where] != v and not any(w == where for w, _, _ in out):
+                out.append((where, mine[where], v))
+    return out
+
+
+def arguments_text(found: list[tuple[str, object, object]], world: int) -> str:
+    """'alpha -0.2 on the ranks, -0.1 in the single process (2x: the world size)', joined by '; '."""
+    said = []
+    for where, ref, theirs in found[:4]:
+        ratio = ""
+        if isinstance(ref, (int, float)) and isinstance(theirs, (int, float)) and not isinstance(ref, bool) and ref:
+            r = Fraction(theirs / ref).limit_denominator(64)
+            if r != 1 and abs(float(r) - theirs / ref) <= 1e-6 * abs(theirs / ref):
+                ratio = f" ({r.numerator if r.denominator == 1 else r}x" + \
+                    (": the world size)" if r == world else ": 1 over the world size)" if r == Fraction(1, world)
+                     else ")")
+        said.append(f"{where} {theirs!r} on the ranks, {ref!r} in the single process{ratio}")
+    more = len(found) - 4
+    return "; ".join(said) + (f"; +{more} more" if more > 0 else "")

@@ -1,0 +1,528 @@
+"""The mapping of a parallel run onto the single process, op by op in the reference's order (see the package)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from fractions import Fraction
+from typing import Callable
+
+from replaydiff import aten
+from replaydiff.compare.layout import LayoutKind, ratio_text
+from replaydiff.diff.align import align
+from replaydiff.errors import UsageError
+from replaydiff.trace.reader import RankTrace
+from replaydiff.trace.schema import TensorRef
+from replaydiff.diff.parallel.arguments import arguments_text, differing_arguments
+from replaydiff.diff.parallel.alignment import Side, follow_data, makes_layout, micro_batches_of
+from replaydiff.diff.parallel.declared import declared_on, declared_output, mesh_of
+from replaydiff.diff.parallel.factors import legit_factors, pick_legit
+from replaydiff.diff.parallel.mapping import map_tensor
+from replaydiff.diff.parallel.means import unequal_counts
+from replaydiff.diff.parallel.paths import (amplifies, collective_ahead, collective_behind, computing_behind,
+                                            made_apart, partial_input, reduced_at, same_draws_of)
+from replaydiff.diff.parallel.refusals import refuse_point_to_point, refuse_sub_groups
+from replaydiff.diff.parallel.result import Departure, Mapped, MappedOp, ParallelDeparture, ParallelDiff
+from replaydiff.diff.parallel.settings import differing_settings
+from replaydiff.diff.parallel.sinks import departure_of, is_sink, restored_by
+from replaydiff.diff.parallel.words import batch_warning_of, earlier_step, family, why_inputs, why_scaled
+
+
+BETWEEN = "between backward and step"  # a MappedOp's phase for the work after backward(), before step()
+
+
+def is_parallel_pair(ref_world: int, ref_ranks: list[int], target_world: int, target_ranks: list[int]) -> bool:
+    """A single-process reference against every rank of a job of world size > 1: the case mapped here."""
+    return ref_world <= 1 and len(ref_ranks) == 1 and target_world > 1 and target_ranks == list(range(target_world))
+
+
+def diff_parallel(ref: RankTrace, targets: list[RankTrace],
+                  progress: Callable[[int], None] | None = None, cut_short: bool = False,
+                  full_world: int | None = None) -> ParallelDiff:
+    """Map every rank of ``targets`` (rank order, world size ``len(targets)``) onto the single-process ``ref``;
+    ``cut_short``: a side was cut short, so ops missing on the ranks are no sign of another program.
+    ``full_world``: ``ref`` is one rank of a parallel run and ``targets`` the ranks of a run of this world size
+    that stand for it (``diff_parallel_groups``)."""
+    world = len(targets)
+    r_side = Side(ref, skip_collectives=full_world is not None)
+    t_sides = [Side(t) for t in targets]
+    mesh = mesh_of(t_sides[0], world) if full_world is None else None  # a 2-D DeviceMesh DTensor declared
+    refuse_sub_groups(t_sides[0], full_world or world, mesh)
+    refuse_point_to_point([r_side, *t_sides])
+    owner = micro_batches_of(r_side, t_sides)  # a micro-batch's op -> the rank whose ops it maps onto
+    maps = []
+    out = ParallelDiff(world, len(r_side.keys), 0, 0, micro_batches=world if owner else 0)
+    for rank, side in enumerate(t_sides):
+        keys = [k for k in r_side.keys if owner.get(k.index, rank) == rank]  # what this rank stands for
+        al = align(keys, side.keys)
+        m = follow_data(ref, r_side, side, dict(al.pairs), {k.index for k in keys} if owner else set())
+        maps.append(m)
+        mine = set(m.values())
+        out.layout_ops.update(op.name for j, op in side.ops.items() if j not in mine and not aten.is_marker(op.name))
+    declared = [declared_on(side) for side in t_sides]  # DTensor's placements on each rank, where recorded
+    departed: set[int] = set()  # reference ops that part from the reference, the first and what inherits it
+    drawn: set[int] = set()  # random ops, and ops that part only because they read what random ops drew
+    seen_inputs: set = set()
+    step_views: set[int] = set()
+    first: tuple[MappedOp, Mapped, Departure, str] | None = None
+    within: ParallelDeparture | None = None  # after inputs that differ: the first op that parts with agreeing inputs
+    differing: set[int] = set()  # the versions of the step's inputs that map under no layout at factor 1
+    carriers: set[int] = set()  # reference ops that read, through the data flow, what a differing step input made
+    by_ref: dict[int, MappedOp] = {}  # the ops mapped so far, by reference op number
+    inherited = 0
+    # every op that parts reading nothing that parted before it (the first among them is ``first``), in order, and
+    # for each op that parts the roots it descends from: a sink's parting is traced back to where it entered
+    roots: list[tuple[MappedOp, Mapped, Departure, str]] = []
+    origin: dict[int, frozenset[int]] = {}
+    sinks: list[int] = []  # the compared ops whose values the job keeps (sinks.py)
+    changes: list[tuple[MappedOp, Mapped, Departure, str]] = []  # ops that part reading what parted, at a factor
+    applied: dict[int, Fraction] = {}  # the factor each root or change applies (what it reads over what it holds)
+    via: dict[int, str | None] = {}  # the ranks' own computing op each root or change reads from (computing_behind)
+    # The factor of the loss the backward differentiates: that of the last partial value the forward made before
+    # it (a per-rank mean: 1/world; a summed loss: 1); none (a loss every rank computes whole): 1. Not simply the
+    # last forward value: backward() makes the gradient's seed (ones_like) first, recorded in the forward.
+    last_forward: Fraction | None = None
+    loss: Fraction | None = None
+    in_backward = False
+    # the forward op whose factor the backward takes (``last_forward``'s), and the one of the backward begun last:
+    # what the backward computes descends from that loss, and so does a sink's parting from a loss scaled there
+    last_forward_op: int | None = None
+    loss_op: int | None = None
+    # the work between the last backward op and the optimizer's first (clipping, the gradients' division): the
+    # recorder phases it forward, as any op outside backward() and step(); the diff says where it sits
+    backward_ops = [i for i, op in r_side.ops.items() if op.phase == "backward"]
+    optimizer_ops = [i for i, op in r_side.ops.items() if op.phase == "optimizer"]
+    between = (max(backward_ops), min(optimizer_ops)) if backward_ops and optimizer_ops and \
+        max(backward_ops) < min(optimizer_ops) else None
+    not_run = {i for i in r_side.ops if (owner[i] if i in owner else None) == -1 or
+               not all(i in maps[r] for r in ([owner[i]] if i in owner else range(world)))}
+    for n, i in enumerate(sorted(r_side.ops)):
+        if progress is not None and n % 64 == 63:
+            progress(64)
+        if i in r_side.skipped or i in not_run:
+            # not compared (a collective of a parallel reference, an op some rank does not run): what it makes
+            # descends from what it reads, so that a sink is traced back through it
+            came = frozenset().union(*(origin[p] for p in ref.producers(i).values() if p is not None and p in origin))
+            if came:
+                origin[i] = came
+        if i in r_side.skipped:
+            continue
+        if differing:
+            # it descends, through the reference's data flow, from a step input that differs (or an op that parted)
+            made_by = ref.producers(i)
+            if any(p is not None and (p in carriers or p in departed) for p in made_by.values()) or \
+                    any(made_by.get(pos) is None and r.version in differing
+                        for pos, r in enumerate(r_side.ops[i].inputs())):
+                carriers.add(i)
+        if i in not_run:
+            out.not_aligned.append(i)
+            continue
+        own = [owner[i]] if i in owner else list(range(world))  # the ranks whose ops stand for it
+        out.aligned += 1
+        rop = r_side.ops[i]
+        tops = [t_sides[r].ops[maps[r][i]] for r in own]
+        tgts = [targets[r] for r in own]
+        micro = owner.get(i)
+        random = aten.draws(rop.name, rop.args, rop.kwargs)
+        producers = ref.producers(i)
+        # a view of the step's inputs or of a collective's buffer on a reference rank: ``tensor_split(x, world)``
+        # cuts every rank's slice of the batch, which the target's ranks cut otherwise (and the trace's data flow
+        # links each slice to the one before it): its inputs are compared, its outputs where an op that computes
+        # reads them
+        # (a batch drawn inside the step, by a random op every rank runs alike, is cut the same way)
+        step_view = full_world is not None and aten.is_cheap(rop.name) and \
+            all(p is None or p in step_views or p in r_side.skipped or aten.is_random(r_side.ops[p].name)
+                for p in producers.values())
+        if step_view:
+            step_views.add(i)
+        # a view of the batch (a step input, or a draw in the step) that no op of the reference reads
+        # (``tensor_split(x, 1)[0]``: the single process's one piece is the whole tensor, and what reads it reads
+        # that): a cut the ranks make otherwise, judged where an op that computes reads what the ranks cut
+        unread_view = aten.is_cheap(rop.name) and not any(ref.consumers(i).values()) and \
+            all(p is None or aten.is_random(r_side.ops[p].name) for p in producers.values())
+        from_departed = [p for p in producers.values() if p is not None and p in departed]
+        # what reads only the shape of a value that parted (backward()'s seed, ones_like of the loss) agrees, and
+        # what it makes still descends from that value: the backward differentiates the loss
+        seeded = frozenset().union(*(origin[p] for p in producers.values() if p is not None and p in origin))
+        if from_departed and not aten.reads_values(rop.name):
+            origin[i] = seeded
+        from_drawn = [p for p in producers.values() if p is not None and p in drawn]
+        tensors: list[Mapped] = []
+        # the step's inputs this op reads first (parameters, the batch): each storage once
+        r_ins, t_ins = rop.inputs(), [t.inputs() for t in tops]
+        out_arg = rop.kwargs.get("out")  # a buffer the op writes without reading it (DDP's bucket)
+        for pos, rref in enumerate(r_ins):
+            if producers.get(pos) is not None or rref.version in seen_inputs or \
+                    (isinstance(out_arg, TensorRef) and rref.version == out_arg.version):
+                continue
+            if any(pos >= len(ti) or tgts[k].producers(tops[k].index).get(pos) is not None
+                   for k, ti in enumerate(t_ins)):
+                continue  # on some rank the op reads what a rank's own op made (a slice of the batch, a copy)
+            seen_inputs.add(rref.version)
+            m = map_tensor(ref, tgts, rref, [ti[pos] for ti in t_ins], "in", pos, world, micro,
+                     declared[own[0]].get((tops[0].index, pos)), mesh)
+            if m is not None:
+                tensors.append(m)
+        r_outs, t_outs = rop.outputs_refs(), [t.outputs_refs() for t in tops]
+        for pos, rref in enumerate(r_outs):
+            if step_view or unread_view or any(pos >= len(to) for to in t_outs):
+                continue
+            m = map_tensor(ref, tgts, rref, [to[pos] for to in t_outs], "out", pos, world, micro,
+                     declared_output(t_sides[own[0]], declared[own[0]], tops[0].index, pos), mesh)
+            if m is not None:
+                tensors.append(m)
+        fwd = r_side.ops.get(rop.forward_index) if rop.phase == "backward" and rop.forward_index is not None else None
+        tfwd = t_sides[own[0]].ops.get(tops[0].forward_index) \
+            if tops[0].phase == "backward" and tops[0].forward_index is not None else None
+        line = fwd.source if fwd is not None and fwd.source else rop.source
+        tline = tfwd.source if tfwd is not None and tfwd.source else tops[0].source
+        phase = BETWEEN if rop.phase == "forward" and between and between[0] < i < between[1] else rop.phase
+        mop = MappedOp(i, tuple(t.index for t in tops), rop.name, rop.module, phase, line, tuple(tensors),
+                       () if micro is None else (micro,), target_source=tline if tline != line else None)
+        out.ops.append(mop)
+        by_ref[i] = mop
+        if random:
+            out.random_ops += 1
+            if not tensors or any(m.layout is None or m.layout.factor != 1 for m in tensors):
+                # each rank drew its own numbers: what reads them is judged only if it maps anyway
+                drawn.add(i)
+                if micro is None and same_draws_of(ref, rop, tops, tgts):
+                    out.same_draws.append(i)
+                continue
+            # every rank drew what the single process drew (one seed, a batch drawn in the step): compared as any op
+        if not tensors:
+            if r_outs and not any(r.stored for r in r_outs):
+                out.not_stored += 1
+            continue
+        out.compared += 1
+        if is_sink(rop, producers):
+            sinks.append(i)
+        if rop.phase == "backward" and not in_backward:
+            in_backward, loss, loss_op = True, last_forward, last_forward_op
+        elif rop.phase == "forward" and aten.reads_values(rop.name):  # not ones_like: backward()'s seed
+            in_backward = False
+            # the op's value (its first output; others are auxiliary, such as nll_loss's count) if it is partial
+            # (a value every rank holds whole, such as a loss of the whole batch, is replicated, though half of it
+            # on each of 2 ranks would be a partial one as well)
+            value = next((m for m in tensors if m.kind == "out"), None)
+            if value is not None and value.fits and value.fits[0].factor == 1 and \
+                    value.fits[0].kind is LayoutKind.REPLICATED:
+                last_forward, last_forward_op = Fraction(1), i
+            else:
+                partial_fit = None if value is None else next(
+                    (f for f in value.fits if f.kind is LayoutKind.PARTIAL), None)
+                if partial_fit is not None:
+                    last_forward, last_forward_op = partial_fit.factor, i
+        tensors = [pick_legit(m, rop.phase if m.kind == "out" else None, loss) for m in tensors]
+        mop = dataclasses.replace(mop, tensors=tuple(tensors))
+        out.ops[-1] = by_ref[i] = mop
+        bad = [m for m in tensors if m.layout is None or m.layout.factor not in legit_factors(
+            m.layout, rop.phase if m.kind == "out" else None, loss)]
+        if bad and not rop.inputs() and all(m.kind == "out" and m.layout is None for m in bad) \
+                and any(tuple(t.outputs_refs()[m.position].shape) != tuple(rop.outputs_refs()[m.position].shape)
+                        for m in bad for t in tops):
+            # a factory of no tensor (arange over the local batch, positions, a mask of local sizes): each rank's
+            # index of its own values, not a piece of the single process's; what it indexes is judged where read
+            out.per_rank_index.append(i)
+            continue
+        for m in tensors:
+            if m.layout is not None and m.kind == "out":
+                out.families.setdefault(rop.phase or "?", Counter())[family(m.layout, m not in bad)] += 1
+            if m.error is not None and m.layout is not None and m not in bad and m.limit and \
+                    (out.worst_limit is None or m.error / m.limit > out.worst / out.worst_limit):
+                out.worst, out.worst_limit, out.worst_op = m.error, m.limit, i
+        if not bad:
+            continue
+        if from_drawn and not from_departed:  # it reads another rank's dropout mask than the reference's
+            drawn.add(i)
+            out.random_parted.append(i)
+            continue
+        # the step's inputs already differ (the first departure is of kind inputs): an op that parts reading none
+        # of what they made, and no differing input itself, parts with agreeing inputs, as the rank-by-rank diff
+        # names it; the first such is said as well
+        with_agreeing = first is not None and first[2] is Departure.INPUTS and within is None and \
+            i not in carriers and not any(m.kind == "in" for m in bad)
+        for m in bad:
+            if m.kind == "in":
+                differing.add(r_ins[m.position].version)
+                carriers.add(i)
+        if not from_departed and (first is None or with_agreeing or first[2] is not Departure.INPUTS) and \
+                all(m.layout is None for m in bad) and \
+                amplifies(rop, tops, tensors, producers, by_ref, tgts, set(out.amplified), maps[own[0]]):
+            # every rank computes from the same inputs, right given them; they differ from the reference's by a
+            # reordered sum's rounding, which this op amplifies (AdamW's first update of a near-zero gradient)
+            out.amplified.append(i)
+            continue
+        departed.add(i)
+        out.parted.add(i)
+        if i in sinks and out.sink is None:
+            out.sink = ParallelDeparture(mop, bad[0], Departure.NO_LAYOUT if bad[0].layout is None else
+                                         Departure.SCALED, "", 0, step=rop.step)
+        origin[i] = seeded or frozenset({i})
+        if loss_op is not None and loss_op in departed and i > loss_op:
+            origin[i] = origin[i] | origin[loss_op]  # it descends from the loss the backward differentiated
+        # a root: an op that parts reading nothing that parted (after step inputs that differ, only one that reads
+        # none of what they made: they are said first, and what descends from them inherits them)
+        root = not from_departed and (first is None or with_agreeing or first[2] is not Departure.INPUTS)
+        if not root:
+            inherited += first is not None
+            # a value on the way that parted already, held at another factor than what it reads: a factor site
+            m = next((t for t in bad if t.kind == "out" and t.layout is not None), None)
+            read = next((t.layout.factor for p in from_departed if p in by_ref for t in by_ref[p].tensors
+                         if t.kind == "out" and t.layout is not None), None)
+            if m is not None and read is not None and read != m.layout.factor:
+                times = read / m.layout.factor
+                extra = via[i] = computing_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
+                changes.append((mop, m, Departure.SCALED, (
+                    f"{m.layout.describe()}: {ratio_text(times)}x what it reads (which parted already): a scale "
+                    f"applied here" + ("" if extra is None else f", or in what it reads on the ranks from {extra}, "
+                                                                f"which the reference does not run"))))
+                applied[i] = times
+            continue
+        m = bad[0]
+        partial_in = partial_input(producers, by_ref)
+        other_args = differing_arguments(rop, tops)
+        if m.alike and rop.phase == "forward":
+            rows = m.describe.split("[", 1)[-1].split(",")[0].rstrip("]")
+            at = "" if m.offsets is None else f" (at offset {m.offsets[1][0]} of the reference's dim {m.offsets[0]})"
+            kind, why = Departure.SAME_SHARD, (
+                f"{'input' if m.kind == 'in' else 'output'} {m.position}: ranks "
+                f"{', '.join(map(str, range(world - 1)))} and {world - 1} "
+                f"hold the same rows, {int(m.sizes[0]) if m.sizes else rows} each{at}, where each should hold its "
+                f"own: each rank reads the same shard (a sampler or split given the same rank on every rank" +
+                ("; the batch enters the step from outside it: look where each rank's loader or sampler is given "
+                 "its rank)" if m.kind == "in" else ")"))
+        elif m.kind == "in" and m.offsets is None:
+            kind, why = Departure.INPUTS, why_inputs(m, rop.step)
+        elif partial_in is not None and rop.phase == "optimizer" and \
+                (over := reduced_at(partial_in[0], rop, tops, tgts, t_sides[own[0]], maps[own[0]], ref, world,
+                                     micro, mesh)) is not None:
+            # the gradient went through its all-reduce, and came out whole on every rank at a factor
+            (c, name, at), times = over
+            line = t_sides[own[0]].ops[c].source
+            kind, why = Departure.SCALED, (
+                f"input {partial_in[0]} (the gradient) is replicated at {times}x the reference after {name} #{c} (on "
+                f"rank {own[0]}{', ' + line if line else ''}): a sum not divided by the world size, or a loss scaled "
+                f"twice")
+        elif partial_in is not None and rop.phase == "optimizer":
+            made = r_side.ops[partial_in[2]]
+            line = by_ref[partial_in[2]].target_source or by_ref[partial_in[2]].source
+            if line and made.phase == "backward":
+                line = f"the backward of {line}"
+            where = ", ".join(x for x in (made.module or "no module", made.phase, line) if x)
+            kind, why = Departure.UNREDUCED, (
+                f"input {partial_in[0]} is partial over {world} ranks (each rank's own gradient, made by "
+                f"#{partial_in[2]} {made.name}, {where}) and reaches the optimizer without its all-reduce: each rank "
+                f"steps with its own")
+        elif m.layout is not None:
+            kind, why = Departure.SCALED, why_scaled(m.layout, legit_factors(m.layout, rop.phase, loss))
+            if other_args:
+                why += f"; the ranks run this op with other arguments than the single process: " \
+                       f"{arguments_text(other_args, world)}"
+        elif partial_in is not None and \
+                (ahead := collective_ahead(t_sides[own[0]], maps[own[0]], tops[0].index)) is not None:
+            # the reduction is there, after this op: what the op combines with the partial sums is summed too
+            c, name = ahead
+            line = t_sides[own[0]].ops[c].source
+            kind, why = Departure.UNREDUCED, (
+                f"input {partial_in[0]} holds partial sums over {world} ranks (the reference is their "
+                f"{'average' if partial_in[1].factor != 1 else 'sum'}, made by #{partial_in[2]}), and this op runs "
+                f"on them before {name} #{c} (on rank {own[0]}{', ' + line if line else ''}) reduces its result: it "
+                f"needs the whole sum (a value every rank adds, such as a bias, is then summed {world} times); this op "
+                f"belongs after the reduction")
+        elif partial_in is not None:
+            kind, why = Departure.UNREDUCED, (
+                f"input {partial_in[0]} holds partial sums over {world} ranks (the reference is their "
+                f"{'average' if partial_in[1].factor != 1 else 'sum'}, made by #{partial_in[2]}) and is used without "
+                f"a reduction: an all-reduce is missing before this op")
+        elif m.offsets is not None:
+            dim, at = m.offsets
+            spans = sorted(zip(at, m.sizes or ()))
+            overlap = any(a + n > b for (a, n), (b, _) in zip(spans, spans[1:]))
+            what = "slices that overlap (some of it on two ranks, some on none)" if overlap else \
+                "not in rank order: a shard taken at the wrong offset"
+            kind, why = Departure.SHARD_OFFSET, (
+                f"{'input' if m.kind == 'in' else 'output'} {m.position} ({m.describe}): each rank holds a slice of the "
+                f"reference on dim {dim}, at offsets {', '.join(f'rank {r}: {o}' for r, o in enumerate(at))}: {what}")
+        elif m.off and len(m.off) < world and micro is None:
+            held = [r for r in range(world) if r not in m.off]
+            kind, why = Departure.NO_LAYOUT, (
+                f"output {m.position} ({m.describe}): rank{'s' if len(held) > 1 else ''} "
+                f"{', '.join(map(str, held))} hold{'s' if len(held) == 1 else ''} the reference's value, rank"
+                f"{'s' if len(m.off) > 1 else ''} {', '.join(map(str, m.off))} "
+                f"{'do' if len(m.off) > 1 else 'does'} not: this op went wrong there")
+        elif (own_in := made_apart(producers, tops[0], tgts[0], t_sides[own[0]], maps[own[0]], r_side,
+                                    set(out.not_aligned))) is not None:
+            pos, made, theirs = own_in
+            kind, why = Departure.NO_LAYOUT, (
+                f"output {m.position} ({m.describe}) maps onto the reference's under no layout (replicated, sharded "
+                f"on a dimension, or partial over {world} ranks, at any simple factor): input {pos} is made on the "
+                f"ranks by ops of their own, last {made}, where the reference runs {theirs} (not run by every rank), "
+                f"with no collective on the way: if the reference's value is a sum over the ranks (a row-parallel "
+                f"layer's output), its all-reduce is missing there")
+        elif (counts := unequal_counts(ref, tgts, rop, tops, m)) is not None:
+            said = " and ".join(f"{c:g}" for c in counts)
+            kind, why = Departure.NO_LAYOUT, (
+                f"output {m.position} ({m.describe}) is a per-rank mean over each rank's own count, and the counts "
+                f"differ ({said}, output {'1' if m.position == 0 else '0'} of this op), where the single process's is "
+                f"the mean over all {sum(counts):g}: the ranks' means are averaged as if their counts were equal; sum "
+                f"on each rank and divide by the count all-reduced over the ranks")
+        elif other_args and not from_departed and not aten.is_cheap(rop.name):
+            # its inputs map onto the reference's (it reads nothing that parted), its result does not: the
+            # arguments the ranks give it are the difference (an optimizer's lr, a scale)
+            kind, why = Departure.NO_LAYOUT, (
+                f"output {m.position} ({m.describe}) maps onto the reference's under no layout, from inputs that "
+                f"do: the ranks run this op with other arguments than the single process: "
+                f"{arguments_text(other_args, world)}")
+        else:
+            kind, why = Departure.NO_LAYOUT, (
+                f"output {m.position} ({m.describe}) maps onto the reference's under no layout (replicated, sharded "
+                f"on a dimension, or partial over {world} ranks, at any simple factor): the ranks compute something "
+                f"else here (per-rank statistics that should be global, such as BatchNorm's without SyncBatchNorm or "
+                f"means over shards of unequal size averaged as if equal; a different input)")
+        if with_agreeing:
+            within = ParallelDeparture(mop, m, kind, why, 0, step=rop.step)
+            continue
+        if first is not None:
+            inherited += 1
+        else:
+            out.batch_warning = batch_warning_of(rop, m, kind, {k: None if owner.get(p) == -1 else p
+                                                              for k, p in producers.items()})
+        behind = collective_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
+        if behind is not None and kind in (Departure.SCALED, Departure.NO_LAYOUT) and behind[1] not in why:
+            why += f"; on the ranks it reads what {behind[1]} (#{behind[0]} on rank {own[0]}) made, which the " \
+                   f"single process does not run"
+        elif kind is Departure.SCALED:
+            # a scale the ranks apply in an op the reference does not run (a loss multiplied by the world size where
+            # the reference divides by the micro-batch count, or multiplies by its own world size): its line
+            extra = computing_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
+            if extra is not None:
+                why += f"; on the ranks it reads what {extra} made, which the reference does not run"
+        roots.append((mop, m, kind, why))
+        via[i] = computing_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
+        if kind is Departure.SCALED and m.layout is not None:
+            legit = legit_factors(m.layout, rop.phase if m.kind == "out" else None, loss)
+            applied[i] = min(legit, key=lambda f: abs(math.log(f / m.layout.factor))) / m.layout.factor
+        if first is None:
+            first = roots[0]
+    if progress is not None:
+        progress(len(r_side.ops) % 64)
+    computing = [i for i in out.not_aligned if not aten.is_cheap(r_side.ops[i].name)]
+    out.ref_only.update(r_side.ops[i].name for i in computing)
+    if len(computing) * 4 > out.ref_ops and not cut_short:  # (a side cut short lacks ops too: said by the caller)
+        # not the same program on every rank as in the single process: no verdict on a mapping of what is left
+        raise UsageError(
+            f"the single process runs {len(computing)} of its {out.ref_ops} ops with no counterpart on every rank "
+            f"(first #{computing[0]} {r_side.ops[computing[0]].name}): another program than each rank's, which is "
+            f"not mapped onto the ranks; diff one rank op by op with --rank N")
+    out.sinks = len(sinks)
+    out.settings = differing_settings(ref, set(r_side.ops), [(r, t, set(side.ops)) for r, (t, side) in
+                                                             enumerate(zip(targets, t_sides))], world)
+    if first is not None and first[2] is not Departure.INPUTS and sinks:
+        # judged at the sinks: the roots whose values reach none of them cancel on the way (or feed nothing kept)
+        reached = [origin[s] for s in sinks if s in departed]
+        kept = frozenset().union(*reached)
+        out.cancelled = [departure_of(r, 0, applied.get(r[0].ref), via.get(r[0].ref)) for r in roots
+                         if not origin[r[0].ref] & kept and not aten.is_cheap(r[0].name)]
+        if not reached:
+            out.restored = restored_by(ref, sinks, by_ref, t_sides[0], maps[0])
+            first = None
+        else:
+            # the first sink that parts, traced back to the roots it descends from: the first is where it enters,
+            # and each that applies a factor is a site on its way
+            on_way = [r for r in roots if origin[r[0].ref] & reached[0]]
+            # each line once (a scale applied to every parameter's gradient is one site), the sinks aside (the
+            # net factor is said at the sink)
+            said: set[tuple] = set()
+            for r in sorted(on_way + [c for c in changes if origin[c[0].ref] & reached[0]], key=lambda r: r[0].ref):
+                key = (r[0].name, r[0].phase, r[0].source, applied.get(r[0].ref))
+                if r[2] is Departure.SCALED and r[0].phase != "optimizer" and key not in said:
+                    said.add(key)
+                    out.sites.append(departure_of(r, 0, applied.get(r[0].ref), via.get(r[0].ref)))
+            first = on_way[0]
+            net = None if out.sink is None or out.sink.tensor.layout is None else 1 / out.sink.tensor.layout.factor
+            if net is not None:
+                # the site that applies the factor the sink parts by is where the difference enters (the others
+                # are cancelled on the way: a summed loss the gradients' division brings back)
+                site = next((s for s in out.sites if s.applied == net), None)
+                if site is not None:
+                    first = (site.op, site.tensor, site.kind, site.why)
+            inherited = sum(1 for i in departed if i > first[0].ref and reached[0] & origin[i])
+    if first is not None:
+        step = r_side.ops[first[0].ref].step
+        out.departure = ParallelDeparture(first[0], first[1], first[2], first[3], inherited,
+                                          earlier_step(step) if first[2] is Departure.INPUTS else None, step)
+        out.within = within
+    out.ref_layout_ops.update(r_side.ops[i].name for i in r_side.skipped if makes_layout(r_side.ops[i].name))
+    if any(declared):
+        said = [t.layout_from for op in out.ops for t in op.tensors if t.layout_from is not None]
+        out.from_placements = (said.count("placements"), said.count("inferred"))
+    return out
+
+
+def same_program(single: RankTrace, rank: RankTrace) -> bool:
+    """Whether one rank of a parallel run runs the single process's program: all but a quarter of the single
+    process's computing ops align with the rank's (the test ``diff_parallel`` refuses a mapping by)."""
+    a, b = Side(single), Side(rank)
+    paired = {i for i, _ in align(a.keys, b.keys).pairs}
+    computing = [k.index for k in a.keys if not aten.is_cheap(a.ops[k.index].name)]
+    return bool(computing) and sum(i not in paired for i in computing) * 4 <= len(a.keys)
+
+
+def is_parallel_groups(ref_world: int, ref_ranks: list[int], target_world: int, target_ranks: list[int]) -> bool:
+    """A parallel reference against every rank of a job of a world size it divides (2 ranks against 4)."""
+    return 1 < ref_world < target_world and target_world % ref_world == 0 and \
+        ref_ranks == list(range(ref_world)) and target_ranks == list(range(target_world))
+
+
+def diff_parallel_groups(refs: list[RankTrace], targets: list[RankTrace],
+                         progress: Callable[[int], None] | None = None, cut_short: bool = False) -> ParallelDiff:
+    """A run of R ranks against one of W (R divides W) on the same global batch: rank q of the reference holds
+    the share of the batch that ranks q*m to q*m+m-1 (m = W/R) hold between them (each slice cut in rank order),
+    so each reference rank is diffed as a single process against those m ranks, its own collectives left out (they
+    rejoin its layout: after them it holds what the target's ranks hold after theirs)."""
+    rw, world = len(refs), len(targets)
+    m = world // rw
+    fsdp = next((op for op in refs[0] if aten.namespace(op.name) == "fsdp"), None)
+    if fsdp is not None:
+        raise UsageError(
+            f"a {rw}-rank run against a {world}-rank run with FSDP ({fsdp.name}, #{fsdp.index} on rank 0) is not "
+            f"mapped: each world size packs its shards into flat buffers of its own; diff each against a "
+            f"single-process run of the same script, or compare one rank op by op with --rank N")
+    groups = []
+    for q, ref in enumerate(refs):
+        g = diff_parallel(ref, targets[q * m:(q + 1) * m], progress, cut_short, full_world=world)
+        ops = {op.ref: dataclasses.replace(op, ranks=tuple(q * m + r for r, _ in op.on_ranks()), ref_rank=q)
+               for op in g.ops}
+        g.ops = list(ops.values())
+        if g.departure is not None:
+            g.departure = dataclasses.replace(g.departure, op=ops[g.departure.op.ref])
+        groups.append(g)
+    out = ParallelDiff(world, sum(g.ref_ops for g in groups), sum(g.aligned for g in groups),
+                       sum(g.compared for g in groups), ref_world=rw, groups=groups)
+    for g in groups:
+        out.not_aligned += g.not_aligned
+        out.layout_ops.update(g.layout_ops)
+        out.ref_layout_ops.update(g.ref_layout_ops)
+        out.ref_only.update(g.ref_only)
+        for phase, c in g.families.items():
+            out.families.setdefault(phase, Counter()).update(c)
+        out.random_ops += g.random_ops
+        out.not_stored += g.not_stored
+        if g.worst_limit is not None and (out.worst_limit is None or
+                                          g.worst / g.worst_limit > out.worst / out.worst_limit):
+            out.worst, out.worst_limit, out.worst_op = g.worst, g.worst_limit, g.worst_op
+        out.ops += g.ops
+        out.random_parted += g.random_parted
+        out.same_draws += g.same_draws
+        out.amplified += g.amplified
+    out.batch_warning = next((g.batch_warning for g in groups if g.batch_warning), None)
+    said = [g.from_placements for g in groups if g.from_placements is not None]
+    if said:
+        out.from_placements = (sum(n for n, _ in said), sum(m for _, m in said))
+    parted = [g for g in groups if g.departure is not None]
+    if parted:  # the reference rank that parts first in its op order (every reference rank runs the same program)
+        g = min(parted, key=lambda g: g.departure.op.ref)
+        out.departure = g.departure
+        out.within = g.within
+    return out

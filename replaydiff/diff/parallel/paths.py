@@ -1,0 +1,174 @@
+"""Walks along a rank's data flow: the collective or own op a value passed through, partial inputs, draws alike on
+every rank, and ops that only amplify their inputs' rounding."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from replaydiff import aten
+from replaydiff.compare.layout import Layout, LayoutKind, ratio_text
+from replaydiff.trace.reader import RankTrace
+from replaydiff.trace.schema import OpRecord
+from replaydiff.diff.parallel.alignment import Side
+from replaydiff.diff.parallel.mapping import map_tensor
+from replaydiff.diff.parallel.arguments import differing_arguments
+from replaydiff.diff.parallel.result import Mapped, MappedOp
+
+
+def own_producer(side: Side, aligned: dict[int, int], index: int, stop: Callable[[OpRecord], bool],
+                  limit: int = 32, ahead: bool = False) -> int | None:
+    """The nearest op matching ``stop`` that a rank's op reads from through ops the single process does not run (its
+    inputs' producers, walked back breadth first while they are the rank's own ops). ``ahead``: the nearest that
+    reads the op's output instead, walked forward through the rank's own ops, views and copies (a clone before an
+    in-place all-reduce)."""
+    mine = set(side.ops) - set(aligned.values())
+    todo, seen = [index], {index}
+    while todo and len(seen) <= limit:
+        i = todo.pop(0)
+        near = [j for readers in side.trace.consumers(i).values() for j in readers] if ahead else \
+            side.trace.producers(i).values()
+        for p in near:
+            if p is None or p in seen or p not in side.ops or (not ahead and p not in mine):
+                continue
+            if stop(side.ops[p]):
+                return p
+            if p in mine or (ahead and (aten.is_cheap(side.ops[p].name) or side.ops[p].name in COPIES)):
+                seen.add(p)
+                todo.append(p)
+    return None
+
+
+COPIES = frozenset({"aten.clone.default", "aten._to_copy.default", "aten.copy_.default"})
+
+
+def collective_ahead(side: Side, aligned: dict[int, int], index: int) -> tuple[int, str] | None:
+    """The nearest collective that reduces what a rank's op made, through views, copies and the rank's own ops."""
+    c = own_producer(side, aligned, index, lambda op: aten.is_collective(op.name), limit=8, ahead=True)
+    return None if c is None else (c, side.ops[c].name)
+
+
+def collective_behind(side: Side, aligned: dict[int, int], index: int) -> tuple[int, str] | None:
+    """The nearest collective a rank's op reads from through ops the single process does not run."""
+    p = own_producer(side, aligned, index, lambda op: aten.is_collective(op.name))
+    return None if p is None else (p, side.ops[p].name)
+
+
+def computing_behind(side: Side, aligned: dict[int, int], index: int) -> str | None:
+    """The nearest op that computes (not a view or copy) a rank's op reads from through ops the single process does
+    not run, as 'name (#N on rank R, line)' (a backward op: the line of the forward op it belongs to)."""
+    p = own_producer(side, aligned, index, lambda op: not aten.is_cheap(op.name) and not aten.is_collective(op.name))
+    if p is None:
+        return None
+    op = side.ops[p]
+    fwd = side.ops.get(op.forward_index) if op.phase == "backward" and op.forward_index is not None else None
+    line = fwd.source if fwd is not None and fwd.source else op.source
+    where = "" if not line else f", {'the backward of ' if fwd is not None else ''}{line}"
+    return f"{op.name} (#{p} on rank {side.trace.rank}{where})"
+
+
+def reduced_at(pos: int, rop: OpRecord, tops: list[OpRecord], tgts: list[RankTrace], side: Side,
+                aligned: dict[int, int], ref: RankTrace, world: int, micro: int | None,
+                mesh) -> tuple[tuple[int, str, str | None], str] | None:
+    """For an optimizer op's input that is partial as the reference's producer made it: when on the ranks it went
+    through a collective (an all-reduce of the rank's own ops) and is whole on every rank at a factor other than 1,
+    ((the collective's op number on the first rank, its name, its line), the factor as text); else None."""
+    p = tgts[0].producers(tops[0].index).get(pos)
+    if p is None or p in set(aligned.values()):
+        return None
+    op = side.ops.get(p)
+    found = (p, op.name) if op is not None and aten.is_collective(op.name) else collective_behind(side, aligned, p)
+    if found is None or micro is not None:
+        return None
+    rref, trefs = rop.inputs()[pos], [t.inputs()[pos] for t in tops]
+    m = map_tensor(ref, tgts, rref, trefs, "in", pos, world, None, None, mesh)
+    if m is None or m.layout is None or m.layout.kind is not LayoutKind.REPLICATED or m.layout.factor == 1:
+        return None
+    return (found[0], found[1], side.ops[found[0]].source), ratio_text(1 / m.layout.factor)
+
+
+def same_draws_of(ref: RankTrace, rop: OpRecord, tops: list[OpRecord], ranks: list[RankTrace]) -> bool:
+    """Whether a random op's draws are the same on every rank where each rank holds a piece of the reference's
+    (its shape is not the reference's): the same seed on every rank."""
+    if len(tops) < 2:
+        return False
+    for pos, rref in enumerate(rop.outputs_refs()):
+        trefs = [t.outputs_refs()[pos] if pos < len(t.outputs_refs()) else None for t in tops]
+        if any(t is None or not t.stored or t.meta or t.uninitialised for t in trefs):
+            continue
+        if all(tuple(t.shape) == tuple(rref.shape) for t in trefs):
+            continue  # every rank holds the whole draw: alike is right
+        first = ranks[0].tensor(trefs[0])
+        if first.numel() and all(tuple(t.shape) == tuple(first.shape) and torch.equal(r.tensor(t), first)
+                                 for r, t in zip(ranks[1:], trefs[1:])):
+            return True
+    return False
+
+
+def made_apart(producers: dict[int, int | None], top: OpRecord, rank: RankTrace, side: Side,
+                aligned: dict[int, int], r_side: Side, not_aligned: set[int]) -> tuple[int, str, str] | None:
+    """The first input of an op that the reference makes with a computing op the ranks do not run, and the first
+    rank makes with computing ops of its own, no collective among them (a row-parallel Linear run as one addmm on
+    one process and as mm then the bias on each rank, its sum never reduced): (position, the rank's last op that
+    computes it as 'name (#N on rank R, line)', the reference's as '#N name'); None otherwise."""
+    mine = rank.producers(top.index)
+    for pos, p in sorted(producers.items()):
+        q = mine.get(pos)
+        if p is None or q is None or p not in not_aligned or aten.is_cheap(r_side.ops[p].name):
+            continue
+        if q in set(aligned.values()) or aten.is_collective(side.ops[q].name) or \
+                collective_behind(side, aligned, q) is not None:
+            continue
+        op = side.ops[q]
+        if aten.is_cheap(op.name):
+            continue
+        where = f", {op.source}" if op.source else ""
+        return pos, f"{op.name} (#{q} on rank {side.trace.rank}{where})", f"#{p} {r_side.ops[p].name}"
+    return None
+
+
+def partial_input(producers: dict[int, int | None],
+                   by_ref: dict[int, MappedOp]) -> tuple[int, Layout, int] | None:
+    """The first input of an op that a partial output of an earlier aligned op feeds: (position, layout, op)."""
+    for pos, p in sorted(producers.items()):
+        if p is None or p not in by_ref:
+            continue
+        for t in by_ref[p].tensors:
+            if t.kind == "out" and t.layout is not None and t.layout.kind is LayoutKind.PARTIAL:
+                return pos, t.layout, p
+    return None
+
+
+def amplifies(rop: OpRecord, tops: list[OpRecord], tensors: list[Mapped], producers: dict[int, int | None],
+               by_ref: dict[int, MappedOp], ranks: list[RankTrace], amplified: set[int], aligned0: dict[int, int]) -> bool:
+    """Whether an op's outputs part from the reference's only by amplifying a rounding difference of its inputs:
+    every input it reads is replicated at factor 1 (as mapped: from an earlier aligned op, or from outside the step),
+    every rank's outputs have the reference's shapes, and every rank's op, replayed alone from its own recorded
+    inputs, is right. Then each rank computed the reference's op from the reference's values up to rounding."""
+    mine = ranks[0].producers(tops[0].index)
+    for pos, p in producers.items():
+        if mine.get(pos) != (None if p is None else aligned0.get(p)):
+            return False  # on rank 0 the input comes from an op of its own (a collective): not the reference's value
+        if p is None or p in amplified:  # an amplified value: every rank holds it alike, as its maker made sure
+            continue
+        made = by_ref.get(p)
+        lay = None if made is None else next((t.layout for t in made.tensors if t.kind == "out"), None)
+        if lay is None or lay.kind is not LayoutKind.REPLICATED or lay.factor != 1:
+            return False
+    if any(t.kind == "in" and (t.layout is None or t.layout.kind is not LayoutKind.REPLICATED or t.layout.factor != 1)
+           for t in tensors):
+        return False
+    if differing_arguments(rop, tops):
+        return False  # the ranks run it otherwise (another lr): right given its own arguments, not the reference's
+    shapes = [r.shape for r in rop.outputs_refs()]
+    if any([r.shape for r in top.outputs_refs()] != shapes for top in tops):
+        return False  # a rank holds a part of the reference's value, not all of it
+    from replaydiff.replay.policy import ReplayOptions
+    from replaydiff.replay.result import Status
+    from replaydiff.replay.runner import OpReplayer
+
+    opts = ReplayOptions(device="cpu", precision="fp64")
+    try:
+        return all(OpReplayer(rt, opts).replay(top).status is Status.OK for rt, top in zip(ranks, tops))
+    except Exception:  # an op replay cannot run: no evidence that it is right
+        return False

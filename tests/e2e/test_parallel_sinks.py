@@ -1,0 +1,253 @@
+"""A parallel run judged by what it keeps: the gradients as the optimizer reads them, the parameters after the step,
+the optimizer's state. A job that holds an intermediate value at a factor it cancels later (a summed loss whose
+gradients are divided by the global token count after their all-reduce) agrees, and says the factor; a bug is named
+where it enters: a scale once too many with the net factor at the sink, an lr multiplied by the world size with both
+values, every rank reading the same shard, a per-rank mean over unequal token counts with the counts.
+
+One script holds every variant; one plain run (the reference) and one torchrun launch of 2 gloo ranks record them
+all. The lines the diff names are read from the script, never written down.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from replaydiff.cli.main import main
+from replaydiff.diff import diff_traces
+from replaydiff.diff.parallel import Departure
+
+pytestmark = pytest.mark.slow
+
+STEPS = r'''"""Jobs judged at what they keep: each variant at any world size; world size 1 is the single process."""
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import replaydiff
+
+out, modes = Path(sys.argv[1]), sys.argv[2].split(",")
+world = int(os.environ.get("WORLD_SIZE", "1"))
+rank = int(os.environ.get("RANK", "0"))
+if world > 1:
+    dist.init_process_group("gloo")
+
+
+def step(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 11))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 11, (8, 5), generator=g)
+    labels = torch.randint(0, 11, (8, 5), generator=g)
+    labels[::4, 3:] = -100  # padding, as much on every rank
+    if mode == "token_mean":  # BUG: a per-rank mean over ranks holding different numbers of tokens
+        labels[:2, 1:] = -100
+    lr = 0.1 * world if mode == "lr" else 0.1  # BUG in lr: the learning rate multiplied by the world size
+    if mode == "fsdp_clip" and world > 1:  # FSDP2, the gradient norm clipped over every shard (DTensor's _NormP)
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if mode in ("adam_sum", "fsdp_clip") else \
+        torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    part = 0 if mode == "same_shard" else rank  # BUG in same_shard: every rank reads rank 0's shard
+    with replaydiff.record(out / mode):
+        xs, ys = torch.tensor_split(ids, world)[part], torch.tensor_split(labels, world)[part]
+        if mode == "local_index":  # an index over the rank's own rows (as a mask built from local sizes is)
+            rows = torch.arange(xs.shape[0])
+            xs, ys = xs[rows], ys[rows]
+        if mode == "attention":  # attention without dropout (its kernels are tagged random all the same)
+            h = model[0](xs).unflatten(-1, (2, 4)).transpose(1, 2)
+            h = F.scaled_dot_product_attention(h, h, h, dropout_p=0.0).transpose(1, 2).flatten(-2)
+            logits = model[1:](h).flatten(0, 1)
+        else:
+            logits = model(xs).flatten(0, 1)
+        if world > 1 and mode.startswith("per_token"):
+            # per-token normalisation: each rank sums its tokens' losses, the gradients are divided by the global
+            # token count after their all-reduce (the single process takes the mean)
+            loss = F.cross_entropy(logits, ys.flatten(), reduction="sum", ignore_index=-100)  # scale: token count
+            if mode == "per_token_extra":
+                loss = loss * world  # BUG: scaled once more
+            tokens = (ys != -100).sum()
+            dist.all_reduce(tokens)
+            loss.backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= tokens  # brings the gradients back to the mean's
+        else:
+            loss = F.cross_entropy(logits, ys.flatten(), ignore_index=-100)
+            loss.backward()
+            for p in model.parameters():
+                if world > 1 and mode != "fsdp_clip":
+                    dist.all_reduce(p.grad)
+                    if mode != "adam_sum":  # BUG in adam_sum: the sum is not divided by the world size
+                        p.grad /= world
+        if mode == "fsdp_clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)
+        opt.step()
+
+
+for m in modes:
+    step(m)
+'''
+MODES = ["plain", "local_index", "attention", "fsdp_clip", "per_token", "per_token_extra", "lr", "same_shard",
+         "adam_sum", "token_mean"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[int, Path]:
+    """{world size: directory holding one trace per variant}."""
+    root = tmp_path_factory.mktemp("sinks")
+    script = root / "steps.py"
+    script.write_text(STEPS)
+    dirs = {w: root / f"world{w}" for w in (1, 2)}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    for cmd in ([sys.executable, str(script), str(dirs[1]), ",".join(MODES)],
+                torchrun + [str(script), str(dirs[2]), ",".join(MODES)]):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    return dirs
+
+
+def _line(marker: str) -> str:
+    """'steps.py:N' for the script's line holding ``marker``."""
+    return f"steps.py:{next(n for n, line in enumerate(STEPS.splitlines(), 1) if marker in line)}"
+
+
+def _diff(runs, mode, capsys) -> tuple[int, str]:
+    capsys.readouterr()
+    code = main(["diff", str(runs[1] / mode), str(runs[2] / mode)])
+    return code, capsys.readouterr().out
+
+
+def test_a_correct_data_parallel_run_agrees(runs, capsys):
+    code, text = _diff(runs, "plain", capsys)
+    assert code == 0 and "agree: every compared op maps" in text
+
+
+def test_an_index_over_each_rank_s_own_rows_is_not_compared_and_what_it_indexes_is(runs, capsys):
+    pd = diff_traces(runs[1] / "local_index", runs[2] / "local_index").parallel
+    assert pd.departure is None
+    (i,) = pd.per_rank_index
+    assert next(op for op in pd.ops if op.ref == i).name.startswith("aten.arange")
+    # the rows it picks are compared: sharded on dim 0 like the batch
+    index = [op for op in pd.ops if op.name == "aten.index.Tensor"]
+    assert index and all(t.layout is not None and t.layout.dim == 0 for op in index for t in op.tensors
+                         if t.kind == "out")
+    code, text = _diff(runs, "local_index", capsys)
+    assert code == 0 and "make each rank's own index from its local sizes" in text
+
+
+def test_attention_without_dropout_is_compared_as_deterministic(runs, capsys):
+    pd = diff_traces(runs[1] / "attention", runs[2] / "attention").parallel
+    assert pd.departure is None and pd.random_ops == 0 and not pd.same_draws
+    assert any("scaled_dot_product" in op.name for op in pd.ops)
+    code, text = _diff(runs, "attention", capsys)
+    assert code == 0 and "dropout" not in text
+
+
+def test_fsdp2_gradient_clipping_maps_each_rank_s_norm_of_its_shard_as_a_norm_over_ranks(runs, capsys):
+    """clip_grad_norm_ on FSDP2's DTensor gradients: each rank's norm of its shard (DTensor's _NormP placement) is
+    neither replicated nor a partial sum; the 2-norm over the ranks' norms is the single process's norm."""
+    pd = diff_traces(runs[1] / "fsdp_clip", runs[2] / "fsdp_clip").parallel
+    assert pd.departure is None, pd.departure
+    assert any(f.startswith("norm over ranks") for f in pd.families.get("forward", {}))
+    # the clipping runs between backward() and step(), and is said there
+    assert {op.phase for op in pd.ops if "norm" in op.name} == {"between backward and step"}
+    code, text = _diff(runs, "fsdp_clip", capsys)
+    assert code == 0
+
+
+def test_a_summed_loss_whose_gradients_are_divided_after_their_all_reduce_agrees_at_the_sinks(runs, capsys):
+    """The ranks sum their tokens' losses (a value the single process holds as a mean: their sum is the token count
+    times it) and divide the all-reduced gradients by the global token count: the factor cancels before the
+    optimizer, and is said as information, with the line that brings it back."""
+    pd = diff_traces(runs[1] / "per_token", runs[2] / "per_token").parallel
+    assert pd.departure is None and pd.sinks > 0
+    (site,) = pd.cancelled
+    assert site.op.target_source.endswith(_line("scale: token count")) and site.tensor.layout is not None
+    # the factor is the global count of tokens the script keeps (labels other than -100)
+    g = torch.Generator().manual_seed(1)
+    torch.randint(0, 11, (8, 5), generator=g)
+    labels = torch.randint(0, 11, (8, 5), generator=g)
+    labels[::4, 3:] = -100
+    assert 1 / site.tensor.layout.factor == int((labels != -100).sum())
+    code, text = _diff(runs, "per_token", capsys)
+    assert code == 0 and "agree at the sinks" in text and "the factors above cancel" in text
+    assert "brought back to the single process's by aten.div_.Tensor" in text and _line("brings the gradients") in text
+
+
+def test_a_loss_scaled_once_more_is_named_with_its_line_and_the_net_factor_at_the_sink(runs, capsys):
+    pd = diff_traces(runs[1] / "per_token_extra", runs[2] / "per_token_extra").parallel
+    d = pd.departure
+    assert d is not None and d.kind is Departure.SCALED and _line("BUG: scaled once more") in d.why
+    assert pd.sink is not None and pd.sink.op.phase == "optimizer" and pd.sink.tensor.layout.factor == 1 / 2
+    code, text = _diff(runs, "per_token_extra", capsys)
+    assert code == 1 and "net at the sink: replicated on 2 ranks at 2x the reference" in text
+
+
+def test_an_lr_multiplied_by_the_world_size_is_named_at_the_update_with_both_values(runs, capsys):
+    """Each rank's update is right given its own lr: it is not 'amplified rounding', and the settings of both runs
+    name the difference."""
+    pd = diff_traces(runs[1] / "lr", runs[2] / "lr").parallel
+    d = pd.departure
+    assert d is not None and d.op.phase == "optimizer" and d.op.name == "aten.add_.Tensor"
+    assert "alpha -0.2 on the ranks, -0.1 in the single process (2x: the world size)" in d.why
+    assert [(s.kind, s.name, s.ref, s.theirs) for s in pd.settings] == [("SGD", "lr", 0.1, 0.2)]
+    code, text = _diff(runs, "lr", capsys)
+    assert code == 1 and "the optimizer's settings differ: SGD group 0: lr 0.2 on rank 0, 0.1 in the single " \
+        "process (2x: the world size) (the optimizer built at " in text
+    # the line that assigns the optimizer, found by the recorder in the code that calls its step
+    assert f"{_line('torch.optim.AdamW')})" in text
+
+
+def test_every_rank_reading_the_same_shard_is_said_at_the_slice(runs):
+    d = diff_traces(runs[1] / "same_shard", runs[2] / "same_shard").parallel.departure
+    assert d is not None and d.kind is Departure.SAME_SHARD and d.op.phase == "forward"
+    assert d.op.source.endswith(_line("xs, ys = torch.tensor_split"))
+    assert "ranks 0 and 1 hold the same rows, 4 each" in d.why
+
+
+def test_gradients_summed_and_not_averaged_under_adamw_are_named_where_they_reach_the_optimizer(runs):
+    """AdamW's first update hides a gradient twice too large (it divides by its root mean square); its state does
+    not: the diff names the gradient as the optimizer reads it, with the all-reduce it went through."""
+    d = diff_traces(runs[1] / "adam_sum", runs[2] / "adam_sum").parallel.departure
+    assert d is not None and d.kind is Departure.SCALED and d.op.phase == "optimizer"
+    assert "replicated at 2x the reference after c10d.allreduce_" in d.why and "not divided by the world size" in d.why
+
+
+def test_a_per_rank_mean_over_unequal_token_counts_is_named_with_the_counts(runs):
+    g = torch.Generator().manual_seed(1)
+    torch.randint(0, 11, (8, 5), generator=g)
+    labels = torch.randint(0, 11, (8, 5), generator=g)
+    labels[::4, 3:] = -100
+    labels[:2, 1:] = -100
+    counts = [int((part != -100).sum()) for part in torch.tensor_split(labels, 2)]
+    d = diff_traces(runs[1] / "token_mean", runs[2] / "token_mean").parallel.departure
+    assert d is not None and d.op.name == "aten.nll_loss_forward.default" and d.op.phase == "forward"
+    assert f"a per-rank mean over each rank's own count, and the counts differ ({counts[0]} and {counts[1]}" in d.why
+    assert f"the mean over all {sum(counts)}" in d.why
+
+
+def test_the_json_report_carries_the_sinks_the_cancelled_factor_and_the_settings(runs, tmp_path):
+    out = tmp_path / "d.json"
+    assert main(["diff", str(runs[1] / "per_token"), str(runs[2] / "per_token"), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())["parallel"]
+    assert doc["sinks"] > 0 and doc["departure"] is None and len(doc["cancelled"]) == 1
+    out2 = tmp_path / "lr.json"
+    assert main(["diff", str(runs[1] / "lr"), str(runs[2] / "lr"), "--json", str(out2)]) == 1
+    doc = json.loads(out2.read_text())["parallel"]
+    (setting,) = doc["optimizer_settings"]
+    assert setting.pop("built").endswith(_line("torch.optim.AdamW"))
+    assert setting == {"optimizer": "SGD", "group": 0, "name": "lr", "ref": 0.1, "target": 0.2, "rank": 0}
