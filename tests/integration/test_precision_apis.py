@@ -26,6 +26,12 @@ def new_tf32_api() -> Iterator[None]:
     saved = [(b, o, torch._C._get_fp32_precision_getter(b, o)) for b, o in _SETTINGS]
     legacy = (torch._C._get_cublas_allow_tf32(), torch._C._get_float32_matmul_precision(),
               torch._C._get_cudnn_allow_tf32())
+    # torch's defaults, whatever an earlier test left: the job below starts from a fresh process's settings
+    torch._C._set_cublas_allow_tf32(False)
+    torch._C._set_float32_matmul_precision("highest")
+    torch._C._set_cudnn_allow_tf32(True)
+    for b, o in _SETTINGS:
+        torch._C._set_fp32_precision_setter(b, o, "none")
     yield
     for b, o, v in saved:
         torch._C._set_fp32_precision_setter(b, o, v)

@@ -134,9 +134,9 @@ def test_a_data_file_closes_its_descriptor_exactly_once(tmp_path):
         f.read(next(iter(f.entries)))
 
 
-def test_a_trace_from_before_source_texts_reads_and_shows_without_them(tmp_path, cli_here):
+def test_a_trace_from_before_source_texts_reads_and_shows_without_them(tmp_path, cli_here, monkeypatch):
     """Source texts and file hashes are optional: a trace written without them reads as before (no text, no
-    warning, today's line shown) and ``show --op`` works."""
+    warning; today's line known inside the user's project, never shown) and ``show --op`` works."""
     user = tmp_path / "old_script.py"
     user.write_text("import torch\n\n\ndef work(x):\n    return torch.mul(x, 3)\n")
     import importlib.util
@@ -158,6 +158,7 @@ def test_a_trace_from_before_source_texts_reads_and_shows_without_them(tmp_path,
     del manifest["ops_files"]  # nor the list of ops files (their sizes changed above)
     write_atomic(rank_dir / MANIFEST, pack_frame(manifest, None))
 
+    monkeypatch.chdir(tmp_path)  # the user's project: the only place a trace's named files are read
     r = open_trace(tmp_path / "t").rank(0)
     (mul,) = list(r)
     assert mul.source == f"{user}:5" and mul.source_text is None and r.source_files == {}
