@@ -99,21 +99,10 @@ BUGGY = [
 # What the engine reads the wrong way round today (issue 33): strict, so that a job it gets right fails here and
 # tells its developer to remove the marker.
 TODAY_WRONG: dict[str, str] = {
-    "fsdp_adamw_clip-step1": "a false alarm at clip_grad_norm_'s _foreach_norm: DTensor's _NormP placement read as "
-                             "partial sums ('an all-reduce is missing')",
     "ddp_no_sync-step1": "a false alarm: 'the runs began apart (... not the same global batch)' for no_sync over 2 "
                          "micro-batches per rank, which see the same global batch",
-    "trainer_tokens-step1": "a false alarm at aten.arange (transformers' masking_utils): a per-rank index over the "
-                            "local batch read as 'slices that overlap'",
-    "trainer_tokens-step2": "the same arange false alarm at step 2",
-    "lightning_classes-step2": "a false alarm at aten.select.int: integer class labels picked per row by the "
-                               "sampler read as partial sums ('their sum is 3x the reference')",
-    "trainer_rank_mean-step1": "the arange false alarm hides the bug: the compute_loss line is not named",
-    "tp_no_input_grad-step1": "exits 0: the partial input gradient is taken for a layout (parameters after the step "
-                              "'partial (a sum)')",
-    "ddp_same_shard-step1": "names the first model op with 'the runs began apart', never that the ranks hold the same "
-                            "rows, nor the sampler's line",
-    "ddp_lr_scaled-step1": "exits 0: the 2x update is excused as ops 'amplifying their inputs' rounding'",
+    "ddp_same_shard-step1": "says the ranks hold the same rows, but cannot name the sampler's line: the batch is "
+                            "made before the recorded step",
 }
 
 
