@@ -37,9 +37,8 @@ def wire_set_step(rec: dict, step: int) -> None:
     rec[_STEP] = step
 
 
-def wire_nonfinite(rec: dict) -> bool:
-    """Whether any output or written argument of an op record has statistics counting NaN or Inf values."""
-    todo = [rec.get(_OUTPUTS), [v for _, v in rec.get(_WRITES) or []]]
+def _any_nonfinite(todo: list) -> bool:
+    """Whether any tensor reference in these (nested) values has statistics counting NaN or Inf values."""
     while todo:
         v = todo.pop()
         if isinstance(v, list):
@@ -49,20 +48,16 @@ def wire_nonfinite(rec: dict) -> bool:
             if s and (s[5] or s[6]):
                 return True
     return False
+
+
+def wire_nonfinite(rec: dict) -> bool:
+    """Whether any output or written argument of an op record has statistics counting NaN or Inf values."""
+    return _any_nonfinite([rec.get(_OUTPUTS), [v for _, v in rec.get(_WRITES) or []]])
 
 
 def wire_nonfinite_inputs(rec: dict) -> bool:
     """Whether any tensor argument of an op record has statistics counting NaN or Inf values (as the op read it)."""
-    todo = [rec.get(_ARGS), list((rec.get(_KWARGS) or {}).values())]
-    while todo:
-        v = todo.pop()
-        if isinstance(v, list):
-            todo.extend(v)
-        elif isinstance(v, dict):
-            s = v.get(_STATS)
-            if s and (s[5] or s[6]):
-                return True
-    return False
+    return _any_nonfinite([rec.get(_ARGS), list((rec.get(_KWARGS) or {}).values())])
 
 
 def wire_not_recorded(rec: dict, why: str) -> dict:
