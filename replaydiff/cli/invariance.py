@@ -35,8 +35,8 @@ EXIT_CODES = {ExitCode.OK: "every op that reads the batch is batch-invariant",
 def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="trace directory recorded with --tensors full (the default)")
     p.add_argument("--batch-size", type=int, metavar="B",
-                   help="the step's batch size (default: the first dimension of the forward's first input that no "
-                        "op made and that needs no gradient)")
+                   help="the step's batch size (default: the first dimension of what the model's first op reads, or "
+                        "of the forward's first input that no op made and that needs no gradient)")
     p.add_argument("--device", metavar="DEV", help="device to run the ops on (default: the one recorded on)")
     add_rank_arg(p, "rank to check (default: the first)")
     p.add_argument("--rows-of", metavar="BIG",

@@ -40,8 +40,9 @@ def check_invariance(rt: RankTrace, batch_size: int | None = None, device: str |
     to run (default: where the trace was recorded)."""
     found = find_batch(rt, batch_size)
     if found is None:
-        raise NoBatch("no step input found to read the batch from (a tensor of the forward that no op made and that "
-                      "needs no gradient" + (f", with {batch_size} rows" if batch_size else "") + ")")
+        raise NoBatch("no step input found to read the batch from (a tensor of the forward that needs no gradient, "
+                      "made by no op or by a collation or random factory of the step"
+                      + (f", with {batch_size} rows" if batch_size else "") + ")")
     ref, where = found
     b = ref.shape[0]
     if b < 2:
@@ -78,16 +79,19 @@ def walk_batch(rt: RankTrace, batch: int, rows: tuple[Rows, ...], device: str,
 
 
 def find_batch(rt: RankTrace, batch_size: int | None) -> tuple[TensorRef, str] | None:
-    """The step's batch (with ``batch_size`` rows, when given) and where it was read: what the forward's first op of
-    a module reads that could be the batch, a step input or a tensor the step made (``makes_batch``: a DataLoader's
-    collation, a ``randn``); else the forward's first step input; else the first such tensor made in the step. A
-    tensor read only to take rows out of it (a dataset a collation indexes) is not the batch: its rows are."""
+    """The step's batch (with ``batch_size`` rows, when given) and where it was read: what the model's first op
+    reads (the forward's first op of a module that reads a tensor needing no gradient), where that could be the
+    batch, a step input or a tensor the step made (``makes_batch``: a DataLoader's collation, a ``randn``); else the
+    forward's first step input; else the first such tensor made in the step. A tensor read only to take rows out of
+    it (a dataset a collation indexes) is not the batch: its rows are."""
     produced: set = set()
     made: set = set()
     first_input = first_made = None
+    model_read = False  # the model's first op that reads a tensor other than a parameter was seen
     for op in rt:
         if op.phase == "forward" and not aten.is_marker(op.name):
-            for k, r in enumerate(op.inputs()):
+            ins = op.inputs()
+            for k, r in enumerate(ins):
                 if not could_be_batch(r, batch_size) or r.version is None:
                     continue
                 outside, inside = r.version not in produced, r.version in made
@@ -97,12 +101,14 @@ def find_batch(rt: RankTrace, batch_size: int | None) -> tuple[TensorRef, str] |
                     continue  # a row taken out of it, as a collation indexes a dataset
                 where = f"op #{op.index} {op.name} input {k} {r.describe()}, dimension 0" + (
                     "" if outside else " (made in the step)")
-                if op.module:
+                if op.module and not model_read:
                     return r, where
                 if outside and first_input is None:
                     first_input = (r, where)
                 if inside and first_made is None:
                     first_made = (r, where)
+            if op.module and any(not r.requires_grad for r in ins):
+                model_read = True
             if makes_batch(op):
                 made.update(r.version for r in op.outputs_refs())
         produced.update(r.version for r in op.outputs_refs())

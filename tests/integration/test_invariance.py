@@ -275,6 +275,36 @@ def test_a_batch_drawn_by_randn_inside_the_step_is_found_and_its_matmuls_named(t
         assert forward_linears <= {c.index for c in r.variant} and {c.op for c in r.variant} <= MATMULS
 
 
+class _Scaled(nn.Module):
+    """A linear layer, then a buffer of 3 rows (a step input that needs no gradient) read by a module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.bias = _Table()
+
+    def forward(self, h):
+        return self.bias(self.lin(h))
+
+
+class _Table(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.randn(3, 16))
+
+    def forward(self, h):
+        return h + self.table.sum(0)
+
+
+def test_a_buffer_a_later_module_reads_is_not_taken_for_a_batch_read_before_the_model(tmp_path):
+    torch.manual_seed(0)
+    model, x = _Scaled(), torch.randn(4, 16)
+    with replaydiff.record(tmp_path / "t"):
+        model(x * 2).sum().backward()  # the model's first op reads x * 2, made by no collation: x is the batch
+    r = check_invariance(open_trace(tmp_path / "t").rank(0))
+    assert r.batch_size == 4 and "aten.mul.Tensor input 0 float32[4, 16]" in r.batch_input
+
+
 # -- what is not a finding: a mean's divisor, a random draw -----------------------------------------------------------
 def test_a_loss_gradient_that_divides_by_the_batch_is_said_so_and_not_named(tmp_path):
     x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 16)
