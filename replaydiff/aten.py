@@ -346,6 +346,20 @@ def reads_values(name: str) -> bool:
     return not (namespace(name) == "aten" and packet(name) in _SHAPE_ONLY_PACKETS)
 
 
+_COLLATE_PACKETS = frozenset({"stack", "cat"})
+
+
+def collates(name: str) -> bool:
+    """An op that joins tensors into one along a new or leading dimension: how a DataLoader's default_collate makes
+    a batch of a dataset's rows (``stack``)."""
+    return namespace(name) == "aten" and packet(name) in _COLLATE_PACKETS
+
+
+def takes_a_row(name: str) -> bool:
+    """An op that takes one entry out of a dimension (``x[i]``): how a dataset's rows are taken for a collation."""
+    return namespace(name) == "aten" and packet(name) == "select"
+
+
 _RANDOM: dict[str, bool] = {}
 
 

@@ -26,7 +26,8 @@ from replaydiff.trace import open_trace
 NAME = "invariance"
 HELP = "name the ops whose result for a row depends on the rest of the batch"
 EXIT_CODES = {ExitCode.OK: "every op that reads the batch is batch-invariant",
-              ExitCode.DIVERGENT: "a batch-variant op found, or an op that reads the batch could not be judged; with "
+              ExitCode.DIVERGENT: "a batch-variant op found, an op that reads the batch could not be judged, or no "
+                                  "op that reads it was judged; with "
                                   "--rows-of: the rows differ",
               ExitCode.USAGE: "usage: a trace of --tensors stats or meta, no batch to read, a batch of one row"}
 
@@ -34,8 +35,8 @@ EXIT_CODES = {ExitCode.OK: "every op that reads the batch is batch-invariant",
 def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="trace directory recorded with --tensors full (the default)")
     p.add_argument("--batch-size", type=int, metavar="B",
-                   help="the step's batch size (default: the first dimension of the forward's first input that no "
-                        "op made and that needs no gradient)")
+                   help="the step's batch size (default: the first dimension of what the model's first op reads, or "
+                        "of the forward's first input that no op made and that needs no gradient)")
     p.add_argument("--device", metavar="DEV", help="device to run the ops on (default: the one recorded on)")
     add_rank_arg(p, "rank to check (default: the first)")
     p.add_argument("--rows-of", metavar="BIG",
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         render_text(result, sys.stdout, trace=args.trace)
     if args.json:
         write_json(args.json, to_json(result, args.trace))
-    bad = result.count(Finding.VARIANT) or result.count(Finding.NOT_JUDGED)
+    bad = result.count(Finding.VARIANT) or result.count(Finding.NOT_JUDGED) or result.none_judged
     return ExitCode.DIVERGENT if bad else ExitCode.OK
 
 

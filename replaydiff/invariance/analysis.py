@@ -17,7 +17,7 @@ import torch
 
 from replaydiff import aten
 from replaydiff.invariance.advice import advice_for
-from replaydiff.invariance.batch import is_step_input
+from replaydiff.invariance.batch import could_be_batch, is_step_input, makes_batch
 from replaydiff.invariance.result import Finding, InvarianceResult, KindSummary, OpCheck, Rows, StepOutput
 from replaydiff.invariance.walk import BatchWalk
 from replaydiff.replay.engine import replay_threads
@@ -40,15 +40,17 @@ def check_invariance(rt: RankTrace, batch_size: int | None = None, device: str |
     to run (default: where the trace was recorded)."""
     found = find_batch(rt, batch_size)
     if found is None:
-        raise NoBatch("no step input found to read the batch from (a tensor of the forward that no op made and that "
-                      "needs no gradient" + (f", with {batch_size} rows" if batch_size else "") + ")")
-    b, where = found
+        raise NoBatch("no step input found to read the batch from (a tensor of the forward that needs no gradient, "
+                      "made by no op or by a collation or random factory of the step"
+                      + (f", with {batch_size} rows" if batch_size else "") + ")")
+    ref, where = found
+    b = ref.shape[0]
     if b < 2:
         raise NoBatch(f"the batch has {b} row: there is no smaller slice to compare (record a step with a larger "
                       f"batch)")
     rows = (Rows(0, 1),) + ((Rows(0, b // 2),) if b // 2 > 1 else ())
     device = device or recorded_device(rt)
-    walk = walk_batch(rt, b, rows, device, progress)
+    walk = walk_batch(rt, b, rows, device, progress, ref)
     threads = walk.threads
     checks = tuple(walk.checks)
     if any(c.finding is Finding.VARIANT for c in checks):
@@ -59,11 +61,14 @@ def check_invariance(rt: RankTrace, batch_size: int | None = None, device: str |
 
 
 def walk_batch(rt: RankTrace, batch: int, rows: tuple[Rows, ...], device: str,
-               progress: Callable[[int, int], None] | None = None) -> "BatchWalk":
-    """Every op of the rank's trace taken in order, the batch followed and each op that reads it run on ``rows``."""
+               progress: Callable[[int, int], None] | None = None, batch_input: TensorRef | None = None
+               ) -> "BatchWalk":
+    """Every op of the rank's trace taken in order, the batch followed and each op that reads it run on ``rows``;
+    ``batch_input``: the batch as ``find_batch`` found it (a tensor the step made is no step input to the walk)."""
     opts = ReplayOptions(device=device, precision=Precision.SAME)
     threads = replay_threads(rt, opts)
-    walk = BatchWalk(rt, OpReplayer(rt, opts), batch, rows, threads)
+    walk = BatchWalk(rt, OpReplayer(rt, opts), batch, rows, threads,
+                     None if batch_input is None else batch_input.version)
     total = len(rt)
     with reference_settings(threads), torch.inference_mode():
         for op in rt:
@@ -73,10 +78,43 @@ def walk_batch(rt: RankTrace, batch: int, rows: tuple[Rows, ...], device: str,
     return walk
 
 
-def find_batch(rt: RankTrace, batch_size: int | None) -> tuple[int, str] | None:
-    """(rows, where it was read): the first step input of the forward, or the first with ``batch_size`` rows."""
-    found = step_input(rt, batch_size)
-    return None if found is None else (found[0].shape[0], found[1])
+def find_batch(rt: RankTrace, batch_size: int | None) -> tuple[TensorRef, str] | None:
+    """The step's batch (with ``batch_size`` rows, when given) and where it was read: what the model's first op
+    reads (the forward's first op of a module that reads a tensor needing no gradient), where that could be the
+    batch, a step input or a tensor the step made (``makes_batch``: a DataLoader's collation, a ``randn``); else the
+    forward's first step input; else the first such tensor made in the step. A tensor read only to take rows out of
+    it (a dataset a collation indexes) is not the batch: its rows are."""
+    produced: set = set()
+    made: set = set()
+    first_input = first_made = None
+    model_read = False  # the model's first op that reads a tensor other than a parameter was seen
+    for op in rt:
+        if op.phase == "forward" and not aten.is_marker(op.name):
+            ins = op.inputs()
+            for k, r in enumerate(ins):
+                if not could_be_batch(r, batch_size) or r.version is None:
+                    continue
+                outside, inside = r.version not in produced, r.version in made
+                if not (outside or inside):
+                    continue
+                if outside and aten.takes_a_row(op.name):
+                    continue  # a row taken out of it, as a collation indexes a dataset
+                where = f"op #{op.index} {op.name} input {k} {r.describe()}, dimension 0" + (
+                    "" if outside else " (made in the step)")
+                if op.module and not model_read:
+                    return r, where
+                if outside and first_input is None:
+                    first_input = (r, where)
+                if inside and first_made is None:
+                    first_made = (r, where)
+            if op.module and any(not r.requires_grad for r in ins):
+                model_read = True
+            if makes_batch(op):
+                made.update(r.version for r in op.outputs_refs())
+        produced.update(r.version for r in op.outputs_refs())
+        if op.phase not in (None, "forward"):
+            break
+    return first_input or first_made
 
 
 def step_input(rt: RankTrace, batch_size: int | None, like: TensorRef | None = None, min_rows: int = 2

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replaydiff.trace.schema import TensorRef
+from replaydiff import aten
+from replaydiff.trace.schema import OpRecord, TensorRef
 
 
 @dataclass(frozen=True)
@@ -61,12 +62,23 @@ class BatchDim:
         return rows[0] * self.block, (rows[1] - rows[0]) * self.block
 
 
+def makes_batch(op: OpRecord) -> bool:
+    """An op of the step that can make its batch: a collation (``stack``/``cat`` of rows, as a DataLoader's
+    default_collate stacks the dataset's rows inside the step) or a random factory reading no tensor (``randn``)."""
+    return aten.collates(op.name) or (aten.is_random(op.name) and not op.inputs())
+
+
 def is_step_input(ref: TensorRef, produced: set, batch_size: int | None, min_rows: int = 2) -> bool:
     """A tensor the step reads from outside it that can hold the batch: made by no op of the trace, needing no
     gradient (a parameter needs one), with values, ``min_rows`` rows or more (as many as the batch, when its size is
     known: one row is a buffer broadcast to the batch, unless the run is a one-row run mapped onto a batch's),
     and not a floating vector (a buffer such as rotary embeddings' inverse frequencies or a norm's running mean; a
     vector of the batch is ids or labels)."""
-    return (ref.version is not None and ref.version not in produced and not ref.requires_grad and ref.stride is not None
-            and len(ref.shape) >= 1 and ref.shape[0] >= min_rows and (batch_size is None or ref.shape[0] == batch_size)
+    return ref.version is not None and ref.version not in produced and could_be_batch(ref, batch_size, min_rows)
+
+
+def could_be_batch(ref: TensorRef, batch_size: int | None, min_rows: int = 2) -> bool:
+    """The shape and kind of a batch, wherever the tensor was made (``is_step_input`` says why)."""
+    return (not ref.requires_grad and ref.stride is not None and len(ref.shape) >= 1 and ref.shape[0] >= min_rows
+            and (batch_size is None or ref.shape[0] == batch_size)
             and (len(ref.shape) >= 2 or not ref.torch_dtype.is_floating_point))

@@ -104,5 +104,10 @@ class InvarianceResult:
     def variant(self) -> tuple[OpCheck, ...]:
         return tuple(c for c in self.checks if c.finding is Finding.VARIANT)
 
+    @property
+    def none_judged(self) -> bool:
+        """No op that reads the batch was judged (all without it, views, reductions): nothing says it is clean."""
+        return not any(c.finding.judged for c in self.checks)
+
     def count(self, finding: Finding) -> int:
         return sum(1 for c in self.checks if c.finding is finding)

@@ -35,8 +35,9 @@ class BatchWalk:
     """The state of one walk over the ops: the layout of each storage version that holds the batch."""
 
     def __init__(self, rt: RankTrace, replayer: OpReplayer, batch: int, rows: tuple[Rows, ...],
-                 threads: int | None) -> None:
+                 threads: int | None, batch_version: Any = None) -> None:
         self.rt = rt
+        self.batch_version = batch_version  # the batch's storage version, where the step made it
         self.threads = threads
         self.replayer = replayer
         self.batch = batch
@@ -89,7 +90,8 @@ class BatchWalk:
         forward = op.phase == "forward"
         if forward:
             for r in ins:
-                if r.version not in self.layouts and is_step_input(r, self.produced, self.batch):
+                if r.version not in self.layouts and (r.version == self.batch_version
+                                                      or is_step_input(r, self.produced, self.batch)):
                     layout = BatchDim(0, 1).layout(r, self.batch)
                     if layout is not None:
                         self.layouts[r.version] = layout

@@ -126,6 +126,10 @@ def render_text(r: InvarianceResult, out: TextIO, trace: str = "TRACE") -> None:
     elif unjudged:
         out.write(f"=> no batch-variant op among those judged; {len(unjudged)} op{'s' if len(unjudged) != 1 else ''}"
                   f" that read the batch could not be judged\n")
+    elif r.none_judged:
+        out.write(f"=> no op reading the batch was judged: none of the {len(r.checks)} ops computes on the rows of "
+                  f"the batch read from {shown(r.batch_input)} (not clean: is that the batch? --batch-size B picks "
+                  f"another)\n")
     else:
         out.write("=> every op that reads the batch is batch-invariant on these slices\n")
 

@@ -222,6 +222,89 @@ def test_an_invariant_step_exits_0(tmp_path, cli_here):
     assert "every op that reads the batch is batch-invariant" in res.stdout
 
 
+def test_a_step_where_no_op_computes_on_the_batch_is_not_called_clean(tmp_path, cli_here):
+    x = torch.randn(4, 8, 16)
+    with replaydiff.record(tmp_path / "t"):
+        x.sum()  # reads the batch only to reduce it away: nothing was judged
+    res = cli_here("invariance", tmp_path / "t")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "judged: 0 invariant, 0 batch-variant" in res.stdout
+    assert "=> no op reading the batch was judged" in res.stdout
+    assert "batch-invariant on these slices" not in res.stdout
+
+
+# -- a batch the step makes itself: a DataLoader's collation, a randn ------------------------------------------------
+def test_a_batch_collated_by_a_dataloader_inside_the_step_is_found_and_its_matmuls_named(tmp_path, cli_here):
+    if not _one_row_differs(8, 24, 48):
+        pytest.skip("this CPU's matmul gives one row the bits of the whole product: nothing to name")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 48), nn.ReLU(), nn.Linear(48, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = iter(DataLoader(TensorDataset(torch.randn(64, 24), torch.randint(0, 4, (64,))), batch_size=8))
+    with replaydiff.record(tmp_path / "t"):
+        x, y = next(loader)  # the collation (a select per row of the dataset, then a stack) is recorded
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    rt = open_trace(tmp_path / "t").rank(0)
+    forward_linears = {op.index for op in rt if op.phase == "forward" and op.name == "aten.addmm.default"}
+    for extra in ((), ("--batch-size", "8")):
+        res = cli_here("invariance", tmp_path / "t", *extra)
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert "batch of 8 read from" in res.stdout and "(made in the step)" in res.stdout
+        named = {int(line.split()[0][1:]) for line in res.stdout.splitlines() if line.startswith("  #")}
+        assert forward_linears and forward_linears <= named
+    r = check_invariance(rt)
+    assert r.batch_size == 8 and {c.op for c in r.variant} <= MATMULS
+    assert r.count(Finding.NOT_JUDGED) == 0
+
+
+def test_a_batch_drawn_by_randn_inside_the_step_is_found_and_its_matmuls_named(tmp_path):
+    if not _one_row_differs(8, 24, 48):
+        pytest.skip("this CPU's matmul gives one row the bits of the whole product: nothing to name")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 48), nn.ReLU(), nn.Linear(48, 4))
+    with replaydiff.record(tmp_path / "t"):
+        model(torch.randn(8, 24)).square().mean().backward()
+    rt = open_trace(tmp_path / "t").rank(0)
+    for size in (None, 8):
+        r = check_invariance(rt, batch_size=size)
+        assert r.batch_size == 8 and "aten.addmm.default input 1 float32[8, 24]" in r.batch_input
+        forward_linears = {op.index for op in rt if op.phase == "forward" and op.name == "aten.addmm.default"}
+        assert forward_linears <= {c.index for c in r.variant} and {c.op for c in r.variant} <= MATMULS
+
+
+class _Scaled(nn.Module):
+    """A linear layer, then a buffer of 3 rows (a step input that needs no gradient) read by a module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.bias = _Table()
+
+    def forward(self, h):
+        return self.bias(self.lin(h))
+
+
+class _Table(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.randn(3, 16))
+
+    def forward(self, h):
+        return h + self.table.sum(0)
+
+
+def test_a_buffer_a_later_module_reads_is_not_taken_for_a_batch_read_before_the_model(tmp_path):
+    torch.manual_seed(0)
+    model, x = _Scaled(), torch.randn(4, 16)
+    with replaydiff.record(tmp_path / "t"):
+        model(x * 2).sum().backward()  # the model's first op reads x * 2, made by no collation: x is the batch
+    r = check_invariance(open_trace(tmp_path / "t").rank(0))
+    assert r.batch_size == 4 and "aten.mul.Tensor input 0 float32[4, 16]" in r.batch_input
+
+
 # -- what is not a finding: a mean's divisor, a random draw -----------------------------------------------------------
 def test_a_loss_gradient_that_divides_by_the_batch_is_said_so_and_not_named(tmp_path):
     x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 16)
