@@ -128,4 +128,4 @@ def install() -> None:
         if config.get("status"):
             atexit.register(_report_steps, config["status"], weakref.ref(rec))
     except Exception as exc:
-        warn_job(f"could not arm step recording: {exc}", stacklevel=2)
+        warn_job(f"could not arm step recording: {exc}")

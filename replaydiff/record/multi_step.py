@@ -77,7 +77,7 @@ class MultiStepRecorder:
             if self.options.flight:
                 self._install_flight_triggers()
         except Exception as exc:
-            warn_job(f"could not arm step recording: {exc}", stacklevel=2)
+            warn_job(f"could not arm step recording: {exc}")
             self.done = True
             self._release()
         return self
@@ -120,8 +120,7 @@ class MultiStepRecorder:
             if self.recorder.active:
                 self.recorder.enter_module(module, inputs)
         except Exception as exc:
-            warn_job(f"module paths of the first call may be wrong: {exc}",
-                          stacklevel=2)
+            warn_job(f"module paths of the first call may be wrong: {exc}")
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
@@ -135,7 +134,7 @@ class MultiStepRecorder:
                 global first_step_missed
                 first_step_missed = True
                 if not os.environ.get(ENV_VAR):  # the CLI's child: `replaydiff record` says it, once for the job
-                    warn_job(FIRST_STEP_MISSED, stacklevel=2)
+                    warn_job(FIRST_STEP_MISSED)
             if self.recording:
                 self.recorder.pause()
                 self.recording = False
@@ -145,7 +144,7 @@ class MultiStepRecorder:
             elif step + 1 in self.range:
                 self._resume(step + 1)
         except Exception as exc:
-            warn_job(f"step recording failed: {exc}", stacklevel=2)
+            warn_job(f"step recording failed: {exc}")
 
     def _resume(self, step: int) -> None:
         self.recorder.resume(step)
@@ -194,8 +193,7 @@ class MultiStepRecorder:
             atexit.unregister(self.finish)
             self._drop_first_forward_hook()  # torch calls global forward pre hooks from a copy of its table
         except Exception as exc:
-            warn_job(f"a step-recording hook could not be removed: {exc}",
-                          stacklevel=2)
+            warn_job(f"a step-recording hook could not be removed: {exc}")
         self._remove_flight_triggers()
 
     # -- flight triggers: SIGUSR1 and an uncaught exception (SIGTERM: the recorder's own handler) ----------------
