@@ -16,7 +16,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from replaydiff.errors import warn_job
+from replaydiff.errors import warn, warn_job
 from replaydiff.record.compiled import no_filter, quiet_global_hook_warning
 from replaydiff.record.recorder import Recorder
 from replaydiff.record.autostart._replaydiff_record_env import ENV_VAR  # set in children of the CLI
@@ -89,8 +89,21 @@ class MultiStepRecorder:
         """Finish also when the interpreter exits (the CLI's child, whose script never leaves a ``with``). The exit
         handler goes as soon as the recording finishes."""
         if not self.done:
-            atexit.register(self.finish)
+            atexit.register(self._finish_at_exit)
         return self
+
+    def _finish_at_exit(self) -> None:
+        """``finish`` as the interpreter exits. A second Ctrl-C (or SIGINT) that lands while the trace is being
+        finished stops it there, said in one line and with no traceback of the recorder's: the trace holds what was
+        written up to then and reads as cut short (a partial trace is never called clean)."""
+        try:
+            self.finish()
+        except KeyboardInterrupt:
+            try:
+                warn("interrupted again while the trace was being finished; it is left partial (show says where "
+                     "it was cut)")
+            except Exception:  # a closed stderr is no reason to raise at exit
+                pass
 
     def __enter__(self) -> "MultiStepRecorder":
         return self.start()
@@ -190,7 +203,7 @@ class MultiStepRecorder:
                 disarm_optimizer_hooks()
                 self._armed = False
             remove_step_listener(self._after_step)
-            atexit.unregister(self.finish)
+            atexit.unregister(self._finish_at_exit)
             self._drop_first_forward_hook()  # torch calls global forward pre hooks from a copy of its table
         except Exception as exc:
             warn_job(f"a step-recording hook could not be removed: {exc}")
