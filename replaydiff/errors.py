@@ -52,12 +52,30 @@ def prefixed(message: str) -> str:
     return f"replaydiff: {message}"
 
 
-def warn_job(message: str, stacklevel: int = 2) -> None:
+def warn_job(message: str) -> None:
     """A RuntimeWarning into the job (the recorder's Python API: filterable, catchable), prefixed as every line is.
-    ``stacklevel`` as ``warnings.warn`` counts it from the caller."""
+    It is located at the user's code: the first frame of the call stack outside the replaydiff package (the ``with
+    replaydiff.record(...)`` line, the training loop's ``opt.step()``), not the recorder's line that noticed the
+    problem (where every frame is replaydiff's own: at the caller)."""
     import warnings
 
-    warnings.warn(prefixed(message), RuntimeWarning, stacklevel=stacklevel + 1)
+    warnings.warn(prefixed(message), RuntimeWarning, stacklevel=_users_level() + 1)
+
+
+def _users_level() -> int:
+    """The ``stacklevel`` (as ``warnings.warn`` counts it from warn_job's caller) of the first frame outside this
+    package; 1 (the caller) when there is none."""
+    import os
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame = sys._getframe(2)  # warn_job's caller
+    level = 1
+    while frame is not None:
+        if not os.path.abspath(frame.f_code.co_filename).startswith(package):
+            return level
+        frame = frame.f_back
+        level += 1
+    return 1
 
 
 def line(message: str, kind: str | None = None) -> str:

@@ -45,7 +45,7 @@ def _report_steps(folder: str, recorder: "weakref.ref[Any]") -> None:
             report["missed"] = multi_step.FIRST_STEP_MISSED
         with open(os.path.join(folder, f"{os.getpid()}.json"), "w") as f:
             json.dump(report, f)
-    except Exception:
+    except (Exception, KeyboardInterrupt):  # a second Ctrl-C at exit: record then says what the trace holds
         pass
 
 
@@ -128,4 +128,4 @@ def install() -> None:
         if config.get("status"):
             atexit.register(_report_steps, config["status"], weakref.ref(rec))
     except Exception as exc:
-        warn_job(f"could not arm step recording: {exc}", stacklevel=2)
+        warn_job(f"could not arm step recording: {exc}")

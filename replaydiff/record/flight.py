@@ -339,6 +339,5 @@ class FlightBuffer:
             self._held = 0
         except Exception as exc:  # never into the job: one warning
             self.failed = True
-            warn_job(f"the flight recorder could not write its steps: {exc}",
-                          stacklevel=2)
+            warn_job(f"the flight recorder could not write its steps: {exc}")
         return self.dumped_to

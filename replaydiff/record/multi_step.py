@@ -16,7 +16,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from replaydiff.errors import warn_job
+from replaydiff.errors import warn, warn_job
 from replaydiff.record.compiled import no_filter, quiet_global_hook_warning
 from replaydiff.record.recorder import Recorder
 from replaydiff.record.autostart._replaydiff_record_env import ENV_VAR  # set in children of the CLI
@@ -77,7 +77,7 @@ class MultiStepRecorder:
             if self.options.flight:
                 self._install_flight_triggers()
         except Exception as exc:
-            warn_job(f"could not arm step recording: {exc}", stacklevel=2)
+            warn_job(f"could not arm step recording: {exc}")
             self.done = True
             self._release()
         return self
@@ -89,8 +89,21 @@ class MultiStepRecorder:
         """Finish also when the interpreter exits (the CLI's child, whose script never leaves a ``with``). The exit
         handler goes as soon as the recording finishes."""
         if not self.done:
-            atexit.register(self.finish)
+            atexit.register(self._finish_at_exit)
         return self
+
+    def _finish_at_exit(self) -> None:
+        """``finish`` as the interpreter exits. A second Ctrl-C (or SIGINT) that lands while the trace is being
+        finished stops it there, said in one line and with no traceback of the recorder's: the trace holds what was
+        written up to then and reads as cut short (a partial trace is never called clean)."""
+        try:
+            self.finish()
+        except KeyboardInterrupt:
+            try:
+                warn("interrupted again while the trace was being finished; it is left partial (show says where "
+                     "it was cut)")
+            except Exception:  # a closed stderr is no reason to raise at exit
+                pass
 
     def __enter__(self) -> "MultiStepRecorder":
         return self.start()
@@ -120,8 +133,7 @@ class MultiStepRecorder:
             if self.recorder.active:
                 self.recorder.enter_module(module, inputs)
         except Exception as exc:
-            warn_job(f"module paths of the first call may be wrong: {exc}",
-                          stacklevel=2)
+            warn_job(f"module paths of the first call may be wrong: {exc}")
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
@@ -135,7 +147,7 @@ class MultiStepRecorder:
                 global first_step_missed
                 first_step_missed = True
                 if not os.environ.get(ENV_VAR):  # the CLI's child: `replaydiff record` says it, once for the job
-                    warn_job(FIRST_STEP_MISSED, stacklevel=2)
+                    warn_job(FIRST_STEP_MISSED)
             if self.recording:
                 self.recorder.pause()
                 self.recording = False
@@ -145,7 +157,7 @@ class MultiStepRecorder:
             elif step + 1 in self.range:
                 self._resume(step + 1)
         except Exception as exc:
-            warn_job(f"step recording failed: {exc}", stacklevel=2)
+            warn_job(f"step recording failed: {exc}")
 
     def _resume(self, step: int) -> None:
         self.recorder.resume(step)
@@ -191,11 +203,10 @@ class MultiStepRecorder:
                 disarm_optimizer_hooks()
                 self._armed = False
             remove_step_listener(self._after_step)
-            atexit.unregister(self.finish)
+            atexit.unregister(self._finish_at_exit)
             self._drop_first_forward_hook()  # torch calls global forward pre hooks from a copy of its table
         except Exception as exc:
-            warn_job(f"a step-recording hook could not be removed: {exc}",
-                          stacklevel=2)
+            warn_job(f"a step-recording hook could not be removed: {exc}")
         self._remove_flight_triggers()
 
     # -- flight triggers: SIGUSR1 and an uncaught exception (SIGTERM: the recorder's own handler) ----------------

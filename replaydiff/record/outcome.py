@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -304,15 +303,16 @@ def run_recorded(cmd: list[str], out: Path, step: int, options: RecordOptions, s
 def _run_forwarding_signals(cmd: list[str], env: dict, stdout: int | None) -> int:
     """Run the command and wait for it; the signals above, sent to this process, are passed on to it (so that
     ``kill -USR1`` / ``kill -TERM`` of ``replaydiff record``'s pid reaches the job and its flight recorder, and the
-    job is never left running orphaned). A SIGINT is not passed on while this process group has the terminal:
-    Ctrl-C reached the command from the terminal already, and a second one would cut its recorder's last write."""
+    job is never left running orphaned). A SIGINT is passed on only to a command that left this process group: one
+    still in it got the SIGINT already, as a terminal's Ctrl-C, ``timeout -s INT``, a CI runner or a scheduler sends
+    it to the whole group, and a second one would land in its recorder's last write (or the job's own handler)."""
     import signal
     import threading
 
     proc = subprocess.Popen(cmd, env=env, stdout=stdout)
 
     def forward(signum: int, frame: object) -> None:
-        if signum == signal.SIGINT and _terminal_is_ours():
+        if signum == signal.SIGINT and _in_our_group(proc.pid):
             return
         try:
             proc.send_signal(signum)
@@ -331,12 +331,13 @@ def _run_forwarding_signals(cmd: list[str], env: dict, stdout: int | None) -> in
             signal.signal(getattr(signal, name), handler)
 
 
-def _terminal_is_ours() -> bool:
-    """Whether this process group is the foreground group of the terminal on stdin (so the terminal's Ctrl-C went to
-    the whole group, the command included)."""
+def _in_our_group(pid: int) -> bool:
+    """Whether process ``pid`` is in this process's group (so a signal sent to the group reached it too). A SIGINT
+    sent to this process alone cannot be told from one sent to its group: the group is how SIGINT comes (a
+    terminal, timeout, CI runners, schedulers); SIGTERM is the signal to send to record's pid alone."""
     try:
-        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
-    except (OSError, ValueError, AttributeError):
+        return os.getpgid(pid) == os.getpgrp()
+    except (OSError, AttributeError):  # it has just ended, or no process groups here
         return False
 
 

@@ -99,7 +99,8 @@ class Recorder:
                 self._claim, self._made_dir = token, made
             self.rank_dir = self.path / rank_dir_name(rank)
             if (self.rank_dir / MANIFEST).exists():
-                raise FileExistsError(f"{self.rank_dir} already holds a trace; choose another directory")
+                raise FileExistsError(f"{self.rank_dir} already holds a trace, which the recorder never replaces; "
+                                      f"pass another directory, or remove that trace first")
             held = sorted(p.name for p in self.rank_dir.iterdir()) if self.rank_dir.exists() else []
             if held:  # writing there could replace a file that is not ours, and the recorder deletes nothing of theirs
                 raise FileExistsError(f"{self.rank_dir} already holds files ({', '.join(held[:3])}"
@@ -478,10 +479,10 @@ class Recorder:
                 pass
             return
         if not unmissable:
-            warn_job(msg, stacklevel=3)  # the Python API: filterable, catchable
+            warn_job(msg)  # the Python API: filterable, catchable
             return
         with warnings.catch_warnings(record=True) as shown:  # the job's filters apply; "ignore" leaves it out
-            warn_job(msg, stacklevel=3)
+            warn_job(msg)
         for w in shown:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
         if not shown:

@@ -343,7 +343,7 @@ class RankWriter:
 
     def _fail(self, why: str) -> None:
         if not self.failed:
-            warn_job(f"recording degraded: {why}", stacklevel=2)
+            warn_job(f"recording degraded: {why}")
         self.failed = True
         self.note_lost(why)
         self.staging.unbound()  # chunks are dropped from now on: a copy waiting for room must not wait forever
@@ -391,7 +391,7 @@ class RankWriter:
         why = (f"the disk is full ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}): tensor data "
                f"stops at op #{first}; later ops are kept with statistics (reason: {LEFT_OUT_DISK_FULL})")
         self.note_lost(why)
-        warn_job(why, stacklevel=2)
+        warn_job(why)
         self.data_refused = LEFT_OUT_DISK_FULL
 
     def _await(self, wait: Callable[[float], bool]) -> bool:

@@ -769,7 +769,9 @@ def test_record_of_a_command_without_any_optimizer_step_says_why(tmp_path, scrip
 @pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM", "SIGINT"])
 def test_record_passes_signals_on_to_the_command_and_waits_for_it(tmp_path, sig):
     """`kill -USR1 <replaydiff record's pid>` (or TERM, INT) reaches the command, whose flight recorder is told;
-    replaydiff waits for it and passes its exit code through, never ending first and leaving the job orphaned."""
+    replaydiff waits for it and passes its exit code through, never ending first and leaving the job orphaned. A
+    SIGINT is passed on to a command that left record's process group (one in it gets a SIGINT sent to the group
+    itself: test_record_interrupt.py)."""
     import signal
     import time
 
@@ -779,6 +781,8 @@ def test_record_passes_signals_on_to_the_command_and_waits_for_it(tmp_path, sig)
             open("got", "w").write(signal.Signals(signum).name)
             sys.exit(7)
         signal.signal(signal.{sig}, got)
+        if signal.{sig} == signal.SIGINT:
+            os.setsid()
         open("pid", "w").write(str(os.getpid()))
         time.sleep(60)
     """))

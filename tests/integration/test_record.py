@@ -925,6 +925,24 @@ def test_existing_trace_turns_recording_off_with_a_warning(tmp_path, tiny_step):
     assert [o.name for o in open_trace(tmp_path / "t").rank(0)] == ["aten.ones.default", "aten.add.Tensor"]
 
 
+def test_the_recorders_warnings_point_at_the_users_line_and_say_what_to_do(tmp_path):
+    """A warning from the Python API is located at the user's ``with replaydiff.record(...)`` line, not at the
+    recorder's line that noticed the problem; the one for a directory holding a trace says how to go on."""
+    with replaydiff.record(tmp_path / "t"):
+        torch.ones(3).add(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with replaydiff.record(tmp_path / "t"):
+            torch.ones(3).add(1)
+        with replaydiff.record(tmp_path / "p", plant="aten.add.Tensor:1:1e-3"):
+            torch.ones(3).add(1)
+    ours = [w for w in caught if "replaydiff" in str(w.message)]
+    assert [w.filename for w in ours] == [__file__, __file__], [(w.filename, str(w.message)) for w in ours]
+    existing, planted = (str(w.message) for w in ours)
+    assert "already holds a trace" in existing and "pass another directory, or remove that trace" in existing
+    assert "PLANTED FAULT" in planted, planted
+
+
 def test_a_rank_directory_holding_other_files_is_left_alone(tmp_path):
     """The recorder writes into a rank directory only when it is new or empty: it never replaces or truncates a
     file it did not write (a user's rank0/index.rdt, say)."""
