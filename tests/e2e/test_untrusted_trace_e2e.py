@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from untrusted_trace_helpers import fuzz_once, record_small
 
-EXAMPLES = int(os.environ.get("REPLAYDIFF_FUZZ_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("REPLAYDIFF_FUZZ_EXAMPLES", "60"))
 
 
 @pytest.fixture(scope="module")
