@@ -232,6 +232,13 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                     (out.worst_limit is None or m.error / m.limit > out.worst / out.worst_limit):
                 out.worst, out.worst_limit, out.worst_op = m.error, m.limit, i
         if not bad:
+            if from_departed and any(m.layout is not None and m.layout.kind in (LayoutKind.MIN, LayoutKind.MAX)
+                                     for m in tensors):
+                # a min or max over the ranks fits what an op that reads a parted value makes (a ReLU of values one
+                # rank got wrong: the other rank's are the reference's, and the smaller): the value still parts, and
+                # what reads it descends from where it parted
+                departed.add(i)
+                origin[i] = seeded
             continue
         if from_drawn and not from_departed:  # it reads another rank's dropout mask than the reference's
             drawn.add(i)
