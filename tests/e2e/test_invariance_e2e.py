@@ -91,8 +91,7 @@ def test_a_transformers_step_of_16_token_sequences_gets_no_false_finding(name, t
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        if not _sixteen_rows_agree(transposed=name != "gpt2"):
-            pytest.skip("this CPU's matmul gives 16 rows other bits alone: the check would rightly name it")
+        rows_agree = _sixteen_rows_agree(transposed=name != "gpt2")
         step = _step(name)
         with replaydiff.record(tmp_path / "t"):
             step()
@@ -100,7 +99,9 @@ def test_a_transformers_step_of_16_token_sequences_gets_no_false_finding(name, t
     finally:
         torch.set_num_threads(before)
     assert r.batch_size == 4
-    assert r.variant == ()
+    # where this CPU's matmul gives 16 rows other bits alone, the check rightly names matmuls, and nothing else
+    assert r.variant == () if rows_agree else \
+        {c.op for c in r.variant} <= {"aten.mm.default", "aten.addmm.default", "aten.bmm.default"}
     assert [c.index for c in r.checks if c.finding is Finding.NOT_JUDGED] == []
     judged = {c.op for c in r.checks if c.finding is Finding.INVARIANT}
     assert {"aten.native_layer_norm.default" if name == "gpt2" else "aten.mean.dim", "aten.embedding.default"} <= judged
