@@ -23,8 +23,8 @@ from replaydiff.record.budget import DataBudget
 from replaydiff.record.context import OpContext
 from replaydiff.record.dtensor import note_dtensor_op
 from replaydiff.record.options import RecordOptions
-from replaydiff.record.stats import (DeviceStats, batch_stats, has_stats, cpu_values, dense, kernel_stats, past_storage,
-                                     values_stats)
+from replaydiff.record.stats import (DeviceStats, batch_stats, cpu_values, dense, has_stats, kernel_stats,
+                                     past_storage, values_stats)
 from replaydiff.record.storage import StorageTable
 from replaydiff.trace import schema
 from replaydiff.trace.codec import address_view
