@@ -115,11 +115,15 @@ def op_reduction_k(op: OpRecord) -> int:
                             max(1, max((math.prod(r.shape) for r in op.outputs_refs()), default=1)))
 
 
-def compare_refs(ref_trace: RankTrace, r: TensorRef, target_trace: RankTrace, t: TensorRef) -> Compared | None:
-    """Compare the tensor ``r`` of the reference with ``t`` of the target; None when neither has anything to show."""
+def compare_refs(ref_trace: RankTrace, r: TensorRef, target_trace: RankTrace, t: TensorRef,
+                 floor: str | None = None) -> Compared | None:
+    """Compare the tensor ``r`` of the reference with ``t`` of the target; None when neither has anything to show.
+    ``floor``: a coarser dtype than either side's whose limits apply (see ``PairComparer._at_floor``)."""
     if r.uninitialised or t.uninitialised:
         return None
     coarse = coarser_dtype(t.dtype, r.dtype)
+    if floor is not None:
+        coarse = coarser_dtype(floor, coarse)
     if tuple(r.shape) != tuple(t.shape):
         return Compared(Evidence.SHAPES, ShapeMismatch(list(t.shape), list(r.shape)), coarse)
     if r.stored and t.stored and not r.meta and not t.meta:
@@ -234,7 +238,7 @@ class PairComparer:
         """Judge one aligned pair; ``origin_of(target op, input position)`` says where a differing input came
         from; ``carries_step_inputs``: the target op's inputs descend from a step input that already differed."""
         ins = self._inputs(rop, top)
-        outs = self._outputs(rop, top)
+        outs = self._outputs(rop, top, ins.floor)
         status, notes, inherited_from = _decide(ins, outs, carries_step_inputs,
                                                 lambda pos: origin_of(top.index, pos))
         verdict, explained = outs.verdict, False
@@ -309,6 +313,20 @@ class PairComparer:
             if v is not None and v.divergent:
                 self._seen[key] = (c, replace(v, divergent=False, reason=None))
 
+    def _at_floor(self, r: TensorRef, t: TensorRef, c: Compared, v: Verdict | None, floor: str | None, k: int,
+                  where: Where) -> tuple[Compared, Verdict | None]:
+        """An output compared by its statistics, of two runs at different precisions, whose op read an input that
+        differs within a coarser dtype's rounding (a float32 LayerNorm statistic of a bfloat16 activation under
+        autocast): it is judged at that coarser dtype, and so are the ops reading it. With whole tensors no such
+        allowance is made: each side's op is replayed from its own inputs instead, which a statistic cannot be."""
+        if self.coarsest is None or floor is None or c.evidence is not Evidence.STATS or c.measure is None or \
+                coarser_dtype(floor, c.dtype) == c.dtype:
+            return c, v
+        c = compare_refs(self.ref, r, self.target, t, floor=floor) or c
+        v = None if c.measure is None else self.judge(c.measure, c.dtype, k, where)
+        self._seen[(r.geometry, t.geometry)] = (c, v)
+        return c, v
+
     def _inputs(self, rop: OpRecord, top: OpRecord) -> "_InputsSeen":
         """Do the two ops start from the same values (tensors first, then plain arguments and generator state)?"""
         ins_r, ins_t = rop.inputs(), top.inputs()
@@ -316,6 +334,7 @@ class PairComparer:
         exact = True  # every compared input equal bit for bit (else: within tolerance only)
         by_stats = False
         first_bad: int | None = None
+        floor: str | None = None  # the coarsest dtype an input that differs was judged at
         for pos, (r, t) in enumerate(zip(ins_r, ins_t)):
             c, v = self.tensor_verdict(r, t, 1, (rop.index, "in", pos))
             if c is None or v is None:
@@ -324,8 +343,11 @@ class PairComparer:
                 agree, first_bad = False, pos
                 break
             agree = True
-            exact = exact and c.evidence is Evidence.FULL and _is_zero(v.measure)
+            same = c.evidence is Evidence.FULL and _is_zero(v.measure)
+            exact = exact and same
             by_stats = by_stats or c.evidence is Evidence.STATS
+            if not same and aten.floating_dtype(c.dtype):
+                floor = c.dtype if floor is None else coarser_dtype(c.dtype, floor)
         args_differ: Note | None = None
         if len(ins_r) != len(ins_t):
             agree = False
@@ -334,15 +356,18 @@ class PairComparer:
             pa, pt = _plain_args(rop), _plain_args(top)
             if pa != pt and not (self.coarsest is not None and _within_rounding(pa, pt, _eps(self.coarsest))):
                 args_differ = PlainArgsDiffer(_first_difference(pa, pt))
+            elif pa != pt:  # numbers that differ by the coarser dtype's rounding (a mask's finfo(dtype).min)
+                floor = self.coarsest
             elif agree is None and not ins_r and self.coarsest is not None:
                 agree = True  # no tensor input, the same arguments: the same start
         if args_differ is None and agree is not False and rop.rng is not None and top.rng is not None:
             if not torch.equal(self.ref.rng_state(rop.rng), self.target.rng_state(top.rng)):
                 args_differ = DiffFact.OTHER_GENERATOR_STATE
-        return _InputsSeen(agree, exact, by_stats, first_bad, args_differ)
+        return _InputsSeen(agree, exact, by_stats, first_bad, args_differ, floor)
 
-    def _outputs(self, rop: OpRecord, top: OpRecord) -> "_OutputsSeen":
-        """The outputs judged, with the evidence each comparison had."""
+    def _outputs(self, rop: OpRecord, top: OpRecord, floor: str | None = None) -> "_OutputsSeen":
+        """The outputs judged, with the evidence each comparison had. ``floor``: the coarsest dtype a differing input
+        was judged at (see ``_at_floor``)."""
         outs_r, outs_t = rop.outputs_refs(), top.outputs_refs()
         k = op_reduction_k(rop)
         judged: list[Verdict] = []
@@ -353,6 +378,7 @@ class PairComparer:
             c, v = self.tensor_verdict(r, t, k, (rop.index, "out", pos))
             if c is None:
                 continue
+            c, v = self._at_floor(r, t, c, v, floor, k, (rop.index, "out", pos))
             evidence.append(c.evidence)
             if r.dtype != t.dtype and dtypes is None:
                 dtypes = (r.dtype, t.dtype)
@@ -372,6 +398,7 @@ class _InputsSeen:
     by_stats: bool  # some input compared by its statistics only
     first_bad: int | None  # the first tensor input beyond tolerance
     args_differ: Note | None  # the plain arguments, the number of inputs or the generator state differ
+    floor: str | None = None  # the coarsest dtype a differing input was judged at
 
     @property
     def agree(self) -> bool | None:

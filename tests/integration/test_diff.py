@@ -345,6 +345,39 @@ def test_two_stats_traces_are_compared_through_their_statistics(tmp_path: Path, 
     assert "inputs agree in their statistics, outputs differ (statistics only)" in capsys.readouterr().out
 
 
+def _mlp_step(bf16: bool, plant: str | None = None):
+    def step(path: Path) -> None:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 10))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with record(path, tensors="stats", plant=plant):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    loss = torch.nn.functional.cross_entropy(m(x), y)
+                loss.backward()
+                opt.step()
+    return step
+
+
+def test_stats_traces_at_two_precisions_judge_what_reads_a_rounded_input_at_the_coarser_dtype(tmp_path: Path,
+                                                                                                capsys) -> None:
+    """fp32 against bf16 autocast, statistics only: a float32 LayerNorm statistic of a bfloat16 activation (and the
+    casts back up in the backward) differs from the fp32 run's by bfloat16's rounding, which no statistic can show
+    to be right given its inputs; judged at bfloat16's limits it agrees. A 5% fault planted in a bf16 matmul is
+    still where the difference enters."""
+    _mlp_step(False)(tmp_path / "fp32")
+    _mlp_step(True)(tmp_path / "bf16")
+    capsys.readouterr()
+    assert main(["diff", str(tmp_path / "fp32"), str(tmp_path / "bf16")]) == 0, capsys.readouterr().out
+    assert " 0 divergent, 0 inherited" in capsys.readouterr().out
+    _mlp_step(True, "aten.addmm.default:2:5e-2")(tmp_path / "bad")
+    planted = open_trace(tmp_path / "bad").rank(0).planted.index
+    assert main(["diff", str(tmp_path / "fp32"), str(tmp_path / "bad")]) == 1
+    assert f" / target #{planted} aten.addmm.default" in capsys.readouterr().out
+
+
 def test_baseline_noise_sets_the_limits(capsys) -> None:
     """The baseline only widens the fixed limits. Two bitwise-equal reference runs add no room: a 5e-7 change the
     fixed fp32 limits accept still passes, and a 1e-3 change is still divergent with the fixed limits printed (not
