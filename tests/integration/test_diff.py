@@ -345,7 +345,7 @@ def test_two_stats_traces_are_compared_through_their_statistics(tmp_path: Path, 
     assert "inputs agree in their statistics, outputs differ (statistics only)" in capsys.readouterr().out
 
 
-def _mlp_step(bf16: bool, plant: str | None = None):
+def _layernorm_mlp_step(bf16: bool, plant: str | None = None):
     def step(path: Path) -> None:
         torch.manual_seed(0)
         m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 10))
@@ -367,12 +367,12 @@ def test_stats_traces_at_two_precisions_judge_what_reads_a_rounded_input_at_the_
     casts back up in the backward) differs from the fp32 run's by bfloat16's rounding, which no statistic can show
     to be right given its inputs; judged at bfloat16's limits it agrees. A 5% fault planted in a bf16 matmul is
     still where the difference enters."""
-    _mlp_step(False)(tmp_path / "fp32")
-    _mlp_step(True)(tmp_path / "bf16")
+    _layernorm_mlp_step(False)(tmp_path / "fp32")
+    _layernorm_mlp_step(True)(tmp_path / "bf16")
     capsys.readouterr()
     assert main(["diff", str(tmp_path / "fp32"), str(tmp_path / "bf16")]) == 0, capsys.readouterr().out
     assert " 0 divergent, 0 inherited" in capsys.readouterr().out
-    _mlp_step(True, "aten.addmm.default:2:5e-2")(tmp_path / "bad")
+    _layernorm_mlp_step(True, "aten.addmm.default:2:5e-2")(tmp_path / "bad")
     planted = open_trace(tmp_path / "bad").rank(0).planted.index
     assert main(["diff", str(tmp_path / "fp32"), str(tmp_path / "bad")]) == 1
     assert f" / target #{planted} aten.addmm.default" in capsys.readouterr().out
