@@ -243,7 +243,7 @@ def list_to_json(listing: OpListing) -> dict:
     idx, gone = listing.index, listing.gone
     return {"format": OP_LIST_FORMAT, "trace": listing.trace, "rank": listing.rank,
             "ops": [{"index": i, "op": idx.name[i], "module": idx.module[i], "phase": idx.phase[i],
-                     "output": idx.output[i], "recorded": idx.recorded[i],
+                     "output": idx.output[i], "recorded": idx.recorded[i], "recompute_of": idx.recompute[i],
                      "missing": _missing_cell(gone[i]) if i in gone else None} for i in listing.rows]}
 
 
@@ -253,17 +253,23 @@ def _missing_cell(m: MissingOps) -> str:
 
 
 def render_list(listing: OpListing, out: TextIO) -> None:
-    """Columns: number, op, module ('-': none), phase, first output ('not recorded' for an op a filter left out;
-    'missing: ops file F' for an op whose record is gone from a damaged trace)."""
+    """Columns: number, op, module ('-': none), phase ('backward, recompute of #N' for a checkpointed op run again),
+    first output ('not recorded' for an op a filter left out; 'missing: ops file F' for an op whose record is gone
+    from a damaged trace)."""
     idx, rows, gone = listing.index, listing.rows, listing.gone
     if not rows:
         return
     lo, hi = rows[0], rows[-1] + 1
     names, modules, phases = idx.name[lo:hi], idx.module[lo:hi], idx.phase[lo:hi]
-    outputs, recorded = idx.output[lo:hi], idx.recorded[lo:hi]
+    outputs, recorded, recomputes = idx.output[lo:hi], idx.recorded[lo:hi], idx.recompute[lo:hi]
     ks = [i - lo for i in rows]
     w_num = len(str(rows[-1]))
-    cells = {k: (shown(names[k]), shown(modules[k] or "-"), shown(phases[k] or "-")) for k in ks}
+
+    def phase(k: int) -> str:
+        p = shown(phases[k] or "-")
+        return p if recomputes[k] is None else f"{p}, recompute of #{recomputes[k]}"
+
+    cells = {k: (shown(names[k]), shown(modules[k] or "-"), phase(k)) for k in ks}
     w_name = max(len(c[0]) for c in cells.values())
     w_mod = max(len(c[1]) for c in cells.values())
     w_phase = max(len(c[2]) for c in cells.values())

@@ -55,6 +55,7 @@ class IndexBuilder:
         self.names, self.modules, self.sources, self.outputs = _Strings(), _Strings(), _Strings(), _Strings()
         self.name, self.phase, self.module, self.source = array("i"), array("b"), array("i"), array("i")
         self.forward, self.output, self.flags = array("i"), array("i"), array("B")
+        self.recompute = array("i")
         self.in_ptr, self.in_prod, self.in_slot = array("i", [0]), array("i"), array("i")
         # per op: (output position, reading op); () until the op's first reader, which most ops of a module
         # granularity trace never get: an empty list for each would live as long as the recording, through every
@@ -92,6 +93,7 @@ class IndexBuilder:
         self.module.append(self.modules.id(row.module))
         self.source.append(self.sources.id(row.source))
         self.forward.append(_NONE if row.forward is None else row.forward)
+        self.recompute.append(_NONE if row.recompute is None else row.recompute)
         flags = 0
         if row.recorded:
             flags |= _F_RECORDED
@@ -149,7 +151,10 @@ class IndexBuilder:
 
 
 _COLUMNS = {"name": "i", "phase": "b", "module": "i", "source": "i", "forward": "i", "output": "i", "flags": "B",
-            "in_ptr": "i", "in_prod": "i", "in_slot": "i", "cons_ptr": "i", "cons_slot": "i", "cons_op": "i"}
+            "in_ptr": "i", "in_prod": "i", "in_slot": "i", "cons_ptr": "i", "cons_slot": "i", "cons_op": "i",
+            "recompute": "i"}
+# Columns an index written by an earlier replaydiff may lack: read as "none" for every op.
+_LATER_COLUMNS = {"recompute"}
 _BYTEORDER = "little" if array("i", [1]).tobytes()[0] == 1 else "big"
 
 
@@ -218,7 +223,8 @@ class ModuleNode:
 class TraceIndex:
     """Columns for every op of a rank (``len(index)`` ops, numbered from 0) and the edges between them.
 
-    ``name[i]``, ``phase[i]``, ``module[i]``, ``source[i]``, ``forward[i]`` (int or None), ``output[i]`` (first
+    ``name[i]``, ``phase[i]``, ``module[i]``, ``source[i]``, ``forward[i]`` (int or None), ``recompute[i]`` (the
+    forward op a checkpointed op run again in the backward repeats, or None), ``output[i]`` (first
     output, e.g. ``float32[8, 32, 64]``, or None), ``cheap[i]`` (view, alias, detach, marker), ``recorded[i]``,
     ``collective[i]``, ``random[i]``; ``status`` has one free slot per op for a replay's verdicts. Safe to read from
     several threads."""
@@ -232,6 +238,7 @@ class TraceIndex:
         self.output = _Lookup(cols["output"], tables["outputs"])
         self.phase = _Lookup(cols["phase"], _PHASE_NAMES)
         self.forward = _Optional(cols["forward"])
+        self.recompute = _Optional(cols["recompute"])
         self.recorded = _Flag(cols["flags"], _F_RECORDED)
         self.cheap = _Flag(cols["flags"], _F_CHEAP)
         self.collective = _Flag(cols["flags"], _F_COLLECTIVE)
@@ -260,6 +267,9 @@ class TraceIndex:
         cols: dict[str, array] = {}
         for k, code in _COLUMNS.items():
             raw = columns.get(k)
+            if raw is None and k in _LATER_COLUMNS:
+                cols[k] = array(code, [_NONE]) * count
+                continue
             if not isinstance(raw, bytes):
                 raise ValueError(f"column {k} is not bytes")
             a = array(code)
@@ -267,7 +277,7 @@ class TraceIndex:
             if frame.get("byteorder") != _BYTEORDER:
                 a.byteswap()
             cols[k] = a
-        for k in ("name", "phase", "module", "source", "forward", "output", "flags"):
+        for k in ("name", "phase", "module", "source", "forward", "output", "flags", "recompute"):
             if len(cols[k]) != count:
                 raise ValueError(f"column {k} has {len(cols[k])} rows for {count} ops")
         if len(cols["in_ptr"]) != count + 1 or cols["in_ptr"][-1] != len(cols["in_prod"]) \
@@ -275,10 +285,10 @@ class TraceIndex:
                 or cols["cons_ptr"][-1] != len(cols["cons_op"]) or len(cols["cons_slot"]) != len(cols["cons_op"]):
             raise ValueError("edge columns do not fit")
         bounds = {"name": len(tables["names"]), "module": len(tables["modules"]), "source": len(tables["sources"]),
-                  "output": len(tables["outputs"]), "phase": len(_PHASE_NAMES), "forward": count,
+                  "output": len(tables["outputs"]), "phase": len(_PHASE_NAMES), "forward": count, "recompute": count,
                   "in_prod": count, "cons_op": count, "in_ptr": len(cols["in_prod"]) + 1,
                   "cons_ptr": len(cols["cons_op"]) + 1, "in_slot": 1 << 30, "cons_slot": 1 << 30}
-        optional = {"forward", "in_prod", "in_slot"}  # -1: none
+        optional = {"forward", "recompute", "in_prod", "in_slot"}  # -1: none
         for k, bound in bounds.items():
             c = cols[k]
             if c and not ((_NONE if k in optional else 0) <= min(c) and max(c) < bound):

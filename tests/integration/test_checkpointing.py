@@ -100,6 +100,11 @@ def test_a_recomputed_op_is_at_its_forward_code_and_names_the_forward_op_it_repe
     out = capsys.readouterr().out
     assert f"source  {_line('tanh line')}" in out and "(of the forward op)" in out
     assert f"backward of forward op #{fwd}; backward() called at {_line('backward line')}" in out
+    # show --list marks every recompute (and nothing else) with the forward op it repeats
+    assert main(["show", str(tmp_path / "t"), "--list"]) == 0
+    marked = {int(line.split()[0]): line for line in capsys.readouterr().out.splitlines() if "recompute of #" in line}
+    assert marked == {op.index: marked.get(op.index) for op in rank if op.recompute_of is not None}
+    assert f"backward, recompute of #{fwd}" in marked[rc.index]
 
 
 @pytest.mark.parametrize("how", ["non_reentrant", "reentrant"])

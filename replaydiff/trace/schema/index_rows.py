@@ -26,6 +26,7 @@ class IndexRow(NamedTuple):
     inputs: list  # (version, geometry) per input tensor, in OpRecord.inputs() order
     outputs: list  # (version, geometry) per output tensor, in OpRecord.outputs_refs() order
     first_output: str | None  # e.g. "float32[8, 32, 64]"
+    recompute: int | None = None  # a checkpointed op run again in the backward: the forward op it repeats
 
 
 def _list_refs(vs: list, out: list) -> None:
@@ -87,7 +88,8 @@ def index_row(w: dict) -> IndexRow:
                         seen.add(g)
                         outs.append((version, g))
     return IndexRow(w[_INDEX], w[_NAME], w.get(_PHASE), w.get(_MODULE), w.get(_SOURCE), w.get(_FORWARD), recorded,
-                    _COLL in w, bool(w.get(_UNINIT)), isinstance(w.get(_RNG), dict), ins, outs, first)
+                    _COLL in w, bool(w.get(_UNINIT)), isinstance(w.get(_RNG), dict), ins, outs, first,
+                    w.get(_RECOMPUTE))
 
 
 # Each field of an op record a reader acts on, and the types it may hold (absent: allowed). Checked once, when its
