@@ -4,10 +4,11 @@ It stands in for the trace writer (same calls as ``RankWriter``), so the recorde
 step's records are msgpack-encoded when the step ends, so the memory held is measured, not guessed: the ring keeps
 at most ``flight`` steps and at most ``flight_mib`` MiB of encoded records (oldest steps go first; the step being
 recorded always stays). Nothing touches the disk until ``dump()``: on the first NaN/Inf in the loss (the value
-``backward()`` starts from: what the gradient seed reads), in a gradient, or in a parameter or optimizer state after
-the update, once that step ends; on SIGTERM/SIGUSR1 or an exception (``multi_step.py`` installs those triggers); at
-exit only with ``flight_at_exit`` (the last K whole steps; ops after the last step are left out). One dump per
-recording.
+``backward()`` starts from: what the gradient seed reads), in an output of a top-level module call
+(``output_watch.py``), in a value the script reads with ``.item()``, in a gradient, or in a parameter or optimizer
+state after the update, once that step ends (or when the recording ends, for a step that never does); on
+SIGTERM/SIGUSR1 or an exception (``multi_step.py`` installs those triggers); at exit only with ``flight_at_exit``
+(the last K whole steps; ops after the last step are left out). One dump per recording.
 
 With ``tensors="full"`` and a ``modules``/``ops`` filter (the suspect), the ops the filter matches keep their tensors'
 bytes and the others statistics (kept with the reason "filtered", as every filtered op is), so one run of the job catches the step where the suspect goes
