@@ -182,7 +182,11 @@ class FlightBuffer:
         waiting = []
         for item in self._watched:
             where, count, call, called_at, step = item
-            got = count() if self.trigger is None else None
+            try:
+                got = count() if self.trigger is None else None
+            except Exception as exc:  # a count that cannot be read judges nothing
+                log.debug("an output's NaN/Inf count could not be read: %s", exc)
+                got = None
             if got is None:
                 if not final and self.trigger is None:
                     waiting.append(item)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import threading
 from typing import Any, Callable
 
 import torch
@@ -81,11 +82,15 @@ class OutputWatch:
         self.rec = rec
         self._open: list[int] = []  # ids of the module calls in progress, outermost first
         self.failed = False
+        # The thread that runs the step (its module calls nest; another thread's, e.g. DataParallel's replicas, are
+        # inside a call of this one's)
+        self._thread: int | None = None
 
     def install(self) -> None:
         from torch.nn.modules import module as nn_module
 
         self._open.clear()  # a call whose forward raised in an earlier step is open no more
+        self._thread = threading.get_ident()
         if self not in _installed:
             _installed.append(self)
         # The same functions under the same keys every step (see context.put_global_hook: dynamo guards these dicts)
@@ -103,9 +108,12 @@ class OutputWatch:
 
     def enter_module(self, module: torch.nn.Module) -> None:
         """A module call begins (also one that began before the hooks were installed: recording starts in it)."""
-        self._open.append(id(module))
+        if threading.get_ident() == self._thread:
+            self._open.append(id(module))
 
     def leave_module(self, module: torch.nn.Module, output: Any) -> None:
+        if threading.get_ident() != self._thread:
+            return
         opened = self._open
         key = id(module)
         if opened and opened[-1] == key:
