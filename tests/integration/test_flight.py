@@ -220,3 +220,33 @@ def test_non_finite_values_a_model_makes_and_discards_trigger_nothing(tmp_path, 
     assert "aten.log.default" in made  # the model did make -inf (T5: its position buckets)
     if make is _masked:
         assert "aten.masked_fill.Scalar" in made  # and handed it from one of its modules to another
+
+
+def test_a_failure_of_the_output_watch_costs_the_watch_alone_with_one_warning(tmp_path, monkeypatch):
+    from replaydiff.record import output_watch
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot look into this output")
+
+    monkeypatch.setattr(output_watch, "floating_outputs", broken)
+    plain = _outputs_only(6, bad_at=None)
+    with pytest.warns(RuntimeWarning) as said:
+        with replaydiff.record(tmp_path / "t", tensors="stats", flight=2, flight_at_exit=True):
+            watched = _outputs_only(6, bad_at=None)
+    torch.testing.assert_close(watched, plain, rtol=0, atol=0)
+    assert [str(w.message) for w in said] == ["replaydiff: the flight recorder stopped watching model outputs for "
+                                              "NaN/Inf (RuntimeError: cannot look into this output)"]  # once
+    r = open_trace(tmp_path / "t").rank(0)
+    assert r.complete and r.flight.reason == "the process ended (flight_at_exit)"
+    assert sorted({op.step for op in r}) == [5, 6]
+
+
+def test_without_statistics_the_outputs_are_counted_by_the_watch_itself(tmp_path):
+    """tensors="meta": no statistics to look up; the watch counts the output's NaN/Inf itself, out of the trace."""
+    with replaydiff.record(tmp_path / "t", tensors="meta", flight=3):
+        _outputs_only(20, bad_at=12)
+    r = open_trace(tmp_path / "t").rank(0)
+    assert sorted({op.step for op in r}) == [10, 11, 12]
+    assert re.fullmatch(r"logits of Net\.forward at \S+:\d+ holds NaN at step 12", r.flight.reason), r.flight.reason
+    names = {op.name for op in r}
+    assert "flight_test.spike.default" in names and not {"aten.isnan.default", "aten.isinf.default"} & names
