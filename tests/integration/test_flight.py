@@ -207,14 +207,14 @@ def test_non_finite_values_a_model_makes_and_discards_trigger_nothing(tmp_path, 
     model, batch = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with replaydiff.record(tmp_path / "t", tensors="stats", flight=2, flight_at_exit=True):
-        for _ in range(4):
+        for _ in range(3):
             out = model(**batch)
             (out.loss if hasattr(out, "loss") else out.pow(2).mean()).backward()
             opt.step()
             opt.zero_grad()
     r = open_trace(tmp_path / "t").rank(0)
     assert r.flight.reason == "the process ended (flight_at_exit)"  # no trigger before it
-    assert sorted({op.step for op in r}) == [3, 4]
+    assert sorted({op.step for op in r}) == [2, 3]
     made = {op.name for op in r if op.phase == "forward" and any(
         ref.stats is not None and ref.stats.inf for ref in op.outputs_refs())}
     assert "aten.log.default" in made  # the model did make -inf (T5: its position buckets)
