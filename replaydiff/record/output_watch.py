@@ -140,10 +140,10 @@ class OutputWatch:
         if flight is None or flight.trigger is not None:
             return
         b = rec.builder
-        counts: list[tuple[str, Callable[[], tuple[int, int] | None]]] = []
+        counts: list[tuple[str, Callable[[], tuple[int, int] | None]]]
         if b is not None and b.mode is TensorMode.STATS:
-            # The statistics the recorder keeps for these values (cached where an op made them in this step)
-            # Below every dispatch mode (an accelerator's statistics run torch ops): the recorder records none of
+            # The statistics the recorder keeps for these values (cached where an op made them in this step), taken
+            # below every dispatch mode (an accelerator's statistics run torch ops): the recorder records none of
             # it, and no planted fault touches it.
             with _disable_current_modes():
                 refs = [(where, b.ref(t, True)) for where, t in found]
