@@ -25,8 +25,8 @@ def record(path: str | os.PathLike, tensors: TensorMode | str = TensorMode.FULL,
     Many steps: with ``steps="100-2000:10"`` (or ``flight=K``) the ``with`` block wraps the training loop and only
     the chosen optimizer steps are recorded, each op with its step; ``granularity="module"`` records each module
     call's outputs and gradients instead of every op; ``flight=K`` keeps the last K steps in memory and writes them
-    only when a gradient or the loss turns NaN/Inf, on SIGTERM/SIGUSR1 or an exception (``flight_mib``,
-    ``flight_at_exit``).
+    only when the loss, a model's output, a value read with ``.item()``, a gradient or a parameter turns NaN/Inf, on
+    SIGTERM/SIGUSR1 or an exception (``flight_mib``, ``flight_at_exit``).
     torch.compile regions: ``compiled="capture"`` (default) runs them compiled, as the job does, and records each
     call of a compiled graph as one unit (its inputs, outputs and aten graph); ``compiled="eager"`` runs them as eager
     aten ops, each recorded.

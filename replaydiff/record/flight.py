@@ -4,10 +4,11 @@ It stands in for the trace writer (same calls as ``RankWriter``), so the recorde
 step's records are msgpack-encoded when the step ends, so the memory held is measured, not guessed: the ring keeps
 at most ``flight`` steps and at most ``flight_mib`` MiB of encoded records (oldest steps go first; the step being
 recorded always stays). Nothing touches the disk until ``dump()``: on the first NaN/Inf in the loss (the value
-``backward()`` starts from: what the gradient seed reads), in a gradient, or in a parameter or optimizer state after
-the update, once that step ends; on SIGTERM/SIGUSR1 or an exception (``multi_step.py`` installs those triggers); at
-exit only with ``flight_at_exit`` (the last K whole steps; ops after the last step are left out). One dump per
-recording.
+``backward()`` starts from: what the gradient seed reads), in an output of a top-level module call
+(``output_watch.py``), in a value the script reads with ``.item()``, in a gradient, or in a parameter or optimizer
+state after the update, once that step ends (or when the recording ends, for a step that never does); on
+SIGTERM/SIGUSR1 or an exception (``multi_step.py`` installs those triggers); at exit only with ``flight_at_exit``
+(the last K whole steps; ops after the last step are left out). One dump per recording.
 
 With ``tensors="full"`` and a ``modules``/``ops`` filter (the suspect), the ops the filter matches keep their tensors'
 bytes and the others statistics (kept with the reason "filtered", as every filtered op is), so one run of the job catches the step where the suspect goes
@@ -73,6 +74,7 @@ class _Step:
 
 
 _GRADIENT_SEED = "aten.ones_like.default"
+_READ_BACK = "aten._local_scalar_dense.default"  # .item(), float(t), print(t): a value the script reads
 
 
 def _loss_nonfinite(last: dict) -> bool:
@@ -95,7 +97,15 @@ def _nonfinite(record: dict, name: str, phase: str | None, loss: dict | None, st
             return f"a gradient (op #{schema.wire_index(record)} {name}) is NaN/Inf at step {step}"
     elif phase == "optimizer" and schema.wire_nonfinite(record):
         return f"a parameter or optimizer state (op #{schema.wire_index(record)} {name}) is NaN/Inf after step {step}"
+    elif phase == "forward" and name == _READ_BACK and schema.wire_nonfinite_inputs(record):
+        source = OpRecord(record).source
+        return f"a value the script read (op #{schema.wire_index(record)} .item(){' at ' + source if source else ''})" \
+               f" is NaN/Inf at step {step}"
     return None
+
+
+def _nonfinite_kind(nan: int, inf: int) -> str:
+    return "NaN and Inf" if nan and inf else "NaN" if nan else "Inf"
 
 
 class FlightBuffer:
@@ -116,6 +126,9 @@ class FlightBuffer:
         self._left_out = 0  # copies of the step in progress left out
         self._last_forward: dict | None = None
         self._seen_backward = False
+        # Outputs of the step's root module calls not judged yet: (where in the output, its (NaN, Inf) counts or
+        # None while not measured, the call, where it was called, step); see output_watch.py
+        self._watched: list[tuple[str, Callable[[], tuple[int, int] | None], str, str | None, int | None]] = []
         self.dropped_for_budget = 0
         self.lost: list[str] = []
         self.failed = False
@@ -149,7 +162,42 @@ class FlightBuffer:
                 self.dump(self.trigger)
                 return
             self._last_forward = record
+            if self.trigger is None and view.name == _READ_BACK:
+                self.trigger = _nonfinite(record, view.name, phase, None, self._step)
         self._current.append(record)
+
+    def watch_output(self, counts: list[tuple[str, Callable[[], tuple[int, int] | None]]], call: str,
+                     called_at: str | None, step: int | None) -> None:
+        """A root module call (``call``: "GPT2LMHeadModel.forward", called at ``called_at``) returned these
+        floating values: where each is in the output, and how to read its NaN and Inf counts (None while they are
+        not measured yet). Judged now where measured; the rest when the step ends, after its deferred statistics."""
+        if self.trigger is not None or self.dumped_to is not None:
+            return
+        self._watched.extend((where, count, call, called_at, step) for where, count in counts)
+        self._judge_outputs(final=False)
+
+    def _judge_outputs(self, final: bool) -> None:
+        """Set the trigger from the first watched output that holds NaN/Inf; ``final``: the step's statistics are
+        all in (what is still unmeasured never will be)."""
+        waiting = []
+        for item in self._watched:
+            where, count, call, called_at, step = item
+            try:
+                got = count() if self.trigger is None else None
+            except Exception as exc:  # a count that cannot be read judges nothing
+                log.debug("an output's NaN/Inf count could not be read: %s", exc)
+                got = None
+            if got is None:
+                if not final and self.trigger is None:
+                    waiting.append(item)
+                continue
+            nan, inf = got
+            if nan or inf:
+                at = f" at {called_at}" if called_at else ""
+                when = f" at step {step}" if step is not None else ""
+                self.trigger = f"{where} of {call}{at} holds {_nonfinite_kind(nan, inf)}{when}"
+                waiting = []
+        self._watched = waiting
 
     # -- copies (full tensors of the filter's ops): the recorder's OpBuilder calls staging.take/reserve, then
     # add_snapshot; this buffer is its own staging memory.
@@ -211,6 +259,11 @@ class FlightBuffer:
         pass
 
     def close(self, extra: dict) -> None:
+        if self.dumped_to is None and self._watched:
+            self._run_fills()
+            self._judge_outputs(final=True)
+        if self.dumped_to is None and self.trigger is not None:  # the step it came in never ended (no optimizer)
+            self.dump(self.trigger)
         if self.dumped_to is None and self.options.flight_at_exit:
             if not self._seen_backward:  # ops after the last step (a loss.item()), no step of their own: left out
                 self._free(self._snapshots)
@@ -231,17 +284,19 @@ class FlightBuffer:
         for fill in fills:
             if not fill(timeout):
                 timeout = 0.0  # a device that has not finished by the deadline: only look at the rest
+        if self._watched:
+            self._judge_outputs(final=False)
         if self.trigger is None:
             last_forward, first = None, True
             for record in self._current:
                 view = OpRecord(record)
-                if view.phase in ("backward", "optimizer"):
+                if view.phase in ("backward", "optimizer") or view.name == _READ_BACK:
                     self.trigger = _nonfinite(record, view.name, view.phase, last_forward if first else None,
                                               self._step)
                     first = first and view.phase != "backward"
                     if self.trigger is not None:
                         break
-                elif view.phase == "forward":
+                if view.phase == "forward":
                     last_forward = record
 
     # -- steps ---------------------------------------------------------------------------------------------------
@@ -250,12 +305,15 @@ class FlightBuffer:
         self._current = []
         self._last_forward = None
         self._seen_backward = False
+        self._watched = []
 
     def end_step(self) -> None:
         """Encode the finished step into the ring; drop the oldest steps past K or past the memory budget."""
         if self.dumped_to is not None:
             return
         self._run_fills()
+        if self._watched:
+            self._judge_outputs(final=True)
         if self._current:
             blob = msgpack.packb(self._current, use_bin_type=True)
             done = _Step(self._step, len(self._current), blob, self._snapshots, self._data, self._left_out)

@@ -29,6 +29,7 @@ from replaydiff.record.hyperparameters import note_optimizer_step
 from replaydiff.record.mode import OpBuilder, RecordingMode, record_after, record_before
 from replaydiff.record.module_stats import ModuleStatsHooks
 from replaydiff.record.options import RecordOptions
+from replaydiff.record.output_watch import OutputWatch
 from replaydiff.record.owner_token import recording_token
 from replaydiff.record.storage import StorageTable
 from replaydiff.record.unit_capture import CapturingMode, UnitCapture, boundary_backward
@@ -61,6 +62,7 @@ class Recorder:
         self.context = OpContext(options.source_lines)
         self._mode: RecordingMode | None = None
         self._module_hooks: ModuleStatsHooks | None = None
+        self._watch: OutputWatch | None = None  # the flight recorder's watch on the model's outputs
         self._context_installed = False
         self._builder: OpBuilder | None = None
         self._started = 0.0
@@ -262,6 +264,8 @@ class Recorder:
 
     def enter_module(self, module: torch.nn.Module, inputs: Any) -> None:
         """Enter a module whose forward pre hooks ran before recording started (it started inside its call)."""
+        if self._watch is not None:
+            self._watch.enter_module(module)
         if self._module_hooks is not None:
             self._module_hooks.enter_module(module, inputs)
         else:
@@ -269,6 +273,9 @@ class Recorder:
 
     def _attach(self) -> None:
         self._unquiet = quiet_global_hook_warning()  # before the recorder's own global hooks go in
+        if isinstance(self.writer, FlightBuffer):
+            self._watch = self._watch or OutputWatch(self)
+            self._watch.install()
         if self.options.granularity == "module":
             self._module_hooks = self._module_hooks or ModuleStatsHooks(self)
             self._module_hooks.install()
@@ -292,6 +299,8 @@ class Recorder:
             self._units.detach()
         if self._module_hooks is not None:
             self._module_hooks.uninstall()
+        if self._watch is not None:
+            self._watch.uninstall()
         if self._mode is not None:
             try:
                 self._mode.__exit__(None, None, None)

@@ -91,6 +91,58 @@ def test_record_cli_flight_dumps_on_sigterm_and_the_process_still_dies_of_it(tmp
     assert "SIGTERM" in r.manifest["flight"]["reason"]
 
 
+def test_record_cli_flight_dumps_when_the_model_output_goes_nan_and_trend_names_the_planted_op(tmp_path):
+    """The job never makes a loss of the model's output (its loss is a weight penalty; the output is only logged):
+    the output turning NaN at step 12, by a custom op planted below the recorder, is what triggers the dump."""
+    (tmp_path / "job.py").write_text(textwrap.dedent("""
+        import torch
+
+        @torch.library.custom_op("job::spike", mutates_args=())
+        def spike(x: torch.Tensor, bad: bool) -> torch.Tensor:
+            return x * float("nan") if bad else x.clone()  # the planted fault
+
+        @spike.register_fake
+        def _(x, bad):
+            return torch.empty_like(x)
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)
+                self.step = 0
+
+            def forward(self, x):
+                return {"logits": self.b(spike(torch.tanh(self.a(x)), self.step == 12))}
+
+        torch.manual_seed(0)
+        net = Net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        for step in range(1, 21):
+            net.step = step
+            out = net(torch.randn(5, 4))
+            print(step, out["logits"].mean().item())
+            sum(p.pow(2).sum() for p in net.parameters()).backward()
+            opt.step()
+            opt.zero_grad()
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "REPLAYDIFF_RECORD"}
+    proc = subprocess.run([sys.executable, "-m", "replaydiff", "record", "--tensors", "stats", "--flight", "8",
+                           "--steps", "1-20", "-o", "trace", "--", sys.executable, "job.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[11] == "12 nan" and proc.stdout.splitlines()[-1].startswith("20 ")
+    r = open_trace(tmp_path / "trace").rank(0)
+    assert sorted({op.step for op in r}) == list(range(5, 13))
+    call = next(i for i, line in enumerate((tmp_path / "job.py").read_text().splitlines(), 1) if "out = net(" in line)
+    assert r.flight.reason == f"logits of Net.forward at job.py:{call} holds NaN at step 12"
+    trend = subprocess.run([sys.executable, "-m", "replaydiff", "trend", "trace"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300, env=env)
+    assert trend.returncode == 1, trend.stderr
+    spike = next(op for op in r if op.step == 12 and op.name == "job.spike.default")
+    assert f"cause: op #{spike.index} job.spike.default (Net, forward) at job.py:" in trend.stdout
+    assert "step 12: made 40 NAN value(s) from inputs that had none" in trend.stdout  # 5 x 8 values of its output
+
+
 def test_module_granularity_leaves_a_compiled_model_compiled_and_bitwise_unchanged(tmp_path, recwarn):
     """The module-statistics hooks are global: without a guard they run while dynamo traces the compiled region,
     dynamo traces the recorder's own numpy code, fails, the recording stops and the region falls back to eager."""

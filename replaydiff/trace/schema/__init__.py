@@ -28,7 +28,7 @@ from replaydiff.trace.schema.units import (NODE_CALL, NODE_CONST, NODE_INPUT, NO
 from replaydiff.trace.schema.index_rows import IndexRow, check_chunk, chunk_frame, index_row
 from replaydiff.trace.schema.op_wire import (ENTERED_REASON, check_entered, wire_entered, wire_index,
                                              wire_is_collective, wire_left_out, wire_nonfinite, wire_nonfinite_inputs,
-                                             wire_not_recorded,
+                                             wire_not_recorded, wire_ref_nonfinite,
                                              wire_op, wire_rechunk, wire_set_chunk, wire_set_collective,
                                              wire_set_inputs, wire_set_left_out, wire_set_outputs, wire_set_rng,
                                              wire_set_recompute, wire_set_stats, wire_set_step, wire_stats_key,

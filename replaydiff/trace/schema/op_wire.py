@@ -60,6 +60,15 @@ def wire_nonfinite_inputs(rec: dict) -> bool:
     return _any_nonfinite([rec.get(_ARGS), list((rec.get(_KWARGS) or {}).values())])
 
 
+def wire_ref_nonfinite(ref: dict) -> tuple[int, int] | None:
+    """(NaN count, Inf count) of a tensor reference's statistics; None where it has none, or none yet (a cell the
+    recorder fills later)."""
+    s = ref.get(_STATS)
+    if not s:
+        return None
+    return int(s[5]), int(s[6])
+
+
 def wire_not_recorded(rec: dict, why: str) -> dict:
     """Mark an op record as numbered but not recorded (filtered out, or not describable), with the reason."""
     rec[_NOT_RECORDED] = why
