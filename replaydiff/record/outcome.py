@@ -30,7 +30,7 @@ from replaydiff.record.step_range import StepRange
 from replaydiff.trace import open_trace
 from replaydiff.trace.ownership import OWNER, DirectoryHeld, NotWritable, claim, owns, release
 from replaydiff.trace.removal import NotReplaceable, remove_trace, replaceable_files
-from replaydiff.trace.schema import LEFT_OUT_BUDGET, LeftOut, PlantedFaultInfo
+from replaydiff.trace.schema import LEFT_OUT_BUDGET, FlightDump, LeftOut, PlantedFaultInfo
 from replaydiff.trace.summary import trace_uses
 
 INTERRUPTED = 130  # 128 + SIGINT: how a command that Ctrl-C ended exits
@@ -84,6 +84,7 @@ class RecordingOutcome:
     uses: list[str] = field(default_factory=lambda: ["show"])  # the verbs that can use the trace
     tensors: str | None = None
     unmatched_filter: str | None = None  # a --module/--op filter under which no op came
+    flight: FlightDump | None = None  # why the flight recorder wrote, and the steps it kept
 
     @property
     def recorded(self) -> bool:
@@ -237,6 +238,7 @@ def _read_back(out: Path, step: int, options: RecordOptions, code: int) -> dict:
             facts["recorded_ranks"] = [r.rank for r in readers]
             facts["uses"] = trace_uses(readers[0])
             facts["tensors"] = readers[0].options.tensors
+            facts["flight"] = readers[0].flight
     except ReplaydiffError:
         facts.pop("world_size", None)
     return facts

@@ -7,6 +7,7 @@ import signal
 from typing import TextIO
 
 from replaydiff.errors import line, say, warn
+from replaydiff.rebuild_and_judge import shown as escaped
 from replaydiff.record.budget import budget_that_fits, format_size
 from replaydiff.record.outcome import INTERRUPTED, HeldRank, PlantLanding, RecordingOutcome
 from replaydiff.record.step_range import StepRange
@@ -31,7 +32,7 @@ def render_text(o: RecordingOutcome, out: TextIO, shown: str, budget: str | None
     if options.ranks is not None:
         out.write(_absent_ranks_warning(o))
     done, missed = o.done, o.missed
-    what = "the flight recorder" if options.flight else \
+    what = _flight_what(o) if options.flight else \
         steps_text(done or missed) if missed else f"steps {options.steps}" if options.steps else f"step {o.step}"
     note = ""
     if missed:
@@ -69,6 +70,16 @@ def render_text(o: RecordingOutcome, out: TextIO, shown: str, budget: str | None
         warn(o.unmatched_filter, out)
     if not o.interrupted:  # that line gave the exit code already
         out.write(_exit_line(code))
+
+
+def _flight_what(o: RecordingOutcome) -> str:
+    """'the flight recorder's steps 5-7 (it wrote them because the output of Net.forward at job.py:24 holds NaN at
+    step 7)': what a flight recording kept, and why, as its manifest says (a trace string: escaped)."""
+    f = o.flight
+    if f is None:
+        return "the flight recorder"
+    kept = f"the flight recorder's {steps_text(list(f.steps))}" if f.steps else "the flight recorder"
+    return f"{kept} (written because {escaped(f.reason)})" if f.reason else kept
 
 
 def plant_lines(o: RecordingOutcome) -> list[str]:

@@ -135,6 +135,7 @@ def test_record_cli_flight_dumps_when_the_model_output_goes_nan_and_trend_names_
     assert sorted({op.step for op in r}) == list(range(5, 13))
     call = next(i for i, line in enumerate((tmp_path / "job.py").read_text().splitlines(), 1) if "out = net(" in line)
     assert r.flight.reason == f"logits of Net.forward at job.py:{call} holds NaN at step 12"
+    assert f"recorded the flight recorder's steps 5-12 (written because {r.flight.reason}) into trace" in proc.stderr
     trend = subprocess.run([sys.executable, "-m", "replaydiff", "trend", "trace"], cwd=tmp_path, capture_output=True,
                            text=True, timeout=300, env=env)
     assert trend.returncode == 1, trend.stderr
