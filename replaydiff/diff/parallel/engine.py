@@ -24,6 +24,7 @@ from replaydiff.diff.parallel.paths import (amplifies, collective_ahead, collect
 from replaydiff.diff.parallel.refusals import refuse_point_to_point, refuse_sub_groups
 from replaydiff.diff.parallel.result import Departure, Mapped, MappedOp, ParallelDeparture, ParallelDiff
 from replaydiff.diff.parallel.settings import differing_settings
+from replaydiff.diff.parallel.shards import same_shard_cause
 from replaydiff.diff.parallel.sinks import departure_of, is_sink, restored_by
 from replaydiff.diff.parallel.words import batch_warning_of, earlier_step, family, why_inputs, why_scaled
 
@@ -290,15 +291,13 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         partial_in = partial_input(producers, by_ref)
         other_args = differing_arguments(rop, tops)
         if m.alike and rop.phase == "forward":
-            rows = m.describe.split("[", 1)[-1].split(",")[0].rstrip("]")
+            held = (t_ins if m.kind == "in" else t_outs)[0][m.position].shape  # every rank's piece is alike
             at = "" if m.offsets is None else f" (at offset {m.offsets[1][0]} of the reference's dim {m.offsets[0]})"
             kind, why = Departure.SAME_SHARD, (
                 f"{'input' if m.kind == 'in' else 'output'} {m.position}: ranks "
-                f"{', '.join(map(str, range(world - 1)))} and {world - 1} "
-                f"hold the same rows, {int(m.sizes[0]) if m.sizes else rows} each{at}, where each should hold its "
-                f"own: each rank reads the same shard (a sampler or split given the same rank on every rank" +
-                ("; the batch enters the step from outside it: look where each rank's loader or sampler is given "
-                 "its rank)" if m.kind == "in" else ")"))
+                f"{', '.join(map(str, range(world - 1)))} and {world - 1} hold the same "
+                f"{int(held[0]) if held else 1} rows{at}, where each should hold its own: each rank reads the same "
+                f"shard; {same_shard_cause(tgts, m.kind == 'in')}")
         elif m.kind == "in" and m.offsets is None:
             kind, why = Departure.INPUTS, why_inputs(m, rop.step)
         elif partial_in is not None and rop.phase == "optimizer" and \
