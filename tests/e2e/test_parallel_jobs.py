@@ -53,6 +53,7 @@ class Job:
     words: tuple[str, ...] = ()
     not_words: tuple[str, ...] = ()
     same_batch: bool = True  # the pair sees the same global batch (False where the bug is that it does not)
+    headline: bool = False  # the bug's line is where the diff says the runs part (not only in its explanation)
 
     @property
     def correct(self) -> bool:
@@ -87,7 +88,9 @@ CORRECT = [
     Job("lightning_classes.py", step=2),
 ]
 BUGGY = [
-    Job("ddp_double_scale.py", words=(r"\b2x\b|twice",), not_words=(r"learning rate",)),
+    Job("ddp_double_scale.py", words=(r"\b2x\b|twice",), not_words=(r"learning rate",), headline=True),
+    Job("ddp_loss_world.py", words=(r"\b2x\b|by 2\b", r"world size"), not_words=(r"learning rate", r"twice"),
+        headline=True),
     Job("ddp_rank_mean.py", words=(r"per-rank mean|means? over .*(unequal|different)|different (token )?counts",),
         not_words=(r"scaled by the world size",)),
     Job("trainer_rank_mean.py", words=(r"per-rank mean|means? over .*(unequal|different)|different (token )?counts",),
@@ -231,6 +234,11 @@ def test_a_buggy_job_is_named_where_its_bug_enters(pairs, job: Job) -> None:
     named = {int(n) for n in re.findall(rf"{re.escape(job.script)}:(\d+)", said)}
     assert named & set(job.bug_lines), f"the bug's line {job.bug_lines} is not named (named: {sorted(named)}):\n" + \
         said[:3000]
+    if job.headline:  # where the runs part: the op only the ranks run that applies the difference, or the op
+        d = pair.report["parallel"]["departure"]
+        head = (d.get("enters") or d)["source"] or ""
+        at = re.search(rf"(?:^|/){re.escape(job.script)}:(\d+)$", head)
+        assert at is not None and int(at[1]) in job.bug_lines, f"the runs part at {head!r}:\n{said[:3000]}"
     for words in job.words:
         assert re.search(words, said, re.IGNORECASE), f"{words!r} not said:\n{said[:3000]}"
     for words in job.not_words:
