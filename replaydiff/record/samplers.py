@@ -6,7 +6,8 @@ rank the same shard ("given rank=0 on rank 1") instead of only saying the ranks 
 While watched, ``DistributedSampler.__init__`` is wrapped: the original runs first, untouched, with the very
 arguments the job gave, and its result is returned; only then are plain facts copied (no reference to the sampler is
 kept). The wrapper goes when the last watch ends (left in place, passing straight through, if something else wrapped
-``__init__`` over it since). A failure of the note is logged at debug level and never reaches the job."""
+``__init__`` over it since). A failure of the note never reaches the job: it is said in one warning per recording,
+and that sampler is left out."""
 from __future__ import annotations
 
 import functools
@@ -17,6 +18,7 @@ import sys
 import threading
 from typing import Any
 
+from replaydiff.errors import warn_job
 from replaydiff.trace.schema.samplers import MAX_SAMPLERS, SamplerBuilt, SamplersNote
 
 log = logging.getLogger("replaydiff")
@@ -27,6 +29,19 @@ _whole_process = False
 _built: list[SamplerBuilt] = []
 _wrapper: Any = None  # the installed wrapper (None: not installed)
 _original: Any = None  # DistributedSampler.__init__ as found
+_warned = False  # a failure was said (once per recording: from the first watch to the last unwatch)
+
+
+def _degrade(what: str, exc: Exception) -> None:
+    """Say a failure of the watch once; the job goes on, and the diff says less (no sampler's line)."""
+    global _warned
+    log.debug("%s: %s", what, exc)
+    if not _warned:
+        _warned = True
+        try:
+            warn_job(f"{what} ({type(exc).__name__}: {exc}); the diff of a parallel run cannot name a sampler's line")
+        except Exception:  # warnings turned into errors by the job: its own choice, never our exception
+            pass
 
 
 def _site(sampler: Any) -> str | None:
@@ -71,7 +86,7 @@ def _make_wrapper(original: Any) -> Any:
             try:
                 _note(original, self, args, kwargs)
             except Exception as exc:  # the sampler is built as the job asked; the diff then cannot name its line
-                log.debug("a DistributedSampler was not noted: %s", exc)
+                _degrade("a DistributedSampler was not noted", exc)
         return result
 
     return __init__
@@ -80,13 +95,14 @@ def _make_wrapper(original: Any) -> Any:
 def watch(whole_process: bool = False) -> None:
     """Begin noting samplers as they are built (nested watches share one wrapper). ``whole_process``: this watch
     began at the interpreter's start, so the note can say that no sampler was built."""
-    global _watchers, _wrapper, _original, _whole_process
+    global _watchers, _wrapper, _original, _whole_process, _warned
     try:
         from torch.utils.data import DistributedSampler
 
         with _lock:
             if _watchers == 0:
                 _built.clear()
+                _warned = False
                 _whole_process = whole_process
                 current = DistributedSampler.__dict__.get("__init__")
                 if _wrapper is None or current is not _wrapper:
@@ -95,7 +111,7 @@ def watch(whole_process: bool = False) -> None:
                     DistributedSampler.__init__ = _wrapper
             _watchers += 1
     except Exception as exc:  # the job goes on; the diff says what it says without the sampler's line
-        log.debug("DistributedSampler not watched: %s", exc)
+        _degrade("DistributedSampler is not watched", exc)
 
 
 def unwatch() -> None:
@@ -112,7 +128,7 @@ def unwatch() -> None:
                 DistributedSampler.__init__ = _original
                 _wrapper = None
     except Exception as exc:
-        log.debug("DistributedSampler's __init__ not restored: %s", exc)
+        _degrade("DistributedSampler's __init__ could not be restored", exc)
 
 
 def noted() -> SamplersNote | None:
@@ -133,4 +149,4 @@ def note_samplers(rec: Any) -> None:
         write_samplers(where, note)
         rec.samplers_written = note
     except Exception as exc:  # the job goes on; the diff then cannot name a sampler's line
-        log.debug("samplers not noted: %s", exc)
+        _degrade("the samplers built were not written into the trace", exc)

@@ -4,6 +4,8 @@ the sampler (its order, its errors), leaves ``DistributedSampler.__init__`` as i
 the trace (removed whole). A note that is not sound reads as unknown."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
@@ -64,6 +66,34 @@ def test_watching_changes_no_sampler_and_leaves_its_init_as_found(tmp_path):
     assert DistributedSampler.__dict__["__init__"] is before
     remove_trace(tmp_path / "t")  # it refuses a directory holding a file that is not the trace's
     assert list((tmp_path / "t").iterdir()) == []
+
+
+class Unreadable(DistributedSampler):
+    """A sampler whose seed cannot be read back (a property that raises): noting it fails inside the recorder."""
+
+    @property
+    def seed(self):
+        raise RuntimeError("this seed cannot be read")
+
+    @seed.setter
+    def seed(self, value):
+        self._seed = value
+
+
+def test_a_sampler_the_recorder_cannot_note_is_built_as_asked_with_one_warning(tmp_path):
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with replaydiff.record(tmp_path / "t"):
+            first, second = Unreadable(DATA, 2, rank=1, shuffle=False), Unreadable(DATA, 2, rank=0, shuffle=False)
+            plain = DistributedSampler(DATA, 2, rank=0, shuffle=False)
+            model = torch.nn.Linear(3, 2)
+            model(torch.ones(4, 3)).sum().backward()
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert (list(first), list(second)) == ([1, 3, 5, 7, 9], [0, 2, 4, 6, 8])
+    mine = [str(w.message) for w in said if "sampler" in str(w.message).lower()]
+    assert len(mine) == 1 and "this seed cannot be read" in mine[0], mine
+    note = read_samplers(tmp_path / "t" / "rank0")
+    assert note is not None and [s.rank for s in note.samplers] == [plain.rank]
 
 
 def test_a_note_that_is_not_sound_reads_as_unknown(tmp_path):
