@@ -296,7 +296,8 @@ def test_the_words_of_the_same_shard_follow_what_the_ranks_noted_of_their_sample
     assert "the same shard; the DistributedSampler built at train.py:16 was given num_replicas=1 on 2 ranks: each " \
            "rank reads the whole dataset" in out
     out = said(*[SamplersNote(True, ())] * 2)
-    assert "no rank built a DistributedSampler: a DataLoader without one reads the whole dataset on every rank" in out
+    assert "no rank built a DistributedSampler: check how each rank gets its own rows (a DataLoader without a " \
+           "sampler reads the whole dataset on every rank" in out
     assert not re.search(r"\.py:\d+ was given|built at", out)
     out = said(*[SamplersNote(True, (SamplerBuilt("DistributedSampler", "train.py:16", r, 2, r, 2),)) for r in (0, 1)])
     assert "the DistributedSampler built at train.py:16 takes each rank's own share" in out

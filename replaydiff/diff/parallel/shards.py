@@ -44,9 +44,9 @@ def same_shard_cause(targets: list[RankTrace], batch_from_outside: bool) -> str:
                     f"come from elsewhere (another loader, or a split or slice of the batch given the same rank on "
                     f"every rank)")
         if all(n.whole_process for n in notes):
-            return ("no rank built a DistributedSampler: a DataLoader without one reads the whole dataset on every "
-                    "rank, in the same order where each rank shuffles with the same seed; check each rank's loader "
-                    "is given its own rows (a DistributedSampler, or the batch split by rank)")
+            return ("no rank built a DistributedSampler: check how each rank gets its own rows (a DataLoader "
+                    "without a sampler reads the whole dataset on every rank, in the same order where each rank "
+                    "shuffles with the same seed; a split of the batch given the same rank on every rank)")
     return "a sampler or split given the same rank on every rank" + (
         "; the batch enters the step from outside it: look where each rank's loader or sampler is given its rank"
         if batch_from_outside else "")
