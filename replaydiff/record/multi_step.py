@@ -17,6 +17,7 @@ import threading
 from typing import Any, Callable
 
 from replaydiff.errors import warn, warn_job
+from replaydiff.record import samplers
 from replaydiff.record.compiled import no_filter, quiet_global_hook_warning
 from replaydiff.record.recorder import Recorder
 from replaydiff.record.autostart._replaydiff_record_env import ENV_VAR  # set in children of the CLI
@@ -51,6 +52,7 @@ class MultiStepRecorder:
         self._prev_usr1: Any = None
         self._prev_excepthook: Any = None
         self._armed = False
+        self._watching_samplers = False
 
     @property
     def path(self):
@@ -69,6 +71,10 @@ class MultiStepRecorder:
             # from inside a step hook.
             arm_optimizer_hooks()
             self._armed = True
+            # the samplers are built before the steps that read them: watched from now (in the CLI's child, from
+            # the interpreter's start, so that none built is known as such)
+            samplers.watch(whole_process=bool(os.environ.get(ENV_VAR)))
+            self._watching_samplers = True
             add_step_listener(self._after_step)
             if 1 in self.range:
                 # A global hook: torch.compile'd modules would warn about it (see record.compiled)
@@ -202,6 +208,9 @@ class MultiStepRecorder:
             if self._armed:
                 disarm_optimizer_hooks()
                 self._armed = False
+            if self._watching_samplers:
+                self._watching_samplers = False
+                samplers.unwatch()
             remove_step_listener(self._after_step)
             atexit.unregister(self._finish_at_exit)
             self._drop_first_forward_hook()  # torch calls global forward pre hooks from a copy of its table

@@ -26,6 +26,7 @@ from replaydiff.record.context import OpContext, add_step_start_listener, remove
 from replaydiff.record.environment import environment_snapshot
 from replaydiff.record.flight import FlightBuffer
 from replaydiff.record.hyperparameters import note_optimizer_step
+from replaydiff.record import samplers
 from replaydiff.record.mode import OpBuilder, RecordingMode, record_after, record_before
 from replaydiff.record.module_stats import ModuleStatsHooks
 from replaydiff.record.options import RecordOptions
@@ -88,6 +89,8 @@ class Recorder:
         self._claim: str | None = None
         self._made_dir = False
         self._unquiet = no_filter  # undoes the filter of torch's global-hook warning (compiled.quiet_global_hook_warning)
+        self._watching_samplers = False  # this recorder holds one of samplers.watch()'s watches
+        self.samplers_written: Any = None  # the samplers note last written into rank_dir (samplers.note_samplers)
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> "Recorder":
@@ -124,6 +127,8 @@ class Recorder:
                 self._plant.__enter__()
             if isinstance(self.writer, FlightBuffer):
                 self.writer.begin_step(self.step)
+            samplers.watch()
+            self._watching_samplers = True
             self._attach()
             self._compiled.start()
             self._started = time.perf_counter()
@@ -157,6 +162,9 @@ class Recorder:
         was_active = self.active or self.paused
         self.active = self.paused = False
         self._teardown()
+        if self._watching_samplers:
+            self._watching_samplers = False
+            samplers.unwatch()
         self.flush_pending()
         if self.writer is not None and (was_active or self._disabled_reason):
             self._close_trace()
@@ -289,8 +297,10 @@ class Recorder:
             self._units.attach(self._mode)
 
     def _optimizer_step_begins(self, optimizer: Any) -> None:
-        """The hyperparameters of the step about to be recorded, for the diff of a parallel run."""
+        """The hyperparameters of the step about to be recorded, and the samplers built so far, for the diff of a
+        parallel run."""
         note_optimizer_step(self, optimizer)
+        samplers.note_samplers(self)
 
     def _detach(self) -> None:
         self._unquiet()

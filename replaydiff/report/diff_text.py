@@ -323,8 +323,17 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
         else:
             out.write("nothing compared: no aligned op has tensor data on both sides\n")
         return
-    out.write(f"the runs part at {_parallel_op_line(d.op)}\n")
-    out.write(f"  {d.why}\n")
+    if d.enters is not None:  # an op only the ranks run applies the factor: where it enters, then where it shows
+        e = d.enters
+        where = "  ".join(shown(x) for x in (f"({e.phase})" if e.phase else "", e.source or "") if x)
+        out.write(f"the runs part at rank {e.rank} #{e.index} {shown(e.name)}  {where}, which only the ranks run\n")
+        out.write(f"  {e.describe()}\n")
+        held = d.why if d.tensor.layout is None else \
+            f"{d.tensor.layout.describe()}: {e.factor}x what a correct parallel run holds here"
+        out.write(f"  it shows at {_parallel_op_line(d.op)}: {held}\n")
+    else:
+        out.write(f"the runs part at {_parallel_op_line(d.op)}\n")
+        out.write(f"  {d.why}\n")
     if d.earlier:
         out.write(f"  {d.earlier}\n")
     for st in pd.settings:

@@ -29,6 +29,7 @@ from replaydiff.trace.format import (
 from replaydiff.trace.ownership import OWNER
 from replaydiff.trace.hyperparameters import HYPERPARAMETERS
 from replaydiff.trace.placements import PLACEMENTS
+from replaydiff.trace.samplers import SAMPLERS
 
 _TMP = ".tmp"  # write_atomic's temporary twin of a file
 _OPS_FILE = re.compile(r"\d+" + re.escape(FRAME_SUFFIX))
@@ -123,7 +124,7 @@ def _rank_files(root: Path, rank_dir: Path) -> list[Path]:
                 out.append(Path(inner.path))
             out.append(p)
         elif entry.is_file(follow_symlinks=False) and (
-                _untmp(entry.name) in (MANIFEST, INDEX, ENTERED, PLACEMENTS, HYPERPARAMETERS)
+                _untmp(entry.name) in (MANIFEST, INDEX, ENTERED, PLACEMENTS, HYPERPARAMETERS, SAMPLERS)
                 or (entry.name.endswith(FRAME_SUFFIX) and has_frame_magic(p))):  # a frame file a later version adds
             out.append(p)
         else:

@@ -34,6 +34,8 @@ import torch
 
 from process_helpers import child_env
 from replaydiff.cli.main import main
+from replaydiff.trace.samplers import SAMPLERS, write_samplers
+from replaydiff.trace.schema.samplers import SamplerBuilt, SamplersNote
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +53,7 @@ class Job:
     words: tuple[str, ...] = ()
     not_words: tuple[str, ...] = ()
     same_batch: bool = True  # the pair sees the same global batch (False where the bug is that it does not)
+    headline: bool = False  # the bug's line is where the diff says the runs part (not only in its explanation)
 
     @property
     def correct(self) -> bool:
@@ -85,7 +88,9 @@ CORRECT = [
     Job("lightning_classes.py", step=2),
 ]
 BUGGY = [
-    Job("ddp_double_scale.py", words=(r"\b2x\b|twice",), not_words=(r"learning rate",)),
+    Job("ddp_double_scale.py", words=(r"\b2x\b|twice",), not_words=(r"learning rate",), headline=True),
+    Job("ddp_loss_world.py", words=(r"\b2x\b|by 2\b", r"world size"), not_words=(r"learning rate", r"twice"),
+        headline=True),
     Job("ddp_rank_mean.py", words=(r"per-rank mean|means? over .*(unequal|different)|different (token )?counts",),
         not_words=(r"scaled by the world size",)),
     Job("trainer_rank_mean.py", words=(r"per-rank mean|means? over .*(unequal|different)|different (token )?counts",),
@@ -101,8 +106,6 @@ BUGGY = [
 TODAY_WRONG: dict[str, str] = {
     "ddp_no_sync-step1": "a false alarm: 'the runs began apart (... not the same global batch)' for no_sync over 2 "
                          "micro-batches per rank, which see the same global batch",
-    "ddp_same_shard-step1": "says the ranks hold the same rows, but cannot name the sampler's line: the batch is "
-                            "made before the recorded step",
 }
 
 
@@ -122,6 +125,7 @@ class Pair:
     report: dict  # its --json document
     single: dict  # the jobs' own results ($JOB_RESULT): parameters after the last step, global-batch hashes
     multi: dict
+    traces: tuple[Path, Path]  # the single process's trace, the parallel run's
 
 
 @contextmanager
@@ -182,8 +186,9 @@ def pairs(tmp_path_factory):
                 done[job] = e  # each later test of this job says the same, not that the trace exists
                 raise
             out = where / f"{job.id}.diff.json"
-            code = main(["diff", str(where / f"{job.id}-1"), str(where / f"{job.id}-{job.world}"), "--json", str(out)])
-            done[job] = Pair(code, json.loads(out.read_text()), single, multi)
+            traces = where / f"{job.id}-1", where / f"{job.id}-{job.world}"
+            code = main(["diff", str(traces[0]), str(traces[1]), "--json", str(out)])
+            done[job] = Pair(code, json.loads(out.read_text()), single, multi, traces)
         if isinstance(done[job], RecordingFailed):
             raise done[job]
         return done[job]
@@ -229,6 +234,11 @@ def test_a_buggy_job_is_named_where_its_bug_enters(pairs, job: Job) -> None:
     named = {int(n) for n in re.findall(rf"{re.escape(job.script)}:(\d+)", said)}
     assert named & set(job.bug_lines), f"the bug's line {job.bug_lines} is not named (named: {sorted(named)}):\n" + \
         said[:3000]
+    if job.headline:  # where the runs part: the op only the ranks run that applies the difference, or the op
+        d = pair.report["parallel"]["departure"]
+        head = (d.get("enters") or d)["source"] or ""
+        at = re.search(rf"(?:^|/){re.escape(job.script)}:(\d+)$", head)
+        assert at is not None and int(at[1]) in job.bug_lines, f"the runs part at {head!r}:\n{said[:3000]}"
     for words in job.words:
         assert re.search(words, said, re.IGNORECASE), f"{words!r} not said:\n{said[:3000]}"
     for words in job.not_words:
@@ -258,3 +268,43 @@ def test_a_correct_job_ends_where_its_single_process_ends_and_a_bug_does_not(pai
         assert worst < 1e-5
     else:
         assert worst > 1e-3
+
+
+def test_the_words_of_the_same_shard_follow_what_the_ranks_noted_of_their_samplers(pairs, tmp_path, capsys):
+    """The same-shard pair's parallel trace with other sampler notes written in (the ops, hence the departure, stay
+    the same): a sampler given one replica on 2 ranks, none built (a plain DataLoader on every rank: what to check,
+    no line), samplers that take each rank's own share (the rows come from elsewhere), and notes that are someone
+    else's data: a line holding control characters reaches the terminal as visible escapes, and a note that is not
+    sound is no note (the general cause, no line)."""
+    job = next(j for j in BUGGY if j.script == "ddp_same_shard.py")
+    single, multi = pairs(job).traces
+    copy = tmp_path / "multi"
+    shutil.copytree(multi, copy)
+
+    def said(*notes: SamplersNote | str) -> str:
+        for rank, note in enumerate(notes):
+            if isinstance(note, str):
+                (copy / f"rank{rank}" / SAMPLERS).write_text(note)
+            else:
+                write_samplers(copy / f"rank{rank}", note)
+        capsys.readouterr()
+        assert main(["diff", str(single), str(copy)]) == 1
+        return capsys.readouterr().out
+
+    one = SamplerBuilt("DistributedSampler", "train.py:16", 0, 1, 0, 1)
+    out = said(*[SamplersNote(True, (one,))] * 2)
+    assert "the same shard; the DistributedSampler built at train.py:16 was given num_replicas=1 on 2 ranks: each " \
+           "rank reads the whole dataset" in out
+    out = said(*[SamplersNote(True, ())] * 2)
+    assert "no rank built a DistributedSampler: check how each rank gets its own rows (a DataLoader without a " \
+           "sampler reads the whole dataset on every rank" in out
+    assert not re.search(r"\.py:\d+ was given|built at", out)
+    out = said(*[SamplersNote(True, (SamplerBuilt("DistributedSampler", "train.py:16", r, 2, r, 2),)) for r in (0, 1)])
+    assert "the DistributedSampler built at train.py:16 takes each rank's own share" in out
+    spoof = SamplerBuilt("DistributedSampler\x1b[2J", "train.py:16\n  agree: every op maps", 0, 2, 0, 2)
+    out = said(SamplersNote(True, ()), SamplersNote(True, (spoof,)))
+    assert "DistributedSampler\\x1b[2J built at train.py:16\\n  agree: every op maps was given rank=0 on rank 1" in out
+    assert "\x1b" not in out and "\n  agree" not in out
+    out = said(*['{"v": 1, "whole_process": true, "samplers": [{"kind": 7}]}'] * 2)
+    assert "the same shard; a sampler or split given the same rank on every rank" in out
+    assert not re.search(r"\.py:\d+ was given|built at", out)

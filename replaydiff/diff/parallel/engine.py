@@ -20,10 +20,11 @@ from replaydiff.diff.parallel.factors import legit_factors, pick_legit
 from replaydiff.diff.parallel.mapping import map_tensor
 from replaydiff.diff.parallel.means import unequal_counts
 from replaydiff.diff.parallel.paths import (amplifies, collective_ahead, collective_behind, computing_behind,
-                                            made_apart, partial_input, reduced_at, same_draws_of)
+                                            made_apart, partial_input, reduced_at, same_draws_of, scale_behind)
 from replaydiff.diff.parallel.refusals import refuse_point_to_point, refuse_sub_groups
 from replaydiff.diff.parallel.result import Departure, Mapped, MappedOp, ParallelDeparture, ParallelDiff
 from replaydiff.diff.parallel.settings import differing_settings
+from replaydiff.diff.parallel.shards import same_shard_cause
 from replaydiff.diff.parallel.sinks import departure_of, is_sink, restored_by
 from replaydiff.diff.parallel.words import batch_warning_of, earlier_step, family, why_inputs, why_scaled
 
@@ -290,15 +291,13 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         partial_in = partial_input(producers, by_ref)
         other_args = differing_arguments(rop, tops)
         if m.alike and rop.phase == "forward":
-            rows = m.describe.split("[", 1)[-1].split(",")[0].rstrip("]")
+            held = (t_ins if m.kind == "in" else t_outs)[0][m.position].shape  # every rank's piece is alike
             at = "" if m.offsets is None else f" (at offset {m.offsets[1][0]} of the reference's dim {m.offsets[0]})"
             kind, why = Departure.SAME_SHARD, (
                 f"{'input' if m.kind == 'in' else 'output'} {m.position}: ranks "
-                f"{', '.join(map(str, range(world - 1)))} and {world - 1} "
-                f"hold the same rows, {int(m.sizes[0]) if m.sizes else rows} each{at}, where each should hold its "
-                f"own: each rank reads the same shard (a sampler or split given the same rank on every rank" +
-                ("; the batch enters the step from outside it: look where each rank's loader or sampler is given "
-                 "its rank)" if m.kind == "in" else ")"))
+                f"{', '.join(map(str, range(world - 1)))} and {world - 1} hold the same "
+                f"{int(held[0]) if held else 1} rows{at}, where each should hold its own: each rank reads the same "
+                f"shard; {same_shard_cause(tgts, m.kind == 'in')}")
         elif m.kind == "in" and m.offsets is None:
             kind, why = Departure.INPUTS, why_inputs(m, rop.step)
         elif partial_in is not None and rop.phase == "optimizer" and \
@@ -457,8 +456,22 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             inherited = sum(1 for i in departed if i > first[0].ref and reached[0] & origin[i])
     if first is not None:
         step = r_side.ops[first[0].ref].step
-        out.departure = ParallelDeparture(first[0], first[1], first[2], first[3], inherited,
-                                          earlier_step(step) if first[2] is Departure.INPUTS else None, step)
+        enters = None
+        if first[2] is Departure.SCALED and first[0].ref in applied:
+            # the factor it parts by is applied by an op only the ranks run (a loss times the world size in the
+            # parallel script alone): that op is where the difference enters, named first
+            r, j = first[0].on_ranks()[0]
+            enters = scale_behind(t_sides[r], maps[r], j, applied[first[0].ref], world)
+        why = first[3]
+        if enters is not None and first[1].layout is not None:
+            why = (f"{first[1].layout.describe()}: {ratio_text(enters.factor)}x what a correct parallel run holds "
+                   f"here, from {enters.name} (#{enters.index} on rank {enters.rank}, {enters.phase}"
+                   f"{', ' + enters.source if enters.source else ''}): {enters.describe()}")
+            out.sites = [dataclasses.replace(c, why=why, enters=enters) if c.op.ref == first[0].ref else c
+                         for c in out.sites]
+        out.departure = ParallelDeparture(first[0], first[1], first[2], why, inherited,
+                                          earlier_step(step) if first[2] is Departure.INPUTS else None, step,
+                                          enters=enters)
         out.within = within
     out.ref_layout_ops.update(r_side.ops[i].name for i in r_side.skipped if makes_layout(r_side.ops[i].name))
     if any(declared):

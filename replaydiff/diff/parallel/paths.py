@@ -2,6 +2,8 @@
 every rank, and ops that only amplify their inputs' rounding."""
 from __future__ import annotations
 
+import math
+from fractions import Fraction
 from typing import Callable
 
 import torch
@@ -13,7 +15,7 @@ from replaydiff.trace.schema import OpRecord
 from replaydiff.diff.parallel.alignment import Side
 from replaydiff.diff.parallel.mapping import map_tensor
 from replaydiff.diff.parallel.arguments import differing_arguments
-from replaydiff.diff.parallel.result import Mapped, MappedOp
+from replaydiff.diff.parallel.result import Mapped, MappedOp, RanksOnlyScale
 
 
 def own_producer(side: Side, aligned: dict[int, int], index: int, stop: Callable[[OpRecord], bool],
@@ -65,6 +67,51 @@ def computing_behind(side: Side, aligned: dict[int, int], index: int) -> str | N
     line = fwd.source if fwd is not None and fwd.source else op.source
     where = "" if not line else f", {'the backward of ' if fwd is not None else ''}{line}"
     return f"{op.name} (#{p} on rank {side.trace.rank}{where})"
+
+
+def _uniform_scale(trace: RankTrace, op: OpRecord) -> Fraction | None:
+    """The simple factor k (a ratio of small integers, not 1) with output 0 = k x one of the op's floating-point
+    tensor inputs of its shape, element for element up to the dtype's rounding, as recorded; None when no input is
+    so scaled (or the tensors are not stored)."""
+    outs = op.outputs_refs()
+    if not outs or not outs[0].stored or outs[0].meta or outs[0].uninitialised or \
+            not outs[0].torch_dtype.is_floating_point or math.prod(outs[0].shape) == 0:
+        return None
+    out = trace.tensor(outs[0]).to(torch.float64)
+    size = float(torch.linalg.vector_norm(out))
+    eps = torch.finfo(outs[0].torch_dtype).eps
+    for r in op.inputs():
+        if not r.stored or r.meta or r.uninitialised or not r.torch_dtype.is_floating_point or \
+                tuple(r.shape) != tuple(outs[0].shape):
+            continue
+        x = trace.tensor(r).to(torch.float64)
+        den = float((x * x).sum())
+        if den == 0:
+            continue
+        k = Fraction(float((out * x).sum()) / den).limit_denominator(64)
+        if k > 0 and k != 1 and float(torch.linalg.vector_norm(out - float(k) * x)) <= 8 * eps * size:
+            return k
+    return None
+
+
+def scale_behind(side: Side, aligned: dict[int, int], index: int, factor: Fraction,
+                 world: int) -> RanksOnlyScale | None:
+    """The nearest op that computes, among those a rank's op reads from through ops the single process does not
+    run, when it multiplies its input by exactly ``factor`` (the factor the op parts by): where that factor enters,
+    named by the forward op it belongs to where it is a backward op; None otherwise."""
+    p = own_producer(side, aligned, index, lambda op: not aten.is_cheap(op.name) and not aten.is_collective(op.name))
+    if p is None:
+        return None
+    op = side.ops[p]
+    k = _uniform_scale(side.trace, op)
+    if k is None or k != factor:
+        return None
+    fwd = side.ops.get(op.forward_index) if op.phase == "backward" and op.forward_index is not None else None
+    at = fwd if fwd is not None and fwd.index not in set(aligned.values()) else op
+    outs = at.outputs_refs()
+    of_loss = at.phase == "forward" and fwd is not None and bool(outs) and math.prod(outs[0].shape) == 1
+    return RanksOnlyScale(side.trace.rank, at.index, at.name, at.phase, at.source or (fwd or op).source, k, world,
+                          of_loss)
 
 
 def reduced_at(pos: int, rop: OpRecord, tops: list[OpRecord], tgts: list[RankTrace], side: Side,

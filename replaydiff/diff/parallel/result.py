@@ -6,9 +6,10 @@ from collections import Counter
 from dataclasses import dataclass
 from dataclasses import field
 from enum import Enum
+from fractions import Fraction
 
 from replaydiff.diff.parallel.settings import SettingDifference
-from replaydiff.compare.layout import Layout
+from replaydiff.compare.layout import Layout, ratio_text
 from replaydiff.trace.placements import DTensorArg
 from replaydiff.diff.parallel.declared import declares
 
@@ -79,6 +80,33 @@ class MappedOp:
 
 
 @dataclass(frozen=True)
+class RanksOnlyScale:
+    """An op the ranks run and the single process does not, that multiplies what it reads by the factor a departure
+    parts by: where that difference enters (a loss multiplied by the world size in the parallel script only). A
+    backward op is named by the forward op it belongs to, the line the job wrote."""
+
+    rank: int
+    index: int  # the op's number on ``rank``
+    name: str
+    phase: str | None
+    source: str | None
+    factor: Fraction  # what it multiplies its input by, measured on the rank's recorded tensors
+    world: int
+    of_loss: bool  # it scales a one-element forward value that the backward differentiates (the loss)
+
+    def describe(self) -> str:
+        """What it does, in words: 'multiplies the loss by 2 (the world size) on every rank ...'."""
+        k = ratio_text(self.factor)
+        said = " (the world size)" if self.factor == self.world else " (1 over the world size)" \
+            if self.factor == Fraction(1, self.world) else ""
+        what = "the loss" if self.of_loss else "what it reads"
+        why = ": the gradients are already averaged over the ranks (DistributedDataParallel and FSDP divide their " \
+              "sum by the world size), so nothing cancels this scale" if self.of_loss and self.factor == self.world \
+            else ""
+        return f"it multiplies {what} by {k}{said} on the ranks, and the single process runs no such op{why}"
+
+
+@dataclass(frozen=True)
 class ParallelDeparture:
     op: MappedOp
     tensor: Mapped
@@ -93,6 +121,8 @@ class ParallelDeparture:
     # parted already), over what it holds; None: not a factor
     applied: Fraction | None = None
     via: str | None = None  # the ranks' own computing op it reads from, 'name (#N on rank R, line)'; None: none
+    # where the factor it parts by enters, when an op only the ranks run applies it (the headline then); None: none
+    enters: RanksOnlyScale | None = None
 
 
 @dataclass
@@ -199,6 +229,9 @@ class ParallelDiff:
                 **({"step": d.step} if d.step is not None else {}),
                 **({"earlier_step": {"why": d.earlier, "command": "replaydiff record --step 1"}}
                    if d.earlier is not None else {}),
+                **({"enters": {"rank": d.enters.rank, "index": d.enters.index, "op": d.enters.name,
+                               "phase": d.enters.phase, "source": d.enters.source, "applies": str(d.enters.factor),
+                               "why": d.enters.describe()}} if d.enters is not None else {}),
                 "targets": list(d.op.targets), **({"ranks": list(d.op.ranks)} if d.op.ranks else {}),
                 **({"ref_rank": d.op.ref_rank} if d.op.ref_rank is not None else {}), "op": d.op.name, "module": d.op.module, "phase": d.op.phase,
                 "source": d.op.source, **({"target_source": d.op.target_source} if d.op.target_source else {}),
