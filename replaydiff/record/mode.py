@@ -44,6 +44,7 @@ except Exception:  # another torch: keep torch's own wrapper (RecordingMode._sho
     _SKIP_ALL = None
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
 _DEVICE_NAMES: dict[torch.device, str] = {}
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 # Values OpBuilder.encode_list keeps as they are, exactly as schema.encode_value would (ints within msgpack's range).
@@ -156,6 +157,8 @@ class OpBuilder:
     def __init__(self, rec: RecorderLike) -> None:
         self.rec = rec
         self.mode = rec.options.tensors
+        self._meta = self.mode is TensorMode.META  # ref() stops at the description
+        self._storages = rec.storages  # the recorder's table, for the lookup ref() makes for every tensor
         self.max_bytes = rec.options.max_tensor_bytes
         self.verify = rec.options.verify_writes
         self.unseen_writes = 0
@@ -178,6 +181,7 @@ class OpBuilder:
         opts = rec.options
         self.budget = DataBudget(opts.budget, bool(opts.modules or opts.ops)) if opts.budget else None
         self.selected = True  # the current op is inside the --module/--op filter
+        self.everything = not (opts.modules or opts.ops)  # no filter: every op is inside it
         self.data_off: str | None = None  # why the current op stores no data at all (outside the filter)
         self.left_out: str | None = None  # why some of the current op's data is not stored (marks its record)
         self.refused: str | None = None  # the writer refuses data (a full disk): nothing more is stored
@@ -202,14 +206,21 @@ class OpBuilder:
             dtype = _DTYPE_NAMES[t.dtype] = str(t.dtype).removeprefix("torch.")
         if t._is_zerotensor():  # no storage behind it (reading its data pointer fails): a marker, no bytes
             return schema.wire_zero(schema.wire_tensor(dtype, list(t.shape), list(t.stride()), 0, dev))
-        if dev == "meta" and type(t) in _PLAIN and t.layout is torch.strided:  # no values: geometry is all
-            return schema.wire_tensor(dtype, list(t.shape), list(t.stride()), t.storage_offset(), dev)
-        if type(t) not in _PLAIN or t.layout is not torch.strided or dev == "meta":
+        if type(t) not in _PLAIN or t.layout is not _STRIDED or dev == "meta":  # one test for the common case
+            if dev == "meta" and type(t) in _PLAIN and t.layout is _STRIDED:  # no values: geometry is all
+                return schema.wire_tensor(dtype, list(t.shape), list(t.stride()), t.storage_offset(), dev)
             return schema.wire_unsupported(schema.wire_tensor(dtype, list(t.shape), None, 0, dev),
                                            f"{type(t).__name__}/{t.layout}/{device.type}")
-        shape, stride = list(t.shape), list(t.stride())
+        # torch.Size and a tuple as they come (both tuples): packed as the lists they would be, and every reader of
+        # a record takes tuple() of them; list() of each cost two copies a tensor.
+        shape, stride = t.shape, t.stride()
         storage = t.untyped_storage()
-        entry = self.rec.storages.entry(storage)
+        # StorageTable.entry's lookup inlined for a storage seen before, unresized, with no deaths queued (most
+        # tensors of an op); anything else takes entry() itself.
+        table = self._storages
+        entry = None if table._dead else table._entries.get(storage._cdata)
+        if entry is None or entry.nbytes != storage.nbytes():
+            entry = table.entry(storage)
         asynchronous = self._asynchronous.get(device)
         if asynchronous is None:  # once per device and recording: the runtime decides (a test's fake one too)
             asynchronous = self._asynchronous[device] = seam.RUNTIME.asynchronous(device)
@@ -224,14 +235,15 @@ class OpBuilder:
             entry.late = None
         if entry.crc is not None and crc32(address_view(storage.data_ptr(), entry.nbytes)) != entry.crc:
             # Written since it was stored, behind the dispatcher's back (numpy, a C extension): a new version.
-            self.rec.storages.bump(entry)
+            table.bump(entry)
             self.unseen_writes += 1
         # One call builds the whole reference (this runs for every tensor of every op).
         # Only a complex tensor can carry the conj bit (conj() of a real one is itself): one torch call fewer.
-        ref = schema.wire_stored_tensor(dtype, shape, stride, t.storage_offset(), dev, entry.version, entry.nbytes,
+        offset = t.storage_offset()
+        ref = schema.wire_stored_tensor(dtype, shape, stride, offset, dev, entry.version, entry.nbytes,
                                         t.requires_grad, entry.uninitialised, dtype in _COMPLEX and t.is_conj(),
                                         t.is_neg())
-        if not store:
+        if not store or self._meta:
             return ref
         if self.mode is TensorMode.FULL and (self.max_bytes is None or entry.nbytes <= self.max_bytes) and \
                 (entry.chunk is not None or self.admit(entry.nbytes, entry)):
@@ -244,9 +256,10 @@ class OpBuilder:
             schema.wire_set_chunk(ref, entry.chunk)
         elif self.mode is not TensorMode.META:
             is_dense = dense(shape, stride)
+            n = t.numel()
             # A dense view (view, reshape, t, permute, detach of one) has the statistics of its flat range: one
             # key for all of them, so each storage version is measured once, not once per view.
-            key = (entry.version, dtype, t.storage_offset(), t.numel()) if is_dense else schema.wire_stats_key(ref)
+            key = (entry.version, dtype, offset, n) if is_dense else schema.wire_stats_key(ref)
             if self.autograd_versions:
                 # No dispatch mode sees writes (module granularity): storage versions never change, so the key
                 # also holds the tensor's autograd version counter, which every in-place op bumps. Tensors
@@ -261,8 +274,7 @@ class OpBuilder:
                 self._late_stats(ref, t, storage, key)
             elif cached is not None:
                 schema.wire_set_stats(ref, cached)
-            elif dev == "cpu" and past_storage(t.numel(), t.storage_offset(), t.element_size(), entry.nbytes,
-                                               is_dense, shape, stride):
+            elif dev == "cpu" and past_storage(n, offset, t.element_size(), entry.nbytes, is_dense, shape, stride):
                 schema.wire_set_stats(ref, None)  # no values to measure: none are read (see past_storage)
             elif dev == "cpu" and (s := kernel_stats(t, is_dense, shape, stride)) is not None:
                 # Measured now, in place, by the compiled kernel: no copy, and the record waits for no batch.
@@ -270,7 +282,7 @@ class OpBuilder:
                 if len(self._stats_seen) > 100_000:
                     self._stats_seen.clear()
                 self._stats_seen[key] = s
-            elif dev == "cpu" and t.numel() * t.element_size() > self.LARGE and \
+            elif dev == "cpu" and n * t.element_size() > self.LARGE and \
                     (values := cpu_values(t, is_dense, copy=False)) is not None:
                 # Large: measured in place now rather than copied (no copy; batching gains nothing at this size).
                 s = values_stats([(values, t.dtype is torch.bfloat16)])[0]
@@ -605,6 +617,9 @@ class Pending:
 def select(b: OpBuilder, opts: Any, name: str, module: str | None) -> None:
     """Whether the op (or compiled unit) about to be recorded is inside the --module/--op filter. Outside it: recorded
     with statistics (replay then says where a difference came in), data only from what a budget leaves for such ops."""
+    if b.everything:  # no filter: selected and data_off stay as __init__ set them (nothing else changes them)
+        b.left_out = None
+        return
     b.selected = opts.selects(name, module)
     b.data_off = b.left_out = None if b.selected or b.budget is not None else schema.LEFT_OUT_FILTERED
 

@@ -226,7 +226,8 @@ _kernel: Any = None  # the loaded kernel, False where there is none in this proc
 _local = threading.local()  # each thread's out-array: (its address, the array)
 
 
-def past_storage(n: int, offset: int, itemsize: int, nbytes: int, is_dense: bool, shape: list, stride: list) -> bool:
+def past_storage(n: int, offset: int, itemsize: int, nbytes: int, is_dense: bool, shape: list | tuple,
+                 stride: list | tuple) -> bool:
     """Whether a view of ``n`` values reads past the end of its storage of ``nbytes`` (a storage resized to 0 bytes
     under it, as FSDP frees the parameters it gathered): its values are not there to measure, and reading them would
     read memory that is not the tensor's (which could crash the job)."""
@@ -236,7 +237,7 @@ def past_storage(n: int, offset: int, itemsize: int, nbytes: int, is_dense: bool
     return (last + 1) * itemsize > nbytes
 
 
-def kernel_stats(t: torch.Tensor, is_dense: bool, shape: list, stride: list) -> list | None:
+def kernel_stats(t: torch.Tensor, is_dense: bool, shape: list | tuple, stride: list | tuple) -> list | None:
     """A CPU tensor's statistics, measured now and in place by the compiled kernel; None where there is no kernel
     or it cannot read the dtype (the caller takes the numpy path). The same list as ``values_stats`` gives for the
     tensor's values, bit for bit: the kernel sums in numpy's order, and NaN, Inf or an overflowing square take

@@ -1,5 +1,6 @@
-"""What recording costs a real model's training step: transformers' T5, GPT-2 and Llama from tiny configs, and a
-Mamba-style selective scan in a Python loop with checkpointed blocks (``scan``: small tensors, many ops).
+"""What recording costs a real model's training step: transformers' T5, GPT-2, Llama and ViT from tiny configs, a
+diffusers-style UNet in plain torch (``unet``) and a Mamba-style selective scan in a Python loop with checkpointed
+blocks (``scan``: small tensors, many ops).
 
 Why: the project's own tiny transformer has few tensors per op and shallow Python around each op; transformers'
 models have more of both (masks, position biases, caches, deep call stacks), and the recorder's per-op cost there
@@ -28,7 +29,11 @@ What it prints:
 No weights are downloaded: every model is built from a config with random weights (``transformers`` is a test
 dependency). ``REPLAYDIFF_SRC=DIR`` runs the replaydiff of another tree (an A/B from ``git archive``).
 
-Usage: ``python tests/bench/bench_real_models.py [--models t5,gpt2,llama,scan,tiny,mid] [--variants ...] [--rounds 7]
+The UNet is written here in plain torch after diffusers' ``UNet2DModel`` (ResNet blocks with GroupNorm, SiLU and a
+timestep embedding, a self-attention block in the middle, skip connections, a noise-prediction MSE loss): diffusers is
+not a dependency.
+
+Usage: ``python tests/bench/bench_real_models.py [--models t5,gpt2,llama,vit,unet,scan,tiny,mid] [--variants ...] [--rounds 7]
 [--profile] [--profile-variants meta,stats,full] [--replay] [--no-timing]``.
 """
 from __future__ import annotations
@@ -116,9 +121,109 @@ def build(name: str) -> Callable[[], Any]:
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
         model = transformers.LlamaForCausalLM(cfg)
         return _hf_step(model, {"input_ids": ids, "labels": ids})
+    if name == "vit":
+        cfg = transformers.ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=128, num_labels=10,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model = transformers.ViTForImageClassification(cfg)
+        pixels = torch.randn(BATCH, 3, 32, 32, generator=g)
+        return _hf_step(model, {"pixel_values": pixels, "labels": torch.randint(0, 10, (BATCH,), generator=g)})
+    if name == "unet":
+        x = torch.randn(BATCH, 3, 32, 32, generator=g)
+        noise = torch.randn(BATCH, 3, 32, 32, generator=g)
+        t = torch.randint(0, 1000, (BATCH,), generator=g)
+        return _unet_step(_UNet(), x, noise, t)
     if name == "scan":
         return _plain_step(_SelectiveScan(), torch.randn(BATCH, SEQ, 16, generator=g))
-    raise SystemExit(f"unknown model {name!r} (t5, gpt2, llama, scan, {', '.join(MODELS)})")
+    raise SystemExit(f"unknown model {name!r} (t5, gpt2, llama, vit, unet, scan, {', '.join(MODELS)})")
+
+
+class _ResBlock(torch.nn.Module):
+    """diffusers' ResnetBlock2D: GroupNorm, SiLU, conv, the timestep embedding added, GroupNorm, SiLU, conv, skip."""
+
+    def __init__(self, cin: int, cout: int, temb: int) -> None:
+        super().__init__()
+        self.norm1, self.conv1 = torch.nn.GroupNorm(8, cin), torch.nn.Conv2d(cin, cout, 3, padding=1)
+        self.temb = torch.nn.Linear(temb, cout)
+        self.norm2, self.conv2 = torch.nn.GroupNorm(8, cout), torch.nn.Conv2d(cout, cout, 3, padding=1)
+        self.skip = torch.nn.Conv2d(cin, cout, 1) if cin != cout else torch.nn.Identity()
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        act = torch.nn.functional.silu
+        h = self.conv1(act(self.norm1(x))) + self.temb(act(temb))[:, :, None, None]
+        return self.skip(x) + self.conv2(act(self.norm2(h)))
+
+
+class _Attention(torch.nn.Module):
+    """diffusers' mid-block attention: GroupNorm, single-head self-attention over the pixels, residual."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.norm, self.qkv, self.out = torch.nn.GroupNorm(8, c), torch.nn.Linear(c, 3 * c), torch.nn.Linear(c, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, hh, ww = x.shape
+        h = self.norm(x).flatten(2).transpose(1, 2)
+        q, k, v = self.qkv(h).chunk(3, -1)
+        h = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return x + self.out(h).transpose(1, 2).reshape(b, c, hh, ww)
+
+
+class _UNet(torch.nn.Module):
+    """A small UNet2DModel: channels (16, 32), two ResNet blocks a level, attention in the middle, 32x32 images."""
+
+    def __init__(self, ch: tuple[int, int] = (16, 32), temb: int = 64) -> None:
+        super().__init__()
+        c0, c1 = ch
+        self.temb = torch.nn.Sequential(torch.nn.Linear(c0, temb), torch.nn.SiLU(), torch.nn.Linear(temb, temb))
+        self.conv_in = torch.nn.Conv2d(3, c0, 3, padding=1)
+        self.down0 = torch.nn.ModuleList([_ResBlock(c0, c0, temb), _ResBlock(c0, c0, temb)])
+        self.downsample = torch.nn.Conv2d(c0, c0, 3, stride=2, padding=1)
+        self.down1 = torch.nn.ModuleList([_ResBlock(c0, c1, temb), _ResBlock(c1, c1, temb)])
+        self.mid = torch.nn.ModuleList([_ResBlock(c1, c1, temb), _Attention(c1), _ResBlock(c1, c1, temb)])
+        self.up1 = torch.nn.ModuleList([_ResBlock(2 * c1, c1, temb), _ResBlock(2 * c1, c1, temb)])
+        self.upsample = torch.nn.Conv2d(c1, c1, 3, padding=1)
+        self.up0 = torch.nn.ModuleList([_ResBlock(c1 + c0, c0, temb), _ResBlock(2 * c0, c0, temb),
+                                       _ResBlock(2 * c0, c0, temb)])
+        self.norm_out, self.conv_out = torch.nn.GroupNorm(8, c0), torch.nn.Conv2d(c0, 3, 3, padding=1)
+        self.c0 = c0
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        half = self.c0 // 2  # sinusoidal timestep embedding, as diffusers' Timesteps
+        freqs = torch.exp(-torch.arange(half, dtype=torch.float32) * (9.210340371976184 / half))
+        arg = t[:, None].float() * freqs[None]
+        temb = self.temb(torch.cat([arg.sin(), arg.cos()], -1))
+        h = self.conv_in(x)
+        skips = [h]
+        for block in self.down0:
+            h = block(h, temb)
+            skips.append(h)
+        h = self.downsample(h)
+        for block in self.down1:
+            h = block(h, temb)
+            skips.append(h)
+        h = self.mid[2](self.mid[1](self.mid[0](h, temb)), temb)
+        for block in self.up1:
+            h = block(torch.cat([h, skips.pop()], 1), temb)
+        h = self.upsample(torch.nn.functional.interpolate(h, scale_factor=2.0, mode="nearest"))
+        for block in self.up0:
+            h = block(torch.cat([h, skips.pop()], 1), temb)
+        return self.conv_out(torch.nn.functional.silu(self.norm_out(h)))
+
+
+def _unet_step(model: torch.nn.Module, x: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> Callable[[], Any]:
+    """A denoising step: noise added at timestep t (a fixed schedule), the noise predicted, MSE loss, AdamW."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    alpha = (1.0 - t.float() / 1000.0)[:, None, None, None]
+    noisy = alpha.sqrt() * x + (1.0 - alpha).sqrt() * noise
+
+    def step() -> Any:
+        loss = torch.nn.functional.mse_loss(model(noisy, t), noise)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
 
 
 class _Mixer(torch.nn.Module):

@@ -193,8 +193,8 @@ def wire_tensor(dtype: str, shape: list, stride: list | None, offset: int, devic
     return {_DTYPE: dtype, _SHAPE: shape, _STRIDE: stride, _OFFSET: offset, _DEVICE: device, _VERSION: None}
 
 
-def wire_stored_tensor(dtype: str, shape: list, stride: list, offset: int, device: str, version: int, nbytes: int,
-                       requires_grad: bool, uninitialised: bool, conj: bool, neg: bool) -> dict:
+def wire_stored_tensor(dtype: str, shape: list | tuple, stride: list | tuple, offset: int, device: str, version: int,
+                       nbytes: int, requires_grad: bool, uninitialised: bool, conj: bool, neg: bool) -> dict:
     """A stored tensor's reference in one call (the recorder's hot path: one per tensor of every op): ``wire_tensor``'s
     keys, then the storage's version and size, then the flags that are set."""
     ref = {_DTYPE: dtype, _SHAPE: shape, _STRIDE: stride, _OFFSET: offset, _DEVICE: device, _VERSION: version,
