@@ -66,6 +66,9 @@ class Layout:
     # the groups' parts; None: one dimension
     inner: "Layout | None" = None
     groups: tuple[tuple[int, ...], ...] | None = None
+    # gradient accumulation on the ranks: the ``world`` parts are world/passes ranks' micro-batches, ``passes`` of
+    # each rank in turn (rank-major); 1: one part per rank
+    passes: int = 1
 
     def assemble(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """The value the ranks' tensors stand for (before the factor), in float64: rank 0's for a replicated
@@ -92,6 +95,10 @@ class Layout:
     def describe(self) -> str:
         """e.g. 'sharded on dim 0 over 2 ranks (4+4)', 'partial over 2 ranks: the reference is their average',
         'replicated on 2 ranks at 2x the reference'."""
+        if self.passes > 1:
+            plain = dataclasses.replace(self, passes=1).describe()
+            return plain.replace(f" {self.world} ranks", f" {self.world // self.passes} ranks x {self.passes} "
+                                                         f"micro-batches", 1)
         scale = "" if self.factor == 1 else f" at {ratio_text(1 / self.factor)}x the reference"
         if self.inner is not None and self.groups is not None:
             outer = dataclasses.replace(self, inner=None, groups=None).describe()
@@ -115,6 +122,8 @@ class Layout:
                "factor": str(self.factor)}
         if self.micro_batch is not None:
             out["micro_batch"] = self.micro_batch
+        if self.passes > 1:
+            out["micro_batches_per_rank"] = self.passes
         if self.inner is not None and self.groups is not None:
             out["inner"] = self.inner.to_json()
             out["groups"] = [list(g) for g in self.groups]

@@ -103,6 +103,30 @@ def micro_batches_of(r_side: Side, t_sides: list[Side]) -> dict[int, int]:
     return owner
 
 
+def rank_passes(r_side: Side, t_sides: list[Side]) -> int:
+    """k when the reference runs the global batch as one forward-backward pass and every rank runs its share of it
+    as the same k > 1 passes (gradient accumulation on the ranks: ``no_sync()`` over k micro-batches); 1 otherwise.
+    """
+    theirs = {len(backward_passes(t)) for t in t_sides}
+    return theirs.pop() if len(backward_passes(r_side)) == 1 and len(theirs) == 1 and min(theirs) > 1 else 1
+
+
+def pass_keys(side: Side) -> list[list[OpKeys]]:
+    """A rank's alignment keys cut into its forward-backward passes: pass j runs from the end of pass j-1's backward
+    to the end of its own (the first pass from the rank's first op); what runs after the last backward (the
+    optimizer step) is in none."""
+    ends = backward_passes(side)
+    out: list[list[OpKeys]] = [[] for _ in ends]
+    j = 0
+    for k in side.keys:
+        if j == len(ends):
+            break
+        out[j].append(k)
+        if k.index == ends[j]:
+            j += 1
+    return out
+
+
 def follow_data(ref: RankTrace, r_side: Side, side: Side, pairs: dict[int, int],
                  free: set[int] = frozenset()) -> dict[int, int]:
     """The alignment corrected by the data flow: when the op a rank's counterpart of reference op ``c`` reads an

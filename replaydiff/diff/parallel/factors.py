@@ -22,7 +22,9 @@ def legit_factors(layout: Layout, phase: str | None, loss: Fraction | None) -> t
     if layout.kind is LayoutKind.PARTIAL and phase == "optimizer" and layout.inner is None:
         return ()  # what the optimizer makes (the parameters, its state) is kept: whole on a rank, or a shard of it
     if layout.kind is LayoutKind.PARTIAL and phase != "optimizer":
-        return Fraction(1), Fraction(1, layout.world)
+        # with accumulation on the ranks, a pass's mean divided by the number of passes is a per-rank mean's part
+        return (Fraction(1), Fraction(1, layout.world)) + \
+            ((Fraction(layout.passes, layout.world),) if layout.passes > 1 else ())
     return (Fraction(1),)
 
 
