@@ -67,7 +67,8 @@ class Layout:
     inner: "Layout | None" = None
     groups: tuple[tuple[int, ...], ...] | None = None
     # gradient accumulation on the ranks: the ``world`` parts are world/passes ranks' micro-batches, ``passes`` of
-    # each rank in turn (rank-major); 1: one part per rank
+    # each rank in turn (rank-major); with ``micro_batch``, each rank's passes against as many micro-batches of the
+    # reference; 1: one part per rank
     passes: int = 1
 
     def assemble(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -95,7 +96,7 @@ class Layout:
     def describe(self) -> str:
         """e.g. 'sharded on dim 0 over 2 ranks (4+4)', 'partial over 2 ranks: the reference is their average',
         'replicated on 2 ranks at 2x the reference'."""
-        if self.passes > 1:
+        if self.passes > 1 and self.micro_batch is None:
             plain = dataclasses.replace(self, passes=1).describe()
             return plain.replace(f" {self.world} ranks", f" {self.world // self.passes} ranks x {self.passes} "
                                                          f"micro-batches", 1)
@@ -106,7 +107,8 @@ class Layout:
             return f"{outer}, each group ({', '.join('/'.join(map(str, g)) for g in self.groups)}) holding its part " \
                    f"{self.inner.describe()}"
         if self.micro_batch is not None:
-            return f"rank {self.micro_batch}'s own value against the reference's micro-batch {self.micro_batch}{scale}"
+            which = f"micro-batch {self.micro_batch}" if self.passes == 1 else "micro-batch of the same rows"
+            return f"rank {self.micro_batch}'s own value against the reference's {which}{scale}"
         if self.kind is LayoutKind.REPLICATED:
             return f"replicated on {self.world} ranks{scale}"
         if self.kind is LayoutKind.SHARDED:

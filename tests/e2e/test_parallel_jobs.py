@@ -78,6 +78,7 @@ CORRECT = [
     Job("fsdp_tokens.py", step=2),
     Job("fsdp_adamw_clip.py", world=4),
     Job("ddp_no_sync.py"),
+    Job("ddp_no_sync_micro.py"),
     Job("trainer_tokens.py"),
     Job("trainer_tokens.py", step=2),
     Job("lightning_ddp.py"),

@@ -62,7 +62,9 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     # maps[p]: part p's counterpart of each reference op; parts 0..world-1 are the ranks, then the (rank, pass) parts
     rank_of = list(range(world)) + ([r for r in range(world) for _ in range(passes)] if passes > 1 else [])
     maps: list[dict[int, int]] = []
-    out = ParallelDiff(world, len(r_side.keys), 0, 0, micro_batches=world if owner else 0,
+    # the reference's micro-batches each rank's passes stand for (1 each, or k when the ranks accumulate too)
+    per_rank = len(backward_passes(r_side)) // world if owner else 0
+    out = ParallelDiff(world, len(r_side.keys), 0, 0, micro_batches=world * per_rank,
                        rank_micro_batches=passes if passes > 1 else 0)
     for rank, side in enumerate(t_sides):
         keys = [k for k in r_side.keys if owner.get(k.index, rank) == rank and k.index > region_end]
@@ -118,7 +120,16 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     optimizer_ops = [i for i, op in r_side.ops.items() if op.phase == "optimizer"]
     between = (max(backward_ops), min(optimizer_ops)) if backward_ops and optimizer_ops and \
         max(backward_ops) < min(optimizer_ops) else None
-    not_run = {i for i in r_side.ops if (owner[i] if i in owner else None) == -1 or
+    # with micro-batches on both sides, the reference's gradient accumulated in place over micro-batches of several
+    # ranks' shares (written into what another rank's micro-batch made) stands for no rank's: the ranks sum their
+    # shares' in the all-reduce
+    across: set[int] = set()
+    for i in sorted(owner) if per_rank > 1 else ():
+        p = ref.producers(i).get(0)
+        if owner[i] >= 0 and r_side.ops[i].phase == "backward" and r_side.ops[i].writes and p is not None and \
+                r_side.ops[p].phase == "backward" and (p in across or owner.get(p, -1) not in (owner[i], -1)):
+            across.add(i)
+    not_run = {i for i in r_side.ops if (owner[i] if i in owner else None) == -1 or i in across or
                not all(i in maps[p] for p in parts_of(i))}
     for n, i in enumerate(sorted(r_side.ops)):
         if progress is not None and n % 64 == 63:
@@ -186,7 +197,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 continue  # on some rank the op reads what a rank's own op made (a slice of the batch, a copy)
             seen_inputs.add(rref.version)
             m = map_tensor(ref, tgts, rref, [ti[pos] for ti in t_ins], "in", pos, world, micro,
-                           declared[lead_rank].get((tops[0].index, pos)), mesh, len(own) // world)
+                           declared[lead_rank].get((tops[0].index, pos)), mesh,
+                           per_rank if micro is not None else len(own) // world)
             if m is not None:
                 tensors.append(m)
         r_outs, t_outs = rop.outputs_refs(), [t.outputs_refs() for t in tops]
@@ -195,7 +207,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 continue
             m = map_tensor(ref, tgts, rref, [to[pos] for to in t_outs], "out", pos, world, micro,
                            declared_output(lead_side, declared[lead_rank], tops[0].index, pos), mesh,
-                           len(own) // world)
+                           per_rank if micro is not None else len(own) // world)
             if m is not None:
                 tensors.append(m)
         fwd = r_side.ops.get(rop.forward_index) if rop.phase == "backward" and rop.forward_index is not None else None

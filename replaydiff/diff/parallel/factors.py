@@ -16,7 +16,10 @@ def legit_factors(layout: Layout, phase: str | None, loss: Fraction | None) -> t
     if layout.micro_batch is not None:
         # rank r's own value against micro-batch r's: the same, but for the gradients of a reference that divides
         # each micro-batch's loss by the number of micro-batches (the world size), as gradient accumulation does
-        return (Fraction(1), Fraction(1, layout.world)) if phase == "backward" else (Fraction(1),)
+        # (k micro-batches to a rank on both sides: each process divides by its own count, the ranks' by world
+        # times fewer, from the loss on)
+        return (Fraction(1), Fraction(1, layout.world)) if phase == "backward" or layout.passes > 1 else \
+            (Fraction(1),)
     if phase == "backward":
         return (Fraction(1),) if loss is None or loss == 1 else (Fraction(1), loss)
     if layout.kind is LayoutKind.PARTIAL and phase == "optimizer" and layout.inner is None:

@@ -56,7 +56,7 @@ def map_tensor(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs:
         flat = [f for f in fits if f.kind in (LayoutKind.REPLICATED, LayoutKind.SHARDED)]
         fits = flat + infer_mesh_layouts(r, parts, close_for(r.dtype), mesh) + [f for f in fits if f not in flat]
     if micro is not None:
-        fits = [dataclasses.replace(f, world=world, micro_batch=micro) for f in fits]
+        fits = [dataclasses.replace(f, world=world, micro_batch=micro, passes=passes) for f in fits]
     elif passes > 1:
         fits = [dataclasses.replace(f, passes=passes) for f in fits]
     elif declared is not None:  # what DTensor declared first, when it fits; the plainest otherwise
