@@ -95,6 +95,8 @@ BUGGY = [
     Job("ddp_same_shard.py", words=(r"same (\d+ )?rows|identical rows|same (data )?shard",), same_batch=False),
     Job("ddp_no_sync_undivided.py", words=(r"not divided by the number of micro-batches", r"\b2x\b"),
         not_words=(r"world size", r"unequal")),
+    Job("ddp_no_sync_never_reduced.py", words=(r"without its all-reduce", r"no all-reduce follows the last one's",
+                                                r"2 micro-batches"), not_words=(r"scaled by the world size",)),
     Job("ddp_lr_scaled.py", words=(r"learning rate|\blr\b", r"\b0\.1\b", r"\b0\.2\b"),
         not_words=(r"scaled by the world size twice",)),
 ]

@@ -366,6 +366,13 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 f"input {partial_in[0]} is partial over {world} ranks (each rank's own gradient, made by "
                 f"#{partial_in[2]} {made.name}, {where}) and reaches the optimizer without its all-reduce: each rank "
                 f"steps with its own")
+            if passes > 1:
+                # accumulation on the ranks: the all-reduce belongs to the last micro-batch's backward (DDP reduces in
+                # the backward that runs outside no_sync()), which is where the ranks' backward was called
+                last = lead_side.ops[backward_passes(lead_side)[-1]].source
+                why += f"; each rank accumulated it over its {passes} micro-batches and no all-reduce follows the " \
+                       f"last one's backward{' (' + last + ')' if last else ''}: run that backward outside " \
+                       f"no_sync(), or all-reduce the gradients after it"
         elif m.layout is not None:
             kind, why = Departure.SCALED, why_scaled(m.layout, legit_factors(m.layout, rop.phase, loss))
             if other_args:
