@@ -263,8 +263,8 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
     if pd.rank_micro_batches:
         k = pd.rank_micro_batches
         out.write(f"  each rank runs its share of the global batch as {k} micro-batches, gradients accumulated: the "
-                  f"single process's forward and backward mapped onto the {pd.world} x {k} micro-batches in rank order, "
-                  f"the rest onto every rank's\n")
+                  f"single process's forward and backward mapped onto the {pd.world} x {k} micro-batches in rank "
+                  f"order, the rest onto every rank's\n")
     for phase in ("forward", "backward", "optimizer", "?"):
         fam = pd.families.get(phase)
         if fam:

@@ -354,8 +354,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             line = lead_side.ops[c].source
             kind, why = Departure.SCALED, (
                 f"input {partial_in[0]} (the gradient) is replicated at {times}x the reference after {name} #{c} (on "
-                f"rank {lead_rank}{', ' + line if line else ''}): a sum not divided by the world size, or a loss scaled "
-                f"twice")
+                f"rank {lead_rank}{', ' + line if line else ''}): a sum not divided by the world size, or a loss "
+                f"scaled twice")
         elif partial_in is not None and rop.phase == "optimizer":
             made = r_side.ops[partial_in[2]]
             line = by_ref[partial_in[2]].target_source or by_ref[partial_in[2]].source

@@ -16,8 +16,9 @@ def legit_factors(layout: Layout, phase: str | None, loss: Fraction | None) -> t
     if layout.micro_batch is not None:
         # rank r's own value against micro-batch r's: the same, but for the gradients of a reference that divides
         # each micro-batch's loss by the number of micro-batches (the world size), as gradient accumulation does
-        # (k micro-batches to a rank on both sides: each process divides by its own count, the ranks' by world
-        # times fewer, from the loss on)
+        # (k micro-batches to a rank on both sides: each process divides its losses by its own count, the ranks' world
+        # times smaller, so the loss and what follows from it are at 1/world in the forward too; a forward value
+        # scaled so by a bug still parts at the sinks)
         return (Fraction(1), Fraction(1, layout.world)) if phase == "backward" or layout.passes > 1 else \
             (Fraction(1),)
     if phase == "backward":
