@@ -66,6 +66,10 @@ class Layout:
     # the groups' parts; None: one dimension
     inner: "Layout | None" = None
     groups: tuple[tuple[int, ...], ...] | None = None
+    # gradient accumulation on the ranks: the ``world`` parts are world/passes ranks' micro-batches, ``passes`` of
+    # each rank in turn (rank-major); with ``micro_batch``, each rank's passes against as many micro-batches of the
+    # reference; 1: one part per rank
+    passes: int = 1
 
     def assemble(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """The value the ranks' tensors stand for (before the factor), in float64: rank 0's for a replicated
@@ -92,6 +96,10 @@ class Layout:
     def describe(self) -> str:
         """e.g. 'sharded on dim 0 over 2 ranks (4+4)', 'partial over 2 ranks: the reference is their average',
         'replicated on 2 ranks at 2x the reference'."""
+        if self.passes > 1 and self.micro_batch is None:
+            plain = dataclasses.replace(self, passes=1).describe()
+            return plain.replace(f" {self.world} ranks", f" {self.world // self.passes} ranks x {self.passes} "
+                                                         f"micro-batches", 1)
         scale = "" if self.factor == 1 else f" at {ratio_text(1 / self.factor)}x the reference"
         if self.inner is not None and self.groups is not None:
             outer = dataclasses.replace(self, inner=None, groups=None).describe()
@@ -99,7 +107,8 @@ class Layout:
             return f"{outer}, each group ({', '.join('/'.join(map(str, g)) for g in self.groups)}) holding its part " \
                    f"{self.inner.describe()}"
         if self.micro_batch is not None:
-            return f"rank {self.micro_batch}'s own value against the reference's micro-batch {self.micro_batch}{scale}"
+            which = f"micro-batch {self.micro_batch}" if self.passes == 1 else "micro-batch of the same rows"
+            return f"rank {self.micro_batch}'s own value against the reference's {which}{scale}"
         if self.kind is LayoutKind.REPLICATED:
             return f"replicated on {self.world} ranks{scale}"
         if self.kind is LayoutKind.SHARDED:
@@ -115,6 +124,8 @@ class Layout:
                "factor": str(self.factor)}
         if self.micro_batch is not None:
             out["micro_batch"] = self.micro_batch
+        if self.passes > 1:
+            out["micro_batches_per_rank"] = self.passes
         if self.inner is not None and self.groups is not None:
             out["inner"] = self.inner.to_json()
             out["groups"] = [list(g) for g in self.groups]

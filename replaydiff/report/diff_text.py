@@ -256,8 +256,15 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
                  if pd.random_ops else "")
               + (f", {pd.not_stored} without tensor data (record --tensors full)" if pd.not_stored else "") + "\n")
     if pd.micro_batches:
+        k = pd.micro_batches // pd.world
+        mine = "micro-batch r's" if k == 1 else f"micro-batches {k}r to {k}r+{k - 1}, pass by pass"
         out.write(f"  the single process runs the global batch as {pd.micro_batches} micro-batches, gradients "
-                  f"accumulated: rank r's forward and backward mapped onto micro-batch r's, the rest onto every rank's\n")
+                  f"accumulated: rank r's forward and backward mapped onto {mine}, the rest onto every rank's\n")
+    if pd.rank_micro_batches:
+        k = pd.rank_micro_batches
+        out.write(f"  each rank runs its share of the global batch as {k} micro-batches, gradients accumulated: the "
+                  f"single process's forward and backward mapped onto the {pd.world} x {k} micro-batches in rank "
+                  f"order, the rest onto every rank's\n")
     for phase in ("forward", "backward", "optimizer", "?"):
         fam = pd.families.get(phase)
         if fam:

@@ -81,6 +81,7 @@ CORRECT = [
     Job("fsdp_tokens.py", step=2),
     Job("fsdp_adamw_clip.py", world=4),
     Job("ddp_no_sync.py"),
+    Job("ddp_no_sync_micro.py"),
     Job("trainer_tokens.py"),
     Job("trainer_tokens.py", step=2),
     Job("lightning_ddp.py"),
@@ -97,6 +98,10 @@ BUGGY = [
         not_words=(r"scaled by the world size", r"overlap")),
     Job("tp_no_input_grad.py", words=(r"partial|all-reduce|not (summed|reduced)",)),
     Job("ddp_same_shard.py", words=(r"same (\d+ )?rows|identical rows|same (data )?shard",), same_batch=False),
+    Job("ddp_no_sync_undivided.py", words=(r"not divided by the number of micro-batches", r"\b2x\b"),
+        not_words=(r"world size", r"unequal")),
+    Job("ddp_no_sync_never_reduced.py", words=(r"without its all-reduce", r"no all-reduce follows the last one's",
+                                                r"2 micro-batches"), not_words=(r"scaled by the world size",)),
     Job("ddp_lr_scaled.py", words=(r"learning rate|\blr\b", r"\b0\.1\b", r"\b0\.2\b"),
         not_words=(r"scaled by the world size twice",)),
 ]
@@ -104,8 +109,6 @@ BUGGY = [
 # What the engine reads the wrong way round today (issue 33): strict, so that a job it gets right fails here and
 # tells its developer to remove the marker.
 TODAY_WRONG: dict[str, str] = {
-    "ddp_no_sync-step1": "a false alarm: 'the runs began apart (... not the same global batch)' for no_sync over 2 "
-                         "micro-batches per rank, which see the same global batch",
 }
 
 

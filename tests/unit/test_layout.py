@@ -161,3 +161,20 @@ def test_each_rank_s_norm_of_its_shard_is_a_norm_over_ranks_and_never_scaled():
     assert [(f.kind, f.factor) for f in fits] == [(LayoutKind.NORM, 1)]
     # twice the norm is no norm over the ranks at 1/2: a norm of scaled values is no reduction a program makes
     assert all(f.kind is not LayoutKind.NORM for f in infer_layouts(2 * g.norm(), norms, rel_l2_close(1e-9)))
+
+
+def test_micro_batches_accumulated_on_each_rank_map_as_one_part_each_and_say_so():
+    """Gradient accumulation on 2 ranks, 2 micro-batches each: the batch's rows are the 4 micro-batches joined in
+    rank order, a gradient the sum of the 4 micro-batch gradients at 1/2 (each micro-batch's mean divided by 2, the
+    rank's sum all-reduced and averaged over 2 ranks); the words name ranks and micro-batches, not 4 ranks."""
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randn(8, 3, generator=g, dtype=torch.float64)
+    rows = list(batch.chunk(4))  # rank 0's micro-batches 0 and 1, then rank 1's
+    sharded = infer_layout(batch, rows, CLOSE)
+    assert sharded is not None and sharded.kind is LayoutKind.SHARDED and sharded.sizes == (2, 2, 2, 2)
+    grad = batch.T @ torch.ones(8, 2, dtype=torch.float64) / 8  # of the mean over the global batch
+    parts = [r.T @ torch.ones(2, 2, dtype=torch.float64) / 2 / 2 for r in rows]  # each micro-batch's mean / 2
+    partial = infer_layout(grad, parts, CLOSE)
+    assert partial is not None and partial.kind is LayoutKind.PARTIAL and partial.factor == Fraction(1, 2)
+    said = Layout(partial.kind, 4, factor=partial.factor, passes=2).describe()
+    assert "over 2 ranks x 2 micro-batches" in said and "4 ranks" not in said

@@ -68,39 +68,62 @@ def backward_passes(side: Side) -> list[int]:
 
 
 def micro_batches_of(r_side: Side, t_sides: list[Side]) -> dict[int, int]:
-    """When the single process runs the global batch as gradient-accumulation micro-batches, one per rank, each
-    rank one pass: {op of micro-batch r: r} for every op up to the last backward (a micro-batch's ops run from the
-    end of the previous one's backward to the end of its own); the ops after it (the optimizer step) are every
-    rank's. The ops micro-batch 0 runs before its first op that micro-batch 1 runs too (the whole batch taken,
-    before it is cut into micro-batches) are no rank's: -1. Empty when the reference runs as many passes as each rank. A
-    UsageError for any other count."""
+    """When the single process runs the global batch as gradient-accumulation micro-batches, world x k of them, and
+    each rank k passes (k = 1: one micro-batch per rank; k > 1: each rank accumulates too): {op of micro-batch m:
+    m // k} for every op up to the last backward (a micro-batch's ops run from the end of the previous one's backward
+    to the end of its own), micro-batch m standing for pass m % k of rank m // k (the global batch's rows in order);
+    the ops after it (the optimizer step) are every rank's. The ops micro-batch 0 runs before its first op that
+    micro-batch 1 runs too (the whole batch taken, before it is cut into micro-batches) are no rank's: -1. Empty when
+    the reference runs as many passes as each rank, or fewer. A UsageError for any other count."""
     ends = backward_passes(r_side)
     theirs = {len(backward_passes(t)) for t in t_sides}
     if len(ends) <= 1 or theirs == {len(ends)} or len(ends) < max(theirs):
         return {}
     world = len(t_sides)
-    if theirs != {1} or len(ends) != world:
+    per = min(theirs)
+    if len(theirs) != 1 or len(ends) != world * per:
         raise UsageError(
             f"the single process runs {len(ends)} forward-backward passes (gradient-accumulation micro-batches) and "
-            f"each of the {world} ranks {'/'.join(map(str, sorted(theirs)))}: rank r's slice is mapped onto micro-batch "
-            f"r only when there are as many micro-batches as ranks, each rank running one pass; diff one rank op by op "
-            f"with --rank N")
-    owner: dict[int, int] = {}
-    r = 0
+            f"each of the {world} ranks {'/'.join(map(str, sorted(theirs)))}: the ranks' passes are mapped onto "
+            f"micro-batches only when there are as many micro-batches as ranks times each rank's passes, every rank "
+            f"running as many; diff one rank op by op with --rank N")
+    micro: dict[int, int] = {}
+    m = 0
     for k in r_side.keys:
         if k.index > ends[-1]:
             break
-        owner[k.index] = r
-        if k.index == ends[r]:
-            r += 1
+        micro[k.index] = m
+        if k.index == ends[m]:
+            m += 1
     # by shapes: the micro-batches' ops have the same ones, which the whole batch's do not
-    keys = [[op_keys(r_side.ops[k.index]) for k in r_side.keys if owner.get(k.index) == r] for r in (0, 1)]
+    keys = [[op_keys(r_side.ops[k.index]) for k in r_side.keys if micro.get(k.index) == m] for m in (0, 1)]
     common = align(keys[0], keys[1]).pairs
     start = min((a for a, _ in common), default=keys[0][0].index)
-    for k in keys[0]:
-        if k.index < start:
-            owner[k.index] = -1
-    return owner
+    return {i: -1 if m == 0 and i < start else m // per for i, m in micro.items()}
+
+
+def rank_passes(r_side: Side, t_sides: list[Side]) -> int:
+    """k when the reference runs the global batch as one forward-backward pass and every rank runs its share of it
+    as the same k > 1 passes (gradient accumulation on the ranks: ``no_sync()`` over k micro-batches); 1 otherwise.
+    """
+    theirs = {len(backward_passes(t)) for t in t_sides}
+    return theirs.pop() if len(backward_passes(r_side)) == 1 and len(theirs) == 1 and min(theirs) > 1 else 1
+
+
+def pass_keys(side: Side) -> list[list[OpKeys]]:
+    """A rank's alignment keys cut into its forward-backward passes: pass j runs from the end of pass j-1's backward
+    to the end of its own (the first pass from the rank's first op); what runs after the last backward (the
+    optimizer step) is in none."""
+    ends = backward_passes(side)
+    out: list[list[OpKeys]] = [[] for _ in ends]
+    j = 0
+    for k in side.keys:
+        if j == len(ends):
+            break
+        out[j].append(k)
+        if k.index == ends[j]:
+            j += 1
+    return out
 
 
 def follow_data(ref: RankTrace, r_side: Side, side: Side, pairs: dict[int, int],

@@ -14,7 +14,8 @@ from replaydiff.errors import UsageError
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import TensorRef
 from replaydiff.diff.parallel.arguments import arguments_text, differing_arguments
-from replaydiff.diff.parallel.alignment import Side, follow_data, makes_layout, micro_batches_of
+from replaydiff.diff.parallel.alignment import (Side, backward_passes, follow_data, makes_layout, micro_batches_of,
+                                                pass_keys, rank_passes)
 from replaydiff.diff.parallel.declared import declared_on, declared_output, mesh_of
 from replaydiff.diff.parallel.factors import legit_factors, pick_legit
 from replaydiff.diff.parallel.mapping import map_tensor
@@ -51,15 +52,40 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     refuse_sub_groups(t_sides[0], full_world or world, mesh)
     refuse_point_to_point([r_side, *t_sides])
     owner = micro_batches_of(r_side, t_sides)  # a micro-batch's op -> the rank whose ops it maps onto
-    maps = []
-    out = ParallelDiff(world, len(r_side.keys), 0, 0, micro_batches=world if owner else 0)
+    # Gradient accumulation on the ranks: each runs its share of the global batch as ``passes`` forward-backward
+    # passes where the reference runs one. The reference's ops up to the end of its backward then stand for every
+    # rank's every pass: one part per (rank, pass), rank-major, the order in which the passes' rows make the global
+    # batch (a rank's share cut into its micro-batches in order); the gradient a rank accumulates over its passes is
+    # their sum, so a partial value is the sum over all the parts. The ops after (the optimizer step) are every
+    # rank's, as without accumulation.
+    passes = 1 if owner or full_world is not None else rank_passes(r_side, t_sides)
+    region_end = backward_passes(r_side)[-1] if passes > 1 else -1
+    # maps[p]: part p's counterpart of each reference op; parts 0..world-1 are the ranks, then the (rank, pass) parts
+    rank_of = list(range(world)) + ([r for r in range(world) for _ in range(passes)] if passes > 1 else [])
+    maps: list[dict[int, int]] = []
+    # the reference's micro-batches each rank's passes stand for (1 each, or k when the ranks accumulate too)
+    per_rank = len(backward_passes(r_side)) // world if owner else 0
+    out = ParallelDiff(world, len(r_side.keys), 0, 0, micro_batches=world * per_rank,
+                       rank_micro_batches=passes if passes > 1 else 0)
     for rank, side in enumerate(t_sides):
-        keys = [k for k in r_side.keys if owner.get(k.index, rank) == rank]  # what this rank stands for
-        al = align(keys, side.keys)
-        m = follow_data(ref, r_side, side, dict(al.pairs), {k.index for k in keys} if owner else set())
-        maps.append(m)
-        mine = set(m.values())
+        keys = [k for k in r_side.keys if owner.get(k.index, rank) == rank and k.index > region_end]
+        theirs = side.keys if passes == 1 else [k for k in side.keys if k.index > backward_passes(side)[-1]]
+        al = align(keys, theirs)
+        maps.append(follow_data(ref, r_side, side, dict(al.pairs), {k.index for k in keys} if owner else set()))
+    if passes > 1:
+        region = [k for k in r_side.keys if k.index <= region_end]
+        for side in t_sides:
+            maps += [follow_data(ref, r_side, side, dict(align(region, keys).pairs)) for keys in pass_keys(side)]
+    for rank, side in enumerate(t_sides):
+        mine = set().union(*(m.values() for p, m in enumerate(maps) if rank_of[p] == rank))
         out.layout_ops.update(op.name for j, op in side.ops.items() if j not in mine and not aten.is_marker(op.name))
+
+    def parts_of(i: int) -> list[int]:
+        """The parts whose ops stand for reference op ``i``: a micro-batch's rank, every (rank, pass), or every
+        rank."""
+        if i in owner:
+            return [owner[i]]
+        return list(range(world, len(maps))) if i <= region_end else list(range(world))
     declared = [declared_on(side) for side in t_sides]  # DTensor's placements on each rank, where recorded
     departed: set[int] = set()  # reference ops that part from the reference, the first and what inherits it
     drawn: set[int] = set()  # random ops, and ops that part only because they read what random ops drew
@@ -95,8 +121,17 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     optimizer_ops = [i for i, op in r_side.ops.items() if op.phase == "optimizer"]
     between = (max(backward_ops), min(optimizer_ops)) if backward_ops and optimizer_ops and \
         max(backward_ops) < min(optimizer_ops) else None
-    not_run = {i for i in r_side.ops if (owner[i] if i in owner else None) == -1 or
-               not all(i in maps[r] for r in ([owner[i]] if i in owner else range(world)))}
+    # with micro-batches on both sides, the reference's gradient accumulated in place over micro-batches of several
+    # ranks' shares (written into what another rank's micro-batch made) stands for no rank's: the ranks sum their
+    # shares' in the all-reduce
+    across: set[int] = set()
+    for i in sorted(owner) if per_rank > 1 else ():
+        p = ref.producers(i).get(0)
+        if owner[i] >= 0 and r_side.ops[i].phase == "backward" and r_side.ops[i].writes and p is not None and \
+                r_side.ops[p].phase == "backward" and (p in across or owner.get(p, -1) not in (owner[i], -1)):
+            across.add(i)
+    not_run = {i for i in r_side.ops if (owner[i] if i in owner else None) == -1 or i in across or
+               not all(i in maps[p] for p in parts_of(i))}
     for n, i in enumerate(sorted(r_side.ops)):
         if progress is not None and n % 64 == 63:
             progress(64)
@@ -118,11 +153,13 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         if i in not_run:
             out.not_aligned.append(i)
             continue
-        own = [owner[i]] if i in owner else list(range(world))  # the ranks whose ops stand for it
+        own = parts_of(i)  # the parts whose ops stand for it
         out.aligned += 1
         rop = r_side.ops[i]
-        tops = [t_sides[r].ops[maps[r][i]] for r in own]
-        tgts = [targets[r] for r in own]
+        tops = [t_sides[rank_of[p]].ops[maps[p][i]] for p in own]
+        tgts = [targets[rank_of[p]] for p in own]
+        # the first part's rank, side and counterparts: where the words look for a rank's own ops
+        lead_rank, lead_side, lead_map = rank_of[own[0]], t_sides[rank_of[own[0]]], maps[own[0]]
         micro = owner.get(i)
         random = aten.draws(rop.name, rop.args, rop.kwargs)
         producers = ref.producers(i)
@@ -161,7 +198,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 continue  # on some rank the op reads what a rank's own op made (a slice of the batch, a copy)
             seen_inputs.add(rref.version)
             m = map_tensor(ref, tgts, rref, [ti[pos] for ti in t_ins], "in", pos, world, micro,
-                     declared[own[0]].get((tops[0].index, pos)), mesh)
+                           declared[lead_rank].get((tops[0].index, pos)), mesh,
+                           per_rank if micro is not None else len(own) // world)
             if m is not None:
                 tensors.append(m)
         r_outs, t_outs = rop.outputs_refs(), [t.outputs_refs() for t in tops]
@@ -169,17 +207,19 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             if step_view or unread_view or any(pos >= len(to) for to in t_outs):
                 continue
             m = map_tensor(ref, tgts, rref, [to[pos] for to in t_outs], "out", pos, world, micro,
-                     declared_output(t_sides[own[0]], declared[own[0]], tops[0].index, pos), mesh)
+                           declared_output(lead_side, declared[lead_rank], tops[0].index, pos), mesh,
+                           per_rank if micro is not None else len(own) // world)
             if m is not None:
                 tensors.append(m)
         fwd = r_side.ops.get(rop.forward_index) if rop.phase == "backward" and rop.forward_index is not None else None
-        tfwd = t_sides[own[0]].ops.get(tops[0].forward_index) \
+        tfwd = lead_side.ops.get(tops[0].forward_index) \
             if tops[0].phase == "backward" and tops[0].forward_index is not None else None
         line = fwd.source if fwd is not None and fwd.source else rop.source
         tline = tfwd.source if tfwd is not None and tfwd.source else tops[0].source
         phase = BETWEEN if rop.phase == "forward" and between and between[0] < i < between[1] else rop.phase
         mop = MappedOp(i, tuple(t.index for t in tops), rop.name, rop.module, phase, line, tuple(tensors),
-                       () if micro is None else (micro,), target_source=tline if tline != line else None)
+                       (micro,) if micro is not None else tuple(rank_of[p] for p in own) if len(own) > world else (),
+                       target_source=tline if tline != line else None)
         out.ops.append(mop)
         by_ref[i] = mop
         if random:
@@ -200,6 +240,11 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             sinks.append(i)
         if rop.phase == "backward" and not in_backward:
             in_backward, loss, loss_op = True, last_forward, last_forward_op
+            if passes > 1 and loss == Fraction(1, world * passes):
+                # each pass's loss is a mean over its micro-batch, one of world x passes parts: a rank sums its
+                # passes' gradients, so a correct job divides each pass's loss by the number of passes (a division
+                # the ranks run alone, no op of the reference's) and the backward holds a per-rank mean's gradient
+                loss = Fraction(1, world)
         elif rop.phase == "forward" and aten.reads_values(rop.name):  # not ones_like: backward()'s seed
             in_backward = False
             # the op's value (its first output; others are auxiliary, such as nll_loss's count) if it is partial
@@ -256,7 +301,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 carriers.add(i)
         if not from_departed and (first is None or with_agreeing or first[2] is not Departure.INPUTS) and \
                 all(m.layout is None for m in bad) and \
-                amplifies(rop, tops, tensors, producers, by_ref, tgts, set(out.amplified), maps[own[0]]):
+                amplifies(rop, tops, tensors, producers, by_ref, tgts, set(out.amplified), lead_map):
             # every rank computes from the same inputs, right given them; they differ from the reference's by a
             # reordered sum's rounding, which this op amplifies (AdamW's first update of a near-zero gradient)
             out.amplified.append(i)
@@ -280,7 +325,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                          if t.kind == "out" and t.layout is not None), None)
             if m is not None and read is not None and read != m.layout.factor:
                 times = read / m.layout.factor
-                extra = via[i] = computing_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
+                extra = via[i] = computing_behind(lead_side, lead_map, tops[0].index)
                 changes.append((mop, m, Departure.SCALED, (
                     f"{m.layout.describe()}: {ratio_text(times)}x what it reads (which parted already): a scale "
                     f"applied here" + ("" if extra is None else f", or in what it reads on the ranks from {extra}, "
@@ -301,15 +346,15 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         elif m.kind == "in" and m.offsets is None:
             kind, why = Departure.INPUTS, why_inputs(m, rop.step)
         elif partial_in is not None and rop.phase == "optimizer" and \
-                (over := reduced_at(partial_in[0], rop, tops, tgts, t_sides[own[0]], maps[own[0]], ref, world,
+                (over := reduced_at(partial_in[0], rop, tops, tgts, lead_side, lead_map, ref, world,
                                      micro, mesh)) is not None:
             # the gradient went through its all-reduce, and came out whole on every rank at a factor
             (c, name, at), times = over
-            line = t_sides[own[0]].ops[c].source
+            line = lead_side.ops[c].source
             kind, why = Departure.SCALED, (
                 f"input {partial_in[0]} (the gradient) is replicated at {times}x the reference after {name} #{c} (on "
-                f"rank {own[0]}{', ' + line if line else ''}): a sum not divided by the world size, or a loss scaled "
-                f"twice")
+                f"rank {lead_rank}{', ' + line if line else ''}): a sum not divided by the world size, or a loss "
+                f"scaled twice")
         elif partial_in is not None and rop.phase == "optimizer":
             made = r_side.ops[partial_in[2]]
             line = by_ref[partial_in[2]].target_source or by_ref[partial_in[2]].source
@@ -320,20 +365,27 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 f"input {partial_in[0]} is partial over {world} ranks (each rank's own gradient, made by "
                 f"#{partial_in[2]} {made.name}, {where}) and reaches the optimizer without its all-reduce: each rank "
                 f"steps with its own")
+            if passes > 1:
+                # accumulation on the ranks: the all-reduce belongs to the last micro-batch's backward (DDP reduces in
+                # the backward that runs outside no_sync()), which is where the ranks' backward was called
+                last = lead_side.ops[backward_passes(lead_side)[-1]].source
+                why += f"; each rank accumulated it over its {passes} micro-batches and no all-reduce follows the " \
+                       f"last one's backward{' (' + last + ')' if last else ''}: run that backward outside " \
+                       f"no_sync(), or all-reduce the gradients after it"
         elif m.layout is not None:
             kind, why = Departure.SCALED, why_scaled(m.layout, legit_factors(m.layout, rop.phase, loss))
             if other_args:
                 why += f"; the ranks run this op with other arguments than the single process: " \
                        f"{arguments_text(other_args, world)}"
         elif partial_in is not None and \
-                (ahead := collective_ahead(t_sides[own[0]], maps[own[0]], tops[0].index)) is not None:
+                (ahead := collective_ahead(lead_side, lead_map, tops[0].index)) is not None:
             # the reduction is there, after this op: what the op combines with the partial sums is summed too
             c, name = ahead
-            line = t_sides[own[0]].ops[c].source
+            line = lead_side.ops[c].source
             kind, why = Departure.UNREDUCED, (
                 f"input {partial_in[0]} holds partial sums over {world} ranks (the reference is their "
                 f"{'average' if partial_in[1].factor != 1 else 'sum'}, made by #{partial_in[2]}), and this op runs "
-                f"on them before {name} #{c} (on rank {own[0]}{', ' + line if line else ''}) reduces its result: it "
+                f"on them before {name} #{c} (on rank {lead_rank}{', ' + line if line else ''}) reduces its result: it "
                 f"needs the whole sum (a value every rank adds, such as a bias, is then summed {world} times); this op "
                 f"belongs after the reduction")
         elif partial_in is not None:
@@ -350,14 +402,14 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             kind, why = Departure.SHARD_OFFSET, (
                 f"{'input' if m.kind == 'in' else 'output'} {m.position} ({m.describe}): each rank holds a slice of the "
                 f"reference on dim {dim}, at offsets {', '.join(f'rank {r}: {o}' for r, o in enumerate(at))}: {what}")
-        elif m.off and len(m.off) < world and micro is None:
+        elif m.off and len(m.off) < world and micro is None and len(own) == world:
             held = [r for r in range(world) if r not in m.off]
             kind, why = Departure.NO_LAYOUT, (
                 f"output {m.position} ({m.describe}): rank{'s' if len(held) > 1 else ''} "
                 f"{', '.join(map(str, held))} hold{'s' if len(held) == 1 else ''} the reference's value, rank"
                 f"{'s' if len(m.off) > 1 else ''} {', '.join(map(str, m.off))} "
                 f"{'do' if len(m.off) > 1 else 'does'} not: this op went wrong there")
-        elif (own_in := made_apart(producers, tops[0], tgts[0], t_sides[own[0]], maps[own[0]], r_side,
+        elif (own_in := made_apart(producers, tops[0], tgts[0], lead_side, lead_map, r_side,
                                     set(out.not_aligned))) is not None:
             pos, made, theirs = own_in
             kind, why = Departure.NO_LAYOUT, (
@@ -394,18 +446,18 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         else:
             out.batch_warning = batch_warning_of(rop, m, kind, {k: None if owner.get(p) == -1 else p
                                                               for k, p in producers.items()})
-        behind = collective_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
+        behind = collective_behind(lead_side, lead_map, tops[0].index)
         if behind is not None and kind in (Departure.SCALED, Departure.NO_LAYOUT) and behind[1] not in why:
-            why += f"; on the ranks it reads what {behind[1]} (#{behind[0]} on rank {own[0]}) made, which the " \
+            why += f"; on the ranks it reads what {behind[1]} (#{behind[0]} on rank {lead_rank}) made, which the " \
                    f"single process does not run"
         elif kind is Departure.SCALED:
             # a scale the ranks apply in an op the reference does not run (a loss multiplied by the world size where
             # the reference divides by the micro-batch count, or multiplies by its own world size): its line
-            extra = computing_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
+            extra = computing_behind(lead_side, lead_map, tops[0].index)
             if extra is not None:
                 why += f"; on the ranks it reads what {extra} made, which the reference does not run"
         roots.append((mop, m, kind, why))
-        via[i] = computing_behind(t_sides[own[0]], maps[own[0]], tops[0].index)
+        via[i] = computing_behind(lead_side, lead_map, tops[0].index)
         if kind is Departure.SCALED and m.layout is not None:
             legit = legit_factors(m.layout, rop.phase if m.kind == "out" else None, loss)
             applied[i] = min(legit, key=lambda f: abs(math.log(f / m.layout.factor))) / m.layout.factor

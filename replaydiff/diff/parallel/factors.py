@@ -16,13 +16,19 @@ def legit_factors(layout: Layout, phase: str | None, loss: Fraction | None) -> t
     if layout.micro_batch is not None:
         # rank r's own value against micro-batch r's: the same, but for the gradients of a reference that divides
         # each micro-batch's loss by the number of micro-batches (the world size), as gradient accumulation does
-        return (Fraction(1), Fraction(1, layout.world)) if phase == "backward" else (Fraction(1),)
+        # (k micro-batches to a rank on both sides: each process divides its losses by its own count, the ranks' world
+        # times smaller, so the loss and what follows from it are at 1/world in the forward too; a forward value
+        # scaled so by a bug still parts at the sinks)
+        return (Fraction(1), Fraction(1, layout.world)) if phase == "backward" or layout.passes > 1 else \
+            (Fraction(1),)
     if phase == "backward":
         return (Fraction(1),) if loss is None or loss == 1 else (Fraction(1), loss)
     if layout.kind is LayoutKind.PARTIAL and phase == "optimizer" and layout.inner is None:
         return ()  # what the optimizer makes (the parameters, its state) is kept: whole on a rank, or a shard of it
     if layout.kind is LayoutKind.PARTIAL and phase != "optimizer":
-        return Fraction(1), Fraction(1, layout.world)
+        # with accumulation on the ranks, a pass's mean divided by the number of passes is a per-rank mean's part
+        return (Fraction(1), Fraction(1, layout.world)) + \
+            ((Fraction(layout.passes, layout.world),) if layout.passes > 1 else ())
     return (Fraction(1),)
 
 

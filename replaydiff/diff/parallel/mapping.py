@@ -39,9 +39,11 @@ def rel_l2(layout: Layout, parts: list[torch.Tensor], ref: torch.Tensor) -> floa
 
 def map_tensor(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs: list[TensorRef], kind: str,
                pos: int, world: int, micro: int | None = None, declared: DTensorArg | None = None,
-               mesh: tuple[tuple[tuple[int, ...], ...], ...] | None = None) -> Mapped | None:
+               mesh: tuple[tuple[tuple[int, ...], ...], ...] | None = None, passes: int = 1) -> Mapped | None:
     """How the ranks hold one tensor of an aligned op; None when it cannot be compared (no data, uninitialised).
-    ``micro``: one rank's op against the reference's micro-batch of that number (``targets`` is that rank alone)."""
+    ``micro``: one rank's op against the reference's micro-batch of that number (``targets`` is that rank alone).
+    ``passes``: each rank runs the op once per micro-batch of its share, ``targets`` holding each rank ``passes``
+    times (rank-major, one entry per pass)."""
     if not rref.stored or rref.meta or rref.uninitialised or not all(t.stored and not t.meta for t in trefs):
         return None
     r = ref.tensor(rref)
@@ -54,7 +56,9 @@ def map_tensor(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs:
         flat = [f for f in fits if f.kind in (LayoutKind.REPLICATED, LayoutKind.SHARDED)]
         fits = flat + infer_mesh_layouts(r, parts, close_for(r.dtype), mesh) + [f for f in fits if f not in flat]
     if micro is not None:
-        fits = [dataclasses.replace(f, world=world, micro_batch=micro) for f in fits]
+        fits = [dataclasses.replace(f, world=world, micro_batch=micro, passes=passes) for f in fits]
+    elif passes > 1:
+        fits = [dataclasses.replace(f, passes=passes) for f in fits]
     elif declared is not None:  # what DTensor declared first, when it fits; the plainest otherwise
         fits = sorted(fits, key=lambda f: not declares(declared, f))
     layout = fits[0] if fits else None

@@ -155,6 +155,10 @@ class ParallelDiff:
     # the reference ran the global batch as this many gradient-accumulation micro-batches, rank r's ops mapped onto
     # micro-batch r's (0: one pass, every rank's ops onto it)
     micro_batches: int = 0
+    # each rank ran its share of the global batch as this many micro-batches, gradients accumulated (no_sync), where
+    # the single process runs it at once: the reference's forward and backward mapped onto every (rank, micro-batch)
+    # (0: each rank one pass)
+    rank_micro_batches: int = 0
     ref_only: Counter = field(default_factory=Counter)  # names of the computing ops in ``not_aligned``
     # the reference is a parallel run of ``ref_world`` ranks: each of its ranks q against the target's ranks q*m to
     # q*m+m-1 (m = world / ref_world), one diff each (``groups``); the fields above sum them
@@ -215,6 +219,7 @@ class ParallelDiff:
                if self.settings else {}),
             **({"same_draws": list(self.same_draws)} if self.same_draws else {}),
             **({"micro_batches": self.micro_batches, "ref_only": dict(self.ref_only)} if self.micro_batches else {}),
+            **({"rank_micro_batches": self.rank_micro_batches} if self.rank_micro_batches else {}),
             **({"layouts_from_placements": self.from_placements[0], "layouts_inferred": self.from_placements[1]}
                if self.from_placements is not None else {}),
             **({"ref_world": self.ref_world, "ref_layout_ops": dict(self.ref_layout_ops),

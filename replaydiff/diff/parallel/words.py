@@ -21,11 +21,16 @@ def family(layout: Layout, legit: bool) -> str:
         at = "" if layout.factor == 1 else f" at {ratio_text(1 / layout.factor)}x"
         return f"each rank's own, against its micro-batch{at}" + \
             (" (of a loss divided by the micro-batch count)" if legit and layout.factor != 1 else "")
+    if layout.passes > 1 and legit and layout.factor == Fraction(layout.passes, layout.world):
+        # a rank's accumulated gradient (or a pass's loss divided by the number of passes) of a per-rank mean
+        kind = {LayoutKind.PARTIAL: "partial", LayoutKind.SHARDED: f"sharded on dim {layout.dim}"}.get(
+            layout.kind, layout.kind.value)
+        return f"{kind} (of micro-batch losses divided by their count)"
     if layout.kind is LayoutKind.PARTIAL:
         if layout.factor == 1:
             return "partial (a sum)"
         if layout.factor == Fraction(1, layout.world):
-            return "partial (a per-rank mean)"
+            return "partial (a per-micro-batch mean)" if layout.passes > 1 else "partial (a per-rank mean)"
         return f"partial at {ratio_text(1 / layout.factor)}x"
     if layout.kind is LayoutKind.NORM:
         return "norm over ranks (each rank's norm of its shard)"
@@ -42,7 +47,14 @@ def why_scaled(layout: Layout, legit: tuple[Fraction, ...]) -> str:
     right = min(legit, key=lambda f: abs(math.log(f / layout.factor)))
     times = right / layout.factor
     scale = ratio_text(times)
-    powers = {Fraction(layout.world) ** k for k in range(-3, 4)}
+    if layout.passes > 1 and times in (layout.passes, Fraction(1, layout.passes)):
+        # accumulation on the ranks: a rank sums its micro-batches' gradients, so each pass's loss, a mean over its
+        # micro-batch, is divided by their number for the sum to be the mean over the rank's share
+        how = "not divided by" if times > 1 else "divided twice by"
+        return (f"{layout.describe()}: {scale}x what a correct parallel run holds here: each rank accumulates the "
+                f"gradients of its {layout.passes} micro-batches (a sum), and the loss of each is {how} the number "
+                f"of micro-batches ({layout.passes}), where the single process takes one mean over the global batch")
+    powers = {Fraction(layout.world // layout.passes) ** k for k in range(-3, 4)}
     if times not in powers:  # no scale by the world size: the ranks' values are weighted otherwise
         return (f"{layout.describe()}: {scale}x what a correct parallel run holds here, a factor no scale by the "
                 f"world size gives: per-rank values weighted differently from the reference's, such as means over "
