@@ -358,6 +358,8 @@ class PairComparer:
                 args_differ = PlainArgsDiffer(_first_difference(pa, pt))
             elif pa != pt:  # numbers that differ by the coarser dtype's rounding (a mask's finfo(dtype).min)
                 floor = self.coarsest
+                if agree is None and not ins_r:
+                    agree = True  # no tensor input: the same start, but for that rounding
             elif agree is None and not ins_r and self.coarsest is not None:
                 agree = True  # no tensor input, the same arguments: the same start
         if args_differ is None and agree is not False and rop.rng is not None and top.rng is not None:
