@@ -52,6 +52,8 @@ def step(mode):
     if mode == "token_mean":  # BUG: a per-rank mean over ranks holding different numbers of tokens
         labels[:2, 1:] = -100
     lr = 0.1 * world if mode == "lr" else 0.1  # BUG in lr: the learning rate multiplied by the world size
+    if mode == "lr_one_rank" and rank == 1:
+        lr = 0.3  # BUG in lr_one_rank: one rank's learning rate differs
     if mode == "fsdp_clip" and world > 1:  # FSDP2, the gradient norm clipped over every shard (DTensor's _NormP)
         from torch.distributed.fsdp import fully_shard
 
@@ -101,8 +103,8 @@ def step(mode):
 for m in modes:
     step(m)
 '''
-MODES = ["plain", "local_index", "attention", "fsdp_clip", "per_token", "per_token_extra", "lr", "same_shard",
-         "adam_sum", "token_mean"]
+MODES = ["plain", "local_index", "attention", "fsdp_clip", "per_token", "per_token_extra", "lr", "lr_one_rank",
+         "same_shard", "adam_sum", "token_mean"]
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +212,16 @@ def test_an_lr_multiplied_by_the_world_size_is_named_at_the_update_with_both_val
         "process (2x: the world size) (the optimizer built at " in text
     # the line that assigns the optimizer, found by the recorder in the code that calls its step
     assert f"{_line('torch.optim.AdamW')})" in text
+
+
+def test_one_rank_s_learning_rate_is_named_with_its_rank_and_both_values(runs, capsys):
+    """What the optimizer makes is held alike by every rank in a correct run: never a sum or an average over the
+    ranks, whatever factor it fits at (this crashed the diff); the differing rank is named, not 'the ranks'."""
+    code, text = _diff(runs, "lr_one_rank", capsys)
+    assert code == 1, text
+    assert "(optimizer)" in text and "the ranks have parted from each other" in text, text
+    assert "alpha -0.3 on rank 1, -0.1 in the single process" in text, text
+    assert "SGD group 0: lr 0.3 on rank 1, 0.1 in the single process" in text, text
 
 
 def test_every_rank_reading_the_same_shard_is_said_at_the_slice(runs):

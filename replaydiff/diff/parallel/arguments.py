@@ -28,22 +28,29 @@ def plain_arguments(op: OpRecord) -> list[tuple[str, object]]:
     return out
 
 
-def differing_arguments(ref: OpRecord, ranks: list[OpRecord]) -> list[tuple[str, object, object]]:
-    """(where, the single process's value, the first differing rank's) for each argument that is not a tensor and
-    that some rank gives otherwise; empty when every rank runs the op with the reference's arguments."""
+def differing_arguments(ref: OpRecord, ranks: list[OpRecord]) -> list[tuple[str, object, object, tuple[int, ...]]]:
+    """(where, the single process's value, the first differing rank's, the ranks that give that value) for each
+    argument that is not a tensor and that some rank gives otherwise; empty when every rank runs the op with the
+    reference's arguments."""
     mine = dict(plain_arguments(ref))
-    out = []
-    for top in ranks:
+    out: list[tuple[str, object, object, tuple[int, ...]]] = []
+    for rank, top in enumerate(ranks):
         for where, v in plain_arguments(top):
-            if where in mine and mine[where] != v and not any(w == where for w, _, _ in out):
-                out.append((where, mine[where], v))
+            if where not in mine or mine[where] == v:
+                continue
+            k = next((k for k, (w, _, _, _) in enumerate(out) if w == where), None)
+            if k is None:
+                out.append((where, mine[where], v, (rank,)))
+            elif out[k][2] == v:
+                out[k] = out[k][:3] + (out[k][3] + (rank,),)
     return out
 
 
-def arguments_text(found: list[tuple[str, object, object]], world: int) -> str:
-    """'alpha -0.2 on the ranks, -0.1 in the single process (2x: the world size)', joined by '; '."""
+def arguments_text(found: list[tuple[str, object, object, tuple[int, ...]]], world: int) -> str:
+    """'alpha -0.2 on the ranks, -0.1 in the single process (2x: the world size)' ('on rank 1' where only some
+    ranks give it), joined by '; '."""
     said = []
-    for where, ref, theirs in found[:4]:
+    for where, ref, theirs, ranks in found[:4]:
         ratio = ""
         if isinstance(ref, (int, float)) and isinstance(theirs, (int, float)) and not isinstance(ref, bool) and ref:
             r = Fraction(theirs / ref).limit_denominator(64)
@@ -51,6 +58,8 @@ def arguments_text(found: list[tuple[str, object, object]], world: int) -> str:
                 ratio = f" ({r.numerator if r.denominator == 1 else r}x" + \
                     (": the world size)" if r == world else ": 1 over the world size)" if r == Fraction(1, world)
                      else ")")
-        said.append(f"{where} {theirs!r} on the ranks, {ref!r} in the single process{ratio}")
+        on = "the ranks" if len(ranks) == world else \
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        said.append(f"{where} {theirs!r} on {on}, {ref!r} in the single process{ratio}")
     more = len(found) - 4
     return "; ".join(said) + (f"; +{more} more" if more > 0 else "")

@@ -372,7 +372,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 why += f"; each rank accumulated it over its {passes} micro-batches and no all-reduce follows the " \
                        f"last one's backward{' (' + last + ')' if last else ''}: run that backward outside " \
                        f"no_sync(), or all-reduce the gradients after it"
-        elif m.layout is not None:
+        elif m.layout is not None and (legit_factors(m.layout, rop.phase, loss) or not m.off):
+            # (no factor is right for what the optimizer keeps, and some rank holds the reference's: said below)
             kind, why = Departure.SCALED, why_scaled(m.layout, legit_factors(m.layout, rop.phase, loss))
             if other_args:
                 why += f"; the ranks run this op with other arguments than the single process: " \
@@ -460,7 +461,9 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         via[i] = computing_behind(lead_side, lead_map, tops[0].index)
         if kind is Departure.SCALED and m.layout is not None:
             legit = legit_factors(m.layout, rop.phase if m.kind == "out" else None, loss)
-            applied[i] = min(legit, key=lambda f: abs(math.log(f / m.layout.factor))) / m.layout.factor
+            if legit:  # none: a sum over the ranks of what each should hold whole (see why_scaled), no factor
+                applied[i] = min(legit, key=lambda f: abs(math.log(f / m.layout.factor))) / \
+                    m.layout.factor
         if first is None:
             first = roots[0]
     if progress is not None:

@@ -44,6 +44,9 @@ def family(layout: Layout, legit: bool) -> str:
 
 
 def why_scaled(layout: Layout, legit: tuple[Fraction, ...]) -> str:
+    if not legit:  # what a correct run holds whole on every rank (what the optimizer makes) fits only as a sum
+        return (f"{layout.describe()}, where a correct parallel run holds the same value (or its own shard of it) on "
+                f"every rank: the ranks have parted from each other")
     right = min(legit, key=lambda f: abs(math.log(f / layout.factor)))
     times = right / layout.factor
     scale = ratio_text(times)
