@@ -566,3 +566,6 @@ def argument_name(name: str, position: int | str) -> str | None:
     except (UnknownOp, AttributeError):
         return None
     return args[position].name if 0 <= position < len(args) else None
+
+# one row of a tensor picked by its number: a map-style dataset's ``dataset[i]`` (diff/parallel/rows.py)
+ROW_PICKS = frozenset({"aten.select.int"})

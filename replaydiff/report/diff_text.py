@@ -299,6 +299,10 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
         out.write(f"  {len(pd.per_rank_index)} op(s) make each rank's own index from its local sizes (arange over "
                   f"the local batch, positions), not a piece of the single process's: not compared, what they index "
                   f"is, first ref #{pd.per_rank_index[0]}\n")
+    if pd.rows_reordered is not None:
+        out.write(f"  the ranks pick the single process's rows of the batch between them in another order (a "
+                  f"DistributedSampler interleaves its shards: rank r takes rows r, r+W, ...), first ref "
+                  f"#{pd.rows_reordered}: the same global batch; what parts only by that order is not a departure\n")
     if pd.amplified:
         out.write(f"  {len(pd.amplified)} op(s) part from the reference only by amplifying their inputs' rounding (every "
                   f"rank holds the same inputs, and its op is right given them: ill-conditioned, such as AdamW's first "

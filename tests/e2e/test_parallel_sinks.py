@@ -65,7 +65,16 @@ def step(mode):
         torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     part = 0 if mode == "same_shard" else rank  # BUG in same_shard: every rank reads rank 0's shard
     with replaydiff.record(out / mode):
-        xs, ys = torch.tensor_split(ids, world)[part], torch.tensor_split(labels, world)[part]
+        if mode.startswith("sampler"):  # a DataLoader over a map-style dataset: dataset[i] picks one row at a time
+            from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+            order = [0, 4, 1, 5, 2, 6, 3, 7]  # the padded rows 0 and 4 on two ranks, as tensor_split puts them
+            data = TensorDataset(ids[order], labels[order])
+            sampler = DistributedSampler(data, num_replicas=world, shuffle=False,  # rank r takes rows r, r+W, ...
+                                         rank=0 if mode == "sampler_same_rank" else rank)  # BUG in sampler_same_rank
+            xs, ys = next(iter(DataLoader(data, batch_size=8 // world, sampler=sampler)))
+        else:
+            xs, ys = torch.tensor_split(ids, world)[part], torch.tensor_split(labels, world)[part]
         if mode == "local_index":  # an index over the rank's own rows (as a mask built from local sizes is)
             rows = torch.arange(xs.shape[0])
             xs, ys = xs[rows], ys[rows]
@@ -104,7 +113,7 @@ for m in modes:
     step(m)
 '''
 MODES = ["plain", "local_index", "attention", "fsdp_clip", "per_token", "per_token_extra", "lr", "lr_one_rank",
-         "same_shard", "adam_sum", "token_mean"]
+         "same_shard", "adam_sum", "token_mean", "sampler", "sampler_same_rank"]
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +231,23 @@ def test_one_rank_s_learning_rate_is_named_with_its_rank_and_both_values(runs, c
     assert "(optimizer)" in text and "the ranks have parted from each other" in text, text
     assert "alpha -0.3 on rank 1, -0.1 in the single process" in text, text
     assert "SGD group 0: lr 0.3 on rank 1, 0.1 in the single process" in text, text
+
+
+def test_rows_a_distributed_sampler_interleaves_are_the_same_global_batch(runs, capsys):
+    """A DataLoader over a map-style dataset picks row by row (select); DistributedSampler's rank r takes rows r, r+W,
+    ...: the ranks' rows joined in rank order are the single process's batch permuted, which is no departure and no
+    'not the same global batch' (found by a new-user trial at --step 2)."""
+    pd = diff_traces(runs[1] / "sampler", runs[2] / "sampler").parallel
+    assert pd.departure is None and pd.batch_warning is None and pd.rows_reordered is not None
+    code, text = _diff(runs, "sampler", capsys)
+    assert code == 0 and "the ranks pick the single process's rows of the batch between them in another order" in text
+
+
+def test_every_rank_picking_the_same_rows_through_its_sampler_is_the_same_shard(runs):
+    d = diff_traces(runs[1] / "sampler_same_rank", runs[2] / "sampler_same_rank").parallel.departure
+    assert d is not None and d.kind is Departure.SAME_SHARD and d.op.name == "aten.select.int"
+    assert "every rank picks the same 4 rows (0, 2, 4, 6)" in d.why, d.why
+    assert f"{_line('sampler = DistributedSampler')} was given rank=0 on rank 1" in d.why, d.why
 
 
 def test_every_rank_reading_the_same_shard_is_said_at_the_slice(runs):

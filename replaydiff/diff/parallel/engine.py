@@ -14,6 +14,7 @@ from replaydiff.errors import UsageError
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import TensorRef
 from replaydiff.diff.parallel.arguments import arguments_text, differing_arguments
+from replaydiff.diff.parallel.rows import PICKS, rows_picked, same_rows_on_every_rank, same_rows_reordered
 from replaydiff.diff.parallel.alignment import (Side, backward_passes, follow_data, makes_layout, micro_batches_of,
                                                 pass_keys, rank_passes)
 from replaydiff.diff.parallel.declared import declared_on, declared_output, mesh_of
@@ -476,6 +477,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             f"the single process runs {len(computing)} of its {out.ref_ops} ops with no counterpart on every rank "
             f"(first #{computing[0]} {r_side.ops[computing[0]].name}): another program than each rank's, which is "
             f"not mapped onto the ranks; diff one rank op by op with --rank N")
+    if first is not None and first[0].name in PICKS:
+        first, inherited = _judge_picks(first, inherited, roots, origin, departed, r_side, t_sides, targets, out)
     out.sinks = len(sinks)
     out.settings = differing_settings(ref, set(r_side.ops), [(r, t, set(side.ops)) for r, (t, side) in
                                                              enumerate(zip(targets, t_sides))], world)
@@ -601,3 +604,52 @@ def diff_parallel_groups(refs: list[RankTrace], targets: list[RankTrace],
         out.departure = g.departure
         out.within = g.within
     return out
+
+
+
+def _picked(mop: MappedOp, r_side: Side, t_sides: list[Side]):
+    on_ranks = mop.on_ranks()
+    if len(on_ranks) != len(t_sides):
+        return None
+    return rows_picked(r_side.ops[mop.ref], r_side.ops, [t_sides[r].ops[j] for r, j in on_ranks],
+                       [side.ops for side in t_sides])
+
+
+def _judge_picks(first, inherited: int, roots: list, origin: dict[int, frozenset[int]], departed: set[int],
+                 r_side: Side, t_sides: list[Side], targets: list[RankTrace], out: ParallelDiff):
+    """The first op that parts picks one row of a dataset (a DataLoader over a map-style dataset): where the ranks
+    pick the single process's rows between them in another order (a DistributedSampler interleaves), the same global
+    batch: every such pick, and what parts only through them, is no departure, and the first root left heads (the
+    reordered roots dropped from ``roots``, ``origin`` and ``departed`` in place); where every rank picks the same
+    rows, each rank reads the same shard. Returns (first, inherited)."""
+    picks: set[int] = set()
+    for r in roots:
+        if r[0].name not in PICKS or r[0].ref in picks:
+            continue
+        picked = _picked(r[0], r_side, t_sides)
+        if not same_rows_reordered(picked):
+            continue
+        source = r_side.ops[r[0].ref].args[0].geometry
+        picks.update(i for i, op in r_side.ops.items() if op.name in PICKS and op.args and
+                     getattr(op.args[0], "geometry", None) == source)
+    if picks:
+        out.batch_warning, out.rows_reordered = None, first[0].ref
+        roots[:] = [r for r in roots if r[0].ref not in picks]
+        for i in list(origin):
+            origin[i] = origin[i] - picks
+            if not origin[i]:
+                departed.discard(i)
+        first = roots[0] if roots else None
+        if first is not None:
+            inherited = sum(1 for i in departed if i > first[0].ref and first[0].ref in origin.get(i, ()))
+        return first, inherited
+    rows = same_rows_on_every_rank(_picked(first[0], r_side, t_sides))
+    if rows is not None:
+        shown = ", ".join(map(str, rows[:8])) + (", ..." if len(rows) > 8 else "")
+        why = (f"every rank picks the same {len(rows)} rows ({shown}) of input 0 "
+               f"({r_side.ops[first[0].ref].inputs()[0].describe()}), where each should pick its own: each rank "
+               f"reads the same shard; {same_shard_cause(targets, True)}")
+        out.batch_warning = None
+        first = (first[0], first[1], Departure.SAME_SHARD, why)
+        roots[:] = [first if r[0].ref == first[0].ref else r for r in roots]
+    return first, inherited

@@ -167,6 +167,9 @@ class ParallelDiff:
     # one line when the runs did not see the same global batch (a tensor from outside the step that needs no
     # gradient, read in the forward, maps under no layout at factor 1); None: not seen
     batch_warning: str | None = None
+    # the first op that parted picks one row of a dataset, and the ranks pick the single process's rows between
+    # them in another order (a DistributedSampler interleaves): the same global batch, no departure (rows.py)
+    rows_reordered: int | None = None
     # the ranks' traces hold DTensor placements: (compared tensors whose layout is the one DTensor declared, the
     # others, inferred from the tensors); None: none recorded
     from_placements: tuple[int, int] | None = None
@@ -209,6 +212,7 @@ class ParallelDiff:
                if self.worst_limit is not None else {}),
             "not_judged_random": list(self.random_parted), "amplified": list(self.amplified),
             "sinks": self.sinks, "per_rank_index": list(self.per_rank_index),
+            **({"rows_reordered": self.rows_reordered} if self.rows_reordered is not None else {}),
             "cancelled": [_site(c) for c in self.cancelled],
             **({"restored": self.restored} if self.restored else {}),
             **({"sites": [_site(c) for c in self.sites]} if self.sites else {}),
