@@ -8,6 +8,7 @@ ranks. ~2 minutes on the shared 2-core machine (the diff of each pair reads ~200
 """
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 
 from replaydiff.cli.main import main
 from replaydiff.diff import diff_traces
+from replaydiff.report.diff_text import render_diff
 
 pytestmark = pytest.mark.slow
 
@@ -75,8 +77,9 @@ def runs(tmp_path_factory) -> Path:
     return root
 
 
-def test_a_correct_run_of_a_model_16x_the_size_agrees_within_limits_its_sums_give(runs, capsys):
-    pd = diff_traces(runs / "single" / "correct", runs / "multi" / "correct").parallel
+def test_a_correct_run_of_a_model_16x_the_size_agrees_within_limits_its_sums_give(runs):
+    report = diff_traces(runs / "single" / "correct", runs / "multi" / "correct")
+    pd = report.parallel
     assert pd is not None and pd.world == 4 and pd.departure is None and not pd.random_parted, pd.departure
     judged = [m for op in pd.ops for m in op.tensors if m.error is not None and m.bound is not None]
     counted = [m for m in judged if m.bound.counted]
@@ -85,9 +88,10 @@ def test_a_correct_run_of_a_model_16x_the_size_agrees_within_limits_its_sums_giv
     assert any(m.bound.terms == 128 and m.layout.kind.value == "partial" for m in counted)
     assert all(m.error <= m.limit for m in judged)
     assert 0 < pd.worst <= pd.worst_limit
-    capsys.readouterr()
-    assert main(["diff", str(runs / "single" / "correct"), str(runs / "multi" / "correct")]) == 0
-    text = capsys.readouterr().out
+    assert not report.found_difference
+    out = io.StringIO()
+    render_diff(report, out)  # what `replaydiff diff` prints
+    text = out.getvalue()
     bound = pd.worst_bound
     assert bound is not None and f"against its limit of {pd.worst_limit:.3g} eps ({bound.describe()})" in text
 
