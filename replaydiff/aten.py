@@ -498,6 +498,10 @@ def current_rank() -> tuple[int, int]:
 # Matrix products: each output element sums over the last dimension of the first matrix argument.
 MATMUL_PACKETS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm", "mv", "addmv",
                             "_addmm_activation"})
+# Matrix products whose first argument is a bias, added (times beta) to alpha times the product of the next two.
+BIASED_MATMUL_PACKETS = frozenset({"addmm", "baddbmm", "addmv", "addbmm", "_addmm_activation"})
+# Sums over dimensions: each output element adds up (a mean: then divides) the input's elements along the dims.
+DIM_SUM_PACKETS = frozenset({"sum", "mean"})
 # Convolutions: each output element sums over the weight's in-channels times its kernel.
 CONVOLUTION_PACKETS = frozenset({"convolution", "_convolution", "conv1d", "conv2d", "conv3d"})
 TF32_MATMUL_PACKETS = MATMUL_PACKETS | frozenset({"_scaled_dot_product_efficient_attention",

@@ -225,8 +225,10 @@ def _worst(pd) -> str:
         return f"worst rel_l2 {pd.worst:.3g} eps of the recorded dtype"
     op = next((o for o in pd.ops if o.ref == pd.worst_op), None)
     at = "" if op is None or not pd.worst else f" {op.name}" + (f" ({op.phase})" if op.phase else "")
-    return f"worst rel_l2 {pd.worst:.3g} eps of the recorded dtype against a limit of {pd.worst_limit:.3g} eps " \
-           f"(sqrt(eps)){f', at ref #{pd.worst_op}{at}' if at else ''}"
+    bound = pd.worst_bound
+    how = "sqrt(eps)" if bound is None else bound.describe()
+    return f"worst rel_l2 {pd.worst:.3g} eps of the recorded dtype against its limit of {pd.worst_limit:.3g} eps " \
+           f"({how}){f', at ref #{pd.worst_op}{at}' if at else ''}"
 
 
 def _site_line(d) -> str:

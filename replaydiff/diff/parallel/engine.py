@@ -19,7 +19,7 @@ from replaydiff.diff.parallel.alignment import (Side, backward_passes, follow_da
                                                 pass_keys, rank_passes)
 from replaydiff.diff.parallel.declared import declared_on, declared_output, mesh_of
 from replaydiff.diff.parallel.factors import legit_factors, pick_legit
-from replaydiff.diff.parallel.mapping import map_tensor
+from replaydiff.diff.parallel.mapping import map_tensor, measured_reads
 from replaydiff.diff.parallel.means import unequal_counts
 from replaydiff.diff.parallel.paths import (amplifies, collective_ahead, collective_behind, computing_behind,
                                             made_apart, partial_input, reduced_at, same_draws_of, scale_behind)
@@ -91,6 +91,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     departed: set[int] = set()  # reference ops that part from the reference, the first and what inherits it
     drawn: set[int] = set()  # random ops, and ops that part only because they read what random ops drew
     seen_inputs: set = set()
+    outside: dict[int, float] = {}  # the error of each value from outside the step, by storage version, as mapped
     step_views: set[int] = set()
     first: tuple[MappedOp, Mapped, Departure, str] | None = None
     within: ParallelDeparture | None = None  # after inputs that differ: the first op that parts with agreeing inputs
@@ -203,13 +204,15 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                            per_rank if micro is not None else len(own) // world)
             if m is not None:
                 tensors.append(m)
+                outside[rref.version] = m.error if m.error is not None else math.inf
         r_outs, t_outs = rop.outputs_refs(), [t.outputs_refs() for t in tops]
+        reads = measured_reads(r_ins, producers, by_ref, outside)  # what its outputs' limits carry
         for pos, rref in enumerate(r_outs):
             if step_view or unread_view or any(pos >= len(to) for to in t_outs):
                 continue
             m = map_tensor(ref, tgts, rref, [to[pos] for to in t_outs], "out", pos, world, micro,
                            declared_output(lead_side, declared[lead_rank], tops[0].index, pos), mesh,
-                           per_rank if micro is not None else len(own) // world)
+                           per_rank if micro is not None else len(own) // world, rop, reads)
             if m is not None:
                 tensors.append(m)
         fwd = r_side.ops.get(rop.forward_index) if rop.phase == "backward" and rop.forward_index is not None else None

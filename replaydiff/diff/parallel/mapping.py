@@ -6,26 +6,69 @@ import math
 
 import torch
 
+from replaydiff import aten
 from replaydiff.compare.layout import (Close, Layout, LayoutKind, infer_layouts, infer_mesh_layouts, rel_l2_close,
                                        shard_offsets)
+from replaydiff.compare.reordered import Limit, counts_terms, fallback, limit_of
 from replaydiff.trace.placements import DTensorArg
 from replaydiff.trace.reader import RankTrace
-from replaydiff.trace.schema import TensorRef
+from replaydiff.trace.schema import OpRecord, TensorRef
 from replaydiff.diff.parallel.declared import declares
-from replaydiff.diff.parallel.result import Mapped
+from replaydiff.diff.parallel.result import Mapped, MappedOp
 
 
-def close_for(dtype: torch.dtype) -> Close:
-    """Whether a mapped value is the reference's: rel_l2 within sqrt(eps) of the recorded dtype (half its digits:
-    a reordered sum, a gradient reduced in another order and what they feed stay orders of magnitude inside; a
-    scale, an unreduced sum or per-rank statistics fall far outside); integers and booleans exactly."""
+def close_for(dtype: torch.dtype, limit: Limit | None = None) -> Close:
+    """Whether a mapped value is the reference's: rel_l2 within ``limit`` (compare/reordered.py: counted from the
+    terms of the sums that made it; without one, sqrt(eps) of the recorded dtype, half its digits: a scale, an
+    unreduced sum or per-rank statistics fall far outside); integers and booleans exactly."""
     if dtype.is_floating_point:
-        return rel_l2_close(math.sqrt(torch.finfo(dtype).eps))
+        eps = torch.finfo(dtype).eps
+        return rel_l2_close((limit or fallback(dtype)).eps * eps)
 
     def exact(x: torch.Tensor, ref: torch.Tensor) -> bool:
         return tuple(x.shape) == tuple(ref.shape) and torch.equal(x.to(torch.float64), ref.to(torch.float64))
 
     return exact
+
+
+def limit_for(ref: RankTrace, rop: OpRecord | None, value: torch.Tensor,
+              reads: float | None) -> Limit | None:
+    """The limit of one reference value as compare/reordered.py forms it: from the terms of the sum ``rop`` (the op
+    that made it, its first output; None: a value from outside the step, or another output) computes it by, where every value it reads was measured
+    (``reads``: their largest error, eps; None: some was not); sqrt(eps) otherwise. None: not floating (exact)."""
+    if not value.is_floating_point():
+        return None
+    if rop is None or reads is None or not counts_terms(aten.packet(rop.name)):
+        return fallback(value.dtype, reads)
+    if not all(t.stored and not t.meta and not t.uninitialised for t in rop.inputs()):
+        return fallback(value.dtype, reads)
+
+    def load(a):
+        return ref.tensor(a) if isinstance(a, TensorRef) else a
+
+    args = [load(a) for a in rop.args]
+    kwargs = {k: load(v) for k, v in rop.kwargs.items()}
+    return limit_of(aten.packet(rop.name), args, kwargs, value, reads)
+
+
+def measured_reads(ins: list[TensorRef], producers: dict[int, int | None], made: dict[int, MappedOp],
+                   outside: dict[int, float]) -> float | None:
+    """The largest error (rel_l2 / eps) measured on the values an op reads: each from the op that made it (its
+    outputs' largest, as mapped), or from outside the step as mapped where first read (``outside``: by storage
+    version); None when some value it reads was not measured (not mapped, or read from the ranks' own ops)."""
+    worst = 0.0
+    for pos, r in enumerate(ins):
+        p = producers.get(pos)
+        if p is None:
+            e = outside.get(r.version)
+        else:
+            op = made.get(p)
+            errs = [] if op is None else [t.error for t in op.tensors if t.kind == "out" and t.error is not None]
+            e = max(errs) if errs else None
+        if e is None or not math.isfinite(e):
+            return None
+        worst = max(worst, e)
+    return worst
 
 
 def rel_l2(layout: Layout, parts: list[torch.Tensor], ref: torch.Tensor) -> float:
@@ -39,8 +82,11 @@ def rel_l2(layout: Layout, parts: list[torch.Tensor], ref: torch.Tensor) -> floa
 
 def map_tensor(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs: list[TensorRef], kind: str,
                pos: int, world: int, micro: int | None = None, declared: DTensorArg | None = None,
-               mesh: tuple[tuple[tuple[int, ...], ...], ...] | None = None, passes: int = 1) -> Mapped | None:
+               mesh: tuple[tuple[tuple[int, ...], ...], ...] | None = None, passes: int = 1,
+               rop: OpRecord | None = None, reads: float | None = None) -> Mapped | None:
     """How the ranks hold one tensor of an aligned op; None when it cannot be compared (no data, uninitialised).
+    ``rop``: the reference op that made it (an output), and ``reads``: the largest error measured on what that op
+    reads (``measured_reads``), from which its limit is counted (``limit_for``); without them, sqrt(eps).
     ``micro``: one rank's op against the reference's micro-batch of that number (``targets`` is that rank alone).
     ``passes``: each rank runs the op once per micro-batch of its share, ``targets`` holding each rank ``passes``
     times (rank-major, one entry per pass)."""
@@ -48,13 +94,15 @@ def map_tensor(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs:
         return None
     r = ref.tensor(rref)
     parts = [targets[k].tensor(t) for k, t in enumerate(trefs)]
-    fits = infer_layouts(r, parts, close_for(r.dtype))
+    limit = limit_for(ref, rop if kind == "out" and pos == 0 else None, r, reads)
+    close = close_for(r.dtype, limit)
+    fits = infer_layouts(r, parts, close)
     if mesh is not None and micro is None:
         # a value every rank holds whole, or a slice of, first; then the layouts within the mesh's rows or columns,
         # before a sum over every rank (a per-rank mean over the mesh's data-parallel dimension is partial over its
         # rows, at 1/rows, not over all the ranks: the backward's factor follows from it)
         flat = [f for f in fits if f.kind in (LayoutKind.REPLICATED, LayoutKind.SHARDED)]
-        fits = flat + infer_mesh_layouts(r, parts, close_for(r.dtype), mesh) + [f for f in fits if f not in flat]
+        fits = flat + infer_mesh_layouts(r, parts, close, mesh) + [f for f in fits if f not in flat]
     if micro is not None:
         fits = [dataclasses.replace(f, world=world, micro_batch=micro, passes=passes) for f in fits]
     elif passes > 1:
@@ -67,7 +115,6 @@ def map_tensor(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs:
     off: tuple[int, ...] = ()
     offsets = None
     if layout is None:
-        close = close_for(r.dtype)
         if all(tuple(p.shape) == tuple(r.shape) for p in parts):
             off = tuple(k for k, p in enumerate(parts) if not close(p.to(torch.float64), r))
         found = None if micro is not None else shard_offsets(r, parts, close)
@@ -78,5 +125,4 @@ def map_tensor(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs:
         parts[0].numel() > 0 and all(tuple(p.shape) == tuple(parts[0].shape) and torch.equal(p, parts[0])
                                      for p in parts[1:])
     return Mapped(kind, pos, rref.describe(), layout, error, off, offsets, tuple(fits), sizes,
-                  None if micro is not None else declared, alike,
-                  1 / math.sqrt(eps) if r.dtype.is_floating_point else None)
+                  None if micro is not None else declared, alike, None if limit is None else limit.eps, limit)

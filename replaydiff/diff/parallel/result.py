@@ -10,6 +10,7 @@ from fractions import Fraction
 
 from replaydiff.diff.parallel.settings import SettingDifference
 from replaydiff.compare.layout import Layout, ratio_text
+from replaydiff.compare.reordered import Limit
 from replaydiff.trace.placements import DTensorArg
 from replaydiff.diff.parallel.declared import declares
 
@@ -46,7 +47,8 @@ class Mapped:
     sizes: tuple[int, ...] | None = None  # with ``offsets``: each rank's extent along that dim
     declared: DTensorArg | None = None  # the placements DTensor declared for it on the ranks, where recorded
     alike: bool = False  # no layout fits, and every rank holds the same piece of it (each read the same shard)
-    limit: float | None = None  # the rel_l2 / eps a mapped value may reach and fit (close_for's); None: exact
+    limit: float | None = None  # the rel_l2 / eps a mapped value may reach and fit (``bound.eps``); None: exact
+    bound: Limit | None = None  # how ``limit`` was formed (compare/reordered.py); None: exact
 
     @property
     def layout_from(self) -> str | None:
@@ -193,6 +195,16 @@ class ParallelDiff:
     sink: ParallelDeparture | None = None  # the first sink that parts: its op and tensor (the net factor)
 
     @property
+    def worst_bound(self) -> Limit | None:
+        """How the limit of the tensor that maps nearest its limit was formed (``worst_limit``); None: none."""
+        if self.worst_limit is None:
+            return None
+        op = next((o for o in self.ops if o.ref == self.worst_op), None)
+        near = [] if op is None else [m for m in op.tensors if m.bound is not None and m.limit == self.worst_limit
+                                      and m.error == self.worst]
+        return near[0].bound if near else None
+
+    @property
     def departed(self) -> bool:
         return self.departure is not None
 
@@ -208,7 +220,8 @@ class ParallelDiff:
             "not_aligned": list(self.not_aligned), "layout_ops": dict(self.layout_ops),
             "families": {k: dict(v) for k, v in self.families.items()}, "random_ops": self.random_ops,
             "not_stored": self.not_stored, "worst_rel_l2_over_eps": self.worst,
-            **({"worst_limit_over_eps": self.worst_limit, "worst_ref": self.worst_op}
+            **({"worst_limit_over_eps": self.worst_limit, "worst_ref": self.worst_op,
+                **({"worst_limit": self.worst_bound.to_json()} if self.worst_bound is not None else {})}
                if self.worst_limit is not None else {}),
             "not_judged_random": list(self.random_parted), "amplified": list(self.amplified),
             "sinks": self.sinks, "per_rank_index": list(self.per_rank_index),
