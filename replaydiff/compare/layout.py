@@ -40,6 +40,11 @@ class LayoutKind(str, Enum):
     MAX = "max"  # the largest over the ranks is the value (a per-rank max the program reduces with a max)
     MIN = "min"
     NORM = "norm"  # the 2-norm over the ranks' values is the value (each rank's norm of its shard: DTensor's _NormP)
+    # expert parallelism: one rank alone holds the whole value (an expert's op, run where the expert is)
+    HELD = "held"
+    # expert parallelism: each rank holds its rows grouped by the rank they are sent to (an all-to-all's input), the
+    # reference the same rows grouped over every rank: block b of every rank in rank order, then block b + 1
+    ROUTED = "routed"
 
     def __str__(self) -> str:
         return self.value
@@ -70,6 +75,10 @@ class Layout:
     # each rank in turn (rank-major); with ``micro_batch``, each rank's passes against as many micro-batches of the
     # reference; 1: one part per rank
     passes: int = 1
+    # held: the rank that holds the value (the other ranks run no counterpart)
+    holder: int | None = None
+    # routed: each rank's blocks along ``dim`` (the rows it sends to each rank, in rank order)
+    splits: tuple[tuple[int, ...], ...] | None = None
 
     def assemble(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """The value the ranks' tensors stand for (before the factor), in float64: rank 0's for a replicated
@@ -78,8 +87,11 @@ class Layout:
             held = [self.inner.assemble([parts[i] for i in g]) for g in self.groups]
             return dataclasses.replace(self, inner=None, groups=None).assemble(held)
         xs = [p.detach().to(torch.float64) for p in parts]
-        if self.kind is LayoutKind.REPLICATED:
+        if self.kind in (LayoutKind.REPLICATED, LayoutKind.HELD):
             return xs[0]
+        if self.kind is LayoutKind.ROUTED and self.splits is not None:
+            blocks = [x.split(list(s), dim=self.dim) for x, s in zip(xs, self.splits)]
+            return torch.cat([b[k] for k in range(len(self.splits[0])) for b in blocks], dim=self.dim)
         if self.kind is LayoutKind.SHARDED:
             if self.blocks == 1:
                 return torch.cat(xs, dim=self.dim)
@@ -111,6 +123,12 @@ class Layout:
             return f"rank {self.micro_batch}'s own value against the reference's {which}{scale}"
         if self.kind is LayoutKind.REPLICATED:
             return f"replicated on {self.world} ranks{scale}"
+        if self.kind is LayoutKind.HELD:
+            return f"held whole by rank {self.holder} alone, the rank that holds this expert{scale}"
+        if self.kind is LayoutKind.ROUTED and self.splits is not None:
+            rows = ", ".join(f"rank {r}: {'+'.join(map(str, s))}" for r, s in enumerate(self.splits))
+            return f"routed on dim {self.dim} over {self.world} ranks: each rank's rows grouped by the rank they are " \
+                   f"sent to ({rows}), the reference's by the same ranks over every rank{scale}"
         if self.kind is LayoutKind.SHARDED:
             even = self.sizes is not None and len(set(self.sizes)) == 1
             split = "" if self.sizes is None else f" ({'+'.join(map(str, self.sizes))}{'' if even else ', uneven'})"
@@ -126,6 +144,10 @@ class Layout:
             out["micro_batch"] = self.micro_batch
         if self.passes > 1:
             out["micro_batches_per_rank"] = self.passes
+        if self.holder is not None:
+            out["holder"] = self.holder
+        if self.splits is not None:
+            out["splits"] = [list(x) for x in self.splits]
         if self.inner is not None and self.groups is not None:
             out["inner"] = self.inner.to_json()
             out["groups"] = [list(g) for g in self.groups]
@@ -216,8 +238,13 @@ def ratio_text(f: Fraction) -> str:
     return str(f.numerator) if f.denominator == 1 else f"{f.numerator}/{f.denominator}"
 
 
-def candidates(ref_shape: Sequence[int], shapes: Sequence[Sequence[int]]) -> list[Layout]:
-    """The layouts the shapes allow, plainest first (replicated, sharded by dimension, partial), at factor 1."""
+Splits = tuple[tuple[int, ...], ...]  # each rank's split sizes along dim 0 (an all-to-all's), in rank order
+
+
+def candidates(ref_shape: Sequence[int], shapes: Sequence[Sequence[int]], exchanges: Sequence[Splits] = ()
+               ) -> list[Layout]:
+    """The layouts the shapes allow, plainest first (replicated, sharded by dimension, partial, then routed by the
+    split sizes of ``exchanges``: the all-to-alls the ranks ran), at factor 1."""
     world = len(shapes)
     ref_shape, shapes = tuple(ref_shape), [tuple(s) for s in shapes]
     if world == 0:
@@ -241,6 +268,12 @@ def candidates(ref_shape: Sequence[int], shapes: Sequence[Sequence[int]]) -> lis
                 continue
             kinds += [Layout(LayoutKind.SHARDED, world, d, tuple(s[d] for s in shapes), blocks=b)
                       for b in range(2, min(k, 64) + 1) if k % b == 0]
+    # rows routed to experts: each rank's rows in the blocks it sends, the reference's block by block over the ranks
+    if world > 1 and ref_shape and all(len(s) == len(ref_shape) and s[1:] == ref_shape[1:] for s in shapes):
+        for splits in dict.fromkeys(exchanges):
+            if len(splits) == world and all(len(x) == len(splits[0]) > 1 for x in splits) and \
+                    all(sum(x) == s[0] for x, s in zip(splits, shapes)) and sum(map(sum, splits)) == ref_shape[0]:
+                kinds.append(Layout(LayoutKind.ROUTED, world, 0, tuple(s[0] for s in shapes), splits=splits))
     return kinds
 
 
@@ -274,13 +307,14 @@ def fit_scale(x: torch.Tensor, ref: torch.Tensor, most: int = 64) -> Fraction | 
     return snapped
 
 
-def infer_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close) -> list[Layout]:
+def infer_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close, exchanges: Sequence[Splits] = ()
+                  ) -> list[Layout]:
     """Every layout the shapes allow under which ``parts`` (one tensor per rank, in rank order) stand for ``ref``
     by ``close(mapped, ref)``, plainest first, each with the simple factor it takes (``Layout.factor``: 1 when the
     ranks hold the reference itself). Several can fit: ranks that each hold a quarter of a count are a value
     replicated at 1/4 and a partial one at 1; which factor is right is the caller's to judge."""
     out = []
-    for layout in candidates(ref.shape, [p.shape for p in parts]):
+    for layout in candidates(ref.shape, [p.shape for p in parts], exchanges):
         if layout.kind is LayoutKind.REPLICATED:
             # every rank must hold it at the same factor, not rank 0 alone
             x = [p.detach().to(torch.float64) for p in parts]
@@ -340,10 +374,11 @@ def infer_mesh_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: 
     return out
 
 
-def infer_layout(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close) -> Layout | None:
+def infer_layout(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close, exchanges: Sequence[Splits] = ()
+                 ) -> Layout | None:
     """The plainest layout under which ``parts`` stand for ``ref`` (``infer_layouts``'s first), or None when no
     layout the shapes allow fits at any simple factor."""
-    fits = infer_layouts(ref, parts, close)
+    fits = infer_layouts(ref, parts, close, exchanges)
     return fits[0] if fits else None
 
 

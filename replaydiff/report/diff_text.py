@@ -297,7 +297,7 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
                   f"every rank; seed each rank's dropout apart)\n")
     if pd.per_rank_index:
         out.write(f"  {len(pd.per_rank_index)} op(s) make each rank's own index from its local sizes (arange over "
-                  f"the local batch, positions), not a piece of the single process's: not compared, what they index "
+                  f"the local batch, positions, the order that groups its own tokens by expert), not a piece of the single process's: not compared, what they index "
                   f"is, first ref #{pd.per_rank_index[0]}\n")
     if pd.amplified:
         out.write(f"  {len(pd.amplified)} op(s) part from the reference only by amplifying their inputs' rounding (every "

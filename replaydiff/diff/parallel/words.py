@@ -34,6 +34,11 @@ def family(layout: Layout, legit: bool) -> str:
         return f"partial at {ratio_text(1 / layout.factor)}x"
     if layout.kind is LayoutKind.NORM:
         return "norm over ranks (each rank's norm of its shard)"
+    if layout.kind is LayoutKind.HELD:
+        return "held by its expert's rank" + ("" if layout.factor == 1 else f" at {ratio_text(1 / layout.factor)}x")
+    if layout.kind is LayoutKind.ROUTED:
+        return "routed to experts (all-to-all blocks)" + \
+            ("" if layout.factor == 1 else f" at {ratio_text(1 / layout.factor)}x")
     if layout.kind in (LayoutKind.MAX, LayoutKind.MIN):
         return f"{layout.kind.value} over ranks"
     text = f"sharded on dim {layout.dim}" if layout.kind is LayoutKind.SHARDED else "replicated"
