@@ -171,6 +171,15 @@ class Kind:
         """The layouts of this kind the shapes allow (``world`` = len(shapes) > 0), at factor 1."""
         return []
 
+    def group_candidates(self, shapes: list[tuple[int, ...]]) -> list["Layout"]:
+        """The layouts of this kind one group of a mesh's ranks can hold its part of a value in, with no reference
+        to size them by (``infer_mesh_layouts``); none: the kind is not used within a group."""
+        return []
+
+    def group_holds(self, members: Sequence[torch.Tensor], close: Close) -> bool:
+        """Whether one group's tensors hold a part in this kind, beyond their shapes."""
+        return True
+
     def fit(self, layout: "Layout", ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close) -> "Layout | None":
         """``layout`` at the simple factor that brings the ranks' value closest to ``ref``, if it is close then."""
         a = layout.assemble(parts)
@@ -212,6 +221,13 @@ class _Replicated(Kind):
 
     def candidates(self, ref_shape, shapes, exchanges) -> list["Layout"]:
         return [Layout(self.kind, len(shapes))] if all(s == ref_shape for s in shapes) else []
+
+    def group_candidates(self, shapes: list[tuple[int, ...]]) -> list["Layout"]:
+        return [Layout(self.kind, len(shapes))] if all(s == shapes[0] for s in shapes) else []
+
+    def group_holds(self, members: Sequence[torch.Tensor], close: Close) -> bool:
+        first = members[0].detach().to(torch.float64)  # a replicated part only where the group's tensors agree
+        return all(close(p.detach().to(torch.float64), first) for p in members[1:])
 
     def fit(self, layout: "Layout", ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close) -> "Layout | None":
         # every rank must hold it at the same factor, not rank 0 alone
@@ -269,6 +285,12 @@ class _Sharded(Kind):
     def declared_by(self, layout: "Layout", placement: str, dim: int | None) -> bool:
         return placement == self.placement and layout.dim == dim and layout.blocks == 1
 
+    def group_candidates(self, shapes: list[tuple[int, ...]]) -> list["Layout"]:
+        if not all(len(s) == len(shapes[0]) for s in shapes):
+            return []
+        return [Layout(self.kind, len(shapes), d, tuple(s[d] for s in shapes)) for d in range(len(shapes[0]))
+                if all(s[:d] + s[d + 1:] == shapes[0][:d] + shapes[0][d + 1:] for s in shapes)]
+
 
 class Reduction(Kind):
     """A layout in which every rank holds a value of the reference's shape and the reference is their elementwise
@@ -313,6 +335,9 @@ class _Sum(Reduction):
         if layout.factor == Fraction(1, layout.world):
             return "partial (a per-micro-batch mean)" if layout.passes > 1 else "partial (a per-rank mean)"
         return f"partial at {ratio_text(1 / layout.factor)}x"
+
+    def group_candidates(self, shapes: list[tuple[int, ...]]) -> list["Layout"]:
+        return [Layout(self.kind, len(shapes))] if all(s == shapes[0] for s in shapes) else []
 
     def factors(self, layout: "Layout", phase: str | None) -> tuple[Fraction, ...]:
         if phase == "optimizer":
@@ -477,20 +502,10 @@ def infer_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close
 
 
 def _inner_candidates(members: Sequence[torch.Tensor]) -> list[Layout]:
-    """The layouts one group's tensors can hold a part of a value in, with no reference to size them by:
-    replicated, sharded on a dimension, partial."""
-    n, shapes = len(members), [tuple(p.shape) for p in members]
-    out: list[Layout] = []
-    same = all(s == shapes[0] for s in shapes)
-    if same:
-        out.append(Layout(LayoutKind.REPLICATED, n))
-    if all(len(s) == len(shapes[0]) for s in shapes):
-        for d in range(len(shapes[0])):
-            if all(s[:d] + s[d + 1:] == shapes[0][:d] + shapes[0][d + 1:] for s in shapes):
-                out.append(Layout(LayoutKind.SHARDED, n, d, tuple(s[d] for s in shapes)))
-    if same:
-        out.append(Layout(LayoutKind.PARTIAL, n))
-    return out
+    """The layouts one group's tensors can hold a part of a value in, with no reference to size them by, each
+    kind's in turn (replicated, sharded on a dimension, partial)."""
+    shapes = [tuple(p.shape) for p in members]
+    return [layout for k in KINDS.values() for layout in k.group_candidates(shapes)]
 
 
 def infer_mesh_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close,
@@ -507,10 +522,8 @@ def infer_mesh_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: 
                 members = [parts[i] for i in g]
                 if not any(c.kind is inner.kind and c.dim == inner.dim for c in _inner_candidates(members)):
                     break
-                if inner.kind is LayoutKind.REPLICATED:
-                    first = members[0].detach().to(torch.float64)
-                    if not all(close(p.detach().to(torch.float64), first) for p in members[1:]):
-                        break
+                if not KINDS[inner.kind].group_holds(members, close):
+                    break
                 held.append(dataclasses.replace(inner, sizes=None if inner.sizes is None else
                                                 tuple(int(p.shape[inner.dim]) for p in members)).assemble(members))
             else:

@@ -27,7 +27,7 @@ from replaydiff.diff.parallel.mapping import close_for, rel_l2
 from replaydiff.diff.parallel.result import Mapped
 from replaydiff.trace.exchange import exchange_of
 from replaydiff.trace.reader import RankTrace
-from replaydiff.trace.schema import TensorRef
+from replaydiff.trace.schema import OpRecord, TensorRef
 
 
 def held_modules(r_side: Side, t_sides: list[Side]) -> dict[str, int]:
@@ -106,7 +106,7 @@ def routed_tensor(ref: RankTrace, tgts: list[RankTrace], rref: TensorRef, trefs:
                                offsets=None, sizes=None, alike=False)
 
 
-def own_rows_index(tops, tgts: list[RankTrace], rop) -> bool:
+def own_rows_index(tops: list[OpRecord], tgts: list[RankTrace], rop: OpRecord) -> bool:
     """An integer output each rank computes as positions into its own rows (argsort of its tokens' experts): every
     rank's values lie within its own input's length, and the reference's reach past a rank's: each rank's index of
     its own values, not a piece of the reference's."""
