@@ -145,6 +145,9 @@ class Kind:
 
     kind: LayoutKind
     scaled = True  # whether the value may stand for the reference at a factor other than 1 (a sum of means)
+    # whether the value is one rank's element at each position (a max, a min): it fits ranks of which some agree
+    # with the reference and some hold less (a ReLU of values one rank got wrong), so a fit proves no agreement
+    picks = False
     placement: str | None = None  # DTensor's placement that declares this kind (trace.placements.Placement's value)
 
     def assemble(self, layout: "Layout", xs: list[torch.Tensor]) -> torch.Tensor:  # xs: float64, one per rank
@@ -354,6 +357,7 @@ class _Max(Reduction):
     """The largest over the ranks is the value (a per-rank max the program reduces with a max)."""
 
     kind = LayoutKind.MAX
+    picks = True
 
     def combine(self, stacked: torch.Tensor) -> torch.Tensor:
         return stacked.amax(0)
@@ -368,6 +372,7 @@ class _Max(Reduction):
 @_kind
 class _Min(Reduction):
     kind = LayoutKind.MIN
+    picks = True
 
     def combine(self, stacked: torch.Tensor) -> torch.Tensor:
         return stacked.amin(0)

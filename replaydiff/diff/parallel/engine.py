@@ -8,7 +8,7 @@ from fractions import Fraction
 from typing import Callable
 
 from replaydiff import aten
-from replaydiff.compare.layout import LayoutKind, ratio_text
+from replaydiff.compare.layout import KINDS, LayoutKind, ratio_text
 from replaydiff.diff.align import align
 from replaydiff.errors import UsageError
 from replaydiff.trace.reader import RankTrace
@@ -298,7 +298,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                     (out.worst_limit is None or m.error / m.limit > out.worst / out.worst_limit):
                 out.worst, out.worst_limit, out.worst_op = m.error, m.limit, i
         if not bad:
-            if from_departed and any(m.layout is not None and m.layout.kind in (LayoutKind.MIN, LayoutKind.MAX)
+            if from_departed and any(m.layout is not None and KINDS[m.layout.kind].picks
                                      for m in tensors):
                 # a min or max over the ranks fits what an op that reads a parted value makes (a ReLU of values one
                 # rank got wrong: the other rank's are the reference's, and the smaller): the value still parts, and
