@@ -107,23 +107,24 @@ def routed_tensor(ref: RankTrace, tgts: list[RankTrace], rref: TensorRef, trefs:
 
 
 def own_rows_index(tops: list[OpRecord], tgts: list[RankTrace], rop: OpRecord) -> bool:
-    """An integer output each rank computes as positions into its own rows (argsort of its tokens' experts): every
-    rank's values lie within its own input's length, and the reference's reach past a rank's: each rank's index of
-    its own values, not a piece of the reference's."""
+    """An integer output each rank computes as an order of its own rows (argsort of its tokens' experts): on every
+    rank a permutation of its input's positions, where the reference's input is longer than any rank's: each rank's
+    index of its own values, not a piece of the reference's. (An expert choice, a count, a label is no permutation,
+    and stays compared.)"""
     outs = rop.outputs_refs()
-    if not outs or outs[0].torch_dtype.is_floating_point or not rop.inputs():
+    if not outs or outs[-1].torch_dtype.is_floating_point or not rop.inputs() or aten.namespace(rop.name) != "aten":
         return False
     most = 0
     for t, tgt in zip(tops, tgts):
         ins, o = t.inputs(), t.outputs_refs()
-        if not ins or not o or not o[-1].stored or o[-1].torch_dtype.is_floating_point or not ins[0].shape:
+        if not ins or not o or not o[-1].stored or o[-1].torch_dtype.is_floating_point or len(o[-1].shape) != 1:
             return False
         x = tgt.tensor(o[-1])
-        n = int(ins[0].shape[-1])
-        if x.numel() and (int(x.min()) < 0 or int(x.max()) >= n):
+        if not torch.equal(x.sort().values, torch.arange(x.numel(), dtype=x.dtype)) or \
+                x.numel() != math.prod(ins[0].shape):
             return False
-        most = max(most, n)
-    return math.prod(rop.inputs()[0].shape) > most and aten.namespace(rop.name) == "aten"
+        most = max(most, x.numel())
+    return math.prod(rop.inputs()[0].shape) > most
 
 
 def expert_reduced(m: Mapped, holder: int, index: int, name: str, line: str | None) -> str:
