@@ -65,6 +65,15 @@ def is_collective(name: str) -> bool:
     return namespace(name) in COLLECTIVE_NAMESPACES
 
 
+# the all-reduces, c10d's (in place) and the functional ones: a sum (or other reduction) every rank gets whole
+ALL_REDUCE_PACKETS = frozenset({"allreduce_", "allreduce_coalesced_", "all_reduce", "all_reduce_",
+                                "all_reduce_coalesced"})
+
+
+def is_all_reduce(name: str) -> bool:
+    return is_collective(name) and packet(name) in ALL_REDUCE_PACKETS
+
+
 # c10d's point-to-point ops: each pairs with its peer's op (a send with the receive on its destination), not with the
 # k-th call of every rank of its group, as the group collectives do.
 POINT_TO_POINT_PACKETS = frozenset({"send", "recv_", "recv_any_source_"})

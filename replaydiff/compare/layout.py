@@ -17,6 +17,9 @@ returns the first whose mapped value fits the reference by the caller's test of 
 the ranks' values cannot be the reference's in any layout. Which factors are right is the caller's to judge (a
 per-rank mean gives 1/world; a gradient scaled twice gives 1/world of that).
 
+Each kind is one registered class (``Kind``, ``KINDS``): how its parts join, its candidates, its fit, its words,
+its factors and the DTensor placement that declares it; the layout ``Layout`` is the value that names one.
+
 Pure functions of tensors: no trace, no tolerance policy (the caller's ``close`` decides), so the diff of a parallel
 run against the single-process run, the step-input check and tests share one definition.
 """
@@ -40,6 +43,11 @@ class LayoutKind(str, Enum):
     MAX = "max"  # the largest over the ranks is the value (a per-rank max the program reduces with a max)
     MIN = "min"
     NORM = "norm"  # the 2-norm over the ranks' values is the value (each rank's norm of its shard: DTensor's _NormP)
+    # expert parallelism: one rank alone holds the whole value (an expert's op, run where the expert is)
+    HELD = "held"
+    # expert parallelism: each rank holds its rows grouped by the rank they are sent to (an all-to-all's input), the
+    # reference the same rows grouped over every rank: block b of every rank in rank order, then block b + 1
+    ROUTED = "routed"
 
     def __str__(self) -> str:
         return self.value
@@ -70,6 +78,10 @@ class Layout:
     # each rank in turn (rank-major); with ``micro_batch``, each rank's passes against as many micro-batches of the
     # reference; 1: one part per rank
     passes: int = 1
+    # held: the rank that holds the value (the other ranks run no counterpart)
+    holder: int | None = None
+    # routed: each rank's blocks along ``dim`` (the rows it sends to each rank, in rank order)
+    splits: tuple[tuple[int, ...], ...] | None = None
 
     def assemble(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """The value the ranks' tensors stand for (before the factor), in float64: rank 0's for a replicated
@@ -77,16 +89,7 @@ class Layout:
         if self.inner is not None and self.groups is not None:
             held = [self.inner.assemble([parts[i] for i in g]) for g in self.groups]
             return dataclasses.replace(self, inner=None, groups=None).assemble(held)
-        xs = [p.detach().to(torch.float64) for p in parts]
-        if self.kind is LayoutKind.REPLICATED:
-            return xs[0]
-        if self.kind is LayoutKind.SHARDED:
-            if self.blocks == 1:
-                return torch.cat(xs, dim=self.dim)
-            d = self.dim
-            split = [x.unflatten(d, (self.blocks, x.shape[d] // self.blocks)) for x in xs]
-            return torch.cat(split, dim=d + 1).flatten(d, d + 1)
-        return REDUCTIONS[self.kind].combine(torch.stack(xs))
+        return KINDS[self.kind].assemble(self, [p.detach().to(torch.float64) for p in parts])
 
     def mapped(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """The reference as the ranks hold it: ``assemble`` times the factor."""
@@ -109,14 +112,7 @@ class Layout:
         if self.micro_batch is not None:
             which = f"micro-batch {self.micro_batch}" if self.passes == 1 else "micro-batch of the same rows"
             return f"rank {self.micro_batch}'s own value against the reference's {which}{scale}"
-        if self.kind is LayoutKind.REPLICATED:
-            return f"replicated on {self.world} ranks{scale}"
-        if self.kind is LayoutKind.SHARDED:
-            even = self.sizes is not None and len(set(self.sizes)) == 1
-            split = "" if self.sizes is None else f" ({'+'.join(map(str, self.sizes))}{'' if even else ', uneven'})"
-            turns = "" if self.blocks == 1 else f" in {self.blocks} interleaved blocks (a sharded dim flattened)"
-            return f"sharded on dim {self.dim} over {self.world} ranks{split}{turns}{scale}"
-        return REDUCTIONS[self.kind].describe(self, scale)
+        return KINDS[self.kind].describe(self, scale)
 
     def to_json(self) -> dict:
         out = {"kind": self.kind.value, "world": self.world, "dim": self.dim,
@@ -126,42 +122,205 @@ class Layout:
             out["micro_batch"] = self.micro_batch
         if self.passes > 1:
             out["micro_batches_per_rank"] = self.passes
+        if self.holder is not None:
+            out["holder"] = self.holder
+        if self.splits is not None:
+            out["splits"] = [list(x) for x in self.splits]
         if self.inner is not None and self.groups is not None:
             out["inner"] = self.inner.to_json()
             out["groups"] = [list(g) for g in self.groups]
         return out
 
 
-class Reduction:
-    """A layout in which every rank holds a value of the reference's shape and the reference is their elementwise
-    combination (a sum, a max, a norm): how the ranks' values combine, whether a factor may scale the result, and
-    the words for it. One registered subclass per kind (``REDUCTIONS``): a new reduction a parallel run makes is one
-    class here."""
+Splits = tuple[tuple[int, ...], ...]  # each rank's split sizes along dim 0 (an all-to-all's), in rank order
+
+
+class Kind:
+    """One layout kind, everything the diff knows of it: how the ranks' tensors join into the value (``assemble``),
+    the layouts of its kind the shapes allow (``candidates``) and how one is fitted to a reference (``fit``: the
+    simple factor, and whether a factor may scale it at all), its words (``describe``, ``name``, ``family``), the
+    factors a correct run holds it at (``factors``) and the DTensor placement that declares it (``declared_by``).
+    One registered subclass per kind (``KINDS``, in the order ``candidates`` tries them): a new way a parallel run
+    holds a value is one class here."""
 
     kind: LayoutKind
-    scaled = False  # whether the combination may stand for the reference at a factor other than 1 (a sum of means)
+    scaled = True  # whether the value may stand for the reference at a factor other than 1 (a sum of means)
+    # whether the value is one rank's element at each position (a max, a min): it fits ranks of which some agree
+    # with the reference and some hold less (a ReLU of values one rank got wrong), so a fit proves no agreement
+    picks = False
+    placement: str | None = None  # DTensor's placement that declares this kind (trace.placements.Placement's value)
 
-    def combine(self, stacked: torch.Tensor) -> torch.Tensor:  # stacked: [world, *shape], float64
+    def assemble(self, layout: "Layout", xs: list[torch.Tensor]) -> torch.Tensor:  # xs: float64, one per rank
         raise NotImplementedError
 
     def describe(self, layout: "Layout", scale: str) -> str:
         raise NotImplementedError
 
+    def name(self, layout: "Layout") -> str:
+        """The kind in the summary's words, without a factor: 'replicated', 'sharded on dim 0'."""
+        return layout.kind.value
 
-REDUCTIONS: dict[LayoutKind, Reduction] = {}  # in the order ``candidates`` tries them: the sum first
+    def family(self, layout: "Layout", legit: bool) -> str:
+        """The summary line's name of a layout of this kind at its factor (``legit``: a factor a correct run has
+        there, a per-rank mean's 1/world named for what it is)."""
+        text = self.name(layout)
+        if layout.factor == 1:
+            return text
+        return f"{text} (of a per-rank mean)" if legit and layout.factor == Fraction(1, layout.world) else \
+            f"{text} at {ratio_text(1 / layout.factor)}x"
+
+    def candidates(self, ref_shape: tuple[int, ...], shapes: list[tuple[int, ...]],
+                   exchanges: Sequence[Splits]) -> list["Layout"]:
+        """The layouts of this kind the shapes allow (``world`` = len(shapes) > 0), at factor 1."""
+        return []
+
+    def group_candidates(self, shapes: list[tuple[int, ...]]) -> list["Layout"]:
+        """The layouts of this kind one group of a mesh's ranks can hold its part of a value in, with no reference
+        to size them by (``infer_mesh_layouts``); none: the kind is not used within a group."""
+        return []
+
+    def group_holds(self, members: Sequence[torch.Tensor], close: Close) -> bool:
+        """Whether one group's tensors hold a part in this kind, beyond their shapes."""
+        return True
+
+    def fit(self, layout: "Layout", ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close) -> "Layout | None":
+        """``layout`` at the simple factor that brings the ranks' value closest to ``ref``, if it is close then."""
+        a = layout.assemble(parts)
+        c = fit_scale(a, ref)
+        if c is None or (not self.scaled and c != 1) or not close(a * float(c), ref):
+            return None  # (a max, or a norm, of scaled values is no reduction a program makes)
+        return dataclasses.replace(layout, factor=c)
+
+    def factors(self, layout: "Layout", phase: str | None) -> tuple[Fraction, ...]:
+        """The factors a correct run holds a value of this kind at outside the backward (phase 'forward',
+        'optimizer', or None for a step's input): 1."""
+        return (Fraction(1),)
+
+    def declared_by(self, layout: "Layout", placement: str, dim: int | None) -> bool:
+        """Whether DTensor's placement (on a one-dimensional mesh of the ranks) is this layout."""
+        return placement == self.placement
 
 
-def _reduction(cls: type[Reduction]) -> type[Reduction]:
-    REDUCTIONS[cls.kind] = cls()
+KINDS: dict[LayoutKind, Kind] = {}  # in the order ``candidates`` tries them: the plainest first
+
+
+def _kind(cls: type[Kind]) -> type[Kind]:
+    KINDS[cls.kind] = cls()
     return cls
 
 
-@_reduction
+@_kind
+class _Replicated(Kind):
+    """Every rank holds the whole value (parameters under DDP, gradients after their all-reduce)."""
+
+    kind = LayoutKind.REPLICATED
+    placement = "replicate"
+
+    def assemble(self, layout: "Layout", xs: list[torch.Tensor]) -> torch.Tensor:
+        return xs[0]
+
+    def describe(self, layout: "Layout", scale: str) -> str:
+        return f"replicated on {layout.world} ranks{scale}"
+
+    def candidates(self, ref_shape, shapes, exchanges) -> list["Layout"]:
+        return [Layout(self.kind, len(shapes))] if all(s == ref_shape for s in shapes) else []
+
+    def group_candidates(self, shapes: list[tuple[int, ...]]) -> list["Layout"]:
+        return [Layout(self.kind, len(shapes))] if all(s == shapes[0] for s in shapes) else []
+
+    def group_holds(self, members: Sequence[torch.Tensor], close: Close) -> bool:
+        first = members[0].detach().to(torch.float64)  # a replicated part only where the group's tensors agree
+        return all(close(p.detach().to(torch.float64), first) for p in members[1:])
+
+    def fit(self, layout: "Layout", ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close) -> "Layout | None":
+        # every rank must hold it at the same factor, not rank 0 alone
+        x = [p.detach().to(torch.float64) for p in parts]
+        c = fit_scale(x[0], ref)
+        if c is None or not all(close(v * float(c), ref) for v in x):
+            return None
+        return dataclasses.replace(layout, factor=c)
+
+
+@_kind
+class _Sharded(Kind):
+    """Each rank holds a slice along one dimension, in rank order, even or uneven; or, a sharded dim flattened with
+    an outer one, equal slices each made of several interleaved blocks."""
+
+    kind = LayoutKind.SHARDED
+    placement = "shard"
+
+    def assemble(self, layout: "Layout", xs: list[torch.Tensor]) -> torch.Tensor:
+        if layout.blocks == 1:
+            return torch.cat(xs, dim=layout.dim)
+        d = layout.dim
+        split = [x.unflatten(d, (layout.blocks, x.shape[d] // layout.blocks)) for x in xs]
+        return torch.cat(split, dim=d + 1).flatten(d, d + 1)
+
+    def describe(self, layout: "Layout", scale: str) -> str:
+        even = layout.sizes is not None and len(set(layout.sizes)) == 1
+        split = "" if layout.sizes is None else f" ({'+'.join(map(str, layout.sizes))}{'' if even else ', uneven'})"
+        turns = "" if layout.blocks == 1 else f" in {layout.blocks} interleaved blocks (a sharded dim flattened)"
+        return f"sharded on dim {layout.dim} over {layout.world} ranks{split}{turns}{scale}"
+
+    def name(self, layout: "Layout") -> str:
+        return f"sharded on dim {layout.dim}"
+
+    def candidates(self, ref_shape, shapes, exchanges) -> list["Layout"]:
+        world = len(shapes)
+        if world < 2 or not all(len(s) == len(ref_shape) for s in shapes):
+            return []
+        out = []
+        for d in range(len(ref_shape)):
+            others_equal = all(s[:d] + s[d + 1:] == ref_shape[:d] + ref_shape[d + 1:] for s in shapes)
+            sizes = tuple(s[d] for s in shapes)
+            if others_equal and sum(sizes) == ref_shape[d] and not all(x == ref_shape[d] for x in sizes):
+                out.append(Layout(self.kind, world, d, sizes))
+        # (shapes that shard a dim are never the reference's own: these and the reductions never both fit)
+        for d in range(len(ref_shape)):
+            k = shapes[0][d]
+            if any(s[:d] + s[d + 1:] != ref_shape[:d] + ref_shape[d + 1:] or s[d] != k for s in shapes) or \
+                    k * world != ref_shape[d]:
+                continue
+            out += [Layout(self.kind, world, d, tuple(s[d] for s in shapes), blocks=b)
+                    for b in range(2, min(k, 64) + 1) if k % b == 0]
+        return out
+
+    def declared_by(self, layout: "Layout", placement: str, dim: int | None) -> bool:
+        return placement == self.placement and layout.dim == dim and layout.blocks == 1
+
+    def group_candidates(self, shapes: list[tuple[int, ...]]) -> list["Layout"]:
+        if not all(len(s) == len(shapes[0]) for s in shapes):
+            return []
+        return [Layout(self.kind, len(shapes), d, tuple(s[d] for s in shapes)) for d in range(len(shapes[0]))
+                if all(s[:d] + s[d + 1:] == shapes[0][:d] + shapes[0][d + 1:] for s in shapes)]
+
+
+class Reduction(Kind):
+    """A layout in which every rank holds a value of the reference's shape and the reference is their elementwise
+    combination (a sum, a max, a norm): how the ranks' values combine (``combine``)."""
+
+    scaled = False
+
+    def combine(self, stacked: torch.Tensor) -> torch.Tensor:  # stacked: [world, *shape], float64
+        raise NotImplementedError
+
+    def assemble(self, layout: "Layout", xs: list[torch.Tensor]) -> torch.Tensor:
+        return self.combine(torch.stack(xs))
+
+    def candidates(self, ref_shape, shapes, exchanges) -> list["Layout"]:
+        return [Layout(self.kind, len(shapes))] if len(shapes) > 1 and all(s == ref_shape for s in shapes) else []
+
+    def family(self, layout: "Layout", legit: bool) -> str:
+        return self.name(layout)
+
+
+@_kind
 class _Sum(Reduction):
     """Partial: the sum over the ranks is the value (local gradients before their all-reduce)."""
 
     kind = LayoutKind.PARTIAL
     scaled = True
+    placement = "partial"
 
     def combine(self, stacked: torch.Tensor) -> torch.Tensor:
         return stacked.sum(0)
@@ -173,12 +332,32 @@ class _Sum(Reduction):
             return f"partial over {layout.world} ranks: the reference is their average (a per-rank mean)"
         return f"partial over {layout.world} ranks: their sum is {ratio_text(1 / layout.factor)}x the reference"
 
+    def family(self, layout: "Layout", legit: bool) -> str:
+        if layout.factor == 1:
+            return "partial (a sum)"
+        if layout.factor == Fraction(1, layout.world):
+            return "partial (a per-micro-batch mean)" if layout.passes > 1 else "partial (a per-rank mean)"
+        return f"partial at {ratio_text(1 / layout.factor)}x"
 
-@_reduction
+    def group_candidates(self, shapes: list[tuple[int, ...]]) -> list["Layout"]:
+        return [Layout(self.kind, len(shapes))] if all(s == shapes[0] for s in shapes) else []
+
+    def factors(self, layout: "Layout", phase: str | None) -> tuple[Fraction, ...]:
+        if phase == "optimizer":
+            # what the optimizer makes (the parameters, its state) is kept: whole on a rank, or a shard of it (over
+            # a mesh's groups, the groups' parts)
+            return () if layout.inner is None else (Fraction(1),)
+        # a per-rank mean's part; with accumulation on the ranks, a pass's mean divided by the number of passes
+        return (Fraction(1), Fraction(1, layout.world)) + \
+            ((Fraction(layout.passes, layout.world),) if layout.passes > 1 else ())
+
+
+@_kind
 class _Max(Reduction):
     """The largest over the ranks is the value (a per-rank max the program reduces with a max)."""
 
     kind = LayoutKind.MAX
+    picks = True
 
     def combine(self, stacked: torch.Tensor) -> torch.Tensor:
         return stacked.amax(0)
@@ -186,10 +365,14 @@ class _Max(Reduction):
     def describe(self, layout: "Layout", scale: str) -> str:
         return f"the max over {layout.world} ranks is the reference{scale}"
 
+    def name(self, layout: "Layout") -> str:
+        return "max over ranks"
 
-@_reduction
+
+@_kind
 class _Min(Reduction):
     kind = LayoutKind.MIN
+    picks = True
 
     def combine(self, stacked: torch.Tensor) -> torch.Tensor:
         return stacked.amin(0)
@@ -197,12 +380,16 @@ class _Min(Reduction):
     def describe(self, layout: "Layout", scale: str) -> str:
         return f"the min over {layout.world} ranks is the reference{scale}"
 
+    def name(self, layout: "Layout") -> str:
+        return "min over ranks"
 
-@_reduction
+
+@_kind
 class _Norm(Reduction):
     """The 2-norm over the ranks' values is the value (each rank's norm of its shard: DTensor's _NormP)."""
 
     kind = LayoutKind.NORM
+    placement = "norm"
 
     def combine(self, stacked: torch.Tensor) -> torch.Tensor:
         return stacked.pow(2).sum(0).sqrt()
@@ -210,38 +397,72 @@ class _Norm(Reduction):
     def describe(self, layout: "Layout", scale: str) -> str:
         return f"the 2-norm over {layout.world} ranks' norms is the reference (each rank's norm of its shard){scale}"
 
+    def name(self, layout: "Layout") -> str:
+        return "norm over ranks (each rank's norm of its shard)"
+
+
+# Expert parallelism: the two ways its ranks hold a value (diff/parallel/experts.py finds which ops hold which).
+
+@_kind
+class _Held(Kind):
+    """One rank alone holds the whole value: an expert's op, run on the rank that holds the expert (the other ranks
+    run no counterpart). Not found from shapes: the diff knows which ops one rank holds."""
+
+    kind = LayoutKind.HELD
+
+    def assemble(self, layout: "Layout", xs: list[torch.Tensor]) -> torch.Tensor:
+        return xs[0]
+
+    def describe(self, layout: "Layout", scale: str) -> str:
+        return f"held whole by rank {layout.holder} alone, the rank that holds this expert{scale}"
+
+    def name(self, layout: "Layout") -> str:
+        return "held by its expert's rank"
+
+
+@_kind
+class _Routed(Kind):
+    """Rows routed to experts: each rank holds its rows grouped by the rank they are sent to (an all-to-all's
+    input, with its split sizes), the reference the same rows grouped over every rank: block b of each rank in rank
+    order, then block b + 1 (each rank keeps its rows in order within a block, as a stable sort does)."""
+
+    kind = LayoutKind.ROUTED
+
+    def assemble(self, layout: "Layout", xs: list[torch.Tensor]) -> torch.Tensor:
+        blocks = [x.split(list(s), dim=layout.dim) for x, s in zip(xs, layout.splits or ())]
+        return torch.cat([b[k] for k in range(len(blocks[0])) for b in blocks], dim=layout.dim)
+
+    def describe(self, layout: "Layout", scale: str) -> str:
+        rows = ", ".join(f"rank {r}: {'+'.join(map(str, s))}" for r, s in enumerate(layout.splits or ()))
+        return f"routed on dim {layout.dim} over {layout.world} ranks: each rank's rows grouped by the rank they are " \
+               f"sent to ({rows}), the reference's by the same ranks over every rank{scale}"
+
+    def name(self, layout: "Layout") -> str:
+        return "routed to experts (all-to-all blocks)"
+
+    def candidates(self, ref_shape, shapes, exchanges) -> list["Layout"]:
+        world = len(shapes)
+        if world < 2 or not ref_shape or not all(len(s) == len(ref_shape) and s[1:] == ref_shape[1:] for s in shapes):
+            return []
+        return [Layout(self.kind, world, 0, tuple(s[0] for s in shapes), splits=splits)
+                for splits in dict.fromkeys(exchanges)
+                if len(splits) == world and all(len(x) == len(splits[0]) > 1 for x in splits)
+                and all(sum(x) == s[0] for x, s in zip(splits, shapes)) and sum(map(sum, splits)) == ref_shape[0]]
+
 
 def ratio_text(f: Fraction) -> str:
     """A factor as people write it: '2', '1/4'."""
     return str(f.numerator) if f.denominator == 1 else f"{f.numerator}/{f.denominator}"
 
 
-def candidates(ref_shape: Sequence[int], shapes: Sequence[Sequence[int]]) -> list[Layout]:
-    """The layouts the shapes allow, plainest first (replicated, sharded by dimension, partial), at factor 1."""
-    world = len(shapes)
+def candidates(ref_shape: Sequence[int], shapes: Sequence[Sequence[int]], exchanges: Sequence[Splits] = ()
+               ) -> list[Layout]:
+    """The layouts the shapes allow, plainest first (replicated, sharded by dimension, partial, then routed by the
+    split sizes of ``exchanges``: the all-to-alls the ranks ran), at factor 1: each registered kind's in turn."""
     ref_shape, shapes = tuple(ref_shape), [tuple(s) for s in shapes]
-    if world == 0:
+    if not shapes:
         return []
-    same = all(s == ref_shape for s in shapes)
-    kinds: list[Layout] = [Layout(LayoutKind.REPLICATED, world)] if same else []
-    if world > 1 and all(len(s) == len(ref_shape) for s in shapes):
-        for d in range(len(ref_shape)):
-            others_equal = all(s[:d] + s[d + 1:] == ref_shape[:d] + ref_shape[d + 1:] for s in shapes)
-            sizes = tuple(s[d] for s in shapes)
-            if others_equal and sum(sizes) == ref_shape[d] and not all(x == ref_shape[d] for x in sizes):
-                kinds.append(Layout(LayoutKind.SHARDED, world, d, sizes))
-    if same and world > 1:
-        kinds += [Layout(kind, world) for kind in REDUCTIONS]  # the sum first
-    # a sharded dim flattened with an outer one: equal slices, each made of several interleaved blocks
-    if world > 1 and all(len(s) == len(ref_shape) for s in shapes):
-        for d in range(len(ref_shape)):
-            k = shapes[0][d]
-            if any(s[:d] + s[d + 1:] != ref_shape[:d] + ref_shape[d + 1:] or s[d] != k for s in shapes) or \
-                    k * world != ref_shape[d]:
-                continue
-            kinds += [Layout(LayoutKind.SHARDED, world, d, tuple(s[d] for s in shapes), blocks=b)
-                      for b in range(2, min(k, 64) + 1) if k % b == 0]
-    return kinds
+    return [layout for k in KINDS.values() for layout in k.candidates(ref_shape, shapes, exchanges)]
 
 
 _MOST_WHOLE = 1 << 20  # the largest whole factor (or its reciprocal) fit_scale names
@@ -274,44 +495,22 @@ def fit_scale(x: torch.Tensor, ref: torch.Tensor, most: int = 64) -> Fraction | 
     return snapped
 
 
-def infer_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close) -> list[Layout]:
+def infer_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close, exchanges: Sequence[Splits] = ()
+                  ) -> list[Layout]:
     """Every layout the shapes allow under which ``parts`` (one tensor per rank, in rank order) stand for ``ref``
     by ``close(mapped, ref)``, plainest first, each with the simple factor it takes (``Layout.factor``: 1 when the
     ranks hold the reference itself). Several can fit: ranks that each hold a quarter of a count are a value
     replicated at 1/4 and a partial one at 1; which factor is right is the caller's to judge."""
-    out = []
-    for layout in candidates(ref.shape, [p.shape for p in parts]):
-        if layout.kind is LayoutKind.REPLICATED:
-            # every rank must hold it at the same factor, not rank 0 alone
-            x = [p.detach().to(torch.float64) for p in parts]
-            c = fit_scale(x[0], ref)
-            if c is not None and all(close(v * float(c), ref) for v in x):
-                out.append(dataclasses.replace(layout, factor=c))
-            continue
-        a = layout.assemble(parts)
-        c = fit_scale(a, ref)
-        if layout.kind in REDUCTIONS and not REDUCTIONS[layout.kind].scaled and c != 1:
-            continue  # a max (or a norm) of scaled values is no reduction a program makes
-        if c is not None and close(a * float(c), ref):
-            out.append(dataclasses.replace(layout, factor=c))
-    return out
+    fits = (KINDS[layout.kind].fit(layout, ref, parts, close)
+            for layout in candidates(ref.shape, [p.shape for p in parts], exchanges))
+    return [f for f in fits if f is not None]
 
 
 def _inner_candidates(members: Sequence[torch.Tensor]) -> list[Layout]:
-    """The layouts one group's tensors can hold a part of a value in, with no reference to size them by:
-    replicated, sharded on a dimension, partial."""
-    n, shapes = len(members), [tuple(p.shape) for p in members]
-    out: list[Layout] = []
-    same = all(s == shapes[0] for s in shapes)
-    if same:
-        out.append(Layout(LayoutKind.REPLICATED, n))
-    if all(len(s) == len(shapes[0]) for s in shapes):
-        for d in range(len(shapes[0])):
-            if all(s[:d] + s[d + 1:] == shapes[0][:d] + shapes[0][d + 1:] for s in shapes):
-                out.append(Layout(LayoutKind.SHARDED, n, d, tuple(s[d] for s in shapes)))
-    if same:
-        out.append(Layout(LayoutKind.PARTIAL, n))
-    return out
+    """The layouts one group's tensors can hold a part of a value in, with no reference to size them by, each
+    kind's in turn (replicated, sharded on a dimension, partial)."""
+    shapes = [tuple(p.shape) for p in members]
+    return [layout for k in KINDS.values() for layout in k.group_candidates(shapes)]
 
 
 def infer_mesh_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close,
@@ -328,10 +527,8 @@ def infer_mesh_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: 
                 members = [parts[i] for i in g]
                 if not any(c.kind is inner.kind and c.dim == inner.dim for c in _inner_candidates(members)):
                     break
-                if inner.kind is LayoutKind.REPLICATED:
-                    first = members[0].detach().to(torch.float64)
-                    if not all(close(p.detach().to(torch.float64), first) for p in members[1:]):
-                        break
+                if not KINDS[inner.kind].group_holds(members, close):
+                    break
                 held.append(dataclasses.replace(inner, sizes=None if inner.sizes is None else
                                                 tuple(int(p.shape[inner.dim]) for p in members)).assemble(members))
             else:
@@ -340,10 +537,11 @@ def infer_mesh_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: 
     return out
 
 
-def infer_layout(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close) -> Layout | None:
+def infer_layout(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close, exchanges: Sequence[Splits] = ()
+                 ) -> Layout | None:
     """The plainest layout under which ``parts`` stand for ``ref`` (``infer_layouts``'s first), or None when no
     layout the shapes allow fits at any simple factor."""
-    fits = infer_layouts(ref, parts, close)
+    fits = infer_layouts(ref, parts, close, exchanges)
     return fits[0] if fits else None
 
 

@@ -25,6 +25,7 @@ from replaydiff.replay.notes import (CheckFailed, ChunksDiffer, CollectiveDiffer
 from replaydiff.replay.policy import ReplayOptions
 from replaydiff.replay.result import OpResult, Status
 from replaydiff.trace.damage import MissingOps
+from replaydiff.trace.exchange import split_positions, split_sizes
 from replaydiff.trace.reader import RankTrace, Trace
 from replaydiff.trace.schema.ops import OpRecord
 from replaydiff.trace.schema.values import TensorRef, iter_refs
@@ -46,7 +47,6 @@ class Layout:
     kind: str  # all_reduce all_gather reduce_scatter broadcast all_to_all
     inputs: tuple  # where the inputs are (before the op)
     outputs: tuple  # where the results are
-    splits: tuple[int, int] | None = None  # argument positions of (output split sizes, input split sizes)
 
 
 _LAYOUTS: dict[tuple[str, str], Layout] = {
@@ -70,8 +70,8 @@ _LAYOUTS: dict[tuple[str, str], Layout] = {
     ("functional", "broadcast"): Layout("broadcast", ("arg", 0), ("out", None)),
     ("functional", "broadcast_"): Layout("broadcast", ("arg", 0), ("out", None)),
     ("c10d", "alltoall_"): Layout("all_to_all_list", ("arg", 1), ("write", 0)),
-    ("c10d", "alltoall_base_"): Layout("all_to_all", ("arg", 1), ("write", 0), splits=(3, 4)),
-    ("functional", "all_to_all_single"): Layout("all_to_all", ("arg", 0), ("out", None), splits=(1, 2)),
+    ("c10d", "alltoall_base_"): Layout("all_to_all", ("arg", 1), ("write", 0)),
+    ("functional", "all_to_all_single"): Layout("all_to_all", ("arg", 0), ("out", None)),
 }
 
 
@@ -109,13 +109,6 @@ def _reduce(op: str, xs: list[torch.Tensor]) -> torch.Tensor:
     raise NotChecked(f"collective: reduce op {op} is not checked")
 
 
-def _splits(v: Any, total: int, parts: int) -> list[int]:
-    """All-to-all split sizes along dim 0: as recorded, or equal chunks when none were given."""
-    if isinstance(v, (list, tuple)) and len(v) > 0:
-        return [int(x) for x in v]
-    return [total // parts] * parts
-
-
 @dataclass(frozen=True)
 class Call:
     """One collective call on one rank, as a kind's check reads it: its record, the same call on every rank of its
@@ -127,7 +120,6 @@ class Call:
     me: int  # this rank's position in the group
     outs: list[TensorRef]  # this rank's results
     ins: list[list[TensorRef]]  # ins[n]: the inputs of group rank n
-    splits: tuple[int, int] | None
     output: Callable[[TensorRef], torch.Tensor]  # one of this rank's recorded tensors
     load: Callable[[int, TensorRef], torch.Tensor]  # one of group rank n's recorded tensors
     tolerances: Tolerances
@@ -260,11 +252,14 @@ def _all_to_all_list(c: Call) -> Judgement:
 def _all_to_all(c: Call) -> Judgement:
     """One tensor cut along dim 0 by the recorded split sizes (equal chunks when none were given)."""
     got = c.output(c.outs[0])
-    out_splits = _splits(c.op.args[c.splits[0]], got.shape[0], c.width)
+    out_at, in_at = split_positions(c.op.name) or (None, None)
+    if out_at is None:
+        raise NotChecked(f"collective {aten.packet(c.op.name)}: its split sizes' place is not known")
+    out_splits = split_sizes(c.op.args[out_at], got.shape[0], c.width)
     pieces, start = [], 0
     for n in range(c.width):
         src = c.load(n, c.ins[n][0])
-        in_splits = _splits(c.peers[n].args[c.splits[1]], src.shape[0], c.width)
+        in_splits = split_sizes(c.peers[n].args[in_at], src.shape[0], c.width)
         lo = sum(in_splits[:c.me])
         pieces.append((got.narrow(0, start, out_splits[n]), src.narrow(0, lo, in_splits[c.me]),
                        f"its input rows {lo}:{lo + in_splits[c.me]}"))
@@ -428,7 +423,7 @@ class CollectiveChecker:
             raise NotChecked(f"collective {aten.packet(op.name)}: no cross-rank check for this kind yet")
         check = check_for(lay.kind)
         return check(Call(op, peers, group, group.index(rank), list(iter_refs(tensors_at(op, lay.outputs))),
-                          [list(iter_refs(tensors_at(p, lay.inputs))) for p in peers], lay.splits,
+                          [list(iter_refs(tensors_at(p, lay.inputs))) for p in peers],
                           lambda ref: self._tensor(rank, ref), lambda n, ref: self._tensor(group[n], ref),
                           self.opts.tolerances))
 

@@ -87,6 +87,7 @@ CORRECT = [
     Job("lightning_ddp.py"),
     Job("lightning_ddp.py", step=2),
     Job("lightning_classes.py", step=2),
+    Job("moe_experts.py"),
 ]
 BUGGY = [
     Job("ddp_double_scale.py", words=(r"\b2x\b|twice",), not_words=(r"learning rate",), headline=True),
@@ -104,6 +105,7 @@ BUGGY = [
                                                 r"2 micro-batches"), not_words=(r"scaled by the world size",)),
     Job("ddp_lr_scaled.py", words=(r"learning rate|\blr\b", r"\b0\.1\b", r"\b0\.2\b"),
         not_words=(r"scaled by the world size twice",)),
+    Job("moe_experts_grad_reduced.py", words=(r"different experts", r"all-reduce"), not_words=(r"BatchNorm",)),
 ]
 
 # What the engine reads the wrong way round today (issue 33): strict, so that a job it gets right fails here and

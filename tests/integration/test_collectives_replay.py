@@ -85,10 +85,11 @@ def _call(kind: str, outputs: list[torch.Tensor]) -> Call:
     ins = CASES[kind][0]
     data = {f"in{n}.{j}": t for n, refs in enumerate(ins) for j, t in enumerate(refs)}
     data.update({f"out.{j}": t for j, t in enumerate(outputs)})
-    # an all-to-all's split sizes sit at argument positions (1, 2): none given, so equal chunks
-    op = SimpleNamespace(collective=SimpleNamespace(reduce_op="sum", root=0), args=[None, [], []])
+    # the functional all-to-all's split sizes sit at argument positions (1, 2): none given, so equal chunks
+    op = SimpleNamespace(name="_c10d_functional.all_to_all_single.default",
+                         collective=SimpleNamespace(reduce_op="sum", root=0), args=[None, [], []])
     return Call(op, [op, op], (0, 1), 0, [f"out.{j}" for j in range(len(outputs))],
-                [[f"in{n}.{j}" for j in range(len(refs))] for n, refs in enumerate(ins)], (1, 2),
+                [[f"in{n}.{j}" for j in range(len(refs))] for n, refs in enumerate(ins)],
                 lambda ref: data[ref], lambda n, ref: data[ref], Tolerances())
 
 

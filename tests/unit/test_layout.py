@@ -178,3 +178,39 @@ def test_micro_batches_accumulated_on_each_rank_map_as_one_part_each_and_say_so(
     assert partial is not None and partial.kind is LayoutKind.PARTIAL and partial.factor == Fraction(1, 2)
     said = Layout(partial.kind, 4, factor=partial.factor, passes=2).describe()
     assert "over 2 ranks x 2 micro-batches" in said and "4 ranks" not in said
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), data=st.data())
+def test_rows_routed_to_experts_are_found_by_the_all_to_all_s_split_sizes(seed, data):
+    """Tokens of 2 ranks, each grouped by the rank that holds their expert (a stable sort: in token order within a
+    group): the single process's grouping over every token is block 0 of each rank in rank order, then block 1."""
+    g = torch.Generator().manual_seed(seed)
+    ranks = [torch.randn(n, 3, generator=g, dtype=torch.float64) for n in (data.draw(st.integers(2, 7)),
+                                                                            data.draw(st.integers(2, 7)))]
+    expert = [torch.randint(0, 2, (len(x),), generator=g) for x in ranks]
+    if any(int(e.sum()) in (0, len(e)) for e in expert):
+        return  # every token of a rank to one expert: no exchange of two blocks
+    parts = [x[torch.argsort(e, stable=True)] for x, e in zip(ranks, expert)]
+    ref = torch.cat(ranks)[torch.argsort(torch.cat(expert), stable=True)]
+    splits = tuple(tuple(int((e == k).sum()) for k in (0, 1)) for e in expert)
+    # no layout of the shapes alone, but where the grouping is an even interleaving (1+1 and 1+1)
+    assert all(f.kind is not LayoutKind.ROUTED for f in infer_layouts(ref, parts, CLOSE))
+    got = [f for f in infer_layouts(ref, parts, CLOSE, exchanges=[((1, 1), (1, 1)), splits])
+           if f.kind is LayoutKind.ROUTED]
+    assert [(f.splits, f.factor) for f in got] == [(splits, 1)]
+    got = got[0]
+    assert torch.equal(got.assemble(parts), ref)
+    assert "routed on dim 0 over 2 ranks" in got.describe()
+    # the same rows in another grouping (the ranks' blocks swapped) are not routed
+    swapped = tuple(s[::-1] for s in splits)
+    assert not any(f.kind is LayoutKind.ROUTED for f in infer_layouts(
+        ref, [torch.cat(p.split(list(s))[::-1]) for p, s in zip(parts, splits)], CLOSE, exchanges=[swapped]))
+
+
+def test_a_value_one_rank_holds_is_that_rank_s_tensor():
+    x = torch.randn(4, 2, dtype=torch.float64)
+    held = Layout(LayoutKind.HELD, 2, holder=1)
+    assert torch.equal(held.assemble([x]), x)
+    assert held.describe() == "held whole by rank 1 alone, the rank that holds this expert"
+    assert held.to_json()["holder"] == 1

@@ -21,7 +21,8 @@ Random ops (dropout) are not compared: each rank draws its own numbers, so their
 judged only if they map anyway.
 
 One module per part: ``result`` (the typed results), ``engine`` (the mapping op by op), ``mapping`` (one
-tensor through its layouts), ``factors``, ``words``, ``paths``, ``alignment``, ``declared``, ``refusals``, ``steps``.
+tensor through its layouts), ``experts`` (expert parallelism: the ops one rank holds, rows routed by all-to-alls),
+``factors``, ``words``, ``paths``, ``alignment``, ``declared``, ``refusals``, ``steps``.
 """
 from replaydiff.diff.parallel.result import Departure, Mapped, MappedOp, ParallelDeparture, ParallelDiff
 from replaydiff.diff.parallel.steps import StepsOf, only_steps, steps_of

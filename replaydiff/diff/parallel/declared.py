@@ -1,8 +1,8 @@
 """DTensor's recorded placements: which layout a rank's tensor was declared in, and the mesh they name."""
 from __future__ import annotations
 
-from replaydiff.compare.layout import Layout, LayoutKind
-from replaydiff.trace.placements import DTensorArg, Placement, declared_inputs
+from replaydiff.compare.layout import KINDS, Layout
+from replaydiff.trace.placements import DTensorArg, declared_inputs
 from replaydiff.diff.parallel.alignment import Side
 
 
@@ -30,13 +30,7 @@ def declares(arg: DTensorArg, layout: Layout) -> bool:
     kind, dim = arg.placement()
     if arg.mesh != (layout.world,) or layout.micro_batch is not None:
         return False
-    if kind is Placement.SHARD:
-        return layout.kind is LayoutKind.SHARDED and layout.dim == dim and layout.blocks == 1
-    if kind is Placement.REPLICATE:
-        return layout.kind is LayoutKind.REPLICATED
-    if kind is Placement.NORM:
-        return layout.kind is LayoutKind.NORM
-    return kind is Placement.PARTIAL and layout.kind is LayoutKind.PARTIAL
+    return KINDS[layout.kind].declared_by(layout, kind.value, dim)
 
 
 def mesh_of(side: Side, world: int) -> tuple[tuple[tuple[int, ...], ...], ...] | None:

@@ -8,16 +8,18 @@ from fractions import Fraction
 from typing import Callable
 
 from replaydiff import aten
-from replaydiff.compare.layout import LayoutKind, ratio_text
+from replaydiff.compare.layout import KINDS, LayoutKind, ratio_text
 from replaydiff.diff.align import align
 from replaydiff.errors import UsageError
 from replaydiff.trace.reader import RankTrace
-from replaydiff.trace.schema import TensorRef
+from replaydiff.trace.schema import OpRecord, TensorRef
 from replaydiff.diff.parallel.arguments import arguments_text, differing_arguments
 from replaydiff.diff.parallel.rows import PICKS, rows_picked, same_rows_on_every_rank, same_rows_reordered
 from replaydiff.diff.parallel.alignment import (Side, backward_passes, follow_data, makes_layout, micro_batches_of,
                                                 pass_keys, rank_passes)
 from replaydiff.diff.parallel.declared import declared_on, declared_output, mesh_of
+from replaydiff.diff.parallel.experts import (exchanges_of, experts_of, expert_reduced, held_tensor,
+                                              own_rows_index, routed_tensor)
 from replaydiff.diff.parallel.factors import legit_factors, pick_legit
 from replaydiff.diff.parallel.mapping import map_tensor, measured_reads
 from replaydiff.diff.parallel.means import unequal_counts
@@ -53,6 +55,9 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     refuse_sub_groups(t_sides[0], full_world or world, mesh)
     refuse_point_to_point([r_side, *t_sides])
     owner = micro_batches_of(r_side, t_sides)  # a micro-batch's op -> the rank whose ops it maps onto
+    # expert parallelism: an expert's op -> the one rank that holds the expert; the all-to-alls' split sizes
+    expert_ranks = experts_of(ref, r_side, t_sides) if not owner and full_world is None else {}
+    exchanges = exchanges_of(t_sides) if expert_ranks else ()
     # Gradient accumulation on the ranks: each runs its share of the global batch as ``passes`` forward-backward
     # passes where the reference runs one. The reference's ops up to the end of its backward then stand for every
     # rank's every pass: one part per (rank, pass), rank-major, the order in which the passes' rows make the global
@@ -69,7 +74,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     out = ParallelDiff(world, len(r_side.keys), 0, 0, micro_batches=world * per_rank,
                        rank_micro_batches=passes if passes > 1 else 0)
     for rank, side in enumerate(t_sides):
-        keys = [k for k in r_side.keys if owner.get(k.index, rank) == rank and k.index > region_end]
+        keys = [k for k in r_side.keys if owner.get(k.index, rank) == rank and
+                expert_ranks.get(k.index, rank) == rank and k.index > region_end]
         theirs = side.keys if passes == 1 else [k for k in side.keys if k.index > backward_passes(side)[-1]]
         al = align(keys, theirs)
         maps.append(follow_data(ref, r_side, side, dict(al.pairs), {k.index for k in keys} if owner else set()))
@@ -86,6 +92,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         rank."""
         if i in owner:
             return [owner[i]]
+        if i in expert_ranks:
+            return [expert_ranks[i]]
         return list(range(world, len(maps))) if i <= region_end else list(range(world))
     declared = [declared_on(side) for side in t_sides]  # DTensor's placements on each rank, where recorded
     departed: set[int] = set()  # reference ops that part from the reference, the first and what inherits it
@@ -163,6 +171,19 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         # the first part's rank, side and counterparts: where the words look for a rank's own ops
         lead_rank, lead_side, lead_map = rank_of[own[0]], t_sides[rank_of[own[0]]], maps[own[0]]
         micro = owner.get(i)
+        holder = expert_ranks.get(i)  # the one rank that holds this expert's op
+
+        def mapped(rref: TensorRef, trefs: list[TensorRef], kind: str, pos: int, declared,
+                   rop: OpRecord | None = None, reads: float | None = None) -> Mapped | None:
+            """One tensor of the op through the layouts that fit: held by its expert's rank, or over the ranks (rows
+            routed to experts when no layout of their shapes fits). ``rop``, ``reads``: an output's op and the
+            error measured on what it reads, which its limit counts (mapping.map_tensor)."""
+            if holder is not None:
+                return held_tensor(map_tensor(ref, tgts, rref, trefs, kind, pos, 1, rop=rop, reads=reads), world,
+                                   holder)
+            m = map_tensor(ref, tgts, rref, trefs, kind, pos, world, micro, declared, mesh,
+                           per_rank if micro is not None else len(own) // world, rop, reads)
+            return m if m is None or not exchanges else routed_tensor(ref, tgts, rref, trefs, m, exchanges)
         random = aten.draws(rop.name, rop.args, rop.kwargs)
         producers = ref.producers(i)
         # a view of the step's inputs or of a collective's buffer on a reference rank: ``tensor_split(x, world)``
@@ -199,9 +220,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                    for k, ti in enumerate(t_ins)):
                 continue  # on some rank the op reads what a rank's own op made (a slice of the batch, a copy)
             seen_inputs.add(rref.version)
-            m = map_tensor(ref, tgts, rref, [ti[pos] for ti in t_ins], "in", pos, world, micro,
-                           declared[lead_rank].get((tops[0].index, pos)), mesh,
-                           per_rank if micro is not None else len(own) // world)
+            m = mapped(rref, [ti[pos] for ti in t_ins], "in", pos, declared[lead_rank].get((tops[0].index, pos)))
             if m is not None:
                 tensors.append(m)
                 outside[rref.version] = m.error if m.error is not None else math.inf
@@ -210,9 +229,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         for pos, rref in enumerate(r_outs):
             if step_view or unread_view or any(pos >= len(to) for to in t_outs):
                 continue
-            m = map_tensor(ref, tgts, rref, [to[pos] for to in t_outs], "out", pos, world, micro,
-                           declared_output(lead_side, declared[lead_rank], tops[0].index, pos), mesh,
-                           per_rank if micro is not None else len(own) // world, rop, reads)
+            m = mapped(rref, [to[pos] for to in t_outs], "out", pos,
+                       declared_output(lead_side, declared[lead_rank], tops[0].index, pos), rop, reads)
             if m is not None:
                 tensors.append(m)
         fwd = r_side.ops.get(rop.forward_index) if rop.phase == "backward" and rop.forward_index is not None else None
@@ -222,7 +240,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         tline = tfwd.source if tfwd is not None and tfwd.source else tops[0].source
         phase = BETWEEN if rop.phase == "forward" and between and between[0] < i < between[1] else rop.phase
         mop = MappedOp(i, tuple(t.index for t in tops), rop.name, rop.module, phase, line, tuple(tensors),
-                       (micro,) if micro is not None else tuple(rank_of[p] for p in own) if len(own) > world else (),
+                       (micro,) if micro is not None else (holder,) if holder is not None else
+                       tuple(rank_of[p] for p in own) if len(own) > world else (),
                        target_source=tline if tline != line else None)
         out.ops.append(mop)
         by_ref[i] = mop
@@ -275,6 +294,10 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             # index of its own values, not a piece of the single process's; what it indexes is judged where read
             out.per_rank_index.append(i)
             continue
+        if exchanges and bad and all(m.kind == "out" for m in bad) and own_rows_index(tops, tgts, rop):
+            # positions into each rank's own rows (the order that groups its tokens by expert): its own index too
+            out.per_rank_index.append(i)
+            continue
         for m in tensors:
             if m.layout is not None and m.kind == "out":
                 out.families.setdefault(rop.phase or "?", Counter())[family(m.layout, m not in bad)] += 1
@@ -282,7 +305,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                     (out.worst_limit is None or m.error / m.limit > out.worst / out.worst_limit):
                 out.worst, out.worst_limit, out.worst_op = m.error, m.limit, i
         if not bad:
-            if from_departed and any(m.layout is not None and m.layout.kind in (LayoutKind.MIN, LayoutKind.MAX)
+            if from_departed and any(m.layout is not None and KINDS[m.layout.kind].picks
                                      for m in tensors):
                 # a min or max over the ranks fits what an op that reads a parted value makes (a ReLU of values one
                 # rank got wrong: the other rank's are the reference's, and the smaller): the value still parts, and
@@ -423,6 +446,10 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 f"ranks by ops of their own, last {made}, where the reference runs {theirs} (not run by every rank), "
                 f"with no collective on the way: if the reference's value is a sum over the ranks (a row-parallel "
                 f"layer's output), its all-reduce is missing there")
+        elif holder is not None and (reduced := collective_behind(lead_side, lead_map, tops[0].index)) is not None \
+                and aten.is_all_reduce(reduced[1]):
+            kind, why = Departure.NO_LAYOUT, expert_reduced(m, holder, reduced[0], reduced[1],
+                                                            lead_side.ops[reduced[0]].source)
         elif (counts := unequal_counts(ref, tgts, rop, tops, m)) is not None:
             said = " and ".join(f"{c:g}" for c in counts)
             kind, why = Departure.NO_LAYOUT, (

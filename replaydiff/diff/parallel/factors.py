@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from fractions import Fraction
 
-from replaydiff.compare.layout import Layout, LayoutKind
+from replaydiff.compare.layout import KINDS, Layout
 from replaydiff.diff.parallel.result import Mapped
 
 
@@ -23,13 +23,7 @@ def legit_factors(layout: Layout, phase: str | None, loss: Fraction | None) -> t
             (Fraction(1),)
     if phase == "backward":
         return (Fraction(1),) if loss is None or loss == 1 else (Fraction(1), loss)
-    if layout.kind is LayoutKind.PARTIAL and phase == "optimizer" and layout.inner is None:
-        return ()  # what the optimizer makes (the parameters, its state) is kept: whole on a rank, or a shard of it
-    if layout.kind is LayoutKind.PARTIAL and phase != "optimizer":
-        # with accumulation on the ranks, a pass's mean divided by the number of passes is a per-rank mean's part
-        return (Fraction(1), Fraction(1, layout.world)) + \
-            ((Fraction(layout.passes, layout.world),) if layout.passes > 1 else ())
-    return (Fraction(1),)
+    return KINDS[layout.kind].factors(layout, phase)
 
 
 def pick_legit(m: Mapped, phase: str | None, loss: Fraction | None) -> Mapped:

@@ -6,7 +6,7 @@ import math
 from fractions import Fraction
 
 from replaydiff import aten
-from replaydiff.compare.layout import Layout, LayoutKind, ratio_text
+from replaydiff.compare.layout import KINDS, Layout, ratio_text
 from replaydiff.trace.schema import OpRecord
 from replaydiff.diff.parallel.result import Departure, Mapped
 
@@ -23,24 +23,8 @@ def family(layout: Layout, legit: bool) -> str:
             (" (of a loss divided by the micro-batch count)" if legit and layout.factor != 1 else "")
     if layout.passes > 1 and legit and layout.factor == Fraction(layout.passes, layout.world):
         # a rank's accumulated gradient (or a pass's loss divided by the number of passes) of a per-rank mean
-        kind = {LayoutKind.PARTIAL: "partial", LayoutKind.SHARDED: f"sharded on dim {layout.dim}"}.get(
-            layout.kind, layout.kind.value)
-        return f"{kind} (of micro-batch losses divided by their count)"
-    if layout.kind is LayoutKind.PARTIAL:
-        if layout.factor == 1:
-            return "partial (a sum)"
-        if layout.factor == Fraction(1, layout.world):
-            return "partial (a per-micro-batch mean)" if layout.passes > 1 else "partial (a per-rank mean)"
-        return f"partial at {ratio_text(1 / layout.factor)}x"
-    if layout.kind is LayoutKind.NORM:
-        return "norm over ranks (each rank's norm of its shard)"
-    if layout.kind in (LayoutKind.MAX, LayoutKind.MIN):
-        return f"{layout.kind.value} over ranks"
-    text = f"sharded on dim {layout.dim}" if layout.kind is LayoutKind.SHARDED else "replicated"
-    if layout.factor == 1:
-        return text
-    return f"{text} (of a per-rank mean)" if legit and layout.factor == Fraction(1, layout.world) else \
-        f"{text} at {ratio_text(1 / layout.factor)}x"
+        return f"{KINDS[layout.kind].name(layout)} (of micro-batch losses divided by their count)"
+    return KINDS[layout.kind].family(layout, legit)
 
 
 def why_scaled(layout: Layout, legit: tuple[Fraction, ...]) -> str:
