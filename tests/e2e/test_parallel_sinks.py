@@ -64,6 +64,11 @@ def step(mode):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if mode in ("adam_sum", "fsdp_clip") else \
         torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     part = 0 if mode == "same_shard" else rank  # BUG in same_shard: every rank reads rank 0's shard
+    max_norm = None
+    if mode == "clip_sum":  # a clipping limit between the reference's gradient norm and twice it (not recorded)
+        probe = nn.Sequential(*[layer for layer in __import__("copy").deepcopy(model)])
+        F.cross_entropy(probe(ids).flatten(0, 1), labels.flatten(), ignore_index=-100).backward()
+        max_norm = 1.5 * float(torch.stack([p.grad.norm() for p in probe.parameters()]).norm())
     with replaydiff.record(out / mode):
         if mode.startswith("sampler"):  # a DataLoader over a map-style dataset: dataset[i] picks one row at a time
             from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -102,10 +107,12 @@ def step(mode):
             for p in model.parameters():
                 if world > 1 and mode != "fsdp_clip":
                     dist.all_reduce(p.grad)
-                    if mode != "adam_sum":  # BUG in adam_sum: the sum is not divided by the world size
+                    if mode not in ("adam_sum", "clip_sum"):  # BUG in adam_sum and clip_sum: sums not divided
                         p.grad /= world
         if mode == "fsdp_clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)
+        if mode == "clip_sum":  # clips the ranks' doubled gradients only
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm)
         opt.step()
 
 
@@ -113,7 +120,7 @@ for m in modes:
     step(m)
 '''
 MODES = ["plain", "local_index", "attention", "fsdp_clip", "per_token", "per_token_extra", "lr", "lr_one_rank",
-         "same_shard", "adam_sum", "token_mean", "sampler", "sampler_same_rank"]
+         "same_shard", "adam_sum", "token_mean", "sampler", "sampler_same_rank", "clip_sum"]
 
 
 @pytest.fixture(scope="module")
@@ -248,6 +255,18 @@ def test_every_rank_picking_the_same_rows_through_its_sampler_is_the_same_shard(
     assert d is not None and d.kind is Departure.SAME_SHARD and d.op.name == "aten.select.int"
     assert "every rank picks the same 4 rows (0, 2, 4, 6)" in d.why, d.why
     assert f"{_line('sampler = DistributedSampler')} was given rank=0 on rank 1" in d.why, d.why
+
+
+def test_summed_gradients_that_clipping_scales_are_named_at_the_norm_with_the_all_reduce(runs):
+    """Gradients all-reduced and not divided, clipped on the ranks only: the clipping coefficient of the doubled
+    norm is half the reference's on each rank, which fits as partial sums too; it is not 'an all-reduce is missing'
+    but the doubled norm, reading what the all-reduce made, with its line (found by a new-user trial)."""
+    d = diff_traces(runs[1] / "clip_sum", runs[2] / "clip_sum").parallel.departure
+    assert d is not None and d.op.name == "aten._foreach_norm.Scalar", d
+    assert "at 2x" in d.why and "all-reduce is missing" not in d.why, d.why
+    # the all-reduce of the branch without per-token normalisation (the script's second)
+    line = [n for n, text in enumerate(STEPS.splitlines(), 1) if "dist.all_reduce(p.grad)" in text][1]
+    assert "c10d.allreduce_.default (#" in d.why and f"steps.py:{line}) made" in d.why, d.why
 
 
 def test_every_rank_reading_the_same_shard_is_said_at_the_slice(runs):

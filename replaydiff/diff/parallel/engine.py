@@ -106,6 +106,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     differing: set[int] = set()  # the versions of the step's inputs that map under no layout at factor 1
     carriers: set[int] = set()  # reference ops that read, through the data flow, what a differing step input made
     by_ref: dict[int, MappedOp] = {}  # the ops mapped so far, by reference op number
+    coincident: set[int] = set()  # parted values held whole on every rank that fit as partial sums too (see below)
     inherited = 0
     # every op that parts reading nothing that parted before it (the first among them is ``first``), in order, and
     # for each op that parts the roots it descends from: a sink's parting is traced back to where it entered
@@ -312,6 +313,15 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 # what reads it descends from where it parted
                 departed.add(i)
                 origin[i] = seeded
+            elif from_departed and _whole_made_partial(from_departed, tensors, by_ref, coincident) and \
+                    not makes_layout(rop.name):
+                # what every rank computes from parted values each holds whole (at a factor) is held whole too: that
+                # it also fits as partial over the ranks (a clipping coefficient of a doubled norm is half the
+                # reference's on each rank, and the halves add up to it) is the factor's coincidence, not a layout;
+                # it parts, and what reads it descends from where the factor entered
+                departed.add(i)
+                coincident.add(i)
+                origin[i] = seeded
             continue
         if from_drawn and not from_departed:  # it reads another rank's dropout mask than the reference's
             drawn.add(i)
@@ -480,7 +490,9 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                                                               for k, p in producers.items()})
         behind = collective_behind(lead_side, lead_map, tops[0].index)
         if behind is not None and kind in (Departure.SCALED, Departure.NO_LAYOUT) and behind[1] not in why:
-            why += f"; on the ranks it reads what {behind[1]} (#{behind[0]} on rank {lead_rank}) made, which the " \
+            said = lead_side.ops[behind[0]].source if behind[0] in lead_side.ops else None
+            why += f"; on the ranks it reads what {behind[1]} (#{behind[0]} on rank {lead_rank}" \
+                   f"{', ' + said if said else ''}) made, which the " \
                    f"single process does not run"
         elif kind is Departure.SCALED:
             # a scale the ranks apply in an op the reference does not run (a loss multiplied by the world size where
@@ -683,3 +695,19 @@ def _judge_picks(first, inherited: int, roots: list, origin: dict[int, frozenset
         first = (first[0], first[1], Departure.SAME_SHARD, why)
         roots[:] = [first if r[0].ref == first[0].ref else r for r in roots]
     return first, inherited
+
+
+def _whole_made_partial(read: list[int], tensors: list[Mapped], by_ref: dict[int, MappedOp],
+                        coincident: set[int]) -> bool:
+    """Whether the ops ``read`` (parted) made only values every rank holds whole, at some factor (replicated, or
+    ``coincident``: found so here), and this op's outputs fit only as partial over the ranks."""
+    outs = [m for m in tensors if m.kind == "out" and m.layout is not None]
+    if not outs or any(m.layout.kind is not LayoutKind.PARTIAL for m in outs):
+        return False
+    for p in read:
+        if p in coincident:
+            continue
+        made = [m for m in by_ref[p].tensors if m.kind == "out"] if p in by_ref else []
+        if not made or any(m.layout is None or m.layout.kind is not LayoutKind.REPLICATED for m in made):
+            return False
+    return True
