@@ -280,7 +280,8 @@ def finish(trace: Trace, p: ReplayPlan, results: list[OpResult]) -> ReplayReport
     recomputes = [(r.rank, r.index) for r in report.ops if r.location is not None and r.location.recompute_of is not None]
     if recomputes:
         try:
-            report.recomputes_differ = check_recomputes(trace, recomputes)
+            wrong = {(r.rank, r.index) for r in report.ops if r.status is Status.DIVERGENT}
+            report.recomputes_differ = check_recomputes(trace, recomputes, wrong)
         except Exception as exc:  # a damaged chunk elsewhere: the check is extra, the report stands
             report.warnings.append(f"recomputes not compared with their forward ops: {type(exc).__name__}: {exc}")
     candidates = [(r.rank, r.index) for r in report.first_per_rank]

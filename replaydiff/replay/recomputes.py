@@ -26,15 +26,22 @@ class RecomputeDiffers:
     of: int  # the forward op it runs again
     output: int  # the first output that differs
     how: str  # e.g. "max_abs 0.0012", "float32[4, 8] against float32[8]"
+    # the forward op is itself divergent (replayed from its inputs, it is wrong; the recompute is not): the
+    # difference is that op's, not the recompute's
+    forward_wrong: bool = False
 
     def describe(self) -> str:
-        return f"recompute #{self.index} {self.op} differs from forward op #{self.of}, which it runs again: " \
-               f"output {self.output} {self.how} (activation checkpointing: the backward differentiates values the " \
-               f"forward never made; a random op without the forward's generator state?)"
+        head = f"recompute #{self.index} {self.op} differs from forward op #{self.of}, which it runs again: " \
+               f"output {self.output} {self.how}"
+        if self.forward_wrong:
+            return f"{head} (forward op #{self.of} is itself divergent, and the recompute is right given its " \
+                   f"inputs: the backward differentiates the values the forward should have made)"
+        return f"{head} (activation checkpointing: the backward differentiates values the forward never made; a " \
+               f"random op without the forward's generator state?)"
 
     def to_json(self) -> dict:
         return {"rank": self.rank, "index": self.index, "op": self.op, "of": self.of, "output": self.output,
-                "how": self.how}
+                "how": self.how, "forward_wrong": self.forward_wrong}
 
 
 def _differs(trace_rank, a: TensorRef, b: TensorRef) -> str | None:
@@ -57,8 +64,11 @@ def _differs(trace_rank, a: TensorRef, b: TensorRef) -> str | None:
     return None
 
 
-def check_recomputes(trace: Trace, ops: Iterable[tuple[int, int]]) -> list[RecomputeDiffers]:
-    """The recomputes among ``ops`` ((rank, index) pairs) whose recorded outputs are not their forward op's."""
+def check_recomputes(trace: Trace, ops: Iterable[tuple[int, int]],
+                     wrong: set[tuple[int, int]] = frozenset()) -> list[RecomputeDiffers]:
+    """The recomputes among ``ops`` ((rank, index) pairs) whose recorded outputs are not their forward op's;
+    ``wrong``: the (rank, index) of ops replay found divergent (a forward op among them explains its recompute's
+    difference, unless the recompute is wrong too)."""
     found = []
     for rank, index in ops:
         rt = trace.rank(rank)
@@ -73,6 +83,7 @@ def check_recomputes(trace: Trace, ops: Iterable[tuple[int, int]]) -> list[Recom
         for k, (a, b) in enumerate(zip(op.outputs_refs(), fwd.outputs_refs())):
             how = _differs(rt, a, b)
             if how is not None:
-                found.append(RecomputeDiffers(rank, index, op.name, of, k, how))
+                found.append(RecomputeDiffers(rank, index, op.name, of, k, how,
+                                              (rank, of) in wrong and (rank, index) not in wrong))
                 break
     return found

@@ -125,6 +125,23 @@ def test_a_fault_in_a_recomputed_op_is_named_at_the_forward_line_that_runs_it(tm
     assert f"aten.tanh.default call 3 x(1+0.001), op #{planted.index} on rank 0" in out, out  # the plant landed there
 
 
+def test_a_recompute_that_differs_from_a_faulty_forward_op_says_the_forward_op_is_wrong(tmp_path, capsys):
+    """The fault in the forward op (call 2: block 1's forward tanh), not in its recompute: the recompute differs
+    from it, and the finding says the forward op is the divergent one, not a generator state."""
+    with replaydiff.record(tmp_path / "t", plant="aten.tanh.default:2:1e-3"):
+        _step("non_reentrant")
+    rank = open_trace(tmp_path / "t").rank(0)
+    fwd = _forward_op(rank, "aten.tanh.default", "Net.blocks.1")
+    rc = next(op for op in rank if op.recompute and op.recompute_of == fwd and op.name == "aten.tanh.default")
+    capsys.readouterr()
+    assert main(["replay", str(tmp_path / "t")]) == 1
+    out = capsys.readouterr().out
+    assert f"first divergent op #{fwd} aten.tanh.default" in out, out
+    assert f"recompute #{rc.index} aten.tanh.default differs from forward op #{fwd}" in out, out
+    assert f"forward op #{fwd} is itself divergent, and the recompute is right given its inputs" in out, out
+    assert "generator state" not in out, out
+
+
 class DropBlock(Block):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.dropout(torch.tanh(self.a(x)), 0.5, training=True)  # dropout line
