@@ -103,6 +103,8 @@ def step(mode):
                 p.grad /= tokens  # brings the gradients back to the mean's
         else:
             loss = F.cross_entropy(logits, ys.flatten(), ignore_index=-100)
+            if mode == "rank_scaled" and rank == 1:
+                loss = loss * 1.01  # BUG in rank_scaled: one rank's loss 1% off
             loss.backward()
             for p in model.parameters():
                 if world > 1 and mode != "fsdp_clip":
@@ -120,7 +122,8 @@ for m in modes:
     step(m)
 '''
 MODES = ["plain", "local_index", "attention", "fsdp_clip", "per_token", "per_token_extra", "lr", "lr_one_rank",
-         "same_shard", "adam_sum", "token_mean", "sampler", "sampler_same_rank", "clip_sum"]
+         "same_shard", "adam_sum", "token_mean", "sampler", "sampler_same_rank", "clip_sum",
+         "rank_scaled"]
 
 
 @pytest.fixture(scope="module")
@@ -267,6 +270,17 @@ def test_summed_gradients_that_clipping_scales_are_named_at_the_norm_with_the_al
     # the all-reduce of the branch without per-token normalisation (the script's second)
     line = [n for n, text in enumerate(STEPS.splitlines(), 1) if "dist.all_reduce(p.grad)" in text][1]
     assert "c10d.allreduce_.default (#" in d.why and f"steps.py:{line}) made" in d.why, d.why
+
+
+def test_one_rank_s_loss_scaled_by_one_percent_is_named_on_that_rank_at_its_line(runs):
+    """Rank 1's loss 1% off: rank 0's slice of the loss's gradient is the reference's, rank 1's not; not 'an
+    all-reduce is missing' (every rank's part would be off), and the line of rank 1's own scale is named."""
+    d = diff_traces(runs[1] / "rank_scaled", runs[2] / "rank_scaled").parallel.departure
+    assert d is not None and d.op.name == "aten.nll_loss_backward.default" and d.op.phase == "backward", d
+    assert "rank 0 holds its slice of the reference's value, rank 1 does not" in d.why, d.why
+    assert "all-reduce" not in d.why, d.why
+    assert f"on rank 1 it reads what aten.mul.Tensor (#" in d.why and \
+        f"{_line('loss = loss * 1.01')}) made" in d.why, d.why
 
 
 def test_every_rank_reading_the_same_shard_is_said_at_the_slice(runs):

@@ -371,6 +371,11 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             continue
         m = bad[0]
         partial_in = partial_input(producers, by_ref)
+        one_off = bool(m.off) and len(m.off) < world and micro is None and len(own) == world
+        if one_off:
+            # some rank holds the reference's part and another does not: not a reduction every rank misses (an
+            # all-reduce missing leaves every rank's part off); said below with the ranks that part
+            partial_in = None
         other_args = differing_arguments(rop, tops)
         if m.alike and rop.phase == "forward":
             held = (t_ins if m.kind == "in" else t_outs)[0][m.position].shape  # every rank's piece is alike
@@ -440,13 +445,21 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             kind, why = Departure.SHARD_OFFSET, (
                 f"{'input' if m.kind == 'in' else 'output'} {m.position} ({m.describe}): each rank holds a slice of the "
                 f"reference on dim {dim}, at offsets {', '.join(f'rank {r}: {o}' for r, o in enumerate(at))}: {what}")
-        elif m.off and len(m.off) < world and micro is None and len(own) == world:
+        elif one_off:
             held = [r for r in range(world) if r not in m.off]
+            whole = all(tuple(t[m.position].shape) == tuple(rop.outputs_refs()[m.position].shape) for t in t_outs) \
+                if m.kind == "out" else True
+            what = "the reference's value" if whole else "its slice of the reference's value"
+            # on a rank that parts, the op may read what that rank alone computed (a scale in its own branch)
+            r0 = m.off[0]
+            extra = computing_behind(t_sides[r0], maps[r0], tops[r0].index) if r0 < len(tops) else None
             kind, why = Departure.NO_LAYOUT, (
                 f"output {m.position} ({m.describe}): rank{'s' if len(held) > 1 else ''} "
-                f"{', '.join(map(str, held))} hold{'s' if len(held) == 1 else ''} the reference's value, rank"
+                f"{', '.join(map(str, held))} hold{'s' if len(held) == 1 else ''} {what}, rank"
                 f"{'s' if len(m.off) > 1 else ''} {', '.join(map(str, m.off))} "
-                f"{'do' if len(m.off) > 1 else 'does'} not: this op went wrong there")
+                f"{'do' if len(m.off) > 1 else 'does'} not: " +
+                (f"on rank {r0} it reads what {extra} made, which the single process does not run" if extra else
+                 "this op went wrong there"))
         elif (own_in := made_apart(producers, tops[0], tgts[0], lead_side, lead_map, r_side,
                                     set(out.not_aligned))) is not None:
             pos, made, theirs = own_in

@@ -7,7 +7,8 @@ import math
 import torch
 
 from replaydiff import aten
-from replaydiff.compare.layout import (Close, Layout, LayoutKind, infer_layouts, infer_mesh_layouts, rel_l2_close,
+from replaydiff.compare.layout import (Close, Layout, LayoutKind, candidates, infer_layouts, infer_mesh_layouts,
+                                       rel_l2_close,
                                        shard_offsets)
 from replaydiff.compare.reordered import Limit, counts_terms, fallback, limit_of
 from replaydiff.trace.placements import DTensorArg
@@ -117,6 +118,8 @@ def map_tensor(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs:
     if layout is None:
         if all(tuple(p.shape) == tuple(r.shape) for p in parts):
             off = tuple(k for k, p in enumerate(parts) if not close(p.to(torch.float64), r))
+        else:
+            off = _slices_off(r, parts, close)
         found = None if micro is not None else shard_offsets(r, parts, close)
         offsets = None if found is None else (found[0], tuple(found[1]))
     sizes = None if offsets is None else tuple(int(p.shape[offsets[0]]) for p in parts)
@@ -126,3 +129,23 @@ def map_tensor(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs:
                                      for p in parts[1:])
     return Mapped(kind, pos, rref.describe(), layout, error, off, offsets, tuple(fits), sizes,
                   None if micro is not None else declared, alike, None if limit is None else limit.eps, limit)
+
+
+def _slices_off(r: torch.Tensor, parts: list[torch.Tensor], close) -> tuple[int, ...]:
+    """For parts shaped as the reference's slices in rank order along one dimension (at factor 1, or the world size
+    either way, as a per-rank mean's gradient is): the ranks whose slice is not the reference's, where some rank's
+    is (one rank's values off: its own scale or input); empty otherwise."""
+    world = len(parts)
+    for layout in candidates(r.shape, [p.shape for p in parts]):
+        if layout.kind is not LayoutKind.SHARDED or layout.dim is None or layout.blocks != 1:
+            continue
+        for factor in (1.0, float(world), 1.0 / world):
+            d, at, bad = layout.dim, 0, []
+            for k, p in enumerate(parts):
+                size = int(p.shape[d])
+                if not close(p.to(torch.float64), factor * r.narrow(d, at, size)):
+                    bad.append(k)
+                at += size
+            if len(bad) < len(parts):
+                return tuple(bad)
+    return ()
