@@ -5,6 +5,12 @@ transformers.Trainer, Lightning), each recorded as a user records it, the single
     replaydiff record --step N -o multi -- torchrun --standalone --nproc-per-node 2 job.py
     replaydiff diff single multi --json -
 
+A job checked at several steps (FSDP2, the Trainer and Lightning at steps 1 and 2) is recorded once over them
+(``replaydiff record --steps 1-2``) and diffed a step at a time (``replaydiff diff single multi --step N``): a step
+of that recording holds the ops, sources and diff a ``--step N`` recording holds (checked by hand for fsdp_tokens,
+trainer_tokens and lightning_ddp: the same ops and sources, each step's diff report the same but for op indices and
+its "comparing step N" line), and each pair of launches saved is 30-70 s on the shared machine.
+
 A correct job agrees (exit 0, no difference found); a job with a planted bug exits 1 and names the line the bug
 enters (the script's line marked ``# BUG``, read from the script, never typed in) in words that fit the cause.
 
@@ -14,8 +20,9 @@ pair saw the same global batch and that a correct job ends where its single proc
 A recording changes no bit of a job's results, so the recorded runs give these.
 
 torchrun is launched as ``python -m torch.distributed.run`` (the same program; a venv whose torch comes from another
-environment has no ``torchrun`` script). Each pair costs four processes' imports: the file takes ~4.5 CPU-minutes
-(12-13 minutes' wall time on the shared 2-core machine at load 8).
+environment has no ``torchrun`` script). Each recording pair costs four processes' imports (more with 4 ranks):
+18 recording pairs for 21 checked pairs: the file took 831 s of wall time (410 CPU-seconds) on the shared 2-core
+machine at load 5-7, beside a run of its earlier form, which took 955 s (21 pairs).
 """
 from __future__ import annotations
 
@@ -146,11 +153,26 @@ def _environment(**extra: str):
         os.environ.update(saved)
 
 
+def _steps(job: Job) -> list[int]:
+    """The steps this job's script is checked at (at this world size): one recording holds them all."""
+    return sorted({j.step for j in CORRECT + BUGGY if (j.script, j.world) == (job.script, job.world)})
+
+
+def _recording(job: Job) -> tuple[str, list[str]]:
+    """The name of the recordings that hold ``job``'s step, and record's option that picks their steps: ``--step N``
+    for a job checked at one step (as users record it), ``--steps A-B`` over every step a job is checked at."""
+    steps = _steps(job)
+    if len(steps) == 1:
+        return job.id, ["--step", str(job.step)]
+    return f"{job.script.removesuffix('.py')}-steps{steps[0]}-{steps[-1]}", ["--steps", f"{steps[0]}-{steps[-1]}"]
+
+
 def _record(job: Job, where: Path, world: int) -> dict:
     for prefix, framework in (("lightning_", "lightning"), ("trainer_", "transformers")):
         if job.script.startswith(prefix):
             assert find_spec(framework), f"{framework} (pyproject's test extra) is not installed: pip install -e '.[test]'"
-    out = f"{job.id}-{world}"
+    name, steps = _recording(job)
+    out = f"{name}-{world}"
     result = where / f"{out}.json"
     launch = [sys.executable, job.script] if world == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), job.script]
@@ -162,7 +184,7 @@ def _record(job: Job, where: Path, world: int) -> dict:
         # the launch after the job's work is done. A recorder that broke the job would fail both times.
         for attempt in range(2):
             with _environment(JOB_RESULT=str(result)):
-                code = main(["record", "--step", str(job.step), "-o", out, "--", *launch])
+                code = main(["record", *steps, "-o", out, "--", *launch])
             if code == 0 or world == 1 or attempt == 1:
                 break
             shutil.rmtree(where / out, ignore_errors=True)
@@ -176,26 +198,35 @@ def _record(job: Job, where: Path, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    """pairs(job) -> Pair: the job recorded as a single process and under torchrun, then diffed; each job once per
-    module (the checks of one pair share its recordings)."""
+    """pairs(job) -> Pair: the job recorded as a single process and under torchrun, then diffed at its step; each
+    recording once per module (the checks of one pair share its recordings, and the steps of one script share
+    them: see _recording)."""
     where = tmp_path_factory.mktemp("jobs")
     for script in JOBS.glob("*.py"):
         shutil.copy(script, where / script.name)
-    done: dict[Job, Pair | RecordingFailed] = {}
+    recorded: dict[str, tuple[dict, dict] | RecordingFailed] = {}
+    done: dict[Job, Pair] = {}
 
     def get(job: Job) -> Pair:
-        if job not in done:
+        name, steps = _recording(job)
+        if name not in recorded:
             try:
-                single, multi = _record(job, where, 1), _record(job, where, job.world)
+                recorded[name] = _record(job, where, 1), _record(job, where, job.world)
             except RecordingFailed as e:
-                done[job] = e  # each later test of this job says the same, not that the trace exists
+                recorded[name] = e  # each later test of these recordings says the same, not that the trace exists
                 raise
+        if isinstance(recorded[name], RecordingFailed):
+            raise recorded[name]
+        if job not in done:
+            single, multi = recorded[name]
             out = where / f"{job.id}.diff.json"
-            traces = where / f"{job.id}-1", where / f"{job.id}-{job.world}"
-            code = main(["diff", str(traces[0]), str(traces[1]), "--json", str(out)])
-            done[job] = Pair(code, json.loads(out.read_text()), single, multi, traces)
-        if isinstance(done[job], RecordingFailed):
-            raise done[job]
+            traces = where / f"{name}-1", where / f"{name}-{job.world}"
+            pick = ["--step", str(job.step)] if steps[0] == "--steps" else []
+            code = main(["diff", str(traces[0]), str(traces[1]), *pick, "--json", str(out)])
+            report = json.loads(out.read_text())
+            # the step the job is checked at, and it alone, was compared
+            assert not pick or report["steps"].startswith(f"comparing step {job.step} "), report["steps"]
+            done[job] = Pair(code, report, single, multi, traces)
         return done[job]
 
     return get
