@@ -78,12 +78,13 @@ class Job:
 
 
 # The issue's rows at the step it names (Lightning at --step 2, where the sampler picks rows inside the step), and
-# a second step of FSDP2 (its parameters, DTensors the first step updated, enter as step inputs) and of the Trainer,
-# and Lightning at step 1 too.
+# a second step of torch's DDP, of FSDP2 (its parameters, DTensors the first step updated, enter as step inputs) and
+# of the Trainer, and Lightning at step 1 too.
 # Each pair costs 4 processes' torch imports (~15 s on an idle 2-core machine; the Trainer's ~30 s).
 CORRECT = [
     Job("ddp_tokens.py"),
     Job("ddp_module_tokens.py"),
+    Job("ddp_module_tokens.py", step=2),
     Job("fsdp_tokens.py"),
     Job("fsdp_tokens.py", step=2),
     Job("fsdp_adamw_clip.py", world=4),
