@@ -261,6 +261,8 @@ def _max_param_difference(a: dict, b: dict) -> float:
 def test_a_correct_job_agrees_with_its_single_process(pairs, job: Job) -> None:
     pair = pairs(job)
     assert pair.code == 0 and pair.report["found_difference"] is False, _said(pair.report)[:3000]
+    # and no warning says otherwise (a DistributedSampler's interleaved rows read as another global batch did)
+    assert not [w for w in pair.report.get("warnings", []) if "global batch" in w], pair.report["warnings"]
 
 
 @pytest.mark.parametrize("job", [pytest.param(j, id=j.id, marks=_marks(j)) for j in BUGGY])
