@@ -575,6 +575,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             # parallel script alone): that op is where the difference enters, named first
             r, j = first[0].on_ranks()[0]
             enters = scale_behind(t_sides[r], maps[r], j, applied[first[0].ref], world)
+            if enters is not None and enters.phase == "forward" and _between(t_sides[r], enters.index):
+                enters = dataclasses.replace(enters, phase=BETWEEN)
         why = first[3]
         if enters is not None and first[1].layout is not None:
             why = (f"{first[1].layout.describe()}: {ratio_text(enters.factor)}x what a correct parallel run holds "
@@ -724,3 +726,12 @@ def _whole_made_partial(read: list[int], tensors: list[Mapped], by_ref: dict[int
         if not made or any(m.layout is None or m.layout.kind is not LayoutKind.REPLICATED for m in made):
             return False
     return True
+
+
+def _between(side: Side, index: int) -> bool:
+    """Whether op ``index`` of a rank runs after that rank's last backward op and before its optimizer's first (the
+    work between ``backward()`` and ``step()``, which the trace calls forward)."""
+    backward = [i for i, op in side.ops.items() if op.phase == "backward" and i < index]
+    optimizer = [i for i, op in side.ops.items() if op.phase == "optimizer" and i > index]
+    return bool(backward) and bool(optimizer) and \
+        not any(op.phase == "backward" for i, op in side.ops.items() if index < i < min(optimizer))
