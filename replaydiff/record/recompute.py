@@ -8,8 +8,8 @@ the module and line of that code and the forward op each one repeats (whose valu
 A region is known by what torch itself keeps for it, read at a cost of one call per op:
 - non-reentrant: the saved-tensor hooks torch installs around the region hold its ``_CheckpointFrame``, in the
   forward (the pack hook's closure holds the frame) and in the recompute (a weak reference to it);
-- reentrant: ``CheckpointFunction``'s autograd node. Its forward runs without grad right after the node is made, so
-  those ops see the node's sequence number as the last one made; the recompute runs inside that node.
+- reentrant: ``CheckpointFunction``'s autograd node, which is the ``ctx`` its forward is given: its forward's ops
+  (run without grad) find it on the stack, and the recompute runs inside that node.
 
 A recompute's ops are matched to the region's forward ops in order, by name: an op the recompute does not run again
 (selective checkpointing's saved ops, the early stop once every saved tensor is back) is passed over, and an op of
@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 import weakref
 from types import CodeType
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -66,7 +66,8 @@ class Recomputes:
     def __init__(self) -> None:
         self._regions: dict[Any, _Region] = {}
         self._cells: dict[CodeType, int] = {}  # a hook's code -> the closure cell holding the frame (-1: none)
-        self._nograd: tuple[int, Any] | None = None  # (sequence number, region key or None) of no-grad forward ops
+        # (sequence number, region key or None, the reentrant checkpoint's ctx, weakly) of no-grad forward ops
+        self._nograd: tuple[int, Any, Any] | None = None
         self._last: tuple[Any, Any] | None = None  # (weak hook function, weak frame) last found
 
     # -- the forward -----------------------------------------------------------------------------------------
@@ -83,10 +84,13 @@ class Recomputes:
         seq = torch._C._autograd._get_sequence_nr() - 1
         known = self._nograd
         if known is None or known[0] != seq:
-            # Once per node made: is this inside CheckpointFunction.forward? (a walk up the stack)
-            known = self._nograd = (seq, ("node", seq) if _in_reentrant_forward() else None)
+            # Once per node made: is this inside CheckpointFunction.forward? (a walk up the stack). The region is
+            # its ctx, the very node its recompute runs in; not the last node made, since autocast's casts of the
+            # weights make nodes of their own inside that forward.
+            ctx = _reentrant_ctx()
+            known = self._nograd = (seq, None if ctx is None else ("node", id(ctx)), _weak(ctx))
         if known[1] is not None:
-            self._region(known[1], None).ops.append(ForwardOp(index, name, module))
+            self._region(known[1], known[2]()).ops.append(ForwardOp(index, name, module))
 
     def _region(self, key: Any, frame: Any) -> _Region:
         r = self._regions.get(key)
@@ -109,10 +113,7 @@ class Recomputes:
         if frame is not None:
             key = id(frame)
         elif grad and type(node).__name__ == _REENTRANT_NODE:
-            try:
-                key = ("node", node._sequence_nr())
-            except Exception:
-                return None
+            key = ("node", id(node))
         else:
             return None
         region = self._regions.get(key)
@@ -175,20 +176,32 @@ def _frame_in(cell: Any) -> Any:
 _REENTRANT_CODE: list[CodeType] = []
 
 
-def _in_reentrant_forward() -> bool:
-    """Whether ``CheckpointFunction.forward`` is on the stack (the reentrant checkpoint's forward)."""
+def _reentrant_ctx() -> Any:
+    """The ctx of the ``CheckpointFunction.forward`` on the stack (the reentrant checkpoint's forward): the autograd
+    node its recompute runs in. None when there is none."""
     if not _REENTRANT_CODE:
         fn = getattr(getattr(sys.modules.get("torch.utils.checkpoint"), "CheckpointFunction", None), "forward", None)
         code = getattr(fn, "__code__", None)
         if code is None:
-            return False
+            return None
         _REENTRANT_CODE.append(code)
     target = _REENTRANT_CODE[0]
     f = sys._getframe(2)
     depth = 0
     while f is not None and depth < 400:
         if f.f_code is target:
-            return True
+            return f.f_locals.get("ctx")
         f = f.f_back
         depth += 1
-    return False
+    return None
+
+
+def _weak(obj: Any) -> Callable[[], Any]:
+    """A weak reference to ``obj`` (not kept alive: a checkpoint's node holds its saved inputs); a call that gives
+    None where there is nothing to refer to or it cannot be referred to weakly."""
+    if obj is None:
+        return _nothing
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return _nothing

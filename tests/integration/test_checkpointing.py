@@ -142,6 +142,28 @@ def test_a_recompute_that_differs_from_a_faulty_forward_op_says_the_forward_op_i
     assert "generator state" not in out, out
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_reentrant_recomputes_under_autocast_are_matched_to_their_forward_ops(tmp_path, bf16):
+    """Under autocast the reentrant checkpoint's forward casts the weights with grad (autograd nodes of their own,
+    made after the checkpoint's): its recompute is still matched, by the checkpoint's node itself."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([Block(), Block()])
+    x = torch.randn(4, 8, requires_grad=True)
+    with replaydiff.record(tmp_path / "t"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            h = x
+            for b in blocks:
+                h = checkpoint(b, h, use_reentrant=True)
+            loss = h.float().square().mean()
+        loss.backward()
+    rank = open_trace(tmp_path / "t").rank(0)
+    for name in ("aten.addmm.default", "aten.tanh.default"):  # each block's, in the forward and recomputed
+        fwd = [op.index for op in rank if op.phase == "forward" and op.name == name]
+        again = sorted(op.recompute_of for op in rank if op.recompute and op.name == name)
+        assert len(fwd) == (4 if name == "aten.addmm.default" else 2) and again == fwd, (name, fwd, again)
+    assert all(rank[op.recompute_of].name == op.name for op in rank if op.recompute_of is not None)
+
+
 class DropBlock(Block):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.dropout(torch.tanh(self.a(x)), 0.5, training=True)  # dropout line
