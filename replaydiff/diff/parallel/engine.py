@@ -372,9 +372,16 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         m = bad[0]
         partial_in = partial_input(producers, by_ref)
         one_off = bool(m.off) and len(m.off) < world and micro is None and len(own) == world
-        if one_off:
-            # some rank holds the reference's part and another does not: not a reduction every rank misses (an
-            # all-reduce missing leaves every rank's part off); said below with the ranks that part
+        alone: list[tuple[int, str]] = []  # (rank, what it alone computed that this op reads) where some rank has none
+        if not one_off and micro is None and len(own) == world and len(tops) == world:
+            behind_each = [computing_behind(t_sides[r], maps[r], tops[r].index) for r in range(world)]
+            alone = [(r, b) for r, b in enumerate(behind_each) if b is not None]
+            if not alone or len(alone) == world:
+                alone = []
+        if one_off or alone:
+            # some rank holds the reference's part and another does not, or some rank alone computed what the op
+            # reads: not a reduction every rank misses (an all-reduce missing leaves every rank's part off); said
+            # below with the ranks that part
             partial_in = None
         other_args = differing_arguments(rop, tops)
         if m.alike and rop.phase == "forward":
@@ -445,6 +452,13 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             kind, why = Departure.SHARD_OFFSET, (
                 f"{'input' if m.kind == 'in' else 'output'} {m.position} ({m.describe}): each rank holds a slice of the "
                 f"reference on dim {dim}, at offsets {', '.join(f'rank {r}: {o}' for r, o in enumerate(at))}: {what}")
+        elif alone and not one_off and m.layout is None:
+            others = [r for r in range(world) if r not in {a for a, _ in alone}]
+            kind, why = Departure.NO_LAYOUT, (
+                f"{'input' if m.kind == 'in' else 'output'} {m.position} ({m.describe}) maps onto the reference's "
+                f"under no layout: on rank {alone[0][0]} it reads what {alone[0][1]} made, which neither the single "
+                f"process nor rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} run"
+                f"{'s' if len(others) == 1 else ''}")
         elif one_off:
             held = [r for r in range(world) if r not in m.off]
             whole = all(tuple(t[m.position].shape) == tuple(rop.outputs_refs()[m.position].shape) for t in t_outs) \
