@@ -70,12 +70,14 @@ def step(mode):
         F.cross_entropy(probe(ids).flatten(0, 1), labels.flatten(), ignore_index=-100).backward()
         max_norm = 1.5 * float(torch.stack([p.grad.norm() for p in probe.parameters()]).norm())
     with replaydiff.record(out / mode):
-        if mode.startswith("sampler"):  # a DataLoader over a map-style dataset: dataset[i] picks one row at a time
-            from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+        if mode.startswith("sampler") or mode == "rank_scaled_rows":  # a DataLoader over a map-style dataset:
+            from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # dataset[i] picks one row
 
             order = [0, 4, 1, 5, 2, 6, 3, 7]  # the padded rows 0 and 4 on two ranks, as tensor_split puts them
-            data = TensorDataset(ids[order], labels[order])
-            sampler = DistributedSampler(data, num_replicas=world, shuffle=False,  # rank r takes rows r, r+W, ...
+            data = TensorDataset(ids[order], labels[order].clamp(min=0) if mode == "rank_scaled_rows" else
+                                 labels[order])
+            sampler = DistributedSampler(data, num_replicas=world, seed=0,  # rank r takes rows r, r+W, ...
+                                         shuffle=mode == "rank_scaled_rows",  # (of a permutation, shuffled)
                                          rank=0 if mode == "sampler_same_rank" else rank)  # BUG in sampler_same_rank
             xs, ys = next(iter(DataLoader(data, batch_size=8 // world, sampler=sampler)))
         else:
@@ -103,7 +105,7 @@ def step(mode):
                 p.grad /= tokens  # brings the gradients back to the mean's
         else:
             loss = F.cross_entropy(logits, ys.flatten(), ignore_index=-100)
-            if mode == "rank_scaled" and rank == 1:
+            if mode.startswith("rank_scaled") and rank == 1:
                 loss = loss * 1.01  # BUG in rank_scaled: one rank's loss 1% off
             loss.backward()
             for p in model.parameters():
@@ -123,7 +125,7 @@ for m in modes:
 '''
 MODES = ["plain", "local_index", "attention", "fsdp_clip", "per_token", "per_token_extra", "lr", "lr_one_rank",
          "same_shard", "adam_sum", "token_mean", "sampler", "sampler_same_rank", "clip_sum",
-         "rank_scaled"]
+         "rank_scaled", "rank_scaled_rows"]
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +283,15 @@ def test_one_rank_s_loss_scaled_by_one_percent_is_named_on_that_rank_at_its_line
     assert "all-reduce" not in d.why, d.why
     assert f"on rank 1 it reads what aten.mul.Tensor (#" in d.why and \
         f"{_line('loss = loss * 1.01')}) made" in d.why, d.why
+
+
+def test_one_rank_s_own_scale_is_named_where_the_ranks_rows_are_not_slices_in_rank_order(runs):
+    """The same bug with a shuffling DistributedSampler: no rank's rows are a slice of the reference's in rank order,
+    so the rank that alone computed what the op reads is named, with its line (found by a new-user trial, FSDP2)."""
+    d = diff_traces(runs[1] / "rank_scaled_rows", runs[2] / "rank_scaled_rows").parallel.departure
+    assert d is not None and d.op.phase == "backward" and "all-reduce" not in d.why, d
+    assert "on rank 1 it reads what aten.mul.Tensor (#" in d.why and \
+        f"{_line('loss = loss * 1.01')}) made, which neither the single process nor rank 0 runs" in d.why, d.why
 
 
 def test_every_rank_reading_the_same_shard_is_said_at_the_slice(runs):
