@@ -421,9 +421,9 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 why += f"; each rank accumulated it over its {passes} micro-batches and no all-reduce follows the " \
                        f"last one's backward{' (' + last + ')' if last else ''}: run that backward outside " \
                        f"no_sync(), or all-reduce the gradients after it"
-        elif m.layout is not None and (legit_factors(m.layout, rop.phase, loss) or not m.off):
+        elif m.layout is not None and ((legit := legit_factors(m.layout, rop.phase, loss)) or not m.off):
             # (no factor is right for what the optimizer keeps, and some rank holds the reference's: said below)
-            kind, why = Departure.SCALED, why_scaled(m.layout, legit_factors(m.layout, rop.phase, loss))
+            kind, why = Departure.SCALED, why_scaled(m.layout, legit)
             if other_args:
                 why += f"; the ranks run this op with other arguments than the single process: " \
                        f"{arguments_text(other_args, world)}"
