@@ -82,6 +82,10 @@ class Layout:
     holder: int | None = None
     # routed: each rank's blocks along ``dim`` (the rows it sends to each rank, in rank order)
     splits: tuple[tuple[int, ...], ...] | None = None
+    # sharded only: the parts joined along ``dim`` are the reference's rows in another order, joined row i being
+    # the reference's row ``order[i]`` (a batch a DistributedSampler dealt out interleaved); a dim of k times as
+    # many positions (the batch flattened with the sequence) in runs of k; None: in order
+    order: tuple[int, ...] | None = None
 
     def assemble(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """The value the ranks' tensors stand for (before the factor), in float64: rank 0's for a replicated
@@ -126,6 +130,8 @@ class Layout:
             out["holder"] = self.holder
         if self.splits is not None:
             out["splits"] = [list(x) for x in self.splits]
+        if self.order is not None:
+            out["order"] = list(self.order)
         if self.inner is not None and self.groups is not None:
             out["inner"] = self.inner.to_json()
             out["groups"] = [list(g) for g in self.groups]
@@ -250,6 +256,8 @@ class _Sharded(Kind):
     placement = "shard"
 
     def assemble(self, layout: "Layout", xs: list[torch.Tensor]) -> torch.Tensor:
+        if layout.order is not None:
+            return _in_order(torch.cat(xs, dim=layout.dim), layout.dim, layout.order)
         if layout.blocks == 1:
             return torch.cat(xs, dim=layout.dim)
         d = layout.dim
@@ -260,10 +268,12 @@ class _Sharded(Kind):
         even = layout.sizes is not None and len(set(layout.sizes)) == 1
         split = "" if layout.sizes is None else f" ({'+'.join(map(str, layout.sizes))}{'' if even else ', uneven'})"
         turns = "" if layout.blocks == 1 else f" in {layout.blocks} interleaved blocks (a sharded dim flattened)"
+        if layout.order is not None:
+            turns = " (the batch's rows in another order)"
         return f"sharded on dim {layout.dim} over {layout.world} ranks{split}{turns}{scale}"
 
     def name(self, layout: "Layout") -> str:
-        return f"sharded on dim {layout.dim}"
+        return f"sharded on dim {layout.dim}" + ("" if layout.order is None else " (rows in another order)")
 
     def candidates(self, ref_shape, shapes, exchanges) -> list["Layout"]:
         world = len(shapes)
@@ -286,7 +296,7 @@ class _Sharded(Kind):
         return out
 
     def declared_by(self, layout: "Layout", placement: str, dim: int | None) -> bool:
-        return placement == self.placement and layout.dim == dim and layout.blocks == 1
+        return placement == self.placement and layout.dim == dim and layout.blocks == 1 and layout.order is None
 
     def group_candidates(self, shapes: list[tuple[int, ...]]) -> list["Layout"]:
         if not all(len(s) == len(shapes[0]) for s in shapes):
@@ -504,6 +514,38 @@ def infer_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close
     fits = (KINDS[layout.kind].fit(layout, ref, parts, close)
             for layout in candidates(ref.shape, [p.shape for p in parts], exchanges))
     return [f for f in fits if f is not None]
+
+
+def order_index(order: tuple[int, ...], extent: int) -> torch.Tensor:
+    """For a dim of ``extent`` positions whose rows (runs of extent / len(order) positions: the batch flattened with
+    the sequence) the ranks hold in ``order`` (``Layout.order``): the reference's position of each joined one."""
+    run = extent // len(order)
+    at = torch.tensor(order, dtype=torch.long)
+    return (at[:, None] * run + torch.arange(run)).flatten() if run > 1 else at
+
+
+def _in_order(joined: torch.Tensor, dim: int, order: tuple[int, ...]) -> torch.Tensor:
+    """``joined`` (the ranks' parts joined along ``dim``, row i being the reference's row ``order[i]``) put back in
+    the reference's order."""
+    return torch.empty_like(joined).index_copy_(dim, order_index(order, int(joined.shape[dim])), joined)
+
+
+def reordered_layouts(ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close,
+                      orders: dict[int, tuple[int, ...]]) -> list[Layout]:
+    """The sharded layouts of ``parts`` whose joined rows are the reference's in one of ``orders`` (by the number of
+    rows: the orders in which the ranks hold the batches of this step), on any dim the shapes shard whose extent is
+    a multiple of an order's rows, each at the simple factor it takes; fitted as ``infer_layouts`` does."""
+    out = []
+    shapes = [tuple(p.shape) for p in parts]
+    for layout in KINDS[LayoutKind.SHARDED].candidates(tuple(ref.shape), shapes, ()):
+        if layout.blocks != 1:
+            continue
+        for n, order in orders.items():
+            if ref.shape[layout.dim] % n == 0:
+                fit = KINDS[LayoutKind.SHARDED].fit(dataclasses.replace(layout, order=order), ref, parts, close)
+                if fit is not None:
+                    out.append(fit)
+    return out
 
 
 def _inner_candidates(members: Sequence[torch.Tensor]) -> list[Layout]:

@@ -302,7 +302,7 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
                   f"the local batch, positions, the order that groups its own tokens by expert), not a piece of the single process's: not compared, what they index "
                   f"is, first ref #{pd.per_rank_index[0]}\n")
     if pd.rows_reordered is not None:
-        out.write(f"  the ranks pick the single process's rows of the batch between them in another order (a "
+        out.write(f"  the ranks hold the single process's rows of the batch between them in another order (a "
                   f"DistributedSampler interleaves its shards: rank r takes rows r, r+W, ...), first ref "
                   f"#{pd.rows_reordered}: the same global batch; what parts only by that order is not a departure\n")
     if pd.amplified:

@@ -21,9 +21,10 @@ from replaydiff.diff.parallel.declared import declared_on, declared_output, mesh
 from replaydiff.diff.parallel.experts import (exchanges_of, experts_of, expert_reduced, held_tensor,
                                               own_rows_index, routed_tensor)
 from replaydiff.diff.parallel.factors import legit_factors, pick_legit
-from replaydiff.diff.parallel.mapping import map_tensor, measured_reads
+from replaydiff.diff.parallel.mapping import map_tensor, measured_reads, reordered_input
 from replaydiff.diff.parallel.means import unequal_counts
-from replaydiff.diff.parallel.paths import (amplifies, collective_ahead, collective_behind, computing_behind,
+from replaydiff.diff.parallel.paths import (amplifies, collective_ahead, collective_behind, computing_behind, op_words,
+                                            loss_scale, own_computing,
                                             made_apart, partial_input, reduced_at, same_draws_of, scale_behind)
 from replaydiff.diff.parallel.refusals import refuse_point_to_point, refuse_sub_groups
 from replaydiff.diff.parallel.result import Departure, Mapped, MappedOp, ParallelDeparture, ParallelDiff
@@ -107,6 +108,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     carriers: set[int] = set()  # reference ops that read, through the data flow, what a differing step input made
     by_ref: dict[int, MappedOp] = {}  # the ops mapped so far, by reference op number
     coincident: set[int] = set()  # parted values held whole on every rank that fit as partial sums too (see below)
+    shuffled: set[int] = set()  # ops that part only by reading a batch dealt out to the ranks in another order
+    orders: dict[int, tuple[int, ...]] = {}  # the orders the ranks hold the step's batches in, by their rows
     inherited = 0
     # every op that parts reading nothing that parted before it (the first among them is ``first``), in order, and
     # for each op that parts the roots it descends from: a sink's parting is traced back to where it entered
@@ -183,7 +186,9 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 return held_tensor(map_tensor(ref, tgts, rref, trefs, kind, pos, 1, rop=rop, reads=reads), world,
                                    holder)
             m = map_tensor(ref, tgts, rref, trefs, kind, pos, world, micro, declared, mesh,
-                           per_rank if micro is not None else len(own) // world, rop, reads)
+                           per_rank if micro is not None else len(own) // world, rop, reads, orders)
+            if m is not None and m.layout is not None and m.layout.order is not None:
+                orders.setdefault(len(m.layout.order), m.layout.order)
             return m if m is None or not exchanges else routed_tensor(ref, tgts, rref, trefs, m, exchanges)
         random = aten.draws(rop.name, rop.args, rop.kwargs)
         producers = ref.producers(i)
@@ -219,7 +224,16 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 continue
             if any(pos >= len(ti) or tgts[k].producers(tops[k].index).get(pos) is not None
                    for k, ti in enumerate(t_ins)):
-                continue  # on some rank the op reads what a rank's own op made (a slice of the batch, a copy)
+                # on some rank the op reads what a rank's own op made (a slice of the batch, a copy): judged where
+                # what it made is read, unless the pieces are the batch's rows in another order
+                m = None if any(pos >= len(ti) for ti in t_ins) or micro is not None else \
+                    reordered_input(ref, tgts, rref, [ti[pos] for ti in t_ins], pos, len(own) // world)
+                if m is not None:
+                    seen_inputs.add(rref.version)
+                    tensors.append(m)
+                    outside[rref.version] = 0.0
+                    orders.setdefault(len(m.layout.order), m.layout.order)
+                continue
             seen_inputs.add(rref.version)
             m = mapped(rref, [ti[pos] for ti in t_ins], "in", pos, declared[lead_rank].get((tops[0].index, pos)))
             if m is not None:
@@ -288,6 +302,18 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         out.ops[-1] = by_ref[i] = mop
         bad = [m for m in tensors if m.layout is None or m.layout.factor not in legit_factors(
             m.layout, rop.phase if m.kind == "out" else None, loss)]
+        if any(m.kind == "in" and m.layout is not None and m.layout.order is not None for m in tensors):
+            # a batch the ranks hold in another order (a DistributedSampler's, dealt out before the step): the same
+            # global batch; what reads it is mapped in that order (Layout.order), and where an op's output fits no
+            # layout even so (an op that mixes the batch's rows otherwise), it parts by that order alone: judged at
+            # the sinks (a sum or mean over the batch, and so every gradient, does not see the order)
+            if out.rows_reordered is None:
+                out.rows_reordered = i
+            if bad and not from_departed and all(m.kind == "out" and m.layout is None for m in bad):
+                departed.add(i)
+                shuffled.add(i)
+                origin[i] = seeded | frozenset({i})
+                continue
         if bad and not rop.inputs() and all(m.kind == "out" and m.layout is None for m in bad) \
                 and any(tuple(t.outputs_refs()[m.position].shape) != tuple(rop.outputs_refs()[m.position].shape)
                         for m in bad for t in tops):
@@ -371,7 +397,9 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             continue
         m = bad[0]
         partial_in = partial_input(producers, by_ref)
-        one_off = bool(m.off) and len(m.off) < world and micro is None and len(own) == world
+        # some part (a rank, or a rank's micro-batch) holds its share of the reference, another does not
+        one_off = bool(m.off) and len(m.off) < len(own) and micro is None and len(own) == len(tops) and \
+            len(own) % world == 0
         alone: list[tuple[int, str]] = []  # (rank, what it alone computed that this op reads) where some rank has none
         if not one_off and micro is None and len(own) == world and len(tops) == world:
             behind_each = [computing_behind(t_sides[r], maps[r], tops[r].index) for r in range(world)]
@@ -400,10 +428,18 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             # the gradient went through its all-reduce, and came out whole on every rank at a factor
             (c, name, at), times = over
             line = lead_side.ops[c].source
+            if times > 1:
+                cause = "a sum not divided by the world size, or a loss scaled twice"
+            else:  # divided once too often: by the reduction (DDP averages) and by a scale of the ranks' own
+                p = parts_of(loss_op)[0] if loss_op is not None else None
+                also = None if p is None or loss_op not in maps[p] else \
+                    loss_scale(t_sides[rank_of[p]], maps[p], maps[p][loss_op], times, passes)
+                cause = "divided by the world size twice: the all-reduce averages the ranks' gradients, and " + \
+                    (f"the ranks' loss is multiplied by {ratio_text(times)} by {also}, which the single process does "
+                     f"not run" if also else "they are scaled once more on the ranks")
             kind, why = Departure.SCALED, (
-                f"input {partial_in[0]} (the gradient) is replicated at {times}x the reference after {name} #{c} (on "
-                f"rank {lead_rank}{', ' + line if line else ''}): a sum not divided by the world size, or a loss "
-                f"scaled twice")
+                f"input {partial_in[0]} (the gradient) is replicated at {ratio_text(times)}x the reference after "
+                f"{name} #{c} (on rank {lead_rank}{', ' + line if line else ''}): {cause}")
         elif partial_in is not None and rop.phase == "optimizer":
             made = r_side.ops[partial_in[2]]
             line = by_ref[partial_in[2]].target_source or by_ref[partial_in[2]].source
@@ -459,6 +495,10 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 f"under no layout: on rank {alone[0][0]} it reads what {alone[0][1]} made, which neither the single "
                 f"process nor rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} run"
                 f"{'s' if len(others) == 1 else ''}")
+        elif one_off and len(own) > world:
+            # a rank's micro-batch: what it alone reads from the rank's own ops, beyond what every part that holds
+            # its share reads (each divides its loss by the number of micro-batches), is where it parts
+            kind, why = Departure.NO_LAYOUT, _part_off(m, own, rank_of, world, tops, t_sides, maps)
         elif one_off:
             held = [r for r in range(world) if r not in m.off]
             whole = all(tuple(t[m.position].shape) == tuple(rop.outputs_refs()[m.position].shape) for t in t_outs) \
@@ -546,6 +586,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             f"the single process runs {len(computing)} of its {out.ref_ops} ops with no counterpart on every rank "
             f"(first #{computing[0]} {r_side.ops[computing[0]].name}): another program than each rank's, which is "
             f"not mapped onto the ranks; diff one rank op by op with --rank N")
+    if shuffled:
+        first, inherited = _drop_reordered(shuffled, first, roots, origin, departed, sinks, by_ref, out)
     if first is not None and first[0].name in PICKS:
         first, inherited = _judge_picks(first, inherited, roots, origin, departed, r_side, t_sides, targets, out)
     out.sinks = len(sinks)
@@ -591,6 +633,15 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             enters = scale_behind(t_sides[r], maps[r], j, applied[first[0].ref], world)
             if enters is not None and enters.phase == "forward" and _between(t_sides[r], enters.index):
                 enters = dataclasses.replace(enters, phase=BETWEEN)
+            if enters is not None and not enters.of_loss and loss_op is not None:
+                # the loss scaled by the same factor on the ranks alone too (divided by the world size where the
+                # gradients are as well): either scale alone is a correct job's, the two together are not
+                p = parts_of(loss_op)[0]
+                if loss_op in maps[p]:
+                    also = loss_scale(t_sides[rank_of[p]], maps[p], maps[p][loss_op], enters.factor,
+                                      passes)
+                    if also is not None:
+                        enters = dataclasses.replace(enters, also=also)
         why = first[3]
         if enters is not None and first[1].layout is not None:
             why = (f"{first[1].layout.describe()}: {ratio_text(enters.factor)}x what a correct parallel run holds "
@@ -724,6 +775,77 @@ def _judge_picks(first, inherited: int, roots: list, origin: dict[int, frozenset
         first = (first[0], first[1], Departure.SAME_SHARD, why)
         roots[:] = [first if r[0].ref == first[0].ref else r for r in roots]
     return first, inherited
+
+
+def _drop_reordered(shuffled: set[int], first, roots: list, origin: dict[int, frozenset[int]], departed: set[int],
+                    sinks: list[int], by_ref: dict[int, MappedOp], out: ParallelDiff):
+    """What parts only through ``shuffled`` (ops reading a batch the ranks hold in another order) is no departure:
+    dropped from ``origin`` and ``departed`` (in place), unless it is a value the job keeps, which then depends on
+    the order of the batch's rows (a weight by position, a cumulative op over the batch): that is a root, said so.
+    Returns (first, inherited)."""
+    for i in sorted(origin):
+        if i in shuffled or not origin[i] & shuffled:
+            continue
+        rest = origin[i] - shuffled
+        if rest:
+            origin[i] = rest
+            continue
+        if i in sinks and i in departed and i in by_ref:
+            mop = by_ref[i]
+            m = next((t for t in mop.tensors if t.kind == "out" and (t.layout is None or t.layout.factor != 1)),
+                     None)
+            if m is not None:
+                why = (f"output {m.position} ({m.describe}) maps onto the reference's under no layout, and what it "
+                       f"reads parts only by the order of the batch's rows (the ranks hold the single process's rows "
+                       f"in another order, first read by ref #{min(shuffled)}): what the job keeps depends on that "
+                       f"order (a weight by position in the batch, a cumulative op over it)")
+                roots.append((mop, m, Departure.NO_LAYOUT, why))
+                origin[i] = frozenset({i})
+                continue
+        origin[i] = rest
+        departed.discard(i)
+        out.parted.discard(i)
+    for i in shuffled:
+        origin[i] = frozenset()
+        departed.discard(i)
+    roots.sort(key=lambda r: r[0].ref)
+    first = roots[0] if roots else None
+    inherited = 0 if first is None else \
+        sum(1 for i in departed if i > first[0].ref and first[0].ref in origin.get(i, ()))
+    return first, inherited
+
+
+def _part_off(m: Mapped, own: list[int], rank_of: list[int], world: int, tops: list[OpRecord],
+              t_sides: list[Side], maps: list[dict[int, int]]) -> str:
+    """The words for micro-batches of the ranks (``own``: the (rank, pass) parts, rank-major) of which some hold
+    their share of the reference's value and others (``m.off``) do not: the ones that part, and the op of their
+    rank's own that they alone read (by name and line, among all the rank's own ops each part reads)."""
+    passes = len(own) // world
+
+    def name(k: int) -> str:
+        return f"rank {rank_of[own[k]]}'s micro-batch {k % passes + 1}"
+
+    def lines(k: int) -> dict[tuple, int]:
+        side = t_sides[rank_of[own[k]]]
+        return {_own_key(side, j): j for j in own_computing(side, maps[own[k]], tops[k].index)}
+
+    held = [k for k in range(len(own)) if k not in m.off]
+    common = set().union(*(lines(k) for k in held))
+    k0 = m.off[0]
+    extra = [(key, j) for key, j in lines(k0).items() if key not in common]
+    side = t_sides[rank_of[own[k0]]]
+    said = (f"on rank {rank_of[own[k0]]} it reads what {op_words(side, extra[0][1])} made, which neither the single "
+            f"process nor the micro-batches that hold their share run") if extra else "this op went wrong there"
+    return (f"output {m.position} ({m.describe}): {', '.join(name(k) for k in held)} hold their slice of the "
+            f"reference's value, {', '.join(name(k) for k in m.off)} {'do' if len(m.off) > 1 else 'does'} not: "
+            f"{said}")
+
+
+def _own_key(side: Side, j: int) -> tuple:
+    """An op of a rank's own by what it is: its name and line (a backward op's, its forward's)."""
+    op = side.ops[j]
+    fwd = side.ops.get(op.forward_index) if op.phase == "backward" and op.forward_index is not None else None
+    return op.name, (fwd.source if fwd is not None and fwd.source else op.source)
 
 
 def _whole_made_partial(read: list[int], tensors: list[Mapped], by_ref: dict[int, MappedOp],

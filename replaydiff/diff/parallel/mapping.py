@@ -8,7 +8,7 @@ import torch
 
 from replaydiff import aten
 from replaydiff.compare.layout import (Close, Layout, LayoutKind, candidates, infer_layouts, infer_mesh_layouts,
-                                       rel_l2_close,
+                                       order_index, rel_l2_close, reordered_layouts,
                                        shard_offsets)
 from replaydiff.compare.reordered import Limit, counts_terms, fallback, limit_of
 from replaydiff.trace.placements import DTensorArg
@@ -16,6 +16,7 @@ from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema import OpRecord, TensorRef
 from replaydiff.diff.parallel.declared import declares
 from replaydiff.diff.parallel.result import Mapped, MappedOp
+from replaydiff.diff.parallel.rows import row_order
 
 
 def close_for(dtype: torch.dtype, limit: Limit | None = None) -> Close:
@@ -84,13 +85,16 @@ def rel_l2(layout: Layout, parts: list[torch.Tensor], ref: torch.Tensor) -> floa
 def map_tensor(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs: list[TensorRef], kind: str,
                pos: int, world: int, micro: int | None = None, declared: DTensorArg | None = None,
                mesh: tuple[tuple[tuple[int, ...], ...], ...] | None = None, passes: int = 1,
-               rop: OpRecord | None = None, reads: float | None = None) -> Mapped | None:
+               rop: OpRecord | None = None, reads: float | None = None,
+               orders: dict[int, tuple[int, ...]] | None = None) -> Mapped | None:
     """How the ranks hold one tensor of an aligned op; None when it cannot be compared (no data, uninitialised).
     ``rop``: the reference op that made it (an output), and ``reads``: the largest error measured on what that op
     reads (``measured_reads``), from which its limit is counted (``limit_for``); without them, sqrt(eps).
     ``micro``: one rank's op against the reference's micro-batch of that number (``targets`` is that rank alone).
     ``passes``: each rank runs the op once per micro-batch of its share, ``targets`` holding each rank ``passes``
-    times (rank-major, one entry per pass)."""
+    times (rank-major, one entry per pass). ``orders``: the orders in which the ranks hold the step's batches, by
+    their number of rows (``Layout.order``), tried where no other layout fits; a tensor from outside the step whose
+    rows the ranks hold in another order is given its order."""
     if not rref.stored or rref.meta or rref.uninitialised or not all(t.stored and not t.meta for t in trefs):
         return None
     r = ref.tensor(rref)
@@ -98,6 +102,14 @@ def map_tensor(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs:
     limit = limit_for(ref, rop if kind == "out" and pos == 0 else None, r, reads)
     close = close_for(r.dtype, limit)
     fits = infer_layouts(r, parts, close)
+    if not fits and micro is None:
+        # (a batch, which needs no gradient, in rows; whole slices in another order are a shard taken at the wrong
+        # offset, said as such below)
+        if kind == "in" and not rref.requires_grad and shard_offsets(r, parts, close) is None and \
+                (order := row_order(r, parts)) is not None:
+            fits = [Layout(LayoutKind.SHARDED, len(parts), 0, tuple(int(p.shape[0]) for p in parts), order=order)]
+        elif orders:
+            fits = reordered_layouts(r, parts, close, orders)
     if mesh is not None and micro is None:
         # a value every rank holds whole, or a slice of, first; then the layouts within the mesh's rows or columns,
         # before a sum over every rank (a per-rank mean over the mesh's data-parallel dimension is partial over its
@@ -119,7 +131,7 @@ def map_tensor(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs:
         if all(tuple(p.shape) == tuple(r.shape) for p in parts):
             off = tuple(k for k, p in enumerate(parts) if not close(p.to(torch.float64), r))
         else:
-            off = _slices_off(r, parts, close)
+            off = _slices_off(r, parts, close, world if micro is None else 1, orders)
         found = None if micro is not None else shard_offsets(r, parts, close)
         offsets = None if found is None else (found[0], tuple(found[1]))
     sizes = None if offsets is None else tuple(int(p.shape[offsets[0]]) for p in parts)
@@ -131,19 +143,43 @@ def map_tensor(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs:
                   None if micro is not None else declared, alike, None if limit is None else limit.eps, limit)
 
 
-def _slices_off(r: torch.Tensor, parts: list[torch.Tensor], close) -> tuple[int, ...]:
-    """For parts shaped as the reference's slices in rank order along one dimension (at factor 1, or the world size
-    either way, as a per-rank mean's gradient is): the ranks whose slice is not the reference's, where some rank's
+def reordered_input(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs: list[TensorRef],
+                    pos: int, passes: int) -> Mapped | None:
+    """A tensor from outside the reference's step that each rank (or each rank's pass) reads through a view of its
+    own (its micro-batch's slice of its share): mapped as ``map_tensor`` maps an input, when the pieces joined are
+    the reference's rows in another order (``row_order``); None otherwise (those views are judged where an op that
+    computes reads them)."""
+    if not rref.stored or rref.meta or rref.uninitialised or rref.requires_grad or \
+            not all(t.stored and not t.meta for t in trefs):
+        return None
+    parts = [targets[k].tensor(t) for k, t in enumerate(trefs)]
+    order = row_order(ref.tensor(rref), parts)
+    if order is None:
+        return None
+    layout = Layout(LayoutKind.SHARDED, len(parts), 0, tuple(int(p.shape[0]) for p in parts), order=order,
+                    passes=passes)
+    return Mapped("in", pos, rref.describe(), layout, 0.0, fits=(layout,))
+
+
+def _slices_off(r: torch.Tensor, parts: list[torch.Tensor], close, world: int,
+                orders: dict[int, tuple[int, ...]] | None = None) -> tuple[int, ...]:
+    """For parts shaped as the reference's slices along one dimension, in order or in one of ``orders`` (the rows of
+    the step's batches as the ranks hold them), at factor 1, or the world size or the number of parts either way (a
+    per-rank or per-micro-batch mean's gradient): the parts whose slice is not the reference's, where some part's
     is (one rank's values off: its own scale or input); empty otherwise."""
-    world = len(parts)
-    for layout in candidates(r.shape, [p.shape for p in parts]):
-        if layout.kind is not LayoutKind.SHARDED or layout.dim is None or layout.blocks != 1:
-            continue
-        for factor in (1.0, float(world), 1.0 / world):
-            d, at, bad = layout.dim, 0, []
+    n = len(parts)
+    layouts = [c for c in candidates(r.shape, [p.shape for p in parts])
+               if c.kind is LayoutKind.SHARDED and c.dim is not None and c.blocks == 1]
+    for c in list(layouts):
+        layouts += [dataclasses.replace(c, order=o) for k, o in (orders or {}).items() if r.shape[c.dim] % k == 0]
+    for layout in layouts:
+        d = layout.dim
+        ref = r if layout.order is None else r.index_select(d, order_index(layout.order, int(r.shape[d])))
+        for factor in dict.fromkeys((1.0, float(world), 1.0 / world, float(n), 1.0 / n)):
+            at, bad = 0, []
             for k, p in enumerate(parts):
                 size = int(p.shape[d])
-                if not close(p.to(torch.float64), factor * r.narrow(d, at, size)):
+                if not close(p.to(torch.float64), factor * ref.narrow(d, at, size)):
                     bad.append(k)
                 at += size
             if len(bad) < len(parts):

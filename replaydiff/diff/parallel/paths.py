@@ -56,12 +56,35 @@ def collective_behind(side: Side, aligned: dict[int, int], index: int) -> tuple[
     return None if p is None else (p, side.ops[p].name)
 
 
+def _computes(op: OpRecord) -> bool:
+    return not aten.is_cheap(op.name) and not aten.is_collective(op.name)
+
+
 def computing_behind(side: Side, aligned: dict[int, int], index: int) -> str | None:
     """The nearest op that computes (not a view or copy) a rank's op reads from through ops the single process does
     not run, as 'name (#N on rank R, line)' (a backward op: the line of the forward op it belongs to)."""
-    p = own_producer(side, aligned, index, lambda op: not aten.is_cheap(op.name) and not aten.is_collective(op.name))
-    if p is None:
-        return None
+    p = own_producer(side, aligned, index, _computes)
+    return None if p is None else op_words(side, p)
+
+
+def own_computing(side: Side, aligned: dict[int, int], index: int, limit: int = 32) -> list[int]:
+    """Every op that computes among the ops a rank's op reads from through ops the single process does not run,
+    nearest first (``own_producer``'s walk, not stopping at the first)."""
+    mine = set(side.ops) - set(aligned.values())
+    todo, seen, found = [index], {index}, []
+    while todo and len(seen) <= limit:
+        for p in side.trace.producers(todo.pop(0)).values():
+            if p is None or p in seen or p not in mine:
+                continue
+            seen.add(p)
+            todo.append(p)
+            if _computes(side.ops[p]):
+                found.append(p)
+    return found
+
+
+def op_words(side: Side, p: int) -> str:
+    """A rank's op as 'name (#N on rank R, line)' (a backward op: 'the backward of' its forward op's line)."""
     op = side.ops[p]
     fwd = side.ops.get(op.forward_index) if op.phase == "backward" and op.forward_index is not None else None
     line = fwd.source if fwd is not None and fwd.source else op.source
@@ -114,12 +137,34 @@ def scale_behind(side: Side, aligned: dict[int, int], index: int, factor: Fracti
                           of_loss)
 
 
+def loss_scale(side: Side, aligned: dict[int, int], index: int, factor: Fraction, passes: int) -> str | None:
+    """An op only the ranks run, among those that read a rank's forward op ``index`` (the loss the backward
+    differentiates) through ops of the rank's own, that multiplies what it reads by exactly ``factor``, beyond the
+    division by the number of micro-batches ``passes`` a rank that accumulates makes: 'name (#N on rank R, line)';
+    None when there is none."""
+    mine = set(side.ops) - set(aligned.values())
+    todo, seen, found = [index], {index}, []
+    while todo and len(seen) <= 16:
+        for readers in side.trace.consumers(todo.pop(0)).values():
+            for p in readers:
+                if p in seen or p not in mine or side.ops[p].phase != "forward":
+                    continue
+                seen.add(p)
+                todo.append(p)
+                if _computes(side.ops[p]) and _uniform_scale(side.trace, side.ops[p]) == factor:
+                    found.append(p)
+    if passes > 1 and factor == Fraction(1, passes) and len(found) > 1:
+        found = found[1:]  # the first is the division every pass's loss takes (where the single process has none)
+    return op_words(side, found[0]) if found else None
+
+
 def reduced_at(pos: int, rop: OpRecord, tops: list[OpRecord], tgts: list[RankTrace], side: Side,
                 aligned: dict[int, int], ref: RankTrace, world: int, micro: int | None,
-                mesh) -> tuple[tuple[int, str, str | None], str] | None:
+                mesh) -> tuple[tuple[int, str, str | None], Fraction] | None:
     """For an optimizer op's input that is partial as the reference's producer made it: when on the ranks it went
     through a collective (an all-reduce of the rank's own ops) and is whole on every rank at a factor other than 1,
-    ((the collective's op number on the first rank, its name, its line), the factor as text); else None."""
+    ((the collective's op number on the first rank, its name, its line), how many times the reference's it holds);
+    else None."""
     p = tgts[0].producers(tops[0].index).get(pos)
     if p is None or p in set(aligned.values()):
         return None
@@ -131,7 +176,7 @@ def reduced_at(pos: int, rop: OpRecord, tops: list[OpRecord], tgts: list[RankTra
     m = map_tensor(ref, tgts, rref, trefs, "in", pos, world, None, None, mesh)
     if m is None or m.layout is None or m.layout.kind is not LayoutKind.REPLICATED or m.layout.factor == 1:
         return None
-    return (found[0], found[1], side.ops[found[0]].source), ratio_text(1 / m.layout.factor)
+    return (found[0], found[1], side.ops[found[0]].source), 1 / m.layout.factor
 
 
 def same_draws_of(ref: RankTrace, rop: OpRecord, tops: list[OpRecord], ranks: list[RankTrace]) -> bool:

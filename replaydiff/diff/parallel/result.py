@@ -95,6 +95,9 @@ class RanksOnlyScale:
     factor: Fraction  # what it multiplies its input by, measured on the rank's recorded tensors
     world: int
     of_loss: bool  # it scales a one-element forward value that the backward differentiates (the loss)
+    # another op only the ranks run that scales the loss by the same factor (a loss divided by the world size where
+    # the gradients are divided too): 'name (#N on rank R, line)'; None: none found
+    also: str | None = None
 
     def describe(self) -> str:
         """What it does, in words: 'multiplies the loss by 2 (the world size) on every rank ...'."""
@@ -105,6 +108,9 @@ class RanksOnlyScale:
         why = ": the gradients are already averaged over the ranks (DistributedDataParallel and FSDP divide their " \
               "sum by the world size), so nothing cancels this scale" if self.of_loss and self.factor == self.world \
             else ""
+        if self.also is not None:
+            why += f"; the ranks' loss is multiplied by {k} as well, by {self.also}, which the single process does " \
+                   f"not run either: one of the two scales is one too many"
         return f"it multiplies {what} by {k}{said} on the ranks, and the single process runs no such op{why}"
 
 

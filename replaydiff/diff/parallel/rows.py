@@ -4,10 +4,14 @@ rows r, r+W, r+2W, ...), so the ranks' rows joined in rank order are the single 
 
 Whether the runs picked the same rows is read from the picks' arguments (the dimension and the row number) over the
 whole dataset tensor, which every rank and the single process hold alike: the same rows in another order are the
-same global batch, which a mean over it cannot tell apart, and no departure; other rows are a different batch."""
+same global batch, which a mean over it cannot tell apart, and no departure; other rows are a different batch.
+A batch dealt out before the step (a tensor from outside it) is read the same way, from its rows' values
+(``rows_permuted``)."""
 from __future__ import annotations
 
 from collections import Counter
+
+import torch
 
 from replaydiff.aten import ROW_PICKS as PICKS
 from replaydiff.trace.schema import OpRecord, TensorRef
@@ -60,3 +64,37 @@ def same_rows_on_every_rank(picked: tuple[Counter, list[Counter]] | None) -> lis
     if len(ranks) < 2 or not ranks[0] or any(r != ranks[0] for r in ranks[1:]) or mine == ranks[0]:
         return None
     return sorted(row for _, row in ranks[0])
+
+
+
+def _row_keys(t: torch.Tensor) -> list[bytes]:
+    """Each row (along dim 0) of ``t`` as its bytes: rows that are the same values are the same key."""
+    flat = t.detach().contiguous().reshape(int(t.shape[0]), -1)
+    raw = flat.view(torch.uint8) if flat.numel() else flat.to(torch.uint8)
+    return [bytes(row.numpy().tobytes()) for row in raw]
+
+
+def row_order(ref: torch.Tensor, parts: list[torch.Tensor]) -> tuple[int, ...] | None:
+    """Where ``parts`` (each rank's, or each (rank, pass)'s, piece of a tensor from outside the step), joined on
+    dim 0, are the reference's rows in another order, each exactly as often: for each joined row, the reference's
+    row it is (rows alike matched in turn); None otherwise, or when they are in the reference's order. A batch a
+    ``DistributedSampler`` dealt out before the step (rank r takes rows r, r+W, ...) is the same global batch, which
+    a sum or mean over it cannot tell apart. Exact: the runs read the same data, so the same row has the same bits."""
+    if not parts or ref.dim() == 0 or any(p.dim() != ref.dim() or p.dtype != ref.dtype or
+                                          tuple(p.shape[1:]) != tuple(ref.shape[1:]) for p in parts):
+        return None
+    if sum(int(p.shape[0]) for p in parts) != int(ref.shape[0]) or int(ref.shape[0]) < 2:
+        return None
+    where: dict[bytes, list[int]] = {}
+    for i, key in enumerate(_row_keys(ref)):
+        where.setdefault(key, []).append(i)
+    if len(where) < 2:
+        return None  # every row alike: no order to read
+    order: list[int] = []
+    for p in parts:
+        for key in _row_keys(p) if p.shape[0] else ():
+            rows = where.get(key)
+            if not rows:
+                return None
+            order.append(rows.pop(0))
+    return None if order == sorted(order) else tuple(order)
