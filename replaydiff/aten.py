@@ -74,6 +74,16 @@ def is_all_reduce(name: str) -> bool:
     return is_collective(name) and packet(name) in ALL_REDUCE_PACKETS
 
 
+# the reduce-scatters: each rank gets its shard of the reduction
+REDUCE_SCATTER_PACKETS = frozenset({"reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor",
+                                    "reduce_scatter_tensor_coalesced"})
+
+
+def reduces(name: str) -> bool:
+    """A collective whose output is a reduction over the ranks (an all-reduce, a reduce-scatter)."""
+    return is_collective(name) and packet(name) in ALL_REDUCE_PACKETS | REDUCE_SCATTER_PACKETS
+
+
 # c10d's point-to-point ops: each pairs with its peer's op (a send with the receive on its destination), not with the
 # k-th call of every rank of its group, as the group collectives do.
 POINT_TO_POINT_PACKETS = frozenset({"send", "recv_", "recv_any_source_"})

@@ -400,15 +400,20 @@ class _Norm(Reduction):
 
     kind = LayoutKind.NORM
     placement = "norm"
+    scaled = True  # a norm of gradients divided twice is the norm at 1/2x: said so, not as a sum at some ratio
 
     def combine(self, stacked: torch.Tensor) -> torch.Tensor:
         return stacked.pow(2).sum(0).sqrt()
 
     def describe(self, layout: "Layout", scale: str) -> str:
-        return f"the 2-norm over {layout.world} ranks' norms is the reference (each rank's norm of its shard){scale}"
+        held = "the reference" if layout.factor == 1 else f"{ratio_text(1 / layout.factor)}x the reference"
+        return f"the 2-norm over {layout.world} ranks' norms (each rank's norm of its shard) is {held}"
 
     def name(self, layout: "Layout") -> str:
         return "norm over ranks (each rank's norm of its shard)"
+
+    def family(self, layout: "Layout", legit: bool) -> str:
+        return Kind.family(self, layout, legit)
 
 
 # Expert parallelism: the two ways its ranks hold a value (diff/parallel/experts.py finds which ops hold which).
@@ -494,6 +499,11 @@ def fit_scale(x: torch.Tensor, ref: torch.Tensor, most: int = 64) -> Fraction | 
     if not c > 0:
         return None
     snapped = Fraction(c).limit_denominator(most)
+    if a.numel() == 1 and snapped.numerator != 1 and snapped.denominator != 1 and \
+            max(snapped.numerator, snapped.denominator) > 8:
+        # one number is some ratio of any other: only a plain one (a count, one over it, a small fraction) is a
+        # factor a program applies; 41/58 is a coincidence, not a layout
+        snapped = Fraction(0)
     if snapped == 0 or snapped.numerator > most or abs(float(snapped) - c) > 1e-3 * c:
         # a whole number, or one over it, past ``most``: a sum over a batch's tokens against their mean (the count
         # is in the thousands); the caller's closeness test on the scaled value is what admits it

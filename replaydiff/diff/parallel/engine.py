@@ -397,6 +397,11 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             continue
         m = bad[0]
         partial_in = partial_input(producers, by_ref)
+        if partial_in is not None and rop.phase != "optimizer" and \
+                (c := collective_behind(lead_side, lead_map, tops[0].index)) is not None and aten.reduces(c[1]):
+            # on the ranks what it reads went through a reduction (FSDP's reduce-scatter before clipping): none
+            # is missing, whatever the value's factor
+            partial_in = None
         # some part (a rank, or a rank's micro-batch) holds its share of the reference, another does not
         one_off = bool(m.off) and len(m.off) < len(own) and micro is None and len(own) == len(tops) and \
             len(own) % world == 0
