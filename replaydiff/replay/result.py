@@ -46,9 +46,25 @@ class NonfiniteInput:
     # that argument's among the op's positional arguments (-1: a keyword argument), and the counts are of the
     # NaN/Inf it put in the op's outputs.
     argument: str | None = None
+    # With ``producer``: the earliest op, in the order ops ran, that replay did not run either and whose recorded
+    # output holds these NaN/Inf (walked back from ``producer`` through the statistics the recording kept:
+    # replay/nonfinite_source.py); its counts, its input that took them in from outside the trace
+    # (``earliest_input``), or ``earliest_made``: it made them from inputs that hold none.
+    earliest: int | None = None
+    earliest_op: str | None = None
+    earliest_nan: int = 0
+    earliest_inf: int = 0
+    earliest_input: int | None = None
+    earliest_made: bool = False
 
     def counts(self) -> str:
         return nonfinite_counts(self.nan, self.inf)
+
+    def kinds(self) -> str:
+        """'NaN', 'Inf' or 'NaN and Inf': what enters, at the earliest op and where the replayed op reads them."""
+        nan = self.nan or self.earliest_nan
+        inf = self.inf or self.earliest_inf
+        return "NaN and Inf" if nan and inf else "NaN" if nan else "Inf"
 
 
 def nonfinite_counts(nan: int, inf: int) -> str:

@@ -15,7 +15,8 @@ def to_json(f: EntryFinding) -> dict | None:
     return {"rank": e.rank, "step": e.step, "index": e.index, "op": e.op, "module": e.module,
             "phase": e.phase, "position": e.position, "tensor": e.tensor, "producer": e.producer,
             "statistic": e.statistic, "value": e.value, "previous": e.previous,
-            "previous_step": e.previous_step, "producer_op": e.producer_op, "argument": e.argument}
+            "previous_step": e.previous_step, "producer_op": e.producer_op,
+            "producer_source": e.producer_source, "argument": e.argument}
 
 
 def describe_entry(e: Entry, skipped: int = 0) -> str:
@@ -27,8 +28,9 @@ def describe_entry(e: Entry, skipped: int = 0) -> str:
         return f"{none}: the difference enters through argument {e.argument} of op #{e.index} {e.op} " \
                f"({where}) at step {e.step}: {e.value!r} where step {e.previous_step} had " \
                f"{e.previous!r} (a learning rate or other hyperparameter changed)"
+    at = f" at {e.producer_source}" if e.producer_source else ""
     whence = "from outside the trace" if e.producer is None else \
-        f"from op #{e.producer} {e.producer_op}, {e.producer_why}"
+        f"from op #{e.producer} {e.producer_op}{at}, {e.producer_why}"
     if e.statistic in ("l2", "absmax"):
         what = f"{e.statistic} {e.value:.4g} against {e.previous:.4g} at step {e.previous_step}"
     else:
