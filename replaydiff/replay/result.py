@@ -61,10 +61,10 @@ class NonfiniteInput:
         return nonfinite_counts(self.nan, self.inf)
 
     def kinds(self) -> str:
-        """'NaN', 'Inf' or 'NaN and Inf': what enters, at the earliest op and where the replayed op reads them."""
-        nan = self.nan or self.earliest_nan
-        inf = self.inf or self.earliest_inf
-        return "NaN and Inf" if nan and inf else "NaN" if nan else "Inf"
+        """'NaN', 'Inf', 'NaN and Inf' or 'Inf and NaN': what enters, those held at the earliest op first (Inf that
+        an overflow made and a LayerNorm then turned into NaN: 'Inf and NaN')."""
+        order = [("NaN", self.earliest_nan), ("Inf", self.earliest_inf), ("NaN", self.nan), ("Inf", self.inf)]
+        return " and ".join(dict.fromkeys(kind for kind, n in order if n)) or "NaN"
 
 
 def nonfinite_counts(nan: int, inf: int) -> str:

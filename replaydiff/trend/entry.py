@@ -219,6 +219,8 @@ def entry_of_replay(trace: str, report: ReplayReport, options: ReplayOptions,
             return EntryFinding(entry=e, skipped=skipped)
     if not ranks or not any(r.data_left_out == LEFT_OUT_FILTERED for r in report.ops):
         return EntryFinding(skipped=skipped)  # a clean one-step trace of a whole step is a healthy step
+    if report.nonfinite_origin is not None or report.nonfinite_entry is not None:
+        return EntryFinding(skipped=skipped)  # replay's NaN/Inf line says where they begin: no "nothing changed"
     r = t.rank(ranks[0])
     step = _one_step(r)
     if step is not None:
