@@ -16,6 +16,7 @@ import torch
 import replaydiff
 from replaydiff.cli.main import main as cli_main
 from replaydiff.replay.nonfinite_source import nonfinite_counts_of
+from replaydiff.report.json_report import load_replay_json
 from replaydiff.trace import open_trace
 from replaydiff.trend import compute_trend
 
@@ -97,12 +98,19 @@ def test_the_zoom_in_holds_the_top_level_mul_trend_names_and_its_replay_names_th
     assert f"NaN enter the step from op #{norm.index} aten.native_layer_norm.default (Sequential.1, forward) at " \
            f"{norm.source}, which was not replayed (its data left out): its recorded outputs are the first to hold " \
            f"them (528 NaN), made from inputs that hold none; they reach input" in text, text
-    assert cli_main(["replay", out, "--json", "-"]) == 0
-    doc = json.loads(capsys.readouterr().out)
+    doc_path = tmp_path / "replay.json"
+    assert cli_main(["replay", out, "--json", str(doc_path)]) == 0
+    doc = json.loads(doc_path.read_text())
     assert (doc["enters"]["producer"], doc["enters"]["producer_source"]) == (zmul.index, zmul.source)
     held = doc["nonfinite_entry"]["nonfinite_input"]
     assert (held["earliest"], held["earliest_op"], held["earliest_nan"], held["earliest_inf"],
             held["earliest_made"]) == (norm.index, "aten.native_layer_norm.default", 528, 0, True)
+    assert load_replay_json(doc_path).nonfinite_entry.nonfinite_input.earliest == norm.index  # read back
+    capsys.readouterr()
+    cli_main(["report", out, "--replay", str(doc_path), "--no-probe"])  # the health report's NaN/Inf row
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| NaN/Inf origin |"))
+    assert f"(from op #{norm.index} aten.native_layer_norm.default, not replayed, the first whose recorded " \
+           f"outputs hold them)" in row, row
 
 
 @pytest.mark.parametrize("scale, module, first_bad, kinds", [
