@@ -13,6 +13,7 @@ op made them from inputs that hold none, or took them in through an input writte
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,14 +40,16 @@ def computed_by(trace: RankTrace, producer: int | None) -> int | None:
 class NonfiniteSource:
     """Op ``index``, not replayed, is the earliest (in the order ops ran) whose recorded outputs hold the NaN/Inf a
     replayed op read: ``nan`` and ``inf`` of them. ``position``: its input that held them already, written outside
-    the trace; None with ``made`` where its inputs hold none (it made them); neither where it read them from a
-    replayed op or the trace cannot tell what its inputs held."""
+    the trace; None with ``made`` where its inputs hold none (it made them), or with ``argument`` where it was passed
+    them as a number; none of these where it read them from a replayed op or the trace cannot tell what its inputs
+    held."""
 
     index: int
     nan: int
     inf: int
     position: int | None = None
     made: bool = False
+    argument: str | None = None  # a NaN/Inf number it was passed ("inf": fill_(inf)), its inputs holding none
 
 
 def nonfinite_counts_of(trace: RankTrace, ref: TensorRef) -> tuple[int, int] | None:
@@ -66,37 +69,69 @@ def _held(counts: tuple[int, int] | None) -> bool:
     return counts is not None and (counts[0] > 0 or counts[1] > 0)
 
 
-def first_recorded(trace: RankTrace, start: int) -> NonfiniteSource | None:
+def first_recorded(trace: RankTrace, start: int, memo: dict[int, int] | None = None) -> NonfiniteSource | None:
     """Walk back from op ``start`` (not replayed, its output holds NaN/Inf a replayed op read) to the earliest op,
-    not replayed, whose recorded output holds them (see the module docstring). None when ``start`` was replayed."""
+    not replayed, whose recorded output holds them (see the module docstring). None when ``start`` was replayed.
+    ``memo``: op -> the earliest op its NaN/Inf came through, kept across the walks over one trace (every op of a
+    backward pass that reads them asks, and their walks cross the same ops)."""
     if trace[start].data_left_out is None:
         return None
-    seen = {start}
-    todo = [start]
-    outside: dict[int, int] = {}  # op -> its first input holding NaN/Inf that was written outside the trace
-    unclear: set[int] = set()  # ops with an input read from a replayed op, or one the trace cannot tell
-    while todo and len(seen) < MAX_VISITS:
-        i = todo.pop()
-        producers = trace.producers(i)
-        for k, ref in enumerate(trace[i].inputs()):
-            counts = nonfinite_counts_of(trace, ref)
-            if counts is None and aten.floating_dtype(ref.dtype) and not ref.uninitialised and not ref.zero:
-                unclear.add(i)
-            if not _held(counts):
-                continue
-            p = computed_by(trace, producers.get(k))
-            if p is None:
-                outside.setdefault(i, k)
-            elif trace[p].data_left_out is None:
-                unclear.add(i)  # a replayed op wrote it: its own result says where they came from
-            elif p not in seen:
-                seen.add(p)
-                todo.append(p)
-    first = min(seen)
+    first = _earliest(trace, start, {} if memo is None else memo)
     nan = inf = 0
     for ref in trace[first].outputs_refs():
         counts = nonfinite_counts_of(trace, ref)
         if counts is not None:
             nan, inf = nan + counts[0], inf + counts[1]
-    position = outside.get(first)
-    return NonfiniteSource(first, nan, inf, position, made=position is None and first not in unclear)
+    position, unclear = None, False
+    producers = trace.producers(first)
+    for k, ref in enumerate(trace[first].inputs()):
+        counts = nonfinite_counts_of(trace, ref)
+        if counts is None:
+            unclear = unclear or (aten.floating_dtype(ref.dtype) and not ref.uninitialised and not ref.zero)
+            continue
+        if not _held(counts):
+            continue
+        p = computed_by(trace, producers.get(k))
+        if p is None:
+            position = k if position is None else position
+        else:
+            unclear = True  # from a replayed op (its own result says where they came from), or past the walk's end
+    op = trace[first]
+    argument = next((repr(x) for x in (*op.args, *op.kwargs.values()) if isinstance(x, float) and not math.isfinite(x)),
+                    None)
+    if argument is not None and position is None and not unclear:  # fill_(inf): passed in as a number, not made
+        return NonfiniteSource(first, nan, inf, argument=argument)
+    return NonfiniteSource(first, nan, inf, position, made=position is None and not unclear)
+
+
+def _sources(trace: RankTrace, i: int) -> list[int]:
+    """The ops replay did not run that computed the inputs of op ``i`` holding NaN/Inf."""
+    out = []
+    producers = trace.producers(i)
+    for k, ref in enumerate(trace[i].inputs()):
+        if not _held(nonfinite_counts_of(trace, ref)):
+            continue
+        p = computed_by(trace, producers.get(k))
+        if p is not None and trace[p].data_left_out is not None:
+            out.append(p)
+    return out
+
+
+def _earliest(trace: RankTrace, start: int, memo: dict[int, int]) -> int:
+    """The earliest op reached from ``start`` through ``_sources`` (``start`` itself where none), each op's answer
+    kept in ``memo``. Writers come before readers, so the walk has no cycle; it is iterative (a backward pass is
+    deep)."""
+    sources: dict[int, list[int]] = {}
+    todo = [start]
+    while todo:
+        i = todo[-1]
+        if i in memo:
+            todo.pop()
+            continue
+        if i not in sources:  # first visit: look at its inputs, then at theirs before answering for it
+            sources[i] = _sources(trace, i) if len(sources) < MAX_VISITS else []
+            todo.extend(p for p in sources[i] if p not in memo)
+            continue
+        todo.pop()
+        memo[i] = min([i, *(memo.get(p, p) for p in sources[i])])
+    return memo[start]

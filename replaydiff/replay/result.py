@@ -49,13 +49,15 @@ class NonfiniteInput:
     # With ``producer``: the earliest op, in the order ops ran, that replay did not run either and whose recorded
     # output holds these NaN/Inf (walked back from ``producer`` through the statistics the recording kept:
     # replay/nonfinite_source.py); its counts, its input that took them in from outside the trace
-    # (``earliest_input``), or ``earliest_made``: it made them from inputs that hold none.
+    # (``earliest_input``), or ``earliest_made``: it made them from inputs that hold none (``earliest_argument``: it
+    # was passed them as a number).
     earliest: int | None = None
     earliest_op: str | None = None
     earliest_nan: int = 0
     earliest_inf: int = 0
     earliest_input: int | None = None
     earliest_made: bool = False
+    earliest_argument: str | None = None  # it was passed them as a number ("inf": a fill_), its inputs holding none
 
     def counts(self) -> str:
         return nonfinite_counts(self.nan, self.inf)

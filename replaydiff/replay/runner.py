@@ -202,6 +202,7 @@ class OpReplayer:
         self._nonfinite_slots = remembered(data_slots(trace))
         self._nonfinite_kept: set[int] = set()
         self._sources: dict[int, NonfiniteSource | None] = {}  # not-replayed producer -> where its NaN/Inf began
+        self._earliest: dict[int, int] = {}  # what those walks learnt: op -> the earliest op its NaN/Inf came through
         self._kinds: dict[str, tuple[bool, bool, bool, bool]] = {}  # op name -> unit, collective, marker, selected
         self._references: dict[str, tuple[Any, bool, Note | None, bool]] = {}  # op name -> _reference(name)
 
@@ -675,7 +676,8 @@ class OpReplayer:
                 src = None if producer is None else self._first_recorded(producer)
                 earliest = {} if src is None else dict(
                     earliest=src.index, earliest_op=self.trace[src.index].name, earliest_nan=src.nan,
-                    earliest_inf=src.inf, earliest_input=src.position, earliest_made=src.made)
+                    earliest_inf=src.inf, earliest_input=src.position, earliest_made=src.made,
+                    earliest_argument=src.argument)
                 return False, NonfiniteInput(k, nan, int(bad.sum()) - nan, producer,
                                              None if producer is None else self.trace[producer].name,
                                              **earliest), False
@@ -704,7 +706,7 @@ class OpReplayer:
         """Where the NaN/Inf op ``producer`` (not replayed) handed on were first recorded, walked back once per
         producer (every later op that reads them asks again)."""
         if producer not in self._sources:
-            self._sources[producer] = first_recorded(self.trace, producer)
+            self._sources[producer] = first_recorded(self.trace, producer, self._earliest)
         return self._sources[producer]
 
     def _entered_from(self, producer: int | None) -> tuple[bool, int | None]:

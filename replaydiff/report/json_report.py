@@ -20,7 +20,8 @@ or from an op whose data was left out: ``position``, ``nan``, ``inf``, ``produce
 ``producer_op``, and with a producer the earliest op replay did not run whose recorded output holds them,
 walked back through the statistics the recording kept: ``earliest`` (its number), ``earliest_op``,
 ``earliest_nan``, ``earliest_inf``, ``earliest_input`` (its input that held them, written outside the trace; else
-null) and ``earliest_made`` (true: it made them from inputs that hold none); or, when they came in as a number argument such as ``masked_fill``'s -inf: ``argument``, its
+null), ``earliest_made`` (true: it made them from inputs that hold none) and ``earliest_argument`` (a NaN/Inf
+number it was passed, its inputs holding none: ``fill_(inf)``; else null); or, when they came in as a number argument such as ``masked_fill``'s -inf: ``argument``, its
 value, ``position`` its index among the positional arguments and ``nan``/``inf`` what it put in the outputs),
 ``nonfinite_origin`` (true when it made NaN/Inf from finite inputs, or NaN from inputs holding
 Inf but no NaN), ``nonfinite_from_inf`` (only when true: the latter), ``nonfinite_discarded_by``

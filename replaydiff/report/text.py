@@ -65,7 +65,8 @@ def _earliest_text(held: NonfiniteInput, report: ReplayReport | None) -> str:
             (f" at {shown(loc.source)}" if loc.source else "")
     how = ", made from inputs that hold none" if held.earliest_made else \
         f", taken in through its input {held.earliest_input}, written outside the trace" \
-        if held.earliest_input is not None else ""
+        if held.earliest_input is not None else \
+        f", put there by a number passed to it ({shown(held.earliest_argument)})" if held.earliest_argument else ""
     counts = nonfinite_counts(held.earliest_nan, held.earliest_inf)
     return f"from op #{held.earliest} {shown(held.earliest_op)}{at}, which was not replayed (its data left out): " \
            f"its recorded outputs are the first to hold them ({counts}){how}"

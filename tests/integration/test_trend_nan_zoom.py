@@ -190,3 +190,26 @@ def test_a_log_of_zero_inside_a_module_is_named_by_trend_and_by_its_zoom_ins_rep
     assert f"NaN/Inf origin: #{zlog.index} aten.log.default  Sequential.0  (forward)  {zlog.source} (finite " \
            f"inputs, non-finite recorded output)" in text, text
     assert "no input from outside the replayed ops" not in text and "enter the step" not in text, text
+
+
+def test_inf_a_left_out_op_was_passed_as_a_number_are_said_to_be_put_there_not_made(tmp_path, capsys):
+    """``x[0].fill_(inf)`` in the loop, recorded with --module Sequential.1: the first replayed op reads Inf/NaN
+    through the first Linear (left out); the line names the fill_ and the number it was passed."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    path = tmp_path / "t"
+    with replaydiff.record(path, modules=["Sequential.1"]):
+        x = torch.randn(5, 4)
+        x[0].fill_(float("inf"))  # BUG
+        model(x).sum().backward()
+    r = open_trace(path).rank(0)
+    fill = next(op for op in r if op.name == "aten.fill_.Scalar")
+    assert fill.data_left_out == "filtered"
+    assert cli_main(["replay", str(path), "--json", "-"]) == 0
+    held = json.loads(capsys.readouterr().out)["nonfinite_entry"]["nonfinite_input"]
+    assert (held["earliest"], held["earliest_argument"], held["earliest_made"], held["earliest_inf"]) == \
+        (fill.index, "inf", False, 4)
+    assert cli_main(["replay", str(path)]) == 0
+    assert f"from op #{fill.index} aten.fill_.Scalar (no module, forward) at {fill.source}, which was not replayed " \
+           f"(its data left out): its recorded outputs are the first to hold them (4 Inf), put there by a number " \
+           f"passed to it (inf); they reach input" in capsys.readouterr().out
