@@ -140,9 +140,13 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.json, doc)
     if args.json != "-":
         nf = report.nonfinite_entry
+        # the NaN/Inf line is left out where the entry line names the same input of the same op, unless it names
+        # an earlier op than the entry line can (the first whose recorded outputs hold them, not the one that
+        # handed them over)
         same_entry = entry is not None and nf is not None and nf.nonfinite_input is not None and \
             nf.nonfinite_input.argument is None and \
-            (nf.rank, nf.index, nf.nonfinite_input.position) == (entry.rank, entry.index, entry.position)
+            (nf.rank, nf.index, nf.nonfinite_input.position) == (entry.rank, entry.index, entry.position) and \
+            nf.nonfinite_input.earliest in (None, nf.nonfinite_input.producer)
         render_replay(report, sys.stdout, entry_said=same_entry)
         entry_report.render_text(finding, sys.stdout)
     if (report.missing or report.cut_short) and report.first_divergent is None:

@@ -152,6 +152,9 @@ def _nonfinite_check(report: ReplayReport) -> Check:
         return Check("NaN/Inf origin", f"none made; {held.counts()} enter as {argument_text(held)} of "
                                        f"#{entry.index} {entry.op}{aside}", "none", False)
     whence = "outside the trace" if held.producer is None else f"op #{held.producer}, not replayed"
+    if held.producer is not None and held.earliest is not None and held.earliest != held.producer:
+        # the first op whose recorded outputs hold them, not the one that handed them over (replay/nonfinite_source.py)
+        whence = f"op #{held.earliest} {held.earliest_op}, not replayed, the first whose recorded outputs hold them"
     return Check("NaN/Inf origin", f"none made; {held.counts()} enter through input {held.position} of "
                                    f"#{entry.index} {entry.op} (from {whence}){aside}", "none", False)
 

@@ -46,9 +46,27 @@ class NonfiniteInput:
     # that argument's among the op's positional arguments (-1: a keyword argument), and the counts are of the
     # NaN/Inf it put in the op's outputs.
     argument: str | None = None
+    # With ``producer``: the earliest op, in the order ops ran, that replay did not run either and whose recorded
+    # output holds these NaN/Inf (walked back from ``producer`` through the statistics the recording kept:
+    # replay/nonfinite_source.py); its counts, its input that took them in from outside the trace
+    # (``earliest_input``), or ``earliest_made``: it made them from inputs that hold none (``earliest_argument``: it
+    # was passed them as a number).
+    earliest: int | None = None
+    earliest_op: str | None = None
+    earliest_nan: int = 0
+    earliest_inf: int = 0
+    earliest_input: int | None = None
+    earliest_made: bool = False
+    earliest_argument: str | None = None  # it was passed them as a number ("inf": a fill_), its inputs holding none
 
     def counts(self) -> str:
         return nonfinite_counts(self.nan, self.inf)
+
+    def kinds(self) -> str:
+        """'NaN', 'Inf', 'NaN and Inf' or 'Inf and NaN': what enters, those held at the earliest op first (Inf that
+        an overflow made and a LayerNorm then turned into NaN: 'Inf and NaN')."""
+        order = [("NaN", self.earliest_nan), ("Inf", self.earliest_inf), ("NaN", self.nan), ("Inf", self.inf)]
+        return " and ".join(dict.fromkeys(kind for kind, n in order if n)) or "NaN"
 
 
 def nonfinite_counts(nan: int, inf: int) -> str:

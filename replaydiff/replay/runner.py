@@ -29,6 +29,7 @@ from replaydiff.errors import TraceError
 from replaydiff.replay import references  # what to run instead of a kernel
 from replaydiff.replay.compared import VALUES, VIEW, compared_outputs, output_name
 from replaydiff.replay.flow import data_slots, follow_nonfinite, remembered
+from replaydiff.replay.nonfinite_source import NonfiniteSource, computed_by, first_recorded
 from replaydiff.replay.notes import (Failed, FellBack, Judgement, LeftOut, Note, RepeatsDisagree, ReplayFact, Skipped,
                                      render, verdict_reason)
 from replaydiff.replay.policy import FALLBACKS, Precision, ReplayOptions, random_draw_caveat, target_dtype
@@ -200,6 +201,8 @@ class OpReplayer:
         # each op's non-finite outputs, and the ops known to pass them on to where the step keeps them.
         self._nonfinite_slots = remembered(data_slots(trace))
         self._nonfinite_kept: set[int] = set()
+        self._sources: dict[int, NonfiniteSource | None] = {}  # not-replayed producer -> where its NaN/Inf began
+        self._earliest: dict[int, int] = {}  # what those walks learnt: op -> the earliest op its NaN/Inf came through
         self._kinds: dict[str, tuple[bool, bool, bool, bool]] = {}  # op name -> unit, collective, marker, selected
         self._references: dict[str, tuple[Any, bool, Note | None, bool]] = {}  # op name -> _reference(name)
 
@@ -670,8 +673,14 @@ class OpReplayer:
             producers = self.trace.producers(op.index) if producers is None else producers
             outside, producer = self._entered_from(producers.get(k))
             if outside:
+                src = None if producer is None else self._first_recorded(producer)
+                earliest = {} if src is None else dict(
+                    earliest=src.index, earliest_op=self.trace[src.index].name, earliest_nan=src.nan,
+                    earliest_inf=src.inf, earliest_input=src.position, earliest_made=src.made,
+                    earliest_argument=src.argument)
                 return False, NonfiniteInput(k, nan, int(bad.sum()) - nan, producer,
-                                             None if producer is None else self.trace[producer].name), False
+                                             None if producer is None else self.trace[producer].name,
+                                             **earliest), False
         scalars = [x for x in _scalars([op.args, list(op.kwargs.values())]) if isinstance(x, float)]
         if finite:
             # a NaN/Inf passed in as a number (masked_fill(-inf) in attention): not made here but let in, as a
@@ -692,6 +701,13 @@ class OpReplayer:
         # softmax over a row of nothing but -inf is not, and its backward reads them from the saved output)
         made = any(self._made_nonfinite(op, r, nan_only=True) for r in outputs)
         return made, None, made
+
+    def _first_recorded(self, producer: int) -> NonfiniteSource | None:
+        """Where the NaN/Inf op ``producer`` (not replayed) handed on were first recorded, walked back once per
+        producer (every later op that reads them asks again)."""
+        if producer not in self._sources:
+            self._sources[producer] = first_recorded(self.trace, producer, self._earliest)
+        return self._sources[producer]
 
     def _entered_from(self, producer: int | None) -> tuple[bool, int | None]:
         """Did an input that op ``producer`` made come from outside what replay computes (see ``computed_by``)?
@@ -716,15 +732,6 @@ class OpReplayer:
         same = (a[:n * size].view(n, size) == b[:n * size].view(n, size)).all(1)  # per element of the storage
         stale = as_recorded(same, ref.shape, ref.stride, ref.offset).to(nonfinite.device)
         return bool((nonfinite & ~stale).any())
-
-
-def computed_by(trace: RankTrace, producer: int | None) -> int | None:
-    """The op that computed the value op ``producer`` wrote: ops that compute no new value (a view, ``detach``,
-    ``lift_fresh`` of a tensor made outside the dispatcher) are followed back to what they read. None: the value was
-    written outside the trace."""
-    while producer is not None and aten.is_cheap(trace[producer].name):
-        producer = trace.producers(producer).get(0)
-    return producer
 
 
 def _uninitialised_before(op: OpRecord) -> dict[Any, TensorRef]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TextIO
 
+from replaydiff.rebuild_and_judge import shown
 from replaydiff.trend.entry import Entry, EntryFinding
 
 
@@ -15,26 +16,29 @@ def to_json(f: EntryFinding) -> dict | None:
     return {"rank": e.rank, "step": e.step, "index": e.index, "op": e.op, "module": e.module,
             "phase": e.phase, "position": e.position, "tensor": e.tensor, "producer": e.producer,
             "statistic": e.statistic, "value": e.value, "previous": e.previous,
-            "previous_step": e.previous_step, "producer_op": e.producer_op, "argument": e.argument}
+            "previous_step": e.previous_step, "producer_op": e.producer_op,
+            "producer_source": e.producer_source, "argument": e.argument}
 
 
 def describe_entry(e: Entry, skipped: int = 0) -> str:
-    """The replay summary's line; ``skipped``: ops the replay could not judge (then it speaks of those it did)."""
-    where = ", ".join(x for x in (e.module or "no module", e.phase) if x)
+    """The replay summary's line; ``skipped``: ops the replay could not judge (then it speaks of those it did).
+    Strings from the trace (module paths, op names, source lines) are shown escaped, never obeyed."""
+    where = shown(", ".join(x for x in (e.module or "no module", e.phase) if x))
     none = "no op in this trace is wrong" if not skipped else \
         f"no replayed op in this trace is wrong ({skipped} skipped)"
     if e.argument is not None:
-        return f"{none}: the difference enters through argument {e.argument} of op #{e.index} {e.op} " \
-               f"({where}) at step {e.step}: {e.value!r} where step {e.previous_step} had " \
+        return f"{none}: the difference enters through argument {shown(e.argument)} of op #{e.index} " \
+               f"{shown(e.op)} ({where}) at step {e.step}: {e.value!r} where step {e.previous_step} had " \
                f"{e.previous!r} (a learning rate or other hyperparameter changed)"
+    at = f" at {shown(e.producer_source)}" if e.producer_source else ""
     whence = "from outside the trace" if e.producer is None else \
-        f"from op #{e.producer} {e.producer_op}, {e.producer_why}"
+        f"from op #{e.producer} {shown(e.producer_op)}{at}, {e.producer_why}"
     if e.statistic in ("l2", "absmax"):
         what = f"{e.statistic} {e.value:.4g} against {e.previous:.4g} at step {e.previous_step}"
     else:
         what = f"{int(e.value)} {e.statistic.upper()} value(s), none at step {e.previous_step}"
     return f"{none}: the difference enters through input {e.position} of op " \
-           f"#{e.index} {e.op} ({where}) at step {e.step}, {whence} ({e.tensor}: {what})"
+           f"#{e.index} {shown(e.op)} ({where}) at step {e.step}, {whence} ({shown(e.tensor or '')}: {what})"
 
 
 def render_text(f: EntryFinding, out: TextIO) -> None:

@@ -17,7 +17,11 @@ judged), ``data_left_out`` (only when the recording left the op's tensor data ou
 the op is skipped), ``unjudged`` (only when true: a compiled unit replay could not run, its computation unchecked;
 never clean), ``nonfinite_input`` (only when an input already held NaN/Inf that came from outside the trace
 or from an op whose data was left out: ``position``, ``nan``, ``inf``, ``producer`` (null: outside the trace),
-``producer_op``; or, when they came in as a number argument such as ``masked_fill``'s -inf: ``argument``, its
+``producer_op``, and with a producer the earliest op replay did not run whose recorded output holds them,
+walked back through the statistics the recording kept: ``earliest`` (its number), ``earliest_op``,
+``earliest_nan``, ``earliest_inf``, ``earliest_input`` (its input that held them, written outside the trace; else
+null), ``earliest_made`` (true: it made them from inputs that hold none) and ``earliest_argument`` (a NaN/Inf
+number it was passed, its inputs holding none: ``fill_(inf)``; else null); or, when they came in as a number argument such as ``masked_fill``'s -inf: ``argument``, its
 value, ``position`` its index among the positional arguments and ``nan``/``inf`` what it put in the outputs),
 ``nonfinite_origin`` (true when it made NaN/Inf from finite inputs, or NaN from inputs holding
 Inf but no NaN), ``nonfinite_from_inf`` (only when true: the latter), ``nonfinite_discarded_by``
@@ -74,10 +78,16 @@ def op_json(r: OpResult | None) -> dict | None:
                    **({"nonfinite_origin": True} if r.nonfinite_origin else {}),
                    **({"nonfinite_from_inf": True} if r.nonfinite_from_inf else {}),
                    **({"unjudged": True} if r.unjudged else {}),
-                   **({"nonfinite_input": {k: v for k, v in dataclasses.asdict(r.nonfinite_input).items()
-                                           if k != "argument" or v is not None}} if r.nonfinite_input else {}),
+                   **({"nonfinite_input": _nonfinite_input_json(r.nonfinite_input)} if r.nonfinite_input else {}),
                    **({"nonfinite_discarded_by": list(r.nonfinite_discarded_by)}
                       if r.nonfinite_discarded_by is not None else {})})
+
+
+def _nonfinite_input_json(held: NonfiniteInput) -> dict:
+    """An op's ``nonfinite_input``: ``argument`` only for a number argument, the ``earliest*`` keys only with an
+    earliest op (from a producer replay did not run)."""
+    return {k: v for k, v in dataclasses.asdict(held).items()
+            if not (k == "argument" and v is None) and not (k.startswith("earliest") and held.earliest is None)}
 
 
 def report_to_json(report: ReplayReport) -> dict:

@@ -7,7 +7,7 @@ from typing import TextIO
 from replaydiff.aten import is_unit
 from replaydiff.rebuild_and_judge import shown
 from replaydiff.replay.describe import argument_text, metrics_line, op_line, place, planted_line
-from replaydiff.replay.result import NonfiniteInput, OpResult, ReplayReport, Status
+from replaydiff.replay.result import NonfiniteInput, OpResult, ReplayReport, Status, nonfinite_counts
 from replaydiff.replay.plants import plant_notes
 from replaydiff.trace.damage import describe_missing
 from replaydiff.trace.schema import LEFT_OUT_DEVICE_PENDING, LEFT_OUT_DISK_FULL
@@ -29,21 +29,47 @@ def origin_how(r: OpResult) -> str:
         "finite inputs, non-finite recorded output"
 
 
-def nonfinite_entry_line(r: OpResult, held: NonfiniteInput, ended: str | None = None) -> str:
+def nonfinite_entry_line(r: OpResult, held: NonfiniteInput, ended: str | None = None,
+                         report: ReplayReport | None = None) -> str:
     """Where NaN/Inf that no replayed op made come into the step: the op, its input, and where that was written.
-    ``ended``: they are discarded, and this says where they end (``ended_by``)."""
-    whence = "from outside the trace" if held.producer is None else \
-        f"from op #{held.producer} {shown(held.producer_op)}, which was not replayed (its data left out)"
+    ``ended``: they are discarded, and this says where they end (``ended_by``). Where they came from an op replay
+    did not run, the line names the earliest such op whose recorded output holds them (``NonfiniteInput.earliest``;
+    ``report``: where its module and line are looked up), not the one that handed them to ``r``."""
     where = shown(", ".join(x for x in (r.module or "no module", r.phase) if x))
     source = shown(place(r).source or "")
-    kinds = "NaN and Inf" if held.nan and held.inf else "NaN" if held.nan else "Inf"
+    kinds = held.kinds()
     fate = f": {ended}" if ended is not None else ""
     if held.argument is not None:
         return f"{kinds} enter the step as a number passed to an op: {shown(argument_text(held))} of op #{r.index} {shown(r.op)} " \
                f"({where}) puts {held.counts()} in its output{fate}" + (f"  {source}" if source else "")
-    return f"{kinds} enter the step {whence}{' and are discarded' if ended is not None else ''}: input " \
-           f"{held.position} of op #{r.index} {shown(r.op)} ({where}) already holds {held.counts()}{fate}" + \
-           (f"  {source}" if source else "")
+    discarded = " and are discarded" if ended is not None else ""
+    tail = f"  {source}" if source else ""
+    if held.producer is not None and held.earliest is not None and held.earliest != held.producer:
+        return f"{kinds} enter the step {_earliest_text(held, report)}{discarded}; they reach input {held.position} " \
+               f"of op #{r.index} {shown(r.op)} ({where}), the first replayed op to read them, through op " \
+               f"#{held.producer} {shown(held.producer_op)}: it already holds {held.counts()}{fate}{tail}"
+    whence = "from outside the trace" if held.producer is None else \
+        f"from op #{held.producer} {shown(held.producer_op)}, which was not replayed (its data left out)"
+    return f"{kinds} enter the step {whence}{discarded}: input " \
+           f"{held.position} of op #{r.index} {shown(r.op)} ({where}) already holds {held.counts()}{fate}{tail}"
+
+
+def _earliest_text(held: NonfiniteInput, report: ReplayReport | None) -> str:
+    """'from op #103 aten.native_layer_norm.default (Sequential.1, forward) at train.py:12, which was not replayed
+    (...): its recorded outputs are the first to hold them (512 NaN), made from inputs that hold none'."""
+    e = None if report is None else next((x for x in report.ops if x.index == held.earliest), None)
+    at = ""
+    if e is not None:
+        loc = place(e)
+        at = f" ({shown(', '.join(x for x in (e.module or 'no module', e.phase) if x))})" + \
+            (f" at {shown(loc.source)}" if loc.source else "")
+    how = ", made from inputs that hold none" if held.earliest_made else \
+        f", taken in through its input {held.earliest_input}, written outside the trace" \
+        if held.earliest_input is not None else \
+        f", put there by a number passed to it ({shown(held.earliest_argument)})" if held.earliest_argument else ""
+    counts = nonfinite_counts(held.earliest_nan, held.earliest_inf)
+    return f"from op #{held.earliest} {shown(held.earliest_op)}{at}, which was not replayed (its data left out): " \
+           f"its recorded outputs are the first to hold them ({counts}){how}"
 
 
 _NEVER_KEPT = "so they reach no loss, gradient, parameter or output of the step (information, not a fault)"
@@ -74,7 +100,7 @@ def discarded_lines(report: ReplayReport) -> list[str]:
     if let_in:
         first = let_in[0]
         more = f" ({len(let_in) - 1} more op(s) read such inputs)" if len(let_in) > 1 else ""
-        lines.append(nonfinite_entry_line(first, first.nonfinite_input, ended_by(report, first)) + more)
+        lines.append(nonfinite_entry_line(first, first.nonfinite_input, ended_by(report, first), report) + more)
     return lines
 
 
@@ -191,6 +217,6 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
         out.write(f"NaN/Inf origin: {op_line(origin)} ({origin_how(origin)})\n")
     entry = report.nonfinite_entry
     if entry is not None and entry.nonfinite_input is not None and not entry_said:  # they came in with an input
-        out.write(nonfinite_entry_line(entry, entry.nonfinite_input) + "\n")
+        out.write(nonfinite_entry_line(entry, entry.nonfinite_input, report=report) + "\n")
     for line in discarded_lines(report):
         out.write(line + "\n")

@@ -574,10 +574,13 @@ def _arg_changes(op: Any, earlier: list[Any]) -> list[tuple[str, Any, Any, int |
 @dataclass(frozen=True)
 class Zoom:
     """The recording that looks closer at a change: full tensors of its step and the step before (replay compares
-    what enters the trace across the two, see docs/replay.md), of the module where it is (the cause's, else the
-    first change's), or of the cause's op name where neither has a module. Where the cause is an op whose arguments
-    took new values at an earlier step (a learning rate raised a step before its update showed), that step and the
-    one before it."""
+    what enters the trace across the two, see docs/replay.md), with a filter that holds both the cause and the first
+    change (the op trend names as the cause must be in the recording it suggests, or replay can only say that the
+    change came from an op it did not see): the modules they are in (``--module``, one or two), or, where either
+    runs outside any module (a ``mul`` in the training loop: ``--module`` never selects such an op, and the
+    ``--module``/``--op`` filters must both match), their op names (``--op``). Where the cause is an op whose
+    arguments took new values at an earlier step (a learning rate raised a step before its update showed), that
+    step and the one before it; the first change, a step later, is then outside those steps and not held."""
 
     steps: str
     modules: list[str] | None
@@ -589,11 +592,16 @@ class Zoom:
         step = cause.step if cause is not None and cause.step is not None else first.step
         if cause is not None and cause.args_since is not None and cause.args_since < step:
             step = cause.args_since  # an argument (a learning rate) changed there: replay names it across the two
-        module = (cause.module if cause is not None else None) or first.module
         steps = f"{step - 1}-{step}" if step > 1 else f"{step}"
-        if module is not None:
-            return cls(steps, [module], None, step)
-        return cls(steps, None, [cause.op if cause is not None else first.op], step)
+        held = [] if cause is None else [(cause.module, cause.op)]
+        if first.step in (step - 1, step):  # the first change is among the zoomed steps: hold it too
+            held.append((first.module, first.op))
+        modules = list(dict.fromkeys(m for m, _ in held))
+        if None not in modules:
+            return cls(steps, modules, None, step)
+        # An op outside every module: the op names select it (module granularity has no such records: its records
+        # all have a module, so these are aten op names)
+        return cls(steps, None, list(dict.fromkeys(name for _, name in held)), step)
 
     def out(self, trace: str) -> str:
         return f"{trace.rstrip('/')}-step{self.steps.rsplit('-', 1)[-1]}"

@@ -25,9 +25,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from replaydiff.aten import is_cheap
 from replaydiff.diff.pairs import tensor_stats
 from replaydiff.replay import ReplayOptions
 from replaydiff.replay.result import PROBLEMS, ReplayReport, Status
+from replaydiff.replay.runner import computed_by
 from replaydiff.trend.analysis import (DEFAULT_THRESHOLD, SCALE_FLOOR, Positions, left_out, ref_point, scalar_args,
                                        score_point, stats_point, why_left_out)
 from replaydiff.trace import RankTrace, TensorRef, open_trace
@@ -54,7 +56,8 @@ class Entry:
     previous: float
     previous_step: int
     producer_op: str | None = None  # the producer's op name
-    producer_why: str | None = None  # why the recording kept it with statistics only (trend.why_left_out)
+    producer_why: str | None = None  # why it counts as external: kept with statistics only, or a one-off op
+    producer_source: str | None = None  # the producer's source line, FILE:LINE, where the trace has it
     argument: str | None = None  # the non-tensor argument that changed ("alpha"), for an optimizer op
 
 
@@ -69,15 +72,27 @@ def _point(r: RankTrace, ref: TensorRef) -> dict[str, float] | None:
 
 def find_entry(r: RankTrace, threshold: float = DEFAULT_THRESHOLD) -> Entry | None:
     """The earliest external input of an op that changed against the step before (see the module docstring); None
-    when the trace has fewer than two steps or nothing changed."""
+    when the trace has fewer than two steps or nothing changed.
+
+    An input written by a replayed op counts as external where that op is a one-off (it ran in no earlier step of
+    the trace: a ``mul`` by 1e36 in the training loop at that step only). Replay judged it right from its inputs,
+    yet it has no counterpart in the step before to be compared with, so what it wrote is compared, as the reader's
+    input, with what the reader read there: the change is that op's doing. A view the recording left out (a ``t``
+    outside an ``--op`` filter) computes nothing: an input it hands on is judged by the op that computed its
+    value."""
     if _one_step(r) is not None:
         return None  # one numbered step: nothing to compare with (read no tensor to learn that)
     position = Positions()
-    before: dict[tuple, tuple[int, dict[int, dict[str, float]]]] = {}  # op position -> (step, {input: point})
+    # op position -> (step, op number, {input: point}): the inputs' points are worked out when first asked for
+    before: dict[tuple, tuple[int, int, dict[int, dict[str, float] | None]]] = {}
     args_before: dict[tuple, tuple[int, dict[str, Any]]] = {}  # optimizer op position -> (step, its arguments)
+    first_seen: dict[tuple, int] = {}  # op position -> the first step it ran at
+    one_off: set[int] = set()  # replayed ops that ran in no earlier step of the trace (not in its first step)
+    first_step: int | None = None
     for op in r:
         if op.step is None:
             return None  # recorded with --step N: one step, no step before to compare with
+        first_step = op.step if first_step is None else first_step
         if op.phase == "optimizer":
             key = position.key(op)
             args = scalar_args(op)
@@ -95,27 +110,54 @@ def find_entry(r: RankTrace, threshold: float = DEFAULT_THRESHOLD) -> Entry | No
             # where the parameter it wrote comes in.
             continue
         key = position.key(op)
+        if first_seen.setdefault(key, op.step) == op.step and op.step != first_step:
+            one_off.add(op.index)
         producers = r.producers(op.index)
-        points: dict[int, dict[str, float]] = {}
+        prev = before.get(key)
         for k, ref in enumerate(op.inputs()):
             prod = producers.get(k)
-            if prod is not None and not left_out(r[prod]):
+            writer = prod  # the op named as where it came from
+            if prod is not None and left_out(r[prod]) and is_cheap(r[prod].name):
+                computed = computed_by(r, prod)  # a view left out: what computed the value it hands on?
+                if computed is not None and not left_out(r[computed]):
+                    prod = writer = computed
+            if prod is not None and not left_out(r[prod]) and prod not in one_off:
                 continue  # computed inside the trace: replay judged the op that did it
+            if prev is None or prev[0] == op.step:
+                continue
+            q = _earlier_point(r, prev, k)
+            if q is None:
+                continue
             p = _point(r, ref)
             if p is None:
                 continue
-            points[k] = p
-            prev = before.get(key)
-            q = None if prev is None or prev[0] == op.step else prev[1].get(k)
-            if q is None:
-                continue
             hit = score_point(p, [q], threshold, jumps=q["l2"] > 0)
             if hit is not None:
-                return Entry(r.rank, op.step, op.index, op.name, op.module, op.phase, k, ref.describe(), prod,
+                w = None if writer is None else r[writer]
+                return Entry(r.rank, op.step, op.index, op.name, op.module, op.phase, k, ref.describe(), writer,
                              hit[0], p[hit[0]], q[hit[0]], prev[0],
-                             *((None, None) if prod is None else (r[prod].name, why_left_out(r[prod]))))
-        before[key] = (op.step, points)
+                             *((None, None) if w is None else (w.name, _why_external(w))),
+                             producer_source=None if w is None else w.source)
+        before[key] = (op.step, op.index, {})
     return None
+
+
+def _earlier_point(r: RankTrace, prev: tuple[int, int, dict[int, dict[str, float] | None]],
+                   k: int) -> dict[str, float] | None:
+    """Input ``k``'s point of the op at the same position in the step before (read once, then kept)."""
+    _, index, points = prev
+    if k not in points:
+        inputs = r[index].inputs()
+        points[k] = _point(r, inputs[k]) if k < len(inputs) else None
+    return points[k]
+
+
+def _why_external(op: Any) -> str:
+    """Why what op ``op`` wrote comes from outside what replay judged: the recording kept it with statistics only,
+    or it ran in no earlier step (replayed, it computes right: the change is what its code asks for)."""
+    if left_out(op):
+        return why_left_out(op)
+    return "which ran in no earlier step of this trace and replays right: the change is its doing"
 
 
 def _argument_jumped(v: Any, w: Any, threshold: float) -> bool:
@@ -177,6 +219,8 @@ def entry_of_replay(trace: str, report: ReplayReport, options: ReplayOptions,
             return EntryFinding(entry=e, skipped=skipped)
     if not ranks or not any(r.data_left_out == LEFT_OUT_FILTERED for r in report.ops):
         return EntryFinding(skipped=skipped)  # a clean one-step trace of a whole step is a healthy step
+    if report.nonfinite_origin is not None or report.nonfinite_entry is not None:
+        return EntryFinding(skipped=skipped)  # replay's NaN/Inf line says where they begin: no "nothing changed"
     r = t.rank(ranks[0])
     step = _one_step(r)
     if step is not None:

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 from replaydiff.trace import open_trace
+from replaydiff.trend import compute_trend
 
 from process_helpers import child_env
 from steps_helpers import one_thread  # noqa: F401 (autouse, as in tests/integration/test_trend_next.py)
@@ -36,7 +37,8 @@ SPIKE = textwrap.dedent("""
 
 def test_the_next_record_command_is_the_recorded_job_and_runs_as_printed(tmp_path):
     """Recorded by ``replaydiff record -- CMD``: trend's record line ends in CMD, quoted for the shell; pasted into a
-    shell it records the zoom-in of the same job, whose replay says where the change enters."""
+    shell it records the zoom-in of the same job, which holds the op trend named as the cause, and whose replay
+    names that op as where the change comes from."""
     (tmp_path / "my train.py").write_text(SPIKE)
     command = [sys.executable, "my train.py", "run one", "25"]
     rec = subprocess.run([sys.executable, "-m", "replaydiff", "record", "--tensors", "stats", "--steps", "1-30",
@@ -48,8 +50,11 @@ def test_the_next_record_command_is_the_recorded_job_and_runs_as_printed(tmp_pat
     trend = subprocess.run([sys.executable, "-m", "replaydiff", "trend", "t"], cwd=tmp_path, capture_output=True,
                            text=True, timeout=300, env=child_env())
     assert trend.returncode == 1, trend.stderr
-    record = "replaydiff record --tensors full --steps 24-25 --module Sequential.2 -o t-step25 -- " + \
-        shlex.join(command)
+    # the cause, the mul_, runs in the loop outside any module: the zoom-in holds it and the first change by name
+    first = compute_trend(open_trace(tmp_path / "t").rank(0)).first_change
+    assert first is not None and first.module == "Sequential.2"
+    record = f"replaydiff record --tensors full --steps 24-25 --op aten.mul_.Tensor --op {first.op} -o t-step25 -- " \
+        + shlex.join(command)
     lines = trend.stdout.splitlines()
     assert f"  {record}" in lines and "  replaydiff replay t-step25" in lines
     assert "COMMAND" not in trend.stdout and "holds none" not in trend.stdout
@@ -65,4 +70,6 @@ def test_the_next_record_command_is_the_recorded_job_and_runs_as_printed(tmp_pat
     mul = next(op for op in z if op.step == 25 and op.name == "aten.mul_.Tensor")
     out = subprocess.run([sys.executable, "-m", "replaydiff", "replay", "t-step25"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300, env=child_env())
-    assert f"from op #{mul.index} aten.mul_.Tensor, which the record filter left out" in out.stdout, out.stdout
+    assert mul.data_left_out is None  # held by the zoom-in: replayed, and named with its line
+    assert f"from op #{mul.index} aten.mul_.Tensor at {mul.source}, which ran in no earlier step of this trace and " \
+           f"replays right: the change is its doing" in out.stdout, out.stdout

@@ -104,11 +104,16 @@ def test_trend_says_a_change_made_between_recorded_steps_enters_from_outside_the
 
 def test_trend_prints_the_zoom_in_commands_and_the_zoom_in_replay_says_where_the_difference_enters(
         stats_trace, tmp_path, capsys):
+    """The cause, the mul_, runs outside any module, where no --module filter reaches: the zoom-in holds it and the
+    first change by their op names (--op), and its replay names the mul_ as the op the difference comes from."""
+    first = compute_trend(open_trace(stats_trace).rank(0)).first_change
+    assert first is not None and first.module == "Sequential.2" and first.op != "aten.mul_.Tensor"
     assert cli_main(["trend", stats_trace]) == 1
     text = capsys.readouterr().out
     zoom = f"{stats_trace}-step{SPIKE_STEP}"
     # recorded from Python: the trace holds no command line to end the record command with (tests/test_trend_next.py)
-    record = f"replaydiff record --tensors full --steps 24-25 --module Sequential.2 -o {shlex.quote(zoom)} --"
+    record = f"replaydiff record --tensors full --steps 24-25 --op aten.mul_.Tensor --op {first.op} " \
+             f"-o {shlex.quote(zoom)} --"
     assert f"\n  {record}\n" in text and f"\n  replaydiff replay {shlex.quote(zoom)}\n" in text
     assert "cause: op #" in text and "aten.mul_.Tensor" in text
 
@@ -117,26 +122,29 @@ def test_trend_prints_the_zoom_in_commands_and_the_zoom_in_replay_says_where_the
     assert doc["cause"]["op"] == "aten.mul_.Tensor" and doc["cause"]["step"] == SPIKE_STEP
     assert doc["next"]["record"] is None and doc["next"]["replay"] == f"replaydiff replay {shlex.quote(zoom)}"
     spec = doc["zoom"]
-    assert spec == {"tensors": "full", "steps": "24-25", "modules": ["Sequential.2"], "ops": None, "out": zoom}
+    assert spec == {"tensors": "full", "steps": "24-25", "modules": None, "ops": ["aten.mul_.Tensor", first.op],
+                    "out": zoom}
 
-    # The zoom-in, recorded as the JSON says, replays clean, and replay says where the difference comes in.
+    # The zoom-in, recorded as the JSON says, holds the mul_ and the first change's op in full, replays clean, and
+    # replay says the difference comes from the mul_ (a one-off op: replayed, it computes right).
     out = tmp_path / "zoom"
-    with replaydiff.record(out, tensors=spec["tensors"], steps=spec["steps"], modules=spec["modules"]):
+    with replaydiff.record(out, tensors=spec["tensors"], steps=spec["steps"], ops=spec["ops"]):
         train(mlp())
     z = open_trace(out).rank(0)
-    reader = next(op for op in z if op.step == SPIKE_STEP and op.name == "aten.t.default"
-                  and op.module == "Sequential.2" and op.phase == "forward")
+    mul = next(op for op in z if op.step == SPIKE_STEP and op.name == "aten.mul_.Tensor")
+    reader = next(op for op in z if op.step == SPIKE_STEP and op.name == first.op and op.module == "Sequential.2"
+                  and op.phase == "forward")
+    assert mul.data_left_out is None and reader.data_left_out is None
     assert cli_main(["replay", str(out)]) == 0
     text = capsys.readouterr().out
-    mul = next(op for op in z if op.step == SPIKE_STEP and op.name == "aten.mul_.Tensor")
-    assert f"no replayed op in this trace is wrong ({sum(op.data_left_out is not None for op in z)} skipped): the difference enters through input 0 " \
-           f"of op #{reader.index} " \
-           f"aten.t.default (Sequential.2, forward) at step {SPIKE_STEP}, from op #{mul.index} aten.mul_.Tensor, " \
-           f"which the record filter left out" in text
+    assert f"no replayed op in this trace is wrong ({sum(op.data_left_out is not None for op in z)} skipped): the " \
+           f"difference enters through input 2 of op #{reader.index} {first.op} (Sequential.2, forward) at step " \
+           f"{SPIKE_STEP}, from op #{mul.index} aten.mul_.Tensor at {mul.source}, which ran in no earlier step of " \
+           f"this trace and replays right: the change is its doing" in text, text
     assert cli_main(["replay", str(out), "--json", "-"]) == 0
     enters = json.loads(capsys.readouterr().out)["enters"]
-    assert (enters["index"], enters["position"], enters["step"], enters["producer"]) == \
-        (reader.index, 0, SPIKE_STEP, mul.index)
+    assert (enters["index"], enters["position"], enters["step"], enters["producer"], enters["producer_source"]) == \
+        (reader.index, 2, SPIKE_STEP, mul.index, mul.source)
     assert enters["statistic"] in ("l2", "absmax") and enters["value"] > 50 * enters["previous"]
 
 
@@ -161,7 +169,7 @@ def test_a_change_written_by_a_filtered_op_enters_from_it(tmp_path, tensors):
     e = find_entry(r)
     assert (e.index, e.position, e.step, e.producer) == (reader.index, 0, SPIKE_STEP, mul.index)
     assert f"input 0 of op #{reader.index} aten.t.default (Sequential.2, forward) at step {SPIKE_STEP}, from op " \
-           f"#{mul.index} aten.mul_.Tensor, which the record filter left out" in describe_entry(e)
+           f"#{mul.index} aten.mul_.Tensor at {mul.source}, which the record filter left out" in describe_entry(e)
 
 
 def test_clean_replay_of_one_zoomed_step_says_how_to_see_where_the_difference_enters(tmp_path, capsys):

@@ -43,15 +43,19 @@ def test_a_trace_recorded_from_python_says_in_words_what_follows_the_record_comm
             opt.step()
             opt.zero_grad()
     assert open_trace(path).rank(0).command is None
+    # the cause, the mul_, runs outside any module: the zoom-in holds it (and the first change) by their op names
+    first = compute_trend(open_trace(path).rank(0)).first_change
+    assert first is not None and first.op != "aten.mul_.Tensor"
     assert cli_main(["trend", str(path)]) == 1
     lines = capsys.readouterr().out.splitlines()
     zoom = shlex.quote(f"{path}-step15")
-    k = lines.index(f"  replaydiff record --tensors full --steps 14-15 --module Sequential.2 -o {zoom} --")
+    k = lines.index(f"  replaydiff record --tensors full --steps 14-15 --op aten.mul_.Tensor --op {first.op} "
+                    f"-o {zoom} --")
     assert lines[k + 1] == f"  replaydiff replay {zoom}"
     assert lines[k + 2].startswith(f"(after the record command's `--`, type the command that runs your training: "
                                    f"{path} holds none, as it was recorded from Python")
-    assert f"replaydiff.record('{path}-step15', tensors='full', steps='14-15', modules=['Sequential.2'])" in \
-        lines[k + 2]
+    assert f"replaydiff.record('{path}-step15', tensors='full', steps='14-15', ops=['aten.mul_.Tensor', " \
+           f"'{first.op}'])" in lines[k + 2]
     assert not any("COMMAND" in line for line in lines)
     assert cli_main(["trend", str(path), "--json", "-"]) == 1
     doc = json.loads(capsys.readouterr().out)
