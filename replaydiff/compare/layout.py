@@ -273,7 +273,7 @@ class _Sharded(Kind):
         return f"sharded on dim {layout.dim} over {layout.world} ranks{split}{turns}{scale}"
 
     def name(self, layout: "Layout") -> str:
-        return f"sharded on dim {layout.dim}" + ("" if layout.order is None else " (rows in another order)")
+        return f"sharded on dim {layout.dim}" + ("" if layout.order is None else ", rows in another order")
 
     def candidates(self, ref_shape, shapes, exchanges) -> list["Layout"]:
         world = len(shapes)
