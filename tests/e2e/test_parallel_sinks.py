@@ -325,9 +325,11 @@ def test_a_loss_divided_by_the_world_size_where_the_gradients_are_too_names_both
     pd = diff_traces(runs[1] / "dealt_accum_halved", runs[2] / "dealt_accum_halved").parallel
     e = pd.departure.enters
     assert e is not None and e.factor == Fraction(1, 2) and e.source.endswith(_line("averaged over the ranks")), e
-    assert e.also is not None and e.also.endswith(f"{_line('loss = loss / world')})"), e.also
+    assert e.also is not None and f"{_line('loss = loss / world')}): 1/2" in e.also, e.also
+    # the division every micro-batch's loss takes is said to be that
+    assert f"{_line('y.flatten()) / 2')}): 1/2 (1 over the 2 micro-batches a rank accumulates)" in e.also, e.also
     code, text = _diff(runs, "dealt_accum_halved", capsys)
-    assert code == 1 and "one of the two scales is one too many" in text and "not divided" not in text, text
+    assert code == 1 and "one scale too many" in text and "not divided" not in text, text
 
 
 def test_every_rank_picking_the_same_rows_through_its_sampler_is_the_same_shard(runs):

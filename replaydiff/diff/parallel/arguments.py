@@ -46,11 +46,23 @@ def differing_arguments(ref: OpRecord, ranks: list[OpRecord]) -> list[tuple[str,
     return out
 
 
-def arguments_text(found: list[tuple[str, object, object, tuple[int, ...]]], world: int) -> str:
+def _where(parts: tuple[int, ...], world: int, rank_of: list[int] | None) -> str:
+    """'the ranks', 'rank 1', or (a rank running the op once per micro-batch) "rank 1's micro-batch 2"."""
+    if rank_of is not None and len(parts) < len(rank_of):
+        def nth(k: int) -> int:
+            return sum(1 for j in range(k) if rank_of[j] == rank_of[k]) + 1
+        return ", ".join(f"rank {rank_of[k]}'s micro-batch {nth(k)}" for k in parts)
+    ranks = parts if rank_of is None else tuple(dict.fromkeys(rank_of[k] for k in parts))
+    return "the ranks" if len(ranks) == world else f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def arguments_text(found: list[tuple[str, object, object, tuple[int, ...]]], world: int,
+                   rank_of: list[int] | None = None) -> str:
     """'alpha -0.2 on the ranks, -0.1 in the single process (2x: the world size)' ('on rank 1' where only some
-    ranks give it), joined by '; '."""
+    ranks give it), joined by '; '. ``rank_of``: the rank of each op the ranks ran (several a rank where it runs
+    the op once per micro-batch); None: one a rank."""
     said = []
-    for where, ref, theirs, ranks in found[:4]:
+    for where, ref, theirs, parts in found[:4]:
         ratio = ""
         if isinstance(ref, (int, float)) and isinstance(theirs, (int, float)) and not isinstance(ref, bool) and ref:
             r = Fraction(theirs / ref).limit_denominator(64)
@@ -58,8 +70,6 @@ def arguments_text(found: list[tuple[str, object, object, tuple[int, ...]]], wor
                 ratio = f" ({r.numerator if r.denominator == 1 else r}x" + \
                     (": the world size)" if r == world else ": 1 over the world size)" if r == Fraction(1, world)
                      else ")")
-        on = "the ranks" if len(ranks) == world else \
-            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-        said.append(f"{where} {theirs!r} on {on}, {ref!r} in the single process{ratio}")
+        said.append(f"{where} {theirs!r} on {_where(parts, world, rank_of)}, {ref!r} in the single process{ratio}")
     more = len(found) - 4
     return "; ".join(said) + (f"; +{more} more" if more > 0 else "")

@@ -24,7 +24,7 @@ from replaydiff.diff.parallel.factors import legit_factors, pick_legit
 from replaydiff.diff.parallel.mapping import map_tensor, measured_reads, reordered_input
 from replaydiff.diff.parallel.means import unequal_counts
 from replaydiff.diff.parallel.paths import (amplifies, collective_ahead, collective_behind, computing_behind, op_words,
-                                            loss_scale, own_computing,
+                                            loss_scales, own_computing,
                                             made_apart, partial_input, reduced_at, same_draws_of, scale_behind)
 from replaydiff.diff.parallel.refusals import refuse_point_to_point, refuse_sub_groups
 from replaydiff.diff.parallel.result import Departure, Mapped, MappedOp, ParallelDeparture, ParallelDiff
@@ -396,7 +396,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 applied[i] = times
             continue
         m = bad[0]
-        partial_in = partial_input(producers, by_ref)
+        counts = unequal_counts(ref, tgts, rop, tops, m)
+        partial_in = None if counts is not None else partial_input(producers, by_ref)
         if partial_in is not None and rop.phase != "optimizer" and \
                 (c := collective_behind(lead_side, lead_map, tops[0].index)) is not None and aten.reduces(c[1]):
             # on the ranks what it reads went through a reduction (FSDP's reduce-scatter before clipping): none
@@ -438,10 +439,10 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             else:  # divided once too often: by the reduction (DDP averages) and by a scale of the ranks' own
                 p = parts_of(loss_op)[0] if loss_op is not None else None
                 also = None if p is None or loss_op not in maps[p] else \
-                    loss_scale(t_sides[rank_of[p]], maps[p], maps[p][loss_op], times, passes)
+                    loss_scales(t_sides[rank_of[p]], maps[p], maps[p][loss_op], ref, passes)
                 cause = "divided by the world size twice: the all-reduce averages the ranks' gradients, and " + \
-                    (f"the ranks' loss is multiplied by {ratio_text(times)} by {also}, which the single process does "
-                     f"not run" if also else "they are scaled once more on the ranks")
+                    (f"the ranks scale their loss too ({also}): one scale too many" if also else
+                     "they are scaled once more on the ranks")
             kind, why = Departure.SCALED, (
                 f"input {partial_in[0]} (the gradient) is replicated at {ratio_text(times)}x the reference after "
                 f"{name} #{c} (on rank {lead_rank}{', ' + line if line else ''}): {cause}")
@@ -467,7 +468,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             kind, why = Departure.SCALED, why_scaled(m.layout, legit)
             if other_args:
                 why += f"; the ranks run this op with other arguments than the single process: " \
-                       f"{arguments_text(other_args, world)}"
+                       f"{arguments_text(other_args, world, [rank_of[p] for p in own] if len(own) > world else None)}"
         elif partial_in is not None and \
                 (ahead := collective_ahead(lead_side, lead_map, tops[0].index)) is not None:
             # the reduction is there, after this op: what the op combines with the partial sums is summed too
@@ -532,20 +533,20 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 and aten.is_all_reduce(reduced[1]):
             kind, why = Departure.NO_LAYOUT, expert_reduced(m, holder, reduced[0], reduced[1],
                                                             lead_side.ops[reduced[0]].source)
-        elif (counts := unequal_counts(ref, tgts, rop, tops, m)) is not None:
-            said = " and ".join(f"{c:g}" for c in counts)
+        elif counts is not None:
+            said = " and ".join(f"{c:g}" for c in counts[0])
             kind, why = Departure.NO_LAYOUT, (
                 f"output {m.position} ({m.describe}) is a per-rank mean over each rank's own count, and the counts "
-                f"differ ({said}, output {'1' if m.position == 0 else '0'} of this op), where the single process's is "
-                f"the mean over all {sum(counts):g}: the ranks' means are averaged as if their counts were equal; sum "
-                f"on each rank and divide by the count all-reduced over the ranks")
+                f"differ ({said}, {counts[1]} of this op), where the single process's is the mean over all "
+                f"{sum(counts[0]):g}: the ranks' means are averaged as if their counts were equal; sum on each rank "
+                f"and divide by the count all-reduced over the ranks")
         elif other_args and not from_departed and not aten.is_cheap(rop.name):
             # its inputs map onto the reference's (it reads nothing that parted), its result does not: the
             # arguments the ranks give it are the difference (an optimizer's lr, a scale)
             kind, why = Departure.NO_LAYOUT, (
                 f"output {m.position} ({m.describe}) maps onto the reference's under no layout, from inputs that "
                 f"do: the ranks run this op with other arguments than the single process: "
-                f"{arguments_text(other_args, world)}")
+                f"{arguments_text(other_args, world, [rank_of[p] for p in own] if len(own) > world else None)}")
         else:
             kind, why = Departure.NO_LAYOUT, (
                 f"output {m.position} ({m.describe}) maps onto the reference's under no layout (replicated, sharded "
@@ -643,8 +644,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 # gradients are as well): either scale alone is a correct job's, the two together are not
                 p = parts_of(loss_op)[0]
                 if loss_op in maps[p]:
-                    also = loss_scale(t_sides[rank_of[p]], maps[p], maps[p][loss_op], enters.factor,
-                                      passes)
+                    also = loss_scales(t_sides[rank_of[p]], maps[p], maps[p][loss_op], ref, passes)
                     if also is not None:
                         enters = dataclasses.replace(enters, also=also)
         why = first[3]
@@ -658,6 +658,9 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                                           earlier_step(step) if first[2] is Departure.INPUTS else None, step,
                                           enters=enters)
         out.within = within
+    if out.departure is None and sinks and not out.random_parted:
+        # what the job keeps is the single process's: the runs saw the same global batch, whatever its order
+        out.batch_warning = None
     out.ref_layout_ops.update(r_side.ops[i].name for i in r_side.skipped if makes_layout(r_side.ops[i].name))
     if any(declared):
         said = [t.layout_from for op in out.ops for t in op.tensors if t.layout_from is not None]

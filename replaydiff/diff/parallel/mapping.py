@@ -129,7 +129,7 @@ def map_tensor(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs:
     offsets = None
     if layout is None:
         if all(tuple(p.shape) == tuple(r.shape) for p in parts):
-            off = tuple(k for k, p in enumerate(parts) if not close(p.to(torch.float64), r))
+            off = _whole_off(r, parts, close, world if micro is None else 1)
         else:
             off = _slices_off(r, parts, close, world if micro is None else 1, orders)
         found = None if micro is not None else shard_offsets(r, parts, close)
@@ -172,16 +172,35 @@ def _slices_off(r: torch.Tensor, parts: list[torch.Tensor], close, world: int,
                if c.kind is LayoutKind.SHARDED and c.dim is not None and c.blocks == 1]
     for c in list(layouts):
         layouts += [dataclasses.replace(c, order=o) for k, o in (orders or {}).items() if r.shape[c.dim] % k == 0]
+    best: tuple[int, ...] = ()
     for layout in layouts:
         d = layout.dim
         ref = r if layout.order is None else r.index_select(d, order_index(layout.order, int(r.shape[d])))
-        for factor in dict.fromkeys((1.0, float(world), 1.0 / world, float(n), 1.0 / n)):
+        for factor in _factors(world, n):
             at, bad = 0, []
             for k, p in enumerate(parts):
                 size = int(p.shape[d])
                 if not close(p.to(torch.float64), factor * ref.narrow(d, at, size)):
                     bad.append(k)
                 at += size
-            if len(bad) < len(parts):
-                return tuple(bad)
-    return ()
+            if len(bad) < len(parts) and (not best or len(bad) < len(best)):
+                best = tuple(bad)  # the reading that leaves the fewest parts off
+    return best
+
+
+def _factors(world: int, n: int) -> tuple[float, ...]:
+    """The factors a part may hold its share at: 1, the world size or the number of parts (a rank's micro-batches)
+    either way (a per-rank or per-micro-batch mean's gradient)."""
+    return tuple(dict.fromkeys((1.0, float(world), 1.0 / world, float(n), 1.0 / n)))
+
+
+def _whole_off(r: torch.Tensor, parts: list[torch.Tensor], close, world: int) -> tuple[int, ...]:
+    """For parts shaped as the reference: the parts that do not hold it, at the factor that leaves the fewest off
+    (where some part holds it); every part when none does."""
+    best = tuple(range(len(parts)))
+    ref = r.to(torch.float64)
+    for factor in _factors(world, len(parts)):
+        bad = tuple(k for k, p in enumerate(parts) if not close(p.to(torch.float64), factor * ref))
+        if len(bad) < len(best):
+            best = bad
+    return best

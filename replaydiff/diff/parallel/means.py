@@ -10,7 +10,7 @@ import torch
 
 from replaydiff.diff.parallel.result import Mapped
 from replaydiff.trace.reader import RankTrace
-from replaydiff.trace.schema import OpRecord
+from replaydiff.trace.schema import OpRecord, TensorRef
 
 
 def _scalar(trace: RankTrace, ref) -> float | None:
@@ -21,27 +21,32 @@ def _scalar(trace: RankTrace, ref) -> float | None:
 
 
 def unequal_counts(ref: RankTrace, ranks: list[RankTrace], rop: OpRecord, tops: list[OpRecord],
-                   m: Mapped) -> tuple[float, ...] | None:
-    """Each rank's count when output ``m`` is a mean over a count the op also returns, the counts differ, they sum
-    to the reference's, and the reference's mean is the ranks' means weighted by them; None otherwise."""
+                   m: Mapped) -> tuple[tuple[float, ...], str] | None:
+    """(each rank's count, where the op holds it: 'output 1', 'input 1') when output ``m`` is a mean over a count
+    the op also returns (a loss's total weight) or divides by (a sum divided by a count), the counts differ, they
+    sum to the reference's, and the reference's mean is the ranks' means weighted by them; None otherwise."""
     outs = rop.outputs_refs()
-    if m.kind != "out" or m.layout is not None or len(outs) < 2 or len(ranks) < 2:
+    if m.kind != "out" or m.layout is not None or len(ranks) < 2:
         return None
     mean = _scalar(ref, outs[m.position])
     theirs = [_scalar(r, t.outputs_refs()[m.position] if m.position < len(t.outputs_refs()) else None)
               for r, t in zip(ranks, tops)]
     if mean is None or any(v is None for v in theirs):
         return None
-    for k, cref in enumerate(outs):
-        if k == m.position:
-            continue
+    # the op's other outputs, and a division's divisor
+    found = [(f"output {k}", cref, [t.outputs_refs()[k] if k < len(t.outputs_refs()) else None for t in tops])
+             for k, cref in enumerate(outs) if k != m.position]
+    if rop.name == "aten.div.Tensor" and len(rop.args) > 1 and isinstance(rop.args[1], TensorRef):
+        found.append(("input 1", rop.args[1], [t.args[1] if len(t.args) > 1 and isinstance(t.args[1], TensorRef)
+                                               else None for t in tops]))
+    for where, cref, trefs in found:
         total = _scalar(ref, cref)
-        counts = [_scalar(r, t.outputs_refs()[k] if k < len(t.outputs_refs()) else None) for r, t in zip(ranks, tops)]
+        counts = [_scalar(r, t) for r, t in zip(ranks, trefs)]
         if total is None or any(c is None for c in counts) or len(set(counts)) < 2 or not sum(counts):
             continue
         if not math.isclose(sum(counts), total, rel_tol=1e-6):
             continue
         weighted = sum(v * c for v, c in zip(theirs, counts)) / sum(counts)
         if math.isclose(weighted, mean, rel_tol=1e-4, abs_tol=1e-12):
-            return tuple(counts)
+            return tuple(counts), where
     return None

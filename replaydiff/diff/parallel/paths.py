@@ -137,25 +137,41 @@ def scale_behind(side: Side, aligned: dict[int, int], index: int, factor: Fracti
                           of_loss)
 
 
-def loss_scale(side: Side, aligned: dict[int, int], index: int, factor: Fraction, passes: int) -> str | None:
-    """An op only the ranks run, among those that read a rank's forward op ``index`` (the loss the backward
-    differentiates) through ops of the rank's own, that multiplies what it reads by exactly ``factor``, beyond the
-    division by the number of micro-batches ``passes`` a rank that accumulates makes: 'name (#N on rank R, line)';
-    None when there is none."""
+def loss_scales(side: Side, aligned: dict[int, int], index: int, ref: RankTrace, passes: int = 1) -> str | None:
+    """The scales a rank applies to its loss (the one-element forward value ``index`` the backward differentiates),
+    found along the forward ops around it (what made it and what reads it): each op only the ranks run that
+    multiplies by a plain factor, and each op both run whose factor on the rank is not the single process's (a
+    division by a micro-batch count of 2 where the single process divides by 1), as 'name (#N on rank R, line):
+    1/2' ('... where the single process's is 1'; the first over ``passes``, a rank's micro-batches, is said to be
+    that count's), joined by '; '; None when there is none."""
     mine = set(side.ops) - set(aligned.values())
-    todo, seen, found = [index], {index}, []
+    theirs = {j: i for i, j in aligned.items()}
+    todo, seen, said = [index], set(), []
     while todo and len(seen) <= 16:
-        for readers in side.trace.consumers(todo.pop(0)).values():
-            for p in readers:
-                if p in seen or p not in mine or side.ops[p].phase != "forward":
-                    continue
-                seen.add(p)
-                todo.append(p)
-                if _computes(side.ops[p]) and _uniform_scale(side.trace, side.ops[p]) == factor:
-                    found.append(p)
-    if passes > 1 and factor == Fraction(1, passes) and len(found) > 1:
-        found = found[1:]  # the first is the division every pass's loss takes (where the single process has none)
-    return op_words(side, found[0]) if found else None
+        at = todo.pop(0)
+        near = [p for readers in side.trace.consumers(at).values() for p in readers] + \
+            [p for p in side.trace.producers(at).values() if p is not None]
+        for p in [at] + near:
+            if p in seen or p not in side.ops or side.ops[p].phase != "forward":
+                continue
+            seen.add(p)
+            todo.append(p)
+            op = side.ops[p]
+            if not _computes(op) or math.prod(op.outputs_refs()[0].shape if op.outputs_refs() else (0,)) != 1:
+                continue
+            k = _uniform_scale(side.trace, op)
+            if k is None:
+                continue
+            if p in mine:
+                said.append((p, f"{op_words(side, p)}: {ratio_text(k)}"))
+            elif p in theirs and (k_ref := _uniform_scale(ref, ref.op(theirs[p])) or Fraction(1)) != k:
+                said.append((p, f"{op_words(side, p)}: {ratio_text(k)} where the single process's is "
+                                f"{ratio_text(k_ref)}"))
+    said.sort()
+    count = next((k for k, (p, _) in enumerate(said) if passes > 1 and
+                  _uniform_scale(side.trace, side.ops[p]) == Fraction(1, passes)), None)
+    return "; ".join(w + (f" (1 over the {passes} micro-batches a rank accumulates)" if k == count else "")
+                     for k, (_, w) in enumerate(said)) or None
 
 
 def reduced_at(pos: int, rop: OpRecord, tops: list[OpRecord], tgts: list[RankTrace], side: Side,

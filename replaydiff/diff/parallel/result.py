@@ -95,8 +95,8 @@ class RanksOnlyScale:
     factor: Fraction  # what it multiplies its input by, measured on the rank's recorded tensors
     world: int
     of_loss: bool  # it scales a one-element forward value that the backward differentiates (the loss)
-    # another op only the ranks run that scales the loss by the same factor (a loss divided by the world size where
-    # the gradients are divided too): 'name (#N on rank R, line)'; None: none found
+    # the scales the ranks apply to their loss beyond the single process's (a loss divided by the world size where
+    # the gradients are divided too), each 'name (#N on rank R, line): factor' (paths.loss_scales); None: none
     also: str | None = None
 
     def describe(self) -> str:
@@ -109,8 +109,7 @@ class RanksOnlyScale:
               "sum by the world size), so nothing cancels this scale" if self.of_loss and self.factor == self.world \
             else ""
         if self.also is not None:
-            why += f"; the ranks' loss is multiplied by {k} as well, by {self.also}, which the single process does " \
-                   f"not run either: one of the two scales is one too many"
+            why += f"; the ranks scale their loss too ({self.also}): with this op's, one scale too many"
         return f"it multiplies {what} by {k}{said} on the ranks, and the single process runs no such op{why}"
 
 
