@@ -96,6 +96,8 @@ CORRECT = [
     Job("lightning_ddp.py", step=2),
     Job("lightning_classes.py", step=2),
     Job("moe_experts.py"),
+    Job("moe_experts_multi.py"),
+    Job("moe_fused.py"),
 ]
 BUGGY = [
     Job("ddp_double_scale.py", words=(r"\b2x\b|twice",), not_words=(r"learning rate",), headline=True),
@@ -114,6 +116,8 @@ BUGGY = [
     Job("ddp_lr_scaled.py", words=(r"learning rate|\blr\b", r"\b0\.1\b", r"\b0\.2\b"),
         not_words=(r"scaled by the world size twice",)),
     Job("moe_experts_grad_reduced.py", words=(r"different experts", r"all-reduce"), not_words=(r"BatchNorm",)),
+    Job("moe_experts_multi_misrouted.py", words=(r"rows between them in another order", r"other tokens' expert results",
+                                                 r"alltoall"), not_words=(r"BatchNorm", r"all-reduce")),
 ]
 
 # What the engine reads the wrong way round today (issue 33): strict, so that a job it gets right fails here and
