@@ -19,8 +19,8 @@ from replaydiff.diff.parallel.alignment import (Side, backward_passes, follow_da
                                                 pass_keys, rank_passes)
 from replaydiff.diff.parallel.declared import declared_on, declared_output, mesh_of
 from replaydiff.diff.parallel.experts import (exchanges_of, experts_of, expert_output, expert_outputs,
-                                              expert_reduced, follow_experts, held_tensor, misrouted,
-                                              own_rows_index, routed_tensor)
+                                              expert_reduced, experts_sharded, follow_experts, held_tensor,
+                                              misrouted, own_rows_index, routed_tensor)
 from replaydiff.diff.parallel.factors import legit_factors, pick_legit
 from replaydiff.diff.parallel.mapping import map_tensor, measured_reads, reordered_input
 from replaydiff.diff.parallel.means import unequal_counts
@@ -538,10 +538,11 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 f"ranks by ops of their own, last {made}, where the reference runs {theirs} (not run by every rank), "
                 f"with no collective on the way: if the reference's value is a sum over the ranks (a row-parallel "
                 f"layer's output), its all-reduce is missing there")
-        elif holder is not None and (reduced := collective_behind(lead_side, lead_map, tops[0].index)) is not None \
+        elif (holder is not None or (exchanges and experts_sharded(rop, tops, m))) and \
+                (reduced := collective_behind(lead_side, lead_map, tops[0].index)) is not None \
                 and aten.is_all_reduce(reduced[1]):
             kind, why = Departure.NO_LAYOUT, expert_reduced(m, holder, reduced[0], reduced[1],
-                                                            lead_side.ops[reduced[0]].source)
+                                                            lead_side.ops[reduced[0]].source, lead_rank)
         elif exchanges and (rows := misrouted(ref, tgts, rop, tops, m, lead_side, lead_map)) is not None:
             kind, why = Departure.NO_LAYOUT, rows
         elif (counts := unequal_counts(ref, tgts, rop, tops, m)) is not None:

@@ -313,11 +313,32 @@ def misrouted(ref: RankTrace, tgts: list[RankTrace], rop: OpRecord, tops: list[O
             f"came in (by source rank, then expert), each expert's results cut by its own counts")
 
 
-def expert_reduced(m: Mapped, holder: int, index: int, name: str, line: str | None) -> str:
-    """Why an expert's value parts where the rank that holds it reads what an all-reduce made: a gradient summed over
-    ranks that hold other experts."""
+def experts_sharded(rop: OpRecord, tops: list[OpRecord], m: Mapped) -> bool:
+    """Whether each rank's tensor is its piece of the reference's along dim 0, every other dim alike (the experts'
+    weights stacked on the ranks, each rank holding its own experts': what a grouped GEMM reads)."""
+    whole = (rop.outputs_refs() if m.kind == "out" else rop.inputs())
+    theirs = [t.outputs_refs() if m.kind == "out" else t.inputs() for t in tops]
+    if m.position >= len(whole) or any(m.position >= len(x) for x in theirs):
+        return False
+    shape = tuple(whole[m.position].shape)
+    shapes = [tuple(x[m.position].shape) for x in theirs]
+    return len(shape) > 1 and all(len(s) == len(shape) and s[1:] == shape[1:] and s[0] < shape[0] for s in shapes) \
+        and sum(s[0] for s in shapes) == shape[0]
+
+
+def expert_reduced(m: Mapped, holder: int | None, index: int, name: str, line: str | None, rank: int) -> str:
+    """Why an expert's value parts where the rank that holds it (``holder``; None: each rank holds its experts' part
+    of the reference's, ``experts_sharded``) reads what an all-reduce made: a gradient summed over ranks that hold
+    other experts."""
+    at = f"#{index} on rank {rank}{', ' + line if line else ''}"
+    if holder is None:
+        return (f"output {m.position} ({m.describe}), each rank holding its own experts' part (dim 0), maps onto "
+                f"the reference's under no layout: on rank {rank} it reads what {name} ({at}) made: an all-reduce "
+                f"over ranks that hold different experts sums their experts' gradients with this rank's; each "
+                f"rank's experts' gradient is whole on its rank already (the all-to-all's backward brought it every "
+                f"token's share): leave the experts' parameters out of the all-reduce")
     return (f"output {m.position} ({m.describe}), held by rank {holder} alone (the rank that holds this expert), maps "
-            f"onto the reference's under no layout: on rank {holder} it reads what {name} (#{index} on rank {holder}"
-            f"{', ' + line if line else ''}) made: an all-reduce over ranks that hold different experts sums this "
-            f"expert's gradient with theirs; an expert's gradient is whole on its rank already (the all-to-all's "
-            f"backward brought it every token's share): leave the experts' parameters out of the all-reduce")
+            f"onto the reference's under no layout: on rank {holder} it reads what {name} ({at}) made: an all-reduce "
+            f"over ranks that hold different experts sums this expert's gradient with theirs; an expert's gradient is "
+            f"whole on its rank already (the all-to-all's backward brought it every token's share): leave the "
+            f"experts' parameters out of the all-reduce")
