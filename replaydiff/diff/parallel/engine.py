@@ -332,7 +332,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             out.per_rank_index.append(i)
             continue
         if exchanges and bad and all(m.kind == "out" for m in bad) and own_rows_index(tops, tgts, rop, ref):
-            # positions into each rank's own rows (the order that groups its tokens by expert): its own index too
+            # positions into each rank's own rows (the order that groups its tokens by expert, where its experts' rows
+            # end): its own index too
             out.per_rank_index.append(i)
             continue
         for m in tensors:

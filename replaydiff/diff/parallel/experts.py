@@ -57,9 +57,10 @@ def held_modules(r_side: Side, t_sides: list[Side]) -> dict[str, int]:
 
 
 def experts_of(ref: RankTrace, r_side: Side, t_sides: list[Side]) -> dict[int, int]:
-    """{reference op: the rank that holds it} for expert parallelism: the ops of a module one rank alone runs, and
-    the ops that read what such ops made, of one rank's experts and of no other rank's (an expert's gradient, the
-    optimizer's update of its parameters, in the reference's order). Empty when every rank runs every module."""
+    """{reference op: the rank that holds it} for expert parallelism: the ops of a module one rank alone runs, the
+    ops that read what such ops made, of one rank's experts and of no other rank's (an expert's gradient, the
+    optimizer's update of its parameters, in the reference's order), and the backward ops that only one rank's
+    expert ops read. Empty when every rank runs every module."""
     modules = held_modules(r_side, t_sides)
     if not modules:
         return {}
@@ -181,6 +182,8 @@ def expert_counts(tgts: list[RankTrace], call: tuple[Exchange, ...], later: list
                 not src.stored or int(src.shape[0]) % world or not src.shape[0]:
             return None
         counts.append(tuple(int(v) for v in tgt.tensor(src).tolist()))
+    if len({len(x) for x in counts}) != 1:
+        return None
     per = len(counts[0]) // world
     sums = [tuple(sum(x[d * per:(d + 1) * per]) for d in range(world)) for x in counts]
     if any(all(c.sends == s for c, s in zip(rows, sums)) for rows in later):
