@@ -45,8 +45,9 @@ class LayoutKind(str, Enum):
     NORM = "norm"  # the 2-norm over the ranks' values is the value (each rank's norm of its shard: DTensor's _NormP)
     # expert parallelism: one rank alone holds the whole value (an expert's op, run where the expert is)
     HELD = "held"
-    # expert parallelism: each rank holds its rows grouped by the rank they are sent to (an all-to-all's input), the
-    # reference the same rows grouped over every rank: block b of every rank in rank order, then block b + 1
+    # expert parallelism: each rank holds its rows grouped by the rank they are sent to (an all-to-all's input), or by
+    # the expert where a rank holds several, the reference the same rows grouped over every rank: block b of every
+    # rank in rank order, then block b + 1
     ROUTED = "routed"
 
     def __str__(self) -> str:
@@ -80,7 +81,7 @@ class Layout:
     passes: int = 1
     # held: the rank that holds the value (the other ranks run no counterpart)
     holder: int | None = None
-    # routed: each rank's blocks along ``dim`` (the rows it sends to each rank, in rank order)
+    # routed: each rank's blocks along ``dim`` (the rows it sends to each rank, in rank order; or to each expert)
     splits: tuple[tuple[int, ...], ...] | None = None
     # sharded only: the parts joined along ``dim`` are the reference's rows in another order, joined row i being
     # the reference's row ``order[i]`` (a batch a DistributedSampler dealt out interleaved); a dim of k times as
@@ -449,6 +450,11 @@ class _Routed(Kind):
 
     def describe(self, layout: "Layout", scale: str) -> str:
         rows = ", ".join(f"rank {r}: {'+'.join(map(str, s))}" for r, s in enumerate(layout.splits or ()))
+        blocks = len(layout.splits[0]) if layout.splits else 0
+        if blocks > layout.world:  # a block per expert, several experts on a rank
+            return f"routed on dim {layout.dim} over {layout.world} ranks: each rank's rows grouped by the expert " \
+                   f"they are sent to ({blocks} experts, {blocks // layout.world} on each rank; {rows}), the " \
+                   f"reference's by the same experts over every rank{scale}"
         return f"routed on dim {layout.dim} over {layout.world} ranks: each rank's rows grouped by the rank they are " \
                f"sent to ({rows}), the reference's by the same ranks over every rank{scale}"
 

@@ -299,8 +299,9 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
                   f"every rank; seed each rank's dropout apart)\n")
     if pd.per_rank_index:
         out.write(f"  {len(pd.per_rank_index)} op(s) make each rank's own index from its local sizes (arange over "
-                  f"the local batch, positions, the order that groups its own tokens by expert), not a piece of the single process's: not compared, what they index "
-                  f"is, first ref #{pd.per_rank_index[0]}\n")
+                  f"the local batch, positions, the order that groups its own tokens by expert, where its experts' "
+                  f"rows end), not a piece of the single process's: not compared, what they index is, first ref "
+                  f"#{pd.per_rank_index[0]}\n")
     if pd.rows_reordered is not None:
         out.write(f"  the ranks hold the single process's rows of the batch between them in another order (a "
                   f"DistributedSampler interleaves its shards: rank r takes rows r, r+W, ...), first ref "

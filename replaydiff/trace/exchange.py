@@ -53,6 +53,8 @@ class Exchange:
     index: int  # the op's number on its rank
     sends: tuple[int, ...]
     receives: tuple[int, ...]
+    source: TensorRef  # the tensor whose rows it sends
+    dest: TensorRef  # the tensor it receives into
 
 
 def exchange_of(op: OpRecord, parts: int) -> Exchange | None:
@@ -71,4 +73,4 @@ def exchange_of(op: OpRecord, parts: int) -> Exchange | None:
         return None
     args = [op.args[p] if p < len(op.args) else None for p in at]
     return Exchange(op.index, tuple(split_sizes(args[1], int(src.shape[0]), parts)),
-                    tuple(split_sizes(args[0], int(dst.shape[0]), parts)))
+                    tuple(split_sizes(args[0], int(dst.shape[0]), parts)), src, dst)

@@ -61,6 +61,9 @@ class Job:
     not_words: tuple[str, ...] = ()
     same_batch: bool = True  # the pair sees the same global batch (False where the bug is that it does not)
     headline: bool = False  # the bug's line is where the diff says the runs part (not only in its explanation)
+    # a correct job every compared op of which maps (no value parts on the way, not only the values it keeps agree),
+    # with these (phase, layout family) among the summary's: what the job's parallelism must be read as
+    layouts: tuple[tuple[str, str], ...] = ()
 
     @property
     def correct(self) -> bool:
@@ -76,6 +79,8 @@ class Job:
     def id(self) -> str:
         return f"{self.script.removesuffix('.py')}-step{self.step}"
 
+
+ROUTED, HELD = "routed to experts (all-to-all blocks)", "held by its expert's rank"  # expert parallelism's
 
 # The issue's rows at the step it names (Lightning at --step 2, where the sampler picks rows inside the step), and
 # a second step of torch's DDP, of FSDP2 (its parameters, DTensors the first step updated, enter as step inputs) and
@@ -95,7 +100,10 @@ CORRECT = [
     Job("lightning_ddp.py"),
     Job("lightning_ddp.py", step=2),
     Job("lightning_classes.py", step=2),
-    Job("moe_experts.py"),
+    Job("moe_experts.py", layouts=(("forward", ROUTED), ("forward", HELD), ("optimizer", HELD))),
+    Job("moe_experts_multi.py", layouts=(("forward", ROUTED), ("forward", HELD), ("backward", HELD),
+                                         ("optimizer", HELD))),
+    Job("moe_fused.py", layouts=(("forward", ROUTED), ("backward", ROUTED), ("optimizer", "sharded on dim 0"))),
 ]
 BUGGY = [
     Job("ddp_double_scale.py", words=(r"\b2x\b|twice",), not_words=(r"learning rate",), headline=True),
@@ -114,6 +122,10 @@ BUGGY = [
     Job("ddp_lr_scaled.py", words=(r"learning rate|\blr\b", r"\b0\.1\b", r"\b0\.2\b"),
         not_words=(r"scaled by the world size twice",)),
     Job("moe_experts_grad_reduced.py", words=(r"different experts", r"all-reduce"), not_words=(r"BatchNorm",)),
+    Job("moe_fused_grad_reduced.py", words=(r"different experts", r"all-reduce", r"own experts' part"),
+        not_words=(r"BatchNorm",)),
+    Job("moe_experts_multi_misrouted.py", words=(r"rows between them in another order", r"other tokens' expert results",
+                                                 r"alltoall"), not_words=(r"BatchNorm", r"all-reduce")),
 ]
 
 # What the engine reads the wrong way round today (issue 33): strict, so that a job it gets right fails here and
@@ -263,6 +275,11 @@ def test_a_correct_job_agrees_with_its_single_process(pairs, job: Job) -> None:
     assert pair.code == 0 and pair.report["found_difference"] is False, _said(pair.report)[:3000]
     # and no warning says otherwise (a DistributedSampler's interleaved rows read as another global batch did)
     assert not [w for w in pair.report.get("warnings", []) if "global batch" in w], pair.report["warnings"]
+    if job.layouts:
+        parallel = pair.report["parallel"]
+        assert not parallel["cancelled"], parallel["cancelled"]
+        for phase, layout in job.layouts:
+            assert layout in parallel["families"].get(phase, {}), (phase, layout, parallel["families"])
 
 
 @pytest.mark.parametrize("job", [pytest.param(j, id=j.id, marks=_marks(j)) for j in BUGGY])

@@ -211,6 +211,30 @@ def test_rows_routed_to_experts_are_found_by_the_all_to_all_s_split_sizes(seed, 
         ref, [torch.cat(p.split(list(s))[::-1]) for p, s in zip(parts, splits)], CLOSE, exchanges=[swapped]))
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), counts=st.lists(st.integers(1, 4), min_size=8, max_size=8))
+def test_rows_routed_to_several_experts_on_a_rank_are_found_by_the_counts_per_expert(seed, counts):
+    """4 experts on 2 ranks, 2 on each: each rank's tokens grouped by expert (a stable sort), which groups them by
+    the rank they are sent to too; the single process's grouping over every token is expert 0's rows of each rank
+    in rank order, then expert 1's: blocks per expert (the counts the ranks exchange), not per destination rank."""
+    g = torch.Generator().manual_seed(seed)
+    per_rank = [counts[:4], counts[4:]]  # rank r's tokens for experts 0..3
+    expert = [torch.tensor([e for e, n in enumerate(c) for _ in range(n)])[torch.randperm(sum(c), generator=g)]
+              for c in per_rank]
+    ranks = [torch.randn(len(e), 3, generator=g, dtype=torch.float64) for e in expert]
+    parts = [x[torch.argsort(e, stable=True)] for x, e in zip(ranks, expert)]
+    ref = torch.cat(ranks)[torch.argsort(torch.cat(expert), stable=True)]
+    by_rank = tuple((c[0] + c[1], c[2] + c[3]) for c in per_rank)  # what the rows' all-to-all sends
+    by_expert = tuple(tuple(c) for c in per_rank)  # what the all-to-all of the counts carries
+    assert not any(f.kind is LayoutKind.ROUTED for f in infer_layouts(ref, parts, CLOSE, exchanges=[by_rank]))
+    got = [f for f in infer_layouts(ref, parts, CLOSE, exchanges=[by_rank, by_expert]) if f.kind is LayoutKind.ROUTED]
+    assert [(f.splits, f.factor) for f in got] == [(by_expert, 1)]
+    assert torch.equal(got[0].assemble(parts), ref)
+    said = got[0].describe()
+    assert "grouped by the expert they are sent to (4 experts, 2 on each rank; rank 0: " \
+           f"{'+'.join(map(str, per_rank[0]))}" in said
+
+
 def test_a_value_one_rank_holds_is_that_rank_s_tensor():
     x = torch.randn(4, 2, dtype=torch.float64)
     held = Layout(LayoutKind.HELD, 2, holder=1)

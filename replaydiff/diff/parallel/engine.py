@@ -18,8 +18,9 @@ from replaydiff.diff.parallel.rows import PICKS, rows_picked, same_rows_on_every
 from replaydiff.diff.parallel.alignment import (Side, backward_passes, follow_data, makes_layout, micro_batches_of,
                                                 pass_keys, rank_passes)
 from replaydiff.diff.parallel.declared import declared_on, declared_output, mesh_of
-from replaydiff.diff.parallel.experts import (exchanges_of, experts_of, expert_reduced, held_tensor,
-                                              own_rows_index, routed_tensor)
+from replaydiff.diff.parallel.experts import (exchanges_of, experts_of, expert_output, expert_outputs,
+                                              expert_reduced, experts_sharded, follow_experts, held_tensor,
+                                              misrouted, own_rows_index, routed_tensor)
 from replaydiff.diff.parallel.factors import legit_factors, pick_legit
 from replaydiff.diff.parallel.mapping import map_tensor, measured_reads, reordered_input
 from replaydiff.diff.parallel.means import unequal_counts
@@ -58,7 +59,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     owner = micro_batches_of(r_side, t_sides)  # a micro-batch's op -> the rank whose ops it maps onto
     # expert parallelism: an expert's op -> the one rank that holds the expert; the all-to-alls' split sizes
     expert_ranks = experts_of(ref, r_side, t_sides) if not owner and full_world is None else {}
-    exchanges = exchanges_of(t_sides) if expert_ranks else ()
+    exchanges = exchanges_of(t_sides) if not owner and full_world is None else ()
     # Gradient accumulation on the ranks: each runs its share of the global batch as ``passes`` forward-backward
     # passes where the reference runs one. The reference's ops up to the end of its backward then stand for every
     # rank's every pass: one part per (rank, pass), rank-major, the order in which the passes' rows make the global
@@ -80,6 +81,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         theirs = side.keys if passes == 1 else [k for k in side.keys if k.index > backward_passes(side)[-1]]
         al = align(keys, theirs)
         maps.append(follow_data(ref, r_side, side, dict(al.pairs), {k.index for k in keys} if owner else set()))
+        if expert_ranks:
+            maps[-1] = follow_experts(ref, r_side, side, maps[-1], expert_ranks, rank)
     if passes > 1:
         region = [k for k in r_side.keys if k.index <= region_end]
         for side in t_sides:
@@ -241,7 +244,14 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 outside[rref.version] = m.error if m.error is not None else math.inf
         r_outs, t_outs = rop.outputs_refs(), [t.outputs_refs() for t in tops]
         reads = measured_reads(r_ins, producers, by_ref, outside)  # what its outputs' limits carry
+        # one output per expert (the rows of each): the expert's rank holds it
+        pieces = expert_outputs(rop, tops) if expert_ranks and holder is None and len(own) == world else {}
         for pos, rref in enumerate(r_outs):
+            if pos in pieces:
+                m = expert_output(ref, tgts, rop, tops, pos, pieces[pos], world, reads)
+                if m is not None:
+                    tensors.append(m)
+                continue
             if step_view or unread_view or any(pos >= len(to) for to in t_outs):
                 continue
             m = mapped(rref, [to[pos] for to in t_outs], "out", pos,
@@ -321,8 +331,9 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             # index of its own values, not a piece of the single process's; what it indexes is judged where read
             out.per_rank_index.append(i)
             continue
-        if exchanges and bad and all(m.kind == "out" for m in bad) and own_rows_index(tops, tgts, rop):
-            # positions into each rank's own rows (the order that groups its tokens by expert): its own index too
+        if exchanges and bad and all(m.kind == "out" for m in bad) and own_rows_index(tops, tgts, rop, ref):
+            # positions into each rank's own rows (the order that groups its tokens by expert, where its experts' rows
+            # end): its own index too
             out.per_rank_index.append(i)
             continue
         for m in tensors:
@@ -529,10 +540,13 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 f"ranks by ops of their own, last {made}, where the reference runs {theirs} (not run by every rank), "
                 f"with no collective on the way: if the reference's value is a sum over the ranks (a row-parallel "
                 f"layer's output), its all-reduce is missing there")
-        elif holder is not None and (reduced := collective_behind(lead_side, lead_map, tops[0].index)) is not None \
+        elif (holder is not None or (exchanges and experts_sharded(rop, tops, m))) and \
+                (reduced := collective_behind(lead_side, lead_map, tops[0].index)) is not None \
                 and aten.is_all_reduce(reduced[1]):
             kind, why = Departure.NO_LAYOUT, expert_reduced(m, holder, reduced[0], reduced[1],
-                                                            lead_side.ops[reduced[0]].source)
+                                                            lead_side.ops[reduced[0]].source, lead_rank)
+        elif exchanges and (rows := misrouted(ref, tgts, rop, tops, m, lead_side, lead_map)) is not None:
+            kind, why = Departure.NO_LAYOUT, rows
         elif counts is not None:
             said = " and ".join(f"{c:g}" for c in counts[0])
             kind, why = Departure.NO_LAYOUT, (
