@@ -2,6 +2,8 @@
 this process; and the tier rule (every test under tests/e2e/ is ``slow``)."""
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -32,6 +34,16 @@ def pytest_collection_modifyitems(config, items):
     if gpu:
         config.hook.pytest_deselected(items=gpu)
         items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: called only under -n
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``-n`` (the README's test command), each test file runs whole on one worker (xdist's ``--dist
+    loadfile``): a file's module-scoped recordings (a torchrun launch, a compile) are then made once, not once per
+    worker its tests were spread over."""
+    from xdist.scheduler import LoadFileScheduling
+
+    return LoadFileScheduling(config, log)
 
 
 @pytest.fixture
@@ -67,9 +79,21 @@ def ddp_step_with_rank1_allreduce_fault(tmp_path_factory) -> Path:
     """A 2-rank gloo DDP step recorded with rank 1's all-reduce corrupted (replay_helpers.record_ddp_step), recorded
     once and read by the collective tests of test_collectives_replay and test_health_report: read it, never write
     into its directory."""
+    from filelock import FileLock  # torch's own dependency
     from replay_helpers import record_ddp_step
 
-    return record_ddp_step(tmp_path_factory.mktemp("ddp_step"), fault_rank=1)
+    # Under pytest-xdist each worker is a session of its own: the workers' temporary folders share a parent, where
+    # the first worker to ask records the step and the others wait for it and read it (a torchrun launch saved).
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    where, done = root / "ddp_step", root / "ddp_step.done"
+    with FileLock(str(root / "ddp_step.lock")):
+        if not done.exists():
+            shutil.rmtree(where, ignore_errors=True)  # a worker that failed part-way
+            where.mkdir()
+            done.write_text(str(record_ddp_step(where, fault_rank=1)))
+    return Path(done.read_text())
 
 
 @pytest.fixture

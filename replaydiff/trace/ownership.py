@@ -86,6 +86,10 @@ def claim(directory: str | os.PathLike, token: str) -> bool:
             held = _read_settled(marker)
             if held is not None and held.token == token:
                 return False
+            if held is None and not marker.exists():
+                # released between our create and our read (another rank of this recording ended its block at
+                # once: seen under load as a 2-rank trace holding one rank): the directory is free, take it
+                continue
             if held is not None and held.gone:  # a recording killed here: its marker is stale
                 _remove_if(marker, held.token)
                 continue

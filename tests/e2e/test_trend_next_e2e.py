@@ -1,11 +1,16 @@
 """The record command trend prints for the next step is the recorded job and runs as printed (the rest:
-tests/integration/test_trend_next.py)."""
+tests/integration/test_trend_next.py). The printed command is run as a process (``python -m replaydiff``, as a
+shell runs it); the other verbs by the CLI's ``main`` in this process (conftest's cli_here): each spares a torch
+import."""
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 from replaydiff.trace import open_trace
 from replaydiff.trend import compute_trend
@@ -35,20 +40,27 @@ SPIKE = textwrap.dedent("""
 """)
 
 
-def test_the_next_record_command_is_the_recorded_job_and_runs_as_printed(tmp_path):
+@pytest.fixture
+def cli(cli_here, monkeypatch):
+    """cli_here under child_env's environment (as the processes it stands for ran)."""
+    env = child_env()
+    for name in set(os.environ) - set(env):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PATH", env["PATH"])
+    return cli_here
+
+
+def test_the_next_record_command_is_the_recorded_job_and_runs_as_printed(tmp_path, cli):
     """Recorded by ``replaydiff record -- CMD``: trend's record line ends in CMD, quoted for the shell; pasted into a
     shell it records the zoom-in of the same job, which holds the op trend named as the cause, and whose replay
     names that op as where the change comes from."""
     (tmp_path / "my train.py").write_text(SPIKE)
     command = [sys.executable, "my train.py", "run one", "25"]
-    rec = subprocess.run([sys.executable, "-m", "replaydiff", "record", "--tensors", "stats", "--steps", "1-30",
-                          "-o", "t", "--", *command], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                         env=child_env())
+    rec = cli("record", "--tensors", "stats", "--steps", "1-30", "-o", "t", "--", *command, cwd=tmp_path)
     assert rec.returncode == 0, rec.stderr
     assert open_trace(tmp_path / "t").rank(0).command == tuple(command)
 
-    trend = subprocess.run([sys.executable, "-m", "replaydiff", "trend", "t"], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=300, env=child_env())
+    trend = cli("trend", "t", cwd=tmp_path)
     assert trend.returncode == 1, trend.stderr
     # the cause, the mul_, runs in the loop outside any module: the zoom-in holds it and the first change by name
     first = compute_trend(open_trace(tmp_path / "t").rank(0)).first_change
@@ -68,8 +80,7 @@ def test_the_next_record_command_is_the_recorded_job_and_runs_as_printed(tmp_pat
     z = open_trace(tmp_path / "t-step25").rank(0)
     assert z.command == tuple(command) and sorted({op.step for op in z}) == [24, 25]
     mul = next(op for op in z if op.step == 25 and op.name == "aten.mul_.Tensor")
-    out = subprocess.run([sys.executable, "-m", "replaydiff", "replay", "t-step25"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300, env=child_env())
+    out = cli("replay", "t-step25", cwd=tmp_path)
     assert mul.data_left_out is None  # held by the zoom-in: replayed, and named with its line
     assert f"from op #{mul.index} aten.mul_.Tensor at {mul.source}, which ran in no earlier step of this trace and " \
            f"replays right: the change is its doing" in out.stdout, out.stdout

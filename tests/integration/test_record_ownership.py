@@ -64,6 +64,26 @@ def test_a_finished_recording_leaves_only_its_trace_and_a_new_one_after_it_is_re
     assert replaydiff.open_trace(out).rank(0).complete
 
 
+def test_a_claim_released_between_anothers_create_and_its_read_is_taken_not_refused(tmp_path, monkeypatch):
+    """Rank 0 of a 2-rank recording ends its block (and releases its claim) in the instant between rank 1's failed
+    create of the marker and rank 1's read of it: rank 1 finds no marker. The directory is free then: rank 1 claims
+    it and records (it was refused as held by "a recording whose marker cannot be read", and a crashed 2-rank
+    recording held rank 0 alone: seen under load in test_partial_trace's parallel test)."""
+    from replaydiff.trace import ownership
+
+    out, job = tmp_path / "t", "job rdzv@127.0.0.1:29500"
+    assert ownership.claim(out, job)  # rank 0's claim
+    read = ownership._read_settled
+
+    def rank0_ends_first(marker):
+        ownership.release(out, job)
+        return read(marker)
+
+    monkeypatch.setattr(ownership, "_read_settled", rank0_ends_first)
+    assert ownership.claim(out, job) is True  # rank 1 now holds the claim and releases it when it ends
+    assert ownership.holder(out).token == job and ownership.holder(out).pid == os.getpid()
+
+
 def test_a_recording_killed_here_leaves_a_claim_a_later_recording_takes_over(tmp_path):
     """The claim of a process that is gone (same host) is stale: the next recording takes the directory over."""
     out = tmp_path / "t"
