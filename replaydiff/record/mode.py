@@ -234,8 +234,9 @@ class OpBuilder:
         # StorageTable.entry's lookup inlined for a storage seen before, unresized, with no deaths queued (most
         # tensors of an op); anything else takes entry() itself.
         table = self._storages
+        # (len() of an untyped storage is its nbytes(), through the type's slot: no method lookup, no arguments)
         entry = None if table._dead else table._entries.get(storage._cdata)
-        if entry is None or entry.nbytes != storage.nbytes():
+        if entry is None or entry.nbytes != len(storage):
             entry = table.entry(storage)
         asynchronous = place[1]
         if asynchronous:
@@ -321,7 +322,8 @@ class OpBuilder:
                    nbytes: int, shape: tuple, stride: tuple, facts: tuple) -> None:
         """The statistics of a tensor whose key has none cached: measured now, or queued for the op's end."""
         if dev == "cpu":
-            if past_storage(n, offset, facts[1], nbytes, is_dense, shape, stride):
+            if (n and (offset + n) * facts[1] > nbytes) if is_dense else \
+                    past_storage(n, offset, facts[1], nbytes, is_dense, shape, stride):
                 schema.wire_set_stats(ref, None)  # no values to measure: none are read (see past_storage)
                 return
             measure = self._measure
