@@ -76,7 +76,8 @@ class Recomputes:
         """A forward op: added to the region it runs in, if any."""
         if grad:
             self._nograd = None
-            frame = self._hook_frame()
+            # _hook_frame(), its common case first (no saved-tensor hooks: no checkpoint): one call fewer an op
+            frame = self._hook_frame() if _top_saved_tensors_hooks(True) is not None else None
             if frame is not None:
                 self._region(id(frame), frame).ops.append(ForwardOp(index, name, module))
             return
