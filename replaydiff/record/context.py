@@ -25,6 +25,11 @@ from torch.utils.module_tracker import ModuleTracker
 from replaydiff.record.recompute import Recompute, Recomputes
 from replaydiff.trace.sources import line_text, read_source
 
+# torch's functions OpContext.place calls for every op, looked up once
+_current_autograd_node = torch._C._current_autograd_node
+_is_grad_enabled = torch.is_grad_enabled
+_get_sequence_nr = torch._C._autograd._get_sequence_nr
+
 log = logging.getLogger("replaydiff")
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
@@ -43,7 +48,16 @@ _SKIP_PREFIXES = (
 )
 
 
-_SKIP_CODE: dict = {}  # code object -> skip it? (a dict hit is cheaper than six startswith tests per frame)
+# id(code object) -> (the code object, skip it?): a dict hit is cheaper than six startswith tests per frame. By id, not
+# by the code object: a code object's hash is computed at every lookup from its name, bytecode and constants (0.1 to
+# 2 us; a model's forward ~1 us), and source() looks up every frame it passes, for every op. The code object is kept
+# (as the dict's key kept it before), so its id is never another's while the entry exists.
+_SKIP_CODE: dict[int, tuple[CodeType, bool]] = {}
+
+
+def _skip_entry(code: CodeType) -> tuple[CodeType, bool]:
+    hit = _SKIP_CODE[id(code)] = (code, code.co_filename.startswith(_SKIP_PREFIXES))
+    return hit
 
 _active: list["OpContext"] = []  # installed contexts
 _step_listeners: list[Callable[..., None]] = []  # called after every optimizer step (multi_step.py)
@@ -302,10 +316,11 @@ class OpContext:
         self._param_modules: dict[int, tuple[weakref.ref, str]] = {}
         self._params_indexed_in: int | None = None  # the backward pass (graph task) the map was last rebuilt in
         self._reset_queued_in: int | None = None  # the backward pass whose end resets the module tracker
-        # (code, instruction offset) -> ("file.py:LINE", the line's text); file name -> its SHA-256 (None: not
-        # readable) and lines. By offset, not line number: reading a frame's f_lineno scans its
+        # (id of the code, instruction offset) -> (the code, ("file.py:LINE", the line's text)); file name -> its
+        # SHA-256 (None: not readable) and lines. By offset, not line number: reading a frame's f_lineno scans its
         # code's line table up to the instruction, ~7 us at line 600 of a function (transformers' forwards are long).
-        self._lines: dict[tuple[CodeType, int], tuple[str, str | None]] = {}
+        # By the code's id, not the code (see _SKIP_CODE); the code is kept in the value and compared.
+        self._lines: dict[tuple[int, int], tuple[CodeType, tuple[str, str | None]]] = {}
         self._files: dict[str, tuple[str | None, list[str]]] = {}
         self._recomputes = Recomputes()
         self._calls: dict[int, tuple[str, str | None] | None] = {}  # backward pass -> where backward() was called
@@ -401,31 +416,34 @@ class OpContext:
         """Where op ``index`` (named ``name``) runs: its phase, its module, (backward) the forward op it belongs to,
         and (an op of a checkpointed region run again in the backward) the forward op it recomputes. A forward op is
         noted as such for the backward ops and recomputes to find."""
-        phase, node = self.phase()
-        module = self.module()
-        fwd = None
-        rc = None
-        if phase == FORWARD:
-            grad = torch.is_grad_enabled()
-            self.note_forward(index, module)
+        # phase(), module() and note_forward() inlined: this runs for every op, and most ops are forward ops
+        node = _current_autograd_node()
+        module = self._tracker.inner
+        if node is None:
+            if _optimizer_calls and _optimizer_calls[-1] == OPTIMIZER and module is None:
+                return OPTIMIZER, module, None, None  # in step() itself, outside its closure and any module's forward
+            grad = _is_grad_enabled()
+            if grad:  # the first forward op seen after each autograd node was made: the op that made it
+                self._seq_to_forward.setdefault(_get_sequence_nr() - 1, (index, module))
             self._recomputes.note_forward(index, name, module, grad)
-        elif phase == BACKWARD:
-            fwd, bw_module = self.backward_of(node, module)
-            grad = torch.is_grad_enabled()
-            rc = self._recomputes.recompute(node, name, grad)
-            if rc is None:
-                module = bw_module
-            else:
-                # Forward code: the module of the forward op it repeats (the checkpointed function may be a plain
-                # function, whose calling module is not open now), and the nodes it makes (the reentrant
-                # checkpoint differentiates them next) belong to that forward op.
-                fwd = None
-                if rc.module is not None:
-                    module = rc.module
-                if rc.of is not None and grad:
-                    seq = torch._C._autograd._get_sequence_nr() - 1
-                    self._seq_to_forward.setdefault(seq, (rc.of, module))
-        return phase, module, fwd, rc
+            return FORWARD, module, None, None
+        # a backward op
+        fwd, bw_module = self.backward_of(node, module)
+        grad = torch.is_grad_enabled()
+        rc = self._recomputes.recompute(node, name, grad)
+        if rc is None:
+            module = bw_module
+        else:
+            # Forward code: the module of the forward op it repeats (the checkpointed function may be a plain
+            # function, whose calling module is not open now), and the nodes it makes (the reentrant
+            # checkpoint differentiates them next) belong to that forward op.
+            fwd = None
+            if rc.module is not None:
+                module = rc.module
+            if rc.of is not None and grad:
+                seq = torch._C._autograd._get_sequence_nr() - 1
+                self._seq_to_forward.setdefault(seq, (rc.of, module))
+        return BACKWARD, module, fwd, rc
 
     def backward_source(self, where: tuple[str, str | None] | None,
                         recompute: Recompute | None) -> tuple[tuple[str, str | None] | None, str | None]:
@@ -484,21 +502,21 @@ class OpContext:
         skip = _SKIP_CODE
         while f is not None:
             code = f.f_code
-            s = skip.get(code)
-            if s is None:
-                s = skip[code] = code.co_filename.startswith(_SKIP_PREFIXES)
-            if not s:
+            hit = skip.get(id(code))
+            if hit is None or hit[0] is not code:
+                hit = _skip_entry(code)
+            if not hit[1]:
                 break
             f = f.f_back
         if f is None:
             return None
-        key = (f.f_code, f.f_lasti)
+        key = (id(code), f.f_lasti)
         found = self._lines.get(key)
-        if found is None:  # once per code location: the file is read and hashed once, at its first location
+        if found is None or found[0] is not code:  # once per code location: the file is read and hashed once
             if len(self._lines) > 100_000:
                 self._lines.clear()
-            found = self._lines[key] = self._resolve(f.f_code.co_filename, f.f_lineno)
-        return found
+            found = self._lines[key] = (code, self._resolve(code.co_filename, f.f_lineno))
+        return found[1]
 
     def _resolve(self, filename: str, lineno: int) -> tuple[str, str | None]:
         name = filename[len(self._cwd):] if filename.startswith(self._cwd) else filename
@@ -532,10 +550,10 @@ def _user_frame(f: FrameType | None) -> FrameType | None:
     """The innermost frame at or above ``f`` that is the user's code (see _SKIP_PREFIXES)."""
     while f is not None:
         code = f.f_code
-        s = _SKIP_CODE.get(code)
-        if s is None:
-            s = _SKIP_CODE[code] = code.co_filename.startswith(_SKIP_PREFIXES)
-        if not s:
+        hit = _SKIP_CODE.get(id(code))
+        if hit is None or hit[0] is not code:
+            hit = _skip_entry(code)
+        if not hit[1]:
             return f
         f = f.f_back
     return None

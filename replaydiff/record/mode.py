@@ -23,8 +23,8 @@ from replaydiff.record.budget import DataBudget
 from replaydiff.record.context import OpContext
 from replaydiff.record.dtensor import note_dtensor_op
 from replaydiff.record.options import RecordOptions
-from replaydiff.record.stats import (DeviceStats, batch_stats, cpu_values, dense, has_stats, kernel_stats,
-                                     past_storage, values_stats)
+from replaydiff.record.stats import (DeviceStats, batch_stats, cpu_values, dense_numel, extension, has_stats,
+                                     kernel_code, kernel_stats, past_storage, values_stats)
 from replaydiff.record.storage import StorageTable
 from replaydiff.trace import schema
 from replaydiff.trace.codec import address_view
@@ -45,13 +45,20 @@ except Exception:  # another torch: keep torch's own wrapper (RecordingMode._sho
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
-_DEVICE_NAMES: dict[torch.device, str] = {}
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
+# dtype -> (name as a record spells it, bytes per element, the statistics kernel's code or None, complex?)
+_DTYPES: dict[torch.dtype, tuple[str, int, int | None, bool]] = {}
 # Values OpBuilder.encode_list keeps as they are, exactly as schema.encode_value would (ints within msgpack's range).
 _VERBATIM = frozenset({bool, float, str, type(None)})
 _INT_MIN, _INT_END = -(1 << 63), 1 << 64
-# dtype names (as ref() spells them) of the tensors that can carry the conj bit
-_COMPLEX = frozenset(str(d).removeprefix("torch.") for d in (torch.complex32, torch.complex64, torch.complex128))
+
+
+def _dtype_facts(dtype: torch.dtype) -> tuple[str, int, int | None, bool]:
+    facts = _DTYPES[dtype] = (str(dtype).removeprefix("torch."), dtype.itemsize, kernel_code(dtype),
+                              dtype.is_complex)  # only a complex tensor can carry the conj bit
+    return facts
+
+
+_KERNEL_STATS = kernel_stats  # as imported (OpBuilder: tests replace the module's kernel_stats)
 
 
 class RecorderLike(Protocol):
@@ -158,6 +165,14 @@ class OpBuilder:
         self.rec = rec
         self.mode = rec.options.tensors
         self._meta = self.mode is TensorMode.META  # ref() stops at the description
+        self._full = self.mode is TensorMode.FULL
+        # The statistics extension (native/pystats.c) where it loads: the kernel's statistics list in one call, and
+        # dense_numel in C. Loaded here for a statistics recording (its first tensor would); a full one measures
+        # few tensors (those over --max-tensor-bytes or the budget), with kernel_stats. Not where kernel_stats was
+        # replaced (a test counting or refusing the kernel's calls).
+        ext = extension() if self.mode is TensorMode.STATS and kernel_stats is _KERNEL_STATS else None
+        self._measure = ext.measure if ext is not None else None
+        self._dense_numel = ext.dense_numel if ext is not None else dense_numel
         self._storages = rec.storages  # the recorder's table, for the lookup ref() makes for every tensor
         self.max_bytes = rec.options.max_tensor_bytes
         self.verify = rec.options.verify_writes
@@ -186,6 +201,7 @@ class OpBuilder:
         self.left_out: str | None = None  # why some of the current op's data is not stored (marks its record)
         self.refused: str | None = None  # the writer refuses data (a full disk): nothing more is stored
         self._asynchronous: dict[torch.device, bool] = {}  # device -> whether its ops may outlive their call
+        self._places: dict[torch.device, tuple[str, bool]] = {}  # device -> (name, asynchronous): _place()
         # Whether a stream may be capturing a graph (an accelerator started): checked at each op only then
         self.capture_possible = seam.RUNTIME.in_use()
         self.capturing = seam.RUNTIME.capture_check()
@@ -197,20 +213,20 @@ class OpBuilder:
 
     # -- tensors ----------------------------------------------------------------------------------------------
     def ref(self, t: torch.Tensor, store: bool) -> dict:
+        # This runs for every tensor of every op: each torch read and each Python call here is paid ~2.4 times an
+        # op (the selective scan: 6,700 ops a step of a few hundred bytes each). Per dtype and per device what
+        # never changes is looked up once (_dtype_facts, _place).
+        facts = _DTYPES.get(t.dtype)
+        if facts is None:
+            facts = _dtype_facts(t.dtype)
+        dtype = facts[0]
         device = t.device
-        dev = _DEVICE_NAMES.get(device)
-        if dev is None:
-            dev = _DEVICE_NAMES[device] = str(device)
-        dtype = _DTYPE_NAMES.get(t.dtype)
-        if dtype is None:
-            dtype = _DTYPE_NAMES[t.dtype] = str(t.dtype).removeprefix("torch.")
-        if t._is_zerotensor():  # no storage behind it (reading its data pointer fails): a marker, no bytes
-            return schema.wire_zero(schema.wire_tensor(dtype, list(t.shape), list(t.stride()), 0, dev))
-        if type(t) not in _PLAIN or t.layout is not _STRIDED or dev == "meta":  # one test for the common case
-            if dev == "meta" and type(t) in _PLAIN and t.layout is _STRIDED:  # no values: geometry is all
-                return schema.wire_tensor(dtype, list(t.shape), list(t.stride()), t.storage_offset(), dev)
-            return schema.wire_unsupported(schema.wire_tensor(dtype, list(t.shape), None, 0, dev),
-                                           f"{type(t).__name__}/{t.layout}/{device.type}")
+        place = self._places.get(device)
+        if place is None:
+            place = self._place(device)
+        dev = place[0]
+        if t._is_zerotensor() or type(t) not in _PLAIN or t.layout is not _STRIDED or dev == "meta":
+            return self._odd_ref(t, dtype, dev)  # the common tensor passes these with one test
         # torch.Size and a tuple as they come (both tuples): packed as the lists they would be, and every reader of
         # a record takes tuple() of them; list() of each cost two copies a tensor.
         shape, stride = t.shape, t.stride()
@@ -218,14 +234,11 @@ class OpBuilder:
         # StorageTable.entry's lookup inlined for a storage seen before, unresized, with no deaths queued (most
         # tensors of an op); anything else takes entry() itself.
         table = self._storages
+        # (len() of an untyped storage is its nbytes(), through the type's slot: no method lookup, no arguments)
         entry = None if table._dead else table._entries.get(storage._cdata)
-        if entry is None or entry.nbytes != storage.nbytes():
+        if entry is None or entry.nbytes != len(storage):
             entry = table.entry(storage)
-        asynchronous = self._asynchronous.get(device)
-        if asynchronous is None:  # once per device and recording: the runtime decides (a test's fake one too)
-            asynchronous = self._asynchronous[device] = seam.RUNTIME.asynchronous(device)
-            if asynchronous and not self.capture_possible:
-                self.capture_possible, self.capturing = True, seam.RUNTIME.capture_check()
+        asynchronous = place[1]
         if asynchronous:
             self.op_device = device
         if entry.late is not None and self.late is None:
@@ -237,15 +250,14 @@ class OpBuilder:
             # Written since it was stored, behind the dispatcher's back (numpy, a C extension): a new version.
             table.bump(entry)
             self.unseen_writes += 1
-        # One call builds the whole reference (this runs for every tensor of every op).
-        # Only a complex tensor can carry the conj bit (conj() of a real one is itself): one torch call fewer.
+        # One call builds the whole reference. Only a complex tensor can carry the conj bit (conj() of a real one
+        # is itself): one torch call fewer.
         offset = t.storage_offset()
         ref = schema.wire_stored_tensor(dtype, shape, stride, offset, dev, entry.version, entry.nbytes,
-                                        t.requires_grad, entry.uninitialised, dtype in _COMPLEX and t.is_conj(),
-                                        t.is_neg())
+                                        t.requires_grad, entry.uninitialised, facts[3] and t.is_conj(), t.is_neg())
         if not store or self._meta:
             return ref
-        if self.mode is TensorMode.FULL and (self.max_bytes is None or entry.nbytes <= self.max_bytes) and \
+        if self._full and (self.max_bytes is None or entry.nbytes <= self.max_bytes) and \
                 (entry.chunk is not None or self.admit(entry.nbytes, entry)):
             if entry.chunk is None and self.late is not None and not asynchronous:
                 entry.chunk, entry.late = self._late_snapshot(storage, t.element_size(), entry.version)
@@ -254,41 +266,90 @@ class OpBuilder:
                 if self.verify and storage.device.type == "cpu":
                     entry.crc = crc32(address_view(storage.data_ptr(), entry.nbytes))
             schema.wire_set_chunk(ref, entry.chunk)
-        elif self.mode is not TensorMode.META:
-            is_dense = dense(shape, stride)
-            n = t.numel()
-            # A dense view (view, reshape, t, permute, detach of one) has the statistics of its flat range: one
-            # key for all of them, so each storage version is measured once, not once per view.
-            key = (entry.version, dtype, offset, n) if is_dense else schema.wire_stats_key(ref)
-            if self.autograd_versions:
-                # No dispatch mode sees writes (module granularity): storage versions never change, so the key
-                # also holds the tensor's autograd version counter, which every in-place op bumps. Tensors
-                # without one (inference mode) are measured every time.
-                try:
-                    key = (*key, t._version)
-                except Exception:
-                    key = (*key, object())
-            cached = self._stats_seen.get(key)
-            if self.late is not None and not asynchronous:
-                # the values a device is still copying in: measured once its work has completed
-                self._late_stats(ref, t, storage, key)
-            elif cached is not None:
-                schema.wire_set_stats(ref, cached)
-            elif dev == "cpu" and past_storage(n, offset, t.element_size(), entry.nbytes, is_dense, shape, stride):
+            return ref
+        # Statistics. A dense view (view, reshape, t, permute, detach of one) has the statistics of its flat range:
+        # one key for all of them, so each storage version is measured once, not once per view. dense_numel says
+        # both whether it is dense and how many values (the extension's: one C call).
+        n = self._dense_numel(shape, stride)
+        is_dense = n >= 0
+        if is_dense:
+            key: tuple = (entry.version, dtype, offset, n)
+        else:
+            n = -1 - n
+            key = schema.wire_stats_key(ref)
+        if self.autograd_versions:
+            # No dispatch mode sees writes (module granularity): storage versions never change, so the key
+            # also holds the tensor's autograd version counter, which every in-place op bumps. Tensors
+            # without one (inference mode) are measured every time.
+            try:
+                key = (*key, t._version)
+            except Exception:
+                key = (*key, object())
+        if self.late is not None and not asynchronous:
+            # the values a device is still copying in: measured once its work has completed
+            self._late_stats(ref, t, storage, key)
+            return ref
+        cached = self._stats_seen.get(key)
+        if cached is not None:
+            schema.wire_set_stats(ref, cached)
+        else:
+            self._new_stats(t, ref, key, dev, is_dense, n, offset, entry.nbytes, shape, stride, facts)
+        return ref
+
+    def _odd_ref(self, t: torch.Tensor, dtype: str, dev: str) -> dict:
+        """The reference of a tensor that is not a plain strided one with storage: a zero tensor (no storage behind
+        it, reading its data pointer fails: a marker, no bytes), a meta tensor (geometry is all), a subclass or
+        another layout (described as unsupported)."""
+        if t._is_zerotensor():
+            return schema.wire_zero(schema.wire_tensor(dtype, list(t.shape), list(t.stride()), 0, dev))
+        if dev == "meta" and type(t) in _PLAIN and t.layout is _STRIDED:
+            return schema.wire_tensor(dtype, list(t.shape), list(t.stride()), t.storage_offset(), dev)
+        return schema.wire_unsupported(schema.wire_tensor(dtype, list(t.shape), None, 0, dev),
+                                       f"{type(t).__name__}/{t.layout}/{t.device.type}")
+
+    def _place(self, device: torch.device) -> tuple[str, bool]:
+        """(name, whether its ops may outlive their call) of a device, once per device and recording: the runtime
+        decides (a test's fake one too)."""
+        asynchronous = self._asynchronous.get(device)
+        if asynchronous is None:
+            asynchronous = self._asynchronous[device] = bool(seam.RUNTIME.asynchronous(device))
+            if asynchronous and not self.capture_possible:
+                self.capture_possible, self.capturing = True, seam.RUNTIME.capture_check()
+        place = self._places[device] = (str(device), asynchronous)
+        return place
+
+    def _new_stats(self, t: torch.Tensor, ref: dict, key: tuple, dev: str, is_dense: bool, n: int, offset: int,
+                   nbytes: int, shape: tuple, stride: tuple, facts: tuple) -> None:
+        """The statistics of a tensor whose key has none cached: measured now, or queued for the op's end."""
+        if dev == "cpu":
+            if (n and (offset + n) * facts[1] > nbytes) if is_dense else \
+                    past_storage(n, offset, facts[1], nbytes, is_dense, shape, stride):
                 schema.wire_set_stats(ref, None)  # no values to measure: none are read (see past_storage)
-            elif dev == "cpu" and (s := kernel_stats(t, is_dense, shape, stride)) is not None:
-                # Measured now, in place, by the compiled kernel: no copy, and the record waits for no batch.
+                return
+            measure = self._measure
+            if measure is None:
+                s = kernel_stats(t, is_dense, shape, stride)
+            elif facts[2] is None:  # a dtype the kernel cannot read
+                s = None
+            else:
+                # Measured now, in place, by the compiled kernel (its extension module: kernel_stats' list, one call)
+                s = measure(t.data_ptr(), facts[2], n, None if is_dense else shape, None if is_dense else stride)
+                if s == 1:  # NaN or Inf inside, or an overflowing square: numpy's slow path, as kernel_stats
+                    s = values_stats([(cpu_values(t, is_dense, copy=False), t.dtype is torch.bfloat16)])[0]
+            if s is not None:
+                # no copy, and the record waits for no batch
                 schema.wire_set_stats(ref, s)
                 if len(self._stats_seen) > 100_000:
                     self._stats_seen.clear()
                 self._stats_seen[key] = s
-            elif dev == "cpu" and n * t.element_size() > self.LARGE and \
-                    (values := cpu_values(t, is_dense, copy=False)) is not None:
+                return
+            if n * facts[1] > self.LARGE and (values := cpu_values(t, is_dense, copy=False)) is not None:
                 # Large: measured in place now rather than copied (no copy; batching gains nothing at this size).
                 s = values_stats([(values, t.dtype is torch.bfloat16)])[0]
                 schema.wire_set_stats(ref, s)
                 self._stats_seen[key] = s
-            elif dev == "cpu" and (values := cpu_values(t, is_dense)) is not None:
+                return
+            if (values := cpu_values(t, is_dense)) is not None:
                 # A copy now (no torch call, no reference kept past the op); the statistics later, in a batch.
                 cell: list = []
                 schema.wire_set_stats(ref, cell)
@@ -297,12 +358,12 @@ class OpBuilder:
                 self._stats_seen[key] = cell
                 self._cpu_pending.append((cell, (values, t.dtype is torch.bfloat16)))
                 self._cpu_bytes += values.nbytes
-            elif key in self._stat_refs:
-                self._stat_refs[key].append(ref)
-            else:
-                self._stat_refs[key] = [ref]
-                self._stat_queue.append(t)
-        return ref
+                return
+        if key in self._stat_refs:
+            self._stat_refs[key].append(ref)
+        else:
+            self._stat_refs[key] = [ref]
+            self._stat_queue.append(t)
 
     def admit(self, nbytes: int, entry: Any = None) -> bool:
         """Whether bytes not stored yet may be (the filter, the budget, a full disk); when not, the op is marked and
@@ -605,15 +666,6 @@ def _fill_late_stats(cell: list, event: Any, storage: torch.UntypedStorage, geom
     return True
 
 
-class Pending:
-    __slots__ = ("record", "written", "uninitialised")
-
-    def __init__(self, record: dict | None, written: list, uninitialised: bool) -> None:
-        self.record = record
-        self.written = written
-        self.uninitialised = uninitialised
-
-
 def select(b: OpBuilder, opts: Any, name: str, module: str | None) -> None:
     """Whether the op (or compiled unit) about to be recorded is inside the --module/--op filter. Outside it: recorded
     with statistics (replay then says where a difference came in), data only from what a budget leaves for such ops."""
@@ -624,12 +676,33 @@ def select(b: OpBuilder, opts: Any, name: str, module: str | None) -> None:
     b.data_off = b.left_out = None if b.selected or b.budget is not None else schema.LEFT_OUT_FILTERED
 
 
+# id(op overload) -> (the overload, its OpFacts, its name, whether it needs the rarer parts of record_before: a custom
+# op, a written argument, a collective, a generator draw). By id: an OpOverload's __hash__ is Python code; the
+# overload is kept, so its id is never another object's while the entry exists.
+_OPS: dict[int, tuple[Any, Any, str, bool]] = {}
+
+
+def _op(func: Any) -> tuple[Any, Any, str, bool]:
+    info = aten.facts(func)
+    entry = _OPS[id(func)] = (func, info, info.name,
+                              bool(info.module is not None or info.writes or info.collective or info.seeded))
+    return entry
+
+
+# What record_before hands record_after (a tuple: an object with slots cost ~0.25 us an op to make): the record,
+# the written arguments, whether the outputs are uninitialised memory (empty*), whether the op is a collective.
+Pending = tuple
+_NOTHING_WRITTEN: list = []  # shared, never appended to: the written arguments of most ops
+
+
 def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: tuple,
                   kwargs: dict) -> Pending | None:
     index = rec.next_index
-    rec.next_index += 1
-    info = aten.facts(func)
-    name = info.name
+    rec.next_index = index + 1
+    op = _OPS.get(id(func))
+    if op is None or op[0] is not func:
+        op = _op(func)
+    _, info, name, rare = op
     if b.capture_possible:
         if b.capturing():
             seam.hold_queries(True)  # no thread may query an event now (the writer's waits sleep instead)
@@ -638,48 +711,57 @@ def record_before(rec: RecorderLike, b: OpBuilder, func: Any, types: Any, args: 
         if seam.queries_held():
             seam.hold_queries(False)
     b.op_device = None
-    if info.module is not None and name not in rec.custom_ops:
-        rec.custom_ops[name] = info.module
+    written = _NOTHING_WRITTEN
+    if rare:
+        if info.module is not None and name not in rec.custom_ops:
+            rec.custom_ops[name] = info.module
+        if info.writes:
+            written = written_args(info, args, kwargs)
     ctx = rec.context
     phase, module, fwd, rc = ctx.place(index, name)
-    written = written_args(info, args, kwargs) if info.writes else []
-    opts = rec.options
-    if rec.writer.data_refused is not None and b.refused is None:
+    if b.refused is None and rec.writer.data_refused is not None:
         b.notice_refusal()
-    select(b, opts, name, module)
+    if b.everything:  # select(): no filter, nothing else to decide
+        b.left_out = None
+    else:
+        select(b, rec.options, name, module)
     where = ctx.source()
     called = None
     if fwd is not None or rc is not None or (where is None and phase == "backward"):
         where, called = ctx.backward_source(where, rc)
-    source, text = where if where is not None else (None, None)
-    record = schema.wire_op(index, name, phase, module, fwd, source, text)
+    if where is not None:
+        record = schema.wire_op(index, name, phase, module, fwd, where[0], where[1])
+    else:
+        record = schema.wire_op(index, name, phase, module, fwd, None, None)
     if rc is not None:
         schema.wire_set_recompute(record, rc.of, called)
     if rec.step is not None:
         schema.wire_set_step(record, rec.step)
-    if info.collective:
-        coll = collective_info(func, args, kwargs)
-        schema.wire_set_collective(record, coll)
-        if not aten.is_wait_only(name):
-            rec.writer.enter_collective(schema.wire_entered(index, name, phase, module, source, coll))
-    if info.seeded and b.mode is TensorMode.FULL and b.data_off is None:  # generator state is data: "full" traces only
-        state = rec.rng_state(args, kwargs)
-        if state is not None:
-            schema.wire_set_rng(record, *state)
+    if rare:
+        if info.collective:
+            coll = collective_info(func, args, kwargs)
+            schema.wire_set_collective(record, coll)
+            if not aten.is_wait_only(name):
+                rec.writer.enter_collective(schema.wire_entered(index, name, phase, module,
+                                                                where[0] if where is not None else None, coll))
+        if info.seeded and b._full and b.data_off is None:  # generator state is data: "full" traces only
+            state = rec.rng_state(args, kwargs)
+            if state is not None:
+                schema.wire_set_rng(record, *state)
     # Arguments the op writes are described as they are now, before the op.
     schema.wire_set_inputs(record, b.encode_list(args), {k: b.encode(v) for k, v in kwargs.items()} if kwargs else {})
     # Inputs the op will write get their statistics now, as they are before it.
     if written:
         b.flush_stats()
-    return Pending(record, written, info.uninitialised)
+    return record, written, info.uninitialised, info.collective
 
 
 def record_after(rec: RecorderLike, b: OpBuilder, p: Pending, func: Any, args: tuple, kwargs: dict,
                  out: Any) -> Any:
     """Record what the op made; returns ``out`` for the job (a point-to-point work replaced by a completed one)."""
-    record = p.record
+    record, written, uninitialised, collective = p
     returned = out
-    if record is not None and schema.wire_is_collective(record):
+    if collective:
         out = returned = wait_collective(func, out, args, kwargs, b.op_device is not None)
         if b.op_device is not None:
             # Issued, not done: the device runs it. The writer keeps its marker until this event completes, so a
@@ -692,26 +774,30 @@ def record_after(rec: RecorderLike, b: OpBuilder, p: Pending, func: Any, args: t
         else:
             rec.writer.leave_collective()
     try:  # the job gets ``returned`` whatever happens to the record
-        for _, v in p.written:
-            for t in iter_tensors(v):
-                e = rec.storages.entry(t.untyped_storage())
-                rec.storages.bump(e)
-        if p.uninitialised:
-            for t in iter_tensors(out):
-                rec.storages.entry(t.untyped_storage()).uninitialised = True
+        if written:
+            for _, v in written:
+                for t in iter_tensors(v):
+                    e = rec.storages.entry(t.untyped_storage())
+                    rec.storages.bump(e)
         # Host outputs of an op on an accelerator (a non-blocking copy to the CPU) are read once the device is done
         b.late = b.op_device
         try:
-            if p.uninitialised:
+            if uninitialised:
+                for t in iter_tensors(out):
+                    rec.storages.entry(t.untyped_storage()).uninitialised = True
                 schema.wire_set_outputs(record, b.encode(out, store=False), None, True)
             else:
-                writes = [(path, b.encode(v)) for path, v in p.written] if p.written else None
-                schema.wire_set_outputs(record, b.encode(out), writes, False)
+                writes = [(path, b.encode(v)) for path, v in written] if written else None
+                schema.wire_set_outputs(record, b.ref(out, True) if type(out) in _PLAIN else b.encode(out), writes,
+                                        False)
         finally:
             b.late = None
         if b.left_out is not None:
             schema.wire_set_left_out(record, b.left_out)
-        b.add_op(record)
+        if b._stat_queue or b._cpu_pending or b._records:  # add_op(), where it has more to do than hand it on
+            b.add_op(record)
+        else:
+            rec.writer.add_op(record)
     except Exception as exc:
         rec.op_failed(func, args, kwargs, exc)
     return returned

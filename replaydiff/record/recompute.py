@@ -27,6 +27,7 @@ import torch
 
 _FRAME_CLASS = "_CheckpointFrame"
 _REENTRANT_NODE = "CheckpointFunctionBackward"
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks  # called at every forward op
 _MAX_REGIONS = 4096  # regions kept at once; the oldest go first (a region is recomputed once per backward)
 
 
@@ -75,7 +76,8 @@ class Recomputes:
         """A forward op: added to the region it runs in, if any."""
         if grad:
             self._nograd = None
-            frame = self._hook_frame()
+            # _hook_frame(), its common case first (no saved-tensor hooks: no checkpoint): one call fewer an op
+            frame = self._hook_frame() if _top_saved_tensors_hooks(True) is not None else None
             if frame is not None:
                 self._region(id(frame), frame).ops.append(ForwardOp(index, name, module))
             return
@@ -133,7 +135,7 @@ class Recomputes:
 
     def _hook_frame(self) -> Any:
         """The ``_CheckpointFrame`` of the innermost saved-tensor hooks, if they are a checkpoint's."""
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        hooks = _top_saved_tensors_hooks(True)
         if hooks is None:
             return None
         fn = hooks[0]

@@ -89,6 +89,13 @@ def dense(shape: tuple | list, stride: tuple | list) -> bool:
     return True
 
 
+def dense_numel(shape: tuple | list, stride: tuple | list) -> int:
+    """The number of values ``n`` where the view is ``dense`` (one range of ``n`` consecutive elements), else
+    ``-1 - n``: both facts the statistics key needs, in one call (``extension().dense_numel`` is this in C)."""
+    n = math.prod(shape)
+    return n if dense(shape, stride) else -1 - n
+
+
 def cpu_values(t: torch.Tensor, is_dense: bool, copy: bool = True) -> np.ndarray | None:
     """A flat numpy copy of a strided CPU tensor's values, read in place (no torch op, no dispatch); None where numpy
     cannot read its dtype. A copy, so that the statistics can wait for a batch while the job writes the tensor."""
@@ -222,7 +229,17 @@ def _small_stats(members: list[tuple[int, np.ndarray]], total: int, out: list[li
 # torch dtype -> the kernel's code for it (native/stats.c)
 _CODES = {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.int64: 4, torch.int32: 5,
           torch.int16: 6, torch.int8: 7, torch.uint8: 8, torch.bool: 9}
+
+
+def kernel_code(dtype: torch.dtype) -> int | None:
+    """The kernel's code for a dtype (native/stats.c), None for one it cannot read."""
+    return _CODES.get(dtype)
+
+
 _kernel: Any = None  # the loaded kernel, False where there is none in this process
+# The kernel as an extension module (native/pystats.c: measure, dense_numel), False where there is none: loaded
+# with the kernel, used only where the kernel is and only where it agrees with the Python it replaces
+_ext: Any = None
 _local = threading.local()  # each thread's out-array: (its address, the array)
 
 
@@ -285,7 +302,69 @@ def _load_kernel() -> Any:
             native.log.debug("statistics kernel not used, numpy measures: %s", why)
             fn = None
     _kernel = fn if fn is not None else False
+    _load_extension()
     return _kernel
+
+
+def extension() -> Any:
+    """The statistics extension module (``measure``, ``dense_numel``; native/pystats.c), or None: where the kernel
+    is not used (none built, ``REPLAYDIFF_NATIVE=0``, or it disagreed with numpy) neither is the extension. Loads
+    (and builds) both at the first call."""
+    if _kernel is None:
+        _load_kernel()
+    return _ext or None if _kernel is not False else None
+
+
+def _load_extension() -> None:
+    """Load the extension beside a kernel that agrees with numpy, and check it gives what ``kernel_stats`` and
+    ``dense_numel`` give, bit for bit; False where it cannot load or disagrees (the ctypes kernel measures)."""
+    global _ext
+    _ext = False
+    if _kernel is False:
+        return
+    mod = native.extension()
+    if mod is None:
+        return
+    try:
+        why = None if _extension_agrees(mod) else "it differs from the ctypes kernel"
+    except Exception as exc:
+        why = f"its check failed ({type(exc).__name__}: {exc})"
+    if why is not None:
+        native.log.debug("statistics extension not used, the ctypes kernel measures: %s", why)
+        return
+    _ext = mod
+
+
+def _extension_agrees(mod: Any) -> bool:
+    # The kernel's own check's values (see _kernel_agrees), dense and as strided views, through the ctypes kernel
+    # with _finish (what kernel_stats returns) and through the extension, compared by repr as there; and the
+    # extension's dense_numel against the Python one. numpy arrays: no torch op (this may run inside one).
+    i = np.arange(_CHUNK + 1000, dtype=np.float64)
+    x = (1 + i / 7) * np.power(10.0, (i % 17) - 8) * (1 - 2 * (i % 2))
+    m = x[:4096].reshape(64, 64)
+    views = [x[:300], x[:_CHUNK - 1].astype(np.float32), x, np.full(3, -0.0), x[:0], np.array([1.0, math.inf]),
+             m.T, m[:, ::3], m.reshape(4, 16, 64).transpose(2, 0, 1)[::2], m[:0, 1:], m[5:6, 7:8]]
+    out = (ctypes.c_double * 3)()
+    for v in views:
+        code = 1 if v.dtype == np.float32 else 0
+        shape, stride = tuple(v.shape), tuple(s // v.itemsize for s in v.strides)
+        is_dense = dense(shape, stride)
+        if mod.dense_numel(shape, stride) != dense_numel(shape, stride):
+            return False
+        n = v.size
+        got = mod.measure(v.ctypes.data, code, n, None if is_dense else shape, None if is_dense else stride)
+        if n == 0:
+            want: Any = [0, 0.0, 0.0, 0.0, 0.0, 0, 0]
+        else:
+            nd = len(shape)
+            geometry = (ctypes.c_int64 * (2 * nd))(*shape, *stride)
+            at = ctypes.addressof(geometry)
+            rc = _kernel(v.ctypes.data, code, n, 0 if is_dense else nd, None if is_dense else at,
+                         None if is_dense else at + 8 * nd, _CHUNK, ctypes.addressof(out))
+            want = _finish(n, *out) if rc == 0 else rc
+        if repr(got) != repr(want):
+            return False
+    return True
 
 
 def _kernel_agrees() -> bool:

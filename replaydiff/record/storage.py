@@ -62,11 +62,13 @@ class StorageTable:
             self._forget_dead()
         key = storage._cdata
         e = self._entries.get(key)
-        nbytes = storage.nbytes()
-        if e is None:
+        nbytes = len(storage)  # an untyped storage's len() is its nbytes(), through the type's slot
+        if e is None:  # a storage first seen (every new output of an op): new_version_id() inlined
             ref = _StorageRef(storage, self._dead.append)
             ref.key = key
-            e = StorageEntry(ref, nbytes, self.new_version_id())
+            version = self._next_version
+            self._next_version = version + 1
+            e = StorageEntry(ref, nbytes, version)
             self._entries[key] = e
         elif e.nbytes != nbytes:  # resized in place (out= ops resize their outputs): a new version
             e.nbytes = nbytes

@@ -10,10 +10,17 @@ differ between the two trees (every other module is the live one).
 
 Usage: ``git show REV:replaydiff/record/mode.py > /tmp/old_mode.py; python tests/bench/bench_hotpath_ab.py
 /tmp/old_mode.py [meta|stats|full] [PASSES] [MODEL]`` (MODEL as bench_hotpath.py: tiny, t5, scan, unet, ...).
+
+Whole trees: ``mkdir /tmp/old && git archive REV replaydiff | tar -x -C /tmp/old; python
+tests/bench/bench_hotpath_ab.py /tmp/old ...`` (a directory holding ``replaydiff/``): that tree is copied under the
+package name ``replaydiff_old`` (its imports renamed) and imported beside the live package, and A's passes run its
+own recorder, so every module differs (the context, statistics, storage table and writer too), not ``mode.py``
+alone.
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -51,6 +58,26 @@ def use(fns: dict, meths: dict) -> None:
         setattr(live.OpBuilder, n, f)
 
 
+def import_tree(tree: str) -> types.ModuleType:
+    """The replaydiff package of another tree, imported as ``replaydiff_old`` from a renamed copy."""
+    dst = tempfile.mkdtemp(prefix="rdab-tree-")
+    shutil.copytree(os.path.join(tree, "replaydiff"), os.path.join(dst, "replaydiff_old"))
+    for root, _, files in os.walk(dst):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                with open(path) as f:
+                    text = f.read()
+                text = re.sub(r"\b(from|import) replaydiff\b", r"\1 replaydiff_old", text)
+                text = re.sub(r"\breplaydiff\.(?=[a-z_])", "replaydiff_old.", text)
+                with open(path, "w") as f:
+                    f.write(text)
+    sys.path.insert(0, dst)
+    import replaydiff_old  # noqa: F401
+
+    return sys.modules["replaydiff_old"]
+
+
 def main() -> None:
     old_path = sys.argv[1]
     mode = sys.argv[2] if len(sys.argv) > 2 else "meta"
@@ -71,17 +98,21 @@ def main() -> None:
     cap = _Capture()
     with cap:
         step()
+    tree = os.path.isdir(old_path)
     new = ({n: getattr(live, n) for n in FUNCTIONS}, {n: live.OpBuilder.__dict__[n] for n in METHODS})
-    old = load_old(old_path)
+    old = None if tree else load_old(old_path)
+    record_a = import_tree(old_path).record if tree else replaydiff.record
     got: dict[str, list[float]] = {"A (old)": [], "B (live)": []}
     for i in range(2 * passes):
         key = "A (old)" if (i % 2 == 0) ^ (i // 2 % 2 == 1) else "B (live)"
-        use(*(old if key == "A (old)" else new))
+        if not tree:
+            use(*(old if key == "A (old)" else new))
         path = tempfile.mkdtemp(prefix="rdab-")
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                rec = replaydiff.record(path, tensors=mode, compress=False)
+                record = record_a if key == "A (old)" else replaydiff.record
+                rec = record(path, tensors=mode, compress=False)
                 rec.__enter__()
                 with _disable_current_modes():
                     t0 = time.thread_time()
@@ -94,7 +125,8 @@ def main() -> None:
         finally:
             shutil.rmtree(path, ignore_errors=True)
         got[key].append(1e6 * (t1 - t0) / len(cap.calls))
-    use(*new)
+    if not tree:
+        use(*new)
     load = " ".join(open("/proc/loadavg").read().split()[:3])
     for key, v in got.items():
         print(f"{model} {mode} {key}: min {min(v):.2f}, median {statistics.median(v):.2f} us an op "

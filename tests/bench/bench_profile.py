@@ -5,7 +5,7 @@ hot path is changed. Two measurements, each on warmed-up models, one step per sa
 
 1. CPU time of the recording thread (``time.thread_time``; the writer thread's work is not in it), the fastest of
    interleaved samples (no profiler running): plain step, a do-nothing dispatch mode, the variant, and ``meta`` with
-   one part switched off by a patch (source lines off; module path read as None). Differences over the number of
+   one part switched off by a patch (source lines off). Differences over the number of
    ops give microseconds per op that no profiler inflated. Thread CPU time and the fastest sample, not wall medians:
    on the shared 2-core machine wall medians of the same code moved by 2x from run to run, the fastest thread
    CPU times by ~10%.
@@ -137,14 +137,7 @@ def patched(what: str | None):
             yield
         finally:
             cls.source = old  # type: ignore[method-assign]
-    elif what == "no-module":
-        old = cls.module
-        cls.module = lambda self: None  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            cls.module = old  # type: ignore[method-assign]
-    else:
+    else:  # ("no-module" is gone: place() reads the module itself, OpContext.module() is not on the per-op path)
         raise ValueError(what)
 
 
@@ -219,7 +212,7 @@ def _section_targets(run: str) -> list[tuple[Any, str, str]]:
     work; run "parts" wraps leaves that never call one another; run "ref" wraps the tensor description, which
     contains the storage table, the copies and the statistics copies (run "parts" times those inside it)."""
     from replaydiff import aten
-    from replaydiff.record import flight, mode, recorder, storage
+    from replaydiff.record import flight, mode, recorder, stats, storage
     from replaydiff.trace import writer
 
     if run == "total":
@@ -228,13 +221,17 @@ def _section_targets(run: str) -> list[tuple[Any, str, str]]:
         return [(mode.OpBuilder, "ref", "tensor description (ref, inclusive)"),
                 (mode.OpBuilder, "add_op", "record hand-over (inclusive: batched statistics, writer)")]
     ctx = rd_context.OpContext
-    return [(ctx, "phase", "phase / forward op"), (ctx, "note_forward", "phase / forward op"),
-            (ctx, "backward_of", "phase / forward op"), (ctx, "module", "module path"),
+    ext = stats.extension()
+    kernel = (ext, "measure") if ext is not None else (mode, "kernel_stats")
+    # place() reads the phase, the module and the forward op (phase(), module() and note_forward() inlined)
+    return [(ctx, "place", "phase, module, forward op"),
             (ctx, "source", "source line"), (aten, "facts", "op facts / written args"),
             (mode, "written_args", "op facts / written args"), (storage.StorageTable, "entry", "storage version table"),
             (mode.OpBuilder, "_snapshot", "copies (full)"), (mode, "cpu_values", "statistics: value copies"),
             (mode, "values_stats", "statistics: arithmetic"), (mode, "batch_stats", "statistics: arithmetic"),
-            (mode, "kernel_stats", "statistics: compiled kernel (in place)"),
+            # the kernel as the recorder calls it: its extension module's measure where it loads (replacing
+            # mode.kernel_stats would turn the extension off: OpBuilder takes it only where kernel_stats is its own)
+            (*kernel, "statistics: compiled kernel (in place)"),
             (writer.RankWriter, "add_op", "hand-over to the writer"),
             (flight.FlightBuffer, "add_op", "hand-over to the flight ring")]
 
@@ -316,7 +313,7 @@ def sections(model: str, key: str, n_ops: int, steps: int) -> dict[str, float]:
     return out
 
 
-CONTEXT = ("phase / forward op", "module path", "source line", "op facts / written args")
+CONTEXT = ("phase, module, forward op", "source line", "op facts / written args")
 INSIDE = ("storage version table", "copies (full)", "statistics: value copies", "statistics: arithmetic",
           "hand-over to the writer", "hand-over to the flight ring")
 

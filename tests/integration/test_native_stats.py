@@ -189,9 +189,11 @@ def test_a_recording_writes_the_same_statistics_with_the_kernel_and_with_numpy(t
 
 
 def _fresh_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process as if it had not tried to load the kernel yet."""
+    """This process as if it had not tried to load the kernel (nor its extension module) yet."""
     monkeypatch.setattr(native, "_loaded", [])
+    monkeypatch.setattr(native, "_ext_loaded", [])
     monkeypatch.setattr(rec_stats, "_kernel", None)
+    monkeypatch.setattr(rec_stats, "_ext", None)
 
 
 @pytest.mark.parametrize("why", ["no compiler", "failing compiler", "REPLAYDIFF_NATIVE=0"])
@@ -294,3 +296,96 @@ def test_a_view_past_the_end_of_its_storage_is_not_read(tmp_path: Path, native_o
                           timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "STATS None None" in done.stdout, done.stdout
+
+
+# -- the kernel as an extension module (native/pystats.c): what a statistics recording calls where it builds ------
+def _extension():
+    ext = rec_stats.extension()
+    assert ext is not None, "no statistics extension here: is there a C compiler and Python.h?"
+    return ext
+
+
+def _extension_path(t: torch.Tensor) -> list | None:
+    """What the recorder's statistics path gives with the extension (OpBuilder._new_stats)."""
+    ext = _extension()
+    shape, stride = tuple(t.shape), t.stride()
+    n = ext.dense_numel(shape, stride)
+    is_dense = n >= 0
+    n = n if is_dense else -1 - n
+    assert n == t.numel() and is_dense == dense(shape, stride)
+    got = ext.measure(t.data_ptr(), rec_stats.kernel_code(t.dtype), n, None if is_dense else shape,
+                      None if is_dense else stride)
+    if got == 1:
+        return _numpy_path(t)
+    return got
+
+
+def test_the_extension_writes_the_numpy_paths_statistics_on_every_length_view_and_special_value() -> None:
+    cases = {f"{dtype} n={n}": _values(n, dtype, n) for dtype in DTYPES for n in LENGTHS}
+    for n in (24, 1000, 70000):
+        t = _values(n, torch.float32, n + 1)
+        m = t[:n - n % 8].view(8, -1)
+        cases.update({f"n={n} every other": t[::2], f"n={n} transposed": m.t(), f"n={n} column": m[:, 1],
+                      f"n={n} expanded": t[:3].view(3, 1).expand(3, n // 3), f"n={n} window": m[2:5, 1:-1],
+                      f"n={n} 4-d": m.view(2, 1, 4, -1).permute(3, 1, 2, 0)[::2, :, 1:],
+                      f"n={n} empty view": m[:, :0]})
+    nan, inf = float("nan"), float("inf")
+    cases.update({"-0.0 and 0.0": torch.tensor([0.0, -0.0, -0.0]), "NaN": torch.tensor([1.0, nan, -2.0]),
+                  "Inf in chunks": torch.cat([torch.ones(70000), torch.tensor([-inf])]),
+                  "squares overflow": torch.tensor([1e200, -3e200, 5.0], dtype=torch.float64),
+                  "empty": torch.empty(0), "a scalar": torch.tensor(3.5)})
+    for name, t in cases.items():
+        got, want = _extension_path(t), _numpy_path(t) if t.numel() else [0, 0.0, 0.0, 0.0, 0.0, 0, 0]
+        assert _bytes(got) == _bytes(want), f"{name}: {got} != {want}"
+        assert [type(v) for v in got] == [type(v) for v in want], name  # ints stay ints in the record
+
+
+@pytest.mark.parametrize("shape,stride", [((), ()), ((0,), (1,)), ((2, 0), (1, 1)), ((3, 1, 4), (4, 99, 1)),
+                                          ((4, 3), (1, 4)), ((4, 3), (1, 5)), ((2, 3, 4), (1, 2, 6)),
+                                          ((2, 3, 4), (12, 1, 3)), ((5, 5), (0, 1)), ((1, 1), (7, 9)),
+                                          ((3, 2, 2), (4, 2, 1)), ((2, 2), (2, 2)), ((6,), (2,))])
+def test_the_extensions_dense_numel_is_the_python_one(shape: tuple, stride: tuple) -> None:
+    assert _extension().dense_numel(shape, stride) == rec_stats.dense_numel(shape, stride)
+
+
+def test_a_statistics_recording_with_the_extension_writes_what_numpy_writes(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    _extension()
+    step = _step()
+    with replaydiff.record(tmp_path / "ext", tensors="stats") as rec:
+        assert rec.builder._measure is not None  # the extension measured
+        step()
+    monkeypatch.setattr(rec_stats, "_kernel", False)  # as REPLAYDIFF_NATIVE=0 leaves it: no extension either
+    step = _step()
+    with replaydiff.record(tmp_path / "numpy", tensors="stats") as rec:
+        assert rec.builder._measure is None
+        step()
+    with_ext, with_numpy = _stats_bytes(tmp_path / "ext"), _stats_bytes(tmp_path / "numpy")
+    assert len(with_ext) > 250 and with_ext == with_numpy
+    assert max(struct.unpack("<7d", s)[5] for *_, s in with_ext if s is not None) >= 1  # the NaN's slow path
+    ops = _op_records(tmp_path / "ext")
+    assert ops and ops == _op_records(tmp_path / "numpy")
+
+
+def test_an_extension_that_differs_from_the_kernel_is_not_used(monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """The check at load: an extension whose statistics differ from the ctypes kernel's by one rounding (its mean
+    computed another way) leaves the ctypes kernel measuring, with a debug line."""
+    real = native.load_extension(native.build_extension())
+
+    class OffByABit:
+        dense_numel = staticmethod(real.dense_numel)
+
+        @staticmethod
+        def measure(*args):
+            got = real.measure(*args)
+            if isinstance(got, list) and got[0]:
+                got[1] += abs(got[1]) * 2.0 ** -52
+            return got
+
+    _fresh_kernel(monkeypatch)
+    monkeypatch.setattr(native, "_ext_loaded", [OffByABit])
+    caplog.set_level(logging.DEBUG, logger="replaydiff")
+    assert rec_stats._load_kernel() is not False  # the ctypes kernel agrees and measures
+    assert rec_stats.extension() is None
+    assert [r.levelno for r in caplog.records if "extension" in r.getMessage()] == [logging.DEBUG]
