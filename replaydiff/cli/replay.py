@@ -148,7 +148,13 @@ def run(args: argparse.Namespace) -> int:
             (nf.rank, nf.index, nf.nonfinite_input.position) == (entry.rank, entry.index, entry.position) and \
             nf.nonfinite_input.earliest in (None, nf.nonfinite_input.producer)
         render_replay(report, sys.stdout, entry_said=same_entry)
-        entry_report.render_text(finding, sys.stdout)
+        origin = report.nonfinite_origin
+        # NaN/Inf the entry line would trace to an input, where replay named the op that made them before it: that
+        # op is the answer, and the later input only carries what it made
+        carried = entry is not None and origin is not None and entry.statistic in ("nan", "inf") and \
+            origin.rank == entry.rank and origin.index < entry.index
+        if not carried:
+            entry_report.render_text(finding, sys.stdout)
     if (report.missing or report.cut_short) and report.first_divergent is None:
         return EXIT_TRACE  # judged what was there; the rest of the trace is gone or never recorded (listed)
     return EXIT_DIVERGENT if report.found_problem else EXIT_OK

@@ -20,6 +20,9 @@ def to_json(f: EntryFinding) -> dict | None:
             "producer_source": e.producer_source, "argument": e.argument}
 
 
+_NONFINITE = {"nan": "NaN", "inf": "Inf"}
+
+
 def describe_entry(e: Entry, skipped: int = 0) -> str:
     """The replay summary's line; ``skipped``: ops the replay could not judge (then it speaks of those it did).
     Strings from the trace (module paths, op names, source lines) are shown escaped, never obeyed."""
@@ -36,7 +39,7 @@ def describe_entry(e: Entry, skipped: int = 0) -> str:
     if e.statistic in ("l2", "absmax"):
         what = f"{e.statistic} {e.value:.4g} against {e.previous:.4g} at step {e.previous_step}"
     else:
-        what = f"{int(e.value)} {e.statistic.upper()} value(s), none at step {e.previous_step}"
+        what = f"{int(e.value)} {_NONFINITE.get(e.statistic, e.statistic)} value(s), none at step {e.previous_step}"
     return f"{none}: the difference enters through input {e.position} of op " \
            f"#{e.index} {shown(e.op)} ({where}) at step {e.step}, {whence} ({shown(e.tensor or '')}: {what})"
 

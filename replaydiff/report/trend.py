@@ -185,7 +185,8 @@ def _fmt_held(v: float | None, held: str) -> str:
 
 def render_text(t: TrendResult, out: TextIO, width: int = 60, trace: str = "TRACE") -> None:
     """The text report; ``trace``: the trace as the user named it, for the next commands."""
-    out.write(f"rank {t.rank}: {len(t.steps)} steps ({t.steps[0]}..{t.steps[-1]}), {t.ops_read} records"
+    steps = f"{len(t.steps)} step{'' if len(t.steps) == 1 else 's'}"
+    out.write(f"rank {t.rank}: {steps} ({t.steps[0]}..{t.steps[-1]}), {t.ops_read} records"
               f"{'' if t.module_glob is None else f', modules {t.module_glob}'}\n")
     c = t.first_change
     if c is None and len(t.steps) < 2:  # nothing to compare a step with

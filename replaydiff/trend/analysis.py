@@ -137,6 +137,13 @@ class NoSteps(NoTrend):
     """The trace has no step numbers (recorded without ``--steps`` or ``--flight``)."""
 
 
+
+def _located(r: RankTrace, op) -> dict:
+    """An op's line and its text as every report gives them (trace/location.py): a backward op's is its forward
+    op's, not the ``backward()`` call's."""
+    where = r.location(op, text=True)
+    return {"source": where.source, "source_text": where.source_text}
+
 def ref_point(ref: TensorRef) -> dict[str, float] | None:
     """The statistics of a recorded floating-point tensor, as a series holds them (None: no statistics, or an
     integer or bool tensor: labels, token ids, indices have no scale to jump on, an l2 of 0 when a step's labels are
@@ -277,8 +284,8 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
         # NaN/Inf appearing: the op that made it from finite inputs is the cause, whatever its history
         first = birth
         op = r[birth.index]
-        cause = Cause(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, source=op.source,
-                      source_text=op.source_text, how="made", statistic=birth.statistic, value=birth.value,
+        cause = Cause(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, **_located(r, op),
+                       how="made", statistic=birth.statistic, value=birth.value,
                       baseline=0.0, history=len(_History(positions, key_of, window).earlier(op.index)),
                       from_finite=True)
     else:
@@ -478,8 +485,8 @@ def find_cause(r: RankTrace, first: Change, history: _History, threshold: float)
             if found is not None:
                 prod = producers.get(k)
                 suspects.append((-1 if prod is None else prod, k, ref, its_past, (found[0], p[found[0]], found[2])))
-        common = dict(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, source=op.source,
-                      source_text=op.source_text, history=len(earlier))
+        common = dict(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, **_located(r, op),
+                       history=len(earlier))
         if not suspects:
             before = [r[i] for i, _ in earlier]
             return Cause(**common, how="made", statistic=hit[0], value=hit[1], baseline=hit[2],
@@ -491,8 +498,8 @@ def find_cause(r: RankTrace, first: Change, history: _History, threshold: float)
             return Cause(**common, how="entered", statistic=found[0], value=found[1], baseline=found[2],
                          position=k, producer=None)
         op, followed, past, hit = writer, ref, its_past, found
-    return Cause(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, source=op.source,
-                 source_text=op.source_text, how="made", statistic=hit[0], value=hit[1], baseline=hit[2], history=0)
+    return Cause(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, **_located(r, op),
+                  how="made", statistic=hit[0], value=hit[1], baseline=hit[2], history=0)
 
 
 def _nonfinite_cause(r: RankTrace, first: Change, history: _History) -> Cause:
@@ -512,8 +519,8 @@ def _nonfinite_cause(r: RankTrace, first: Change, history: _History) -> Cause:
             if p is not None and _nonfinite(p):
                 writer = computed_by(r, producers.get(k))
                 held.append((-1 if writer is None else writer, k, p))
-        common = dict(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, source=op.source,
-                      source_text=op.source_text, history=len(history.earlier(op.index)), baseline=0.0)
+        common = dict(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, **_located(r, op),
+                       history=len(history.earlier(op.index)), baseline=0.0)
         if not held:
             p = _point(op)
             s = first.statistic if p is None or not _nonfinite(p) else ("nan" if p["nan"] > 0 else "inf")
@@ -524,8 +531,8 @@ def _nonfinite_cause(r: RankTrace, first: Change, history: _History) -> Cause:
             s = "nan" if p["nan"] > 0 else "inf"
             return Cause(**common, how="entered", statistic=s, value=p[s], position=k, producer=None)
         op = r[writer]
-    return Cause(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, source=op.source,
-                 source_text=op.source_text, how="made", statistic=first.statistic, value=first.value, baseline=0.0,
+    return Cause(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, **_located(r, op),
+                  how="made", statistic=first.statistic, value=first.value, baseline=0.0,
                  history=0)
 
 

@@ -137,7 +137,7 @@ def find_entry(r: RankTrace, threshold: float = DEFAULT_THRESHOLD) -> Entry | No
                 return Entry(r.rank, op.step, op.index, op.name, op.module, op.phase, k, ref.describe(), writer,
                              hit[0], p[hit[0]], q[hit[0]], prev[0],
                              *((None, None) if w is None else (w.name, _why_external(w))),
-                             producer_source=None if w is None else w.source)
+                             producer_source=None if w is None else r.location(w).source)
         before[key] = (op.step, op.index, {})
     return None
 
