@@ -193,10 +193,10 @@ class Kind:
     def fit(self, layout: "Layout", ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close) -> "Layout | None":
         """``layout`` at the simple factor that brings the ranks' value closest to ``ref``, if it is close then."""
         a = layout.assemble(parts)
-        c = fit_scale(a, ref)
-        if c is None or (not self.scaled and c != 1) or not close(a * float(c), ref):
-            return None  # (a max, or a norm, of scaled values is no reduction a program makes)
-        return dataclasses.replace(layout, factor=c)
+        for c in _tried(fit_scale(a, ref), layout.world):
+            if (self.scaled or c == 1) and close(a * float(c), ref):
+                return dataclasses.replace(layout, factor=c)
+        return None
 
     def factors(self, layout: "Layout", phase: str | None) -> tuple[Fraction, ...]:
         """The factors a correct run holds a value of this kind at outside the backward (phase 'forward',
@@ -242,10 +242,10 @@ class _Replicated(Kind):
     def fit(self, layout: "Layout", ref: torch.Tensor, parts: Sequence[torch.Tensor], close: Close) -> "Layout | None":
         # every rank must hold it at the same factor, not rank 0 alone
         x = [p.detach().to(torch.float64) for p in parts]
-        c = fit_scale(x[0], ref)
-        if c is None or not all(close(v * float(c), ref) for v in x):
-            return None
-        return dataclasses.replace(layout, factor=c)
+        for c in _tried(fit_scale(x[0], ref), layout.world):
+            if all(close(v * float(c), ref) for v in x):
+                return dataclasses.replace(layout, factor=c)
+        return None
 
 
 @_kind
@@ -487,6 +487,15 @@ def candidates(ref_shape: Sequence[int], shapes: Sequence[Sequence[int]], exchan
 
 
 _MOST_WHOLE = 1 << 20  # the largest whole factor (or its reciprocal) fit_scale names
+
+
+def _tried(fitted: Fraction | None, world: int) -> list[Fraction]:
+    """The factors a layout is tried at: 1, the world size either way, then the one that fits best. A value that
+    is rounding alone (a conv's bias gradient before a normalisation, whose terms cancel) has no ratio to the
+    reference's worth fitting (any would do within its limit, counted from the sum's terms): it is judged at the
+    factors a program applies first. A value its limit holds tight fits at one factor only, whichever is tried."""
+    plain = [Fraction(1), Fraction(1, world), Fraction(world)]
+    return plain + ([] if fitted is None or fitted in plain else [fitted])
 
 
 def fit_scale(x: torch.Tensor, ref: torch.Tensor, most: int = 64) -> Fraction | None:

@@ -118,15 +118,21 @@ def fallback(dtype: torch.dtype, reads: float | None = None) -> Limit:
     return Limit(max(base, READ_FACTOR * r), reads=r)
 
 
-def counts_terms(packet: str) -> bool:
-    """Whether the terms of the sums an op of ``packet`` computes its first output by are known here."""
-    return packet in aten.MATMUL_PACKETS or packet in aten.DIM_SUM_PACKETS
+def counts_terms(packet: str, output: int = 0) -> bool:
+    """Whether the terms of the sums an op of ``packet`` computes its output ``output`` by are known here."""
+    if packet == "convolution_backward":
+        return output in (1, 2)  # the weight's and the bias's gradients: sums over the batch and positions
+    return output == 0 and (packet in aten.MATMUL_PACKETS or packet in aten.DIM_SUM_PACKETS)
 
 
-def terms_of(packet: str, args: Sequence[Any], kwargs: dict, value: torch.Tensor) -> tuple[int, float, str] | None:
-    """(n, ||S||, words) of the sum an op of ``packet`` computes its output ``value`` by, from its arguments (tensors
-    where the op read tensors); None when the op is no sum this module knows, or its arguments are not as expected."""
+def terms_of(packet: str, args: Sequence[Any], kwargs: dict, value: torch.Tensor,
+             output: int = 0) -> tuple[int, float, str] | None:
+    """(n, ||S||, words) of the sum an op of ``packet`` computes its output ``output`` (``value``) by, from its
+    arguments (tensors where the op read tensors); None when the op is no sum this module knows, or its arguments
+    are not as expected."""
     try:
+        if packet == "convolution_backward":
+            return _conv_grad_terms(args, value, output)
         if packet in aten.MATMUL_PACKETS:
             return _matmul_terms(packet, args, kwargs, value)
         if packet in aten.DIM_SUM_PACKETS:
@@ -202,14 +208,38 @@ def _dim_sum_terms(packet: str, args: Sequence[Any], kwargs: dict, value: torch.
     return n, float(torch.linalg.vector_norm(s)), f"a {packet} over dim{'s' if len(dims) > 1 else ''} {over}"
 
 
-def limit_of(packet: str, args: Sequence[Any], kwargs: dict, value: torch.Tensor, reads: float | None) -> Limit:
+def _conv_grad_terms(args: Sequence[Any], value: torch.Tensor, output: int) -> tuple[int, float, str] | None:
+    """A convolution's weight gradient (output 1) or bias gradient (output 2): each element a sum over the batch and
+    the output's positions (n of them) of products of the gradient and the input; ||S|| exactly, the same backward
+    run in float64 on their magnitudes. A conv's bias before a normalisation has a gradient that cancels to rounding
+    (its terms sum to zero): kappa is then large, and so is the limit, where sqrt(eps) of that near-zero value is
+    no limit at all."""
+    grad, x, w = args[0], args[1], args[2]
+    if output not in (1, 2) or not all(isinstance(t, torch.Tensor) for t in (grad, x, w)) or grad.dim() < 3:
+        return None
+    n = int(grad.shape[0]) * math.prod(int(d) for d in grad.shape[2:])
+    a = [t.detach().to(torch.float64).abs().nan_to_num(0.0, 0.0, 0.0) for t in (grad, x, w)]
+    mask = [False, output == 1, output == 2]
+    made = torch.ops.aten.convolution_backward(a[0], a[1], a[2], *args[3:10], mask)
+    s = made[output]
+    return n, float(torch.linalg.vector_norm(s)), \
+        f"a convolution's {'weight' if output == 1 else 'bias'} gradient over {n} positions"
+
+
+def limit_of(packet: str, args: Sequence[Any], kwargs: dict, value: torch.Tensor, reads: float | None,
+             output: int = 0) -> Limit:
     """The limit of ``value``, the output an op of ``packet`` computed from ``args`` / ``kwargs``: counted from the
     terms of its sums where they are known and every value it reads was measured (``reads``: their largest error in
     eps; None: some was not), the fallback otherwise."""
     if not value.is_floating_point():
         raise ValueError("a limit in eps is for floating values; others must be exact")
-    found = None if reads is None else terms_of(packet, args, kwargs, value)
+    found = None if reads is None else terms_of(packet, args, kwargs, value, output)
     if found is None:
         return fallback(value.dtype, reads)
     n, s, what = found
-    return sum_limit(n, condition(s, value), value.dtype, reads or 0.0, what)
+    counted = sum_limit(n, condition(s, value), value.dtype, reads or 0.0, what)
+    if packet == "convolution_backward":
+        # counted only to widen: a convolution's kernel may sum in another way than one reordered sum (FFT,
+        # Winograd), so its limit is never below the fallback's
+        return max(counted, fallback(value.dtype, reads), key=lambda lim: lim.eps)
+    return counted

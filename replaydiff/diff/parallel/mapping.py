@@ -34,13 +34,19 @@ def close_for(dtype: torch.dtype, limit: Limit | None = None) -> Close:
 
 
 def limit_for(ref: RankTrace, rop: OpRecord | None, value: torch.Tensor,
-              reads: float | None) -> Limit | None:
+              reads: float | None, output: int = 0) -> Limit | None:
     """The limit of one reference value as compare/reordered.py forms it: from the terms of the sum ``rop`` (the op
-    that made it, its first output; None: a value from outside the step, or another output) computes it by, where every value it reads was measured
-    (``reads``: their largest error, eps; None: some was not); sqrt(eps) otherwise. None: not floating (exact)."""
+    that made it, as its output ``output``; None: a value from outside the step) computes it by, where every value it
+    reads was measured (``reads``: their largest error, eps; None: some was not); sqrt(eps) otherwise. None: not
+    floating (exact)."""
     if not value.is_floating_point():
         return None
-    if rop is None or reads is None or not counts_terms(aten.packet(rop.name)):
+    if rop is not None and isinstance(rop.outputs, (list, tuple)) and \
+            all(o is None or isinstance(o, TensorRef) for o in rop.outputs):
+        # ``output`` counts the tensors the op returned; its schema's outputs count the ones it did not (None) too
+        held = [k for k, o in enumerate(rop.outputs) if o is not None]
+        output = held[output] if output < len(held) else output
+    if rop is None or reads is None or not counts_terms(aten.packet(rop.name), output):
         return fallback(value.dtype, reads)
     if not all(t.stored and not t.meta and not t.uninitialised for t in rop.inputs()):
         return fallback(value.dtype, reads)
@@ -50,7 +56,7 @@ def limit_for(ref: RankTrace, rop: OpRecord | None, value: torch.Tensor,
 
     args = [load(a) for a in rop.args]
     kwargs = {k: load(v) for k, v in rop.kwargs.items()}
-    return limit_of(aten.packet(rop.name), args, kwargs, value, reads)
+    return limit_of(aten.packet(rop.name), args, kwargs, value, reads, output)
 
 
 def measured_reads(ins: list[TensorRef], producers: dict[int, int | None], made: dict[int, MappedOp],
@@ -99,7 +105,7 @@ def map_tensor(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs:
         return None
     r = ref.tensor(rref)
     parts = [targets[k].tensor(t) for k, t in enumerate(trefs)]
-    limit = limit_for(ref, rop if kind == "out" and pos == 0 else None, r, reads)
+    limit = limit_for(ref, rop if kind == "out" else None, r, reads, pos)
     close = close_for(r.dtype, limit)
     fits = infer_layouts(r, parts, close)
     if not fits and micro is None:
