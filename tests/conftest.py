@@ -119,6 +119,18 @@ def cli_here(capfd, monkeypatch):
     return run
 
 
+@pytest.fixture
+def cli_as_child(cli_here, monkeypatch):
+    """cli_here under process_helpers.child_env's environment, as the processes it stands for ran."""
+    from process_helpers import child_env
+
+    env = child_env()
+    for name in set(os.environ) - set(env):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PATH", env["PATH"])
+    return cli_here
+
+
 def _warn_as_a_process_would() -> None:
     """Inside catch_warnings: warnings printed to stderr under the filters of a plain ``python`` (pytest would
     otherwise collect them where a test of the CLI's stderr cannot see them)."""

@@ -73,13 +73,9 @@ def replaydiff_cli(*args, cwd: Path, timeout: float = 120) -> subprocess.Complet
 
 
 @pytest.fixture
-def cli(cli_here, monkeypatch):
-    """replaydiff_cli's twin in this process (conftest's cli_here), under child_env's environment."""
-    env = child_env()
-    for name in set(os.environ) - set(env):
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("PATH", env["PATH"])
-    return cli_here
+def cli(cli_as_child):
+    """cli_here under child_env's environment (conftest's cli_as_child)."""
+    return cli_as_child
 
 
 def tree(d: Path) -> dict[str, bytes | None]:

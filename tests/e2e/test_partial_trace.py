@@ -46,14 +46,9 @@ def _record(cli, tmp_path: Path, how: str, *flags: str) -> Path:
 
 
 @pytest.fixture
-def cli(cli_here, monkeypatch):
-    import os
-
-    env = child_env()
-    for name in set(os.environ) - set(env):
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("PATH", env["PATH"])
-    return cli_here
+def cli(cli_as_child):
+    """cli_here under child_env's environment (conftest's cli_as_child)."""
+    return cli_as_child
 
 
 @pytest.mark.parametrize("how, why", [("crash", "step 2 was cut short by the script's exception (RuntimeError: "

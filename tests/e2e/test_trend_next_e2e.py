@@ -41,13 +41,9 @@ SPIKE = textwrap.dedent("""
 
 
 @pytest.fixture
-def cli(cli_here, monkeypatch):
-    """cli_here under child_env's environment (as the processes it stands for ran)."""
-    env = child_env()
-    for name in set(os.environ) - set(env):
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("PATH", env["PATH"])
-    return cli_here
+def cli(cli_as_child):
+    """cli_here under child_env's environment (conftest's cli_as_child)."""
+    return cli_as_child
 
 
 def test_the_next_record_command_is_the_recorded_job_and_runs_as_printed(tmp_path, cli):

@@ -20,16 +20,11 @@ from replaydiff.report.json_report import load_replay_json
 from replaydiff.trace import open_trace
 from replaydiff.trend import compute_trend
 
+from steps_helpers import one_thread  # noqa: F401 (autouse: one intra-op thread, restored afterwards)
+
 BAD = 8  # the step whose batch is scaled
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors on a shared 2-core machine: one intra-op thread is faster. Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def train(scale: float, steps: int = BAD) -> None:
