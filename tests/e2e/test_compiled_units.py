@@ -978,7 +978,8 @@ def _train_compiled(steps: int, spike: int) -> None:
 
 def test_trend_of_a_stats_trace_scores_units_and_its_zoom_in_records_them_in_full(tmp_path):
     """A unit's outputs have statistics like an op's: trend's first change is the forward unit at the spike step,
-    under its module; recording the zoom-in trend prints (full tensors, that module) stores the units' tensors."""
+    under its module; recording the zoom-in trend prints (full tensors, the cause and the unit by name) stores the
+    forward units' tensors."""
     from replaydiff.trend import compute_trend
 
     torch._dynamo.reset()
@@ -990,11 +991,12 @@ def test_trend_of_a_stats_trace_scores_units_and_its_zoom_in_records_them_in_ful
                                                                           "OptimizedModule")
     assert t.cause is not None and t.cause.op == "aten.mul_.Tensor" and t.cause.step == 12
     zoom = t.zoom
-    assert zoom is not None and zoom.modules == ["OptimizedModule"]
+    # the cause (the spike's mul_ in the loop) is outside any module: the zoom selects both by op name
+    assert zoom is not None and zoom.modules is None and zoom.ops == ["aten.mul_.Tensor", "compiled.unit.forward"]
     torch._dynamo.reset()
-    with replaydiff.record(tmp_path / "z", tensors="full", steps=zoom.steps, modules=zoom.modules):
+    with replaydiff.record(tmp_path / "z", tensors="full", steps=zoom.steps, ops=zoom.ops):
         _train_compiled(12, spike=12)
-    units = _units(tmp_path / "z")
-    assert len(units) == 4 and all(r.stored for u in units for r in u.inputs() + u.outputs_refs()), \
+    units = [u for u in _units(tmp_path / "z") if u.name == "compiled.unit.forward"]
+    assert len(units) == 2 and all(r.stored for u in units for r in u.inputs() + u.outputs_refs()), \
         [(u.name, [r.stored for r in u.inputs()]) for u in units]
     torch._dynamo.reset()

@@ -1046,7 +1046,12 @@ async def test_t_shows_the_cause_and_the_next_commands_and_c_selects_the_causing
                and op.module is None and op.phase != "optimizer"]
     out = shlex.quote(f"{path}-step{PLANT_STEP}")
     # recorded from Python: the record command stops at `--` (the line after it says what goes there)
-    record = f"replaydiff record --tensors full --steps {PLANT_STEP - 1}-{PLANT_STEP} --module {changed} -o {out} --"
+    # the cause runs outside any module, which --module never selects: the zoom holds it and the first change by
+    # their op names
+    from replaydiff.trend import compute_trend
+    first = compute_trend(r).first_change
+    record = (f"replaydiff record --tensors full --steps {PLANT_STEP - 1}-{PLANT_STEP} --op aten.mul_.Tensor "
+              f"--op {first.op} -o {out} --")
     app = ReplaydiffApp(replaydiff.open_trace(path))
     async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)
