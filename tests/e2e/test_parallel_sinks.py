@@ -125,6 +125,8 @@ def step(mode):
                 p.grad /= world  # the micro-batches' gradients averaged over the ranks
         else:
             loss = F.cross_entropy(logits, ys.flatten(), ignore_index=-100)
+            if mode == "rank_scaled_divided":
+                loss = loss / 1  # over 1 micro-batch: an op both runs run, between rank 1's scale and the loss
             if mode.startswith("rank_scaled") and rank == 1:
                 loss = loss * 1.01  # BUG in rank_scaled: one rank's loss 1% off
             loss.backward()
@@ -148,7 +150,7 @@ for m in modes:
 '''
 MODES = ["plain", "local_index", "attention", "fsdp_clip", "fsdp_clip_halved", "per_token", "per_token_extra", "lr", "lr_one_rank",
          "same_shard", "adam_sum", "token_mean", "sampler", "sampler_same_rank", "clip_sum",
-         "rank_scaled", "rank_scaled_rows", "dealt", "dealt_accum", "dealt_accum_scaled", "dealt_accum_halved"]
+         "rank_scaled", "rank_scaled_rows", "rank_scaled_divided", "dealt", "dealt_accum", "dealt_accum_scaled", "dealt_accum_halved"]
 
 
 @pytest.fixture(scope="module")
@@ -360,6 +362,21 @@ def test_one_rank_s_loss_scaled_by_one_percent_is_named_on_that_rank_at_its_line
     assert "all-reduce" not in d.why, d.why
     assert f"on rank 1 it reads what aten.mul.Tensor (#" in d.why and \
         f"{_line('loss = loss * 1.01')}) made" in d.why, d.why
+
+
+def test_one_rank_s_own_scale_behind_an_op_both_runs_run_is_named_there(runs, capsys):
+    """Rank 1's 1% scale read through a division both runs run (the loss over 1 micro-batch): the division's
+    backward parts on rank 1, which reads what rank 1 alone computed; the min over the ranks (rank 0's 1 against rank
+    1's 1.01) is no layout in a job that reduces with no min, and the partial loss that nll_loss_backward reads is not
+    'an all-reduce is missing' (found by a new-user trial: plain DDP, rank 1's loss scaled)."""
+    code, text = _diff(runs, "rank_scaled_divided", capsys)
+    d = diff_traces(runs[1] / "rank_scaled_divided", runs[2] / "rank_scaled_divided").parallel
+    dep = d.departure
+    assert code == 1 and dep is not None and dep.op.name == "aten.div.Tensor" and dep.op.phase == "backward", dep
+    assert "rank 0 holds the reference's value, rank 1 does not" in dep.why and "all-reduce" not in dep.why, dep.why
+    assert f"on rank 1 it reads what aten.mul.Tensor (#" in dep.why and \
+        f"{_line('loss = loss * 1.01')}) made" in dep.why, dep.why
+    assert "min over ranks" not in text and "max over ranks" not in text, text
 
 
 def test_one_rank_s_own_scale_is_named_where_the_ranks_rows_are_not_slices_in_rank_order(runs):

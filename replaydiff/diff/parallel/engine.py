@@ -60,6 +60,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     # expert parallelism: an expert's op -> the one rank that holds the expert; the all-to-alls' split sizes
     expert_ranks = experts_of(ref, r_side, t_sides) if not owner and full_world is None else {}
     exchanges = exchanges_of(t_sides) if not owner and full_world is None else ()
+    reduced_with = frozenset(op.collective.reduce_op for side in t_sides for op in side.ops.values()
+                             if op.collective is not None and op.collective.reduce_op)
     # Gradient accumulation on the ranks: each runs its share of the global batch as ``passes`` forward-backward
     # passes where the reference runs one. The reference's ops up to the end of its backward then stand for every
     # rank's every pass: one part per (rank, pass), rank-major, the order in which the passes' rows make the global
@@ -189,7 +191,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 return held_tensor(map_tensor(ref, tgts, rref, trefs, kind, pos, 1, rop=rop, reads=reads), world,
                                    holder)
             m = map_tensor(ref, tgts, rref, trefs, kind, pos, world, micro, declared, mesh,
-                           per_rank if micro is not None else len(own) // world, rop, reads, orders)
+                           per_rank if micro is not None else len(own) // world, rop, reads, orders, reduced_with)
             if m is not None and m.layout is not None and m.layout.order is not None:
                 orders.setdefault(len(m.layout.order), m.layout.order)
             return m if m is None or not exchanges else routed_tensor(ref, tgts, rref, trefs, m, exchanges)
@@ -375,7 +377,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 carriers.add(i)
         if not from_departed and (first is None or with_agreeing or first[2] is not Departure.INPUTS) and \
                 all(m.layout is None for m in bad) and \
-                amplifies(rop, tops, tensors, producers, by_ref, tgts, set(out.amplified), lead_map):
+                amplifies(rop, tops, tensors, producers, by_ref, tgts, set(out.amplified), [maps[p] for p in own]):
             # every rank computes from the same inputs, right given them; they differ from the reference's by a
             # reordered sum's rounding, which this op amplifies (AdamW's first update of a near-zero gradient)
             out.amplified.append(i)
@@ -439,6 +441,11 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 f"shard; {same_shard_cause(tgts, m.kind == 'in')}")
         elif m.kind == "in" and m.offsets is None:
             kind, why = Departure.INPUTS, why_inputs(m, rop.step)
+        elif other_args and partial_in is not None and not from_departed and rop.phase != "optimizer" and \
+                not aten.is_cheap(rop.name):
+            # it reads a partial value (a per-rank loss) as a correct run does, and some rank gives it another
+            # argument (a scale of its own): the argument is the difference, not a reduction
+            kind, why = Departure.NO_LAYOUT, _other_arguments(m, other_args, world, own, rank_of)
         elif partial_in is not None and rop.phase == "optimizer" and \
                 (over := reduced_at(partial_in[0], rop, tops, tgts, lead_side, lead_map, ref, world,
                                      micro, mesh)) is not None:
@@ -557,10 +564,7 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         elif other_args and not from_departed and not aten.is_cheap(rop.name):
             # its inputs map onto the reference's (it reads nothing that parted), its result does not: the
             # arguments the ranks give it are the difference (an optimizer's lr, a scale)
-            kind, why = Departure.NO_LAYOUT, (
-                f"output {m.position} ({m.describe}) maps onto the reference's under no layout, from inputs that "
-                f"do: the ranks run this op with other arguments than the single process: "
-                f"{arguments_text(other_args, world, [rank_of[p] for p in own] if len(own) > world else None)}")
+            kind, why = Departure.NO_LAYOUT, _other_arguments(m, other_args, world, own, rank_of)
         else:
             kind, why = Departure.NO_LAYOUT, (
                 f"output {m.position} ({m.describe}) maps onto the reference's under no layout (replicated, sharded "
@@ -757,6 +761,13 @@ def _picked(mop: MappedOp, r_side: Side, t_sides: list[Side]):
         return None
     return rows_picked(r_side.ops[mop.ref], r_side.ops, [t_sides[r].ops[j] for r, j in on_ranks],
                        [side.ops for side in t_sides])
+
+
+def _other_arguments(m: Mapped, found: list, world: int, own: list[int], rank_of: list[int]) -> str:
+    """An output that parts from inputs that map, where the ranks give the op other arguments."""
+    return (f"output {m.position} ({m.describe}) maps onto the reference's under no layout, from inputs that do: the "
+            f"ranks run this op with other arguments than the single process: "
+            f"{arguments_text(found, world, [rank_of[p] for p in own] if len(own) > world else None)}")
 
 
 def _judge_picks(first, inherited: int, roots: list, origin: dict[int, frozenset[int]], departed: set[int],

@@ -7,7 +7,7 @@ import math
 import torch
 
 from replaydiff import aten
-from replaydiff.compare.layout import (Close, Layout, LayoutKind, candidates, infer_layouts, infer_mesh_layouts,
+from replaydiff.compare.layout import (KINDS, Close, Layout, LayoutKind, candidates, infer_layouts, infer_mesh_layouts,
                                        order_index, rel_l2_close, reordered_layouts,
                                        shard_offsets)
 from replaydiff.compare.reordered import Limit, counts_terms, fallback, limit_of
@@ -92,7 +92,8 @@ def map_tensor(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs:
                pos: int, world: int, micro: int | None = None, declared: DTensorArg | None = None,
                mesh: tuple[tuple[tuple[int, ...], ...], ...] | None = None, passes: int = 1,
                rop: OpRecord | None = None, reads: float | None = None,
-               orders: dict[int, tuple[int, ...]] | None = None) -> Mapped | None:
+               orders: dict[int, tuple[int, ...]] | None = None,
+               reduced_with: frozenset[str] = frozenset()) -> Mapped | None:
     """How the ranks hold one tensor of an aligned op; None when it cannot be compared (no data, uninitialised).
     ``rop``: the reference op that made it (an output), and ``reads``: the largest error measured on what that op
     reads (``measured_reads``), from which its limit is counted (``limit_for``); without them, sqrt(eps).
@@ -100,14 +101,17 @@ def map_tensor(ref: RankTrace, targets: list[RankTrace], rref: TensorRef, trefs:
     ``passes``: each rank runs the op once per micro-batch of its share, ``targets`` holding each rank ``passes``
     times (rank-major, one entry per pass). ``orders``: the orders in which the ranks hold the step's batches, by
     their number of rows (``Layout.order``), tried where no other layout fits; a tensor from outside the step whose
-    rows the ranks hold in another order is given its order."""
+    rows the ranks hold in another order is given its order. ``reduced_with``: the reduce ops of the ranks'
+    collectives ("max", "min"): a max or min over the ranks is a layout only in a job that reduces with it."""
     if not rref.stored or rref.meta or rref.uninitialised or not all(t.stored and not t.meta for t in trefs):
         return None
     r = ref.tensor(rref)
     parts = [targets[k].tensor(t) for k, t in enumerate(trefs)]
     limit = limit_for(ref, rop if kind == "out" else None, r, reads, pos)
     close = close_for(r.dtype, limit)
-    fits = infer_layouts(r, parts, close)
+    # A max or min over the ranks fits any value that one rank alone got wrong in one direction (the min of 1 and
+    # 1.01 is 1): a layout only where the job reduces with it (an amax all-reduced with MAX)
+    fits = [f for f in infer_layouts(r, parts, close) if not KINDS[f.kind].picks or f.kind.value in reduced_with]
     if not fits and micro is None:
         # (a batch, which needs no gradient, in rows; whole slices in another order are a shard taken at the wrong
         # offset, said as such below)

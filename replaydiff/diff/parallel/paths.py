@@ -248,15 +248,19 @@ def partial_input(producers: dict[int, int | None],
 
 
 def amplifies(rop: OpRecord, tops: list[OpRecord], tensors: list[Mapped], producers: dict[int, int | None],
-               by_ref: dict[int, MappedOp], ranks: list[RankTrace], amplified: set[int], aligned0: dict[int, int]) -> bool:
+               by_ref: dict[int, MappedOp], ranks: list[RankTrace], amplified: set[int],
+               aligned: list[dict[int, int]]) -> bool:
     """Whether an op's outputs part from the reference's only by amplifying a rounding difference of its inputs:
     every input it reads is replicated at factor 1 (as mapped: from an earlier aligned op, or from outside the step),
     every rank's outputs have the reference's shapes, and every rank's op, replayed alone from its own recorded
-    inputs, is right. Then each rank computed the reference's op from the reference's values up to rounding."""
-    mine = ranks[0].producers(tops[0].index)
+    inputs, is right. Then each rank computed the reference's op from the reference's values up to rounding.
+    ``aligned``: each of ``tops``' counterpart of every reference op."""
+    theirs = [r.producers(top.index) for r, top in zip(ranks, tops)]
     for pos, p in producers.items():
-        if mine.get(pos) != (None if p is None else aligned0.get(p)):
-            return False  # on rank 0 the input comes from an op of its own (a collective): not the reference's value
+        if any(mine.get(pos) != (None if p is None else a.get(p)) for mine, a in zip(theirs, aligned)):
+            # on some rank the input comes from an op of its own (a collective, a scale one rank alone applies):
+            # not the reference's value
+            return False
         if p is None or p in amplified:  # an amplified value: every rank holds it alike, as its maker made sure
             continue
         made = by_ref.get(p)
