@@ -59,6 +59,9 @@ def _dtype_facts(dtype: torch.dtype) -> tuple[str, int, int | None, bool]:
     return facts
 
 
+_OP_OVERLOAD = torch._ops.OpOverload
+# what aten.fake_mode_active() reads (None in a torch without infra-mode keys), read in __torch_dispatch__ itself
+_FAKE_KEY, _get_mode = aten._FAKE_KEY, aten._get_mode
 _KERNEL_STATS = kernel_stats  # as imported (OpBuilder: tests replace the module's kernel_stats)
 
 
@@ -108,7 +111,7 @@ class RecordingMode(TorchDispatchMode):
             # local tensors come back through this mode and are what gets recorded (and can be replayed).
             note_dtensor_op(rec, func, args, kwargs)  # its placements, for the diff of a parallel run
             return NotImplemented
-        if aten.fake_mode_active():
+        if _get_mode is not None and _get_mode(_FAKE_KEY) is not None:  # aten.fake_mode_active(), inline
             # Shape propagation on fake tensors (DTensor's sharding rules): no data, nothing computed for the job.
             return func(*args, **kwargs)
         # Bounded: an op that waits for another thread's op while that one runs (a custom op joining a worker
@@ -123,7 +126,10 @@ class RecordingMode(TorchDispatchMode):
                 pending = rec.before(func, types, args, kwargs)
             except Exception as exc:  # costs this op alone: a stub record says why
                 _op_failed(rec, func, args, kwargs, exc)
-            out = func(*args, **kwargs)
+            # OpOverload.__call__ is one Python line, `return self._op(*args, **kwargs)`: called here directly for
+            # an exact OpOverload (one Python frame fewer an op); anything else (a subclass, another operator
+            # type) through its own __call__.
+            out = func._op(*args, **kwargs) if type(func) is _OP_OVERLOAD else func(*args, **kwargs)
             if pending is not None:
                 try:
                     # a point-to-point collective's work comes back waited and complete (wait_collective says why)
