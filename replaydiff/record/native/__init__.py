@@ -14,7 +14,9 @@ Where Python's own headers are installed, the same source is also built into an 
 recorder's other per-op helpers (``hotpath.c``: ``extension()``): the kernel called once per tensor without ctypes'
 argument conversion (~10x cheaper on a tiny tensor, returning the statistics themselves), and op records taken off
 the cyclic garbage collector's lists (``untrack()``). Without the headers (or where that build fails) the ctypes
-library measures alone, with the same results, and the records stay on the collector's lists.
+library measures alone, with the same results, and the records stay on the collector's lists. Not on a
+free-threaded Python either: loading a module that does not declare it runs without the GIL turns the GIL back on
+for the whole job.
 """
 from __future__ import annotations
 
@@ -84,13 +86,19 @@ def kernel():
 def extension():
     """The loaded extension module (``measure``, ``dense_numel``, ``untrack_tree``: see hotpath.c), or None; built at
     the first call in a process, where a C compiler and Python's headers are (``REPLAYDIFF_NATIVE=0`` turns it off,
-    as it does the ctypes kernel)."""
+    as it does the ctypes kernel; never on a free-threaded Python: see there)."""
     if _ext_loaded:
         return _ext_loaded[0]
     with _lock:
         if not _ext_loaded:
             mod = None
-            if os.environ.get("REPLAYDIFF_NATIVE", "1") != "0":
+            if free_threaded():
+                # A module without a Py_mod_gil slot turns the GIL back on for the whole process when it loads (with
+                # a RuntimeWarning): the job would run differently because it was recorded. untrack_tree's walk also
+                # assumes the GIL (no other thread changes a record's containers, or their collector bits, meanwhile).
+                log.debug("native extension not loaded on a free-threaded Python (the ctypes kernel measures, op "
+                          "records stay on the collector's lists)")
+            elif os.environ.get("REPLAYDIFF_NATIVE", "1") != "0":
                 try:
                     mod = load_extension(build_extension())
                 except Exception as exc:  # no headers, no compiler, a failed build: Python does its work
@@ -98,6 +106,11 @@ def extension():
                               "collector's lists): %s: %s", type(exc).__name__, exc)
             _ext_loaded.append(mod)
     return _ext_loaded[0]
+
+
+def free_threaded() -> bool:
+    """Whether this is a free-threaded Python (built with ``--disable-gil``), where the extension is not loaded."""
+    return bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
 
 
 def untrack():

@@ -146,8 +146,11 @@ static PyObject *dense_numel(PyObject *self, PyObject *const *args, Py_ssize_t n
 
 /* Untrack obj and what it holds where that is safe; returns whether obj stays tracked. Only exact dicts, lists and
  * tuples are untracked, and only when everything they hold is untracked or never tracked (numbers, strings, None):
- * CPython's own rule for tuples and dicts (its collector untracks such tuples as it meets them, such dicts in full
- * collections), applied to lists as well. Anything else stays tracked, and so do the containers above it: an object
+ * CPython's rule for tuples (its collector untracks such tuples as it meets them), applied to dicts and lists too, and
+ * looser than CPython's, which keeps a container holding any list or dict tracked. That is sound for op records
+ * alone, for the reason untrack_tree gives: an untracked list is never tracked again when something is put into it,
+ * so a cycle made later through one would never be collected. Anything else stays tracked, and so do the containers
+ * above it: an object
  * of another type, a tree deeper than 32, and whatever is met once *budget containers have been walked (a record
  * has a few dozen; the budget keeps a shape the recorder never builds from costing more). */
 static int untrack(PyObject *obj, int depth, Py_ssize_t *budget) {
@@ -184,10 +187,13 @@ static int untrack(PyObject *obj, int depth, Py_ssize_t *budget) {
  * oldest generation, and the collector runs a full collection of the whole process (~0.2-0.5 s where torch and a
  * model are loaded) each time that generation has grown by a quarter. Recording the selective scan's step (~6,700
  * ops, ~10 containers a record) brought one on every 3-5 steps, and its young collections walked the waiting
- * records again and again. An op record is plain data the recorder built: numbers, strings, and containers of
- * them; no cycle can run through it, and reference counting frees it once written. What the recorder adds to it
- * later is plain data too (statistics filled in, a data file's number), and a dict takes itself back onto the
- * collector's lists when a container is put into it. */
+ * records again and again. An op record is plain data the recorder built, fresh for each op: numbers, strings, and
+ * containers of them (no argument of the job's is kept in one: encode_value copies lists, and names what it cannot
+ * copy); no cycle can run through it, and reference counting frees it once written. What the recorder adds to it
+ * later is plain data too (statistics filled into a ref or a cell, a data file's number), and the writer packs every
+ * record with msgpack, which takes nothing else. Up to Python 3.13 a dict also takes itself back onto the
+ * collector's lists when a container is put into it; from 3.14 CPython neither untracks dicts nor tracks them again,
+ * which the reason above does not need. */
 static PyObject *untrack_tree(PyObject *self, PyObject *arg) {
     Py_ssize_t budget = 100000;
     (void)self;
