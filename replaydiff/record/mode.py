@@ -59,7 +59,22 @@ def _dtype_facts(dtype: torch.dtype) -> tuple[str, int, int | None, bool]:
     return facts
 
 
-_OP_OVERLOAD = torch._ops.OpOverload
+def _one_line_call(self, /, *args, **kwargs):  # OpOverload.__call__ as torch writes it (2.1 on)
+    return self._op(*args, **kwargs)
+
+
+def calls_its_op(cls: type) -> bool:
+    """Whether ``cls.__call__`` is ``_one_line_call`` (the same bytecode, names and constants): only then does
+    __torch_dispatch__ call an overload's ``_op`` itself. A torch whose ``__call__`` does more (a hook, a check) keeps
+    its own call: skipping it would change what the job runs."""
+    code = getattr(getattr(cls, "__call__", None), "__code__", None)
+    ref = _one_line_call.__code__
+    return code is not None and (code.co_code, code.co_names, code.co_consts) == (ref.co_code, ref.co_names,
+                                                                                  ref.co_consts)
+
+
+# the type whose calls __torch_dispatch__ makes through _op; None where its __call__ is not that one line
+_OP_OVERLOAD = torch._ops.OpOverload if calls_its_op(torch._ops.OpOverload) else None
 # what aten.fake_mode_active() reads (None in a torch without infra-mode keys), read in __torch_dispatch__ itself
 _FAKE_KEY, _get_mode = aten._FAKE_KEY, aten._get_mode
 _KERNEL_STATS = kernel_stats  # as imported (OpBuilder: tests replace the module's kernel_stats)
@@ -126,9 +141,9 @@ class RecordingMode(TorchDispatchMode):
                 pending = rec.before(func, types, args, kwargs)
             except Exception as exc:  # costs this op alone: a stub record says why
                 _op_failed(rec, func, args, kwargs, exc)
-            # OpOverload.__call__ is one Python line, `return self._op(*args, **kwargs)`: called here directly for
-            # an exact OpOverload (one Python frame fewer an op); anything else (a subclass, another operator
-            # type) through its own __call__.
+            # OpOverload.__call__ is one Python line, `return self._op(*args, **kwargs)` (calls_its_op checks it):
+            # called here directly for an exact OpOverload (one Python frame fewer an op); anything else (a
+            # subclass, another operator type, a torch whose __call__ does more) through its own __call__.
             out = func._op(*args, **kwargs) if type(func) is _OP_OVERLOAD else func(*args, **kwargs)
             if pending is not None:
                 try:
