@@ -48,16 +48,20 @@ _SKIP_PREFIXES = (
 )
 
 
-# id(code object) -> (the code object, skip it?): a dict hit is cheaper than six startswith tests per frame. By id, not
-# by the code object: a code object's hash is computed at every lookup from its name, bytecode and constants (0.1 to
-# 2 us; a model's forward ~1 us), and source() looks up every frame it passes, for every op. The code object is kept
-# (as the dict's key kept it before), so its id is never another's while the entry exists.
-_SKIP_CODE: dict[int, tuple[CodeType, bool]] = {}
+# id(code object) -> skip it? (a dict hit is cheaper than six startswith tests per frame). By id, not by the code
+# object: a code object's hash is computed at every lookup from its name, bytecode and constants (0.1 to 2 us; a
+# model's forward ~1 us), and source() looks up every frame it passes, for every op. _KEPT_CODE keeps every code
+# object named here alive (as the dict's keys did before), so an id here is never another object's, and neither is
+# one in OpContext._lines.
+_SKIP_CODE: dict[int, bool] = {}
+_KEPT_CODE: list[CodeType] = []
 
 
-def _skip_entry(code: CodeType) -> tuple[CodeType, bool]:
-    hit = _SKIP_CODE[id(code)] = (code, code.co_filename.startswith(_SKIP_PREFIXES))
-    return hit
+def _skip_entry(code: CodeType) -> bool:
+    _KEPT_CODE.append(code)
+    skip = _SKIP_CODE[id(code)] = code.co_filename.startswith(_SKIP_PREFIXES)
+    return skip
+
 
 _active: list["OpContext"] = []  # installed contexts
 _step_listeners: list[Callable[..., None]] = []  # called after every optimizer step (multi_step.py)
@@ -316,11 +320,11 @@ class OpContext:
         self._param_modules: dict[int, tuple[weakref.ref, str]] = {}
         self._params_indexed_in: int | None = None  # the backward pass (graph task) the map was last rebuilt in
         self._reset_queued_in: int | None = None  # the backward pass whose end resets the module tracker
-        # (id of the code, instruction offset) -> (the code, ("file.py:LINE", the line's text)); file name -> its
-        # SHA-256 (None: not readable) and lines. By offset, not line number: reading a frame's f_lineno scans its
-        # code's line table up to the instruction, ~7 us at line 600 of a function (transformers' forwards are long).
-        # By the code's id, not the code (see _SKIP_CODE); the code is kept in the value and compared.
-        self._lines: dict[tuple[int, int], tuple[CodeType, tuple[str, str | None]]] = {}
+        # (id of the code, instruction offset) -> ("file.py:LINE", the line's text); file name -> its SHA-256 (None:
+        # not readable) and lines. By offset, not line number: reading a frame's f_lineno scans its code's line
+        # table up to the instruction, ~7 us at line 600 of a function (transformers' forwards are long). By the
+        # code's id, not the code (see _SKIP_CODE, which keeps every code object source() meets alive).
+        self._lines: dict[tuple[int, int], tuple[str, str | None]] = {}
         self._files: dict[str, tuple[str | None, list[str]]] = {}
         self._recomputes = Recomputes()
         self._calls: dict[int, tuple[str, str | None] | None] = {}  # backward pass -> where backward() was called
@@ -502,21 +506,21 @@ class OpContext:
         skip = _SKIP_CODE
         while f is not None:
             code = f.f_code
-            hit = skip.get(id(code))
-            if hit is None or hit[0] is not code:
-                hit = _skip_entry(code)
-            if not hit[1]:
+            s = skip.get(id(code))
+            if s is None:
+                s = _skip_entry(code)
+            if not s:
                 break
             f = f.f_back
         if f is None:
             return None
         key = (id(code), f.f_lasti)
         found = self._lines.get(key)
-        if found is None or found[0] is not code:  # once per code location: the file is read and hashed once
+        if found is None:  # once per code location: the file is read and hashed once, at its first location
             if len(self._lines) > 100_000:
                 self._lines.clear()
-            found = self._lines[key] = (code, self._resolve(code.co_filename, f.f_lineno))
-        return found[1]
+            found = self._lines[key] = self._resolve(code.co_filename, f.f_lineno)
+        return found
 
     def _resolve(self, filename: str, lineno: int) -> tuple[str, str | None]:
         name = filename[len(self._cwd):] if filename.startswith(self._cwd) else filename
@@ -550,10 +554,10 @@ def _user_frame(f: FrameType | None) -> FrameType | None:
     """The innermost frame at or above ``f`` that is the user's code (see _SKIP_PREFIXES)."""
     while f is not None:
         code = f.f_code
-        hit = _SKIP_CODE.get(id(code))
-        if hit is None or hit[0] is not code:
-            hit = _skip_entry(code)
-        if not hit[1]:
+        s = _SKIP_CODE.get(id(code))
+        if s is None:
+            s = _skip_entry(code)
+        if not s:
             return f
         f = f.f_back
     return None

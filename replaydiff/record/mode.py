@@ -22,6 +22,7 @@ from replaydiff.aten import iter_tensors, written_args
 from replaydiff.record.budget import DataBudget
 from replaydiff.record.context import OpContext
 from replaydiff.record.dtensor import note_dtensor_op
+from replaydiff.record import native
 from replaydiff.record.options import RecordOptions
 from replaydiff.record.stats import (DeviceStats, batch_stats, cpu_values, dense_numel, extension, has_stats,
                                      kernel_code, kernel_stats, past_storage, values_stats)
@@ -58,6 +59,24 @@ def _dtype_facts(dtype: torch.dtype) -> tuple[str, int, int | None, bool]:
     return facts
 
 
+def _one_line_call(self, /, *args, **kwargs):  # OpOverload.__call__ as torch writes it (2.1 on)
+    return self._op(*args, **kwargs)
+
+
+def calls_its_op(cls: type) -> bool:
+    """Whether ``cls.__call__`` is ``_one_line_call`` (the same bytecode, names and constants): only then does
+    __torch_dispatch__ call an overload's ``_op`` itself. A torch whose ``__call__`` does more (a hook, a check) keeps
+    its own call: skipping it would change what the job runs."""
+    code = getattr(getattr(cls, "__call__", None), "__code__", None)
+    ref = _one_line_call.__code__
+    return code is not None and (code.co_code, code.co_names, code.co_consts) == (ref.co_code, ref.co_names,
+                                                                                  ref.co_consts)
+
+
+# the type whose calls __torch_dispatch__ makes through _op; None where its __call__ is not that one line
+_OP_OVERLOAD = torch._ops.OpOverload if calls_its_op(torch._ops.OpOverload) else None
+# what aten.fake_mode_active() reads (None in a torch without infra-mode keys), read in __torch_dispatch__ itself
+_FAKE_KEY, _get_mode = aten._FAKE_KEY, aten._get_mode
 _KERNEL_STATS = kernel_stats  # as imported (OpBuilder: tests replace the module's kernel_stats)
 
 
@@ -107,7 +126,7 @@ class RecordingMode(TorchDispatchMode):
             # local tensors come back through this mode and are what gets recorded (and can be replayed).
             note_dtensor_op(rec, func, args, kwargs)  # its placements, for the diff of a parallel run
             return NotImplemented
-        if aten.fake_mode_active():
+        if _get_mode is not None and _get_mode(_FAKE_KEY) is not None:  # aten.fake_mode_active(), inline
             # Shape propagation on fake tensors (DTensor's sharding rules): no data, nothing computed for the job.
             return func(*args, **kwargs)
         # Bounded: an op that waits for another thread's op while that one runs (a custom op joining a worker
@@ -122,7 +141,10 @@ class RecordingMode(TorchDispatchMode):
                 pending = rec.before(func, types, args, kwargs)
             except Exception as exc:  # costs this op alone: a stub record says why
                 _op_failed(rec, func, args, kwargs, exc)
-            out = func(*args, **kwargs)
+            # OpOverload.__call__ is one Python line, `return self._op(*args, **kwargs)` (calls_its_op checks it):
+            # called here directly for an exact OpOverload (one Python frame fewer an op); anything else (a
+            # subclass, another operator type, a torch whose __call__ does more) through its own __call__.
+            out = func._op(*args, **kwargs) if type(func) is _OP_OVERLOAD else func(*args, **kwargs)
             if pending is not None:
                 try:
                     # a point-to-point collective's work comes back waited and complete (wait_collective says why)
@@ -166,14 +188,19 @@ class OpBuilder:
         self.mode = rec.options.tensors
         self._meta = self.mode is TensorMode.META  # ref() stops at the description
         self._full = self.mode is TensorMode.FULL
-        # The statistics extension (native/pystats.c) where it loads: the kernel's statistics list in one call, and
+        # The statistics extension (native/hotpath.c) where it loads: the kernel's statistics in one call, and
         # dense_numel in C. Loaded here for a statistics recording (its first tensor would); a full one measures
         # few tensors (those over --max-tensor-bytes or the budget), with kernel_stats. Not where kernel_stats was
         # replaced (a test counting or refusing the kernel's calls).
         ext = extension() if self.mode is TensorMode.STATS and kernel_stats is _KERNEL_STATS else None
         self._measure = ext.measure if ext is not None else None
         self._dense_numel = ext.dense_numel if ext is not None else dense_numel
+        # Takes each op record off the cyclic garbage collector's lists as it goes to the writer (native/hotpath.c
+        # says why: full collections of the job's whole heap every few steps otherwise); None without the extension.
+        self.untrack = native.untrack()
         self._storages = rec.storages  # the recorder's table, for the lookup ref() makes for every tensor
+        # its dict and its queue of dead storages (the table changes them in place, never replaces them)
+        self._entries, self._dead = rec.storages._entries, rec.storages._dead
         self.max_bytes = rec.options.max_tensor_bytes
         self.verify = rec.options.verify_writes
         self.unseen_writes = 0
@@ -227,17 +254,19 @@ class OpBuilder:
         dev = place[0]
         if t._is_zerotensor() or type(t) not in _PLAIN or t.layout is not _STRIDED or dev == "meta":
             return self._odd_ref(t, dtype, dev)  # the common tensor passes these with one test
-        # torch.Size and a tuple as they come (both tuples): packed as the lists they would be, and every reader of
-        # a record takes tuple() of them; list() of each cost two copies a tensor.
-        shape, stride = t.shape, t.stride()
+        # Tuples: packed as the lists they would be, and every reader of a record takes tuple() of them. The shape
+        # as a plain tuple, not the torch.Size it comes as: the collector stops tracking a tuple of ints (and then
+        # the reference holding it) once it has seen it, never a tuple subclass. A record lives until the writer
+        # has packed its chunk, long enough to be promoted to the oldest generation: tracked objects there bring
+        # on full collections of the whole process (~0.2 s each on the selective scan's step: every few steps).
+        shape, stride = tuple(t.shape), t.stride()
         storage = t.untyped_storage()
         # StorageTable.entry's lookup inlined for a storage seen before, unresized, with no deaths queued (most
         # tensors of an op); anything else takes entry() itself.
-        table = self._storages
         # (len() of an untyped storage is its nbytes(), through the type's slot: no method lookup, no arguments)
-        entry = None if table._dead else table._entries.get(storage._cdata)
+        entry = None if self._dead else self._entries.get(storage._cdata)
         if entry is None or entry.nbytes != len(storage):
-            entry = table.entry(storage)
+            entry = self._storages.entry(storage)
         asynchronous = place[1]
         if asynchronous:
             self.op_device = device
@@ -248,7 +277,7 @@ class OpBuilder:
             entry.late = None
         if entry.crc is not None and crc32(address_view(storage.data_ptr(), entry.nbytes)) != entry.crc:
             # Written since it was stored, behind the dispatcher's back (numpy, a C extension): a new version.
-            table.bump(entry)
+            self._storages.bump(entry)
             self.unseen_writes += 1
         # One call builds the whole reference. Only a complex tensor can carry the conj bit (conj() of a real one
         # is itself): one torch call fewer.
@@ -332,7 +361,7 @@ class OpBuilder:
             elif facts[2] is None:  # a dtype the kernel cannot read
                 s = None
             else:
-                # Measured now, in place, by the compiled kernel (its extension module: kernel_stats' list, one call)
+                # Measured now, in place, by the compiled kernel (its extension module: kernel_stats' values, one call)
                 s = measure(t.data_ptr(), facts[2], n, None if is_dense else shape, None if is_dense else stride)
                 if s == 1:  # NaN or Inf inside, or an overflowing square: numpy's slow path, as kernel_stats
                     s = values_stats([(cpu_values(t, is_dense, copy=False), t.dtype is torch.bfloat16)])[0]
@@ -794,6 +823,8 @@ def record_after(rec: RecorderLike, b: OpBuilder, p: Pending, func: Any, args: t
             b.late = None
         if b.left_out is not None:
             schema.wire_set_left_out(record, b.left_out)
+        if b.untrack is not None:  # off the cyclic collector's lists before it waits for the writer: hotpath.c
+            b.untrack(record)
         if b._stat_queue or b._cpu_pending or b._records:  # add_op(), where it has more to do than hand it on
             b.add_op(record)
         else:

@@ -31,10 +31,12 @@ _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks  
 _MAX_REGIONS = 4096  # regions kept at once; the oldest go first (a region is recomputed once per backward)
 
 
-class ForwardOp(NamedTuple):
-    index: int
-    name: str
-    module: str | None
+# A forward op of a region: (index, name, module). A plain tuple, not a NamedTuple: the collector stops tracking a
+# plain tuple of numbers and strings once it has seen it, never a tuple subclass, and a region's ops live until its
+# recompute (one per op of every checkpointed region: they reached the oldest generation, whose growth brings on
+# full collections of the job's heap).
+ForwardOp = tuple[int, str, "str | None"]
+_INDEX, _NAME, _MODULE = 0, 1, 2
 
 
 class Recompute(NamedTuple):
@@ -79,7 +81,7 @@ class Recomputes:
             # _hook_frame(), its common case first (no saved-tensor hooks: no checkpoint): one call fewer an op
             frame = self._hook_frame() if _top_saved_tensors_hooks(True) is not None else None
             if frame is not None:
-                self._region(id(frame), frame).ops.append(ForwardOp(index, name, module))
+                self._region(id(frame), frame).ops.append((index, name, module))
             return
         if "torch.utils.checkpoint" not in sys.modules:
             return
@@ -92,7 +94,7 @@ class Recomputes:
             ctx = _reentrant_ctx()
             known = self._nograd = (seq, None if ctx is None else ("node", id(ctx)), _weak(ctx))
         if known[1] is not None:
-            self._region(known[1], known[2]()).ops.append(ForwardOp(index, name, module))
+            self._region(known[1], known[2]()).ops.append((index, name, module))
 
     def _region(self, key: Any, frame: Any) -> _Region:
         r = self._regions.get(key)
@@ -126,12 +128,12 @@ class Recomputes:
         ops = region.ops
         if grad:  # not the checkpoint's own bookkeeping (a saved tensor's detach, without grad)
             for k in range(at, len(ops)):
-                if ops[k].name == name:
+                if ops[k][_NAME] == name:
                     region.cursors[task] = k + 1
-                    return Recompute(ops[k].index, ops[k].module)
+                    return Recompute(ops[k][_INDEX], ops[k][_MODULE])
         # No forward op of its own: it belongs to the module of the last op matched (an early stop leaves the
         # modules the recompute entered open, so the module tracker cannot say).
-        return Recompute(None, ops[at - 1].module if 0 < at <= len(ops) else None)
+        return Recompute(None, ops[at - 1][_MODULE] if 0 < at <= len(ops) else None)
 
     def _hook_frame(self) -> Any:
         """The ``_CheckpointFrame`` of the innermost saved-tensor hooks, if they are a checkpoint's."""

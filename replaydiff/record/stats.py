@@ -237,7 +237,7 @@ def kernel_code(dtype: torch.dtype) -> int | None:
 
 
 _kernel: Any = None  # the loaded kernel, False where there is none in this process
-# The kernel as an extension module (native/pystats.c: measure, dense_numel), False where there is none: loaded
+# The kernel as an extension module (native/hotpath.c: measure, dense_numel), False where there is none: loaded
 # with the kernel, used only where the kernel is and only where it agrees with the Python it replaces
 _ext: Any = None
 _local = threading.local()  # each thread's out-array: (its address, the array)
@@ -307,7 +307,7 @@ def _load_kernel() -> Any:
 
 
 def extension() -> Any:
-    """The statistics extension module (``measure``, ``dense_numel``; native/pystats.c), or None: where the kernel
+    """The statistics extension module (``measure``, ``dense_numel``; native/hotpath.c), or None: where the kernel
     is not used (none built, ``REPLAYDIFF_NATIVE=0``, or it disagreed with numpy) neither is the extension. Loads
     (and builds) both at the first call."""
     if _kernel is None:
@@ -362,7 +362,7 @@ def _extension_agrees(mod: Any) -> bool:
             rc = _kernel(v.ctypes.data, code, n, 0 if is_dense else nd, None if is_dense else at,
                          None if is_dense else at + 8 * nd, _CHUNK, ctypes.addressof(out))
             want = _finish(n, *out) if rc == 0 else rc
-        if repr(got) != repr(want):
+        if repr(list(got) if isinstance(got, tuple) else got) != repr(want):  # a tuple of _finish's values
             return False
     return True
 

@@ -19,6 +19,7 @@ alone.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import shutil
@@ -61,6 +62,7 @@ def use(fns: dict, meths: dict) -> None:
 def import_tree(tree: str) -> types.ModuleType:
     """The replaydiff package of another tree, imported as ``replaydiff_old`` from a renamed copy."""
     dst = tempfile.mkdtemp(prefix="rdab-tree-")
+    atexit.register(shutil.rmtree, dst, True)
     shutil.copytree(os.path.join(tree, "replaydiff"), os.path.join(dst, "replaydiff_old"))
     for root, _, files in os.walk(dst):
         for name in files:

@@ -10,10 +10,13 @@ a guest in someone's job). The library is cached per user (``$XDG_CACHE_HOME/rep
 ``~/.cache/replaydiff``) under a hash of the source, the compiler and the platform, written under a temporary name
 and renamed, so ranks that build at once all end with one good file.
 
-Where Python's own headers are installed, the same source is also built as an extension module (``pystats.c``:
-``extension()``): one call per tensor without ctypes' argument conversion, ~10x cheaper on a tiny tensor, and it
-returns the statistics list itself. Without the headers (or where that build fails) the ctypes library measures
-alone, with the same results.
+Where Python's own headers are installed, the same source is also built into an extension module with the
+recorder's other per-op helpers (``hotpath.c``: ``extension()``): the kernel called once per tensor without ctypes'
+argument conversion (~10x cheaper on a tiny tensor, returning the statistics themselves), and op records taken off
+the cyclic garbage collector's lists (``untrack()``). Without the headers (or where that build fails) the ctypes
+library measures alone, with the same results, and the records stay on the collector's lists. Not on a
+free-threaded Python either: loading a module that does not declare it runs without the GIL turns the GIL back on
+for the whole job.
 """
 from __future__ import annotations
 
@@ -36,8 +39,8 @@ from pathlib import Path
 log = logging.getLogger("replaydiff")
 
 SOURCE = Path(__file__).with_name("stats.c")
-EXT_SOURCE = Path(__file__).with_name("pystats.c")  # the extension module's wrapper; it includes SOURCE
-EXT_NAME = "_replaydiff_stats"  # its PyInit__replaydiff_stats
+EXT_SOURCE = Path(__file__).with_name("hotpath.c")  # the extension module; it includes SOURCE
+EXT_NAME = "_replaydiff_hotpath"  # its PyInit__replaydiff_hotpath
 # No -march=native: the cache may be shared by machines of one architecture. No fused multiply-add, no fast-math:
 # the sums must round as numpy's do.
 FLAGS = ["-O3", "-std=c99", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math"]
@@ -81,22 +84,40 @@ def kernel():
 
 
 def extension():
-    """The loaded extension module (``measure``, ``dense_numel``: see pystats.c), or None; built at the first call in
-    a process, where the ctypes kernel can be (``REPLAYDIFF_NATIVE=0`` turns both off) and Python's headers are
-    installed."""
+    """The loaded extension module (``measure``, ``dense_numel``, ``untrack_tree``: see hotpath.c), or None; built at
+    the first call in a process, where a C compiler and Python's headers are (``REPLAYDIFF_NATIVE=0`` turns it off,
+    as it does the ctypes kernel; never on a free-threaded Python: see there)."""
     if _ext_loaded:
         return _ext_loaded[0]
     with _lock:
         if not _ext_loaded:
             mod = None
-            if os.environ.get("REPLAYDIFF_NATIVE", "1") != "0":
+            if free_threaded():
+                # A module without a Py_mod_gil slot turns the GIL back on for the whole process when it loads (with
+                # a RuntimeWarning): the job would run differently because it was recorded. untrack_tree's walk also
+                # assumes the GIL (no other thread changes a record's containers, or their collector bits, meanwhile).
+                log.debug("native extension not loaded on a free-threaded Python (the ctypes kernel measures, op "
+                          "records stay on the collector's lists)")
+            elif os.environ.get("REPLAYDIFF_NATIVE", "1") != "0":
                 try:
                     mod = load_extension(build_extension())
-                except Exception as exc:  # no headers, no compiler, a failed build: the ctypes kernel measures
-                    log.debug("statistics extension unavailable, the ctypes kernel measures: %s: %s",
-                              type(exc).__name__, exc)
+                except Exception as exc:  # no headers, no compiler, a failed build: Python does its work
+                    log.debug("native extension unavailable (the ctypes kernel measures, op records stay on the "
+                              "collector's lists): %s: %s", type(exc).__name__, exc)
             _ext_loaded.append(mod)
     return _ext_loaded[0]
+
+
+def free_threaded() -> bool:
+    """Whether this is a free-threaded Python (built with ``--disable-gil``), where the extension is not loaded."""
+    return bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
+
+
+def untrack():
+    """``untrack_tree`` (hotpath.c: an op record off the cyclic collector's lists), or None where the extension is
+    not built (the records then stay on them, as before)."""
+    mod = extension()
+    return getattr(mod, "untrack_tree", None) if mod is not None else None
 
 
 def library_path(cc: list[str], flags: list[str], sources: tuple[Path, ...] = (SOURCE,), suffix: str = ".so",
@@ -121,7 +142,7 @@ def build(defines: tuple[str, ...] = ()) -> Path:
 
 
 def build_extension() -> Path:
-    """The cached extension module (pystats.c with stats.c), compiled first if it is not there (raises when it
+    """The cached extension module (hotpath.c with stats.c), compiled first if it is not there (raises when it
     cannot be: no compiler, no Python.h). Keyed by this Python's headers and ABI as well: another interpreter
     builds its own."""
     cc = compiler()
@@ -134,7 +155,7 @@ def build_extension() -> Path:
     if sys.platform == "darwin":  # the interpreter's symbols are found when the module loads
         flags += ["-undefined", "dynamic_lookup"]
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    target = library_path(cc, flags, (SOURCE, EXT_SOURCE), suffix, "pystats", f" {sys.version} {suffix}")
+    target = library_path(cc, flags, (SOURCE, EXT_SOURCE), suffix, "hotpath", f" {sys.version} {suffix}")
     return _compile(cc, flags, target, EXT_SOURCE)
 
 
