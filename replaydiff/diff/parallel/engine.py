@@ -441,8 +441,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                 f"shard; {same_shard_cause(tgts, m.kind == 'in')}")
         elif m.kind == "in" and m.offsets is None:
             kind, why = Departure.INPUTS, why_inputs(m, rop.step)
-        elif other_args and partial_in is not None and not from_departed and rop.phase != "optimizer" and \
-                not aten.is_cheap(rop.name):
+        elif other_args and partial_in is not None and m.layout is None and not from_departed and \
+                rop.phase != "optimizer" and not aten.is_cheap(rop.name):
             # it reads a partial value (a per-rank loss) as a correct run does, and some rank gives it another
             # argument (a scale of its own): the argument is the difference, not a reduction
             kind, why = Departure.NO_LAYOUT, _other_arguments(m, other_args, world, own, rank_of)
