@@ -10,7 +10,7 @@ from typing import TextIO
 from replaydiff.rebuild_and_judge import shown
 from replaydiff.replay.result import nonfinite_counts
 from replaydiff.trend import (MIN_HISTORY, STATISTICS, Cause, Change, LateWindow, Series, TrendResult, Zoom,
-                              log10_of)
+                              log10_of, sound_score)
 
 FORMAT = "replaydiff.trend/1"
 
@@ -22,6 +22,7 @@ def to_json(t: TrendResult, trace: str = "TRACE") -> dict:
     return {"format": FORMAT, "rank": t.rank, "steps": t.steps, "window": t.window,
             "threshold": t.threshold, "module": t.module_glob, "ops": t.ops_read,
             "first_change": None if t.first_change is None else _change_json(t.first_change),
+            "passed_over": None if t.passed_over is None else _change_json(t.passed_over),
             "cause": None if t.cause is None else _cause_json(t.cause),
             "nonfinite_discarded": None if t.discarded is None else _change_json(t.discarded),
             "zoom": None if z is None else _zoom_json(z, trace),
@@ -33,7 +34,7 @@ def to_json(t: TrendResult, trace: str = "TRACE") -> dict:
 def _change_json(c: Change) -> dict:
     return {"step": c.step, "module": c.module, "op": c.op, "index": c.index, "phase": c.phase,
             "parameter": c.parameter, "statistic": c.statistic, "score": c.score, "value": c.value,
-            "baseline": c.baseline}
+            "baseline": c.baseline, "history": c.history, "weak": not c.sound}
 
 
 def _finite_or_none(v: float | None) -> float | None:
@@ -132,13 +133,23 @@ def summarise(s: Series) -> SeriesSummary:
                          first_held=_held(s, at[0]) if at else "", last_held=_held(s, at[-1]) if at else "")
 
 
-def describe_change(c: Change) -> str:
-    """One line: where the change is (step, module, op) and what changed."""
-    what = (f"{c.statistic} {c.value:.4g} after a median of {c.baseline:.4g} (z = {c.score:g})"
+def describe_change(c: Change, threshold: float | None = None) -> str:
+    """One line: where the change is (step, module, op) and what changed; for a weak jump (scored against too few
+    steps, ``threshold``: the trend's) the score it would need."""
+    weak = f" against only {c.history} steps, where {sound_score(threshold, c.history):.3g} is needed: weak evidence" \
+        if not c.sound and threshold is not None and c.history is not None else ""
+    what = (f"{c.statistic} {c.value:.4g} after a median of {c.baseline:.4g} (z = {c.score:g}{weak})"
             if c.statistic in ("l2", "absmax") else f"{int(c.value)} {c.statistic.upper()} value(s) appeared")
     param = f" {c.parameter}" if c.parameter else ""
     return f"step {c.step}, module {shown(c.module or '-')}, op #{c.index} {shown(c.op)}{param} ({shown(c.phase)}): " \
            f"{what}"
+
+
+def describe_passed_over(t: TrendResult) -> str:
+    """One line: the earlier jump, weak evidence, that a sounder change after it outranked."""
+    w = t.passed_over
+    assert w is not None
+    return f"an earlier jump, passed over for the sounder change after it: {describe_change(w, t.threshold)}"
 
 
 def describe_cause(c: Cause) -> str:
@@ -200,9 +211,11 @@ def render_text(t: TrendResult, out: TextIO, width: int = 60, trace: str = "TRAC
     elif c is None:
         out.write(f"no sudden change (robust z-score >= {t.threshold:g} against the {t.window} steps before)\n")
     else:
-        out.write(f"first change: {describe_change(c)}\n")
+        out.write(f"first change: {describe_change(c, t.threshold)}\n")
         if t.cause_to_tell is not None:
             out.write(f"cause: {describe_cause(t.cause_to_tell)}\n")
+        if t.passed_over is not None:
+            out.write(describe_passed_over(t) + "\n")
         if t.late_window is not None:
             out.write(describe_late_window(t.late_window) + "\n")
     d = t.discarded

@@ -3,8 +3,9 @@ the closer recording) and ``entry`` (where a difference enters a trace whose eve
 frozen result; ``replaydiff.report`` renders it."""
 from replaydiff.trend.analysis import (DEFAULT_THRESHOLD, DEFAULT_WINDOW, LOG_FLOOR, MIN_HISTORY, SCALE_FLOOR,
                                        STATISTICS, Cause, Change, LateWindow, NoSteps, NoTrend, Positions, Series,
-                                       TrendResult, Zoom, compute_trend, log10_of)
+                                       TrendResult, Zoom, compute_trend, log10_of,
+                                       sound_score)
 
 __all__ = ["DEFAULT_THRESHOLD", "DEFAULT_WINDOW", "LOG_FLOOR", "MIN_HISTORY", "SCALE_FLOOR", "STATISTICS", "Cause",
            "Change", "LateWindow", "NoSteps", "NoTrend", "Positions", "Series", "TrendResult", "Zoom", "compute_trend",
-           "log10_of"]
+           "log10_of", "sound_score"]
