@@ -4,13 +4,14 @@ plot. Each reads the result and nothing else: the series, the change, its cause 
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass
 from typing import TextIO
 
 from replaydiff.rebuild_and_judge import shown
 from replaydiff.replay.result import nonfinite_counts
-from replaydiff.trend import (MIN_HISTORY, STATISTICS, Cause, Change, LateWindow, Series, TrendResult, Zoom,
-                              log10_of, sound_score)
+from replaydiff.trend import (MIN_HISTORY, STATISTICS, Cause, Change, LateWindow, Series, TrendResult, Unscored,
+                              Zoom, log10_of, sound_score)
 
 FORMAT = "replaydiff.trend/1"
 
@@ -23,6 +24,7 @@ def to_json(t: TrendResult, trace: str = "TRACE") -> dict:
             "threshold": t.threshold, "module": t.module_glob, "ops": t.ops_read,
             "first_change": None if t.first_change is None else _change_json(t.first_change),
             "passed_over": None if t.passed_over is None else _change_json(t.passed_over),
+            "not_scored": None if t.unscored is None else _unscored_json(t.unscored),
             "cause": None if t.cause is None else _cause_json(t.cause),
             "nonfinite_discarded": None if t.discarded is None else _change_json(t.discarded),
             "zoom": None if z is None else _zoom_json(z, trace),
@@ -35,6 +37,12 @@ def _change_json(c: Change) -> dict:
     return {"step": c.step, "module": c.module, "op": c.op, "index": c.index, "phase": c.phase,
             "parameter": c.parameter, "statistic": c.statistic, "score": c.score, "value": c.value,
             "baseline": c.baseline, "history": c.history, "weak": not c.sound}
+
+
+def _unscored_json(u: Unscored) -> dict:
+    return {"records": u.records, "modules": list(u.modules),
+            "filter": {"modules": None if u.filter_modules is None else list(u.filter_modules),
+                       "ops": None if u.filter_ops is None else list(u.filter_ops)}}
 
 
 def _finite_or_none(v: float | None) -> float | None:
@@ -145,6 +153,18 @@ def describe_change(c: Change, threshold: float | None = None) -> str:
            f"{what}"
 
 
+def describe_unscored(u: Unscored, trace: str = "TRACE") -> str:
+    """One line: which records trend could not score (tensor data without statistics) and what that hides."""
+    flags = " ".join([f"--module {shlex.quote(m)}" for m in u.filter_modules or ()] +
+                     [f"--op {shlex.quote(o)}" for o in u.filter_ops or ()])
+    which = f"the ops of {flags}" if flags else "the ops recorded in full"
+    names = ", ".join(shown(m) for m in u.modules[:4]) + (f" and {len(u.modules) - 4} more" if len(u.modules) > 4
+                                                         else "")
+    return f"not scored: {shown(which)} ({u.records} record{'' if u.records == 1 else 's'}, in {names}) hold tensor " \
+           f"data without statistics, which trend cannot score: a change made there is not seen, and is named, if " \
+           f"at all, where it shows outside them (replay judges those ops: replaydiff replay {shlex.quote(trace)})"
+
+
 def describe_passed_over(t: TrendResult) -> str:
     """One line: the earlier jump, weak evidence, that a sounder change after it outranked."""
     w = t.passed_over
@@ -199,6 +219,8 @@ def render_text(t: TrendResult, out: TextIO, width: int = 60, trace: str = "TRAC
     steps = f"{len(t.steps)} step{'' if len(t.steps) == 1 else 's'}"
     out.write(f"rank {t.rank}: {steps} ({t.steps[0]}..{t.steps[-1]}), {t.ops_read} records"
               f"{'' if t.module_glob is None else f', modules {t.module_glob}'}\n")
+    if t.unscored is not None:
+        out.write(describe_unscored(t.unscored, trace) + "\n")
     c = t.first_change
     if c is None and len(t.steps) < 2:  # nothing to compare a step with
         out.write(f"nothing judged: trend compares each step with the steps before it, and this trace holds "

@@ -126,6 +126,7 @@ class TrendResult:
     command_dir: str | None = None  # the folder the command ran in (the job's working directory)
     # The earliest jump, weak evidence (too few values to score it against), that a sounder change after it outranked
     passed_over: Change | None = None
+    unscored: "Unscored | None" = None  # records trend could not score (tensor data without statistics)
 
     @property
     def zoom(self) -> "Zoom | None":
@@ -166,6 +167,19 @@ class TrendResult:
                                           and not cause.changed_args and cause.phase != "optimizer"):
             return None
         return cause
+
+
+@dataclass(frozen=True)
+class Unscored:
+    """Records of the trace that hold tensor data without statistics, which trend does not read (a ``--tensors full``
+    recording stores statistics only for the ops outside its ``--module``/``--op`` filter, or past its
+    ``--budget``): a change in them is not seen, and the first change may be one they carried on. ``modules``: their
+    modules ("-" for none); ``filter_modules``/``filter_ops``: the trace's record filter (None: none)."""
+
+    records: int
+    modules: tuple[str, ...]
+    filter_modules: tuple[str, ...] | None
+    filter_ops: tuple[str, ...] | None
 
 
 class NoTrend(ValueError):
@@ -264,6 +278,8 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
     n = 0
     stepped = matched = 0  # ops with a step, and those of them the module filter keeps: why nothing is drawn
     modules: set[str] = set()
+    unscored = 0  # records that hold tensor data without statistics: trend cannot see them
+    unscored_modules: set[str] = set()
     for op in r:
         step = op.step
         if step is None:
@@ -277,6 +293,9 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
         matched += 1
         p = _point(op)
         if p is None:
+            if _data_without_statistics(op):
+                unscored += 1
+                unscored_modules.add(module or "-")
             continue
         n += 1
         if step != current:
@@ -346,7 +365,18 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
                              for name in STATISTICS})
               for (module, kind), by_step in sorted(own.items())]
     return TrendResult(r.rank, steps, series, first, window, threshold, module_glob, n, cause, discarded, r.command,
-                       r.flight, r.source_root if r.command else None, passed_over)
+                       r.flight, r.source_root if r.command else None, passed_over,
+                       Unscored(unscored, tuple(sorted(unscored_modules)), r.options.modules, r.options.ops)
+                       if unscored else None)
+
+
+def _data_without_statistics(op: Any) -> bool:
+    """Whether an op that gives no point holds a floating-point output as tensor data without statistics (in a
+    ``--tensors full`` trace, the ops of its --module/--op filter or within its --budget): trend scores statistics
+    only, so it does not see this op."""
+    return not aten.is_random(op.name) and any(
+        ref.stats is None and ref.stored and not ref.zero and not ref.meta and ref.torch_dtype.is_floating_point
+        for ref in op.outputs_refs())
 
 
 def _at(c: Change) -> tuple[int, int]:

@@ -17,12 +17,13 @@ from textual.widgets import OptionList, Static
 from textual.widgets.option_list import Option
 
 from replaydiff.report.trend import (describe_cause, describe_change, describe_late_window, describe_passed_over,
-                                     next_lines, table_lines)
+                                     describe_unscored, next_lines, table_lines)
 from replaydiff.trend import TrendResult
 
 CHANGE_ID = "first-change"
 CAUSE_ID = "cause"
 PASSED_ID = "passed-over"  # an earlier weak jump, said so that the reader can weigh it
+UNSCORED_ID = "not-scored"  # records holding tensor data without statistics, which trend cannot score
 LATE_ID = "late-window"  # a flight window that may have begun after the change
 HEADER_ID = "table-header"
 COMMAND_IDS = ("next-1", "next-2")  # next_lines: the explanation (next-0), record, replay, the note (next-3)
@@ -50,7 +51,8 @@ class TrendScreen(ModalScreen[int | None]):
 
     def lines(self) -> list[tuple[str, str | None]]:
         """(text, option id) of every line of the list: the first change, its cause, an earlier weak jump passed over,
-        a flight window that may have begun too late, the next commands, the header, one row per series."""
+        a flight window that may have begun too late, the records trend could not score, the next commands, the
+        header, one row per series."""
         t, c = self.trend, self.trend.first_change
         if c is None:
             top = [(f"no sudden change (robust z-score >= {t.threshold:g} against the {t.window} steps before)", None)]
@@ -63,6 +65,8 @@ class TrendScreen(ModalScreen[int | None]):
             top.append((describe_passed_over(t), PASSED_ID))
         if t.late_window is not None:
             top.append((describe_late_window(t.late_window), LATE_ID))
+        if t.unscored is not None:
+            top.append((describe_unscored(t.unscored, self.trace), UNSCORED_ID))
         nxt = [(line, f"next-{k}") for k, line in enumerate(next_lines(t, self.trace))]
         header, *rows = table_lines(t, SPARK_WIDTH)
         return [*top, *nxt, (header, HEADER_ID), *((line, None) for line in rows)]
