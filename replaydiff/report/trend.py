@@ -165,6 +165,12 @@ def describe_unscored(u: Unscored, trace: str = "TRACE") -> str:
            f"at all, where it shows outside them (replay judges those ops: replaydiff replay {shlex.quote(trace)})"
 
 
+def describe_no_change(t: TrendResult) -> str:
+    """One line: nothing changed, and what would have counted."""
+    return f"no sudden change (robust z-score >= {t.threshold:g} against up to {t.window} steps before, " \
+           f"{MIN_HISTORY} at least; a gradient must fall 10x under its lowest value before)"
+
+
 def describe_passed_over(t: TrendResult) -> str:
     """One line: the earlier jump, weak evidence, that a sounder change after it outranked."""
     w = t.passed_over
@@ -231,7 +237,7 @@ def render_text(t: TrendResult, out: TextIO, width: int = 60, trace: str = "TRAC
                   f"({MIN_HISTORY} before it; {t.window} fill the window), and this trace holds {len(t.steps)}: "
                   f"record more with --steps or --flight\n")
     elif c is None:
-        out.write(f"no sudden change (robust z-score >= {t.threshold:g} against the {t.window} steps before)\n")
+        out.write(describe_no_change(t) + "\n")
     else:
         out.write(f"first change: {describe_change(c, t.threshold)}\n")
         if t.cause_to_tell is not None:

@@ -16,8 +16,8 @@ from textual.screen import ModalScreen
 from textual.widgets import OptionList, Static
 from textual.widgets.option_list import Option
 
-from replaydiff.report.trend import (describe_cause, describe_change, describe_late_window, describe_passed_over,
-                                     describe_unscored, next_lines, table_lines)
+from replaydiff.report.trend import (describe_cause, describe_change, describe_late_window, describe_no_change,
+                                     describe_passed_over, describe_unscored, next_lines, table_lines)
 from replaydiff.trend import TrendResult
 
 CHANGE_ID = "first-change"
@@ -55,7 +55,7 @@ class TrendScreen(ModalScreen[int | None]):
         header, one row per series."""
         t, c = self.trend, self.trend.first_change
         if c is None:
-            top = [(f"no sudden change (robust z-score >= {t.threshold:g} against the {t.window} steps before)", None)]
+            top = [(describe_no_change(t), None)]
         else:
             top = [(f"▶ first change: {describe_change(c, t.threshold)}  (Enter or j: go to #{c.index})", CHANGE_ID)]
         cause = t.cause_to_tell
