@@ -14,6 +14,7 @@ from typing import Iterable
 
 import torch
 
+from replaydiff.aten import is_random
 from replaydiff.trace.reader import Trace
 from replaydiff.trace.schema import TensorRef
 
@@ -29,6 +30,14 @@ class RecomputeDiffers:
     # the forward op is itself divergent (replayed from its inputs, it is wrong; the recompute is not): the
     # difference is that op's, not the recompute's
     forward_wrong: bool = False
+    # the recompute is itself divergent (replayed from its inputs, it is wrong): it computed wrongly, whatever the
+    # forward op did
+    recompute_wrong: bool = False
+    # Where neither is wrong, what can make a recompute differ: its op draws from a generator (run without the
+    # forward's state), or its inputs differ from the forward op's (written in between; None: the trace cannot tell,
+    # False: the same inputs, so the kernel gave other bits)
+    random: bool = False
+    inputs_differ: bool | None = None
 
     def describe(self) -> str:
         head = f"recompute #{self.index} {self.op} differs from forward op #{self.of}, which it runs again: " \
@@ -36,12 +45,25 @@ class RecomputeDiffers:
         if self.forward_wrong:
             return f"{head} (forward op #{self.of} is itself divergent, and the recompute is right given its " \
                    f"inputs: the backward differentiates the values the forward should have made)"
-        return f"{head} (activation checkpointing: the backward differentiates values the forward never made; a " \
-               f"random op without the forward's generator state?)"
+        if self.recompute_wrong:
+            return f"{head} (the recompute is itself divergent: replayed from its inputs it is wrong, so the " \
+                   f"backward differentiates values the forward never made)"
+        if self.random:
+            why = "a random op run without the forward's generator state, which " \
+                  "checkpoint(preserve_rng_state=False) does"
+        elif self.inputs_differ:
+            why = "its inputs differ from the forward op's: written between the forward and the backward"
+        elif self.inputs_differ is False:
+            why = "from the same inputs: a kernel that does not give the same bits twice"
+        else:
+            why = "a random op's generator state, inputs written in between, or a kernel that does not give the " \
+                  "same bits twice?"
+        return f"{head} (activation checkpointing: the backward differentiates values the forward never made; {why})"
 
     def to_json(self) -> dict:
         return {"rank": self.rank, "index": self.index, "op": self.op, "of": self.of, "output": self.output,
-                "how": self.how, "forward_wrong": self.forward_wrong}
+                "how": self.how, "forward_wrong": self.forward_wrong, "recompute_wrong": self.recompute_wrong,
+                "random": self.random, "inputs_differ": self.inputs_differ}
 
 
 def _differs(trace_rank, a: TensorRef, b: TensorRef) -> str | None:
@@ -83,7 +105,27 @@ def check_recomputes(trace: Trace, ops: Iterable[tuple[int, int]],
         for k, (a, b) in enumerate(zip(op.outputs_refs(), fwd.outputs_refs())):
             how = _differs(rt, a, b)
             if how is not None:
+                mine = (rank, index) in wrong
                 found.append(RecomputeDiffers(rank, index, op.name, of, k, how,
-                                              (rank, of) in wrong and (rank, index) not in wrong))
+                                              forward_wrong=(rank, of) in wrong and not mine, recompute_wrong=mine,
+                                              random=is_random(op.name), inputs_differ=_inputs_differ(rt, op, fwd)))
                 break
     return found
+
+
+def _inputs_differ(trace_rank, op, fwd) -> bool | None:
+    """Whether the recompute ``op`` read other inputs than forward op ``fwd`` (None: the trace cannot tell, for
+    one of them: no data and no statistics)."""
+    a, b = op.inputs(), fwd.inputs()
+    if len(a) != len(b):
+        return True
+    known = True
+    for x, y in zip(a, b):
+        if x.stored_data and y.stored_data or x.stats is not None and y.stats is not None:
+            if _differs(trace_rank, x, y) is not None:
+                return True
+        elif (x.dtype, tuple(x.shape)) != (y.dtype, tuple(y.shape)):
+            return True
+        else:
+            known = False
+    return False if known else None

@@ -4,13 +4,14 @@ plot. Each reads the result and nothing else: the series, the change, its cause 
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass
 from typing import TextIO
 
 from replaydiff.rebuild_and_judge import shown
 from replaydiff.replay.result import nonfinite_counts
-from replaydiff.trend import (MIN_HISTORY, STATISTICS, Cause, Change, LateWindow, Series, TrendResult, Zoom,
-                              log10_of)
+from replaydiff.trend import (MIN_HISTORY, STATISTICS, Cause, Change, LateWindow, Series, TrendResult, Unscored,
+                              Zoom, log10_of, sound_score)
 
 FORMAT = "replaydiff.trend/1"
 
@@ -22,6 +23,8 @@ def to_json(t: TrendResult, trace: str = "TRACE") -> dict:
     return {"format": FORMAT, "rank": t.rank, "steps": t.steps, "window": t.window,
             "threshold": t.threshold, "module": t.module_glob, "ops": t.ops_read,
             "first_change": None if t.first_change is None else _change_json(t.first_change),
+            "passed_over": None if t.passed_over is None else _change_json(t.passed_over),
+            "not_scored": None if t.unscored is None else _unscored_json(t.unscored),
             "cause": None if t.cause is None else _cause_json(t.cause),
             "nonfinite_discarded": None if t.discarded is None else _change_json(t.discarded),
             "zoom": None if z is None else _zoom_json(z, trace),
@@ -33,7 +36,13 @@ def to_json(t: TrendResult, trace: str = "TRACE") -> dict:
 def _change_json(c: Change) -> dict:
     return {"step": c.step, "module": c.module, "op": c.op, "index": c.index, "phase": c.phase,
             "parameter": c.parameter, "statistic": c.statistic, "score": c.score, "value": c.value,
-            "baseline": c.baseline}
+            "baseline": c.baseline, "history": c.history, "weak": not c.sound}
+
+
+def _unscored_json(u: Unscored) -> dict:
+    return {"records": u.records, "modules": list(u.modules),
+            "filter": {"modules": None if u.filter_modules is None else list(u.filter_modules),
+                       "ops": None if u.filter_ops is None else list(u.filter_ops)}}
 
 
 def _finite_or_none(v: float | None) -> float | None:
@@ -132,13 +141,41 @@ def summarise(s: Series) -> SeriesSummary:
                          first_held=_held(s, at[0]) if at else "", last_held=_held(s, at[-1]) if at else "")
 
 
-def describe_change(c: Change) -> str:
-    """One line: where the change is (step, module, op) and what changed."""
-    what = (f"{c.statistic} {c.value:.4g} after a median of {c.baseline:.4g} (z = {c.score:g})"
+def describe_change(c: Change, threshold: float | None = None) -> str:
+    """One line: where the change is (step, module, op) and what changed; for a weak jump (scored against too few
+    steps, ``threshold``: the trend's) the score it would need."""
+    weak = f" against only {c.history} steps, where {sound_score(threshold, c.history):.3g} is needed: weak evidence" \
+        if not c.sound and threshold is not None and c.history is not None else ""
+    what = (f"{c.statistic} {c.value:.4g} after a median of {c.baseline:.4g} (z = {c.score:g}{weak})"
             if c.statistic in ("l2", "absmax") else f"{int(c.value)} {c.statistic.upper()} value(s) appeared")
     param = f" {c.parameter}" if c.parameter else ""
     return f"step {c.step}, module {shown(c.module or '-')}, op #{c.index} {shown(c.op)}{param} ({shown(c.phase)}): " \
            f"{what}"
+
+
+def describe_unscored(u: Unscored, trace: str = "TRACE") -> str:
+    """One line: which records trend could not score (tensor data without statistics) and what that hides."""
+    flags = " ".join([f"--module {shlex.quote(m)}" for m in u.filter_modules or ()] +
+                     [f"--op {shlex.quote(o)}" for o in u.filter_ops or ()])
+    which = f"the ops of {flags}" if flags else "the ops recorded in full"
+    names = ", ".join(shown(m) for m in u.modules[:4]) + (f" and {len(u.modules) - 4} more" if len(u.modules) > 4
+                                                         else "")
+    return f"not scored: {shown(which)} ({u.records} record{'' if u.records == 1 else 's'}, in {names}) hold tensor " \
+           f"data without statistics, which trend cannot score: a change made there is not seen, and is named, if " \
+           f"at all, where it shows outside them (replay judges those ops: replaydiff replay {shlex.quote(trace)})"
+
+
+def describe_no_change(t: TrendResult) -> str:
+    """One line: nothing changed, and what would have counted."""
+    return f"no sudden change (robust z-score >= {t.threshold:g} against up to {t.window} steps before, " \
+           f"{MIN_HISTORY} at least; a gradient must fall 10x under its lowest value before)"
+
+
+def describe_passed_over(t: TrendResult) -> str:
+    """One line: the earlier jump, weak evidence, that a sounder change after it outranked."""
+    w = t.passed_over
+    assert w is not None
+    return f"an earlier jump, passed over for the sounder change after it: {describe_change(w, t.threshold)}"
 
 
 def describe_cause(c: Cause) -> str:
@@ -188,6 +225,8 @@ def render_text(t: TrendResult, out: TextIO, width: int = 60, trace: str = "TRAC
     steps = f"{len(t.steps)} step{'' if len(t.steps) == 1 else 's'}"
     out.write(f"rank {t.rank}: {steps} ({t.steps[0]}..{t.steps[-1]}), {t.ops_read} records"
               f"{'' if t.module_glob is None else f', modules {t.module_glob}'}\n")
+    if t.unscored is not None:
+        out.write(describe_unscored(t.unscored, trace) + "\n")
     c = t.first_change
     if c is None and len(t.steps) < 2:  # nothing to compare a step with
         out.write(f"nothing judged: trend compares each step with the steps before it, and this trace holds "
@@ -198,11 +237,13 @@ def render_text(t: TrendResult, out: TextIO, width: int = 60, trace: str = "TRAC
                   f"({MIN_HISTORY} before it; {t.window} fill the window), and this trace holds {len(t.steps)}: "
                   f"record more with --steps or --flight\n")
     elif c is None:
-        out.write(f"no sudden change (robust z-score >= {t.threshold:g} against the {t.window} steps before)\n")
+        out.write(describe_no_change(t) + "\n")
     else:
-        out.write(f"first change: {describe_change(c)}\n")
+        out.write(f"first change: {describe_change(c, t.threshold)}\n")
         if t.cause_to_tell is not None:
             out.write(f"cause: {describe_cause(t.cause_to_tell)}\n")
+        if t.passed_over is not None:
+            out.write(describe_passed_over(t) + "\n")
         if t.late_window is not None:
             out.write(describe_late_window(t.late_window) + "\n")
     d = t.discarded

@@ -3,8 +3,8 @@ the closer recording) and ``entry`` (where a difference enters a trace whose eve
 frozen result; ``replaydiff.report`` renders it."""
 from replaydiff.trend.analysis import (DEFAULT_THRESHOLD, DEFAULT_WINDOW, LOG_FLOOR, MIN_HISTORY, SCALE_FLOOR,
                                        STATISTICS, Cause, Change, LateWindow, NoSteps, NoTrend, Positions, Series,
-                                       TrendResult, Zoom, compute_trend, log10_of)
+                                       TrendResult, Unscored, Zoom, compute_trend, log10_of, sound_score)
 
 __all__ = ["DEFAULT_THRESHOLD", "DEFAULT_WINDOW", "LOG_FLOOR", "MIN_HISTORY", "SCALE_FLOOR", "STATISTICS", "Cause",
-           "Change", "LateWindow", "NoSteps", "NoTrend", "Positions", "Series", "TrendResult", "Zoom", "compute_trend",
-           "log10_of"]
+           "Change", "LateWindow", "NoSteps", "NoTrend", "Positions", "Series", "TrendResult", "Unscored", "Zoom",
+           "compute_trend", "log10_of", "sound_score"]

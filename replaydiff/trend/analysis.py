@@ -6,8 +6,8 @@ so a fixed threshold either fires every step or never. Each value is scored agai
 ``(log10 x - median) / max(1.4826 * MAD, 0.05)`` for norms and absmax (on a log scale, so a 100x jump scores the
 same on a weight of 1e-3 and on an activation of 1e3; the 0.05-decade floor means a flat series must jump 4x to
 reach the default threshold of 12), and for NaN/Inf counts any count above a window of zeros (the score is then the
-count). The first change is the earliest step with a flagged value and, inside it, the earliest op: a change
-propagates forward through the step, so the first op that changes is where it entered.
+count). The first change is the earliest step with a flagged value (sound evidence, below) and, inside it, the
+earliest op: a change propagates forward through the step, so the first op that changes is where it entered.
 
 Series are keyed by op *position*: (phase, module, op name, occurrence within that module in the step), which is the
 same op step after step in a training loop without data-dependent control flow. A module's own series are its
@@ -16,6 +16,27 @@ the detach AccumulateGrad makes of a parameter's gradient after the module's bac
 gradient, and a conv's bias gradient before a batch norm is zero but for rounding). In module
 granularity each parameter's ``module.param`` record is a series of its own: a weight spike that the module's
 output hides (saturated gates, a norm layer after it) is plain there.
+
+How much a score proves depends on how many values it was scored against. The threshold was measured on scores
+against a full window of 10 steps; the median and MAD of fewer values are rougher estimates, so the same score says
+less: for a spread estimated from n values a deviation's tail is (at least) Student's t with n - 1 degrees of
+freedom, and the score a jump needs to be *sound* evidence is the threshold times t(n - 1) / t(9) at the 99.5th
+percentile (``sound_score``: 17.0 against 5 steps, 14.9 against 6, 12.4 against 9). Median and MAD of few values
+spread wider still (simulated on Gaussian noise, the 99th percentile of the score is 14.5 against 5 values and 4.95
+against 10), so this is the least such a correction can be. Measured: in an 8-step flight window of a GNN whose loss
+goes NaN at step 17, a 4x jump of a backward ``mm``'s absmax at step 15 scored 12.2 against 5 steps: noise (its
+17-step series spans 10x, and against the 10 steps before it the same value scores 2.7). A jump above the threshold
+but under that bound is *weak*: it is the first change only where the trace holds nothing sounder after it; where a
+sound jump or NaN/Inf appearing (a count above a window of zeros: certain, whatever the history) follows, that is
+the first change and the weak one is said to have been passed over (``TrendResult.passed_over``).
+
+A fall is judged as a rise is, except in a gradient (backward) or the optimizer's tensors (made of gradients):
+training shrinks gradients as it converges, and the norm of a small gradient (a bias's) wanders towards zero when
+its parameter nears its optimum; on a log scale such a fall has no bound, and the window's median lags a series that
+was already falling. So a fall there counts only when it goes to a tenth of the lowest value of its window or below
+(zero included: a gradient gone, a path detached or a dead layer): measured on a converging conv net, a bias's
+gradient fell 3.4x below its window's lowest value (z = -13.2 against the median): no change. In an output or a
+parameter a fall counts as a rise does (a weight zeroed, activations collapsing).
 
 What never counts as a change: statistics of integer and bool tensors (labels, token ids, indices: a batch whose
 labels are all zeros has an l2 of 0, an infinite jump on a log scale) and of random ops' outputs (randint, dropout),
@@ -44,6 +65,20 @@ SCALE_FLOOR = 0.05  # decades: the smallest spread a window is taken to have
 DEFAULT_WINDOW = 10
 DEFAULT_THRESHOLD = 12.0  # measured: 60 steps of a tiny GPT-2, op by op, top noise score 9.5; a 100x weight 40
 MIN_HISTORY = 5  # values needed before a step is scored
+CALIBRATED_HISTORY = 10  # DEFAULT_THRESHOLD was measured on scores against this many steps (a full default window)
+# Student's t, 99.5th percentile, by degrees of freedom (scipy.stats.t.ppf(0.995, df)): sound_score's correction
+_T995 = {4: 4.604, 5: 4.032, 6: 3.707, 7: 3.499, 8: 3.355, 9: 3.250}
+GRADIENT_FALL_DECADES = 1.0  # a gradient's fall counts from a tenth of its window's lowest value down
+
+
+def sound_score(threshold: float, history: int) -> float:
+    """The |score| a jump scored against ``history`` values needs to be sound evidence (module docstring): the
+    threshold against a full window, more against fewer values, as Student's t widens with fewer degrees of
+    freedom."""
+    if history >= CALIBRATED_HISTORY:
+        return threshold
+    df = max(history - 1, min(_T995))
+    return threshold * _T995[df] / _T995[CALIBRATED_HISTORY - 1]
 
 
 @dataclass(frozen=True)
@@ -58,6 +93,8 @@ class Change:
     value: float
     baseline: float  # median of the window before it
     parameter: str | None = None  # the parameter's name, for a module.param record
+    history: int | None = None  # the values it was scored against (None: NaN/Inf made from finite inputs)
+    sound: bool = True  # False: a jump under sound_score (weak evidence, see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -87,6 +124,9 @@ class TrendResult:
     command: tuple[str, ...] | None = None  # the command line the trace was recorded from (None: from Python)
     flight: FlightDump | None = None  # the flight recorder's dump (None: not a flight trace)
     command_dir: str | None = None  # the folder the command ran in (the job's working directory)
+    # The earliest jump, weak evidence (too few values to score it against), that a sounder change after it outranked
+    passed_over: Change | None = None
+    unscored: "Unscored | None" = None  # records trend could not score (tensor data without statistics)
 
     @property
     def zoom(self) -> "Zoom | None":
@@ -127,6 +167,19 @@ class TrendResult:
                                           and not cause.changed_args and cause.phase != "optimizer"):
             return None
         return cause
+
+
+@dataclass(frozen=True)
+class Unscored:
+    """Records of the trace that hold tensor data without statistics, which trend does not read (a ``--tensors full``
+    recording stores statistics only for the ops outside its ``--module``/``--op`` filter, or past its
+    ``--budget``): a change in them is not seen, and the first change may be one they carried on. ``modules``: their
+    modules ("-" for none); ``filter_modules``/``filter_ops``: the trace's record filter (None: none)."""
+
+    records: int
+    modules: tuple[str, ...]
+    filter_modules: tuple[str, ...] | None
+    filter_ops: tuple[str, ...] | None
 
 
 class NoTrend(ValueError):
@@ -225,6 +278,8 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
     n = 0
     stepped = matched = 0  # ops with a step, and those of them the module filter keeps: why nothing is drawn
     modules: set[str] = set()
+    unscored = 0  # records that hold tensor data without statistics: trend cannot see them
+    unscored_modules: set[str] = set()
     for op in r:
         step = op.step
         if step is None:
@@ -238,6 +293,9 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
         matched += 1
         p = _point(op)
         if p is None:
+            if _data_without_statistics(op):
+                unscored += 1
+                unscored_modules.add(module or "-")
             continue
         n += 1
         if step != current:
@@ -270,19 +328,31 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
     # series: a NaN that spreads through the step shows in every series).
     discarded_at: set[int] = set()
     while True:
-        first = None
+        first = weak = None  # the earliest sound change, the earliest weak one
         for (phase, module, name, *_), points in positions.items():
-            c = _first_change(points, phase, module, window, threshold, discarded_at)
-            if c is not None and (first is None or (c.step, c.index) < (first.step, first.index)):
-                first = c
+            c, sound = _first_change(points, phase, module, window, threshold, discarded_at)
+            if sound is not None and (first is None or _at(sound) < _at(first)):
+                first = sound
+            if c is not None and not c.sound and (weak is None or _at(c) < _at(weak)):
+                weak = c
         if first is None or first.statistic not in ("nan", "inf") or _kept(r, first.index):
             break
         discarded_at.add(first.index)
-    if first is not None and first.index in parameters:
-        first = replace(first, parameter=parameters[first.index])
-    if birth is not None and (first is None or (birth.step, birth.index) <= (first.step, first.index)):
-        # NaN/Inf appearing: the op that made it from finite inputs is the cause, whatever its history
+    made = birth is not None and (first is None or _at(birth) <= _at(first))
+    if made:
         first = birth
+    # A weak jump is the first change only where nothing sounder follows it (the module docstring)
+    passed_over = None
+    if weak is not None and first is None:
+        first = weak
+    elif weak is not None and _at(weak) < _at(first):
+        passed_over = weak
+    if passed_over is not None and passed_over.index in parameters:
+        passed_over = replace(passed_over, parameter=parameters[passed_over.index])
+    if first is not None and not made and first.index in parameters:
+        first = replace(first, parameter=parameters[first.index])
+    if made:
+        # NaN/Inf appearing: the op that made it from finite inputs is the cause, whatever its history
         op = r[birth.index]
         cause = Cause(step=op.step, index=op.index, op=op.name, module=op.module, phase=op.phase, **_located(r, op),
                        how="made", statistic=birth.statistic, value=birth.value,
@@ -295,7 +365,23 @@ def compute_trend(r: RankTrace, module_glob: str | None = None, window: int = DE
                              for name in STATISTICS})
               for (module, kind), by_step in sorted(own.items())]
     return TrendResult(r.rank, steps, series, first, window, threshold, module_glob, n, cause, discarded, r.command,
-                 r.flight, r.source_root if r.command else None)
+                       r.flight, r.source_root if r.command else None, passed_over,
+                       Unscored(unscored, tuple(sorted(unscored_modules)), r.options.modules, r.options.ops)
+                       if unscored else None)
+
+
+def _data_without_statistics(op: Any) -> bool:
+    """Whether an op that gives no point holds a floating-point output as tensor data without statistics (in a
+    ``--tensors full`` trace, the ops of its --module/--op filter or within its --budget): trend scores statistics
+    only, so it does not see this op."""
+    return not aten.is_random(op.name) and any(
+        ref.stats is None and ref.stored and not ref.zero and not ref.meta and ref.torch_dtype.is_floating_point
+        for ref in op.outputs_refs())
+
+
+def _at(c: Change) -> tuple[int, int]:
+    """Where a change is in the trace: its step, then its op number (earlier first)."""
+    return c.step, c.index
 
 
 def _nonfinite(p: dict[str, float]) -> bool:
@@ -348,10 +434,12 @@ def log10_of(v: float) -> float:
 
 
 def score_point(p: dict[str, float], past: list[dict[str, float]], threshold: float,
-                jumps: bool = True) -> tuple[str, float, float] | None:
+                jumps: bool = True, gradient: bool = False) -> tuple[str, float, float] | None:
     """The first statistic of ``p`` that is a sudden change against the values ``past`` (oldest first), as
     (statistic, score, baseline), else None. NaN/Inf appearing after finite values counts from one value of history;
-    a jump of l2 or absmax (the robust z-score of the module docstring) only with ``jumps``."""
+    a jump of l2 or absmax (the robust z-score of the module docstring) only with ``jumps``. With ``gradient`` (a
+    gradient's or the optimizer's tensor), a fall counts only to a tenth of the lowest value before it or below (the
+    module docstring)."""
     for s in ("nan", "inf"):
         if past and p[s] > 0 and all(q[s] == 0 for q in past):
             return s, float(p[s]), 0.0
@@ -361,25 +449,37 @@ def score_point(p: dict[str, float], past: list[dict[str, float]], threshold: fl
         logs = [log10_of(q[s]) for q in past]
         med = median(logs)
         mad = median(abs(x - med) for x in logs)
-        score = (log10_of(p[s]) - med) / max(1.4826 * mad, SCALE_FLOOR)
+        now = log10_of(p[s])
+        score = (now - med) / max(1.4826 * mad, SCALE_FLOOR)
+        if score < 0 and gradient and now > min(logs) - GRADIENT_FALL_DECADES:
+            continue  # a gradient shrinking as training converges
         if abs(score) >= threshold:
             return s, round(score, 2), 10 ** med
     return None
 
 
-def _first_change(points: list, phase: str | None, module: str | None, window: int,
-                  threshold: float, discarded_at: set[int] | frozenset[int] = frozenset()) -> Change | None:
-    """The first point of an op position's series that changes suddenly; the NaN/Inf of the ops in
-    ``discarded_at`` (selected away, see ``_kept``) do not count."""
+def _first_change(points: list, phase: str | None, module: str | None, window: int, threshold: float,
+                  discarded_at: set[int] | frozenset[int] = frozenset()) -> tuple[Change | None, Change | None]:
+    """The first point of an op position's series that changes suddenly, and the first that is sound evidence (a
+    jump of at least ``sound_score``, or NaN/Inf appearing; the same point where the first is sound); the NaN/Inf of
+    the ops in ``discarded_at`` (selected away, see ``_kept``) do not count."""
+    first = None
     for j in range(1, len(points)):
         step, index, name, p = points[j]
         if index in discarded_at:
             p = dict(p, nan=0, inf=0)
-        hit = score_point(p, [q for *_, q in points[max(0, j - window):j]], threshold, jumps=j >= MIN_HISTORY)
-        if hit is not None:
-            statistic, score, baseline = hit
-            return Change(step, module, name, index, phase, statistic, score, p[statistic], baseline)
-    return None
+        past = [q for *_, q in points[max(0, j - window):j]]
+        hit = score_point(p, past, threshold, jumps=j >= MIN_HISTORY, gradient=phase in ("backward", "optimizer"))
+        if hit is None:
+            continue
+        statistic, score, baseline = hit
+        sound = statistic in ("nan", "inf") or abs(score) >= sound_score(threshold, len(past))
+        c = Change(step, module, name, index, phase, statistic, score, p[statistic], baseline, history=len(past),
+                   sound=sound)
+        first = first or c
+        if sound:
+            return first, c
+    return first, None
 
 
 # -- the cause: from the first change back to the op that made it ----------------------------------------------------

@@ -123,6 +123,13 @@ def test_a_fault_in_a_recomputed_op_is_named_at_the_forward_line_that_runs_it(tm
     assert f"  recompute of forward op #{fwd} (activation checkpointing); backward() called at " \
            f"{_line('backward line')}\n" in out, out
     assert f"aten.tanh.default call 3 x(1+0.001), op #{planted.index} on rank 0" in out, out  # the plant landed there
+    # The recompute differs from its forward op because it computed wrongly (a deterministic tanh, its inputs the
+    # forward's): said so, with no guess at a generator state
+    assert f"recompute #{planted.index} aten.tanh.default differs from forward op #{fwd}, which it runs again: " \
+           f"output 0 max_abs" in out, out
+    assert "(the recompute is itself divergent: replayed from its inputs it is wrong, so the backward " \
+           "differentiates values the forward never made)" in out, out
+    assert "generator state" not in out, out
 
 
 def test_a_recompute_that_differs_from_a_faulty_forward_op_says_the_forward_op_is_wrong(tmp_path, capsys):
@@ -189,3 +196,4 @@ def test_a_recompute_that_does_not_reproduce_its_forward_op_is_a_finding(tmp_pat
     else:
         assert said in out and code == 1, out
         assert "output 0 max_abs" in out
+        assert "a random op run without the forward's generator state" in out, out

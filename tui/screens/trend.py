@@ -16,12 +16,14 @@ from textual.screen import ModalScreen
 from textual.widgets import OptionList, Static
 from textual.widgets.option_list import Option
 
-from replaydiff.report.trend import (describe_cause, describe_change, describe_late_window, next_lines,
-                                     table_lines)
+from replaydiff.report.trend import (describe_cause, describe_change, describe_late_window, describe_no_change,
+                                     describe_passed_over, describe_unscored, next_lines, table_lines)
 from replaydiff.trend import TrendResult
 
 CHANGE_ID = "first-change"
 CAUSE_ID = "cause"
+PASSED_ID = "passed-over"  # an earlier weak jump, said so that the reader can weigh it
+UNSCORED_ID = "not-scored"  # records holding tensor data without statistics, which trend cannot score
 LATE_ID = "late-window"  # a flight window that may have begun after the change
 HEADER_ID = "table-header"
 COMMAND_IDS = ("next-1", "next-2")  # next_lines: the explanation (next-0), record, replay, the note (next-3)
@@ -48,18 +50,23 @@ class TrendScreen(ModalScreen[int | None]):
         self.trace = trace
 
     def lines(self) -> list[tuple[str, str | None]]:
-        """(text, option id) of every line of the list: the first change, its cause, a flight window that may have
-        begun too late, the next commands, the header, one row per series."""
+        """(text, option id) of every line of the list: the first change, its cause, an earlier weak jump passed over,
+        a flight window that may have begun too late, the records trend could not score, the next commands, the
+        header, one row per series."""
         t, c = self.trend, self.trend.first_change
         if c is None:
-            top = [(f"no sudden change (robust z-score >= {t.threshold:g} against the {t.window} steps before)", None)]
+            top = [(describe_no_change(t), None)]
         else:
-            top = [(f"▶ first change: {describe_change(c)}  (Enter or j: go to #{c.index})", CHANGE_ID)]
+            top = [(f"▶ first change: {describe_change(c, t.threshold)}  (Enter or j: go to #{c.index})", CHANGE_ID)]
         cause = t.cause_to_tell
         if cause is not None:
             top.append((f"▶ cause: {describe_cause(cause)}  (Enter or c: go to #{cause.index})", CAUSE_ID))
+        if t.passed_over is not None:
+            top.append((describe_passed_over(t), PASSED_ID))
         if t.late_window is not None:
             top.append((describe_late_window(t.late_window), LATE_ID))
+        if t.unscored is not None:
+            top.append((describe_unscored(t.unscored, self.trace), UNSCORED_ID))
         nxt = [(line, f"next-{k}") for k, line in enumerate(next_lines(t, self.trace))]
         header, *rows = table_lines(t, SPARK_WIDTH)
         return [*top, *nxt, (header, HEADER_ID), *((line, None) for line in rows)]

@@ -40,6 +40,9 @@ class RecordedOptions:
     granularity: str | None = None
     budget: int | None = None  # bytes (record --budget)
     compiled: str | None = None  # capture / eager (None: recorded before units existed: eager)
+    # The --module / --op globs (None: no such filter): ops outside them were kept without their tensor data
+    modules: tuple[str, ...] | None = None
+    ops: tuple[str, ...] | None = None
     wire: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -48,10 +51,18 @@ class RecordedOptions:
         return cls(tensors=TensorMode.read(d.get("tensors")), steps=_typed(d.get("steps"), str),
                    flight=_typed(d.get("flight"), int), plant=_typed(d.get("plant"), str),
                    granularity=_typed(d.get("granularity"), str), budget=_typed(d.get("budget"), int),
-                   compiled=_typed(d.get("compiled"), str), wire=d)
+                   compiled=_typed(d.get("compiled"), str), modules=_globs(d.get("modules")),
+                   ops=_globs(d.get("ops")), wire=d)
 
     def to_json(self) -> dict:
         return self.wire
+
+
+def _globs(v: Any) -> tuple[str, ...] | None:
+    """A stored list of globs (None where absent, empty or not a list of strings)."""
+    if not isinstance(v, list) or not v or not all(isinstance(x, str) for x in v):
+        return None
+    return tuple(v)
 
 
 @dataclass(frozen=True)
