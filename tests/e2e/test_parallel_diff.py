@@ -343,12 +343,25 @@ def test_a_shard_taken_at_the_wrong_offset_is_named_at_the_slice(runs):
     assert "rank 0: 4, rank 1: 0" in d.why
 
 
-def test_the_json_report_carries_the_mapping(runs, tmp_path):
+def test_the_json_report_carries_the_mapping(runs, tmp_path, capsys):
     out = tmp_path / "d.json"
+    capsys.readouterr()
     assert main(["diff", str(runs[1] / "double"), str(runs[2] / "double"), "--json", str(out)]) == 1
+    text = capsys.readouterr().out
     import json
+    import re
 
     whole = json.loads(out.read_text())
+    # the summary holds what the text says (it was all zeros for a parallel diff): the ops line, the op where the
+    # runs part and the later ops that part reading what it made
+    s = whole["summary"]
+    ref_ops, aligned, compared = map(int, re.search(r"ops: (\d+) ref ops, (\d+) run by every rank, (\d+) compared",
+                                                    text).groups())
+    later = int(re.search(r"(\d+) later op\(s\) part from the reference too", text).group(1))
+    assert (s["ref_ops"], s["aligned"], s["compared"], s["divergent"], s["inherited"]) == \
+        (ref_ops, aligned, compared, 1, later), s
+    assert s["parted"] >= 1 + later and s["same"] + s["parted"] + s["not_compared"] == aligned, s
+    assert s["target_only"] > 0 and s["ref_only"] == ref_ops - aligned, s
     doc = whole["parallel"]
     assert doc["world"] == 2 and doc["departure"]["kind"] == "scaled"
     assert doc["departure"]["tensor"]["layout"]["kind"] == "partial"
@@ -360,6 +373,8 @@ def test_the_json_report_carries_the_mapping(runs, tmp_path):
     assert main(["diff", str(runs[1] / "manual"), str(runs[2] / "manual"), "--json", str(out)]) == 0
     clean = json.loads(out.read_text())
     assert clean["found_difference"] is False and clean["first_divergent"] is None
+    s = clean["summary"]
+    assert s["compared"] > 0 and s["same"] == s["compared"] and (s["divergent"], s["parted"]) == (0, 0), s
 
 
 def test_rank_picks_one_rank_op_by_op_without_mapping(runs):

@@ -679,6 +679,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     if out.departure is None and sinks and not out.random_parted:
         # what the job keeps is the single process's: the runs saw the same global batch, whatever its order
         out.batch_warning = None
+    # every op that parts, as judged last (what parted only through the batch's order, or a reordered pick, dropped)
+    out.parted = set(departed)
     out.ref_layout_ops.update(r_side.ops[i].name for i in r_side.skipped if makes_layout(r_side.ops[i].name))
     if any(declared):
         said = [t.layout_from for op in out.ops for t in op.tensors if t.layout_from is not None]
