@@ -443,9 +443,10 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         elif m.kind == "in" and m.offsets is None:
             kind, why = Departure.INPUTS, why_inputs(m, rop.step)
         elif other_args and partial_in is not None and not from_departed and rop.phase != "optimizer" and \
-                not aten.is_cheap(rop.name):
+                not aten.is_cheap(rop.name) and m.layout is None:
             # it reads a partial value (a per-rank loss) as a correct run does, and some rank gives it another
-            # argument (a scale of its own): the argument is the difference, not a reduction
+            # argument (a scale of its own): the argument is the difference, not a reduction (where its output
+            # fits a layout at a factor, a scale on every rank, that layout is said first, the argument after it)
             kind, why = Departure.NO_LAYOUT, _other_arguments(m, other_args, world, own, rank_of)
         elif partial_in is not None and rop.phase == "optimizer" and \
                 (over := reduced_at(partial_in[0], rop, tops, tgts, lead_side, lead_map, ref, world,
