@@ -420,6 +420,10 @@ class DiffReport:
         return [rd for rd in self.ranks if rd.step_inputs.differ]
 
     def counts(self) -> dict[str, int]:
+        """Pair counts per status and ops on one side only, over every rank pair; for a parallel run mapped onto
+        the single process, the mapping's (``ParallelDiff.counts``)."""
+        if self.parallel is not None:
+            return self.parallel.counts()
         total: dict[str, int] = {}
         for rd in self.ranks:
             for k, v in rd.counts().items():

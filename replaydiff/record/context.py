@@ -29,6 +29,9 @@ from replaydiff.trace.sources import line_text, read_source
 _current_autograd_node = torch._C._current_autograd_node
 _is_grad_enabled = torch.is_grad_enabled
 _get_sequence_nr = torch._C._autograd._get_sequence_nr
+# -1 outside a backward pass; the pass's id inside it, in its autograd nodes and in the callbacks the engine runs as
+# the pass ends (queue_callback), where no node is current
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 log = logging.getLogger("replaydiff")
 
@@ -348,7 +351,7 @@ class OpContext:
     def phase(self) -> tuple[str, Any]:
         """The phase and, for a backward op, the autograd node it runs in."""
         node = torch._C._current_autograd_node()
-        if node is not None:
+        if node is not None or _current_graph_task_id() != -1:
             return BACKWARD, node
         if _optimizer_calls and _optimizer_calls[-1] == OPTIMIZER and self._tracker.inner is None:
             return OPTIMIZER, None  # in step() itself, outside its closure and outside any module's forward
@@ -426,6 +429,10 @@ class OpContext:
         if node is None:
             if _optimizer_calls and _optimizer_calls[-1] == OPTIMIZER and module is None:
                 return OPTIMIZER, module, None, None  # in step() itself, outside its closure and any module's forward
+            if _current_graph_task_id() != -1:
+                # A callback the engine runs as the backward pass ends (FSDP2's reduce-scatter of the gradients of
+                # the last parameter group, DDP's finalize): no autograd node, no forward op, but the backward's
+                return BACKWARD, module, None, None
             grad = _is_grad_enabled()
             if grad:  # the first forward op seen after each autograd node was made: the op that made it
                 self._seq_to_forward.setdefault(_get_sequence_nr() - 1, (index, module))

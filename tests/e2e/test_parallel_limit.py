@@ -106,4 +106,4 @@ def test_a_one_percent_bug_in_the_wide_run_still_parts_and_names_its_line(runs, 
     # where the runs part: the mul that scales rank 1's loss, with its argument and the bug's line (not a missing
     # all-reduce of the per-rank loss it reads, nor the backward where the scale shows)
     assert d["phase"] == "forward" and d["op"] == "aten.mul.Tensor" and d["source"].endswith(f"wide.py:{line}")
-    assert "argument 1 1.01 on rank 1, 1.0 in the single process" in text and "all-reduce is missing" not in text
+    assert "argument 1 1.01 on rank 1, 1 in the single process" in text and "all-reduce is missing" not in text

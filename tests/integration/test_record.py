@@ -274,6 +274,34 @@ def test_recording_puts_no_hooks_on_the_jobs_tensors(record_one):
                                                                                             "_Outer.head"}
 
 
+def test_ops_of_a_callback_the_engine_runs_as_backward_ends_are_backward(record_one):
+    """FSDP2 reduce-scatters the last parameter group's gradients in a callback it queues on the autograd engine,
+    which runs as the backward pass ends, in no autograd node: those ops are backward, and what runs after
+    backward() returns is forward again (a new-user trial's show --list phased FSDP2's last reduce-scatter forward)."""
+    torch.manual_seed(0)
+    w, x = torch.randn(4, requires_grad=True), torch.randn(4)
+    done: list[torch.Tensor] = []
+
+    def finish():  # as FSDP2's final callback: every node has run, the gradient is in .grad
+        done.append(w.grad.abs().sqrt())
+
+    def hook(grad):
+        torch.autograd.Variable._execution_engine.queue_callback(finish)
+        return grad
+
+    def step():
+        y = w * x
+        y.register_hook(hook)
+        y.sum().backward()
+        return torch.exp(w.detach())
+
+    after, r = record_one(step)
+    assert torch.equal(done[0], x.abs().sqrt()) and torch.equal(after, torch.exp(w.detach()))  # the job's own values
+    phases = {o.name: o.phase for o in r}
+    assert (phases["aten.abs.default"], phases["aten.sqrt.default"]) == ("backward", "backward"), phases
+    assert phases["aten.exp.default"] == "forward" and phases["aten.sum.default"] == "forward", phases
+
+
 def test_backward_ops_of_a_custom_function_belong_to_the_module_that_called_it(record_one):
     torch.manual_seed(0)
     model = _WithFunction()

@@ -56,6 +56,42 @@ def _where(parts: tuple[int, ...], world: int, rank_of: list[int] | None) -> str
     return "the ranks" if len(ranks) == world else f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
+def _shown(v: object, digits: int) -> str:
+    """A value as people read it: a float to ``digits`` significant digits, ints and bools exact, a tuple's items
+    each so, anything else (a dtype, a string) as Python writes it."""
+    if isinstance(v, (bool, int)):
+        return str(v)
+    if isinstance(v, float):
+        return format(v, f".{digits}g")
+    if isinstance(v, (tuple, list)):
+        inner = ", ".join(_shown(x, digits) for x in v)
+        return f"({inner}{',' if len(v) == 1 else ''})" if isinstance(v, tuple) else f"[{inner}]"
+    return repr(v)
+
+
+def shown_pair(ref: object, theirs: object) -> tuple[str, str]:
+    """The single process's value and the ranks', as people read them: 6 significant digits (a learning rate
+    computed as 0.1 * 2 is 0.2, not 0.20000000000000004), more where 6 would show two different values alike."""
+    for digits in (6, 9, 12):
+        a, b = _shown(ref, digits), _shown(theirs, digits)
+        if a != b:
+            return a, b
+    return repr(ref), repr(theirs)  # Python's shortest form tells any two floats apart
+
+
+def ratio_words(ref: object, theirs: object, world: int) -> str:
+    """' (2x: the world size)', ' (1/2x: 1 over the world size)', ' (3/2x)': the ranks' value over the single
+    process's where both are numbers and their ratio is a plain fraction (denominator at most 64); else ''."""
+    if not isinstance(ref, (int, float)) or not isinstance(theirs, (int, float)) or isinstance(ref, bool) or \
+            isinstance(theirs, bool) or not ref:
+        return ""
+    r = Fraction(theirs / ref).limit_denominator(64)
+    if r == 1 or abs(float(r) - theirs / ref) > 1e-6 * abs(theirs / ref):
+        return ""
+    said = ": the world size" if r == world else ": 1 over the world size" if r == Fraction(1, world) else ""
+    return f" ({r}x{said})"
+
+
 def arguments_text(found: list[tuple[str, object, object, tuple[int, ...]]], world: int,
                    rank_of: list[int] | None = None) -> str:
     """'alpha -0.2 on the ranks, -0.1 in the single process (2x: the world size)' ('on rank 1' where only some
@@ -63,13 +99,8 @@ def arguments_text(found: list[tuple[str, object, object, tuple[int, ...]]], wor
     the op once per micro-batch); None: one a rank."""
     said = []
     for where, ref, theirs, parts in found[:4]:
-        ratio = ""
-        if isinstance(ref, (int, float)) and isinstance(theirs, (int, float)) and not isinstance(ref, bool) and ref:
-            r = Fraction(theirs / ref).limit_denominator(64)
-            if r != 1 and abs(float(r) - theirs / ref) <= 1e-6 * abs(theirs / ref):
-                ratio = f" ({r.numerator if r.denominator == 1 else r}x" + \
-                    (": the world size)" if r == world else ": 1 over the world size)" if r == Fraction(1, world)
-                     else ")")
-        said.append(f"{where} {theirs!r} on {_where(parts, world, rank_of)}, {ref!r} in the single process{ratio}")
+        mine, other = shown_pair(ref, theirs)
+        said.append(f"{where} {other} on {_where(parts, world, rank_of)}, {mine} in the single process"
+                    f"{ratio_words(ref, theirs, world)}")
     more = len(found) - 4
     return "; ".join(said) + (f"; +{more} more" if more > 0 else "")

@@ -24,7 +24,8 @@ from replaydiff.diff.parallel.experts import (exchanges_of, experts_of, expert_o
 from replaydiff.diff.parallel.factors import legit_factors, pick_legit
 from replaydiff.diff.parallel.mapping import map_tensor, measured_reads, reordered_input
 from replaydiff.diff.parallel.means import unequal_counts
-from replaydiff.diff.parallel.paths import (amplifies, collective_ahead, collective_behind, computing_behind, op_words,
+from replaydiff.diff.parallel.paths import (amplifies, collective_ahead, collective_behind, collective_through,
+                                            computing_behind, op_words,
                                             loss_scales, own_computing,
                                             made_apart, partial_input, reduced_at, same_draws_of, scale_behind)
 from replaydiff.diff.parallel.refusals import refuse_point_to_point, refuse_sub_groups
@@ -444,7 +445,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         elif other_args and partial_in is not None and m.layout is None and not from_departed and \
                 rop.phase != "optimizer" and not aten.is_cheap(rop.name):
             # it reads a partial value (a per-rank loss) as a correct run does, and some rank gives it another
-            # argument (a scale of its own): the argument is the difference, not a reduction
+            # argument (a scale of its own): the argument is the difference, not a reduction (where its output
+            # fits a layout at a factor, a scale on every rank, that layout is said first, the argument after it)
             kind, why = Departure.NO_LAYOUT, _other_arguments(m, other_args, world, own, rank_of)
         elif partial_in is not None and rop.phase == "optimizer" and \
                 (over := reduced_at(partial_in[0], rop, tops, tgts, lead_side, lead_map, ref, world,
@@ -580,6 +582,13 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
             out.batch_warning = batch_warning_of(rop, m, kind, {k: None if owner.get(p) == -1 else p
                                                               for k, p in producers.items()})
         behind = collective_behind(lead_side, lead_map, tops[0].index)
+        if behind is not None and not aten.reduces(behind[1]):
+            # a collective that copies (DDP's broadcast of buffers at the start of forward, an all-gather of
+            # parameters) computes nothing: where what it brought this op is what the single process holds there
+            # (whole, or each rank its slice, at factor 1), it is no cause of what parts
+            through = collective_through(lead_side, lead_map, tops[0].index, behind[0])
+            if through and all(_delivers_reference(mapped, r_ins, t_ins, pos) for pos in through):
+                behind = None
         if behind is not None and kind in (Departure.SCALED, Departure.NO_LAYOUT) and behind[1] not in why:
             said = lead_side.ops[behind[0]].source if behind[0] in lead_side.ops else None
             why += f"; on the ranks it reads what {behind[1]} (#{behind[0]} on rank {lead_rank}" \
@@ -679,6 +688,8 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
     if out.departure is None and sinks and not out.random_parted:
         # what the job keeps is the single process's: the runs saw the same global batch, whatever its order
         out.batch_warning = None
+    # every op that parts, as judged last (what parted only through the batch's order, or a reordered pick, dropped)
+    out.parted = set(departed)
     out.ref_layout_ops.update(r_side.ops[i].name for i in r_side.skipped if makes_layout(r_side.ops[i].name))
     if any(declared):
         said = [t.layout_from for op in out.ops for t in op.tensors if t.layout_from is not None]
@@ -753,6 +764,16 @@ def diff_parallel_groups(refs: list[RankTrace], targets: list[RankTrace],
         out.within = g.within
     return out
 
+
+
+def _delivers_reference(mapped: Callable, r_ins: list[TensorRef], t_ins: list[list[TensorRef]], pos: int) -> bool:
+    """Whether input ``pos`` of an op is held by the ranks as the single process's, whole or each rank its slice,
+    at factor 1 (``mapped``: the op's mapping of one tensor)."""
+    if pos >= len(r_ins) or any(pos >= len(ti) for ti in t_ins):
+        return False
+    m = mapped(r_ins[pos], [ti[pos] for ti in t_ins], "in", pos, None)
+    return m is not None and any(f.factor == 1 and f.kind in (LayoutKind.REPLICATED, LayoutKind.SHARDED)
+                                 for f in m.fits)
 
 
 def _picked(mop: MappedOp, r_side: Side, t_sides: list[Side]):

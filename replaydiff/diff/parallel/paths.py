@@ -56,6 +56,18 @@ def collective_behind(side: Side, aligned: dict[int, int], index: int) -> tuple[
     return None if p is None else (p, side.ops[p].name)
 
 
+def collective_through(side: Side, aligned: dict[int, int], index: int, collective: int) -> list[int]:
+    """The input positions of a rank's op through which it reads what ``collective`` made: the input is that
+    collective's output, or made from it by ops the single process does not run."""
+    mine = set(side.ops) - set(aligned.values())
+    out = []
+    for pos, p in sorted(side.trace.producers(index).items()):
+        if p == collective or (p is not None and p in mine and p in side.ops and
+                               own_producer(side, aligned, p, lambda op: op.index == collective) is not None):
+            out.append(pos)
+    return out
+
+
 def _computes(op: OpRecord) -> bool:
     return not aten.is_cheap(op.name) and not aten.is_collective(op.name)
 

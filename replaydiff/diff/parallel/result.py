@@ -150,7 +150,9 @@ class ParallelDiff:
     worst_op: int | None = None  # the reference op it belongs to
     departure: ParallelDeparture | None = None
     ops: list[MappedOp] = field(default_factory=list)
-    parted: set[int] = field(default_factory=set)  # reference ops whose tensors fit no layout a correct run has
+    # reference ops that part from the reference: whose tensors fit no layout a correct run has, or that read what
+    # parted (a value that parts on the way and cancels before the sinks included)
+    parted: set[int] = field(default_factory=set)
     # ops that fit no layout only because they read random draws (dropout masks), each rank's own: not judged
     random_parted: list[int] = field(default_factory=list)
     # factories of no tensor (arange over the local batch) whose ranks' outputs are sized by their local sizes: each
@@ -208,6 +210,37 @@ class ParallelDiff:
         near = [] if op is None else [m for m in op.tensors if m.bound is not None and m.limit == self.worst_limit
                                       and m.error == self.worst]
         return near[0].bound if near else None
+
+    def counts(self) -> dict[str, int]:
+        """The JSON summary: the rank-by-rank diff's keys, each meaning what it means there, and the figures the text
+        says. ``same``: compared ops that map onto the reference (an op that only amplifies its inputs' rounding, or
+        parts only by the order of the batch's rows, included); ``divergent``: the op where the runs part with
+        agreeing inputs (1 or 0; with step inputs that differ, the first op that parts reading none of them);
+        ``inherited``: the later ops that part reading what the departure made; ``not_compared``: ops every rank runs
+        whose tensors were not judged (random draws, no tensor data, each rank's own index); ``ref_only``: reference
+        ops not run by every rank; ``target_only``: the ranks' layout ops, all ranks together. Then ``ref_ops``,
+        ``aligned``, ``compared``, ``parted`` (every compared op that parts, the departure, what inherits it and
+        values that cancel before the sinks), ``cancelled``, ``amplified``, ``not_judged_random``, ``sinks``.
+        same + parted + not_compared = aligned. Against a parallel reference, its groups summed."""
+        if self.groups:
+            total: Counter = Counter()
+            for g in self.groups:
+                total.update(g.counts())
+            return {**total, "divergent": self._divergent(), "inherited": self._inherited()}
+        unjudged = len(self.random_parted) + len(self.per_rank_index)
+        return {"same": self.compared - len(self.parted) - unjudged, "divergent": self._divergent(),
+                "inherited": self._inherited(), "not_compared": self.aligned - self.compared + unjudged,
+                "ref_only": len(self.not_aligned), "target_only": sum(self.layout_ops.values()), "units": 0,
+                "units_divergent": 0, "ref_ops": self.ref_ops, "aligned": self.aligned, "compared": self.compared,
+                "parted": len(self.parted), "cancelled": len(self.cancelled), "amplified": len(self.amplified),
+                "not_judged_random": len(self.random_parted), "sinks": self.sinks}
+
+    def _divergent(self) -> int:
+        d = self.departure
+        return int(d is not None and (d.kind is not Departure.INPUTS or self.within is not None))
+
+    def _inherited(self) -> int:
+        return 0 if self.departure is None else self.departure.inherited
 
     @property
     def departed(self) -> bool:

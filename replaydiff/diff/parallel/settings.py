@@ -4,8 +4,8 @@ multiplied by the world size) is named with both values; it is what parts an upd
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fractions import Fraction
 
+from replaydiff.diff.parallel.arguments import ratio_words, shown_pair
 from replaydiff.trace.hyperparameters import read_optimizer_steps
 from replaydiff.trace.reader import RankTrace
 from replaydiff.trace.schema.hyperparameters import OptimizerStep, Setting
@@ -24,18 +24,10 @@ class SettingDifference:
 
     def describe(self) -> str:
         """'SGD group 0: lr 0.2 on the ranks, 0.1 in the single process (2x: the world size)'."""
-        ratio = ""
-        a, b = self.ref, self.theirs
-        if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) and \
-                not isinstance(b, bool) and a:
-            r = Fraction(b / a).limit_denominator(64)
-            if r != 1 and abs(float(r) - b / a) <= 1e-6 * abs(b / a):
-                said = ": the world size" if r == self.world else ": 1 over the world size" \
-                    if r == Fraction(1, self.world) else ""
-                ratio = f" ({r}x{said})"
+        mine, other = shown_pair(self.ref, self.theirs)
         at = f" (the optimizer built at {self.built})" if self.built else ""
-        return f"{self.kind} group {self.group}: {self.name} {b!r} on rank {self.rank}, {a!r} in the single " \
-               f"process{ratio}{at}"
+        return f"{self.kind} group {self.group}: {self.name} {other} on rank {self.rank}, {mine} in the single " \
+               f"process{ratio_words(self.ref, self.theirs, self.world)}{at}"
 
 
 def _steps(trace: RankTrace, ops: set[int]) -> list[OptimizerStep]:
