@@ -3,6 +3,7 @@ this process; and the tier rule (every test under tests/e2e/ is ``slow``)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,14 +37,37 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
 
 
+# Files whose tests share no module-scoped fixture and are long enough to be worth spreading over both workers:
+# their tests are scheduled one by one. test_parallel_jobs.py is spread by job script (its module fixture records
+# each script once, for every test and step that reads it).
+_SPREAD = ("tests/e2e/test_compiled_units.py", "tests/e2e/test_cli_replay_e2e.py")
+_BY_JOB = "tests/e2e/test_parallel_jobs.py"
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of tests one xdist worker runs together: a test file, a test of a file in ``_SPREAD``, or a job
+    script's tests of test_parallel_jobs.py (its id ``script-stepN``)."""
+    file = nodeid.split("::", 1)[0]
+    if file in _SPREAD:
+        return nodeid
+    if file == _BY_JOB and nodeid.endswith("]"):
+        return f"{file}::{re.sub(r'-step[0-9]+$', '', nodeid.rsplit('[', 1)[1][:-1])}"
+    return file
+
+
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: called only under -n
 def pytest_xdist_make_scheduler(config, log):
-    """Under ``-n`` (the README's test command), each test file runs whole on one worker (xdist's ``--dist
-    loadfile``): a file's module-scoped recordings (a torchrun launch, a compile) are then made once, not once per
-    worker its tests were spread over."""
-    from xdist.scheduler import LoadFileScheduling
+    """Under ``-n`` (the README's test command), a file's tests run on one worker (xdist's ``--dist loadfile``): a
+    file's module-scoped recordings (a torchrun launch, a compile) are then made once, not once per worker its tests
+    were spread over; the longest files are spread where that holds anyway (``work_unit``). A file of 10 minutes on
+    one worker would otherwise be the suite's wall time."""
+    from xdist.scheduler import LoadScopeScheduling
 
-    return LoadFileScheduling(config, log)
+    class _Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return _Units(config, log)
 
 
 @pytest.fixture

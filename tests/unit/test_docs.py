@@ -42,5 +42,5 @@ def test_no_file_cites_a_path_outside_the_repository() -> None:
 def test_ci_runs_the_readme_test_command() -> None:
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    command = "pip install torch==2.13.0 && pip install -e '.[test]' && python -m pytest\n"
+    command = "pip install torch==2.13.0 && pip install -e '.[test]' && python -m pytest -n 2\n"
     assert command in readme and command in ci
