@@ -281,7 +281,9 @@ def finish(trace: Trace, p: ReplayPlan, results: list[OpResult]) -> ReplayReport
     if recomputes:
         try:
             wrong = {(r.rank, r.index) for r in report.ops if r.status is Status.DIVERGENT}
-            report.recomputes_differ = check_recomputes(trace, recomputes, wrong)
+            found = check_recomputes(trace, recomputes, wrong)
+            report.recomputes_differ = [d for d in found if not d.state]
+            report.recomputes_state = [d for d in found if d.state]  # said, never a problem
         except Exception as exc:  # a damaged chunk elsewhere: the check is extra, the report stands
             report.warnings.append(f"recomputes not compared with their forward ops: {type(exc).__name__}: {exc}")
     candidates = [(r.rank, r.index) for r in report.first_per_rank]

@@ -38,8 +38,17 @@ class RecomputeDiffers:
     # False: the same inputs, so the kernel gave other bits)
     random: bool = False
     inputs_differ: bool | None = None
+    # only state the op writes in place differs (a BatchNorm's running statistics, its counter: tensors that need no
+    # gradient), every value the backward reads is the forward op's: the recompute updates that state a second time,
+    # which checkpointing a BatchNorm in training does; nothing the gradients depend on
+    state: bool = False
 
     def describe(self) -> str:
+        if self.state:
+            return (f"recompute #{self.index} {self.op} updates again the state forward op #{self.of} updated "
+                    f"(output {self.output}, written in place, needs no gradient: {self.how}): activation "
+                    f"checkpointing runs this op twice a step, so state it keeps (a BatchNorm's running statistics) "
+                    f"moves twice; the gradients do not depend on it")
         head = f"recompute #{self.index} {self.op} differs from forward op #{self.of}, which it runs again: " \
                f"output {self.output} {self.how}"
         if self.forward_wrong:
@@ -63,7 +72,7 @@ class RecomputeDiffers:
     def to_json(self) -> dict:
         return {"rank": self.rank, "index": self.index, "op": self.op, "of": self.of, "output": self.output,
                 "how": self.how, "forward_wrong": self.forward_wrong, "recompute_wrong": self.recompute_wrong,
-                "random": self.random, "inputs_differ": self.inputs_differ}
+                "random": self.random, "inputs_differ": self.inputs_differ, "state": self.state}
 
 
 def _differs(trace_rank, a: TensorRef, b: TensorRef) -> str | None:
@@ -102,15 +111,39 @@ def check_recomputes(trace: Trace, ops: Iterable[tuple[int, int]],
         if fwd.name != op.name:
             found.append(RecomputeDiffers(rank, index, op.name, of, 0, f"is another op ({fwd.name})"))
             continue
-        for k, (a, b) in enumerate(zip(op.outputs_refs(), fwd.outputs_refs())):
-            how = _differs(rt, a, b)
-            if how is not None:
-                mine = (rank, index) in wrong
-                found.append(RecomputeDiffers(rank, index, op.name, of, k, how,
-                                              forward_wrong=(rank, of) in wrong and not mine, recompute_wrong=mine,
-                                              random=is_random(op.name), inputs_differ=_inputs_differ(rt, op, fwd)))
-                break
+        outs = op.outputs_refs()
+        differ = [(k, how) for k, (a, b) in enumerate(zip(outs, fwd.outputs_refs()))
+                  if (how := _differs(rt, a, b)) is not None]
+        if not differ:
+            continue
+        k, how = differ[0]
+        mine = (rank, index) in wrong
+        state = not mine and all(outs[j].version in _kept_state(rt, op) for j, _ in differ)
+        found.append(RecomputeDiffers(rank, index, op.name, of, k, how,
+                                      forward_wrong=(rank, of) in wrong and not mine, recompute_wrong=mine,
+                                      random=is_random(op.name), inputs_differ=_inputs_differ(rt, op, fwd),
+                                      state=state))
     return found
+
+
+def _kept_state(trace_rank, op) -> set[int]:
+    """The storage versions, after the op, of the tensors a recompute writes in place that are state the job keeps
+    (a BatchNorm's running statistics, its counter): they need no gradient and come from outside the recomputed
+    region (a module's buffer, or what the forward op wrote into it). A tensor the region itself made and writes (a
+    dropout mask drawn into an empty tensor) is a value the backward reads, not state."""
+    before = {ref.version: k for k, ref in enumerate(op.inputs())}
+    producers = trace_rank.producers(op.index)
+    kept = set()
+    for path, after in op.writes:
+        if not isinstance(after, TensorRef) or after.requires_grad:
+            continue
+        held = op.args if path.kind == "arg" else op.kwargs  # as it was before the op
+        arg = held.get(path.key) if isinstance(held, dict) else held[path.key] if path.key < len(held) else None
+        k = before.get(arg.version) if isinstance(arg, TensorRef) else None
+        made = None if k is None else producers.get(k)
+        if k is not None and (made is None or not trace_rank[made].recompute):
+            kept.add(after.version)
+    return kept
 
 
 def _inputs_differ(trace_rank, op, fwd) -> bool | None:

@@ -163,6 +163,8 @@ class ReplayReport:
     # Recomputes (activation checkpointing) whose outputs are not the forward op's they run again
     # (replay/recomputes.py): a finding of their own, so the replay is not clean.
     recomputes_differ: list[Any] = field(default_factory=list)
+    # recomputes whose only difference is state written in place again (BatchNorm's running statistics): information
+    recomputes_state: list[Any] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         c = {s.value: 0 for s in Status}

@@ -105,6 +105,7 @@ def report_to_json(report: ReplayReport) -> dict:
         "undecided": [{"rank": k, "index": i} for k, i in report.undecided],
         "replicas": None if report.replicas is None else report.replicas.to_json(),
         "recomputes_differ": [d.to_json() for d in report.recomputes_differ],
+        "recomputes_state": [d.to_json() for d in report.recomputes_state],
         "first_nondeterministic": op_json(report.first_nondeterministic),
         "nonfinite_origin": op_json(report.nonfinite_origin),
         "nonfinite_entry": op_json(report.nonfinite_entry),
@@ -160,6 +161,10 @@ def load_replay_json(path: str | Path) -> ReplayReport:
         from replaydiff.replay.recomputes import RecomputeDiffers
 
         report.recomputes_differ = [RecomputeDiffers(**x) for x in d["recomputes_differ"] if isinstance(x, dict)]
+    if d.get("recomputes_state"):
+        from replaydiff.replay.recomputes import RecomputeDiffers
+
+        report.recomputes_state = [RecomputeDiffers(**x) for x in d["recomputes_state"] if isinstance(x, dict)]
     origin = d.get("nonfinite_origin")
     if origin:
         for r in report.ops:

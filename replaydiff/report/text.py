@@ -208,6 +208,10 @@ def render_replay(report: ReplayReport, out: TextIO, max_listed: int = 10, entry
     if differ:  # the earliest; those after it may differ only because it does
         more = f" ({len(differ) - 1} more recompute(s) after it differ too)" if len(differ) > 1 else ""
         out.write(f"first {differ[0].describe()}{more}\n")
+    again = report.recomputes_state
+    if again:
+        more = f" ({len(again) - 1} more such recompute(s))" if len(again) > 1 else ""
+        out.write(f"note: {again[0].describe()}{more}\n")
     nd = report.first_nondeterministic
     if nd is not None:
         n = sum(r.status is Status.NONDETERMINISTIC for r in report.ops)
