@@ -12,6 +12,17 @@ if os.environ.get(ENV_VAR):
         from replaydiff.record.child_arming import install
 
         install()
+    except KeyboardInterrupt:
+        # Ctrl-C while the recorder loads (it imports torch), before the job's first line: end as Python ends on an
+        # uncaught one (killed by SIGINT, exit 130 in a shell), not with "Fatal Python error: init_import_site" and
+        # a traceback through this file
+        import signal
+
+        sys.stderr.write("KeyboardInterrupt\n")
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        os._exit(130)  # where the signal did not end the process
     except Exception as exc:  # never stop the user's program from starting
         sys.stderr.write(f"replaydiff: step recording not armed: {exc}\n")
 
