@@ -168,7 +168,7 @@ def describe_unscored(u: Unscored, trace: str = "TRACE") -> str:
 def describe_no_change(t: TrendResult) -> str:
     """One line: nothing changed, and what would have counted."""
     return f"no sudden change (robust z-score >= {t.threshold:g} against up to {t.window} steps before, " \
-           f"{MIN_HISTORY} at least; a gradient must fall 10x under its lowest value before)"
+           f"{MIN_HISTORY} at least; a gradient must fall 10x under its lowest value before or rise 2x over its highest)"
 
 
 def describe_passed_over(t: TrendResult) -> str:

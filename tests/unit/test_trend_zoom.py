@@ -43,3 +43,21 @@ def test_an_update_whose_arguments_changed_a_step_before_is_zoomed_at_that_step_
     optimizer op; the first change, at step 13, is in neither step."""
     z = Zoom.of(change("Sequential.0", step=13), cause(None, op="aten.add_.Tensor", step=13, args_since=12))
     assert (z.steps, z.modules, z.ops) == ("11-12", None, ["aten.add_.Tensor"])
+
+
+def test_a_gradient_rises_only_above_twice_its_window_s_highest():
+    """The healthy seq2seq's backward tanh (a new-user trial): its l2 at step 48 was 5x its window's median, z 12.2,
+    but 1.4x its highest: no change for a gradient; the same values in an output are one, and a gradient 10x over its
+    highest is one."""
+    from replaydiff.trend.analysis import score_point
+
+    def pt(v: float) -> dict[str, float]:
+        return {"l2": v, "absmax": v, "nan": 0.0, "inf": 0.0}
+
+    past = [pt(v) for v in (1.16e-4, 1.19e-4, 1.26e-4, 1.14e-4, 2.38e-4, 1.13e-4, 0.906e-4, 4.56e-4, 3.33e-4,
+                            1.35e-4)]
+    now = pt(6.28e-4)
+    assert score_point(now, past, 12.0, gradient=True) is None
+    hit = score_point(now, past, 12.0, gradient=False)
+    assert hit is not None and hit[0] == "l2" and hit[1] >= 12, hit
+    assert score_point(pt(4.6e-3), past, 12.0, gradient=True) is not None
