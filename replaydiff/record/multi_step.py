@@ -29,6 +29,13 @@ FIRST_STEP_MISSED = ("step 1 called no torch.nn.Module before its optimizer step
                      "steps=\"2\"), or put `with replaydiff.record(\"trace/\"):` around the code of step 1")
 first_step_missed = False
 
+
+def raised(typ: type, value: BaseException | None) -> str:
+    """An exception as the flight recorder's reason gives it: 'ValueError: bad shape', or its name alone where its
+    message is empty (a KeyboardInterrupt)."""
+    text = str(value) if value is not None else ""
+    return f"{typ.__name__}: {text}" if text else typ.__name__
+
 class MultiStepRecorder:
     """Records the chosen steps of a training loop run inside it: ``with replaydiff.record(p, steps="1-60"): train()``.
 
@@ -116,7 +123,7 @@ class MultiStepRecorder:
 
     def __exit__(self, typ: Any, value: Any, tb: Any) -> None:
         if typ is not None and self.options.flight:
-            self.dump(f"the script raised {typ.__name__}: {value} at step {self.steps_done + 1}")
+            self.dump(f"the script raised {raised(typ, value)} at step {self.steps_done + 1}")
         self.finish(value)
 
     # -- hooks ------------------------------------------------------------------------------------------------
@@ -259,7 +266,7 @@ class MultiStepRecorder:
     def _excepthook(self, typ: Any, value: Any, tb: Any) -> None:
         prev = self._prev_excepthook or sys.__excepthook__
         try:
-            self.dump(f"the script raised {typ.__name__}: {value} at step {self.steps_done + 1}")
+            self.dump(f"the script raised {raised(typ, value)} at step {self.steps_done + 1}")
         except Exception:
             pass
         prev(typ, value, tb)

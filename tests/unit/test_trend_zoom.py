@@ -61,3 +61,4 @@ def test_a_gradient_rises_only_above_twice_its_window_s_highest():
     hit = score_point(now, past, 12.0, gradient=False)
     assert hit is not None and hit[0] == "l2" and hit[1] >= 12, hit
     assert score_point(pt(4.6e-3), past, 12.0, gradient=True) is not None
+
