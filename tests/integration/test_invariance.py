@@ -17,17 +17,9 @@ import replaydiff
 from replaydiff.invariance import Finding, check_invariance
 from replaydiff.models.tiny import TinyTransformer, TransformerConfig, make_step
 from replaydiff.trace import open_trace
+from steps_helpers import one_thread  # noqa: F401 (autouse: one intra-op thread, restored afterwards)
 
 MATMULS = {"aten.mm.default", "aten.addmm.default"}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread while recording and checking: the recorded count is what the check runs with."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _one_row_differs(m: int, k: int, n: int) -> bool:

@@ -21,17 +21,9 @@ from replaydiff.report.trend import describe_cause
 from replaydiff.trace import open_trace
 from replaydiff.trend import compute_trend
 from replaydiff.trend.entry import find_entry
+from steps_helpers import one_thread  # noqa: F401 (autouse: one intra-op thread, restored afterwards)
 
 SPIKE_STEP = 25
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors on a shared 2-core machine: one intra-op thread is faster. Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def mlp() -> torch.nn.Sequential:

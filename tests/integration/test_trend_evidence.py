@@ -12,15 +12,7 @@ import replaydiff
 from replaydiff.cli.main import main as cli_main
 from replaydiff.trace import open_trace
 from replaydiff.trend import MIN_HISTORY, compute_trend, sound_score
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors on a shared 2-core machine: one intra-op thread is faster. Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from steps_helpers import one_thread  # noqa: F401 (autouse: one intra-op thread, restored afterwards)
 
 
 JUMP_STEP, NAN_STEP = 15, 17

@@ -14,15 +14,7 @@ from replaydiff.cli.main import main as cli_main
 from replaydiff.report.trend import describe_late_window, to_json
 from replaydiff.trace import open_trace
 from replaydiff.trend import compute_trend
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors on a shared 2-core machine: one intra-op thread is faster. Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from steps_helpers import one_thread  # noqa: F401 (autouse: one intra-op thread, restored afterwards)
 
 
 def test_a_trace_recorded_from_python_says_in_words_what_follows_the_record_commands_dashes(tmp_path, capsys):
