@@ -272,11 +272,16 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
         if fam:
             what = ", ".join(f"{n} {f}" for f, n in fam.most_common())
             out.write(f"  {phase if phase != '?' else 'other'} outputs: {what}\n")
-    if pd.layout_ops:
-        names = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in pd.layout_ops.most_common(6))
-        more = len(pd.layout_ops) - 6
+    even = Counter({n: c for n, c in pd.layout_ops.items() if n not in pd.uneven_ops})
+    if even:
+        names = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in even.most_common(6))
+        more = len(even) - 6
         out.write(f"  layout ops (on the ranks only, all ranks together): {names}"
                   + (f", +{more} more" if more > 0 else "") + "\n")
+    if pd.uneven_ops:
+        names = "; ".join(f"{n} ({', '.join(f'rank {r} x{c}' for r, c in enumerate(counts) if c)})"
+                          for n, counts in list(pd.uneven_ops.items())[:6])
+        out.write(f"  ops some ranks run and others do not: {names}\n")
     if pd.from_placements is not None:
         n, m = pd.from_placements
         out.write(f"  layouts: {n} of {n + m} compared tensors as DTensor's recorded placements declare them, {m} "

@@ -377,6 +377,11 @@ def test_one_rank_s_own_scale_behind_an_op_both_runs_run_is_named_there(runs, ca
     assert f"on rank 1 it reads what aten.mul.Tensor (#" in dep.why and \
         f"{_line('loss = loss * 1.01')}) made" in dep.why, dep.why
     assert "min over ranks" not in text and "max over ranks" not in text, text
+    # rank 1's own mul (its forward and backward) is said as what some rank alone runs, not as a layout's op
+    assert "ops some ranks run and others do not: aten.mul.Tensor (rank 1 x2)" in text, text
+    assert d.uneven_ops == {"aten.mul.Tensor": (0, 2)}, d.uneven_ops
+    layout_line = next(line for line in text.splitlines() if line.startswith("  layout ops"))
+    assert "aten.mul.Tensor" not in layout_line, layout_line
 
 
 def test_one_rank_s_own_scale_is_named_where_the_ranks_rows_are_not_slices_in_rank_order(runs):

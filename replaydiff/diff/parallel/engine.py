@@ -90,9 +90,15 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
         region = [k for k in r_side.keys if k.index <= region_end]
         for side in t_sides:
             maps += [follow_data(ref, r_side, side, dict(align(region, keys).pairs)) for keys in pass_keys(side)]
+    own_ops = []  # each rank's ops that stand for no reference op, by name
     for rank, side in enumerate(t_sides):
         mine = set().union(*(m.values() for p, m in enumerate(maps) if rank_of[p] == rank))
-        out.layout_ops.update(op.name for j, op in side.ops.items() if j not in mine and not aten.is_marker(op.name))
+        own_ops.append(Counter(op.name for j, op in side.ops.items() if j not in mine and not aten.is_marker(op.name)))
+        out.layout_ops.update(own_ops[-1])
+    # what some ranks run and others do not (a scale one rank alone applies) is no layout's work, which every rank
+    # does alike
+    out.uneven_ops = {name: tuple(c[name] for c in own_ops) for name in out.layout_ops
+                      if len({c[name] for c in own_ops}) > 1}
 
     def parts_of(i: int) -> list[int]:
         """The parts whose ops stand for reference op ``i``: a micro-batch's rank, every (rank, pass), or every
@@ -740,6 +746,7 @@ def diff_parallel_groups(refs: list[RankTrace], targets: list[RankTrace],
     for g in groups:
         out.not_aligned += g.not_aligned
         out.layout_ops.update(g.layout_ops)
+        out.uneven_ops.update(g.uneven_ops)
         out.ref_layout_ops.update(g.ref_layout_ops)
         out.ref_only.update(g.ref_only)
         for phase, c in g.families.items():

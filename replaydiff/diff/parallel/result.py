@@ -142,6 +142,8 @@ class ParallelDiff:
     compared: int  # of those, ops with at least one tensor compared
     not_aligned: list[int] = field(default_factory=list)  # reference ops some rank does not run
     layout_ops: Counter = field(default_factory=Counter)  # target-only op names, all ranks together
+    # those of layout_ops that the ranks do not all run as often: name -> each rank's count
+    uneven_ops: dict[str, tuple[int, ...]] = field(default_factory=dict)
     families: dict[str, Counter] = field(default_factory=dict)  # phase -> Counter(layout family) of outputs
     random_ops: int = 0  # aligned random ops, not compared
     not_stored: int = 0  # aligned ops whose tensors the traces do not hold (stats or meta traces)
@@ -256,6 +258,7 @@ class ParallelDiff:
         return {
             "world": self.world, "ref_ops": self.ref_ops, "aligned": self.aligned, "compared": self.compared,
             "not_aligned": list(self.not_aligned), "layout_ops": dict(self.layout_ops),
+            "uneven_ops": {k: list(v) for k, v in self.uneven_ops.items()},
             "families": {k: dict(v) for k, v in self.families.items()}, "random_ops": self.random_ops,
             "not_stored": self.not_stored, "worst_rel_l2_over_eps": self.worst,
             **({"worst_limit_over_eps": self.worst_limit, "worst_ref": self.worst_op,
