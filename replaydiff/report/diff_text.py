@@ -345,7 +345,8 @@ def render_parallel(pd, out: TextIO, partial: bool = False) -> None:
     if d.enters is not None:  # an op only the ranks run applies the factor: where it enters, then where it shows
         e = d.enters
         where = "  ".join(shown(x) for x in (f"({e.phase})" if e.phase else "", e.source or "") if x)
-        out.write(f"the runs part at rank {e.rank} #{e.index} {shown(e.name)}  {where}, which only the ranks run\n")
+        only = "which only the ranks run" if e.alone is None else f"which only {e.who()} runs"
+        out.write(f"the runs part at rank {e.rank} #{e.index} {shown(e.name)}  {where}, {only}\n")
         out.write(f"  {e.describe()}\n")
         held = d.why if d.tensor.layout is None else \
             f"{d.tensor.layout.describe()}: {e.factor}x what a correct parallel run holds here"

@@ -129,6 +129,8 @@ def step(mode):
                 loss = loss / 1  # over 1 micro-batch: an op both runs run, between rank 1's scale and the loss
             if mode.startswith("rank_scaled") and rank == 1:
                 loss = loss * 1.01  # BUG in rank_scaled: one rank's loss 1% off
+            if mode == "rank_own_scale" and rank == 1:
+                loss = loss * 1.25  # BUG in rank_own_scale: one rank's loss scaled by a plain factor
             loss.backward()
             for p in model.parameters():
                 if world > 1 and not mode.startswith("fsdp_clip"):
@@ -150,7 +152,7 @@ for m in modes:
 '''
 MODES = ["plain", "local_index", "attention", "fsdp_clip", "fsdp_clip_halved", "per_token", "per_token_extra", "lr", "lr_one_rank",
          "same_shard", "adam_sum", "token_mean", "sampler", "sampler_same_rank", "clip_sum",
-         "rank_scaled", "rank_scaled_rows", "rank_scaled_divided", "dealt", "dealt_accum", "dealt_accum_scaled", "dealt_accum_halved"]
+         "rank_scaled", "rank_scaled_rows", "rank_scaled_divided", "rank_own_scale", "dealt", "dealt_accum", "dealt_accum_scaled", "dealt_accum_halved"]
 
 
 @pytest.fixture(scope="module")
@@ -382,6 +384,21 @@ def test_one_rank_s_own_scale_behind_an_op_both_runs_run_is_named_there(runs, ca
     assert d.uneven_ops == {"aten.mul.Tensor": (0, 2)}, d.uneven_ops
     layout_line = next(line for line in text.splitlines() if line.startswith("  layout ops"))
     assert "aten.mul.Tensor" not in layout_line, layout_line
+
+
+def test_one_rank_s_own_plain_scale_heads_the_verdict_at_its_line(runs, capsys):
+    """Rank 1 alone multiplies its loss by 1.25: that op (which neither the single process nor rank 0 runs) heads the
+    verdict with its line and factor, then where it shows (found by a new-user trial: the headline named the loss's
+    line, the scale's only in the line below)."""
+    code, text = _diff(runs, "rank_own_scale", capsys)
+    line = _line("BUG in rank_own_scale")
+    head = next(t for t in text.splitlines() if t.startswith("the runs part at "))
+    assert code == 1 and head.startswith("the runs part at rank 1 #") and "aten.mul.Tensor  (forward)" in head and \
+        head.endswith(f"{line}, which only rank 1 runs"), head
+    assert "it multiplies the loss by 5/4 on rank 1, and neither the single process nor rank 0 runs such an op" \
+        in text, text
+    d = diff_traces(runs[1] / "rank_own_scale", runs[2] / "rank_own_scale").parallel.departure
+    assert d.enters is not None and d.enters.alone == (1,) and d.enters.source.endswith(line), d.enters
 
 
 def test_one_rank_s_own_scale_is_named_where_the_ranks_rows_are_not_slices_in_rank_order(runs):

@@ -680,6 +680,14 @@ def diff_parallel(ref: RankTrace, targets: list[RankTrace],
                     also = loss_scales(t_sides[rank_of[p]], maps[p], maps[p][loss_op], ref, passes)
                     if also is not None:
                         enters = dataclasses.replace(enters, also=also)
+        elif first[2] is Departure.NO_LAYOUT and len(first[1].off) == 1 and not owner and passes == 1 and \
+                len(first[0].on_ranks()) == world:
+            # one rank parts, reading a scale of its own (its loss times 1.01 in a branch of its own): that op
+            # heads the verdict, with its line
+            r, j = first[0].on_ranks()[first[1].off[0]]
+            enters = scale_behind(t_sides[r], maps[r], j, None, world)
+            if enters is not None:
+                enters = dataclasses.replace(enters, alone=(r,))
         why = first[3]
         if enters is not None and first[1].layout is not None:
             why = (f"{first[1].layout.describe()}: {ratio_text(enters.factor)}x what a correct parallel run holds "

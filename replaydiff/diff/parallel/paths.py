@@ -129,17 +129,18 @@ def _uniform_scale(trace: RankTrace, op: OpRecord) -> Fraction | None:
     return None
 
 
-def scale_behind(side: Side, aligned: dict[int, int], index: int, factor: Fraction,
+def scale_behind(side: Side, aligned: dict[int, int], index: int, factor: Fraction | None,
                  world: int) -> RanksOnlyScale | None:
     """The nearest op that computes, among those a rank's op reads from through ops the single process does not
-    run, when it multiplies its input by exactly ``factor`` (the factor the op parts by): where that factor enters,
-    named by the forward op it belongs to where it is a backward op; None otherwise."""
+    run, when it multiplies its input by exactly ``factor`` (the factor the op parts by; None: by any simple
+    factor, found on the rank's tensors): where that factor enters, named by the forward op it belongs to where it is
+    a backward op; None otherwise."""
     p = own_producer(side, aligned, index, lambda op: not aten.is_cheap(op.name) and not aten.is_collective(op.name))
     if p is None:
         return None
     op = side.ops[p]
     k = _uniform_scale(side.trace, op)
-    if k is None or k != factor:
+    if k is None or (factor is not None and k != factor):
         return None
     fwd = side.ops.get(op.forward_index) if op.phase == "backward" and op.forward_index is not None else None
     at = fwd if fwd is not None and fwd.index not in set(aligned.values()) else op

@@ -98,10 +98,25 @@ class RanksOnlyScale:
     # the scales the ranks apply to their loss beyond the single process's (a loss divided by the world size where
     # the gradients are divided too), each 'name (#N on rank R, line): factor' (paths.loss_scales); None: none
     also: str | None = None
+    # the ranks that run it where the other ranks do not (one rank's own scale); None: every rank runs it
+    alone: tuple[int, ...] | None = None
+
+    def who(self) -> str:
+        """'the ranks', or 'rank 1' where some ranks alone run it."""
+        return "the ranks" if self.alone is None else \
+            f"rank{'s' if len(self.alone) > 1 else ''} {', '.join(map(str, self.alone))}"
 
     def describe(self) -> str:
         """What it does, in words: 'multiplies the loss by 2 (the world size) on every rank ...'."""
         k = ratio_text(self.factor)
+        if self.alone is not None:
+            if self.factor.denominator > 8:  # 21/20 is 1.05 as the script wrote it
+                k = format(float(self.factor), ".6g")
+            others = [r for r in range(self.world) if r not in self.alone]
+            return (f"it multiplies {'the loss' if self.of_loss else 'what it reads'} by {k} on {self.who()}, and "
+                    f"neither the single process nor rank{'s' if len(others) > 1 else ''} "
+                    f"{', '.join(map(str, others))} run{'s' if len(others) == 1 else ''} such an op: a scale of "
+                    f"{self.who()}'s own")
         said = " (the world size)" if self.factor == self.world else " (1 over the world size)" \
             if self.factor == Fraction(1, self.world) else ""
         what = "the loss" if self.of_loss else "what it reads"
@@ -294,7 +309,9 @@ class ParallelDiff:
                    if d.earlier is not None else {}),
                 **({"enters": {"rank": d.enters.rank, "index": d.enters.index, "op": d.enters.name,
                                "phase": d.enters.phase, "source": d.enters.source, "applies": str(d.enters.factor),
-                               "why": d.enters.describe()}} if d.enters is not None else {}),
+                               "why": d.enters.describe(),
+                               "alone": None if d.enters.alone is None else list(d.enters.alone)}}
+                   if d.enters is not None else {}),
                 "targets": list(d.op.targets), **({"ranks": list(d.op.ranks)} if d.op.ranks else {}),
                 **({"ref_rank": d.op.ref_rank} if d.op.ref_rank is not None else {}), "op": d.op.name, "module": d.op.module, "phase": d.op.phase,
                 "source": d.op.source, **({"target_source": d.op.target_source} if d.op.target_source else {}),
