@@ -25,9 +25,8 @@ from replaydiff.diff.parallel.factors import legit_factors, pick_legit
 from replaydiff.diff.parallel.mapping import map_tensor, measured_reads, reordered_input
 from replaydiff.diff.parallel.means import unequal_counts
 from replaydiff.diff.parallel.paths import (amplifies, collective_ahead, collective_behind, collective_through,
-                                            computing_behind, op_words,
-                                            loss_scales, own_computing,
-                                            made_apart, partial_input, reduced_at, same_draws_of, scale_behind)
+                                            computing_behind, loss_scales, made_apart, op_words, own_computing,
+                                            partial_input, reduced_at, same_draws_of, scale_behind)
 from replaydiff.diff.parallel.refusals import refuse_point_to_point, refuse_sub_groups
 from replaydiff.diff.parallel.result import Departure, Mapped, MappedOp, ParallelDeparture, ParallelDiff
 from replaydiff.diff.parallel.settings import differing_settings
